@@ -1,0 +1,307 @@
+"""The NATS bus: typed events (durable through JetStream), typed commands as request/reply.
+
+- `emit(payload)` wraps a payload in an `Envelope`, injects the current trace context into the message
+  headers and publishes it; durable event types go through JetStream (acknowledged by the server).
+- `subscribe(subject, handler)` decodes and validates every message; a malformed one is logged, counted
+  in `bus.rejected` and dropped, and the subscription keeps serving.
+- `durable(subject, name, handler)` is a JetStream durable consumer with explicit ack: a restarted
+  subscriber with the same name resumes where it stopped. A handler that raises gets the message
+  redelivered (bounded); a poison message is terminated.
+- `request(node, command, reply_model)` / `serve(node, command_type, handler)`: commands with typed replies;
+  a handler's `HoldfastError` travels back as a typed error reply and is raised again on the caller's side.
+
+Handlers run one at a time per subscription (nats-py's rule): keep them short or hand work to a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel
+
+from libs.common import telemetry
+from libs.common.config import CommonSettings
+from libs.common.errors import CommandTimeout, HoldfastError, MalformedMessage, RemoteError, Unavailable
+from libs.common.events import (
+    Command,
+    CommandEnvelope,
+    Envelope,
+    ErrorBody,
+    Event,
+    Reply,
+    TraceContext,
+    command_subject,
+    decode_event,
+    decode_model,
+    event_subject,
+)
+
+log = logging.getLogger("holdfast.bus")
+
+EventHandler = Callable[[Envelope], Awaitable[None]]
+C = TypeVar("C", bound=Command)
+R = TypeVar("R", bound=BaseModel)
+
+MAX_DELIVER = 5
+
+
+class Bus:
+    """One NATS connection with Holdfast's typing, tracing and error handling on top."""
+
+    def __init__(self, nc: NATS, settings: CommonSettings, source: str) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.prefix = settings.subject_prefix
+        self.source = source
+        self.rejected = 0  # malformed messages dropped (visible in health replies and tests)
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, settings: CommonSettings, source: str, *, stream: bool = True) -> Bus:
+        async def error_cb(e: Exception) -> None:
+            log.warning("nats error: %s", e)
+
+        async def disconnected_cb() -> None:
+            log.warning("nats disconnected; reconnecting")
+
+        async def reconnected_cb() -> None:
+            log.info("nats reconnected")
+
+        nc = await nats.connect(
+            servers=[s.strip() for s in settings.nats_url.split(",")],
+            name=source,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=2,
+        )
+        bus = cls(nc, settings, source)
+        if stream:
+            await bus.ensure_stream()
+        return bus
+
+    async def ensure_stream(self) -> None:
+        """Create (or keep) the stream that holds every durable event subject."""
+        subjects = [f"{self.prefix}.{kind}.>" for kind in ("fault", "incident", "intent", "memory", "engine", "router", "node.gpu")]
+        config = StreamConfig(
+            name=self.settings.stream_name,
+            subjects=subjects,
+            retention=RetentionPolicy.LIMITS,
+            max_age=24 * 3600,
+            max_msgs=1_000_000,
+        )
+        try:
+            await self.js.stream_info(self.settings.stream_name)
+            await self.js.update_stream(config)
+        except NotFoundError:
+            await self.js.add_stream(config)
+
+    async def close(self) -> None:
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=2)
+        except Exception:  # noqa: BLE001 - closing is best effort; the server may already be gone
+            pass
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    # ------------------------------------------------------------ events
+
+    def envelope(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
+        headers = telemetry.inject_headers()
+        incident = incident_id or getattr(payload, "incident_id", None)
+        return Envelope(
+            type=payload.type,  # type: ignore[attr-defined]
+            source=self.source,
+            node=self.settings.node,
+            incident_id=incident,
+            trace=TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate")),
+            data=payload,  # type: ignore[arg-type]
+        )
+
+    async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
+        env = self.envelope(payload, incident_id=incident_id)
+        await self.publish(env)
+        return env
+
+    async def publish(self, env: Envelope) -> None:
+        subject = event_subject(self.prefix, env.data)
+        headers = {k: v for k, v in env.trace.model_dump().items() if v}
+        headers["hf-id"] = env.id
+        body = env.model_dump_json().encode()
+        if env.data.durable:
+            # Msg-Id makes a retried publish idempotent inside the stream's duplicate window.
+            await self.js.publish(subject, body, headers={**headers, "Nats-Msg-Id": env.id}, timeout=2)
+        else:
+            await self.nc.publish(subject, body, headers=headers)
+
+    async def subscribe(self, subject: str, handler: EventHandler, *, queue: str = "") -> Any:
+        """Core (not durable) subscription to events: live only, fastest path."""
+        sub = await self.nc.subscribe(self._full(subject), queue=queue, cb=self._event_cb(handler))
+        self._subs.append(sub)
+        return sub
+
+    async def durable(self, subject: str, name: str, handler: EventHandler, *, new_only: bool = False) -> Any:
+        """JetStream durable consumer: resumes after a restart; ack after the handler succeeds."""
+        config = ConsumerConfig(
+            durable_name=name,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
+            max_deliver=MAX_DELIVER,
+            ack_wait=30,
+        )
+        inner = self._event_cb(handler, raise_errors=True)
+
+        async def cb(msg: Msg) -> None:
+            try:
+                await inner(msg)
+            except MalformedMessage:
+                await msg.term()  # poison: never redeliver
+                return
+            except Exception:  # noqa: BLE001 - the handler failed; let JetStream redeliver later
+                log.exception("handler of %s failed; message will be redelivered", msg.subject)
+                await msg.nak(delay=0.5)
+                return
+            await msg.ack()
+
+        sub = await self.js.subscribe(self._full(subject), durable=name, cb=cb, manual_ack=True, config=config)
+        self._subs.append(sub)
+        return sub
+
+    async def replay(self, subject: str, *, start_seq: int = 1) -> list[Envelope]:
+        """Read every stored event on `subject` (ephemeral ordered consumer); for catch-up and tests."""
+        out: list[Envelope] = []
+        sub = await self.js.subscribe(
+            self._full(subject), ordered_consumer=True, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        )
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.3)
+                except NatsTimeout:
+                    break
+                try:
+                    out.append(decode_event(msg.data))
+                except MalformedMessage:
+                    self.rejected += 1
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    def _full(self, subject: str) -> str:
+        return subject if subject.startswith(self.prefix + ".") else f"{self.prefix}.{subject}"
+
+    def _event_cb(self, handler: EventHandler, *, raise_errors: bool = False) -> Callable[[Msg], Awaitable[None]]:
+        async def cb(msg: Msg) -> None:
+            try:
+                env = decode_event(msg.data)
+            except MalformedMessage as e:
+                self.rejected += 1
+                log.warning("rejected message on %s: %s", msg.subject, e.message)
+                if raise_errors:
+                    raise
+                return
+            with telemetry.attach_headers(msg.headers or {}):
+                try:
+                    await handler(env)
+                except Exception:
+                    if raise_errors:
+                        raise
+                    log.exception("handler of %s failed on event %s", msg.subject, env.id)
+
+        return cb
+
+    # ------------------------------------------------------------ commands
+
+    async def request(
+        self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None
+    ) -> R:
+        subject = command_subject(self.prefix, node, command)
+        headers = telemetry.inject_headers()
+        env = CommandEnvelope(
+            source=self.source,
+            trace=TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate")),
+            data=command.model_dump(mode="json"),
+        )
+        try:
+            msg = await self.nc.request(
+                subject, env.model_dump_json().encode(), timeout=timeout or self.settings.request_timeout_s,
+                headers=headers or None,
+            )
+        except NoRespondersError:
+            raise Unavailable(f"no service answers {subject}") from None
+        except NatsTimeout:
+            raise CommandTimeout(f"{subject} did not answer in {timeout or self.settings.request_timeout_s}s") from None
+        reply = decode_model(Reply, msg.data)
+        if not reply.ok:
+            err = reply.error or ErrorBody(code="error", message="error reply without a body")
+            raise RemoteError(err.code, err.message)
+        return decode_model(reply_model, reply.data or {})
+
+    async def serve(
+        self,
+        node: str,
+        command_type: type[C],
+        handler: Callable[[C], Awaitable[BaseModel]],
+        *,
+        queue: str = "",
+    ) -> Any:
+        """Answer `command_type` addressed to `node`; every failure becomes a typed error reply."""
+        subject = command_subject(self.prefix, node, command_type)
+
+        async def cb(msg: Msg) -> None:
+            # Commands may take a while (a takeover waits on a process): answer each in its own task so
+            # one slow command does not hold the others queued behind it.
+            task = asyncio.create_task(answer(msg), name=f"serve:{subject}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        async def answer(msg: Msg) -> None:
+            try:
+                env = decode_model(CommandEnvelope, msg.data)
+                command = decode_model(command_type, env.data)
+                with telemetry.attach_headers(msg.headers or {}):
+                    result = await handler(command)
+                reply = Reply(ok=True, data=result.model_dump(mode="json"))
+            except HoldfastError as e:
+                if isinstance(e, MalformedMessage):
+                    self.rejected += 1
+                    log.warning("rejected command on %s: %s", msg.subject, e.message)
+                body = e.to_dict()
+                reply = Reply(ok=False, error=ErrorBody(code=body["code"], message=body["message"]))
+            except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the service loop
+                log.exception("command handler on %s failed", msg.subject)
+                reply = Reply(ok=False, error=ErrorBody(code="internal", message=f"{type(e).__name__}: {e}"))
+            if msg.reply:
+                await msg.respond(reply.model_dump_json().encode())
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        self._subs.append(sub)
+        return sub
+
+    async def serve_raw(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
+        async def cb(msg: Msg) -> None:
+            out = await handler(msg.data)
+            if msg.reply:
+                await msg.respond(out)
+
+        sub = await self.nc.subscribe(self._full(subject), cb=cb)
+        self._subs.append(sub)
+        return sub

@@ -1,0 +1,52 @@
+"""Settings shared by every service. Each service subclasses `CommonSettings` with its own fields.
+
+Environment variables use the prefix `HF_` (`HF_NATS_URL`, `HF_NODE`...). Defaults avoid a system NATS on
+4222 and a system etcd on 2379 so that a developer's local stack never collides with them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_NATS_PORT = 14222
+DEFAULT_ETCD_PORT = 12379
+DEFAULT_API_PORT = 18080
+DEFAULT_ROUTER_PORT = 18000
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"holdfast-{os.getuid()}"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HF_", extra="ignore", env_nested_delimiter="__")
+
+    nats_url: str = Field(f"nats://127.0.0.1:{DEFAULT_NATS_PORT}", description="NATS server URL(s), comma-separated")
+    etcd_endpoints: str = Field(f"127.0.0.1:{DEFAULT_ETCD_PORT}", description="etcd host:port, comma-separated")
+    subject_prefix: str = Field("hf", description="prefix of every NATS subject")
+    etcd_prefix: str = Field("/holdfast/", description="prefix of every etcd key")
+    stream_name: str = Field("HOLDFAST", description="JetStream stream holding durable events")
+    node: str = Field("node-1", description="this node's id")
+    datacenter: str = Field("dc-1", description="this node's datacenter or zone")
+    state_dir: Path = Field(default_factory=default_state_dir, description="sockets, databases, scratch")
+    otel_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint; none: telemetry is not exported")
+    log_level: str = "INFO"
+    log_json: bool = Field(False, description="one JSON object a log line")
+    request_timeout_s: float = Field(2.0, description="default timeout of NATS request/reply")
+
+    def ensure_state_dir(self) -> Path:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return self.state_dir
+
+    def etcd_hosts(self) -> list[tuple[str, int]]:
+        out = []
+        for item in self.etcd_endpoints.split(","):
+            item = item.strip().removeprefix("http://")
+            host, _, port = item.rpartition(":")
+            out.append((host or "127.0.0.1", int(port)))
+        return out

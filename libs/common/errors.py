@@ -1,0 +1,70 @@
+"""Two error families (STYLE.md): typed errors that travel back to a caller as an error reply, and broken
+invariants, which are logged loudly and crash the process so its supervisor restarts it from durable state."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class HoldfastError(Exception):
+    """An error a caller can receive as a typed reply. `code` is stable and machine-readable."""
+
+    code: ClassVar[str] = "error"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+class MalformedMessage(HoldfastError):
+    code = "malformed"
+
+
+class UnknownType(MalformedMessage):
+    code = "unknown_type"
+
+
+class NotFound(HoldfastError):
+    code = "not_found"
+
+
+class Conflict(HoldfastError):
+    code = "conflict"
+
+
+class PermissionDenied(HoldfastError):
+    code = "permission_denied"
+
+
+class StaleEpoch(HoldfastError):
+    code = "stale_epoch"
+
+
+class InvalidTransition(HoldfastError):
+    code = "invalid_transition"
+
+
+class CommandTimeout(HoldfastError):
+    code = "timeout"
+
+
+class Unavailable(HoldfastError):
+    code = "unavailable"
+
+
+class RemoteError(HoldfastError):
+    """An error reply received from another service; keeps the remote code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.remote_code = code
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.remote_code, "message": self.message}
+
+
+class InvariantBroken(RuntimeError):
+    """Not a reply: a bug or corrupted state. Let it crash the process."""

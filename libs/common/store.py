@@ -1,0 +1,273 @@
+"""The etcd store behind a thin interface (aetcd underneath; nothing else in the tree imports aetcd).
+
+Keys are given relative to the configured prefix (`/holdfast/` by default): `store.put("nodes/n1", ...)`.
+Values are JSON: pass a pydantic model, a dict or bytes. What is offered:
+- get / get_prefix / put / delete / delete_prefix
+- create (put only if absent) and cas (compare-and-swap on the current value), both transactions
+- watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision
+- leases: `grant(ttl)` and `KeepAlive` (a supervised task refreshing it at ttl/3)
+- `LeaderElection`: campaign with a key bound to a lease, observe, resign
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions
+from pydantic import BaseModel
+
+from libs.common.config import CommonSettings
+from libs.common.errors import Unavailable
+
+log = logging.getLogger("holdfast.store")
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode_value(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, BaseModel):
+        return value.model_dump_json().encode()
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    key: str  # relative to the store prefix
+    value: bytes | None
+    revision: int
+
+
+@dataclass
+class Lease:
+    id: int
+    ttl: int
+
+
+class Store:
+    def __init__(self, client: aetcd.Client, settings: CommonSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.prefix = settings.etcd_prefix if settings.etcd_prefix.endswith("/") else settings.etcd_prefix + "/"
+
+    @classmethod
+    async def connect(cls, settings: CommonSettings, *, timeout: float = 10.0) -> Store:
+        host, port = settings.etcd_hosts()[0]
+        client = aetcd.Client(host=host, port=port, timeout=5)
+        store = cls(client, settings)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                await client.get(b"/holdfast-ping")
+                return store
+            except Exception as e:  # noqa: BLE001 - etcd may still be starting
+                if asyncio.get_running_loop().time() > deadline:
+                    raise Unavailable(f"etcd at {host}:{port} unreachable: {e}") from None
+                await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.close()
+
+    def full(self, key: str) -> bytes:
+        return (self.prefix + key.lstrip("/")).encode()
+
+    def rel(self, key: bytes) -> str:
+        return key.decode().removeprefix(self.prefix)
+
+    # ------------------------------------------------------------ key/value
+
+    async def get(self, key: str) -> bytes | None:
+        r = await self.client.get(self.full(key))
+        return None if r is None else r.value
+
+    async def get_model(self, key: str, model: type[M]) -> M | None:
+        raw = await self.get(key)
+        return None if raw is None else model.model_validate_json(raw)
+
+    async def get_with_revision(self, key: str) -> tuple[bytes | None, int]:
+        r = await self.client.get(self.full(key))
+        return (None, 0) if r is None else (r.value, r.mod_revision)
+
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        r = await self.client.get_prefix(self.full(prefix))
+        return {self.rel(kv.key): kv.value for kv in r}
+
+    async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> None:
+        await self.client.put(self.full(key), encode_value(value), lease=lease.id if lease else None)
+
+    async def delete(self, key: str) -> bool:
+        r = await self.client.delete(self.full(key))
+        return bool(r and r.deleted)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        r = await self.client.delete_prefix(self.full(prefix))
+        return int(r.deleted) if r else 0
+
+    async def create(self, key: str, value: Any, *, lease: Lease | None = None) -> bool:
+        """Put `value` only if `key` does not exist. True when this call created it."""
+        k = self.full(key)
+        t = self.client.transactions
+        ok, _ = await self.client.transaction(
+            compare=[t.version(k) == 0],
+            success=[t.put(k, encode_value(value), lease.id if lease else None)],
+            failure=[],
+        )
+        return bool(ok)
+
+    async def cas(self, key: str, expected: Any | None, value: Any, *, lease: Lease | None = None) -> bool:
+        """Put `value` only if the current value equals `expected` (None: key absent)."""
+        if expected is None:
+            return await self.create(key, value, lease=lease)
+        k = self.full(key)
+        t = self.client.transactions
+        ok, _ = await self.client.transaction(
+            compare=[t.value(k) == encode_value(expected)],
+            success=[t.put(k, encode_value(value), lease.id if lease else None)],
+            failure=[],
+        )
+        return bool(ok)
+
+    async def cas_revision(self, key: str, mod_revision: int, value: Any) -> bool:
+        """Put `value` only if the key was not modified since `mod_revision` (0: key absent)."""
+        k = self.full(key)
+        t = self.client.transactions
+        cmp = t.version(k) == 0 if mod_revision == 0 else t.mod(k) == mod_revision
+        ok, _ = await self.client.transaction(compare=[cmp], success=[t.put(k, encode_value(value))], failure=[])
+        return bool(ok)
+
+    # ------------------------------------------------------------ watch
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        """Yield every change under `prefix`; on a broken stream, resume after the last revision seen."""
+        next_rev = start_revision
+        while True:
+            try:
+                watch = await self.client.watch_prefix(self.full(prefix), start_revision=next_rev)
+                try:
+                    async for ev in watch:
+                        rev = ev.kv.mod_revision
+                        next_rev = rev + 1
+                        kind = "put" if ev.kind == "PUT" else "delete"
+                        yield WatchEvent(kind, self.rel(ev.kv.key), ev.kv.value if kind == "put" else None, rev)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await watch.cancel()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - etcd restarted or the stream broke: resume
+                log.warning("watch on %s broke (%s); resuming", prefix, e)
+                await asyncio.sleep(0.5)
+
+    async def delete_if(self, key: str, expected: Any) -> bool:
+        """Delete `key` only while its value equals `expected`."""
+        k = self.full(key)
+        t = self.client.transactions
+        ok, _ = await self.client.transaction(compare=[t.value(k) == encode_value(expected)], success=[t.delete(k)], failure=[])
+        return bool(ok)
+
+    # ------------------------------------------------------------ leases
+
+    async def grant(self, ttl: int) -> Lease:
+        lease = await self.client.lease(ttl)
+        return Lease(id=lease.id, ttl=ttl)
+
+    async def refresh(self, lease: Lease) -> bool:
+        """Keep the lease alive once. False when etcd says it has expired."""
+        reply = await self.client.refresh_lease(lease.id)
+        return bool(reply is not None and reply.TTL > 0)
+
+    async def revoke(self, lease: Lease) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.revoke_lease(lease.id)
+
+
+class KeepAlive:
+    """Refresh an etcd lease every ttl/3 until stopped; `lost` is set when the lease expired anyway."""
+
+    def __init__(self, store: Store, lease: Lease) -> None:
+        self.store = store
+        self.lease = lease
+        self.lost = asyncio.Event()
+
+    async def run(self) -> None:
+        interval = max(self.lease.ttl / 3.0, 0.2)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await self.store.refresh(self.lease):
+                    log.error("etcd lease %x expired", self.lease.id)
+                    self.lost.set()
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - etcd briefly unreachable: try again next tick
+                log.warning("lease keep-alive failed: %s", e)
+
+
+class LeaderElection:
+    """One leader per `name`: the leader's id sits at `leader/<name>`, bound to its lease.
+
+    A killed leader stops refreshing; etcd deletes the key when the lease expires and the next
+    campaigner's create succeeds. `lost` tells the leader it must stop acting (lease gone).
+    """
+
+    def __init__(self, store: Store, name: str, candidate: str, *, ttl: int = 3) -> None:
+        self.store = store
+        self.key = f"leader/{name}"
+        self.candidate = candidate
+        self.ttl = ttl
+        self.lease: Lease | None = None
+        self.keepalive: KeepAlive | None = None
+        self._ka_task: asyncio.Task[None] | None = None
+
+    async def campaign(self, *, poll_s: float = 0.2) -> None:
+        """Return once this candidate is the leader."""
+        self.lease = await self.store.grant(self.ttl)
+        self.keepalive = KeepAlive(self.store, self.lease)
+        self._ka_task = asyncio.create_task(self.keepalive.run(), name=f"leader-keepalive:{self.key}")
+        while True:
+            if await self.store.create(self.key, self.candidate, lease=self.lease):
+                log.info("%s is leader of %s", self.candidate, self.key)
+                return
+            current = await self.store.get(self.key)
+            if current is not None and current.decode() == self.candidate:
+                return
+            await self._wait_for_vacancy(poll_s)
+
+    async def _wait_for_vacancy(self, poll_s: float) -> None:
+        # A watch would be tighter, but a poll at 200 ms keeps hand-over within lease ttl + poll.
+        await asyncio.sleep(poll_s)
+
+    async def leader(self) -> str | None:
+        raw = await self.store.get(self.key)
+        return raw.decode() if raw else None
+
+    async def is_leader(self) -> bool:
+        return (await self.leader()) == self.candidate
+
+    async def resign(self) -> None:
+        if self._ka_task:
+            self._ka_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._ka_task
+        if self.lease:
+            with contextlib.suppress(Exception):
+                await self.store.delete_if(self.key, self.candidate)
+            await self.store.revoke(self.lease)
+            self.lease = None
+
+    @property
+    def lost(self) -> asyncio.Event:
+        assert self.keepalive is not None, "campaign() first"
+        return self.keepalive.lost

@@ -1,0 +1,128 @@
+"""The bus against a real nats-server: typed events, trace context, commands, JetStream replay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.common import telemetry
+from libs.common.bus import Bus
+from libs.common.errors import CommandTimeout, RemoteError, Unavailable
+from libs.common.events import (
+    Envelope,
+    FaultDetected,
+    FaultKind,
+    Freeze,
+    FreezeReply,
+    ListLeases,
+    ListLeasesReply,
+)
+from libs.common.errors import NotFound
+
+telemetry.setup("tests")
+
+
+async def test_event_round_trip_carries_trace_context(bus: Bus) -> None:
+    got: asyncio.Queue[tuple[Envelope, str | None]] = asyncio.Queue()
+
+    async def handler(env: Envelope) -> None:
+        from opentelemetry import trace
+
+        span = trace.get_current_span().get_span_context()
+        await got.put((env, f"{span.trace_id:032x}" if span.is_valid else None))
+
+    await bus.subscribe("fault.detected", handler)
+    with telemetry.tracer("test").start_as_current_span("incident") as span:
+        sent = await bus.emit(FaultDetected(engine_id="e1", kind=FaultKind.KILLED, signal=9, pid=42))
+        trace_id = f"{span.get_span_context().trace_id:032x}"
+    env, seen_trace = await asyncio.wait_for(got.get(), 2)
+    assert env.id == sent.id
+    assert isinstance(env.data, FaultDetected) and env.data.signal == 9
+    assert env.trace.traceparent and trace_id in env.trace.traceparent
+    assert seen_trace == trace_id
+
+
+async def test_malformed_message_is_rejected_and_subscriber_keeps_working(bus: Bus) -> None:
+    got: asyncio.Queue[Envelope] = asyncio.Queue()
+
+    async def handler(env: Envelope) -> None:
+        await got.put(env)
+
+    await bus.subscribe("fault.detected", handler)
+    subject = f"{bus.prefix}.fault.detected"
+    for junk in (b"not json", b"{}", b'{"type":"fault.detected","source":"x","data":{"type":"nope"}}',
+                 b'{"type":"fault.detected","source":"x","data":{"type":"fault.detected","kind":"melted","engine_id":"e"}}'):
+        await bus.nc.publish(subject, junk)
+    await bus.emit(FaultDetected(engine_id="good", kind=FaultKind.EXITED, exit_code=3))
+    env = await asyncio.wait_for(got.get(), 2)
+    assert env.data.engine_id == "good"  # type: ignore[union-attr]
+    assert bus.rejected == 4
+    assert got.empty()
+
+
+async def test_request_reply_with_typed_reply_and_typed_error(bus: Bus) -> None:
+    async def freeze(cmd: Freeze) -> FreezeReply:
+        if cmd.owner == "ghost":
+            raise NotFound(f"no leases owned by {cmd.owner}")
+        return FreezeReply(lease_ids=["l1"], epoch=2, transfer_token="tok")
+
+    await bus.serve("node-1", Freeze, freeze)
+    reply = await bus.request("node-1", Freeze(owner="e1"), FreezeReply)
+    assert reply.lease_ids == ["l1"] and reply.epoch == 2
+    with pytest.raises(RemoteError) as err:
+        await bus.request("node-1", Freeze(owner="ghost"), FreezeReply)
+    assert err.value.remote_code == "not_found"
+
+
+async def test_request_times_out_or_says_nobody_answers(bus: Bus) -> None:
+    with pytest.raises(Unavailable):
+        await bus.request("nowhere", ListLeases(), ListLeasesReply, timeout=0.3)
+
+    async def slow(cmd: ListLeases) -> ListLeasesReply:
+        await asyncio.sleep(2)
+        return ListLeasesReply(leases=[])
+
+    await bus.serve("slow-node", ListLeases, slow)
+    with pytest.raises(CommandTimeout):
+        await bus.request("slow-node", ListLeases(), ListLeasesReply, timeout=0.2)
+
+
+async def test_malformed_command_gets_an_error_reply(bus: Bus) -> None:
+    async def freeze(cmd: Freeze) -> FreezeReply:
+        return FreezeReply(lease_ids=[], epoch=1, transfer_token="t")
+
+    await bus.serve("node-1", Freeze, freeze)
+    msg = await bus.nc.request(f"{bus.prefix}.node.node-1.gpu_manager.freeze", b'{"source":"x","data":{"op":"freeze"}}', timeout=1)
+    assert b'"ok":false' in msg.data and b"malformed" in msg.data
+    assert (await bus.request("node-1", Freeze(owner="e"), FreezeReply)).transfer_token == "t"
+
+
+async def test_durable_consumer_replays_what_it_missed_after_a_restart(settings) -> None:  # type: ignore[no-untyped-def]
+    producer = await Bus.connect(settings, "producer")
+    seen: list[str] = []
+
+    async def handler(env: Envelope) -> None:
+        seen.append(env.data.engine_id)  # type: ignore[union-attr]
+
+    consumer = await Bus.connect(settings, "consumer")
+    await consumer.durable("fault.>", "controller", handler)
+    await producer.emit(FaultDetected(engine_id="a", kind=FaultKind.KILLED))
+    for _ in range(50):
+        if seen:
+            break
+        await asyncio.sleep(0.05)
+    await consumer.close()  # the subscriber "dies"
+
+    await producer.emit(FaultDetected(engine_id="b", kind=FaultKind.KILLED))
+    await producer.emit(FaultDetected(engine_id="c", kind=FaultKind.HUNG))
+
+    consumer = await Bus.connect(settings, "consumer")
+    await consumer.durable("fault.>", "controller", handler)
+    for _ in range(100):
+        if len(seen) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    assert seen == ["a", "b", "c"]
+    await consumer.close()
+    await producer.close()

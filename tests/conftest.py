@@ -1,0 +1,116 @@
+"""Shared fixtures: one real nats-server and one real etcd for the session, on free loopback ports.
+
+Every test gets its own `settings` with a unique subject prefix, etcd prefix and stream name, so tests
+share the servers without seeing each other's messages or keys.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.common import procs
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.ids import new_id
+from libs.common.store import Store
+
+
+def _has_gpu() -> bool:
+    if os.environ.get("HF_FORCE_NO_GPU"):
+        return False
+    try:
+        from cuda.bindings import driver  # type: ignore[import-not-found]
+
+        (err,) = driver.cuInit(0)
+        if int(err) != 0:
+            return False
+        err, count = driver.cuDeviceGetCount()
+        return int(err) == 0 and count > 0
+    except Exception:  # noqa: BLE001 - no cuda-python or no driver: no GPU
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU here (run on the device: scripts/device_run.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def infra_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="hf-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def nats_server(infra_dir: Path) -> Iterator[str]:
+    port = procs.free_port()
+    child = procs.nats_server(port, infra_dir / "nats", infra_dir / "nats.log").start()
+    procs.wait_port(port, child)
+    yield f"nats://127.0.0.1:{port}"
+    child.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(infra_dir: Path) -> Iterator[str]:
+    port, peer = procs.free_port(), procs.free_port()
+    child = procs.etcd_server(port, peer, infra_dir / "etcd", infra_dir / "etcd.log").start()
+    procs.wait_port(port, child)
+    yield f"127.0.0.1:{port}"
+    child.stop()
+
+
+@pytest.fixture
+def settings(nats_server: str, etcd_server: str, tmp_path: Path) -> CommonSettings:
+    tag = new_id("t")
+    return CommonSettings(
+        nats_url=nats_server,
+        etcd_endpoints=etcd_server,
+        subject_prefix=tag.replace("-", ""),
+        etcd_prefix=f"/{tag}/",
+        stream_name=f"S{tag.replace('-', '')}",
+        node="node-1",
+        state_dir=tmp_path / "state",
+    )
+
+
+@pytest.fixture
+def settings_env(settings: CommonSettings) -> dict[str, str]:
+    """The same settings as environment variables, for child processes."""
+    return {
+        "HF_NATS_URL": settings.nats_url,
+        "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
+        "HF_SUBJECT_PREFIX": settings.subject_prefix,
+        "HF_ETCD_PREFIX": settings.etcd_prefix,
+        "HF_STREAM_NAME": settings.stream_name,
+        "HF_NODE": settings.node,
+        "HF_STATE_DIR": str(settings.state_dir),
+    }
+
+
+@pytest.fixture
+async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(settings, "test")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def store(settings: CommonSettings) -> AsyncIterator[Store]:
+    s = await Store.connect(settings)
+    yield s
+    await s.delete_prefix("")
+    await s.close()
