@@ -1,0 +1,153 @@
+"""`holdfast`: the one command line. Sub-commands import their code lazily so `--help` is instant."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from libs.common.config import DEFAULT_API_PORT, DEFAULT_ETCD_PORT, DEFAULT_NATS_PORT, DEFAULT_ROUTER_PORT
+
+app = typer.Typer(help="Holdfast: keep LLM inference engines' memory alive through failures.",
+                  no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks (figures go to docs/benchmarks.md).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+SERVICE_HELP = {
+    "gpu_manager": "Per-node owner of leased memory (VMM or memfd), lease table, fd keeper.",
+    "agent": "Per-node engine supervisor: start, adopt, detect failures, warm standbys.",
+    "dc_manager": "Per-datacenter placement and node commands.",
+    "controller": "Leader-elected incident pipeline and REST admin API.",
+    "router": "Reference HTTP router: endpoints from events, replay on failover.",
+}
+
+
+def _service_command(module: str) -> Any:
+    def command(ctx: typer.Context) -> None:
+        importlib.import_module(f"services.{module}.__main__").main(list(ctx.args))
+
+    return command
+
+
+for _name, _help in SERVICE_HELP.items():
+    app.command(_name.replace("_", "-"), help=f"{_help} Flags: `holdfast {_name.replace('_', '-')} --help`.",
+                context_settings=PASSTHROUGH)(_service_command(_name))
+
+
+@app.command("engine", context_settings=PASSTHROUGH, help="The reference engine (engines/reference).")
+def engine(ctx: typer.Context) -> None:
+    importlib.import_module("engines.reference.__main__").main(list(ctx.args))
+
+
+@app.command()
+def up(
+    nats_port: int = typer.Option(DEFAULT_NATS_PORT, help="NATS client port"),
+    etcd_port: int = typer.Option(DEFAULT_ETCD_PORT, help="etcd client port (peer port is this + 1)"),
+    api_port: int = typer.Option(DEFAULT_API_PORT, help="controller REST API port"),
+    router_port: int = typer.Option(DEFAULT_ROUTER_PORT, help="router HTTP port"),
+    node: str = typer.Option("node-1", help="this node's id"),
+    backend: str = typer.Option("auto", help="memory backend: auto, host or cuda"),
+    base_dir: Path | None = typer.Option(None, help="data, sockets and logs (default: a temporary directory)"),
+    engines_file: Path | None = typer.Option(None, help="JSON list of engine specs for the agent"),
+) -> None:
+    """Start nats-server, etcd and every service on loopback; Ctrl-C or SIGTERM stops them all."""
+    from libs.cli.stack import Stack, StackConfig
+
+    stack = Stack(StackConfig(base_dir=base_dir, nats_port=nats_port, etcd_port=etcd_port, etcd_peer_port=etcd_port + 1,
+                              api_port=api_port, router_port=router_port, node=node, backend=backend,
+                              engines_file=engines_file))
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        with console.status("starting nats, etcd and the services..."):
+            stack.start()
+        table = Table(title="holdfast stack (Ctrl-C stops all)")
+        for col in ("part", "pid", "where"):
+            table.add_column(col)
+        where = {"nats": stack.nats_url, "etcd": f"http://127.0.0.1:{etcd_port}", "controller": f"{stack.api_url}/docs",
+                 "router": stack.router_url, "gpu_manager": str(stack.base_dir / "state"), "agent": str(stack.base_dir / "state")}
+        for name, pid in stack.pids().items():
+            table.add_row(name, str(pid), where.get(name, ""))
+        console.print(table)
+        console.print(f"logs: {stack.logs}")
+        print("holdfast: ready", flush=True)
+        while not stopping:
+            for name, child in stack.children.items():
+                if not child.alive():
+                    console.print(f"[red]{name} exited ({child.proc.returncode}); see {child.log_path}[/red]")
+                    stopping = True
+            time.sleep(0.2)
+    except Exception as e:  # noqa: BLE001 - say why, stop everything, exit non-zero
+        console.print(f"[red]holdfast up failed: {e}[/red]")
+        stack.stop()
+        raise typer.Exit(1) from None
+    console.print("stopping...")
+    stack.stop()
+    console.print("stopped")
+
+
+@app.command()
+def demo(
+    json_only: bool = typer.Option(False, "--json", help="print only the final JSON line"),
+    size: str = typer.Option("auto", help="reference model size (auto: tiny on CPU, larger on a GPU)"),
+) -> None:
+    """Start the stack, kill an engine mid-generation, recover it, and compare with a cold restart."""
+    from libs.cli import demo as demo_mod
+
+    sys.exit(demo_mod.run(json_only=json_only, size=size))
+
+
+@app.command()
+def status(
+    api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
+    token: str = typer.Option("holdfast-dev-admin", envvar="HF_API_TOKEN"),
+) -> None:
+    """Nodes, engines, leases and incidents as tables (from the controller's REST API)."""
+    importlib.import_module("services.controller.status_cli").status(api_url, token)
+
+
+def _bench(name: str, module: str) -> None:
+    def load() -> Any:
+        return importlib.import_module(module).cli
+
+    try:
+        fn = load()
+    except ImportError:
+        return
+    bench_app.command(name)(fn)
+
+
+for _bench_name in ("attach", "detect", "controlplane", "recovery"):
+    _bench(_bench_name, f"bench.{_bench_name}")
+
+
+try:
+    from bench.chaos import cli as _chaos_cli
+
+    app.command("chaos", help="Inject faults at random under load and check the invariants.")(_chaos_cli)
+except ImportError:
+    pass
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The local stack without Docker: nats-server, etcd and every service as child processes on loopback.
+
+Used by `holdfast up`, `holdfast demo`, the benchmarks and the end-to-end tests, so all of them run the
+same processes the same way. Each child runs in its own session (a SIGKILL of one takes no other with
+it), logs to `<base_dir>/logs/<name>.log`, and `stop()` ends them in reverse order, SIGKILL after a
+deadline, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libs.common import procs
+from libs.common.bus import Bus
+from libs.common.config import DEFAULT_API_PORT, DEFAULT_ETCD_PORT, DEFAULT_NATS_PORT, DEFAULT_ROUTER_PORT, CommonSettings
+from libs.common.service import check_health
+
+# Start order: memory first (engines need it), then the agent, then the cluster side, then the router.
+SERVICES = ("gpu_manager", "agent", "dc_manager", "controller", "router")
+
+
+@dataclass
+class StackConfig:
+    base_dir: Path | None = None  # None: a fresh temporary directory, removed on stop
+    nats_port: int = DEFAULT_NATS_PORT
+    etcd_port: int = DEFAULT_ETCD_PORT
+    etcd_peer_port: int = DEFAULT_ETCD_PORT + 1
+    api_port: int = DEFAULT_API_PORT
+    router_port: int = DEFAULT_ROUTER_PORT
+    node: str = "node-1"
+    backend: str = "auto"
+    services: tuple[str, ...] = SERVICES
+    engines_file: Path | None = None
+    api_token: str = "holdfast-dev-admin"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def ephemeral(cls, **kw: object) -> StackConfig:
+        """Free ports everywhere: for tests and demos that must not collide with a running stack."""
+        ports = {k: procs.free_port() for k in ("nats_port", "etcd_port", "etcd_peer_port", "api_port", "router_port")}
+        return cls(**{**ports, **kw})  # type: ignore[arg-type]
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self._own_dir = config.base_dir is None
+        self.base_dir = config.base_dir or Path(tempfile.mkdtemp(prefix="holdfast-stack-"))
+        self.logs = self.base_dir / "logs"
+        self.children: dict[str, procs.Child] = {}
+
+    # ------------------------------------------------------------ settings every child shares
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.config.nats_port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.api_port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.router_port}"
+
+    def env(self) -> dict[str, str]:
+        c = self.config
+        env = {
+            "HF_NATS_URL": self.nats_url,
+            "HF_ETCD_ENDPOINTS": f"127.0.0.1:{c.etcd_port}",
+            "HF_NODE": c.node,
+            "HF_STATE_DIR": str(self.base_dir / "state"),
+            "HF_BACKEND": c.backend,
+            "HF_API_PORT": str(c.api_port),
+            "HF_API_TOKEN": c.api_token,
+            "HF_ROUTER_PORT": str(c.router_port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if c.engines_file is not None:
+            env["HF_ENGINES_FILE"] = str(c.engines_file)
+        return {**env, **c.extra_env}
+
+    def settings(self) -> CommonSettings:
+        env = self.env()
+        return CommonSettings(nats_url=env["HF_NATS_URL"], etcd_endpoints=env["HF_ETCD_ENDPOINTS"],
+                              node=self.config.node, state_dir=Path(env["HF_STATE_DIR"]))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start_infra(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        (self.base_dir / "state").mkdir(parents=True, exist_ok=True, mode=0o700)
+        c = self.config
+        nats = procs.nats_server(c.nats_port, self.base_dir / "nats", self.logs / "nats.log").start()
+        self.children["nats"] = nats
+        etcd = procs.etcd_server(c.etcd_port, c.etcd_peer_port, self.base_dir / "etcd", self.logs / "etcd.log").start()
+        self.children["etcd"] = etcd
+        procs.wait_port(c.nats_port, nats)
+        procs.wait_port(c.etcd_port, etcd)
+
+    def start_service(self, name: str, *args: str) -> procs.Child:
+        argv = [sys.executable, "-m", f"services.{name}", *args]
+        child = procs.Child(name, argv, env=self.env(), log_path=self.logs / f"{name}.log").start()
+        self.children[name] = child
+        return child
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.start_infra()
+        for name in self.config.services:
+            self.start_service(name)
+        asyncio.run(self.wait_healthy(self.config.services, timeout))
+
+    async def wait_healthy(self, services: tuple[str, ...] | list[str], timeout: float = 60.0) -> dict[str, dict]:
+        """Ask each service's health subject until all answer ok; raise naming the ones that do not."""
+        bus = await Bus.connect(self.settings(), "holdfast-up", stream=False)
+        deadline = time.monotonic() + timeout
+        health: dict[str, dict] = {}
+        try:
+            pending = list(services)
+            while pending:
+                for name in list(pending):
+                    child = self.children.get(name)
+                    if child is not None and not child.alive():
+                        raise RuntimeError(f"{name} exited with {child.proc.returncode}; log: {child.log_path}\n"
+                                           + self.tail(name))
+                    try:
+                        reply = await check_health(bus, name, timeout=0.5)
+                    except Exception:  # noqa: BLE001 - not up yet
+                        continue
+                    if reply.ok:
+                        health[name] = reply.detail
+                        pending.remove(name)
+                if pending and time.monotonic() > deadline:
+                    raise TimeoutError(f"not healthy after {timeout}s: {', '.join(pending)}")
+                if pending:
+                    await asyncio.sleep(0.1)
+        finally:
+            await bus.close()
+        return health
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        path = self.logs / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.children[name].kill(sig)
+
+    def restart(self, name: str) -> procs.Child:
+        old = self.children.pop(name, None)
+        if old is not None:
+            old.stop()
+        return self.start_service(name)
+
+    def pids(self) -> dict[str, int]:
+        return {name: c.pid for name, c in self.children.items() if c.proc is not None}
+
+    def stop(self) -> None:
+        for name in reversed(list(self.children)):
+            self.children[name].stop()
+        self._stop_strays()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def _stop_strays(self) -> None:
+        """Processes the services started detached (the gpu_manager's fd keeper, engines) carry the
+        stack's state dir in their environment; end any still running so no orphan outlives the stack."""
+        marker = f"HF_STATE_DIR={self.base_dir / 'state'}".encode()
+        me = os.getpid()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue

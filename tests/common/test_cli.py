@@ -1,0 +1,80 @@
+"""The command line: every sub-command is listed, and `holdfast up` starts and stops everything cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from libs.common import procs
+
+HOLDFAST = [sys.executable, "-m", "libs.cli.main"]
+
+
+def test_help_lists_every_sub_command() -> None:
+    out = subprocess.run([*HOLDFAST, "--help"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    for cmd in ("up", "demo", "status", "bench", "gpu-manager", "agent", "dc-manager", "controller", "router", "engine"):
+        assert re.search(rf"\b{cmd}\b", out), f"{cmd} missing from --help"
+
+
+@pytest.mark.parametrize("service", ["gpu_manager", "agent", "dc_manager", "controller", "router"])
+def test_each_service_explains_its_flags(service: str) -> None:
+    r = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--nats-url" in r.stdout and "--node" in r.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_starts_every_service_healthy_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
+    ports = [procs.free_port() for _ in range(4)]
+    argv = [*HOLDFAST, "up", "--nats-port", str(ports[0]), "--etcd-port", str(ports[1]), "--api-port", str(ports[2]),
+            "--router-port", str(ports[3]), "--base-dir", str(tmp_path / "stack"), "--backend", "host"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+    lines: list[str] = []
+    assert up.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "holdfast: ready" in line:
+            break
+    output = "".join(lines)
+    assert "holdfast: ready" in output, output
+    pids = [int(p) for p in re.findall(r"│\s*\w+\s*│\s*(\d+)\s*│", output)]
+    assert len(pids) == 7, output  # nats, etcd and five services
+    assert all(_alive(p) for p in pids)
+    # processes started detached by the services (the fd keeper) must go too
+    marker = f"HF_STATE_DIR={tmp_path / 'stack' / 'state'}".encode()
+    up.send_signal(signal.SIGTERM)
+    up.wait(60)
+    assert up.returncode == 0
+    time.sleep(0.5)
+    left = [p for p in pids if _alive(p)]
+    assert not left, f"still running: {left}"
+    strays = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0") and _alive(int(entry.name)):
+                    strays.append(int(entry.name))
+            except OSError:
+                pass
+    assert not strays, f"processes of the stack still running: {strays}"
