@@ -1,0 +1,1 @@
+"""Inference engines built on the Holdfast SDK: the reference transformer engine and adapters."""

@@ -1,0 +1,163 @@
+"""The engine core: requests in, tokens out. No transport code (HTTP lives in server.py, memory in memory.py).
+
+Each request holds one slot of the KV cache while it runs; forwards are serialized by a lock (one batch of
+one: the reference engine values exactness over throughput). Invariants:
+1. With `prefill_chunk == 1` (the default) every position is computed by the same one-token forward, so
+   generating from `context + generated[:k]` continues exactly as the uninterrupted generation did
+   (what the router's replay relies on).
+2. Sampling draws from a generator seeded by (seed, absolute position): a sampled generation is
+   resumable the same way; temperature 0 is greedy (argmax, lowest index on a tie).
+3. A slot is returned when its generation ends, fails or is abandoned (`close()` of the iterator).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engines.reference.model import Transformer
+from engines.reference.tokenizer import EOS, TextStream
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    context: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    index: int
+    token: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "length", "eos" or "max_seq"
+    first_token_ms: float
+    total_ms: float
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+    """One token from the last row of `logits`; depends only on (logits, temperature, seed, position)."""
+    row = logits[-1].float()
+    if temperature <= 0:
+        return int(torch.argmax(row).item())
+    probs = torch.softmax(row.cpu() / temperature, dim=-1)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+class EngineCore:
+    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 1) -> None:
+        if kv.dim() != 6 or kv.shape[1] != model.cfg.n_layers:
+            raise ValueError(f"kv cache shape {tuple(kv.shape)} does not fit {model.cfg.n_layers} layers")
+        self.model = model
+        self.kv = kv
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.max_seq = kv.shape[4]
+        self._lock = threading.Lock()  # one forward at a time
+        self._free = list(range(kv.shape[0]))
+        self._slots_cv = threading.Condition()
+        self.tokens_generated = 0
+        self.requests_done = 0
+
+    @property
+    def slots(self) -> int:
+        return int(self.kv.shape[0])
+
+    def free_slots(self) -> int:
+        with self._slots_cv:
+            return len(self._free)
+
+    def _take_slot(self, timeout: float | None) -> int:
+        with self._slots_cv:
+            if not self._slots_cv.wait_for(lambda: bool(self._free), timeout=timeout):
+                raise TimeoutError("no free KV slot")
+            return self._free.pop()
+
+    def _give_slot(self, slot: int) -> None:
+        with self._slots_cv:
+            self._free.append(slot)
+            self._slots_cv.notify()
+
+    def forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
+        t = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+        with self._lock:
+            return self.model.forward(t, start, self.kv[slot])
+
+    def validate(self, req: GenerationRequest) -> None:
+        if not req.context:
+            raise BadRequest("empty context: give a prompt or tokens")
+        if any(t < 0 or t >= self.model.cfg.vocab_size for t in req.context):
+            raise BadRequest(f"token ids must be in [0, {self.model.cfg.vocab_size})")
+        if len(req.context) >= self.max_seq:
+            raise BadRequest(f"context of {len(req.context)} tokens does not fit max_seq {self.max_seq}")
+        if req.max_tokens < 0:
+            raise BadRequest("max_tokens must be >= 0")
+
+    def generate(self, req: GenerationRequest, *, slot_timeout: float | None = None) -> Iterator[TokenOut | Finished]:
+        """Yields TokenOut per generated token, then one Finished. Each next() runs at most one forward
+        pass, so a caller can step it from a worker thread and stop at any point (close() frees the slot)."""
+        self.validate(req)
+        t0 = time.perf_counter()
+        slot = self._take_slot(slot_timeout)
+        try:
+            text = TextStream()
+            text.prime(req.context)
+            ctx = list(req.context)
+            logits = None
+            for i in range(0, len(ctx), self.prefill_chunk):
+                logits = self.forward(slot, ctx[i:i + self.prefill_chunk], i)
+            first_ms = 0.0
+            produced = 0
+            reason = "length"
+            while produced < req.max_tokens:
+                if len(ctx) >= self.max_seq:
+                    reason = "max_seq"
+                    break
+                assert logits is not None
+                tok = sample(logits, req.temperature, req.seed, len(ctx))
+                if produced == 0:
+                    first_ms = (time.perf_counter() - t0) * 1000
+                ctx.append(tok)
+                produced += 1
+                self.tokens_generated += 1
+                yield TokenOut(index=produced - 1, token=tok, text=text.push(tok))
+                if tok == EOS and not req.ignore_eos:
+                    reason = "eos"
+                    break
+                if produced < req.max_tokens and len(ctx) < self.max_seq:
+                    logits = self.forward(slot, [tok], len(ctx) - 1)
+            self.requests_done += 1
+            yield Finished(prompt_tokens=len(req.context), completion_tokens=produced, finish_reason=reason,
+                           first_token_ms=round(first_ms, 3), total_ms=round((time.perf_counter() - t0) * 1000, 3))
+        finally:
+            self._give_slot(slot)
+
+    def warm(self) -> float:
+        """Run the kernels once (prefill of two tokens, one decode step); returns the milliseconds it took."""
+        t0 = time.perf_counter()
+        slot = self._take_slot(None)
+        try:
+            self.forward(slot, [0, 1], 0)
+            self.forward(slot, [2], 2)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+        finally:
+            self._give_slot(slot)
+        return (time.perf_counter() - t0) * 1000

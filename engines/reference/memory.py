@@ -1,0 +1,172 @@
+"""Where the engine's tensors come from: the only module of the engine that talks to the memory SDK.
+
+- `LocalMemory`: plain tensors read from the weights file (standalone runs and tests without a gpu_manager).
+- `LeasedMemory`: Holdfast leases through `libs.client.memory`: weights loaded into `weights` leases, the
+  KV cache a lease of tag `kv_cache`; on a restart it reattaches leases that wait for this engine, and a
+  successor takes over a predecessor's leases. Tensors come back from the registered metadata, so a
+  reattach reads nothing from disk.
+
+Invariant: the engine core only ever sees `Loaded` (named weight tensors + one KV tensor); it never imports
+the SDK, so the same core runs over leased or ordinary memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.reference.config import ModelConfig
+from engines.reference.weights import check_file_matches, load_weights, torch_dtype
+
+log = logging.getLogger("holdfast.engine.memory")
+
+KV_NAME = "kv_cache"
+
+
+@dataclass
+class Loaded:
+    weights: dict[str, torch.Tensor]
+    kv: torch.Tensor
+    source: str  # "file" (cold load), "reattached" (own leases after a restart), "takeover" (a predecessor's)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def kv_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    return weights["tok_embeddings.weight"].dtype
+
+
+def split_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    names = cfg.tensor_shapes()
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
+    return {n: tensors[n] for n in names}, tensors.get(KV_NAME)
+
+
+class LocalMemory:
+    """Ordinary tensors: a cold load every start; nothing survives the process."""
+
+    kind = "local"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def pending(self) -> bool:
+        return False
+
+    def load(self, cfg: ModelConfig, path: Path, slots: int, max_seq: int) -> Loaded:
+        t0 = time.perf_counter()
+        check_file_matches(path, cfg)
+        weights = load_weights(path, self.device)
+        t_load = _ms(t0)
+        kv = torch.zeros(cfg.kv_shape(slots, max_seq), dtype=kv_dtype(weights), device=self.device)
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)})
+
+    def attach(self, cfg: ModelConfig, slots: int, max_seq: int) -> Loaded:
+        raise RuntimeError("local memory has nothing to reattach")
+
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, slots: int, max_seq: int) -> Loaded:
+        raise RuntimeError("local memory cannot take over a predecessor's leases: run with --memory leased")
+
+    def start_heartbeats(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LeasedMemory:
+    """Holdfast leases from the node's gpu_manager (host or cuda backend, whichever it runs)."""
+
+    kind = "leased"
+
+    def __init__(self, engine_id: str, *, socket_path: str | None = None, engine_class: str = "reference",
+                 gpu: int = 0) -> None:
+        from libs.client.memory import MemoryClient  # the SDK: imported only when leases are used
+
+        self.gpu = gpu
+        self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class=engine_class)
+        self._attachment: Any = None
+
+    def pending(self) -> bool:
+        return bool(self.client.pending())
+
+    def load(self, cfg: ModelConfig, path: Path, slots: int, max_seq: int) -> Loaded:
+        from libs.client.safetensors_io import load_safetensors_into_leases
+
+        t0 = time.perf_counter()
+        check_file_matches(path, cfg)
+        weights = load_safetensors_into_leases(self.client, str(path), tag="weights", name="weights", gpu=self.gpu,
+                                               framework="torch")
+        t_load = _ms(t0)
+        kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
+        self.client.commit()
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)})
+
+    def attach(self, cfg: ModelConfig, slots: int, max_seq: int) -> Loaded:
+        t0 = time.perf_counter()
+        self._attachment = self.client.attach()
+        return self._rebuild(cfg, "reattached", slots, max_seq, t0)
+
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, slots: int, max_seq: int) -> Loaded:
+        t0 = time.perf_counter()
+        self._attachment = self.client.takeover(predecessor, token)
+        return self._rebuild(cfg, "takeover", slots, max_seq, t0)
+
+    def _rebuild(self, cfg: ModelConfig, source: str, slots: int, max_seq: int, t0: float) -> Loaded:
+        t_attach = _ms(t0)
+        tensors = self._attachment.tensors(framework="torch")
+        weights, kv = split_tensors(cfg, tensors)
+        t_views = _ms(t0)
+        want = cfg.kv_shape(slots, max_seq)
+        if kv is None or tuple(kv.shape) != want:
+            # The predecessor's cache does not fit this configuration: lease a new one (its contents are
+            # never reused anyway: requests in flight are replayed by the router, not resumed from the cache).
+            log.info("KV cache lease missing or of another shape (%s); leasing a new one",
+                     None if kv is None else tuple(kv.shape))
+            kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
+            self.client.commit()
+        return Loaded(weights, kv, source, {"attach_ms": t_attach, "views_ms": t_views, "total_ms": _ms(t0)})
+
+    def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, slots: int, max_seq: int) -> torch.Tensor:
+        from libs.client.protocol import TensorMeta
+
+        shape = cfg.kv_shape(slots, max_seq)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        lease = self.client.allocate(nbytes, tag="kv_cache", name=KV_NAME, gpu=self.gpu)
+        kv = lease.torch(dtype, shape, 0)
+        kv.zero_()
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.client.register([TensorMeta(name=KV_NAME, lease_id=lease.lease_id, offset=0, shape=list(shape),
+                                          dtype=dtype_name)])
+        return kv
+
+    def start_heartbeats(self) -> None:
+        if self._attachment is not None and hasattr(self._attachment, "start_heartbeats"):
+            self._attachment.start_heartbeats()
+        elif hasattr(self.client, "start_heartbeats"):
+            self.client.start_heartbeats()
+
+    def close(self) -> None:
+        for obj in (self._attachment, self.client):
+            if obj is not None and hasattr(obj, "close"):
+                try:
+                    obj.close()
+                except Exception as e:  # noqa: BLE001 - closing on the way out: the process ends anyway
+                    log.warning("closing %s failed: %s", type(obj).__name__, e)
+
+
+def scratch_weights(cfg: ModelConfig, device: torch.device, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Random tensors of one layer's shapes, for a standby to warm its kernels before it owns any lease."""
+    dt = torch_dtype(dtype or cfg.dtype)
+    return {name: torch.empty(shape, device=device, dtype=dt).normal_(0.0, 0.02)
+            for name, shape in cfg.with_layers(1).tensor_shapes().items()}

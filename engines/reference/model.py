@@ -1,0 +1,109 @@
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) over given tensors.
+
+The model owns no parameters: it holds references to the tensors it is given (views over leased memory
+in production), so building it over reattached memory copies nothing. Rotary embeddings use the
+"rotate half" convention of Hugging Face's Llama, so the same weights give the same logits there
+(hf_adapter.py relies on it).
+
+Invariant: `forward` over one position at a time is a pure function of (weights, tokens so far); the
+engine decodes that way by default so that a generation resumed from its context gives bit-identical
+logits to an uninterrupted one (see engine.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engines.reference.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim))
+    pos = torch.arange(cfg.max_seq, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_seq, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos/sin: [T, head_dim]
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * c + rotate_half(x) * s
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in cfg.tensor_shapes() if n not in weights]
+        if missing:
+            raise ValueError(f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+        for name, shape in cfg.tensor_shapes().items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(weights[name].shape)}, expected {shape}")
+        self.cfg = cfg
+        self.w = weights
+        self.device = weights["tok_embeddings.weight"].device
+        self.dtype = weights["tok_embeddings.weight"].dtype
+        self.cos, self.sin = rope_tables(cfg, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, kv: torch.Tensor) -> torch.Tensor:
+        """Logits (float32, [T, vocab]) for `tokens` at positions start.., writing their keys and values
+        into `kv` ([layer, k|v, kv_head, position, head_dim], one slot of the cache)."""
+        cfg, w = self.cfg, self.w
+        T = tokens.shape[0]
+        end = start + T
+        if end > kv.shape[3]:
+            raise ValueError(f"context of {end} tokens exceeds the cache ({kv.shape[3]})")
+        h = F.embedding(tokens, w["tok_embeddings.weight"])
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        mask = None
+        if T > 1:
+            q_pos = torch.arange(start, end, device=self.device)[:, None]
+            k_pos = torch.arange(0, end, device=self.device)[None, :]
+            mask = k_pos > q_pos  # [T, end]: True where a query may not look
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            h = h + self._attention(rms_norm(h, w[p + "attention_norm.weight"], cfg.norm_eps), p, start, cos, sin, kv[i], mask)
+            x = rms_norm(h, w[p + "ffn_norm.weight"], cfg.norm_eps)
+            gate = F.silu(F.linear(x, w[p + "feed_forward.w1.weight"])) * F.linear(x, w[p + "feed_forward.w3.weight"])
+            h = h + F.linear(gate, w[p + "feed_forward.w2.weight"])
+        h = rms_norm(h, w["norm.weight"], cfg.norm_eps)
+        return F.linear(h, w["output.weight"]).float()
+
+    def _attention(self, x: torch.Tensor, p: str, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        T, hd = x.shape[0], cfg.head_dim
+        q = F.linear(x, w[p + "attention.wq.weight"]).view(T, cfg.n_heads, hd)
+        k = F.linear(x, w[p + "attention.wk.weight"]).view(T, cfg.n_kv_heads, hd)
+        v = F.linear(x, w[p + "attention.wv.weight"]).view(T, cfg.n_kv_heads, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        end = start + T
+        cache[0, :, start:end] = k.transpose(0, 1).to(cache.dtype)
+        cache[1, :, start:end] = v.transpose(0, 1).to(cache.dtype)
+        keys = cache[0, :, :end].to(x.dtype)  # [kv_heads, end, hd]
+        vals = cache[1, :, :end].to(x.dtype)
+        rep = cfg.n_heads // cfg.n_kv_heads
+        if rep > 1:  # query head h reads kv head h // rep (Hugging Face's repeat_kv)
+            keys = keys.repeat_interleave(rep, dim=0)
+            vals = vals.repeat_interleave(rep, dim=0)
+        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)).float() / math.sqrt(hd)  # [H, T, end]
+        if mask is not None:
+            scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)
+        out = torch.matmul(probs, vals).transpose(0, 1).reshape(T, cfg.n_heads * hd)
+        return F.linear(out, w[p + "attention.wo.weight"])

@@ -1,0 +1,214 @@
+"""The engine process: memory (load, reattach or take over), model, HTTP server, agent link.
+
+Start-up paths (DESIGN.md section 6):
+- active, leases waiting for this engine id (pending): reattach them; no disk read.
+- active, HF_TAKEOVER_FROM + HF_TRANSFER_TOKEN (a cold-spawned successor): take the predecessor's leases.
+- active, nothing waiting: load the weights file into new leases (or plain tensors with --memory local).
+- standby: warm the kernels on a scratch model of one layer, report ready as standby, wait for an
+  assignment from the agent, take over the predecessor's leases, build the model over them, serve.
+After a reattach or takeover the engine computes one token before it reports ready, and reports the
+time from the assignment (or process start) to that first token (`recovery` in /health and the ready file).
+
+The HTTP server starts first (on its own thread) and answers /health in every state, so the port is
+known early and uvicorn's start-up is off the recovery path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from engines.reference.config import get_config
+from engines.reference.engine import EngineCore, sample
+from engines.reference.memory import LeasedMemory, Loaded, LocalMemory, scratch_weights
+from engines.reference.model import Transformer
+from engines.reference.server import EngineState, build_app
+from engines.reference.settings import EngineSettings
+from engines.reference.tokenizer import BOS
+
+log = logging.getLogger("holdfast.engine")
+T_PROCESS = time.perf_counter()
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def default_manager_socket() -> Path:
+    base = os.environ.get("HF_STATE_DIR") or str(Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"holdfast-{os.getuid()}")
+    return Path(base) / "gpu_manager.sock"
+
+
+def open_memory(s: EngineSettings, device: torch.device) -> LocalMemory | LeasedMemory:
+    mode = s.memory
+    if mode == "auto":
+        sock = Path(s.gpu_manager_socket) if s.gpu_manager_socket else default_manager_socket()
+        mode = "leased" if sock.exists() else "local"
+    if mode == "local":
+        return LocalMemory(device)
+    return LeasedMemory(s.id, socket_path=s.gpu_manager_socket, engine_class="reference", gpu=s.gpu)
+
+
+def open_agent_link(s: EngineSettings) -> Any:
+    if s.agent == "off" or (s.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
+        return None
+    from libs.client.agent_link import AgentLink
+
+    link = AgentLink.connect(s.id, role=s.role, model=s.model)
+    link.start_heartbeats(0.2)
+    return link
+
+
+class HttpThread:
+    """uvicorn on a thread of its own (it installs no signal handlers off the main thread)."""
+
+    def __init__(self, state: EngineState, host: str, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://{host}:{self.port}"
+        config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.server.started:
+            raise RuntimeError("the HTTP server did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def warm_standby(s: EngineSettings, device: torch.device) -> float:
+    """Compile/load the kernels a forward pass uses, on a scratch one-layer model (no lease needed)."""
+    cfg = get_config(s.size)
+    t0 = time.perf_counter()
+    w = scratch_weights(cfg, device)
+    small = cfg.with_layers(1)
+    kv = torch.zeros(small.kv_shape(1, 64), dtype=w["tok_embeddings.weight"].dtype, device=device)
+    core = EngineCore(Transformer(small, w), kv)
+    core.warm()
+    sample(core.forward(0, [3], 3), 0.7, 1, 4)
+    del core, kv, w
+    return _ms(t0)
+
+
+def first_token(core: EngineCore) -> int:
+    """One real forward over the (reattached) weights: proves the memory serves before ready is reported."""
+    tok = sample(core.forward(0, [BOS], 0), 0.0, 0, 1)
+    if core.model.device.type == "cuda":
+        torch.cuda.synchronize(core.model.device)
+    return tok
+
+
+def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+def run(s: EngineSettings) -> int:
+    logging.basicConfig(level=s.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(s.threads)
+    cfg = get_config(s.size)
+    max_seq = s.max_seq or cfg.max_seq
+    device = pick_device(s.device)
+    state = EngineState(s.id, s.model, s.size)
+    state.role = s.role
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    http = HttpThread(state, s.host, s.port)
+    http.start()
+    link = open_agent_link(s)
+    memory = open_memory(s, device)
+    state.info["memory"] = {"kind": memory.kind}
+    try:
+        t_start = T_PROCESS
+        if s.role == "standby":
+            state.state = "standby"
+            state.info["warmup_ms"] = warm_standby(s, device)
+            if link is None:
+                raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
+            link.ready(None)
+            log.info("standby %s warm (%.1f ms); waiting for an assignment", s.id, state.info["warmup_ms"])
+            a = link.wait_assignment()
+            t_start = time.perf_counter()
+            state.role = "active"
+            state.state = "loading"
+            state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
+            loaded = memory.takeover(cfg, a.predecessor, a.transfer_token, s.slots, max_seq)
+        elif s.takeover_from:
+            state.state = "loading"
+            if not s.transfer_token:
+                raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
+            loaded = memory.takeover(cfg, s.takeover_from, s.transfer_token, s.slots, max_seq)
+        elif memory.pending():
+            state.state = "loading"
+            loaded = memory.attach(cfg, s.slots, max_seq)
+        else:
+            state.state = "loading"
+            loaded = memory.load(cfg, s.weights, s.slots, max_seq)
+        memory.start_heartbeats()
+        core = _build(s, cfg, loaded, state, t_start)
+        state.install(core)
+        state.state = "ready"
+        if link is not None:
+            link.ready(http.endpoint)
+        if s.ready_file:
+            write_ready_file(s.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": s.id,
+                                            "state": "ready", **state.info})
+        log.info("engine %s serving %s on %s (%s, %s)", s.id, s.model, http.endpoint, loaded.source, device)
+        stop.wait()
+        state.state = "stopping"
+        return 0
+    finally:
+        http.stop()
+        if link is not None:
+            link.close()
+        memory.close()
+
+
+def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_start: float) -> EngineCore:
+    t0 = time.perf_counter()
+    core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk)
+    build_ms = _ms(t0)
+    state.info["memory"] = {"kind": state.info["memory"]["kind"], "source": loaded.source,
+                            "timings_ms": loaded.timings_ms, "build_ms": build_ms}
+    if loaded.source == "file":
+        state.info["warmup_ms"] = core.warm()
+        return core
+    # Recovered memory: the first token is computed before ready, from the weights as they are.
+    first_token(core)
+    rec: dict[str, Any] = {"source": loaded.source, "first_token_ms": _ms(t_start),
+                           "attach_ms": loaded.timings_ms.get("attach_ms"), "build_ms": build_ms}
+    state.info["recovery"] = rec
+
+    def first_request_token(at: float) -> None:
+        rec["first_request_token_ms"] = round((at - t_start) * 1000, 3)
+
+    state.on_first_token = first_request_token
+    return core

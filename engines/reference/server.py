@@ -1,0 +1,186 @@
+"""The engine's HTTP API (FastAPI): POST /generate (JSON or streamed NDJSON), GET /health.
+
+Streaming lines: one object per token `{"index", "token", "text"}`, then a final
+`{"done": true, "prompt_tokens", "completion_tokens", "finish_reason", "first_token_ms", "total_ms", "engine_id"}`.
+An error after the stream started is a final `{"done": true, "error": {code, message}}` line.
+
+Each request runs its generation on a thread of its own that hands tokens to the event loop, so a client
+that goes away stops the generation after at most one more forward pass and frees its KV slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engines.reference import tokenizer
+from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(None, description="text; encoded with a leading BOS")
+    tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt if both are given")
+    max_tokens: int = Field(64, ge=0)
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+    greedy: bool | None = Field(None, description="true forces temperature 0")
+    seed: int = Field(0, description="sampling seed; with (seed, position) it fixes each sampled token")
+    stream: bool = False
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _has_input(self) -> GenerateBody:
+        if self.prompt is None and not self.tokens:
+            raise ValueError("give a prompt or tokens")
+        return self
+
+    def to_request(self) -> GenerationRequest:
+        ctx = tokenizer.encode(self.prompt) if self.prompt is not None else []
+        ctx += list(self.tokens or [])
+        temp = 0.0 if self.greedy else self.temperature
+        return GenerationRequest(context=ctx, max_tokens=self.max_tokens, temperature=temp, seed=self.seed,
+                                 ignore_eos=self.ignore_eos)
+
+
+class EngineState:
+    """What the HTTP layer serves from; `core` is None until the model is built (loading, standby)."""
+
+    def __init__(self, engine_id: str, model: str, size: str) -> None:
+        self.engine_id = engine_id
+        self.model = model
+        self.size = size
+        self.state = "starting"  # starting, loading, standby, ready, stopping
+        self.role = "active"
+        self.core: EngineCore | None = None
+        self.sem: asyncio.Semaphore | None = None
+        self.info: dict[str, Any] = {}  # memory source, timings, recovery figures (shown in /health)
+        self.on_first_token: Callable[[float], None] | None = None  # called once, with time.perf_counter()
+
+    def install(self, core: EngineCore) -> None:
+        self.core = core
+        self.sem = None  # created lazily on the serving loop
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        assert self.core is not None
+        if self.sem is None:
+            self.sem = asyncio.Semaphore(self.core.slots)
+        return self.sem
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+
+
+async def _run_generation(core: EngineCore, req: GenerationRequest) -> AsyncIterator[TokenOut | Finished]:
+    """Step `core.generate` on a worker thread; stop it (and free its slot) if the consumer goes away."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[TokenOut | Finished | BaseException | None] = asyncio.Queue()
+    stop = threading.Event()
+
+    def work() -> None:
+        it = core.generate(req)
+        try:
+            for ev in it:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+                if stop.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which reports it
+            loop.call_soon_threadsafe(q.put_nowait, e)
+        finally:
+            it.close()
+            loop.call_soon_threadsafe(q.put_nowait, None)
+
+    threading.Thread(target=work, name="generate", daemon=True).start()
+    try:
+        while True:
+            item = await q.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def build_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="Holdfast reference engine")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        core = state.core
+        return {
+            "ok": state.state in ("ready", "standby"), "state": state.state, "role": state.role,
+            "engine_id": state.engine_id, "model": state.model, "size": state.size,
+            "device": str(core.model.device) if core else None,
+            "slots": core.slots if core else 0, "free_slots": core.free_slots() if core else 0,
+            "tokens_generated": core.tokens_generated if core else 0,
+            "requests_done": core.requests_done if core else 0, **state.info,
+        }
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateBody) -> Any:
+        core = state.core
+        if core is None or state.state != "ready":
+            return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
+        req = body.to_request()
+        try:
+            core.validate(req)
+        except BadRequest as e:
+            return _error(400, "bad_request", str(e))
+        sem = state._semaphore()
+        if body.stream:
+            return StreamingResponse(_stream(core, req, sem), media_type="application/x-ndjson")
+        return await _collect(core, req, sem)
+
+    def _final(ev: Finished) -> dict[str, Any]:
+        return {"done": True, "prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                "finish_reason": ev.finish_reason, "first_token_ms": ev.first_token_ms, "total_ms": ev.total_ms,
+                "engine_id": state.engine_id}
+
+    def _note_first_token() -> None:
+        cb, state.on_first_token = state.on_first_token, None
+        if cb is not None:
+            cb(time.perf_counter())
+
+    async def _stream(core: EngineCore, req: GenerationRequest, sem: asyncio.Semaphore) -> AsyncIterator[bytes]:
+        async with sem:
+            try:
+                async for ev in _run_generation(core, req):
+                    if isinstance(ev, TokenOut):
+                        _note_first_token()
+                        line = {"index": ev.index, "token": ev.token, "text": ev.text}
+                    else:
+                        line = _final(ev)
+                    yield (json.dumps(line) + "\n").encode()
+            except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+                err = {"done": True, "error": {"code": "engine_error", "message": f"{type(e).__name__}: {e}"},
+                       "engine_id": state.engine_id}
+                yield (json.dumps(err) + "\n").encode()
+
+    async def _collect(core: EngineCore, req: GenerationRequest, sem: asyncio.Semaphore) -> Any:
+        tokens: list[int] = []
+        text: list[str] = []
+        async with sem:
+            try:
+                async for ev in _run_generation(core, req):
+                    if isinstance(ev, TokenOut):
+                        _note_first_token()
+                        tokens.append(ev.token)
+                        text.append(ev.text)
+                    else:
+                        return {"tokens": tokens, "text": "".join(text), **_final(ev)}
+            except Exception as e:  # noqa: BLE001
+                return _error(500, "engine_error", f"{type(e).__name__}: {e}")
+        return _error(500, "engine_error", "generation ended without a result")
+
+    return app

@@ -1,0 +1,46 @@
+"""The engine's settings: flags (`--size tiny`) or environment (`HF_ENGINE_SIZE=tiny`).
+
+The agent sets HF_ENGINE_ID, HF_ENGINE_ROLE, HF_MODEL, HF_AGENT_SOCKET (and, for a cold-spawned
+successor, HF_TAKEOVER_FROM and HF_TRANSFER_TOKEN); they are read here too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HF_ENGINE_", extra="ignore", cli_prog_name="holdfast engine serve",
+                                      cli_kebab_case=True, cli_implicit_flags=True)
+
+    size: str = Field("tiny", description="model size (engines/reference/config.py SIZES)")
+    weights: Path = Field(description="safetensors file made by `make-weights`")
+    id: str = Field(default_factory=lambda: f"ref-{os.getpid()}", description="engine id (the agent sets it)")
+    role: Literal["active", "standby"] = Field("active", description="standby: warm up, then wait for an assignment")
+    model: str = Field("reference", validation_alias=AliasChoices("model", "HF_MODEL"),
+                       description="model name the router routes by")
+    host: str = "127.0.0.1"
+    port: int = Field(0, description="HTTP port; 0: a free one (reported in the ready file and to the agent)")
+    device: str = Field("auto", description="auto (cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N")
+    memory: Literal["auto", "leased", "local"] = Field(
+        "auto", description="leased: Holdfast leases; local: plain tensors; auto: leased when a gpu_manager socket exists")
+    gpu_manager_socket: str | None = Field(None, description="the gpu_manager's unix socket (default: the SDK's)")
+    gpu: int = 0
+    slots: int = Field(4, ge=1, description="concurrent requests (one KV slot each)")
+    max_seq: int | None = Field(None, description="KV capacity per slot (default: the size's max_seq)")
+    threads: int = Field(1, ge=1, description="torch CPU threads (fixed, so results do not depend on the machine's load)")
+    prefill_chunk: int = Field(1, ge=1, description="1: exact resume (engine.py invariant 1); more: faster prefill")
+    ready_file: Path | None = Field(None, description="written (JSON) once serving: endpoint, pid, timings")
+    takeover_from: str | None = Field(None, validation_alias=AliasChoices("takeover_from", "HF_TAKEOVER_FROM"))
+    transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
+    agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
+    log_level: str = "INFO"
+
+
+def parse_engine_settings(argv: list[str]) -> EngineSettings:
+    return CliApp.run(EngineSettings, cli_args=argv)

@@ -1,0 +1,72 @@
+"""The weights file: made once from a seeded initialization, loaded by a cold start.
+
+Determinism: each tensor draws from its own generator seeded by (seed, crc32(name)), so the bytes of the
+file depend only on (size, seed, dtype) and not on the order tensors are made in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engines.reference.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.float32)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    if name == "tok_embeddings.weight":
+        std = 1.0
+    else:
+        std = 1.0 / math.sqrt(shape[1])  # fan-in scaling keeps activations O(1) through the layers
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std /= math.sqrt(2 * cfg.n_layers)  # residual branches: the sum over layers stays O(1)
+        if name == "output.weight":
+            std *= 4.0  # peaked next-token distributions, so greedy and sampled text differ visibly
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | None = None) -> Path:
+    """Write the safetensors file for `cfg` (deterministic for a given size, seed and dtype)."""
+    dt = torch_dtype(dtype or cfg.dtype)
+    tensors = {name: _init_tensor(cfg, name, shape, seed).to(dt).contiguous()
+               for name, shape in cfg.tensor_shapes().items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    meta = {"holdfast.size": cfg.name, "holdfast.seed": str(seed), "holdfast.dtype": str(dt).removeprefix("torch."),
+            "holdfast.config": json.dumps(cfg.__dict__)}
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(out)  # a reader never sees half a file
+    return out
+
+
+def file_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def check_file_matches(path: Path, cfg: ModelConfig) -> None:
+    size = file_metadata(path).get("holdfast.size")
+    if size is not None and size != cfg.name:
+        raise ValueError(f"{path} holds size {size!r}, the engine is configured for {cfg.name!r}")
+
+
+def load_weights(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A cold start's read of the file into ordinary (not leased) tensors."""
+    return load_file(str(path), device=str(device))
