@@ -117,6 +117,21 @@ class EngineInfo(Model):
     generation: int = 0
     version: str = "1"
     state: str = "starting"  # starting, ready, standby, failed, stopped
+    pid_start: int | None = None  # /proc/<pid>/stat start time (clock ticks): guards re-adoption against pid reuse
+    spec_key: str | None = None  # which agent spec this engine belongs to (None: adopted, started by others)
+    started_at: float | None = None
+
+
+class NodeInfo(Model):
+    """`nodes/<node>` in etcd, bound to the agent's etcd lease: it vanishes with a dead agent."""
+
+    node: str
+    datacenter: str = ""
+    agent_pid: int
+    agent_socket: str = ""
+    started_at: float
+    gpus: list[int] = Field(default_factory=list)
+    nvml: bool = False
 
 
 # ---------------------------------------------------------------- events (durable, on the JetStream stream)
@@ -141,6 +156,8 @@ class FaultDetected(Event):
     gpu: int = 0
     died_at: float | None = Field(None, description="when the agent observed the death (epoch seconds)")
     detail: str = ""
+    role: EngineRole | None = None  # a standby's fault costs no memory: the agent replaces it by itself
+    node: str = ""
 
 
 class IncidentOpened(Event):
@@ -193,6 +210,8 @@ class RecoverIntent(Event):
     kind: FaultKind | None = None
     memory_lost: bool = False  # gpu fault or lease gone: go straight to the cold-start fallback
     version: str | None = None  # hot upgrade: the successor's engine version
+    node: str | None = None  # the node the engine ran on (dc_manager routes and places by it)
+    successor: str | None = None  # a named standby to take over (manual failover may name one)
 
 
 class IntentResult(Event):

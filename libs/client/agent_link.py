@@ -1,0 +1,249 @@
+"""The engine's link to its node agent: registration, heartbeats, readiness, fatal errors, assignments.
+
+Synchronous and thread-based (an engine has no event loop); no PyTorch dependency.
+
+    link = AgentLink.connect()              # engine id, role, model... from the HF_* env the agent set
+    link.start_heartbeats(0.2)              # from a thread of its own: a busy engine is not declared hung
+    link.ready(endpoint="http://127.0.0.1:9000")
+    a = link.wait_assignment()              # standby only: blocks until the agent assigns a predecessor
+    link.report_fatal("cuda_error", "illegal address")   # then exit
+
+The link survives an agent restart: its thread reconnects and registers again with what it last said
+(role, ready, endpoint), so the new agent knows the engine without asking it anything.
+
+Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
+engine -> agent: register (first frame; answered by registered or error), heartbeat, ready, fatal, bye;
+agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model}, error {code, message}.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from libs.common import wire
+from libs.common.errors import HoldfastError, RemoteError, Unavailable
+from libs.common.ids import new_id
+
+log = logging.getLogger("holdfast.agent_link")
+
+PROTOCOL = 1
+
+
+@dataclass(frozen=True)
+class Assignment:
+    predecessor: str
+    transfer_token: str
+    incident_id: str | None
+    model: str
+
+
+def default_socket_path() -> str:
+    if os.environ.get("HF_AGENT_SOCKET"):
+        return os.environ["HF_AGENT_SOCKET"]
+    base = os.environ.get("HF_STATE_DIR") or str(Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"holdfast-{os.getuid()}")
+    return str(Path(base) / "agent.sock")
+
+
+class AgentLink:
+    def __init__(self, engine_id: str, socket_path: str, role: str, model: str, *, engine_class: str,
+                 gpu: int, version: str) -> None:
+        self.engine_id = engine_id
+        self.socket_path = socket_path
+        self.role = role
+        self.model = model
+        self.engine_class = engine_class
+        self.gpu = gpu
+        self.version = version
+        self.state = "starting"  # starting, ready, standby, assigned
+        self.endpoint: str | None = None
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._assignments: queue.Queue[Assignment] = queue.Queue()
+        self._acks: dict[int, threading.Event] = {}
+        self._seq = 0
+        self._hb_interval: float | None = None
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reconnects = 0
+
+    # ------------------------------------------------------------ public API
+
+    @classmethod
+    def connect(cls, engine_id: str | None = None, *, socket_path: str | None = None, role: str | None = None,
+                model: str | None = None, timeout: float = 10.0) -> AgentLink:
+        """Connect and register (retrying up to `timeout` while the agent's socket is not there yet)."""
+        env = os.environ
+        link = cls(
+            engine_id or env.get("HF_ENGINE_ID") or new_id("eng"),
+            socket_path or default_socket_path(),
+            role or env.get("HF_ENGINE_ROLE", "active"),
+            model or env.get("HF_MODEL", "unknown"),
+            engine_class=env.get("HF_ENGINE_CLASS", "default"),
+            gpu=int(env.get("HF_GPU", "0")),
+            version=env.get("HF_ENGINE_VERSION", "1"),
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                link._sock = link._register()
+                break
+            except (OSError, wire.PeerClosed) as e:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"agent at {link.socket_path} unreachable: {e}") from None
+                time.sleep(0.05)
+        link._thread = threading.Thread(target=link._run, name="agent-link", daemon=True)
+        link._thread.start()
+        return link
+
+    def start_heartbeats(self, interval_s: float = 0.2) -> None:
+        self._hb_interval = interval_s
+
+    def ready(self, endpoint: str | None = None, *, timeout: float = 5.0) -> None:
+        """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration."""
+        self.endpoint = endpoint
+        self.state = "standby" if self.role == "standby" else "ready"
+        self._request({"op": "ready", "endpoint": endpoint, "state": self.state}, timeout)
+
+    def report_fatal(self, kind: str = "cuda_error", detail: str = "", *, timeout: float = 2.0) -> None:
+        """Tell the agent this engine is failing; returns once the agent has it (or after `timeout`)."""
+        self._request({"op": "fatal", "kind": kind, "detail": detail[:2000]}, timeout)
+
+    def wait_assignment(self, timeout: float | None = None) -> Assignment:
+        """Block until the agent assigns this standby a predecessor; it becomes the active engine."""
+        try:
+            a = self._assignments.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no assignment in {timeout}s") from None
+        self.role = "active"
+        self.state = "assigned"
+        return a
+
+    def close(self) -> None:
+        """Say goodbye (the agent then knows a following exit is this engine's own) and stop the thread."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._send({"op": "bye"})
+        except (OSError, HoldfastError):
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def __enter__(self) -> AgentLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _hello(self) -> dict[str, Any]:
+        return {"op": "register", "protocol": PROTOCOL, "engine_id": self.engine_id, "pid": os.getpid(),
+                "role": self.role, "model": self.model, "engine_class": self.engine_class, "gpu": self.gpu,
+                "version": self.version, "state": self.state, "endpoint": self.endpoint,
+                "heartbeats": self._hb_interval is not None}
+
+    def _register(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(5.0)
+            sock.connect(self.socket_path)
+            wire.send_frame(sock, self._hello())
+            reply, fds = wire.recv_frame(sock)
+            wire.close_fds(fds)
+            if reply.get("op") == "error":
+                raise RemoteError(str(reply.get("code")), str(reply.get("message")))
+            if reply.get("op") != "registered":
+                raise RemoteError("malformed", f"unexpected reply to register: {reply.get('op')!r}")
+            sock.settimeout(None)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        sock = self._sock
+        if sock is None:
+            raise Unavailable("not connected to the agent")
+        with self._send_lock:
+            wire.send_frame(sock, msg)
+
+    def _request(self, msg: dict[str, Any], timeout: float) -> bool:
+        with self._send_lock:
+            self._seq += 1
+            seq = self._seq
+        done = threading.Event()
+        self._acks[seq] = done
+        try:
+            try:
+                self._send({**msg, "seq": seq})
+            except (OSError, HoldfastError):
+                # Reconnecting: the state travels with the next registration; a fatal report does not.
+                log.warning("agent link down while sending %s", msg["op"])
+            return done.wait(timeout)
+        finally:
+            self._acks.pop(seq, None)
+
+    def _run(self) -> None:
+        next_hb = time.monotonic()
+        while not self._closed.is_set():
+            sock = self._sock
+            if sock is None:
+                try:
+                    self._sock = self._register()
+                    self.reconnects += 1
+                    log.info("re-registered with the agent at %s", self.socket_path)
+                except (OSError, HoldfastError):
+                    self._closed.wait(0.05)
+                continue
+            now = time.monotonic()
+            if self._hb_interval is not None and now >= next_hb:
+                try:
+                    self._send({"op": "heartbeat"})
+                except OSError:
+                    self._drop(sock)
+                    continue
+                next_hb = now + self._hb_interval
+            wait = max(0.0, next_hb - time.monotonic()) if self._hb_interval is not None else 0.1
+            try:
+                readable, _, _ = select.select([sock], [], [], min(wait, 0.1))
+                if readable:
+                    msg, fds = wire.recv_frame(sock)
+                    wire.close_fds(fds)
+                    self._dispatch(msg)
+            except (OSError, wire.PeerClosed, HoldfastError, ValueError):
+                self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        if self._closed.is_set():
+            return
+        log.warning("agent link lost; reconnecting")
+        if self._sock is sock:
+            self._sock = None
+        sock.close()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "ack":
+            ev = self._acks.get(int(msg.get("seq", -1)))
+            if ev is not None:
+                ev.set()
+        elif op == "assign":
+            self._assignments.put(Assignment(
+                predecessor=str(msg["predecessor"]), transfer_token=str(msg["transfer_token"]),
+                incident_id=msg.get("incident_id"), model=str(msg.get("model") or self.model)))
+        elif op == "error":
+            log.error("agent says: %s: %s", msg.get("code"), msg.get("message"))

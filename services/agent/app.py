@@ -1,0 +1,139 @@
+"""Wiring of the agent: records, re-adoption, the engines' socket, the node key, NVML, commands, loops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from libs.common import wire
+from libs.common.events import (
+    EngineRole,
+    ListEngines,
+    ListEnginesReply,
+    NodeInfo,
+    Spawn,
+    SpawnReply,
+    StopEngine,
+    StopReply,
+    Takeover,
+)
+from libs.common.service import Runtime
+from services.agent import records
+from services.agent.engines import LIVE
+from services.agent.link_server import make_handler
+from services.agent.nvml import NvmlWatcher
+from services.agent.settings import AgentSettings
+from services.agent.supervision import spec_key
+from services.agent.supervisor import Agent
+from services.agent.takeover import Takeovers
+
+log = logging.getLogger("holdfast.agent")
+
+
+async def setup(rt: Runtime) -> None:
+    settings: AgentSettings = rt.settings  # type: ignore[assignment]
+    settings.ensure_state_dir()
+    writer = records.RecordWriter(rt.store)
+    rt.spawn("records", writer.run())
+    agent = Agent(settings, rt.bus, writer)
+    rt.on_close(agent.close)
+
+    # Specs: those received over NATS earlier (etcd), then the configured ones (config wins).
+    agent.specs.update(await records.load_specs(rt.store, settings.node))
+    for spec in settings.load_specs():
+        agent.specs[spec_key(spec)] = spec
+
+    # Engines still running from a previous agent on this node, before anyone can register.
+    for info in await records.load_engines(rt.store, settings.node):
+        agent.readopt(info)
+
+    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent), mode=0o600)
+    rt.on_close(server.close)
+
+    nvml = NvmlWatcher(agent.gpu_fault)
+    has_nvml = settings.nvml and nvml.start(asyncio.get_running_loop())
+    if settings.nvml and not has_nvml:
+        pass  # NvmlWatcher said why, once
+    rt.on_close(_async(nvml.stop))
+
+    node = NodeInfo(node=settings.node, datacenter=settings.datacenter, agent_pid=os.getpid(),
+                    agent_socket=str(settings.socket_path()), started_at=time.time(),
+                    gpus=settings.gpus or nvml.gpus, nvml=bool(has_nvml))
+    rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
+
+    takeovers = Takeovers(agent)
+    await rt.bus.serve(settings.node, Spawn, lambda cmd: _spawn(agent, cmd))
+    await rt.bus.serve(settings.node, StopEngine, lambda cmd: _stop(agent, cmd))
+    await rt.bus.serve(settings.node, ListEngines, lambda cmd: _list(agent))
+    await rt.bus.serve(settings.node, Takeover, takeovers.handle)
+
+    rt.spawn("monitor", agent.monitor_loop())
+    rt.spawn("reconcile", agent.reconcile_loop())
+    rt.health_detail = lambda: {
+        "engines": {r.engine_id: r.state.value for r in agent.records()},
+        "faults_published": agent.faults_published,
+        "nvml": bool(has_nvml),
+        "socket": str(settings.socket_path()),
+    }
+    agent.reconcile_soon()
+
+
+def _async(fn):  # noqa: ANN001, ANN202 - adapts a plain closer to Runtime.on_close
+    async def run() -> None:
+        fn()
+
+    return run
+
+
+async def _keep_node_key(rt: Runtime, node: NodeInfo, ttl: int) -> None:
+    """nodes/<node> bound to our etcd lease; a lost lease (etcd partition) is re-granted and re-written."""
+    while True:
+        lease, keepalive = await records.register_node(rt.store, node, ttl)
+        task = asyncio.create_task(keepalive.run(), name="node-lease-keepalive")
+        try:
+            await keepalive.lost.wait()
+            log.error("node lease lost; registering the node again")
+        finally:
+            task.cancel()
+            if rt.stopping.is_set():
+                await rt.store.revoke(lease)  # a clean stop removes the node at once
+
+
+async def _spawn(agent: Agent, cmd: Spawn) -> SpawnReply:
+    key = spec_key(cmd.spec)
+    if cmd.reattach_from is not None:
+        # dc_manager's cold-start fallback: one process that reattaches the named engine's leases.
+        extra = {"HF_TAKEOVER_FROM": cmd.reattach_from, "HF_TRANSFER_TOKEN": cmd.transfer_token or "",
+                 "HF_INCIDENT_ID": cmd.incident_id or ""}
+        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra)
+        return SpawnReply(engine=agent.info(rec))
+    agent.specs[key] = cmd.spec
+    agent.writer.put_spec(agent.node, key, cmd.spec)
+    actives = [r for r in agent.records() if r.spec_key == key and r.role is EngineRole.ACTIVE and r.state in LIVE]
+    if cmd.engine_id is not None and cmd.engine_id in agent.engines:
+        rec = agent.engines[cmd.engine_id]
+    elif cmd.engine_id is not None or len(actives) < cmd.spec.replicas or not actives:
+        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id)
+    else:
+        rec = actives[0]
+    agent.reconcile_soon()  # standbys and further replicas
+    return SpawnReply(engine=agent.info(rec))
+
+
+async def _stop(agent: Agent, cmd: StopEngine) -> StopReply:
+    rec = agent.get(cmd.engine_id)
+    spec = agent.specs.get(rec.spec_key or "")
+    if spec is not None:
+        # Stopping on purpose means one fewer of that kind: otherwise the reconciler would start it again.
+        field = "replicas" if rec.role is EngineRole.ACTIVE else "standbys"
+        spec = spec.model_copy(update={field: max(0, getattr(spec, field) - 1)})
+        agent.specs[rec.spec_key or ""] = spec
+        agent.writer.put_spec(agent.node, rec.spec_key or "", spec)
+    code = await agent.stop(cmd.engine_id)
+    return StopReply(engine_id=cmd.engine_id, exit_code=code)
+
+
+async def _list(agent: Agent) -> ListEnginesReply:
+    return ListEnginesReply(engines=[agent.info(r) for r in agent.records()])

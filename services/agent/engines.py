@@ -1,0 +1,117 @@
+"""Engine records and their lifecycle as a transition table (pure: no I/O).
+
+Invariants (README, numbered there):
+- an engine's state changes only through `transition()`; an undefined move raises `InvalidTransition`;
+- a record is `faulted` at most once (`FaultLatch`): one `FaultDetected` per engine generation, whatever
+  else is observed afterwards (a hung engine later killed, a reported error followed by the exit).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from libs.common.errors import InvalidTransition
+from libs.common.events import EngineInfo, EngineRole
+
+
+class State(StrEnum):
+    STARTING = "starting"  # process started (or adopted), not ready yet
+    READY = "ready"  # active and serving
+    STANDBY = "standby"  # warmed up, waiting for an assignment
+    ASSIGNED = "assigned"  # a standby told to take over; attaching
+    FAILED = "failed"  # a fault was detected; waits for a takeover (or its replacement)
+    STOPPING = "stopping"  # asked to stop by the agent
+    STOPPED = "stopped"  # gone on purpose or after its fault was handled
+
+
+class Ev(StrEnum):
+    READY = "ready"
+    ASSIGN = "assign"
+    FAULT = "fault"
+    STOP = "stop"
+    GONE = "gone"
+
+
+_T: dict[tuple[State, Ev], State] = {
+    (State.STARTING, Ev.READY): State.READY,  # role picks READY or STANDBY, see transition()
+    (State.STANDBY, Ev.READY): State.STANDBY,  # re-registration after an agent restart
+    (State.READY, Ev.READY): State.READY,
+    (State.STANDBY, Ev.ASSIGN): State.ASSIGNED,
+    (State.ASSIGNED, Ev.READY): State.READY,
+    (State.FAILED, Ev.STOP): State.FAILED,  # killing a failed engine does not make it healthy
+    (State.FAILED, Ev.GONE): State.STOPPED,
+    (State.STOPPING, Ev.GONE): State.STOPPED,
+    (State.STOPPING, Ev.FAULT): State.STOPPING,  # dying while being stopped is not a fault
+}
+for _s in (State.STARTING, State.READY, State.STANDBY, State.ASSIGNED):
+    _T[(_s, Ev.FAULT)] = State.FAILED
+    _T[(_s, Ev.STOP)] = State.STOPPING
+    _T[(_s, Ev.GONE)] = State.STOPPED
+TRANSITIONS = dict(_T)
+
+LIVE = frozenset({State.STARTING, State.READY, State.STANDBY, State.ASSIGNED})
+
+
+@dataclass
+class EngineRecord:
+    engine_id: str
+    model: str
+    engine_class: str
+    role: EngineRole
+    gpu: int = 0
+    version: str = "1"
+    spec_key: str | None = None
+    pid: int | None = None
+    pid_start: int | None = None
+    child: bool = False  # our own child: waitid gives the exit status
+    generation: int = 0
+    state: State = State.STARTING
+    endpoint: str | None = None
+    started_at: float = field(default_factory=time.time)
+    spawned_mono: float = field(default_factory=time.monotonic)
+    last_heartbeat: float | None = None  # monotonic; None: hang detection not armed yet
+    linked: bool = False
+    said_bye: bool = False
+    faulted: bool = False
+    failed_mono: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+
+    def transition(self, ev: Ev) -> State:
+        nxt = TRANSITIONS.get((self.state, ev))
+        if nxt is None:
+            raise InvalidTransition(f"engine {self.engine_id}: {ev.value} is not allowed in state {self.state.value}")
+        if self.state is State.STARTING and ev is Ev.READY and self.role is EngineRole.STANDBY:
+            nxt = State.STANDBY
+        self.state = nxt
+        return nxt
+
+    def latch_fault(self) -> bool:
+        """True the first time only: the caller may publish this generation's one FaultDetected."""
+        if self.faulted or self.state in (State.STOPPING, State.STOPPED):
+            return False
+        self.faulted = True
+        return True
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
+    def info(self, node: str = "") -> EngineInfo:
+        return EngineInfo(
+            engine_id=self.engine_id, node=node, model=self.model, engine_class=self.engine_class, role=self.role,
+            pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
+            state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
+        )
+
+    @classmethod
+    def from_info(cls, info: EngineInfo) -> EngineRecord:
+        state = State(info.state) if info.state in State.__members__.values() else State.STARTING
+        return cls(
+            engine_id=info.engine_id, model=info.model, engine_class=info.engine_class, role=info.role,
+            gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
+            child=False, generation=info.generation, state=state, endpoint=info.endpoint,
+            started_at=info.started_at or time.time(), faulted=state is State.FAILED,
+        )

@@ -1,0 +1,156 @@
+"""Process death noticed through pidfds on the event loop: no polling, no SIGCHLD races.
+
+`os.pidfd_open(pid)` gives an fd that becomes readable when the process exits; the loop's reader
+callback fires within microseconds of the death. For our own children `os.waitid(P_PIDFD, ...)` reaps
+them and yields the exit code or signal; a process adopted from someone else cannot be waited on, so its
+status is unknown (the caller decides what that means). Signals go through `pidfd_send_signal`, which
+cannot hit a recycled pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("holdfast.agent.pidfd")
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    pid: int
+    at: float  # epoch seconds when the loop noticed the death
+    known: bool  # False: not our child, the exit code/signal is unknowable
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None if gone.
+
+    A pid together with its start time names one process forever: a recycled pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    rest = raw[raw.rindex(b")") + 2:].split()
+    return int(rest[19])  # field 22 overall; rest starts at field 3
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of /proc/<pid>/stat (R, S, T for stopped, Z for zombie...)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rindex(b")") + 2:].split()[0].decode()
+
+
+class PidWatcher:
+    """Watch processes by key (engine id); `on_exit(key, status)` runs on the loop when one dies."""
+
+    def __init__(self, on_exit: Callable[[str, ExitStatus], None]) -> None:
+        self._on_exit = on_exit
+        self._fds: dict[str, tuple[int, int, bool]] = {}  # key -> (pidfd, pid, child)
+        self._waiters: dict[str, list[asyncio.Future[ExitStatus]]] = {}
+        self._dead: dict[str, ExitStatus] = {}
+
+    def watch(self, key: str, pid: int, *, child: bool, start_time: int | None = None) -> None:
+        """Start watching; raises ProcessLookupError if the process (with that start time) is gone."""
+        self.unwatch(key)
+        fd = os.pidfd_open(pid)
+        # The fd pins this pid: if the start time still matches now, the fd names the process we meant.
+        if start_time is not None and proc_start_time(pid) != start_time:
+            os.close(fd)
+            raise ProcessLookupError(f"pid {pid} was recycled")
+        self._fds[key] = (fd, pid, child)
+        self._dead.pop(key, None)
+        asyncio.get_running_loop().add_reader(fd, self._readable, key)
+
+    def watching(self, key: str) -> bool:
+        return key in self._fds
+
+    def unwatch(self, key: str) -> None:
+        entry = self._fds.pop(key, None)
+        if entry is not None:
+            asyncio.get_running_loop().remove_reader(entry[0])
+            os.close(entry[0])
+
+    def close(self) -> None:
+        for key in list(self._fds):
+            self.unwatch(key)
+
+    def signal(self, key: str, sig: int = signal.SIGKILL) -> bool:
+        """Send `sig` through the pidfd; False when the process is already gone or not watched."""
+        entry = self._fds.get(key)
+        if entry is None:
+            return False
+        try:
+            signal.pidfd_send_signal(entry[0], sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    async def wait_dead(self, key: str, within_s: float | None = None) -> ExitStatus:
+        """The death of a watched process (immediately if it already died)."""
+        if key in self._dead:
+            return self._dead[key]
+        if key not in self._fds:
+            raise KeyError(key)
+        fut: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(fut)
+        return await asyncio.wait_for(asyncio.shield(fut), within_s)
+
+    def _readable(self, key: str) -> None:
+        at = time.time()
+        entry = self._fds.pop(key, None)
+        if entry is None:
+            return
+        fd, pid, child = entry
+        asyncio.get_running_loop().remove_reader(fd)
+        status = ExitStatus(pid=pid, at=at, known=False)
+        if child:
+            try:
+                res = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                res = None  # reaped elsewhere (should not happen): report an unknown status
+            if res is not None:
+                if res.si_code == os.CLD_EXITED:
+                    status = ExitStatus(pid=pid, at=at, known=True, exit_code=res.si_status)
+                else:  # CLD_KILLED or CLD_DUMPED
+                    status = ExitStatus(pid=pid, at=at, known=True, signal=res.si_status)
+        os.close(fd)
+        self._dead[key] = status
+        for fut in self._waiters.pop(key, []):
+            if not fut.done():
+                fut.set_result(status)
+        try:
+            self._on_exit(key, status)
+        except Exception:  # noqa: BLE001 - a failing callback must not break the loop's reader dispatch
+            log.exception("exit callback for %s failed", key)
+
+    def forget(self, key: str) -> None:
+        self._dead.pop(key, None)
+
+
+def signal_pid(pid: int, sig: int, start_time: int | None) -> bool:
+    """Signal a process we do not watch, only if it is still the one that started at `start_time`."""
+    with contextlib.suppress(ProcessLookupError):
+        fd = os.pidfd_open(pid)
+        try:
+            if start_time is not None and proc_start_time(pid) != start_time:
+                return False
+            signal.pidfd_send_signal(fd, sig)
+            return True
+        finally:
+            os.close(fd)
+    return False

@@ -1,0 +1,82 @@
+"""etcd records of this node's engines and of the node itself.
+
+- `engines/<id>`: EngineInfo JSON, written in the order the agent decided the changes (one writer task),
+  never on the detection path: a FaultDetected is published before its record is written.
+- `nodes/<node>`: NodeInfo bound to the agent's etcd lease, refreshed by `KeepAlive`; a SIGKILLed agent
+  stops refreshing and etcd deletes the key after the lease's ttl.
+- `agents/<node>/specs/<key>`: specs received over NATS, so a restarted agent keeps running them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from libs.common.events import EngineInfo, EngineSpec, NodeInfo
+from libs.common.store import KeepAlive, Lease, Store
+
+log = logging.getLogger("holdfast.agent.records")
+
+
+class RecordWriter:
+    """Applies record changes in order from one task; a failed write is retried, later ones wait."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._queue: asyncio.Queue[tuple[str, EngineInfo | EngineSpec | None]] = asyncio.Queue()
+
+    def put_engine(self, info: EngineInfo) -> None:
+        self._queue.put_nowait((f"engines/{info.engine_id}", info))
+
+    def delete_engine(self, engine_id: str) -> None:
+        self._queue.put_nowait((f"engines/{engine_id}", None))
+
+    def put_spec(self, node: str, key: str, spec: EngineSpec) -> None:
+        self._queue.put_nowait((f"agents/{node}/specs/{key}", spec))
+
+    async def flushed(self) -> None:
+        await self._queue.join()
+
+    async def run(self) -> None:
+        while True:
+            key, value = await self._queue.get()
+            try:
+                while True:
+                    try:
+                        if value is None:
+                            await self.store.delete(key)
+                        else:
+                            await self.store.put(key, value)
+                        break
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - etcd briefly away: keep the order, retry
+                        log.warning("etcd write of %s failed (%s); retrying", key, e)
+                        await asyncio.sleep(0.2)
+            finally:
+                self._queue.task_done()
+
+
+async def load_engines(store: Store, node: str) -> list[EngineInfo]:
+    out = []
+    for key, raw in (await store.get_prefix("engines/")).items():
+        try:
+            info = EngineInfo.model_validate_json(raw)
+        except ValueError:
+            log.warning("ignoring unreadable record %s", key)
+            continue
+        if info.node == node:
+            out.append(info)
+    return out
+
+
+async def load_specs(store: Store, node: str) -> dict[str, EngineSpec]:
+    prefix = f"agents/{node}/specs/"
+    return {k.removeprefix(prefix): EngineSpec.model_validate_json(v)
+            for k, v in (await store.get_prefix(prefix)).items()}
+
+
+async def register_node(store: Store, info: NodeInfo, ttl: int) -> tuple[Lease, KeepAlive]:
+    lease = await store.grant(ttl)
+    await store.put(f"nodes/{info.node}", info, lease=lease)
+    return lease, KeepAlive(store, lease)

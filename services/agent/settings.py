@@ -1,0 +1,40 @@
+"""The agent's settings (flags `--engines-file`..., or env `HF_ENGINES_FILE`...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from libs.common.config import CommonSettings
+from libs.common.events import EngineSpec
+
+
+class AgentSettings(CommonSettings):
+    engines_file: Path | None = Field(None, description="JSON list of EngineSpec to run on this node")
+    engines: list[EngineSpec] = Field(default_factory=list, description="engine specs inline (JSON, env HF_ENGINES)")
+    agent_socket: Path | None = Field(None, description="engines' unix socket; default <state_dir>/agent.sock")
+    gpu_manager_socket: Path | None = Field(None, description="passed to engines; default <state_dir>/gpu_manager.sock")
+    heartbeat_timeout_s: float = Field(1.0, description="heartbeats missing this long: the engine is hung")
+    node_ttl_s: int = Field(3, description="etcd lease of nodes/<node>: a dead agent's node key vanishes after this")
+    stop_timeout_s: float = Field(5.0, description="SIGTERM, then SIGKILL after this long")
+    takeover_timeout_s: float = Field(15.0, description="a standby must be ready this long after its assignment")
+    takeover_wait_s: float = Field(60.0, description="a failed active engine waits this long for a takeover "
+                                   "before the agent replaces it with a fresh (non-reattaching) engine")
+    reconcile_interval_s: float = Field(0.5, description="how often the desired engines are compared with the live ones")
+    gpus: list[int] = Field(default_factory=list, description="GPUs of this node (NVML: all visible when empty)")
+    nvml: bool = Field(True, description="watch GPU health through NVML when it is available")
+
+    def socket_path(self) -> Path:
+        return self.agent_socket or self.state_dir / "agent.sock"
+
+    def gpu_manager_path(self) -> Path:
+        return self.gpu_manager_socket or self.state_dir / "gpu_manager.sock"
+
+    def load_specs(self) -> list[EngineSpec]:
+        specs = list(self.engines)
+        if self.engines_file is not None:
+            from pydantic import TypeAdapter
+
+            specs += TypeAdapter(list[EngineSpec]).validate_json(self.engines_file.read_bytes())
+        return specs

@@ -1,0 +1,80 @@
+"""What engines to start or retire, computed from the desired specs and the observed records (pure).
+
+Level-triggered (kopf's habit): `plan()` looks at the whole picture each time, so a missed event or an
+agent restart is corrected by the next pass rather than by remembering what happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libs.common.events import EngineRole, EngineSpec
+from libs.common.ids import subject_token
+from services.agent.engines import LIVE, EngineRecord, State
+
+
+def spec_key(spec: EngineSpec) -> str:
+    """One desired set per (model, engine class, version): a hot upgrade's new version is a new set."""
+    return "_".join(subject_token(p) for p in (spec.model, spec.engine_class, spec.version))
+
+
+@dataclass
+class Plan:
+    start: list[tuple[str, EngineRole]] = field(default_factory=list)  # (spec key, role), one per process
+    retire: list[str] = field(default_factory=list)  # failed engines nobody took over in time
+
+
+def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
+    if r.role is not EngineRole.ACTIVE:
+        return False
+    if r.state in LIVE:
+        return True
+    # A failed active engine keeps its slot while a takeover may still come for its memory.
+    return r.state is State.FAILED and r.failed_mono is not None and now - r.failed_mono < takeover_wait_s
+
+
+def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float) -> Plan:
+    out = Plan()
+    for r in records:
+        if (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.failed_mono is not None
+                and now - r.failed_mono >= takeover_wait_s):
+            out.retire.append(r.engine_id)
+        elif r.state is State.FAILED and r.role is EngineRole.STANDBY:
+            out.retire.append(r.engine_id)  # a standby holds no memory: nothing to wait for
+    for key, spec in specs.items():
+        mine = [r for r in records if r.spec_key == key]
+        active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s))
+        standby = sum(1 for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE)
+        out.start += [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)
+        out.start += [(key, EngineRole.STANDBY)] * max(0, spec.standbys - standby)
+    return out
+
+
+def pick_standby(records: list[EngineRecord], model: str, *, version: str | None = None,
+                 named: str | None = None) -> EngineRecord | None:
+    """A warmed standby for `model` (and `version` for a hot upgrade); the named one if given and fit."""
+    def fit(r: EngineRecord) -> bool:
+        return (r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.model == model
+                and (version is None or r.version == version))
+
+    if named is not None:
+        return next((r for r in records if r.engine_id == named and fit(r)), None)
+    ready = [r for r in records if fit(r)]
+    return min(ready, key=lambda r: r.spawned_mono) if ready else None  # the oldest: most surely warm
+
+
+def overdue(records: list[EngineRecord], now: float, timeout_s: float) -> list[EngineRecord]:
+    """Live engines whose heartbeats stopped for longer than the timeout (armed by the first heartbeat)."""
+    return [r for r in records if r.live and not r.faulted and r.last_heartbeat is not None
+            and now - r.last_heartbeat > timeout_s]
+
+
+def never_linked(records: list[EngineRecord], now: float, specs: dict[str, EngineSpec]) -> list[EngineRecord]:
+    """Engines that never connected within twice their spec's cold-start time: hung during startup."""
+    out = []
+    for r in records:
+        spec = specs.get(r.spec_key or "")
+        if (spec is not None and r.state is State.STARTING and not r.faulted and r.last_heartbeat is None
+                and now - r.spawned_mono > 2 * spec.cold_start_s):
+            out.append(r)
+    return out

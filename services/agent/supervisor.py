@@ -1,0 +1,361 @@
+"""The agent's core: engine records, process watching, the link with engines, and fault publication.
+
+Every observation (a pidfd turning readable, a heartbeat deadline, a fatal report, an NVML event) goes
+through `fault()`, which publishes at most one `FaultDetected` per engine generation (`latch_fault`).
+Publication happens before any etcd write: the detection path is one JetStream publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from libs.common.bus import Bus
+from libs.common.errors import Conflict, NotFound, PermissionDenied
+from libs.common.events import (
+    EngineInfo,
+    EngineReady,
+    EngineRole,
+    EngineSpec,
+    EngineStarted,
+    EngineStopped,
+    Event,
+    FaultDetected,
+    FaultKind,
+)
+from libs.common.ids import new_id, subject_token
+from libs.common.wire import FrameStream
+from services.agent import launcher, supervision
+from services.agent.engines import EngineRecord, Ev, State
+from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
+from services.agent.records import RecordWriter
+from services.agent.settings import AgentSettings
+
+log = logging.getLogger("holdfast.agent")
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, bus: Bus, writer: RecordWriter) -> None:
+        self.settings = settings
+        self.node = settings.node
+        self.bus = bus
+        self.writer = writer
+        self.engines: dict[str, EngineRecord] = {}
+        self.specs: dict[str, EngineSpec] = {}
+        self.links: dict[str, FrameStream] = {}
+        self.watcher = PidWatcher(self._on_exit)
+        self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.faults_published = 0
+        self._reconcile_now = asyncio.Event()
+
+    # ------------------------------------------------------------ helpers
+
+    def background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+
+    def publish(self, payload: Event) -> None:
+        self.background(self.bus.emit(payload), f"emit:{payload.type}")  # type: ignore[attr-defined]
+
+    def info(self, rec: EngineRecord) -> EngineInfo:
+        return rec.info(self.node)
+
+    def save(self, rec: EngineRecord) -> None:
+        self.writer.put_engine(self.info(rec))
+
+    def get(self, engine_id: str) -> EngineRecord:
+        rec = self.engines.get(engine_id)
+        if rec is None:
+            raise NotFound(f"no engine {engine_id!r} on node {self.node}")
+        return rec
+
+    def records(self) -> list[EngineRecord]:
+        return list(self.engines.values())
+
+    # ------------------------------------------------------------ starting
+
+    def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
+                     extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None) -> EngineRecord:
+        spec = spec or self.specs[key]
+        engine_id = engine_id or new_id(subject_token(spec.model))
+        if engine_id in self.engines and self.engines[engine_id].live:
+            raise Conflict(f"engine {engine_id} already runs")
+        gpu = spec.gpus[0] if spec.gpus else 0
+        env = launcher.engine_env(self.settings, spec, engine_id=engine_id, role=role, gpu=gpu, extra=extra_env)
+        log_path = self.settings.state_dir / "engines" / f"{engine_id}.log"
+        pid = launcher.spawn(spec.command, env, log_path)
+        rec = EngineRecord(engine_id=engine_id, model=spec.model, engine_class=spec.engine_class, role=role,
+                           gpu=gpu, version=spec.version, spec_key=key, pid=pid, pid_start=proc_start_time(pid),
+                           child=True, generation=generation)
+        self.engines[engine_id] = rec
+        self.watcher.watch(engine_id, pid, child=True)  # our unreaped child: its pid cannot be recycled yet
+        log.info("started %s engine %s (pid %d) for %s", role.value, engine_id, pid, spec.model)
+        self.publish(EngineStarted(engine=self.info(rec)))
+        self.save(rec)
+        return rec
+
+    async def wait_ready(self, engine_id: str, within_s: float) -> EngineRecord:
+        """The record once the engine says ready; raises if it dies (or faults) first."""
+        rec = self.get(engine_id)
+        if rec.state in (State.READY,) or (rec.state is State.STANDBY and rec.role is EngineRole.STANDBY):
+            return rec
+        fut: asyncio.Future[EngineRecord] = asyncio.get_running_loop().create_future()
+        self._ready_waiters.setdefault(engine_id, []).append(fut)
+        return await asyncio.wait_for(fut, within_s)
+
+    def _resolve_ready(self, rec: EngineRecord, exc: BaseException | None = None) -> None:
+        for fut in self._ready_waiters.pop(rec.engine_id, []):
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(rec)
+                else:
+                    fut.set_exception(exc)
+
+    # ------------------------------------------------------------ detection
+
+    def fault(self, rec: EngineRecord, kind: FaultKind, *, exit_code: int | None = None, sig: int | None = None,
+              detail: str = "", died_at: float | None = None) -> bool:
+        """Publish this generation's one FaultDetected; False when it was already published (or a stop)."""
+        if not rec.latch_fault():
+            return False
+        self.publish(FaultDetected(
+            engine_id=rec.engine_id, model=rec.model, engine_class=rec.engine_class, generation=rec.generation,
+            pid=rec.pid, kind=kind, exit_code=exit_code, signal=sig, gpu=rec.gpu, died_at=died_at, detail=detail,
+            role=rec.role, node=self.node))
+        self.faults_published += 1
+        rec.transition(Ev.FAULT)
+        rec.failed_mono = time.monotonic()
+        log.warning("engine %s: %s %s", rec.engine_id, kind.value, detail)
+        self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} failed: {kind.value}"))
+        self.save(rec)
+        return True
+
+    def _on_exit(self, engine_id: str, st: ExitStatus) -> None:
+        rec = self.engines.get(engine_id)
+        if rec is None:
+            return
+        rec.exit_code, rec.signal = st.exit_code, st.signal
+        if st.known:
+            kind = FaultKind.KILLED if st.signal is not None else FaultKind.EXITED
+            detail = f"signal {signal.Signals(st.signal).name}" if st.signal else f"exit code {st.exit_code}"
+        elif rec.said_bye:
+            kind, detail = FaultKind.EXITED, "exited after saying goodbye (adopted: exit code unknown)"
+        else:
+            kind, detail = FaultKind.KILLED, "died without a goodbye (adopted: signal unknown)"
+        self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=detail, died_at=st.at)
+        self._gone(rec)
+
+    def _gone(self, rec: EngineRecord) -> None:
+        """The process no longer exists: drop its link; a stopped engine's record goes away."""
+        link = self.links.pop(rec.engine_id, None)
+        if link is not None:
+            link.close()
+        if rec.state is State.STOPPING:
+            rec.transition(Ev.GONE)
+            self.publish(EngineStopped(engine_id=rec.engine_id, exit_code=rec.exit_code))
+            self.engines.pop(rec.engine_id, None)
+            self.writer.delete_engine(rec.engine_id)
+        self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} exited"))
+
+    def check_heartbeats(self, now: float) -> None:
+        for rec in supervision.overdue(self.records(), now, self.settings.heartbeat_timeout_s):
+            late = now - (rec.last_heartbeat or now)
+            self.fault(rec, FaultKind.HUNG, detail=f"no heartbeat for {late:.3f}s", died_at=time.time())
+        for rec in supervision.never_linked(self.records(), now, self.specs):
+            self.fault(rec, FaultKind.HUNG, detail="never connected to the agent", died_at=time.time())
+
+    def gpu_fault(self, gpu: int, detail: str) -> int:
+        hit = [r for r in self.records() if r.gpu == gpu and r.live]
+        for rec in hit:
+            self.fault(rec, FaultKind.GPU_FAULT, detail=detail, died_at=time.time())
+        return len(hit)
+
+    # ------------------------------------------------------------ stopping and killing
+
+    async def kill_confirmed(self, rec: EngineRecord, within_s: float = 5.0) -> ExitStatus | None:
+        """SIGKILL through the pidfd and wait for the pidfd to say it is dead (a hung owner still maps memory)."""
+        if not self.watcher.watching(rec.engine_id):
+            return None  # already dead (or never watched: not a process of this node any more)
+        self.watcher.signal(rec.engine_id, signal.SIGKILL)
+        return await self.watcher.wait_dead(rec.engine_id, within_s)
+
+    async def stop(self, engine_id: str) -> int | None:
+        rec = self.get(engine_id)
+        if rec.state is State.FAILED:
+            await self.kill_confirmed(rec)
+            self.retire(rec)
+            return rec.exit_code
+        if rec.state is State.STOPPING:
+            raise Conflict(f"engine {engine_id} is already stopping")
+        rec.transition(Ev.STOP)
+        self.save(rec)
+        if self.watcher.watching(engine_id):
+            self.watcher.signal(engine_id, signal.SIGTERM)
+            try:
+                await self.watcher.wait_dead(engine_id, self.settings.stop_timeout_s)
+            except TimeoutError:
+                await self.kill_confirmed(rec)
+        elif rec.engine_id in self.engines:
+            self._gone(rec)
+        return rec.exit_code
+
+    def retire(self, rec: EngineRecord) -> None:
+        """Forget a failed engine whose fault has been handled (taken over, or replaced)."""
+        if rec.state is State.FAILED and not self.watcher.watching(rec.engine_id):
+            rec.transition(Ev.GONE)
+        elif rec.state is State.FAILED:
+            return  # still alive (hung): kill_confirmed first
+        self.engines.pop(rec.engine_id, None)
+        self.watcher.forget(rec.engine_id)
+        self.writer.delete_engine(rec.engine_id)
+
+    # ------------------------------------------------------------ the link with engines
+
+    def on_register(self, msg: dict[str, Any], stream: FrameStream) -> EngineRecord:
+        creds = stream.peer_credentials()
+        pid = int(msg.get("pid") or 0)
+        if pid != creds.pid:
+            raise PermissionDenied(f"claimed pid {pid} but the socket says {creds.pid}")
+        engine_id = str(msg.get("engine_id") or "")
+        if not engine_id:
+            raise PermissionDenied("register needs an engine_id")
+        rec = self.engines.get(engine_id)
+        if rec is not None and rec.pid not in (None, pid) and self.watcher.watching(engine_id):
+            raise Conflict(f"engine {engine_id} is already registered by pid {rec.pid}")
+        if rec is None or not rec.live:
+            rec = self._adopt(msg, pid)
+        old = self.links.pop(engine_id, None)
+        if old is not None and old is not stream:
+            old.close()  # the same engine registering again: its newer connection wins
+        self.links[engine_id] = stream
+        rec.linked = True
+        if msg.get("heartbeats") and rec.last_heartbeat is None:
+            rec.last_heartbeat = time.monotonic()  # re-registration of a heartbeating engine: keep watching
+        state = msg.get("state")
+        if state in ("ready", "standby") and rec.state is State.STARTING:
+            rec.endpoint = msg.get("endpoint")
+            rec.transition(Ev.READY)
+            self.save(rec)
+        return rec
+
+    def _adopt(self, msg: dict[str, Any], pid: int) -> EngineRecord:
+        role = EngineRole(msg.get("role") or "active")
+        start = proc_start_time(pid)
+        rec = EngineRecord(engine_id=str(msg["engine_id"]), model=str(msg.get("model") or "unknown"),
+                           engine_class=str(msg.get("engine_class") or "default"), role=role,
+                           gpu=int(msg.get("gpu") or 0), version=str(msg.get("version") or "1"), pid=pid,
+                           pid_start=start, child=False)
+        self.watcher.watch(rec.engine_id, pid, child=False, start_time=start)
+        self.engines[rec.engine_id] = rec
+        log.info("adopted engine %s (pid %d) started by someone else", rec.engine_id, pid)
+        self.publish(EngineStarted(engine=self.info(rec)))
+        self.save(rec)
+        return rec
+
+    def on_message(self, rec: EngineRecord, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Handle one frame from an engine; returns the reply (an ack) if the frame wants one."""
+        op = msg.get("op")
+        if op == "heartbeat":
+            rec.last_heartbeat = time.monotonic()
+            return None
+        ack = {"op": "ack", "seq": msg.get("seq")} if "seq" in msg else None
+        if op == "ready":
+            rec.endpoint = msg.get("endpoint")
+            if rec.state in (State.STARTING, State.ASSIGNED, State.READY, State.STANDBY):
+                rec.transition(Ev.READY)
+                self.publish(EngineReady(engine=self.info(rec)))
+                self.save(rec)
+                self._resolve_ready(rec)
+        elif op == "fatal":
+            kind = FaultKind.CUDA_ERROR if msg.get("kind", "cuda_error") == "cuda_error" else FaultKind(msg["kind"])
+            self.fault(rec, kind, detail=str(msg.get("detail", "")), died_at=time.time())
+        elif op == "bye":
+            rec.said_bye = True
+        else:
+            return {"op": "error", "code": "malformed", "message": f"unknown op {op!r}"}
+        return ack
+
+    def on_link_closed(self, rec: EngineRecord, stream: FrameStream) -> None:
+        if self.links.get(rec.engine_id) is stream:
+            self.links.pop(rec.engine_id, None)
+            rec.linked = False
+
+    async def assign(self, rec: EngineRecord, msg: dict[str, Any]) -> None:
+        link = self.links.get(rec.engine_id)
+        if link is None:
+            raise ConnectionError(f"standby {rec.engine_id} has no link")
+        await link.send(msg)
+
+    # ------------------------------------------------------------ re-adoption after an agent restart
+
+    def readopt(self, info: EngineInfo) -> None:
+        rec = EngineRecord.from_info(info)
+        if rec.state in (State.STOPPED, State.STOPPING) or rec.pid is None:
+            self.writer.delete_engine(rec.engine_id)
+            return
+        self.engines[rec.engine_id] = rec
+        try:
+            self.watcher.watch(rec.engine_id, rec.pid, child=False, start_time=rec.pid_start)
+        except ProcessLookupError:
+            log.warning("engine %s (pid %s) died while the agent was away", rec.engine_id, rec.pid)
+            self.fault(rec, FaultKind.KILLED, detail="died while the agent was away (status unknown)",
+                       died_at=time.time())
+            rec.failed_mono = time.monotonic()  # a takeover may still come for an active engine's memory
+            if rec.role is EngineRole.STANDBY:
+                self.retire(rec)
+            return
+        if rec.state is State.FAILED:
+            rec.failed_mono = time.monotonic()  # restart the takeover wait: nobody counted it while we were down
+        log.info("re-adopted engine %s (pid %d, %s)", rec.engine_id, rec.pid, rec.state.value)
+
+    # ------------------------------------------------------------ desired state
+
+    def reconcile_soon(self) -> None:
+        self._reconcile_now.set()
+
+    async def reconcile_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._reconcile_now.wait(), self.settings.reconcile_interval_s)
+            except TimeoutError:
+                pass
+            self._reconcile_now.clear()
+            await self.reconcile()
+
+    async def reconcile(self) -> None:
+        p = supervision.plan(self.specs, self.records(), time.monotonic(), self.settings.takeover_wait_s)
+        for engine_id in p.retire:
+            rec = self.engines.get(engine_id)
+            if rec is not None:
+                await self.kill_confirmed(rec)
+                self.retire(rec)
+        for key, role in p.start:
+            try:
+                self.start_engine(key, role)
+            except (OSError, ValueError) as e:
+                log.error("cannot start a %s engine of %s: %s", role.value, key, e)
+
+    async def monitor_loop(self) -> None:
+        """Heartbeat deadlines, checked often enough that a hang is seen within timeout + 1/10 of it."""
+        period = max(0.01, min(0.1, self.settings.heartbeat_timeout_s / 10))
+        while True:
+            await asyncio.sleep(period)
+            self.check_heartbeats(time.monotonic())
+
+    async def close(self) -> None:
+        for link in list(self.links.values()):
+            link.close()
+        self.watcher.close()
+        for task in list(self._tasks):
+            task.cancel()

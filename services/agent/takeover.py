@@ -1,0 +1,137 @@
+"""Takeover: a successor engine gets a failed (or to-be-replaced) engine's memory.
+
+Order matters for safety (DESIGN.md section 3, fencing): a predecessor that is still alive (hung, or
+healthy in a manual failover or hot upgrade) may still have the memory mapped, so it is SIGKILLed and its
+death confirmed through its pidfd before the successor receives the assignment.
+
+Then: a ready standby of the model (the named one, or the oldest) gets `assign` over its link, takes the
+leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
+process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
+
+Idempotent by incident id: a repeated command awaits (or returns) the first one's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from libs.common.errors import Conflict, NotFound
+from libs.common.events import EngineReattached, EngineRole, FaultKind, Takeover, TakeoverReply
+from services.agent import supervision
+from services.agent.engines import EngineRecord, Ev, State
+from services.agent.supervisor import Agent
+
+log = logging.getLogger("holdfast.agent.takeover")
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+class Takeovers:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._by_incident: dict[str, asyncio.Task[TakeoverReply]] = {}
+
+    async def handle(self, cmd: Takeover) -> TakeoverReply:
+        task = self._by_incident.get(cmd.incident_id)
+        if task is None:
+            self.agent.get(cmd.engine_id)  # NotFound before anything is remembered
+            task = asyncio.get_running_loop().create_task(self._run(cmd), name=f"takeover:{cmd.incident_id}")
+            self._by_incident[cmd.incident_id] = task
+        # shield: a caller that times out must not cancel the takeover other callers (and the memory) wait on
+        return await asyncio.shield(task)
+
+    async def _run(self, cmd: Takeover) -> TakeoverReply:
+        agent = self.agent
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        pred = agent.get(cmd.engine_id)
+        standby = self._choose(cmd, pred)
+
+        # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory.
+        t = time.perf_counter()
+        if agent.watcher.watching(pred.engine_id):
+            if pred.state is not State.FAILED:
+                pred.transition(Ev.STOP)  # a planned replacement, not a fault
+            await agent.kill_confirmed(pred)
+        timings["kill_ms"] = _ms(t)
+
+        successor: EngineRecord | None = None
+        used_standby = False
+        if standby is not None and standby.state is State.STANDBY:
+            successor = await self._via_standby(cmd, pred, standby, timings)
+            used_standby = successor is not None
+        if successor is None:
+            successor = await self._cold(cmd, pred, timings)
+
+        timings["total_ms"] = _ms(t0)
+        if pred.engine_id in agent.engines:
+            agent.retire(pred)
+        info = agent.info(successor)
+        agent.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
+                                       used_standby=used_standby, timings_ms=timings))
+        log.info("takeover %s: %s -> %s (%s) in %.1f ms", cmd.incident_id, pred.engine_id, successor.engine_id,
+                 "standby" if used_standby else "cold spawn", timings["total_ms"])
+        agent.reconcile_soon()  # a replacement standby, in the background
+        return TakeoverReply(engine=info, used_standby=used_standby, timings_ms=timings)
+
+    def _choose(self, cmd: Takeover, pred: EngineRecord) -> EngineRecord | None:
+        records = self.agent.records()
+        if cmd.successor is None:
+            return supervision.pick_standby(records, pred.model, version=cmd.version)
+        named = self.agent.engines.get(cmd.successor)
+        if named is None:
+            raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
+        fit = supervision.pick_standby(records, pred.model, version=cmd.version, named=cmd.successor)
+        if fit is None:
+            raise Conflict(f"engine {cmd.successor} is not a ready standby for {pred.model} ({named.state.value})")
+        return fit
+
+    async def _via_standby(self, cmd: Takeover, pred: EngineRecord, sb: EngineRecord,
+                           timings: dict[str, float]) -> EngineRecord | None:
+        agent = self.agent
+        t = time.perf_counter()
+        sb.transition(Ev.ASSIGN)
+        sb.role = EngineRole.ACTIVE
+        sb.generation = pred.generation + 1
+        try:
+            await agent.assign(sb, {"op": "assign", "predecessor": pred.engine_id,
+                                    "transfer_token": cmd.transfer_token, "incident_id": cmd.incident_id,
+                                    "model": pred.model})
+            timings["assign_ms"] = _ms(t)
+            t = time.perf_counter()
+            await agent.wait_ready(sb.engine_id, agent.settings.takeover_timeout_s)
+            timings["attach_ready_ms"] = _ms(t)
+            agent.save(sb)
+            return sb
+        except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
+            log.warning("standby %s failed during takeover %s (%s); cold-spawning instead",
+                        sb.engine_id, cmd.incident_id, e)
+            timings["standby_failed_ms"] = _ms(t)
+            if sb.live:
+                agent.fault(sb, FaultKind.HUNG, detail=f"failed during takeover: {e}", died_at=time.time())
+            await agent.kill_confirmed(sb)
+            agent.retire(sb)
+            return None
+
+    async def _cold(self, cmd: Takeover, pred: EngineRecord, timings: dict[str, float]) -> EngineRecord:
+        agent = self.agent
+        spec = agent.specs.get(pred.spec_key or "")
+        if spec is None:
+            raise Conflict(f"no ready standby for {pred.model} and no spec to cold-spawn {pred.engine_id} from")
+        if cmd.version is not None and cmd.version != spec.version:
+            spec = spec.model_copy(update={"version": cmd.version})
+        t = time.perf_counter()
+        rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec,
+                                 generation=pred.generation + 1,
+                                 extra_env={"HF_TAKEOVER_FROM": pred.engine_id, "HF_TRANSFER_TOKEN": cmd.transfer_token,
+                                            "HF_INCIDENT_ID": cmd.incident_id})
+        timings["spawn_ms"] = _ms(t)
+        t = time.perf_counter()
+        await agent.wait_ready(rec.engine_id, 2 * spec.cold_start_s + agent.settings.takeover_timeout_s)
+        timings["attach_ready_ms"] = _ms(t)
+        return rec
+

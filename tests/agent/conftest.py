@@ -1,0 +1,139 @@
+"""Fixtures for the agent: a real agent process, real engine processes, an event recorder on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libs.common import procs
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import EngineInfo, EngineSpec, Envelope
+from libs.common.store import Store
+from services.agent.pidfd import signal_pid
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pattern_spec(model: str = "pattern-m", *, replicas: int = 1, standbys: int = 0, env: dict[str, str] | None = None,
+                 version: str = "1") -> EngineSpec:
+    return EngineSpec(engine_class="pattern", model=model, command=[sys.executable, "-m", "engines.pattern"],
+                      env={"HF_PATTERN_HEARTBEAT_S": "0.05", **(env or {})}, replicas=replicas, standbys=standbys,
+                      cold_start_s=10.0, version=version)
+
+
+class Recorder:
+    """Every event on the test's prefix, in arrival order, with waiting helpers."""
+
+    def __init__(self) -> None:
+        self.events: list[Envelope] = []
+        self._changed = asyncio.Condition()
+
+    async def handler(self, env: Envelope) -> None:
+        async with self._changed:
+            self.events.append(env)
+            self._changed.notify_all()
+
+    def of(self, type_: str, pred: Callable[[Any], bool] = lambda _: True) -> list[Any]:
+        return [e.data for e in self.events if e.type == type_ and pred(e.data)]
+
+    async def wait(self, type_: str, pred: Callable[[Any], bool] = lambda _: True, within_s: float = 20.0) -> Any:
+        async def found() -> Any:
+            async with self._changed:
+                while True:
+                    hits = self.of(type_, pred)
+                    if hits:
+                        return hits[0]
+                    await self._changed.wait()
+
+        return await asyncio.wait_for(found(), within_s)
+
+
+@pytest.fixture
+async def recorder(bus: Bus) -> AsyncIterator[Recorder]:
+    rec = Recorder()
+    await bus.subscribe(">", rec.handler)
+    yield rec
+
+
+class AgentProcess:
+    def __init__(self, settings: CommonSettings, env: dict[str, str], log_dir: Path) -> None:
+        self.settings = settings
+        self.env = env
+        self.log_dir = log_dir
+        self.child: procs.Child | None = None
+        self.starts = 0
+
+    def start(self, specs: list[EngineSpec] = (), **overrides: Any) -> AgentProcess:
+        env = dict(self.env)
+        env.update({"HF_HEARTBEAT_TIMEOUT_S": "1.0", "HF_RECONCILE_INTERVAL_S": "0.2", "HF_NVML": "false",
+                    "HF_NODE_TTL_S": "2", "PYTHONPATH": str(ROOT)})
+        env.update({f"HF_{k.upper()}": str(v) for k, v in overrides.items()})
+        if specs:
+            path = self.log_dir / f"engines-{self.starts}.json"
+            path.write_text(json.dumps([s.model_dump(mode="json") for s in specs]))
+            env["HF_ENGINES_FILE"] = str(path)
+        self.starts += 1
+        self.child = procs.Child("agent", [sys.executable, "-m", "services.agent"], env=env,
+                                 log_path=self.log_dir / "agent.log").start()
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.child is not None
+        self.child.kill(sig)
+        self.child.proc.wait(10)  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+
+@pytest.fixture
+async def agent(settings: CommonSettings, settings_env: dict[str, str], store: Store, tmp_path: Path
+                ) -> AsyncIterator[AgentProcess]:
+    proc = AgentProcess(settings, settings_env, tmp_path)
+    yield proc
+    proc.stop()
+    # Engines live in their own sessions (they must survive the agent): end the ones this test started.
+    for raw in (await store.get_prefix("engines/")).values():
+        info = EngineInfo.model_validate_json(raw)
+        if info.pid:
+            signal_pid(info.pid, signal.SIGKILL, info.pid_start)
+    for line in (tmp_path / "agent.log").read_text(errors="replace").splitlines()[-0:]:
+        if "Traceback" in line:
+            print((tmp_path / "agent.log").read_text(errors="replace"))
+            break
+
+
+async def engine_records(store: Store) -> dict[str, EngineInfo]:
+    return {k.removeprefix("engines/"): EngineInfo.model_validate_json(v)
+            for k, v in (await store.get_prefix("engines/")).items()}
+
+
+async def wait_until(cond: Callable[[], Any], within_s: float = 20.0, every: float = 0.05) -> Any:
+    async def loop() -> Any:
+        while True:
+            got = cond()
+            if asyncio.iscoroutine(got):
+                got = await got
+            if got:
+                return got
+            await asyncio.sleep(every)
+
+    return await asyncio.wait_for(loop(), within_s)
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 0)
+        return True
+    return False
