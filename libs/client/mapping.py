@@ -1,0 +1,157 @@
+"""Mapping a lease's chunks into this process as one contiguous range, and views over it.
+
+- `HostMapping`: reserve a contiguous range (PROT_NONE), then mmap each memfd chunk over it (MAP_FIXED,
+  MAP_SHARED): numpy arrays and torch CPU tensors are zero-copy views of the shared memory.
+- `CudaMapping`: import each POSIX fd (cuMemImportFromShareableHandle), reserve device VA, map the chunks
+  back to back, grant read-write access; torch CUDA tensors wrap the device pointer (zero copy).
+
+No torch import at module level: torch is optional and imported by the methods that need it.
+Unmapping makes every view of the mapping invalid: the SDK unmaps only on release/close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+from typing import Any
+
+from libs.common.errors import HoldfastError
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int) -> int:
+    out = _libc.mmap(addr, size, prot, flags, fd, 0)
+    if out == _MAP_FAILED or out is None:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    return int(out)
+
+
+class HostMapping:
+    kind = "host"
+
+    def __init__(self, fds: list[int], sizes: list[int]) -> None:
+        self.size = sum(sizes)
+        # PROT_NONE (0): a reserved range, not accessible until the chunks are mapped over it
+        self.base = _mmap(None, self.size, 0,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+        try:
+            offset = 0
+            for fd, size in zip(fds, sizes, strict=True):
+                _mmap(self.base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd)
+                offset += size
+        except BaseException:
+            _libc.munmap(self.base, self.size)
+            raise
+
+    @property
+    def ptr(self) -> int:
+        return self.base
+
+    def buffer(self, offset: int, nbytes: int) -> Any:
+        if offset < 0 or offset + nbytes > self.size:
+            raise HoldfastError(f"range [{offset}, {offset + nbytes}) is outside the lease ({self.size} bytes)")
+        return (ctypes.c_ubyte * nbytes).from_address(self.base + offset)
+
+    def torch_bytes(self, offset: int, nbytes: int) -> Any:
+        import torch
+
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.buffer(offset, nbytes), dtype=torch.uint8)
+
+    def unmap(self) -> None:
+        if self.base:
+            _libc.munmap(self.base, self.size)
+            self.base = 0
+
+
+class CudaMapping:
+    kind = "cuda"
+
+    def __init__(self, fds: list[int], sizes: list[int], gpu_uuid: str | None, gpu: int) -> None:
+        from libs.client import cuda_driver as cd
+
+        cu = cd.cu
+        cd.init()
+        self.ordinal = _local_ordinal(gpu_uuid, gpu)
+        cd.primary_context(self.ordinal)
+        self.size = sum(sizes)
+        self.base = int(cd.check(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
+        self.handles: list[Any] = []
+        self.mapped = 0
+        try:
+            offset = 0
+            for fd, size in zip(fds, sizes, strict=True):
+                handle = cd.check(cu.cuMemImportFromShareableHandle(fd, cd.FD_HANDLE))
+                self.handles.append(handle)
+                cd.check(cu.cuMemMap(self.base + offset, size, 0, handle, 0))
+                offset += size
+                self.mapped = offset
+            cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
+        except BaseException:
+            self.unmap()
+            raise
+
+    @property
+    def ptr(self) -> int:
+        return self.base
+
+    def buffer(self, offset: int, nbytes: int) -> Any:
+        raise HoldfastError("numpy views need the host backend; on cuda use lease.torch(...)")
+
+    def torch_bytes(self, offset: int, nbytes: int) -> Any:
+        import torch
+
+        if offset < 0 or offset + nbytes > self.size:
+            raise HoldfastError(f"range [{offset}, {offset + nbytes}) is outside the lease ({self.size} bytes)")
+
+        class _Bytes:  # the CUDA array interface: torch wraps the pointer without copying
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.base + offset, False),
+                                        "version": 3, "strides": None}
+
+        return torch.as_tensor(_Bytes(), device=f"cuda:{self.ordinal}")
+
+    def unmap(self) -> None:
+        from libs.client import cuda_driver as cd
+
+        cu = cd.cu
+        if not self.base:
+            return
+        # Kernels may still be writing through this range: wait for them before the pages go away.
+        with contextlib.suppress(cd.CudaError):
+            cd.check(cu.cuCtxSynchronize())
+        if self.mapped:
+            cd.check(cu.cuMemUnmap(self.base, self.mapped))
+        for h in self.handles:
+            cd.check(cu.cuMemRelease(h))
+        self.handles = []
+        cd.check(cu.cuMemAddressFree(self.base, self.size))
+        self.base = 0
+
+
+def _local_ordinal(gpu_uuid: str | None, gpu: int) -> int:
+    """This process's ordinal of the lease's GPU: CUDA_VISIBLE_DEVICES may number GPUs differently here."""
+    from libs.client import cuda_driver as cd
+
+    if gpu_uuid:
+        for i in range(cd.device_count()):
+            if cd.uuid_of(i) == gpu_uuid:
+                return i
+        raise HoldfastError(f"GPU {gpu_uuid} is not visible to this process")
+    return gpu
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

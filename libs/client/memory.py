@@ -1,0 +1,315 @@
+"""The engine SDK for leased memory (DESIGN.md section 6). Blocking API; no PyTorch import at module level
+(torch is optional: `lease.torch(...)` and `framework="torch"` import it when called).
+
+    client = MemoryClient.connect("engine-7", engine_class="reference")
+    if client.pending():                       # memory waits for me: a crash or restart of my engine id
+        att = client.attach()
+        params = att.tensors("torch")          # rebuilt from committed metadata, no disk read
+    else:
+        lease = client.allocate(1 << 30, tag="weights", name="w")
+        w = lease.torch("float16", (1024, 1024))
+        client.register([lease.meta("w", "float16", (1024, 1024))]); client.commit()
+    client.start_heartbeats()
+
+Every error the gpu_manager replies with is raised as its typed class (StaleEpoch, PermissionDenied,
+PredecessorAlive, ...), with the same `code`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from libs.client import protocol as p
+from libs.client.mapping import CudaMapping, HostMapping, close_all
+from libs.client.protocol import TensorMeta, contiguous_stride, tensor_extent
+from libs.common import errors
+from libs.common.errors import HoldfastError, RemoteError
+from libs.common.events import LeaseInfo, LeaseState
+from libs.common.wire import recv_frame, send_frame
+
+__all__ = ["Attachment", "MappedLease", "MemoryClient", "TensorMeta", "default_socket_path"]
+
+log = logging.getLogger("holdfast.client.memory")
+
+
+def default_socket_path() -> str:
+    explicit = os.environ.get("HF_GPU_MANAGER_SOCKET")
+    if explicit:
+        return explicit
+    state = os.environ.get("HF_STATE_DIR") or str(Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+                                                  / f"holdfast-{os.getuid()}")
+    return str(Path(state) / "gpu_manager.sock")
+
+
+def _error_classes() -> dict[str, type[HoldfastError]]:
+    out: dict[str, type[HoldfastError]] = {}
+    for mod in (errors, p):
+        for value in vars(mod).values():
+            if isinstance(value, type) and issubclass(value, HoldfastError) and value is not RemoteError:
+                out.setdefault(value.code, value)
+    from libs.common import wire
+
+    for cls in (wire.FrameTooLarge, wire.TruncatedFrame, wire.WrongFdCount):
+        out[cls.code] = cls
+    return out
+
+
+_ERRORS = _error_classes()
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float16' from 'float16', numpy.float16, numpy.dtype('float16') or torch.float16."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        import numpy as np
+
+        name = np.dtype(dtype).name
+    if name not in p.DTYPE_SIZES:
+        raise HoldfastError(f"unsupported dtype {dtype!r}")
+    return name
+
+
+class MappedLease:
+    """A lease mapped into this process. `info` is the manager's row as of the last grant."""
+
+    def __init__(self, info: LeaseInfo, mapping: HostMapping | CudaMapping,
+                 tensors: Sequence[TensorMeta] = ()) -> None:
+        self.info = info
+        self.mapping = mapping
+        self.tensor_metas = list(tensors)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def epoch(self) -> int:
+        return self.info.epoch
+
+    @property
+    def ptr(self) -> int:
+        return self.mapping.ptr
+
+    def meta(self, name: str, dtype: Any, shape: Sequence[int], offset: int = 0,
+             stride: Sequence[int] | None = None) -> TensorMeta:
+        return TensorMeta(name=name, lease_id=self.id, offset=offset, shape=list(shape), dtype=dtype_name(dtype),
+                          stride=list(stride) if stride is not None else None)
+
+    def numpy(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
+        """A numpy view (host backend) of the lease's bytes; writes go straight to the shared memory."""
+        import numpy as np
+
+        meta = self.meta("_", dtype, shape, offset, stride)
+        extent = tensor_extent(meta)
+        if extent == 0:
+            return np.empty(shape, dtype=meta.dtype)
+        flat = np.frombuffer(self.mapping.buffer(offset, extent), dtype=np.uint8).view(meta.dtype)
+        item = p.DTYPE_SIZES[meta.dtype]
+        strides = [s * item for s in (meta.stride or contiguous_stride(meta.shape))]
+        return np.lib.stride_tricks.as_strided(flat, shape=tuple(shape), strides=tuple(strides))
+
+    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
+        """A torch view: CPU tensor on host, CUDA tensor on cuda; zero copy either way."""
+        import torch
+
+        meta = self.meta("_", dtype, shape, offset, stride)
+        tdtype = getattr(torch, meta.dtype)
+        extent = tensor_extent(meta)
+        if extent == 0:
+            device = "cpu" if self.mapping.kind == "host" else f"cuda:{self.mapping.ordinal}"  # type: ignore[union-attr]
+            return torch.empty(tuple(shape), dtype=tdtype, device=device)
+        flat = self.mapping.torch_bytes(offset, extent).view(tdtype)
+        return flat.as_strided(tuple(shape), tuple(meta.stride or contiguous_stride(meta.shape)))
+
+    def view(self, meta: TensorMeta, framework: str = "numpy") -> Any:
+        if framework == "torch":
+            return self.torch(meta.dtype, meta.shape, meta.offset, meta.stride)
+        if framework == "numpy":
+            return self.numpy(meta.dtype, meta.shape, meta.offset, meta.stride)
+        raise HoldfastError(f"unknown framework {framework!r} (numpy or torch)")
+
+    def unmap(self) -> None:
+        self.mapping.unmap()
+
+
+class Attachment:
+    """Leases received back (attach or takeover), with the tensor metadata committed for them."""
+
+    def __init__(self, leases: list[MappedLease]) -> None:
+        self.leases = leases
+
+    def tensors(self, framework: str = "numpy") -> dict[str, Any]:
+        return {m.name: lease.view(m, framework) for lease in self.leases for m in lease.tensor_metas}
+
+    @property
+    def layout_hash(self) -> str | None:
+        hashes = {lease.info.layout_hash for lease in self.leases}
+        return hashes.pop() if len(hashes) == 1 else None
+
+
+class MemoryClient:
+    def __init__(self, sock: socket.socket, engine_id: str, hello: p.HelloReply) -> None:
+        self.sock = sock
+        self.engine_id = engine_id
+        self.hello = hello
+        self.leases: dict[str, MappedLease] = {}
+        self._lock = threading.Lock()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    @classmethod
+    def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default") -> MemoryClient:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(socket_path or default_socket_path())
+            send_frame(sock, p.Hello(engine_id=engine_id, engine_class=engine_class).model_dump(mode="json"))
+            reply, fds = recv_frame(sock)
+            close_all(fds)
+            _raise_if_error(reply)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, engine_id, p.HelloReply.model_validate(_body(reply)))
+
+    @property
+    def backend(self) -> str:
+        return self.hello.backend
+
+    def _call(self, req: p.Msg) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            send_frame(self.sock, req.model_dump(mode="json"))
+            reply, fds = recv_frame(self.sock)
+        try:
+            _raise_if_error(reply)
+        except BaseException:
+            close_all(fds)
+            raise
+        return _body(reply), fds
+
+    def _map(self, body: dict[str, Any], fds: list[int]) -> list[MappedLease]:
+        grants = p.GrantReply.model_validate(body).leases
+        out, i = [], 0
+        try:
+            for g in grants:
+                chunk_fds = fds[i:i + g.nfds]
+                i += g.nfds
+                sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
+                if self.backend == "cuda":
+                    mapping: HostMapping | CudaMapping = CudaMapping(chunk_fds, sizes, g.gpu_uuid, g.lease.gpu)
+                else:
+                    mapping = HostMapping(chunk_fds, sizes)
+                lease = MappedLease(g.lease, mapping, g.tensors)
+                old = self.leases.pop(lease.id, None)
+                if old is not None:
+                    old.unmap()
+                self.leases[lease.id] = lease
+                out.append(lease)
+        finally:
+            close_all(fds)  # the mappings hold the memory now; the fds are not needed
+        return out
+
+    def pending(self) -> list[LeaseInfo]:
+        body, _ = self._call(p.Pending())
+        return p.PendingReply.model_validate(body).leases
+
+    def allocate(self, nbytes: int, *, tag: str = "weights", name: str = "", gpu: int = 0,
+                 chunk_size: int | None = None) -> MappedLease:
+        body, fds = self._call(p.Allocate(gpu=gpu, size=nbytes, tag=tag, name=name, chunk_size=chunk_size))  # type: ignore[arg-type]
+        return self._map(body, fds)[0]
+
+    def register(self, metas: Sequence[TensorMeta]) -> None:
+        epochs = {}
+        for m in metas:
+            lease = self.leases.get(m.lease_id)
+            if lease is None:
+                raise HoldfastError(f"tensor {m.name}: lease {m.lease_id} is not mapped by this client")
+            epochs[m.lease_id] = lease.epoch
+        self._call(p.Register(epochs=epochs, tensors=list(metas)))
+        for m in metas:
+            lease = self.leases[m.lease_id]
+            lease.tensor_metas = [t for t in lease.tensor_metas if t.name != m.name] + [m]
+
+    def commit(self) -> str:
+        body, _ = self._call(p.Commit())
+        digest = p.CommitReply.model_validate(body).layout_hash
+        for lease in self.leases.values():
+            lease.info = lease.info.model_copy(update={"layout_hash": digest})
+        return digest
+
+    def attach(self) -> Attachment:
+        body, fds = self._call(p.Attach())
+        return Attachment(self._map(body, fds))
+
+    def takeover(self, predecessor: str, transfer_token: str) -> Attachment:
+        body, fds = self._call(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token))
+        return Attachment(self._map(body, fds))
+
+    def heartbeat(self) -> None:
+        self._call(p.Heartbeat())
+
+    def release(self, lease_id: str) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise HoldfastError(f"lease {lease_id} is not mapped by this client")
+        self._call(p.Release(lease_id=lease_id, epoch=lease.epoch))
+        self.leases.pop(lease_id).unmap()
+        lease.info = lease.info.model_copy(update={"state": LeaseState.RECLAIMED})
+
+    def start_heartbeats(self, interval_s: float = 0.5) -> None:
+        if self._hb_thread is not None:
+            return
+
+        def beat() -> None:
+            while not self._hb_stop.wait(interval_s):
+                try:
+                    self.heartbeat()
+                except (OSError, HoldfastError) as e:
+                    log.warning("heartbeat failed: %r", e)
+
+        self._hb_thread = threading.Thread(target=beat, name="hf-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def close(self, *, unmap: bool = True) -> None:
+        """Stop heartbeats, unmap every lease (synchronizing the GPU first on cuda), close the socket.
+
+        The leases stay ACTIVE and owned by this engine id while this process lives; they are orphaned when
+        it exits (or released explicitly before)."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+            self._hb_thread = None
+        if unmap:
+            for lease in self.leases.values():
+                lease.unmap()
+            self.leases.clear()
+        self.sock.close()
+
+    def __enter__(self) -> MemoryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _body(reply: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in reply.items() if k != "ok"}
+
+
+def _raise_if_error(reply: dict[str, Any]) -> None:
+    if reply.get("ok"):
+        return
+    err = reply.get("error") or {}
+    code, message = str(err.get("code", "error")), str(err.get("message", ""))
+    cls = _ERRORS.get(code)
+    if cls is None or cls is HoldfastError:
+        raise RemoteError(code, message)
+    raise cls(message)

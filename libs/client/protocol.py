@@ -1,0 +1,186 @@
+"""The engine <-> gpu_manager protocol over the node-local unix socket (frames: libs.common.wire).
+
+Requests are maps with an `op`; replies are `{"ok": true, ...}` or `{"ok": false, "error": {code, message}}`.
+Fds of leases ride on the reply that hands them out, in lease order, each lease's chunks in order.
+Both sides import this module; it needs only pydantic (no torch, no numpy, no CUDA).
+
+Order: the first request on a connection is `hello`; any other op first, or a second hello, is `out_of_order`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from libs.common.errors import Conflict, HoldfastError, MalformedMessage
+from libs.common.events import LeaseInfo, Tag
+
+PROTOCOL_VERSION = 1
+
+
+class OutOfOrder(MalformedMessage):
+    code = "out_of_order"
+
+
+class PredecessorAlive(Conflict):
+    """Kill-before-transfer: the predecessor still runs, so it may still write; the successor must wait."""
+
+    code = "predecessor_alive"
+
+
+class OutOfMemory(HoldfastError):
+    code = "out_of_memory"
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorMeta(Msg):
+    """A named tensor inside a lease: byte offset, shape, dtype name (numpy/torch spelling), stride in elements."""
+
+    name: str = Field(min_length=1, max_length=512)
+    lease_id: str
+    offset: int = Field(ge=0)
+    shape: list[int]
+    dtype: str
+    stride: list[int] | None = None  # None: contiguous (C order)
+
+
+class Hello(Msg):
+    op: Literal["hello"] = "hello"
+    engine_id: str = Field(min_length=1, max_length=256)
+    engine_class: str = "default"
+    version: int = PROTOCOL_VERSION
+
+
+class Allocate(Msg):
+    op: Literal["allocate"] = "allocate"
+    gpu: int = Field(0, ge=0)
+    size: int = Field(gt=0)
+    tag: Tag = Tag.WEIGHTS
+    name: str = ""
+    chunk_size: int | None = Field(None, gt=0)  # None: the manager's configured chunk size
+
+
+class Register(Msg):
+    op: Literal["register"] = "register"
+    epochs: dict[str, int]  # lease id -> the epoch the sender holds (fencing)
+    tensors: list[TensorMeta]
+
+
+class Commit(Msg):
+    op: Literal["commit"] = "commit"
+
+
+class Pending(Msg):
+    op: Literal["pending"] = "pending"
+
+
+class Attach(Msg):
+    op: Literal["attach"] = "attach"
+
+
+class TakeoverReq(Msg):
+    op: Literal["takeover"] = "takeover"
+    predecessor: str
+    transfer_token: str
+
+
+class Heartbeat(Msg):
+    op: Literal["heartbeat"] = "heartbeat"
+
+
+class Release(Msg):
+    op: Literal["release"] = "release"
+    lease_id: str
+    epoch: int
+
+
+Request = Annotated[
+    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, Heartbeat, Release],  # noqa: UP007
+    Field(discriminator="op"),
+]
+_request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
+
+
+def parse_request(obj: dict[str, Any]) -> Any:
+    try:
+        return _request_adapter.validate_python(obj)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise MalformedMessage(f"invalid request: {loc}: {first['msg']}") from None
+
+
+class LeaseGrant(Msg):
+    """One lease handed out: its row, where its chunks' fds sit in the reply, and the GPU's UUID (cuda)."""
+
+    lease: LeaseInfo
+    nfds: int
+    gpu_uuid: str | None = None
+    tensors: list[TensorMeta] = Field(default_factory=list)
+
+
+class HelloReply(Msg):
+    node: str
+    backend: str
+    chunk_size: int
+    granularity: int
+    manager_pid: int
+
+
+class GrantReply(Msg):
+    leases: list[LeaseGrant]
+
+
+class PendingReply(Msg):
+    leases: list[LeaseInfo]
+
+
+class CommitReply(Msg):
+    layout_hash: str
+
+
+def ok(model: BaseModel | None = None) -> dict[str, Any]:
+    return {"ok": True, **(model.model_dump(mode="json") if model is not None else {})}
+
+
+def error(exc: HoldfastError) -> dict[str, Any]:
+    return {"ok": False, "error": exc.to_dict()}
+
+
+def chunk_sizes(size: int, chunk_size: int) -> list[int]:
+    """A lease's chunks: all `chunk_size` but the last, which holds the rest. Both sides compute the same."""
+    full, rest = divmod(size, chunk_size)
+    return [chunk_size] * full + ([rest] if rest else [])
+
+
+DTYPE_SIZES = {
+    "bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
+}
+
+
+def contiguous_stride(shape: list[int]) -> list[int]:
+    stride, acc = [], 1
+    for dim in reversed(shape):
+        stride.append(acc)
+        acc *= max(dim, 1)
+    return list(reversed(stride))
+
+
+def tensor_extent(meta: TensorMeta) -> int:
+    """Bytes from the tensor's offset to one past its last element; raises MalformedMessage if ill-formed."""
+    if meta.dtype not in DTYPE_SIZES:
+        raise MalformedMessage(f"tensor {meta.name}: unknown dtype {meta.dtype!r}")
+    stride = meta.stride if meta.stride is not None else contiguous_stride(meta.shape)
+    if len(stride) != len(meta.shape) or any(d < 0 for d in meta.shape) or any(s < 0 for s in stride):
+        raise MalformedMessage(f"tensor {meta.name}: bad shape {meta.shape} or stride {stride}")
+    if any(d == 0 for d in meta.shape):
+        return 0
+    last = sum((d - 1) * s for d, s in zip(meta.shape, stride, strict=True))
+    return (last + 1) * DTYPE_SIZES[meta.dtype]

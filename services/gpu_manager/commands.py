@@ -1,0 +1,83 @@
+"""Control-plane commands over NATS request/reply: freeze, transfer, reclaim, list (models in libs.common.events).
+
+freeze(owner)   every live lease of the owner -> FROZEN, with a fresh random transfer token (idempotent: a
+                second freeze of the same frozen leases returns the same token); emits MemoryFrozen.
+transfer(owner, successor, token)   names the successor allowed to take the frozen leases over; the
+                successor then sends `takeover` on the engine socket (kill-before-transfer is enforced there).
+reclaim(lease, force)   ORPHANED/FROZEN -> RECLAIMED now; an ACTIVE lease only with force.
+list(owner?, state?)    live leases of this node.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from libs.common.bus import Bus
+from libs.common.errors import NotFound, PermissionDenied
+from libs.common.events import (
+    Freeze,
+    FreezeReply,
+    LeaseState,
+    ListLeases,
+    ListLeasesReply,
+    MemoryFrozen,
+    Reclaim,
+    ReclaimReply,
+    Transfer,
+    TransferReply,
+)
+from services.gpu_manager.fsm import LIVE, LeaseEvent
+from services.gpu_manager.manager import LeaseBook
+
+
+class Commands:
+    def __init__(self, book: LeaseBook) -> None:
+        self.book = book
+
+    async def register(self, bus: Bus, node: str) -> None:
+        await bus.serve(node, Freeze, self.freeze)
+        await bus.serve(node, Transfer, self.transfer)
+        await bus.serve(node, Reclaim, self.reclaim)
+        await bus.serve(node, ListLeases, self.list)
+
+    async def freeze(self, cmd: Freeze) -> FreezeReply:
+        async with self.book.lock:
+            recs = [r for r in self.book.records.values() if r.info.owner == cmd.owner and r.info.state in LIVE]
+            if not recs:
+                raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
+            tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
+            token = tokens.pop() if len(tokens) == 1 and None not in tokens else secrets.token_urlsafe(24)
+            for rec in recs:
+                await self.book.apply(rec, LeaseEvent.FREEZE, f"frozen ({cmd.incident_id or 'no incident'})",
+                                      transfer_token=token)
+            epoch = max(r.info.epoch for r in recs)
+            self.book.mirror.frozen(MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
+                                                 incident_id=cmd.incident_id))
+            return FreezeReply(lease_ids=[r.id for r in recs], epoch=epoch, transfer_token=token,
+                               leases=[r.info for r in recs])
+
+    async def transfer(self, cmd: Transfer) -> TransferReply:
+        async with self.book.lock:
+            recs = [r for r in self.book.records.values()
+                    if r.info.owner == cmd.owner and r.info.state == LeaseState.FROZEN]
+            if not recs:
+                raise NotFound(f"{cmd.owner} has no frozen leases")
+            for rec in recs:
+                if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, cmd.transfer_token):
+                    raise PermissionDenied("wrong transfer token")
+            for rec in recs:
+                rec.successor = cmd.successor
+            await self.book.db.run(self.book.db.save, recs)
+            return TransferReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs))
+
+    async def reclaim(self, cmd: Reclaim) -> ReclaimReply:
+        async with self.book.lock:
+            rec = self.book.get(cmd.lease_id)
+            event = LeaseEvent.FORCE_RECLAIM if cmd.force else LeaseEvent.RECLAIM
+            await self.book.apply(rec, event, "reclaimed by command")
+            return ReclaimReply(lease=rec.info)
+
+    async def list(self, cmd: ListLeases) -> ListLeasesReply:
+        recs = [r.info for r in self.book.records.values()
+                if (cmd.owner is None or r.info.owner == cmd.owner) and (cmd.state is None or r.info.state == cmd.state)]
+        return ListLeasesReply(leases=recs)

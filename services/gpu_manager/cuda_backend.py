@@ -1,0 +1,89 @@
+"""The cuda backend: VMM allocations (cuMemCreate) exported as POSIX fds. Every call is blocking; the manager
+runs them on one dedicated thread, where the device's primary context is made current before each call."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+from libs.client import cuda_driver as cd
+from libs.client.protocol import OutOfMemory
+from libs.common.errors import NotFound
+from services.gpu_manager.backends import Chunk
+
+cu = cd.cu
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, gpus: list[str]) -> None:
+        cd.init()
+        selectors = gpus or [str(i) for i in range(cd.device_count())]
+        self.ordinals = sorted({cd.ordinal_of(s) for s in selectors})
+        self._ctx = {o: cd.primary_context(o) for o in self.ordinals}
+        self._uuid = {o: cd.uuid_of(o) for o in self.ordinals}
+        self._gran = {o: cd.granularity(o) for o in self.ordinals}
+        self._local = threading.local()
+
+    def _use(self, gpu: int) -> None:
+        self.check_gpu(gpu)
+        if getattr(self._local, "gpu", None) != gpu:
+            cd.check(cu.cuCtxSetCurrent(self._ctx[gpu]))
+            self._local.gpu = gpu
+
+    def check_gpu(self, gpu: int) -> None:
+        if gpu not in self._ctx:
+            raise NotFound(f"GPU {gpu} is not managed here (managed: {self.ordinals})")
+
+    def granularity(self, gpu: int) -> int:
+        self.check_gpu(gpu)
+        return self._gran[gpu]
+
+    def allocate(self, gpu: int, sizes: list[int], label: str) -> list[Chunk]:
+        self._use(gpu)
+        prop = cd.allocation_prop(gpu)
+        chunks: list[Chunk] = []
+        try:
+            for size in sizes:
+                try:
+                    handle = cd.check(cu.cuMemCreate(size, prop, 0))
+                except cd.CudaError as e:
+                    if cd.is_oom(e):
+                        raise OutOfMemory(f"GPU {gpu} has no {size} bytes free") from None
+                    raise
+                chunk = Chunk(size, -1, handle)
+                chunks.append(chunk)
+                chunk.fd = int(cd.check(cu.cuMemExportToShareableHandle(handle, cd.FD_HANDLE, 0)))
+        except BaseException:
+            self.free(chunks)
+            raise
+        return chunks
+
+    def adopt(self, gpu: int, fds: list[int], sizes: list[int]) -> list[Chunk]:
+        """After a restart: re-import the keeper's fds to get handles this process can release."""
+        self._use(gpu)
+        chunks = []
+        for fd, size in zip(fds, sizes, strict=True):
+            handle = cd.check(cu.cuMemImportFromShareableHandle(fd, cd.FD_HANDLE))
+            chunks.append(Chunk(size, fd, handle))
+        return chunks
+
+    def free(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            if c.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(c.fd)
+                c.fd = -1
+            if c.handle is not None:
+                cd.check(cu.cuMemRelease(c.handle))
+                c.handle = None
+
+    def gpu_uuid(self, gpu: int) -> str | None:
+        return self._uuid.get(gpu)
+
+    def free_bytes(self, gpu: int) -> int | None:
+        self._use(gpu)
+        free, _total = cd.check(cu.cuMemGetInfo())
+        return int(free)

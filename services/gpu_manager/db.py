@@ -1,0 +1,85 @@
+"""The durable lease table (SQLAlchemy Core: SQLite on local disk by default; a Postgres URL works too).
+
+Every method blocks: the manager calls them through `LeaseDb.run` on one worker thread, which also keeps
+writes in the order they were made. A row is written before the change it records is acted on (a new epoch
+is durable before read-write access is granted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    select,
+)
+
+from services.gpu_manager.records import LeaseRecord
+
+T = TypeVar("T")
+
+metadata = MetaData()
+leases = Table(
+    "leases", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("node", String(256), nullable=False, index=True),
+    Column("state", String(16), nullable=False, index=True),
+    Column("owner", String(256), nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("info", Text, nullable=False),  # LeaseInfo as JSON
+    Column("owner_uid", Integer, nullable=False),
+    Column("owner_pid", Integer),
+    Column("owner_pid_start", BigInteger),
+    Column("transfer_token", String(128)),
+    Column("successor", String(256)),
+    Column("tensors", Text, nullable=False, default="[]"),
+)
+
+
+class LeaseDb:
+    def __init__(self, url: str) -> None:
+        self.engine = create_engine(url, future=True)
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-db")
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def create_schema(self) -> None:
+        metadata.create_all(self.engine)
+
+    def load_live(self, node: str) -> list[LeaseRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(leases).where(leases.c.node == node, leases.c.state != "RECLAIMED"))
+            return [LeaseRecord.from_row(r) for r in rows]
+
+    def save(self, records: list[LeaseRecord]) -> None:
+        """Upsert rows in one transaction (portable: update, then insert what did not exist)."""
+        with self.engine.begin() as conn:
+            for rec in records:
+                row = rec.to_row()
+                res = conn.execute(leases.update().where(leases.c.id == rec.id).values(**row))
+                if res.rowcount == 0:
+                    conn.execute(leases.insert().values(**row))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cur.execute("PRAGMA synchronous=FULL")  # a committed epoch survives a power cut
+    cur.close()

@@ -1,0 +1,223 @@
+"""The lease book: the in-memory lease table (write-through to SQL), the memory behind each lease (backend
+chunks, duplicated into the fd keeper), owner tracking (pidfds) and the one place transitions happen.
+
+Invariants (numbered as in the service README):
+1. Every state change goes through `apply`, which asks the transition table (fsm.py), so no lease can take a
+   transition the table does not list.
+2. The new row is durable (SQL) before the caller acts on it; a new epoch is durable before fds are handed out.
+3. A lease's memory is freed exactly when it becomes RECLAIMED: manager fds and handles closed, keeper entry
+   dropped. Memory of a live lease is always held by the manager and by the keeper.
+4. All mutations run under one asyncio lock, so two requests never interleave inside a transition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from libs.client.protocol import chunk_sizes
+from libs.common.errors import InvariantBroken, NotFound
+from libs.common.events import LeaseInfo, LeaseState, Tag
+from libs.common.ids import new_id
+from services.gpu_manager import reconciler
+from services.gpu_manager.backends import Backend, Chunk, round_up
+from services.gpu_manager.db import LeaseDb
+from services.gpu_manager.fsm import LeaseEvent, transition
+from services.gpu_manager.keeper_client import KeeperClient
+from services.gpu_manager.mirror import Mirror
+from services.gpu_manager.records import LeaseRecord, open_pidfd, process_alive
+from services.gpu_manager.settings import GpuManagerSettings
+
+log = logging.getLogger("holdfast.gpu_manager")
+
+
+class LeaseBook:
+    def __init__(self, settings: GpuManagerSettings, backend: Backend, db: LeaseDb, keeper: KeeperClient,
+                 mirror: Mirror) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.db = db
+        self.keeper = keeper
+        self.mirror = mirror
+        self.records: dict[str, LeaseRecord] = {}
+        self.chunks: dict[str, list[Chunk]] = {}
+        self.lock = asyncio.Lock()
+        self._backend_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        self._pidfds: dict[int, int] = {}
+        self.on_owner_exit: Callable[[int], None] | None = None
+        self.rejected = 0  # malformed requests answered with an error (health detail)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def backend_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Backend calls run on one thread (a CUDA context is current per thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._backend_pool, fn, *args)
+
+    async def load(self) -> None:
+        """Reload the table and take the memory back from the keeper (after a restart, or a first start)."""
+        await self.db.run(self.db.create_schema)
+        rows: list[LeaseRecord] = await self.db.run(self.db.load_live, self.settings.node)
+        held = await self.keeper.listing()
+        for rec in rows:
+            meta, fds = held.pop(rec.id, ({}, []))
+            sizes = chunk_sizes(rec.info.size, rec.info.chunk_size)
+            if len(fds) != len(sizes):
+                log.error("lease %s: keeper holds %d of %d chunks; its memory is lost", rec.id, len(fds), len(sizes))
+                for fd in fds:
+                    os.close(fd)
+                self.records[rec.id] = rec
+                self.chunks[rec.id] = []
+                await self.apply(rec, LeaseEvent.FORCE_RECLAIM, "memory_lost")
+                continue
+            self.chunks[rec.id] = await self.backend_call(self.backend.adopt, rec.info.gpu, fds, sizes)
+            self.records[rec.id] = rec
+            if rec.info.state == LeaseState.ACTIVE and rec.owner_pid is not None:
+                self.watch_pid(rec.owner_pid)
+        for key, (_, fds) in held.items():  # memory the table does not know: a crash between keeper and SQL
+            log.warning("keeper held unknown entry %s; dropping it", key)
+            for fd in fds:
+                os.close(fd)
+            await self.keeper.drop(key)
+        await self.mirror.resync([r.info for r in self.records.values()])
+        log.info("lease book loaded: %d live leases", len(self.records))
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._pidfds.values():
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._pidfds.clear()
+        # Closing our fds does not free memory: the keeper still holds every live lease.
+        for chunks in self.chunks.values():
+            await self.backend_call(self.backend.free, chunks)
+        self._backend_pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------ owners
+
+    def watch_pid(self, pid: int) -> None:
+        """Fast path: the kernel tells us (pidfd readable) the moment an owner exits."""
+        if pid in self._pidfds:
+            return
+        fd = open_pidfd(pid)
+        if fd is None:
+            return
+        self._pidfds[pid] = fd
+        asyncio.get_running_loop().add_reader(fd, self._pid_exited, pid)
+
+    def _pid_exited(self, pid: int) -> None:
+        fd = self._pidfds.pop(pid, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        if self.on_owner_exit is not None:
+            self.on_owner_exit(pid)
+
+    async def owner_exited(self, pid: int) -> None:
+        async with self.lock:
+            for rec in list(self.records.values()):
+                if rec.owner_pid == pid and rec.info.state == LeaseState.ACTIVE and not self.owner_alive(rec):
+                    await self.apply(rec, LeaseEvent.OWNER_LOST, "owner_exited")
+
+    @staticmethod
+    def owner_alive(rec: LeaseRecord) -> bool:
+        return process_alive(rec.owner_pid, rec.owner_pid_start)
+
+    # ------------------------------------------------------------ transitions
+
+    def get(self, lease_id: str) -> LeaseRecord:
+        rec = self.records.get(lease_id)
+        if rec is None:
+            raise NotFound(f"no live lease {lease_id}")
+        return rec
+
+    async def apply(self, rec: LeaseRecord, event: LeaseEvent, cause: str, **changes: Any) -> None:
+        """The one place a lease changes state. Caller holds `self.lock`."""
+        before = rec.info.state
+        outcome = transition(before, event)
+        now = time.time()
+        update: dict[str, Any] = {"state": outcome.state, "last_seen": now}
+        if outcome.bump_epoch:
+            update["epoch"] = rec.info.epoch + 1
+        if outcome.state == LeaseState.ACTIVE:
+            update["deadline"] = None
+        elif before != outcome.state and outcome.state in (LeaseState.ORPHANED, LeaseState.FROZEN):
+            # the grace window starts when nobody holds the lease read-write any more (or a freeze restarts it)
+            update["deadline"] = now + self.settings.grace_for(rec.info.engine_class)
+        info_changes = {k: v for k, v in changes.items() if k in LeaseInfo.model_fields}
+        rec.update(**update, **info_changes)
+        for key, value in changes.items():
+            if key not in LeaseInfo.model_fields:
+                setattr(rec, key, value)
+        await self.db.run(self.db.save, [rec])
+        if outcome.state == LeaseState.RECLAIMED:
+            await self._free(rec)
+        if before != outcome.state or outcome.bump_epoch or info_changes:
+            self.mirror.lease_changed(rec.info, before, cause)
+
+    async def _free(self, rec: LeaseRecord) -> None:
+        self.records.pop(rec.id, None)
+        chunks = self.chunks.pop(rec.id, [])
+        await self.backend_call(self.backend.free, chunks)
+        with contextlib.suppress(Exception):  # the keeper may be restarting; load() drops unknown entries
+            await self.keeper.drop(rec.id)
+        log.info("lease %s reclaimed: %d bytes freed", rec.id, rec.info.size)
+
+    async def create(self, *, owner: str, engine_class: str, uid: int, pid: int, pid_start: int | None,
+                     gpu: int, size: int, tag: Tag, name: str, chunk_size: int | None) -> LeaseRecord:
+        self.backend.check_gpu(gpu)
+        gran = self.backend.granularity(gpu)
+        chunk = round_up(chunk_size or self.settings.chunk_mib * 1024 * 1024, gran)
+        size = round_up(size, gran)
+        cap = self.settings.host_capacity_bytes
+        if cap is not None and self.backend.name == "host":
+            from libs.client.protocol import OutOfMemory
+
+            used = sum(r.info.size for r in self.records.values())
+            if used + size > cap:
+                raise OutOfMemory(f"{size} bytes asked, {cap - used} of {cap} free")
+        lease_id = new_id("lease")
+        chunks = await self.backend_call(self.backend.allocate, gpu, chunk_sizes(size, chunk), lease_id)
+        now = time.time()
+        info = LeaseInfo(id=lease_id, node=self.settings.node, gpu=gpu, size=size, chunk_size=chunk, tag=tag,
+                         name=name, owner=owner, engine_class=engine_class, epoch=1, state=LeaseState.ACTIVE,
+                         created_at=now, last_seen=now)
+        rec = LeaseRecord(info=info, owner_uid=uid, owner_pid=pid, owner_pid_start=pid_start)
+        try:
+            await self.db.run(self.db.save, [rec])  # durable first: a crash now leaves a row, no orphan memory
+            await self.keeper.put(lease_id, [c.fd for c in chunks], {"gpu": gpu})
+        except BaseException:
+            await self.backend_call(self.backend.free, chunks)
+            raise
+        self.records[lease_id] = rec
+        self.chunks[lease_id] = chunks
+        self.watch_pid(pid)
+        self.mirror.lease_changed(info, None, "allocated")
+        return rec
+
+    def fds_of(self, lease_id: str) -> list[int]:
+        chunks = self.chunks.get(lease_id)
+        if chunks is None:
+            raise InvariantBroken(f"live lease {lease_id} has no memory")
+        return [c.fd for c in chunks]
+
+    # ------------------------------------------------------------ reconciler
+
+    async def reconcile_once(self) -> int:
+        async with self.lock:
+            actions = reconciler.plan(list(self.records.values()), time.time(), self.owner_alive)
+            for lease_id, event in actions:
+                rec = self.records.get(lease_id)
+                if rec is not None:
+                    await self.apply(rec, event, "reconciler")
+            return len(actions)
+
+    async def reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reconcile_interval_s)
+            await self.reconcile_once()

@@ -1,0 +1,82 @@
+"""A lease row as the manager keeps it: the public `LeaseInfo` plus what only the manager needs (who holds it,
+the transfer token, the registered tensors). Pure data, plus process-identity helpers from /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.client.protocol import TensorMeta
+from libs.common.events import LeaseInfo
+
+
+@dataclass
+class LeaseRecord:
+    info: LeaseInfo
+    owner_uid: int
+    owner_pid: int | None = None
+    owner_pid_start: int | None = None  # guards against pid reuse
+    transfer_token: str | None = None
+    successor: str | None = None
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def update(self, **changes: Any) -> None:
+        self.info = self.info.model_copy(update=changes)
+
+    def to_row(self) -> dict[str, Any]:
+        return {
+            "id": self.info.id, "node": self.info.node, "state": self.info.state.value, "owner": self.info.owner,
+            "epoch": self.info.epoch, "info": self.info.model_dump_json(), "owner_uid": self.owner_uid,
+            "owner_pid": self.owner_pid, "owner_pid_start": self.owner_pid_start,
+            "transfer_token": self.transfer_token, "successor": self.successor,
+            "tensors": json.dumps([t.model_dump(mode="json") for t in self.tensors.values()]),
+        }
+
+    @classmethod
+    def from_row(cls, row: Any) -> LeaseRecord:
+        metas = [TensorMeta.model_validate(t) for t in json.loads(row.tensors or "[]")]
+        return cls(info=LeaseInfo.model_validate_json(row.info), owner_uid=row.owner_uid,
+                   owner_pid=row.owner_pid, owner_pid_start=row.owner_pid_start,
+                   transfer_token=row.transfer_token, successor=row.successor,
+                   tensors={t.name: t for t in metas})
+
+
+def layout_hash(metas: list[TensorMeta]) -> str:
+    """A stable hash of a set of tensor layouts (order-independent)."""
+    canon = json.dumps(sorted((t.model_dump(mode="json") for t in metas), key=lambda d: (d["lease_id"], d["name"])),
+                       sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+def pid_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of a live, non-zombie process; None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2:].split()  # the command name may contain spaces and parentheses
+    if not rest or rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
+def process_alive(pid: int | None, start: int | None) -> bool:
+    if pid is None:
+        return False
+    now = pid_start_time(pid)
+    return now is not None and (start is None or now == start)
+
+
+def open_pidfd(pid: int) -> int | None:
+    with contextlib.suppress(OSError, AttributeError):
+        return os.pidfd_open(pid)
+    return None
