@@ -39,6 +39,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--exit-after", type=float, default=_float(env.get("HF_PATTERN_EXIT_AFTER_S")),
                    help="exit on its own after this many seconds")
     p.add_argument("--exit-code", type=int, default=int(env.get("HF_PATTERN_EXIT_CODE", "0")))
+    p.add_argument("--crash-on-assign", action="store_true", default=bool(env.get("HF_PATTERN_CRASH_ON_ASSIGN")),
+                   help="standby: die (exit 9) when assigned, as a standby that fails mid-takeover would")
     p.add_argument("--no-http", action="store_true", default=bool(env.get("HF_PATTERN_NO_HTTP")))
     return p.parse_args(argv)
 
@@ -120,6 +122,8 @@ def main(argv: list[str]) -> int:
         log.info("standby %s waiting for an assignment", link.engine_id)
         a = link.wait_assignment()
         log.info("assigned %s (incident %s)", a.predecessor, a.incident_id)
+        if args.crash_on_assign:
+            os._exit(9)
         if mem is not None:
             mem.takeover(a.predecessor, a.transfer_token)
     elif os.environ.get("HF_TAKEOVER_FROM"):

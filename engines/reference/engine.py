@@ -121,7 +121,7 @@ class EngineCore:
             text.prime(req.context)
             ctx = list(req.context)
             logits = None
-            for i in range(0, len(ctx), self.prefill_chunk):
+            for i in range(0, len(ctx) if req.max_tokens > 0 else 0, self.prefill_chunk):
                 logits = self.forward(slot, ctx[i:i + self.prefill_chunk], i)
             first_ms = 0.0
             produced = 0

@@ -29,8 +29,9 @@ class EngineSettings(BaseSettings):
     device: str = Field("auto", description="auto (cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N")
     memory: Literal["auto", "leased", "local"] = Field(
         "auto", description="leased: Holdfast leases; local: plain tensors; auto: leased when a gpu_manager socket exists")
-    gpu_manager_socket: str | None = Field(None, description="the gpu_manager's unix socket (default: the SDK's)")
-    gpu: int = 0
+    gpu_manager_socket: str | None = Field(None, validation_alias=AliasChoices("gpu_manager_socket", "HF_GPU_MANAGER_SOCKET"),
+                                           description="the gpu_manager's unix socket (default: <state_dir>/gpu_manager.sock)")
+    gpu: int = Field(0, validation_alias=AliasChoices("gpu", "HF_GPU"))
     slots: int = Field(4, ge=1, description="concurrent requests (one KV slot each)")
     max_seq: int | None = Field(None, description="KV capacity per slot (default: the size's max_seq)")
     threads: int = Field(1, ge=1, description="torch CPU threads (fixed, so results do not depend on the machine's load)")

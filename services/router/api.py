@@ -1,0 +1,63 @@
+"""The router's HTTP API: POST /v1/generate (JSON or NDJSON stream), GET /stats, GET /healthz."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.router.relay import GenerateRequest, Relay, RelayError
+from services.router.table import EndpointTable
+
+
+def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool]) -> FastAPI:
+    app = FastAPI(title="Holdfast reference router")
+
+    @app.post("/v1/generate", response_model=None)
+    async def generate(req: GenerateRequest) -> Any:
+        items = relay.run(req)
+        try:
+            first = await items.__anext__()  # held / refused requests get a status, not a broken stream
+        except RelayError as e:
+            return JSONResponse(status_code=e.status, content=e.body())
+        except StopAsyncIteration:
+            return JSONResponse(status_code=502, content={"error": {"code": "empty", "message": "no output"}})
+        if req.stream:
+            return StreamingResponse(_ndjson(first, items), media_type="application/x-ndjson")
+        return await _collect(first, items)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe()}
+
+    @app.get("/healthz", response_model=None)
+    async def healthz() -> Any:
+        ok = ready()
+        body = {"ok": ok, "models": {m: len(eps) for m, eps in table.describe().items()}}
+        return body if ok else JSONResponse(status_code=503, content=body)
+
+    return app
+
+
+async def _ndjson(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    yield (json.dumps(first) + "\n").encode()
+    async for item in rest:
+        yield (json.dumps(item) + "\n").encode()
+
+
+async def _collect(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> Any:
+    tokens: list[int] = []
+    text: list[str] = []
+    item: dict[str, Any] | None = first
+    while item is not None:
+        if item.get("done"):
+            if "error" in item:
+                return JSONResponse(status_code=502, content={**item, "tokens": tokens, "text": "".join(text)})
+            return {**item, "tokens": tokens, "text": "".join(text)}
+        tokens.append(item["token"])
+        text.append(item.get("text", ""))
+        item = await anext(rest, None)
+    return JSONResponse(status_code=502, content={"error": {"code": "truncated", "message": "no final line"}})

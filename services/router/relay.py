@@ -1,0 +1,225 @@
+"""One client request relayed to engines, resumed on another engine when its engine fails.
+
+The relay sends the engine `{prompt, tokens: original tokens + tokens generated so far, max_tokens: what is
+left}`; the reference engine's exact-resume invariant (engines/reference/engine.py) makes the continuation
+identical to the uninterrupted generation, so the client sees one stream. Invariants:
+1. Every client request ends in exactly one of: completed, an explicit error (a 503/502 JSON body before
+   the stream starts, or a final `{"done": true, "error": ...}` line after), or the client going away.
+2. A token is forwarded once: token lines are renumbered by the relay, never repeated after a resume.
+3. A failed engine (connection error, 5xx, a stream cut short, an in-band engine error, silence past
+   `token_timeout_s`, or its endpoint removed by an event) is never retried for that request before another
+   endpoint is tried; it is marked suspect so new requests avoid it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.router.settings import RouterSettings
+from services.router.table import Endpoint, EndpointTable, HoldRejected
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    max_tokens: int = Field(64, ge=0)
+    temperature: float = Field(0.0, ge=0.0)
+    greedy: bool | None = None
+    seed: int | None = Field(None, description="none with temperature > 0: the router picks one, so a replay "
+                             "continues the same sampled text")
+    stream: bool = False
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _has_input(self) -> GenerateRequest:
+        if self.prompt is None and not self.tokens:
+            raise ValueError("give a prompt or tokens")
+        return self
+
+
+class RelayError(Exception):
+    """An explicit error for the client: HTTP status + code + message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+class UpstreamFailed(Exception):
+    pass
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    completed: int = 0
+    failed: int = 0  # explicit errors from the router (held too long, queue full, replays exhausted)
+    rejected: int = 0  # of `failed`: refused before streaming (503)
+    client_errors: int = 0  # the engine refused the request itself (4xx), passed through
+    cancelled: int = 0  # the client went away
+    replayed: int = 0  # resumptions on another engine
+    in_flight: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class InFlight:
+    """Streams open per engine, so an `endpoint.removed` event can cut them and have them resumed."""
+
+    aborts: dict[str, set[asyncio.Event]] = field(default_factory=dict)
+
+    def add(self, engine_id: str) -> asyncio.Event:
+        ev = asyncio.Event()
+        self.aborts.setdefault(engine_id, set()).add(ev)
+        return ev
+
+    def discard(self, engine_id: str, ev: asyncio.Event) -> None:
+        evs = self.aborts.get(engine_id)
+        if evs is not None:
+            evs.discard(ev)
+            if not evs:
+                del self.aborts[engine_id]
+
+    def abort(self, engine_id: str) -> int:
+        evs = self.aborts.get(engine_id, set())
+        for ev in evs:
+            ev.set()
+        return len(evs)
+
+
+async def _next_line(lines: AsyncIterator[str], abort: asyncio.Event, silence_s: float) -> str:
+    """The next line of an upstream stream, unless the endpoint is removed or stays silent too long."""
+    read = asyncio.ensure_future(lines.__anext__())
+    stop = asyncio.ensure_future(abort.wait())
+    try:
+        done, _ = await asyncio.wait({read, stop}, timeout=silence_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if read in done:
+        return read.result()  # StopAsyncIteration when the stream ends
+    read.cancel()
+    with contextlib.suppress(BaseException):
+        await read
+    raise UpstreamFailed("endpoint removed" if abort.is_set() else f"no token for {silence_s:g}s")
+
+
+class Relay:
+    def __init__(self, table: EndpointTable, client: httpx.AsyncClient, settings: RouterSettings) -> None:
+        self.table = table
+        self.client = client
+        self.settings = settings
+        self.stats = Stats()
+        self.inflight = InFlight()
+
+    def endpoint_gone(self, engine_id: str) -> int:
+        """An event removed this engine: cut its streams (they resume elsewhere)."""
+        return self.inflight.abort(engine_id)
+
+    async def run(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Token lines, then one final line. Raises RelayError before the first line; after it, an error
+        is a final `{"done": true, "error": ...}` line."""
+        s = self.settings
+        self.stats.requests += 1
+        self.stats.in_flight += 1
+        seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 and not req.greedy else 0)
+        generated: list[int] = []
+        engines: list[str] = []
+        attempts = 0
+        outcome = "cancelled"
+        try:
+            while True:
+                try:
+                    ep = await self.table.acquire(req.model, s.hold_timeout_s, admitted=attempts > 0)
+                except HoldRejected as e:
+                    raise RelayError(503, e.code, e.message) from None
+                engines.append(ep.engine_id)
+                offset = len(generated)
+                try:
+                    async for item in self._attempt(ep, req, seed, generated):
+                        if item.get("done"):
+                            prompt_tokens = item.get("prompt_tokens")
+                            item = {**item, "model": req.model, "completion_tokens": len(generated),
+                                    "prompt_tokens": None if prompt_tokens is None else prompt_tokens - offset,
+                                    "replays": attempts, "engines": engines}
+                            outcome = "completed"
+                        yield item
+                    if outcome == "completed":
+                        return
+                    raise UpstreamFailed("stream ended without a final line")
+                except UpstreamFailed as e:
+                    self.table.suspect(ep, s.suspect_s)
+                    attempts += 1
+                    if attempts > s.max_replays:
+                        raise RelayError(502, "replays_exhausted", f"engines failed {attempts} times; last: {e}") from None
+                    self.stats.replayed += 1
+                finally:
+                    self.table.release(ep)
+        except RelayError as e:
+            outcome = "client_error" if 400 <= e.status < 500 else "failed"
+            if generated:  # the client already has tokens: the error goes in-band, as the final line
+                yield {"done": True, **e.body(), "model": req.model, "completion_tokens": len(generated)}
+                return
+            raise
+        finally:
+            self.stats.in_flight -= 1
+            if outcome == "completed":
+                self.stats.completed += 1
+            elif outcome == "failed":
+                self.stats.failed += 1
+                if not generated:
+                    self.stats.rejected += 1
+            elif outcome == "client_error":
+                self.stats.client_errors += 1
+            else:
+                self.stats.cancelled += 1
+
+    async def _attempt(self, ep: Endpoint, req: GenerateRequest, seed: int, generated: list[int]) -> AsyncIterator[dict[str, Any]]:
+        s = self.settings
+        body = {"prompt": req.prompt, "tokens": list(req.tokens or []) + generated,
+                "max_tokens": req.max_tokens - len(generated), "temperature": req.temperature, "greedy": req.greedy,
+                "seed": seed, "stream": True, "ignore_eos": req.ignore_eos}
+        abort = self.inflight.add(ep.engine_id)
+        timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)
+        try:
+            async with self.client.stream("POST", ep.url + "/generate", json=body, timeout=timeout) as resp:
+                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                    raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
+                if resp.status_code != 200:
+                    raise UpstreamFailed(f"engine answered {resp.status_code}")
+                lines = resp.aiter_lines()
+                while True:
+                    try:
+                        line = await _next_line(lines, abort, s.token_timeout_s)
+                    except StopAsyncIteration:
+                        return
+                    if not line.strip():
+                        continue
+                    obj = json.loads(line)
+                    if obj.get("done"):
+                        if "error" in obj:
+                            raise UpstreamFailed(f"engine error: {obj['error']}")
+                        yield obj
+                        return
+                    generated.append(int(obj["token"]))
+                    yield {"index": len(generated) - 1, "token": obj["token"], "text": obj.get("text", "")}
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+            raise UpstreamFailed(f"{type(e).__name__}: {e}") from None
+        finally:
+            self.inflight.discard(ep.engine_id, abort)

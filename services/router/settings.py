@@ -1,0 +1,21 @@
+"""The router's settings (flags `--router-port 18000`..., or env `HF_ROUTER_PORT`...)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from libs.common.config import DEFAULT_ROUTER_PORT, CommonSettings
+from libs.common.ids import new_id
+
+
+class RouterSettings(CommonSettings):
+    instance: str = Field(default_factory=lambda: new_id("router"), description="this router's id")
+    router_host: str = Field("127.0.0.1", description="HTTP listen address")
+    router_port: int = Field(DEFAULT_ROUTER_PORT, description="HTTP port (0: a free one)")
+    hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
+    queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
+    max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")
+    token_timeout_s: float = Field(30.0, description="an engine silent this long mid-stream counts as failed")
+    connect_timeout_s: float = Field(2.0, description="connecting to an engine")
+    suspect_s: float = Field(5.0, description="an engine whose connection failed gets no new requests this long "
+                             "(or until an endpoint event says otherwise)")

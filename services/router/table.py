@@ -1,0 +1,164 @@
+"""The endpoint table: which engines serve which model, how loaded each is, who waits for one.
+
+Pure logic (no I/O): fed by endpoint events (app.py) and by the relay's observations (a failed
+connection makes an engine *suspect* for a while, it is never probed). Invariants:
+1. An endpoint is chosen only if it is in the table and not suspect; among those, the least loaded
+   (fewest requests in flight), ties broken round-robin.
+2. A request that finds no endpoint waits (is *held*) until one is added, or `timeout` passes:
+   then `NoEndpoint`. New requests held per model are bounded by `queue_max`: one more gets `QueueFull`
+   at once. Replays of requests already streaming are not bounded (they were admitted already).
+3. `release` is called once for every successful `acquire` (the relay's finally), so in-flight counts
+   return to zero when the router is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class HoldRejected(Exception):
+    code = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class QueueFull(HoldRejected):
+    code = "queue_full"
+
+
+class NoEndpoint(HoldRejected):
+    code = "no_endpoint"
+
+
+@dataclass
+class Endpoint:
+    model: str
+    engine_id: str
+    url: str
+    inflight: int = 0
+    suspect_until: float = 0.0
+    served: int = 0
+
+
+@dataclass
+class ModelRoutes:
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    waiting: int = 0  # new requests held now
+    rr: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class EndpointTable:
+    def __init__(self, queue_max: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.queue_max = queue_max
+        self.clock = clock
+        self.models: dict[str, ModelRoutes] = {}
+
+    def _routes(self, model: str) -> ModelRoutes:
+        return self.models.setdefault(model, ModelRoutes())
+
+    def _wake(self, routes: ModelRoutes) -> None:
+        routes.changed.set()
+        routes.changed = asyncio.Event()  # waiters hold the old event; later ones get a fresh one
+
+    # ------------------------------------------------------------ changes from events
+
+    def add(self, model: str, engine_id: str, url: str) -> Endpoint:
+        routes = self._routes(model)
+        ep = routes.endpoints.get(engine_id)
+        if ep is None or ep.url != url:
+            ep = Endpoint(model, engine_id, url.rstrip("/"), inflight=ep.inflight if ep else 0)
+            routes.endpoints[engine_id] = ep
+        ep.suspect_until = 0.0  # an event saying it serves outranks what we observed before
+        self._wake(routes)
+        return ep
+
+    def remove(self, model: str, engine_id: str) -> Endpoint | None:
+        routes = self.models.get(model)
+        if routes is None:
+            return None
+        return routes.endpoints.pop(engine_id, None)
+
+    def find(self, engine_id: str) -> Endpoint | None:
+        for routes in self.models.values():
+            if engine_id in routes.endpoints:
+                return routes.endpoints[engine_id]
+        return None
+
+    # ------------------------------------------------------------ observations from the relay
+
+    def suspect(self, ep: Endpoint, for_s: float) -> None:
+        ep.suspect_until = self.clock() + for_s
+
+    # ------------------------------------------------------------ choosing
+
+    def healthy(self, model: str) -> list[Endpoint]:
+        routes = self.models.get(model)
+        if routes is None:
+            return []
+        now = self.clock()
+        return [ep for ep in routes.endpoints.values() if ep.suspect_until <= now]
+
+    def pick(self, model: str) -> Endpoint | None:
+        candidates = self.healthy(model)
+        if not candidates:
+            return None
+        routes = self._routes(model)
+        low = min(ep.inflight for ep in candidates)
+        least = [ep for ep in candidates if ep.inflight == low]
+        ep = least[routes.rr % len(least)]
+        routes.rr += 1
+        ep.inflight += 1
+        ep.served += 1
+        return ep
+
+    def _next_suspect_expiry(self, model: str) -> float | None:
+        routes = self.models.get(model)
+        now = self.clock()
+        pending = [ep.suspect_until - now for ep in (routes.endpoints.values() if routes else []) if ep.suspect_until > now]
+        return min(pending) if pending else None
+
+    async def acquire(self, model: str, wait_s: float, *, admitted: bool = False) -> Endpoint:
+        ep = self.pick(model)
+        if ep is not None:
+            return ep
+        routes = self._routes(model)
+        if not admitted and routes.waiting >= self.queue_max:
+            raise QueueFull(f"{routes.waiting} requests for model {model!r} are already held (queue_max {self.queue_max})")
+        deadline = self.clock() + wait_s
+        if not admitted:
+            routes.waiting += 1
+        try:
+            while True:
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise NoEndpoint(f"no endpoint serves model {model!r} after waiting {wait_s:g}s")
+                expiry = self._next_suspect_expiry(model)
+                wait = min(left, expiry) if expiry is not None else left
+                try:
+                    await asyncio.wait_for(routes.changed.wait(), timeout=wait)
+                except TimeoutError:
+                    pass
+                ep = self.pick(model)
+                if ep is not None:
+                    return ep
+        finally:
+            if not admitted:
+                routes.waiting -= 1
+
+    def release(self, ep: Endpoint) -> None:
+        ep.inflight = max(0, ep.inflight - 1)
+
+    def held(self) -> int:
+        return sum(r.waiting for r in self.models.values())
+
+    def describe(self) -> dict[str, list[dict[str, object]]]:
+        now = self.clock()
+        return {model: [{"engine_id": ep.engine_id, "url": ep.url, "inflight": ep.inflight, "served": ep.served,
+                         "suspect": ep.suspect_until > now} for ep in routes.endpoints.values()]
+                for model, routes in self.models.items() if routes.endpoints}

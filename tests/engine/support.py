@@ -1,0 +1,68 @@
+"""Helpers for tests that run real engine processes (reference engine, tiny size)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from libs.common import procs
+
+ENGINE = [sys.executable, "-m", "engines.reference"]
+
+
+def make_tiny_weights(path: Path, seed: int = 0) -> Path:
+    from engines.reference.config import get_config
+    from engines.reference.weights import make_weights
+
+    return make_weights(get_config("tiny"), path, seed=seed)
+
+
+class EngineProc:
+    """`python -m engines.reference serve` as a child process; `url` once its ready file exists."""
+
+    def __init__(self, tmp: Path, weights: Path, engine_id: str, *, env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()) -> None:
+        self.engine_id = engine_id
+        self.ready_file = tmp / f"{engine_id}.ready.json"
+        self.ready_file.unlink(missing_ok=True)
+        argv = [*ENGINE, "serve", "--size", "tiny", "--weights", str(weights), "--id", engine_id,
+                "--ready-file", str(self.ready_file), *args]
+        self.child = procs.Child(engine_id, argv, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                                 log_path=tmp / f"{engine_id}.log")
+        self.info: dict = {}
+
+    def start(self) -> EngineProc:
+        self.child.start()
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = json.loads(self.ready_file.read_text())
+                return self.info
+            if not self.child.alive():
+                raise RuntimeError(f"engine {self.engine_id} exited: {self.log()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"engine {self.engine_id} not ready after {timeout}s: {self.log()}")
+
+    @property
+    def url(self) -> str:
+        return str(self.info["endpoint"])
+
+    def log(self) -> str:
+        p = self.child.log_path
+        return p.read_text(errors="replace")[-3000:] if p and p.exists() else ""
+
+    def stop(self) -> None:
+        self.child.stop()
+
+
+def generate(url: str, **body: object) -> dict:
+    r = httpx.post(url + "/generate", json={"stream": False, **body}, timeout=60)
+    r.raise_for_status()
+    return r.json()

@@ -1,0 +1,67 @@
+"""Fixtures for the router tests: a tiny weights file, engine processes, a router process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.common import procs
+from tests.engine.support import EngineProc, make_tiny_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_weights(tmp_path_factory.mktemp("weights") / "tiny.safetensors")
+
+
+@pytest.fixture
+def engines(tmp_path: Path, tiny_weights: Path) -> Iterator[Callable[[str], EngineProc]]:
+    started: list[EngineProc] = []
+
+    def start(engine_id: str) -> EngineProc:
+        e = EngineProc(tmp_path, tiny_weights, engine_id, args=("--memory", "local", "--slots", "4")).start()
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+class RouterProc:
+    def __init__(self, child: procs.Child, port: int) -> None:
+        self.child = child
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=5).json()
+
+
+@pytest.fixture
+def start_router(tmp_path: Path, settings_env: dict[str, str]) -> Iterator[Callable[..., RouterProc]]:
+    children: list[procs.Child] = []
+
+    def start(**flags: object) -> RouterProc:
+        port = procs.free_port()
+        argv = ["-m", "services.router", "--router-port", str(port)]
+        for k, v in flags.items():
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+        import sys
+
+        child = procs.Child("router", [sys.executable, *argv], env={**settings_env, "PYTHONUNBUFFERED": "1"},
+                            log_path=tmp_path / "router.log").start()
+        children.append(child)
+        procs.wait_port(port, child, timeout=30)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "router never became healthy"
+            time.sleep(0.05)
+        return RouterProc(child, port)
+
+    yield start
+    for c in children:
+        c.stop()
