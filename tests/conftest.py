@@ -6,7 +6,6 @@ share the servers without seeing each other's messages or keys.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -17,26 +16,11 @@ import pytest
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
+from libs.common.gpu import has_gpu
 from libs.common.ids import new_id
 from libs.common.store import Store
 
-
-def _has_gpu() -> bool:
-    if os.environ.get("HF_FORCE_NO_GPU"):
-        return False
-    try:
-        from cuda.bindings import driver  # type: ignore[import-not-found]
-
-        (err,) = driver.cuInit(0)
-        if int(err) != 0:
-            return False
-        err, count = driver.cuDeviceGetCount()
-        return int(err) == 0 and count > 0
-    except Exception:  # noqa: BLE001 - no cuda-python or no driver: no GPU
-        return False
-
-
-HAS_GPU = _has_gpu()
+HAS_GPU = has_gpu()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

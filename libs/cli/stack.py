@@ -20,7 +20,13 @@ from pathlib import Path
 
 from libs.common import procs
 from libs.common.bus import Bus
-from libs.common.config import DEFAULT_API_PORT, DEFAULT_ETCD_PORT, DEFAULT_NATS_PORT, DEFAULT_ROUTER_PORT, CommonSettings
+from libs.common.config import (
+    DEFAULT_API_PORT,
+    DEFAULT_ETCD_PORT,
+    DEFAULT_NATS_PORT,
+    DEFAULT_ROUTER_PORT,
+    CommonSettings,
+)
 from libs.common.service import check_health
 
 # Start order: memory first (engines need it), then the agent, then the cluster side, then the router.

@@ -8,7 +8,7 @@ import pytest
 
 from libs.common import telemetry
 from libs.common.bus import Bus
-from libs.common.errors import CommandTimeout, RemoteError, Unavailable
+from libs.common.errors import CommandTimeout, NotFound, RemoteError, Unavailable
 from libs.common.events import (
     Envelope,
     FaultDetected,
@@ -18,7 +18,6 @@ from libs.common.events import (
     ListLeases,
     ListLeasesReply,
 )
-from libs.common.errors import NotFound
 
 telemetry.setup("tests")
 

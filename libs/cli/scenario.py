@@ -1,0 +1,240 @@
+"""The failure/recovery scenario that `holdfast demo`, `holdfast bench recovery` and the end-to-end test share.
+
+A `Scenario` runs the real stack (nats, etcd, gpu_manager with its keeper, agent with one reference
+engine and one warm standby, dc_manager, controller, router), then measures from the client's side:
+requests streamed through the router, an engine SIGKILLed mid-generation, the events of the incident
+as they are published, and the first token served after the death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from libs.cli.stack import Stack, StackConfig
+from libs.common.bus import Bus
+from libs.common.events import EngineInfo, EngineSpec, Envelope, ListLeases, ListLeasesReply
+from libs.common.store import Store
+
+MODEL = "demo"
+PROMPTS = ["Holdfast keeps the weights", "A crash should cost milliseconds,", "The standby takes over and"]
+TIMELINE_EVENTS = {
+    "fault.detected": "detected",
+    "memory.frozen": "frozen",
+    "router.endpoint.removed": "endpoint removed",
+    "engine.reattached": "taken over",
+    "router.endpoint.added": "endpoint added",
+    "incident.resolved": "incident resolved",
+    "incident.failed": "incident FAILED",
+}
+
+
+def detect_backend() -> str:
+    from libs.common.gpu import has_gpu
+
+    return "cuda" if has_gpu() else "host"
+
+
+def make_weights(size: str, out: Path) -> Path:
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "engines.reference", "make-weights", "--size", size, "--out", str(out)],
+                       check=True, capture_output=True, timeout=1800)
+    return out
+
+
+def engine_command(weights: Path, size: str) -> list[str]:
+    return [sys.executable, "-m", "engines.reference", "serve", "--weights", str(weights), "--size", size]
+
+
+@dataclass
+class StreamResult:
+    prompt: str
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # epoch seconds of each token
+    error: str | None = None
+    done: bool = False
+
+
+class Scenario:
+    def __init__(self, *, size: str, backend: str, standbys: int = 1, max_tokens: int = 48,
+                 work_dir: Path | None = None) -> None:
+        self.size = size
+        self.backend = backend
+        self.max_tokens = max_tokens
+        self.work_dir = work_dir or Path(tempfile.mkdtemp(prefix="holdfast-demo-"))
+        self.weights = self.work_dir / f"weights-{size}.safetensors"
+        self.standbys = standbys
+        self.stack: Stack | None = None
+        self.bus: Bus | None = None
+        self.store: Store | None = None
+        self.events: list[tuple[float, Envelope]] = []
+        self.tokens_streamed = 0  # every token any client stream received (to time a kill mid-generation)
+        self._event_waiters: list[tuple[str, asyncio.Future[Envelope]]] = []
+
+    # ------------------------------------------------------------ stack
+
+    def start(self) -> Stack:
+        make_weights(self.size, self.weights)
+        spec = EngineSpec(engine_class="reference", model=MODEL, command=engine_command(self.weights, self.size),
+                          replicas=1, standbys=self.standbys, cold_start_s=30.0)
+        specs_file = self.work_dir / "engines.json"
+        specs_file.write_text(json.dumps([spec.model_dump(mode="json")]))
+        self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
+                                                 engines_file=specs_file))
+        self.stack.start(timeout=120)
+        return self.stack
+
+    async def connect(self) -> None:
+        assert self.stack is not None
+        self.bus = await Bus.connect(self.stack.settings(), "demo", stream=False)
+        self.store = await Store.connect(self.stack.settings())
+        for subject in TIMELINE_EVENTS:
+            await self.bus.subscribe(subject, self._on_event)
+
+    async def _on_event(self, env: Envelope) -> None:
+        now = time.time()
+        self.events.append((now, env))
+        for subject, fut in list(self._event_waiters):
+            if subject == env.type and not fut.done():
+                fut.set_result(env)
+
+    async def wait_event(self, subject: str, timeout: float) -> Envelope:
+        for _, env in self.events:
+            if env.type == subject:
+                return env
+        fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
+        self._event_waiters.append((subject, fut))
+        return await asyncio.wait_for(fut, timeout)
+
+    async def close(self) -> None:
+        if self.bus:
+            await self.bus.close()
+        if self.store:
+            await self.store.close()
+
+    def stop(self) -> None:
+        if self.stack:
+            self.stack.stop()
+
+    # ------------------------------------------------------------ engines
+
+    async def engines(self) -> list[EngineInfo]:
+        assert self.store is not None
+        raw = await self.store.get_prefix("engines/")
+        return [EngineInfo.model_validate_json(v) for v in raw.values()]
+
+    async def wait_serving(self, *, standbys: int | None = None, timeout: float = 180.0) -> EngineInfo:
+        """Until one active engine is ready and routed, and the wanted number of standbys wait."""
+        want = self.standbys if standbys is None else standbys
+        deadline = time.monotonic() + timeout
+        while True:
+            engines = await self.engines()
+            active = [e for e in engines if e.role == "active" and e.state == "ready" and e.model == MODEL]
+            ready_standbys = [e for e in engines if e.role == "standby" and e.state in ("standby", "ready")]
+            routed = await self.store.get_prefix(f"endpoints/{MODEL}/") if self.store else {}
+            if active and len(ready_standbys) >= want and routed:
+                return active[0]
+            if time.monotonic() > deadline:
+                states = [(e.engine_id, e.role, e.state) for e in engines]
+                raise TimeoutError(f"engines not serving after {timeout}s: {states}")
+            await asyncio.sleep(0.1)
+
+    async def leases(self) -> ListLeasesReply:
+        assert self.bus is not None and self.stack is not None
+        return await self.bus.request(self.stack.config.node, ListLeases(), ListLeasesReply, timeout=5)
+
+    # ------------------------------------------------------------ traffic
+
+    async def generate(self, client: httpx.AsyncClient, prompt: str, *, stream: bool = True,
+                       max_tokens: int | None = None) -> StreamResult:
+        assert self.stack is not None
+        result = StreamResult(prompt)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens, "stream": True,
+                "temperature": 0.0, "ignore_eos": True}
+        try:
+            async with client.stream("POST", f"{self.stack.router_url}/v1/generate", json=body, timeout=120) as r:
+                if r.status_code != 200:
+                    result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                    return result
+                async for line in r.aiter_lines():
+                    if not line.strip():
+                        continue
+                    obj = json.loads(line)
+                    if obj.get("done"):
+                        result.done = not obj.get("error")
+                        if obj.get("error"):
+                            result.error = json.dumps(obj["error"])
+                        break
+                    result.tokens.append(int(obj["token"]))
+                    result.text += obj.get("text", "")
+                    result.arrivals.append(time.time())
+                    self.tokens_streamed += 1
+        except Exception as e:  # noqa: BLE001 - a lost request is a finding, reported by the caller
+            result.error = f"{type(e).__name__}: {e}"
+        return result
+
+    async def engine_health(self, endpoint: str) -> dict[str, Any]:
+        async with httpx.AsyncClient() as c:
+            r = await c.get(f"{endpoint}/health", timeout=10)
+            return dict(r.json())
+
+    async def weights_checksum(self, endpoint: str) -> str | None:
+        async with httpx.AsyncClient() as c:
+            r = await c.get(f"{endpoint}/checksum", timeout=600)
+            return r.json().get("weights_sha256") if r.status_code == 200 else None
+
+    def kill_engine(self, info: EngineInfo) -> float:
+        assert info.pid is not None
+        t = time.time()
+        os.kill(info.pid, signal.SIGKILL)
+        return t
+
+    # ------------------------------------------------------------ cold restart, for comparison
+
+    def cold_restart(self, *, drop_caches: bool = True) -> dict[str, Any]:
+        """A new engine process loading the weights from the file (plain tensors, no Holdfast), timed from
+        its spawn to its first token; the page cache is dropped first where the machine allows it."""
+        dropped = False
+        if drop_caches:
+            with contextlib.suppress(OSError):
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
+                dropped = True
+        ready = self.work_dir / f"cold-ready-{time.time_ns()}.json"
+        argv = [*engine_command(self.weights, self.size), "--id", f"cold-{os.getpid()}", "--memory", "local",
+                "--agent", "off", "--ready-file", str(ready)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        t0 = time.time()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            while not ready.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"cold engine exited {proc.returncode}: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+                if time.time() - t0 > 1800:
+                    raise TimeoutError("cold engine not ready after 30 minutes")
+                time.sleep(0.005)
+            endpoint = json.loads(ready.read_text())["endpoint"]
+            with httpx.Client() as c, c.stream("POST", f"{endpoint}/generate", timeout=120,
+                                                  json={"prompt": PROMPTS[0], "max_tokens": 1, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.strip():
+                        break
+            first_token = time.time()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        return {"cold_restart_ms": (first_token - t0) * 1000.0, "page_cache_dropped": dropped}
