@@ -138,31 +138,25 @@ class LeasedMemory:
         return Loaded(weights, kv, source, {"attach_ms": t_attach, "views_ms": t_views, "total_ms": _ms(t0)})
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, slots: int, max_seq: int) -> torch.Tensor:
-        from libs.client.protocol import TensorMeta
-
         shape = cfg.kv_shape(slots, max_seq)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         lease = self.client.allocate(nbytes, tag="kv_cache", name=KV_NAME, gpu=self.gpu)
         kv = lease.torch(dtype, shape, 0)
         kv.zero_()
-        dtype_name = str(dtype).removeprefix("torch.")
-        self.client.register([TensorMeta(name=KV_NAME, lease_id=lease.lease_id, offset=0, shape=list(shape),
-                                          dtype=dtype_name)])
+        self.client.register([lease.meta(KV_NAME, dtype, shape, 0)])
         return kv
 
     def start_heartbeats(self) -> None:
-        if self._attachment is not None and hasattr(self._attachment, "start_heartbeats"):
-            self._attachment.start_heartbeats()
-        elif hasattr(self.client, "start_heartbeats"):
-            self.client.start_heartbeats()
+        self.client.start_heartbeats()
 
     def close(self) -> None:
-        for obj in (self._attachment, self.client):
-            if obj is not None and hasattr(obj, "close"):
-                try:
-                    obj.close()
-                except Exception as e:  # noqa: BLE001 - closing on the way out: the process ends anyway
-                    log.warning("closing %s failed: %s", type(obj).__name__, e)
+        # No unmap: a generation thread may still read the weights while the process winds down; the
+        # mappings go with the process, and the leases stay with the gpu_manager (orphaned, then reclaimed
+        # after their grace window unless a successor claims them).
+        try:
+            self.client.close(unmap=False)
+        except Exception as e:  # noqa: BLE001 - closing on the way out: the process ends anyway
+            log.warning("closing the memory client failed: %s", e)
 
 
 def scratch_weights(cfg: ModelConfig, device: torch.device, dtype: str | None = None) -> dict[str, torch.Tensor]:

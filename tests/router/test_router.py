@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from typing import Any
 
 import httpx
@@ -29,6 +30,11 @@ async def stream_lines(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                 if seen is not None and len(out) >= after:
                     seen.set()
     return out
+
+
+def wait_until_held(router: Any, n: int) -> None:
+    while router.stats()["held"] != n:
+        time.sleep(0.05)
 
 
 def tokens_of(lines: list[dict[str, Any]]) -> list[int]:
@@ -101,8 +107,7 @@ async def test_a_held_request_completes_once_an_endpoint_for_its_model_is_added(
     async with httpx.AsyncClient(timeout=90) as c:
         pending = asyncio.create_task(c.post(router.url + "/v1/generate",
                                              json={"model": MODEL, "prompt": "late", "max_tokens": 5}))
-        while router.stats()["held"] != 1:
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_until_held, router, 1)
         await asyncio.to_thread(a.wait_ready)
         await bus.emit(EndpointAdded(model=MODEL, engine_id="late-a", url=a.url))
         r = await pending

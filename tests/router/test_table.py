@@ -1,0 +1,67 @@
+"""The endpoint table's choices (pure logic, a fake clock)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.router.table import EndpointTable, NoEndpoint, QueueFull
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_least_loaded_endpoint_is_chosen_and_ties_rotate() -> None:
+    t = EndpointTable(4)
+    t.add("m", "a", "http://a")
+    t.add("m", "b", "http://b")
+    first, second = t.pick("m"), t.pick("m")
+    assert {first.engine_id, second.engine_id} == {"a", "b"}
+    t.release(first)
+    assert t.pick("m") is first
+
+
+def test_a_suspect_endpoint_is_skipped_until_its_time_passes_or_an_event_adds_it_again() -> None:
+    clock = Clock()
+    t = EndpointTable(4, clock=clock)
+    ep = t.add("m", "a", "http://a")
+    t.suspect(ep, 5.0)
+    assert t.pick("m") is None
+    clock.now += 5.0
+    assert t.pick("m") is ep
+    t.suspect(ep, 5.0)
+    t.add("m", "a", "http://a")
+    assert t.pick("m") is ep
+
+
+async def test_held_requests_beyond_the_bound_are_refused_but_admitted_replays_are_not() -> None:
+    t = EndpointTable(1)
+    held = asyncio.create_task(t.acquire("m", 5.0))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await t.acquire("m", 5.0)
+    replay = asyncio.create_task(t.acquire("m", 5.0, admitted=True))
+    await asyncio.sleep(0)
+    t.add("m", "a", "http://a")
+    assert (await held).engine_id == "a" and (await replay).engine_id == "a"
+    assert t.held() == 0
+
+
+async def test_a_held_request_times_out_with_no_endpoint() -> None:
+    t = EndpointTable(4)
+    with pytest.raises(NoEndpoint):
+        await t.acquire("m", 0.05)
+    assert t.held() == 0
+
+
+def test_removing_an_endpoint_takes_it_out_of_every_choice() -> None:
+    t = EndpointTable(4)
+    t.add("m", "a", "http://a")
+    assert t.remove("m", "a") is not None
+    assert t.pick("m") is None and t.describe() == {}
