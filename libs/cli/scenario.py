@@ -59,6 +59,37 @@ def engine_command(weights: Path, size: str) -> list[str]:
 
 
 @dataclass
+class Trial:
+    """One SIGKILL of the serving engine and what the clients saw of its recovery."""
+
+    t_kill: float
+    first_token: float | None
+    results: list[StreamResult]
+    timeline_ms: dict[str, float]
+    lost: int
+    mismatched: int
+    incident_id: str | None
+    weights_before: str | None = None
+    weights_after: str | None = None
+
+    @property
+    def recovery_ms(self) -> float | None:
+        return (self.first_token - self.t_kill) * 1000.0 if self.first_token else None
+
+    def steps_ms(self) -> dict[str, float]:
+        """The split by step: each one from the previous milestone to its own."""
+        order = [("detect", "detected"), ("freeze", "frozen"), ("reattach", "taken over"),
+                 ("reroute", "endpoint added"), ("first_token", "first token after recovery")]
+        out, prev = {}, 0.0
+        for step, label in order:
+            at = self.timeline_ms.get(label)
+            if at is not None:
+                out[step] = at - prev
+                prev = at
+        return out
+
+
+@dataclass
 class StreamResult:
     prompt: str
     text: str = ""
@@ -111,8 +142,8 @@ class Scenario:
             if subject == env.type and not fut.done():
                 fut.set_result(env)
 
-    async def wait_event(self, subject: str, timeout: float) -> Envelope:
-        for _, env in self.events:
+    async def wait_event(self, subject: str, timeout: float, *, after: int = 0) -> Envelope:
+        for _, env in self.events[after:]:
             if env.type == subject:
                 return env
         fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
@@ -201,6 +232,59 @@ class Scenario:
         t = time.time()
         os.kill(info.pid, signal.SIGKILL)
         return t
+
+    # ------------------------------------------------------------ one failover, measured
+
+    async def baseline(self, client: httpx.AsyncClient) -> dict[str, StreamResult]:
+        out = {p: (await self.generate(client, p)) for p in PROMPTS}
+        for r in out.values():
+            if r.error or not r.done:
+                raise RuntimeError(f"baseline request failed: {r.error}")
+        return out
+
+    async def failover_trial(self, client: httpx.AsyncClient, baseline: dict[str, StreamResult], *,
+                             check_weights: bool = True) -> Trial:
+        """Stream requests, SIGKILL the serving engine mid-generation, send more during the outage, wait
+        for the incident to resolve; compare every output with the uninterrupted run."""
+        active = await self.wait_serving()
+        assert active.endpoint
+        before = await self.weights_checksum(active.endpoint) if check_weights else None
+        seen = len(self.events)
+        streams = [asyncio.create_task(self.generate(client, p)) for p in PROMPTS]
+        await self._until_tokens(streams, want=4)
+        t_kill = self.kill_engine(active)
+        late = [asyncio.create_task(self.generate(client, p)) for p in PROMPTS[:2]]  # sent during the outage
+        results = list(await asyncio.gather(*streams, *late))
+        resolved = await self.wait_event("incident.resolved", 60, after=seen)
+        lost = sum(1 for r in results if r.error or not r.done)
+        mismatched = sum(1 for r in results if not r.error and r.tokens != baseline[r.prompt].tokens)
+        after_kill = [t for r in results for t in r.arrivals if t > t_kill]
+        first_token = min(after_kill) if after_kill else None
+        successor = await self.wait_serving(standbys=0, timeout=60)
+        after = await self.weights_checksum(successor.endpoint or "") if check_weights else None
+        return Trial(t_kill, first_token, results, self.timeline(t_kill, first_token, after=seen), lost, mismatched,
+                     resolved.incident_id, before, after)
+
+    async def _until_tokens(self, tasks: list[asyncio.Task[Any]], want: int) -> None:
+        """Wait until `want` more tokens streamed, so the kill lands mid-generation."""
+        start = self.tokens_streamed
+        deadline = time.monotonic() + 60
+        while self.tokens_streamed - start < want:
+            if any(t.done() for t in tasks):
+                raise RuntimeError("a stream ended before the kill; raise max_tokens")
+            if time.monotonic() > deadline:
+                raise TimeoutError("no tokens streamed within 60 s")
+            await asyncio.sleep(0.002)
+
+    def timeline(self, t_kill: float, first_token: float | None, *, after: int = 0) -> dict[str, float]:
+        out: dict[str, float] = {"death": 0.0}
+        for at, env in self.events[after:]:
+            label = TIMELINE_EVENTS.get(env.type)
+            if label and at >= t_kill and label not in out:
+                out[label] = (at - t_kill) * 1000.0
+        if first_token:
+            out["first token after recovery"] = (first_token - t_kill) * 1000.0
+        return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
     # ------------------------------------------------------------ cold restart, for comparison
 
