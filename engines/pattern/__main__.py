@@ -12,6 +12,7 @@ its leased memory and whether it still holds the pattern; GET /healthz. With --b
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -108,8 +109,10 @@ def serve_http(state: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("HF_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack in the engine's log
     args = parse(argv)
     link = AgentLink.connect()
+    log.info("engine %s registered with the agent (%s)", link.engine_id, link.role)
     link.start_heartbeats(args.heartbeat_s)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

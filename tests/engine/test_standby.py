@@ -1,0 +1,47 @@
+"""Standby mode under a real agent and gpu_manager: the standby warms up, reports standby, takes over the
+killed engine's leases when the agent assigns it, and serves identical greedy output."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import EngineRole, EngineSpec, Freeze, FreezeReply, Takeover, TakeoverReply
+from tests.agent.conftest import AgentProcess, Recorder
+from tests.engine.support import generate
+
+PROMPT = {"prompt": "A standby is ready.", "max_tokens": 40, "ignore_eos": True}
+
+
+def reference_spec(weights: Path) -> EngineSpec:
+    return EngineSpec(engine_class="reference", model="tiny-ref", replicas=1, standbys=1, cold_start_s=10.0,
+                      command=[sys.executable, "-m", "engines.reference", "serve", "--size", "tiny",
+                               "--weights", str(weights), "--memory", "leased"])
+
+
+async def test_a_warm_standby_takes_over_the_killed_engine_and_serves_the_same_greedy_output(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
+    agent.start([reference_spec(tiny_weights)], heartbeat_timeout_s=3.0)
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=60)).engine
+    standby = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.STANDBY, within_s=60)).engine
+    assert active.endpoint and standby.endpoint is None
+    before = generate(active.endpoint, **PROMPT)
+
+    os.kill(active.pid, signal.SIGKILL)
+    frozen = await bus.request(settings.node, Freeze(owner=active.engine_id, incident_id="inc-sb"), FreezeReply)
+    reply = await bus.request(settings.node, Takeover(incident_id="inc-sb", engine_id=active.engine_id,
+                                                       transfer_token=frozen.transfer_token), TakeoverReply, timeout=30)
+    assert reply.used_standby and reply.engine.engine_id == standby.engine_id
+    assert reply.engine.endpoint
+    health = httpx.get(reply.engine.endpoint + "/health", timeout=10).json()
+    assert health["state"] == "ready" and health["memory"]["source"] == "takeover"
+    assert health["recovery"]["first_token_ms"] > 0 and health["warmup_ms"] > 0
+    assert health["assignment"]["predecessor"] == active.engine_id
+    assert generate(reply.engine.endpoint, **PROMPT)["tokens"] == before["tokens"]

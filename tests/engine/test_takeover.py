@@ -1,0 +1,66 @@
+"""The reference engine over Holdfast leases (real gpu_manager, host backend, real processes and signals):
+the weights survive a SIGKILL, and a new process serves identical greedy output from them without the file."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import Freeze, FreezeReply
+from tests.engine.support import EngineProc, generate
+
+PROMPT = {"prompt": "Weights outlive the engine.", "max_tokens": 48, "ignore_eos": True}
+
+
+def leased_engine(tmp: Path, weights: Path, engine_id: str, env: dict[str, str], **extra_env: str) -> EngineProc:
+    return EngineProc(tmp, weights, engine_id, env={**env, **extra_env}, args=("--memory", "leased")).start()
+
+
+def kill(e: EngineProc) -> None:
+    e.child.kill(signal.SIGKILL)
+    e.child.proc.wait(10)  # type: ignore[union-attr]
+
+
+async def test_a_new_process_reattaches_the_leases_and_its_greedy_output_is_identical(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str]) -> None:
+    first = leased_engine(tmp_path, tiny_weights, "eng-1", settings_env)
+    info = first.wait_ready()
+    assert info["memory"]["kind"] == "leased" and info["memory"]["source"] == "file"
+    before = generate(first.url, **PROMPT)
+    kill(first)
+    tiny_weights.rename(tiny_weights.with_suffix(".gone"))  # the successor cannot read the file: leases only
+
+    second = leased_engine(tmp_path, tiny_weights, "eng-1", settings_env)
+    info = second.wait_ready()
+    try:
+        assert info["memory"]["source"] == "reattached"
+        assert info["recovery"]["first_token_ms"] > 0
+        after = generate(second.url, **PROMPT)
+        assert after["tokens"] == before["tokens"] and after["text"] == before["text"]
+    finally:
+        second.stop()
+
+
+async def test_a_cold_spawned_successor_takes_over_with_the_transfer_token_and_serves_the_same_output(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus) -> None:
+    first = leased_engine(tmp_path, tiny_weights, "eng-a", settings_env)
+    first.wait_ready()
+    before = generate(first.url, **PROMPT)
+    kill(first)
+    frozen = await bus.request(settings.node, Freeze(owner="eng-a"), FreezeReply)
+    assert len(frozen.lease_ids) == 2  # the weights and the KV cache
+    tiny_weights.rename(tiny_weights.with_suffix(".gone"))
+
+    successor = leased_engine(tmp_path, tiny_weights, "eng-b", settings_env,
+                              HF_TAKEOVER_FROM="eng-a", HF_TRANSFER_TOKEN=frozen.transfer_token)
+    info = successor.wait_ready()
+    try:
+        assert info["memory"]["source"] == "takeover"
+        assert generate(successor.url, **PROMPT)["tokens"] == before["tokens"]
+        sampled = {"prompt": "seeded", "max_tokens": 24, "temperature": 0.9, "seed": 11}
+        assert generate(successor.url, **sampled)["tokens"] == generate(successor.url, **sampled)["tokens"]
+    finally:
+        successor.stop()
