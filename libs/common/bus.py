@@ -16,6 +16,7 @@ Handlers run one at a time per subscription (nats-py's rule): keep them short or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -76,7 +77,8 @@ class Bus:
             log.warning("nats error: %s", e)
 
         async def disconnected_cb() -> None:
-            log.warning("nats disconnected; reconnecting")
+            if not (nc.is_closed or nc.is_draining):  # a close we asked for is not news
+                log.warning("nats disconnected; reconnecting")
 
         async def reconnected_cb() -> None:
             log.info("nats reconnected")
@@ -158,18 +160,26 @@ class Bus:
         self._subs.append(sub)
         return sub
 
-    async def durable(self, subject: str, name: str, handler: EventHandler, *, new_only: bool = False) -> Any:
-        """JetStream durable consumer: resumes after a restart; ack after the handler succeeds."""
+    async def durable(self, subject: str, name: str, handler: EventHandler, *, new_only: bool = False,
+                      concurrency: int = 1, ack_wait: float = 30) -> Any:
+        """JetStream durable consumer: resumes after a restart; ack after the handler succeeds.
+
+        `concurrency` > 1 runs up to that many handlers at once (each message acked when its own handler
+        finishes; ordering between messages is then not kept). `ack_wait` is how long an unacked message
+        waits before JetStream redelivers it (to this or the next subscriber of `name`); a running handler
+        keeps its message marked in progress so slow work is not redelivered under it.
+        """
         config = ConsumerConfig(
             durable_name=name,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
             max_deliver=MAX_DELIVER,
-            ack_wait=30,
+            ack_wait=ack_wait,
+            max_ack_pending=max(1000, 2 * concurrency),
         )
         inner = self._event_cb(handler, raise_errors=True)
 
-        async def cb(msg: Msg) -> None:
+        async def handle(msg: Msg) -> None:
             try:
                 await inner(msg)
             except MalformedMessage:
@@ -180,6 +190,33 @@ class Bus:
                 await msg.nak(delay=0.5)
                 return
             await msg.ack()
+
+        if concurrency <= 1:
+            cb = handle
+        else:
+            slots = asyncio.Semaphore(concurrency)
+
+            async def keep_in_progress(msg: Msg) -> None:
+                while True:
+                    await asyncio.sleep(max(ack_wait / 2, 0.1))
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+
+            async def run(msg: Msg) -> None:
+                beat = asyncio.create_task(keep_in_progress(msg))
+                try:
+                    await handle(msg)
+                except Exception:  # noqa: BLE001 - ack/nak failed (connection lost): JetStream redelivers
+                    log.warning("could not settle a message on %s", msg.subject)
+                finally:
+                    beat.cancel()
+                    slots.release()
+
+            async def cb(msg: Msg) -> None:
+                await slots.acquire()  # backpressure: at most `concurrency` handlers in flight
+                task = asyncio.create_task(run(msg), name=f"durable:{name}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
         sub = await self.js.subscribe(self._full(subject), durable=name, cb=cb, manual_ack=True, config=config)
         self._subs.append(sub)
