@@ -1,0 +1,309 @@
+"""Control-plane benchmark: real controller and dc_manager processes, simulated nodes, no engine work.
+
+`holdfast bench controlplane --nodes N --gpus-per-node 8 --incidents 1000 --json`
+
+The simulated nodes answer the real commands (freeze, takeover, spawn, reclaim) on NATS with the real
+reply models, and their state (nodes, gpus, engines, leases) is written to etcd as the agent and the
+gpu_manager would; only the engines themselves are absent. Every incident is one engine's FaultDetected;
+its pipeline latency is from the fault's publication to the EndpointAdded that names its successor.
+`SimulatedCluster` is also what the controller and dc_manager tests use for the node side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from libs.common import procs
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.errors import NotFound
+from libs.common.events import (
+    EndpointAdded,
+    EngineInfo,
+    EngineRole,
+    Envelope,
+    FaultDetected,
+    FaultKind,
+    Freeze,
+    FreezeReply,
+    LeaseInfo,
+    LeaseState,
+    MemoryFrozen,
+    Reclaim,
+    ReclaimReply,
+    Spawn,
+    SpawnReply,
+    Tag,
+    Takeover,
+    TakeoverReply,
+)
+from libs.common.store import Store, encode_value
+
+GIB = 1 << 30
+
+
+class SimulatedCluster:
+    """Node-side responders for every node at once (wildcard subjects) plus their etcd records."""
+
+    def __init__(self, bus: Bus, store: Store, nodes: int, gpus_per_node: int, *, lease_bytes: int = 40 * GIB,
+                 gpu_bytes: int = 141 * GIB, record: bool = True, emit_events: bool = True) -> None:
+        self.bus, self.store = bus, store
+        self.node_names = [f"n{i:04d}" for i in range(nodes)]
+        self.gpus_per_node = gpus_per_node
+        self.lease_bytes, self.gpu_bytes = lease_bytes, gpu_bytes
+        self.record, self.emit_events = record, emit_events
+        self.engines: dict[str, EngineInfo] = {}
+        self.leases: dict[str, LeaseInfo] = {}
+        self.frozen: dict[str, FreezeReply] = {}
+        self.takeovers: dict[str, asyncio.Future[TakeoverReply]] = {}
+        self.freeze_calls = 0
+        self.takeover_calls = 0
+        self.spawn_calls = 0
+        self.takeover_gate: asyncio.Event | None = None  # tests: hold takeovers until set
+        self.takeover_started = asyncio.Event()
+
+    @staticmethod
+    def engine_id(node: str, gpu: int) -> str:
+        return f"{node}-g{gpu}-e0"
+
+    async def populate(self) -> None:
+        kv: list[tuple[str, Any]] = []
+        for node in self.node_names:
+            kv.append((f"nodes/{node}", {"node": node, "datacenter": "dc-1", "agent_pid": os.getpid(),
+                                         "started_at": time.time(), "gpus": list(range(self.gpus_per_node))}))
+            for gpu in range(self.gpus_per_node):
+                eid = self.engine_id(node, gpu)
+                info = EngineInfo(engine_id=eid, node=node, model="m", engine_class="sim", role=EngineRole.ACTIVE,
+                                  gpu=gpu, endpoint=f"http://127.0.0.1:9/{eid}", state="ready")
+                lease = LeaseInfo(id=f"L-{eid}", node=node, gpu=gpu, size=self.lease_bytes, chunk_size=GIB,
+                                  tag=Tag.WEIGHTS, owner=eid, engine_class="sim", epoch=1, state=LeaseState.ACTIVE,
+                                  created_at=time.time(), last_seen=time.time())
+                self.engines[eid], self.leases[lease.id] = info, lease
+                kv += [(f"gpus/{node}/{gpu}", {"healthy": True, "total_bytes": self.gpu_bytes}),
+                       (f"engines/{eid}", info), (f"allocations/{node}/{lease.id}", lease),
+                       (f"endpoints/m/{eid}", info.endpoint)]
+        await self.put_many(kv)
+
+    async def put_many(self, kv: list[tuple[str, Any]], batch: int = 100) -> None:
+        """Batched writes in transactions (etcd allows 128 operations in one)."""
+        t = self.store.client.transactions
+
+        async def write(chunk: list[tuple[str, Any]]) -> None:
+            ops = [t.put(self.store.full(k), encode_value(v)) for k, v in chunk]
+            await self.store.client.transaction(compare=[], success=ops, failure=[])
+
+        chunks = [kv[i:i + batch] for i in range(0, len(kv), batch)]
+        for i in range(0, len(chunks), 16):
+            await asyncio.gather(*(write(c) for c in chunks[i:i + 16]))
+
+    async def serve(self) -> None:
+        await self.bus.serve("*", Freeze, self.freeze)
+        await self.bus.serve("*", Takeover, self.takeover)
+        await self.bus.serve("*", Spawn, self.spawn)
+        await self.bus.serve("*", Reclaim, self.reclaim)
+
+    async def fail(self, engine_id: str, kind: FaultKind = FaultKind.KILLED) -> Envelope:
+        e = self.engines[engine_id]
+        return await self.bus.emit(FaultDetected(engine_id=engine_id, model=e.model, engine_class=e.engine_class,
+                                                 generation=e.generation, kind=kind, gpu=e.gpu, node=e.node,
+                                                 signal=9 if kind is FaultKind.KILLED else None, died_at=time.time()))
+
+    # ------------------------------------------------------------ gpu_manager side
+
+    async def freeze(self, cmd: Freeze) -> FreezeReply:
+        self.freeze_calls += 1
+        if cmd.owner in self.frozen:
+            return self.frozen[cmd.owner]  # idempotent: the same token for a repeated freeze
+        mine = [lease for lease in self.leases.values() if lease.owner == cmd.owner and lease.state is not LeaseState.RECLAIMED]
+        if not mine:
+            raise NotFound(f"no leases owned by {cmd.owner}")
+        epoch = max(lease.epoch for lease in mine) + 1
+        reply = FreezeReply(lease_ids=[lease.id for lease in mine], epoch=epoch, transfer_token=f"tok-{cmd.owner}-{epoch}")
+        self.frozen[cmd.owner] = reply
+        for lease in mine:
+            self.leases[lease.id] = lease.model_copy(update={"state": LeaseState.FROZEN, "epoch": epoch})
+        if self.emit_events:
+            await self.bus.emit(MemoryFrozen(owner=cmd.owner, lease_ids=reply.lease_ids, epoch=epoch,
+                                             incident_id=cmd.incident_id))
+        return reply
+
+    async def reclaim(self, cmd: Reclaim) -> ReclaimReply:
+        lease = self.leases.get(cmd.lease_id)
+        if lease is None:
+            raise NotFound(f"no lease {cmd.lease_id}")
+        lease = self.leases[cmd.lease_id] = lease.model_copy(update={"state": LeaseState.RECLAIMED})
+        if self.record:
+            await self.store.put(f"allocations/{lease.node}/{lease.id}", lease)
+        return ReclaimReply(lease=lease)
+
+    # ------------------------------------------------------------ agent side
+
+    async def takeover(self, cmd: Takeover) -> TakeoverReply:
+        self.takeover_calls += 1
+        self.takeover_started.set()
+        fut = self.takeovers.get(cmd.incident_id)
+        if fut is None:  # idempotent by incident: a retried takeover gets the first one's successor
+            fut = self.takeovers[cmd.incident_id] = asyncio.get_running_loop().create_future()
+            asyncio.create_task(self._do_takeover(cmd, fut))
+        return await asyncio.shield(fut)
+
+    async def _do_takeover(self, cmd: Takeover, fut: asyncio.Future[TakeoverReply]) -> None:
+        if self.takeover_gate is not None:
+            await self.takeover_gate.wait()
+        old = self.engines[cmd.engine_id]
+        frozen = self.frozen.get(cmd.engine_id)
+        if frozen is None or frozen.transfer_token != cmd.transfer_token:
+            fut.set_exception(NotFound(f"no frozen memory of {cmd.engine_id} for this token"))
+            return
+        succ = old.model_copy(update={"engine_id": f"{old.engine_id}-s{old.generation + 1}",
+                                      "generation": old.generation + 1, "version": cmd.version or old.version,
+                                      "endpoint": f"http://127.0.0.1:9/{old.engine_id}-s{old.generation + 1}"})
+        self.engines[succ.engine_id] = succ
+        for lease_id in frozen.lease_ids:
+            self.leases[lease_id] = self.leases[lease_id].model_copy(update={"owner": succ.engine_id,
+                                                                             "state": LeaseState.ACTIVE})
+        if self.record:
+            await self.store.put(f"engines/{succ.engine_id}", succ)
+        fut.set_result(TakeoverReply(engine=succ, used_standby=True, timings_ms={"attach": 0.0}))
+
+    async def spawn(self, cmd: Spawn) -> SpawnReply:
+        self.spawn_calls += 1
+        eid = cmd.engine_id or f"spawned-{self.spawn_calls}"
+        node = next(iter(self.node_names))
+        info = EngineInfo(engine_id=eid, node=node, model=cmd.spec.model, engine_class=cmd.spec.engine_class,
+                          role=EngineRole.ACTIVE, gpu=cmd.spec.gpus[0], endpoint=f"http://127.0.0.1:9/{eid}",
+                          state="ready", version=cmd.spec.version)
+        self.engines[eid] = info
+        if self.record:
+            await self.store.put(f"engines/{eid}", info)
+        return SpawnReply(engine=info)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def _service(module: str, env: dict[str, str], log_path: Path) -> procs.Child:
+    return procs.Child(module, [sys.executable, "-m", module], env=env, log_path=log_path).start()
+
+
+async def _wait_health(bus: Bus, service: str, instance: str, timeout: float = 30) -> None:
+    from libs.common.service import check_health
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await check_health(bus, service, instance, timeout=0.5)
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Path) -> dict[str, Any]:
+    nats_port, etcd_port, peer = procs.free_port(), procs.free_port(), procs.free_port()
+    infra = [procs.nats_server(nats_port, workdir / "nats", workdir / "nats.log").start(),
+             procs.etcd_server(etcd_port, peer, workdir / "etcd", workdir / "etcd.log").start()]
+    children = list(infra)
+    try:
+        procs.wait_port(nats_port, infra[0])
+        procs.wait_port(etcd_port, infra[1])
+        settings = CommonSettings(nats_url=f"nats://127.0.0.1:{nats_port}", etcd_endpoints=f"127.0.0.1:{etcd_port}",
+                                  state_dir=workdir / "state")
+        env = {"HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
+               "HF_STATE_DIR": str(settings.state_dir), "HF_LOG_LEVEL": "WARNING", "HF_API_ENABLED": "false",
+               "HF_INSTANCE": "c1", "HF_DATACENTER": "dc-1", "HF_REATTACH_DEADLINE_S": "120",
+               "HF_FREEZE_DEADLINE_S": "120", "HF_TAKEOVER_TIMEOUT_S": "120", "HF_FREEZE_TIMEOUT_S": "60"}
+        bus = await Bus.connect(settings, "bench")
+        store = await Store.connect(settings)
+        sim = SimulatedCluster(bus, store, nodes, gpus_per_node, record=False, emit_events=False)
+        t0 = time.perf_counter()
+        await sim.populate()
+        populate_s = time.perf_counter() - t0
+        await sim.serve()
+        children.append(_service("services.controller", env, workdir / "controller.log"))
+        children.append(_service("services.dc_manager", env, workdir / "dc_manager.log"))
+        await _wait_health(bus, "controller", "c1")
+        await _wait_health(bus, "dc_manager", "dc-1")
+        while await store.get("leader/controller") is None:  # noqa: ASYNC110 - polling etcd
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # the leader's durable consumers are bound
+
+        targets = list(sim.engines)[:incidents]
+        died: dict[str, float] = {}
+        latencies: list[float] = []
+        done = asyncio.Event()
+
+        async def on_added(env: Envelope) -> None:
+            e = env.data
+            if isinstance(e, EndpointAdded) and e.predecessor_id in died and e.predecessor_id not in seen:
+                seen.add(e.predecessor_id)
+                latencies.append(time.time() - died[e.predecessor_id])
+                if len(latencies) == len(targets):
+                    done.set()
+
+        seen: set[str] = set()
+        await bus.subscribe("router.endpoint.added", on_added)
+        start = time.time()
+        for i in range(0, len(targets), 200):
+            batch = targets[i:i + 200]
+            for eid in batch:
+                died[eid] = time.time()
+            await asyncio.gather(*(sim.fail(eid) for eid in batch))
+        injected = time.time()
+        try:
+            await asyncio.wait_for(done.wait(), timeout=max(60.0, incidents / 20))
+        except TimeoutError:
+            pass
+        end = time.time()
+        await bus.close()
+        await store.close()
+        lat = sorted(latencies)
+
+        def pct(p: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 2) if lat else None
+
+        return {
+            "nodes": nodes, "gpus_per_node": gpus_per_node, "engines": nodes * gpus_per_node,
+            "incidents": len(targets), "resolved": len(lat), "populate_s": round(populate_s, 2),
+            "inject_s": round(injected - start, 3), "wall_s": round(end - start, 3),
+            "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
+            "latency_ms": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "max": pct(1.0)},
+            "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls, "cpus": os.cpu_count(),
+        }
+    finally:
+        for c in reversed(children):
+            c.stop()
+
+
+def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
+        json_out: bool = typer.Option(False, "--json")) -> None:
+    """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes."""
+    incidents = min(incidents, nodes * gpus_per_node)  # one incident per engine: each engine fails once
+    with tempfile.TemporaryDirectory(prefix="hf-bench-cp-") as d:
+        result = asyncio.run(run_bench(nodes, gpus_per_node, incidents, Path(d)))
+    if json_out:
+        print(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="control plane: incidents through the real controller and dc_manager")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in result.items():
+        table.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    typer.run(cli)

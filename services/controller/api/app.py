@@ -1,0 +1,91 @@
+"""The admin API app: routers wired, errors mapped to JSON bodies, served by uvicorn inside the controller."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from libs.common.errors import (
+    CommandTimeout,
+    Conflict,
+    HoldfastError,
+    InvalidTransition,
+    NotFound,
+    RemoteError,
+    Unavailable,
+)
+from services.controller.api.context import ApiContext
+from services.controller.api.routers import engines, gpus, incidents, leases, nodes, system
+
+STATUS_OF: dict[type[HoldfastError], int] = {NotFound: 404, Conflict: 409, InvalidTransition: 409,
+                                             Unavailable: 503, CommandTimeout: 503}
+REMOTE_STATUS = {"not_found": 404, "conflict": 409, "invalid_transition": 409, "stale_epoch": 409}
+
+
+def _error(status: int, code: str, message: str, detail: list | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": code, "message": message, "detail": detail}
+    return JSONResponse(jsonable_encoder(body), status_code=status, headers=headers)
+
+
+def create_app(ctx: ApiContext) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.ctx = ctx
+        yield
+
+    app = FastAPI(title="Holdfast controller", version="1", lifespan=lifespan,
+                  description="Cluster view, incidents and operations of a Holdfast cluster.")
+    app.state.ctx = ctx  # also without a lifespan run (in-process test clients)
+    for r in (nodes.router, gpus.router, engines.router, leases.router, incidents.router, system.router):
+        app.include_router(r)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
+        summary = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errs[:5])
+        return _error(422, "validation_error", summary or "invalid request", errs)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        return _error(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(HoldfastError)
+    async def holdfast_error(_: Request, exc: HoldfastError) -> JSONResponse:
+        if isinstance(exc, RemoteError):
+            return _error(REMOTE_STATUS.get(exc.remote_code, 502), exc.remote_code, exc.message)
+        status = next((s for t, s in STATUS_OF.items() if isinstance(exc, t)), 500)
+        return _error(status, exc.code, exc.message)
+
+    return app
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn inside a service: the service runner owns the signals, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(app: FastAPI, sock: socket.socket) -> None:
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    await ApiServer(config).serve(sockets=[sock])

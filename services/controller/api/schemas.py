@@ -1,0 +1,115 @@
+"""Response and request bodies of the admin API."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, Field
+
+from libs.common.events import EngineInfo, FaultKind, IncidentReason, LeaseInfo
+from services.controller.incident import IncidentRecord, IncidentState
+
+T = TypeVar("T")
+
+
+class ErrorOut(BaseModel):
+    error: str
+    message: str
+    detail: list[dict[str, Any]] | None = None
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    total: int
+    limit: int
+    offset: int
+    next_offset: int | None = Field(None, description="offset of the next page; null on the last one")
+
+
+class NodeOut(BaseModel):
+    node: str
+    datacenter: str = ""
+    drained: bool = False
+    gpus: list[int]
+    engines: int
+    info: dict[str, Any]
+
+
+class GpuOut(BaseModel):
+    node: str
+    gpu: int
+    healthy: bool
+    total_bytes: int | None
+    leased_bytes: int
+    free_bytes: int | None
+    engines: int
+
+
+class EngineOut(EngineInfo):
+    open_incident: str | None = None
+
+
+class LeaseOut(LeaseInfo):
+    pass
+
+
+class IncidentSummary(BaseModel):
+    id: str
+    engine_id: str
+    model: str
+    reason: IncidentReason
+    kind: FaultKind | None
+    state: IncidentState
+    opened_at: float
+    total_ms: float | None
+    fallback: bool
+    successor_id: str | None
+    failure: str | None
+
+    @classmethod
+    def of(cls, rec: IncidentRecord) -> IncidentSummary:
+        return cls(id=rec.id, engine_id=rec.engine_id, model=rec.model, reason=rec.reason, kind=rec.kind,
+                   state=rec.state, opened_at=rec.opened_at, total_ms=rec.total_ms(), fallback=rec.fallback,
+                   successor_id=rec.successor_id, failure=rec.failure)
+
+
+class TimelineEntry(BaseModel):
+    at: float
+    step: str
+    event: str
+    detail: str = ""
+
+
+class IncidentDetail(BaseModel):
+    record: IncidentRecord
+    timings_ms: dict[str, float]
+    timeline: list[TimelineEntry]
+
+
+class FailoverIn(BaseModel):
+    successor: str | None = Field(None, max_length=200, description="a standby engine to take over; none: the agent picks")
+
+
+class UpgradeIn(BaseModel):
+    version: str = Field(..., min_length=1, max_length=100, description="the engine version to upgrade to")
+
+
+class UpgradeOut(BaseModel):
+    engine_class: str
+    version: str
+    incidents: list[IncidentSummary]
+    skipped: dict[str, str] = Field(default_factory=dict, description="engine id -> why it was not upgraded")
+
+
+class DrainOut(BaseModel):
+    node: str
+    drained: bool
+    engines: list[str]
+
+
+class HealthOut(BaseModel):
+    ok: bool
+    instance: str
+    leader: bool
+    synced: bool
+    revision: int

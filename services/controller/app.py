@@ -1,0 +1,68 @@
+"""Controller wiring: the view (every instance), the API (every instance), the pipeline (leader only)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+
+from libs.common.errors import InvariantBroken
+from libs.common.service import Runtime
+from libs.common.store import LeaderElection
+from services.controller.api.app import bind, create_app, serve
+from services.controller.api.context import ApiContext
+from services.controller.metrics import ControllerMetrics
+from services.controller.pipeline import IncidentDriver
+from services.controller.settings import ControllerSettings
+from services.controller.view import ClusterView
+
+log = logging.getLogger("holdfast.controller")
+
+
+def admin_token(settings: ControllerSettings) -> str:
+    """The configured token, or one generated once into the state dir (readable by this user only)."""
+    if settings.admin_token:
+        return settings.admin_token
+    path = settings.ensure_state_dir() / "controller-admin-token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24))
+        log.info("generated the admin API token into %s", path)
+    return path.read_text().strip()
+
+
+async def setup(rt: Runtime, settings: ControllerSettings) -> None:
+    view = ClusterView()
+    election = LeaderElection(rt.store, "controller", settings.instance, ttl=settings.leader_ttl_s)
+    state = {"leader": False, "api": ""}
+    metrics = ControllerMetrics(view, lambda: bool(state["leader"]))
+    driver = IncidentDriver(rt.bus, rt.store, view, settings, metrics)
+
+    rt.spawn("view", view.follow(rt.store))
+    await asyncio.wait_for(view.synced.wait(), 30)
+    if settings.api_enabled:
+        ctx = ApiContext(settings=settings, view=view, store=rt.store, bus=rt.bus, metrics=metrics,
+                         is_leader=lambda: bool(state["leader"]), admin_token=admin_token(settings),
+                         read_token=settings.read_token)
+        sock = bind(settings.api_host, settings.api_port)
+        host, port = sock.getsockname()[:2]
+        state["api"] = f"http://{host}:{port}"
+        rt.spawn("api", serve(create_app(ctx), sock))
+        log.info("admin API on %s", state["api"])
+
+    async def lead() -> None:
+        await election.campaign()
+        state["leader"] = True
+        log.info("%s leads", settings.instance)
+        await driver.start()
+        rt.spawn("deadlines", driver.run_deadlines())
+        await election.lost.wait()
+        # Another controller may already act: stop at once; the supervisor restarts us as a candidate.
+        raise InvariantBroken("controller leadership lost")
+
+    rt.health_detail = lambda: {"leader": state["leader"], "api": state["api"], "open_incidents": len(driver.open),
+                                "view_revision": view.revision}
+    rt.on_close(election.resign)
+    rt.spawn("leadership", lead())

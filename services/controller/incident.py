@@ -1,0 +1,226 @@
+"""The incident state machine and record: pure data and functions, no I/O.
+
+An incident is one failed engine generation (or a failover started on purpose) on its way back to
+serving. Its record lives in etcd at `incidents/<id>`; the record is the only memory of progress, so a
+new leader resumes from it. The machine is a frozen table; `apply()` is the one way to change a record.
+
+Invariants:
+1. One incident per failed engine generation: the id is derived from (engine id, generation, reason).
+2. States only move along `TRANSITIONS`; terminal states (resolved, failed) never change again.
+3. A record in state S says that the entry action of S (the intent sent, the endpoint added...) is done.
+4. Every step that started has a start time; every step that ended has an end time >= its start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from libs.common.errors import InvalidTransition
+from libs.common.events import FaultKind, IncidentReason, Step
+from libs.common.ids import subject_token
+
+
+class IncidentState(StrEnum):
+    OPENED = "opened"  # recorded; route-out and the recover intent not yet sent
+    FREEZING = "freezing"  # intent sent; waiting for the freeze
+    REATTACHING = "reattaching"  # memory frozen; waiting for the successor
+    FALLBACK = "fallback"  # cold start of the engine in progress
+    ROUTING_IN = "routing_in"  # successor known; endpoint not yet announced
+    RESOLVED = "resolved"
+    FAILED = "failed"
+
+
+class Trigger(StrEnum):
+    DISPATCHED = "dispatched"  # endpoint removed, recover intent sent
+    DISPATCHED_FALLBACK = "dispatched_fallback"  # memory known lost at opening: cold start intent sent
+    FROZEN = "frozen"
+    REATTACHED = "reattached"
+    SPAWNED = "spawned"  # the cold-started successor is up
+    STEP_FAILED = "step_failed"
+    DEADLINE_MISSED = "deadline_missed"
+    MEMORY_LOST = "memory_lost"
+    ROUTED_IN = "routed_in"
+
+
+S, T = IncidentState, Trigger
+TERMINAL = frozenset({S.RESOLVED, S.FAILED})
+WAITING = frozenset({S.FREEZING, S.REATTACHING, S.FALLBACK})
+
+TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProxyType({
+    (S.OPENED, T.DISPATCHED): S.FREEZING,
+    (S.OPENED, T.DISPATCHED_FALLBACK): S.FALLBACK,
+    (S.FREEZING, T.FROZEN): S.REATTACHING,
+    (S.FREEZING, T.REATTACHED): S.ROUTING_IN,  # the reattach result overtook the freeze result
+    (S.REATTACHING, T.REATTACHED): S.ROUTING_IN,
+    (S.FREEZING, T.STEP_FAILED): S.FALLBACK,
+    (S.FREEZING, T.DEADLINE_MISSED): S.FALLBACK,
+    (S.FREEZING, T.MEMORY_LOST): S.FALLBACK,
+    (S.REATTACHING, T.STEP_FAILED): S.FALLBACK,
+    (S.REATTACHING, T.DEADLINE_MISSED): S.FALLBACK,
+    (S.REATTACHING, T.MEMORY_LOST): S.FALLBACK,
+    (S.FALLBACK, T.SPAWNED): S.ROUTING_IN,
+    (S.FALLBACK, T.STEP_FAILED): S.FAILED,
+    (S.FALLBACK, T.DEADLINE_MISSED): S.FAILED,
+    (S.ROUTING_IN, T.ROUTED_IN): S.RESOLVED,
+})
+
+# The step a state is waiting on (its start is the state's entry, its end the state's exit).
+STEP_OF: Mapping[IncidentState, Step] = MappingProxyType({
+    S.FREEZING: Step.FREEZE,
+    S.REATTACHING: Step.REATTACH,
+    S.FALLBACK: Step.FALLBACK,
+    S.ROUTING_IN: Step.ROUTE_IN,
+})
+
+
+def transition(state: IncidentState, trigger: Trigger) -> IncidentState:
+    try:
+        return TRANSITIONS[(state, trigger)]
+    except KeyError:
+        raise InvalidTransition(f"incident in state {state} cannot take {trigger}") from None
+
+
+def can(state: IncidentState, trigger: Trigger) -> bool:
+    return (state, trigger) in TRANSITIONS
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    freeze_s: float = 5.0
+    reattach_s: float = 30.0
+    fallback_s: float = 300.0
+
+    def for_state(self, state: IncidentState) -> float | None:
+        return {S.FREEZING: self.freeze_s, S.REATTACHING: self.reattach_s, S.FALLBACK: self.fallback_s}.get(state)
+
+
+def incident_id_for(engine_id: str, generation: int, reason: IncidentReason = IncidentReason.FAILURE) -> str:
+    """Invariant 1: the same failed generation always maps to the same id (subject- and URL-safe)."""
+    short = {IncidentReason.FAILURE: "inc", IncidentReason.MANUAL_FAILOVER: "mf", IncidentReason.HOT_UPGRADE: "up"}[reason]
+    return f"{short}-{subject_token(engine_id)}-g{generation}"
+
+
+class StepRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    status: str = "started"  # started, done, failed, skipped
+    started_at: float
+    ended_at: float | None = None
+    detail: str = ""
+
+    @property
+    def duration_ms(self) -> float | None:
+        return None if self.ended_at is None else round((self.ended_at - self.started_at) * 1000.0, 3)
+
+
+class IncidentRecord(BaseModel):
+    """`incidents/<id>` in etcd. Times are epoch seconds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    engine_id: str
+    model: str = ""
+    engine_class: str = "default"
+    generation: int = 0
+    node: str | None = None
+    gpu: int = 0
+    endpoint: str | None = None  # the failed engine's URL (routers drop it)
+    reason: IncidentReason = IncidentReason.FAILURE
+    kind: FaultKind | None = None
+    version: str | None = None  # hot upgrade: the successor's version
+    successor_hint: str | None = None  # a standby named by the operator
+    state: IncidentState = S.OPENED
+    opened_at: float = Field(default_factory=time.time)
+    died_at: float | None = None
+    updated_at: float = Field(default_factory=time.time)
+    deadline: float | None = None
+    memory_lost: bool = False
+    fallback: bool = False
+    steps: dict[Step, StepRecord] = Field(default_factory=dict)
+    successor_id: str | None = None
+    successor_endpoint: str | None = None
+    failure: str | None = None
+    trace_parent: str | None = None
+    leader: str = ""  # the controller that last wrote the record
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def timings_ms(self) -> dict[str, float]:
+        out = {str(step): ms for step, rec in self.steps.items() if (ms := rec.duration_ms) is not None}
+        total = self.total_ms()
+        if total is not None:
+            out["total"] = total
+        return out
+
+    def total_ms(self) -> float | None:
+        route_in = self.steps.get(Step.ROUTE_IN)
+        if route_in is None or route_in.ended_at is None:
+            return None
+        start = self.died_at if self.died_at is not None else self.opened_at
+        return round((route_in.ended_at - start) * 1000.0, 3)
+
+    def timeline(self) -> list[dict[str, object]]:
+        """Every recorded start and end, in time order (what `GET /v1/incidents/{id}` shows)."""
+        rows: list[dict[str, object]] = []
+        for step, rec in self.steps.items():
+            rows.append({"at": rec.started_at, "step": str(step), "event": "started", "detail": ""})
+            if rec.ended_at is not None:
+                rows.append({"at": rec.ended_at, "step": str(step), "event": rec.status, "detail": rec.detail})
+        rows.sort(key=lambda r: (r["at"], r["event"] == "started"))  # type: ignore[arg-type,return-value]
+        return rows
+
+
+def opened_record(**fields: object) -> IncidentRecord:
+    """A new record: the detect step spans the death (when known) to now."""
+    rec = IncidentRecord(**fields)  # type: ignore[arg-type]
+    start = rec.died_at if rec.died_at is not None else rec.opened_at
+    rec.steps[Step.DETECT] = StepRecord(status="done", started_at=min(start, rec.opened_at), ended_at=rec.opened_at)
+    return rec
+
+
+def end_step(rec: IncidentRecord, step: Step, status: str, now: float, detail: str = "") -> None:
+    cur = rec.steps.get(step)
+    if cur is None:
+        cur = StepRecord(started_at=now)
+    if cur.ended_at is None:
+        rec.steps[step] = cur.model_copy(update={"status": status, "ended_at": max(now, cur.started_at), "detail": detail})
+
+
+def start_step(rec: IncidentRecord, step: Step, now: float) -> None:
+    if step not in rec.steps:
+        rec.steps[step] = StepRecord(started_at=now)
+
+
+def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadlines, *, detail: str = "",
+          **changes: object) -> IncidentRecord:
+    """The one way a record moves (invariant 2): a new record in the next state, steps bookkept."""
+    new_state = transition(rec.state, trigger)
+    out = rec.model_copy(deep=True, update={**changes, "state": new_state, "updated_at": now})
+    old_step = STEP_OF.get(rec.state)
+    if old_step is not None:
+        ok = trigger in (T.FROZEN, T.REATTACHED, T.SPAWNED, T.ROUTED_IN)
+        end_step(out, old_step, "done" if ok else "failed", now, detail if not ok else "")
+    if trigger is T.REATTACHED:
+        # From FREEZING: the successor holds the memory, so the freeze happened; its result comes later.
+        end_step(out, Step.REATTACH, "done", now)
+    if trigger is T.SPAWNED:
+        end_step(out, Step.FALLBACK, "done", now)
+    new_step = STEP_OF.get(new_state)
+    if new_step is not None:
+        start_step(out, new_step, now)
+    if new_state is S.FALLBACK:
+        out.fallback = True
+    if new_state is S.FAILED:
+        out.failure = detail or str(trigger)
+    limit = deadlines.for_state(new_state)
+    out.deadline = None if limit is None else now + limit
+    return out

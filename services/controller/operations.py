@@ -1,0 +1,56 @@
+"""Operations started on purpose (manual failover, hot upgrade, forced reclaim, drain).
+
+They work on any controller, leader or not: an on-purpose incident is only *created* here (an etcd
+transaction on its deterministic id, so two concurrent requests cannot both win); the leader's deadline
+pass picks every record in state `opened` up and drives it like a failure. Reclaim is a node command.
+"""
+
+from __future__ import annotations
+
+from libs.common.bus import Bus
+from libs.common.errors import Conflict, NotFound
+from libs.common.events import EngineRole, IncidentReason, Reclaim, ReclaimReply
+from libs.common.store import Store
+from services.controller.incident import IncidentRecord, incident_id_for, opened_record
+from services.controller.incident_log import IncidentLog
+from services.controller.view import ClusterView
+
+
+async def start_on_purpose(store: Store, view: ClusterView, engine_id: str, reason: IncidentReason, *,
+                           version: str | None = None, successor: str | None = None) -> IncidentRecord:
+    engine = view.engines.get(engine_id)
+    if engine is None:
+        raise NotFound(f"no engine {engine_id}")
+    if engine.role is not EngineRole.ACTIVE or engine.state in ("failed", "stopped"):
+        raise Conflict(f"engine {engine_id} is {engine.role}/{engine.state}: only a serving engine can be replaced")
+    current = view.open_incident_for(engine_id)
+    if current is not None:
+        raise Conflict(f"engine {engine_id} is already in incident {current.id} ({current.state})")
+    hit = view.endpoint_of(engine_id)
+    rec = opened_record(
+        id=incident_id_for(engine_id, engine.generation, reason), engine_id=engine_id, model=engine.model,
+        engine_class=engine.engine_class, generation=engine.generation, node=engine.node, gpu=engine.gpu,
+        endpoint=(hit[1] if hit else None) or engine.endpoint, reason=reason, version=version,
+        successor_hint=successor,
+    )
+    if not await IncidentLog(store).create(rec):
+        raise Conflict(f"engine {engine_id} generation {engine.generation} already had a {reason} incident")
+    return rec
+
+
+async def reclaim_lease(bus: Bus, view: ClusterView, lease_id: str, *, wait_s: float = 5.0) -> ReclaimReply:
+    lease = view.leases.get(lease_id)
+    if lease is None:
+        raise NotFound(f"no lease {lease_id}")
+    current = view.open_incident_for(lease.owner)
+    if current is not None:
+        raise Conflict(f"lease {lease_id} belongs to {lease.owner}, in incident {current.id}: reclaiming it would lose it")
+    return await bus.request(lease.node, Reclaim(lease_id=lease_id, force=True), ReclaimReply, timeout=wait_s)
+
+
+async def drain_node(store: Store, view: ClusterView, node: str) -> list[str]:
+    """Mark `node` unschedulable (placement skips it); the engines still on it are returned."""
+    if node not in view.nodes:
+        raise NotFound(f"no node {node}")
+    await store.put(f"drain/{node}", {"node": node})
+    return sorted(e.engine_id for e in view.engines.values() if e.node == node)

@@ -1,0 +1,399 @@
+"""`IncidentDriver`: the leader's side of the pipeline (detect -> freeze -> route out -> reattach -> route in).
+
+Every handler is idempotent by recorded progress (the record in etcd says which entry actions are done,
+invariant 3 of `incident.py`), and every event it publishes has an id derived from the incident, so the
+JetStream duplicate window drops a re-publication after a crash: a resumed incident finishes exactly once.
+Order of work inside a step: act first, then record that the step is done (a crash in between redoes an
+idempotent action instead of skipping one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from libs.common import telemetry
+from libs.common.bus import Bus
+from libs.common.errors import Conflict
+from libs.common.events import (
+    EndpointAdded,
+    EndpointRemoved,
+    EngineReady,
+    EngineReattached,
+    EngineRole,
+    EngineStopped,
+    Envelope,
+    Event,
+    FaultDetected,
+    FaultKind,
+    IncidentFailed,
+    IncidentOpened,
+    IncidentReason,
+    IncidentResolved,
+    IntentResult,
+    LeaseChanged,
+    LeaseState,
+    MemoryFrozen,
+    RecoverIntent,
+    Step,
+)
+from libs.common.store import Store
+from services.controller.incident import (
+    WAITING,
+    Deadlines,
+    IncidentRecord,
+    IncidentState,
+    Trigger,
+    apply,
+    can,
+    end_step,
+    incident_id_for,
+    opened_record,
+    start_step,
+)
+from services.controller.incident_log import IncidentLog
+from services.controller.metrics import ControllerMetrics
+from services.controller.settings import ControllerSettings
+from services.controller.view import ClusterView
+
+log = logging.getLogger("holdfast.controller.pipeline")
+S = IncidentState
+
+# Which incident states a dc_manager result may act in (a late result of an abandoned step is ignored).
+RESULT_RULES: dict[tuple[Step, bool], tuple[Trigger, frozenset[IncidentState]]] = {
+    (Step.FREEZE, True): (Trigger.FROZEN, frozenset({S.FREEZING})),
+    (Step.FREEZE, False): (Trigger.STEP_FAILED, frozenset({S.FREEZING})),
+    (Step.REATTACH, True): (Trigger.REATTACHED, frozenset({S.FREEZING, S.REATTACHING})),
+    (Step.REATTACH, False): (Trigger.STEP_FAILED, frozenset({S.FREEZING, S.REATTACHING})),
+    (Step.FALLBACK, True): (Trigger.SPAWNED, frozenset({S.FALLBACK})),
+    (Step.FALLBACK, False): (Trigger.STEP_FAILED, frozenset({S.FALLBACK})),
+}
+
+
+def endpoint_key(model: str, engine_id: str) -> str:
+    return f"endpoints/{model}/{engine_id}"
+
+
+class IncidentDriver:
+    def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: ControllerSettings,
+                 metrics: ControllerMetrics) -> None:
+        self.bus = bus
+        self.store = store
+        self.view = view
+        self.settings = settings
+        self.metrics = metrics
+        self.log = IncidentLog(store)
+        self.deadlines = Deadlines(settings.freeze_deadline_s, settings.reattach_deadline_s, settings.fallback_deadline_s)
+        self.open: dict[str, IncidentRecord] = {}
+        self.tracer = telemetry.tracer("controller")
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._spans: dict[str, trace.Span] = {}
+        self._busy: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ lifecycle (leader only)
+
+    async def start(self) -> None:
+        """Resume every open incident from its record, then consume events (redelivered ones included)."""
+        for rec in await self.log.open_records():
+            self.open[rec.id] = rec
+        log.info("leader resumes %d open incident(s)", len(self.open))
+        for inc_id in list(self.open):
+            await self._guarded(inc_id, self._resume(inc_id))
+        kw = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
+        await self.bus.durable("fault.detected", "controller-faults", self.on_fault, **kw)
+        await self.bus.durable("intent.result", "controller-intents", self.on_intent_result, **kw)
+        await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw)
+        await self.bus.durable("memory.>", "controller-memory", self.on_memory_event, **kw)
+
+    async def run_deadlines(self) -> None:
+        """Level-triggered pass: missed deadlines, stalled local steps, incidents opened by any API."""
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            now = time.time()
+            for rec in list(self.open.values()):
+                if rec.id in self._busy:
+                    continue
+                if rec.state in WAITING and rec.deadline is not None and now > rec.deadline:
+                    step = rec.state.value
+                    self._background(rec.id, self.trigger(rec.id, Trigger.DEADLINE_MISSED, detail=f"{step} missed its deadline"))
+                elif rec.state in (S.OPENED, S.ROUTING_IN) and now - rec.updated_at > 1.0:
+                    self._background(rec.id, self._resume(rec.id))
+            for inc_id in list(self.view.open_by_engine.values()):
+                seen = self.view.incidents.get(inc_id)
+                if inc_id not in self.open and inc_id not in self._busy and seen is not None and seen.state is S.OPENED:
+                    self._background(inc_id, self._resume(inc_id))
+
+    def _background(self, inc_id: str, coro: object) -> None:
+        self._busy.add(inc_id)
+
+        async def run() -> None:
+            try:
+                await coro  # type: ignore[misc]
+            except Exception:  # noqa: BLE001 - retried on the next tick
+                log.exception("incident %s: background step failed", inc_id)
+            finally:
+                self._busy.discard(inc_id)
+
+        task = asyncio.create_task(run(), name=f"incident:{inc_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guarded(self, inc_id: str, coro: object) -> None:
+        try:
+            await coro  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - the deadline pass retries it
+            log.exception("incident %s: resume failed", inc_id)
+
+    def _lock(self, inc_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(inc_id, asyncio.Lock())
+
+    # ------------------------------------------------------------ event handlers
+
+    async def on_fault(self, env: Envelope) -> None:
+        f = env.data
+        assert isinstance(f, FaultDetected)
+        if f.role is EngineRole.STANDBY:
+            return  # a standby holds no leased memory; the agent replaces it on its own
+        inc_id = incident_id_for(f.engine_id, f.generation)
+        other = self.view.open_incident_for(f.engine_id)
+        if other is not None and other.id != inc_id:
+            # Already being replaced on purpose: a GPU fault now means its memory is gone.
+            if f.kind is FaultKind.GPU_FAULT:
+                await self.trigger(other.id, Trigger.MEMORY_LOST, detail="gpu fault during the incident")
+            return
+        async with self._lock(inc_id):
+            rec = self.open.get(inc_id) or await self.log.load(inc_id)
+            if rec is None:
+                rec = self._record_from_fault(inc_id, f, env)
+                if await self.log.create(rec):
+                    self.metrics.record_opened(rec)
+                    self._trace_steps(rec.model_copy(update={"steps": {}}), rec)  # the detect step
+                    log.info("incident %s opened: %s %s", inc_id, f.engine_id, f.kind)
+                else:
+                    rec = await self.log.load(inc_id)
+            if rec is None or rec.terminal:
+                return
+            self.open[inc_id] = rec
+            await self._advance(rec)
+
+    async def on_intent_result(self, env: Envelope) -> None:
+        r = env.data
+        assert isinstance(r, IntentResult)
+        trigger, states = RESULT_RULES[(r.step, r.ok)]
+        changes = {}
+        if r.successor_id:
+            changes = {"successor_id": r.successor_id, "successor_endpoint": r.endpoint}
+        await self.trigger(r.incident_id, trigger, states=states, detail=r.detail, **changes)
+
+    async def on_engine_event(self, env: Envelope) -> None:
+        e = env.data
+        if isinstance(e, EngineReattached):
+            inc_id = e.incident_id or (self.view.open_by_engine.get(e.predecessor_id) or "")
+            if inc_id:
+                await self.trigger(inc_id, Trigger.REATTACHED, states=frozenset({S.FREEZING, S.REATTACHING}),
+                                   successor_id=e.engine.engine_id, successor_endpoint=e.engine.endpoint)
+        elif isinstance(e, EngineReady):
+            await self._engine_ready(e)
+        elif isinstance(e, EngineStopped):
+            hit = self.view.endpoint_of(e.engine_id)
+            if hit is not None and self.view.open_incident_for(e.engine_id) is None:
+                model, url = hit
+                await self.store.delete(endpoint_key(model, e.engine_id))
+                await self._emit_once(EndpointRemoved(model=model, engine_id=e.engine_id, url=url, reason="stopped"),
+                                      f"stopped-{e.engine_id}")
+
+    async def on_memory_event(self, env: Envelope) -> None:
+        e = env.data
+        if isinstance(e, MemoryFrozen) and e.incident_id:
+            await self.trigger(e.incident_id, Trigger.FROZEN, states=frozenset({S.FREEZING}))
+        elif isinstance(e, LeaseChanged) and e.lease.state is LeaseState.RECLAIMED:
+            inc = self.view.open_incident_for(e.lease.owner)
+            if inc is not None:
+                await self.trigger(inc.id, Trigger.MEMORY_LOST, states=frozenset({S.FREEZING, S.REATTACHING}),
+                                   detail=f"lease {e.lease.id} reclaimed", memory_lost=True)
+
+    async def _engine_ready(self, e: EngineReady) -> None:
+        info = e.engine
+        if info.role is not EngineRole.ACTIVE or not info.endpoint:
+            return
+        if self.view.open_incident_for(info.engine_id) is not None:
+            return  # it is failing: do not announce it
+        if any(r.successor_id == info.engine_id for r in self.open.values()):
+            return  # a successor: route-in announces it with its predecessor
+        await self.store.put(endpoint_key(info.model, info.engine_id), info.endpoint)
+        await self._emit_once(EndpointAdded(model=info.model, engine_id=info.engine_id, url=info.endpoint),
+                              f"ready-{info.engine_id}-g{info.generation}")
+
+    # ------------------------------------------------------------ moving an incident
+
+    async def trigger(self, inc_id: str, trigger: Trigger, *, states: frozenset[IncidentState] | None = None,
+                      detail: str = "", **changes: object) -> None:
+        async with self._lock(inc_id):
+            rec = self.open.get(inc_id) or await self.log.load(inc_id)
+            if rec is None or not can(rec.state, trigger) or (states is not None and rec.state not in states):
+                return  # unknown, finished, or a late result of an abandoned step: nothing to do
+            new = apply(rec, trigger, time.time(), self.deadlines, detail=detail, **changes)
+            if new.state is S.FALLBACK:
+                await self._send_intent(new, fallback=True)
+            elif new.state is S.FAILED:
+                await self._emit_once(IncidentFailed(incident_id=new.id, engine_id=new.engine_id,
+                                                     step=self._failed_step(rec), reason=new.failure or ""),
+                                      f"{new.id}-failed", new)
+            rec = await self._commit(rec, new)
+            await self._advance(rec)
+
+    async def _resume(self, inc_id: str) -> None:
+        async with self._lock(inc_id):
+            rec = self.open.get(inc_id) or await self.log.load(inc_id)
+            if rec is None or rec.terminal:
+                self.open.pop(inc_id, None)
+                return
+            self.open[inc_id] = rec
+            await self._advance(rec)
+
+    async def _advance(self, rec: IncidentRecord) -> None:
+        """Run the controller's own steps (route out and dispatch; route in and close) until it must wait."""
+        while True:
+            if rec.state is S.OPENED:
+                rec = await self._commit(rec, await self._dispatch(rec))
+            elif rec.state is S.ROUTING_IN:
+                rec = await self._commit(rec, await self._route_in(rec))
+            else:
+                return
+
+    async def _dispatch(self, rec: IncidentRecord) -> IncidentRecord:
+        work = rec.model_copy(deep=True)
+        if work.trace_parent is None:
+            self._open_span(work)
+        now = time.time()
+        start_step(work, Step.ROUTE_OUT, now)
+        hit = self.view.endpoint_of(work.engine_id)
+        model, url = hit if hit is not None else (work.model, work.endpoint)
+        # Route out beside the freeze: routers hold requests while the memory is frozen.
+        lost = work.memory_lost or self._memory_gone(work)
+        await asyncio.gather(
+            self._send_intent(work, fallback=lost),
+            self._emit_once(EndpointRemoved(model=model or work.model, engine_id=work.engine_id, url=url,
+                                            reason=str(work.kind or work.reason), incident_id=work.id),
+                            f"{work.id}-removed", work),
+            self._emit_once(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,
+                                           kind=work.kind, model=work.model, gpu=work.gpu),
+                            f"{work.id}-opened", work),
+            self.store.delete(endpoint_key(model or work.model, work.engine_id)),
+        )
+        end_step(work, Step.ROUTE_OUT, "done", time.time())
+        trig = Trigger.DISPATCHED_FALLBACK if lost else Trigger.DISPATCHED
+        return apply(work, trig, time.time(), self.deadlines, memory_lost=lost)
+
+    async def _route_in(self, rec: IncidentRecord) -> IncidentRecord:
+        succ, url = rec.successor_id or "", rec.successor_endpoint
+        engine = self.view.engines.get(succ)
+        url = url or (engine.endpoint if engine else None) or ""
+        if succ and url:
+            await self.store.put(endpoint_key(rec.model, succ), url)
+        await self._emit_once(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
+                                            predecessor_id=rec.engine_id), f"{rec.id}-added", rec)
+        new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
+        await self._emit_once(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
+                                               timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
+                                               fallback=new.fallback), f"{new.id}-resolved", new)
+        return new
+
+    async def _send_intent(self, rec: IncidentRecord, *, fallback: bool) -> None:
+        intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,
+                               engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
+                               memory_lost=fallback, version=rec.version, node=rec.node,
+                               successor=rec.successor_hint)
+        await self._emit_once(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
+
+    async def _commit(self, old: IncidentRecord, new: IncidentRecord) -> IncidentRecord:
+        new = new.model_copy(update={"leader": self.settings.instance})
+        try:
+            await self.log.save(new)
+        except Conflict:
+            self.open.pop(new.id, None)  # reload on the next delivery
+            raise
+        self._trace_steps(old, new)
+        if new.terminal:
+            self.open.pop(new.id, None)
+            self._locks.pop(new.id, None)
+            self.metrics.record_closed(new)
+            span = self._spans.pop(new.id, None)
+            if span is not None:
+                span.set_attribute("holdfast.outcome", str(new.state))
+                span.end()
+            log.info("incident %s %s in %s ms", new.id, new.state, new.total_ms())
+        else:
+            self.open[new.id] = new
+        return new
+
+    # ------------------------------------------------------------ helpers
+
+    def _record_from_fault(self, inc_id: str, f: FaultDetected, env: Envelope) -> IncidentRecord:
+        engine = self.view.engines.get(f.engine_id)
+        hit = self.view.endpoint_of(f.engine_id)
+        rec = opened_record(
+            id=inc_id, engine_id=f.engine_id, model=f.model or (engine.model if engine else "") or (hit[0] if hit else ""),
+            engine_class=f.engine_class if f.engine_class != "default" or engine is None else engine.engine_class,
+            generation=f.generation, node=f.node or env.node or (engine.node if engine else None), gpu=f.gpu,
+            endpoint=(hit[1] if hit else None) or (engine.endpoint if engine else None),
+            reason=IncidentReason.FAILURE, kind=f.kind, died_at=f.died_at,
+            memory_lost=f.kind is FaultKind.GPU_FAULT, leader=self.settings.instance,
+        )
+        self._open_span(rec)
+        return rec
+
+    def _open_span(self, rec: IncidentRecord) -> None:
+        """One trace per incident: its root span lives until the incident closes (in this process)."""
+        start = rec.died_at if rec.died_at is not None else rec.opened_at
+        span = self.tracer.start_span(f"incident {rec.reason}", start_time=int(start * 1e9),
+                                      attributes={"holdfast.incident": rec.id, "holdfast.engine": rec.engine_id})
+        self._spans[rec.id] = span
+        with trace.use_span(span, end_on_exit=False):
+            rec.trace_parent = telemetry.inject_headers().get("traceparent")
+
+    @contextlib.contextmanager
+    def _in_trace(self, rec: IncidentRecord | None) -> Iterator[None]:
+        if rec is None or rec.trace_parent is None:
+            yield
+            return
+        token = otel_context.attach(telemetry.context_from_traceparent(rec.trace_parent))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+
+    def _trace_steps(self, old: IncidentRecord, new: IncidentRecord) -> None:
+        """A span for each step that ended in this write, placed at its recorded times."""
+        if new.trace_parent is None:
+            return
+        ctx = telemetry.context_from_traceparent(new.trace_parent)
+        for step, s in new.steps.items():
+            before = old.steps.get(step)
+            if s.ended_at is None or (before is not None and before.ended_at is not None):
+                continue
+            span = self.tracer.start_span(f"step {step}", context=ctx, start_time=int(s.started_at * 1e9),
+                                          attributes={"holdfast.incident": new.id, "holdfast.step": str(step),
+                                                      "holdfast.status": s.status})
+            span.end(end_time=int(s.ended_at * 1e9))
+
+    async def _emit_once(self, payload: Event, key: str, rec: IncidentRecord | None = None) -> None:
+        """Publish with an id derived from the incident: JetStream drops a repeat after a crash."""
+        with self._in_trace(rec):
+            env = self.bus.envelope(payload).model_copy(update={"id": key})
+        await self.bus.publish(env)
+
+    def _memory_gone(self, rec: IncidentRecord) -> bool:
+        leases = self.view.leases_of(rec.engine_id)
+        return bool(leases) and all(lease.state is LeaseState.RECLAIMED for lease in leases)
+
+    @staticmethod
+    def _failed_step(rec: IncidentRecord) -> Step:
+        return {S.FREEZING: Step.FREEZE, S.REATTACHING: Step.REATTACH}.get(rec.state, Step.FALLBACK)

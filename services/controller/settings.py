@@ -1,0 +1,30 @@
+"""Controller settings (environment `HF_...` or flags of `holdfast controller`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+
+from libs.common.config import DEFAULT_API_PORT, CommonSettings
+
+
+def default_instance() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class ControllerSettings(CommonSettings):
+    instance: str = Field(default_factory=default_instance, description="this controller's id in the election")
+    leader_ttl_s: int = Field(3, ge=1, description="etcd lease ttl of the leader key: hand-over time after a crash")
+    api_enabled: bool = Field(True, description="serve the REST admin API in this process")
+    api_host: str = Field("127.0.0.1", description="REST admin API bind address")
+    api_port: int = Field(DEFAULT_API_PORT, description="REST admin API port (0: pick a free one)")
+    admin_token: str = Field("", description="bearer token for every route; empty: generated into state_dir")
+    read_token: str = Field("", description="bearer token for GET routes only; empty: none")
+    freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
+    reattach_deadline_s: float = Field(30.0, gt=0, description="takeover must be confirmed within this after freeze")
+    fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")
+    concurrency: int = Field(256, ge=1, description="events handled at once per durable consumer")
+    ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
+    tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")

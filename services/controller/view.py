@@ -1,0 +1,210 @@
+"""The global view: nodes, gpus, engines, leases, endpoints, incidents, kept from one etcd watch.
+
+`ClusterView.apply()` is pure bookkeeping (testable without etcd); `ClusterView.follow(store)` loads a
+snapshot and then applies every change after the snapshot's revision, so nothing between the two is lost.
+The dc_manager uses the same view for placement. Records written by other services are parsed leniently:
+one malformed key is logged and skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from libs.common.events import EngineInfo, LeaseInfo, LeaseState
+from libs.common.store import Store
+from services.controller.incident import IncidentRecord
+
+log = logging.getLogger("holdfast.controller.view")
+
+Listener = Callable[[str, str, Any], None]
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """One GPU as placement sees it."""
+
+    node: str
+    gpu: int
+    healthy: bool
+    total_bytes: int | None  # None: unknown capacity (the node did not report it)
+    leased_bytes: int
+    engines: int
+
+    @property
+    def free_bytes(self) -> int | None:
+        return None if self.total_bytes is None else self.total_bytes - self.leased_bytes
+
+
+def _json(value: bytes | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.gpus: dict[tuple[str, int], dict[str, Any]] = {}
+        self.engines: dict[str, EngineInfo] = {}
+        self.engine_raw: dict[str, dict[str, Any]] = {}
+        self.leases: dict[str, LeaseInfo] = {}
+        self.endpoints: dict[tuple[str, str], str] = {}
+        self.incidents: dict[str, IncidentRecord] = {}
+        self.open_by_engine: dict[str, str] = {}
+        self.drained: set[str] = set()
+        self.specs: dict[str, dict[str, Any]] = {}
+        self.revision = 0
+        self.synced = asyncio.Event()
+        self.listeners: list[Listener] = []
+
+    # ------------------------------------------------------------ bookkeeping (pure)
+
+    def apply(self, kind: str, key: str, value: bytes | None) -> None:
+        head, _, rest = key.partition("/")
+        handler = getattr(self, f"_on_{head}", None)
+        if handler is None or not rest:
+            return
+        try:
+            obj = handler(kind, rest, value)
+        except (ValidationError, ValueError, KeyError, TypeError) as e:
+            log.warning("skipping malformed %s: %s", key, e)
+            return
+        for listener in self.listeners:
+            listener(head, rest, obj)
+
+    def _on_nodes(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            return self.nodes.pop(rest, None)
+        self.nodes[rest] = _json(value) or {}
+        return self.nodes[rest]
+
+    def _on_gpus(self, kind: str, rest: str, value: bytes | None) -> Any:
+        node, _, gpu = rest.partition("/")
+        k = (node, int(gpu))
+        if kind == "delete":
+            return self.gpus.pop(k, None)
+        self.gpus[k] = _json(value) or {}
+        return self.gpus[k]
+
+    def _on_engines(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            self.engine_raw.pop(rest, None)
+            return self.engines.pop(rest, None)
+        raw = _json(value) or {}
+        self.engine_raw[rest] = raw
+        fields = {k: v for k, v in raw.items() if k in EngineInfo.model_fields}
+        self.engines[rest] = EngineInfo.model_validate(fields)
+        return self.engines[rest]
+
+    def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:
+        lease_id = rest.rpartition("/")[2]
+        if kind == "delete":
+            return self.leases.pop(lease_id, None)
+        self.leases[lease_id] = LeaseInfo.model_validate_json(value or b"{}")
+        return self.leases[lease_id]
+
+    def _on_endpoints(self, kind: str, rest: str, value: bytes | None) -> Any:
+        model, _, engine = rest.rpartition("/")
+        if kind == "delete":
+            return self.endpoints.pop((model, engine), None)
+        url = _json(value)
+        self.endpoints[(model, engine)] = url if isinstance(url, str) else (value or b"").decode()
+        return self.endpoints[(model, engine)]
+
+    def _on_incidents(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            rec = self.incidents.pop(rest, None)
+            if rec is not None and self.open_by_engine.get(rec.engine_id) == rest:
+                del self.open_by_engine[rec.engine_id]
+            return rec
+        rec = IncidentRecord.model_validate_json(value or b"{}")
+        self.incidents[rest] = rec
+        if rec.terminal:
+            if self.open_by_engine.get(rec.engine_id) == rest:
+                del self.open_by_engine[rec.engine_id]
+        else:
+            self.open_by_engine[rec.engine_id] = rest
+        return rec
+
+    def _on_drain(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            self.drained.discard(rest)
+        else:
+            self.drained.add(rest)
+        return rest
+
+    def _on_specs(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            return self.specs.pop(rest, None)
+        self.specs[rest] = _json(value) or {}
+        return self.specs[rest]
+
+    # ------------------------------------------------------------ queries
+
+    def node_gpus(self, node: str) -> list[int]:
+        listed = {g for (n, g) in self.gpus if n == node}
+        info = self.nodes.get(node) or {}
+        listed.update(int(g) for g in info.get("gpus", []) if isinstance(g, int))
+        return sorted(listed)
+
+    def gpu_healthy(self, node: str, gpu: int) -> bool:
+        return bool((self.gpus.get((node, gpu)) or {}).get("healthy", True))
+
+    def gpu_slots(self) -> list[GpuSlot]:
+        leased: dict[tuple[str, int], int] = {}
+        for lease in self.leases.values():
+            if lease.state is not LeaseState.RECLAIMED:
+                leased[(lease.node, lease.gpu)] = leased.get((lease.node, lease.gpu), 0) + lease.size
+        engines: dict[tuple[str, int], int] = {}
+        for e in self.engines.values():
+            if e.state not in ("failed", "stopped"):
+                engines[(e.node, e.gpu)] = engines.get((e.node, e.gpu), 0) + 1
+        out = []
+        for node in self.nodes:
+            for gpu in self.node_gpus(node):
+                info = self.gpus.get((node, gpu)) or {}
+                total = info.get("total_bytes", info.get("memory_total"))
+                out.append(GpuSlot(node, gpu, self.gpu_healthy(node, gpu) and node not in self.drained,
+                                   int(total) if isinstance(total, int | float) else None,
+                                   leased.get((node, gpu), 0), engines.get((node, gpu), 0)))
+        return out
+
+    def leases_of(self, owner: str) -> list[LeaseInfo]:
+        return [lease for lease in self.leases.values() if lease.owner == owner]
+
+    def endpoint_of(self, engine_id: str) -> tuple[str, str] | None:
+        for (model, engine), url in self.endpoints.items():
+            if engine == engine_id:
+                return model, url
+        return None
+
+    def open_incident_for(self, engine_id: str) -> IncidentRecord | None:
+        inc = self.open_by_engine.get(engine_id)
+        return self.incidents.get(inc) if inc else None
+
+    # ------------------------------------------------------------ following etcd
+
+    async def load(self, store: Store) -> None:
+        # The range reply's header revision lets the watch start exactly after the snapshot.
+        reply = await store.client.get_prefix(store.full(""))
+        for kv in reply:
+            self.apply("put", store.rel(kv.key), kv.value)
+        self.revision = int(reply.header.revision)
+
+    async def follow(self, store: Store) -> None:
+        """Snapshot, then stream changes forever (a supervised task)."""
+        await self.load(store)
+        self.synced.set()
+        async for ev in store.watch_prefix("", start_revision=self.revision + 1):
+            self.revision = ev.revision
+            self.apply(ev.kind, ev.key, ev.value)

@@ -1,0 +1,1 @@
+"""The datacenter manager: turns the controller's intents into node commands (DESIGN.md section 4)."""

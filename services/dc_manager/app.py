@@ -1,0 +1,23 @@
+"""dc_manager wiring: the view (for placement) and a durable, concurrent consumer of recover intents."""
+
+from __future__ import annotations
+
+import asyncio
+
+from libs.common.ids import subject_token
+from libs.common.service import Runtime
+from services.controller.view import ClusterView
+from services.dc_manager.executor import IntentExecutor
+from services.dc_manager.settings import DcManagerSettings
+
+
+async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
+    view = ClusterView()
+    rt.spawn("view", view.follow(rt.store))
+    await asyncio.wait_for(view.synced.wait(), 30)
+    executor = IntentExecutor(rt.bus, rt.store, view, settings)
+    # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents.
+    await rt.bus.durable("intent.recover", f"dc_manager-{subject_token(settings.datacenter)}", executor.on_intent,
+                         concurrency=settings.concurrency, ack_wait=settings.ack_wait_s)
+    rt.health_detail = lambda: {"datacenter": settings.datacenter, "handled": executor.handled,
+                                "nodes": sorted(settings.node_set() or [])}

@@ -1,0 +1,198 @@
+"""`IntentExecutor`: one RecoverIntent -> node commands (freeze, takeover; or a cold-start spawn) -> results.
+
+Idempotent by recorded progress: each command's reply is stored at `dcm/intents/<incident>-<kind>` before
+its result is published, so an intent redelivered after this process died skips the steps already done
+(a freeze is never repeated once its transfer token is known) and re-sends the one it was in. Results
+carry ids derived from the intent, so a re-published result is dropped by JetStream's duplicate window.
+
+Errors: a node that does not answer is retried with backoff (temporary); a typed error reply (not_found,
+conflict...) is permanent and becomes a failed result at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from libs.common import telemetry
+from libs.common.bus import Bus
+from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
+from libs.common.events import (
+    EngineSpec,
+    Envelope,
+    Freeze,
+    FreezeReply,
+    IntentResult,
+    RecoverIntent,
+    Spawn,
+    SpawnReply,
+    Step,
+    Takeover,
+    TakeoverReply,
+)
+from libs.common.store import Store
+from services.controller.view import ClusterView
+from services.dc_manager.placement import Action, place
+from services.dc_manager.settings import DcManagerSettings
+
+log = logging.getLogger("holdfast.dc_manager")
+R = TypeVar("R", bound=BaseModel)
+
+
+class IntentProgress(BaseModel):
+    key: str
+    incident_id: str
+    freeze: FreezeReply | None = None
+    freeze_ms: float | None = None
+    takeover: TakeoverReply | None = None
+    takeover_ms: float | None = None
+    spawn: SpawnReply | None = None
+    spawn_ms: float | None = None
+
+
+class StepFailed(Exception):
+    def __init__(self, step: Step, detail: str) -> None:
+        super().__init__(detail)
+        self.step = step
+        self.detail = detail
+
+
+async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float) -> R:
+    """Retry while the node does not answer; a typed error reply is final."""
+    for i in range(attempts):
+        try:
+            return await call()
+        except (CommandTimeout, Unavailable):
+            if i == attempts - 1:
+                raise
+            await asyncio.sleep(backoff_s * (2**i))
+    raise AssertionError("unreachable")
+
+
+class IntentExecutor:
+    def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: DcManagerSettings) -> None:
+        self.bus = bus
+        self.store = store
+        self.view = view
+        self.settings = settings
+        self.allowed = settings.node_set()
+        self.tracer = telemetry.tracer("dc_manager")
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.handled = 0
+
+    def owns(self, intent: RecoverIntent) -> bool:
+        return self.allowed is None or intent.node in self.allowed
+
+    async def on_intent(self, env: Envelope) -> None:
+        intent = env.data
+        assert isinstance(intent, RecoverIntent)
+        if not self.owns(intent):
+            return
+        key = f"{intent.incident_id}-{'fallback' if intent.memory_lost else 'recover'}"
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            with self.tracer.start_as_current_span("dc_manager.intent", attributes={
+                    "holdfast.incident": intent.incident_id, "holdfast.fallback": intent.memory_lost}):
+                prog = await self._load(key) or IntentProgress(key=key, incident_id=intent.incident_id)
+                try:
+                    if intent.memory_lost:
+                        await self._cold_start(intent, prog)
+                    else:
+                        await self._reattach(intent, prog)
+                except StepFailed as e:
+                    log.warning("intent %s: %s failed: %s", key, e.step, e.detail)
+                    await self._result(intent, e.step, ok=False, detail=e.detail)
+        self._locks.pop(key, None)
+        self.handled += 1
+
+    # ------------------------------------------------------------ the two paths
+
+    async def _reattach(self, intent: RecoverIntent, prog: IntentProgress) -> None:
+        needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
+        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=needed, slots=self.view.gpu_slots(),
+                      alive=set(self.view.nodes), allowed=self.allowed)
+        if where.action is not Action.REATTACH:
+            raise StepFailed(Step.FREEZE, f"cannot reattach in place: {where.reason}")
+        node = where.node or ""
+        if prog.freeze is None:
+            cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id)
+            prog.freeze, prog.freeze_ms = await self._command(Step.FREEZE, node, cmd, FreezeReply,
+                                                              self.settings.freeze_timeout_s)
+            await self._save(prog)
+        await self._result(intent, Step.FREEZE, ok=True, timings={"freeze": prog.freeze_ms or 0.0})
+        if prog.takeover is None:
+            cmd2 = Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id,
+                            transfer_token=prog.freeze.transfer_token, successor=intent.successor,
+                            version=intent.version)
+            prog.takeover, prog.takeover_ms = await self._command(Step.REATTACH, node, cmd2, TakeoverReply,
+                                                                  self.settings.takeover_timeout_s)
+            await self._save(prog)
+        engine = prog.takeover.engine
+        await self._result(intent, Step.REATTACH, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
+                           timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0},
+                           detail="standby" if prog.takeover.used_standby else "cold-spawned")
+
+    async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
+        if prog.spawn is None:
+            needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
+            where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
+                          slots=self.view.gpu_slots(), alive=set(self.view.nodes), allowed=self.allowed)
+            if where.action is Action.NONE:
+                raise StepFailed(Step.FALLBACK, where.reason)
+            spec = self.spec_for(intent)
+            if spec is None:
+                raise StepFailed(Step.FALLBACK, f"no engine spec for {intent.engine_id} (class {intent.engine_class})")
+            spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
+            cmd = Spawn(spec=spec, engine_id=f"cs-{intent.incident_id}", incident_id=intent.incident_id)
+            prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
+                                                            self.settings.spawn_timeout_s)
+            await self._save(prog)
+        engine = prog.spawn.engine
+        await self._result(intent, Step.FALLBACK, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
+                           timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state)
+
+    def spec_for(self, intent: RecoverIntent) -> EngineSpec | None:
+        """The engine's own recorded spec, else `specs/<class>` in etcd, else this manager's config."""
+        raw = (self.view.engine_raw.get(intent.engine_id) or {}).get("spec")
+        if raw is None:
+            raw = self.view.specs.get(intent.engine_class)
+        if raw is not None:
+            try:
+                return EngineSpec.model_validate(raw)
+            except ValueError as e:
+                log.warning("bad spec for %s: %s", intent.engine_id, e)
+        return self.settings.specs.get(intent.engine_class)
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _command(self, step: Step, node: str, cmd: object, reply: type[R], wait_s: float) -> tuple[R, float]:
+        with self.tracer.start_as_current_span(f"dc_manager.{step}", attributes={"holdfast.node": node}):
+            t0 = time.perf_counter()
+            try:
+                out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s),  # type: ignore[arg-type]
+                                         self.settings.retries, self.settings.retry_backoff_s)
+            except RemoteError as e:
+                raise StepFailed(step, f"{e.remote_code}: {e.message}") from None
+            except HoldfastError as e:
+                raise StepFailed(step, f"{e.code}: {e.message}") from None
+            return out, round((time.perf_counter() - t0) * 1000.0, 3)
+
+    async def _result(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
+                      successor: str | None = None, endpoint: str | None = None,
+                      timings: dict[str, float] | None = None) -> None:
+        result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
+                              endpoint=endpoint, timings_ms=timings or {})
+        kind = "fallback" if intent.memory_lost else "recover"
+        env = self.bus.envelope(result).model_copy(update={"id": f"{intent.incident_id}-{kind}-{step}-result"})
+        await self.bus.publish(env)
+
+    async def _load(self, key: str) -> IntentProgress | None:
+        return await self.store.get_model(f"dcm/intents/{key}", IntentProgress)
+
+    async def _save(self, prog: IntentProgress) -> None:
+        await self.store.put(f"dcm/intents/{prog.key}", prog)

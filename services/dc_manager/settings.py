@@ -1,0 +1,25 @@
+"""dc_manager settings (environment `HF_...` or flags of `holdfast dc-manager`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from libs.common.config import CommonSettings
+from libs.common.events import EngineSpec
+
+
+class DcManagerSettings(CommonSettings):
+    nodes: str = Field("", description="comma-separated nodes this manager serves; empty: every node")
+    freeze_timeout_s: float = Field(2.0, gt=0, description="one freeze request's timeout")
+    takeover_timeout_s: float = Field(30.0, gt=0, description="one takeover request's timeout")
+    spawn_timeout_s: float = Field(60.0, gt=0, description="one cold-start spawn request's timeout")
+    retries: int = Field(3, ge=1, description="attempts per command when the node does not answer")
+    retry_backoff_s: float = Field(0.1, ge=0, description="first pause between attempts (doubles each time)")
+    concurrency: int = Field(256, ge=1, description="intents handled at once")
+    ack_wait_s: float = Field(5.0, gt=0, description="an intent not finished by a dead manager is redelivered after this")
+    specs: dict[str, EngineSpec] = Field(default_factory=dict,
+                                         description="engine class -> spec for cold starts (etcd specs/<class> wins)")
+
+    def node_set(self) -> frozenset[str] | None:
+        items = frozenset(n.strip() for n in self.nodes.split(",") if n.strip())
+        return items or None
