@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gpu_manager.harness import ManagerProc
+
+
+@pytest.fixture
+def manager_factory(settings_env: dict[str, str], tmp_path: Path) -> Iterator:
+    """Build (not start) gpu_manager processes on the host backend with this test's NATS/etcd prefixes."""
+    made: list[ManagerProc] = []
+
+    def make(**extra: str) -> ManagerProc:
+        state = Path(settings_env["HF_STATE_DIR"])
+        state.mkdir(parents=True, exist_ok=True)
+        env = {**settings_env, "HF_BACKEND": "host", "HF_CHUNK_MIB": "1", "HF_RECONCILE_INTERVAL_S": "0.1", **extra}
+        m = ManagerProc(env=env, state_dir=state)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.stop()
+
+
+@pytest.fixture
+def manager(manager_factory) -> ManagerProc:  # noqa: ANN001
+    return manager_factory().start()

@@ -1,0 +1,101 @@
+"""A test engine on the SDK, driven by one command a line on stdin, one JSON reply a line on stdout.
+
+    write N SEED            allocate N bytes, fill with a seeded pattern, register 'data', commit
+    hash                    sha256 of every registered tensor as this process sees it now
+    pending                 lease ids waiting for this engine id
+    attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
+    takeover PRED TOKEN     take over a frozen predecessor's leases
+    reconnect               new connection to the manager (e.g. after it restarted), keep mappings
+    call OP JSON            send a raw request (for refusal tests); reply the error code or "ok"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import traceback
+
+import numpy as np
+
+from libs.client import protocol as p
+from libs.client.memory import Attachment, MemoryClient
+from libs.common.errors import HoldfastError
+
+
+class TestEngine:
+    def __init__(self, engine_id: str, backend: str) -> None:
+        self.engine_id = engine_id
+        self.framework = "torch" if backend == "cuda" else "numpy"
+        self.client = MemoryClient.connect(engine_id)
+        self.views: dict = {}
+
+    def _bytes(self, view) -> bytes:  # noqa: ANN001
+        if self.framework == "torch":
+            return view.contiguous().view(-1).cpu().numpy().tobytes()
+        return np.ascontiguousarray(view).tobytes()
+
+    def hashes(self) -> dict[str, str]:
+        return {k: hashlib.sha256(self._bytes(v)).hexdigest() for k, v in self.views.items()}
+
+    def write(self, n: int, seed: int) -> dict:
+        lease = self.client.allocate(n, name="data")
+        pattern = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+        if self.framework == "torch":
+            import torch
+
+            view = lease.torch("uint8", (n,))
+            view.copy_(torch.from_numpy(pattern).to(view.device))
+            torch.cuda.synchronize()
+        else:
+            view = lease.numpy("uint8", (n,))
+            view[:] = pattern
+        self.client.register([lease.meta("data", "uint8", (n,))])
+        digest = self.client.commit()
+        self.views = {"data": view}
+        return {"lease": lease.id, "epoch": lease.epoch, "layout": digest, "expected": hashlib.sha256(pattern.tobytes()).hexdigest(),
+                **self.hashes()}
+
+    def grant(self, att: Attachment) -> dict:
+        self.views = att.tensors(self.framework)
+        return {"leases": {lease.id: lease.epoch for lease in att.leases}, "layout": att.layout_hash, **self.hashes()}
+
+    def handle(self, words: list[str]) -> dict:
+        cmd = words[0]
+        if cmd == "write":
+            return self.write(int(words[1]), int(words[2]))
+        if cmd == "hash":
+            return self.hashes()
+        if cmd == "pending":
+            return {"pending": [i.id for i in self.client.pending()]}
+        if cmd == "attach":
+            return self.grant(self.client.attach())
+        if cmd == "takeover":
+            return self.grant(self.client.takeover(words[1], words[2]))
+        if cmd == "reconnect":
+            old = self.client
+            self.client = MemoryClient.connect(self.engine_id)
+            self.client.leases = old.leases
+            old.close(unmap=False)
+            return {"ok": True}
+        if cmd == "call":
+            req = p.parse_request({"op": words[1], **json.loads(" ".join(words[2:]) or "{}")})
+            self.client._call(req)
+            return {"code": "ok"}
+        raise ValueError(cmd)
+
+
+def main() -> None:
+    engine = TestEngine(sys.argv[1], sys.argv[2])
+    for line in sys.stdin:
+        try:
+            out = engine.handle(line.split())
+        except HoldfastError as e:
+            out = {"code": e.code, "message": e.message}
+        except Exception as e:  # noqa: BLE001 - report to the test, keep the engine alive
+            out = {"code": "exception", "message": f"{e!r}", "trace": traceback.format_exc()}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
