@@ -112,9 +112,13 @@ class Stack:
         procs.wait_port(c.nats_port, nats)
         procs.wait_port(c.etcd_port, etcd)
 
-    def start_service(self, name: str, *args: str) -> procs.Child:
-        argv = [sys.executable, "-m", f"services.{name}", *args]
-        child = procs.Child(name, argv, env=self.env(), log_path=self.logs / f"{name}.log").start()
+    def start_service(self, service: str, *args: str, name: str | None = None,
+                      env_extra: dict[str, str] | None = None) -> procs.Child:
+        """Start `services.<service>`; `name` tells a second instance apart (its log file and key)."""
+        name = name or service
+        argv = [sys.executable, "-m", f"services.{service}", *args]
+        child = procs.Child(name, argv, env={**self.env(), **(env_extra or {})},
+                            log_path=self.logs / f"{name}.log").start()
         self.children[name] = child
         return child
 
@@ -162,10 +166,15 @@ class Stack:
         self.children[name].kill(sig)
 
     def restart(self, name: str) -> procs.Child:
-        old = self.children.pop(name, None)
-        if old is not None:
-            old.stop()
-        return self.start_service(name)
+        """Stop `name` (if still running) and start it again with the same command line and data."""
+        old = self.children.pop(name)
+        old.stop()
+        child = procs.Child(name, old.argv, env=old.env, log_path=old.log_path).start()
+        self.children[name] = child
+        port = {"nats": self.config.nats_port, "etcd": self.config.etcd_port}.get(name)
+        if port is not None:
+            procs.wait_port(port, child)
+        return child
 
     def pids(self) -> dict[str, int]:
         return {name: c.pid for name, c in self.children.items() if c.proc is not None}
