@@ -49,20 +49,22 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
                for name, shape in cfg.tensor_shapes().items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    meta = {"holdfast.size": cfg.name, "holdfast.seed": str(seed), "holdfast.dtype": str(dt).removeprefix("torch."),
-            "holdfast.config": json.dumps(cfg.__dict__)}
+    # One metadata key: safetensors writes metadata in hash order, and the file must be the same bytes each time.
+    meta = {"holdfast": json.dumps({"size": cfg.name, "seed": seed, "dtype": str(dt).removeprefix("torch."),
+                                    "config": cfg.__dict__}, sort_keys=True)}
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(out)  # a reader never sees half a file
     return out
 
 
-def file_metadata(path: Path) -> dict[str, str]:
+def file_metadata(path: Path) -> dict[str, object]:
     with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+        raw = (f.metadata() or {}).get("holdfast")
+    return json.loads(raw) if raw else {}
 
 
 def check_file_matches(path: Path, cfg: ModelConfig) -> None:
-    size = file_metadata(path).get("holdfast.size")
+    size = file_metadata(path).get("size")
     if size is not None and size != cfg.name:
         raise ValueError(f"{path} holds size {size!r}, the engine is configured for {cfg.name!r}")
 

@@ -1,0 +1,32 @@
+"""The engine's HTTP API in a real standalone process (plain tensors, no gpu_manager)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from tests.engine.support import EngineProc, generate
+
+
+def test_a_standalone_engine_streams_ndjson_that_matches_its_json_reply(tmp_path: Path, tiny_weights: Path) -> None:
+    e = EngineProc(tmp_path, tiny_weights, "http-1", args=("--memory", "local")).start()
+    try:
+        info = e.wait_ready()
+        assert info["memory"] == {**info["memory"], "kind": "local", "source": "file"}
+        health = httpx.get(e.url + "/health", timeout=10).json()
+        assert health["ok"] and health["state"] == "ready" and health["device"] == "cpu"
+        body = {"prompt": "stream me", "max_tokens": 16, "ignore_eos": True}
+        with httpx.stream("POST", e.url + "/generate", json={**body, "stream": True}, timeout=30) as r:
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            lines = [json.loads(x) for x in r.iter_lines() if x.strip()]
+        whole = generate(e.url, **body)
+        assert [x["token"] for x in lines[:-1]] == whole["tokens"]
+        assert "".join(x["text"] for x in lines[:-1]) == whole["text"]
+        assert lines[-1]["done"] and lines[-1]["completion_tokens"] == 16 and lines[-1]["finish_reason"] == "length"
+        bad = httpx.post(e.url + "/generate", json={"tokens": [999], "max_tokens": 2}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request"
+        assert httpx.post(e.url + "/generate", json={"max_tokens": 2}, timeout=10).status_code == 422
+    finally:
+        e.stop()

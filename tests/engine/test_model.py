@@ -1,0 +1,83 @@
+"""The reference model, weights file, tokenizer and engine core, in process (tiny size, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.reference import tokenizer
+from engines.reference.config import SIZES, get_config
+from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
+from engines.reference.model import Transformer
+from engines.reference.weights import load_weights, make_weights
+
+CFG = get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
+    torch.set_num_threads(1)
+    path = make_weights(CFG, tmp_path_factory.mktemp("w") / "tiny.safetensors")
+    return EngineCore(Transformer(CFG, load_weights(path)), torch.zeros(CFG.kv_shape(2, 512)))
+
+
+def run(core: EngineCore, req: GenerationRequest) -> tuple[list[int], Finished]:
+    out = list(core.generate(req))
+    return [e.token for e in out if isinstance(e, TokenOut)], out[-1]  # type: ignore[return-value]
+
+
+def test_the_weights_file_is_the_same_bytes_for_the_same_seed_and_differs_for_another(tmp_path: Path) -> None:
+    a = make_weights(CFG, tmp_path / "a.safetensors", seed=1).read_bytes()
+    b = make_weights(CFG, tmp_path / "b.safetensors", seed=1).read_bytes()
+    c = make_weights(CFG, tmp_path / "c.safetensors", seed=2).read_bytes()
+    assert a == b and a != c
+
+
+def test_sizes_range_from_a_few_megabytes_to_billions_of_parameters() -> None:
+    assert 0.5e6 < SIZES["tiny"].n_params() < 2e6
+    assert SIZES["8b"].n_params() > 6.5e9
+    assert SIZES["8b"].n_kv_heads < SIZES["8b"].n_heads  # grouped-query attention
+
+
+def test_the_tokenizer_round_trips_text_and_streams_split_characters_whole() -> None:
+    ids = tokenizer.encode("héllo ✓")
+    assert ids[0] == tokenizer.BOS and tokenizer.decode(ids) == "héllo ✓"
+    stream = tokenizer.TextStream()
+    pieces = [stream.push(t) for t in ids]
+    assert "".join(pieces) == "héllo ✓" and "" in pieces  # a multi-byte character comes out with its last byte
+
+
+def test_decoding_with_the_cache_matches_a_full_recomputation(core: EngineCore) -> None:
+    ctx = tokenizer.encode("cache check")
+    full = core.model.forward(torch.tensor(ctx), 0, torch.zeros(CFG.kv_shape(1, 64))[0])
+    kv = torch.zeros(CFG.kv_shape(1, 64))[0]
+    step = torch.cat([core.model.forward(torch.tensor([t]), i, kv) for i, t in enumerate(ctx)])
+    assert torch.allclose(full, step, atol=1e-4)
+
+
+def test_a_generation_resumed_from_its_own_tokens_continues_exactly(core: EngineCore) -> None:
+    ctx = tokenizer.encode("resume me")
+    whole, _ = run(core, GenerationRequest(ctx, 60, ignore_eos=True))
+    rest, fin = run(core, GenerationRequest(ctx + whole[:25], 35, ignore_eos=True))
+    assert rest == whole[25:] and fin.completion_tokens == 35
+
+
+def test_seeded_sampling_is_reproducible_resumable_and_differs_from_greedy(core: EngineCore) -> None:
+    ctx = tokenizer.encode("sample me")
+    a, _ = run(core, GenerationRequest(ctx, 40, temperature=1.0, seed=5, ignore_eos=True))
+    b, _ = run(core, GenerationRequest(ctx, 40, temperature=1.0, seed=5, ignore_eos=True))
+    rest, _ = run(core, GenerationRequest(ctx + a[:10], 30, temperature=1.0, seed=5, ignore_eos=True))
+    greedy, _ = run(core, GenerationRequest(ctx, 40, ignore_eos=True))
+    other, _ = run(core, GenerationRequest(ctx, 40, temperature=1.0, seed=6, ignore_eos=True))
+    assert a == b and rest == a[10:] and a != greedy and a != other
+
+
+def test_a_context_longer_than_the_cache_is_refused_and_slots_come_back(core: EngineCore) -> None:
+    with pytest.raises(BadRequest):
+        core.validate(GenerationRequest([1] * 600, 4))
+    it = core.generate(GenerationRequest(tokenizer.encode("abandon"), 50))
+    next(it)
+    it.close()  # a client that goes away
+    assert core.free_slots() == core.slots
