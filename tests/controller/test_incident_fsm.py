@@ -1,0 +1,71 @@
+"""The incident state machine and record (pure: no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.common.errors import InvalidTransition
+from libs.common.events import IncidentReason, Step
+from services.controller.incident import (
+    TERMINAL,
+    TRANSITIONS,
+    Deadlines,
+    IncidentState,
+    Trigger,
+    apply,
+    incident_id_for,
+    opened_record,
+    transition,
+)
+
+D = Deadlines(freeze_s=1, reattach_s=2, fallback_s=3)
+
+
+def test_one_failed_generation_always_maps_to_the_same_incident_id() -> None:
+    assert incident_id_for("e.1", 3) == incident_id_for("e.1", 3) == "inc-e_1-g3"
+    assert incident_id_for("e", 3) != incident_id_for("e", 4)
+    assert incident_id_for("e", 3, IncidentReason.HOT_UPGRADE) != incident_id_for("e", 3)
+
+
+def test_terminal_states_take_no_trigger() -> None:
+    for state in TERMINAL:
+        for trig in Trigger:
+            with pytest.raises(InvalidTransition):
+                transition(state, trig)
+    assert all(src not in TERMINAL for src, _ in TRANSITIONS)
+
+
+def test_the_happy_path_records_every_step_with_its_times() -> None:
+    rec = opened_record(id="i", engine_id="e", died_at=99.0, opened_at=100.0)
+    rec = apply(rec, Trigger.DISPATCHED, 100.5, D)
+    assert rec.state is IncidentState.FREEZING and rec.deadline == 101.5
+    rec = apply(rec, Trigger.FROZEN, 101.0, D)
+    assert rec.state is IncidentState.REATTACHING and rec.deadline == 103.0
+    rec = apply(rec, Trigger.REATTACHED, 101.25, D, successor_id="s")
+    rec = apply(rec, Trigger.ROUTED_IN, 101.5, D)
+    assert rec.state is IncidentState.RESOLVED and rec.deadline is None and rec.successor_id == "s"
+    t = rec.timings_ms()
+    assert t["detect"] == 1000.0 and t["freeze"] == 500.0 and t["reattach"] == 250.0 and t["total"] == 2500.0
+    times = [row["at"] for row in rec.timeline()]
+    assert times == sorted(times)
+
+
+def test_a_missed_deadline_takes_the_fallback_and_a_failed_fallback_fails_the_incident() -> None:
+    rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED, 0.0, D)
+    rec = apply(rec, Trigger.DEADLINE_MISSED, 1.5, D, detail="freeze missed its deadline")
+    assert rec.state is IncidentState.FALLBACK and rec.fallback and rec.steps[Step.FREEZE].status == "failed"
+    rec = apply(rec, Trigger.STEP_FAILED, 2.0, D, detail="no gpu")
+    assert rec.state is IncidentState.FAILED and rec.failure == "no gpu"
+    assert rec.steps[Step.FALLBACK].status == "failed" and rec.steps[Step.FALLBACK].detail == "no gpu"
+
+
+def test_a_reattach_result_that_overtakes_the_freeze_result_still_completes() -> None:
+    rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED, 0.0, D)
+    rec = apply(rec, Trigger.REATTACHED, 0.01, D)
+    assert rec.state is IncidentState.ROUTING_IN
+    assert rec.steps[Step.FREEZE].status == "done" and rec.steps[Step.REATTACH].status == "done"
+
+
+def test_memory_known_lost_at_opening_goes_straight_to_the_cold_start() -> None:
+    rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED_FALLBACK, 0.0, D)
+    assert rec.state is IncidentState.FALLBACK and rec.deadline == 3.0 and Step.FREEZE not in rec.steps
