@@ -105,13 +105,20 @@ class AgentLink:
         return link
 
     def start_heartbeats(self, interval_s: float = 0.2) -> None:
+        """Heartbeat every `interval_s` from the link's thread; the first one goes now, from the caller, so
+        the agent watches this engine for hangs from this moment on (not from the thread's next tick)."""
         self._hb_interval = interval_s
+        try:
+            self._send({"op": "heartbeat"})
+        except (OSError, HoldfastError):
+            pass  # reconnecting: the re-registration says heartbeats are on
 
     def ready(self, endpoint: str | None = None, *, timeout: float = 5.0) -> None:
         """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration."""
         self.endpoint = endpoint
         self.state = "standby" if self.role == "standby" else "ready"
-        self._request({"op": "ready", "endpoint": endpoint, "state": self.state}, timeout)
+        self._request({"op": "ready", "endpoint": endpoint, "state": self.state,
+                       "heartbeats": self._hb_interval is not None}, timeout)
 
     def report_fatal(self, kind: str = "cuda_error", detail: str = "", *, timeout: float = 2.0) -> None:
         """Tell the agent this engine is failing; returns once the agent has it (or after `timeout`)."""

@@ -271,6 +271,8 @@ class Agent:
             return None
         ack = {"op": "ack", "seq": msg.get("seq")} if "seq" in msg else None
         if op == "ready":
+            if msg.get("heartbeats") and rec.last_heartbeat is None:
+                rec.last_heartbeat = time.monotonic()  # heartbeats are on: a hang from now on is detected
             rec.endpoint = msg.get("endpoint")
             if rec.state in (State.STARTING, State.ASSIGNED, State.READY, State.STANDBY):
                 rec.transition(Ev.READY)

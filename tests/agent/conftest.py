@@ -17,9 +17,8 @@ import pytest
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.events import EngineInfo, EngineSpec, Envelope
+from libs.common.events import EngineInfo, EngineSpec, Envelope, NodeInfo
 from libs.common.store import Store
-from services.agent.pidfd import signal_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,6 +86,15 @@ class AgentProcess:
                                  log_path=self.log_dir / "agent.log").start()
         return self
 
+    async def wait_up(self, store: Store) -> NodeInfo:
+        """Until this agent process has written its node key (it then serves commands and its socket)."""
+        async def mine() -> NodeInfo | None:
+            raw = await store.get("nodes/node-1")
+            info = NodeInfo.model_validate_json(raw) if raw else None
+            return info if info is not None and self.child is not None and info.agent_pid == self.child.pid else None
+
+        return await wait_until(mine)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         assert self.child is not None
         self.child.kill(sig)
@@ -103,15 +111,30 @@ async def agent(settings: CommonSettings, settings_env: dict[str, str], store: S
     proc = AgentProcess(settings, settings_env, tmp_path)
     yield proc
     proc.stop()
-    # Engines live in their own sessions (they must survive the agent): end the ones this test started.
-    for raw in (await store.get_prefix("engines/")).values():
-        info = EngineInfo.model_validate_json(raw)
-        if info.pid:
-            signal_pid(info.pid, signal.SIGKILL, info.pid_start)
+    # Engines live in their own sessions (they must survive the agent): end every one this test started,
+    # found by the agent socket in its environment (an engine spawned as the agent stopped has no record).
+    kill_engines_of(str(settings.state_dir / "agent.sock"))
     for line in (tmp_path / "agent.log").read_text(errors="replace").splitlines()[-0:]:
         if "Traceback" in line:
             print((tmp_path / "agent.log").read_text(errors="replace"))
             break
+
+
+def kill_engines_of(socket_path: str) -> list[int]:
+    mark = f"HF_AGENT_SOCKET={socket_path}".encode()
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(entry), signal.SIGKILL)
+            killed.append(int(entry))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
 
 
 async def engine_records(store: Store) -> dict[str, EngineInfo]:
