@@ -18,7 +18,6 @@ Invariants, each counted and expected to be 0:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import random
@@ -66,14 +65,10 @@ def lease_writers(state_dir: Path) -> dict[str, set[int]]:
 
 
 def weights_file_hash(path: Path) -> str:
-    """sha256 of every tensor's bytes in name order: what a serving engine's /checksum must equal."""
-    from safetensors.numpy import load_file
+    """What a serving engine's /checksum must equal: the same hash over the file's tensors."""
+    from engines.reference.weights import load_weights, weights_sha256
 
-    tensors = load_file(str(path))
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(tensors[name].tobytes())
-    return h.hexdigest()
+    return weights_sha256(load_weights(path))
 
 
 @dataclass

@@ -56,6 +56,9 @@ class ModelConfig:
             total += n
         return total
 
+    def bytes_per_param(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
     def kv_shape(self, slots: int, max_seq: int | None = None) -> tuple[int, ...]:
         """KV cache: [slot, layer, k|v, kv_head, position, head_dim] (one slot per concurrent request)."""
         return (slots, self.n_layers, 2, self.n_kv_heads, max_seq or self.max_seq, self.head_dim)
@@ -74,7 +77,14 @@ SIZES: dict[str, ModelConfig] = {
 
 
 def get_config(size: str) -> ModelConfig:
+    """A named size, or `<name>@<layers>`: that width with another depth (benchmarks size weights this way)."""
+    name, _, layers = size.partition("@")
     try:
-        return SIZES[size]
+        cfg = SIZES[name]
     except KeyError:
-        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}") from None
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)} (optionally @<layers>)") from None
+    if not layers:
+        return cfg
+    if not layers.isdigit() or int(layers) < 1:
+        raise ValueError(f"bad layer count in {size!r}")
+    return replace(cfg.with_layers(int(layers)), name=size)

@@ -141,9 +141,22 @@ def run(s: EngineSettings) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
+    link_box: list[Any] = []
+
+    def injected_cuda_error(*_: Any) -> None:
+        # Fault injection (chaos runs): behave as an engine whose CUDA context hit a fatal error does:
+        # report it through the agent link, then exit without cleanup.
+        if link_box:
+            link_box[0].report_fatal("cuda_error", "injected: an illegal memory access was encountered")
+        os._exit(70)
+
+    signal.signal(signal.SIGUSR1, injected_cuda_error)
+
     http = HttpThread(state, s.host, s.port)
     http.start()
     link = open_agent_link(s)
+    if link is not None:
+        link_box.append(link)
     memory = open_memory(s, device)
     state.info["memory"] = {"kind": memory.kind}
     try:

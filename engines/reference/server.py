@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.reference import tokenizer
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
+from engines.reference.weights import weights_sha256
 
 
 class GenerateBody(BaseModel):
@@ -126,6 +127,15 @@ def build_app(state: EngineState) -> FastAPI:
             "tokens_generated": core.tokens_generated if core else 0,
             "requests_done": core.requests_done if core else 0, **state.info,
         }
+
+    @app.get("/checksum")
+    async def checksum() -> Any:
+        """sha256 of the weights being served (on a thread: a large model takes a while to hash)."""
+        core = state.core
+        if core is None:
+            return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
+        digest = await asyncio.to_thread(weights_sha256, core.model.w)
+        return {"engine_id": state.engine_id, "weights_sha256": digest}
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateBody) -> Any:

@@ -72,3 +72,15 @@ def check_file_matches(path: Path, cfg: ModelConfig) -> None:
 def load_weights(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A cold start's read of the file into ordinary (not leased) tensors."""
     return load_file(str(path), device=str(device))
+
+
+def weights_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of every tensor's raw bytes in name order: equal for a weights file and the leased tensors
+    an engine serves from, whatever device they sit on (the check that weights really survived)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(t.view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()

@@ -64,3 +64,35 @@ async def test_a_cold_spawned_successor_takes_over_with_the_transfer_token_and_s
         assert generate(successor.url, **sampled)["tokens"] == generate(successor.url, **sampled)["tokens"]
     finally:
         successor.stop()
+
+
+async def test_the_served_weights_hash_equals_the_files_before_and_after_a_reattach(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str]) -> None:
+    import httpx
+
+    from engines.reference.weights import load_weights, weights_sha256
+
+    expected = weights_sha256(load_weights(tiny_weights))
+    first = leased_engine(tmp_path, tiny_weights, "eng-sum", settings_env)
+    first.wait_ready()
+    assert httpx.get(f"{first.url}/checksum", timeout=30).json()["weights_sha256"] == expected
+    kill(first)
+    second = leased_engine(tmp_path, tiny_weights, "eng-sum", settings_env)
+    second.wait_ready()
+    try:
+        assert httpx.get(f"{second.url}/checksum", timeout=30).json()["weights_sha256"] == expected
+    finally:
+        second.stop()
+
+
+def test_named_sizes_take_another_depth_for_benchmarks() -> None:
+    from engines.reference.config import get_config
+
+    cfg = get_config("small@3")
+    assert cfg.n_layers == 3 and cfg.dim == get_config("small").dim and cfg.name == "small@3"
+    for bad in ("small@0", "small@x", "huge"):
+        try:
+            get_config(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")
