@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -289,6 +290,7 @@ def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
         json_out: bool = typer.Option(False, "--json")) -> None:
     """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes."""
     incidents = min(incidents, nodes * gpus_per_node)  # one incident per engine: each engine fails once
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child processes are stopped
     with tempfile.TemporaryDirectory(prefix="hf-bench-cp-") as d:
         result = asyncio.run(run_bench(nodes, gpus_per_node, incidents, Path(d)))
     if json_out:

@@ -175,7 +175,9 @@ class Bus:
             deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
             max_deliver=MAX_DELIVER,
             ack_wait=ack_wait,
-            max_ack_pending=max(1000, 2 * concurrency),
+            # Unacked messages waiting for a free slot get no in-progress marks: never let more than we run
+            # be outstanding, or they would be redelivered under us while they wait.
+            max_ack_pending=concurrency if concurrency > 1 else 1000,
         )
         inner = self._event_cb(handler, raise_errors=True)
 

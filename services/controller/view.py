@@ -58,6 +58,11 @@ class ClusterView:
         self.engines: dict[str, EngineInfo] = {}
         self.engine_raw: dict[str, dict[str, Any]] = {}
         self.leases: dict[str, LeaseInfo] = {}
+        # Indexes kept beside the maps so that per-incident queries cost O(1), not O(cluster).
+        self.leases_by_owner: dict[str, set[str]] = {}
+        self.leased_bytes: dict[tuple[str, int], int] = {}
+        self.engines_on: dict[tuple[str, int], int] = {}
+        self.endpoint_by_engine: dict[str, tuple[str, str]] = {}
         self.endpoints: dict[tuple[str, str], str] = {}
         self.incidents: dict[str, IncidentRecord] = {}
         self.open_by_engine: dict[str, str] = {}
@@ -97,28 +102,56 @@ class ClusterView:
         return self.gpus[k]
 
     def _on_engines(self, kind: str, rest: str, value: bytes | None) -> Any:
+        old = self.engines.get(rest)
+        if old is not None and old.state not in ("failed", "stopped"):
+            self.engines_on[(old.node, old.gpu)] -= 1
         if kind == "delete":
             self.engine_raw.pop(rest, None)
             return self.engines.pop(rest, None)
         raw = _json(value) or {}
-        self.engine_raw[rest] = raw
         fields = {k: v for k, v in raw.items() if k in EngineInfo.model_fields}
-        self.engines[rest] = EngineInfo.model_validate(fields)
-        return self.engines[rest]
+        try:
+            new = EngineInfo.model_validate(fields)
+        except ValidationError:
+            if old is not None and old.state not in ("failed", "stopped"):
+                self.engines_on[(old.node, old.gpu)] += 1  # keep the index consistent with the kept record
+            raise
+        self.engine_raw[rest] = raw
+        self.engines[rest] = new
+        if new.state not in ("failed", "stopped"):
+            self.engines_on[(new.node, new.gpu)] = self.engines_on.get((new.node, new.gpu), 0) + 1
+        return new
 
     def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:
         lease_id = rest.rpartition("/")[2]
-        if kind == "delete":
-            return self.leases.pop(lease_id, None)
-        self.leases[lease_id] = LeaseInfo.model_validate_json(value or b"{}")
-        return self.leases[lease_id]
+        new = None if kind == "delete" else LeaseInfo.model_validate_json(value or b"{}")
+        old = self.leases.pop(lease_id, None)
+        for lease, sign in ((old, -1), (new, 1)):
+            if lease is None:
+                continue
+            if sign > 0:
+                self.leases[lease_id] = lease
+                self.leases_by_owner.setdefault(lease.owner, set()).add(lease_id)
+            else:
+                owned = self.leases_by_owner.get(lease.owner)
+                if owned is not None:
+                    owned.discard(lease_id)
+                    if not owned:
+                        del self.leases_by_owner[lease.owner]
+            if lease.state is not LeaseState.RECLAIMED:
+                k = (lease.node, lease.gpu)
+                self.leased_bytes[k] = self.leased_bytes.get(k, 0) + sign * lease.size
+        return new if new is not None else old
 
     def _on_endpoints(self, kind: str, rest: str, value: bytes | None) -> Any:
         model, _, engine = rest.rpartition("/")
         if kind == "delete":
+            if self.endpoint_by_engine.get(engine, ("", ""))[0] == model:
+                del self.endpoint_by_engine[engine]
             return self.endpoints.pop((model, engine), None)
         url = _json(value)
         self.endpoints[(model, engine)] = url if isinstance(url, str) else (value or b"").decode()
+        self.endpoint_by_engine[engine] = (model, self.endpoints[(model, engine)])
         return self.endpoints[(model, engine)]
 
     def _on_incidents(self, kind: str, rest: str, value: bytes | None) -> Any:
@@ -160,17 +193,11 @@ class ClusterView:
     def gpu_healthy(self, node: str, gpu: int) -> bool:
         return bool((self.gpus.get((node, gpu)) or {}).get("healthy", True))
 
-    def gpu_slots(self) -> list[GpuSlot]:
-        leased: dict[tuple[str, int], int] = {}
-        for lease in self.leases.values():
-            if lease.state is not LeaseState.RECLAIMED:
-                leased[(lease.node, lease.gpu)] = leased.get((lease.node, lease.gpu), 0) + lease.size
-        engines: dict[tuple[str, int], int] = {}
-        for e in self.engines.values():
-            if e.state not in ("failed", "stopped"):
-                engines[(e.node, e.gpu)] = engines.get((e.node, e.gpu), 0) + 1
+    def gpu_slots(self, nodes: set[str] | frozenset[str] | None = None) -> list[GpuSlot]:
+        """Every GPU of the present nodes (or of `nodes` only)."""
+        leased, engines = self.leased_bytes, self.engines_on
         out = []
-        for node in self.nodes:
+        for node in self.nodes if nodes is None else [n for n in nodes if n in self.nodes]:
             for gpu in self.node_gpus(node):
                 info = self.gpus.get((node, gpu)) or {}
                 total = info.get("total_bytes", info.get("memory_total"))
@@ -180,13 +207,10 @@ class ClusterView:
         return out
 
     def leases_of(self, owner: str) -> list[LeaseInfo]:
-        return [lease for lease in self.leases.values() if lease.owner == owner]
+        return [self.leases[i] for i in sorted(self.leases_by_owner.get(owner, ()))]
 
     def endpoint_of(self, engine_id: str) -> tuple[str, str] | None:
-        for (model, engine), url in self.endpoints.items():
-            if engine == engine_id:
-                return model, url
-        return None
+        return self.endpoint_by_engine.get(engine_id)
 
     def open_incident_for(self, engine_id: str) -> IncidentRecord | None:
         inc = self.open_by_engine.get(engine_id)

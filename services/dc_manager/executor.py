@@ -114,8 +114,10 @@ class IntentExecutor:
 
     async def _reattach(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
-        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=needed, slots=self.view.gpu_slots(),
-                      alive=set(self.view.nodes), allowed=self.allowed)
+        # Reattaching in place only looks at the engine's own node (no scan of the cluster per incident).
+        home = {intent.node} if intent.node else set()
+        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=needed,
+                      slots=self.view.gpu_slots(home), alive=home & self.view.nodes.keys(), allowed=self.allowed)
         if where.action is not Action.REATTACH:
             raise StepFailed(Step.FREEZE, f"cannot reattach in place: {where.reason}")
         node = where.node or ""
