@@ -220,7 +220,8 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
     incidents = [json.loads(v) for v in (await sc.store.get_prefix("incidents/")).values()]
     unresolved = [i.get("id") or i.get("incident_id") for i in incidents
                   if str(i.get("state", "")).lower() not in ("resolved", "failed")]
-    failed = [i.get("id") or i.get("incident_id") for i in incidents if str(i.get("state", "")).lower() == "failed"]
+    failed = [{"id": i.get("id"), "kind": i.get("kind"), "failure": i.get("failure")}
+              for i in incidents if str(i.get("state", "")).lower() == "failed"]
     return {
         "invariants": {
             "corrupted": 0 if served == expected else 1,
@@ -233,7 +234,8 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
         "requests": {"ok": tally.ok, "explicit_errors": tally.errors},
         "faults": dict(tally.faults),
         "incidents": {"total": len(incidents), "failed": len(failed)},
-        "details": {"leaked": leaked, "unresolved": unresolved, "two_writers": tally.two_writer_samples[:5],
+        "details": {"leaked": leaked, "unresolved": unresolved, "failed": failed[:10],
+                    "two_writers": tally.two_writer_samples[:5],
                     "notes": tally.notes[:20]},
     }
 
