@@ -53,30 +53,26 @@ def _float(v: str | None) -> float | None:
 class Memory:
     """The engine's leased memory through the SDK (imported only when the engine holds memory)."""
 
-    def __init__(self, engine_id: str, nbytes: int) -> None:
+    def __init__(self, engine_id: str, nbytes: int, engine_class: str) -> None:
         from libs.client.memory import MemoryClient
 
         self.nbytes = nbytes
-        self.client = MemoryClient.connect(engine_id)
+        self.client = MemoryClient.connect(engine_id, engine_class=engine_class)
         self.view: Any = None
-        self._mapped: Any = None
 
-    def allocate_and_fill(self, seed: int) -> None:
+    def allocate_or_reattach(self, seed: int) -> None:
+        """Memory left by this engine id (a restart of the same engine) is reattached, else allocated."""
+        if self.client.pending():
+            self.view = self.client.attach().tensors("numpy")["pattern"]
+            return
         lease = self.client.allocate(self.nbytes, tag="weights", name="pattern")
-        self._mapped = lease
-        self.view = lease.numpy()
+        self.view = lease.numpy("uint8", (self.nbytes,))
         pattern.fill(self.view, seed)
-        self._commit()
+        self.client.register([lease.meta("pattern", "uint8", (self.nbytes,))])
+        self.client.commit()
 
     def takeover(self, predecessor: str, token: str) -> None:
-        mapped = self.client.takeover(predecessor, token)
-        self._mapped = mapped[0] if isinstance(mapped, list) else mapped
-        self.view = self._mapped.numpy()
-
-    def _commit(self) -> None:
-        commit = getattr(self.client, "commit", None)
-        if commit is not None:
-            commit()
+        self.view = self.client.takeover(predecessor, token).tensors("numpy")["pattern"]
 
 
 def serve_http(state: dict[str, Any]) -> str:
@@ -117,7 +113,7 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     state: dict[str, Any] = {"engine_id": link.engine_id, "seed": args.seed, "view": None}
-    mem = Memory(link.engine_id, args.bytes) if args.bytes > 0 else None
+    mem = Memory(link.engine_id, args.bytes, link.engine_class) if args.bytes > 0 else None
     endpoint = None if args.no_http else serve_http(state)
 
     if link.role == "standby":
@@ -133,7 +129,7 @@ def main(argv: list[str]) -> int:
         if mem is not None:
             mem.takeover(os.environ["HF_TAKEOVER_FROM"], os.environ.get("HF_TRANSFER_TOKEN", ""))
     elif mem is not None:
-        mem.allocate_and_fill(args.seed)
+        mem.allocate_or_reattach(args.seed)
     state["view"] = None if mem is None else mem.view
     link.ready(endpoint)
     log.info("engine %s serving at %s", link.engine_id, endpoint)

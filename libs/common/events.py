@@ -120,6 +120,7 @@ class EngineInfo(Model):
     pid_start: int | None = None  # /proc/<pid>/stat start time (clock ticks): guards re-adoption against pid reuse
     spec_key: str | None = None  # which agent spec this engine belongs to (None: adopted, started by others)
     started_at: float | None = None
+    heartbeats: bool = False  # the engine heartbeats: a restarted agent watches it for hangs from the start
 
 
 class NodeInfo(Model):

@@ -104,6 +104,7 @@ class EngineRecord:
             engine_id=self.engine_id, node=node, model=self.model, engine_class=self.engine_class, role=self.role,
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
+            heartbeats=self.last_heartbeat is not None,
         )
 
     @classmethod
@@ -114,4 +115,6 @@ class EngineRecord:
             gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED,
+            # A heartbeating engine must beat again (through its reconnected link) within the timeout.
+            last_heartbeat=time.monotonic() if info.heartbeats else None,
         )

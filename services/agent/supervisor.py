@@ -267,7 +267,10 @@ class Agent:
         """Handle one frame from an engine; returns the reply (an ack) if the frame wants one."""
         op = msg.get("op")
         if op == "heartbeat":
+            armed = rec.last_heartbeat is not None
             rec.last_heartbeat = time.monotonic()
+            if not armed:
+                self.save(rec)  # recorded, so that a restarted agent keeps watching it for hangs
             return None
         ack = {"op": "ack", "seq": msg.get("seq")} if "seq" in msg else None
         if op == "ready":

@@ -60,7 +60,8 @@ class Recorder:
 @pytest.fixture
 async def recorder(bus: Bus) -> AsyncIterator[Recorder]:
     rec = Recorder()
-    await bus.subscribe(">", rec.handler)
+    for subject in ("fault.>", "engine.>"):
+        await bus.subscribe(subject, rec.handler)
     yield rec
 
 

@@ -1,0 +1,104 @@
+"""The agent's node key, re-adoption after an agent crash, engines started by others, registration checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from libs.common import procs, wire
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import EngineRole, FaultKind, ListEngines, ListEnginesReply
+from libs.common.store import Store
+from tests.agent.conftest import ROOT, AgentProcess, Recorder, engine_records, pattern_spec, wait_until
+
+
+async def test_the_node_key_vanishes_when_the_agent_is_sigkilled(agent: AgentProcess, store: Store) -> None:
+    agent.start([])
+    node = await agent.wait_up(store)
+    assert node.node == "node-1" and node.agent_socket.endswith("agent.sock")
+    agent.kill(signal.SIGKILL)
+    await wait_until(lambda: _absent(store, "nodes/node-1"), within_s=15)
+
+
+async def _absent(store: Store, key: str) -> bool:
+    return await store.get(key) is None
+
+
+async def _recorded(store: Store, states: dict[str, str]) -> bool:
+    records = await engine_records(store)
+    return all(k in records and records[k].state == v and records[k].heartbeats for k, v in states.items())
+
+
+async def test_a_restarted_agent_readopts_the_engines_still_running(agent: AgentProcess, recorder: Recorder, bus: Bus,
+                                                                    store: Store) -> None:
+    specs = [pattern_spec(standbys=1)]
+    agent.start(specs)
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE)).engine
+    standby = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.STANDBY)).engine
+    await wait_until(lambda: _recorded(store, {active.engine_id: "ready", standby.engine_id: "standby"}))
+    agent.kill(signal.SIGKILL)
+
+    agent.start(specs)
+    await agent.wait_up(store)
+    listed = {e.engine_id: e for e in (await bus.request("node-1", ListEngines(), ListEnginesReply)).engines}
+    assert set(listed) == {active.engine_id, standby.engine_id}
+    assert listed[active.engine_id].pid == active.pid and listed[active.engine_id].state == "ready"
+    assert listed[standby.engine_id].pid == standby.pid and listed[standby.engine_id].state == "standby"
+
+    # The engine's link reconnected to the new agent: its heartbeats stop when it is stopped, and it is seen.
+    os.kill(active.pid, signal.SIGSTOP)
+    hung = await recorder.wait("fault.detected", lambda f: f.engine_id == active.engine_id)
+    assert hung.kind is FaultKind.HUNG
+    started = {e.engine.engine_id for e in recorder.of("engine.started")}
+    assert started == {active.engine_id, standby.engine_id}  # nothing was started twice
+    # Its pidfd is watched too: a death of the adopted (no longer our child) standby is detected.
+    os.kill(standby.pid, signal.SIGKILL)
+    dead = await recorder.wait("fault.detected", lambda f: f.engine_id == standby.engine_id)
+    assert dead.kind is FaultKind.KILLED and dead.pid == standby.pid
+
+
+async def test_an_engine_started_by_someone_else_is_adopted_when_it_registers(
+        agent: AgentProcess, recorder: Recorder, bus: Bus, store: Store, settings: CommonSettings,
+        settings_env: dict[str, str]) -> None:
+    agent.start([])
+    await agent.wait_up(store)
+    env = {**settings_env, "PYTHONPATH": str(ROOT), "HF_ENGINE_ID": "outsider-1", "HF_MODEL": "outside-model",
+           "HF_PATTERN_HEARTBEAT_S": "0.05"}
+    outsider = procs.Child("outsider", [sys.executable, "-m", "engines.pattern"], env=env,
+                           log_path=settings.state_dir / "outsider.log").start()
+    try:
+        ready = await recorder.wait("engine.ready", lambda e: e.engine.engine_id == "outsider-1")
+        assert ready.engine.pid == outsider.pid and ready.engine.spec_key is None
+        listed = (await bus.request("node-1", ListEngines(), ListEnginesReply)).engines
+        assert [e.engine_id for e in listed] == ["outsider-1"]
+        outsider.kill(signal.SIGKILL)
+        fault = await recorder.wait("fault.detected", lambda f: f.engine_id == "outsider-1")
+        assert fault.kind is FaultKind.KILLED and fault.pid == outsider.pid
+    finally:
+        outsider.stop()
+
+
+def _register(path: str, **fields: object) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        wire.send_frame(s, {"op": "register", "engine_id": "x", "pid": os.getpid(), "role": "active",
+                            "model": "m", **fields})
+        reply, _ = wire.recv_frame(s)
+        return reply
+
+
+async def test_a_registration_is_refused_for_a_pid_that_is_not_the_callers_or_an_engine_id_already_taken(
+        agent: AgentProcess, recorder: Recorder, settings: CommonSettings) -> None:
+    agent.start([pattern_spec()])
+    active = (await recorder.wait("engine.ready")).engine
+    path = str(settings.state_dir / "agent.sock")
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    lying = _register(path, engine_id="liar", pid=1)
+    assert lying["op"] == "error" and lying["code"] == "permission_denied"
+    twice = _register(path, engine_id=active.engine_id)  # a live engine already holds that id
+    assert twice["op"] == "error" and twice["code"] == "conflict"
+    assert _register(path, engine_id="me-1")["op"] == "registered"
