@@ -1,0 +1,142 @@
+"""`holdfast bench detect [--kills N] [--json]`: engine death -> FaultDetected published, over N SIGKILLs.
+
+A throwaway stack (nats-server, etcd, one agent on free loopback ports) runs a lightweight engine
+(`engines.pattern` with no memory and no HTTP: no torch). Each round: wait for the engine to be ready,
+take the death time right before `os.kill(pid, SIGKILL)`, and stop the clock when a subscriber on the bus
+receives the FaultDetected for that engine. The agent then replaces the engine and the next round starts.
+
+Reported (milliseconds): `publish` = death -> event received by a subscriber (the figure that matters);
+`notice` = death -> the agent's pidfd callback (`died_at` in the event), the part the kernel and the
+event loop take before the JetStream publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from libs.common import procs
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import EngineSpec, Envelope
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"p50": round(statistics.median(values), 3), "p99": round(_pct(values, 99), 3),
+            "min": round(min(values), 3), "max": round(max(values), 3), "mean": round(statistics.fmean(values), 3),
+            "n": len(values)}
+
+
+async def _measure(settings: CommonSettings, kills: int) -> dict[str, Any]:
+    bus = await Bus.connect(settings, "bench-detect")
+    ready: asyncio.Queue[Any] = asyncio.Queue()
+    faults: dict[str, tuple[float, Any]] = {}
+    got_fault = asyncio.Event()
+
+    async def on_ready(env: Envelope) -> None:
+        await ready.put(env.data.engine)  # type: ignore[union-attr]
+
+    async def on_fault(env: Envelope) -> None:
+        faults[env.data.engine_id] = (time.time(), env.data)  # type: ignore[union-attr]
+        got_fault.set()
+
+    await bus.subscribe("engine.ready", on_ready)
+    await bus.subscribe("fault.detected", on_fault)
+    publish, notice, kinds = [], [], set()
+    try:
+        for _ in range(kills):
+            engine = await asyncio.wait_for(ready.get(), 60)
+            await asyncio.sleep(0.05)  # let the engine's start-up work settle: measure detection, not contention
+            got_fault.clear()
+            died = time.time()
+            os.kill(engine.pid, signal.SIGKILL)
+            while engine.engine_id not in faults:
+                await asyncio.wait_for(got_fault.wait(), 10)
+                got_fault.clear()
+            seen, fault = faults[engine.engine_id]
+            publish.append((seen - died) * 1000)
+            notice.append(((fault.died_at or seen) - died) * 1000)
+            kinds.add(fault.kind.value)
+    finally:
+        await bus.close()
+    return {"kills": len(publish), "kinds": sorted(kinds), "publish_ms": summarize(publish),
+            "notice_ms": summarize(notice)}
+
+
+def run(kills: int) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="hf-bench-detect-"))
+    nats_port, etcd_port, peer = procs.free_port(), procs.free_port(), procs.free_port()
+    children: list[procs.Child] = []
+    try:
+        nats = procs.nats_server(nats_port, base / "nats", base / "nats.log").start()
+        children.append(nats)
+        etcd = procs.etcd_server(etcd_port, peer, base / "etcd", base / "etcd.log").start()
+        children.append(etcd)
+        procs.wait_port(nats_port, nats)
+        procs.wait_port(etcd_port, etcd)
+        settings = CommonSettings(nats_url=f"nats://127.0.0.1:{nats_port}", etcd_endpoints=f"127.0.0.1:{etcd_port}",
+                                  node="bench-node", state_dir=base / "state")
+        spec = EngineSpec(engine_class="pattern", model="detect-bench", replicas=1, standbys=0, cold_start_s=10,
+                          command=[sys.executable, "-m", "engines.pattern", "--bytes", "0", "--no-http"])
+        (base / "engines.json").write_text(json.dumps([spec.model_dump(mode="json")]))
+        env = {"HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints, "HF_NODE": settings.node,
+               "HF_STATE_DIR": str(settings.state_dir), "HF_ENGINES_FILE": str(base / "engines.json"),
+               "HF_TAKEOVER_WAIT_S": "0", "HF_RECONCILE_INTERVAL_S": "0.05", "HF_NVML": "false",
+               "HF_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+        agent = procs.Child("agent", [sys.executable, "-m", "services.agent"], env=env,
+                            log_path=base / "agent.log").start()
+        children.append(agent)
+        try:
+            result = asyncio.run(_measure(settings, kills))
+        except TimeoutError:
+            raise RuntimeError(f"no event in time; agent log: {(base / 'agent.log').read_text()[-2000:]}") from None
+        result["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+        return result
+    finally:
+        for child in reversed(children):
+            child.stop()
+        _kill_engines(str(base / "state" / "agent.sock"))
+
+
+def _kill_engines(socket_path: str) -> None:
+    mark = f"HF_AGENT_SOCKET={socket_path}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def cli(kills: int = 100, json_out: bool = typer.Option(False, "--json", help="one JSON object on stdout")) -> None:
+    """Engine death -> FaultDetected published: p50 and p99 over many SIGKILLs."""
+    result = run(kills)
+    if json_out:
+        print(json.dumps(result))
+        return
+    p, n = result["publish_ms"], result["notice_ms"]
+    print(f"{result['kills']} kills ({', '.join(result['kinds'])})")
+    print(f"death -> FaultDetected received: p50 {p['p50']} ms, p99 {p['p99']} ms (min {p['min']}, max {p['max']})")
+    print(f"death -> agent noticed (pidfd):  p50 {n['p50']} ms, p99 {n['p99']} ms")
+
+
+if __name__ == "__main__":
+    typer.run(cli)

@@ -1,0 +1,85 @@
+"""Pure logic of the agent: the engine lifecycle table, the fault latch, the supervision plan, standby choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.common.errors import InvalidTransition
+from libs.common.events import EngineRole, EngineSpec
+from services.agent.engines import EngineRecord, Ev, State
+from services.agent.supervision import never_linked, overdue, pick_standby, plan, spec_key
+
+SPEC = EngineSpec(model="m", command=["x"], replicas=2, standbys=1, cold_start_s=5)
+KEY = spec_key(SPEC)
+
+
+def rec(eid: str, role: EngineRole = EngineRole.ACTIVE, state: State = State.READY, **kw: object) -> EngineRecord:
+    return EngineRecord(engine_id=eid, model="m", engine_class="reference", role=role, state=state, spec_key=KEY,
+                        **kw)  # type: ignore[arg-type]
+
+
+def test_a_standby_becomes_standby_not_ready_when_it_says_ready() -> None:
+    r = rec("s", EngineRole.STANDBY, State.STARTING)
+    assert r.transition(Ev.READY) is State.STANDBY
+    assert r.transition(Ev.ASSIGN) is State.ASSIGNED
+    assert r.transition(Ev.READY) is State.READY
+
+
+def test_an_undefined_move_raises_invalid_transition() -> None:
+    r = rec("a", state=State.STOPPED)
+    with pytest.raises(InvalidTransition):
+        r.transition(Ev.READY)
+
+
+def test_the_fault_latch_lets_one_fault_through_per_generation_and_none_while_stopping() -> None:
+    r = rec("a")
+    assert r.latch_fault() and not r.latch_fault()
+    stopping = rec("b", state=State.STOPPING)
+    assert not stopping.latch_fault()
+
+
+def test_the_plan_tops_up_replicas_and_standbys() -> None:
+    p = plan({KEY: SPEC}, [rec("a")], now=100.0, takeover_wait_s=10)
+    assert sorted(p.start) == sorted([(KEY, EngineRole.ACTIVE), (KEY, EngineRole.STANDBY)])
+    assert p.retire == []
+
+
+def test_a_failed_active_engine_keeps_its_slot_until_the_takeover_wait_passes() -> None:
+    failed = rec("a", state=State.FAILED, failed_mono=95.0)
+    records = [failed, rec("b"), rec("s", EngineRole.STANDBY, State.STANDBY)]
+    assert plan({KEY: SPEC}, records, now=100.0, takeover_wait_s=10).start == []
+    later = plan({KEY: SPEC}, records, now=106.0, takeover_wait_s=10)
+    assert later.retire == ["a"] and later.start == [(KEY, EngineRole.ACTIVE)]
+
+
+def test_a_failed_standby_is_retired_at_once() -> None:
+    p = plan({KEY: SPEC}, [rec("a"), rec("b"), rec("s", EngineRole.STANDBY, State.FAILED, failed_mono=99.0)],
+             now=100.0, takeover_wait_s=10)
+    assert p.retire == ["s"] and p.start == [(KEY, EngineRole.STANDBY)]
+
+
+def test_the_oldest_ready_standby_of_the_model_and_version_is_picked() -> None:
+    young = rec("young", EngineRole.STANDBY, State.STANDBY, spawned_mono=5.0)
+    old = rec("old", EngineRole.STANDBY, State.STANDBY, spawned_mono=1.0)
+    warming = rec("warming", EngineRole.STANDBY, State.STARTING, spawned_mono=0.0)
+    other = rec("v2", EngineRole.STANDBY, State.STANDBY, spawned_mono=0.5, version="2")
+    records = [young, old, warming, other]
+    assert pick_standby(records, "m", version="1").engine_id == "old"  # type: ignore[union-attr]
+    assert pick_standby(records, "m", version="2").engine_id == "v2"  # type: ignore[union-attr]
+    assert pick_standby(records, "m", named="young").engine_id == "young"  # type: ignore[union-attr]
+    assert pick_standby(records, "m", named="warming") is None
+    assert pick_standby(records, "other-model") is None
+
+
+def test_only_armed_live_unfaulted_engines_can_be_overdue() -> None:
+    late = rec("late", last_heartbeat=10.0)
+    fresh = rec("fresh", last_heartbeat=10.8)
+    unarmed = rec("unarmed")
+    faulted = rec("faulted", last_heartbeat=1.0, faulted=True)
+    assert [r.engine_id for r in overdue([late, fresh, unarmed, faulted], 11.5, 1.0)] == ["late"]
+
+
+def test_an_engine_that_never_connects_within_twice_its_cold_start_is_flagged() -> None:
+    slow = rec("slow", state=State.STARTING, spawned_mono=0.0)
+    assert never_linked([slow], 9.0, {KEY: SPEC}) == []
+    assert never_linked([slow], 11.0, {KEY: SPEC}) == [slow]
