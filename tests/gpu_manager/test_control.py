@@ -1,0 +1,125 @@
+"""Control-plane commands over NATS (freeze, transfer, reclaim, list), events and the etcd mirror."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.common.errors import RemoteError
+from libs.common.events import (
+    Freeze,
+    FreezeReply,
+    LeaseInfo,
+    LeaseState,
+    ListLeases,
+    ListLeasesReply,
+    Reclaim,
+    ReclaimReply,
+    Transfer,
+    TransferReply,
+)
+from tests.gpu_manager.harness import Engine, holds_lease_memory
+
+N = 2 * 1024 * 1024 + 100
+
+
+@pytest.fixture
+def engines():
+    started: list[Engine] = []
+
+    def start(manager, engine_id: str) -> Engine:  # noqa: ANN001
+        e = Engine(manager.socket, engine_id)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.close()
+
+
+async def _until(fn, timeout: float = 20.0):  # noqa: ANN001
+    for _ in range(int(timeout / 0.05)):
+        value = await fn()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met")
+
+
+async def test_freeze_then_takeover_waits_for_the_predecessor_to_die_and_bumps_the_epoch(manager, engines, bus, store):
+    node = "node-1"
+    old = engines(manager, "eng-old")
+    wrote = old.ask(f"write {N} 11")
+    standby = engines(manager, "eng-standby")
+
+    frozen = await bus.request(node, Freeze(owner="eng-old", incident_id="inc-1"), FreezeReply)
+    assert frozen.lease_ids == [wrote["lease"]] and frozen.leases[0].state == LeaseState.FROZEN
+    again = await bus.request(node, Freeze(owner="eng-old"), FreezeReply)
+    assert again.transfer_token == frozen.transfer_token  # idempotent
+
+    with pytest.raises(RemoteError) as wrong:
+        await bus.request(node, Transfer(owner="eng-old", successor="eng-standby", transfer_token="nope"), TransferReply)
+    assert wrong.value.remote_code == "permission_denied"
+    moved = await bus.request(node, Transfer(owner="eng-old", successor="eng-standby",
+                                             transfer_token=frozen.transfer_token), TransferReply)
+    assert moved.lease_ids == [wrote["lease"]]
+
+    intruder = engines(manager, "eng-intruder")
+    assert intruder.ask(f"takeover eng-old {frozen.transfer_token}")["code"] == "permission_denied"
+    assert standby.ask(f"takeover eng-old {frozen.transfer_token}")["code"] == "predecessor_alive"
+    old.kill()
+    got = standby.ask(f"takeover eng-old {frozen.transfer_token}")
+    assert got["leases"] == {wrote["lease"]: 2}
+    assert got["data"] == wrote["expected"]
+
+    listed = await bus.request(node, ListLeases(owner="eng-standby"), ListLeasesReply)
+    assert [(i.id, i.state, i.epoch) for i in listed.leases] == [(wrote["lease"], LeaseState.ACTIVE, 2)]
+
+    async def mirrored():
+        info = await store.get_model(f"allocations/{node}/{wrote['lease']}", LeaseInfo)
+        return info if info is not None and info.owner == "eng-standby" else None
+
+    assert (await _until(mirrored)).epoch == 2
+
+    async def events():
+        envs = await bus.replay(">")
+        return envs if any(e.type == "memory.lease.changed" and e.data.lease.owner == "eng-standby" for e in envs) else None
+
+    envs = await _until(events)
+    states = [(e.data.from_state, e.data.lease.state) for e in envs if e.type == "memory.lease.changed"]
+    assert (None, LeaseState.ACTIVE) in states
+    assert (LeaseState.ACTIVE, LeaseState.FROZEN) in states
+    assert (LeaseState.FROZEN, LeaseState.ACTIVE) in states
+    frozen_events = [e for e in envs if e.type == "memory.frozen"]
+    assert frozen_events and frozen_events[0].data.lease_ids == [wrote["lease"]]
+    assert frozen_events[0].incident_id == "inc-1"
+
+
+async def test_reclaim_command_frees_an_orphan_now_and_refuses_an_active_lease_without_force(manager, engines, bus,
+                                                                                               store):
+    node = "node-1"
+    holder = engines(manager, "eng-held")
+    held = holder.ask(f"write {N} 12")
+    with pytest.raises(RemoteError) as refused:
+        await bus.request(node, Reclaim(lease_id=held["lease"]), ReclaimReply)
+    assert refused.value.remote_code == "invalid_transition"
+
+    holder.kill()
+
+    async def orphaned():
+        out = await bus.request(node, ListLeases(state=LeaseState.ORPHANED), ListLeasesReply)
+        return out.leases
+
+    assert [i.id for i in await _until(orphaned)] == [held["lease"]]
+    done = await bus.request(node, Reclaim(lease_id=held["lease"]), ReclaimReply)
+    assert done.lease.state == LeaseState.RECLAIMED
+    assert not holds_lease_memory(manager.pid, held["lease"])
+
+    async def gone():
+        return await store.get(f"allocations/{node}/{held['lease']}") is None
+
+    await _until(gone)
+    with pytest.raises(RemoteError) as unknown:
+        await bus.request(node, Reclaim(lease_id=held["lease"]), ReclaimReply)
+    assert unknown.value.remote_code == "not_found"
