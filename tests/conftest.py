@@ -74,15 +74,7 @@ def settings(nats_server: str, etcd_server: str, tmp_path: Path) -> CommonSettin
 @pytest.fixture
 def settings_env(settings: CommonSettings) -> dict[str, str]:
     """The same settings as environment variables, for child processes."""
-    return {
-        "HF_NATS_URL": settings.nats_url,
-        "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
-        "HF_SUBJECT_PREFIX": settings.subject_prefix,
-        "HF_ETCD_PREFIX": settings.etcd_prefix,
-        "HF_STREAM_NAME": settings.stream_name,
-        "HF_NODE": settings.node,
-        "HF_STATE_DIR": str(settings.state_dir),
-    }
+    return settings.to_env()
 
 
 @pytest.fixture

@@ -39,6 +39,20 @@ class CommonSettings(BaseSettings):
     log_json: bool = Field(False, description="one JSON object a log line")
     request_timeout_s: float = Field(2.0, description="default timeout of NATS request/reply")
 
+    def to_env(self) -> dict[str, str]:
+        """The shared settings as `HF_*` variables, for a child process that must see the same cluster."""
+        return {
+            "HF_NATS_URL": self.nats_url,
+            "HF_ETCD_ENDPOINTS": self.etcd_endpoints,
+            "HF_SUBJECT_PREFIX": self.subject_prefix,
+            "HF_ETCD_PREFIX": self.etcd_prefix,
+            "HF_STREAM_NAME": self.stream_name,
+            "HF_NODE": self.node,
+            "HF_DATACENTER": self.datacenter,
+            "HF_STATE_DIR": str(self.state_dir),
+            "HF_LOG_LEVEL": self.log_level,
+        }
+
     def ensure_state_dir(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         return self.state_dir

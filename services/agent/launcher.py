@@ -16,16 +16,8 @@ from services.agent.settings import AgentSettings
 def engine_env(settings: AgentSettings, spec: EngineSpec, *, engine_id: str, role: EngineRole, gpu: int,
                extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(settings.to_env())
     env.update({
-        "HF_NATS_URL": settings.nats_url,
-        "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
-        "HF_SUBJECT_PREFIX": settings.subject_prefix,
-        "HF_ETCD_PREFIX": settings.etcd_prefix,
-        "HF_STREAM_NAME": settings.stream_name,
-        "HF_NODE": settings.node,
-        "HF_DATACENTER": settings.datacenter,
-        "HF_STATE_DIR": str(settings.state_dir),
-        "HF_LOG_LEVEL": settings.log_level,
         "HF_ENGINE_ID": engine_id,
         "HF_ENGINE_ROLE": role.value,
         "HF_MODEL": spec.model,
