@@ -1,0 +1,1 @@
+"""Benchmarks: `holdfast bench <name>`; results are written up in docs/."""

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs ON the GPU device machine (from the repo root, with .whl and .device carried):
+#   scripts/device_run.sh [pytest args...]      e.g. scripts/device_run.sh -m gpu tests/gpu_manager
+#   DEVICE_CMD="python3 -m ..." scripts/device_run.sh   run another command in the same environment
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.device/bin:$PATH PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+chmod +x .device/bin/* 2>/dev/null || true
+if [ -n "${DEVICE_CMD:-}" ]; then
+  exec bash -c "$DEVICE_CMD"
+fi
+exec python3 -m pytest -p no:cacheprovider "$@"
