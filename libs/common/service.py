@@ -77,6 +77,9 @@ class Runtime:
         if use_store:
             self.store = await Store.connect(self.settings)
 
+    async def announce_health(self) -> None:
+        """Answer health requests; called after setup, so "healthy" means every handler is registered."""
+
         async def health(_: bytes) -> bytes:
             reply = HealthReply(service=self.service, instance=self.instance, ok=not self.stopping.is_set(),
                                 detail={"uptime_s": round(time.time() - self.started_at, 3), "pid": os.getpid(),
@@ -110,6 +113,7 @@ async def serve_until_stopped(rt: Runtime, setup: Callable[[Runtime], Awaitable[
     try:
         await rt.start(use_store=use_store)
         await setup(rt)
+        await rt.announce_health()
         log.info("%s %s ready (pid %d)", rt.service, rt.instance, os.getpid())
         await rt.stopping.wait()
     finally:
