@@ -12,6 +12,7 @@ its pipeline latency is from the fault's publication to the EndpointAdded that n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from libs.common.errors import NotFound
 from libs.common.events import (
     EndpointAdded,
     EngineInfo,
+    EngineReady,
     EngineRole,
     Envelope,
     FaultDetected,
@@ -43,6 +45,8 @@ from libs.common.events import (
     ReclaimReply,
     Spawn,
     SpawnReply,
+    StopEngine,
+    StopReply,
     Tag,
     Takeover,
     TakeoverReply,
@@ -71,6 +75,10 @@ class SimulatedCluster:
         self.spawn_calls = 0
         self.takeover_gate: asyncio.Event | None = None  # tests: hold takeovers until set
         self.takeover_started = asyncio.Event()
+        self.spawn_ready_s = 0.05  # a cold engine's load time (real engines: seconds to minutes)
+        self.ready_gate: asyncio.Event | None = None  # tests: hold cold engines "loading" until set
+        self.stopped: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def engine_id(node: str, gpu: int) -> str:
@@ -111,6 +119,7 @@ class SimulatedCluster:
         await self.bus.serve("*", Takeover, self.takeover)
         await self.bus.serve("*", Spawn, self.spawn)
         await self.bus.serve("*", Reclaim, self.reclaim)
+        await self.bus.serve("*", StopEngine, self.stop)
 
     async def fail(self, engine_id: str, kind: FaultKind = FaultKind.KILLED) -> Envelope:
         e = self.engines[engine_id]
@@ -177,16 +186,44 @@ class SimulatedCluster:
         fut.set_result(TakeoverReply(engine=succ, used_standby=True, timings_ms={"attach": 0.0}))
 
     async def spawn(self, cmd: Spawn) -> SpawnReply:
+        """Start a cold engine: answered at once as `starting`; ready (etcd + `engine.ready`) after
+        `spawn_ready_s`, or when `ready_gate` is set, as a real engine loading its weights would be."""
         self.spawn_calls += 1
         eid = cmd.engine_id or f"spawned-{self.spawn_calls}"
+        if eid in self.engines:
+            return SpawnReply(engine=self.engines[eid])  # idempotent: a retried spawn gets the same engine
         node = next(iter(self.node_names))
         info = EngineInfo(engine_id=eid, node=node, model=cmd.spec.model, engine_class=cmd.spec.engine_class,
                           role=EngineRole.ACTIVE, gpu=cmd.spec.gpus[0], endpoint=f"http://127.0.0.1:9/{eid}",
-                          state="ready", version=cmd.spec.version)
+                          state="starting", version=cmd.spec.version)
         self.engines[eid] = info
         if self.record:
             await self.store.put(f"engines/{eid}", info)
+        task = asyncio.create_task(self._become_ready(eid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return SpawnReply(engine=info)
+
+    async def _become_ready(self, eid: str) -> None:
+        if self.ready_gate is not None:
+            await self.ready_gate.wait()
+        else:
+            await asyncio.sleep(self.spawn_ready_s)
+        if eid in self.stopped:
+            return
+        info = self.engines[eid] = self.engines[eid].model_copy(update={"state": "ready"})
+        if self.record:
+            await self.store.put(f"engines/{eid}", info)
+        await self.bus.emit(EngineReady(engine=info))
+
+    async def stop(self, cmd: StopEngine) -> StopReply:
+        if cmd.engine_id not in self.engines:
+            raise NotFound(f"no engine {cmd.engine_id}")
+        self.stopped.add(cmd.engine_id)
+        self.engines[cmd.engine_id] = self.engines[cmd.engine_id].model_copy(update={"state": "stopped"})
+        if self.record:
+            await self.store.put(f"engines/{cmd.engine_id}", self.engines[cmd.engine_id])
+        return StopReply(engine_id=cmd.engine_id, exit_code=0)
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -196,11 +233,24 @@ def _service(module: str, env: dict[str, str], log_path: Path) -> procs.Child:
     return procs.Child(module, [sys.executable, "-m", module], env=env, log_path=log_path).start()
 
 
-async def _wait_health(bus: Bus, service: str, instance: str, timeout: float = 30) -> None:
+class ChildDied(RuntimeError):
+    pass
+
+
+def _check_alive(children: list[procs.Child]) -> None:
+    """A dead service must end the run at once with its log, not leave the benchmark waiting."""
+    for c in children:
+        if not c.alive():
+            tail = c.log_path.read_text(errors="replace")[-2000:] if c.log_path and c.log_path.exists() else ""
+            raise ChildDied(f"{c.name} exited with {c.proc.returncode if c.proc else None}:\n{tail}")
+
+
+async def _wait_health(bus: Bus, service: str, instance: str, children: list[procs.Child], timeout: float = 60) -> None:
     from libs.common.service import check_health
 
     deadline = time.monotonic() + timeout
     while True:
+        _check_alive(children)
         try:
             await check_health(bus, service, instance, timeout=0.5)
             return
@@ -210,7 +260,22 @@ async def _wait_health(bus: Bus, service: str, instance: str, timeout: float = 3
             await asyncio.sleep(0.2)
 
 
-async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Path) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(lat: list[float], p: float) -> float | None:
+    return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 2) if lat else None
+
+
+async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Path, *, rate: float = 0.0,
+                    dc_managers: int = 1) -> dict[str, Any]:
+    """Burst (`rate` 0: every fault at once) or steady (`rate` faults/s, spread evenly) through the pipeline."""
     nats_port, etcd_port, peer = procs.free_port(), procs.free_port(), procs.free_port()
     infra = [procs.nats_server(nats_port, workdir / "nats", workdir / "nats.log").start(),
              procs.etcd_server(etcd_port, peer, workdir / "etcd", workdir / "etcd.log").start()]
@@ -223,7 +288,8 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         env = {"HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
                "HF_STATE_DIR": str(settings.state_dir), "HF_LOG_LEVEL": "WARNING", "HF_API_ENABLED": "false",
                "HF_INSTANCE": "c1", "HF_DATACENTER": "dc-1", "HF_REATTACH_DEADLINE_S": "120",
-               "HF_FREEZE_DEADLINE_S": "120", "HF_TAKEOVER_TIMEOUT_S": "120", "HF_FREEZE_TIMEOUT_S": "60"}
+               "HF_FREEZE_DEADLINE_S": "120", "HF_TAKEOVER_TIMEOUT_S": "120", "HF_FREEZE_TIMEOUT_S": "60",
+               "HF_LEADER_TTL_S": "10"}  # a burst of thousands may hold the loop past a 3 s ttl
         bus = await Bus.connect(settings, "bench")
         store = await Store.connect(settings)
         sim = SimulatedCluster(bus, store, nodes, gpus_per_node, record=False, emit_events=False)
@@ -231,17 +297,23 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         await sim.populate()
         populate_s = time.perf_counter() - t0
         await sim.serve()
-        children.append(_service("services.controller", env, workdir / "controller.log"))
-        children.append(_service("services.dc_manager", env, workdir / "dc_manager.log"))
-        await _wait_health(bus, "controller", "c1")
-        await _wait_health(bus, "dc_manager", "dc-1")
+        services = [_service("services.controller", env, workdir / "controller.log")]
+        for i in range(dc_managers):
+            # Several managers of one datacenter share its durable consumer: each intent goes to one of them.
+            services.append(_service("services.dc_manager", {**env, "HF_DATACENTER": "dc-1", "HF_NODE": f"dcm{i}"},
+                                     workdir / f"dc_manager{i}.log"))
+        children += services
+        await _wait_health(bus, "controller", "c1", children)
+        await _wait_health(bus, "dc_manager", "dc-1", children)
         while await store.get("leader/controller") is None:  # noqa: ASYNC110 - polling etcd
+            _check_alive(children)
             await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # the leader's durable consumers are bound
+        await asyncio.sleep(1.0)  # the leader's durable consumers are bound
 
         targets = list(sim.engines)[:incidents]
         died: dict[str, float] = {}
         latencies: list[float] = []
+        seen: set[str] = set()
         done = asyncio.Event()
 
         async def on_added(env: Envelope) -> None:
@@ -252,34 +324,51 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                 if len(latencies) == len(targets):
                     done.set()
 
-        seen: set[str] = set()
         await bus.subscribe("router.endpoint.added", on_added)
+        pids = {"controller": services[0].pid, "etcd": infra[1].pid, "nats": infra[0].pid,
+                **{f"dc_manager{i}": c.pid for i, c in enumerate(services[1:])}}
+        cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
+        bench_cpu0 = time.process_time()
         start = time.time()
-        for i in range(0, len(targets), 200):
-            batch = targets[i:i + 200]
-            for eid in batch:
-                died[eid] = time.time()
-            await asyncio.gather(*(sim.fail(eid) for eid in batch))
+        if rate <= 0:
+            for i in range(0, len(targets), 200):
+                batch = targets[i:i + 200]
+                for eid in batch:
+                    died[eid] = time.time()
+                await asyncio.gather(*(sim.fail(eid) for eid in batch))
+        else:
+            # Offered load: fault i is due at start + i / rate; send what is due every 5 ms.
+            sent = 0
+            while sent < len(targets):
+                due = min(len(targets), int((time.time() - start) * rate) + 1)
+                batch = targets[sent:due]
+                for eid in batch:
+                    died[eid] = time.time()
+                await asyncio.gather(*(sim.fail(eid) for eid in batch))
+                sent = due
+                await asyncio.sleep(0.005)
         injected = time.time()
-        try:
-            await asyncio.wait_for(done.wait(), timeout=max(60.0, incidents / 20))
-        except TimeoutError:
-            pass
+        wait_s = max(60.0, incidents / 20)
+        while not done.is_set() and time.time() - injected < wait_s:
+            _check_alive(children)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=1.0)
         end = time.time()
+        cpu = {k: round(_cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
+        cpu["bench (fault injection, simulated nodes)"] = round(time.process_time() - bench_cpu0, 2)
         await bus.close()
         await store.close()
         lat = sorted(latencies)
-
-        def pct(p: float) -> float | None:
-            return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 2) if lat else None
-
         return {
+            "mode": "burst" if rate <= 0 else "steady", "offered_per_s": rate if rate > 0 else None,
             "nodes": nodes, "gpus_per_node": gpus_per_node, "engines": nodes * gpus_per_node,
-            "incidents": len(targets), "resolved": len(lat), "populate_s": round(populate_s, 2),
-            "inject_s": round(injected - start, 3), "wall_s": round(end - start, 3),
+            "dc_managers": dc_managers, "incidents": len(targets), "resolved": len(lat),
+            "populate_s": round(populate_s, 2), "inject_s": round(injected - start, 3),
+            "wall_s": round(end - start, 3),
             "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
-            "latency_ms": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "max": pct(1.0)},
-            "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls, "cpus": os.cpu_count(),
+            "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
+            "cpu_s": cpu, "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
+            "cpus": os.cpu_count(),
         }
     finally:
         for c in reversed(children):
@@ -287,12 +376,21 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
 
 
 def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
+        rate: float = typer.Option(0.0, help="steady mode: offered faults per second (0: burst, all at once)"),
+        duration: float = typer.Option(0.0, help="steady mode: seconds of offered load (incidents = rate x duration)"),
+        dc_managers: int = typer.Option(1, help="dc_manager processes sharing the datacenter's intents"),
         json_out: bool = typer.Option(False, "--json")) -> None:
-    """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes."""
+    """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes.
+
+    Burst mode fires every fault at once (throughput; latency is mostly queueing). Steady mode offers
+    `--rate` faults/s for `--duration` s: if the pipeline keeps up, its p99 is the pipeline's own latency.
+    """
+    if rate > 0 and duration > 0:
+        incidents = int(rate * duration)
     incidents = min(incidents, nodes * gpus_per_node)  # one incident per engine: each engine fails once
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child processes are stopped
     with tempfile.TemporaryDirectory(prefix="hf-bench-cp-") as d:
-        result = asyncio.run(run_bench(nodes, gpus_per_node, incidents, Path(d)))
+        result = asyncio.run(run_bench(nodes, gpus_per_node, incidents, Path(d), rate=rate, dc_managers=dc_managers))
     if json_out:
         print(json.dumps(result))
         return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -54,6 +55,10 @@ C = TypeVar("C", bound=Command)
 R = TypeVar("R", bound=BaseModel)
 
 MAX_DELIVER = 5
+
+# Inside a durable handler: how many times JetStream has delivered this message (1: the first time). A
+# handler whose progress is recorded elsewhere reads that record only on a redelivery.
+delivery_attempt: contextvars.ContextVar[int] = contextvars.ContextVar("hf_delivery_attempt", default=0)
 
 
 class Bus:
@@ -183,6 +188,7 @@ class Bus:
 
         async def handle(msg: Msg) -> None:
             try:
+                delivery_attempt.set(msg.metadata.num_delivered or 1)
                 await inner(msg)
             except MalformedMessage:
                 await msg.term()  # poison: never redeliver

@@ -226,6 +226,7 @@ class IntentResult(Event):
     successor_id: str | None = None
     endpoint: str | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    node: str | None = None  # where the successor runs (the controller stops a superseded cold start there)
 
 
 class MemoryFrozen(Event):

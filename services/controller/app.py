@@ -58,11 +58,14 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
         log.info("%s leads", settings.instance)
         await driver.start()
         rt.spawn("deadlines", driver.run_deadlines())
-        await election.lost.wait()
+        # Leadership ends when the election lease expires or a fenced write finds another leader's key.
+        lost = [asyncio.create_task(election.lost.wait()), asyncio.create_task(driver.writer.lost.wait())]
+        await asyncio.wait(lost, return_when=asyncio.FIRST_COMPLETED)
         # Another controller may already act: stop at once; the supervisor restarts us as a candidate.
         raise InvariantBroken("controller leadership lost")
 
     rt.health_detail = lambda: {"leader": state["leader"], "api": state["api"], "open_incidents": len(driver.open),
                                 "view_revision": view.revision}
+    rt.on_close(driver.writer.flush)  # a clean stop writes what is queued (fenced: only while leading)
     rt.on_close(election.resign)
     rt.spawn("leadership", lead())

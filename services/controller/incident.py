@@ -41,7 +41,7 @@ class Trigger(StrEnum):
     DISPATCHED_FALLBACK = "dispatched_fallback"  # memory known lost at opening: cold start intent sent
     FROZEN = "frozen"
     REATTACHED = "reattached"
-    SPAWNED = "spawned"  # the cold-started successor is up
+    SPAWNED = "spawned"  # the cold-started successor reported ready
     STEP_FAILED = "step_failed"
     DEADLINE_MISSED = "deadline_missed"
     MEMORY_LOST = "memory_lost"
@@ -64,7 +64,8 @@ TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProx
     (S.REATTACHING, T.STEP_FAILED): S.FALLBACK,
     (S.REATTACHING, T.DEADLINE_MISSED): S.FALLBACK,
     (S.REATTACHING, T.MEMORY_LOST): S.FALLBACK,
-    (S.FALLBACK, T.SPAWNED): S.ROUTING_IN,
+    (S.FALLBACK, T.SPAWNED): S.ROUTING_IN,  # the cold-started engine reported ready
+    (S.FALLBACK, T.REATTACHED): S.ROUTING_IN,  # a late reattach wins: it holds the memory, no reload
     (S.FALLBACK, T.STEP_FAILED): S.FAILED,
     (S.FALLBACK, T.DEADLINE_MISSED): S.FAILED,
     (S.ROUTING_IN, T.ROUTED_IN): S.RESOLVED,
@@ -146,6 +147,10 @@ class IncidentRecord(BaseModel):
     steps: dict[Step, StepRecord] = Field(default_factory=dict)
     successor_id: str | None = None
     successor_endpoint: str | None = None
+    cold_successor_id: str | None = None  # the fallback's spawned engine (routed in once it is ready)
+    cold_successor_endpoint: str | None = None
+    cold_successor_node: str | None = None
+    cold_stopped: bool = False  # a late reattach superseded the cold start and its engine was stopped
     failure: str | None = None
     trace_parent: str | None = None
     leader: str = ""  # the controller that last wrote the record
@@ -211,7 +216,11 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
         end_step(out, old_step, "done" if ok else "failed", now, detail if not ok else "")
     if trigger is T.REATTACHED:
         # From FREEZING: the successor holds the memory, so the freeze happened; its result comes later.
+        # From FALLBACK: the reattach was late but holds the memory; the cold start is superseded.
         end_step(out, Step.REATTACH, "done", now)
+        if rec.state is S.FALLBACK:
+            out.steps[Step.FALLBACK] = out.steps[Step.FALLBACK].model_copy(
+                update={"status": "skipped", "detail": "superseded by a late reattach"})
     if trigger is T.SPAWNED:
         end_step(out, Step.FALLBACK, "done", now)
     new_step = STEP_OF.get(new_state)

@@ -12,7 +12,7 @@ from libs.common.errors import Conflict, NotFound
 from libs.common.events import EngineRole, IncidentReason, Reclaim, ReclaimReply
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, incident_id_for, opened_record
-from services.controller.incident_log import IncidentLog
+from services.controller.incident_log import incident_key
 from services.controller.view import ClusterView
 
 
@@ -33,7 +33,7 @@ async def start_on_purpose(store: Store, view: ClusterView, engine_id: str, reas
         endpoint=(hit[1] if hit else None) or engine.endpoint, reason=reason, version=version,
         successor_hint=successor,
     )
-    if not await IncidentLog(store).create(rec):
+    if not await store.create(incident_key(rec.id), rec):
         raise Conflict(f"engine {engine_id} generation {engine.generation} already had a {reason} incident")
     return rec
 

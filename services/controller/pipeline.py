@@ -5,6 +5,14 @@ invariant 3 of `incident.py`), and every event it publishes has an id derived fr
 JetStream duplicate window drops a re-publication after a crash: a resumed incident finishes exactly once.
 Order of work inside a step: act first, then record that the step is done (a crash in between redoes an
 idempotent action instead of skipping one).
+
+Durability (DESIGN.md section 4, latency budget): the opening is written and confirmed before anything is
+done for the incident (it is what makes one incident per failed generation); every later record, and the
+endpoint keys, are written behind through one fenced `BatchWriter` (grouped into etcd transactions, guarded
+by the leader key). A queued record lost in a crash is redone by the next leader from the older record.
+A cold-started successor is routed in when it reports ready (`engine.ready`, or `engines/<id>` state
+ready), not when the spawn is answered; a reattach that succeeds after the cold start began wins (the
+memory is there, nothing reloads) and the cold engine is stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from opentelemetry import trace
 
 from libs.common import telemetry
 from libs.common.bus import Bus
-from libs.common.errors import Conflict
+from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
     EndpointRemoved,
@@ -42,6 +50,8 @@ from libs.common.events import (
     MemoryFrozen,
     RecoverIntent,
     Step,
+    StopEngine,
+    StopReply,
 )
 from libs.common.store import Store
 from services.controller.incident import (
@@ -69,9 +79,8 @@ S = IncidentState
 RESULT_RULES: dict[tuple[Step, bool], tuple[Trigger, frozenset[IncidentState]]] = {
     (Step.FREEZE, True): (Trigger.FROZEN, frozenset({S.FREEZING})),
     (Step.FREEZE, False): (Trigger.STEP_FAILED, frozenset({S.FREEZING})),
-    (Step.REATTACH, True): (Trigger.REATTACHED, frozenset({S.FREEZING, S.REATTACHING})),
+    (Step.REATTACH, True): (Trigger.REATTACHED, frozenset({S.FREEZING, S.REATTACHING, S.FALLBACK})),
     (Step.REATTACH, False): (Trigger.STEP_FAILED, frozenset({S.FREEZING, S.REATTACHING})),
-    (Step.FALLBACK, True): (Trigger.SPAWNED, frozenset({S.FALLBACK})),
     (Step.FALLBACK, False): (Trigger.STEP_FAILED, frozenset({S.FALLBACK})),
 }
 
@@ -88,7 +97,11 @@ class IncidentDriver:
         self.view = view
         self.settings = settings
         self.metrics = metrics
-        self.log = IncidentLog(store)
+        leader_key = store.full("leader/controller")
+        # Fencing: every write (batched or not) holds only while the leader key still names this instance.
+        self.writer = BatchWriter(store, guard=lambda t: [t.value(leader_key) == settings.instance.encode()])
+        self.log = IncidentLog(store, self.writer)
+        self.by_cold: dict[str, str] = {}  # cold-started successor engine id -> its incident
         self.deadlines = Deadlines(settings.freeze_deadline_s, settings.reattach_deadline_s, settings.fallback_deadline_s)
         self.open: dict[str, IncidentRecord] = {}
         self.tracer = telemetry.tracer("controller")
@@ -96,6 +109,7 @@ class IncidentDriver:
         self._spans: dict[str, trace.Span] = {}
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._successors: set[str] = set()  # successors of open incidents (not announced on their own)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 
@@ -103,6 +117,10 @@ class IncidentDriver:
         """Resume every open incident from its record, then consume events (redelivered ones included)."""
         for rec in await self.log.open_records():
             self.open[rec.id] = rec
+            if rec.state is S.FALLBACK and rec.cold_successor_id:
+                self.by_cold[rec.cold_successor_id] = rec.id
+            if rec.successor_id:
+                self._successors.add(rec.successor_id)
         log.info("leader resumes %d open incident(s)", len(self.open))
         for inc_id in list(self.open):
             await self._guarded(inc_id, self._resume(inc_id))
@@ -125,6 +143,11 @@ class IncidentDriver:
                     self._background(rec.id, self.trigger(rec.id, Trigger.DEADLINE_MISSED, detail=f"{step} missed its deadline"))
                 elif rec.state in (S.OPENED, S.ROUTING_IN) and now - rec.updated_at > 1.0:
                     self._background(rec.id, self._resume(rec.id))
+                elif rec.state is S.FALLBACK and rec.cold_successor_id:
+                    # Level-triggered: a ready event missed (or sent before the spawn was answered).
+                    cold = self.view.engines.get(rec.cold_successor_id)
+                    if cold is not None and cold.state == "ready":
+                        self._background(rec.id, self._cold_ready(rec.id, cold.engine_id, cold.endpoint))
             for inc_id in list(self.view.open_by_engine.values()):
                 seen = self.view.incidents.get(inc_id)
                 if inc_id not in self.open and inc_id not in self._busy and seen is not None and seen.state is S.OPENED:
@@ -169,8 +192,9 @@ class IncidentDriver:
                 await self.trigger(other.id, Trigger.MEMORY_LOST, detail="gpu fault during the incident")
             return
         async with self._lock(inc_id):
-            rec = self.open.get(inc_id) or await self.log.load(inc_id)
+            rec = self.open.get(inc_id)
             if rec is None:
+                # Create first (the common case: a new fault); only a redelivery finds it there and loads it.
                 rec = self._record_from_fault(inc_id, f, env)
                 if await self.log.create(rec):
                     self.metrics.record_opened(rec)
@@ -186,6 +210,9 @@ class IncidentDriver:
     async def on_intent_result(self, env: Envelope) -> None:
         r = env.data
         assert isinstance(r, IntentResult)
+        if r.step is Step.FALLBACK and r.ok:
+            await self._cold_spawned(r)
+            return
         trigger, states = RESULT_RULES[(r.step, r.ok)]
         changes = {}
         if r.successor_id:
@@ -197,7 +224,7 @@ class IncidentDriver:
         if isinstance(e, EngineReattached):
             inc_id = e.incident_id or (self.view.open_by_engine.get(e.predecessor_id) or "")
             if inc_id:
-                await self.trigger(inc_id, Trigger.REATTACHED, states=frozenset({S.FREEZING, S.REATTACHING}),
+                await self.trigger(inc_id, Trigger.REATTACHED, states=frozenset({S.FREEZING, S.REATTACHING, S.FALLBACK}),
                                    successor_id=e.engine.engine_id, successor_endpoint=e.engine.endpoint)
         elif isinstance(e, EngineReady):
             await self._engine_ready(e)
@@ -205,7 +232,7 @@ class IncidentDriver:
             hit = self.view.endpoint_of(e.engine_id)
             if hit is not None and self.view.open_incident_for(e.engine_id) is None:
                 model, url = hit
-                await self.store.delete(endpoint_key(model, e.engine_id))
+                self.writer.delete_nowait(endpoint_key(model, e.engine_id))
                 await self._emit_once(EndpointRemoved(model=model, engine_id=e.engine_id, url=url, reason="stopped"),
                                       f"stopped-{e.engine_id}")
 
@@ -219,15 +246,76 @@ class IncidentDriver:
                 await self.trigger(inc.id, Trigger.MEMORY_LOST, states=frozenset({S.FREEZING, S.REATTACHING}),
                                    detail=f"lease {e.lease.id} reclaimed", memory_lost=True)
 
+    async def _cold_spawned(self, r: IntentResult) -> None:
+        """The fallback's engine was started: remember it; route it in once it is ready (or stop it if a
+        late reattach already won)."""
+        inc_id = r.incident_id
+        async with self._lock(inc_id):
+            rec = self.open.get(inc_id) or await self.log.load(inc_id)
+            if rec is None or not r.successor_id:
+                return
+            if rec.state is not S.FALLBACK:
+                if rec.successor_id != r.successor_id and not rec.cold_stopped:
+                    # The reattach won before the spawn was even answered: this engine is not needed.
+                    self._stop_cold(rec.model_copy(update={"cold_successor_id": r.successor_id,
+                                                           "cold_successor_node": r.node}))
+                return
+            if rec.cold_successor_id != r.successor_id:
+                new = rec.model_copy(update={"cold_successor_id": r.successor_id, "cold_successor_endpoint": r.endpoint,
+                                             "cold_successor_node": r.node, "updated_at": time.time()})
+                rec = await self._commit(rec, new)
+            self.by_cold[r.successor_id] = inc_id
+        engine = self.view.engines.get(r.successor_id)
+        if engine is not None and engine.state == "ready":  # it was ready before the spawn was answered
+            await self._cold_ready(inc_id, r.successor_id, engine.endpoint)
+
+    async def _cold_ready(self, inc_id: str, engine_id: str, endpoint: str | None) -> None:
+        async with self._lock(inc_id):
+            rec = self.open.get(inc_id)
+            if rec is None or rec.state is not S.FALLBACK or rec.cold_successor_id != engine_id:
+                return
+            new = apply(rec, Trigger.SPAWNED, time.time(), self.deadlines, successor_id=engine_id,
+                        successor_endpoint=endpoint or rec.cold_successor_endpoint)
+            self.by_cold.pop(engine_id, None)
+            rec = await self._commit(rec, new)
+            await self._advance(rec)
+
+    def _stop_cold(self, rec: IncidentRecord) -> None:
+        """Stop a superseded cold-started engine (best effort, in the background; the node may be gone)."""
+        engine_id, node = rec.cold_successor_id, rec.cold_successor_node
+        if not engine_id:
+            return
+        self.by_cold.pop(engine_id, None)
+        engine = self.view.engines.get(engine_id)
+        node = node or (engine.node if engine else None)
+        if not node:
+            log.warning("incident %s: cannot stop superseded cold engine %s: node unknown", rec.id, engine_id)
+            return
+
+        async def stop() -> None:
+            try:
+                await self.bus.request(node, StopEngine(engine_id=engine_id), StopReply, timeout=10.0)
+                log.info("incident %s: stopped superseded cold engine %s on %s", rec.id, engine_id, node)
+            except Exception as e:  # noqa: BLE001 - best effort: a leftover engine is visible in the view
+                log.warning("incident %s: could not stop cold engine %s: %s", rec.id, engine_id, e)
+
+        task = asyncio.create_task(stop(), name=f"stop-cold:{engine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _engine_ready(self, e: EngineReady) -> None:
         info = e.engine
+        inc_id = self.by_cold.get(info.engine_id)
+        if inc_id is not None:
+            await self._cold_ready(inc_id, info.engine_id, info.endpoint)
+            return
         if info.role is not EngineRole.ACTIVE or not info.endpoint:
             return
         if self.view.open_incident_for(info.engine_id) is not None:
             return  # it is failing: do not announce it
-        if any(r.successor_id == info.engine_id for r in self.open.values()):
+        if info.engine_id in self._successors:
             return  # a successor: route-in announces it with its predecessor
-        await self.store.put(endpoint_key(info.model, info.engine_id), info.endpoint)
+        self.writer.put_nowait(endpoint_key(info.model, info.engine_id), info.endpoint)
         await self._emit_once(EndpointAdded(model=info.model, engine_id=info.engine_id, url=info.endpoint),
                               f"ready-{info.engine_id}-g{info.generation}")
 
@@ -240,6 +328,9 @@ class IncidentDriver:
             if rec is None or not can(rec.state, trigger) or (states is not None and rec.state not in states):
                 return  # unknown, finished, or a late result of an abandoned step: nothing to do
             new = apply(rec, trigger, time.time(), self.deadlines, detail=detail, **changes)
+            if rec.state is S.FALLBACK and trigger is Trigger.REATTACHED and rec.cold_successor_id:
+                self._stop_cold(rec)
+                new.cold_stopped = True
             if new.state is S.FALLBACK:
                 await self._send_intent(new, fallback=True)
             elif new.state is S.FAILED:
@@ -286,8 +377,8 @@ class IncidentDriver:
             self._emit_once(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,
                                            kind=work.kind, model=work.model, gpu=work.gpu),
                             f"{work.id}-opened", work),
-            self.store.delete(endpoint_key(model or work.model, work.engine_id)),
         )
+        self.writer.delete_nowait(endpoint_key(model or work.model, work.engine_id))
         end_step(work, Step.ROUTE_OUT, "done", time.time())
         trig = Trigger.DISPATCHED_FALLBACK if lost else Trigger.DISPATCHED
         return apply(work, trig, time.time(), self.deadlines, memory_lost=lost)
@@ -297,7 +388,7 @@ class IncidentDriver:
         engine = self.view.engines.get(succ)
         url = url or (engine.endpoint if engine else None) or ""
         if succ and url:
-            await self.store.put(endpoint_key(rec.model, succ), url)
+            self.writer.put_nowait(endpoint_key(rec.model, succ), url)
         await self._emit_once(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
                                             predecessor_id=rec.engine_id), f"{rec.id}-added", rec)
         new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
@@ -315,11 +406,13 @@ class IncidentDriver:
 
     async def _commit(self, old: IncidentRecord, new: IncidentRecord) -> IncidentRecord:
         new = new.model_copy(update={"leader": self.settings.instance})
-        try:
-            await self.log.save(new)
-        except Conflict:
-            self.open.pop(new.id, None)  # reload on the next delivery
-            raise
+        self.log.save(new)  # written behind, fenced by the leader key (incident_log.py)
+        if old.successor_id != new.successor_id:
+            self._successors.discard(old.successor_id or "")
+        if new.successor_id and not new.terminal:
+            self._successors.add(new.successor_id)
+        elif new.successor_id:
+            self._successors.discard(new.successor_id)
         self._trace_steps(old, new)
         if new.terminal:
             self.open.pop(new.id, None)

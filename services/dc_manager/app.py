@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from libs.common.cluster_view import ClusterView
 from libs.common.ids import subject_token
 from libs.common.service import Runtime
-from services.controller.view import ClusterView
 from services.dc_manager.executor import IntentExecutor
 from services.dc_manager.settings import DcManagerSettings
 

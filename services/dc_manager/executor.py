@@ -2,7 +2,9 @@
 
 Idempotent by recorded progress: each command's reply is stored at `dcm/intents/<incident>-<kind>` before
 its result is published, so an intent redelivered after this process died skips the steps already done
-(a freeze is never repeated once its transfer token is known) and re-sends the one it was in. Results
+(a freeze is never repeated once its transfer token is known) and re-sends the one it was in. The record
+is read only on a redelivery (a first delivery has none), and written through a `BatchWriter`: awaited,
+but grouped with other intents' writes into one etcd transaction. Results
 carry ids derived from the intent, so a re-published result is dropped by JetStream's duplicate window.
 
 Errors: a node that does not answer is retried with backoff (temporary); a typed error reply (not_found,
@@ -20,8 +22,10 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from libs.common import telemetry
-from libs.common.bus import Bus
+from libs.common.bus import Bus, delivery_attempt
+from libs.common.cluster_view import ClusterView
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
+from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EngineSpec,
     Envelope,
@@ -36,7 +40,6 @@ from libs.common.events import (
     TakeoverReply,
 )
 from libs.common.store import Store
-from services.controller.view import ClusterView
 from services.dc_manager.placement import Action, place
 from services.dc_manager.settings import DcManagerSettings
 
@@ -83,6 +86,7 @@ class IntentExecutor:
         self.allowed = settings.node_set()
         self.tracer = telemetry.tracer("dc_manager")
         self._locks: dict[str, asyncio.Lock] = {}
+        self.writer = BatchWriter(store)
         self.handled = 0
 
     def owns(self, intent: RecoverIntent) -> bool:
@@ -98,7 +102,8 @@ class IntentExecutor:
         async with lock:
             with self.tracer.start_as_current_span("dc_manager.intent", attributes={
                     "holdfast.incident": intent.incident_id, "holdfast.fallback": intent.memory_lost}):
-                prog = await self._load(key) or IntentProgress(key=key, incident_id=intent.incident_id)
+                prog = (await self._load(key) if delivery_attempt.get() != 1 else None) \
+                    or IntentProgress(key=key, incident_id=intent.incident_id)
                 try:
                     if intent.memory_lost:
                         await self._cold_start(intent, prog)
@@ -156,7 +161,7 @@ class IntentExecutor:
             await self._save(prog)
         engine = prog.spawn.engine
         await self._result(intent, Step.FALLBACK, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
-                           timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state)
+                           timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state, node=engine.node)
 
     def spec_for(self, intent: RecoverIntent) -> EngineSpec | None:
         """The engine's own recorded spec, else `specs/<class>` in etcd, else this manager's config."""
@@ -186,9 +191,9 @@ class IntentExecutor:
 
     async def _result(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
                       successor: str | None = None, endpoint: str | None = None,
-                      timings: dict[str, float] | None = None) -> None:
+                      timings: dict[str, float] | None = None, node: str | None = None) -> None:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
-                              endpoint=endpoint, timings_ms=timings or {})
+                              endpoint=endpoint, timings_ms=timings or {}, node=node)
         kind = "fallback" if intent.memory_lost else "recover"
         env = self.bus.envelope(result).model_copy(update={"id": f"{intent.incident_id}-{kind}-{step}-result"})
         await self.bus.publish(env)
@@ -197,4 +202,4 @@ class IntentExecutor:
         return await self.store.get_model(f"dcm/intents/{key}", IntentProgress)
 
     async def _save(self, prog: IntentProgress) -> None:
-        await self.store.put(f"dcm/intents/{prog.key}", prog)
+        await self.writer.put(f"dcm/intents/{prog.key}", prog)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from services.controller.view import GpuSlot
+from libs.common.cluster_view import GpuSlot
 
 
 class Action(StrEnum):

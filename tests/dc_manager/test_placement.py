@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.controller.view import GpuSlot
+from libs.common.cluster_view import GpuSlot
 from services.dc_manager.placement import Action, place
 
 G = 1 << 30

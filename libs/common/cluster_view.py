@@ -1,0 +1,244 @@
+"""The cluster view shared by the controller and the dc_manager: nodes, gpus, engines, leases, endpoints,
+drained nodes and engine specs, kept from one etcd snapshot + watch.
+
+`ClusterView.apply()` is pure bookkeeping (testable without etcd); `ClusterView.follow(store)` loads a
+snapshot and then applies every change after the snapshot's revision, so nothing between the two is lost.
+A key whose head has no `_on_<head>` handler is ignored: a subclass adds heads (the controller adds
+`incidents`). Records written by other services are parsed leniently: one malformed key is logged and
+skipped, never fatal.
+
+The snapshot is read in pages (`range_pages`) at one revision: a single range of a large cluster (8,000
+engines: ~6.5 MB) is larger than gRPC's 4 MiB message limit and fails outright.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aetcd.rpc import RangeRequest
+from aetcd.utils import prefix_range_end
+from pydantic import ValidationError
+
+from libs.common.events import EngineInfo, LeaseInfo, LeaseState
+from libs.common.store import Store
+
+log = logging.getLogger("holdfast.view")
+
+Listener = Callable[[str, str, Any], None]
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """One GPU as placement sees it."""
+
+    node: str
+    gpu: int
+    healthy: bool
+    total_bytes: int | None  # None: unknown capacity (the node did not report it)
+    leased_bytes: int
+    engines: int
+
+    @property
+    def free_bytes(self) -> int | None:
+        return None if self.total_bytes is None else self.total_bytes - self.leased_bytes
+
+
+async def range_pages(store: Store, prefix: str, *, page: int = 2000) -> tuple[list[tuple[str, bytes]], int]:
+    """Every key under `prefix` (relative keys, key order) as of one revision, read `page` keys at a time.
+
+    The first page fixes the revision; later pages read at that revision, so the result is one consistent
+    snapshot however many pages it takes, and a watch from revision + 1 misses nothing.
+    """
+    client = store.client
+    start, end = store.full(prefix), prefix_range_end(store.full(prefix))
+    revision = 0
+    out: list[tuple[str, bytes]] = []
+    while True:
+        req = RangeRequest(key=start, range_end=end, limit=page, revision=revision,
+                           sort_order=RangeRequest.ASCEND, sort_target=RangeRequest.KEY)
+        reply = await client.kvstub.Range(req, timeout=client._timeout, metadata=client.metadata)
+        if revision == 0:
+            revision = int(reply.header.revision)
+        out.extend((store.rel(kv.key), kv.value) for kv in reply.kvs)
+        if not reply.more or not reply.kvs:
+            return out, revision
+        start = reply.kvs[-1].key + b"\0"  # the next key after the last one read
+
+
+def _json(value: bytes | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.gpus: dict[tuple[str, int], dict[str, Any]] = {}
+        self.gpus_of: dict[str, set[int]] = {}  # node -> its gpus listed under gpus/ (placement asks per node)
+        self.engines: dict[str, EngineInfo] = {}
+        self.engine_raw: dict[str, dict[str, Any]] = {}
+        self.leases: dict[str, LeaseInfo] = {}
+        # Indexes kept beside the maps so that per-incident queries cost O(1), not O(cluster).
+        self.leases_by_owner: dict[str, set[str]] = {}
+        self.leased_bytes: dict[tuple[str, int], int] = {}
+        self.engines_on: dict[tuple[str, int], int] = {}
+        self.endpoint_by_engine: dict[str, tuple[str, str]] = {}
+        self.endpoints: dict[tuple[str, str], str] = {}
+        self.drained: set[str] = set()
+        self.specs: dict[str, dict[str, Any]] = {}
+        self.revision = 0
+        self.synced = asyncio.Event()
+        self.listeners: list[Listener] = []
+
+    # ------------------------------------------------------------ bookkeeping (pure)
+
+    def apply(self, kind: str, key: str, value: bytes | None) -> None:
+        head, _, rest = key.partition("/")
+        handler = getattr(self, f"_on_{head}", None)
+        if handler is None or not rest:
+            return
+        try:
+            obj = handler(kind, rest, value)
+        except (ValidationError, ValueError, KeyError, TypeError) as e:
+            log.warning("skipping malformed %s: %s", key, e)
+            return
+        for listener in self.listeners:
+            listener(head, rest, obj)
+
+    def _on_nodes(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            return self.nodes.pop(rest, None)
+        self.nodes[rest] = _json(value) or {}
+        return self.nodes[rest]
+
+    def _on_gpus(self, kind: str, rest: str, value: bytes | None) -> Any:
+        node, _, gpu = rest.partition("/")
+        k = (node, int(gpu))
+        if kind == "delete":
+            listed = self.gpus_of.get(node)
+            if listed is not None:
+                listed.discard(k[1])
+            return self.gpus.pop(k, None)
+        self.gpus_of.setdefault(node, set()).add(k[1])
+        self.gpus[k] = _json(value) or {}
+        return self.gpus[k]
+
+    def _on_engines(self, kind: str, rest: str, value: bytes | None) -> Any:
+        old = self.engines.get(rest)
+        if old is not None and old.state not in ("failed", "stopped"):
+            self.engines_on[(old.node, old.gpu)] -= 1
+        if kind == "delete":
+            self.engine_raw.pop(rest, None)
+            return self.engines.pop(rest, None)
+        raw = _json(value) or {}
+        fields = {k: v for k, v in raw.items() if k in EngineInfo.model_fields}
+        try:
+            new = EngineInfo.model_validate(fields)
+        except ValidationError:
+            if old is not None and old.state not in ("failed", "stopped"):
+                self.engines_on[(old.node, old.gpu)] += 1  # keep the index consistent with the kept record
+            raise
+        self.engine_raw[rest] = raw
+        self.engines[rest] = new
+        if new.state not in ("failed", "stopped"):
+            self.engines_on[(new.node, new.gpu)] = self.engines_on.get((new.node, new.gpu), 0) + 1
+        return new
+
+    def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:
+        lease_id = rest.rpartition("/")[2]
+        new = None if kind == "delete" else LeaseInfo.model_validate_json(value or b"{}")
+        old = self.leases.pop(lease_id, None)
+        for lease, sign in ((old, -1), (new, 1)):
+            if lease is None:
+                continue
+            if sign > 0:
+                self.leases[lease_id] = lease
+                self.leases_by_owner.setdefault(lease.owner, set()).add(lease_id)
+            else:
+                owned = self.leases_by_owner.get(lease.owner)
+                if owned is not None:
+                    owned.discard(lease_id)
+                    if not owned:
+                        del self.leases_by_owner[lease.owner]
+            if lease.state is not LeaseState.RECLAIMED:
+                k = (lease.node, lease.gpu)
+                self.leased_bytes[k] = self.leased_bytes.get(k, 0) + sign * lease.size
+        return new if new is not None else old
+
+    def _on_endpoints(self, kind: str, rest: str, value: bytes | None) -> Any:
+        model, _, engine = rest.rpartition("/")
+        if kind == "delete":
+            if self.endpoint_by_engine.get(engine, ("", ""))[0] == model:
+                del self.endpoint_by_engine[engine]
+            return self.endpoints.pop((model, engine), None)
+        url = _json(value)
+        self.endpoints[(model, engine)] = url if isinstance(url, str) else (value or b"").decode()
+        self.endpoint_by_engine[engine] = (model, self.endpoints[(model, engine)])
+        return self.endpoints[(model, engine)]
+
+    def _on_drain(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            self.drained.discard(rest)
+        else:
+            self.drained.add(rest)
+        return rest
+
+    def _on_specs(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            return self.specs.pop(rest, None)
+        self.specs[rest] = _json(value) or {}
+        return self.specs[rest]
+
+    # ------------------------------------------------------------ queries
+
+    def node_gpus(self, node: str) -> list[int]:
+        listed = set(self.gpus_of.get(node, ()))
+        info = self.nodes.get(node) or {}
+        listed.update(int(g) for g in info.get("gpus", []) if isinstance(g, int))
+        return sorted(listed)
+
+    def gpu_healthy(self, node: str, gpu: int) -> bool:
+        return bool((self.gpus.get((node, gpu)) or {}).get("healthy", True))
+
+    def gpu_slots(self, nodes: set[str] | frozenset[str] | None = None) -> list[GpuSlot]:
+        """Every GPU of the present nodes (or of `nodes` only)."""
+        leased, engines = self.leased_bytes, self.engines_on
+        out = []
+        for node in self.nodes if nodes is None else [n for n in nodes if n in self.nodes]:
+            for gpu in self.node_gpus(node):
+                info = self.gpus.get((node, gpu)) or {}
+                total = info.get("total_bytes", info.get("memory_total"))
+                out.append(GpuSlot(node, gpu, self.gpu_healthy(node, gpu) and node not in self.drained,
+                                   int(total) if isinstance(total, int | float) else None,
+                                   leased.get((node, gpu), 0), engines.get((node, gpu), 0)))
+        return out
+
+    def leases_of(self, owner: str) -> list[LeaseInfo]:
+        return [self.leases[i] for i in sorted(self.leases_by_owner.get(owner, ()))]
+
+    def endpoint_of(self, engine_id: str) -> tuple[str, str] | None:
+        return self.endpoint_by_engine.get(engine_id)
+
+    # ------------------------------------------------------------ following etcd
+
+    async def load(self, store: Store) -> None:
+        items, self.revision = await range_pages(store, "")
+        for key, value in items:
+            self.apply("put", key, value)
+
+    async def follow(self, store: Store) -> None:
+        """Snapshot, then stream changes forever (a supervised task)."""
+        await self.load(store)
+        self.synced.set()
+        async for ev in store.watch_prefix("", start_revision=self.revision + 1):
+            self.revision = ev.revision
+            self.apply(ev.kind, ev.key, ev.value)

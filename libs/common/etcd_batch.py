@@ -1,0 +1,215 @@
+"""`BatchWriter`: etcd writes grouped into transactions (group commit), awaited or written behind.
+
+Each etcd write costs a gRPC round trip and a raft commit; at hundreds of incidents a second those calls,
+not the bytes, are what a Python process spends its time on. The writer collects the writes of every
+caller and sends them as one transaction of up to `max_ops` operations (etcd's default limit is 128):
+
+- `create(key, value)` (put only if absent) and `put(key, value)` wait until their transaction is
+  committed: use them for what safety needs before acting (an incident's opening, a command's progress).
+- `put_nowait` / `delete_nowait` return at once (DESIGN.md section 4: record the other steps without
+  waiting); a later write to the same key replaces a pending one, so only the latest value is sent.
+- `pending(key)` is the value this process wrote last and etcd may not have yet: read it before etcd
+  so a reader in this process never sees an older record than the one it wrote.
+
+Fencing: every transaction also carries the `guard` comparisons (the controller passes "the leader key
+still names me"); a failed guard fails every write of that transaction and sets `lost`, which the owner
+treats as losing its right to write. Keys are never in two transactions at once, so writes to one key are
+applied in the order they were made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.common.errors import Conflict
+from libs.common.store import Store, encode_value
+
+log = logging.getLogger("holdfast.etcd_batch")
+
+PUT, CREATE, DELETE = "put", "create", "delete"
+
+
+@dataclass
+class _Op:
+    kind: str
+    key: str
+    value: bytes | None
+    waiters: list[asyncio.Future[bool]] = field(default_factory=list)
+
+
+class BatchWriter:
+    def __init__(self, store: Store, *, guard: Callable[[Any], list[Any]] | None = None, max_ops: int = 100,
+                 parallel: int = 4) -> None:
+        self.store = store
+        self.guard = guard  # (transactions helper) -> comparisons added to every transaction
+        self.max_ops = max_ops
+        self.parallel = parallel
+        self.lost = asyncio.Event()
+        self.transactions = 0  # committed transactions (health and benchmarks)
+        self._pending: dict[str, _Op] = {}
+        self._later: list[_Op] = []  # writes to a key that has a create pending (kept in order)
+        self._inflight: dict[str, _Op] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._running = 0
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ writes
+
+    async def create(self, key: str, value: Any) -> bool:
+        """Put only if `key` is absent; True when this write created it."""
+        return await self._wait(self._add(_Op(CREATE, key, encode_value(value))))
+
+    async def put(self, key: str, value: Any) -> None:
+        await self._wait(self._add(_Op(PUT, key, encode_value(value))))
+
+    def put_nowait(self, key: str, value: Any) -> None:
+        self._add(_Op(PUT, key, encode_value(value)), wait=False)
+
+    def delete_nowait(self, key: str) -> None:
+        self._add(_Op(DELETE, key, None), wait=False)
+
+    def pending(self, key: str) -> tuple[bool, bytes | None]:
+        """(True, value) when this process has a write of `key` not yet confirmed (value None: a delete)."""
+        for op in reversed(self._later):
+            if op.key == key:
+                return True, op.value
+        op = self._pending.get(key) or self._inflight.get(key)
+        return (False, None) if op is None else (True, op.value)
+
+    async def flush(self) -> None:
+        """Wait until every write made so far is committed (or failed)."""
+        while self._pending or self._later or self._running:
+            self._ensure_task()
+            self._wake.set()
+            self._idle.clear()
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _add(self, op: _Op, *, wait: bool = True) -> asyncio.Future[bool] | None:
+        fut = asyncio.get_running_loop().create_future() if wait else None
+        if fut is not None:
+            op.waiters.append(fut)
+        cur = self._pending.get(op.key)
+        if (cur is not None and (cur.kind == CREATE or op.kind == CREATE)) or any(o.key == op.key for o in self._later):
+            self._later.append(op)  # a create decides what follows it: keep the order
+        elif cur is not None and op.kind != CREATE:
+            op.waiters = cur.waiters + op.waiters  # the newer value supersedes the pending one
+            self._pending[op.key] = op
+        else:
+            self._pending[op.key] = op
+        self._ensure_task()
+        self._wake.set()
+        return fut
+
+    async def _wait(self, fut: asyncio.Future[bool] | None) -> bool:
+        assert fut is not None
+        return await fut
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="etcd-batch-writer")
+
+    async def _run(self) -> None:
+        slots = asyncio.Semaphore(self.parallel)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending or self._later:
+                self._promote_later()
+                batch = self._take()
+                if not batch:
+                    break  # every pending key is in flight: its transaction's end wakes us
+                await slots.acquire()
+                self._running += 1
+                task = asyncio.get_running_loop().create_task(self._commit(batch, slots))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if not self._running:
+                self._idle.set()
+
+    def _promote_later(self) -> None:
+        keep: list[_Op] = []
+        for op in self._later:
+            if op.key in self._pending or any(k.key == op.key for k in keep):
+                keep.append(op)
+            else:
+                self._pending[op.key] = op
+        self._later = keep
+
+    def _take(self) -> list[_Op]:
+        batch: list[_Op] = []
+        for key in list(self._pending):
+            if key in self._inflight:
+                continue
+            batch.append(self._pending.pop(key))
+            if len(batch) >= self.max_ops:
+                break
+        for op in batch:
+            self._inflight[op.key] = op
+        return batch
+
+    async def _commit(self, batch: list[_Op], slots: asyncio.Semaphore) -> None:
+        try:
+            try:
+                results = await self._txn(batch)
+            except Exception as e:  # noqa: BLE001 - etcd unreachable: every waiter hears it, nothing is lost silently
+                log.warning("etcd batch of %d failed: %s", len(batch), e)
+                for op in batch:
+                    for w in op.waiters:
+                        if not w.done():
+                            w.set_exception(e)
+                if not any(op.waiters for op in batch):
+                    self.lost.set()  # written-behind records could not be kept: the owner must restart
+                return
+            for op, ok in zip(batch, results, strict=True):
+                for w in op.waiters:
+                    if not w.done():
+                        w.set_result(ok)
+        finally:
+            for op in batch:
+                if self._inflight.get(op.key) is op:
+                    del self._inflight[op.key]
+            self._running -= 1
+            slots.release()
+            self._wake.set()
+            if not self._running and not self._pending and not self._later:
+                self._idle.set()
+
+    async def _txn(self, batch: list[_Op]) -> list[bool]:
+        """One transaction; if a create's key exists (the only per-key condition), redo each alone."""
+        t = self.store.client.transactions
+        guard = self.guard(t) if self.guard else []
+        creates = [t.version(self.store.full(op.key)) == 0 for op in batch if op.kind == CREATE]
+        ok, _ = await self.store.client.transaction(compare=guard + creates, success=[self._req(t, op) for op in batch],
+                                                    failure=[])
+        self.transactions += 1
+        if ok:
+            return [True] * len(batch)
+        if guard:
+            held, _ = await self.store.client.transaction(compare=guard, success=[], failure=[])
+            if not held:
+                self.lost.set()
+                raise Conflict("the write guard no longer holds (leadership lost?)")
+        out = []
+        for op in batch:
+            cmp = guard + ([t.version(self.store.full(op.key)) == 0] if op.kind == CREATE else [])
+            one, _ = await self.store.client.transaction(compare=cmp, success=[self._req(t, op)], failure=[])
+            out.append(bool(one))
+        return out
+
+    def _req(self, t: Any, op: _Op) -> Any:
+        k = self.store.full(op.key)
+        return t.delete(k) if op.kind == DELETE else t.put(k, op.value)
