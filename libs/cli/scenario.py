@@ -77,15 +77,24 @@ class Trial:
         return (self.first_token - self.t_kill) * 1000.0 if self.first_token else None
 
     def steps_ms(self) -> dict[str, float]:
-        """The split by step: each one from the previous milestone to its own."""
-        order = [("detect", "detected"), ("freeze", "frozen"), ("reattach", "taken over"),
-                 ("reroute", "endpoint added"), ("first_token", "first token after recovery")]
-        out, prev = {}, 0.0
-        for step, label in order:
-            at = self.timeline_ms.get(label)
-            if at is not None:
-                out[step] = at - prev
-                prev = at
+        """The split by step. The agent's `taken over` and the controller's `endpoint added` both follow the
+        takeover reply and race each other, so reroute is the announcement's lag behind the takeover
+        (0 when it came first) and first_token counts from whichever came last."""
+        t = self.timeline_ms
+        out: dict[str, float] = {}
+        detected, frozen = t.get("detected"), t.get("frozen")
+        taken, added, first = t.get("taken over"), t.get("endpoint added"), t.get("first token after recovery")
+        if detected is not None:
+            out["detect"] = detected
+            if frozen is not None:
+                out["freeze"] = frozen - detected
+                if taken is not None:
+                    out["reattach"] = taken - frozen
+        if taken is not None and added is not None:
+            out["reroute"] = max(0.0, added - taken)
+        ready = max((v for v in (taken, added) if v is not None), default=None)
+        if first is not None and ready is not None:
+            out["first_token"] = first - ready
         return out
 
 
@@ -258,12 +267,17 @@ class Scenario:
         resolved = await self.wait_event("incident.resolved", 60, after=seen)
         lost = sum(1 for r in results if r.error or not r.done)
         mismatched = sum(1 for r in results if not r.error and r.tokens != baseline[r.prompt].tokens)
-        after_kill = [t for r in results for t in r.arrivals if t > t_kill]
-        first_token = min(after_kill) if after_kill else None
+        # Tokens the predecessor wrote just before its death can still arrive after t_kill; the successor's
+        # first token cannot come before the endpoint is announced (the router replays and releases held
+        # requests on that event), so count from the announcement.
+        announced = [at for at, env in self.events[seen:] if env.type == "router.endpoint.added" and at >= t_kill]
+        since = min(announced) if announced else t_kill
+        after = [t for r in results for t in r.arrivals if t > since]
+        first_token = min(after) if after else None
         successor = await self.wait_serving(standbys=0, timeout=60)
-        after = await self.weights_checksum(successor.endpoint or "") if check_weights else None
+        after_sum = await self.weights_checksum(successor.endpoint or "") if check_weights else None
         return Trial(t_kill, first_token, results, self.timeline(t_kill, first_token, after=seen), lost, mismatched,
-                     resolved.incident_id, before, after)
+                     resolved.incident_id, before, after_sum)
 
     async def _until_tokens(self, tasks: list[asyncio.Task[Any]], want: int) -> None:
         """Wait until `want` more tokens streamed, so the kill lands mid-generation."""
