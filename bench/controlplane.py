@@ -269,6 +269,17 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _inject(sim: SimulatedCluster, eid: str) -> None:
+    """One fault; a publish not acknowledged in time (an overloaded loop) is retried (deduplicated by id)."""
+    for attempt in range(5):
+        try:
+            await sim.fail(eid)
+            return
+        except Exception:  # noqa: BLE001 - nats timeout under load
+            if attempt == 4:
+                raise
+
+
 def _pct(lat: list[float], p: float) -> float | None:
     return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 2) if lat else None
 
@@ -344,7 +355,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                 batch = targets[sent:due]
                 for eid in batch:
                     died[eid] = time.time()
-                await asyncio.gather(*(sim.fail(eid) for eid in batch))
+                await asyncio.gather(*(_inject(sim, eid) for eid in batch))
                 sent = due
                 await asyncio.sleep(0.005)
         injected = time.time()

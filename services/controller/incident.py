@@ -219,6 +219,10 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
         # From FALLBACK: the reattach was late but holds the memory; the cold start is superseded.
         end_step(out, Step.REATTACH, "done", now)
         if rec.state is S.FALLBACK:
+            late = out.steps.get(Step.REATTACH)
+            if late is not None:  # it was recorded failed at its deadline; it did succeed, later
+                out.steps[Step.REATTACH] = late.model_copy(update={"status": "done", "ended_at": max(now, late.started_at),
+                                                                   "detail": "succeeded after its deadline"})
             out.steps[Step.FALLBACK] = out.steps[Step.FALLBACK].model_copy(
                 update={"status": "skipped", "detail": "superseded by a late reattach"})
     if trigger is T.SPAWNED:

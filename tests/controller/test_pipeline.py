@@ -142,3 +142,66 @@ async def test_a_missed_freeze_deadline_falls_back_and_fails_without_a_spec(
         rec = await wait_for(failed, what="failed")
         assert rec.fallback and "no engine spec" in (rec.steps["fallback"].detail or "")
         assert rec.steps["freeze"].status == "failed"
+
+
+async def test_a_cold_started_engine_is_routed_in_only_once_it_reports_ready(
+        bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
+    sim = SimulatedCluster(bus, store, nodes=2, gpus_per_node=1)
+    sim.ready_gate = asyncio.Event()  # the cold engine stays "loading its weights" until set
+    await sim.populate()
+    await sim.serve()
+    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    async with control_plane(bus, store, service_env(settings_env), tmp_path):
+        victim = sim.engine_id("n0000", 0)
+        await sim.fail(victim, FaultKind.GPU_FAULT)
+        inc_id = f"inc-{victim}-g0"
+
+        async def spawned() -> IncidentRecord | None:
+            rec = await _record(store, inc_id)
+            return rec if rec is not None and rec.cold_successor_id else None
+
+        rec = await wait_for(spawned, what="the cold start answered")
+        assert rec.state is IncidentState.FALLBACK and rec.successor_id is None
+        assert not [e for e in await bus.replay("router.endpoint.added") if e.incident_id == inc_id]
+        sim.ready_gate.set()
+        rec = await wait_for(lambda: _resolved(store, inc_id), what="routed in once ready")
+        assert rec.successor_id == f"cs-{inc_id}"
+        assert rec.steps["fallback"].ended_at is not None
+        added = [e for e in await bus.replay("router.endpoint.added") if e.incident_id == inc_id]
+        assert len(added) == 1 and added[0].data.engine_id == f"cs-{inc_id}"
+
+
+async def test_a_reattach_that_succeeds_after_the_fallback_began_wins_and_the_cold_engine_is_stopped(
+        bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
+    sim = SimulatedCluster(bus, store, nodes=2, gpus_per_node=1)
+    sim.takeover_gate = asyncio.Event()  # the takeover is slow: the reattach deadline passes first
+    sim.ready_gate = asyncio.Event()  # and the cold engine is still loading when the takeover lands
+    await sim.populate()
+    await sim.serve()
+    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    env = service_env(settings_env, HF_REATTACH_DEADLINE_S="0.5")
+    async with control_plane(bus, store, env, tmp_path):
+        victim = sim.engine_id("n0000", 0)
+        await sim.fail(victim)
+        inc_id = f"inc-{victim}-g0"
+
+        async def cold_started() -> IncidentRecord | None:
+            rec = await _record(store, inc_id)
+            return rec if rec is not None and rec.cold_successor_id else None
+
+        rec = await wait_for(cold_started, what="the fallback's engine spawned")
+        assert rec.state is IncidentState.FALLBACK
+        sim.takeover_gate.set()
+        rec = await wait_for(lambda: _resolved(store, inc_id), what="resolved by the late reattach")
+        assert rec.successor_id == f"{victim}-s1" and rec.cold_stopped
+        assert rec.steps["fallback"].status == "skipped" and rec.steps["reattach"].status == "done"
+        await wait_for(lambda: _true(f"cs-{inc_id}" in sim.stopped), what="the cold engine stopped")
+        sim.ready_gate.set()  # it would be ready now: it must not be routed in
+        await asyncio.sleep(0.5)
+        added = [e for e in await bus.replay("router.endpoint.added") if e.incident_id == inc_id]
+        assert [e.data.engine_id for e in added] == [f"{victim}-s1"]
+        assert (await store.get(f"endpoints/m/cs-{inc_id}")) is None
+
+
+async def _true(value: bool) -> bool:
+    return value
