@@ -2,9 +2,11 @@
 
 Each request holds one slot of the KV cache while it runs; forwards are serialized by a lock (one batch of
 one: the reference engine values exactness over throughput). Invariants:
-1. With `prefill_chunk == 1` (the default) every position is computed by the same one-token forward, so
-   generating from `context + generated[:k]` continues exactly as the uninterrupted generation did
-   (what the router's replay relies on).
+1. Exact resume: a request's prompt (`context[:prefix_len]`) is prefilled in chunks of `prefill_chunk`
+   starting at position 0, and the rest of the context (tokens already generated, handed back by a router
+   resuming the request) one token at a time. So resuming from `prompt + generated[:k]` runs exactly the
+   forwards the uninterrupted generation ran (same shapes at the same positions) and continues as it did,
+   while a fresh prompt still gets a fast chunked prefill.
 2. Sampling draws from a generator seeded by (seed, absolute position): a sampled generation is
    resumable the same way; temperature 0 is greedy (argmax, lowest index on a tie).
 3. A slot is returned when its generation ends, fails or is abandoned (`close()` of the iterator).
@@ -27,6 +29,7 @@ from engines.reference.tokenizer import EOS, TextStream
 class GenerationRequest:
     context: list[int]
     max_tokens: int
+    prefix_len: int | None = None  # the prompt part of `context` (None: all of it); the rest is a resume
     temperature: float = 0.0
     seed: int = 0
     ignore_eos: bool = False
@@ -62,8 +65,15 @@ def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def prefill_spans(n: int, prefix_len: int | None, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of each prefill forward: the prompt in chunks from 0, then the resumed tokens singly."""
+    prefix = n if prefix_len is None else max(0, min(prefix_len, n))
+    spans = [(i, min(i + chunk, prefix)) for i in range(0, prefix, chunk)]
+    return spans + [(i, i + 1) for i in range(prefix, n)]
+
+
 class EngineCore:
-    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 1) -> None:
+    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64) -> None:
         if kv.dim() != 6 or kv.shape[1] != model.cfg.n_layers:
             raise ValueError(f"kv cache shape {tuple(kv.shape)} does not fit {model.cfg.n_layers} layers")
         self.model = model
@@ -121,8 +131,9 @@ class EngineCore:
             text.prime(req.context)
             ctx = list(req.context)
             logits = None
-            for i in range(0, len(ctx) if req.max_tokens > 0 else 0, self.prefill_chunk):
-                logits = self.forward(slot, ctx[i:i + self.prefill_chunk], i)
+            if req.max_tokens > 0:
+                for start, stop in prefill_spans(len(ctx), req.prefix_len, self.prefill_chunk):
+                    logits = self.forward(slot, ctx[start:stop], start)
             first_ms = 0.0
             produced = 0
             reason = "length"
@@ -150,12 +161,13 @@ class EngineCore:
             self._give_slot(slot)
 
     def warm(self) -> float:
-        """Run the kernels once (prefill of two tokens, one decode step); returns the milliseconds it took."""
+        """Run the kernels once (one prefill chunk, one decode step); returns the milliseconds it took."""
         t0 = time.perf_counter()
         slot = self._take_slot(None)
         try:
-            self.forward(slot, [0, 1], 0)
-            self.forward(slot, [2], 2)
+            n = max(2, min(self.prefill_chunk, self.max_seq - 2))  # a full chunk: its kernels, not a toy shape's
+            self.forward(slot, list(range(n)), 0)
+            self.forward(slot, [2], n)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
         finally:

@@ -31,6 +31,8 @@ class GenerateBody(BaseModel):
 
     prompt: str | None = Field(None, description="text; encoded with a leading BOS")
     tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt if both are given")
+    resume: list[int] | None = Field(None, description="tokens this request already generated elsewhere (a router "
+                                     "resuming it): fed one at a time after the prompt, so the continuation is exact")
     max_tokens: int = Field(64, ge=0)
     temperature: float = Field(0.0, ge=0.0, description="0: greedy")
     greedy: bool | None = Field(None, description="true forces temperature 0")
@@ -47,9 +49,11 @@ class GenerateBody(BaseModel):
     def to_request(self) -> GenerationRequest:
         ctx = tokenizer.encode(self.prompt) if self.prompt is not None else []
         ctx += list(self.tokens or [])
+        prefix_len = len(ctx)
+        ctx += list(self.resume or [])
         temp = 0.0 if self.greedy else self.temperature
         return GenerationRequest(context=ctx, max_tokens=self.max_tokens, temperature=temp, seed=self.seed,
-                                 ignore_eos=self.ignore_eos)
+                                 ignore_eos=self.ignore_eos, prefix_len=prefix_len)
 
 
 class EngineState:

@@ -1,7 +1,7 @@
 """One client request relayed to engines, resumed on another engine when its engine fails.
 
-The relay sends the engine `{prompt, tokens: original tokens + tokens generated so far, max_tokens: what is
-left}`; the reference engine's exact-resume invariant (engines/reference/engine.py) makes the continuation
+The relay sends the engine `{prompt, tokens (as the client sent them), resume: tokens generated so far,
+max_tokens: what is left}`; the reference engine's exact-resume invariant (engines/reference/engine.py) makes the continuation
 identical to the uninterrupted generation, so the client sees one stream. Invariants:
 1. Every client request ends in exactly one of: completed, an explicit error (a 503/502 JSON body before
    the stream starts, or a final `{"done": true, "error": ...}` line after), or the client going away.
@@ -192,7 +192,7 @@ class Relay:
 
     async def _attempt(self, ep: Endpoint, req: GenerateRequest, seed: int, generated: list[int]) -> AsyncIterator[dict[str, Any]]:
         s = self.settings
-        body = {"prompt": req.prompt, "tokens": list(req.tokens or []) + generated,
+        body = {"prompt": req.prompt, "tokens": req.tokens, "resume": generated,
                 "max_tokens": req.max_tokens - len(generated), "temperature": req.temperature, "greedy": req.greedy,
                 "seed": seed, "stream": True, "ignore_eos": req.ignore_eos}
         abort = self.inflight.add(ep.engine_id)

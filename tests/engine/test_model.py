@@ -60,15 +60,34 @@ def test_decoding_with_the_cache_matches_a_full_recomputation(core: EngineCore) 
 def test_a_generation_resumed_from_its_own_tokens_continues_exactly(core: EngineCore) -> None:
     ctx = tokenizer.encode("resume me")
     whole, _ = run(core, GenerationRequest(ctx, 60, ignore_eos=True))
-    rest, fin = run(core, GenerationRequest(ctx + whole[:25], 35, ignore_eos=True))
+    rest, fin = run(core, GenerationRequest(ctx + whole[:25], 35, ignore_eos=True, prefix_len=len(ctx)))
     assert rest == whole[25:] and fin.completion_tokens == 35
+
+
+def test_a_chunked_prompt_resumes_exactly_when_the_generated_tokens_are_fed_singly(core: EngineCore) -> None:
+    chunked = EngineCore(core.model, torch.zeros(CFG.kv_shape(1, 512)), prefill_chunk=8)
+    ctx = tokenizer.encode("a prompt longer than one prefill chunk of eight tokens")
+    whole, _ = run(chunked, GenerationRequest(ctx, 40, ignore_eos=True))
+    for k in (1, 7, 20):
+        rest, _ = run(chunked, GenerationRequest(ctx + whole[:k], 40 - k, ignore_eos=True, prefix_len=len(ctx)))
+        assert rest == whole[k:], f"resume after {k} tokens diverged"
+
+
+def test_prefill_spans_chunk_the_prompt_and_step_the_resumed_tokens() -> None:
+    from engines.reference.engine import prefill_spans
+
+    assert prefill_spans(10, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert prefill_spans(7, 5, 4) == [(0, 4), (4, 5), (5, 6), (6, 7)]
+    assert prefill_spans(3, None, 64) == [(0, 3)]
+    assert prefill_spans(3, 0, 64) == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_seeded_sampling_is_reproducible_resumable_and_differs_from_greedy(core: EngineCore) -> None:
     ctx = tokenizer.encode("sample me")
     a, _ = run(core, GenerationRequest(ctx, 40, temperature=1.0, seed=5, ignore_eos=True))
     b, _ = run(core, GenerationRequest(ctx, 40, temperature=1.0, seed=5, ignore_eos=True))
-    rest, _ = run(core, GenerationRequest(ctx + a[:10], 30, temperature=1.0, seed=5, ignore_eos=True))
+    rest, _ = run(core, GenerationRequest(ctx + a[:10], 30, temperature=1.0, seed=5, ignore_eos=True,
+                                          prefix_len=len(ctx)))
     greedy, _ = run(core, GenerationRequest(ctx, 40, ignore_eos=True))
     other, _ = run(core, GenerationRequest(ctx, 40, temperature=1.0, seed=6, ignore_eos=True))
     assert a == b and rest == a[10:] and a != greedy and a != other
