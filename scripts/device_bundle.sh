@@ -13,7 +13,8 @@ PY=${PY:-.venv/bin/python}
 # Same versions as the local virtualenv. The device image already has numpy, torch, msgpack, safetensors,
 # hypothesis, pytest, pytest-timeout, typer, rich, grpcio, protobuf, zipp, cuda-bindings.
 PKGS="pydantic pydantic-core pydantic-settings annotated-types typing-inspection python-dotenv nats-py aetcd
-      sqlalchemy typing-extensions opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions pytest-asyncio"
+      sqlalchemy typing-extensions opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions pytest-asyncio
+      fastapi starlette uvicorn annotated-doc"
 SPECS=""
 for p in $PKGS; do
   v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")

@@ -25,7 +25,7 @@ console = Console(stderr=True)
 
 
 def default_size(backend: str) -> str:
-    return "small" if backend == "cuda" else "tiny"
+    return "1b" if backend == "cuda" else "tiny"
 
 
 def run(*, json_only: bool = False, size: str = "auto") -> int:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU report, run ON the device machine through scripts/device_run.sh (DEVICE_CMD): the gpu-marked
+# tests, the demo, recovery side by side and a short chaos run, on the cuda backend. Every result lands in
+# $OUT (JSON + logs) to be copied into docs/benchmarks.md.
+#   STEPS="tests demo recovery16 chaos" (default: all), GIB_BIG=48 for the large recovery step "recoverybig"
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"tests demo recovery16 chaos"}
+HF="python3 -m libs.cli.main"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+nproc >> "$OUT/gpu.txt"; free -g | head -2 >> "$OUT/gpu.txt"; df -h / | tail -1 >> "$OUT/gpu.txt"
+for step in $STEPS; do
+  t0=$(date +%s)
+  case $step in
+    tests) python3 -m pytest -p no:cacheprovider -m gpu tests -q --timeout 300 > "$OUT/gpu_tests.log" 2>&1 ;;
+    demo) $HF demo --json > "$OUT/demo.json" 2> "$OUT/demo.err" ;;
+    recovery16) $HF bench recovery --backend cuda --weights-gib 16 --trials "${TRIALS:-3}" --json \
+                  > "$OUT/recovery16.json" 2> "$OUT/recovery16.err" ;;
+    recoverybig) $HF bench recovery --backend cuda --weights-gib "${GIB_BIG:-48}" --trials "${TRIALS_BIG:-2}" --json \
+                  > "$OUT/recoverybig.json" 2> "$OUT/recoverybig.err" ;;
+    chaos) $HF chaos --minutes "${CHAOS_MIN:-1}" --seed 7 --json > "$OUT/chaos.json" 2> "$OUT/chaos.err" ;;
+  esac
+  echo "step $step: rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/steps.txt"
+done
+tail -c 3000 "$OUT"/*.err 2>/dev/null | tail -40
+cat "$OUT"/*.json 2>/dev/null
