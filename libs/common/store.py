@@ -5,8 +5,9 @@ Values are JSON: pass a pydantic model, a dict or bytes. What is offered:
 - get / get_prefix / put / delete / delete_prefix
 - create (put only if absent) and cas (compare-and-swap on the current value), both transactions
 - watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision
-- leases: `grant(ttl)` and `KeepAlive` (a supervised task refreshing it at ttl/3)
-- `LeaderElection`: campaign with a key bound to a lease, observe, resign
+- leases: `grant(ttl)` and `KeepAlive` (a supervised task refreshing it at ttl/3); `ThreadKeepAlive` does
+  the refreshing from a dedicated thread with its own gRPC channel, so a busy event loop cannot let it lapse
+- `LeaderElection`: campaign with a key bound to a lease (kept by `ThreadKeepAlive`), observe, resign
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+import grpc
+from aetcd import rpc
 from pydantic import BaseModel
 
 from libs.common.config import CommonSettings
@@ -215,6 +220,82 @@ class KeepAlive:
                 log.warning("lease keep-alive failed: %s", e)
 
 
+class ThreadKeepAlive:
+    """Refresh an etcd lease every ttl/3 from a dedicated thread (own synchronous gRPC channel).
+
+    Why a thread: a leader whose event loop is busy for longer than the ttl (a burst of thousands of
+    events) must not lose its lease for that; the thread only needs the GIL for a moment every ttl/3,
+    which Python's switch interval grants even to a CPU-bound loop. A SIGKILLed process takes the thread
+    with it, so etcd still expires the lease within the ttl.
+
+    `run()` is the loop side (spawn it as a task): it starts the thread and marks the loop alive every
+    ttl/3. A loop that shows no sign of life for `stall_limit_s` (wedged, not merely busy) is let go: the
+    thread stops refreshing and the lease expires, so a stuck leader still hands over. `lost` is set (on
+    the loop) when etcd says the lease expired or refreshing stopped.
+    """
+
+    def __init__(self, store: Store, lease: Lease, *, stall_limit_s: float | None = None) -> None:
+        host, port = store.settings.etcd_hosts()[0]
+        self.target = f"{host}:{port}"
+        self.lease = lease
+        self.interval = max(lease.ttl / 3.0, 0.2)
+        self.stall_limit_s = stall_limit_s if stall_limit_s is not None else max(30.0, 10.0 * lease.ttl)
+        self.lost = asyncio.Event()
+        self.refreshes = 0  # successful refreshes (tests, health)
+        self._stop = threading.Event()
+        self._beat = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._beat = time.monotonic()
+        self._thread = threading.Thread(target=self._refresh_forever, name=f"lease-keepalive-{self.lease.id:x}",
+                                         daemon=True)
+        self._thread.start()
+        try:
+            while not self.lost.is_set():
+                self._beat = time.monotonic()
+                await asyncio.sleep(self.interval)
+        finally:
+            self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _set_lost(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self.lost.set)
+
+    def _refresh_forever(self) -> None:
+        channel = grpc.insecure_channel(self.target)
+        stub = rpc.LeaseStub(channel)
+        try:
+            while not self._stop.wait(self.interval):
+                stalled = time.monotonic() - self._beat
+                if stalled > self.stall_limit_s:
+                    log.error("event loop silent for %.0f s: letting etcd lease %x expire", stalled, self.lease.id)
+                    self._set_lost()
+                    return
+                try:
+                    replies = stub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=self.lease.id)]),
+                                                  timeout=max(self.interval, 1.0))
+                    reply = next(replies)
+                    replies.cancel()
+                except (grpc.RpcError, StopIteration) as e:  # etcd briefly unreachable: try again next tick
+                    log.warning("lease keep-alive failed: %s", e)
+                    continue
+                if reply.TTL <= 0:
+                    log.error("etcd lease %x expired", self.lease.id)
+                    self._set_lost()
+                    return
+                self.refreshes += 1
+        finally:
+            channel.close()
+
+
 class LeaderElection:
     """One leader per `name`: the leader's id sits at `leader/<name>`, bound to its lease.
 
@@ -228,13 +309,14 @@ class LeaderElection:
         self.candidate = candidate
         self.ttl = ttl
         self.lease: Lease | None = None
-        self.keepalive: KeepAlive | None = None
+        self.keepalive: ThreadKeepAlive | None = None
         self._ka_task: asyncio.Task[None] | None = None
 
     async def campaign(self, *, poll_s: float = 0.2) -> None:
         """Return once this candidate is the leader."""
         self.lease = await self.store.grant(self.ttl)
-        self.keepalive = KeepAlive(self.store, self.lease)
+        # From a thread: a leader busy for longer than the ttl keeps its lease (ThreadKeepAlive).
+        self.keepalive = ThreadKeepAlive(self.store, self.lease)
         self._ka_task = asyncio.create_task(self.keepalive.run(), name=f"leader-keepalive:{self.key}")
         while True:
             if await self.store.create(self.key, self.candidate, lease=self.lease):
@@ -257,6 +339,8 @@ class LeaderElection:
         return (await self.leader()) == self.candidate
 
     async def resign(self) -> None:
+        if self.keepalive is not None:
+            self.keepalive.stop()
         if self._ka_task:
             self._ka_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
