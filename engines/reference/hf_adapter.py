@@ -86,12 +86,17 @@ def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Non-persistent buffers (rotary inverse frequencies) are not in the file: rebuild them on the device."""
     for name, module in model.named_modules():
         if any(b is not None and b.is_meta for b in module._buffers.values()):
-            if hasattr(module, "rope_init_fn") and hasattr(module, "config"):
-                fresh = type(module)(config=module.config, device=device)
-                parent_name, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)
-            else:
+            # Rotary embeddings are built from the model config (transformers 4.x keeps `rope_init_fn`,
+            # 5.x does not; both take `(config=..., device=...)`).
+            config = getattr(module, "config", None)
+            try:
+                fresh = type(module)(config=config, device=device) if config is not None else None
+            except TypeError:
+                fresh = None
+            if fresh is None:
                 raise RuntimeError(f"buffer of {name} is on meta and cannot be rebuilt")
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)
 
 
 def model_over_tensors(config: Any, tensors: dict[str, torch.Tensor], model_class: Any = None) -> Any:
