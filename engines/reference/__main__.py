@@ -13,14 +13,17 @@ from engines.reference.config import SIZES, get_config
 
 def make_weights_cmd(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="holdfast engine make-weights", description="write a seeded weights file")
-    p.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    p.add_argument("--size", default="tiny", help=f"{', '.join(SIZES)}, or <size>@<layers>")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", default=0, type=int)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the size's)")
     a = p.parse_args(argv)
     from engines.reference.weights import make_weights
 
-    cfg = get_config(a.size)
+    try:
+        cfg = get_config(a.size)
+    except ValueError as e:
+        p.error(str(e))
     out = make_weights(cfg, a.out, seed=a.seed, dtype=a.dtype)
     print(json.dumps({"out": str(out), "size": cfg.name, "params": cfg.n_params(), "bytes": out.stat().st_size}))
     return 0
