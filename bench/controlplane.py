@@ -68,6 +68,7 @@ class SimulatedCluster:
         self.record, self.emit_events = record, emit_events
         self.engines: dict[str, EngineInfo] = {}
         self.leases: dict[str, LeaseInfo] = {}
+        self.owned: dict[str, set[str]] = {}  # owner -> its lease ids (a freeze must not scan 8,000 leases)
         self.frozen: dict[str, FreezeReply] = {}
         self.takeovers: dict[str, asyncio.Future[TakeoverReply]] = {}
         self.freeze_calls = 0
@@ -97,6 +98,7 @@ class SimulatedCluster:
                                   tag=Tag.WEIGHTS, owner=eid, engine_class="sim", epoch=1, state=LeaseState.ACTIVE,
                                   created_at=time.time(), last_seen=time.time())
                 self.engines[eid], self.leases[lease.id] = info, lease
+                self.owned.setdefault(eid, set()).add(lease.id)
                 kv += [(f"gpus/{node}/{gpu}", {"healthy": True, "total_bytes": self.gpu_bytes}),
                        (f"engines/{eid}", info), (f"allocations/{node}/{lease.id}", lease),
                        (f"endpoints/m/{eid}", info.endpoint)]
@@ -133,7 +135,8 @@ class SimulatedCluster:
         self.freeze_calls += 1
         if cmd.owner in self.frozen:
             return self.frozen[cmd.owner]  # idempotent: the same token for a repeated freeze
-        mine = [lease for lease in self.leases.values() if lease.owner == cmd.owner and lease.state is not LeaseState.RECLAIMED]
+        mine = [self.leases[i] for i in sorted(self.owned.get(cmd.owner, ()))
+                if self.leases[i].state is not LeaseState.RECLAIMED]
         if not mine:
             raise NotFound(f"no leases owned by {cmd.owner}")
         epoch = max(lease.epoch for lease in mine) + 1
@@ -179,6 +182,8 @@ class SimulatedCluster:
                                       "endpoint": f"http://127.0.0.1:9/{old.engine_id}-s{old.generation + 1}"})
         self.engines[succ.engine_id] = succ
         for lease_id in frozen.lease_ids:
+            self.owned.get(self.leases[lease_id].owner, set()).discard(lease_id)
+            self.owned.setdefault(succ.engine_id, set()).add(lease_id)
             self.leases[lease_id] = self.leases[lease_id].model_copy(update={"owner": succ.engine_id,
                                                                              "state": LeaseState.ACTIVE})
         if self.record:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from libs.common import telemetry
 from libs.common.config import CommonSettings
 from libs.common.errors import CommandTimeout, HoldfastError, MalformedMessage, RemoteError, Unavailable
 from libs.common.events import (
+    SCHEMA_VERSION,
     Command,
     CommandEnvelope,
     Envelope,
@@ -47,6 +49,7 @@ from libs.common.events import (
     decode_model,
     event_subject,
 )
+from libs.common.ids import new_id
 
 log = logging.getLogger("holdfast.bus")
 
@@ -61,6 +64,12 @@ MAX_DELIVER = 5
 delivery_attempt: contextvars.ContextVar[int] = contextvars.ContextVar("hf_delivery_attempt", default=0)
 
 
+def ok_reply(result: BaseModel) -> bytes:
+    """`Reply(ok=True, data=result)` as JSON, byte for byte, without the dict round trip (dump to a dict,
+    validate it into `Reply`, dump again): the result is a validated model already."""
+    return b'{"ok":true,"data":' + result.model_dump_json().encode() + b',"error":null}'
+
+
 class Bus:
     """One NATS connection with Holdfast's typing, tracing and error handling on top."""
 
@@ -73,6 +82,7 @@ class Bus:
         self.rejected = 0  # malformed messages dropped (visible in health replies and tests)
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tickers: list[asyncio.Task[None]] = []  # durable consumers' in-progress tickers
 
     # ------------------------------------------------------------ lifecycle
 
@@ -120,6 +130,8 @@ class Bus:
             await self.js.add_stream(config)
 
     async def close(self) -> None:
+        for ticker in self._tickers:
+            ticker.cancel()
         if self.nc.is_closed:
             return
         try:
@@ -131,16 +143,25 @@ class Bus:
 
     # ------------------------------------------------------------ events
 
-    def envelope(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
-        headers = telemetry.inject_headers()
+    def envelope(self, payload: Event, *, incident_id: str | None = None, id: str | None = None,
+                 traceparent: str | None = None) -> Envelope:
+        """Wrap `payload`. `id`: a chosen id (derived ids make re-publication idempotent); `traceparent`: the
+        trace to file it under (default: the current span's context)."""
+        if traceparent is not None:
+            trace = TraceContext(traceparent=traceparent)  # a known parent: no propagator round trip
+        else:
+            headers = telemetry.inject_headers()
+            trace = TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
         incident = incident_id or getattr(payload, "incident_id", None)
+        extra = {"id": id} if id is not None else {}
         return Envelope(
             type=payload.type,  # type: ignore[attr-defined]
             source=self.source,
             node=self.settings.node,
             incident_id=incident,
-            trace=TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate")),
+            trace=trace,
             data=payload,  # type: ignore[arg-type]
+            **extra,
         )
 
     async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
@@ -149,9 +170,12 @@ class Bus:
         return env
 
     async def publish(self, env: Envelope) -> None:
-        subject = event_subject(self.prefix, env.data)
-        headers = {k: v for k, v in env.trace.model_dump().items() if v}
-        headers["hf-id"] = env.id
+        subject = event_subject(self.prefix, type(env.data))  # the class: no per-instance field lookup
+        headers = {"hf-id": env.id}
+        if env.trace.traceparent:
+            headers["traceparent"] = env.trace.traceparent
+        if env.trace.tracestate:
+            headers["tracestate"] = env.trace.tracestate
         body = env.model_dump_json().encode()
         if env.data.durable:
             # Msg-Id makes a retried publish idempotent inside the stream's duplicate window.
@@ -203,21 +227,34 @@ class Bus:
             cb = handle
         else:
             slots = asyncio.Semaphore(concurrency)
+            loop = asyncio.get_running_loop()
+            # Messages being handled, by identity: one shared ticker marks the long-running ones in progress
+            # (not a task and a timer per message: at hundreds of messages a second those cost more than
+            # the handlers). Period ack_wait/4 and age >= ack_wait/4: every message is marked before it is
+            # ack_wait/2 old, then every ack_wait/4, well inside ack_wait.
+            running: dict[int, tuple[Msg, float]] = {}
+            period = max(ack_wait / 4, 0.05)
 
-            async def keep_in_progress(msg: Msg) -> None:
+            async def keep_in_progress() -> None:
                 while True:
-                    await asyncio.sleep(max(ack_wait / 2, 0.1))
-                    with contextlib.suppress(Exception):
-                        await msg.in_progress()
+                    await asyncio.sleep(period)
+                    now = loop.time()
+                    for msg, started in list(running.values()):
+                        if now - started >= period:
+                            with contextlib.suppress(Exception):
+                                await msg.in_progress()
+
+            ticker = asyncio.create_task(keep_in_progress(), name=f"in-progress:{name}")
+            self._tickers.append(ticker)
 
             async def run(msg: Msg) -> None:
-                beat = asyncio.create_task(keep_in_progress(msg))
+                running[id(msg)] = (msg, loop.time())
                 try:
                     await handle(msg)
                 except Exception:  # noqa: BLE001 - ack/nak failed (connection lost): JetStream redelivers
                     log.warning("could not settle a message on %s", msg.subject)
                 finally:
-                    beat.cancel()
+                    running.pop(id(msg), None)
                     slots.release()
 
             async def cb(msg: Msg) -> None:
@@ -263,13 +300,17 @@ class Bus:
                 if raise_errors:
                     raise
                 return
-            with telemetry.attach_headers(msg.headers or {}):
-                try:
+            headers = msg.headers
+            try:
+                if headers and "traceparent" in headers:
+                    with telemetry.attach_headers(headers):
+                        await handler(env)
+                else:  # nothing to propagate: skip the propagator
                     await handler(env)
-                except Exception:
-                    if raise_errors:
-                        raise
-                    log.exception("handler of %s failed on event %s", msg.subject, env.id)
+            except Exception:
+                if raise_errors:
+                    raise
+                log.exception("handler of %s failed on event %s", msg.subject, env.id)
 
         return cb
 
@@ -278,10 +319,11 @@ class Bus:
     async def request(
         self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None
     ) -> R:
-        subject = command_subject(self.prefix, node, command)
+        subject = command_subject(self.prefix, node, type(command))
         headers = telemetry.inject_headers()
-        env = CommandEnvelope(
-            source=self.source,
+        # model_construct: `data` comes from a validated command; validating the dict again buys nothing.
+        env = CommandEnvelope.model_construct(
+            id=new_id(), version=SCHEMA_VERSION, time=time.time(), source=self.source,
             trace=TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate")),
             data=command.model_dump(mode="json"),
         )
@@ -324,18 +366,20 @@ class Bus:
                 command = decode_model(command_type, env.data)
                 with telemetry.attach_headers(msg.headers or {}):
                     result = await handler(command)
-                reply = Reply(ok=True, data=result.model_dump(mode="json"))
+                body = ok_reply(result)
             except HoldfastError as e:
                 if isinstance(e, MalformedMessage):
                     self.rejected += 1
                     log.warning("rejected command on %s: %s", msg.subject, e.message)
-                body = e.to_dict()
-                reply = Reply(ok=False, error=ErrorBody(code=body["code"], message=body["message"]))
+                err = e.to_dict()
+                reply = Reply(ok=False, error=ErrorBody(code=err["code"], message=err["message"]))
+                body = reply.model_dump_json().encode()
             except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the service loop
                 log.exception("command handler on %s failed", msg.subject)
                 reply = Reply(ok=False, error=ErrorBody(code="internal", message=f"{type(e).__name__}: {e}"))
+                body = reply.model_dump_json().encode()
             if msg.reply:
-                await msg.respond(reply.model_dump_json().encode())
+                await msg.respond(body)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
         self._subs.append(sub)

@@ -37,8 +37,17 @@ PUT, CREATE, DELETE = "put", "create", "delete"
 class _Op:
     kind: str
     key: str
-    value: bytes | None
+    obj: Any  # what the caller passed; encoded only when sent or read (a superseded write never is)
     waiters: list[asyncio.Future[bool]] = field(default_factory=list)
+    _raw: bytes | None = None
+
+    @property
+    def value(self) -> bytes | None:
+        if self.kind == DELETE:
+            return None
+        if self._raw is None:
+            self._raw = encode_value(self.obj)
+        return self._raw
 
 
 class BatchWriter:
@@ -64,13 +73,14 @@ class BatchWriter:
 
     async def create(self, key: str, value: Any) -> bool:
         """Put only if `key` is absent; True when this write created it."""
-        return await self._wait(self._add(_Op(CREATE, key, encode_value(value))))
+        return await self._wait(self._add(_Op(CREATE, key, value)))
 
     async def put(self, key: str, value: Any) -> None:
-        await self._wait(self._add(_Op(PUT, key, encode_value(value))))
+        await self._wait(self._add(_Op(PUT, key, value)))
 
     def put_nowait(self, key: str, value: Any) -> None:
-        self._add(_Op(PUT, key, encode_value(value)), wait=False)
+        """Queue a put; `value` is encoded when it is sent, so it must not be changed after this call."""
+        self._add(_Op(PUT, key, value), wait=False)
 
     def delete_nowait(self, key: str) -> None:
         self._add(_Op(DELETE, key, None), wait=False)

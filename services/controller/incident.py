@@ -209,7 +209,8 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
           **changes: object) -> IncidentRecord:
     """The one way a record moves (invariant 2): a new record in the next state, steps bookkept."""
     new_state = transition(rec.state, trigger)
-    out = rec.model_copy(deep=True, update={**changes, "state": new_state, "updated_at": now})
+    # Shallow, with its own steps dict: step records are replaced (model_copy), never mutated in place.
+    out = rec.model_copy(update={**changes, "state": new_state, "updated_at": now, "steps": dict(rec.steps)})
     old_step = STEP_OF.get(rec.state)
     if old_step is not None:
         ok = trigger in (T.FROZEN, T.REATTACHED, T.SPAWNED, T.ROUTED_IN)

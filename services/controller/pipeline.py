@@ -18,12 +18,9 @@ memory is there, nothing reloads) and the cold engine is stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from libs.common import telemetry
@@ -110,6 +107,9 @@ class IncidentDriver:
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._successors: set[str] = set()  # successors of open incidents (not announced on their own)
+        # Incidents this leader closed recently: the view (fed by the watch, behind the write-behind records)
+        # may still show them open for a moment; without this the deadline pass would "resume" each one.
+        self._closed: dict[str, None] = {}
 
     # ------------------------------------------------------------ lifecycle (leader only)
 
@@ -136,8 +136,9 @@ class IncidentDriver:
             await asyncio.sleep(self.settings.tick_s)
             now = time.time()
             for rec in list(self.open.values()):
-                if rec.id in self._busy:
-                    continue
+                lock = self._locks.get(rec.id)
+                if rec.id in self._busy or (lock is not None and lock.locked()):
+                    continue  # being worked on right now: nothing stalled
                 if rec.state in WAITING and rec.deadline is not None and now > rec.deadline:
                     step = rec.state.value
                     self._background(rec.id, self.trigger(rec.id, Trigger.DEADLINE_MISSED, detail=f"{step} missed its deadline"))
@@ -150,7 +151,8 @@ class IncidentDriver:
                         self._background(rec.id, self._cold_ready(rec.id, cold.engine_id, cold.endpoint))
             for inc_id in list(self.view.open_by_engine.values()):
                 seen = self.view.incidents.get(inc_id)
-                if inc_id not in self.open and inc_id not in self._busy and seen is not None and seen.state is S.OPENED:
+                if inc_id not in self.open and inc_id not in self._busy and inc_id not in self._closed \
+                        and seen is not None and seen.state is S.OPENED:
                     self._background(inc_id, self._resume(inc_id))
 
     def _background(self, inc_id: str, coro: object) -> None:
@@ -360,7 +362,7 @@ class IncidentDriver:
                 return
 
     async def _dispatch(self, rec: IncidentRecord) -> IncidentRecord:
-        work = rec.model_copy(deep=True)
+        work = rec.model_copy(update={"steps": dict(rec.steps)})  # steps are replaced, never mutated
         if work.trace_parent is None:
             self._open_span(work)
         now = time.time()
@@ -416,6 +418,10 @@ class IncidentDriver:
         self._trace_steps(old, new)
         if new.terminal:
             self.open.pop(new.id, None)
+            self._closed[new.id] = None
+            if len(self._closed) > 100_000:  # bounded: the oldest half goes (long since in the view)
+                for old_id in list(self._closed)[:50_000]:
+                    del self._closed[old_id]
             self._locks.pop(new.id, None)
             self.metrics.record_closed(new)
             span = self._spans.pop(new.id, None)
@@ -452,36 +458,28 @@ class IncidentDriver:
         with trace.use_span(span, end_on_exit=False):
             rec.trace_parent = telemetry.inject_headers().get("traceparent")
 
-    @contextlib.contextmanager
-    def _in_trace(self, rec: IncidentRecord | None) -> Iterator[None]:
-        if rec is None or rec.trace_parent is None:
-            yield
-            return
-        token = otel_context.attach(telemetry.context_from_traceparent(rec.trace_parent))
-        try:
-            yield
-        finally:
-            otel_context.detach(token)
-
     def _trace_steps(self, old: IncidentRecord, new: IncidentRecord) -> None:
         """A span for each step that ended in this write, placed at its recorded times."""
         if new.trace_parent is None:
             return
-        ctx = telemetry.context_from_traceparent(new.trace_parent)
+        ctx = None
         for step, s in new.steps.items():
             before = old.steps.get(step)
             if s.ended_at is None or (before is not None and before.ended_at is not None):
                 continue
+            if ctx is None:  # the live root span when this process opened it, else the recorded parent
+                root = self._spans.get(new.id)
+                ctx = trace.set_span_in_context(root) if root is not None else \
+                    telemetry.context_from_traceparent(new.trace_parent)
             span = self.tracer.start_span(f"step {step}", context=ctx, start_time=int(s.started_at * 1e9),
                                           attributes={"holdfast.incident": new.id, "holdfast.step": str(step),
                                                       "holdfast.status": s.status})
             span.end(end_time=int(s.ended_at * 1e9))
 
     async def _emit_once(self, payload: Event, key: str, rec: IncidentRecord | None = None) -> None:
-        """Publish with an id derived from the incident: JetStream drops a repeat after a crash."""
-        with self._in_trace(rec):
-            env = self.bus.envelope(payload).model_copy(update={"id": key})
-        await self.bus.publish(env)
+        """Publish with an id derived from the incident: JetStream drops a repeat after a crash. Filed under
+        the incident's trace (its recorded traceparent is the context to propagate, as it is)."""
+        await self.bus.publish(self.bus.envelope(payload, id=key, traceparent=rec.trace_parent if rec else None))
 
     def _memory_gone(self, rec: IncidentRecord) -> bool:
         leases = self.view.leases_of(rec.engine_id)

@@ -195,7 +195,7 @@ class IntentExecutor:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
                               endpoint=endpoint, timings_ms=timings or {}, node=node)
         kind = "fallback" if intent.memory_lost else "recover"
-        env = self.bus.envelope(result).model_copy(update={"id": f"{intent.incident_id}-{kind}-{step}-result"})
+        env = self.bus.envelope(result, id=f"{intent.incident_id}-{kind}-{step}-result")
         await self.bus.publish(env)
 
     async def _load(self, key: str) -> IntentProgress | None:
