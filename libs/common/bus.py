@@ -190,13 +190,15 @@ class Bus:
         return sub
 
     async def durable(self, subject: str, name: str, handler: EventHandler, *, new_only: bool = False,
-                      concurrency: int = 1, ack_wait: float = 30) -> Any:
+                      concurrency: int = 1, ack_wait: float = 30, shared: bool = False) -> Any:
         """JetStream durable consumer: resumes after a restart; ack after the handler succeeds.
 
         `concurrency` > 1 runs up to that many handlers at once (each message acked when its own handler
         finishes; ordering between messages is then not kept). `ack_wait` is how long an unacked message
         waits before JetStream redelivers it (to this or the next subscriber of `name`); a running handler
-        keeps its message marked in progress so slow work is not redelivered under it.
+        keeps its message marked in progress so slow work is not redelivered under it. `shared`: several
+        processes bind the same durable (a deliver group named `name`), each message goes to one of them;
+        without it a second process cannot bind a durable that another one holds.
         """
         config = ConsumerConfig(
             durable_name=name,
@@ -263,7 +265,8 @@ class Bus:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-        sub = await self.js.subscribe(self._full(subject), durable=name, cb=cb, manual_ack=True, config=config)
+        sub = await self.js.subscribe(self._full(subject), durable=name, cb=cb, manual_ack=True, config=config,
+                                      queue=name if shared else None)
         self._subs.append(sub)
         return sub
 

@@ -16,8 +16,9 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     rt.spawn("view", view.follow(rt.store))
     await asyncio.wait_for(view.synced.wait(), 30)
     executor = IntentExecutor(rt.bus, rt.store, view, settings)
-    # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents.
+    # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents;
+    # several managers of one datacenter share it (a deliver group): each intent goes to one of them.
     await rt.bus.durable("intent.recover", f"dc_manager-{subject_token(settings.datacenter)}", executor.on_intent,
-                         concurrency=settings.concurrency, ack_wait=settings.ack_wait_s)
+                         concurrency=settings.concurrency, ack_wait=settings.ack_wait_s, shared=True)
     rt.health_detail = lambda: {"datacenter": settings.datacenter, "handled": executor.handled,
                                 "nodes": sorted(settings.node_set() or [])}
