@@ -74,13 +74,20 @@ def load_weights(path: Path, device: str | torch.device = "cpu") -> dict[str, to
     return load_file(str(path), device=str(device))
 
 
-def weights_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 of every tensor's raw bytes in name order: equal for a weights file and the leased tensors
-    an engine serves from, whatever device they sit on (the check that weights really survived)."""
+def weights_sha256(tensors: dict[str, torch.Tensor], *, chunk_bytes: int = 1 << 28) -> str:
+    """A fingerprint of every tensor's raw bytes in name order, computed where the tensors are (hashing
+    16 GiB through the CPU would take longer than the recovery it checks): each chunk of 256 MiB is reduced
+    on its device to two exact integer sums, plain and position-weighted, and those go through sha256.
+    Integer sums are exact, so the result is the same for a weights file on the CPU and leased tensors on a
+    GPU; any changed byte changes a sum (the check that weights really survived)."""
     import hashlib
 
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        h.update(t.view(torch.uint8).cpu().numpy().tobytes())
+        flat = tensors[name].detach().contiguous().view(torch.uint8).reshape(-1)
+        h.update(f"{name}:{flat.numel()};".encode())
+        for chunk in flat.split(chunk_bytes):
+            words = chunk.to(torch.int64)
+            weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) % 65521
+            h.update(f"{int(words.sum())},{int((words * weights).sum())};".encode())
     return h.hexdigest()
