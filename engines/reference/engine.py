@@ -110,6 +110,17 @@ class EngineCore:
         with self._lock:
             return self.model.forward(t, start, self.kv[slot])
 
+    def prefill(self, slot: int, ctx: list[int], spans: list[tuple[int, int]]) -> torch.Tensor | None:
+        """All of a request's prefill forwards under one hold of the lock: when many requests arrive at
+        once (a failover releases the held and the replayed ones together), the first of them reaches its
+        first token after its own prefill rather than after everyone's forwards interleaved."""
+        logits = None
+        with self._lock:
+            for start, stop in spans:
+                t = torch.tensor(ctx[start:stop], dtype=torch.long, device=self.model.device)
+                logits = self.model.forward(t, start, self.kv[slot])
+        return logits
+
     def validate(self, req: GenerationRequest) -> None:
         if not req.context:
             raise BadRequest("empty context: give a prompt or tokens")
@@ -132,8 +143,7 @@ class EngineCore:
             ctx = list(req.context)
             logits = None
             if req.max_tokens > 0:
-                for start, stop in prefill_spans(len(ctx), req.prefix_len, self.prefill_chunk):
-                    logits = self.forward(slot, ctx[start:stop], start)
+                logits = self.prefill(slot, ctx, prefill_spans(len(ctx), req.prefix_len, self.prefill_chunk))
             first_ms = 0.0
             produced = 0
             reason = "length"
