@@ -95,6 +95,7 @@ class ClusterView:
         self.endpoints: dict[tuple[str, str], str] = {}
         self.drained: set[str] = set()
         self.specs: dict[str, dict[str, Any]] = {}
+        self.agent_specs: dict[str, dict[str, Any]] = {}  # agents/<node>/specs/<key>: what each agent runs
         self.revision = 0
         self.synced = asyncio.Event()
         self.listeners: list[Listener] = []
@@ -191,6 +192,20 @@ class ClusterView:
         else:
             self.drained.add(rest)
         return rest
+
+    def _on_agents(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if "/specs/" not in rest:
+            return None
+        if kind == "delete":
+            return self.agent_specs.pop(rest, None)
+        self.agent_specs[rest] = _json(value) or {}
+        return self.agent_specs[rest]
+
+    def spec_of_class(self, engine_class: str) -> dict[str, Any] | None:
+        """`specs/<class>` (operator-set) first, else the spec an agent runs engines of that class with."""
+        if engine_class in self.specs:
+            return self.specs[engine_class]
+        return next((s for s in self.agent_specs.values() if s.get("engine_class") == engine_class), None)
 
     def _on_specs(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":

@@ -164,10 +164,11 @@ class IntentExecutor:
                            timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state, node=engine.node)
 
     def spec_for(self, intent: RecoverIntent) -> EngineSpec | None:
-        """The engine's own recorded spec, else `specs/<class>` in etcd, else this manager's config."""
+        """The engine's own recorded spec, else `specs/<class>` in etcd (or the spec an agent runs that class
+        with), else this manager's config."""
         raw = (self.view.engine_raw.get(intent.engine_id) or {}).get("spec")
         if raw is None:
-            raw = self.view.specs.get(intent.engine_class)
+            raw = self.view.spec_of_class(intent.engine_class)
         if raw is not None:
             try:
                 return EngineSpec.model_validate(raw)

@@ -1,0 +1,30 @@
+"""The cluster view finds a cold-start spec for an engine class (pure bookkeeping, no I/O)."""
+
+from __future__ import annotations
+
+import json
+
+from libs.common.cluster_view import ClusterView
+from libs.common.events import EngineSpec
+
+
+def _spec(cls: str, model: str) -> bytes:
+    return EngineSpec(engine_class=cls, model=model, command=["engine"]).model_dump_json().encode()
+
+
+def test_the_spec_an_agent_runs_serves_cold_starts_of_its_class() -> None:
+    view = ClusterView()
+    assert view.spec_of_class("reference") is None
+    view.apply("put", "agents/node-1/specs/reference-demo", _spec("reference", "demo"))
+    assert view.spec_of_class("reference")["model"] == "demo"  # type: ignore[index]
+    view.apply("put", "specs/reference", _spec("reference", "operator-set"))
+    assert view.spec_of_class("reference")["model"] == "operator-set"  # type: ignore[index]
+    view.apply("delete", "specs/reference", None)
+    view.apply("delete", "agents/node-1/specs/reference-demo", None)
+    assert view.spec_of_class("reference") is None
+
+
+def test_other_agent_keys_are_not_specs() -> None:
+    view = ClusterView()
+    view.apply("put", "agents/node-1/status", json.dumps({"engine_class": "reference"}).encode())
+    assert view.spec_of_class("reference") is None
