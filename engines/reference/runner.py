@@ -143,12 +143,18 @@ def run(s: EngineSettings) -> int:
 
     link_box: list[Any] = []
 
+    def report_and_die() -> None:
+        try:
+            if link_box:
+                link_box[0].report_fatal("cuda_error", "injected: an illegal memory access was encountered")
+        finally:
+            os._exit(70)
+
     def injected_cuda_error(*_: Any) -> None:
         # Fault injection (chaos runs): behave as an engine whose CUDA context hit a fatal error does:
-        # report it through the agent link, then exit without cleanup.
-        if link_box:
-            link_box[0].report_fatal("cuda_error", "injected: an illegal memory access was encountered")
-        os._exit(70)
+        # report it through the agent link, then exit without cleanup. Not from the handler itself: it runs
+        # on the main thread, which may hold the link's send lock at that moment (a deadlock, seen as a hang).
+        threading.Thread(target=report_and_die, name="fatal-report", daemon=True).start()
 
     signal.signal(signal.SIGUSR1, injected_cuda_error)
 

@@ -45,3 +45,14 @@ async def test_a_warm_standby_takes_over_the_killed_engine_and_serves_the_same_g
     assert health["recovery"]["first_token_ms"] > 0 and health["warmup_ms"] > 0
     assert health["assignment"]["predecessor"] == active.engine_id
     assert generate(reply.engine.endpoint, **PROMPT)["tokens"] == before["tokens"]
+
+
+async def test_an_injected_cuda_error_is_reported_as_one_cuda_error_fault(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
+    spec = reference_spec(tiny_weights).model_copy(update={"standbys": 0})
+    agent.start([spec], heartbeat_timeout_s=3.0)
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=60)).engine
+    os.kill(active.pid, signal.SIGUSR1)  # the chaos run's "engine reported a CUDA error"
+    fault = await recorder.wait("fault.detected", lambda e: e.engine_id == active.engine_id, within_s=20)
+    assert fault.kind == "cuda_error" and "illegal memory access" in fault.detail
