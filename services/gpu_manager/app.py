@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import cast
 
@@ -54,5 +55,8 @@ async def setup(rt: Runtime) -> None:
         db.close()
 
     rt.on_close(close)
+    # The startup heap lives as long as the process: out of the collector's sight, a full collection does
+    # not walk it in the middle of an engine's attach or takeover.
+    gc.freeze()
     log.info("gpu_manager on %s: backend %s, socket %s, %d live leases", settings.node, backend.name, path,
              len(book.records))

@@ -27,7 +27,7 @@ from libs.common.events import (
     TransferReply,
 )
 from services.gpu_manager.fsm import LIVE, LeaseEvent
-from services.gpu_manager.manager import LeaseBook
+from services.gpu_manager.manager import LeaseBook, Move
 
 
 class Commands:
@@ -47,9 +47,8 @@ class Commands:
                 raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
             tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
             token = tokens.pop() if len(tokens) == 1 and None not in tokens else secrets.token_urlsafe(24)
-            for rec in recs:
-                await self.book.apply(rec, LeaseEvent.FREEZE, f"frozen ({cmd.incident_id or 'no incident'})",
-                                      transfer_token=token)
+            cause = f"frozen ({cmd.incident_id or 'no incident'})"
+            await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
             epoch = max(r.info.epoch for r in recs)
             self.book.mirror.frozen(MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
                                                  incident_id=cmd.incident_id))
@@ -67,7 +66,7 @@ class Commands:
                     raise PermissionDenied("wrong transfer token")
             for rec in recs:
                 rec.successor = cmd.successor
-            await self.book.db.run(self.book.db.save, recs)
+            await self.book.persist(recs)
             return TransferReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs))
 
     async def reclaim(self, cmd: Reclaim) -> ReclaimReply:

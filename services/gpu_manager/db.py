@@ -65,13 +65,14 @@ class LeaseDb:
             return [LeaseRecord.from_row(r) for r in rows]
 
     def save(self, records: list[LeaseRecord]) -> None:
-        """Upsert rows in one transaction (portable: update, then insert what did not exist)."""
+        """Upsert rows in one transaction (portable: update, then insert what did not exist). The tensor
+        list is written only where it changed (`tensors_dirty`); the caller clears the flag once committed."""
         with self.engine.begin() as conn:
             for rec in records:
-                row = rec.to_row()
+                row = rec.to_row(with_tensors=rec.tensors_dirty)
                 res = conn.execute(leases.update().where(leases.c.id == rec.id).values(**row))
                 if res.rowcount == 0:
-                    conn.execute(leases.insert().values(**row))
+                    conn.execute(leases.insert().values(**rec.to_row()))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

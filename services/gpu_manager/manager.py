@@ -2,9 +2,11 @@
 chunks, duplicated into the fd keeper), owner tracking (pidfds) and the one place transitions happen.
 
 Invariants (numbered as in the service README):
-1. Every state change goes through `apply`, which asks the transition table (fsm.py), so no lease can take a
-   transition the table does not list.
+1. Every state change goes through `apply_all` (or `apply`, one move), which asks the transition table
+   (fsm.py), so no lease can take a transition the table does not list.
 2. The new row is durable (SQL) before the caller acts on it; a new epoch is durable before fds are handed out.
+   The moves of one request (every lease of a takeover, OWNER_LOST then REATTACH of an attach) are checked
+   first and committed in one transaction: all of them or, if any is refused or the commit fails, none.
 3. A lease's memory is freed exactly when it becomes RECLAIMED: manager fds and handles closed, keeper entry
    dropped. Memory of a live lease is always held by the manager and by the keeper.
 4. All mutations run under one asyncio lock, so two requests never interleave inside a transition.
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,6 +38,16 @@ from services.gpu_manager.records import LeaseRecord, open_pidfd, process_alive
 from services.gpu_manager.settings import GpuManagerSettings
 
 log = logging.getLogger("holdfast.gpu_manager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One transition of one lease; `changes` sets LeaseInfo fields or LeaseRecord attributes with it."""
+
+    rec: LeaseRecord
+    event: LeaseEvent
+    cause: str
+    changes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class LeaseBook:
@@ -120,9 +133,9 @@ class LeaseBook:
 
     async def owner_exited(self, pid: int) -> None:
         async with self.lock:
-            for rec in list(self.records.values()):
-                if rec.owner_pid == pid and rec.info.state == LeaseState.ACTIVE and not self.owner_alive(rec):
-                    await self.apply(rec, LeaseEvent.OWNER_LOST, "owner_exited")
+            await self.apply_all([Move(rec, LeaseEvent.OWNER_LOST, "owner_exited") for rec in self.records.values()
+                                  if rec.owner_pid == pid and rec.info.state == LeaseState.ACTIVE
+                                  and not self.owner_alive(rec)])
 
     @staticmethod
     def owner_alive(rec: LeaseRecord) -> bool:
@@ -137,28 +150,54 @@ class LeaseBook:
         return rec
 
     async def apply(self, rec: LeaseRecord, event: LeaseEvent, cause: str, **changes: Any) -> None:
-        """The one place a lease changes state. Caller holds `self.lock`."""
-        before = rec.info.state
-        outcome = transition(before, event)
+        """One transition of one lease. Caller holds `self.lock`."""
+        await self.apply_all([Move(rec, event, cause, changes)])
+
+    async def apply_all(self, moves: Sequence[Move]) -> None:
+        """The one place leases change state: every move checked against the table and staged on a copy,
+        then all the rows written in one transaction, then the copies become the live records. A refused
+        move or a failed commit leaves every record as it was. Caller holds `self.lock`."""
         now = time.time()
-        update: dict[str, Any] = {"state": outcome.state, "last_seen": now}
-        if outcome.bump_epoch:
-            update["epoch"] = rec.info.epoch + 1
-        if outcome.state == LeaseState.ACTIVE:
-            update["deadline"] = None
-        elif before != outcome.state and outcome.state in (LeaseState.ORPHANED, LeaseState.FROZEN):
-            # the grace window starts when nobody holds the lease read-write any more (or a freeze restarts it)
-            update["deadline"] = now + self.settings.grace_for(rec.info.engine_class)
-        info_changes = {k: v for k, v in changes.items() if k in LeaseInfo.model_fields}
-        rec.update(**update, **info_changes)
-        for key, value in changes.items():
-            if key not in LeaseInfo.model_fields:
-                setattr(rec, key, value)
-        await self.db.run(self.db.save, [rec])
-        if outcome.state == LeaseState.RECLAIMED:
-            await self._free(rec)
-        if before != outcome.state or outcome.bump_epoch or info_changes:
-            self.mirror.lease_changed(rec.info, before, cause)
+        staged: dict[str, LeaseRecord] = {}
+        notes: list[tuple[LeaseInfo, LeaseState, str]] = []
+        for move in moves:
+            rec = staged.get(move.rec.id) or dataclasses.replace(move.rec)
+            before = rec.info.state
+            outcome = transition(before, move.event)
+            update: dict[str, Any] = {"state": outcome.state, "last_seen": now}
+            if outcome.bump_epoch:
+                update["epoch"] = rec.info.epoch + 1
+            if outcome.state == LeaseState.ACTIVE:
+                update["deadline"] = None
+            elif before != outcome.state and outcome.state in (LeaseState.ORPHANED, LeaseState.FROZEN):
+                # the grace window starts when nobody holds the lease read-write any more (or a freeze restarts it)
+                update["deadline"] = now + self.settings.grace_for(rec.info.engine_class)
+            info_changes = {k: v for k, v in move.changes.items() if k in LeaseInfo.model_fields}
+            rec.update(**update, **info_changes)
+            for key, value in move.changes.items():
+                if key not in LeaseInfo.model_fields:
+                    setattr(rec, key, value)
+            staged[rec.id] = rec
+            if before != outcome.state or outcome.bump_epoch or info_changes:
+                notes.append((rec.info, before, move.cause))
+        await self.persist(list(staged.values()))
+        for move in moves:  # the committed copies become the live records (callers keep their references)
+            copy = staged.pop(move.rec.id, None)
+            if copy is not None:
+                for f in dataclasses.fields(copy):
+                    setattr(move.rec, f.name, getattr(copy, f.name))
+                if move.rec.info.state == LeaseState.RECLAIMED:
+                    await self._free(move.rec)
+        for info, before, cause in notes:
+            self.mirror.lease_changed(info, before, cause)
+
+    async def persist(self, records: list[LeaseRecord]) -> None:
+        """Write rows in one transaction (durable when this returns)."""
+        if not records:
+            return
+        await self.db.run(self.db.save, records)
+        for rec in records:
+            rec.tensors_dirty = False
 
     async def _free(self, rec: LeaseRecord) -> None:
         self.records.pop(rec.id, None)
@@ -189,7 +228,7 @@ class LeaseBook:
                          created_at=now, last_seen=now)
         rec = LeaseRecord(info=info, owner_uid=uid, owner_pid=pid, owner_pid_start=pid_start)
         try:
-            await self.db.run(self.db.save, [rec])  # durable first: a crash now leaves a row, no orphan memory
+            await self.persist([rec])  # durable first: a crash now leaves a row, no orphan memory
             await self.keeper.put(lease_id, [c.fd for c in chunks], {"gpu": gpu})
         except BaseException:
             await self.backend_call(self.backend.free, chunks)
@@ -211,10 +250,8 @@ class LeaseBook:
     async def reconcile_once(self) -> int:
         async with self.lock:
             actions = reconciler.plan(list(self.records.values()), time.time(), self.owner_alive)
-            for lease_id, event in actions:
-                rec = self.records.get(lease_id)
-                if rec is not None:
-                    await self.apply(rec, event, "reconciler")
+            await self.apply_all([Move(self.records[lease_id], event, "reconciler") for lease_id, event in actions
+                                  if lease_id in self.records])
             return len(actions)
 
     async def reconcile_forever(self) -> None:

@@ -23,6 +23,9 @@ class LeaseRecord:
     transfer_token: str | None = None
     successor: str | None = None
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    # The tensor list changed since the row was last written. A transition leaves the list alone, so its
+    # write skips that column (hundreds of tensors are milliseconds of JSON on every commit otherwise).
+    tensors_dirty: bool = field(default=True, compare=False)
 
     @property
     def id(self) -> str:
@@ -31,14 +34,20 @@ class LeaseRecord:
     def update(self, **changes: Any) -> None:
         self.info = self.info.model_copy(update=changes)
 
-    def to_row(self) -> dict[str, Any]:
-        return {
+    def set_tensor(self, meta: TensorMeta) -> None:
+        self.tensors[meta.name] = meta
+        self.tensors_dirty = True
+
+    def to_row(self, *, with_tensors: bool = True) -> dict[str, Any]:
+        row = {
             "id": self.info.id, "node": self.info.node, "state": self.info.state.value, "owner": self.info.owner,
             "epoch": self.info.epoch, "info": self.info.model_dump_json(), "owner_uid": self.owner_uid,
             "owner_pid": self.owner_pid, "owner_pid_start": self.owner_pid_start,
             "transfer_token": self.transfer_token, "successor": self.successor,
-            "tensors": json.dumps([t.model_dump(mode="json") for t in self.tensors.values()]),
         }
+        if with_tensors:
+            row["tensors"] = json.dumps([t.model_dump(mode="json") for t in self.tensors.values()])
+        return row
 
     @classmethod
     def from_row(cls, row: Any) -> LeaseRecord:
@@ -46,7 +55,7 @@ class LeaseRecord:
         return cls(info=LeaseInfo.model_validate_json(row.info), owner_uid=row.owner_uid,
                    owner_pid=row.owner_pid, owner_pid_start=row.owner_pid_start,
                    transfer_token=row.transfer_token, successor=row.successor,
-                   tensors={t.name: t for t in metas})
+                   tensors={t.name: t for t in metas}, tensors_dirty=False)
 
 
 def layout_hash(metas: list[TensorMeta]) -> str:

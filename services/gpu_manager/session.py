@@ -50,7 +50,7 @@ from libs.common.errors import (
 from libs.common.events import LeaseState
 from libs.common.wire import FrameStream, PeerClosed, close_fds
 from services.gpu_manager.fsm import LeaseEvent
-from services.gpu_manager.manager import LeaseBook
+from services.gpu_manager.manager import LeaseBook, Move
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
 
 log = logging.getLogger("holdfast.gpu_manager.session")
@@ -137,7 +137,13 @@ class EngineSession:
         if isinstance(req, Attach):
             return self._grant(await self.attach(peer))
         if isinstance(req, TakeoverReq):
-            return self._grant(await self.takeover(req, peer))
+            t0 = time.perf_counter()
+            recs = await self.takeover(req, peer)
+            granted = self._grant(recs)
+            log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit)",
+                     req.predecessor, len(recs), len(granted[1]), peer.engine_id, peer.pid,
+                     (time.perf_counter() - t0) * 1000)
+            return granted
         if isinstance(req, Heartbeat):
             now = time.time()
             mine = self._mine(peer)
@@ -187,9 +193,9 @@ class EngineSession:
                 raise MalformedMessage(f"tensor {meta.name} ends past lease {rec.id} ({rec.info.size} bytes)")
             touched.append((rec, meta))
         for rec, meta in touched:  # validated all before changing any
-            rec.tensors[meta.name] = meta
+            rec.set_tensor(meta)
             rec.update(layout_hash=None)
-        await self.book.db.run(self.book.db.save, list({id(r): r for r, _ in touched}.values()))
+        await self.book.persist(list({id(r): r for r, _ in touched}.values()))
 
     async def commit(self, peer: Peer) -> CommitReply:
         mine = self._mine(peer)
@@ -197,7 +203,7 @@ class EngineSession:
         for rec in mine:
             rec.update(layout_hash=digest)
             self.book.mirror.lease_changed(rec.info, rec.info.state, "committed")
-        await self.book.db.run(self.book.db.save, mine)
+        await self.book.persist(mine)
         return CommitReply(layout_hash=digest)
 
     def pending(self, peer: Peer) -> list[LeaseRecord]:
@@ -226,11 +232,13 @@ class EngineSession:
                 if self.book.owner_alive(rec):
                     raise Conflict(f"{peer.engine_id} is still held by live pid {rec.owner_pid}")
             claim.append(rec)
-        for rec in claim:
+        moves = []
+        for rec in claim:  # a dead owner's ACTIVE lease: both transitions, one commit with the others
             if rec.info.state == LeaseState.ACTIVE:
-                await self.book.apply(rec, LeaseEvent.OWNER_LOST, "owner_exited")
-            await self.book.apply(rec, LeaseEvent.REATTACH, "reattached", owner_pid=peer.pid,
-                                  owner_pid_start=peer.pid_start)
+                moves.append(Move(rec, LeaseEvent.OWNER_LOST, "owner_exited"))
+            moves.append(Move(rec, LeaseEvent.REATTACH, "reattached",
+                              {"owner_pid": peer.pid, "owner_pid_start": peer.pid_start}))
+        await self.book.apply_all(moves)
         return already + claim
 
     async def takeover(self, req: TakeoverReq, peer: Peer) -> list[LeaseRecord]:
@@ -248,10 +256,11 @@ class EngineSession:
                 raise PermissionDenied(f"lease {rec.id} belongs to another user")
             if rec.owner_pid != peer.pid and self.book.owner_alive(rec):
                 raise PredecessorAlive(f"{req.predecessor} (pid {rec.owner_pid}) still runs: kill it first")
-        for rec in frozen:
-            await self.book.apply(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
-                                  owner=peer.engine_id, engine_class=peer.engine_class, owner_pid=peer.pid,
-                                  owner_pid_start=peer.pid_start, transfer_token=None, successor=None)
+        await self.book.apply_all([  # every lease's new epoch in one commit, before any fd goes out
+            Move(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
+                 {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
+                  "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None})
+            for rec in frozen])
         return frozen
 
     def _grant(self, records: list[LeaseRecord]) -> tuple[dict[str, Any], list[int]]:
