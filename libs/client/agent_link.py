@@ -18,6 +18,7 @@ agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, mo
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -74,6 +75,7 @@ class AgentLink:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.reconnects = 0
+        self._heap_frozen = False
 
     # ------------------------------------------------------------ public API
 
@@ -125,7 +127,15 @@ class AgentLink:
         self._request({"op": "fatal", "kind": kind, "detail": detail[:2000]}, timeout)
 
     def wait_assignment(self, timeout: float | None = None) -> Assignment:
-        """Block until the agent assigns this standby a predecessor; it becomes the active engine."""
+        """Block until the agent assigns this standby a predecessor; it becomes the active engine.
+
+        A standby is idle now, so its garbage is collected here, and what is left (imports, warm-up state:
+        it lives as long as the process) is moved out of the collector's sight (`gc.freeze`), so that a full
+        collection of a large heap (torch) does not land inside the takeover that follows."""
+        if not self._heap_frozen:
+            self._heap_frozen = True
+            gc.collect()
+            gc.freeze()
         try:
             a = self._assignments.get(timeout=timeout)
         except queue.Empty:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -78,6 +79,9 @@ async def setup(rt: Runtime) -> None:
         "socket": str(settings.socket_path()),
     }
     agent.reconcile_soon()
+    # Everything imported and built so far lives as long as the process: out of the collector's sight, a
+    # full collection no longer walks it (one measured 17-25 ms, landing inside a takeover's reply).
+    gc.freeze()
 
 
 def _async(fn):  # noqa: ANN001, ANN202 - adapts a plain closer to Runtime.on_close

@@ -76,6 +76,7 @@ class EngineRecord:
     said_bye: bool = False
     faulted: bool = False
     failed_mono: float | None = None
+    ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
     exit_code: int | None = None
     signal: int | None = None
 

@@ -112,7 +112,10 @@ class Agent:
             return rec
         fut: asyncio.Future[EngineRecord] = asyncio.get_running_loop().create_future()
         self._ready_waiters.setdefault(engine_id, []).append(fut)
-        return await asyncio.wait_for(fut, within_s)
+        # asyncio.timeout, not wait_for: the waiter resumes straight from the future (wait_for adds hops
+        # through the event loop, each one behind whatever else is queued there)
+        async with asyncio.timeout(within_s):
+            return await fut
 
     def _resolve_ready(self, rec: EngineRecord, exc: BaseException | None = None) -> None:
         for fut in self._ready_waiters.pop(rec.engine_id, []):
@@ -278,10 +281,13 @@ class Agent:
                 rec.last_heartbeat = time.monotonic()  # heartbeats are on: a hang from now on is detected
             rec.endpoint = msg.get("endpoint")
             if rec.state in (State.STARTING, State.ASSIGNED, State.READY, State.STANDBY):
+                rec.ready_perf = time.perf_counter()
                 rec.transition(Ev.READY)
+                # The waiter (a takeover's reply) first: it runs before the publish and the etcd write
+                # queued below (the event loop runs callbacks in the order they were scheduled).
+                self._resolve_ready(rec)
                 self.publish(EngineReady(engine=self.info(rec)))
                 self.save(rec)
-                self._resolve_ready(rec)
         elif op == "fatal":
             kind = FaultKind.CUDA_ERROR if msg.get("kind", "cuda_error") == "cuda_error" else FaultKind(msg["kind"])
             self.fault(rec, kind, detail=str(msg.get("detail", "")), died_at=time.time())

@@ -67,14 +67,19 @@ class Takeovers:
         if successor is None:
             successor = await self._cold(cmd, pred, timings)
 
+        if successor.ready_perf is not None and successor.ready_perf >= t0:
+            timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
         timings["total_ms"] = _ms(t0)
-        if pred.engine_id in agent.engines:
-            agent.retire(pred)
         info = agent.info(successor)
+        # The event first, the bookkeeping after: the etcd writes queued below then run behind the publish.
         agent.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
                                        used_standby=used_standby, timings_ms=timings))
-        log.info("takeover %s: %s -> %s (%s) in %.1f ms", cmd.incident_id, pred.engine_id, successor.engine_id,
-                 "standby" if used_standby else "cold spawn", timings["total_ms"])
+        if used_standby:
+            agent.save(successor)
+        if pred.engine_id in agent.engines:
+            agent.retire(pred)
+        log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", cmd.incident_id, pred.engine_id, successor.engine_id,
+                 "standby" if used_standby else "cold spawn", timings["total_ms"], timings)
         agent.reconcile_soon()  # a replacement standby, in the background
         return TakeoverReply(engine=info, used_standby=used_standby, timings_ms=timings)
 
@@ -105,7 +110,6 @@ class Takeovers:
             t = time.perf_counter()
             await agent.wait_ready(sb.engine_id, agent.settings.takeover_timeout_s)
             timings["attach_ready_ms"] = _ms(t)
-            agent.save(sb)
             return sb
         except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
             log.warning("standby %s failed during takeover %s (%s); cold-spawning instead",
