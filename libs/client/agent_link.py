@@ -116,7 +116,16 @@ class AgentLink:
             pass  # reconnecting: the re-registration says heartbeats are on
 
     def ready(self, endpoint: str | None = None, *, timeout: float = 5.0) -> None:
-        """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration."""
+        """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration.
+
+        A standby's warm-up ends here: its garbage is collected, and what is left (imports, warm-up state:
+        it lives as long as the process) is moved out of the collector's sight (`gc.freeze`), so that a full
+        collection of a large heap (torch) does not land inside the takeover that follows. Before the agent
+        hears "ready", so that no assignment waits for it."""
+        if self.role == "standby" and not self._heap_frozen:
+            self._heap_frozen = True
+            gc.collect()
+            gc.freeze()
         self.endpoint = endpoint
         self.state = "standby" if self.role == "standby" else "ready"
         self._request({"op": "ready", "endpoint": endpoint, "state": self.state,
@@ -127,15 +136,7 @@ class AgentLink:
         self._request({"op": "fatal", "kind": kind, "detail": detail[:2000]}, timeout)
 
     def wait_assignment(self, timeout: float | None = None) -> Assignment:
-        """Block until the agent assigns this standby a predecessor; it becomes the active engine.
-
-        A standby is idle now, so its garbage is collected here, and what is left (imports, warm-up state:
-        it lives as long as the process) is moved out of the collector's sight (`gc.freeze`), so that a full
-        collection of a large heap (torch) does not land inside the takeover that follows."""
-        if not self._heap_frozen:
-            self._heap_frozen = True
-            gc.collect()
-            gc.freeze()
+        """Block until the agent assigns this standby a predecessor; it becomes the active engine."""
         try:
             a = self._assignments.get(timeout=timeout)
         except queue.Empty:

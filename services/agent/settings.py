@@ -21,6 +21,8 @@ class AgentSettings(CommonSettings):
     takeover_timeout_s: float = Field(15.0, description="a standby must be ready this long after its assignment")
     takeover_wait_s: float = Field(60.0, description="a failed active engine waits this long for a takeover "
                                    "before the agent replaces it with a fresh (non-reattaching) engine")
+    standby_refill_delay_s: float = Field(0.25, ge=0, description="a takeover's replacement standby is started "
+                                          "this long after its reply (its spawn and start-up must not delay it)")
     reconcile_interval_s: float = Field(0.5, description="how often the desired engines are compared with the live ones")
     gpus: list[int] = Field(default_factory=list, description="GPUs of this node (NVML: all visible when empty)")
     nvml: bool = Field(True, description="watch GPU health through NVML when it is available")

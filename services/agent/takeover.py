@@ -80,7 +80,9 @@ class Takeovers:
             agent.retire(pred)
         log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", cmd.incident_id, pred.engine_id, successor.engine_id,
                  "standby" if used_standby else "cold spawn", timings["total_ms"], timings)
-        agent.reconcile_soon()  # a replacement standby, in the background
+        # A replacement standby, in the background, once the reply is out: spawning it takes the agent's loop
+        # for a while and the new process competes for CPU with the successor's first requests.
+        asyncio.get_running_loop().call_later(agent.settings.standby_refill_delay_s, agent.reconcile_soon)
         return TakeoverReply(engine=info, used_standby=used_standby, timings_ms=timings)
 
     def _choose(self, cmd: Takeover, pred: EngineRecord) -> EngineRecord | None:

@@ -33,9 +33,13 @@ async def test_a_hung_engine_is_killed_and_its_standby_takes_over(agent: AgentPr
     assert reply.engine.role is EngineRole.ACTIVE and reply.engine.state == "ready"
     assert reply.engine.generation == active.generation + 1
     assert not alive(active.pid)  # fenced: dead before the standby got the memory
-    assert {"kill_ms", "assign_ms", "attach_ready_ms", "total_ms"} <= set(reply.timings_ms)
+    assert {"kill_ms", "assign_ms", "attach_ready_ms", "ready_to_reply_ms", "total_ms"} <= set(reply.timings_ms)
     reattached = await recorder.wait("engine.reattached", lambda e: e.incident_id == "inc-1")
     assert reattached.predecessor_id == active.engine_id and reattached.used_standby
+    # The reply goes first after the successor's "ready", yet its engine.ready still precedes engine.reattached.
+    order = [e.type for e in recorder.events if e.type in ("engine.ready", "engine.reattached")
+             and (e.type == "engine.reattached" or e.data.engine.engine_id == standby.engine_id)]
+    assert order == ["engine.ready", "engine.ready", "engine.reattached"]  # warm, then serving, then taken over
     # A new standby replaces the one that was used, in the background.
     await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.STANDBY
                         and e.engine.engine_id != standby.engine_id)
