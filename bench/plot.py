@@ -1,0 +1,67 @@
+"""`python -m bench.plot`: recovery time vs weights size for the three ways, from the recovery benchmark's
+JSON results in docs/results/ (files named `*recovery*.json`), drawn to docs/recovery.png."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+WAYS = {"cold_restart": "cold restart", "fresh_process_reattach": "fresh-process reattach",
+        "warm_standby": "warm standby takeover"}
+
+
+def load(results: Path) -> list[dict]:
+    out = []
+    for path in sorted(results.glob("*recovery*.json")):
+        doc = json.loads(path.read_text())
+        doc["_file"] = path.name
+        out.append(doc)
+    return out
+
+
+def gib_of(doc: dict) -> float:
+    """The measured weights size: the requested one, or the named model's."""
+    if doc.get("weights_gib"):
+        return float(doc["weights_gib"])
+    from engines.reference.config import get_config
+
+    cfg = get_config(doc["size"])
+    return cfg.n_params() * cfg.bytes_per_param() / 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    root = Path(__file__).resolve().parents[1] / "docs"
+    docs = load(root / "results")
+    if not docs:
+        print("no recovery results in docs/results", file=sys.stderr)
+        return 1
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for backend, marker in (("cuda", "o"), ("host", "s")):
+        for way, label in WAYS.items():
+            pts = sorted((gib_of(d), d[way]["death_to_first_token_ms"]["p50"]) for d in docs
+                         if d["backend"] == backend and d[way].get("death_to_first_token_ms"))
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker=marker, label=f"{label} ({'H200' if backend == 'cuda' else 'CPU, host backend'})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("weights (GiB)")
+    ax.set_ylabel("death -> first token, p50 (ms)")
+    ax.set_title("Serving again after a SIGKILL")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = root / "recovery.png"
+    fig.savefig(out, dpi=120)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
