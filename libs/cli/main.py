@@ -116,7 +116,7 @@ def demo(
 @app.command()
 def status(
     api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
-    token: str = typer.Option("holdfast-dev-admin", envvar="HF_API_TOKEN"),
+    token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin or read token"),
 ) -> None:
     """Nodes, engines, leases and incidents as tables (from the controller's REST API)."""
     importlib.import_module("services.controller.status_cli").status(api_url, token)

@@ -86,7 +86,7 @@ class Stack:
             "HF_STATE_DIR": str(self.base_dir / "state"),
             "HF_BACKEND": c.backend,
             "HF_API_PORT": str(c.api_port),
-            "HF_API_TOKEN": c.api_token,
+            "HF_ADMIN_TOKEN": c.api_token,
             "HF_ROUTER_PORT": str(c.router_port),
             "PYTHONUNBUFFERED": "1",
         }

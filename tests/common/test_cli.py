@@ -61,6 +61,10 @@ def test_up_starts_every_service_healthy_and_sigterm_leaves_no_process(tmp_path:
     pids = [int(p) for p in re.findall(r"│\s*\w+\s*│\s*(\d+)\s*│", output)]
     assert len(pids) == 7, output  # nats, etcd and five services
     assert all(_alive(p) for p in pids)
+    status = subprocess.run([*HOLDFAST, "status", "--api-url", f"http://127.0.0.1:{ports[2]}", "--token", "holdfast-dev-admin"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "node-1" in status.stdout
     # processes started detached by the services (the fd keeper) must go too
     marker = f"HF_STATE_DIR={tmp_path / 'stack' / 'state'}".encode()
     up.send_signal(signal.SIGTERM)
