@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_short_chaos_run_keeps_every_invariant() -> None:
     env = {**os.environ, "HF_FORCE_NO_GPU": "1"}
     r = subprocess.run([sys.executable, "-m", "libs.cli.main", "chaos", "--minutes", "1.5", "--seed", "7", "--json"],

@@ -12,6 +12,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_demo_recovers_a_killed_engine_with_nothing_lost() -> None:
     env = {**os.environ, "HF_FORCE_NO_GPU": "1"}
     r = subprocess.run([sys.executable, "-m", "libs.cli.main", "demo", "--json"], capture_output=True, text=True,
