@@ -90,7 +90,7 @@ def up(
         while not stopping:
             for name, child in stack.children.items():
                 if not child.alive():
-                    console.print(f"[red]{name} exited ({child.proc.returncode}); see {child.log_path}[/red]")
+                    console.print(f"[red]{name} exited ({child.returncode}); see {child.log_path}[/red]")
                     stopping = True
             time.sleep(0.2)
     except Exception as e:  # noqa: BLE001 - say why, stop everything, exit non-zero

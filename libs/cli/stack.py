@@ -139,7 +139,7 @@ class Stack:
                 for name in list(pending):
                     child = self.children.get(name)
                     if child is not None and not child.alive():
-                        raise RuntimeError(f"{name} exited with {child.proc.returncode}; log: {child.log_path}\n"
+                        raise RuntimeError(f"{name} exited with {child.returncode}; log: {child.log_path}\n"
                                            + self.tail(name))
                     try:
                         reply = await check_health(bus, name, timeout=0.5)

@@ -75,7 +75,7 @@ def _copy_in(lease: MappedLease, fd: int, data_start: int, layout: list[tuple[Te
         for pos in range(0, nbytes, BOUNCE_BYTES):
             n = min(BOUNCE_BYTES, nbytes - pos)
             chunk = bounce[:n]
-            if os.preadv(fd, [memoryview(chunk.numpy())], data_start + start + pos) != n:
+            if os.preadv(fd, [chunk.numpy().data], data_start + start + pos) != n:
                 raise MalformedMessage("safetensors file is shorter than its header says")
             lease.mapping.torch_bytes(meta.offset + pos, n).copy_(chunk)
     torch.cuda.synchronize()

@@ -16,5 +16,5 @@ def parse_settings(cls: type[S], argv: list[str] | None, prog: str) -> S:
     config = SettingsConfigDict(**{**cls.model_config, "cli_prog_name": prog, "cli_kebab_case": True,
                                    "cli_implicit_flags": True})
     bound = type(cls.__name__, (cls,), {"model_config": config, "__module__": cls.__module__})
-    parsed = CliApp.run(bound, cli_args=argv or [])
+    parsed: CommonSettings = CliApp.run(bound, cli_args=argv or [])
     return cls.model_validate(parsed.model_dump())

@@ -90,8 +90,8 @@ class BatchWriter:
         for op in reversed(self._later):
             if op.key == key:
                 return True, op.value
-        op = self._pending.get(key) or self._inflight.get(key)
-        return (False, None) if op is None else (True, op.value)
+        found = self._pending.get(key) or self._inflight.get(key)
+        return (False, None) if found is None else (True, found.value)
 
     async def flush(self) -> None:
         """Wait until every write made so far is committed (or failed)."""

@@ -64,6 +64,10 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
     def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM the group, wait, then SIGKILL what is left. Returns the exit code."""
         if self.proc is None:

@@ -43,7 +43,8 @@ class Runtime:
         self.service = service
         self.instance = instance
         self.settings = settings
-        self.bus: Bus = None  # type: ignore[assignment] - set in start()
+        # Set in start(); setup functions run after it, so they always see both.
+        self.bus: Bus = None  # type: ignore[assignment]
         self.store: Store = None  # type: ignore[assignment]
         self.stopping = asyncio.Event()
         self.started_at = time.time()

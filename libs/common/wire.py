@@ -242,7 +242,11 @@ class FrameStream:
     async def _wait(self, register: Callable[..., None], unregister: Callable[[int], Any]) -> None:
         fut = asyncio.get_running_loop().create_future()
         fileno = self.sock.fileno()
-        register(fileno, lambda: fut.done() or fut.set_result(None))
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        register(fileno, wake)
         try:
             await fut
         finally:
