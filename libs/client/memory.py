@@ -22,17 +22,17 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from libs.client import protocol as p
+from libs.client.connection import BROKEN, Backoff, open_session, round_trip
 from libs.client.mapping import CudaMapping, HostMapping, close_all
 from libs.client.protocol import TensorMeta, contiguous_stride, tensor_extent
 from libs.common import errors
-from libs.common.errors import HoldfastError, RemoteError
+from libs.common.errors import HoldfastError, RemoteError, Unavailable
 from libs.common.events import LeaseInfo, LeaseState
-from libs.common.wire import recv_frame, send_frame
 
 __all__ = ["Attachment", "MappedLease", "MemoryClient", "TensorMeta", "default_socket_path"]
 
@@ -158,44 +158,154 @@ class Attachment:
 
 
 class MemoryClient:
-    def __init__(self, sock: socket.socket, engine_id: str, hello: p.HelloReply) -> None:
-        self.sock = sock
+    """One engine's link to the gpu_manager. If the connection breaks (the manager was killed or restarted),
+    the heartbeat thread and any call reconnect by themselves, with backoff: hello with the same engine id,
+    then `resume`, which re-establishes the leases still mapped here without fds, so every tensor view stays
+    valid. A lease that moved on meanwhile (reclaimed, frozen for a successor, a newer epoch) is not
+    silently kept: it leaves `leases` for `lost_leases` (id -> why) and `on_lease_lost(lease_id, why)` is
+    called; its mapping is left in place (unmapping under a running engine would crash it) and the engine
+    must stop writing to it."""
+
+    def __init__(self, sock: socket.socket, engine_id: str, hello: p.HelloReply, *, socket_path: str | None = None,
+                 engine_class: str = "default", reconnect_timeout_s: float = 30.0) -> None:
+        self.sock: socket.socket | None = sock
         self.engine_id = engine_id
+        self.engine_class = engine_class
+        self.socket_path = socket_path or default_socket_path()
         self.hello = hello
+        self.reconnect_timeout_s = reconnect_timeout_s  # how long a call waits for a manager that is down
         self.leases: dict[str, MappedLease] = {}
+        self.lost_leases: dict[str, str] = {}
+        self.on_lease_lost: Callable[[str, str], None] | None = None
+        self.reconnects = 0
+        self._broken_since: float | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self.last_timings_ms: dict[str, float] = {}  # of the last attach or takeover
 
     @classmethod
-    def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default") -> MemoryClient:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default",
+                reconnect_timeout_s: float = 30.0) -> MemoryClient:
+        path = socket_path or default_socket_path()
+        sock, reply = open_session(path, engine_id, engine_class)
         try:
-            sock.connect(socket_path or default_socket_path())
-            send_frame(sock, p.Hello(engine_id=engine_id, engine_class=engine_class).model_dump(mode="json"))
-            reply, fds = recv_frame(sock)
-            close_all(fds)
             _raise_if_error(reply)
+            hello = p.HelloReply.model_validate(_body(reply))
         except BaseException:
             sock.close()
             raise
-        return cls(sock, engine_id, p.HelloReply.model_validate(_body(reply)))
+        return cls(sock, engine_id, hello, socket_path=path, engine_class=engine_class,
+                   reconnect_timeout_s=reconnect_timeout_s)
 
     @property
     def backend(self) -> str:
         return self.hello.backend
 
+    @property
+    def connected(self) -> bool:
+        return self.sock is not None
+
     def _call(self, req: p.Msg) -> tuple[dict[str, Any], list[int]]:
-        with self._lock:
-            send_frame(self.sock, req.model_dump(mode="json"))
-            reply, fds = recv_frame(self.sock)
+        """One request. A broken connection is reopened first (waiting up to `reconnect_timeout_s` for the
+        manager); a request cut off by a break is sent again only if repeating it is harmless."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        backoff = Backoff()
+        while True:
+            with self._lock:
+                if self.sock is None and not self._closed:
+                    self._reconnect_locked()
+                if self.sock is not None:
+                    try:
+                        reply, fds = round_trip(self.sock, req)
+                        break
+                    except BROKEN as e:
+                        self._broken_locked(e)
+                        if req.op not in _REPEATABLE:  # type: ignore[attr-defined]
+                            raise Unavailable(f"connection to the gpu_manager broke during '{req.op}'; it may or "  # type: ignore[attr-defined]
+                                              f"may not have taken effect: {e!r}") from e
+            if self._closed:
+                raise Unavailable("client closed")
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"gpu_manager unreachable at {self.socket_path} for {self.reconnect_timeout_s} s")
+            time.sleep(backoff.next())
         try:
             _raise_if_error(reply)
         except BaseException:
             close_all(fds)
             raise
         return _body(reply), fds
+
+    def _broken_locked(self, e: BaseException) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self._broken_since is None:  # one warning per outage, not one per heartbeat
+            self._broken_since = time.monotonic()
+            log.warning("%s: connection to the gpu_manager lost (%r); reconnecting", self.engine_id, e)
+
+    def _reconnect_locked(self) -> bool:
+        """One attempt: connect, hello with the same engine id, resume the leases mapped here. Caller holds
+        the lock."""
+        try:
+            sock, reply = open_session(self.socket_path, self.engine_id, self.engine_class)
+        except BROKEN as e:
+            log.debug("reconnect to %s failed: %r", self.socket_path, e)
+            return False
+        try:
+            _raise_if_error(reply)
+            self.hello = p.HelloReply.model_validate(_body(reply))
+            held = {lid: lease.epoch for lid, lease in self.leases.items()}
+            resumed = p.ResumeReply(held=[])
+            if held:
+                body, fds = round_trip(sock, p.Resume(epochs=held))
+                close_all(fds)
+                _raise_if_error(body)
+                resumed = p.ResumeReply.model_validate(_body(body))
+        except BROKEN as e:
+            sock.close()
+            log.debug("reconnect to %s broke during hello/resume: %r", self.socket_path, e)
+            return False
+        except HoldfastError as e:  # the manager answered but refused: keep trying (it may be mid-upgrade)
+            sock.close()
+            log.error("%s: gpu_manager refused the reconnection: %r", self.engine_id, e)
+            return False
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.reconnects += 1
+        for info in resumed.held:
+            lease = self.leases.get(info.id)
+            if lease is not None:
+                lease.info = info
+        lost = dict(resumed.lost)
+        lost.update({lid: "not held after resume" for lid in held
+                     if lid not in lost and lid not in {i.id for i in resumed.held}})
+        for lid, why in lost.items():
+            self.leases.pop(lid, None)  # its mapping stays: views in use must not fault
+            self.lost_leases[lid] = why
+            log.error("%s: lease %s is no longer this engine's (%s): stop writing to it", self.engine_id, lid, why)
+        down = time.monotonic() - self._broken_since if self._broken_since is not None else 0.0
+        self._broken_since = None
+        log.info("%s: reconnected to the gpu_manager (pid %d) after %.1f s: %d leases resumed, %d lost",
+                 self.engine_id, self.hello.manager_pid, down, len(resumed.held), len(lost))
+        if self.on_lease_lost is not None:
+            for lid, why in lost.items():
+                try:
+                    self.on_lease_lost(lid, why)
+                except Exception:  # noqa: BLE001 - the engine's callback must not break the link
+                    log.exception("on_lease_lost(%s) failed", lid)
+        return True
+
+    def reconnect(self) -> bool:
+        """Reconnect now if the connection is broken (normally the heartbeat thread or the next call does it).
+        Returns whether the client is connected."""
+        with self._lock:
+            if self.sock is None and not self._closed:
+                self._reconnect_locked()
+            return self.sock is not None
 
     def _map(self, body: dict[str, Any], fds: list[int]) -> list[MappedLease]:
         grants = p.GrantReply.model_validate(body).leases
@@ -278,15 +388,34 @@ class MemoryClient:
         lease.info = lease.info.model_copy(update={"state": LeaseState.RECLAIMED})
 
     def start_heartbeats(self, interval_s: float = 0.5) -> None:
+        """Beat every `interval_s` from a thread; while the connection is broken, retry with backoff instead."""
         if self._hb_thread is not None:
             return
 
         def beat() -> None:
-            while not self._hb_stop.wait(interval_s):
-                try:
-                    self.heartbeat()
-                except (OSError, HoldfastError) as e:
-                    log.warning("heartbeat failed: %r", e)
+            backoff = Backoff(first=min(0.05, interval_s), cap=max(2.0, interval_s))
+            wait = interval_s
+            while not self._hb_stop.wait(wait):
+                with self._lock:
+                    if self._closed:
+                        return
+                    if self.sock is None and not self._reconnect_locked():
+                        wait = backoff.next()
+                        continue
+                    try:
+                        body, fds = round_trip(self.sock, p.Heartbeat())  # type: ignore[arg-type]
+                        close_all(fds)
+                    except BROKEN as e:
+                        self._broken_locked(e)
+                        wait = backoff.next()
+                        continue
+                    except Exception as e:  # noqa: BLE001 - keep beating; a bad reply is not a lost link
+                        log.warning("heartbeat failed: %r", e)
+                        body = {"ok": True}
+                backoff.reset()
+                wait = interval_s
+                if not body.get("ok"):
+                    log.warning("heartbeat refused: %s", body.get("error"))
 
         self._hb_thread = threading.Thread(target=beat, name="hf-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -296,6 +425,7 @@ class MemoryClient:
 
         The leases stay ACTIVE and owned by this engine id while this process lives; they are orphaned when
         it exits (or released explicitly before)."""
+        self._closed = True
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
@@ -304,13 +434,21 @@ class MemoryClient:
             for lease in self.leases.values():
                 lease.unmap()
             self.leases.clear()
-        self.sock.close()
+        with self._lock:
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
 
     def __enter__(self) -> MemoryClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Requests that may be sent again after the connection broke under them: sending them twice does what sending
+# them once does. allocate/attach/takeover/release are not: the caller learns (Unavailable) and decides.
+_REPEATABLE = frozenset({"heartbeat", "pending", "register", "commit"})
 
 
 def _body(reply: dict[str, Any]) -> dict[str, Any]:

@@ -98,8 +98,16 @@ class Release(Msg):
     epoch: int
 
 
+class Resume(Msg):
+    """A live engine back on a new connection (the manager restarted, or the socket broke) says which leases it
+    still has mapped, at which epoch. No fds come back: its mappings are kept as they are."""
+
+    op: Literal["resume"] = "resume"
+    epochs: dict[str, int]  # lease id -> the epoch the sender holds
+
+
 Request = Annotated[
-    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, Heartbeat, Release],  # noqa: UP007
+    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, Heartbeat, Release, Resume],  # noqa: UP007
     Field(discriminator="op"),
 ]
 _request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
@@ -141,6 +149,14 @@ class PendingReply(Msg):
 
 class CommitReply(Msg):
     layout_hash: str
+
+
+class ResumeReply(Msg):
+    """`held`: still this process's, ACTIVE (rows as they are now). `lost`: lease id -> why it is not any more
+    (reclaimed, another owner, a newer epoch, frozen for a successor): the engine must stop writing to it."""
+
+    held: list[LeaseInfo]
+    lost: dict[str, str] = Field(default_factory=dict)
 
 
 def ok(model: BaseModel | None = None) -> dict[str, Any]:

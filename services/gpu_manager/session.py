@@ -33,6 +33,8 @@ from libs.client.protocol import (
     PredecessorAlive,
     Register,
     Release,
+    Resume,
+    ResumeReply,
     TakeoverReq,
     error,
     ok,
@@ -150,6 +152,8 @@ class EngineSession:
             for rec in mine:
                 rec.update(last_seen=now)
             return ok(), []
+        if isinstance(req, Resume):
+            return ok(await self.resume(req, peer)), []
         if isinstance(req, Release):
             rec = self._owned(req.lease_id, req.epoch, peer)
             await self.book.apply(rec, LeaseEvent.RELEASE, "released")
@@ -240,6 +244,37 @@ class EngineSession:
                               {"owner_pid": peer.pid, "owner_pid_start": peer.pid_start}))
         await self.book.apply_all(moves)
         return already + claim
+
+    async def resume(self, req: Resume, peer: Peer) -> ResumeReply:
+        """A live engine on a new connection re-establishes its leases without fds (its mappings stay).
+
+        Held: the lease is still ACTIVE, owned by this engine id, uid and process, at the epoch it names (a
+        manager restart leaves live owners' rows ACTIVE). Anything else is lost and said why: reclaimed,
+        another owner, another epoch (someone attached or took over meanwhile), frozen for a successor. An
+        ORPHANED lease at the same epoch whose recorded owner is this very process is claimed back
+        (REATTACH, epoch + 1), as `attach` would."""
+        held, lost, moves = [], {}, []
+        for lease_id, epoch in req.epochs.items():
+            rec = self.book.records.get(lease_id)
+            if rec is None:
+                lost[lease_id] = "reclaimed"
+            elif rec.info.owner != peer.engine_id or rec.owner_uid != peer.uid:
+                lost[lease_id] = "owned by another engine"
+            elif rec.info.epoch != epoch:
+                lost[lease_id] = f"stale_epoch: the lease is at epoch {rec.info.epoch}, this engine holds {epoch}"
+            elif rec.owner_pid != peer.pid:
+                lost[lease_id] = f"held by another process (pid {rec.owner_pid})"
+            elif rec.info.state == LeaseState.ACTIVE:
+                held.append(rec)
+            elif rec.info.state == LeaseState.ORPHANED:
+                moves.append(Move(rec, LeaseEvent.REATTACH, "resumed", {"owner_pid_start": peer.pid_start}))
+                held.append(rec)
+            else:
+                lost[lease_id] = f"{rec.info.state.value.lower()}: waiting for a successor"
+        await self.book.apply_all(moves)
+        if lost:
+            log.warning("resume by %s (pid %d): %d leases lost: %s", peer.engine_id, peer.pid, len(lost), lost)
+        return ResumeReply(held=[r.info for r in held], lost=lost)
 
     async def takeover(self, req: TakeoverReq, peer: Peer) -> list[LeaseRecord]:
         """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor)."""

@@ -6,6 +6,8 @@
     attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
     takeover PRED TOKEN     take over a frozen predecessor's leases
     reconnect               new connection to the manager (e.g. after it restarted), keep mappings
+    heartbeats SECONDS      start the SDK's heartbeat thread (it also reconnects by itself)
+    status                  connected?, reconnects, held and lost leases with epochs, mapping addresses
     call OP JSON            send a raw request (for refusal tests); reply the error code or "ok"
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import traceback
 
@@ -78,6 +81,14 @@ class TestEngine:
             self.client.leases = old.leases
             old.close(unmap=False)
             return {"ok": True}
+        if cmd == "heartbeats":
+            self.client.start_heartbeats(float(words[1]))
+            return {"ok": True}
+        if cmd == "status":
+            c = self.client
+            return {"connected": c.connected, "reconnects": c.reconnects, "lost": c.lost_leases,
+                    "leases": {i: lease.epoch for i, lease in c.leases.items()},
+                    "ptrs": {i: lease.ptr for i, lease in c.leases.items()}, "manager_pid": c.hello.manager_pid}
         if cmd == "call":
             req = p.parse_request({"op": words[1], **json.loads(" ".join(words[2:]) or "{}")})
             self.client._call(req)
@@ -86,6 +97,8 @@ class TestEngine:
 
 
 def main() -> None:
+    # SDK logs go to stderr, where a test may count them (one warning per outage, one info when back)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     engine = TestEngine(sys.argv[1], sys.argv[2])
     for line in sys.stdin:
         try:
