@@ -428,8 +428,18 @@ class ListEngines(Command):
     op: Literal["list"] = "list"
 
 
+class RestartBackoff(Model):
+    """An agent's crash-loop backoff for one engine spec: engines of it failing soon after their start."""
+
+    spec_key: str
+    failures: int = 0  # consecutive failures of engines that did not stay up `reset_s`
+    delay_s: float = 0.0  # how long the latest failure's replacement waits
+    retry_in_s: float = 0.0  # from the reply's time until a replacement may start (0: may start now)
+
+
 class ListEnginesReply(Model):
     engines: list[EngineInfo]
+    backoff: list[RestartBackoff] = Field(default_factory=list)  # specs whose engines are crash-looping
 
 
 class Health(Command):

@@ -75,6 +75,7 @@ async def setup(rt: Runtime) -> None:
     rt.health_detail = lambda: {
         "engines": {r.engine_id: r.state.value for r in agent.records()},
         "faults_published": agent.faults_published,
+        "backoff": {b.spec_key: b.model_dump() for b in agent.backoff_report()},
         "nvml": bool(has_nvml),
         "socket": str(settings.socket_path()),
     }
@@ -140,4 +141,4 @@ async def _stop(agent: Agent, cmd: StopEngine) -> StopReply:
 
 
 async def _list(agent: Agent) -> ListEnginesReply:
-    return ListEnginesReply(engines=[agent.info(r) for r in agent.records()])
+    return ListEnginesReply(engines=[agent.info(r) for r in agent.records()], backoff=agent.backoff_report())

@@ -76,6 +76,7 @@ class EngineRecord:
     said_bye: bool = False
     faulted: bool = False
     failed_mono: float | None = None
+    handing_over: bool = False  # a takeover's predecessor: its slot is the successor's until it is retired
     ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
     exit_code: int | None = None
     signal: int | None = None

@@ -24,6 +24,11 @@ class AgentSettings(CommonSettings):
     standby_refill_delay_s: float = Field(0.25, ge=0, description="a takeover's replacement standby is started "
                                           "this long after its reply (its spawn and start-up must not delay it)")
     reconcile_interval_s: float = Field(0.5, description="how often the desired engines are compared with the live ones")
+    crash_backoff_base_s: float = Field(0.5, gt=0, description="an engine spec failing again soon after a "
+                                        "start: its next start waits this long, doubling each time")
+    crash_backoff_max_s: float = Field(30.0, gt=0, description="the crash-loop backoff's cap")
+    crash_backoff_reset_s: float = Field(10.0, gt=0, description="an engine up this long ends its spec's "
+                                         "crash loop (the backoff starts over)")
     gpus: list[int] = Field(default_factory=list, description="GPUs of this node (NVML: all visible when empty)")
     nvml: bool = Field(True, description="watch GPU health through NVML when it is available")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from libs.common.events import EngineRole, EngineSpec
 from libs.common.ids import subject_token
+from services.agent.backoff import Backoffs
 from services.agent.engines import LIVE, EngineRecord, State
 
 
@@ -22,18 +23,21 @@ def spec_key(spec: EngineSpec) -> str:
 class Plan:
     start: list[tuple[str, EngineRole]] = field(default_factory=list)  # (spec key, role), one per process
     retire: list[str] = field(default_factory=list)  # failed engines nobody took over in time
+    stop: list[str] = field(default_factory=list)  # standbys beyond their spec's count (a spec lowered)
+    held: list[str] = field(default_factory=list)  # spec keys whose starts wait out a crash-loop backoff
 
 
 def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
     if r.role is not EngineRole.ACTIVE:
         return False
-    if r.state in LIVE:
-        return True
+    if r.state in LIVE or r.handing_over:
+        return True  # a predecessor being taken over keeps its slot: the successor fills it
     # A failed active engine keeps its slot while a takeover may still come for its memory.
     return r.state is State.FAILED and r.failed_mono is not None and now - r.failed_mono < takeover_wait_s
 
 
-def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float) -> Plan:
+def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float,
+         backoffs: Backoffs | None = None) -> Plan:
     out = Plan()
     for r in records:
         if (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.failed_mono is not None
@@ -44,10 +48,28 @@ def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, 
     for key, spec in specs.items():
         mine = [r for r in records if r.spec_key == key]
         active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s))
-        standby = sum(1 for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE)
-        out.start += [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)
-        out.start += [(key, EngineRole.STANDBY)] * max(0, spec.standbys - standby)
+        standbys = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE]
+        missing = [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)
+        missing += [(key, EngineRole.STANDBY)] * max(0, spec.standbys - len(standbys))
+        if missing and backoffs is not None and not backoffs.may_start(key, now):
+            out.held.append(key)  # crash-looping: its replacements wait
+        else:
+            out.start += missing
+        idle = sorted((r for r in standbys if r.state in (State.STANDBY, State.STARTING)),
+                      key=lambda r: r.spawned_mono, reverse=True)
+        out.stop += [r.engine_id for r in idle[:max(0, len(standbys) - spec.standbys)]]  # the newest first
     return out
+
+
+def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSpec]:
+    """A hot upgrade replaced one engine of `old` by one of `new`: the desired counts follow, so the
+    reconciler neither restarts the old version nor adds a second new one. When the old version has no
+    replica left, its standbys are the new version's business (and the old ones are stopped)."""
+    replicas = max(0, old.replicas - 1)
+    old2 = old.model_copy(update={"replicas": replicas, "standbys": old.standbys if replicas else 0})
+    standbys = new.standbys if replicas else max(new.standbys, old.standbys)
+    new2 = new.model_copy(update={"replicas": new.replicas + 1, "standbys": standbys})
+    return old2, new2
 
 
 def pick_standby(records: list[EngineRecord], model: str, *, version: str | None = None,

@@ -26,10 +26,12 @@ from libs.common.events import (
     Event,
     FaultDetected,
     FaultKind,
+    RestartBackoff,
 )
 from libs.common.ids import new_id, subject_token
 from libs.common.wire import FrameStream
 from services.agent import launcher, supervision
+from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
 from services.agent.records import RecordWriter
@@ -52,6 +54,9 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.faults_published = 0
         self._reconcile_now = asyncio.Event()
+        self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
+                                               max_s=settings.crash_backoff_max_s,
+                                               reset_s=settings.crash_backoff_reset_s))
 
     # ------------------------------------------------------------ helpers
 
@@ -139,6 +144,11 @@ class Agent:
         self.faults_published += 1
         rec.transition(Ev.FAULT)
         rec.failed_mono = time.monotonic()
+        if rec.spec_key is not None:
+            delay = self.backoffs.failed(rec.spec_key, rec.failed_mono, rec.failed_mono - rec.spawned_mono)
+            if delay > 0:
+                log.warning("engines of %s keep failing (%d in a row): the next start waits %.1f s",
+                            rec.spec_key, self.backoffs.by_key[rec.spec_key].failures, delay)
         log.warning("engine %s: %s %s", rec.engine_id, kind.value, detail)
         self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} failed: {kind.value}"))
         self.save(rec)
@@ -167,8 +177,9 @@ class Agent:
         if rec.state is State.STOPPING:
             rec.transition(Ev.GONE)
             self.publish(EngineStopped(engine_id=rec.engine_id, exit_code=rec.exit_code))
-            self.engines.pop(rec.engine_id, None)
-            self.writer.delete_engine(rec.engine_id)
+            if not rec.handing_over:  # a takeover's predecessor keeps its slot until the takeover retires it
+                self.engines.pop(rec.engine_id, None)
+                self.writer.delete_engine(rec.engine_id)
         self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} exited"))
 
     def check_heartbeats(self, now: float) -> None:
@@ -344,8 +355,23 @@ class Agent:
             self._reconcile_now.clear()
             await self.reconcile()
 
+    def backoff_report(self) -> list[RestartBackoff]:
+        now = time.monotonic()
+        return [RestartBackoff(spec_key=key, failures=b.failures, delay_s=b.delay_s,
+                               retry_in_s=round(self.backoffs.retry_in(key, now), 3))
+                for key, b in sorted(self.backoffs.by_key.items())]
+
     async def reconcile(self) -> None:
-        p = supervision.plan(self.specs, self.records(), time.monotonic(), self.settings.takeover_wait_s)
+        now = time.monotonic()
+        for rec in self.records():
+            if rec.spec_key is not None and rec.state in (State.READY, State.STANDBY):
+                self.backoffs.note_up(rec.spec_key, now, rec.spawned_mono)
+        p = supervision.plan(self.specs, self.records(), now, self.settings.takeover_wait_s, self.backoffs)
+        for engine_id in p.stop:
+            rec = self.engines.get(engine_id)
+            if rec is not None and rec.live:
+                log.info("stopping standby %s: more than its spec wants", engine_id)
+                self.background(self.stop(engine_id), f"stop:{engine_id}")
         for engine_id in p.retire:
             rec = self.engines.get(engine_id)
             if rec is not None:

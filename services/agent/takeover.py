@@ -18,7 +18,7 @@ import logging
 import time
 
 from libs.common.errors import Conflict, NotFound
-from libs.common.events import EngineReattached, EngineRole, FaultKind, Takeover, TakeoverReply
+from libs.common.events import EngineReattached, EngineRole, EngineSpec, FaultKind, Takeover, TakeoverReply
 from services.agent import supervision
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.supervisor import Agent
@@ -34,6 +34,7 @@ class Takeovers:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._by_incident: dict[str, asyncio.Task[TakeoverReply]] = {}
+        self._cold_specs: dict[str, EngineSpec] = {}  # hot upgrades cold-spawned from a version not configured
 
     async def handle(self, cmd: Takeover) -> TakeoverReply:
         task = self._by_incident.get(cmd.incident_id)
@@ -53,6 +54,7 @@ class Takeovers:
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory.
         t = time.perf_counter()
+        pred.handing_over = True
         if agent.watcher.watching(pred.engine_id):
             if pred.state is not State.FAILED:
                 pred.transition(Ev.STOP)  # a planned replacement, not a fault
@@ -61,11 +63,17 @@ class Takeovers:
 
         successor: EngineRecord | None = None
         used_standby = False
-        if standby is not None and standby.state is State.STANDBY:
-            successor = await self._via_standby(cmd, pred, standby, timings)
-            used_standby = successor is not None
-        if successor is None:
-            successor = await self._cold(cmd, pred, timings)
+        try:
+            if standby is not None and standby.state is State.STANDBY:
+                successor = await self._via_standby(cmd, pred, standby, timings)
+                used_standby = successor is not None
+            if successor is None:
+                successor = await self._cold(cmd, pred, timings)
+        except BaseException:
+            pred.handing_over = False  # nobody took its slot: the reconciler may replace it
+            if pred.state is State.STOPPED:
+                agent.retire(pred)
+            raise
 
         if successor.ready_perf is not None and successor.ready_perf >= t0:
             timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
@@ -78,12 +86,27 @@ class Takeovers:
             agent.save(successor)
         if pred.engine_id in agent.engines:
             agent.retire(pred)
+        if cmd.version is not None and successor.spec_key not in (None, pred.spec_key):
+            self._move_replica(pred, successor)
         log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", cmd.incident_id, pred.engine_id, successor.engine_id,
                  "standby" if used_standby else "cold spawn", timings["total_ms"], timings)
         # A replacement standby, in the background, once the reply is out: spawning it takes the agent's loop
         # for a while and the new process competes for CPU with the successor's first requests.
         asyncio.get_running_loop().call_later(agent.settings.standby_refill_delay_s, agent.reconcile_soon)
         return TakeoverReply(engine=info, used_standby=used_standby, timings_ms=timings)
+
+    def _move_replica(self, pred: EngineRecord, successor: EngineRecord) -> None:
+        """Hot upgrade: the desired replica moves to the new version's spec (else the old one restarts)."""
+        agent = self.agent
+        old = agent.specs.get(pred.spec_key or "")
+        new = agent.specs.get(successor.spec_key or "") or self._cold_specs.get(successor.spec_key or "")
+        if old is None or new is None:
+            return  # adopted engines: nobody's desired state to update
+        old, new = supervision.move_replica(old, new)
+        for key, spec in ((pred.spec_key or "", old), (successor.spec_key or "", new)):
+            agent.specs[key] = spec
+            agent.writer.put_spec(agent.node, key, spec)
+        log.info("hot upgrade: %s now wants %d, %s %d", pred.spec_key, old.replicas, successor.spec_key, new.replicas)
 
     def _choose(self, cmd: Takeover, pred: EngineRecord) -> EngineRecord | None:
         records = self.agent.records()
@@ -129,7 +152,8 @@ class Takeovers:
         if spec is None:
             raise Conflict(f"no ready standby for {pred.model} and no spec to cold-spawn {pred.engine_id} from")
         if cmd.version is not None and cmd.version != spec.version:
-            spec = spec.model_copy(update={"version": cmd.version})
+            spec = spec.model_copy(update={"version": cmd.version, "replicas": 0})
+            self._cold_specs[supervision.spec_key(spec)] = spec
         t = time.perf_counter()
         rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec,
                                  generation=pred.generation + 1,

@@ -14,6 +14,7 @@ from services.controller.api.app import bind, create_app, serve
 from services.controller.api.context import ApiContext
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
+from services.controller.rollout_driver import RolloutDriver
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
 
@@ -58,6 +59,7 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
         log.info("%s leads", settings.instance)
         await driver.start()
         rt.spawn("deadlines", driver.run_deadlines())
+        rt.spawn("rollouts", RolloutDriver(rt.store, view, settings.tick_s).run())
         # Leadership ends when the election lease expires or a fenced write finds another leader's key.
         lost = [asyncio.create_task(election.lost.wait()), asyncio.create_task(driver.writer.lost.wait())]
         await asyncio.wait(lost, return_when=asyncio.FIRST_COMPLETED)

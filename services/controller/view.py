@@ -11,6 +11,7 @@ from typing import Any
 from libs.common.cluster_view import ClusterView as BaseClusterView
 from libs.common.cluster_view import GpuSlot
 from services.controller.incident import IncidentRecord
+from services.controller.rollout import RolloutRecord
 
 __all__ = ["ClusterView", "GpuSlot"]
 
@@ -20,6 +21,7 @@ class ClusterView(BaseClusterView):
         super().__init__()
         self.incidents: dict[str, IncidentRecord] = {}
         self.open_by_engine: dict[str, str] = {}
+        self.rollouts: dict[str, RolloutRecord] = {}  # engine class -> its latest roll-out
 
     def _on_incidents(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":
@@ -34,6 +36,13 @@ class ClusterView(BaseClusterView):
                 del self.open_by_engine[rec.engine_id]
         else:
             self.open_by_engine[rec.engine_id] = rest
+        return rec
+
+    def _on_rollouts(self, kind: str, rest: str, value: bytes | None) -> Any:
+        if kind == "delete":
+            return self.rollouts.pop(rest, None)
+        rec = RolloutRecord.model_validate_json(value or b"{}")
+        self.rollouts[rest] = rec
         return rec
 
     def open_incident_for(self, engine_id: str) -> IncidentRecord | None:

@@ -94,11 +94,27 @@ class UpgradeIn(BaseModel):
     version: str = Field(..., min_length=1, max_length=100, description="the engine version to upgrade to")
 
 
+class UpgradeStepOut(BaseModel):
+    engine_id: str
+    incident_id: str
+    state: str = Field(..., description="upgrading | done | failed")
+    successor_id: str | None = None
+    detail: str = ""
+
+
 class UpgradeOut(BaseModel):
+    """A rolling upgrade: one engine at a time, the next after the previous incident resolved."""
+
     engine_class: str
     version: str
-    incidents: list[IncidentSummary]
-    skipped: dict[str, str] = Field(default_factory=dict, description="engine id -> why it was not upgraded")
+    state: str = Field("running", description="running | done | failed (a failed incident stops the roll-out)")
+    failure: str | None = Field(None, description="why the roll-out stopped")
+    steps: list[UpgradeStepOut] = Field(default_factory=list, description="engines upgraded or being upgraded, in order")
+    pending: list[str] = Field(default_factory=list, description="engines still to upgrade, in order")
+    incidents: list[IncidentSummary] = Field(default_factory=list, description="the steps' incidents")
+    skipped: dict[str, str] = Field(default_factory=dict, description="engine id -> why it is not upgraded")
+    started_at: float | None = None
+    updated_at: float | None = None
 
 
 class DrainOut(BaseModel):

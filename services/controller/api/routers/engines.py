@@ -15,8 +15,10 @@ from services.controller.api.schemas import (
     Page,
     UpgradeIn,
     UpgradeOut,
+    UpgradeStepOut,
 )
 from services.controller.operations import start_on_purpose
+from services.controller.rollout import RolloutRecord, RolloutState, pending_engines, rollout_key
 
 router = APIRouter(tags=["engines"])
 
@@ -54,25 +56,49 @@ async def failover(engine_id: str = Path(..., max_length=200), body: FailoverIn 
     return IncidentSummary.of(rec)
 
 
+def _upgrade_out(c: ApiContext, rec: RolloutRecord, skipped: dict[str, str] | None = None) -> UpgradeOut:
+    incidents = [IncidentSummary.of(c.view.incidents[s.incident_id]) for s in rec.steps
+                 if s.incident_id in c.view.incidents]
+    pending = [] if rec.state is not RolloutState.RUNNING else \
+        [e.engine_id for e in pending_engines(rec, c.view.engines) if all(s.engine_id != e.engine_id for s in rec.steps)]
+    return UpgradeOut(engine_class=rec.engine_class, version=rec.version, state=rec.state.value, failure=rec.failure,
+                      steps=[UpgradeStepOut(**s.model_dump()) for s in rec.steps], pending=pending,
+                      incidents=incidents, skipped=skipped or {}, started_at=rec.started_at,
+                      updated_at=rec.updated_at)
+
+
 @router.post("/v1/engine-classes/{engine_class}/upgrade", status_code=202, response_model=UpgradeOut,
              dependencies=[Depends(require_admin)], responses=WRITE_ERRORS)
 async def upgrade(body: UpgradeIn, engine_class: str = Path(..., max_length=200),
                   c: ApiContext = Depends(ctx)) -> UpgradeOut:
-    """Hot upgrade: each serving engine of the class is taken over by a standby of `version`."""
-    targets = sorted(eid for eid, e in c.view.engines.items() if e.engine_class == engine_class and e.role == "active")
-    if not targets:
+    """Rolling hot upgrade: the class's serving engines are taken over by successors of `version`, one at a
+    time, each after the previous one's incident resolved; a failed incident stops the roll-out
+    (GET this path for its progress)."""
+    of_class = sorted((e for e in c.view.engines.values() if e.engine_class == engine_class and e.role == "active"),
+                      key=lambda e: e.engine_id)
+    if not of_class:
         raise NotFound(f"no serving engine of class {engine_class}")
-    out = UpgradeOut(engine_class=engine_class, version=body.version, incidents=[])
-    for eid in targets:
-        if c.view.engines[eid].version == body.version:
-            out.skipped[eid] = f"already at version {body.version}"
-            continue
-        try:
-            rec = await start_on_purpose(c.store, c.view, eid, IncidentReason.HOT_UPGRADE, version=body.version)
-        except Conflict as e:
-            out.skipped[eid] = e.message
-            continue
-        out.incidents.append(IncidentSummary.of(rec))
-    if not out.incidents:
-        raise Conflict(f"no engine of class {engine_class} could be upgraded: {out.skipped}")
-    return out
+    skipped = {e.engine_id: f"already at version {body.version}" for e in of_class if e.version == body.version}
+    if len(skipped) == len(of_class):
+        raise Conflict(f"every engine of class {engine_class} already runs version {body.version}")
+    key = rollout_key(engine_class)
+    raw, revision = await c.store.get_with_revision(key)
+    if raw is not None:
+        current = RolloutRecord.model_validate_json(raw)
+        if current.state is RolloutState.RUNNING:
+            raise Conflict(f"a roll-out of {engine_class} to version {current.version} is running")
+    rec = RolloutRecord(engine_class=engine_class, version=body.version)
+    # Compare-and-swap on the revision read: two concurrent requests cannot both start a roll-out.
+    if not await c.store.cas_revision(key, revision, rec):
+        raise Conflict(f"another roll-out of {engine_class} was started meanwhile")
+    return _upgrade_out(c, rec, skipped)
+
+
+@router.get("/v1/engine-classes/{engine_class}/upgrade", response_model=UpgradeOut,
+            dependencies=[Depends(require_read)], responses=ONE_ERRORS)
+async def upgrade_status(engine_class: str = Path(..., max_length=200), c: ApiContext = Depends(ctx)) -> UpgradeOut:
+    """The class's latest roll-out: its state, each engine's step, and why it stopped if it failed."""
+    raw = await c.store.get(rollout_key(engine_class))
+    if raw is None:
+        raise NotFound(f"no roll-out of class {engine_class}")
+    return _upgrade_out(c, RolloutRecord.model_validate_json(raw))
