@@ -35,9 +35,8 @@ def end_processes_of(state_dir: Path) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-@pytest.fixture
-def gpu_manager(settings: CommonSettings, settings_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:
-    """A real gpu_manager on the host backend; yields its engine socket."""
+def start_gpu_manager(settings: CommonSettings, settings_env: dict[str, str], tmp_path: Path) -> procs.Child:
+    """A real gpu_manager on the host backend, once its engine socket exists."""
     settings.ensure_state_dir()
     sock = settings.state_dir / "gpu_manager.sock"
     child = procs.Child("gpu_manager", [sys.executable, "-m", "services.gpu_manager"],
@@ -48,6 +47,13 @@ def gpu_manager(settings: CommonSettings, settings_env: dict[str, str], tmp_path
         assert child.alive(), (tmp_path / "gpu_manager.log").read_text()
         assert time.monotonic() < deadline, "gpu_manager socket never appeared"
         time.sleep(0.05)
-    yield sock
+    return child
+
+
+@pytest.fixture
+def gpu_manager(settings: CommonSettings, settings_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:
+    """A real gpu_manager on the host backend; yields its engine socket."""
+    child = start_gpu_manager(settings, settings_env, tmp_path)
+    yield settings.state_dir / "gpu_manager.sock"
     child.stop()
     end_processes_of(settings.state_dir)

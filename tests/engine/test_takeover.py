@@ -96,3 +96,24 @@ def test_named_sizes_take_another_depth_for_benchmarks() -> None:
         except ValueError:
             continue
         raise AssertionError(f"{bad} accepted")
+
+
+async def test_an_engine_whose_lease_moved_on_while_the_manager_was_down_stops_serving(
+        tmp_path: Path, tiny_weights: Path, settings: CommonSettings, settings_env: dict[str, str], bus: Bus) -> None:
+    from tests.engine.conftest import end_processes_of, start_gpu_manager
+
+    manager = start_gpu_manager(settings, settings_env, tmp_path)
+    engine = leased_engine(tmp_path, tiny_weights, "eng-cut", settings_env)
+    try:
+        engine.wait_ready()
+        # The control plane freezes its leases for a successor; then the manager dies and comes back.
+        await bus.request(settings.node, Freeze(owner="eng-cut"), FreezeReply)
+        manager.kill(signal.SIGKILL)
+        manager.proc.wait(10)  # type: ignore[union-attr]
+        manager = start_gpu_manager(settings, settings_env, tmp_path)
+        # On reconnect the engine learns its leases are frozen for someone else: it must not serve on.
+        assert engine.child.proc.wait(30) == 75  # type: ignore[union-attr]
+    finally:
+        engine.stop()
+        manager.stop()
+        end_processes_of(settings.state_dir)
