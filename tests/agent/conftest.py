@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +161,14 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
         return True
     return False
+
+
+@pytest.fixture
+def gpu_manager(settings_env: dict[str, str]) -> Iterator[Any]:
+    """A real gpu_manager on the host backend (memfd memory), in the test's state dir."""
+    from tests.gpu_manager.harness import ManagerProc
+
+    env = {**settings_env, "HF_BACKEND": "host", "HF_CHUNK_MIB": "2", "HF_RECONCILE_INTERVAL_S": "0.1"}
+    mgr = ManagerProc(env, Path(settings_env["HF_STATE_DIR"])).start()
+    yield mgr
+    mgr.stop()

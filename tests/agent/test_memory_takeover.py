@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,14 +14,6 @@ from tests.agent.conftest import AgentProcess, Recorder, alive, pattern_spec
 from tests.gpu_manager.harness import ManagerProc
 
 NBYTES = 8 << 20
-
-
-@pytest.fixture
-def gpu_manager(settings_env: dict[str, str]) -> Iterator[ManagerProc]:
-    env = {**settings_env, "HF_BACKEND": "host", "HF_CHUNK_MIB": "2", "HF_RECONCILE_INTERVAL_S": "0.1"}
-    mgr = ManagerProc(env, Path(settings_env["HF_STATE_DIR"])).start()
-    yield mgr
-    mgr.stop()
 
 
 async def _checksum(endpoint: str) -> dict:

@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from libs.common.bus import Bus
 from libs.common.events import EngineRole, Envelope, ListEngines, ListEnginesReply
 from libs.common.service import check_health
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord
-from tests.agent.conftest import AgentProcess, Recorder, agent, pattern_spec, recorder  # noqa: F401 - fixtures
+from tests.agent.conftest import AgentProcess, Recorder, agent, gpu_manager, pattern_spec, recorder  # noqa: F401 - fixtures
 from tests.controller.helpers import control_plane, service_env, wait_for
 from tests.gpu_manager.harness import ManagerProc
 
 NBYTES = 4 << 20
 TOKEN = "upgrade-admin"
-
-
-@pytest.fixture
-def gpu_manager(settings_env: dict[str, str]) -> Iterator[ManagerProc]:
-    env = {**settings_env, "HF_BACKEND": "host", "HF_CHUNK_MIB": "2", "HF_RECONCILE_INTERVAL_S": "0.1"}
-    mgr = ManagerProc(env, Path(settings_env["HF_STATE_DIR"])).start()
-    yield mgr
-    mgr.stop()
 
 
 async def _checksum(endpoint: str) -> dict[str, Any]:
