@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 
 from libs.common.bus import Bus
-from libs.common.errors import NotFound, PermissionDenied
+from libs.common.errors import NotFound
 from libs.common.events import (
     Freeze,
     FreezeReply,
@@ -57,13 +57,7 @@ class Commands:
 
     async def transfer(self, cmd: Transfer) -> TransferReply:
         async with self.book.lock:
-            recs = [r for r in self.book.records.values()
-                    if r.info.owner == cmd.owner and r.info.state == LeaseState.FROZEN]
-            if not recs:
-                raise NotFound(f"{cmd.owner} has no frozen leases")
-            for rec in recs:
-                if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, cmd.transfer_token):
-                    raise PermissionDenied("wrong transfer token")
+            recs = self.book.frozen_for_transfer(cmd.owner, cmd.transfer_token)
             for rec in recs:
                 rec.successor = cmd.successor
             await self.book.persist(recs)

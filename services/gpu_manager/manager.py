@@ -19,13 +19,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from libs.client.protocol import chunk_sizes
-from libs.common.errors import InvariantBroken, NotFound
+from libs.common.errors import InvariantBroken, NotFound, PermissionDenied
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from libs.common.ids import new_id
 from services.gpu_manager import reconciler
@@ -142,6 +143,16 @@ class LeaseBook:
         return process_alive(rec.owner_pid, rec.owner_pid_start)
 
     # ------------------------------------------------------------ transitions
+
+    def frozen_for_transfer(self, owner: str, token: str) -> list[LeaseRecord]:
+        """The owner's frozen leases, once the transfer token is proven for every one of them."""
+        recs = [r for r in self.records.values() if r.info.owner == owner and r.info.state == LeaseState.FROZEN]
+        if not recs:
+            raise NotFound(f"{owner} has no frozen leases")
+        for rec in recs:
+            if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, token):
+                raise PermissionDenied("wrong transfer token")
+        return recs
 
     def get(self, lease_id: str) -> LeaseRecord:
         rec = self.records.get(lease_id)

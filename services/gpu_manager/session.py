@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,6 @@ from libs.common.errors import (
     Conflict,
     HoldfastError,
     MalformedMessage,
-    NotFound,
     PermissionDenied,
     StaleEpoch,
 )
@@ -278,13 +276,8 @@ class EngineSession:
 
     async def takeover(self, req: TakeoverReq, peer: Peer) -> list[LeaseRecord]:
         """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor)."""
-        frozen = [r for r in self.book.records.values()
-                  if r.info.owner == req.predecessor and r.info.state == LeaseState.FROZEN]
-        if not frozen:
-            raise NotFound(f"{req.predecessor} has no frozen leases")
+        frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token)
         for rec in frozen:
-            if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, req.transfer_token):
-                raise PermissionDenied("wrong transfer token")
             if rec.successor is not None and rec.successor != peer.engine_id:
                 raise PermissionDenied(f"lease {rec.id} is promised to {rec.successor}")
             if rec.owner_uid != peer.uid:
