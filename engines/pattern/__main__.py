@@ -54,10 +54,11 @@ class Memory:
     """The engine's leased memory through the SDK (imported only when the engine holds memory)."""
 
     def __init__(self, engine_id: str, nbytes: int, engine_class: str) -> None:
-        from libs.client.memory import MemoryClient
+        from libs.client.memory import MemoryClient, exit_on_lease_lost
 
         self.nbytes = nbytes
         self.client = MemoryClient.connect(engine_id, engine_class=engine_class)
+        self.client.on_lease_lost = exit_on_lease_lost
         self.view: Any = None
 
     def allocate_or_reattach(self, seed: int) -> None:

@@ -13,7 +13,6 @@ the SDK, so the same core runs over leased or ordinary memory.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,14 +84,6 @@ class LocalMemory:
         pass
 
 
-def lease_lost(lease_id: str, why: str) -> None:
-    """The gpu_manager says a lease of ours moved on while we were cut off from it (frozen for a successor,
-    a newer epoch, reclaimed). Serving on would make two writers of one lease: stop at once, and let the
-    agent see the exit like any other failure."""
-    log.critical("lease %s is no longer ours (%s): exiting so no second writer serves from it", lease_id, why)
-    os._exit(75)
-
-
 class LeasedMemory:
     """Holdfast leases from the node's gpu_manager (host or cuda backend, whichever it runs)."""
 
@@ -100,11 +91,11 @@ class LeasedMemory:
 
     def __init__(self, engine_id: str, *, socket_path: str | None = None, engine_class: str = "reference",
                  gpu: int = 0) -> None:
-        from libs.client.memory import MemoryClient  # the SDK: imported only when leases are used
+        from libs.client.memory import MemoryClient, exit_on_lease_lost  # the SDK: only when leases are used
 
         self.gpu = gpu
         self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class=engine_class)
-        self.client.on_lease_lost = lease_lost
+        self.client.on_lease_lost = exit_on_lease_lost
         self._attachment: Any = None
 
     def pending(self) -> bool:

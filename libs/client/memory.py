@@ -79,6 +79,14 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+def exit_on_lease_lost(lease_id: str, why: str) -> None:
+    """An `on_lease_lost` policy for engines: the gpu_manager says a lease moved on while this engine was cut
+    off from it (frozen for a successor, a newer epoch, reclaimed). Serving on would make two writers of one
+    lease, so stop at once; the agent sees the exit like any other failure."""
+    log.critical("lease %s is no longer ours (%s): exiting so no second writer serves from it", lease_id, why)
+    os._exit(75)
+
+
 class MappedLease:
     """A lease mapped into this process. `info` is the manager's row as of the last grant."""
 
