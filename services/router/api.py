@@ -13,7 +13,8 @@ from services.router.relay import GenerateRequest, Relay, RelayError
 from services.router.table import EndpointTable
 
 
-def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool]) -> FastAPI:
+def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
+              sync: Callable[[], dict[str, Any]] = dict) -> FastAPI:
     app = FastAPI(title="Holdfast reference router")
 
     @app.post("/v1/generate", response_model=None)
@@ -31,7 +32,7 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool]) -> 
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe()}
+        return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync()}
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:

@@ -19,3 +19,8 @@ class RouterSettings(CommonSettings):
     connect_timeout_s: float = Field(2.0, description="connecting to an engine")
     suspect_s: float = Field(5.0, description="an engine whose connection failed gets no new requests this long "
                              "(or until an endpoint event says otherwise)")
+    reconcile_s: float = Field(3.0, gt=0, description="re-read etcd's endpoints/ this often (and on every NATS "
+                               "reconnect) and make the table equal to it")
+    reconcile_grace_s: float = Field(5.0, ge=0, description="an endpoint event this recent outranks what etcd says "
+                                     "(the controller's etcd write may land just after its event)")
+    reconcile_read_timeout_s: float = Field(5.0, gt=0, description="one read of etcd's endpoints/ gives up after this")

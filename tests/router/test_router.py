@@ -1,5 +1,8 @@
 """The router with real NATS, etcd, engine processes and a router process: routing from events and the
-etcd snapshot, replay of in-flight streams after a SIGKILL, holding, the queue bound, the timeout."""
+etcd snapshot, replay of in-flight streams after a SIGKILL, holding, the queue bound, the timeout, and
+catching up with etcd after a NATS outage.
+
+Endpoints are announced as the controller announces them: the etcd record first, then the event."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.events import EndpointAdded, EndpointRemoved
 from libs.common.store import Store
@@ -30,6 +34,26 @@ async def stream_lines(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                 if seen is not None and len(out) >= after:
                     seen.set()
     return out
+
+
+async def announce(bus: Bus, store: Store, engine_id: str, url: str, predecessor_id: str | None = None) -> None:
+    """What the controller does when an engine starts serving: write endpoints/<model>/<engine>, emit added."""
+    await store.put(f"endpoints/{MODEL}/{engine_id}", url)
+    if predecessor_id:
+        await store.delete(f"endpoints/{MODEL}/{predecessor_id}")
+    await bus.emit(EndpointAdded(model=MODEL, engine_id=engine_id, url=url, predecessor_id=predecessor_id))
+
+
+async def retire(bus: Bus, store: Store, engine_id: str, reason: str) -> None:
+    await store.delete(f"endpoints/{MODEL}/{engine_id}")
+    await bus.emit(EndpointRemoved(model=MODEL, engine_id=engine_id, reason=reason))
+
+
+def wait_for_table(router: Any, engine_ids: set[str]) -> None:
+    deadline = time.monotonic() + 60  # a guard against hanging, not a performance figure
+    while {e["engine_id"] for e in router.stats()["endpoints"].get(MODEL, [])} != engine_ids:
+        assert time.monotonic() < deadline, router.stats()
+        time.sleep(0.05)
 
 
 def wait_until_held(router: Any, n: int) -> None:
@@ -65,11 +89,11 @@ async def test_router_serves_an_endpoint_found_in_the_etcd_snapshot_at_start(
 
 
 async def test_a_stream_cut_by_a_sigkill_resumes_on_the_successor_and_equals_the_uninterrupted_output(
-        engines, start_router, bus: Bus) -> None:
+        engines, start_router, bus: Bus, store: Store) -> None:
     a, b = engines("kill-a"), engines("kill-b")
     await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
     router = start_router()
-    await bus.emit(EndpointAdded(model=MODEL, engine_id="kill-a", url=a.url))
+    await announce(bus, store, "kill-a", a.url)
     body = {"prompt": "The memory outlives the engine.", "max_tokens": 400, "ignore_eos": True}
     expected = generate(b.url, **body)["tokens"]
 
@@ -78,8 +102,8 @@ async def test_a_stream_cut_by_a_sigkill_resumes_on_the_successor_and_equals_the
         task = asyncio.create_task(stream_lines(c, router.url, body, seen, after=20))
         await seen.wait()
         a.child.kill(signal.SIGKILL)  # mid-generation: 20 of 400 tokens are out
-        await bus.emit(EndpointRemoved(model=MODEL, engine_id="kill-a", reason="killed"))
-        await bus.emit(EndpointAdded(model=MODEL, engine_id="kill-b", url=b.url, predecessor_id="kill-a"))
+        await retire(bus, store, "kill-a", "killed")
+        await announce(bus, store, "kill-b", b.url, predecessor_id="kill-a")
         lines = await task
     assert_one_complete_stream(lines, expected)
     assert lines[-1]["replays"] >= 1 and lines[-1]["engines"][-1] == "kill-b"
@@ -101,7 +125,8 @@ async def test_held_requests_get_a_503_after_the_hold_timeout_and_past_the_queue
     assert stats["rejected"] == 3 and stats["failed"] == 3 and stats["held"] == 0
 
 
-async def test_a_held_request_completes_once_an_endpoint_for_its_model_is_added(engines, start_router, bus: Bus) -> None:
+async def test_a_held_request_completes_once_an_endpoint_for_its_model_is_added(engines, start_router, bus: Bus,
+                                                                                store: Store) -> None:
     a = engines("late-a")
     router = start_router(hold_timeout_s=60)
     async with httpx.AsyncClient(timeout=90) as c:
@@ -109,17 +134,18 @@ async def test_a_held_request_completes_once_an_endpoint_for_its_model_is_added(
                                              json={"model": MODEL, "prompt": "late", "max_tokens": 5}))
         await asyncio.to_thread(wait_until_held, router, 1)
         await asyncio.to_thread(a.wait_ready)
-        await bus.emit(EndpointAdded(model=MODEL, engine_id="late-a", url=a.url))
+        await announce(bus, store, "late-a", a.url)
         r = await pending
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == generate(a.url, prompt="late", max_tokens=5)["tokens"]
 
 
-async def test_no_request_is_dropped_under_a_burst_while_the_engine_is_killed(engines, start_router, bus: Bus) -> None:
+async def test_no_request_is_dropped_under_a_burst_while_the_engine_is_killed(engines, start_router, bus: Bus,
+                                                                              store: Store) -> None:
     a, b = engines("burst-a"), engines("burst-b")
     await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
     router = start_router(hold_timeout_s=30)
-    await bus.emit(EndpointAdded(model=MODEL, engine_id="burst-a", url=a.url))
+    await announce(bus, store, "burst-a", a.url)
     prompts = [f"request {i}: keep going" for i in range(6)]
     expected = {p: generate(b.url, prompt=p, max_tokens=120, ignore_eos=True)["tokens"] for p in prompts}
 
@@ -133,8 +159,8 @@ async def test_no_request_is_dropped_under_a_burst_while_the_engine_is_killed(en
         second = [asyncio.create_task(stream_lines(c, router.url, {"prompt": p, "max_tokens": 120, "ignore_eos": True}))
                   for p in prompts]
         await asyncio.sleep(0.2)
-        await bus.emit(EndpointRemoved(model=MODEL, engine_id="burst-a", reason="killed"))
-        await bus.emit(EndpointAdded(model=MODEL, engine_id="burst-b", url=b.url, predecessor_id="burst-a"))
+        await retire(bus, store, "burst-a", "killed")
+        await announce(bus, store, "burst-b", b.url, predecessor_id="burst-a")
         results = await asyncio.gather(*first, *second)
     for p, lines in zip(prompts * 3, results, strict=True):
         assert_one_complete_stream(lines, expected[p])
@@ -142,3 +168,59 @@ async def test_no_request_is_dropped_under_a_burst_while_the_engine_is_killed(en
     assert stats["requests"] == 18 and stats["completed"] == 18
     assert stats["failed"] == 0 and stats["cancelled"] == 0 and stats["in_flight"] == 0
     assert stats["replayed"] >= 1
+
+
+async def routed_to(router: Any, prompt: str) -> list[str]:
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(router.url + "/v1/generate", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    return r.json()["engines"]
+
+
+async def test_after_a_nats_outage_the_router_routes_to_the_endpoint_added_in_etcd_and_not_the_removed_one(
+        engines, start_router, store: Store, tmp_path) -> None:
+    port = procs.free_port()
+    nats = procs.nats_server(port, tmp_path / "own-nats", tmp_path / "own-nats.log").start()
+    procs.wait_port(port, nats)
+    try:
+        a, b = engines("cut-a"), engines("cut-b")
+        await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
+        await store.put(f"endpoints/{MODEL}/cut-a", a.url)
+        # No periodic pass within the test: only the reconnect can bring the table up to date.
+        router = start_router(nats_url=f"nats://127.0.0.1:{port}", reconcile_s=3600)
+        assert await routed_to(router, "before") == ["cut-a"]
+
+        nats.stop()
+        # While the router is cut off: the controller moves the model to cut-b. The events are lost (and
+        # here not even published); cut-a stays up, so routing to it would still succeed.
+        await store.delete(f"endpoints/{MODEL}/cut-a")
+        await store.put(f"endpoints/{MODEL}/cut-b", b.url)
+        assert [e["engine_id"] for e in router.stats()["endpoints"][MODEL]] == ["cut-a"]
+
+        nats = procs.nats_server(port, tmp_path / "own-nats", tmp_path / "own-nats.log").start()
+        procs.wait_port(port, nats)
+        await asyncio.to_thread(wait_for_table, router, {"cut-b"})
+        for i in range(4):
+            assert await routed_to(router, f"after {i}") == ["cut-b"]
+        sync = router.stats()["sync"]
+        assert sync["reconnects"] >= 1 and sync["last_reason"] == "reconnect"
+        assert sync["added"] == 1 and sync["removed"] == 1
+        assert a.child.alive()
+    finally:
+        nats.stop()
+
+
+async def test_an_endpoint_changed_in_etcd_without_any_event_is_picked_up_by_the_periodic_reconcile(
+        engines, start_router, store: Store) -> None:
+    a, b = engines("lvl-a"), engines("lvl-b")
+    await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
+    router = start_router(reconcile_s=0.2, reconcile_grace_s=0)
+    await store.put(f"endpoints/{MODEL}/lvl-a", a.url)
+    await asyncio.to_thread(wait_for_table, router, {"lvl-a"})
+    assert await routed_to(router, "first") == ["lvl-a"]
+    await store.delete(f"endpoints/{MODEL}/lvl-a")
+    await store.put(f"endpoints/{MODEL}/lvl-b", b.url)
+    await asyncio.to_thread(wait_for_table, router, {"lvl-b"})
+    assert await routed_to(router, "second") == ["lvl-b"]
+    sync = router.stats()["sync"]
+    assert sync["reconnects"] == 0 and sync["last_reason"] == "periodic" and sync["errors"] == 0

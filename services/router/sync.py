@@ -1,0 +1,211 @@
+"""Keeping the endpoint table equal to etcd's `endpoints/<model>/<engine>`: events fast, etcd as the truth.
+
+Endpoint events (`router.endpoint.added/removed`) are the fast path: they change the table the moment the
+controller decides. They are core NATS messages, so a router cut off from NATS misses the ones sent
+meanwhile. The controller writes `endpoints/<model>/<engine>` before it emits `added` and deletes it when
+it emits `removed`, so etcd holds the level the events describe. `EndpointFeed.reconcile` reads that level
+and makes the table equal to it: on every NATS reconnect (the edge where events may have been missed) and
+every `reconcile_s` (the safety net for anything else: an event lost while the subscription was being
+re-sent, a controller write that landed after our read).
+
+Conflict rule (`plan`, pure): an endpoint about which an event arrived after `read_started - grace_s` is
+left as the event put it. The controller's etcd write is write-behind (it may land just after the event),
+so a read can lag an event; the event is the newer word until `grace_s` has passed. After that, etcd wins.
+
+Reconcile changes only what differs: an endpoint in both keeps its in-flight count and suspect mark (no
+in-flight stream is touched); one gone from etcd is removed exactly as `endpoint.removed` would remove it
+(its streams are cut and resume elsewhere); one new in etcd is added as `endpoint.added` would add it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.common.events import EndpointAdded, EndpointRemoved, Envelope
+from services.router.relay import Relay
+from services.router.table import EndpointTable
+
+log = logging.getLogger("holdfast.router.sync")
+
+Key = tuple[str, str]  # (model, engine_id)
+
+
+def parse_endpoints(kvs: dict[str, bytes]) -> dict[Key, str]:
+    """`endpoints/<model>/<engine_id>` records -> {(model, engine_id): url}. A value is the url as plain text
+    (what the controller writes: `Store` stores a str as its bytes), a JSON string, or a JSON object with at
+    least `url` (and optionally `model`)."""
+    out: dict[Key, str] = {}
+    for key, raw in kvs.items():
+        rest = key.removeprefix("endpoints/")
+        model, _, engine_id = rest.rpartition("/")
+        text = raw.decode(errors="replace").strip()
+        url: object = text
+        if text[:1] in ('{', '"'):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                log.warning("ignoring malformed endpoint record %s", key)
+                continue
+            if isinstance(value, dict):
+                url, model = value.get("url"), str(value.get("model") or model)
+            else:
+                url = value
+        if not model or not engine_id or not isinstance(url, str) or "://" not in url:
+            log.warning("ignoring endpoint record %s without model, engine or url", key)
+            continue
+        out[(model, engine_id)] = url.rstrip("/")
+    return out
+
+
+@dataclass
+class Plan:
+    add: list[tuple[str, str, str]] = field(default_factory=list)  # (model, engine_id, url)
+    remove: list[Key] = field(default_factory=list)
+
+
+def plan(current: dict[Key, str], desired: dict[Key, str], last_event: dict[Key, float], since: float) -> Plan:
+    """What makes `current` equal to `desired`, leaving alone every endpoint with an event at or after
+    `since` (newer than what the read can be trusted to reflect)."""
+    p = Plan()
+    for key, url in sorted(desired.items()):
+        if current.get(key) != url and last_event.get(key, float("-inf")) < since:
+            p.add.append((key[0], key[1], url))
+    for key in sorted(current):
+        if key not in desired and last_event.get(key, float("-inf")) < since:
+            p.remove.append(key)
+    return p
+
+
+@dataclass
+class SyncStats:
+    reconciles: int = 0  # successful reads of the etcd level
+    reconnects: int = 0  # NATS reconnects that triggered a reconcile
+    added: int = 0  # endpoints added by a reconcile (an event was missed, or came before etcd)
+    removed: int = 0  # endpoints removed by a reconcile
+    errors: int = 0  # reads that failed (etcd unreachable): the table is kept as it is
+    last_reason: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+class EndpointFeed:
+    """Applies endpoint events and etcd reconciliations to the table (and cuts the streams of removed engines)."""
+
+    def __init__(self, table: EndpointTable, relay: Relay, *, grace_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.relay = relay
+        self.grace_s = grace_s
+        self.clock = clock
+        self.ready = False
+        self.stats = SyncStats()
+        self.last_event: dict[Key, float] = {}
+        self._buffer: list[Envelope] = []
+        self._lock = asyncio.Lock()  # one reconcile at a time (reconnect and period may coincide)
+
+    # ------------------------------------------------------------ events (the fast path)
+
+    async def on_event(self, env: Envelope) -> None:
+        if not self.ready:
+            self._buffer.append(env)
+            return
+        self.apply(env.data)
+
+    def apply(self, ev: Any) -> None:
+        now = self.clock()
+        if isinstance(ev, EndpointAdded):
+            self.last_event[(ev.model, ev.engine_id)] = now
+            self.table.add(ev.model, ev.engine_id, ev.url)
+            log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
+            if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
+                self.last_event[(ev.model, ev.predecessor_id)] = now
+                self._gone(ev.model, ev.predecessor_id)
+        elif isinstance(ev, EndpointRemoved):
+            log.info("endpoint removed: %s %s (%s)", ev.model, ev.engine_id, ev.reason)
+            self.last_event[(ev.model, ev.engine_id)] = now
+            self._gone(ev.model, ev.engine_id)
+
+    def _gone(self, model: str, engine_id: str) -> None:
+        self.table.remove(model, engine_id)
+        cut = self.relay.endpoint_gone(engine_id)
+        if cut:
+            log.info("%d streams on %s will resume on another endpoint", cut, engine_id)
+
+    # ------------------------------------------------------------ the etcd level
+
+    def load_snapshot(self, kvs: dict[str, bytes]) -> int:
+        """Start-up: everything in etcd goes in (events that raced the read are applied after, in go_live)."""
+        endpoints = parse_endpoints(kvs)
+        for (model, engine_id), url in endpoints.items():
+            self.table.add(model, engine_id, url)
+        return len(endpoints)
+
+    def go_live(self) -> None:
+        for env in self._buffer:  # no await in here: nothing can slip in between
+            self.apply(env.data)
+        self._buffer.clear()
+        self.ready = True
+
+    def current(self) -> dict[Key, str]:
+        return {(m, eid): ep.url for m, routes in self.table.models.items() for eid, ep in routes.endpoints.items()}
+
+    async def reconcile(self, read: Callable[[], Awaitable[dict[str, bytes]]], reason: str) -> bool:
+        """Read the etcd level and make the table equal to it. False when the read failed (table kept)."""
+        async with self._lock:
+            started = self.clock()
+            try:
+                kvs = await read()
+            except Exception as e:  # noqa: BLE001 - etcd away: keep serving from the table we have
+                self.stats.errors += 1
+                log.warning("endpoint reconcile (%s) could not read etcd: %r", reason, e)
+                return False
+            p = plan(self.current(), parse_endpoints(kvs), self.last_event, started - self.grace_s)
+            for model, engine_id, url in p.add:
+                log.info("reconcile (%s): endpoint %s %s %s is in etcd: added", reason, model, engine_id, url)
+                self.table.add(model, engine_id, url)
+            for model, engine_id in p.remove:
+                log.info("reconcile (%s): endpoint %s %s is gone from etcd: removed", reason, model, engine_id)
+                self._gone(model, engine_id)
+            self.stats.reconciles += 1
+            self.stats.added += len(p.add)
+            self.stats.removed += len(p.remove)
+            self.stats.last_reason = reason
+            # Forget events older than any future read's horizon: the map stays as small as the churn.
+            horizon = started - self.grace_s
+            self.last_event = {k: t for k, t in self.last_event.items() if t >= horizon}
+            return True
+
+
+async def keep_in_sync(feed: EndpointFeed, read: Callable[[], Awaitable[dict[str, bytes]]], nc: Any, *,
+                       period_s: float, tick_s: float = 0.1) -> None:
+    """Reconcile after every NATS reconnect and every `period_s`. A reconnect is seen through the client's
+    `stats["reconnects"]` counter (nats-py bumps it once the server accepted the new connection, just
+    before it re-sends the subscriptions); a failed read is retried at the next tick for a reconnect, at
+    the next period otherwise. The read goes to etcd only, never to an engine."""
+    seen = nc.stats["reconnects"]
+    due = feed.clock() + period_s
+    while True:
+        await asyncio.sleep(tick_s)
+        reconnects = nc.stats["reconnects"]
+        if reconnects != seen:
+            # PING/PONG: once the server answers, it has our re-sent subscriptions; every event published
+            # after this reaches us, and etcd holds what was published before.
+            with contextlib.suppress(Exception):
+                await nc.flush(timeout=2)
+            if await feed.reconcile(read, "reconnect"):
+                feed.stats.reconnects += reconnects - seen
+                seen = reconnects
+                due = feed.clock() + period_s
+            else:
+                await asyncio.sleep(min(1.0, period_s))  # etcd away too: retry, without a busy loop
+        elif feed.clock() >= due:
+            await feed.reconcile(read, "periodic")
+            due = feed.clock() + period_s

@@ -1,0 +1,115 @@
+"""Reconciling the endpoint table with etcd's level (pure logic: a fake clock, reads from a dict)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from libs.common.events import EndpointAdded, EndpointRemoved
+from services.router.relay import Relay
+from services.router.settings import RouterSettings
+from services.router.sync import EndpointFeed, parse_endpoints, plan
+from services.router.table import EndpointTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def records(**urls: str) -> dict[str, bytes]:
+    """etcd records as the controller writes them: the value is the url, as text."""
+    return {f"endpoints/m/{engine}": url.encode() for engine, url in urls.items()}
+
+
+def make_feed(grace_s: float = 5.0) -> tuple[EndpointFeed, EndpointTable, Relay, Clock]:
+    clock = Clock()
+    table = EndpointTable(8, clock=clock)
+    relay = Relay(table, httpx.AsyncClient(), RouterSettings())
+    feed = EndpointFeed(table, relay, grace_s=grace_s, clock=clock)
+    feed.go_live()
+    return feed, table, relay, clock
+
+
+def reader(kvs: dict[str, bytes]):  # noqa: ANN201 - an async callable returning kvs
+    async def read() -> dict[str, bytes]:
+        return dict(kvs)
+    return read
+
+
+def test_endpoint_records_are_read_as_the_controller_writes_them_as_json_strings_and_as_objects_with_a_url() -> None:
+    kvs = {
+        "endpoints/m/a": b"http://127.0.0.1:1/",
+        "endpoints/m/quoted": b'"http://127.0.0.1:4"',
+        "endpoints/m/b": json.dumps({"url": "http://127.0.0.1:2", "model": "m"}).encode(),
+        "endpoints/org/m2/c": b'"http://127.0.0.1:3"',  # a model name with a slash
+        "endpoints/m/bad": b"{not json",
+        "endpoints/m/word": b"hello",
+        "endpoints/m/nourl": b"{}",
+    }
+    assert parse_endpoints(kvs) == {("m", "a"): "http://127.0.0.1:1", ("m", "b"): "http://127.0.0.1:2",
+                                    ("m", "quoted"): "http://127.0.0.1:4",
+                                    ("org/m2", "c"): "http://127.0.0.1:3"}
+
+
+def test_the_plan_adds_what_etcd_has_removes_what_it_lacks_and_leaves_recent_events_alone() -> None:
+    current = {("m", "old"): "http://o", ("m", "keep"): "http://k", ("m", "fresh"): "http://f"}
+    desired = {("m", "keep"): "http://k", ("m", "new"): "http://n", ("m", "just-removed"): "http://r"}
+    last_event = {("m", "fresh"): 50.0, ("m", "just-removed"): 50.0, ("m", "old"): 10.0}
+    p = plan(current, desired, last_event, since=40.0)
+    assert p.add == [("m", "new", "http://n")]
+    assert p.remove == [("m", "old")]
+
+
+async def test_a_reconcile_replaces_a_missed_removal_and_addition_without_touching_the_others() -> None:
+    feed, table, relay, clock = make_feed()
+    feed.load_snapshot(records(a="http://a", keep="http://k"))
+    kept = table.pick("m")
+    kept2 = table.pick("m")
+    busy = {kept.engine_id: kept, kept2.engine_id: kept2}
+    cut_a = relay.inflight.add("a")
+    cut_keep = relay.inflight.add("keep")
+
+    clock.now += 60  # events about a and b were missed long ago
+    table.suspect(busy["keep"], 30)  # the relay saw keep fail a moment ago: a reconcile must not clear that
+    assert await feed.reconcile(reader(records(keep="http://k", b="http://b")), "reconnect")
+    assert set(table.models["m"].endpoints) == {"keep", "b"}
+    assert cut_a.is_set()  # a's streams resume elsewhere, as on endpoint.removed
+    assert not cut_keep.is_set()
+    keep = table.models["m"].endpoints["keep"]
+    assert keep is busy["keep"] and keep.inflight == 1 and keep.suspect_until > clock.now
+    assert feed.stats.added == 1 and feed.stats.removed == 1 and feed.stats.last_reason == "reconnect"
+
+
+async def test_an_event_newer_than_the_grace_outranks_a_lagging_etcd_read_and_etcd_wins_after_it() -> None:
+    feed, table, _, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(records(gone="http://g"))
+    feed.apply(EndpointAdded(model="m", engine_id="new", url="http://n"))
+    feed.apply(EndpointRemoved(model="m", engine_id="gone"))
+    lagging = reader(records(gone="http://g"))  # the controller's write-behind has not landed yet
+
+    clock.now += 1
+    await feed.reconcile(lagging, "periodic")
+    assert set(table.models["m"].endpoints) == {"new"}
+
+    clock.now += 10  # past the grace: what etcd says now is the truth
+    await feed.reconcile(lagging, "periodic")
+    assert set(table.models["m"].endpoints) == {"gone"}
+    assert feed.last_event == {}
+
+
+async def test_a_failed_read_keeps_the_table_and_is_counted() -> None:
+    feed, table, _, clock = make_feed()
+    feed.load_snapshot(records(a="http://a"))
+
+    async def broken() -> dict[str, bytes]:
+        raise ConnectionError("etcd is away")
+
+    clock.now += 60
+    assert not await feed.reconcile(broken, "periodic")
+    assert set(table.models["m"].endpoints) == {"a"}
+    assert feed.stats.errors == 1 and feed.stats.reconciles == 0
