@@ -252,6 +252,7 @@ class EngineStarted(Event):
 class EngineReady(Event):
     type: Literal["engine.ready"] = "engine.ready"
     engine: EngineInfo
+    takeover_of: str | None = None  # a successor taking over this engine's memory: its incident routes it in
 
 
 class EngineStopped(Event):

@@ -78,6 +78,7 @@ class EngineRecord:
     failed_mono: float | None = None
     handing_over: bool = False  # a takeover's predecessor: its slot is the successor's until it is retired
     ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
+    taking_over: str | None = None  # the predecessor whose memory this successor takes over (until ready)
     exit_code: int | None = None
     signal: int | None = None
 

@@ -297,7 +297,7 @@ class Agent:
                 # The waiter (a takeover's reply) first: it runs before the publish and the etcd write
                 # queued below (the event loop runs callbacks in the order they were scheduled).
                 self._resolve_ready(rec)
-                self.publish(EngineReady(engine=self.info(rec)))
+                self.publish(EngineReady(engine=self.info(rec), takeover_of=rec.taking_over))
                 self.save(rec)
         elif op == "fatal":
             kind = FaultKind.CUDA_ERROR if msg.get("kind", "cuda_error") == "cuda_error" else FaultKind(msg["kind"])

@@ -125,6 +125,7 @@ class Takeovers:
         agent = self.agent
         t = time.perf_counter()
         sb.transition(Ev.ASSIGN)
+        sb.taking_over = pred.engine_id
         sb.role = EngineRole.ACTIVE
         sb.generation = pred.generation + 1
         try:
@@ -159,6 +160,7 @@ class Takeovers:
                                  generation=pred.generation + 1,
                                  extra_env={"HF_TAKEOVER_FROM": pred.engine_id, "HF_TRANSFER_TOKEN": cmd.transfer_token,
                                             "HF_INCIDENT_ID": cmd.incident_id})
+        rec.taking_over = pred.engine_id
         timings["spawn_ms"] = _ms(t)
         t = time.perf_counter()
         await agent.wait_ready(rec.engine_id, 2 * spec.cold_start_s + agent.settings.takeover_timeout_s)

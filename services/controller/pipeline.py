@@ -315,8 +315,8 @@ class IncidentDriver:
             return
         if self.view.open_incident_for(info.engine_id) is not None:
             return  # it is failing: do not announce it
-        if info.engine_id in self._successors:
-            return  # a successor: route-in announces it with its predecessor
+        if info.engine_id in self._successors or e.takeover_of is not None:
+            return  # a successor: route-in announces it with its predecessor (before or after this event)
         self.writer.put_nowait(endpoint_key(info.model, info.engine_id), info.endpoint)
         await self._emit_once(EndpointAdded(model=info.model, engine_id=info.engine_id, url=info.endpoint),
                               f"ready-{info.engine_id}-g{info.generation}")

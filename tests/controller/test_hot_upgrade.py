@@ -90,8 +90,9 @@ async def test_a_rolling_hot_upgrade_moves_each_engine_to_the_new_version_one_at
             assert after["sha256"] == before[old.engine_id]["sha256"] and after["pattern_ok"]
             removed = [e for e in recorder.events if e.type == "router.endpoint.removed" and e.data.engine_id == old.engine_id]
             added = [e for e in recorder.events if e.type == "router.endpoint.added"
-                     and e.data.engine_id == reattached.engine.engine_id and e.data.incident_id == inc.id]
-            assert len(removed) == 1 and len(added) == 1
+                     and e.data.engine_id == reattached.engine.engine_id]
+            # announced once, by its incident's route-in (not again as "a ready engine in no incident")
+            assert len(removed) == 1 and len(added) == 1 and added[0].data.incident_id == inc.id
             assert _index(recorder.events, removed[0]) < _index(recorder.events, added[0])
 
         # The agent's desired state followed: two v2 engines and a v2 standby, no v1 engine left or restarted.
