@@ -34,6 +34,7 @@ import typer
 from rich.console import Console
 
 from libs.cli.scenario import PROMPTS, Scenario, StreamResult, detect_backend
+from libs.common import procs
 from libs.common.events import EngineInfo, LeaseState
 
 console = Console(stderr=True)
@@ -45,22 +46,16 @@ MEMFD_MAP = re.compile(r"/memfd:hf-([\w-]+)-\d+")
 
 def lease_writers(state_dir: Path) -> dict[str, set[int]]:
     """Which live, running engine processes of this stack map each lease (from /proc/<pid>/maps)."""
-    state = f"HF_STATE_DIR={state_dir}".encode()
     holders: dict[str, set[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in procs.pids_with_env("HF_STATE_DIR", str(state_dir), having=("HF_ENGINE_ID",)):
         try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            if state not in env or not any(e.startswith(b"HF_ENGINE_ID=") for e in env):
-                continue
-            if (entry / "stat").read_text().split(")")[-1].split()[0] in "TZ":
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "TZ":
                 continue  # stopped or dead: cannot write
-            maps = (entry / "maps").read_text()
+            maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
         for lease in set(MEMFD_MAP.findall(maps)):
-            holders.setdefault(lease, set()).add(int(entry.name))
+            holders.setdefault(lease, set()).add(pid)
     return holders
 
 
@@ -213,7 +208,7 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
     grace_end = max((lease.deadline or 0) for lease in leases) if leases else 0
     await asyncio.sleep(max(0.0, min(grace_end - time.time(), 120.0)) + 2.0)
     leases = (await sc.leases()).leases
-    engines = {e.engine_id for e in await sc.engines() if e.pid and _alive(e.pid)}
+    engines = {e.engine_id for e in await sc.engines() if e.pid and procs.pid_alive(e.pid)}
     leaked = [lease.id for lease in leases if lease.state != LeaseState.RECLAIMED and lease.owner not in engines
               and lease.deadline is not None and lease.deadline < time.time()]
     assert sc.store is not None
@@ -238,13 +233,6 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
                     "two_writers": tally.two_writer_samples[:5],
                     "notes": tally.notes[:20]},
     }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def cli(

@@ -111,19 +111,7 @@ def run(kills: int) -> dict[str, Any]:
     finally:
         for child in reversed(children):
             child.stop()
-        _kill_engines(str(base / "state" / "agent.sock"))
-
-
-def _kill_engines(socket_path: str) -> None:
-    mark = f"HF_AGENT_SOCKET={socket_path}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if mark in f.read().split(b"\0"):
-                        os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                continue
+        procs.kill_pids_with_env("HF_AGENT_SOCKET", str(base / "state" / "agent.sock"))
 
 
 def cli(kills: int = 100, json_out: bool = typer.Option(False, "--json", help="one JSON object on stdout")) -> None:

@@ -9,7 +9,6 @@ deadline, so nothing is left behind.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import sys
@@ -189,13 +188,4 @@ class Stack:
     def _stop_strays(self) -> None:
         """Processes the services started detached (the gpu_manager's fd keeper, engines) carry the
         stack's state dir in their environment; end any still running so no orphan outlives the stack."""
-        marker = f"HF_STATE_DIR={self.base_dir / 'state'}".encode()
-        me = os.getpid()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == me:
-                continue
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                continue
+        procs.kill_pids_with_env("HF_STATE_DIR", str(self.base_dir / "state"))

@@ -117,3 +117,44 @@ def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None
         "--initial-cluster", f"holdfast={peer}", "--log-level", "warn",
     ]
     return Child("etcd", argv, log_path=log_path)
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie is dead for every purpose here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_with_env(key: str, value: str, *, having: tuple[str, ...] = ()) -> list[int]:
+    """Processes other than this one whose environment holds `key=value` (and every name in `having`).
+
+    Processes a service starts detached (the fd keeper, engines) carry its state dir or socket path in
+    their environment: this is how a stack, a test or a benchmark finds what it started and must end.
+    """
+    mark = f"{key}={value}".encode()
+    need = [f"{name}=".encode() for name in having]
+    me = os.getpid()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if mark in env and all(any(e.startswith(n) for e in env) for n in need):
+            out.append(int(entry.name))
+    return out
+
+
+def kill_pids_with_env(key: str, value: str) -> list[int]:
+    """SIGKILL every process `pids_with_env(key, value)` finds; returns their pids."""
+    killed = []
+    for pid in pids_with_env(key, value):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+

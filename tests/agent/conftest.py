@@ -122,20 +122,7 @@ async def agent(settings: CommonSettings, settings_env: dict[str, str], store: S
 
 
 def kill_engines_of(socket_path: str) -> list[int]:
-    mark = f"HF_AGENT_SOCKET={socket_path}".encode()
-    killed = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            os.kill(int(entry), signal.SIGKILL)
-            killed.append(int(entry))
-        except (OSError, ProcessLookupError):
-            continue
-    return killed
+    return procs.kill_pids_with_env("HF_AGENT_SOCKET", socket_path)
 
 
 async def engine_records(store: Store) -> dict[str, EngineInfo]:

@@ -30,17 +30,6 @@ def test_each_service_explains_its_flags(service: str) -> None:
     assert "--nats-url" in r.stdout and "--node" in r.stdout
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_up_starts_every_service_healthy_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
     ports = [procs.free_port() for _ in range(4)]
     argv = [*HOLDFAST, "up", "--nats-port", str(ports[0]), "--etcd-port", str(ports[1]), "--api-port", str(ports[2]),
@@ -60,25 +49,17 @@ def test_up_starts_every_service_healthy_and_sigterm_leaves_no_process(tmp_path:
     assert "holdfast: ready" in output, output
     pids = [int(p) for p in re.findall(r"│\s*\w+\s*│\s*(\d+)\s*│", output)]
     assert len(pids) == 7, output  # nats, etcd and five services
-    assert all(_alive(p) for p in pids)
+    assert all(procs.pid_alive(p) for p in pids)
     status = subprocess.run([*HOLDFAST, "status", "--api-url", f"http://127.0.0.1:{ports[2]}", "--token", "holdfast-dev-admin"],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert status.returncode == 0, status.stdout + status.stderr
     assert "node-1" in status.stdout
-    # processes started detached by the services (the fd keeper) must go too
-    marker = f"HF_STATE_DIR={tmp_path / 'stack' / 'state'}".encode()
     up.send_signal(signal.SIGTERM)
     up.wait(60)
     assert up.returncode == 0
     time.sleep(0.5)
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if procs.pid_alive(p)]
     assert not left, f"still running: {left}"
-    strays = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0") and _alive(int(entry.name)):
-                    strays.append(int(entry.name))
-            except OSError:
-                pass
+    # processes started detached by the services (the fd keeper) must go too
+    strays = [p for p in procs.pids_with_env("HF_STATE_DIR", str(tmp_path / "stack" / "state")) if procs.pid_alive(p)]
     assert not strays, f"processes of the stack still running: {strays}"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -26,13 +23,7 @@ def tiny_weights(tmp_path: Path) -> Path:
 def end_processes_of(state_dir: Path) -> None:
     """Processes started detached for this test (the gpu_manager's fd keeper, engines) carry its unique
     state dir in their environment: end them so none outlives the test."""
-    marker = f"HF_STATE_DIR={state_dir}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
+    procs.kill_pids_with_env("HF_STATE_DIR", str(state_dir))
 
 
 def start_gpu_manager(settings: CommonSettings, settings_env: dict[str, str], tmp_path: Path) -> procs.Child:
