@@ -14,6 +14,7 @@ conflict...) is permanent and becomes a failed result at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from libs.common import telemetry
-from libs.common.bus import Bus, delivery_attempt
+from libs.common.bus import Bus, delivery_attempt, spans_exported
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.etcd_batch import BatchWriter
@@ -85,6 +86,7 @@ class IntentExecutor:
         self.settings = settings
         self.allowed = settings.node_set()
         self.tracer = telemetry.tracer("dc_manager")
+        self.export_spans = spans_exported()  # no exporter: no spans (the incoming trace context still travels)
         self._locks: dict[str, asyncio.Lock] = {}
         self.writer = BatchWriter(store)
         self.handled = 0
@@ -100,8 +102,8 @@ class IntentExecutor:
         key = f"{intent.incident_id}-{'fallback' if intent.memory_lost else 'recover'}"
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            with self.tracer.start_as_current_span("dc_manager.intent", attributes={
-                    "holdfast.incident": intent.incident_id, "holdfast.fallback": intent.memory_lost}):
+            with self._span("dc_manager.intent", {"holdfast.incident": intent.incident_id,
+                                                  "holdfast.fallback": intent.memory_lost}):
                 prog = (await self._load(key) if delivery_attempt.get() != 1 else None) \
                     or IntentProgress(key=key, incident_id=intent.incident_id)
                 try:
@@ -179,7 +181,7 @@ class IntentExecutor:
     # ------------------------------------------------------------ plumbing
 
     async def _command(self, step: Step, node: str, cmd: object, reply: type[R], wait_s: float) -> tuple[R, float]:
-        with self.tracer.start_as_current_span(f"dc_manager.{step}", attributes={"holdfast.node": node}):
+        with self._span(f"dc_manager.{step}", {"holdfast.node": node}):
             t0 = time.perf_counter()
             try:
                 out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s),  # type: ignore[arg-type]
@@ -189,6 +191,11 @@ class IntentExecutor:
             except HoldfastError as e:
                 raise StepFailed(step, f"{e.code}: {e.message}") from None
             return out, round((time.perf_counter() - t0) * 1000.0, 3)
+
+    def _span(self, name: str, attributes: dict[str, str | bool]) -> contextlib.AbstractContextManager[object]:
+        if not self.export_spans:
+            return contextlib.nullcontext()
+        return self.tracer.start_as_current_span(name, attributes=attributes)
 
     async def _result(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
                       successor: str | None = None, endpoint: str | None = None,
