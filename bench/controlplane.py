@@ -26,6 +26,7 @@ import typer
 
 from libs.common import procs
 from libs.common.bus import Bus
+from libs.common.cluster_view import range_pages
 from libs.common.config import CommonSettings
 from libs.common.errors import NotFound
 from libs.common.events import (
@@ -343,6 +344,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         await bus.subscribe("router.endpoint.added", on_added)
         pids = {"controller": services[0].pid, "etcd": infra[1].pid, "nats": infra[0].pid,
                 **{f"dc_manager{i}": c.pid for i, c in enumerate(services[1:])}}
+        _, rev0 = await range_pages(store, "leader/")  # every etcd write (a transaction) adds one revision
         cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
         bench_cpu0 = time.process_time()
         start = time.time()
@@ -372,6 +374,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         end = time.time()
         cpu = {k: round(_cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
         cpu["bench (fault injection, simulated nodes)"] = round(time.process_time() - bench_cpu0, 2)
+        _, rev1 = await range_pages(store, "leader/")
         await bus.close()
         await store.close()
         lat = sorted(latencies)
@@ -383,7 +386,8 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             "wall_s": round(end - start, 3),
             "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
             "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
-            "cpu_s": cpu, "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
+            "cpu_s": cpu, "cpu_ms_per_incident": round(sum(cpu.values()) * 1000 / max(1, len(lat)), 2),
+            "etcd_transactions": rev1 - rev0, "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
             "cpus": os.cpu_count(),
         }
     finally:

@@ -13,6 +13,7 @@ from services.dc_manager.settings import DcManagerSettings
 
 async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     view = ClusterView()
+    view.skip_heads = frozenset({"endpoints"})  # placement never reads routes: two changes per incident less
     rt.spawn("view", view.follow(rt.store))
     await asyncio.wait_for(view.synced.wait(), 30)
     executor = IntentExecutor(rt.bus, rt.store, view, settings)
