@@ -181,18 +181,42 @@ class Bus:
         return env
 
     async def publish(self, env: Envelope) -> None:
+        subject, body, headers = self._wire(env)
+        if env.data.durable:
+            # Msg-Id makes a retried publish idempotent inside the stream's duplicate window.
+            await self.js.publish(subject, body, headers={**headers, "Nats-Msg-Id": env.id}, timeout=2)
+        else:
+            await self.nc.publish(subject, body, headers=headers)
+
+    async def publish_all(self, envs: list[Envelope], *, timeout: float = 2.0) -> None:
+        """Publish `envs` in order and wait for every durable one's stream ack together: one timer for all,
+        no request (and timer) per event. Raises like `publish` (nats TimeoutError, a stream error) when
+        any ack is missing; a retry is idempotent (Msg-Id)."""
+        acks = []
+        for env in envs:
+            subject, body, headers = self._wire(env)
+            if env.data.durable:
+                acks.append(await self.js.publish_async(subject, body, headers={**headers, "Nats-Msg-Id": env.id}))
+            else:
+                await self.nc.publish(subject, body, headers=headers)
+        if not acks:
+            return
+        done, pending = await asyncio.wait(acks, timeout=timeout)
+        for fut in pending:
+            fut.cancel()  # drops it from the client's table of pending acks
+        if pending:
+            raise NatsTimeout()
+        for fut in done:
+            fut.result()  # a stream error (no stream, wrong sequence...) is raised here
+
+    def _wire(self, env: Envelope) -> tuple[str, bytes, dict[str, str]]:
         subject = event_subject(self.prefix, type(env.data))  # the class: no per-instance field lookup
         headers = {"hf-id": env.id}
         if env.trace.traceparent:
             headers["traceparent"] = env.trace.traceparent
         if env.trace.tracestate:
             headers["tracestate"] = env.trace.tracestate
-        body = env.model_dump_json().encode()
-        if env.data.durable:
-            # Msg-Id makes a retried publish idempotent inside the stream's duplicate window.
-            await self.js.publish(subject, body, headers={**headers, "Nats-Msg-Id": env.id}, timeout=2)
-        else:
-            await self.nc.publish(subject, body, headers=headers)
+        return subject, env.model_dump_json().encode(), headers
 
     async def subscribe(self, subject: str, handler: EventHandler, *, queue: str = "") -> Any:
         """Core (not durable) subscription to events: live only, fastest path."""
