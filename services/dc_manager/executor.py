@@ -204,7 +204,7 @@ class IntentExecutor:
                               endpoint=endpoint, timings_ms=timings or {}, node=node)
         kind = "fallback" if intent.memory_lost else "recover"
         env = self.bus.envelope(result, id=f"{intent.incident_id}-{kind}-{step}-result")
-        await self.bus.publish(env)
+        await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result
 
     async def _load(self, key: str) -> IntentProgress | None:
         return await self.store.get_model(f"dcm/intents/{key}", IntentProgress)
