@@ -8,6 +8,7 @@ leader or not, reports the same cluster state.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -67,18 +68,28 @@ class ControllerMetrics:
                                        ["reason", "fallback"], buckets=BUCKETS_S, registry=self.registry)
         self.registry.register(ViewCollector(view, is_leader))
 
+        # Labelled children by label values: `labels()` validates and locks on every call (hundreds a second).
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def record_opened(self, rec: IncidentRecord) -> None:
-        self.opened.labels(str(rec.kind or "none"), str(rec.reason)).inc()
+        self._child(self.opened, str(rec.kind or "none"), str(rec.reason)).inc()
 
     def record_closed(self, rec: IncidentRecord) -> None:
         outcome = "fallback" if rec.fallback and rec.state == "resolved" else str(rec.state)
-        self.incidents.labels(str(rec.kind or "none"), str(rec.reason), outcome).inc()
+        self._child(self.incidents, str(rec.kind or "none"), str(rec.reason), outcome).inc()
         for step, s in rec.steps.items():
             if s.duration_ms is not None:
-                self.step_seconds.labels(str(step)).observe(s.duration_ms / 1000.0)
+                self._child(self.step_seconds, str(step)).observe(s.duration_ms / 1000.0)
         total = rec.total_ms()
         if total is not None:
-            self.total_seconds.labels(str(rec.reason), str(rec.fallback).lower()).observe(total / 1000.0)
+            self._child(self.total_seconds, str(rec.reason), str(rec.fallback).lower()).observe(total / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

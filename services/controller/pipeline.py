@@ -460,8 +460,10 @@ class IncidentDriver:
     def _open_span(self, rec: IncidentRecord) -> None:
         """One trace per incident: its root span lives until the incident closes (in this process). Nothing
         exported: only the trace context (the dc_manager and the nodes file their spans under it)."""
-        if not self.export_spans:
-            rec.trace_parent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+        if not self.export_spans:  # the fault's trace (the detector's span) when it came with one, else a new one
+            current = trace.get_current_span().get_span_context()
+            trace_id = f"{current.trace_id:032x}" if current.is_valid else secrets.token_hex(16)
+            rec.trace_parent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
             return
         start = rec.died_at if rec.died_at is not None else rec.opened_at
         span = self.tracer.start_span(f"incident {rec.reason}", start_time=int(start * 1e9),
