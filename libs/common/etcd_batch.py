@@ -59,6 +59,9 @@ class BatchWriter:
         self.parallel = parallel
         self.lost = asyncio.Event()
         self.transactions = 0  # committed transactions (health and benchmarks)
+        # Told of every write as it is sent: (key, encoded value or None for a delete, the object given). The
+        # controller's view uses it to take its own records from the watch without parsing them again.
+        self.on_send: Callable[[str, bytes | None, Any], None] | None = None
         self._pending: dict[str, _Op] = {}
         self._later: list[_Op] = []  # writes to a key that has a create pending (kept in order)
         self._inflight: dict[str, _Op] = {}
@@ -202,6 +205,9 @@ class BatchWriter:
         """One transaction; if a create's key exists (the only per-key condition), redo each alone."""
         t = self.store.client.transactions
         guard = self.guard(t) if self.guard else []
+        if self.on_send is not None:
+            for op in batch:
+                self.on_send(op.key, op.value, op.obj)
         creates = [t.version(self.store.full(op.key)) == 0 for op in batch if op.kind == CREATE]
         ok, _ = await self.store.client.transaction(compare=guard + creates, success=[self._req(t, op) for op in batch],
                                                     failure=[])

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 
+from libs.common.cluster_view import long_lived_gc
 from libs.common.errors import InvariantBroken
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
@@ -43,6 +44,7 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
 
     rt.spawn("view", view.follow(rt.store))
     await asyncio.wait_for(view.synced.wait(), 30)
+    long_lived_gc()
     if settings.api_enabled:
         ctx = ApiContext(settings=settings, view=view, store=rt.store, bus=rt.bus, metrics=metrics,
                          is_leader=lambda: bool(state["leader"]), admin_token=admin_token(settings),

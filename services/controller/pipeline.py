@@ -98,6 +98,7 @@ class IncidentDriver:
         leader_key = store.full("leader/controller")
         # Fencing: every write (batched or not) holds only while the leader key still names this instance.
         self.writer = BatchWriter(store, guard=lambda t: [t.value(leader_key) == settings.instance.encode()])
+        self.writer.on_send = view.expect_own  # the view takes our records back from the watch unparsed
         self.log = IncidentLog(store, self.writer)
         self.by_cold: dict[str, str] = {}  # cold-started successor engine id -> its incident
         self.deadlines = Deadlines(settings.freeze_deadline_s, settings.reattach_deadline_s, settings.fallback_deadline_s)
@@ -128,7 +129,8 @@ class IncidentDriver:
             await self._guarded(inc_id, self._resume(inc_id))
         kw = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
         await self.bus.durable("fault.detected", "controller-faults", self.on_fault, **kw)
-        await self.bus.durable("intent.result", "controller-intents", self.on_intent_result, **kw)
+        # A result is filed under its incident's recorded trace: its message's context need not be made current.
+        await self.bus.durable("intent.result", "controller-intents", self.on_intent_result, attach_trace=False, **kw)
         await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw)
         await self.bus.durable("memory.>", "controller-memory", self.on_memory_event, **kw)
 
@@ -415,7 +417,7 @@ class IncidentDriver:
         return self._envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
 
     async def _commit(self, old: IncidentRecord, new: IncidentRecord) -> IncidentRecord:
-        new = new.model_copy(update={"leader": self.settings.instance})
+        new.leader = self.settings.instance  # `new` is this call's own copy (apply and the callers copy)
         self.log.save(new)  # written behind, fenced by the leader key (incident_log.py)
         if old.successor_id != new.successor_id:
             self._successors.discard(old.successor_id or "")

@@ -22,6 +22,17 @@ class ClusterView(BaseClusterView):
         self.incidents: dict[str, IncidentRecord] = {}
         self.open_by_engine: dict[str, str] = {}
         self.rollouts: dict[str, RolloutRecord] = {}  # engine class -> its latest roll-out
+        # Incident records this process is writing, by id: (the bytes sent, the record). When the watch brings
+        # back exactly those bytes, the record is taken as is instead of parsed again (~4 per incident).
+        self._own: dict[str, tuple[bytes, IncidentRecord]] = {}
+
+    def expect_own(self, key: str, value: bytes | None, obj: Any) -> None:
+        """A `BatchWriter.on_send` hook: an incident record of ours is on its way to etcd."""
+        if value is None or not isinstance(obj, IncidentRecord) or not key.startswith("incidents/"):
+            return
+        if len(self._own) > 50_000:  # writes whose watch event never came (a failed transaction): forget them
+            self._own.clear()
+        self._own[key[len("incidents/"):]] = (value, obj)
 
     def _on_incidents(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":
@@ -29,7 +40,11 @@ class ClusterView(BaseClusterView):
             if rec is not None and self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
             return rec
-        rec = IncidentRecord.model_validate_json(value or b"{}")
+        own = self._own.pop(rest, None)
+        if own is not None and own[0] == value:
+            rec = own[1]  # our own write, byte for byte: the record it was encoded from
+        else:
+            rec = IncidentRecord.model_validate_json(value or b"{}")
         self.incidents[rest] = rec
         if rec.terminal:
             if self.open_by_engine.get(rec.engine_id) == rest:
