@@ -263,7 +263,8 @@ class Bus:
         return sub
 
     async def durable(self, subject: str, name: str, handler: EventHandler, *, new_only: bool = False,
-                      concurrency: int = 1, ack_wait: float = 30, shared: bool = False) -> Any:
+                      concurrency: int = 1, ack_wait: float = 30, shared: bool = False,
+                      attach_trace: bool = True) -> Any:
         """JetStream durable consumer: resumes after a restart; ack after the handler succeeds.
 
         `concurrency` > 1 runs up to that many handlers at once (each message acked when its own handler
@@ -271,7 +272,8 @@ class Bus:
         waits before JetStream redelivers it (to this or the next subscriber of `name`); a running handler
         keeps its message marked in progress so slow work is not redelivered under it. `shared`: several
         processes bind the same durable (a deliver group named `name`), each message goes to one of them;
-        without it a second process cannot bind a durable that another one holds.
+        without it a second process cannot bind a durable that another one holds. `attach_trace=False`: the
+        handler files its work under a trace of its own choosing, so the message's context is not made current.
         """
         config = ConsumerConfig(
             durable_name=name,
@@ -283,7 +285,7 @@ class Bus:
             # be outstanding, or they would be redelivered under us while they wait.
             max_ack_pending=concurrency if concurrency > 1 else 1000,
         )
-        inner = self._event_cb(handler, raise_errors=True)
+        inner = self._event_cb(handler, raise_errors=True, attach_trace=attach_trace)
 
         async def handle(msg: Msg) -> None:
             try:
@@ -366,7 +368,8 @@ class Bus:
     def _full(self, subject: str) -> str:
         return subject if subject.startswith(self.prefix + ".") else f"{self.prefix}.{subject}"
 
-    def _event_cb(self, handler: EventHandler, *, raise_errors: bool = False) -> Callable[[Msg], Awaitable[None]]:
+    def _event_cb(self, handler: EventHandler, *, raise_errors: bool = False,
+                  attach_trace: bool = True) -> Callable[[Msg], Awaitable[None]]:
         async def cb(msg: Msg) -> None:
             try:
                 env = decode_event(msg.data)
@@ -378,7 +381,7 @@ class Bus:
                 return
             headers = msg.headers
             try:
-                if headers and "traceparent" in headers:
+                if attach_trace and headers and "traceparent" in headers:
                     with telemetry.attach_headers(headers):
                         await handler(env)
                 else:  # nothing to propagate: skip the propagator
