@@ -24,7 +24,9 @@ class ClusterView(BaseClusterView):
         self.rollouts: dict[str, RolloutRecord] = {}  # engine class -> its latest roll-out
         # Incident records this process is writing, by id: (the bytes sent, the record). When the watch brings
         # back exactly those bytes, the record is taken as is instead of parsed again (~4 per incident).
-        self._own: dict[str, tuple[bytes, IncidentRecord]] = {}
+        # Several writes of one record may be on their way (sent one transaction after another): a queue per
+        # id, in the order sent, which is the order etcd commits them and the watch brings them back.
+        self._own: dict[str, list[tuple[bytes, IncidentRecord]]] = {}
 
     def expect_own(self, key: str, value: bytes | None, obj: Any) -> None:
         """A `BatchWriter.on_send` hook: an incident record of ours is on its way to etcd."""
@@ -32,18 +34,25 @@ class ClusterView(BaseClusterView):
             return
         if len(self._own) > 50_000:  # writes whose watch event never came (a failed transaction): forget them
             self._own.clear()
-        self._own[key[len("incidents/"):]] = (value, obj)
+        self._own.setdefault(key[len("incidents/"):], []).append((value, obj))
 
     def _on_incidents(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":
+            self._own.pop(rest, None)
             rec = self.incidents.pop(rest, None)
             if rec is not None and self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
             return rec
-        own = self._own.pop(rest, None)
-        if own is not None and own[0] == value:
-            rec = own[1]  # our own write, byte for byte: the record it was encoded from
-        else:
+        rec = None
+        queue = self._own.get(rest)
+        while queue:  # an entry that does not match was never committed (a failed transaction): dropped
+            raw, obj = queue.pop(0)
+            if raw == value:
+                rec = obj  # our own write, byte for byte: the record it was encoded from
+                break
+        if queue is not None and not queue:
+            del self._own[rest]
+        if rec is None:
             rec = IncidentRecord.model_validate_json(value or b"{}")
         self.incidents[rest] = rec
         if rec.terminal:
