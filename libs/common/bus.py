@@ -72,6 +72,17 @@ def ok_reply(result: BaseModel) -> bytes:
     return b'{"ok":true,"data":' + result.model_dump_json().encode() + b',"error":null}'
 
 
+def _num_delivered(msg: Msg) -> int:
+    """The delivery count from a JetStream message's ack subject, without `msg.metadata` (which also parses
+    timestamps into datetimes: ~2% of the controller at hundreds of messages a second)."""
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(tokens[4]) or 1
+    if len(tokens) >= 11:  # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>...
+        return int(tokens[6]) or 1
+    return msg.metadata.num_delivered or 1
+
+
 def spans_exported() -> bool:
     """Whether a finished span goes anywhere (a span processor, i.e. an exporter, is configured). Without
     one the SDK still builds each span and drops it (~30 us a span): hot paths skip optional spans then;
@@ -289,7 +300,7 @@ class Bus:
 
         async def handle(msg: Msg) -> None:
             try:
-                delivery_attempt.set(msg.metadata.num_delivered or 1)
+                delivery_attempt.set(_num_delivered(msg))
                 await inner(msg)
             except MalformedMessage:
                 await msg.term()  # poison: never redeliver
