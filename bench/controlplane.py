@@ -395,11 +395,64 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             c.stop()
 
 
+async def messaging_floor(workdir: Path, n: int = 8000) -> dict[str, dict[str, float]]:
+    """CPU per message of bare nats-py on this machine (no pydantic, no tracing, no logic): what an incident's
+    messages cost at the least. Client and nats-server CPU in microseconds per message."""
+    import nats
+    from nats.js.api import StreamConfig
+
+    port = procs.free_port()
+    srv = procs.nats_server(port, workdir / "floor-nats", workdir / "floor-nats.log").start()
+    out: dict[str, dict[str, float]] = {}
+    try:
+        procs.wait_port(port, srv)
+        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="FLOOR", subjects=["f.>"]))
+        body = json.dumps({"type": "fault.detected", "data": {"engine_id": "n0001-g1-e0", "pad": "x" * 300}}).encode()
+
+        async def measure(name: str, run: Any) -> None:
+            c0, s0 = time.process_time(), _cpu_s(srv.pid)
+            await run()
+            out[name] = {"client_us": round((time.process_time() - c0) / n * 1e6, 1),
+                         "nats_server_us": round((_cpu_s(srv.pid) - s0) / n * 1e6, 1)}
+
+        async def publish() -> None:  # JetStream publish, stream ack awaited, 200 in flight
+            for i in range(0, n, 200):
+                await asyncio.gather(*(js.publish("f.a", body, headers={"Nats-Msg-Id": f"a{j}"}) for j in range(i, i + 200)))
+
+        async def consume() -> None:  # push durable, explicit ack of each
+            left, done = [n], asyncio.Event()
+
+            async def cb(msg: Any) -> None:
+                await msg.ack()
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+            await js.subscribe("f.a", durable="floor", cb=cb, manual_ack=True)
+            await done.wait()
+
+        async def request() -> None:  # request/reply, both sides in this process
+            async def answer(msg: Any) -> None:
+                await msg.respond(body)
+            await nc.subscribe("f-cmd", cb=answer)
+            for _ in range(0, n, 200):
+                await asyncio.gather(*(nc.request("f-cmd", body, timeout=10) for _j in range(200)))
+
+        for name, run in (("js_publish_acked", publish), ("durable_consume_ack", consume), ("request_reply", request)):
+            await measure(name, run)
+        await nc.close()
+    finally:
+        srv.stop()
+    return out
+
+
 def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
         rate: float = typer.Option(0.0, help="steady mode: offered faults per second (0: burst, all at once)"),
         duration: float = typer.Option(0.0, help="steady mode: seconds of offered load (incidents = rate x duration)"),
         dc_managers: int = typer.Option(1, help="dc_manager processes sharing the datacenter's intents"),
-        json_out: bool = typer.Option(False, "--json")) -> None:
+        json_out: bool = typer.Option(False, "--json"),
+        floor: bool = typer.Option(False, help="only measure bare nats-py CPU per message (the messaging floor)")) -> None:
     """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes.
 
     Burst mode fires every fault at once (throughput; latency is mostly queueing). Steady mode offers
@@ -409,6 +462,10 @@ def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
         incidents = int(rate * duration)
     incidents = min(incidents, nodes * gpus_per_node)  # one incident per engine: each engine fails once
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child processes are stopped
+    if floor:
+        with tempfile.TemporaryDirectory(prefix="hf-bench-floor-") as d:
+            print(json.dumps(asyncio.run(messaging_floor(Path(d)))))
+        return
     with tempfile.TemporaryDirectory(prefix="hf-bench-cp-") as d:
         result = asyncio.run(run_bench(nodes, gpus_per_node, incidents, Path(d), rate=rate, dc_managers=dc_managers))
     if json_out:
