@@ -8,8 +8,9 @@ run plays the process supervisor (systemd, Kubernetes) for the services it kills
 Invariants, each counted and expected to be 0:
 - corrupted: a serving engine's weights hash differs from the hash of the weights file;
 - leaked: a lease still held past its deadline with no live owner;
-- two_writers: a lease mapped by two live (not stopped) engine processes at one sample (host backend:
-  read from /proc/<pid>/maps, independent of what the services say);
+- two_writers: a lease mapped writable by two live (not stopped) engine processes at one sample (host
+  backend: read from /proc/<pid>/maps, independent of what the services say; a warm standby's read-only
+  shadow of the weights is not a writer);
 - lost / wrong: a request that neither completed nor got an explicit error, or completed with tokens
   other than the uninterrupted run's;
 - unresolved: an incident neither resolved nor failed.
@@ -45,7 +46,7 @@ MEMFD_MAP = re.compile(r"/memfd:hf-([\w-]+)-\d+")
 
 
 def lease_writers(state_dir: Path) -> dict[str, set[int]]:
-    """Which live, running engine processes of this stack map each lease (from /proc/<pid>/maps)."""
+    """Which live, running engine processes of this stack map each lease writable (from /proc/<pid>/maps)."""
     holders: dict[str, set[int]] = {}
     for pid in procs.pids_with_env("HF_STATE_DIR", str(state_dir), having=("HF_ENGINE_ID",)):
         try:
@@ -54,8 +55,10 @@ def lease_writers(state_dir: Path) -> dict[str, set[int]]:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        for lease in set(MEMFD_MAP.findall(maps)):
-            holders.setdefault(lease, set()).add(pid)
+        for line in maps.splitlines():
+            m = MEMFD_MAP.search(line)
+            if m is not None and line.split()[1][1] == "w":  # perms: r w x s/p
+                holders.setdefault(m.group(1), set()).add(pid)
     return holders
 
 

@@ -3,7 +3,9 @@
 1. cold restart: a new engine process loads the weights from the safetensors file (plain tensors);
 2. fresh-process reattach: no warm standby, so the agent cold-spawns a process that reattaches the
    leased weights (full pipeline: agent, NATS events, controller, dc_manager, router);
-3. warm standby takeover through the full pipeline.
+3. warm standby takeover through the full pipeline: the standby shadows the active engine (its weights
+   mapped read-only, its model built and run before the failure), so it serves as soon as it is assigned;
+   (4., with --unshadowed: a warm standby that attaches the leases only at the takeover, for comparison.)
 Each is timed from the death to the first token served (through the router for 2 and 3, directly for 1),
 on the same machine and the same weights file, with the split by step, weights hashes before and after,
 and output identity with an uninterrupted run.
@@ -55,8 +57,8 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress: Progress, label: str,
-                  cold_probe: bool) -> tuple[dict[str, Any], Scenario]:
-    sc = Scenario(size=size, backend=backend, standbys=standbys)
+                  cold_probe: bool, shadow: bool = True) -> tuple[dict[str, Any], Scenario]:
+    sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow)
     task = progress.add_task(label, total=trials)
     try:
         sc.start()
@@ -103,6 +105,7 @@ def cli(
     weights_gib: float = typer.Option(0.0, help="weights size (0: the demo's model)"),
     trials: int = typer.Option(5, min=1, help="trials of each way"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+    unshadowed: bool = typer.Option(False, help="also a warm standby that attaches only at the takeover"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL."""
     backend = detect_backend() if backend == "auto" else backend
@@ -110,6 +113,8 @@ def cli(
     with Progress(console=console, transient=True) as progress:
         standby, _ = _pipeline_way(backend, size, 1, trials, progress, "warm standby takeover", cold_probe=True)
         fresh, _ = _pipeline_way(backend, size, 0, trials, progress, "fresh-process reattach", cold_probe=False)
+        plain = (_pipeline_way(backend, size, 1, trials, progress, "warm standby, no shadow", cold_probe=False,
+                               shadow=False)[0] if unshadowed else None)
     cold = [c["cold_restart_ms"] for c in standby["cold"]]
     report: dict[str, Any] = {
         "backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials,
@@ -118,6 +123,8 @@ def cli(
         "fresh_process_reattach": _way_report(fresh["trials"]),
         "warm_standby": _way_report(standby["trials"]),
     }
+    if plain is not None:
+        report["warm_standby_unshadowed"] = _way_report(plain["trials"])
     sb = report["warm_standby"]["death_to_first_token_ms"]
     report["speedup_cold_over_standby"] = round(summarize(cold)["p50"] / sb["p50"], 1) if sb else None
     if json_out:
@@ -126,7 +133,9 @@ def cli(
     table = Table(title=f"recovery after SIGKILL ({backend}, {size}, {trials} trials)")
     for col in ("way", "p50 ms", "p99 ms", "min ms"):
         table.add_column(col)
-    for way in ("cold_restart", "fresh_process_reattach", "warm_standby"):
+    for way in ("cold_restart", "fresh_process_reattach", "warm_standby_unshadowed", "warm_standby"):
+        if way not in report:
+            continue
         s = report[way]["death_to_first_token_ms"]
         if s:
             table.add_row(way, f"{s['p50']:.1f}", f"{s['p99']:.1f}", f"{s['min']:.1f}")

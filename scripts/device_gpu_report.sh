@@ -2,7 +2,8 @@
 # The GPU report, run ON the device machine through scripts/device_run.sh (DEVICE_CMD): the gpu-marked
 # tests, the demo, recovery side by side and a short chaos run, on the cuda backend. Every result lands in
 # $OUT (JSON + logs) to be copied into docs/benchmarks.md.
-#   STEPS="tests demo recovery16 chaos" (default: all), GIB_BIG=48 for the large recovery step "recoverybig"
+#   STEPS="probe tests demo recovery8 recovery16 chaos" (default: tests demo recovery16 chaos), GIB_BIG=48 for
+#   the large recovery step "recoverybig"
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -13,8 +14,11 @@ nproc >> "$OUT/gpu.txt"; free -g | head -2 >> "$OUT/gpu.txt"; df -h / | tail -1 
 for step in $STEPS; do
   t0=$(date +%s)
   case $step in
+    probe) python3 scripts/probe_exit.py > "$OUT/probe_exit.jsonl" 2> "$OUT/probe_exit.err" ;;
     tests) python3 -m pytest -p no:cacheprovider -m gpu tests -q --timeout 300 > "$OUT/gpu_tests.log" 2>&1 ;;
     demo) $HF demo --json > "$OUT/demo.json" 2> "$OUT/demo.err" ;;
+    recovery8) $HF bench recovery --backend cuda --weights-gib 8 --trials "${TRIALS:-3}" --unshadowed --json \
+                  > "$OUT/recovery8.json" 2> "$OUT/recovery8.err" ;;
     recovery16) $HF bench recovery --backend cuda --weights-gib 16 --trials "${TRIALS:-3}" --json \
                   > "$OUT/recovery16.json" 2> "$OUT/recovery16.err" ;;
     recoverybig) $HF bench recovery --backend cuda --weights-gib "${GIB_BIG:-48}" --trials "${TRIALS_BIG:-2}" --json \

@@ -6,6 +6,12 @@
   successor takes over a predecessor's leases. Tensors come back from the registered metadata, so a
   reattach reads nothing from disk.
 
+A warm standby may *shadow* an active engine: `shadow()` maps that engine's weights read-only (a share
+token the agent got from the gpu_manager) and leases a KV cache of its own, so the standby's model is built
+and warm before any failure. `adopt()` then takes the predecessor's leases over for real (after its death,
+as the gpu_manager enforces): the weights keep their mappings (the SDK reuses them), and the
+predecessor's KV cache, which this engine does not use, is released at once.
+
 Invariant: the engine core only ever sees `Loaded` (named weight tensors + one KV tensor); it never imports
 the SDK, so the same core runs over leased or ordinary memory.
 """
@@ -32,8 +38,10 @@ KV_NAME = "kv_cache"
 class Loaded:
     weights: dict[str, torch.Tensor]
     kv: torch.Tensor
-    source: str  # "file" (cold load), "reattached" (own leases after a restart), "takeover" (a predecessor's)
+    source: str  # "file" (cold load), "reattached" (own leases after a restart), "takeover" (a predecessor's),
+    # "shadow" (a live engine's weights, read-only, for a warm standby)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    read_only: bool = False  # the weights are mapped read-only (a write faults)
 
 
 def _ms(t0: float) -> float:
@@ -77,6 +85,15 @@ class LocalMemory:
     def takeover(self, cfg: ModelConfig, predecessor: str, token: str, slots: int, max_seq: int) -> Loaded:
         raise RuntimeError("local memory cannot take over a predecessor's leases: run with --memory leased")
 
+    def shadow(self, cfg: ModelConfig, owner: str, share_token: str, slots: int, max_seq: int) -> Loaded:
+        raise RuntimeError("local memory cannot shadow another engine: run with --memory leased")
+
+    def drop_shadow(self) -> None:
+        pass
+
+    def adopt(self, predecessor: str, token: str) -> dict[str, float]:
+        raise RuntimeError("local memory cannot take over a predecessor's leases")
+
     def start_heartbeats(self) -> None:
         pass
 
@@ -97,6 +114,7 @@ class LeasedMemory:
         self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class=engine_class)
         self.client.on_lease_lost = exit_on_lease_lost
         self._attachment: Any = None
+        self._own_kv: Any = None  # a shadowing standby's own KV cache
 
     def pending(self) -> bool:
         return bool(self.client.pending())
@@ -118,10 +136,51 @@ class LeasedMemory:
         self._attachment = self.client.attach()
         return self._rebuild(cfg, "reattached", slots, max_seq, t0)
 
-    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, slots: int, max_seq: int) -> Loaded:
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, slots: int, max_seq: int,
+                 wait_death_s: float = 30.0) -> Loaded:
+        from libs.client.protocol import PredecessorAlive
+
         t0 = time.perf_counter()
-        self._attachment = self.client.takeover(predecessor, token)
+        deadline = time.monotonic() + wait_death_s
+        while True:
+            try:
+                self._attachment = self.client.takeover(predecessor, token)
+                break
+            except PredecessorAlive:
+                # the failure is published as the predecessor begins to exit; its teardown (a CUDA context's:
+                # ~100 ms) may not be over yet, and the manager hands memory over only after it
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
         return self._rebuild(cfg, "takeover", slots, max_seq, t0)
+
+    def shadow(self, cfg: ModelConfig, owner: str, share_token: str, slots: int, max_seq: int) -> Loaded:
+        """The owner's weights, read-only, and a KV cache of this engine's own (leased once, kept)."""
+        t0 = time.perf_counter()
+        self.drop_shadow()
+        att = self.client.share(owner, share_token)
+        t_attach = _ms(t0)
+        weights, _ = split_tensors(cfg, att.tensors(framework="torch"))
+        if self._own_kv is None or tuple(self._own_kv.shape) != cfg.kv_shape(slots, max_seq):
+            self._own_kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
+            self.client.commit()
+        read_only = all(getattr(lease.mapping, "read_only", False) for lease in att.leases)
+        return Loaded(weights, self._own_kv, "shadow", {"attach_ms": t_attach, "total_ms": _ms(t0)}, read_only)
+
+    def drop_shadow(self) -> None:
+        """Unmap a shadow. The caller has dropped every tensor built over it."""
+        self.client.unshare()
+
+    def adopt(self, predecessor: str, token: str) -> dict[str, float]:
+        """Own the shadowed predecessor's leases (FROZEN -> ACTIVE here); release the ones not used (its KV)."""
+        t0 = time.perf_counter()
+        shadowed = set(self.client.shared)
+        att = self.client.takeover(predecessor, token)
+        t_takeover = _ms(t0)
+        unused = [lease.id for lease in att.leases if lease.id not in shadowed]
+        for lease_id in unused:
+            self.client.release(lease_id)
+        return {"takeover_ms": t_takeover, "released": float(len(unused)), "total_ms": _ms(t0)}
 
     def _rebuild(self, cfg: ModelConfig, source: str, slots: int, max_seq: int, t0: float) -> Loaded:
         t_attach = _ms(t0)

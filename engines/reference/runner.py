@@ -34,6 +34,7 @@ from engines.reference.memory import LeasedMemory, Loaded, LocalMemory, scratch_
 from engines.reference.model import Transformer
 from engines.reference.server import EngineState, build_app
 from engines.reference.settings import EngineSettings
+from engines.reference.standby import Standby
 from engines.reference.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine")
@@ -65,12 +66,12 @@ def open_memory(s: EngineSettings, device: torch.device) -> LocalMemory | Leased
     return LeasedMemory(s.id, socket_path=s.gpu_manager_socket, engine_class="reference", gpu=s.gpu)
 
 
-def open_agent_link(s: EngineSettings) -> Any:
+def open_agent_link(s: EngineSettings, *, can_shadow: bool = False) -> Any:
     if s.agent == "off" or (s.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
     from libs.client.agent_link import AgentLink
 
-    link = AgentLink.connect(s.id, role=s.role, model=s.model)
+    link = AgentLink.connect(s.id, role=s.role, model=s.model, can_shadow=can_shadow)
     link.start_heartbeats(0.2)
     return link
 
@@ -160,13 +161,15 @@ def run(s: EngineSettings) -> int:
 
     http = HttpThread(state, s.host, s.port)
     http.start()
-    link = open_agent_link(s)
+    memory = open_memory(s, device)
+    link = open_agent_link(s, can_shadow=s.role == "standby" and s.shadow and memory.kind == "leased")
     if link is not None:
         link_box.append(link)
-    memory = open_memory(s, device)
     state.info["memory"] = {"kind": memory.kind}
     try:
         t_start = T_PROCESS
+        core: EngineCore | None = None
+        loaded: Loaded | None = None
         if s.role == "standby":
             state.state = "standby"
             state.info["warmup_ms"] = warm_standby(s, device)
@@ -174,12 +177,18 @@ def run(s: EngineSettings) -> int:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
             link.ready(None)
             log.info("standby %s warm (%.1f ms); waiting for an assignment", s.id, state.info["warmup_ms"])
-            a = link.wait_assignment()
+            standby = Standby(s, cfg, memory, link, state, max_seq)
+            a = standby.wait_assignment()
             t_start = time.perf_counter()
             state.role = "active"
             state.state = "loading"
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
-            loaded = memory.takeover(cfg, a.predecessor, a.transfer_token, s.slots, max_seq)
+            if standby.shadows(a.predecessor):
+                core = standby.promote(a.predecessor, a.transfer_token, t_start)
+                loaded = None
+            else:
+                standby.drop()
+                loaded = memory.takeover(cfg, a.predecessor, a.transfer_token, s.slots, max_seq)
         elif s.takeover_from:
             state.state = "loading"
             if not s.transfer_token:
@@ -192,7 +201,9 @@ def run(s: EngineSettings) -> int:
             state.state = "loading"
             loaded = memory.load(cfg, s.weights, s.slots, max_seq)
         memory.start_heartbeats()
-        core = _build(s, cfg, loaded, state, t_start)
+        if core is None:
+            assert loaded is not None
+            core = _build(s, cfg, loaded, state, t_start)
         state.install(core)
         state.state = "ready"
         if link is not None:
@@ -200,7 +211,8 @@ def run(s: EngineSettings) -> int:
         if s.ready_file:
             write_ready_file(s.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": s.id,
                                             "state": "ready", **state.info})
-        log.info("engine %s serving %s on %s (%s, %s)", s.id, s.model, http.endpoint, loaded.source, device)
+        log.info("engine %s serving %s on %s (%s, %s)", s.id, s.model, http.endpoint,
+                 loaded.source if loaded is not None else "shadow", device)
         stop.wait()
         state.state = "stopping"
         return 0

@@ -40,6 +40,10 @@ class EngineSettings(BaseSettings):
     ready_file: Path | None = Field(None, description="written (JSON) once serving: endpoint, pid, timings")
     takeover_from: str | None = Field(None, validation_alias=AliasChoices("takeover_from", "HF_TAKEOVER_FROM"))
     transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
+    shadow: bool = Field(True, description="standby: shadow an active engine's weights when the agent offers it "
+                         "(pre-built model, instant takeover); off: attach at the takeover")
+    adopt_timeout_s: float = Field(30.0, gt=0, description="a promoted shadow waits this long for its predecessor's "
+                                   "death to own its leases; then it exits with 75")
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
     log_level: str = "INFO"
 

@@ -110,8 +110,9 @@ class StreamResult:
 
 class Scenario:
     def __init__(self, *, size: str, backend: str, standbys: int = 1, max_tokens: int = 48,
-                 work_dir: Path | None = None) -> None:
+                 work_dir: Path | None = None, shadow: bool = True) -> None:
         self.size = size
+        self.shadow = shadow  # standbys shadow the active engine's weights (engines/reference/standby.py)
         self.backend = backend
         self.max_tokens = max_tokens
         self.work_dir = work_dir or Path(tempfile.mkdtemp(prefix="holdfast-demo-"))
@@ -129,7 +130,8 @@ class Scenario:
     def start(self) -> Stack:
         make_weights(self.size, self.weights)
         spec = EngineSpec(engine_class="reference", model=MODEL, command=engine_command(self.weights, self.size),
-                          replicas=1, standbys=self.standbys, cold_start_s=30.0)
+                          replicas=1, standbys=self.standbys, cold_start_s=30.0,
+                          env={"HF_ENGINE_SHADOW": "true" if self.shadow else "false"})
         specs_file = self.work_dir / "engines.json"
         specs_file.write_text(json.dumps([spec.model_dump(mode="json")]))
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
@@ -177,18 +179,20 @@ class Scenario:
         return [EngineInfo.model_validate_json(v) for v in raw.values()]
 
     async def wait_serving(self, *, standbys: int | None = None, timeout: float = 180.0) -> EngineInfo:
-        """Until one active engine is ready and routed, and the wanted number of standbys wait."""
+        """Until one active engine is ready and routed, and the wanted number of standbys wait (shadowing it,
+        when standbys shadow)."""
         want = self.standbys if standbys is None else standbys
         deadline = time.monotonic() + timeout
         while True:
             engines = await self.engines()
             active = [e for e in engines if e.role == "active" and e.state == "ready" and e.model == MODEL]
-            ready_standbys = [e for e in engines if e.role == "standby" and e.state in ("standby", "ready")]
+            ready_standbys = [e for e in engines if e.role == "standby" and e.state in ("standby", "ready")
+                              and (not self.shadow or any(e.shadows == a.engine_id for a in active))]
             routed = await self.store.get_prefix(f"endpoints/{MODEL}/") if self.store else {}
             if active and len(ready_standbys) >= want and routed:
                 return active[0]
             if time.monotonic() > deadline:
-                states = [(e.engine_id, e.role, e.state) for e in engines]
+                states = [(e.engine_id, e.role, e.state, e.shadows) for e in engines]
                 raise TimeoutError(f"engines not serving after {timeout}s: {states}")
             await asyncio.sleep(0.1)
 

@@ -6,14 +6,19 @@ Synchronous and thread-based (an engine has no event loop); no PyTorch dependenc
     link.start_heartbeats(0.2)              # from a thread of its own: a busy engine is not declared hung
     link.ready(endpoint="http://127.0.0.1:9000")
     a = link.wait_assignment()              # standby only: blocks until the agent assigns a predecessor
+    # or, for a standby that can shadow (`shadows=True`), instructions until the assignment:
+    ins = link.wait_instruction()           # Shadow(owner, share_token) | Unshadow() | Assignment
+    link.shadowing(owner)                   # reported once the shadow is mapped and warm (None: dropped)
     link.report_fatal("cuda_error", "illegal address")   # then exit
 
 The link survives an agent restart: its thread reconnects and registers again with what it last said
 (role, ready, endpoint), so the new agent knows the engine without asking it anything.
 
 Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
-engine -> agent: register (first frame; answered by registered or error), heartbeat, ready, fatal, bye;
-agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model}, error {code, message}.
+engine -> agent: register (first frame; answered by registered or error; `shadows`: it can shadow, and whom it
+shadows now), heartbeat, ready, fatal, shadowing {owner, read_only}, bye;
+agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model, shadowed},
+shadow {owner, share_token}, unshadow, error {code, message}.
 """
 
 from __future__ import annotations
@@ -47,6 +52,22 @@ class Assignment:
     model: str
 
 
+@dataclass(frozen=True)
+class Shadow:
+    """Map `owner`'s weights read-only and warm up over them, so that a takeover of `owner` is instant."""
+
+    owner: str
+    share_token: str
+
+
+@dataclass(frozen=True)
+class Unshadow:
+    """Drop the shadow (its owner went away without this standby taking over)."""
+
+
+Instruction = Assignment | Shadow | Unshadow
+
+
 def default_socket_path() -> str:
     if os.environ.get("HF_AGENT_SOCKET"):
         return os.environ["HF_AGENT_SOCKET"]
@@ -56,8 +77,11 @@ def default_socket_path() -> str:
 
 class AgentLink:
     def __init__(self, engine_id: str, socket_path: str, role: str, model: str, *, engine_class: str,
-                 gpu: int, version: str) -> None:
+                 gpu: int, version: str, can_shadow: bool = False) -> None:
         self.engine_id = engine_id
+        self.can_shadow = can_shadow
+        self.shadows: str | None = None
+        self.shadow_read_only = False
         self.socket_path = socket_path
         self.role = role
         self.model = model
@@ -68,7 +92,7 @@ class AgentLink:
         self.endpoint: str | None = None
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
-        self._assignments: queue.Queue[Assignment] = queue.Queue()
+        self._assignments: queue.Queue[Instruction] = queue.Queue()
         self._acks: dict[int, threading.Event] = {}
         self._seq = 0
         self._hb_interval: float | None = None
@@ -81,7 +105,7 @@ class AgentLink:
 
     @classmethod
     def connect(cls, engine_id: str | None = None, *, socket_path: str | None = None, role: str | None = None,
-                model: str | None = None, timeout: float = 10.0) -> AgentLink:
+                model: str | None = None, timeout: float = 10.0, can_shadow: bool = False) -> AgentLink:
         """Connect and register (retrying up to `timeout` while the agent's socket is not there yet)."""
         env = os.environ
         link = cls(
@@ -92,6 +116,7 @@ class AgentLink:
             engine_class=env.get("HF_ENGINE_CLASS", "default"),
             gpu=int(env.get("HF_GPU", "0")),
             version=env.get("HF_ENGINE_VERSION", "1"),
+            can_shadow=can_shadow,
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -136,14 +161,28 @@ class AgentLink:
         self._request({"op": "fatal", "kind": kind, "detail": detail[:2000]}, timeout)
 
     def wait_assignment(self, timeout: float | None = None) -> Assignment:
-        """Block until the agent assigns this standby a predecessor; it becomes the active engine."""
+        """Block until the agent assigns this standby a predecessor; it becomes the active engine.
+        (An engine connected without `can_shadow` is never sent anything else.)"""
+        while True:
+            ins = self.wait_instruction(timeout)
+            if isinstance(ins, Assignment):
+                return ins
+
+    def wait_instruction(self, timeout: float | None = None) -> Instruction:
+        """The agent's next instruction to this standby; after an Assignment it is the active engine."""
         try:
-            a = self._assignments.get(timeout=timeout)
+            ins = self._assignments.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no assignment in {timeout}s") from None
-        self.role = "active"
-        self.state = "assigned"
-        return a
+            raise TimeoutError(f"no instruction in {timeout}s") from None
+        if isinstance(ins, Assignment):
+            self.role = "active"
+            self.state = "assigned"
+        return ins
+
+    def shadowing(self, owner: str | None, *, read_only: bool = False, timeout: float = 5.0) -> None:
+        """Tell the agent whom this standby now shadows (None: nobody). Remembered across re-registrations."""
+        self.shadows, self.shadow_read_only = owner, read_only
+        self._request({"op": "shadowing", "owner": owner, "read_only": read_only}, timeout)
 
     def close(self) -> None:
         """Say goodbye (the agent then knows a following exit is this engine's own) and stop the thread."""
@@ -172,7 +211,7 @@ class AgentLink:
         return {"op": "register", "protocol": PROTOCOL, "engine_id": self.engine_id, "pid": os.getpid(),
                 "role": self.role, "model": self.model, "engine_class": self.engine_class, "gpu": self.gpu,
                 "version": self.version, "state": self.state, "endpoint": self.endpoint,
-                "heartbeats": self._hb_interval is not None}
+                "heartbeats": self._hb_interval is not None, "can_shadow": self.can_shadow, "shadows": self.shadows}
 
     def _register(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -263,5 +302,9 @@ class AgentLink:
             self._assignments.put(Assignment(
                 predecessor=str(msg["predecessor"]), transfer_token=str(msg["transfer_token"]),
                 incident_id=msg.get("incident_id"), model=str(msg.get("model") or self.model)))
+        elif op == "shadow" and self.can_shadow:
+            self._assignments.put(Shadow(owner=str(msg["owner"]), share_token=str(msg["share_token"])))
+        elif op == "unshadow" and self.can_shadow:
+            self._assignments.put(Unshadow())
         elif op == "error":
             log.error("agent says: %s: %s", msg.get("code"), msg.get("message"))

@@ -81,9 +81,10 @@ def granularity(ordinal: int) -> int:
     return int(check(cu.cuMemGetAllocationGranularity(allocation_prop(ordinal), flag)))
 
 
-def access_desc(ordinal: int) -> Any:
+def access_desc(ordinal: int, *, read_only: bool = False) -> Any:
     acc = cu.CUmemAccessDesc()
     acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     acc.location.id = ordinal
-    acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    acc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
+                 else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     return acc

@@ -5,6 +5,10 @@
 - `CudaMapping`: import each POSIX fd (cuMemImportFromShareableHandle), reserve device VA, map the chunks
   back to back, grant read-write access; torch CUDA tensors wrap the device pointer (zero copy).
 
+`read_only=True` (a warm standby's shadow of another engine's weights): PROT_READ on the host, where a
+write faults; on cuda the driver is asked for read-only access and, where it refuses, the range is mapped
+read-write and `read_only` says False (the engine then only promises not to write).
+
 No torch import at module level: torch is optional and imported by the methods that need it.
 Unmapping makes every view of the mapping invalid: the SDK unmaps only on release/close.
 """
@@ -39,15 +43,17 @@ def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int) -> int:
 class HostMapping:
     kind = "host"
 
-    def __init__(self, fds: list[int], sizes: list[int]) -> None:
+    def __init__(self, fds: list[int], sizes: list[int], *, read_only: bool = False) -> None:
         self.size = sum(sizes)
+        self.read_only = read_only
+        prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
         # PROT_NONE (0): a reserved range, not accessible until the chunks are mapped over it
         self.base = _mmap(None, self.size, 0,
                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
         try:
             offset = 0
             for fd, size in zip(fds, sizes, strict=True):
-                _mmap(self.base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd)
+                _mmap(self.base + offset, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
                 offset += size
         except BaseException:
             _libc.munmap(self.base, self.size)
@@ -78,7 +84,8 @@ class HostMapping:
 class CudaMapping:
     kind = "cuda"
 
-    def __init__(self, fds: list[int], sizes: list[int], gpu_uuid: str | None, gpu: int) -> None:
+    def __init__(self, fds: list[int], sizes: list[int], gpu_uuid: str | None, gpu: int, *,
+                 read_only: bool = False) -> None:
         from libs.client import cuda_driver as cd
 
         cu = cd.cu
@@ -97,7 +104,15 @@ class CudaMapping:
                 cd.check(cu.cuMemMap(self.base + offset, size, 0, handle, 0))
                 offset += size
                 self.mapped = offset
-            cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
+            self.read_only = False
+            if read_only:
+                try:
+                    cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal, read_only=True)], 1))
+                    self.read_only = True
+                except cd.CudaError:
+                    pass  # this driver/device grants device memory read-write only: see the module's note
+            if not self.read_only:
+                cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
         except BaseException:
             self.unmap()
             raise

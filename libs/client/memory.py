@@ -183,6 +183,7 @@ class MemoryClient:
         self.hello = hello
         self.reconnect_timeout_s = reconnect_timeout_s  # how long a call waits for a manager that is down
         self.leases: dict[str, MappedLease] = {}
+        self.shared: dict[str, MappedLease] = {}  # another engine's weights, mapped read-only (`share`)
         self.lost_leases: dict[str, str] = {}
         self.on_lease_lost: Callable[[str, str], None] | None = None
         self.reconnects = 0
@@ -322,20 +323,31 @@ class MemoryClient:
             for g in grants:
                 chunk_fds = fds[i:i + g.nfds]
                 i += g.nfds
-                sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
-                if self.backend == "cuda":
-                    mapping: HostMapping | CudaMapping = CudaMapping(chunk_fds, sizes, g.gpu_uuid, g.lease.gpu)
+                shadow = self.shared.pop(g.lease.id, None)
+                if shadow is not None and not g.read_only:
+                    # Taking over a lease this process already shadows: the same memory is mapped here, and
+                    # every view of it (a model built over it) stays valid. Nothing to map again.
+                    shadow.info, shadow.tensor_metas = g.lease, list(g.tensors)
+                    lease = shadow
                 else:
-                    mapping = HostMapping(chunk_fds, sizes)
-                lease = MappedLease(g.lease, mapping, g.tensors)
-                old = self.leases.pop(lease.id, None)
-                if old is not None:
+                    if shadow is not None:
+                        shadow.unmap()
+                    lease = MappedLease(g.lease, self._mapping(g, chunk_fds), g.tensors)
+                store = self.shared if g.read_only else self.leases
+                old = store.pop(lease.id, None)
+                if old is not None and old is not lease:
                     old.unmap()
-                self.leases[lease.id] = lease
+                store[lease.id] = lease
                 out.append(lease)
         finally:
             close_all(fds)  # the mappings hold the memory now; the fds are not needed
         return out
+
+    def _mapping(self, g: p.LeaseGrant, fds: list[int]) -> HostMapping | CudaMapping:
+        sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
+        if self.backend == "cuda":
+            return CudaMapping(fds, sizes, g.gpu_uuid, g.lease.gpu, read_only=g.read_only)
+        return HostMapping(fds, sizes, read_only=g.read_only)
 
     def pending(self) -> list[LeaseInfo]:
         body, _ = self._call(p.Pending())
@@ -370,6 +382,18 @@ class MemoryClient:
 
     def takeover(self, predecessor: str, transfer_token: str) -> Attachment:
         return self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token))
+
+    def share(self, owner: str, share_token: str) -> Attachment:
+        """Map `owner`'s committed weight leases read-only (a warm standby's shadow; the token comes from the
+        control plane's `share` command). They stay the owner's: no heartbeats, no epoch, kept apart in
+        `shared`. A later `takeover` of the same owner reuses these mappings, so views built now stay valid."""
+        return self._timed(p.ShareReq(owner=owner, share_token=share_token))
+
+    def unshare(self) -> None:
+        """Unmap every shadowed lease. Every view of them must be gone first (they become invalid)."""
+        for lease in self.shared.values():
+            lease.unmap()
+        self.shared.clear()
 
     def _timed(self, req: p.Msg) -> Attachment:
         """attach/takeover, with where the time went in `last_timings_ms` (request: the manager's checks,
@@ -442,6 +466,7 @@ class MemoryClient:
             for lease in self.leases.values():
                 lease.unmap()
             self.leases.clear()
+            self.unshare()
         with self._lock:
             if self.sock is not None:
                 self.sock.close()

@@ -88,6 +88,14 @@ class TakeoverReq(Msg):
     transfer_token: str
 
 
+class ShareReq(Msg):
+    """A warm standby maps an active engine's weight leases read-only (token from the `share` command)."""
+
+    op: Literal["share"] = "share"
+    owner: str
+    share_token: str
+
+
 class Heartbeat(Msg):
     op: Literal["heartbeat"] = "heartbeat"
 
@@ -107,7 +115,7 @@ class Resume(Msg):
 
 
 Request = Annotated[
-    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, Heartbeat, Release, Resume],  # noqa: UP007
+    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, ShareReq, Heartbeat, Release, Resume],  # noqa: UP007
     Field(discriminator="op"),
 ]
 _request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
@@ -129,6 +137,7 @@ class LeaseGrant(Msg):
     nfds: int
     gpu_uuid: str | None = None
     tensors: list[TensorMeta] = Field(default_factory=list)
+    read_only: bool = False  # a shadow's view (share): map it read-only, it is not this engine's lease
 
 
 class HelloReply(Msg):

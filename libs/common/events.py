@@ -121,6 +121,7 @@ class EngineInfo(Model):
     spec_key: str | None = None  # which agent spec this engine belongs to (None: adopted, started by others)
     started_at: float | None = None
     heartbeats: bool = False  # the engine heartbeats: a restarted agent watches it for hangs from the start
+    shadows: str | None = None  # a warm standby: the active engine whose weights it keeps mapped read-only
 
 
 class NodeInfo(Model):
@@ -370,6 +371,25 @@ class Reclaim(Command):
 
 class ReclaimReply(Model):
     lease: LeaseInfo
+
+
+class ShareWeights(Command):
+    """A read-only share of an owner's weight leases for a warm standby of the same model (its shadow).
+
+    The reply's token lets only `grantee` (same uid as the owner) map those leases read-only through the
+    engine socket. Nothing changes hands: the owner keeps them, and the grantee still needs the transfer
+    token of a freeze to own them."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["share"] = "share"
+    owner: str
+    grantee: str
+
+
+class ShareWeightsReply(Model):
+    share_token: str
+    lease_ids: list[str]
+    bytes: int
 
 
 class ListLeases(Command):

@@ -71,6 +71,7 @@ async def setup(rt: Runtime) -> None:
     await rt.bus.serve(settings.node, Takeover, takeovers.handle)
 
     rt.spawn("monitor", agent.monitor_loop())
+    rt.spawn("exiting", agent.exiting_loop())
     rt.spawn("reconcile", agent.reconcile_loop())
     rt.health_detail = lambda: {
         "engines": {r.engine_id: r.state.value for r in agent.records()},

@@ -81,6 +81,10 @@ class EngineRecord:
     taking_over: str | None = None  # the predecessor whose memory this successor takes over (until ready)
     exit_code: int | None = None
     signal: int | None = None
+    can_shadow: bool = False  # a standby that can map an active engine's weights read-only ahead of a takeover
+    shadows: str | None = None  # the active engine it shadows (it said so over its link)
+    shadow_offered: str | None = None  # a shadow instruction sent, not answered yet
+    shadow_refused: set[str] = field(default_factory=set)  # engines it could not shadow (not offered again)
 
     def transition(self, ev: Ev) -> State:
         nxt = TRANSITIONS.get((self.state, ev))
@@ -107,7 +111,7 @@ class EngineRecord:
             engine_id=self.engine_id, node=node, model=self.model, engine_class=self.engine_class, role=self.role,
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
-            heartbeats=self.last_heartbeat is not None,
+            heartbeats=self.last_heartbeat is not None, shadows=self.shadows,
         )
 
     @classmethod

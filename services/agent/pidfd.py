@@ -1,7 +1,13 @@
-"""Process death noticed through pidfds on the event loop: no polling, no SIGCHLD races.
+"""Process death noticed through pidfds on the event loop: no SIGCHLD races; and seen coming through
+/proc: a process that has begun to exit.
 
 `os.pidfd_open(pid)` gives an fd that becomes readable when the process exits; the loop's reader
-callback fires within microseconds of the death. For our own children `os.waitid(P_PIDFD, ...)` reaps
+callback fires within microseconds of the death. But "exits" is the end of the kernel's teardown: for a
+process with a CUDA context the driver's cleanup takes ~100-150 ms between the fatal signal and that moment
+(docs/benchmarks.md, H200 probe). The kernel marks the task PF_EXITING and records its exit status at the
+very start of the teardown (do_exit); both are in /proc/<pid>/stat (fields 9 and 52), so `poll_exiting`
+sees the death coming within one poll period. The process can no longer run user code then, but it still
+holds its memory: what must wait for the death itself (kill-before-transfer) still waits for the pidfd. For our own children `os.waitid(P_PIDFD, ...)` reaps
 them and yields the exit code or signal; a process adopted from someone else cannot be waited on, so its
 status is unknown (the caller decides what that means). Signals go through `pidfd_send_signal`, which
 cannot hit a recycled pid.
@@ -30,29 +36,49 @@ class ExitStatus:
     signal: int | None = None
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 on (the command name, field 2, may hold spaces and parentheses: split
+    after its last ')'); None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rindex(b")") + 2:].split()
+
+
 def proc_start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None if gone.
 
     A pid together with its start time names one process forever: a recycled pid has another start time.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    rest = raw[raw.rindex(b")") + 2:].split()
-    return int(rest[19])  # field 22 overall; rest starts at field 3
+    rest = _stat_fields(pid)
+    return None if rest is None else int(rest[19])  # field 22 overall
 
 
 def proc_state(pid: int) -> str | None:
     """The one-letter state of /proc/<pid>/stat (R, S, T for stopped, Z for zombie...)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    rest = _stat_fields(pid)
+    return None if rest is None else rest[0].decode()
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: set by exit_signals() at the start of do_exit()
+
+
+def proc_exiting(pid: int) -> int | None:
+    """The exit status (wait-status encoding) of a process that has begun to exit; None if it has not (or is
+    gone). 0 can mean "not recorded yet" for a moment after PF_EXITING is set: the caller looks again."""
+    rest = _stat_fields(pid)
+    if rest is None or not int(rest[6]) & PF_EXITING:  # field 9: flags
         return None
-    return raw[raw.rindex(b")") + 2:].split()[0].decode()
+    return int(rest[49]) if len(rest) > 49 else 0  # field 52: exit_code (Linux >= 3.5)
+
+
+def decode_wait_status(code: int) -> tuple[int | None, int | None]:
+    """(exit_code, signal) from a wait-status word."""
+    if code & 0x7F:
+        return None, code & 0x7F
+    return (code >> 8) & 0xFF, None
 
 
 class PidWatcher:
@@ -63,6 +89,7 @@ class PidWatcher:
         self._fds: dict[str, tuple[int, int, bool]] = {}  # key -> (pidfd, pid, child)
         self._waiters: dict[str, list[asyncio.Future[ExitStatus]]] = {}
         self._dead: dict[str, ExitStatus] = {}
+        self._exiting: dict[str, int] = {}  # key -> polls that saw it exiting (reported once, at most)
 
     def watch(self, key: str, pid: int, *, child: bool, start_time: int | None = None) -> None:
         """Start watching; raises ProcessLookupError if the process (with that start time) is gone."""
@@ -76,11 +103,31 @@ class PidWatcher:
         self._dead.pop(key, None)
         asyncio.get_running_loop().add_reader(fd, self._readable, key)
 
+    def poll_exiting(self) -> list[tuple[str, ExitStatus]]:
+        """Watched processes seen exiting since the last poll, each once, with the status the kernel holds.
+        A status of 0 is trusted only on a second look (the kernel sets the flag a moment before the code)."""
+        out = []
+        for key, (_fd, pid, _child) in list(self._fds.items()):
+            seen = self._exiting.get(key, 0)
+            if seen < 0:
+                continue  # reported already
+            code = proc_exiting(pid)
+            if code is None:
+                continue
+            if code == 0 and seen == 0:
+                self._exiting[key] = 1
+                continue
+            self._exiting[key] = -1
+            exit_code, sig = decode_wait_status(code)
+            out.append((key, ExitStatus(pid=pid, at=time.time(), known=True, exit_code=exit_code, signal=sig)))
+        return out
+
     def watching(self, key: str) -> bool:
         return key in self._fds
 
     def unwatch(self, key: str) -> None:
         entry = self._fds.pop(key, None)
+        self._exiting.pop(key, None)
         if entry is not None:
             asyncio.get_running_loop().remove_reader(entry[0])
             os.close(entry[0])
@@ -113,6 +160,7 @@ class PidWatcher:
     def _readable(self, key: str) -> None:
         at = time.time()
         entry = self._fds.pop(key, None)
+        self._exiting.pop(key, None)
         if entry is None:
             return
         fd, pid, child = entry

@@ -23,6 +23,8 @@ class AgentSettings(CommonSettings):
                                    "before the agent replaces it with a fresh (non-reattaching) engine")
     standby_refill_delay_s: float = Field(0.25, ge=0, description="a takeover's replacement standby is started "
                                           "this long after its reply (its spawn and start-up must not delay it)")
+    exit_poll_ms: float = Field(2.0, gt=0, description="how often engines are checked for a death in progress "
+                                "(/proc PF_EXITING): a CUDA process's teardown takes ~100 ms before its pidfd says dead")
     reconcile_interval_s: float = Field(0.5, description="how often the desired engines are compared with the live ones")
     crash_backoff_base_s: float = Field(0.5, gt=0, description="an engine spec failing again soon after a "
                                         "start: its next start waits this long, doubling each time")

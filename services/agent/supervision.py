@@ -73,8 +73,9 @@ def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSp
 
 
 def pick_standby(records: list[EngineRecord], model: str, *, version: str | None = None,
-                 named: str | None = None) -> EngineRecord | None:
-    """A warmed standby for `model` (and `version` for a hot upgrade); the named one if given and fit."""
+                 named: str | None = None, predecessor: str | None = None) -> EngineRecord | None:
+    """A warmed standby for `model` (and `version` for a hot upgrade); the named one if given and fit.
+    Among several, one that shadows `predecessor` first (it serves at once), then the oldest."""
     def fit(r: EngineRecord) -> bool:
         return (r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.model == model
                 and (version is None or r.version == version))
@@ -82,7 +83,42 @@ def pick_standby(records: list[EngineRecord], model: str, *, version: str | None
     if named is not None:
         return next((r for r in records if r.engine_id == named and fit(r)), None)
     ready = [r for r in records if fit(r)]
-    return min(ready, key=lambda r: r.spawned_mono) if ready else None  # the oldest: most surely warm
+    # the shadow of the predecessor first; then the oldest: most surely warm
+    return min(ready, key=lambda r: (predecessor is None or r.shadows != predecessor, r.spawned_mono), default=None)
+
+
+@dataclass
+class ShadowPlan:
+    offer: list[tuple[EngineRecord, EngineRecord]] = field(default_factory=list)  # (standby, active to shadow)
+    drop: list[EngineRecord] = field(default_factory=list)  # standbys whose shadowed engine is gone
+
+
+def shadow_plan(records: list[EngineRecord]) -> ShadowPlan:
+    """Which idle standby should shadow which serving engine (same model and GPU: it maps that memory).
+
+    A standby shadows one engine at a time; an engine with fewer shadows is served first. A shadow of an
+    engine that left the node (stopped, retired, not taken over by this standby) is dropped: its mapping
+    would keep the freed memory alive."""
+    out = ShadowPlan()
+    present = {r.engine_id for r in records}
+    serving = [r for r in records if r.role is EngineRole.ACTIVE and r.state is State.READY]
+    standbys = [r for r in records if r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.can_shadow
+                and r.linked and r.shadow_offered is None]
+    load = {r.engine_id: 0 for r in serving}
+    for sb in standbys:
+        if sb.shadows in load:
+            load[sb.shadows] += 1
+    for sb in sorted(standbys, key=lambda r: r.spawned_mono):
+        if sb.shadows is not None:
+            if sb.shadows not in present:
+                out.drop.append(sb)
+            continue
+        fits = [a for a in serving if a.model == sb.model and a.gpu == sb.gpu and a.engine_id not in sb.shadow_refused]
+        if fits:
+            target = min(fits, key=lambda a: (load[a.engine_id], a.spawned_mono))
+            load[target.engine_id] += 1
+            out.offer.append((sb, target))
+    return out
 
 
 def overdue(records: list[EngineRecord], now: float, timeout_s: float) -> list[EngineRecord]:

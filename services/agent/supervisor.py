@@ -30,7 +30,7 @@ from libs.common.events import (
 )
 from libs.common.ids import new_id, subject_token
 from libs.common.wire import FrameStream
-from services.agent import launcher, supervision
+from services.agent import launcher, shadows, supervision
 from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
@@ -169,6 +169,23 @@ class Agent:
         self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=detail, died_at=st.at)
         self._gone(rec)
 
+    def exiting(self, engine_id: str, st: ExitStatus) -> None:
+        """Seen exiting (PF_EXITING) before the pidfd says dead: the fault is published now. The process can
+        no longer run code, but its memory is still mapped until the death: fencing waits for the pidfd."""
+        rec = self.engines.get(engine_id)
+        if rec is None or not rec.live or rec.said_bye:
+            return  # a goodbye before the exit: its own clean stop, reported by the pidfd as usual
+        kind = FaultKind.KILLED if st.signal is not None else FaultKind.EXITED
+        detail = f"signal {signal.Signals(st.signal).name}" if st.signal else f"exit code {st.exit_code}"
+        self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)", died_at=st.at)
+
+    async def exiting_loop(self) -> None:
+        period = self.settings.exit_poll_ms / 1000.0
+        while True:
+            await asyncio.sleep(period)
+            for engine_id, st in self.watcher.poll_exiting():
+                self.exiting(engine_id, st)
+
     def _gone(self, rec: EngineRecord) -> None:
         """The process no longer exists: drop its link; a stopped engine's record goes away."""
         link = self.links.pop(rec.engine_id, None)
@@ -256,6 +273,9 @@ class Agent:
         rec.linked = True
         if msg.get("heartbeats") and rec.last_heartbeat is None:
             rec.last_heartbeat = time.monotonic()  # re-registration of a heartbeating engine: keep watching
+        rec.can_shadow = bool(msg.get("can_shadow"))
+        if msg.get("shadows"):
+            rec.shadows = str(msg["shadows"])  # re-registration: it still shadows that engine
         state = msg.get("state")
         if state in ("ready", "standby") and rec.state is State.STARTING:
             rec.endpoint = msg.get("endpoint")
@@ -299,9 +319,12 @@ class Agent:
                 self._resolve_ready(rec)
                 self.publish(EngineReady(engine=self.info(rec), takeover_of=rec.taking_over))
                 self.save(rec)
+                self.reconcile_soon()  # a new standby, or a new engine to shadow
         elif op == "fatal":
             kind = FaultKind.CUDA_ERROR if msg.get("kind", "cuda_error") == "cuda_error" else FaultKind(msg["kind"])
             self.fault(rec, kind, detail=str(msg.get("detail", "")), died_at=time.time())
+        elif op == "shadowing":
+            shadows.shadowing(self, rec, msg.get("owner") or None)
         elif op == "bye":
             rec.said_bye = True
         else:
@@ -382,6 +405,7 @@ class Agent:
                 self.start_engine(key, role)
             except (OSError, ValueError) as e:
                 log.error("cannot start a %s engine of %s: %s", role.value, key, e)
+        await shadows.reconcile(self)
 
     async def monitor_loop(self) -> None:
         """Heartbeat deadlines, checked often enough that a hang is seen within timeout + 1/10 of it."""

@@ -4,6 +4,12 @@ Order matters for safety (DESIGN.md section 3, fencing): a predecessor that is s
 healthy in a manual failover or hot upgrade) may still have the memory mapped, so it is SIGKILLed and its
 death confirmed through its pidfd before the successor receives the assignment.
 
+Except for a standby that shadows the predecessor (shadows.py): it already maps the predecessor's weights
+read-only and has its own KV cache, so the two never write the same memory. It is assigned as soon as the
+kill is sent and serves at once; it owns the leases (read-write) only once the gpu_manager has seen the
+predecessor dead, which the standby waits for by itself. On a death the agent saw coming (the process was
+already exiting) this saves the ~100 ms a CUDA process takes to be torn down.
+
 Then: a ready standby of the model (the named one, or the oldest) gets `assign` over its link, takes the
 leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
 process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 from libs.common.errors import Conflict, NotFound
@@ -51,23 +58,28 @@ class Takeovers:
         timings: dict[str, float] = {}
         pred = agent.get(cmd.engine_id)
         standby = self._choose(cmd, pred)
+        shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == pred.engine_id
 
-        # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory.
+        # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
         t = time.perf_counter()
         pred.handing_over = True
         if agent.watcher.watching(pred.engine_id):
             if pred.state is not State.FAILED:
                 pred.transition(Ev.STOP)  # a planned replacement, not a fault
-            await agent.kill_confirmed(pred)
+            if shadowed:
+                agent.watcher.signal(pred.engine_id, signal.SIGKILL)  # confirmed later, off the serving path
+            else:
+                await agent.kill_confirmed(pred)
         timings["kill_ms"] = _ms(t)
 
         successor: EngineRecord | None = None
         used_standby = False
         try:
             if standby is not None and standby.state is State.STANDBY:
-                successor = await self._via_standby(cmd, pred, standby, timings)
+                successor = await self._via_standby(cmd, pred, standby, timings, shadowed)
                 used_standby = successor is not None
             if successor is None:
+                await agent.kill_confirmed(pred)  # a cold successor maps the memory read-write
                 successor = await self._cold(cmd, pred, timings)
         except BaseException:
             pred.handing_over = False  # nobody took its slot: the reconciler may replace it
@@ -84,8 +96,12 @@ class Takeovers:
                                        used_standby=used_standby, timings_ms=timings))
         if used_standby:
             agent.save(successor)
+        timings["shadowed"] = float(shadowed and used_standby)
         if pred.engine_id in agent.engines:
-            agent.retire(pred)
+            if agent.watcher.watching(pred.engine_id):
+                agent.background(self._retire_when_dead(pred), f"retire:{pred.engine_id}")
+            else:
+                agent.retire(pred)
         if cmd.version is not None and successor.spec_key not in (None, pred.spec_key):
             self._move_replica(pred, successor)
         log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", cmd.incident_id, pred.engine_id, successor.engine_id,
@@ -94,6 +110,15 @@ class Takeovers:
         # for a while and the new process competes for CPU with the successor's first requests.
         asyncio.get_running_loop().call_later(agent.settings.standby_refill_delay_s, agent.reconcile_soon)
         return TakeoverReply(engine=info, used_standby=used_standby, timings_ms=timings)
+
+    async def _retire_when_dead(self, pred: EngineRecord) -> None:
+        try:
+            await self.agent.kill_confirmed(pred, within_s=30.0)
+        except TimeoutError:
+            log.error("predecessor %s (pid %s) survived SIGKILL for 30 s; the reconciler retries", pred.engine_id,
+                      pred.pid)
+            return
+        self.agent.retire(pred)
 
     def _move_replica(self, pred: EngineRecord, successor: EngineRecord) -> None:
         """Hot upgrade: the desired replica moves to the new version's spec (else the old one restarts)."""
@@ -111,7 +136,7 @@ class Takeovers:
     def _choose(self, cmd: Takeover, pred: EngineRecord) -> EngineRecord | None:
         records = self.agent.records()
         if cmd.successor is None:
-            return supervision.pick_standby(records, pred.model, version=cmd.version)
+            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=pred.engine_id)
         named = self.agent.engines.get(cmd.successor)
         if named is None:
             raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
@@ -121,7 +146,7 @@ class Takeovers:
         return fit
 
     async def _via_standby(self, cmd: Takeover, pred: EngineRecord, sb: EngineRecord,
-                           timings: dict[str, float]) -> EngineRecord | None:
+                           timings: dict[str, float], shadowed: bool) -> EngineRecord | None:
         agent = self.agent
         t = time.perf_counter()
         sb.transition(Ev.ASSIGN)
@@ -131,11 +156,12 @@ class Takeovers:
         try:
             await agent.assign(sb, {"op": "assign", "predecessor": pred.engine_id,
                                     "transfer_token": cmd.transfer_token, "incident_id": cmd.incident_id,
-                                    "model": pred.model})
+                                    "model": pred.model, "shadowed": shadowed})
             timings["assign_ms"] = _ms(t)
             t = time.perf_counter()
             await agent.wait_ready(sb.engine_id, agent.settings.takeover_timeout_s)
             timings["attach_ready_ms"] = _ms(t)
+            sb.shadows = None  # it serves now; what it shadowed is its own
             return sb
         except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
             log.warning("standby %s failed during takeover %s (%s); cold-spawning instead",

@@ -4,6 +4,8 @@ freeze(owner)   every live lease of the owner -> FROZEN, with a fresh random tra
                 second freeze of the same frozen leases returns the same token); emits MemoryFrozen.
 transfer(owner, successor, token)   names the successor allowed to take the frozen leases over; the
                 successor then sends `takeover` on the engine socket (kill-before-transfer is enforced there).
+share(owner, grantee)   a token with which `grantee` may map the owner's weight leases read-only (a warm
+                standby's shadow); nothing changes state, the owner keeps its leases.
 reclaim(lease, force)   ORPHANED/FROZEN -> RECLAIMED now; an ACTIVE lease only with force.
 list(owner?, state?)    live leases of this node.
 """
@@ -23,6 +25,8 @@ from libs.common.events import (
     MemoryFrozen,
     Reclaim,
     ReclaimReply,
+    ShareWeights,
+    ShareWeightsReply,
     Transfer,
     TransferReply,
 )
@@ -38,6 +42,7 @@ class Commands:
         await bus.serve(node, Freeze, self.freeze)
         await bus.serve(node, Transfer, self.transfer)
         await bus.serve(node, Reclaim, self.reclaim)
+        await bus.serve(node, ShareWeights, self.share)
         await bus.serve(node, ListLeases, self.list)
 
     async def freeze(self, cmd: Freeze) -> FreezeReply:
@@ -62,6 +67,17 @@ class Commands:
                 rec.successor = cmd.successor
             await self.book.persist(recs)
             return TransferReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs))
+
+    async def share(self, cmd: ShareWeights) -> ShareWeightsReply:
+        recs = self.book.shareable(cmd.owner)
+        if not recs:
+            raise NotFound(f"{cmd.owner} holds no committed weight leases on {self.book.settings.node}")
+        # One grant per (owner, grantee): asking again (a standby re-shadowing) returns the same token.
+        token = next((t for t, pair in self.book.share_grants.items() if pair == (cmd.owner, cmd.grantee)), None)
+        if token is None:
+            token = secrets.token_urlsafe(24)
+            self.book.share_grants[token] = (cmd.owner, cmd.grantee)
+        return ShareWeightsReply(share_token=token, lease_ids=[r.id for r in recs], bytes=sum(r.info.size for r in recs))
 
     async def reclaim(self, cmd: Reclaim) -> ReclaimReply:
         async with self.book.lock:

@@ -32,7 +32,7 @@ from libs.common.ids import new_id
 from services.gpu_manager import reconciler
 from services.gpu_manager.backends import Backend, Chunk, round_up
 from services.gpu_manager.db import LeaseDb
-from services.gpu_manager.fsm import LeaseEvent, transition
+from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.mirror import Mirror
 from services.gpu_manager.records import LeaseRecord, open_pidfd, process_alive
@@ -66,6 +66,9 @@ class LeaseBook:
         self._pidfds: dict[int, int] = {}
         self.on_owner_exit: Callable[[int], None] | None = None
         self.rejected = 0  # malformed requests answered with an error (health detail)
+        # Read-only shares of weights for warm standbys: token -> (owner, grantee). In memory on purpose: a
+        # standby maps once, and its mapping outlives a manager restart (the keeper holds the memory).
+        self.share_grants: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -143,6 +146,11 @@ class LeaseBook:
         return process_alive(rec.owner_pid, rec.owner_pid_start)
 
     # ------------------------------------------------------------ transitions
+
+    def shareable(self, owner: str) -> list[LeaseRecord]:
+        """The owner's committed weight leases that still hold memory (a standby may shadow them)."""
+        return [r for r in self.records.values() if r.info.owner == owner and r.info.tag == Tag.WEIGHTS
+                and r.info.state in LIVE and r.info.layout_hash is not None]
 
     def frozen_for_transfer(self, owner: str, token: str) -> list[LeaseRecord]:
         """The owner's frozen leases, once the transfer token is proven for every one of them."""

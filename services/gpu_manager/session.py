@@ -4,7 +4,9 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
 1. Fds of a lease go only to its owner (same engine id and uid), or to the successor holding the transfer
    token (and, when the control plane named one, being that successor) after the predecessor is dead.
 2. Requests that change a lease carry its epoch; an older (or newer) epoch is refused as stale.
-3. Every bad request gets a typed error reply; a frame that breaks the framing closes this connection
+3. A warm standby holding the share token the control plane obtained for it (`share` command) gets read-only
+   fds of the owner's committed weight leases, nothing else; ownership does not move.
+4. Every bad request gets a typed error reply; a frame that breaks the framing closes this connection
    only. Other connections and the lease table are untouched.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ from libs.client.protocol import (
     Release,
     Resume,
     ResumeReply,
+    ShareReq,
     TakeoverReq,
     error,
     ok,
@@ -44,6 +48,7 @@ from libs.common.errors import (
     Conflict,
     HoldfastError,
     MalformedMessage,
+    NotFound,
     PermissionDenied,
     StaleEpoch,
 )
@@ -144,6 +149,8 @@ class EngineSession:
                      req.predecessor, len(recs), len(granted[1]), peer.engine_id, peer.pid,
                      (time.perf_counter() - t0) * 1000)
             return granted
+        if isinstance(req, ShareReq):
+            return self._grant(self.share(req, peer), read_only=True)
         if isinstance(req, Heartbeat):
             now = time.time()
             mine = self._mine(peer)
@@ -291,13 +298,30 @@ class EngineSession:
             for rec in frozen])
         return frozen
 
-    def _grant(self, records: list[LeaseRecord]) -> tuple[dict[str, Any], list[int]]:
+    def share(self, req: ShareReq, peer: Peer) -> list[LeaseRecord]:
+        """Read-only views of an owner's weights for the standby the control plane named (rule 3)."""
+        grant = self.book.share_grants.get(req.share_token)
+        if grant is None or not secrets.compare_digest(grant[0], req.owner):
+            raise PermissionDenied("wrong share token")
+        if grant[1] != peer.engine_id:
+            raise PermissionDenied(f"the share of {req.owner}'s weights is for {grant[1]}, not {peer.engine_id}")
+        recs = self.book.shareable(req.owner)
+        if not recs:
+            raise NotFound(f"{req.owner} holds no committed weight leases")
+        for rec in recs:
+            if rec.owner_uid != peer.uid:
+                raise PermissionDenied(f"lease {rec.id} belongs to another user")
+        log.info("%s (pid %d) shadows %s: %d weight leases, %d bytes, read-only", peer.engine_id, peer.pid,
+                 req.owner, len(recs), sum(r.info.size for r in recs))
+        return recs
+
+    def _grant(self, records: list[LeaseRecord], *, read_only: bool = False) -> tuple[dict[str, Any], list[int]]:
         grants, fds = [], []
         for rec in records:
             rec_fds = self.book.fds_of(rec.id)
             fds.extend(rec_fds)
             grants.append(LeaseGrant(lease=rec.info, nfds=len(rec_fds), gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),
-                                     tensors=list(rec.tensors.values())))
+                                     tensors=list(rec.tensors.values()), read_only=read_only))
         return ok(GrantReply(leases=grants)), fds
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu_manager.harness import ManagerProc
+from tests.gpu_manager.harness import Engine, ManagerProc
 
 
 @pytest.fixture
@@ -29,3 +29,18 @@ def manager_factory(settings_env: dict[str, str], tmp_path: Path) -> Iterator:
 @pytest.fixture
 def manager(manager_factory) -> ManagerProc:  # noqa: ANN001
     return manager_factory().start()
+
+
+@pytest.fixture
+def engines() -> Iterator:
+    """Start test engines (tests/gpu_manager/engine_main.py) on a manager; all are ended after the test."""
+    started: list[Engine] = []
+
+    def start(manager: ManagerProc, engine_id: str, **kw: str) -> Engine:
+        e = Engine(manager.socket, engine_id, **kw)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.close()

@@ -5,6 +5,8 @@
     pending                 lease ids waiting for this engine id
     attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
     takeover PRED TOKEN     take over a frozen predecessor's leases
+    share OWNER TOKEN       map an owner's weight leases read-only (a standby's shadow)
+    poke                    write one byte into the first tensor (a shadow: the process should fault)
     reconnect               new connection to the manager (e.g. after it restarted), keep mappings
     heartbeats SECONDS      start the SDK's heartbeat thread (it also reconnects by itself)
     status                  connected?, reconnects, held and lost leases with epochs, mapping addresses
@@ -75,6 +77,20 @@ class TestEngine:
             return self.grant(self.client.attach())
         if cmd == "takeover":
             return self.grant(self.client.takeover(words[1], words[2]))
+        if cmd == "share":
+            att = self.client.share(words[1], words[2])
+            out = self.grant(att)
+            out["read_only"] = {lease.id: lease.mapping.read_only for lease in att.leases}
+            out["ptrs"] = {lease.id: lease.ptr for lease in att.leases}
+            return out
+        if cmd == "poke":
+            view = next(iter(self.views.values()))
+            view[0] = (int(view[0]) + 1) % 256
+            if self.framework == "torch":
+                import torch
+
+                torch.cuda.synchronize()  # a fault on the GPU surfaces here
+            return {"ok": True}
         if cmd == "reconnect":
             old = self.client
             self.client = MemoryClient.connect(self.engine_id)
@@ -88,7 +104,8 @@ class TestEngine:
             c = self.client
             return {"connected": c.connected, "reconnects": c.reconnects, "lost": c.lost_leases,
                     "leases": {i: lease.epoch for i, lease in c.leases.items()},
-                    "ptrs": {i: lease.ptr for i, lease in c.leases.items()}, "manager_pid": c.hello.manager_pid}
+                    "ptrs": {i: lease.ptr for i, lease in c.leases.items()}, "manager_pid": c.hello.manager_pid,
+                    "shared": {i: lease.ptr for i, lease in c.shared.items()}}
         if cmd == "call":
             req = p.parse_request({"op": words[1], **json.loads(" ".join(words[2:]) or "{}")})
             self.client._call(req)

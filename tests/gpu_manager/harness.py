@@ -151,6 +151,21 @@ def as_other_uid(uid: int, fn) -> dict:  # noqa: ANN001
     return json.loads(data)
 
 
+async def until(fn, timeout: float = 30.0):  # noqa: ANN001
+    """Poll another process's state (an async or plain callable) until truthy, from a test's event loop;
+    waiting, not timing."""
+    import asyncio
+
+    for _ in range(int(timeout / 0.05)):
+        value = fn()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):  # noqa: ANN001
     """Poll until `predicate()` is truthy (returns it) or fail; for waiting on other processes, not timing."""
     deadline = time.monotonic() + timeout

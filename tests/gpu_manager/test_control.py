@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from libs.common.errors import RemoteError
@@ -19,32 +17,11 @@ from libs.common.events import (
     Transfer,
     TransferReply,
 )
-from tests.gpu_manager.harness import Engine, holds_lease_memory
+from tests.gpu_manager.harness import holds_lease_memory, until
 
 N = 2 * 1024 * 1024 + 100
 
 
-@pytest.fixture
-def engines():
-    started: list[Engine] = []
-
-    def start(manager, engine_id: str) -> Engine:  # noqa: ANN001
-        e = Engine(manager.socket, engine_id)
-        started.append(e)
-        return e
-
-    yield start
-    for e in started:
-        e.close()
-
-
-async def _until(fn, timeout: float = 20.0):  # noqa: ANN001
-    for _ in range(int(timeout / 0.05)):
-        value = await fn()
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met")
 
 
 async def test_freeze_then_takeover_waits_for_the_predecessor_to_die_and_bumps_the_epoch(manager, engines, bus, store):
@@ -80,13 +57,13 @@ async def test_freeze_then_takeover_waits_for_the_predecessor_to_die_and_bumps_t
         info = await store.get_model(f"allocations/{node}/{wrote['lease']}", LeaseInfo)
         return info if info is not None and info.owner == "eng-standby" else None
 
-    assert (await _until(mirrored)).epoch == 2
+    assert (await until(mirrored)).epoch == 2
 
     async def events():
         envs = await bus.replay(">")
         return envs if any(e.type == "memory.lease.changed" and e.data.lease.owner == "eng-standby" for e in envs) else None
 
-    envs = await _until(events)
+    envs = await until(events)
     states = [(e.data.from_state, e.data.lease.state) for e in envs if e.type == "memory.lease.changed"]
     assert (None, LeaseState.ACTIVE) in states
     assert (LeaseState.ACTIVE, LeaseState.FROZEN) in states
@@ -111,7 +88,7 @@ async def test_reclaim_command_frees_an_orphan_now_and_refuses_an_active_lease_w
         out = await bus.request(node, ListLeases(state=LeaseState.ORPHANED), ListLeasesReply)
         return out.leases
 
-    assert [i.id for i in await _until(orphaned)] == [held["lease"]]
+    assert [i.id for i in await until(orphaned)] == [held["lease"]]
     done = await bus.request(node, Reclaim(lease_id=held["lease"]), ReclaimReply)
     assert done.lease.state == LeaseState.RECLAIMED
     assert not holds_lease_memory(manager.pid, held["lease"])
@@ -119,7 +96,7 @@ async def test_reclaim_command_frees_an_orphan_now_and_refuses_an_active_lease_w
     async def gone():
         return await store.get(f"allocations/{node}/{held['lease']}") is None
 
-    await _until(gone)
+    await until(gone)
     with pytest.raises(RemoteError) as unknown:
         await bus.request(node, Reclaim(lease_id=held["lease"]), ReclaimReply)
     assert unknown.value.remote_code == "not_found"

@@ -14,23 +14,10 @@ import pytest
 
 from libs.client.memory import MemoryClient
 from libs.common.errors import HoldfastError, PermissionDenied
-from tests.gpu_manager.harness import Engine, as_other_uid, holds_lease_memory, wait_for
+from tests.gpu_manager.harness import as_other_uid, holds_lease_memory, wait_for
 
 N = 3 * 1024 * 1024 + 12345  # spans several 1 MiB chunks, last one partial
 
-
-@pytest.fixture
-def engines():
-    started: list[Engine] = []
-
-    def start(manager, engine_id: str, **kw) -> Engine:  # noqa: ANN001
-        e = Engine(manager.socket, engine_id, **kw)
-        started.append(e)
-        return e
-
-    yield start
-    for e in started:
-        e.close()
 
 
 def test_engine_socket_is_created_owner_only(manager):

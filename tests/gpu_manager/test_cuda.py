@@ -77,3 +77,21 @@ def test_cuda_orphan_is_reclaimed_and_gpu_memory_comes_back(manager_factory, eng
     owner.kill()
     held = _gpu_free_bytes()
     wait_for(lambda: _gpu_free_bytes() >= held + size - (256 << 20), timeout=60, interval=0.2)
+
+
+async def test_cuda_a_shadow_reads_the_owners_weights_and_cannot_change_them(cuda_manager, engines, bus):
+    from libs.common.events import ShareWeights, ShareWeightsReply
+
+    manager = cuda_manager.start()
+    owner = engines(manager, "gpu-owner")
+    wrote = owner.ask(f"write {N} 9")
+    grant = await bus.request("node-1", ShareWeights(owner="gpu-owner", grantee="gpu-shadow"), ShareWeightsReply)
+    shadow = engines(manager, "gpu-shadow")
+    got = shadow.ask(f"share gpu-owner {grant.share_token}")
+    assert got["data"] == wrote["expected"]
+    print(f"cuda read-only mapping granted by the driver: {got['read_only']}")
+    if not all(got["read_only"].values()):
+        pytest.skip("this driver maps device memory read-write only (the shadow then only promises not to write)")
+    poked = shadow.ask("poke")
+    assert poked.get("code") == "exception", poked  # the write faults on the GPU instead of landing
+    assert owner.ask("hash")["data"] == wrote["expected"]

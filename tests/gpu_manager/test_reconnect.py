@@ -9,22 +9,11 @@ import pytest
 from libs.client.memory import MemoryClient
 from libs.common.errors import Unavailable
 from libs.common.events import Freeze, FreezeReply, LeaseInfo, LeaseState, ListLeases, ListLeasesReply
-from tests.gpu_manager.test_crash_reattach import engines  # noqa: F401 - the engine-process fixture
+from tests.gpu_manager.harness import until
 
 N = 2 * 1024 * 1024 + 777
 NODE = "node-1"
 
-
-async def _until(fn, timeout: float = 30.0):  # noqa: ANN001
-    """Poll another process's state (async or plain callable) until truthy; waiting, not timing."""
-    for _ in range(int(timeout / 0.05)):
-        value = fn()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met")
 
 
 async def _lease(bus, lease_id: str) -> LeaseInfo | None:  # noqa: ANN001
@@ -42,11 +31,11 @@ async def test_a_live_engine_reconnects_by_itself_after_a_manager_restart_and_ke
     assert before["connected"] and before["reconnects"] == 0
 
     manager.kill()
-    await _until(lambda: not live.ask("status")["connected"])  # the heartbeat thread saw the break
+    await until(lambda: not live.ask("status")["connected"])  # the heartbeat thread saw the break
     assert live.ask("hash")["data"] == wrote["expected"]  # the engine keeps serving from its mappings
     manager.start()
 
-    back = await _until(lambda: (s := live.ask("status"))["connected"] and s)  # no explicit call from the engine
+    back = await until(lambda: (s := live.ask("status"))["connected"] and s)  # no explicit call from the engine
     assert back["reconnects"] == 1 and back["lost"] == {}
     assert back["leases"] == {lease_id: 1}  # same process, same epoch: nothing re-granted
     assert back["ptrs"] == before["ptrs"]  # the same mapping: the engine's tensors were never remapped
@@ -56,7 +45,7 @@ async def test_a_live_engine_reconnects_by_itself_after_a_manager_restart_and_ke
     assert row is not None and row.state == LeaseState.ACTIVE and row.owner == "eng-rc" and row.epoch == 1
 
     live.kill()  # the restarted manager still tracks the engine's process
-    orphaned = await _until(lambda: _orphaned(bus, lease_id))
+    orphaned = await until(lambda: _orphaned(bus, lease_id))
     assert orphaned.epoch == 1
     err = live.proc.stderr.read()
     assert err.count("connection to the gpu_manager lost") == 1  # one warning per outage, not per heartbeat

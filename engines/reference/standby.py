@@ -1,0 +1,132 @@
+"""A warm standby's life before its assignment, and the instant takeover of the engine it shadows.
+
+Before any failure the agent tells the standby to *shadow* an active engine of its model on its GPU: it maps
+that engine's weights read-only, leases a KV cache of its own, builds the full model over them and runs it
+once (kernels, allocator, the real shapes). When that engine fails and the standby is assigned to it, the
+standby serves at once: nothing is mapped, built or loaded on the recovery path.
+
+Why serving may start before the predecessor's death is confirmed: the two share only the weights, which
+neither writes (read-only here: a write faults); each has its own KV cache. Ownership of the leases still
+moves only after the death (the gpu_manager refuses the takeover while the predecessor lives): `adopt`
+runs on a thread of its own and retries until then. If it cannot (the leases were reclaimed, the
+manager refused), this process exits with 75 (lease lost), as an engine that lost its memory must.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engines.reference.config import ModelConfig
+from engines.reference.engine import EngineCore
+from engines.reference.memory import LeasedMemory, LocalMemory
+from engines.reference.model import Transformer
+from engines.reference.server import EngineState
+from engines.reference.settings import EngineSettings
+
+log = logging.getLogger("holdfast.engine.standby")
+
+EXIT_LEASE_LOST = 75
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+@dataclass
+class ShadowCore:
+    owner: str
+    core: EngineCore
+    read_only: bool
+    timings_ms: dict[str, float]
+
+
+class Standby:
+    def __init__(self, s: EngineSettings, cfg: ModelConfig, memory: LocalMemory | LeasedMemory, link: Any,
+                 state: EngineState, max_seq: int) -> None:
+        self.s, self.cfg, self.memory, self.link, self.state, self.max_seq = s, cfg, memory, link, state, max_seq
+        self.shadow: ShadowCore | None = None
+
+    def wait_assignment(self) -> Any:
+        """Follow shadow/unshadow instructions until the assignment comes; return it."""
+        from libs.client.agent_link import Assignment, Shadow
+
+        while True:
+            ins = self.link.wait_instruction()
+            if isinstance(ins, Assignment):
+                return ins
+            if isinstance(ins, Shadow):
+                self._shadow(ins.owner, ins.share_token)
+            else:
+                self.drop()
+                self.link.shadowing(None)
+
+    def _shadow(self, owner: str, share_token: str) -> None:
+        t0 = time.perf_counter()
+        self.drop()
+        try:
+            loaded = self.memory.shadow(self.cfg, owner, share_token, self.s.slots, self.max_seq)
+            core = EngineCore(Transformer(self.cfg, loaded.weights), loaded.kv, prefill_chunk=self.s.prefill_chunk)
+            warm_ms = core.warm()
+        except Exception as e:  # noqa: BLE001 - a failed shadow leaves a plain warm standby, said to the agent
+            log.warning("cannot shadow %s: %s: %s", owner, type(e).__name__, e)
+            self.drop()
+            self.link.shadowing(None)
+            return
+        timings = {**loaded.timings_ms, "warm_ms": round(warm_ms, 3), "total_ms": _ms(t0)}
+        self.shadow = ShadowCore(owner, core, loaded.read_only, timings)
+        self.state.info["shadow"] = {"owner": owner, "read_only": loaded.read_only, "timings_ms": timings}
+        log.info("shadowing %s (%s) in %.1f ms", owner, "read-only" if loaded.read_only else "read-write mapping",
+                 timings["total_ms"])
+        self.link.shadowing(owner, read_only=loaded.read_only)
+
+    def drop(self) -> None:
+        """Forget the shadow: the model over its memory first, then the mappings."""
+        if self.shadow is None:
+            return
+        self.shadow = None
+        self.state.info.pop("shadow", None)
+        import gc
+
+        gc.collect()  # the model's tensors must be gone before their memory is unmapped
+        self.memory.drop_shadow()
+
+    def shadows(self, predecessor: str) -> bool:
+        return self.shadow is not None and self.shadow.owner == predecessor
+
+    def promote(self, predecessor: str, transfer_token: str, t_start: float) -> EngineCore:
+        """Serve the shadowed predecessor's model now; own its leases once it is dead (background)."""
+        assert self.shadow is not None
+        shadow = self.shadow
+        self.state.info["recovery"] = {"source": "shadow", "first_token_ms": _ms(t_start),
+                                       "read_only": shadow.read_only, "shadow_timings_ms": shadow.timings_ms}
+        threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
+        return shadow.core
+
+    def _adopt(self, predecessor: str, token: str) -> None:
+        from libs.client.protocol import PredecessorAlive
+
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.s.adopt_timeout_s
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                timings = self.memory.adopt(predecessor, token)
+                self.state.info["recovery"]["adopted"] = {**timings, "after_ms": _ms(t0), "tries": tries}
+                log.info("owns %s's leases now (%.1f ms after the promotion, %d tries)", predecessor, _ms(t0), tries)
+                return
+            except PredecessorAlive:
+                if time.monotonic() > deadline:
+                    log.critical("%s still alive after %.0f s: cannot own its leases", predecessor,
+                                 self.s.adopt_timeout_s)
+                    break
+                time.sleep(0.005)
+            except Exception as e:  # noqa: BLE001 - any other refusal means the memory is not ours to serve
+                log.critical("taking over %s's leases failed: %s: %s", predecessor, type(e).__name__, e)
+                break
+        os._exit(EXIT_LEASE_LOST)

@@ -1,0 +1,64 @@
+"""A death seen coming: /proc's PF_EXITING and exit status, before the pidfd reports the end of the teardown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from services.agent.pidfd import ExitStatus, PidWatcher, decode_wait_status, proc_state
+
+
+def _child(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _poll_until_reported(w: PidWatcher) -> list[tuple[str, ExitStatus]]:
+    """Blocking polls: the loop does not run meanwhile, so the pidfd's callback cannot take the key first."""
+    for _ in range(3000):
+        got = w.poll_exiting()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("never seen exiting")
+
+
+async def test_a_killed_process_is_seen_exiting_with_its_signal_exactly_once() -> None:
+    exits: list[str] = []
+    w = PidWatcher(lambda key, st: exits.append(key))
+    p = _child("import time; time.sleep(60)")
+    try:
+        w.watch("e1", p.pid, child=False)
+        assert w.poll_exiting() == []  # alive: nothing
+        os.kill(p.pid, signal.SIGKILL)
+        (key, st), = _poll_until_reported(w)
+        assert key == "e1" and st.known and st.signal == signal.SIGKILL and st.exit_code is None
+        assert w.poll_exiting() == []  # reported once
+    finally:
+        p.wait(10)
+        w.close()
+
+
+async def test_an_exit_code_is_read_before_the_process_is_reaped() -> None:
+    w = PidWatcher(lambda key, st: None)
+    p = _child("import sys, time; time.sleep(0.2); sys.exit(3)")
+    try:
+        w.watch("e2", p.pid, child=False)
+        # Blocking waits (the loop does not run, so the pidfd's callback cannot take the key first).
+        deadline = time.monotonic() + 30
+        while proc_state(p.pid) != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (_, st), = w.poll_exiting()
+        assert st.exit_code == 3 and st.signal is None
+    finally:
+        p.wait(10)
+        w.close()
+
+
+def test_wait_statuses_decode_into_exit_codes_and_signals() -> None:
+    assert decode_wait_status(3 << 8) == (3, None)
+    assert decode_wait_status(signal.SIGSEGV | 0x80) == (None, signal.SIGSEGV)  # with a core dump
+    assert decode_wait_status(signal.SIGKILL) == (None, signal.SIGKILL)
