@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -120,7 +121,8 @@ class SimulatedCluster:
     async def serve(self) -> None:
         await self.bus.serve("*", Freeze, self.freeze)
         await self.bus.serve("*", Takeover, self.takeover)
-        await self.bus.serve("*", Spawn, self.spawn)
+        for node in self.node_names:  # per node: a cold engine runs on the node it was sent to (placement)
+            await self.bus.serve(node, Spawn, functools.partial(self.spawn, node=node))
         await self.bus.serve("*", Reclaim, self.reclaim)
         await self.bus.serve("*", StopEngine, self.stop)
 
@@ -191,15 +193,14 @@ class SimulatedCluster:
             await self.store.put(f"engines/{succ.engine_id}", succ)
         fut.set_result(TakeoverReply(engine=succ, used_standby=True, timings_ms={"attach": 0.0}))
 
-    async def spawn(self, cmd: Spawn) -> SpawnReply:
+    async def spawn(self, cmd: Spawn, node: str | None = None) -> SpawnReply:
         """Start a cold engine: answered at once as `starting`; ready (etcd + `engine.ready`) after
         `spawn_ready_s`, or when `ready_gate` is set, as a real engine loading its weights would be."""
         self.spawn_calls += 1
         eid = cmd.engine_id or f"spawned-{self.spawn_calls}"
         if eid in self.engines:
             return SpawnReply(engine=self.engines[eid])  # idempotent: a retried spawn gets the same engine
-        node = next(iter(self.node_names))
-        info = EngineInfo(engine_id=eid, node=node, model=cmd.spec.model, engine_class=cmd.spec.engine_class,
+        info = EngineInfo(engine_id=eid, node=node or self.node_names[0], model=cmd.spec.model, engine_class=cmd.spec.engine_class,
                           role=EngineRole.ACTIVE, gpu=cmd.spec.gpus[0], endpoint=f"http://127.0.0.1:9/{eid}",
                           state="starting", version=cmd.spec.version)
         self.engines[eid] = info

@@ -137,6 +137,7 @@ class IncidentRecord(BaseModel):
     kind: FaultKind | None = None
     version: str | None = None  # hot upgrade: the successor's version
     successor_hint: str | None = None  # a standby named by the operator
+    move_off: bool = False  # a node drain: cold start on another node, then stop this engine (memory stays put)
     state: IncidentState = S.OPENED
     opened_at: float = Field(default_factory=time.time)
     died_at: float | None = None

@@ -1,4 +1,4 @@
-"""Operations started on purpose (manual failover, hot upgrade, forced reclaim, drain).
+"""Operations started on purpose (manual failover, hot upgrade, forced reclaim, drain that moves engines off).
 
 They work on any controller, leader or not: an on-purpose incident is only *created* here (an etcd
 transaction on its deterministic id, so two concurrent requests cannot both win); the leader's deadline
@@ -17,7 +17,8 @@ from services.controller.view import ClusterView
 
 
 async def start_on_purpose(store: Store, view: ClusterView, engine_id: str, reason: IncidentReason, *,
-                           version: str | None = None, successor: str | None = None) -> IncidentRecord:
+                           version: str | None = None, successor: str | None = None,
+                           move_off: bool = False) -> IncidentRecord:
     engine = view.engines.get(engine_id)
     if engine is None:
         raise NotFound(f"no engine {engine_id}")
@@ -31,7 +32,7 @@ async def start_on_purpose(store: Store, view: ClusterView, engine_id: str, reas
         id=incident_id_for(engine_id, engine.generation, reason), engine_id=engine_id, model=engine.model,
         engine_class=engine.engine_class, generation=engine.generation, node=engine.node, gpu=engine.gpu,
         endpoint=(hit[1] if hit else None) or engine.endpoint, reason=reason, version=version,
-        successor_hint=successor,
+        successor_hint=successor, move_off=move_off,
     )
     if not await store.create(incident_key(rec.id), rec):
         raise Conflict(f"engine {engine_id} generation {engine.generation} already had a {reason} incident")
@@ -48,9 +49,24 @@ async def reclaim_lease(bus: Bus, view: ClusterView, lease_id: str, *, wait_s: f
     return await bus.request(lease.node, Reclaim(lease_id=lease_id, force=True), ReclaimReply, timeout=wait_s)
 
 
-async def drain_node(store: Store, view: ClusterView, node: str) -> list[str]:
-    """Mark `node` unschedulable (placement skips it); the engines still on it are returned."""
+async def drain_node(store: Store, view: ClusterView, node: str) -> tuple[list[str], list[str]]:
+    """Mark `node` unschedulable (placement skips it), then move every serving engine off it: a manual
+    failover per engine that cold-starts its successor on another node (GPU memory cannot leave its node)
+    and stops the engine once the successor is routed in. Returns (the engines on the node, the incidents
+    started); an engine already in an incident is left to it. Idempotent: a repeated drain starts nothing
+    twice (incident ids are per engine generation)."""
     if node not in view.nodes:
         raise NotFound(f"no node {node}")
     await store.put(f"drain/{node}", {"node": node})
-    return sorted(e.engine_id for e in view.engines.values() if e.node == node)
+    engines = sorted(e.engine_id for e in view.engines.values() if e.node == node)
+    started = []
+    for engine_id in engines:
+        engine = view.engines[engine_id]
+        if engine.role is not EngineRole.ACTIVE or engine.state != "ready" or view.open_incident_for(engine_id):
+            continue  # a standby is the agent's to replace; a starting or failed one is not serving
+        try:
+            rec = await start_on_purpose(store, view, engine_id, IncidentReason.MANUAL_FAILOVER, move_off=True)
+        except Conflict:
+            continue  # raced with another incident (or a repeated drain): that one moves it
+        started.append(rec.id)
+    return engines, started

@@ -292,20 +292,24 @@ class IncidentDriver:
         if not engine_id:
             return
         self.by_cold.pop(engine_id, None)
+        self._stop_in_background(rec.id, engine_id, node)
+
+    def _stop_in_background(self, inc_id: str, engine_id: str, node: str | None) -> None:
+        """Stop an engine that is no longer needed (best effort, in the background; the node may be gone)."""
         engine = self.view.engines.get(engine_id)
         node = node or (engine.node if engine else None)
         if not node:
-            log.warning("incident %s: cannot stop superseded cold engine %s: node unknown", rec.id, engine_id)
+            log.warning("incident %s: cannot stop engine %s: node unknown", inc_id, engine_id)
             return
 
         async def stop() -> None:
             try:
                 await self.bus.request(node, StopEngine(engine_id=engine_id), StopReply, timeout=10.0)
-                log.info("incident %s: stopped superseded cold engine %s on %s", rec.id, engine_id, node)
+                log.info("incident %s: stopped engine %s on %s", inc_id, engine_id, node)
             except Exception as e:  # noqa: BLE001 - best effort: a leftover engine is visible in the view
-                log.warning("incident %s: could not stop cold engine %s: %s", rec.id, engine_id, e)
+                log.warning("incident %s: could not stop engine %s: %s", inc_id, engine_id, e)
 
-        task = asyncio.create_task(stop(), name=f"stop-cold:{engine_id}")
+        task = asyncio.create_task(stop(), name=f"stop:{engine_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -362,6 +366,9 @@ class IncidentDriver:
                 rec = await self._commit(rec, await self._dispatch(rec))
             elif rec.state is S.ROUTING_IN:
                 rec = await self._commit(rec, await self._route_in(rec))
+                if rec.move_off and rec.state is S.RESOLVED and rec.successor_id != rec.engine_id:
+                    # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
+                    self._stop_in_background(rec.id, rec.engine_id, rec.node)
             else:
                 return
 
@@ -375,19 +382,25 @@ class IncidentDriver:
         model, url = hit if hit is not None else (work.model, work.endpoint)
         # Route out beside the freeze: routers hold requests while the memory is frozen.
         lost = work.memory_lost or self._memory_gone(work)
+        cold = lost or work.move_off  # moving off a drained node: the successor starts cold elsewhere
         # Published together, their stream acks awaited together (one wait, not three requests).
-        await self.bus.publish_all([
-            self._envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id, url=url,
-                                           reason=str(work.kind or work.reason), incident_id=work.id),
-                           f"{work.id}-removed", work),
-            self._intent_envelope(work, fallback=lost),
+        events = [
+            self._intent_envelope(work, fallback=cold),
             self._envelope(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,
                                           kind=work.kind, model=work.model, gpu=work.gpu),
                            f"{work.id}-opened", work),
-        ])
-        self.writer.delete_nowait(endpoint_key(model or work.model, work.engine_id))
-        end_step(work, Step.ROUTE_OUT, "done", time.time())
-        trig = Trigger.DISPATCHED_FALLBACK if lost else Trigger.DISPATCHED
+        ]
+        if not work.move_off:
+            events.insert(0, self._envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id, url=url,
+                                                            reason=str(work.kind or work.reason), incident_id=work.id),
+                                            f"{work.id}-removed", work))
+        await self.bus.publish_all(events)
+        if work.move_off:  # make before break: a drained engine serves until its successor does (route-in)
+            end_step(work, Step.ROUTE_OUT, "skipped", time.time(), "drain: routed out when its successor is routed in")
+        else:
+            self.writer.delete_nowait(endpoint_key(model or work.model, work.engine_id))
+            end_step(work, Step.ROUTE_OUT, "done", time.time())
+        trig = Trigger.DISPATCHED_FALLBACK if cold else Trigger.DISPATCHED
         return apply(work, trig, time.time(), self.deadlines, memory_lost=lost)
 
     async def _route_in(self, rec: IncidentRecord) -> IncidentRecord:
@@ -397,13 +410,21 @@ class IncidentDriver:
         if succ and url:
             self.writer.put_nowait(endpoint_key(rec.model, succ), url)
         new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
-        await self.bus.publish_all([
+        events = [
             self._envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
                                          predecessor_id=rec.engine_id), f"{rec.id}-added", rec),
             self._envelope(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
                                             timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
                                             fallback=new.fallback), f"{new.id}-resolved", new),
-        ])
+        ]
+        if rec.move_off:  # the drained engine's route goes only now, after its successor's (make before break)
+            hit = self.view.endpoint_of(rec.engine_id)
+            model, old_url = hit if hit is not None else (rec.model, rec.endpoint)
+            self.writer.delete_nowait(endpoint_key(model, rec.engine_id))
+            events.insert(1, self._envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
+                                                            reason="drained", incident_id=rec.id),
+                                            f"{rec.id}-removed", rec))
+        await self.bus.publish_all(events)
         return new
 
     async def _send_intent(self, rec: IncidentRecord, *, fallback: bool) -> None:

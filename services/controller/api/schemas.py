@@ -121,6 +121,7 @@ class DrainOut(BaseModel):
     node: str
     drained: bool
     engines: list[str]
+    incidents: list[str] = []  # the manual failovers started to move its serving engines off
 
 
 class HealthOut(BaseModel):
