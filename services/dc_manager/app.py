@@ -21,6 +21,7 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents;
     # several managers of one datacenter share it (a deliver group): each intent goes to one of them.
     await rt.bus.durable("intent.recover", f"dc_manager-{subject_token(settings.datacenter)}", executor.on_intent,
-                         concurrency=settings.concurrency, ack_wait=settings.ack_wait_s, shared=True)
+                         concurrency=settings.concurrency, ack_wait=settings.ack_wait_s, shared=True,
+                         attach_trace=executor.export_spans)  # no spans of ours: the trace is passed on as is
     rt.health_detail = lambda: {"datacenter": settings.datacenter, "handled": executor.handled,
                                 "nodes": sorted(settings.node_set() or [])}

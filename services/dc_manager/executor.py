@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,9 @@ from services.dc_manager.placement import Action, place
 from services.dc_manager.settings import DcManagerSettings
 
 log = logging.getLogger("holdfast.dc_manager")
+# The intent's trace, handed to its node commands as is when this process builds no spans of its own (no
+# exporter): no propagator round trip (extract, attach, inject) per command.
+_intent_trace: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_intent_trace", default=None)
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -100,6 +104,8 @@ class IntentExecutor:
         if not self.owns(intent):
             return
         key = f"{intent.incident_id}-{'fallback' if intent.memory_lost else 'recover'}"
+        if not self.export_spans:
+            _intent_trace.set(env.trace.traceparent)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             with self._span("dc_manager.intent", {"holdfast.incident": intent.incident_id,
@@ -184,7 +190,9 @@ class IntentExecutor:
         with self._span(f"dc_manager.{step}", {"holdfast.node": node}):
             t0 = time.perf_counter()
             try:
-                out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s),  # type: ignore[arg-type]
+                trace = _intent_trace.get()
+                out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s,  # type: ignore[arg-type]
+                                                                  traceparent=trace),
                                          self.settings.retries, self.settings.retry_backoff_s)
             except RemoteError as e:
                 raise StepFailed(step, f"{e.remote_code}: {e.message}") from None
@@ -203,7 +211,7 @@ class IntentExecutor:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
                               endpoint=endpoint, timings_ms=timings or {}, node=node)
         kind = "fallback" if intent.memory_lost else "recover"
-        env = self.bus.envelope(result, id=f"{intent.incident_id}-{kind}-{step}-result")
+        env = self.bus.envelope(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=_intent_trace.get())
         await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result
 
     async def _load(self, key: str) -> IntentProgress | None:
