@@ -407,10 +407,12 @@ class Bus:
     # ------------------------------------------------------------ commands
 
     async def request(
-        self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None
+        self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None,
+        traceparent: str | None = None,
     ) -> R:
+        """`traceparent`: the trace to file the command under (default: the current span's context)."""
         subject = command_subject(self.prefix, node, type(command))
-        headers = telemetry.inject_headers()
+        headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
         # model_construct: `data` comes from a validated command; validating the dict again buys nothing.
         env = CommandEnvelope.model_construct(
             id=new_id(), version=SCHEMA_VERSION, time=time.time(), source=self.source,
