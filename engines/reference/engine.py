@@ -170,6 +170,41 @@ class EngineCore:
         finally:
             self._give_slot(slot)
 
+    def warm_threads(self, n: int) -> None:
+        """Leave `n` threads' worth of cuBLAS state ready for the generation threads to come (CUDA only).
+
+        PyTorch keeps cuBLAS handles (and their workspaces) per thread, and gives a finished thread's handles
+        to the next new thread; a thread without one creates it, which allocates device memory. Right after
+        a takeover that allocation waits: the predecessor's CUDA context is still being torn down (~100 ms
+        on an H200) and holds the driver lock that allocations need, while kernels on memory already
+        allocated run unhindered (scripts/probe_teardown.py, docs/benchmarks.md). So `n` threads each run a
+        forward at once (n distinct handles, held together at a barrier) and exit, leaving n in the pool."""
+        if self.model.device.type != "cuda" or n < 1:
+            return
+        barrier = threading.Barrier(n)
+        slot = self._take_slot(None)
+        errors: list[BaseException] = []
+
+        def one() -> None:
+            try:
+                self.forward(slot, [2], 0)
+                torch.cuda.synchronize(self.model.device)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                errors.append(e)
+            finally:
+                barrier.wait()
+
+        try:
+            threads = [threading.Thread(target=one, name=f"warm-{i}", daemon=True) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            self._give_slot(slot)
+        if errors:
+            raise errors[0]
+
     def warm(self) -> float:
         """Run the kernels once (one prefill chunk, one decode step); returns the milliseconds it took."""
         t0 = time.perf_counter()
