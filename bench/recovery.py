@@ -91,9 +91,15 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
     for t in trials:
         for k, v in t.steps_ms().items():
             steps.setdefault(k, []).append(v)
+    engine: dict[str, list[float]] = {}  # the successor's own clock, from its assignment (or start)
+    for t in trials:
+        for k in ("first_token_ms", "first_request_ms", "first_request_token_ms"):
+            if isinstance(t.engine_recovery.get(k), (int, float)):
+                engine.setdefault(k, []).append(float(t.engine_recovery[k]))
     return {
         "death_to_first_token_ms": summarize(rec) if rec else None,
         "steps_ms_p50": {k: round(statistics.median(v), 2) for k, v in steps.items()},
+        "successor_ms_p50": {k: round(statistics.median(v), 2) for k, v in engine.items()},
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),
         "outputs_match": all(t.mismatched == 0 for t in trials),
         "requests_lost": sum(t.lost for t in trials),

@@ -173,11 +173,20 @@ class LeasedMemory:
 
     def adopt(self, predecessor: str, token: str) -> dict[str, float]:
         """Own the shadowed predecessor's leases (FROZEN -> ACTIVE here); release the ones not used (its KV)."""
+        from libs.common.errors import Unavailable
+
         t0 = time.perf_counter()
-        shadowed = set(self.client.shared)
-        att = self.client.takeover(predecessor, token)
+        shadowed, own = set(self.client.shared), set(self.client.leases)
+        try:
+            att = self.client.takeover(predecessor, token)
+        except Unavailable:
+            # The connection broke under the request (a gpu_manager restart): it may have taken effect.
+            # `attach` (after the SDK's reconnect) returns what this process holds now.
+            att = self.client.attach()
+            if not shadowed <= {lease.id for lease in att.leases}:
+                raise Unavailable(f"the takeover of {predecessor}'s leases did not happen; to be tried again") from None
         t_takeover = _ms(t0)
-        unused = [lease.id for lease in att.leases if lease.id not in shadowed]
+        unused = [lease.id for lease in att.leases if lease.id not in shadowed | own]
         for lease_id in unused:
             self.client.release(lease_id)
         return {"takeover_ms": t_takeover, "released": float(len(unused)), "total_ms": _ms(t0)}

@@ -69,6 +69,7 @@ class EngineState:
         self.sem: asyncio.Semaphore | None = None
         self.info: dict[str, Any] = {}  # memory source, timings, recovery figures (shown in /health)
         self.on_first_token: Callable[[float], None] | None = None  # called once, with time.perf_counter()
+        self.on_first_request: Callable[[float], None] | None = None  # likewise, when a generation arrives
 
     def install(self, core: EngineCore) -> None:
         self.core = core
@@ -147,6 +148,9 @@ def build_app(state: EngineState) -> FastAPI:
         if core is None or state.state != "ready":
             return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
         req = body.to_request()
+        cb, state.on_first_request = state.on_first_request, None
+        if cb is not None:
+            cb(time.perf_counter())
         try:
             core.validate(req)
         except BadRequest as e:

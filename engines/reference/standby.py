@@ -103,13 +103,21 @@ class Standby:
         """Serve the shadowed predecessor's model now; own its leases once it is dead (background)."""
         assert self.shadow is not None
         shadow = self.shadow
-        self.state.info["recovery"] = {"source": "shadow", "first_token_ms": _ms(t_start),
-                                       "read_only": shadow.read_only, "shadow_timings_ms": shadow.timings_ms}
+        rec = {"source": "shadow", "first_token_ms": _ms(t_start), "read_only": shadow.read_only,
+               "shadow_timings_ms": shadow.timings_ms}
+        self.state.info["recovery"] = rec
+
+        def at(key: str):  # noqa: ANN202 - a callback recording ms since the promotion
+            return lambda t: rec.__setitem__(key, round((t - t_start) * 1000, 3))
+
+        self.state.on_first_request = at("first_request_ms")  # the router's first request reached us
+        self.state.on_first_token = at("first_request_token_ms")  # and its first token left
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core
 
     def _adopt(self, predecessor: str, token: str) -> None:
         from libs.client.protocol import PredecessorAlive
+        from libs.common.errors import Unavailable
 
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.s.adopt_timeout_s
@@ -121,10 +129,9 @@ class Standby:
                 self.state.info["recovery"]["adopted"] = {**timings, "after_ms": _ms(t0), "tries": tries}
                 log.info("owns %s's leases now (%.1f ms after the promotion, %d tries)", predecessor, _ms(t0), tries)
                 return
-            except PredecessorAlive:
+            except (PredecessorAlive, Unavailable) as e:  # not dead yet; or the gpu_manager restarting
                 if time.monotonic() > deadline:
-                    log.critical("%s still alive after %.0f s: cannot own its leases", predecessor,
-                                 self.s.adopt_timeout_s)
+                    log.critical("cannot own %s's leases after %.0f s: %s", predecessor, self.s.adopt_timeout_s, e)
                     break
                 time.sleep(0.005)
             except Exception as e:  # noqa: BLE001 - any other refusal means the memory is not ours to serve

@@ -71,6 +71,7 @@ class Trial:
     incident_id: str | None
     weights_before: str | None = None
     weights_after: str | None = None
+    engine_recovery: dict[str, Any] = field(default_factory=dict)  # the successor's own /health "recovery"
 
     @property
     def recovery_ms(self) -> float | None:
@@ -280,8 +281,9 @@ class Scenario:
         first_token = min(after) if after else None
         successor = await self.wait_serving(standbys=0, timeout=60)
         after_sum = await self.weights_checksum(successor.endpoint or "") if check_weights else None
+        health = await self.engine_health(successor.endpoint or "")
         return Trial(t_kill, first_token, results, self.timeline(t_kill, first_token, after=seen), lost, mismatched,
-                     resolved.incident_id, before, after_sum)
+                     resolved.incident_id, before, after_sum, dict(health.get("recovery") or {}))
 
     async def _until_tokens(self, tasks: list[asyncio.Task[Any]], want: int) -> None:
         """Wait until `want` more tokens streamed, so the kill lands mid-generation."""

@@ -324,11 +324,12 @@ class MemoryClient:
                 chunk_fds = fds[i:i + g.nfds]
                 i += g.nfds
                 shadow = self.shared.pop(g.lease.id, None)
-                if shadow is not None and not g.read_only:
-                    # Taking over a lease this process already shadows: the same memory is mapped here, and
-                    # every view of it (a model built over it) stays valid. Nothing to map again.
-                    shadow.info, shadow.tensor_metas = g.lease, list(g.tensors)
-                    lease = shadow
+                held = shadow if shadow is not None else self.leases.get(g.lease.id)
+                if held is not None and not g.read_only:
+                    # A lease this process already maps (a shadow it now takes over, or its own lease granted
+                    # again): the same memory, and every view of it (a model built over it) stays valid.
+                    held.info, held.tensor_metas = g.lease, list(g.tensors)
+                    lease = held
                 else:
                     if shadow is not None:
                         shadow.unmap()

@@ -45,6 +45,8 @@ async def setup(rt: Runtime) -> None:
     agent.specs.update(await records.load_specs(rt.store, settings.node))
     for spec in settings.load_specs():
         agent.specs[spec_key(spec)] = spec
+        # recorded too: the dc_manager's cold-start fallback finds an engine class's spec there
+        writer.put_spec(settings.node, spec_key(spec), spec)
 
     # Engines still running from a previous agent on this node, before anyone can register.
     for info in await records.load_engines(rt.store, settings.node):
@@ -61,7 +63,8 @@ async def setup(rt: Runtime) -> None:
 
     node = NodeInfo(node=settings.node, datacenter=settings.datacenter, agent_pid=os.getpid(),
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
-                    gpus=settings.gpus or nvml.gpus, nvml=bool(has_nvml))
+                    # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
+                    gpus=settings.gpus or nvml.gpus or [0], nvml=bool(has_nvml))
     rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
 
     takeovers = Takeovers(agent)

@@ -12,6 +12,7 @@ list(owner?, state?)    live leases of this node.
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 from libs.common.bus import Bus
@@ -33,12 +34,16 @@ from libs.common.events import (
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.manager import LeaseBook, Move
 
+log = logging.getLogger("holdfast.gpu_manager.commands")
+
 
 class Commands:
     def __init__(self, book: LeaseBook) -> None:
         self.book = book
+        self.bus: Bus | None = None
 
     async def register(self, bus: Bus, node: str) -> None:
+        self.bus = bus
         await bus.serve(node, Freeze, self.freeze)
         await bus.serve(node, Transfer, self.transfer)
         await bus.serve(node, Reclaim, self.reclaim)
@@ -55,8 +60,16 @@ class Commands:
             cause = f"frozen ({cmd.incident_id or 'no incident'})"
             await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
             epoch = max(r.info.epoch for r in recs)
-            self.book.mirror.frozen(MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
-                                                 incident_id=cmd.incident_id))
+            frozen = MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
+                                  incident_id=cmd.incident_id)
+            try:
+                # Published before the reply, so that no later step of the incident (a takeover that may now
+                # take 3 ms) reaches anyone before `memory.frozen` does.
+                assert self.bus is not None
+                await self.bus.emit(frozen, incident_id=frozen.incident_id)
+            except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
+                log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
+                self.book.mirror.frozen(frozen)
             return FreezeReply(lease_ids=[r.id for r in recs], epoch=epoch, transfer_token=token,
                                leases=[r.info for r in recs])
 

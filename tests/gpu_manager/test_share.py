@@ -73,6 +73,11 @@ async def test_a_shadow_takes_the_leases_over_after_the_owners_death_keeping_its
     status = standby.ask("status")
     assert status["ptrs"] == {wrote["lease"]: shadow_ptr}  # the shadow's mapping, now owned: nothing re-mapped
     assert status["shared"] == {}
+    # Asking again what it holds (after a reply lost to a broken connection, the SDK's caller does this) gives
+    # the same lease at the same epoch over the same mapping: nothing is unmapped under the model.
+    again = standby.ask("attach")
+    assert again["leases"] == {wrote["lease"]: 2} and again["data"] == wrote["expected"]
+    assert standby.ask("status")["ptrs"] == {wrote["lease"]: shadow_ptr}
     listed = await bus.request(NODE, ListLeases(owner="eng-sb"), ListLeasesReply)
     assert [(i.id, i.state, i.epoch) for i in listed.leases] == [(wrote["lease"], LeaseState.ACTIVE, 2)]
 
