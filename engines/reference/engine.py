@@ -170,38 +170,43 @@ class EngineCore:
         finally:
             self._give_slot(slot)
 
-    def warm_threads(self, n: int) -> None:
-        """Leave `n` threads' worth of cuBLAS state ready for the generation threads to come (CUDA only).
+    def warm_concurrent(self, n: int, *, cuda_only: bool = True) -> None:
+        """Serve `n` small generations at once, each on its own thread, as the first requests after a
+        takeover will be (CUDA only): prompts, resumed tokens, greedy and sampled, every slot busy.
 
-        PyTorch keeps cuBLAS handles (and their workspaces) per thread, and gives a finished thread's handles
-        to the next new thread; a thread without one creates it, which allocates device memory. Right after
-        a takeover that allocation waits: the predecessor's CUDA context is still being torn down (~100 ms
-        on an H200) and holds the driver lock that allocations need, while kernels on memory already
-        allocated run unhindered (scripts/probe_teardown.py, docs/benchmarks.md). So `n` threads each run a
-        forward at once (n distinct handles, held together at a barrier) and exit, leaving n in the pool."""
-        if self.model.device.type != "cuda" or n < 1:
+        Why: right after a takeover the predecessor's CUDA context is still being torn down (~100 ms on an
+        H200) and holds the driver lock that device allocations need, while kernels on memory already
+        allocated run unhindered (scripts/probe_teardown.py, docs/benchmarks.md). Whatever the first
+        requests would allocate must be allocated before: cuBLAS handles and workspaces (PyTorch keeps them
+        per thread and hands a finished thread's to the next new one) and the caching allocator's blocks
+        for the peak of concurrent requests."""
+        if cuda_only and self.model.device.type != "cuda" or n < 1:
             return
+        counters = (self.tokens_generated, self.requests_done)
         barrier = threading.Barrier(n)
-        slot = self._take_slot(None)
         errors: list[BaseException] = []
+        span = max(2, min(self.prefill_chunk, self.max_seq // 4))
 
-        def one() -> None:
+        def one(i: int) -> None:
             try:
-                self.forward(slot, [2], 0)
-                torch.cuda.synchronize(self.model.device)
+                context = [3 + (i + k) % 50 for k in range(span + 4)]  # a prompt, then 4 resumed tokens
+                req = GenerationRequest(context=context, max_tokens=4, prefix_len=span,
+                                        temperature=0.7 if i % 2 else 0.0, seed=i, ignore_eos=True)
+                for _ in self.generate(req, slot_timeout=60):
+                    pass
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize(self.model.device)
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 errors.append(e)
             finally:
-                barrier.wait()
+                barrier.wait()  # every thread holds its handles until all have run
 
-        try:
-            threads = [threading.Thread(target=one, name=f"warm-{i}", daemon=True) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            self._give_slot(slot)
+        threads = [threading.Thread(target=one, args=(i,), name=f"warm-{i}", daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.tokens_generated, self.requests_done = counters
         if errors:
             raise errors[0]
 

@@ -72,7 +72,7 @@ class Standby:
             loaded = self.memory.shadow(self.cfg, owner, share_token, self.s.slots, self.max_seq)
             core = EngineCore(Transformer(self.cfg, loaded.weights), loaded.kv, prefill_chunk=self.s.prefill_chunk)
             warm_ms = core.warm()
-            core.warm_threads(core.slots + 2)  # the generation threads to come find cuBLAS ready
+            core.warm_concurrent(core.slots)  # what the first requests would allocate, allocated now
         except Exception as e:  # noqa: BLE001 - a failed shadow leaves a plain warm standby, said to the agent
             log.warning("cannot shadow %s: %s: %s", owner, type(e).__name__, e)
             self.drop()

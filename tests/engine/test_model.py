@@ -100,3 +100,14 @@ def test_a_context_longer_than_the_cache_is_refused_and_slots_come_back(core: En
     next(it)
     it.close()  # a client that goes away
     assert core.free_slots() == core.slots
+
+
+def test_a_concurrent_warm_up_leaves_every_slot_free_the_counters_untouched_and_outputs_unchanged(
+        core: EngineCore) -> None:
+    req = GenerationRequest(context=[5, 6, 7, 8], max_tokens=6, ignore_eos=True)
+    before, _ = run(core, req)
+    counters = (core.tokens_generated, core.requests_done)
+    core.warm_concurrent(core.slots + 1, cuda_only=False)  # more threads than slots: they queue for slots
+    assert core.free_slots() == core.slots
+    assert (core.tokens_generated, core.requests_done) == counters
+    assert run(core, req)[0] == before
