@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import zlib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engines.reference.config import ModelConfig
 
@@ -42,17 +43,40 @@ def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int)
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
 def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | None = None) -> Path:
-    """Write the safetensors file for `cfg` (deterministic for a given size, seed and dtype)."""
+    """Write the safetensors file for `cfg` (deterministic for a given size, seed and dtype), one tensor at a
+    time, so memory stays at one tensor whatever the model's size: safetensors' `save_file` builds the whole
+    file in memory first, and a 32 GiB model did not get written on a 125 GiB machine. The format is the
+    library's (an 8-byte little-endian header length, a JSON header with each tensor's dtype, shape and byte
+    range, padded to 8 bytes, then the bytes); its reader (`load_file`, `safe_open`) reads it back."""
     dt = torch_dtype(dtype or cfg.dtype)
-    tensors = {name: _init_tensor(cfg, name, shape, seed).to(dt).contiguous()
-               for name, shape in cfg.tensor_shapes().items()}
+    item = torch.empty((), dtype=dt).element_size()
+    shapes = cfg.tensor_shapes()
+    names = sorted(shapes)
+    header: dict[str, object] = {}
+    offset = 0
+    for name in names:
+        nbytes = math.prod(shapes[name]) * item
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(shapes[name]),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    # One metadata key, the header's keys sorted: the file must be the same bytes each time.
+    header["__metadata__"] = {"holdfast": json.dumps({"size": cfg.name, "seed": seed,
+                                                      "dtype": str(dt).removeprefix("torch."),
+                                                      "config": cfg.__dict__}, sort_keys=True)}
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    # One metadata key: safetensors writes metadata in hash order, and the file must be the same bytes each time.
-    meta = {"holdfast": json.dumps({"size": cfg.name, "seed": seed, "dtype": str(dt).removeprefix("torch."),
-                                    "config": cfg.__dict__}, sort_keys=True)}
-    save_file(tensors, str(tmp), metadata=meta)
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            t = _init_tensor(cfg, name, shapes[name], seed).to(dt).contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
     tmp.replace(out)  # a reader never sees half a file
     return out
 

@@ -49,8 +49,10 @@ def detect_backend() -> str:
 
 def make_weights(size: str, out: Path) -> Path:
     if not out.exists():
-        subprocess.run([sys.executable, "-m", "engines.reference", "make-weights", "--size", size, "--out", str(out)],
-                       check=True, capture_output=True, timeout=1800)
+        r = subprocess.run([sys.executable, "-m", "engines.reference", "make-weights", "--size", size, "--out",
+                            str(out)], capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError(f"make-weights --size {size} exited {r.returncode}: {r.stderr[-3000:]}")
     return out
 
 

@@ -11,7 +11,7 @@ from engines.reference import tokenizer
 from engines.reference.config import SIZES, get_config
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.model import Transformer
-from engines.reference.weights import load_weights, make_weights
+from engines.reference.weights import file_metadata, load_weights, make_weights
 
 CFG = get_config("tiny")
 
@@ -111,3 +111,15 @@ def test_a_concurrent_warm_up_leaves_every_slot_free_the_counters_untouched_and_
     assert core.free_slots() == core.slots
     assert (core.tokens_generated, core.requests_done) == counters
     assert run(core, req)[0] == before
+
+
+def test_the_streamed_weights_file_reads_back_through_safetensors_as_the_seeded_tensors(tmp_path: Path) -> None:
+    from engines.reference.weights import _init_tensor
+
+    cfg = get_config("tiny")
+    path = make_weights(cfg, tmp_path / "w.safetensors", seed=3, dtype="bfloat16")
+    back = load_weights(path)
+    assert set(back) == set(cfg.tensor_shapes())
+    for name, shape in cfg.tensor_shapes().items():
+        assert torch.equal(back[name], _init_tensor(cfg, name, shape, 3).to(torch.bfloat16))
+    assert file_metadata(path)["size"] == cfg.name
