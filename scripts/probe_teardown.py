@@ -3,7 +3,8 @@
 A "predecessor" child holds a CUDA context (busy with kernels, or idle) and is SIGKILLed; this process, the
 "successor", already warm, keeps running one small forward-like step (matmuls + .item()) in a loop and
 records how long each step takes, from the kill on. Variants: steps that reuse their memory, steps that
-allocate a new size each time (cudaMalloc through the caching allocator), predecessor busy or idle.
+allocate a new size each time (cudaMalloc through the caching allocator), predecessor busy or idle, steps
+each on a new thread (a fresh cuBLAS handle per thread unless the handle pool was primed by earlier threads).
 Prints one JSON line per variant: the longest step, when it ended (ms after the kill), and the pidfd time.
 """
 
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -51,7 +53,29 @@ def step(alloc: int) -> None:
     h.sum().item()
 
 
-def one(busy: bool, alloc: bool) -> dict:
+def prime_pool(n: int) -> None:
+    """n threads each run a step at once, then exit: PyTorch hands their cuBLAS handles to later threads."""
+    barrier = threading.Barrier(n)
+
+    def run() -> None:
+        step(0)
+        torch.cuda.synchronize()
+        barrier.wait()
+
+    ts = [threading.Thread(target=run) for _ in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def in_thread(alloc: int) -> None:
+    t = threading.Thread(target=step, args=(alloc,))
+    t.start()
+    t.join()
+
+
+def one(busy: bool, alloc: bool, threads: str = "main") -> dict:
     parent, child = socket.socketpair()
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(child.fileno()), "busy" if busy else "idle"],
                          pass_fds=[child.fileno()])
@@ -60,6 +84,9 @@ def one(busy: bool, alloc: bool) -> dict:
     for _ in range(20):
         step(0)
     torch.cuda.synchronize()
+    if threads == "new-primed":
+        prime_pool(6)
+    run = step if threads == "main" else in_thread
     base = []
     for _ in range(20):
         t = time.perf_counter()
@@ -72,7 +99,7 @@ def one(busy: bool, alloc: bool) -> dict:
     while (time.perf_counter() - t0) < 0.4:
         t = time.perf_counter()
         n += 1
-        step((64 << 20) + n * (2 << 20) if alloc else 0)
+        run((64 << 20) + n * (2 << 20) if alloc else 0)
         end = time.perf_counter()
         steps.append(((end - t0) * 1000, (end - t) * 1000))
         if dead is None and select.select([pidfd], [], [], 0)[0]:
@@ -81,12 +108,12 @@ def one(busy: bool, alloc: bool) -> dict:
     os.close(pidfd)
     parent.close()
     worst = max(steps, key=lambda s: s[1])
-    return {"busy_predecessor": busy, "alloc_each_step": alloc, "base_step_ms": round(sorted(base)[10], 2),
+    return {"busy_predecessor": busy, "alloc_each_step": alloc, "threads": threads, "base_step_ms": round(sorted(base)[10], 2),
             "first_step_ms": round(steps[0][1], 2), "worst_step_ms": round(worst[1], 2),
             "worst_ended_at_ms": round(worst[0], 1), "steps": len(steps), "pidfd_ms": dead and round(dead, 1),
             "slow_steps": [(round(a, 1), round(b, 1)) for a, b in steps if b > 5 * sorted(base)[10]][:12]}
 
 
-for busy in (True, False):
-    for alloc in (False, True):
-        print(json.dumps(one(busy, alloc)), flush=True)
+for busy, alloc, threads in ((True, False, "main"), (True, True, "main"), (True, False, "new"),
+                             (True, False, "new-primed"), (False, True, "main")):
+    print(json.dumps(one(busy, alloc, threads)), flush=True)
