@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 WAYS = {"cold_restart": "cold restart", "fresh_process_reattach": "fresh-process reattach",
-        "warm_standby": "warm standby takeover"}
+        "warm_standby_unshadowed": "warm standby, attaching at the takeover",
+        "warm_standby": "warm standby takeover (shadowing)"}
 
 
 def load(results: Path) -> list[dict]:
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend, marker in (("cuda", "o"), ("host", "s")):
         for way, label in WAYS.items():
             pts = sorted((gib_of(d), d[way]["death_to_first_token_ms"]["p50"]) for d in docs
-                         if d["backend"] == backend and d[way].get("death_to_first_token_ms"))
+                         if d["backend"] == backend and (d.get(way) or {}).get("death_to_first_token_ms"))
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker=marker, label=f"{label} ({'H200' if backend == 'cuda' else 'CPU, host backend'})")
