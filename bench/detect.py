@@ -98,6 +98,8 @@ def run(kills: int) -> dict[str, Any]:
         env = {"HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints, "HF_NODE": settings.node,
                "HF_STATE_DIR": str(settings.state_dir), "HF_ENGINES_FILE": str(base / "engines.json"),
                "HF_TAKEOVER_WAIT_S": "0", "HF_RECONCILE_INTERVAL_S": "0.05", "HF_NVML": "false",
+               # every round kills on purpose: the crash-loop backoff would make each restart wait up to 30 s
+               "HF_CRASH_BACKOFF_BASE_S": "0.001", "HF_CRASH_BACKOFF_MAX_S": "0.001",
                "HF_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
         agent = procs.Child("agent", [sys.executable, "-m", "services.agent"], env=env,
                             log_path=base / "agent.log").start()
