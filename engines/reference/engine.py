@@ -171,8 +171,8 @@ class EngineCore:
             self._give_slot(slot)
 
     def warm_concurrent(self, n: int, *, cuda_only: bool = True) -> None:
-        """Serve `n` small generations at once, each on its own thread, as the first requests after a
-        takeover will be (CUDA only): prompts, resumed tokens, greedy and sampled, every slot busy.
+        """Serve small generations from `n` threads at once, as the first requests after a takeover will be
+        (CUDA only): prompts of every short length, resumed tokens, greedy and sampled, every slot busy.
 
         Why: right after a takeover the predecessor's CUDA context is still being torn down (~100 ms on an
         H200) and holds the driver lock that device allocations need, while kernels on memory already
@@ -189,11 +189,14 @@ class EngineCore:
 
         def one(i: int) -> None:
             try:
-                context = [3 + (i + k) % 50 for k in range(span + 4)]  # a prompt, then 4 resumed tokens
-                req = GenerationRequest(context=context, max_tokens=4, prefix_len=span,
-                                        temperature=0.7 if i % 2 else 0.0, seed=i, ignore_eos=True)
-                for _ in self.generate(req, slot_timeout=60):
-                    pass
+                # prompts of many lengths (each a new matmul shape: short prompts are the common case), then
+                # 2 resumed tokens (a replay) and decode steps
+                for length in (span, *range(2 + i, min(span, 18), n)):
+                    context = [3 + (i + k) % 50 for k in range(length + 2)]
+                    req = GenerationRequest(context=context, max_tokens=3, prefix_len=length,
+                                            temperature=0.7 if i % 2 else 0.0, seed=i, ignore_eos=True)
+                    for _ in self.generate(req, slot_timeout=60):
+                        pass
                 if self.model.device.type == "cuda":
                     torch.cuda.synchronize(self.model.device)
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
