@@ -22,6 +22,8 @@ from libs.common.events import (
     ListEnginesReply,
     ListLeases,
     ListLeasesReply,
+    StopEngine,
+    StopReply,
     Takeover,
     TakeoverReply,
 )
@@ -43,6 +45,15 @@ async def _engines(bus: Bus, node: str) -> list[EngineInfo]:
     return (await bus.request(node, ListEngines(), ListEnginesReply, timeout=10)).engines
 
 
+async def _kill_and_take_over(bus: Bus, node: str, engine: EngineInfo, incident_id: str) -> TakeoverReply:
+    """SIGKILL the engine, then what the dc_manager would send: freeze its leases, take it over."""
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    frozen = await bus.request(node, Freeze(owner=engine.engine_id, incident_id=incident_id), FreezeReply)
+    return await bus.request(node, Takeover(incident_id=incident_id, engine_id=engine.engine_id,
+                                            transfer_token=frozen.transfer_token), TakeoverReply, timeout=30)
+
+
 
 async def test_a_warm_standby_takes_over_the_killed_engine_and_serves_the_same_greedy_output(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
@@ -53,10 +64,7 @@ async def test_a_warm_standby_takes_over_the_killed_engine_and_serves_the_same_g
     assert active.endpoint and standby.endpoint is None
     before = generate(active.endpoint, **PROMPT)
 
-    os.kill(active.pid, signal.SIGKILL)
-    frozen = await bus.request(settings.node, Freeze(owner=active.engine_id, incident_id="inc-sb"), FreezeReply)
-    reply = await bus.request(settings.node, Takeover(incident_id="inc-sb", engine_id=active.engine_id,
-                                                       transfer_token=frozen.transfer_token), TakeoverReply, timeout=30)
+    reply = await _kill_and_take_over(bus, settings.node, active, "inc-sb")
     assert reply.used_standby and reply.engine.engine_id == standby.engine_id
     assert reply.engine.endpoint
     health = httpx.get(reply.engine.endpoint + "/health", timeout=10).json()
@@ -85,10 +93,7 @@ async def test_a_shadowing_standby_serves_at_once_and_owns_the_leases_once_the_p
     own_kv = {i.id for i in leases_before if i.owner == standby.engine_id}
     assert weights and pred_kv and len(own_kv) == 1  # the shadow leased a KV cache of its own
 
-    os.kill(active.pid, signal.SIGKILL)
-    frozen = await bus.request(settings.node, Freeze(owner=active.engine_id, incident_id="inc-sh"), FreezeReply)
-    reply = await bus.request(settings.node, Takeover(incident_id="inc-sh", engine_id=active.engine_id,
-                                                       transfer_token=frozen.transfer_token), TakeoverReply, timeout=30)
+    reply = await _kill_and_take_over(bus, settings.node, active, "inc-sh")
     assert reply.used_standby and reply.engine.engine_id == standby.engine_id
     assert reply.timings_ms["shadowed"] == 1.0
     assert reply.engine.endpoint
@@ -104,6 +109,65 @@ async def test_a_shadowing_standby_serves_at_once_and_owns_the_leases_once_the_p
     assert {i for i in weights if after[i].owner == standby.engine_id and after[i].epoch == 2} == weights
     assert not pred_kv & set(after)  # the predecessor's KV cache, unused by the successor, was given back
     assert own_kv <= set(after) and after[own_kv.pop()].owner == standby.engine_id
+
+
+async def test_a_standby_shadowing_another_engine_drops_its_shadow_and_takes_over_the_failed_one(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
+    spec = reference_spec(tiny_weights).model_copy(update={"replicas": 2})
+    agent.start([spec], heartbeat_timeout_s=3.0)
+    await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=60)
+
+    async def shadowing() -> tuple[EngineInfo, list[EngineInfo]] | None:
+        engines = await _engines(bus, settings.node)
+        actives = [e for e in engines if e.role is EngineRole.ACTIVE and e.state == "ready"]
+        sb = next((e for e in engines if e.role is EngineRole.STANDBY and e.shadows), None)
+        return (sb, actives) if sb is not None and len(actives) == 2 else None
+
+    standby, actives = await until(shadowing)
+    other = next(a for a in actives if a.engine_id != standby.shadows)  # the engine nobody shadows
+    assert other.endpoint
+    before = generate(other.endpoint, **PROMPT)
+
+    reply = await _kill_and_take_over(bus, settings.node, other, "inc-other")
+    assert reply.used_standby and reply.engine.engine_id == standby.engine_id
+    assert reply.timings_ms["shadowed"] == 0.0  # the old path: the kill confirmed, then the leases attached
+    assert reply.engine.endpoint
+    health = httpx.get(reply.engine.endpoint + "/health", timeout=10).json()
+    assert health["memory"]["source"] == "takeover" and "shadow" not in health
+    assert generate(reply.engine.endpoint, **PROMPT)["tokens"] == before["tokens"]
+    # The dropped shadow's read-only mapping of the still-serving engine's weights is gone from the process.
+    shadowed = {i.id for i in (await bus.request(settings.node, ListLeases(owner=standby.shadows),
+                                                 ListLeasesReply)).leases if i.tag == "weights"}
+    with open(f"/proc/{reply.engine.pid}/maps") as f:
+        maps = f.read()
+    assert shadowed and not any(f"hf-{lease}-" in maps for lease in shadowed)
+
+
+async def test_a_shadow_is_dropped_when_the_engine_it_shadows_is_stopped(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
+    agent.start([reference_spec(tiny_weights)], heartbeat_timeout_s=3.0)
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=60)).engine
+
+    async def standby_of(owner: str | None) -> EngineInfo | None:
+        return next((e for e in await _engines(bus, settings.node)
+                     if e.role is EngineRole.STANDBY and e.shadows == owner), None)
+
+    standby = await until(lambda: standby_of(active.engine_id))
+    weights = {i.id for i in (await bus.request(settings.node, ListLeases(owner=active.engine_id),
+                                                ListLeasesReply)).leases if i.tag == "weights"}
+
+    def maps_of(pid: int | None) -> str:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    assert weights and all(f"hf-{lease}-" in maps_of(standby.pid) for lease in weights)
+    await bus.request(settings.node, StopEngine(engine_id=active.engine_id), StopReply, timeout=30)
+    dropped = await until(lambda: standby_of(None))
+    assert dropped.engine_id == standby.engine_id
+    # its mapping would keep the stopped engine's memory alive after the reclaim
+    assert not any(f"hf-{lease}-" in maps_of(standby.pid) for lease in weights)
 
 
 async def test_an_injected_cuda_error_is_reported_as_one_cuda_error_fault(
