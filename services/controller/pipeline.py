@@ -10,22 +10,16 @@ Durability (DESIGN.md section 4, latency budget): the opening is written and con
 done for the incident (it is what makes one incident per failed generation); every later record, and the
 endpoint keys, are written behind through one fenced `BatchWriter` (grouped into etcd transactions, guarded
 by the leader key). A queued record lost in a crash is redone by the next leader from the older record.
-A cold-started successor is routed in when it reports ready (`engine.ready`, or `engines/<id>` state
-ready), not when the spawn is answered; a reattach that succeeds after the cold start began wins (the
-memory is there, nothing reloads) and the cold engine is stopped.
+The fallback's cold-started successor: `cold_starts.py`; the incident's trace: `incident_trace.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 
-from opentelemetry import trace
-
-from libs.common import telemetry
-from libs.common.bus import Bus, spans_exported
+from libs.common.bus import Bus
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
@@ -48,10 +42,9 @@ from libs.common.events import (
     MemoryFrozen,
     RecoverIntent,
     Step,
-    StopEngine,
-    StopReply,
 )
 from libs.common.store import Store
+from services.controller.cold_starts import ColdStarts
 from services.controller.incident import (
     WAITING,
     Deadlines,
@@ -66,6 +59,7 @@ from services.controller.incident import (
     start_step,
 )
 from services.controller.incident_log import IncidentLog
+from services.controller.incident_trace import IncidentTracer
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -87,7 +81,7 @@ def endpoint_key(model: str, engine_id: str) -> str:
     return f"endpoints/{model}/{engine_id}"
 
 
-class IncidentDriver:
+class IncidentDriver(ColdStarts):
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: ControllerSettings,
                  metrics: ControllerMetrics) -> None:
         self.bus = bus
@@ -103,10 +97,8 @@ class IncidentDriver:
         self.by_cold: dict[str, str] = {}  # cold-started successor engine id -> its incident
         self.deadlines = Deadlines(settings.freeze_deadline_s, settings.reattach_deadline_s, settings.fallback_deadline_s)
         self.open: dict[str, IncidentRecord] = {}
-        self.tracer = telemetry.tracer("controller")
-        self.export_spans = spans_exported()
+        self.tracing = IncidentTracer()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._spans: dict[str, trace.Span] = {}
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._successors: set[str] = set()  # successors of open incidents (not announced on their own)
@@ -204,7 +196,7 @@ class IncidentDriver:
                 rec = self._record_from_fault(inc_id, f, env)
                 if await self.log.create(rec):
                     self.metrics.record_opened(rec)
-                    self._trace_steps(rec.model_copy(update={"steps": {}}), rec)  # the detect step
+                    self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)  # the detect step
                     log.info("incident %s opened: %s %s", inc_id, f.engine_id, f.kind)
                 else:
                     rec = await self.log.load(inc_id)
@@ -251,67 +243,6 @@ class IncidentDriver:
             if inc is not None:
                 await self.trigger(inc.id, Trigger.MEMORY_LOST, states=frozenset({S.FREEZING, S.REATTACHING}),
                                    detail=f"lease {e.lease.id} reclaimed", memory_lost=True)
-
-    async def _cold_spawned(self, r: IntentResult) -> None:
-        """The fallback's engine was started: remember it; route it in once it is ready (or stop it if a
-        late reattach already won)."""
-        inc_id = r.incident_id
-        async with self._lock(inc_id):
-            rec = self.open.get(inc_id) or await self.log.load(inc_id)
-            if rec is None or not r.successor_id:
-                return
-            if rec.state is not S.FALLBACK:
-                if rec.successor_id != r.successor_id and not rec.cold_stopped:
-                    # The reattach won before the spawn was even answered: this engine is not needed.
-                    self._stop_cold(rec.model_copy(update={"cold_successor_id": r.successor_id,
-                                                           "cold_successor_node": r.node}))
-                return
-            if rec.cold_successor_id != r.successor_id:
-                new = rec.model_copy(update={"cold_successor_id": r.successor_id, "cold_successor_endpoint": r.endpoint,
-                                             "cold_successor_node": r.node, "updated_at": time.time()})
-                rec = await self._commit(rec, new)
-            self.by_cold[r.successor_id] = inc_id
-        engine = self.view.engines.get(r.successor_id)
-        if engine is not None and engine.state == "ready":  # it was ready before the spawn was answered
-            await self._cold_ready(inc_id, r.successor_id, engine.endpoint)
-
-    async def _cold_ready(self, inc_id: str, engine_id: str, endpoint: str | None) -> None:
-        async with self._lock(inc_id):
-            rec = self.open.get(inc_id)
-            if rec is None or rec.state is not S.FALLBACK or rec.cold_successor_id != engine_id:
-                return
-            new = apply(rec, Trigger.SPAWNED, time.time(), self.deadlines, successor_id=engine_id,
-                        successor_endpoint=endpoint or rec.cold_successor_endpoint)
-            self.by_cold.pop(engine_id, None)
-            rec = await self._commit(rec, new)
-            await self._advance(rec)
-
-    def _stop_cold(self, rec: IncidentRecord) -> None:
-        """Stop a superseded cold-started engine (best effort, in the background; the node may be gone)."""
-        engine_id, node = rec.cold_successor_id, rec.cold_successor_node
-        if not engine_id:
-            return
-        self.by_cold.pop(engine_id, None)
-        self._stop_in_background(rec.id, engine_id, node)
-
-    def _stop_in_background(self, inc_id: str, engine_id: str, node: str | None) -> None:
-        """Stop an engine that is no longer needed (best effort, in the background; the node may be gone)."""
-        engine = self.view.engines.get(engine_id)
-        node = node or (engine.node if engine else None)
-        if not node:
-            log.warning("incident %s: cannot stop engine %s: node unknown", inc_id, engine_id)
-            return
-
-        async def stop() -> None:
-            try:
-                await self.bus.request(node, StopEngine(engine_id=engine_id), StopReply, timeout=10.0)
-                log.info("incident %s: stopped engine %s on %s", inc_id, engine_id, node)
-            except Exception as e:  # noqa: BLE001 - best effort: a leftover engine is visible in the view
-                log.warning("incident %s: could not stop engine %s: %s", inc_id, engine_id, e)
-
-        task = asyncio.create_task(stop(), name=f"stop:{engine_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _engine_ready(self, e: EngineReady) -> None:
         info = e.engine
@@ -375,7 +306,7 @@ class IncidentDriver:
     async def _dispatch(self, rec: IncidentRecord) -> IncidentRecord:
         work = rec.model_copy(update={"steps": dict(rec.steps)})  # steps are replaced, never mutated
         if work.trace_parent is None:
-            self._open_span(work)
+            self.tracing.open(work)
         now = time.time()
         start_step(work, Step.ROUTE_OUT, now)
         hit = self.view.endpoint_of(work.engine_id)
@@ -446,7 +377,7 @@ class IncidentDriver:
             self._successors.add(new.successor_id)
         elif new.successor_id:
             self._successors.discard(new.successor_id)
-        self._trace_steps(old, new)
+        self.tracing.steps(old, new)
         if new.terminal:
             self.open.pop(new.id, None)
             self._closed[new.id] = None
@@ -455,10 +386,7 @@ class IncidentDriver:
                     del self._closed[old_id]
             self._locks.pop(new.id, None)
             self.metrics.record_closed(new)
-            span = self._spans.pop(new.id, None)
-            if span is not None:
-                span.set_attribute("holdfast.outcome", str(new.state))
-                span.end()
+            self.tracing.close(new)
             log.info("incident %s %s in %s ms", new.id, new.state, new.total_ms())
         else:
             self.open[new.id] = new
@@ -477,41 +405,8 @@ class IncidentDriver:
             reason=IncidentReason.FAILURE, kind=f.kind, died_at=f.died_at,
             memory_lost=f.kind is FaultKind.GPU_FAULT, leader=self.settings.instance,
         )
-        self._open_span(rec)
+        self.tracing.open(rec)
         return rec
-
-    def _open_span(self, rec: IncidentRecord) -> None:
-        """One trace per incident: its root span lives until the incident closes (in this process). Nothing
-        exported: only the trace context (the dc_manager and the nodes file their spans under it)."""
-        if not self.export_spans:  # the fault's trace (the detector's span) when it came with one, else a new one
-            current = trace.get_current_span().get_span_context()
-            trace_id = f"{current.trace_id:032x}" if current.is_valid else secrets.token_hex(16)
-            rec.trace_parent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
-            return
-        start = rec.died_at if rec.died_at is not None else rec.opened_at
-        span = self.tracer.start_span(f"incident {rec.reason}", start_time=int(start * 1e9),
-                                      attributes={"holdfast.incident": rec.id, "holdfast.engine": rec.engine_id})
-        self._spans[rec.id] = span
-        with trace.use_span(span, end_on_exit=False):
-            rec.trace_parent = telemetry.inject_headers().get("traceparent")
-
-    def _trace_steps(self, old: IncidentRecord, new: IncidentRecord) -> None:
-        """A span for each step that ended in this write, placed at its recorded times."""
-        if new.trace_parent is None or not self.export_spans:
-            return
-        ctx = None
-        for step, s in new.steps.items():
-            before = old.steps.get(step)
-            if s.ended_at is None or (before is not None and before.ended_at is not None):
-                continue
-            if ctx is None:  # the live root span when this process opened it, else the recorded parent
-                root = self._spans.get(new.id)
-                ctx = trace.set_span_in_context(root) if root is not None else \
-                    telemetry.context_from_traceparent(new.trace_parent)
-            span = self.tracer.start_span(f"step {step}", context=ctx, start_time=int(s.started_at * 1e9),
-                                          attributes={"holdfast.incident": new.id, "holdfast.step": str(step),
-                                                      "holdfast.status": s.status})
-            span.end(end_time=int(s.ended_at * 1e9))
 
     async def _emit_once(self, payload: Event, key: str, rec: IncidentRecord | None = None) -> None:
         """Publish with an id derived from the incident: JetStream drops a repeat after a crash. Filed under
