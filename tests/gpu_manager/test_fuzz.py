@@ -14,7 +14,8 @@ from libs.client.protocol import OutOfOrder
 from libs.common.wire import HEADER, PeerClosed, recv_frame, send_frame
 from tests.gpu_manager.harness import Engine
 
-OPS = ["hello", "allocate", "register", "commit", "pending", "attach", "takeover", "heartbeat", "release", "nope", 7]
+OPS = ["hello", "allocate", "register", "commit", "pending", "attach", "takeover", "share", "resume", "heartbeat", "release",
+       "nope", 7]
 ITERATIONS = 300
 
 
@@ -33,7 +34,7 @@ def _random_value(rng: random.Random, depth: int = 0):  # noqa: ANN202
     if kind == 5:
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
     keys = ["engine_id", "size", "gpu", "tag", "lease_id", "epoch", "epochs", "tensors", "name", "shape", "dtype",
-            "offset", "predecessor", "transfer_token", "x"]
+            "offset", "predecessor", "transfer_token", "owner", "share_token", "x"]
     return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(5))}
 
 
