@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +33,7 @@ from engines.reference.weights import check_file_matches, load_weights, torch_dt
 log = logging.getLogger("holdfast.engine.memory")
 
 KV_NAME = "kv_cache"
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,6 +48,23 @@ class Loaded:
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def retry_until(call: Callable[[], T], retry_on: tuple[type[BaseException], ...], within_s: float,
+                interval_s: float = 0.005) -> tuple[T, int]:
+    """`call()`'s result and the number of tries, trying again on `retry_on` until `within_s` has passed
+    (then the last such error is raised). For waits on another process (a predecessor's death, a manager
+    restart) measured in milliseconds: a fixed short interval, no backoff."""
+    deadline = time.monotonic() + within_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return call(), tries
+        except retry_on:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(interval_s)
 
 
 def kv_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
@@ -141,17 +160,10 @@ class LeasedMemory:
         from libs.client.protocol import PredecessorAlive
 
         t0 = time.perf_counter()
-        deadline = time.monotonic() + wait_death_s
-        while True:
-            try:
-                self._attachment = self.client.takeover(predecessor, token)
-                break
-            except PredecessorAlive:
-                # the failure is published as the predecessor begins to exit; its teardown (a CUDA context's:
-                # ~100 ms) may not be over yet, and the manager hands memory over only after it
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005)
+        # The failure is published as the predecessor begins to exit; its teardown (a CUDA context's: ~100 ms)
+        # may not be over yet, and the manager hands memory over only after it.
+        self._attachment, _ = retry_until(lambda: self.client.takeover(predecessor, token), (PredecessorAlive,),
+                                          wait_death_s)
         return self._rebuild(cfg, "takeover", slots, max_seq, t0)
 
     def shadow(self, cfg: ModelConfig, owner: str, share_token: str, slots: int, max_seq: int) -> Loaded:
@@ -164,7 +176,7 @@ class LeasedMemory:
         if self._own_kv is None or tuple(self._own_kv.shape) != cfg.kv_shape(slots, max_seq):
             self._own_kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
             self.client.commit()
-        read_only = all(getattr(lease.mapping, "read_only", False) for lease in att.leases)
+        read_only = all(lease.mapping.read_only for lease in att.leases)
         return Loaded(weights, self._own_kv, "shadow", {"attach_ms": t_attach, "total_ms": _ms(t0)}, read_only)
 
     def drop_shadow(self) -> None:

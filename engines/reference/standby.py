@@ -14,6 +14,7 @@ manager refused), this process exits with 75 (lease lost), as an engine that los
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -23,7 +24,7 @@ from typing import Any
 
 from engines.reference.config import ModelConfig
 from engines.reference.engine import EngineCore
-from engines.reference.memory import LeasedMemory, LocalMemory
+from engines.reference.memory import LeasedMemory, LocalMemory, retry_until
 from engines.reference.model import Transformer
 from engines.reference.server import EngineState
 from engines.reference.settings import EngineSettings
@@ -91,8 +92,6 @@ class Standby:
             return
         self.shadow = None
         self.state.info.pop("shadow", None)
-        import gc
-
         gc.collect()  # the model's tensors must be gone before their memory is unmapped
         self.memory.drop_shadow()
 
@@ -120,21 +119,16 @@ class Standby:
         from libs.common.errors import Unavailable
 
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.s.adopt_timeout_s
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                timings = self.memory.adopt(predecessor, token)
-                self.state.info["recovery"]["adopted"] = {**timings, "after_ms": _ms(t0), "tries": tries}
-                log.info("owns %s's leases now (%.1f ms after the promotion, %d tries)", predecessor, _ms(t0), tries)
-                return
-            except (PredecessorAlive, Unavailable) as e:  # not dead yet; or the gpu_manager restarting
-                if time.monotonic() > deadline:
-                    log.critical("cannot own %s's leases after %.0f s: %s", predecessor, self.s.adopt_timeout_s, e)
-                    break
-                time.sleep(0.005)
-            except Exception as e:  # noqa: BLE001 - any other refusal means the memory is not ours to serve
-                log.critical("taking over %s's leases failed: %s: %s", predecessor, type(e).__name__, e)
-                break
+        try:
+            # not dead yet (PredecessorAlive); or the gpu_manager restarting (Unavailable)
+            timings, tries = retry_until(lambda: self.memory.adopt(predecessor, token),
+                                         (PredecessorAlive, Unavailable), self.s.adopt_timeout_s)
+        except (PredecessorAlive, Unavailable) as e:
+            log.critical("cannot own %s's leases after %.0f s: %s", predecessor, self.s.adopt_timeout_s, e)
+        except Exception as e:  # noqa: BLE001 - any other refusal means the memory is not ours to serve
+            log.critical("taking over %s's leases failed: %s: %s", predecessor, type(e).__name__, e)
+        else:
+            self.state.info["recovery"]["adopted"] = {**timings, "after_ms": _ms(t0), "tries": tries}
+            log.info("owns %s's leases now (%.1f ms after the promotion, %d tries)", predecessor, _ms(t0), tries)
+            return
         os._exit(EXIT_LEASE_LOST)

@@ -40,6 +40,13 @@ from services.agent.settings import AgentSettings
 log = logging.getLogger("holdfast.agent")
 
 
+def _known_fault(st: ExitStatus) -> tuple[FaultKind, str]:
+    """The fault of a death whose signal or exit code the kernel gave us."""
+    if st.signal is not None:
+        return FaultKind.KILLED, f"signal {signal.Signals(st.signal).name}"
+    return FaultKind.EXITED, f"exit code {st.exit_code}"
+
+
 class Agent:
     def __init__(self, settings: AgentSettings, bus: Bus, writer: RecordWriter) -> None:
         self.settings = settings
@@ -160,8 +167,7 @@ class Agent:
             return
         rec.exit_code, rec.signal = st.exit_code, st.signal
         if st.known:
-            kind = FaultKind.KILLED if st.signal is not None else FaultKind.EXITED
-            detail = f"signal {signal.Signals(st.signal).name}" if st.signal else f"exit code {st.exit_code}"
+            kind, detail = _known_fault(st)
         elif rec.said_bye:
             kind, detail = FaultKind.EXITED, "exited after saying goodbye (adopted: exit code unknown)"
         else:
@@ -175,8 +181,7 @@ class Agent:
         rec = self.engines.get(engine_id)
         if rec is None or not rec.live or rec.said_bye:
             return  # a goodbye before the exit: its own clean stop, reported by the pidfd as usual
-        kind = FaultKind.KILLED if st.signal is not None else FaultKind.EXITED
-        detail = f"signal {signal.Signals(st.signal).name}" if st.signal else f"exit code {st.exit_code}"
+        kind, detail = _known_fault(st)
         self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)", died_at=st.at)
 
     async def exiting_loop(self) -> None:

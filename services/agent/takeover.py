@@ -90,13 +90,13 @@ class Takeovers:
         if successor.ready_perf is not None and successor.ready_perf >= t0:
             timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
         timings["total_ms"] = _ms(t0)
+        timings["shadowed"] = float(shadowed and used_standby)
         info = agent.info(successor)
         # The event first, the bookkeeping after: the etcd writes queued below then run behind the publish.
         agent.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
                                        used_standby=used_standby, timings_ms=timings))
         if used_standby:
             agent.save(successor)
-        timings["shadowed"] = float(shadowed and used_standby)
         if pred.engine_id in agent.engines:
             if agent.watcher.watching(pred.engine_id):
                 agent.background(self._retire_when_dead(pred), f"retire:{pred.engine_id}")

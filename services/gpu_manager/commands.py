@@ -62,10 +62,10 @@ class Commands:
             epoch = max(r.info.epoch for r in recs)
             frozen = MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
                                   incident_id=cmd.incident_id)
+            assert self.bus is not None  # set by register(), before any command is served
             try:
                 # Published before the reply, so that no later step of the incident (a takeover that may now
                 # take 3 ms) reaches anyone before `memory.frozen` does.
-                assert self.bus is not None
                 await self.bus.emit(frozen, incident_id=frozen.incident_id)
             except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
                 log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
