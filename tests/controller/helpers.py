@@ -13,9 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.controlplane import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.service import check_health
+from libs.common.store import Store
 
 T = TypeVar("T")
 
@@ -34,6 +36,22 @@ async def wait_for(probe: Callable[[], Awaitable[T | None]], timeout: float = 20
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def serving_cluster(bus: Bus, store: Store, *, nodes: int, gpus_per_node: int,
+                          ready_gate: asyncio.Event | None = None,
+                          takeover_gate: asyncio.Event | None = None) -> SimulatedCluster:
+    """A simulated cluster answering node commands, with the `sim` engine class's spec recorded (what a cold
+    start needs). The gates, when given, hold its cold engines' readiness and its takeovers."""
+    sim = SimulatedCluster(bus, store, nodes=nodes, gpus_per_node=gpus_per_node)
+    if ready_gate is not None:
+        sim.ready_gate = ready_gate
+    if takeover_gate is not None:
+        sim.takeover_gate = takeover_gate
+    await sim.populate()
+    await sim.serve()
+    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    return sim
 
 
 async def healthy(bus: Bus, service: str, instance: str, timeout: float = 30.0) -> None:

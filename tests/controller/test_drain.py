@@ -13,7 +13,7 @@ from libs.common.bus import Bus
 from libs.common.events import EndpointAdded, EndpointRemoved
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState
-from tests.controller.helpers import control_plane, service_env, wait_for
+from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
 
 ADMIN = "admin-secret"
 
@@ -25,10 +25,7 @@ async def _resolved(store: Store, inc_ids: list[str]) -> list[IncidentRecord] | 
 
 async def test_a_drained_node_has_its_engines_cold_started_elsewhere_routed_in_first_then_stopped(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
-    sim = SimulatedCluster(bus, store, nodes=3, gpus_per_node=2)
-    await sim.populate()
-    await sim.serve()
-    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    sim = await serving_cluster(bus, store, nodes=3, gpus_per_node=2)
     port = procs.free_port()
     env = service_env(settings_env, HF_API_ENABLED="true", HF_API_PORT=str(port), HF_ADMIN_TOKEN=ADMIN)
     async with control_plane(bus, store, env, tmp_path), \

@@ -12,7 +12,7 @@ from libs.common.bus import Bus
 from libs.common.events import EndpointAdded, EndpointRemoved, Envelope, FaultKind, IncidentResolved
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState
-from tests.controller.helpers import control_plane, service_env, span_sink, wait_for
+from tests.controller.helpers import control_plane, service_env, serving_cluster, span_sink, wait_for
 
 
 async def _record(store: Store, inc_id: str) -> IncidentRecord | None:
@@ -111,10 +111,7 @@ async def _leader_is(store: Store, who: bytes) -> bool:
 
 async def test_a_gpu_fault_takes_the_cold_start_fallback(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
-    sim = SimulatedCluster(bus, store, nodes=2, gpus_per_node=1)
-    await sim.populate()
-    await sim.serve()
-    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    sim = await serving_cluster(bus, store, nodes=2, gpus_per_node=1)
     await store.put("gpus/n0000/0", {"healthy": False, "total_bytes": sim.gpu_bytes})
     async with control_plane(bus, store, service_env(settings_env), tmp_path):
         victim = sim.engine_id("n0000", 0)
@@ -146,11 +143,8 @@ async def test_a_missed_freeze_deadline_falls_back_and_fails_without_a_spec(
 
 async def test_a_cold_started_engine_is_routed_in_only_once_it_reports_ready(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
-    sim = SimulatedCluster(bus, store, nodes=2, gpus_per_node=1)
-    sim.ready_gate = asyncio.Event()  # the cold engine stays "loading its weights" until set
-    await sim.populate()
-    await sim.serve()
-    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    # the cold engine stays "loading its weights" until its gate is set
+    sim = await serving_cluster(bus, store, nodes=2, gpus_per_node=1, ready_gate=asyncio.Event())
     async with control_plane(bus, store, service_env(settings_env), tmp_path):
         victim = sim.engine_id("n0000", 0)
         await sim.fail(victim, FaultKind.GPU_FAULT)
@@ -173,12 +167,9 @@ async def test_a_cold_started_engine_is_routed_in_only_once_it_reports_ready(
 
 async def test_a_reattach_that_succeeds_after_the_fallback_began_wins_and_the_cold_engine_is_stopped(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
-    sim = SimulatedCluster(bus, store, nodes=2, gpus_per_node=1)
-    sim.takeover_gate = asyncio.Event()  # the takeover is slow: the reattach deadline passes first
-    sim.ready_gate = asyncio.Event()  # and the cold engine is still loading when the takeover lands
-    await sim.populate()
-    await sim.serve()
-    await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
+    # the takeover is slow (the reattach deadline passes first) and the cold engine is still loading when it lands
+    sim = await serving_cluster(bus, store, nodes=2, gpus_per_node=1, takeover_gate=asyncio.Event(),
+                                ready_gate=asyncio.Event())
     env = service_env(settings_env, HF_REATTACH_DEADLINE_S="0.5")
     async with control_plane(bus, store, env, tmp_path):
         victim = sim.engine_id("n0000", 0)
