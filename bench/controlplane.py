@@ -344,6 +344,12 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                     done.set()
 
         await bus.subscribe("router.endpoint.added", on_added)
+        results = [0]  # intent results published (counted, not decoded: one or two per incident)
+
+        async def on_result(_msg: Any) -> None:
+            results[0] += 1
+
+        await bus.nc.subscribe(f"{bus.prefix}.intent.result", cb=on_result)
         pids = {"controller": services[0].pid, "etcd": infra[1].pid, "nats": infra[0].pid,
                 **{f"dc_manager{i}": c.pid for i, c in enumerate(services[1:])}}
         _, rev0 = await range_pages(store, "leader/")  # every etcd write (a transaction) adds one revision
@@ -389,7 +395,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
             "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
             "cpu_s": cpu, "cpu_ms_per_incident": round(sum(cpu.values()) * 1000 / max(1, len(lat)), 2),
-            "etcd_transactions": rev1 - rev0, "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
+            "etcd_transactions": rev1 - rev0, "intent_results": results[0], "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
             "cpus": os.cpu_count(),
         }
     finally:

@@ -228,6 +228,9 @@ class IntentResult(Event):
     endpoint: str | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
     node: str | None = None  # where the successor runs (the controller stops a superseded cold start there)
+    # When the freeze this result follows was answered (epoch seconds): a prompt takeover's result is the
+    # intent's only one, and the controller ends the freeze step at this time (not at the result's arrival).
+    frozen_at: float | None = None
 
 
 class MemoryFrozen(Event):

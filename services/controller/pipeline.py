@@ -215,7 +215,7 @@ class IncidentDriver(ColdStarts):
         changes = {}
         if r.successor_id:
             changes = {"successor_id": r.successor_id, "successor_endpoint": r.endpoint}
-        await self.trigger(r.incident_id, trigger, states=states, detail=r.detail, **changes)
+        await self.trigger(r.incident_id, trigger, states=states, detail=r.detail, frozen_at=r.frozen_at, **changes)
 
     async def on_engine_event(self, env: Envelope) -> None:
         e = env.data
@@ -263,12 +263,22 @@ class IncidentDriver(ColdStarts):
     # ------------------------------------------------------------ moving an incident
 
     async def trigger(self, inc_id: str, trigger: Trigger, *, states: frozenset[IncidentState] | None = None,
-                      detail: str = "", **changes: object) -> None:
+                      detail: str = "", frozen_at: float | None = None, **changes: object) -> None:
+        """`frozen_at`: the trigger reports what followed a freeze that ended then (the dc_manager's one
+        result per intent); a record still freezing first ends its freeze step at that time."""
         async with self._lock(inc_id):
             rec = self.open.get(inc_id) or await self.log.load(inc_id)
-            if rec is None or not can(rec.state, trigger) or (states is not None and rec.state not in states):
+            if rec is None:
+                return
+            cur = rec
+            if frozen_at is not None and rec.state is S.FREEZING and trigger is not Trigger.FROZEN:
+                now = time.time()
+                started = rec.steps.get(Step.FREEZE)
+                cur = apply(rec, Trigger.FROZEN, min(now, max(frozen_at, started.started_at if started else frozen_at)),
+                            self.deadlines)
+            if not can(cur.state, trigger) or (states is not None and cur.state not in states):
                 return  # unknown, finished, or a late result of an abandoned step: nothing to do
-            new = apply(rec, trigger, time.time(), self.deadlines, detail=detail, **changes)
+            new = apply(cur, trigger, time.time(), self.deadlines, detail=detail, **changes)
             if rec.state is S.FALLBACK and trigger is Trigger.REATTACHED and rec.cold_successor_id:
                 self._stop_cold(rec)
                 new.cold_stopped = True

@@ -1,5 +1,9 @@
 """`IntentExecutor`: one RecoverIntent -> node commands (freeze, takeover; or a cold-start spawn) -> results.
 
+Results: one per intent when it goes well and promptly (the reattach result carries the freeze's time,
+`frozen_at`); a takeover still running `freeze_result_after_s` after its freeze gets a freeze result first;
+a failed step gets a failed result (a failed takeover's carries `frozen_at` too).
+
 Idempotent by recorded progress: each command's reply is stored at `dcm/intents/<incident>-<kind>` before
 its result is published, so an intent redelivered after this process died skips the steps already done
 (a freeze is never repeated once its transfer token is known) and re-sends the one it was in. The record
@@ -57,6 +61,7 @@ class IntentProgress(BaseModel):
     incident_id: str
     freeze: FreezeReply | None = None
     freeze_ms: float | None = None
+    frozen_at: float | None = None  # epoch seconds when the freeze answered (the results carry it)
     takeover: TakeoverReply | None = None
     takeover_ms: float | None = None
     spawn: SpawnReply | None = None
@@ -119,7 +124,8 @@ class IntentExecutor:
                         await self._reattach(intent, prog)
                 except StepFailed as e:
                     log.warning("intent %s: %s failed: %s", key, e.step, e.detail)
-                    await self._result(intent, e.step, ok=False, detail=e.detail)
+                    await self._result(intent, e.step, ok=False, detail=e.detail,
+                                       frozen_at=prog.frozen_at if e.step is Step.REATTACH else None)
         self._locks.pop(key, None)
         self.handled += 1
 
@@ -138,19 +144,32 @@ class IntentExecutor:
             cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id)
             prog.freeze, prog.freeze_ms = await self._command(Step.FREEZE, node, cmd, FreezeReply,
                                                               self.settings.freeze_timeout_s)
-            await self._save(prog)
-        await self._result(intent, Step.FREEZE, ok=True, timings={"freeze": prog.freeze_ms or 0.0})
+            prog.frozen_at = time.time()
+            await self._save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
+        freeze_timing = {"freeze": prog.freeze_ms or 0.0}
         if prog.takeover is None:
             cmd2 = Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id,
                             transfer_token=prog.freeze.transfer_token, successor=intent.successor,
                             version=intent.version)
-            prog.takeover, prog.takeover_ms = await self._command(Step.REATTACH, node, cmd2, TakeoverReply,
-                                                                  self.settings.takeover_timeout_s)
+            # One result per intent when the takeover is prompt (the usual case: a warm standby). A slow one
+            # gets the freeze's own result first, so the controller trades its short freeze deadline for the
+            # reattach deadline while the successor starts.
+            announced: list[asyncio.Task[None]] = []
+            timer = asyncio.get_running_loop().call_later(
+                self.settings.freeze_result_after_s, lambda: announced.append(asyncio.ensure_future(
+                    self._result(intent, Step.FREEZE, ok=True, timings=freeze_timing, frozen_at=prog.frozen_at))))
+            try:
+                prog.takeover, prog.takeover_ms = await self._command(Step.REATTACH, node, cmd2, TakeoverReply,
+                                                                      self.settings.takeover_timeout_s)
+            finally:
+                timer.cancel()
+                for task in announced:
+                    await task
             await self._save(prog)
         engine = prog.takeover.engine
         await self._result(intent, Step.REATTACH, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
-                           timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0},
-                           detail="standby" if prog.takeover.used_standby else "cold-spawned")
+                           timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0, **freeze_timing},
+                           detail="standby" if prog.takeover.used_standby else "cold-spawned", frozen_at=prog.frozen_at)
 
     async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         if prog.spawn is None:
@@ -207,9 +226,10 @@ class IntentExecutor:
 
     async def _result(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
                       successor: str | None = None, endpoint: str | None = None,
-                      timings: dict[str, float] | None = None, node: str | None = None) -> None:
+                      timings: dict[str, float] | None = None, node: str | None = None,
+                      frozen_at: float | None = None) -> None:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
-                              endpoint=endpoint, timings_ms=timings or {}, node=node)
+                              endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
         kind = "fallback" if intent.memory_lost else "recover"
         env = self.bus.envelope(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=_intent_trace.get())
         await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result

@@ -13,6 +13,8 @@ class DcManagerSettings(CommonSettings):
     freeze_timeout_s: float = Field(2.0, gt=0, description="one freeze request's timeout")
     takeover_timeout_s: float = Field(30.0, gt=0, description="one takeover request's timeout")
     spawn_timeout_s: float = Field(60.0, gt=0, description="one cold-start spawn request's timeout")
+    freeze_result_after_s: float = Field(0.5, ge=0, description="a takeover not answered this long after its freeze: "
+                                         "publish the freeze's own result first (else one result per intent)")
     retries: int = Field(3, ge=1, description="attempts per command when the node does not answer")
     retry_backoff_s: float = Field(0.1, ge=0, description="first pause between attempts (doubles each time)")
     concurrency: int = Field(256, ge=1, description="intents handled at once")
