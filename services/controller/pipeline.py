@@ -288,7 +288,9 @@ class IncidentDriver(ColdStarts):
                 await self._emit_once(IncidentFailed(incident_id=new.id, engine_id=new.engine_id,
                                                      step=self._failed_step(rec), reason=new.failure or ""),
                                       f"{new.id}-failed", new)
-            rec = await self._commit(rec, new)
+            # Entering route-in, the record is not written: route-in follows at once and writes the next one
+            # (a crash before it redoes the step from the result, which is acked only after route-in).
+            rec = await self._commit(rec, new, write=new.state is not S.ROUTING_IN)
             await self._advance(rec)
 
     async def _resume(self, inc_id: str) -> None:
@@ -306,7 +308,12 @@ class IncidentDriver(ColdStarts):
             if rec.state is S.OPENED:
                 rec = await self._commit(rec, await self._dispatch(rec))
             elif rec.state is S.ROUTING_IN:
-                rec = await self._commit(rec, await self._route_in(rec))
+                try:
+                    routed = await self._route_in(rec)
+                except BaseException:
+                    self.log.save(rec)  # maybe not written on entry (see trigger): keep where it stands now
+                    raise
+                rec = await self._commit(rec, routed)
                 if rec.move_off and rec.state is S.RESOLVED and rec.successor_id != rec.engine_id:
                     # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
                     self._stop_in_background(rec.id, rec.engine_id, rec.node)
@@ -378,9 +385,10 @@ class IncidentDriver(ColdStarts):
                                successor=rec.successor_hint)
         return self._envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
 
-    async def _commit(self, old: IncidentRecord, new: IncidentRecord) -> IncidentRecord:
+    async def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True) -> IncidentRecord:
         new.leader = self.settings.instance  # `new` is this call's own copy (apply and the callers copy)
-        self.log.save(new)  # written behind, fenced by the leader key (incident_log.py)
+        if write:
+            self.log.save(new)  # written behind, fenced by the leader key (incident_log.py)
         if old.successor_id != new.successor_id:
             self._successors.discard(old.successor_id or "")
         if new.successor_id and not new.terminal:
