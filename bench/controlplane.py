@@ -128,10 +128,16 @@ class SimulatedCluster:
         await self.bus.serve("*", StopEngine, self.stop)
 
     async def fail(self, engine_id: str, kind: FaultKind = FaultKind.KILLED) -> Envelope:
+        env = self.fault(engine_id, kind)
+        await self.bus.publish(env)
+        return env
+
+    def fault(self, engine_id: str, kind: FaultKind = FaultKind.KILLED) -> Envelope:
+        """The FaultDetected an agent would publish for this engine's death now (not yet published)."""
         e = self.engines[engine_id]
-        return await self.bus.emit(FaultDetected(engine_id=engine_id, model=e.model, engine_class=e.engine_class,
-                                                 generation=e.generation, kind=kind, gpu=e.gpu, node=e.node,
-                                                 signal=9 if kind is FaultKind.KILLED else None, died_at=time.time()))
+        return self.bus.envelope(FaultDetected(engine_id=engine_id, model=e.model, engine_class=e.engine_class,
+                                               generation=e.generation, kind=kind, gpu=e.gpu, node=e.node,
+                                               signal=9 if kind is FaultKind.KILLED else None, died_at=time.time()))
 
     # ------------------------------------------------------------ gpu_manager side
 
@@ -277,11 +283,14 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _inject(sim: SimulatedCluster, eid: str) -> None:
-    """One fault; a publish not acknowledged in time (an overloaded loop) is retried (deduplicated by id)."""
+async def _inject(sim: SimulatedCluster, eids: list[str]) -> None:
+    """Faults published together, their stream acks awaited together (the injector's own CPU is not the
+    control plane's); a publish not acknowledged in time (an overloaded loop) is retried with the same
+    envelopes (deduplicated by id)."""
+    envs = [sim.fault(eid) for eid in eids]
     for attempt in range(5):
         try:
-            await sim.fail(eid)
+            await sim.bus.publish_all(envs, timeout=10.0)
             return
         except Exception:  # noqa: BLE001 - nats timeout under load
             if attempt == 4:
@@ -361,7 +370,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                 batch = targets[i:i + 200]
                 for eid in batch:
                     died[eid] = time.time()
-                await asyncio.gather(*(sim.fail(eid) for eid in batch))
+                await _inject(sim, batch)
         else:
             # Offered load: fault i is due at start + i / rate; send what is due every 5 ms.
             sent = 0
@@ -370,7 +379,8 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                 batch = targets[sent:due]
                 for eid in batch:
                     died[eid] = time.time()
-                await asyncio.gather(*(_inject(sim, eid) for eid in batch))
+                if batch:
+                    await _inject(sim, batch)
                 sent = due
                 await asyncio.sleep(0.005)
         injected = time.time()
