@@ -393,6 +393,9 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         cpu = {k: round(_cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
         cpu["bench (fault injection, simulated nodes)"] = round(time.process_time() - bench_cpu0, 2)
         _, rev1 = await range_pages(store, "leader/")
+        from libs.common.service import check_health
+
+        controller = (await check_health(bus, "controller", "c1", timeout=5)).detail
         await bus.close()
         await store.close()
         lat = sorted(latencies)
@@ -405,7 +408,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
             "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
             "cpu_s": cpu, "cpu_ms_per_incident": round(sum(cpu.values()) * 1000 / max(1, len(lat)), 2),
-            "etcd_transactions": rev1 - rev0, "intent_results": results[0], "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
+            "etcd_transactions": rev1 - rev0, "intent_results": results[0], "records_not_written": controller.get("records_not_written"), "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
             "cpus": os.cpu_count(),
         }
     finally:

@@ -8,6 +8,8 @@ caller and sends them as one transaction of up to `max_ops` operations (etcd's d
   committed: use them for what safety needs before acting (an incident's opening, a command's progress).
 - `put_nowait` / `delete_nowait` return at once (DESIGN.md section 4: record the other steps without
   waiting); a later write to the same key replaces a pending one, so only the latest value is sent.
+- `put_after(key, value, delay_s)` queues a put only after `delay_s`, and drops it when a newer write of
+  the key comes first: a state that usually lasts less than that is then never written at all.
 - `pending(key)` is the value this process wrote last and etcd may not have yet: read it before etcd
   so a reader in this process never sees an older record than the one it wrote.
 
@@ -63,6 +65,8 @@ class BatchWriter:
         # controller's view uses it to take its own records from the watch without parsing them again.
         self.on_send: Callable[[str, bytes | None, Any], None] | None = None
         self._pending: dict[str, _Op] = {}
+        self._deferred: dict[str, tuple[asyncio.TimerHandle, _Op]] = {}  # put_after's writes, not yet due
+        self.deferred_dropped = 0  # put_after writes superseded before they were due (never sent)
         self._later: list[_Op] = []  # writes to a key that has a create pending (kept in order)
         self._inflight: dict[str, _Op] = {}
         self._wake = asyncio.Event()
@@ -88,8 +92,29 @@ class BatchWriter:
     def delete_nowait(self, key: str) -> None:
         self._add(_Op(DELETE, key, None), wait=False)
 
+    def put_after(self, key: str, value: Any, delay_s: float) -> None:
+        """Queue a put of `value` in `delay_s`, unless another write of `key` is made before (this one is then
+        dropped). Like `put_nowait`, `value` must not be changed after this call."""
+        self._drop_deferred(key)
+        handle = asyncio.get_running_loop().call_later(delay_s, self._fire_deferred, key)
+        self._deferred[key] = (handle, _Op(PUT, key, value))
+
+    def _fire_deferred(self, key: str) -> None:
+        entry = self._deferred.pop(key, None)
+        if entry is not None:
+            self._add(entry[1], wait=False)
+
+    def _drop_deferred(self, key: str) -> None:
+        entry = self._deferred.pop(key, None)
+        if entry is not None:
+            entry[0].cancel()
+            self.deferred_dropped += 1
+
     def pending(self, key: str) -> tuple[bool, bytes | None]:
         """(True, value) when this process has a write of `key` not yet confirmed (value None: a delete)."""
+        deferred = self._deferred.get(key)
+        if deferred is not None:
+            return True, deferred[1].value
         for op in reversed(self._later):
             if op.key == key:
                 return True, op.value
@@ -97,7 +122,10 @@ class BatchWriter:
         return (False, None) if found is None else (True, found.value)
 
     async def flush(self) -> None:
-        """Wait until every write made so far is committed (or failed)."""
+        """Wait until every write made so far is committed (or failed); writes not yet due are sent now."""
+        for key in list(self._deferred):
+            self._deferred[key][0].cancel()
+            self._fire_deferred(key)
         while self._pending or self._later or self._running:
             self._ensure_task()
             self._wake.set()
@@ -112,6 +140,8 @@ class BatchWriter:
     # ------------------------------------------------------------ plumbing
 
     def _add(self, op: _Op, *, wait: bool = True) -> asyncio.Future[bool] | None:
+        if self._deferred:
+            self._drop_deferred(op.key)  # a newer write of the key: the one not yet due is never sent
         fut = asyncio.get_running_loop().create_future() if wait else None
         if fut is not None:
             op.waiters.append(fut)

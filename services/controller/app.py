@@ -69,7 +69,8 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
         raise InvariantBroken("controller leadership lost")
 
     rt.health_detail = lambda: {"leader": state["leader"], "api": state["api"], "open_incidents": len(driver.open),
-                                "view_revision": view.revision}
+                                "view_revision": view.revision, "etcd_transactions": driver.writer.transactions,
+                                "records_not_written": driver.writer.deferred_dropped}
     rt.on_close(driver.writer.flush)  # a clean stop writes what is queued (fenced: only while leading)
     rt.on_close(election.resign)
     rt.spawn("leadership", lead())

@@ -39,6 +39,10 @@ class IncidentLog:
         """Queue `rec` (written behind, fenced)."""
         self.writer.put_nowait(incident_key(rec.id), rec)
 
+    def save_after(self, rec: IncidentRecord, delay_s: float) -> None:
+        """Queue `rec` in `delay_s` unless a newer record of the incident is saved first (then `rec` never is)."""
+        self.writer.put_after(incident_key(rec.id), rec, delay_s)
+
     async def open_records(self) -> list[IncidentRecord]:
         items, _ = await range_pages(self.store, "incidents/")  # paged: thousands of records exceed 4 MiB
         out = []

@@ -306,7 +306,10 @@ class IncidentDriver(ColdStarts):
         """Run the controller's own steps (route out and dispatch; route in and close) until it must wait."""
         while True:
             if rec.state is S.OPENED:
-                rec = await self._commit(rec, await self._dispatch(rec))
+                # The waiting state's record is written only if the incident is still waiting a moment later
+                # (a prompt takeover's incident goes from opened to resolved with no record in between; a new
+                # leader resumes it from opened: the dispatch is idempotent).
+                rec = await self._commit(rec, await self._dispatch(rec), after_s=self.settings.waiting_record_delay_s)
             elif rec.state is S.ROUTING_IN:
                 try:
                     routed = await self._route_in(rec)
@@ -385,9 +388,12 @@ class IncidentDriver(ColdStarts):
                                successor=rec.successor_hint)
         return self._envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
 
-    async def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True) -> IncidentRecord:
+    async def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True,
+                      after_s: float = 0.0) -> IncidentRecord:
         new.leader = self.settings.instance  # `new` is this call's own copy (apply and the callers copy)
-        if write:
+        if write and after_s > 0:
+            self.log.save_after(new, after_s)
+        elif write:
             self.log.save(new)  # written behind, fenced by the leader key (incident_log.py)
         if old.successor_id != new.successor_id:
             self._successors.discard(old.successor_id or "")
