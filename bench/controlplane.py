@@ -176,7 +176,10 @@ class SimulatedCluster:
         fut = self.takeovers.get(cmd.incident_id)
         if fut is None:  # idempotent by incident: a retried takeover gets the first one's successor
             fut = self.takeovers[cmd.incident_id] = asyncio.get_running_loop().create_future()
-            asyncio.create_task(self._do_takeover(cmd, fut))
+            if self.takeover_gate is None and not self.record:
+                await self._do_takeover(cmd, fut)  # nothing to wait for: no task of its own (the benchmark)
+            else:
+                asyncio.create_task(self._do_takeover(cmd, fut))
         return await asyncio.shield(fut)
 
     async def _do_takeover(self, cmd: Takeover, fut: asyncio.Future[TakeoverReply]) -> None:

@@ -196,7 +196,8 @@ class IncidentDriver(ColdStarts):
                 rec = self._record_from_fault(inc_id, f, env)
                 if await self.log.create(rec):
                     self.metrics.record_opened(rec)
-                    self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)  # the detect step
+                    if self.tracing.export_spans:  # the detect step's span (no copy made when none is exported)
+                        self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
                     log.info("incident %s opened: %s %s", inc_id, f.engine_id, f.kind)
                 else:
                     rec = await self.log.load(inc_id)
