@@ -239,16 +239,24 @@ class ClusterView:
 
     def gpu_slots(self, nodes: set[str] | frozenset[str] | None = None) -> list[GpuSlot]:
         """Every GPU of the present nodes (or of `nodes` only)."""
-        leased, engines = self.leased_bytes, self.engines_on
         out = []
         for node in self.nodes if nodes is None else [n for n in nodes if n in self.nodes]:
             for gpu in self.node_gpus(node):
-                info = self.gpus.get((node, gpu)) or {}
-                total = info.get("total_bytes", info.get("memory_total"))
-                out.append(GpuSlot(node, gpu, self.gpu_healthy(node, gpu) and node not in self.drained,
-                                   int(total) if isinstance(total, int | float) else None,
-                                   leased.get((node, gpu), 0), engines.get((node, gpu), 0)))
+                out.append(self._slot(node, gpu))
         return out
+
+    def gpu_slot(self, node: str, gpu: int) -> GpuSlot | None:
+        """One GPU's slot, as `gpu_slots` lists it; None when the node or that GPU is not present."""
+        if node not in self.nodes or gpu not in self.node_gpus(node):
+            return None
+        return self._slot(node, gpu)
+
+    def _slot(self, node: str, gpu: int) -> GpuSlot:
+        info = self.gpus.get((node, gpu)) or {}
+        total = info.get("total_bytes", info.get("memory_total"))
+        return GpuSlot(node, gpu, self.gpu_healthy(node, gpu) and node not in self.drained,
+                       int(total) if isinstance(total, int | float) else None,
+                       self.leased_bytes.get((node, gpu), 0), self.engines_on.get((node, gpu), 0))
 
     def leases_of(self, owner: str) -> list[LeaseInfo]:
         return [self.leases[i] for i in sorted(self.leases_by_owner.get(owner, ()))]

@@ -132,12 +132,16 @@ class IntentExecutor:
     # ------------------------------------------------------------ the two paths
 
     async def _reattach(self, intent: RecoverIntent, prog: IntentProgress) -> None:
-        needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
-        # Reattaching in place only looks at the engine's own node (no scan of the cluster per incident).
+        # Reattaching in place only looks at the engine's own GPU (no scan of the cluster per incident); when it
+        # cannot, the whole home node is placed again, for the reason it gives.
         home = {intent.node} if intent.node else set()
-        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=needed,
-                      slots=self.view.gpu_slots(home), alive=home & self.view.nodes.keys(), allowed=self.allowed)
+        slot = self.view.gpu_slot(intent.node, intent.gpu) if intent.node else None
+        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=0, slots=[slot] if slot else [],
+                      alive=home & self.view.nodes.keys(), allowed=self.allowed)
         if where.action is not Action.REATTACH:
+            needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
+            where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=needed,
+                          slots=self.view.gpu_slots(home), alive=home & self.view.nodes.keys(), allowed=self.allowed)
             raise StepFailed(Step.FREEZE, f"cannot reattach in place: {where.reason}")
         node = where.node or ""
         if prog.freeze is None:
