@@ -221,12 +221,17 @@ class Bus:
             headers = telemetry.inject_headers()
             trace = TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
         incident = incident_id or getattr(payload, "incident_id", None)
-        # model_construct: the payload is a validated event and the other fields are ours (validating the
-        # envelope again re-checks the payload against every event type of the union: ~10 us an event).
-        return Envelope.model_construct(
-            id=id if id is not None else new_id(), type=payload.type, version=SCHEMA_VERSION,  # type: ignore[attr-defined]
-            time=time.time(), source=self.source, node=self.settings.node, incident_id=incident, trace=trace,
+        extra = {"id": id} if id is not None else {}
+        # Validated, not model_construct: the payload instance is checked by its class only, and pydantic's
+        # model_construct (a Python loop over the fields) measured slower (4.5 against 3.9 us).
+        return Envelope(
+            type=payload.type,  # type: ignore[attr-defined]
+            source=self.source,
+            node=self.settings.node,
+            incident_id=incident,
+            trace=trace,
             data=payload,  # type: ignore[arg-type]
+            **extra,
         )
 
     async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
