@@ -65,17 +65,38 @@ def layout_hash(metas: list[TensorMeta]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
-def pid_start_time(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of a live, non-zombie process; None if it is gone or a zombie."""
+def _state_and_start(stat_path: str) -> tuple[str, int] | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(stat_path, "rb") as f:
             raw = f.read().decode(errors="replace")
     except OSError:
         return None
     rest = raw[raw.rfind(")") + 2:].split()  # the command name may contain spaces and parentheses
-    if not rest or rest[0] in ("Z", "X"):
+    return (rest[0], int(rest[19])) if len(rest) > 19 else None
+
+
+def pid_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of a live process; None once every thread of it is gone or a zombie.
+
+    Why every thread: SIGKILLed, a process's main thread may be a zombie while another thread still runs the
+    exit (the last one closes the files, and with the driver's fd the CUDA context's teardown: ~100 ms on an
+    H200). Until then the process still maps its leases' memory, and a successor's memory operations in
+    that window wait behind the teardown."""
+    got = _state_and_start(f"/proc/{pid}/stat")
+    if got is None:
         return None
-    return int(rest[19])
+    state, start = got
+    if state not in ("Z", "X"):
+        return start
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        thread = _state_and_start(f"/proc/{pid}/task/{tid}/stat")
+        if thread is not None and thread[0] not in ("Z", "X"):
+            return start
+    return None
 
 
 def process_alive(pid: int | None, start: int | None) -> bool:
