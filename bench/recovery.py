@@ -92,14 +92,18 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
         for k, v in t.steps_ms().items():
             steps.setdefault(k, []).append(v)
     engine: dict[str, list[float]] = {}  # the successor's own clock, from its assignment (or start)
+    phases: dict[str, list[float]] = {}  # its first generation's phases (EngineCore.trace_next)
     for t in trials:
         for k in ("first_token_ms", "first_request_ms", "first_request_token_ms"):
             if isinstance(t.engine_recovery.get(k), (int, float)):
                 engine.setdefault(k, []).append(float(t.engine_recovery[k]))
+        for k, v in (t.engine_recovery.get("first_generation") or {}).items():
+            phases.setdefault(k, []).append(float(v))
     return {
         "death_to_first_token_ms": summarize(rec) if rec else None,
         "steps_ms_p50": {k: round(statistics.median(v), 2) for k, v in steps.items()},
         "successor_ms_p50": {k: round(statistics.median(v), 2) for k, v in engine.items()},
+        "successor_first_generation_p50": {k: round(statistics.median(v), 2) for k, v in phases.items()},
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),
         "outputs_match": all(t.mismatched == 0 for t in trials),
         "requests_lost": sum(t.lost for t in trials),

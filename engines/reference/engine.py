@@ -85,6 +85,8 @@ class EngineCore:
         self._slots_cv = threading.Condition()
         self.tokens_generated = 0
         self.requests_done = 0
+        self._phases: dict[str, float] | None = None  # armed by trace_next(): where one generation's time goes
+        self._phases_t0 = 0.0
 
     @property
     def slots(self) -> int:
@@ -121,6 +123,23 @@ class EngineCore:
                 logits = self.model.forward(t, start, self.kv[slot])
         return logits
 
+    def trace_next(self, into: dict[str, float], t0: float) -> None:
+        """Record, into `into`, the phases of the next generation (ms since `t0`): slot taken, prefill
+        launched (a launch stalls on a kernel module loaded lazily or a block the allocator must get from the
+        driver), first token sampled (waits for the GPU), and the allocator's new segments meanwhile. Why:
+        a successor's first token is the recovery's largest remaining step; this says what it waited on."""
+        self._phases_t0 = t0
+        self._phases = into
+
+    def _mark(self, phases: dict[str, float] | None, name: str) -> None:
+        if phases is not None:
+            phases[name] = round((time.perf_counter() - self._phases_t0) * 1000, 3)
+
+    def _segments(self) -> int:
+        if self.model.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.model.device).get("segment.all.allocated", 0))
+
     def validate(self, req: GenerationRequest) -> None:
         if not req.context:
             raise BadRequest("empty context: give a prompt or tokens")
@@ -136,7 +155,11 @@ class EngineCore:
         pass, so a caller can step it from a worker thread and stop at any point (close() frees the slot)."""
         self.validate(req)
         t0 = time.perf_counter()
+        phases, self._phases = self._phases, None
+        segments = self._segments() if phases is not None else 0
+        self._mark(phases, "called")
         slot = self._take_slot(slot_timeout)
+        self._mark(phases, "slot")
         try:
             text = TextStream()
             text.prime(req.context)
@@ -144,6 +167,7 @@ class EngineCore:
             logits = None
             if req.max_tokens > 0:
                 logits = self.prefill(slot, ctx, prefill_spans(len(ctx), req.prefix_len, self.prefill_chunk))
+                self._mark(phases, "prefill_launched")
             first_ms = 0.0
             produced = 0
             reason = "length"
@@ -155,6 +179,10 @@ class EngineCore:
                 tok = sample(logits, req.temperature, req.seed, len(ctx))
                 if produced == 0:
                     first_ms = (time.perf_counter() - t0) * 1000
+                    self._mark(phases, "first_sampled")
+                    if phases is not None:
+                        phases["new_segments"] = self._segments() - segments
+                        phases["prefill_tokens"] = len(ctx)
                 ctx.append(tok)
                 produced += 1
                 self.tokens_generated += 1

@@ -242,4 +242,5 @@ def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_st
         rec["first_request_token_ms"] = round((at - t_start) * 1000, 3)
 
     state.on_first_token = first_request_token
+    core.trace_next(rec.setdefault("first_generation", {}), t_start)
     return core

@@ -111,6 +111,7 @@ class Standby:
 
         self.state.on_first_request = at("first_request_ms")  # the router's first request reached us
         self.state.on_first_token = at("first_request_token_ms")  # and its first token left
+        shadow.core.trace_next(rec.setdefault("first_generation", {}), t_start)
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core
 

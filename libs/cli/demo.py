@@ -111,6 +111,7 @@ async def _play(sc: Scenario, failures: list[str], quiet: bool) -> dict[str, Any
         "requests_lost": trial.lost, "memory_kept_across_gpu_manager_restart": memory_kept,
         "timeline_ms": {k: _r(v) for k, v in trial.timeline_ms.items()},
         "steps_ms": {k: _r(v) for k, v in trial.steps_ms().items()},
+        "successor": trial.engine_recovery,  # its own clock from the promotion (first generation's phases)
     }
 
 

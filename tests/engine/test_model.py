@@ -123,3 +123,17 @@ def test_the_streamed_weights_file_reads_back_through_safetensors_as_the_seeded_
     for name, shape in cfg.tensor_shapes().items():
         assert torch.equal(back[name], _init_tensor(cfg, name, shape, 3).to(torch.bfloat16))
     assert file_metadata(path)["size"] == cfg.name
+
+
+def test_a_traced_generation_reports_its_phases_in_order_and_only_once(core: EngineCore) -> None:
+    import time
+
+    phases: dict[str, float] = {}
+    core.trace_next(phases, time.perf_counter())
+    run(core, GenerationRequest(context=[5, 6, 7, 8], max_tokens=2))
+    order = [phases[k] for k in ("called", "slot", "prefill_launched", "first_sampled")]
+    assert order == sorted(order) and order[0] >= 0
+    assert phases["prefill_tokens"] == 4 and phases["new_segments"] == 0  # no CUDA here: no segments
+    again: dict[str, float] = dict(phases)
+    run(core, GenerationRequest(context=[5, 6, 7], max_tokens=1))
+    assert phases == again  # armed for one generation only
