@@ -23,6 +23,7 @@ import torch
 
 from engines.reference.model import Transformer
 from engines.reference.tokenizer import EOS, TextStream
+from libs.common import gc_tuning
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,12 @@ class EngineCore:
     def trace_next(self, into: dict[str, float], t0: float) -> None:
         """Record, into `into`, the phases of the next generation (ms since `t0`): slot taken, prefill
         launched (a launch stalls on a kernel module loaded lazily or a block the allocator must get from the
-        driver), first token sampled (waits for the GPU), and the allocator's new segments meanwhile. Why:
+        driver), first token sampled (waits for the GPU), the allocator's new segments and the garbage
+        collector's pauses meanwhile. Why:
         a successor's first token is the recovery's largest remaining step; this says what it waited on."""
         self._phases_t0 = t0
         self._phases = into
+        gc_tuning.count_pauses()
 
     def _mark(self, phases: dict[str, float] | None, name: str) -> None:
         if phases is not None:
@@ -157,6 +160,7 @@ class EngineCore:
         t0 = time.perf_counter()
         phases, self._phases = self._phases, None
         segments = self._segments() if phases is not None else 0
+        gc_before = gc_tuning.paused_ms()
         self._mark(phases, "called")
         slot = self._take_slot(slot_timeout)
         self._mark(phases, "slot")
@@ -182,6 +186,7 @@ class EngineCore:
                     self._mark(phases, "first_sampled")
                     if phases is not None:
                         phases["new_segments"] = self._segments() - segments
+                        phases["gc_ms"] = round(gc_tuning.paused_ms() - gc_before, 3)  # collector pauses meanwhile
                         phases["prefill_tokens"] = len(ctx)
                 ctx.append(tok)
                 produced += 1

@@ -36,6 +36,7 @@ from engines.reference.server import EngineState, build_app
 from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
 from engines.reference.tokenizer import BOS
+from libs.common.gc_tuning import long_lived_gc
 
 log = logging.getLogger("holdfast.engine")
 T_PROCESS = time.perf_counter()
@@ -176,6 +177,7 @@ def run(s: EngineSettings) -> int:
             if link is None:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
             link.ready(None)
+            long_lived_gc()  # idle now: the full pass here, not on the takeover's path
             log.info("standby %s warm (%.1f ms); waiting for an assignment", s.id, state.info["warmup_ms"])
             standby = Standby(s, cfg, memory, link, state, max_seq)
             a = standby.wait_assignment()
@@ -205,6 +207,7 @@ def run(s: EngineSettings) -> int:
             assert loaded is not None
             core = _build(s, cfg, loaded, state, t_start)
         state.install(core)
+        long_lived_gc(collect=loaded is not None and loaded.source == "file")  # a recovery skips the full pass
         state.state = "ready"
         if link is not None:
             link.ready(http.endpoint)

@@ -28,6 +28,7 @@ from engines.reference.memory import LeasedMemory, LocalMemory, retry_until
 from engines.reference.model import Transformer
 from engines.reference.server import EngineState
 from engines.reference.settings import EngineSettings
+from libs.common.gc_tuning import long_lived_gc
 
 log = logging.getLogger("holdfast.engine.standby")
 
@@ -79,6 +80,7 @@ class Standby:
             self.drop()
             self.link.shadowing(None)
             return
+        long_lived_gc()  # the model and the process live on: no full collection on the takeover's path
         timings = {**loaded.timings_ms, "warm_ms": round(warm_ms, 3), "total_ms": _ms(t0)}
         self.shadow = ShadowCore(owner, core, loaded.read_only, timings)
         self.state.info["shadow"] = {"owner": owner, "read_only": loaded.read_only, "timings_ms": timings}
@@ -92,6 +94,7 @@ class Standby:
             return
         self.shadow = None
         self.state.info.pop("shadow", None)
+        gc.unfreeze()  # frozen by _shadow: the model must be collectable again
         gc.collect()  # the model's tensors must be gone before their memory is unmapped
         self.memory.drop_shadow()
 

@@ -14,7 +14,6 @@ engines: ~6.5 MB) is larger than gRPC's 4 MiB message limit and fails outright.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from aetcd.utils import prefix_range_end
 from pydantic import ValidationError
 
 from libs.common.events import EngineInfo, LeaseInfo, LeaseState
+from libs.common.gc_tuning import long_lived_gc  # noqa: F401 - the services import it from here
 from libs.common.store import Store
 
 log = logging.getLogger("holdfast.view")
@@ -69,16 +69,6 @@ async def range_pages(store: Store, prefix: str, *, page: int = 2000) -> tuple[l
         if not reply.more or not reply.kvs:
             return out, revision
         start = reply.kvs[-1].key + b"\0"  # the next key after the last one read
-
-
-def long_lived_gc() -> None:
-    """For a service, once its view holds the snapshot: those objects (tens of thousands at 8,000 engines)
-    live as long as the process, so the cyclic collector should not walk them again (`gc.freeze`); and the
-    young generation is collected less often: at hundreds of incidents a second, each allocating hundreds
-    of short-lived objects, the default threshold (700 allocations) runs a collection every few incidents."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 50)
 
 
 def _json(value: bytes | None) -> Any:
