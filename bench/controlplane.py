@@ -27,7 +27,7 @@ import typer
 
 from libs.common import procs
 from libs.common.bus import Bus
-from libs.common.cluster_view import range_pages
+from libs.common.cluster_view import range_pages, service_gc
 from libs.common.config import CommonSettings
 from libs.common.errors import NotFound
 from libs.common.events import (
@@ -327,6 +327,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         t0 = time.perf_counter()
         await sim.populate()
         populate_s = time.perf_counter() - t0
+        service_gc()  # the simulated cluster's 8,000 engines and leases live as long as the run, like a service's view
         await sim.serve()
         services = [_service("services.controller", env, workdir / "controller.log")]
         for i in range(dc_managers):
@@ -411,7 +412,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
             "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
             "cpu_s": cpu, "cpu_ms_per_incident": round(sum(cpu.values()) * 1000 / max(1, len(lat)), 2),
-            "etcd_transactions": rev1 - rev0, "intent_results": results[0], "records_not_written": controller.get("records_not_written"), "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
+            "etcd_transactions": rev1 - rev0, "intent_results": results[0], "records_not_written": controller.get("records_not_written"), "controller_gc_paused_ms": controller.get("gc_paused_ms"), "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
             "cpus": os.cpu_count(),
         }
     finally:

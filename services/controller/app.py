@@ -7,8 +7,9 @@ import logging
 import os
 import secrets
 
-from libs.common.cluster_view import long_lived_gc
+from libs.common.cluster_view import service_gc
 from libs.common.errors import InvariantBroken
+from libs.common.gc_tuning import count_pauses, paused_ms
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
 from services.controller.api.app import bind, create_app, serve
@@ -44,7 +45,8 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
 
     rt.spawn("view", view.follow(rt.store))
     await asyncio.wait_for(view.synced.wait(), 30)
-    long_lived_gc()
+    service_gc()
+    count_pauses()
     if settings.api_enabled:
         ctx = ApiContext(settings=settings, view=view, store=rt.store, bus=rt.bus, metrics=metrics,
                          is_leader=lambda: bool(state["leader"]), admin_token=admin_token(settings),
@@ -70,7 +72,8 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
 
     rt.health_detail = lambda: {"leader": state["leader"], "api": state["api"], "open_incidents": len(driver.open),
                                 "view_revision": view.revision, "etcd_transactions": driver.writer.transactions,
-                                "records_not_written": driver.writer.deferred_dropped}
+                                "records_not_written": driver.writer.deferred_dropped,
+                                "gc_paused_ms": round(paused_ms(), 1)}
     rt.on_close(driver.writer.flush)  # a clean stop writes what is queued (fenced: only while leading)
     rt.on_close(election.resign)
     rt.spawn("leadership", lead())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from libs.common.cluster_view import ClusterView, long_lived_gc
+from libs.common.cluster_view import ClusterView, service_gc
 from libs.common.ids import subject_token
 from libs.common.service import Runtime
 from services.dc_manager.executor import IntentExecutor
@@ -16,7 +16,7 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     view.skip_heads = frozenset({"endpoints"})  # placement never reads routes: two changes per incident less
     rt.spawn("view", view.follow(rt.store))
     await asyncio.wait_for(view.synced.wait(), 30)
-    long_lived_gc()
+    service_gc()
     executor = IntentExecutor(rt.bus, rt.store, view, settings)
     # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents;
     # several managers of one datacenter share it (a deliver group): each intent goes to one of them.
