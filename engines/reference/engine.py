@@ -134,6 +134,13 @@ class EngineCore:
         self._phases = into
         gc_tuning.count_pauses()
 
+    def mark(self, name: str) -> None:
+        """A phase on the way to the armed generation (the HTTP layer's steps before it starts); the first
+        request to pass a step records it."""
+        phases = self._phases
+        if phases is not None and name not in phases:
+            self._mark(phases, name)
+
     def _mark(self, phases: dict[str, float] | None, name: str) -> None:
         if phases is not None:
             phases[name] = round((time.perf_counter() - self._phases_t0) * 1000, 3)

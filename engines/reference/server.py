@@ -93,6 +93,7 @@ async def _run_generation(core: EngineCore, req: GenerationRequest) -> AsyncIter
     stop = threading.Event()
 
     def work() -> None:
+        core.mark("thread_started")
         it = core.generate(req)
         try:
             for ev in it:
@@ -105,6 +106,7 @@ async def _run_generation(core: EngineCore, req: GenerationRequest) -> AsyncIter
             it.close()
             loop.call_soon_threadsafe(q.put_nowait, None)
 
+    core.mark("thread_starting")
     threading.Thread(target=work, name="generate", daemon=True).start()
     try:
         while True:
@@ -147,6 +149,7 @@ def build_app(state: EngineState) -> FastAPI:
         core = state.core
         if core is None or state.state != "ready":
             return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
+        core.mark("handler")
         req = body.to_request()
         cb, state.on_first_request = state.on_first_request, None
         if cb is not None:

@@ -130,8 +130,12 @@ def test_a_traced_generation_reports_its_phases_in_order_and_only_once(core: Eng
 
     phases: dict[str, float] = {}
     core.trace_next(phases, time.perf_counter())
+    core.mark("handler")  # the HTTP layer's steps before the generation: the first to pass records it
+    first = phases["handler"]
+    core.mark("handler")
+    assert phases["handler"] == first
     run(core, GenerationRequest(context=[5, 6, 7, 8], max_tokens=2))
-    order = [phases[k] for k in ("called", "slot", "prefill_launched", "first_sampled")]
+    order = [phases[k] for k in ("handler", "called", "slot", "prefill_launched", "first_sampled")]
     assert order == sorted(order) and order[0] >= 0
     assert phases["prefill_tokens"] == 4 and phases["new_segments"] == 0  # no CUDA here: no segments
     again: dict[str, float] = dict(phases)
