@@ -34,19 +34,21 @@ T = TypeVar("T")
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when it is installed (a C event loop: ~20-30% less CPU per message in the control plane's
-    services), else None: the stock asyncio loop. `HF_UVLOOP=0` keeps the stock loop (to compare, or debug)."""
-    if os.environ.get("HF_UVLOOP", "1") in ("0", "false", "no"):
+    """The event loop to run on: the stock asyncio loop (None), or uvloop's with `HF_UVLOOP=1` when it is
+    installed. Not the default: in the control-plane benchmark (2 cores, a microVM) uvloop measured no better
+    than the stock loop (docs/controlplane.md, fourth pass): the CPU goes to pydantic, nats-py's Python
+    protocol code and gRPC, not to the loop's own I/O."""
+    if os.environ.get("HF_UVLOOP", "0") not in ("1", "true", "yes"):
         return None
     try:
         import uvloop
-    except ImportError:  # optional: the device bundle, for one, does not ship it
+    except ImportError:  # optional: not a dependency
         return None
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on the loop `loop_factory` picks."""
+    """`asyncio.run(main)` on the loop `loop_factory` picks (every service process and the control-plane bench)."""
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)
 
