@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.reference.model import Transformer
+from engines.reference.static_forward import StaticForward
 from engines.reference.tokenizer import EOS, TextStream
 from libs.common import gc_tuning
 
@@ -74,12 +75,14 @@ def prefill_spans(n: int, prefix_len: int | None, chunk: int) -> list[tuple[int,
 
 
 class EngineCore:
-    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64) -> None:
+    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64, graphs: bool = False) -> None:
         if kv.dim() != 6 or kv.shape[1] != model.cfg.n_layers:
             raise ValueError(f"kv cache shape {tuple(kv.shape)} does not fit {model.cfg.n_layers} layers")
         self.model = model
         self.kv = kv
         self.prefill_chunk = max(1, prefill_chunk)
+        # fixed-shape forwards (CUDA graphs once captured by warm()): static_forward.py
+        self.static = StaticForward(model, kv, min(self.prefill_chunk, kv.shape[4])) if graphs else None
         self.max_seq = kv.shape[4]
         self._lock = threading.Lock()  # one forward at a time
         self._free = list(range(kv.shape[0]))
@@ -109,9 +112,19 @@ class EngineCore:
             self._slots_cv.notify()
 
     def forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
-        t = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
         with self._lock:
-            return self.model.forward(t, start, self.kv[slot])
+            return self._forward(slot, tokens, start)
+
+    def _forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
+        """One forward, the lock held: fixed-shape (static_forward.py invariant 1) for one token and for a
+        prompt's first chunk when graphs are on; eager otherwise."""
+        if self.static is not None:
+            if len(tokens) == 1:
+                return self.static.decode(slot, tokens[0], start)
+            if start == 0 and len(tokens) <= self.static.chunk:
+                return self.static.first_chunk(slot, tokens)
+        t = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+        return self.model.forward(t, start, self.kv[slot])
 
     def prefill(self, slot: int, ctx: list[int], spans: list[tuple[int, int]]) -> torch.Tensor | None:
         """All of a request's prefill forwards under one hold of the lock: when many requests arrive at
@@ -120,8 +133,7 @@ class EngineCore:
         logits = None
         with self._lock:
             for start, stop in spans:
-                t = torch.tensor(ctx[start:stop], dtype=torch.long, device=self.model.device)
-                logits = self.model.forward(t, start, self.kv[slot])
+                logits = self._forward(slot, ctx[start:stop], start)
         return logits
 
     def trace_next(self, into: dict[str, float], t0: float) -> None:
@@ -261,6 +273,9 @@ class EngineCore:
             n = max(2, min(self.prefill_chunk, self.max_seq - 2))  # a full chunk: its kernels, not a toy shape's
             self.forward(slot, list(range(n)), 0)
             self.forward(slot, [2], n)
+            if self.static is not None:
+                with self._lock:
+                    self.static.capture(self.slots)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
         finally:

@@ -13,6 +13,7 @@ logits to an uninterrupted one (see engine.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,7 @@ class Transformer:
     def forward(self, tokens: torch.Tensor, start: int, kv: torch.Tensor) -> torch.Tensor:
         """Logits (float32, [T, vocab]) for `tokens` at positions start.., writing their keys and values
         into `kv` ([layer, k|v, kv_head, position, head_dim], one slot of the cache)."""
-        cfg, w = self.cfg, self.w
+        w = self.w
         T = tokens.shape[0]
         end = start + T
         if end > kv.shape[3]:
@@ -75,35 +76,54 @@ class Transformer:
             q_pos = torch.arange(start, end, device=self.device)[:, None]
             k_pos = torch.arange(0, end, device=self.device)[None, :]
             mask = k_pos > q_pos  # [T, end]: True where a query may not look
+        return self.layers(h, lambda x, p, i: self._attention(x, p, start, cos, sin, kv[i], mask))
+
+    def layers(self, h: torch.Tensor, attend: Callable[[torch.Tensor, str, int], torch.Tensor]) -> torch.Tensor:
+        """The decoder stack and the head over embeddings `h`; `attend(x, prefix, layer)` is the attention
+        (this eager one, or static_forward.py's fixed-shape one)."""
+        cfg, w = self.cfg, self.w
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            h = h + self._attention(rms_norm(h, w[p + "attention_norm.weight"], cfg.norm_eps), p, start, cos, sin, kv[i], mask)
+            h = h + attend(rms_norm(h, w[p + "attention_norm.weight"], cfg.norm_eps), p, i)
             x = rms_norm(h, w[p + "ffn_norm.weight"], cfg.norm_eps)
             gate = F.silu(F.linear(x, w[p + "feed_forward.w1.weight"])) * F.linear(x, w[p + "feed_forward.w3.weight"])
             h = h + F.linear(gate, w[p + "feed_forward.w2.weight"])
         h = rms_norm(h, w["norm.weight"], cfg.norm_eps)
         return F.linear(h, w["output.weight"]).float()
 
-    def _attention(self, x: torch.Tensor, p: str, start: int, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries ([T, heads, hd]), keys and values ([T, kv_heads, hd]) of layer `p`, rotary applied."""
         cfg, w = self.cfg, self.w
         T, hd = x.shape[0], cfg.head_dim
         q = F.linear(x, w[p + "attention.wq.weight"]).view(T, cfg.n_heads, hd)
         k = F.linear(x, w[p + "attention.wk.weight"]).view(T, cfg.n_kv_heads, hd)
         v = F.linear(x, w[p + "attention.wv.weight"]).view(T, cfg.n_kv_heads, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = start + T
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attention(self, x: torch.Tensor, p: str, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        q, k, v = self.qkv(x, p, cos, sin)
+        end = start + x.shape[0]
         cache[0, :, start:end] = k.transpose(0, 1).to(cache.dtype)
         cache[1, :, start:end] = v.transpose(0, 1).to(cache.dtype)
         keys = cache[0, :, :end].to(x.dtype)  # [kv_heads, end, hd]
         vals = cache[1, :, :end].to(x.dtype)
+        return self.attend(q, keys, vals, mask, p)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
+               p: str) -> torch.Tensor:
+        """Grouped-query attention of `q` ([T, heads, hd]) over `keys`, `vals` ([kv_heads, S, hd]), `mask`
+        ([T, S]) True where a query may not look, then layer `p`'s output projection."""
+        cfg = self.cfg
+        T, hd = q.shape[0], cfg.head_dim
         rep = cfg.n_heads // cfg.n_kv_heads
-        if rep > 1:  # query head h reads kv head h // rep (Hugging Face's repeat_kv)
-            keys = keys.repeat_interleave(rep, dim=0)
-            vals = vals.repeat_interleave(rep, dim=0)
-        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)).float() / math.sqrt(hd)  # [H, T, end]
+        if rep > 1:  # query head h reads kv head h // rep (Hugging Face's repeat_kv); no host sync: graph-safe
+            kvh, seq = keys.shape[0], keys.shape[1]
+            keys = keys[:, None].expand(kvh, rep, seq, hd).reshape(cfg.n_heads, seq, hd)
+            vals = vals[:, None].expand(kvh, rep, seq, hd).reshape(cfg.n_heads, seq, hd)
+        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)).float() / math.sqrt(hd)  # [H, T, S]
         if mask is not None:
             scores = scores.masked_fill(mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, vals).transpose(0, 1).reshape(T, cfg.n_heads * hd)
-        return F.linear(out, w[p + "attention.wo.weight"])
+        return F.linear(out, self.w[p + "attention.wo.weight"])

@@ -110,7 +110,7 @@ def warm_standby(s: EngineSettings, device: torch.device) -> float:
     w = scratch_weights(cfg, device)
     small = cfg.with_layers(1)
     kv = torch.zeros(small.kv_shape(1, 64), dtype=w["tok_embeddings.weight"].dtype, device=device)
-    core = EngineCore(Transformer(small, w), kv)
+    core = EngineCore(Transformer(small, w), kv, graphs=s.graphs)
     core.warm()
     sample(core.forward(0, [3], 3), 0.7, 1, 4)
     del core, kv, w
@@ -228,7 +228,7 @@ def run(s: EngineSettings) -> int:
 
 def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_start: float) -> EngineCore:
     t0 = time.perf_counter()
-    core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk)
+    core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk, graphs=s.graphs)
     build_ms = _ms(t0)
     state.info["memory"] = {"kind": state.info["memory"]["kind"], "source": loaded.source,
                             "timings_ms": loaded.timings_ms, "build_ms": build_ms}

@@ -72,7 +72,8 @@ class Standby:
         self.drop()
         try:
             loaded = self.memory.shadow(self.cfg, owner, share_token, self.s.slots, self.max_seq)
-            core = EngineCore(Transformer(self.cfg, loaded.weights), loaded.kv, prefill_chunk=self.s.prefill_chunk)
+            core = EngineCore(Transformer(self.cfg, loaded.weights), loaded.kv, prefill_chunk=self.s.prefill_chunk,
+                              graphs=self.s.graphs)
             warm_ms = core.warm()
             core.warm_concurrent(core.slots)  # what the first requests would allocate, allocated now
         except Exception as e:  # noqa: BLE001 - a failed shadow leaves a plain warm standby, said to the agent
