@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU report, run ON the device machine through scripts/device_run.sh (DEVICE_CMD): the gpu-marked
 # tests, the demo, recovery side by side and a short chaos run, on the cuda backend. Every result lands in
-# $OUT (JSON + logs) to be copied into docs/benchmarks.md.
+# $OUT (JSON + logs) to be copied into docs/benchmarks.md. HF_ENGINE_GRAPHS=1 in the environment runs every
+# engine with CUDA graphs (engines/reference/static_forward.py); "forward" probes the forward's cost.
 #   STEPS="probe tests demo recovery8 recovery16 chaos" (default: tests demo recovery16 chaos), GIB_BIG=48 for
 #   the large recovery step "recoverybig"
 set -uo pipefail
@@ -15,6 +16,7 @@ for step in $STEPS; do
   t0=$(date +%s)
   case $step in
     probe) python3 scripts/probe_exit.py > "$OUT/probe_exit.jsonl" 2> "$OUT/probe_exit.err" ;;
+    forward) python3 scripts/probe_forward.py 1b 8b@39 > "$OUT/probe_forward.jsonl" 2> "$OUT/probe_forward.err" ;;
     tests) python3 -m pytest -p no:cacheprovider -m gpu tests -q --timeout 300 > "$OUT/gpu_tests.log" 2>&1 ;;
     demo) $HF demo --json > "$OUT/demo.json" 2> "$OUT/demo.err" ;;
     recovery8) $HF bench recovery --backend cuda --weights-gib 8 --trials "${TRIALS:-3}" --unshadowed --json \

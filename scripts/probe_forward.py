@@ -58,7 +58,30 @@ def main(size: str) -> None:
     for e in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:18]:
         rows.append((e.key, e.count, round(e.self_cpu_time_total / 1000, 2), round(getattr(e, "self_device_time_total", 0) / 1000, 2)))
     print(json.dumps({"size": size, "layers": m.cfg.n_layers, "prefill28_launch_total_ms_main": main_thread,
-                      "prefill28_new_thread": box, "decode_ms": decode, "top_self_cpu": rows}), flush=True)
+                      "prefill28_new_thread": box, "decode_ms": decode, "top_self_cpu": rows,
+                      **graphed(m)}), flush=True)
+
+
+def graphed(m: Transformer) -> dict:
+    """The same prefill and decode through the engine's fixed-shape forwards, captured as CUDA graphs."""
+    from engines.reference.engine import EngineCore
+
+    kv = torch.zeros(m.cfg.kv_shape(2, 4096), device=m.device, dtype=m.dtype)
+    core = EngineCore(m, kv, graphs=True)
+    t0 = time.perf_counter()
+    core.warm()
+    capture_ms = round((time.perf_counter() - t0) * 1000, 1)
+
+    def timed(fn) -> float:  # noqa: ANN001
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t) * 1000, 2)
+
+    ctx = list(range(3, 31))
+    prefill = [timed(lambda: core.forward(0, ctx, 0)) for _ in range(5)]
+    decode = [timed(lambda: core.forward(0, [5], 30)) for _ in range(5)]
+    return {"graphs_capture_ms": capture_ms, "graphs_prefill28_ms": prefill, "graphs_decode_ms": decode}
 
 
 if __name__ == "__main__":
