@@ -62,3 +62,44 @@ def test_wait_statuses_decode_into_exit_codes_and_signals() -> None:
     assert decode_wait_status(3 << 8) == (3, None)
     assert decode_wait_status(signal.SIGSEGV | 0x80) == (None, signal.SIGSEGV)  # with a core dump
     assert decode_wait_status(signal.SIGKILL) == (None, signal.SIGKILL)
+
+
+async def test_watching_keeps_one_stat_file_per_process_and_closes_it_when_unwatched() -> None:
+    children = [_child("import time; time.sleep(60)") for _ in range(5)]
+    w = PidWatcher(lambda key, st: None)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        for i, c in enumerate(children):
+            w.watch(f"e{i}", c.pid, child=True)
+        assert len(os.listdir("/proc/self/fd")) == before + 2 * len(children)  # a pidfd and a stat file each
+        assert w.poll_exiting() == []  # all alive
+        for i in range(len(children)):
+            w.unwatch(f"e{i}")
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        w.close()
+        for c in children:
+            c.kill()
+            c.wait()
+
+
+async def test_a_recycled_pid_is_refused_by_its_start_time() -> None:
+    c = _child("import time; time.sleep(60)")
+    w = PidWatcher(lambda key, st: None)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        from services.agent.pidfd import proc_start_time
+
+        start = proc_start_time(c.pid)
+        assert start is not None
+        try:
+            w.watch("e", c.pid, child=True, start_time=start + 1)
+        except ProcessLookupError:
+            pass
+        else:
+            raise AssertionError("a wrong start time was accepted")
+        assert len(os.listdir("/proc/self/fd")) == before and not w.watching("e")
+    finally:
+        w.close()
+        c.kill()
+        c.wait()
