@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import statistics
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -57,8 +60,9 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress: Progress, label: str,
-                  cold_probe: bool, shadow: bool = True) -> tuple[dict[str, Any], Scenario]:
-    sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow)
+                  cold_probe: bool, shadow: bool = True, weights: Path | None = None,
+                  max_seq: int | None = None) -> tuple[dict[str, Any], Scenario]:
+    sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow, weights=weights, max_seq=max_seq)
     task = progress.add_task(label, total=trials)
     try:
         sc.start()
@@ -116,20 +120,33 @@ def cli(
     trials: int = typer.Option(5, min=1, help="trials of each way"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
     unshadowed: bool = typer.Option(False, help="also a warm standby that attaches only at the takeover"),
+    max_seq: int = typer.Option(0, help="KV capacity per slot of every engine (0: the model's); a large model's "
+                                "caches must fit beside its weights"),
 ) -> None:
-    """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL."""
+    """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
+
+    One weights file serves every way (in $TMPDIR: /dev/shm on a machine whose disk cannot hold it, and the
+    output then says the cold restart read it from memory), removed at the end."""
     backend = detect_backend() if backend == "auto" else backend
     size = size_for(backend, weights_gib)
-    with Progress(console=console, transient=True) as progress:
-        standby, _ = _pipeline_way(backend, size, 1, trials, progress, "warm standby takeover", cold_probe=True)
-        fresh, _ = _pipeline_way(backend, size, 0, trials, progress, "fresh-process reattach", cold_probe=False)
-        plain = (_pipeline_way(backend, size, 1, trials, progress, "warm standby, no shadow", cold_probe=False,
-                               shadow=False)[0] if unshadowed else None)
+    shared = Path(tempfile.mkdtemp(prefix="holdfast-bench-weights-"))
+    ways = {"weights": shared / f"weights-{size}.safetensors", "max_seq": max_seq or None}
+    try:
+        with Progress(console=console, transient=True) as progress:
+            standby, _ = _pipeline_way(backend, size, 1, trials, progress, "warm standby takeover", cold_probe=True,
+                                       **ways)
+            fresh, _ = _pipeline_way(backend, size, 0, trials, progress, "fresh-process reattach", cold_probe=False,
+                                     **ways)
+            plain = (_pipeline_way(backend, size, 1, trials, progress, "warm standby, no shadow", cold_probe=False,
+                                   shadow=False, **ways)[0] if unshadowed else None)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     cold = [c["cold_restart_ms"] for c in standby["cold"]]
     report: dict[str, Any] = {
-        "backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials,
+        "backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials, "max_seq": max_seq or None,
         "cold_restart": {"death_to_first_token_ms": summarize(cold),
-                         "page_cache_dropped": all(c["page_cache_dropped"] for c in standby["cold"])},
+                         "page_cache_dropped": all(c["page_cache_dropped"] for c in standby["cold"]),
+                         "weights_in_memory_fs": any(c["weights_in_memory_fs"] for c in standby["cold"])},
         "fresh_process_reattach": _way_report(fresh["trials"]),
         "warm_standby": _way_report(standby["trials"]),
     }

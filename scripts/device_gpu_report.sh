@@ -4,7 +4,9 @@
 # $OUT (JSON + logs) to be copied into docs/benchmarks.md. HF_ENGINE_GRAPHS=1 in the environment runs every
 # engine with CUDA graphs (engines/reference/static_forward.py); "forward" probes the forward's cost.
 #   STEPS="probe tests demo recovery8 recovery16 chaos" (default: tests demo recovery16 chaos), GIB_BIG=48 for
-#   the large recovery step "recoverybig"
+#   the large recovery step "recoverybig" (MAX_SEQ_BIG: every engine's KV capacity, so that two engines' caches
+#   fit beside the weights). Its one weights file lives in $TMPDIR: TMPDIR=/dev/shm where the disk is too small
+#   (nvidia-h200-x2: 256 GiB of memory for GIB_BIG=120; the output then says the cold restart read from memory).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,7 +25,8 @@ for step in $STEPS; do
                   > "$OUT/recovery8.json" 2> "$OUT/recovery8.err" ;;
     recovery16) $HF bench recovery --backend cuda --weights-gib 16 --trials "${TRIALS:-3}" --json \
                   > "$OUT/recovery16.json" 2> "$OUT/recovery16.err" ;;
-    recoverybig) $HF bench recovery --backend cuda --weights-gib "${GIB_BIG:-48}" --trials "${TRIALS_BIG:-2}" --json \
+    recoverybig) $HF bench recovery --backend cuda --weights-gib "${GIB_BIG:-48}" --trials "${TRIALS_BIG:-2}" \
+                  --max-seq "${MAX_SEQ_BIG:-1024}" --json \
                   > "$OUT/recoverybig.json" 2> "$OUT/recoverybig.err" ;;
     chaos) $HF chaos --minutes "${CHAOS_MIN:-1}" --seed 7 --json > "$OUT/chaos.json" 2> "$OUT/chaos.err" ;;
   esac

@@ -1,0 +1,30 @@
+"""The recovery benchmark's cold restart says where its weights file lived: a file in memory (tmpfs) cannot be
+dropped from the page cache, and the output must not claim it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.cli.scenario import engine_command, in_memory_fs
+
+
+def _mounts() -> dict[str, str]:
+    return {line.split()[1]: line.split()[2] for line in Path("/proc/mounts").read_text().splitlines()}
+
+
+def test_a_file_on_tmpfs_is_in_memory_and_one_on_a_disk_is_not(tmp_path: Path) -> None:
+    mounts = _mounts()
+    if mounts.get("/dev/shm") not in ("tmpfs", "ramfs"):
+        pytest.skip("no tmpfs at /dev/shm here")
+    assert in_memory_fs(Path("/dev/shm/weights.safetensors"))
+    assert in_memory_fs(Path("/proc/self/stat")) is False  # procfs: not a page-cache question either way
+    root = mounts.get("/")
+    assert in_memory_fs(Path("/work-like/weights")) is (root in ("tmpfs", "ramfs"))
+
+
+def test_every_engine_of_a_benchmark_gets_the_same_kv_capacity_when_asked() -> None:
+    argv = engine_command(Path("w.safetensors"), "8b@290", 512)
+    assert argv[-2:] == ["--max-seq", "512"]
+    assert "--max-seq" not in engine_command(Path("w.safetensors"), "tiny")
