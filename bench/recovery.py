@@ -108,6 +108,8 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
         "steps_ms_p50": {k: round(statistics.median(v), 2) for k, v in steps.items()},
         "successor_ms_p50": {k: round(statistics.median(v), 2) for k, v in engine.items()},
         "successor_first_generation_p50": {k: round(statistics.median(v), 2) for k, v in phases.items()},
+        # late wake-ups of a 1 ms sleeper in the promoted standby, with every thread's frame (stall_watch.py)
+        "successor_stalls": [t.engine_recovery["stalls"] for t in trials if t.engine_recovery.get("stalls")],
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),
         "outputs_match": all(t.mismatched == 0 for t in trials),
         "requests_lost": sum(t.lost for t in trials),

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -120,7 +121,15 @@ async def _run_generation(core: EngineCore, req: GenerationRequest) -> AsyncIter
         stop.set()
 
 
+def preload_streaming() -> None:
+    """Starlette's StreamingResponse opens an anyio task group on its first use, which imports anyio's asyncio
+    backend then: 45 ms on the CPU machine, on the first streamed request after a takeover (stall_watch.py
+    caught the HTTP thread in the import). One throwaway anyio run imports it at start instead."""
+    anyio.run(anyio.sleep, 0)
+
+
 def build_app(state: EngineState) -> FastAPI:
+    preload_streaming()
     app = FastAPI(title="Holdfast reference engine")
 
     @app.get("/health")

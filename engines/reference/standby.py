@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engines.reference import stall_watch
 from engines.reference.config import ModelConfig
 from engines.reference.engine import EngineCore
 from engines.reference.memory import LeasedMemory, LocalMemory, retry_until
@@ -116,6 +117,7 @@ class Standby:
         self.state.on_first_request = at("first_request_ms")  # the router's first request reached us
         self.state.on_first_token = at("first_request_token_ms")  # and its first token left
         shadow.core.trace_next(rec.setdefault("first_generation", {}), t_start)
+        stall_watch.watch(rec.setdefault("stalls", []), 0.3)  # who holds the interpreter meanwhile
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core
 

@@ -30,3 +30,41 @@ def test_a_standalone_engine_streams_ndjson_that_matches_its_json_reply(tmp_path
         assert httpx.post(e.url + "/generate", json={"max_tokens": 2}, timeout=10).status_code == 422
     finally:
         e.stop()
+
+
+FIRST_STREAM = r"""
+import sys, tempfile, pathlib, httpx, torch
+from engines.reference.config import get_config
+from engines.reference.engine import EngineCore
+from engines.reference.model import Transformer
+from engines.reference.runner import HttpThread
+from engines.reference.server import EngineState
+from engines.reference.weights import load_weights, make_weights
+cfg = get_config("tiny")
+core = EngineCore(Transformer(cfg, load_weights(make_weights(cfg, pathlib.Path(tempfile.mkdtemp()) / "w"))),
+                  torch.zeros(cfg.kv_shape(1, 128)))
+state = EngineState("e", "reference", "tiny")
+http = HttpThread(state, "127.0.0.1", 0)
+http.start()
+state.install(core)
+state.state = "ready"
+with httpx.Client() as c:
+    c.get(http.endpoint + "/health")
+    before = set(sys.modules)
+    with c.stream("POST", http.endpoint + "/generate", json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        assert r.status_code == 200, r.status_code
+        for _ in r.iter_lines():
+            pass
+print(sorted(set(sys.modules) - before))
+http.stop()
+"""
+
+
+def test_the_first_streamed_request_imports_nothing_on_its_way() -> None:
+    """A takeover's first requests stream: a module imported then (anyio's backend: ~45 ms) delays them all."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FIRST_STREAM], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
