@@ -252,6 +252,7 @@ def cli(
         report = asyncio.run(_run(sc, minutes, seed, workers))
     finally:
         sc.stop()
+        sc.discard_weights()
     report = {"chaos": "ok" if not any(report["invariants"].values()) else "violated", "minutes": minutes,
               "seed": seed, "backend": backend, **report}
     print(json.dumps(report) if json_out else json.dumps(report, indent=2))

@@ -48,6 +48,7 @@ def run(*, json_only: bool = False, size: str = "auto") -> int:
     finally:
         with console.status("stopping the stack..."):
             sc.stop()
+        sc.discard_weights()
     result = {"demo": "ok" if not failures else "failed", **result}
     if failures:
         result["failures"] = failures

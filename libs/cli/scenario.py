@@ -188,6 +188,11 @@ class Scenario:
         if self.stack:
             self.stack.stop()
 
+    def discard_weights(self) -> None:
+        """Remove the weights file this scenario made in its own work dir (GBs on a GPU); logs stay."""
+        if self.weights.parent == self.work_dir:
+            self.weights.unlink(missing_ok=True)
+
     # ------------------------------------------------------------ engines
 
     async def engines(self) -> list[EngineInfo]:

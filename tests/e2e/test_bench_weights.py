@@ -28,3 +28,18 @@ def test_every_engine_of_a_benchmark_gets_the_same_kv_capacity_when_asked() -> N
     argv = engine_command(Path("w.safetensors"), "8b@290", 512)
     assert argv[-2:] == ["--max-seq", "512"]
     assert "--max-seq" not in engine_command(Path("w.safetensors"), "tiny")
+
+
+def test_a_scenario_removes_only_the_weights_file_it_made_itself(tmp_path: Path) -> None:
+    from libs.cli.scenario import Scenario
+
+    own = Scenario(size="tiny", backend="host", work_dir=tmp_path / "own")
+    own.work_dir.mkdir()
+    own.weights.write_bytes(b"x")
+    shared_file = tmp_path / "shared" / "w.safetensors"
+    shared_file.parent.mkdir()
+    shared_file.write_bytes(b"x")
+    borrower = Scenario(size="tiny", backend="host", work_dir=tmp_path / "b", weights=shared_file)
+    own.discard_weights()
+    borrower.discard_weights()
+    assert not own.weights.exists() and shared_file.exists()
