@@ -123,14 +123,15 @@ class Standby:
 
     def _adopt(self, predecessor: str, token: str) -> None:
         from libs.client.protocol import PredecessorAlive
-        from libs.common.errors import Unavailable
+        from libs.common.errors import NotFound, Unavailable
 
         t0 = time.perf_counter()
+        waits = (PredecessorAlive, Unavailable, NotFound)
         try:
-            # not dead yet (PredecessorAlive); or the gpu_manager restarting (Unavailable)
-            timings, tries = retry_until(lambda: self.memory.adopt(predecessor, token),
-                                         (PredecessorAlive, Unavailable), self.s.adopt_timeout_s)
-        except (PredecessorAlive, Unavailable) as e:
+            # not dead yet (PredecessorAlive); the gpu_manager restarting (Unavailable); or its leases not frozen
+            # yet (NotFound: the control plane promotes a shadow while it freezes); then for good, after the wait
+            timings, tries = retry_until(lambda: self.memory.adopt(predecessor, token), waits, self.s.adopt_timeout_s)
+        except waits as e:
             log.critical("cannot own %s's leases after %.0f s: %s", predecessor, self.s.adopt_timeout_s, e)
         except Exception as e:  # noqa: BLE001 - any other refusal means the memory is not ours to serve
             log.critical("taking over %s's leases failed: %s: %s", predecessor, type(e).__name__, e)

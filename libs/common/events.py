@@ -342,6 +342,9 @@ class Freeze(Command):
     op: Literal["freeze"] = "freeze"
     owner: str
     incident_id: str | None = None
+    # Chosen by the caller, so that a shadowing successor can be promoted while the freeze runs (it needs the
+    # token only to own the leases later); leases already frozen keep theirs, and the reply says which holds.
+    transfer_token: str | None = Field(None, min_length=16, max_length=128)
 
 
 class FreezeReply(Model):

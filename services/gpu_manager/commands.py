@@ -56,7 +56,10 @@ class Commands:
             if not recs:
                 raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
             tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
-            token = tokens.pop() if len(tokens) == 1 and None not in tokens else secrets.token_urlsafe(24)
+            if len(tokens) == 1 and None not in tokens:
+                token = tokens.pop()  # frozen already (a redelivered freeze): the same token
+            else:
+                token = cmd.transfer_token or secrets.token_urlsafe(24)
             cause = f"frozen ({cmd.incident_id or 'no incident'})"
             await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
             epoch = max(r.info.epoch for r in recs)

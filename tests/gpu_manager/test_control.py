@@ -100,3 +100,19 @@ async def test_reclaim_command_frees_an_orphan_now_and_refuses_an_active_lease_w
     with pytest.raises(RemoteError) as unknown:
         await bus.request(node, Reclaim(lease_id=held["lease"]), ReclaimReply)
     assert unknown.value.remote_code == "not_found"
+
+
+async def test_a_freeze_takes_the_token_its_caller_chose_unless_the_leases_are_frozen_already(manager, engines, bus):
+    node = "node-1"
+    old = engines(manager, "eng-chosen")
+    wrote = old.ask(f"write {N} 5")
+    standby = engines(manager, "eng-chosen-standby")
+    chosen = "c" * 32
+    frozen = await bus.request(node, Freeze(owner="eng-chosen", transfer_token=chosen), FreezeReply)
+    assert frozen.transfer_token == chosen
+    again = await bus.request(node, Freeze(owner="eng-chosen", transfer_token="d" * 32), FreezeReply)
+    assert again.transfer_token == chosen  # frozen already: its token holds, and the reply says so
+    old.kill()
+    assert standby.ask(f"takeover eng-chosen {chosen}")["leases"] == {wrote["lease"]: 2}
+    with pytest.raises(ValueError, match="at least 16"):
+        Freeze(owner="eng-chosen-standby", transfer_token="short")  # a guessable token is not a token
