@@ -174,7 +174,7 @@ class Chaos:
             return False
 
 
-async def _run(sc: Scenario, minutes: float, seed: int, workers: int) -> dict[str, Any]:
+async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     tally = Tally()
     chaos = Chaos(sc, rng, tally)
@@ -188,8 +188,11 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int) -> dict[st
             baseline = await sc.baseline(client)
             background = [asyncio.create_task(chaos.load(client, baseline, w)) for w in range(workers)]
             background.append(asyncio.create_task(chaos.watch_mappings()))
-            end = time.monotonic() + minutes * 60
-            while time.monotonic() < end:
+            start = time.monotonic()
+            end, cap = start + minutes * 60, start + minutes * 60 * 4 + 300  # cap: a machine too slow to reach it
+            injected = 0
+            while time.monotonic() < end or (injected < min_faults and time.monotonic() < cap):
+                injected += 1
                 await asyncio.sleep(rng.uniform(2.0, 5.0))
                 fault = rng.choice(FAULTS)
                 console.print(f"[yellow]inject {fault}[/yellow]")
@@ -243,13 +246,15 @@ def cli(
     seed: int = typer.Option(1, help="random seed (the same seed, the same faults in the same order)"),
     workers: int = typer.Option(3, help="concurrent client streams"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+    faults: int = typer.Option(0, help="inject at least this many (the run goes on past --minutes until then: a "
+                               "loaded machine settles slower)"),
 ) -> None:
     """Inject faults of every kind at random under load, then check the invariants (all must be 0)."""
     backend = detect_backend()
     sc = Scenario(size="tiny" if backend == "host" else "small", backend=backend)
     try:
         sc.start()
-        report = asyncio.run(_run(sc, minutes, seed, workers))
+        report = asyncio.run(_run(sc, minutes, seed, workers, faults))
     finally:
         sc.stop()
         sc.discard_weights()
