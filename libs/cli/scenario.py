@@ -94,7 +94,8 @@ class Trial:
     def steps_ms(self) -> dict[str, float]:
         """The split by step. The agent's `taken over` and the controller's `endpoint added` both follow the
         takeover reply and race each other, so reroute is the announcement's lag behind the takeover
-        (0 when it came first) and first_token counts from whichever came last."""
+        (0 when it came first) and first_token counts from whichever came last. A shadow may be promoted
+        while the freeze runs (dc_manager): its reattach is then 0 and reroute counts from the freeze."""
         t = self.timeline_ms
         out: dict[str, float] = {}
         detected, frozen = t.get("detected"), t.get("frozen")
@@ -104,9 +105,9 @@ class Trial:
             if frozen is not None:
                 out["freeze"] = frozen - detected
                 if taken is not None:
-                    out["reattach"] = taken - frozen
+                    out["reattach"] = max(0.0, taken - frozen)
         if taken is not None and added is not None:
-            out["reroute"] = max(0.0, added - taken)
+            out["reroute"] = max(0.0, added - max(taken, frozen if frozen is not None else taken))
         ready = max((v for v in (taken, added) if v is not None), default=None)
         if first is not None and ready is not None:
             out["first_token"] = first - ready

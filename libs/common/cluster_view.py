@@ -106,6 +106,7 @@ class ClusterView:
         self.leases_by_owner: dict[str, set[str]] = {}
         self.leased_bytes: dict[tuple[str, int], int] = {}
         self.engines_on: dict[tuple[str, int], int] = {}
+        self.shadowed_by: dict[str, set[str]] = {}  # engine -> the standbys that shadow it (EngineInfo.shadows)
         self.endpoint_by_engine: dict[str, tuple[str, str]] = {}
         self.endpoints: dict[tuple[str, str], str] = {}
         self.drained: set[str] = set()
@@ -154,6 +155,8 @@ class ClusterView:
         old = self.engines.get(rest)
         if old is not None and old.state not in ("failed", "stopped"):
             self.engines_on[(old.node, old.gpu)] -= 1
+        if old is not None and old.shadows is not None:
+            self._unshadow(old.shadows, rest)
         if kind == "delete":
             self.engine_raw.pop(rest, None)
             return self.engines.pop(rest, None)
@@ -163,13 +166,32 @@ class ClusterView:
             new = EngineInfo.model_validate(fields)
         except ValidationError:
             if old is not None and old.state not in ("failed", "stopped"):
-                self.engines_on[(old.node, old.gpu)] += 1  # keep the index consistent with the kept record
+                self.engines_on[(old.node, old.gpu)] += 1  # keep the indexes consistent with the kept record
+            if old is not None and old.shadows is not None:
+                self.shadowed_by.setdefault(old.shadows, set()).add(rest)
             raise
         self.engine_raw[rest] = raw
         self.engines[rest] = new
         if new.state not in ("failed", "stopped"):
             self.engines_on[(new.node, new.gpu)] = self.engines_on.get((new.node, new.gpu), 0) + 1
+        if new.shadows is not None:
+            self.shadowed_by.setdefault(new.shadows, set()).add(rest)
         return new
+
+    def _unshadow(self, target: str, standby: str) -> None:
+        ids = self.shadowed_by.get(target)
+        if ids is not None:
+            ids.discard(standby)
+            if not ids:
+                del self.shadowed_by[target]
+
+    def shadow_of(self, engine_id: str, node: str | None) -> EngineInfo | None:
+        """A standby on `node` that shadows the engine (serves its weights read-only already), if any."""
+        for sid in self.shadowed_by.get(engine_id, ()):
+            e = self.engines.get(sid)
+            if e is not None and e.shadows == engine_id and e.node == node and e.state == "standby":
+                return e
+        return None
 
     def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:
         lease_id = rest.rpartition("/")[2]

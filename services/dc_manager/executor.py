@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -38,6 +39,7 @@ from libs.common.events import (
     Freeze,
     FreezeReply,
     IntentResult,
+    LeaseState,
     RecoverIntent,
     Spawn,
     SpawnReply,
@@ -144,17 +146,31 @@ class IntentExecutor:
                           slots=self.view.gpu_slots(home), alive=home & self.view.nodes.keys(), allowed=self.allowed)
             raise StepFailed(Step.FREEZE, f"cannot reattach in place: {where.reason}")
         node = where.node or ""
+        early: asyncio.Task[tuple[TakeoverReply, float]] | None = None
         if prog.freeze is None:
-            cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id)
-            prog.freeze, prog.freeze_ms = await self._command(Step.FREEZE, node, cmd, FreezeReply,
-                                                              self.settings.freeze_timeout_s)
+            token = None
+            if prog.takeover is None and self._promote_early(intent):
+                # The shadow needs no memory to serve (it maps the weights read-only already): promote it now,
+                # with a token chosen here, which it needs only to own the leases once they are frozen.
+                token = secrets.token_urlsafe(24)
+                early = asyncio.ensure_future(self._command(Step.REATTACH, node, self._takeover(intent, token),
+                                                            TakeoverReply, self.settings.takeover_timeout_s))
+            cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id, transfer_token=token)
+            try:
+                prog.freeze, prog.freeze_ms = await self._command(Step.FREEZE, node, cmd, FreezeReply,
+                                                                  self.settings.freeze_timeout_s)
+            except StepFailed:
+                if early is not None:
+                    early.cancel()  # only our wait: the promoted shadow, never owning the leases, exits (75)
+                raise
             prog.frozen_at = time.time()
+            if early is not None and prog.freeze.transfer_token != token:
+                log.warning("intent %s: %s was frozen already under another token; the early-promoted shadow "
+                            "cannot own its leases", prog.key, intent.engine_id)
             await self._save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
         freeze_timing = {"freeze": prog.freeze_ms or 0.0}
         if prog.takeover is None:
-            cmd2 = Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id,
-                            transfer_token=prog.freeze.transfer_token, successor=intent.successor,
-                            version=intent.version)
+            cmd2 = self._takeover(intent, prog.freeze.transfer_token)
             # One result per intent when the takeover is prompt (the usual case: a warm standby). A slow one
             # gets the freeze's own result first, so the controller trades its short freeze deadline for the
             # reattach deadline while the successor starts.
@@ -163,17 +179,35 @@ class IntentExecutor:
                 self.settings.freeze_result_after_s, lambda: announced.append(asyncio.ensure_future(
                     self._result(intent, Step.FREEZE, ok=True, timings=freeze_timing, frozen_at=prog.frozen_at))))
             try:
-                prog.takeover, prog.takeover_ms = await self._command(Step.REATTACH, node, cmd2, TakeoverReply,
-                                                                      self.settings.takeover_timeout_s)
+                prog.takeover, prog.takeover_ms = await (early or self._command(
+                    Step.REATTACH, node, cmd2, TakeoverReply, self.settings.takeover_timeout_s))
             finally:
                 timer.cancel()
                 for task in announced:
                     await task
             await self._save(prog)
         engine = prog.takeover.engine
+        overlap = {"promoted_during_freeze": 1.0} if early is not None else {}
         await self._result(intent, Step.REATTACH, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
-                           timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0, **freeze_timing},
+                           timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0, **freeze_timing,
+                                    **overlap},
                            detail="standby" if prog.takeover.used_standby else "cold-spawned", frozen_at=prog.frozen_at)
+
+    def _promote_early(self, intent: RecoverIntent) -> bool:
+        """Promote while freezing: a first delivery (a redelivery runs the steps in order, and the freeze says
+        which token holds), the engine's leases not frozen already, and a standby beside it that shadows it
+        (and is the one named, if one is)."""
+        if not self.settings.promote_shadows_early or delivery_attempt.get() != 1:
+            return False
+        if any(lease.state is LeaseState.FROZEN for lease in self.view.leases_of(intent.engine_id)):
+            return False
+        shadow = self.view.shadow_of(intent.engine_id, intent.node)
+        return shadow is not None and intent.successor in (None, shadow.engine_id)
+
+    @staticmethod
+    def _takeover(intent: RecoverIntent, token: str) -> Takeover:
+        return Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id, transfer_token=token,
+                        successor=intent.successor, version=intent.version)
 
     async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         if prog.spawn is None:

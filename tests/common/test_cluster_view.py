@@ -28,3 +28,21 @@ def test_other_agent_keys_are_not_specs() -> None:
     view = ClusterView()
     view.apply("put", "agents/node-1/status", json.dumps({"engine_class": "reference"}).encode())
     assert view.spec_of_class("reference") is None
+
+
+def _engine(eid: str, *, shadows: str | None = None, state: str = "standby", node: str = "n1") -> bytes:
+    return json.dumps({"engine_id": eid, "node": node, "model": "m", "engine_class": "c", "role": "standby",
+                       "state": state, "shadows": shadows}).encode()
+
+
+def test_the_standby_shadowing_an_engine_is_found_and_forgotten_as_its_record_changes() -> None:
+    view = ClusterView()
+    view.apply("put", "engines/sb", _engine("sb", shadows="e1"))
+    assert view.shadow_of("e1", "n1").engine_id == "sb"  # type: ignore[union-attr]
+    assert view.shadow_of("e1", "n2") is None  # another node's standby cannot serve its memory
+    view.apply("put", "engines/sb", _engine("sb", shadows="e2"))
+    assert view.shadow_of("e1", "n1") is None and view.shadow_of("e2", "n1") is not None
+    view.apply("put", "engines/sb", _engine("sb", shadows="e2", state="ready"))  # promoted: serves, shadows none
+    assert view.shadow_of("e2", "n1") is None
+    view.apply("delete", "engines/sb", None)
+    assert view.shadowed_by == {}
