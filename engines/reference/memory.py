@@ -157,15 +157,14 @@ class LeasedMemory:
 
     def takeover(self, cfg: ModelConfig, predecessor: str, token: str, slots: int, max_seq: int,
                  wait_death_s: float = 30.0) -> Loaded:
-        from libs.client.protocol import PredecessorAlive
-        from libs.common.errors import NotFound
+        from libs.client.protocol import NotFrozenYet, PredecessorAlive
 
         t0 = time.perf_counter()
         # The failure is published as the predecessor begins to exit; its teardown (a CUDA context's: ~100 ms)
-        # may not be over yet, and the manager hands memory over only after it. NotFound: not frozen yet (the
-        # control plane may freeze while it promotes); for good only once the wait is over.
+        # may not be over yet, and the manager hands memory over only after it; nor may the freeze (the
+        # control plane may freeze while it promotes).
         self._attachment, _ = retry_until(lambda: self.client.takeover(predecessor, token),
-                                          (PredecessorAlive, NotFound), wait_death_s)
+                                          (PredecessorAlive, NotFrozenYet), wait_death_s)
         return self._rebuild(cfg, "takeover", slots, max_seq, t0)
 
     def shadow(self, cfg: ModelConfig, owner: str, share_token: str, slots: int, max_seq: int) -> Loaded:

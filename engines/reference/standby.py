@@ -122,14 +122,14 @@ class Standby:
         return shadow.core
 
     def _adopt(self, predecessor: str, token: str) -> None:
-        from libs.client.protocol import PredecessorAlive
-        from libs.common.errors import NotFound, Unavailable
+        from libs.client.protocol import NotFrozenYet, PredecessorAlive
+        from libs.common.errors import Unavailable
 
         t0 = time.perf_counter()
-        waits = (PredecessorAlive, Unavailable, NotFound)
+        waits = (PredecessorAlive, Unavailable, NotFrozenYet)
         try:
             # not dead yet (PredecessorAlive); the gpu_manager restarting (Unavailable); or its leases not frozen
-            # yet (NotFound: the control plane promotes a shadow while it freezes); then for good, after the wait
+            # yet (the control plane promotes a shadow while it freezes); for good only after the wait
             timings, tries = retry_until(lambda: self.memory.adopt(predecessor, token), waits, self.s.adopt_timeout_s)
         except waits as e:
             log.critical("cannot own %s's leases after %.0f s: %s", predecessor, self.s.adopt_timeout_s, e)

@@ -29,6 +29,13 @@ class PredecessorAlive(Conflict):
     code = "predecessor_alive"
 
 
+class NotFrozenYet(Conflict):
+    """The predecessor's leases live but are not frozen yet: the control plane may promote a shadowing successor
+    while it freezes; the successor waits (unlike `not_found`: nothing left to take over)."""
+
+    code = "not_frozen_yet"
+
+
 class OutOfMemory(HoldfastError):
     code = "out_of_memory"
 

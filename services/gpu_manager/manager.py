@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from libs.client.protocol import chunk_sizes
+from libs.client.protocol import NotFrozenYet, chunk_sizes
 from libs.common.errors import InvariantBroken, NotFound, PermissionDenied
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from libs.common.ids import new_id
@@ -156,6 +156,8 @@ class LeaseBook:
         """The owner's frozen leases, once the transfer token is proven for every one of them."""
         recs = [r for r in self.records.values() if r.info.owner == owner and r.info.state == LeaseState.FROZEN]
         if not recs:
+            if any(r.info.owner == owner and r.info.state in LIVE for r in self.records.values()):
+                raise NotFrozenYet(f"{owner}'s leases are not frozen yet")
             raise NotFound(f"{owner} has no frozen leases")
         for rec in recs:
             if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, token):
