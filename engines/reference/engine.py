@@ -265,6 +265,16 @@ class EngineCore:
         if errors:
             raise errors[0]
 
+    def capture_graphs_in_background(self) -> threading.Thread | None:
+        """An engine serving already (recovered from attached memory: no warm-up on its recovery path) records
+        its graphs between forwards; until then the same fixed-shape forwards run eagerly (the same numbers)."""
+        if self.static is None or self.model.device.type != "cuda":
+            return None
+        static = self.static
+        t = threading.Thread(target=lambda: static.capture(self.slots, self._lock), name="graph-capture", daemon=True)
+        t.start()
+        return t
+
     def warm(self) -> float:
         """Run the kernels once (one prefill chunk, one decode step); returns the milliseconds it took."""
         t0 = time.perf_counter()

@@ -243,6 +243,7 @@ def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_st
 
     def first_request_token(at: float) -> None:
         rec["first_request_token_ms"] = round((at - t_start) * 1000, 3)
+        core.capture_graphs_in_background()  # once it serves again: between the requests' forwards
 
     state.on_first_token = first_request_token
     core.trace_next(rec.setdefault("first_generation", {}), t_start)

@@ -57,24 +57,36 @@ class StaticForward:
         self.prompt.copy_(torch.tensor(tokens + [0] * (self.chunk - n), dtype=torch.long))
         return self._run("chunk", slot)[n - 1:n].clone()
 
-    def capture(self, slots: int) -> None:
-        """Record both forwards of every slot as CUDA graphs (CUDA only; nothing to do elsewhere)."""
+    def capture(self, slots: int, lock: Any = None) -> None:
+        """Record both forwards of every slot as CUDA graphs (CUDA only; nothing to do elsewhere). With `lock`
+        (the engine's forward lock), each capture takes it on its own, so an engine already serving captures
+        between its requests' forwards."""
         if self.model.device.type != "cuda":
             return
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.model.device)
         for slot in range(slots):
             for kind in ("decode", "chunk"):
-                side.wait_stream(torch.cuda.current_stream(self.model.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # kernels loaded, cuBLAS workspaces made, before the capture
-                        self._compute(kind, slot)
-                torch.cuda.current_stream(self.model.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._compute(kind, slot)
-                self.graphs[(kind, slot)] = (graph, out)
-        torch.cuda.synchronize(self.model.device)
+                if lock is None:
+                    self._capture_one(kind, slot, pool)
+                else:
+                    with lock:
+                        self._capture_one(kind, slot, pool)
+
+    def _capture_one(self, kind: str, slot: int, pool: Any) -> None:
+        dev = self.model.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels loaded, cuBLAS workspaces made, before the capture
+                self._compute(kind, slot)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call meanwhile (a sampled token's copy to the host) is not
+        # captured and does not invalidate the capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = self._compute(kind, slot)
+        torch.cuda.synchronize(dev)
+        self.graphs[(kind, slot)] = (graph, out)
 
     def _run(self, kind: str, slot: int) -> torch.Tensor:
         got = self.graphs.get((kind, slot))

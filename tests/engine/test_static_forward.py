@@ -97,3 +97,19 @@ def test_whatever_a_cache_held_before_never_reaches_a_result(model: Transformer)
     dirty = EngineCore(model, torch.full(CFG.kv_shape(1, 128), float("nan")), prefill_chunk=16, graphs=True)
     req = GenerationRequest(ctx, 12, ignore_eos=True)
     assert tokens_of(dirty, req) == tokens_of(clean, req)
+
+
+@pytest.mark.gpu
+def test_an_engine_already_serving_records_its_graphs_between_forwards_with_the_same_results(tmp_path) -> None:  # noqa: ANN001
+    cfg = get_config("small@4")
+    weights = {n: t.to("cuda") for n, t in load_weights(make_weights(cfg, tmp_path / "s.safetensors")).items()}
+    model = Transformer(cfg, weights)
+    core = EngineCore(model, torch.zeros(cfg.kv_shape(2, 256), dtype=model.dtype, device="cuda"), graphs=True)
+    req = GenerationRequest(tokenizer.encode("serving while capturing"), 32, ignore_eos=True)
+    before = tokens_of(core, req)  # fixed-shape forwards, eagerly
+    capture = core.capture_graphs_in_background()
+    assert capture is not None
+    during = tokens_of(core, req)  # generations interleave with the captures
+    capture.join(120)
+    assert core.static is not None and len(core.static.graphs) == 4
+    assert before == during == tokens_of(core, req)
