@@ -124,8 +124,11 @@ async def _run_generation(core: EngineCore, req: GenerationRequest) -> AsyncIter
 def preload_streaming() -> None:
     """Starlette's StreamingResponse opens an anyio task group on its first use, which imports anyio's asyncio
     backend then: 45 ms on the CPU machine, on the first streamed request after a takeover (stall_watch.py
-    caught the HTTP thread in the import). One throwaway anyio run imports it at start instead."""
-    anyio.run(anyio.sleep, 0)
+    caught the HTTP thread in the import). One throwaway anyio run imports it at start instead (on a thread of
+    its own: the caller may be inside an event loop already)."""
+    t = threading.Thread(target=anyio.run, args=(anyio.sleep, 0), name="anyio-preload")
+    t.start()
+    t.join()
 
 
 def build_app(state: EngineState) -> FastAPI:
