@@ -76,7 +76,7 @@ async def test_a_shadowing_standby_is_promoted_during_the_freeze_and_a_plain_one
     await bus.serve(NODE, Takeover, node.takeover)
     await _cluster(store, "e-shadowed", shadowed=True)
     await _cluster(store, "e-plain", shadowed=False)
-    dcm = start("services.dc_manager", service_env(settings_env), tmp_path / "dcm.log")
+    dcm = start("services.dc_manager", service_env(settings_env, HF_PROMOTE_SHADOWS_EARLY="true"), tmp_path / "dcm.log")
     try:
         await healthy(bus, "dc_manager", "dc-1")
         await asyncio.sleep(0.5)  # the manager's view has the standbys (a watch, not a read, feeds it)
