@@ -179,7 +179,7 @@ class EngineCore:
         t0 = time.perf_counter()
         phases, self._phases = self._phases, None
         segments = self._segments() if phases is not None else 0
-        gc_before = gc_tuning.paused_ms()
+        gc_before = gc_tuning.paused_ms() if phases is not None else 0.0
         self._mark(phases, "called")
         slot = self._take_slot(slot_timeout)
         self._mark(phases, "slot")
@@ -284,8 +284,7 @@ class EngineCore:
             self.forward(slot, list(range(n)), 0)
             self.forward(slot, [2], n)
             if self.static is not None:
-                with self._lock:
-                    self.static.capture(self.slots)
+                self.static.capture(self.slots, self._lock)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
         finally:

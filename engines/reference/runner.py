@@ -176,8 +176,7 @@ def run(s: EngineSettings) -> int:
             state.info["warmup_ms"] = warm_standby(s, device)
             if link is None:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
-            link.ready(None)
-            long_lived_gc()  # idle now: the full pass here, not on the takeover's path
+            link.ready(None)  # collects and freezes the warm heap (agent_link.ready: not on the takeover's path)
             log.info("standby %s warm (%.1f ms); waiting for an assignment", s.id, state.info["warmup_ms"])
             standby = Standby(s, cfg, memory, link, state, max_seq)
             a = standby.wait_assignment()

@@ -57,20 +57,17 @@ class StaticForward:
         self.prompt.copy_(torch.tensor(tokens + [0] * (self.chunk - n), dtype=torch.long))
         return self._run("chunk", slot)[n - 1:n].clone()
 
-    def capture(self, slots: int, lock: Any = None) -> None:
-        """Record both forwards of every slot as CUDA graphs (CUDA only; nothing to do elsewhere). With `lock`
-        (the engine's forward lock), each capture takes it on its own, so an engine already serving captures
-        between its requests' forwards."""
+    def capture(self, slots: int, lock: Any) -> None:
+        """Record both forwards of every slot as CUDA graphs (CUDA only; nothing to do elsewhere). Each capture
+        takes `lock` (the engine's forward lock) on its own, so an engine already serving captures between its
+        requests' forwards."""
         if self.model.device.type != "cuda":
             return
         pool = torch.cuda.graph_pool_handle()
         for slot in range(slots):
             for kind in ("decode", "chunk"):
-                if lock is None:
+                with lock:
                     self._capture_one(kind, slot, pool)
-                else:
-                    with lock:
-                        self._capture_one(kind, slot, pool)
 
     def _capture_one(self, kind: str, slot: int, pool: Any) -> None:
         dev = self.model.device

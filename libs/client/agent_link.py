@@ -23,7 +23,6 @@ shadow {owner, share_token}, unshadow, error {code, message}.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -37,6 +36,7 @@ from typing import Any
 
 from libs.common import wire
 from libs.common.errors import HoldfastError, RemoteError, Unavailable
+from libs.common.gc_tuning import long_lived_gc
 from libs.common.ids import new_id
 
 log = logging.getLogger("holdfast.agent_link")
@@ -144,13 +144,12 @@ class AgentLink:
         """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration.
 
         A standby's warm-up ends here: its garbage is collected, and what is left (imports, warm-up state:
-        it lives as long as the process) is moved out of the collector's sight (`gc.freeze`), so that a full
+        it lives as long as the process) is moved out of the collector's sight (`long_lived_gc`: `gc.freeze`), so that a full
         collection of a large heap (torch) does not land inside the takeover that follows. Before the agent
         hears "ready", so that no assignment waits for it."""
         if self.role == "standby" and not self._heap_frozen:
             self._heap_frozen = True
-            gc.collect()
-            gc.freeze()
+            long_lived_gc()
         self.endpoint = endpoint
         self.state = "standby" if self.role == "standby" else "ready"
         self._request({"op": "ready", "endpoint": endpoint, "state": self.state,

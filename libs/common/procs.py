@@ -119,12 +119,26 @@ def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None
     return Child("etcd", argv, log_path=log_path)
 
 
+def stat_fields(pid: int, *, tid: int | str | None = None, stat_fd: int | None = None) -> list[bytes] | None:
+    """/proc/<pid>/stat (a thread's: /proc/<pid>/task/<tid>/stat) from field 3 on: the command name, field 2,
+    may hold spaces and parentheses, so split after its last ')'. None if the process is gone. `stat_fd`: that
+    file kept open (os.open), reread in place: cheaper than opening it, and it names that process only."""
+    try:
+        if stat_fd is not None:
+            raw = os.pread(stat_fd, 4096, 0)
+        else:
+            path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+            with open(path, "rb") as f:
+                raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rindex(b")") + 2:].split() if raw else None
+
+
 def pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie (a zombie is dead for every purpose here)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    rest = stat_fields(pid)
+    return rest is not None and rest[0] != b"Z"
 
 
 def pids_with_env(key: str, value: str, *, having: tuple[str, ...] = ()) -> list[int]:

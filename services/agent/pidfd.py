@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.common.procs import stat_fields
+
 log = logging.getLogger("holdfast.agent.pidfd")
 
 
@@ -34,21 +36,6 @@ class ExitStatus:
     known: bool  # False: not our child, the exit code/signal is unknowable
     exit_code: int | None = None
     signal: int | None = None
-
-
-def _stat_fields(pid: int, stat_fd: int | None = None) -> list[bytes] | None:
-    """/proc/<pid>/stat from field 3 on (the command name, field 2, may hold spaces and parentheses: split
-    after its last ')'); None if the process is gone. `stat_fd`: that file kept open (`open_stat`), read
-    again in place: a third of the cost of opening it, and it names that process only, never a recycled pid."""
-    try:
-        if stat_fd is not None:
-            raw = os.pread(stat_fd, 4096, 0)
-        else:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                raw = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return raw[raw.rindex(b")") + 2:].split() if raw else None
 
 
 def open_stat(pid: int) -> int | None:
@@ -62,13 +49,13 @@ def proc_start_time(pid: int) -> int | None:
 
     A pid together with its start time names one process forever: a recycled pid has another start time.
     """
-    rest = _stat_fields(pid)
+    rest = stat_fields(pid)
     return None if rest is None else int(rest[19])  # field 22 overall
 
 
 def proc_state(pid: int) -> str | None:
     """The one-letter state of /proc/<pid>/stat (R, S, T for stopped, Z for zombie...)."""
-    rest = _stat_fields(pid)
+    rest = stat_fields(pid)
     return None if rest is None else rest[0].decode()
 
 
@@ -78,7 +65,7 @@ PF_EXITING = 0x4  # include/linux/sched.h: set by exit_signals() at the start of
 def proc_exiting(pid: int, stat_fd: int | None = None) -> int | None:
     """The exit status (wait-status encoding) of a process that has begun to exit; None if it has not (or is
     gone). 0 can mean "not recorded yet" for a moment after PF_EXITING is set: the caller looks again."""
-    rest = _stat_fields(pid, stat_fd)
+    rest = stat_fields(pid, stat_fd=stat_fd)
     if rest is None or not int(rest[6]) & PF_EXITING:  # field 9: flags
         return None
     return int(rest[49]) if len(rest) > 49 else 0  # field 52: exit_code (Linux >= 3.5)
@@ -109,7 +96,7 @@ class PidWatcher:
         stat_fd = open_stat(pid)
         # Both fds name the process that had this pid when they were opened: if its start time still
         # matches now, that is the process we meant.
-        rest = _stat_fields(pid, stat_fd)
+        rest = stat_fields(pid, stat_fd=stat_fd)
         if start_time is not None and (rest is None or int(rest[19]) != start_time):
             os.close(fd)
             if stat_fd is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from libs.client.protocol import TensorMeta
 from libs.common.events import LeaseInfo
+from libs.common.procs import stat_fields
 
 
 @dataclass
@@ -65,14 +66,9 @@ def layout_hash(metas: list[TensorMeta]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
-def _state_and_start(stat_path: str) -> tuple[str, int] | None:
-    try:
-        with open(stat_path, "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    rest = raw[raw.rfind(")") + 2:].split()  # the command name may contain spaces and parentheses
-    return (rest[0], int(rest[19])) if len(rest) > 19 else None
+def _state_and_start(pid: int, tid: str | None = None) -> tuple[bytes, int] | None:
+    rest = stat_fields(pid, tid=tid)
+    return (rest[0], int(rest[19])) if rest is not None and len(rest) > 19 else None
 
 
 def pid_start_time(pid: int) -> int | None:
@@ -82,19 +78,19 @@ def pid_start_time(pid: int) -> int | None:
     exit (the last one closes the files, and with the driver's fd the CUDA context's teardown: ~100 ms on an
     H200). Until then the process still maps its leases' memory, and a successor's memory operations in
     that window wait behind the teardown."""
-    got = _state_and_start(f"/proc/{pid}/stat")
+    got = _state_and_start(pid)
     if got is None:
         return None
     state, start = got
-    if state not in ("Z", "X"):
+    if state not in (b"Z", b"X"):
         return start
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
     for tid in tids:
-        thread = _state_and_start(f"/proc/{pid}/task/{tid}/stat")
-        if thread is not None and thread[0] not in ("Z", "X"):
+        thread = _state_and_start(pid, tid)
+        if thread is not None and thread[0] not in (b"Z", b"X"):
             return start
     return None
 
