@@ -58,7 +58,8 @@ class Transformer:
         self.w = weights
         self.device = weights["tok_embeddings.weight"].device
         self.dtype = weights["tok_embeddings.weight"].dtype
-        self.cos, self.sin = rope_tables(cfg, self.device)
+        # in the weights' dtype once: apply_rope's casts are then no kernels (two per call otherwise)
+        self.cos, self.sin = (t.to(self.dtype) for t in rope_tables(cfg, self.device))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, kv: torch.Tensor) -> torch.Tensor:
@@ -116,14 +117,15 @@ class Transformer:
         ([T, S]) True where a query may not look, then layer `p`'s output projection."""
         cfg = self.cfg
         T, hd = q.shape[0], cfg.head_dim
-        rep = cfg.n_heads // cfg.n_kv_heads
-        if rep > 1:  # query head h reads kv head h // rep (Hugging Face's repeat_kv); no host sync: graph-safe
-            kvh, seq = keys.shape[0], keys.shape[1]
-            keys = keys[:, None].expand(kvh, rep, seq, hd).reshape(cfg.n_heads, seq, hd)
-            vals = vals[:, None].expand(kvh, rep, seq, hd).reshape(cfg.n_heads, seq, hd)
-        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)).float() / math.sqrt(hd)  # [H, T, S]
+        kvh, seq = keys.shape[0], keys.shape[1]
+        rep = cfg.n_heads // kvh
+        # query head h reads kv head h // rep (Hugging Face's repeat_kv): the queries grouped by the kv head
+        # they read, [kvh, rep * T, hd], so the cache is read in place rather than copied once per query head
+        # (a decode step's largest memory traffic after the weights); no host sync: graph-safe
+        qg = q.transpose(0, 1).reshape(kvh, rep * T, hd)
+        scores = torch.matmul(qg, keys.transpose(1, 2)).float() / math.sqrt(hd)  # [kvh, rep * T, S]
         if mask is not None:
-            scores = scores.masked_fill(mask[None], float("-inf"))
+            scores = scores.view(kvh, rep, T, seq).masked_fill(mask, float("-inf")).view(kvh, rep * T, seq)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, vals).transpose(0, 1).reshape(T, cfg.n_heads * hd)
+        out = torch.matmul(probs, vals).view(cfg.n_heads, T, hd).transpose(0, 1).reshape(T, cfg.n_heads * hd)
         return F.linear(out, self.w[p + "attention.wo.weight"])

@@ -75,15 +75,26 @@ class StaticForward:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # kernels loaded, cuBLAS workspaces made, before the capture
-                self._compute(kind, slot)
+                self.warm_up(kind, slot)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA call meanwhile (a sampled token's copy to the host) is not
-        # captured and does not invalidate the capture
+        # captured and does not invalidate the capture. A capture runs nothing: it writes no cache.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = self._compute(kind, slot)
         torch.cuda.synchronize(dev)
         self.graphs[(kind, slot)] = (graph, out)
+
+    def warm_up(self, kind: str, slot: int) -> None:
+        """Run one forward of `kind` on `slot` as a capture's warm-up, leaving the slot's cache as it was.
+        Why: it writes keys and values of whatever its inputs last held (another request's prompt, another
+        slot's token) at the chunk's positions or the last decode position; an engine capturing while it
+        serves (capture_graphs_in_background) has live requests' keys there."""
+        cache = self.kv[slot]  # [layer, k|v, kv_head, position, head_dim]
+        touched = self.position if kind == "decode" else self.prompt_positions
+        saved = cache.index_select(3, touched)
+        self._compute(kind, slot)
+        cache.index_copy_(3, touched, saved)
 
     def _run(self, kind: str, slot: int) -> torch.Tensor:
         got = self.graphs.get((kind, slot))
@@ -95,15 +106,18 @@ class StaticForward:
     def _compute(self, kind: str, slot: int) -> torch.Tensor:
         if kind == "decode":
             return self.forward(self.token, self.position, self.kv[slot])
-        return self.forward(self.prompt, self.prompt_positions, self.kv[slot])
+        return self.forward(self.prompt, self.prompt_positions, self.kv[slot], span=self.chunk)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Logits ([T, vocab], float32) of `tokens` at `positions` (device tensors of fixed shape)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                span: int | None = None) -> torch.Tensor:
+        """Logits ([T, vocab], float32) of `tokens` at `positions` (device tensors of fixed shape), attending
+        the cache's first `span` positions (all by default; a first chunk's queries see no further than it)."""
         m = self.model
+        span = span or kv.shape[3]
         h = F.embedding(tokens, m.w["tok_embeddings.weight"])
         cos, sin = m.cos.index_select(0, positions), m.sin.index_select(0, positions)
-        hidden = self.key_positions[None, :] > positions[:, None]  # [T, max_seq]: not visible to the query
+        hidden = self.key_positions[None, :span] > positions[:, None]  # [T, span]: not visible to the query
         return m.layers(h, lambda x, p, i: self._attention(x, p, positions, cos, sin, kv[i], hidden))
 
     def _attention(self, x: torch.Tensor, p: str, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -111,5 +125,6 @@ class StaticForward:
         q, k, v = self.model.qkv(x, p, cos, sin)
         cache[0].index_copy_(1, positions, k.transpose(0, 1).to(cache.dtype))
         cache[1].index_copy_(1, positions, v.transpose(0, 1).to(cache.dtype))
-        keys, vals = cache[0].to(x.dtype), cache[1].to(x.dtype)  # [kv_heads, max_seq, hd]
+        span = hidden.shape[1]
+        keys, vals = cache[0, :, :span].to(x.dtype), cache[1, :, :span].to(x.dtype)  # [kv_heads, span, hd]
         return self.model.attend(q, keys, vals, hidden, p)

@@ -4,6 +4,8 @@ graph replays equal to the same forwards run eagerly."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -46,7 +48,7 @@ def test_padding_never_reaches_a_real_row_of_a_first_chunk(model: Transformer) -
     assert core.static is not None
     short = core.forward(0, ctx[:5], 0)
     rows = core.static.forward(core.static.prompt.new_tensor(ctx[:12] + [0] * 4), core.static.prompt_positions,
-                               core.kv[0])
+                               core.kv[0], span=16)
     assert torch.equal(short, rows[4:5])  # row 4 is the same whatever follows it
 
 
@@ -69,6 +71,18 @@ def test_a_first_chunk_that_does_not_fit_is_refused(model: Transformer) -> None:
     assert core.static is not None
     with pytest.raises(ValueError, match="first chunk"):
         core.static.first_chunk(0, list(range(3, 12)))
+
+
+def test_a_capture_warm_up_leaves_a_busy_slot_s_cache_as_it_found_it(model: Transformer) -> None:
+    core = EngineCore(model, torch.zeros(CFG.kv_shape(2, 128)), prefill_chunk=16, graphs=True)
+    assert core.static is not None
+    # slot 1 last ran another request's prompt and token: a warm-up on slot 0 replays those inputs there
+    tokens_of(core, GenerationRequest(tokenizer.encode("the other slot's request"), 6, ignore_eos=True))
+    live = torch.randn(core.kv[0].shape)
+    core.kv[0].copy_(live)
+    for kind in ("chunk", "decode"):
+        core.static.warm_up(kind, 0)
+        assert torch.equal(core.kv[0], live), kind
 
 
 @pytest.mark.gpu
@@ -105,11 +119,18 @@ def test_an_engine_already_serving_records_its_graphs_between_forwards_with_the_
     weights = {n: t.to("cuda") for n, t in load_weights(make_weights(cfg, tmp_path / "s.safetensors")).items()}
     model = Transformer(cfg, weights)
     core = EngineCore(model, torch.zeros(cfg.kv_shape(2, 256), dtype=model.dtype, device="cuda"), graphs=True)
-    req = GenerationRequest(tokenizer.encode("serving while capturing"), 32, ignore_eos=True)
-    before = tokens_of(core, req)  # fixed-shape forwards, eagerly
+    reqs = [GenerationRequest(tokenizer.encode(text), 48, ignore_eos=True)
+            for text in ("serving while capturing", "another prompt, in the other slot")]
+    before = [tokens_of(core, r) for r in reqs]  # fixed-shape forwards, eagerly
     capture = core.capture_graphs_in_background()
     assert capture is not None
-    during = tokens_of(core, req)  # generations interleave with the captures
+    during: list[list[int]] = [[], []]
+    # both slots busy with different requests while each slot's graphs are recorded between their forwards
+    threads = [threading.Thread(target=lambda i=i: during[i].extend(tokens_of(core, reqs[i]))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     capture.join(120)
     assert core.static is not None and len(core.static.graphs) == 4
-    assert before == during == tokens_of(core, req)
+    assert before == during == [tokens_of(core, r) for r in reqs]
