@@ -56,7 +56,6 @@ TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProx
     (S.OPENED, T.DISPATCHED): S.FREEZING,
     (S.OPENED, T.DISPATCHED_FALLBACK): S.FALLBACK,
     (S.FREEZING, T.FROZEN): S.REATTACHING,
-    (S.FREEZING, T.REATTACHED): S.ROUTING_IN,  # the reattach result overtook the freeze result
     (S.REATTACHING, T.REATTACHED): S.ROUTING_IN,
     (S.FREEZING, T.STEP_FAILED): S.FALLBACK,
     (S.FREEZING, T.DEADLINE_MISSED): S.FALLBACK,
@@ -217,7 +216,8 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
         ok = trigger in (T.FROZEN, T.REATTACHED, T.SPAWNED, T.ROUTED_IN)
         end_step(out, old_step, "done" if ok else "failed", now, detail if not ok else "")
     if trigger is T.REATTACHED:
-        # From FREEZING: the successor holds the memory, so the freeze happened; its result comes later.
+        # Never from FREEZING: a successor may serve before the freeze ends (a shadow promoted meanwhile),
+        # but routed in, the incident resolves, and its memory must be frozen by then (pipeline.py waits).
         # From FALLBACK: the reattach was late but holds the memory; the cold start is superseded.
         end_step(out, Step.REATTACH, "done", now)
         if rec.state is S.FALLBACK:

@@ -102,6 +102,9 @@ class IncidentDriver(ColdStarts):
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._successors: set[str] = set()  # successors of open incidents (not announced on their own)
+        # successors serving before their predecessor's memory is frozen (a shadow promoted while the freeze runs,
+        # dc_manager promote_shadows_early), by incident: routed in when the freeze ends
+        self._reattached_early: dict[str, dict[str, object]] = {}
         # Incidents this leader closed recently: the view (fed by the watch, behind the write-behind records)
         # may still show them open for a moment; without this the deadline pass would "resume" each one.
         self._closed: dict[str, None] = {}
@@ -277,9 +280,17 @@ class IncidentDriver(ColdStarts):
                 started = rec.steps.get(Step.FREEZE)
                 cur = apply(rec, Trigger.FROZEN, min(now, max(frozen_at, started.started_at if started else frozen_at)),
                             self.deadlines)
+            if trigger is Trigger.REATTACHED and cur.state is S.FREEZING:
+                # The successor serves already, its memory not frozen yet: routed in when the freeze ends
+                # (memory.frozen or the dc_manager's result), never before (incident.py: no such transition).
+                self._reattached_early[inc_id] = changes
+                return
             if not can(cur.state, trigger) or (states is not None and cur.state not in states):
                 return  # unknown, finished, or a late result of an abandoned step: nothing to do
             new = apply(cur, trigger, time.time(), self.deadlines, detail=detail, **changes)
+            early = self._reattached_early.pop(inc_id, None) if new.state is S.REATTACHING else None
+            if early is not None:
+                new = apply(new, Trigger.REATTACHED, time.time(), self.deadlines, **early)  # type: ignore[arg-type]
             if rec.state is S.FALLBACK and trigger is Trigger.REATTACHED and rec.cold_successor_id:
                 self._stop_cold(rec)
                 new.cold_stopped = True
@@ -405,6 +416,7 @@ class IncidentDriver(ColdStarts):
         self.tracing.steps(old, new)
         if new.terminal:
             self.open.pop(new.id, None)
+            self._reattached_early.pop(new.id, None)
             self._closed[new.id] = None
             if len(self._closed) > 100_000:  # bounded: the oldest half goes (long since in the view)
                 for old_id in list(self._closed)[:50_000]:

@@ -15,10 +15,8 @@ class DcManagerSettings(CommonSettings):
     spawn_timeout_s: float = Field(60.0, gt=0, description="one cold-start spawn request's timeout")
     freeze_result_after_s: float = Field(0.5, ge=0, description="a takeover not answered this long after its freeze: "
                                          "publish the freeze's own result first (else one result per intent)")
-    # Off by default: the controller accepts the agent's engine.reattached while an incident still freezes, so
-    # with this on it may route in before the freeze commits (an incident resolved with its memory not frozen
-    # yet). On once the controller waits for the freeze before routing in.
-    promote_shadows_early: bool = Field(False, description="a standby that shadows the failed engine is promoted "
+    # Safe because the controller routes a successor in only once the freeze ends (controller/pipeline.py).
+    promote_shadows_early: bool = Field(True, description="a standby that shadows the failed engine is promoted "
                                         "while the freeze runs (it owns the leases later, with the token chosen here)")
     retries: int = Field(3, ge=1, description="attempts per command when the node does not answer")
     retry_backoff_s: float = Field(0.1, ge=0, description="first pause between attempts (doubles each time)")

@@ -59,9 +59,11 @@ def test_a_missed_deadline_takes_the_fallback_and_a_failed_fallback_fails_the_in
     assert rec.steps[Step.FALLBACK].status == "failed" and rec.steps[Step.FALLBACK].detail == "no gpu"
 
 
-def test_a_reattach_result_that_overtakes_the_freeze_result_still_completes() -> None:
+def test_a_successor_is_never_routed_in_before_the_freeze_ends() -> None:
     rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED, 0.0, D)
-    rec = apply(rec, Trigger.REATTACHED, 0.01, D)
+    with pytest.raises(InvalidTransition):
+        apply(rec, Trigger.REATTACHED, 0.01, D)  # a shadow promoted while the freeze runs waits for it
+    rec = apply(apply(rec, Trigger.FROZEN, 0.02, D), Trigger.REATTACHED, 0.02, D)
     assert rec.state is IncidentState.ROUTING_IN
     assert rec.steps[Step.FREEZE].status == "done" and rec.steps[Step.REATTACH].status == "done"
 
