@@ -75,13 +75,16 @@ def prefill_spans(n: int, prefix_len: int | None, chunk: int) -> list[tuple[int,
 
 
 class EngineCore:
-    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64, graphs: bool = False) -> None:
+    def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64,
+                 graphs: bool | None = False) -> None:
         if kv.dim() != 6 or kv.shape[1] != model.cfg.n_layers:
             raise ValueError(f"kv cache shape {tuple(kv.shape)} does not fit {model.cfg.n_layers} layers")
         self.model = model
         self.kv = kv
         self.prefill_chunk = max(1, prefill_chunk)
-        # fixed-shape forwards (CUDA graphs once captured by warm()): static_forward.py
+        # fixed-shape forwards (CUDA graphs once captured by warm()): static_forward.py; None: where it pays, on CUDA
+        if graphs is None:
+            graphs = model.device.type == "cuda"
         self.static = StaticForward(model, kv, min(self.prefill_chunk, kv.shape[4])) if graphs else None
         self.max_seq = kv.shape[4]
         self._lock = threading.Lock()  # one forward at a time

@@ -37,8 +37,9 @@ class EngineSettings(BaseSettings):
     threads: int = Field(1, ge=1, description="torch CPU threads (fixed, so results do not depend on the machine's load)")
     prefill_chunk: int = Field(64, ge=1, description="prompt tokens per prefill forward (resumed tokens go one "
                                "at a time either way: engine.py invariant 1); predecessor and successor must agree")
-    graphs: bool = Field(False, description="fixed-shape forwards (one token; a prompt's first chunk, padded) replayed "
-                         "as CUDA graphs (engines/reference/static_forward.py); predecessor and successor must agree")
+    graphs: bool | None = Field(None, description="fixed-shape forwards (one token; a prompt's first chunk, padded) "
+                                "replayed as CUDA graphs (engines/reference/static_forward.py); default: on CUDA only "
+                                "(on a CPU they would only be slower); predecessor and successor must agree")
     ready_file: Path | None = Field(None, description="written (JSON) once serving: endpoint, pid, timings")
     takeover_from: str | None = Field(None, validation_alias=AliasChoices("takeover_from", "HF_TAKEOVER_FROM"))
     transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
