@@ -1,15 +1,18 @@
 """The weights file: made once from a seeded initialization, loaded by a cold start.
 
-Determinism: each tensor draws from its own generator seeded by (seed, crc32(name)), so the bytes of the
-file depend only on (size, seed, dtype) and not on the order tensors are made in.
+Determinism: each block of each tensor draws from its own generator seeded by (seed, crc32(name), block), so
+the bytes of the file depend only on (size, seed, dtype), not on the order tensors are made in nor on the
+threads that make them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,10 +31,16 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
 
 
-def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+# Elements drawn from one generator: a tensor is filled block by block, blocks in parallel, and its bytes do not
+# depend on how many threads fill it. One generator for a whole tensor drew ~130 M values/s: a 120 GiB file
+# would have taken ~8 minutes to make.
+_BLOCK = 1 << 24
+
+
+def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int,
+                 pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float32)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     if name == "tok_embeddings.weight":
         std = 1.0
     else:
@@ -40,7 +49,16 @@ def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int)
             std /= math.sqrt(2 * cfg.n_layers)  # residual branches: the sum over layers stays O(1)
         if name == "output.weight":
             std *= 4.0  # peaked next-token distributions, so greedy and sampled text differ visibly
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    base = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+    out = torch.empty(math.prod(shape), dtype=torch.float32)
+
+    def fill(block: int) -> None:  # the op releases the GIL: blocks fill in parallel
+        gen = torch.Generator().manual_seed((base * 7_919 + block) % (2**63))
+        out[block * _BLOCK:(block + 1) * _BLOCK].normal_(0.0, std, generator=gen)
+
+    blocks = range(-(-out.numel() // _BLOCK))
+    list(pool.map(fill, blocks) if pool is not None else map(fill, blocks))
+    return out.view(shape)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -74,9 +92,10 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name in names:
-            t = _init_tensor(cfg, name, shapes[name], seed).to(dt).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            for name in names:
+                t = _init_tensor(cfg, name, shapes[name], seed, pool).to(dt).contiguous()
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
     tmp.replace(out)  # a reader never sees half a file
     return out
 
