@@ -18,6 +18,7 @@ import json
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,26 +65,34 @@ def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress:
                   max_seq: int | None = None) -> tuple[dict[str, Any], Scenario]:
     sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow, weights=weights, max_seq=max_seq)
     task = progress.add_task(label, total=trials)
+    t0 = time.perf_counter()
     try:
         sc.start()
-        trial_list = asyncio.run(_trials(sc, trials, progress, task))
+        console.log(f"{label}: stack serving in {time.perf_counter() - t0:.1f} s (the weights file made or reused)")
+        trial_list = asyncio.run(_trials(sc, trials, progress, task, label))
     finally:
         sc.stop()
     # after the stack is gone, so the cold start has the machine to itself
-    cold = [sc.cold_restart() for _ in range(trials)] if cold_probe else []
+    cold = []
+    for i in range(trials if cold_probe else 0):
+        cold.append(sc.cold_restart())
+        console.log(f"cold restart {i + 1}/{trials}: {cold[-1]['cold_restart_ms']:.0f} ms")
     return {"trials": trial_list, "cold": cold}, sc
 
 
-async def _trials(sc: Scenario, n: int, progress: Progress, task: Any) -> list[Trial]:
+async def _trials(sc: Scenario, n: int, progress: Progress, task: Any, label: str) -> list[Trial]:
     await sc.connect()
     out = []
     try:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
             await sc.wait_serving()
             baseline = await sc.baseline(client)
-            for _ in range(n):
+            for i in range(n):
                 out.append(await sc.failover_trial(client, baseline))
                 progress.advance(task)
+                # a line per step, not only the live display: a run cut off (a device call's time limit) says
+                # how far it got, and a log without a terminal shows it
+                console.log(f"{label}: trial {i + 1}/{n}: {out[-1].recovery_ms or float('nan'):.1f} ms")
     finally:
         await sc.close()
     return out

@@ -28,7 +28,7 @@ def main(gib: float, where: Path) -> None:
     path = where / f"probe-{os.getpid()}.safetensors"
     try:
         t0 = time.perf_counter()
-        make_weights(cfg, path)
+        make_weights(cfg, path, device="cuda")
         size = path.stat().st_size / 2**30
         step("make", t0, size=cfg.name, gib=round(size, 2), cpus=os.cpu_count(),
              gib_per_s=round(size / (time.perf_counter() - t0), 2))

@@ -17,6 +17,8 @@ def make_weights_cmd(argv: list[str]) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", default=0, type=int)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the size's)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the values are drawn (auto: cuda when torch sees a GPU; much faster for large files)")
     a = p.parse_args(argv)
     from engines.reference.weights import make_weights
 
@@ -24,7 +26,12 @@ def make_weights_cmd(argv: list[str]) -> int:
         cfg = get_config(a.size)
     except ValueError as e:
         p.error(str(e))
-    out = make_weights(cfg, a.out, seed=a.seed, dtype=a.dtype)
+    device = a.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = make_weights(cfg, a.out, seed=a.seed, dtype=a.dtype, device=device)
     print(json.dumps({"out": str(out), "size": cfg.name, "params": cfg.n_params(), "bytes": out.stat().st_size}))
     return 0
 

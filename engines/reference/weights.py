@@ -1,18 +1,15 @@
 """The weights file: made once from a seeded initialization, loaded by a cold start.
 
-Determinism: each block of each tensor draws from its own generator seeded by (seed, crc32(name), block), so
-the bytes of the file depend only on (size, seed, dtype), not on the order tensors are made in nor on the
-threads that make them.
+Determinism: each tensor draws from its own generator seeded by (seed, crc32(name)), so the bytes of the
+file depend only on (size, seed, dtype, the generator's device type) and not on the order tensors are made in.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,16 +28,11 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
 
 
-# Elements drawn from one generator: a tensor is filled block by block, blocks in parallel, and its bytes do not
-# depend on how many threads fill it. One generator for a whole tensor drew ~130 M values/s: a 120 GiB file
-# would have taken ~8 minutes to make.
-_BLOCK = 1 << 24
-
-
 def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int,
-                 pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
+                 device: str = "cpu") -> torch.Tensor:
     if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.float32)
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    gen = torch.Generator(device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     if name == "tok_embeddings.weight":
         std = 1.0
     else:
@@ -49,27 +41,23 @@ def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int,
             std /= math.sqrt(2 * cfg.n_layers)  # residual branches: the sum over layers stays O(1)
         if name == "output.weight":
             std *= 4.0  # peaked next-token distributions, so greedy and sampled text differ visibly
-    base = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-    out = torch.empty(math.prod(shape), dtype=torch.float32)
-
-    def fill(block: int) -> None:  # the op releases the GIL: blocks fill in parallel
-        gen = torch.Generator().manual_seed((base * 7_919 + block) % (2**63))
-        out[block * _BLOCK:(block + 1) * _BLOCK].normal_(0.0, std, generator=gen)
-
-    blocks = range(-(-out.numel() // _BLOCK))
-    list(pool.map(fill, blocks) if pool is not None else map(fill, blocks))
-    return out.view(shape)
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | None = None) -> Path:
+def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | None = None,
+                 device: str = "cpu") -> Path:
     """Write the safetensors file for `cfg` (deterministic for a given size, seed and dtype), one tensor at a
     time, so memory stays at one tensor whatever the model's size: safetensors' `save_file` builds the whole
     file in memory first, and a 32 GiB model did not get written on a 125 GiB machine. The format is the
     library's (an 8-byte little-endian header length, a JSON header with each tensor's dtype, shape and byte
-    range, padded to 8 bytes, then the bytes); its reader (`load_file`, `safe_open`) reads it back."""
+    range, padded to 8 bytes, then the bytes); its reader (`load_file`, `safe_open`) reads it back.
+
+    `device`: where the values are drawn. One CPU generator draws ~100 M values/s (a 120 GiB file: ~10 minutes,
+    more than a device call); a GPU's, thousands of times that, so the file's write is what is left. The two
+    draw different values from one seed: the bytes depend on (size, seed, dtype, device type), recorded."""
     dt = torch_dtype(dtype or cfg.dtype)
     item = torch.empty((), dtype=dt).element_size()
     shapes = cfg.tensor_shapes()
@@ -84,6 +72,7 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
     # One metadata key, the header's keys sorted: the file must be the same bytes each time.
     header["__metadata__"] = {"holdfast": json.dumps({"size": cfg.name, "seed": seed,
                                                       "dtype": str(dt).removeprefix("torch."),
+                                                      **({"drawn_on": "cuda"} if device != "cpu" else {}),
                                                       "config": cfg.__dict__}, sort_keys=True)}
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -92,10 +81,9 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            for name in names:
-                t = _init_tensor(cfg, name, shapes[name], seed, pool).to(dt).contiguous()
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        for name in names:
+            t = _init_tensor(cfg, name, shapes[name], seed, device).to(dt).contiguous().cpu()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
     tmp.replace(out)  # a reader never sees half a file
     return out
 

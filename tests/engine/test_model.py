@@ -35,6 +35,19 @@ def test_the_weights_file_is_the_same_bytes_for_the_same_seed_and_differs_for_an
     assert a == b and a != c
 
 
+@pytest.mark.gpu
+def test_a_weights_file_drawn_on_the_gpu_is_the_same_bytes_each_time_and_says_where_it_was_drawn(
+        tmp_path: Path) -> None:
+    cfg = get_config("small@2")
+    a = make_weights(cfg, tmp_path / "a.safetensors", seed=1, device="cuda")
+    b = make_weights(cfg, tmp_path / "b.safetensors", seed=1, device="cuda")
+    assert a.read_bytes() == b.read_bytes()
+    assert file_metadata(a)["drawn_on"] == "cuda" and "drawn_on" not in file_metadata(
+        make_weights(cfg, tmp_path / "c.safetensors", seed=1))
+    w = load_weights(a)
+    assert set(w) == set(cfg.tensor_shapes()) and all(torch.isfinite(t.float()).all() for t in w.values())
+
+
 def test_sizes_range_from_a_few_megabytes_to_billions_of_parameters() -> None:
     assert 0.5e6 < SIZES["tiny"].n_params() < 2e6
     assert SIZES["8b"].n_params() > 6.5e9
