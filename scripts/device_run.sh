@@ -8,6 +8,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.device/bin:$PATH PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 chmod +x .device/bin/* 2>/dev/null || true
+# A call cut off by its time limit leaves its stack running on a machine still warm (2026-11-30: a gpu_manager
+# holding 127 GiB of the GPU made the next call's first allocation fail): end it before anything else.
+pkill -9 -f -- '-m (services\.[a-z_]+|engines\.reference serve)|\.device/bin/(nats-server|etcd)' 2>/dev/null || true
 if [ -n "${DEVICE_CMD:-}" ]; then
   exec bash -c "$DEVICE_CMD"
 fi
