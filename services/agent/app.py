@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ from libs.common.events import (
     StopReply,
     Takeover,
 )
+from libs.common.gc_tuning import long_lived_gc
 from libs.common.service import Runtime
 from services.agent import records
 from services.agent.engines import LIVE
@@ -86,7 +86,7 @@ async def setup(rt: Runtime) -> None:
     agent.reconcile_soon()
     # Everything imported and built so far lives as long as the process: out of the collector's sight, a
     # full collection no longer walks it (one measured 17-25 ms, landing inside a takeover's reply).
-    gc.freeze()
+    long_lived_gc()
 
 
 def _async(fn):  # noqa: ANN001, ANN202 - adapts a plain closer to Runtime.on_close

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from typing import cast
 
+from libs.common.gc_tuning import long_lived_gc
 from libs.common.service import Runtime
 from libs.common.wire import serve_frames
 from services.gpu_manager.backends import make_backend
@@ -57,6 +57,6 @@ async def setup(rt: Runtime) -> None:
     rt.on_close(close)
     # The startup heap lives as long as the process: out of the collector's sight, a full collection does
     # not walk it in the middle of an engine's attach or takeover.
-    gc.freeze()
+    long_lived_gc()
     log.info("gpu_manager on %s: backend %s, socket %s, %d live leases", settings.node, backend.name, path,
              len(book.records))
