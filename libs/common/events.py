@@ -122,6 +122,9 @@ class EngineInfo(Model):
     started_at: float | None = None
     heartbeats: bool = False  # the engine heartbeats: a restarted agent watches it for hangs from the start
     shadows: str | None = None  # a warm standby: the active engine whose weights it keeps mapped read-only
+    # a successor: the engine whose leases it took over (or, a shadow promoted early, will own once that engine is
+    # dead); if it dies before owning them they are still that engine's, frozen (the dc_manager hands them on)
+    successor_of: str | None = None
 
 
 class NodeInfo(Model):
@@ -417,6 +420,9 @@ class Takeover(Command):
     transfer_token: str
     successor: str | None = None  # a named standby; none: the agent picks one, or cold-spawns
     version: str | None = None  # hot upgrade: run a standby of this version
+    # whose frozen leases the successor takes over, when not `engine_id`'s: its predecessor's, which `engine_id` (a
+    # shadow promoted early) died before owning
+    memory_of: str | None = None
 
 
 class TakeoverReply(Model):

@@ -79,6 +79,7 @@ class EngineRecord:
     handing_over: bool = False  # a takeover's predecessor: its slot is the successor's until it is retired
     ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
     taking_over: str | None = None  # the predecessor whose memory this successor takes over (until ready)
+    successor_of: str | None = None  # the engine whose leases it took over (EngineInfo.successor_of)
     exit_code: int | None = None
     signal: int | None = None
     can_shadow: bool = False  # a standby that can map an active engine's weights read-only ahead of a takeover
@@ -111,7 +112,7 @@ class EngineRecord:
             engine_id=self.engine_id, node=node, model=self.model, engine_class=self.engine_class, role=self.role,
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
-            heartbeats=self.last_heartbeat is not None, shadows=self.shadows,
+            heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
         )
 
     @classmethod
@@ -121,7 +122,7 @@ class EngineRecord:
             engine_id=info.engine_id, model=info.model, engine_class=info.engine_class, role=info.role,
             gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
-            started_at=info.started_at or time.time(), faulted=state is State.FAILED,
+            started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )

@@ -14,6 +14,9 @@ Then: a ready standby of the model (the named one, or the oldest) gets `assign` 
 leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
 process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
 
+`memory_of`: the leases taken over are that engine's, not the predecessor's (a shadow promoted early that died
+before it owned its own predecessor's leases: they are still frozen, and the dc_manager hands them on).
+
 Idempotent by incident id: a repeated command awaits (or returns) the first one's result.
 """
 
@@ -58,7 +61,10 @@ class Takeovers:
         timings: dict[str, float] = {}
         pred = agent.get(cmd.engine_id)
         standby = self._choose(cmd, pred)
-        shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == pred.engine_id
+        # The memory's owner: the predecessor, or (memory_of) its own predecessor, whose frozen leases it died
+        # before owning. A shadow of the predecessor maps those only if it is the owner.
+        owner = cmd.memory_of or pred.engine_id
+        shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == owner
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
         t = time.perf_counter()
@@ -87,6 +93,7 @@ class Takeovers:
                 agent.retire(pred)
             raise
 
+        successor.successor_of = owner
         if successor.ready_perf is not None and successor.ready_perf >= t0:
             timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
         timings["total_ms"] = _ms(t0)
@@ -136,7 +143,8 @@ class Takeovers:
     def _choose(self, cmd: Takeover, pred: EngineRecord) -> EngineRecord | None:
         records = self.agent.records()
         if cmd.successor is None:
-            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=pred.engine_id)
+            return supervision.pick_standby(records, pred.model, version=cmd.version,
+                                            predecessor=cmd.memory_of or pred.engine_id)
         named = self.agent.engines.get(cmd.successor)
         if named is None:
             raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
@@ -150,11 +158,11 @@ class Takeovers:
         agent = self.agent
         t = time.perf_counter()
         sb.transition(Ev.ASSIGN)
-        sb.taking_over = pred.engine_id
+        sb.taking_over = cmd.memory_of or pred.engine_id
         sb.role = EngineRole.ACTIVE
         sb.generation = pred.generation + 1
         try:
-            await agent.assign(sb, {"op": "assign", "predecessor": pred.engine_id,
+            await agent.assign(sb, {"op": "assign", "predecessor": cmd.memory_of or pred.engine_id,
                                     "transfer_token": cmd.transfer_token, "incident_id": cmd.incident_id,
                                     "model": pred.model, "shadowed": shadowed})
             timings["assign_ms"] = _ms(t)
@@ -184,9 +192,9 @@ class Takeovers:
         t = time.perf_counter()
         rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec,
                                  generation=pred.generation + 1,
-                                 extra_env={"HF_TAKEOVER_FROM": pred.engine_id, "HF_TRANSFER_TOKEN": cmd.transfer_token,
-                                            "HF_INCIDENT_ID": cmd.incident_id})
-        rec.taking_over = pred.engine_id
+                                 extra_env={"HF_TAKEOVER_FROM": cmd.memory_of or pred.engine_id,
+                                            "HF_TRANSFER_TOKEN": cmd.transfer_token, "HF_INCIDENT_ID": cmd.incident_id})
+        rec.taking_over = cmd.memory_of or pred.engine_id
         timings["spawn_ms"] = _ms(t)
         t = time.perf_counter()
         await agent.wait_ready(rec.engine_id, 2 * spec.cold_start_s + agent.settings.takeover_timeout_s)
