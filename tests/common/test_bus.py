@@ -87,6 +87,28 @@ async def test_request_times_out_or_says_nobody_answers(bus: Bus) -> None:
         await bus.request("slow-node", ListLeases(), ListLeasesReply, timeout=0.2)
 
 
+async def test_concurrent_requests_each_get_their_own_reply_and_leave_nothing_waiting(bus: Bus) -> None:
+    async def freeze(cmd: Freeze) -> FreezeReply:
+        await asyncio.sleep(0.01 if cmd.owner.endswith("0") else 0)  # replies come back out of order
+        return FreezeReply(lease_ids=[cmd.owner], epoch=1, transfer_token=f"tok-{cmd.owner}")
+
+    await bus.serve("node-many", Freeze, freeze)
+    replies = await asyncio.gather(*(bus.request("node-many", Freeze(owner=f"e{i}"), FreezeReply) for i in range(50)))
+    assert [r.lease_ids for r in replies] == [[f"e{i}"] for i in range(50)]
+
+    async def never(cmd: ListLeases) -> ListLeasesReply:
+        await asyncio.sleep(30)
+        return ListLeasesReply(leases=[])
+
+    await bus.serve("stuck-node", ListLeases, never)
+    pending = asyncio.create_task(bus.request("stuck-node", ListLeases(), ListLeasesReply, timeout=10))
+    await asyncio.sleep(0.1)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    assert not bus._replies  # a cancelled or answered request leaves no waiter behind
+
+
 async def test_malformed_command_gets_an_error_reply(bus: Bus) -> None:
     async def freeze(cmd: Freeze) -> FreezeReply:
         return FreezeReply(lease_ids=[], epoch=1, transfer_token="t")
