@@ -2,10 +2,11 @@
 padded to the chunk size.
 
 Why: the eager forward is launch-bound (~44 kernels a layer: a 16 GiB model's decode step or short prefill
-takes 34-39 ms on an H200 whose GPU works a few ms of it; docs/engine.md). A graph replays every launch of
-a forward as one. Graphs need fixed shapes and addresses, so here the position is a device tensor, the new
-keys and values are written with `index_copy_` at it, and attention reads the whole cache slot with a mask
-(positions after the query's are never read, whatever they hold).
+takes 34-39 ms on an H200 whose GPU works a few ms of it; replayed, 10-12 ms; docs/engine.md). A graph
+replays every launch of a forward as one. Graphs need fixed shapes and addresses, so here the position is a
+device tensor, the new keys and values are written with `index_copy_` at it, and a decode step attends the
+whole cache slot with a mask (positions after the query's are never read, whatever they hold); a first chunk
+attends its own positions only.
 
 Invariants:
 1. With `graphs` on, every one-token forward and every first prompt chunk take this path, on both sides
