@@ -104,6 +104,10 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
     for t in trials:
         for k, v in t.steps_ms().items():
             steps.setdefault(k, []).append(v)
+    events: dict[str, list[float]] = {}  # each event's time after the death, by its publisher's clock
+    for t in trials:
+        for k, v in t.timeline_ms.items():
+            events.setdefault(k, []).append(v)
     engine: dict[str, list[float]] = {}  # the successor's own clock, from its assignment (or start)
     phases: dict[str, list[float]] = {}  # its first generation's phases (EngineCore.trace_next)
     for t in trials:
@@ -115,6 +119,7 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
     return {
         "death_to_first_token_ms": summarize(rec) if rec else None,
         "steps_ms_p50": {k: round(statistics.median(v), 2) for k, v in steps.items()},
+        "timeline_ms_p50": {k: round(statistics.median(v), 2) for k, v in events.items()},
         "successor_ms_p50": {k: round(statistics.median(v), 2) for k, v in engine.items()},
         "successor_first_generation_p50": {k: round(statistics.median(v), 2) for k, v in phases.items()},
         # late wake-ups of a 1 ms sleeper in the promoted standby, with every thread's frame (stall_watch.py)
