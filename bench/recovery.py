@@ -32,8 +32,11 @@ from libs.cli.scenario import Scenario, Trial, detect_backend
 
 console = Console(stderr=True)
 
-# Width of the model by backend: bf16 8B-wide layers on a GPU, float32 512-wide on the CPU.
+# Width of the model by backend: bf16 8B-wide layers on a GPU, float32 512-wide on the CPU; from WIDE_FROM_GIB
+# on a GPU, 70B-wide layers (a model that large is wider, not 8B's layers stacked ten times deeper: its forward
+# would be ~7x as many kernels, and the first token's time theirs rather than the weights' bandwidth's).
 BASE_SIZE = {"cuda": "8b", "host": "small"}
+WIDE_FROM_GIB = 64.0
 
 
 def size_for(backend: str, weights_gib: float) -> str:
@@ -42,7 +45,7 @@ def size_for(backend: str, weights_gib: float) -> str:
         return "small" if backend == "cuda" else "tiny"
     from engines.reference.config import get_config
 
-    base = get_config(BASE_SIZE[backend])
+    base = get_config("70b" if backend == "cuda" and weights_gib >= WIDE_FROM_GIB else BASE_SIZE[backend])
     per_layer = (base.with_layers(2).n_params() - base.with_layers(1).n_params()) * base.bytes_per_param()
     fixed = base.with_layers(0).n_params() * base.bytes_per_param()
     layers = max(1, round((weights_gib * 2**30 - fixed) / per_layer))

@@ -18,7 +18,7 @@ for step in $STEPS; do
   t0=$(date +%s)
   case $step in
     probe) python3 scripts/probe_exit.py > "$OUT/probe_exit.jsonl" 2> "$OUT/probe_exit.err" ;;
-    forward) python3 scripts/probe_forward.py 1b 8b@39 > "$OUT/probe_forward.jsonl" 2> "$OUT/probe_forward.err" ;;
+    forward) python3 scripts/probe_forward.py 1b 8b@39 70b@10 > "$OUT/probe_forward.jsonl" 2> "$OUT/probe_forward.err" ;;
     tests) python3 -m pytest -p no:cacheprovider -m gpu tests -q --timeout 300 > "$OUT/gpu_tests.log" 2>&1 ;;
     demo) $HF demo --json > "$OUT/demo.json" 2> "$OUT/demo.err" ;;
     recovery8) $HF bench recovery --backend cuda --weights-gib 8 --trials "${TRIALS:-3}" --unshadowed --json \

@@ -73,6 +73,9 @@ SIZES: dict[str, ModelConfig] = {
     "1b": ModelConfig("1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=5632, max_seq=4096, dtype="bfloat16"),
     # Llama-3-8B's body (32 layers, dim 4096, GQA 32/8, SwiGLU 14336); the byte vocabulary makes it ~7 B parameters.
     "8b": ModelConfig("8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq=4096, dtype="bfloat16"),
+    # Llama-3-70B's body (80 layers, dim 8192, GQA 64/8, SwiGLU 28672): ~68 B parameters, ~128 GiB in bfloat16.
+    "70b": ModelConfig("70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq=4096,
+                       dtype="bfloat16"),
 }
 
 

@@ -43,3 +43,14 @@ def test_a_scenario_removes_only_the_weights_file_it_made_itself(tmp_path: Path)
     own.discard_weights()
     borrower.discard_weights()
     assert not own.weights.exists() and shared_file.exists()
+
+
+def test_a_benchmark_model_has_about_the_asked_size_and_a_large_one_is_wider_not_deeper() -> None:
+    from bench.recovery import size_for
+    from engines.reference.config import get_config
+
+    for backend, gib in (("cuda", 16.0), ("cuda", 120.0), ("host", 1.0)):
+        cfg = get_config(size_for(backend, gib))
+        assert abs(cfg.n_params() * cfg.bytes_per_param() / 2**30 - gib) / gib < 0.03, (backend, gib, cfg.name)
+    assert size_for("cuda", 16.0).startswith("8b@") and size_for("cuda", 120.0).startswith("70b@")
+    assert get_config(size_for("cuda", 120.0)).n_layers < 100
