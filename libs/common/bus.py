@@ -250,7 +250,7 @@ class Bus:
         subject, body, headers = self._wire(env)
         if env.data.durable:
             # Msg-Id makes a retried publish idempotent inside the stream's duplicate window.
-            await self.js.publish(subject, body, headers={**headers, "Nats-Msg-Id": env.id}, timeout=2)
+            await self.js.publish(subject, body, headers=headers, timeout=2)
         else:
             await self.nc.publish(subject, body, headers=headers)
 
@@ -275,7 +275,7 @@ class Bus:
                     tokens.append(token)
                     self._acks[token] = batch
                     batch.left += 1
-                    await self.nc.publish(subject, body, reply=prefix + token, headers={**headers, "Nats-Msg-Id": env.id})
+                    await self.nc.publish(subject, body, reply=prefix + token, headers=headers)
                 else:
                     await self.nc.publish(subject, body, headers=headers)
             if not tokens:
@@ -333,7 +333,9 @@ class Bus:
         subject = self._subjects.get(cls)
         if subject is None:  # once per event class (pydantic's class-level field lookup is not free)
             subject = self._subjects[cls] = event_subject(self.prefix, cls)
-        headers = {"hf-id": env.id}
+        # The event's id: a durable event carries it as Nats-Msg-Id (the stream's deduplication key), a core one
+        # as hf-id; not both (every header is a regex check and encodes in nats-py's publish).
+        headers = {"Nats-Msg-Id": env.id} if env.data.durable else {"hf-id": env.id}
         if env.trace.traceparent:
             headers["traceparent"] = env.trace.traceparent
         if env.trace.tracestate:

@@ -85,8 +85,8 @@ class ControllerMetrics:
         outcome = "fallback" if rec.fallback and rec.state == "resolved" else str(rec.state)
         self._child(self.incidents, str(rec.kind or "none"), str(rec.reason), outcome).inc()
         for step, s in rec.steps.items():
-            if s.duration_ms is not None:
-                self._child(self.step_seconds, str(step)).observe(s.duration_ms / 1000.0)
+            if s.ended_at is not None:  # duration_ms, without the property's rounding and second lookup
+                self._child(self.step_seconds, str(step)).observe(s.ended_at - s.started_at)
         total = rec.total_ms()
         if total is not None:
             self._child(self.total_seconds, str(rec.reason), str(rec.fallback).lower()).observe(total / 1000.0)

@@ -176,7 +176,10 @@ class IncidentDriver(ColdStarts):
             log.exception("incident %s: resume failed", inc_id)
 
     def _lock(self, inc_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(inc_id, asyncio.Lock())
+        lock = self._locks.get(inc_id)  # not setdefault: that builds a Lock on every call, used or not
+        if lock is None:
+            lock = self._locks[inc_id] = asyncio.Lock()
+        return lock
 
     # ------------------------------------------------------------ event handlers
 
