@@ -68,6 +68,7 @@ class BatchWriter:
         self._deferred: dict[str, tuple[asyncio.TimerHandle, _Op]] = {}  # put_after's writes, not yet due
         self.deferred_dropped = 0  # put_after writes superseded before they were due (never sent)
         self._later: list[_Op] = []  # writes to a key that has a create pending (kept in order)
+        self._later_keys: dict[str, int] = {}  # key -> its writes in _later (no scan of _later per write)
         self._inflight: dict[str, _Op] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -146,8 +147,9 @@ class BatchWriter:
         if fut is not None:
             op.waiters.append(fut)
         cur = self._pending.get(op.key)
-        if (cur is not None and (cur.kind == CREATE or op.kind == CREATE)) or any(o.key == op.key for o in self._later):
+        if (cur is not None and (cur.kind == CREATE or op.kind == CREATE)) or op.key in self._later_keys:
             self._later.append(op)  # a create decides what follows it: keep the order
+            self._later_keys[op.key] = self._later_keys.get(op.key, 0) + 1
         elif cur is not None and op.kind != CREATE:
             op.waiters = cur.waiters + op.waiters  # the newer value supersedes the pending one
             self._pending[op.key] = op
@@ -184,13 +186,17 @@ class BatchWriter:
                 self._idle.set()
 
     def _promote_later(self) -> None:
+        if not self._later:
+            return
         keep: list[_Op] = []
+        kept: dict[str, int] = {}
         for op in self._later:
-            if op.key in self._pending or any(k.key == op.key for k in keep):
+            if op.key in self._pending or op.key in kept:
                 keep.append(op)
+                kept[op.key] = kept.get(op.key, 0) + 1
             else:
                 self._pending[op.key] = op
-        self._later = keep
+        self._later, self._later_keys = keep, kept
 
     def _take(self) -> list[_Op]:
         batch: list[_Op] = []
