@@ -123,8 +123,10 @@ class SimulatedCluster:
     async def serve(self) -> None:
         # Freeze and takeover publish nothing when events are off (the benchmark): no trace context to carry on.
         quiet = not self.emit_events and not self.record
-        await self.bus.serve("*", Freeze, self.freeze, attach_trace=not quiet)
-        await self.bus.serve("*", Takeover, self.takeover, attach_trace=not quiet)
+        # ... and each answers at once (no gate, no etcd write): answered in the subscription's task, no task each.
+        quiet = quiet and self.takeover_gate is None
+        await self.bus.serve("*", Freeze, self.freeze, attach_trace=not quiet, inline=quiet)
+        await self.bus.serve("*", Takeover, self.takeover, attach_trace=not quiet, inline=quiet)
         for node in self.node_names:  # per node: a cold engine runs on the node it was sent to (placement)
             await self.bus.serve(node, Spawn, functools.partial(self.spawn, node=node))
         await self.bus.serve("*", Reclaim, self.reclaim)

@@ -109,6 +109,24 @@ async def test_concurrent_requests_each_get_their_own_reply_and_leave_nothing_wa
     assert not bus._replies  # a cancelled or answered request leaves no waiter behind
 
 
+async def test_an_inline_responder_answers_every_command_with_its_own_reply(bus: Bus) -> None:
+    seen: list[str] = []
+
+    async def freeze(cmd: Freeze) -> FreezeReply:
+        if cmd.owner == "ghost":
+            raise NotFound("no leases owned by ghost")
+        seen.append(cmd.owner)
+        return FreezeReply(lease_ids=[cmd.owner], epoch=1, transfer_token=f"tok-{cmd.owner}")
+
+    await bus.serve("node-inline", Freeze, freeze, inline=True, attach_trace=False)
+    replies = await asyncio.gather(*(bus.request("node-inline", Freeze(owner=f"e{i}"), FreezeReply) for i in range(20)))
+    assert [r.transfer_token for r in replies] == [f"tok-e{i}" for i in range(20)]
+    assert sorted(seen) == sorted(f"e{i}" for i in range(20))
+    with pytest.raises(RemoteError) as err:  # a failure is still a typed error reply
+        await bus.request("node-inline", Freeze(owner="ghost"), FreezeReply)
+    assert err.value.remote_code == "not_found"
+
+
 async def test_malformed_command_gets_an_error_reply(bus: Bus) -> None:
     async def freeze(cmd: Freeze) -> FreezeReply:
         return FreezeReply(lease_ids=[], epoch=1, transfer_token="t")
