@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from libs.cli.scenario import Scenario, Trial, detect_backend
+from libs.cli.scenario import Scenario, Trial, detect_backend, make_weights
 
 console = Console(stderr=True)
 
@@ -64,23 +64,30 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress: Progress, label: str,
-                  cold_probe: bool, shadow: bool = True, weights: Path | None = None,
-                  max_seq: int | None = None) -> tuple[dict[str, Any], Scenario]:
+                  shadow: bool = True, weights: Path | None = None, max_seq: int | None = None) -> list[Trial]:
     sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow, weights=weights, max_seq=max_seq)
     task = progress.add_task(label, total=trials)
     t0 = time.perf_counter()
     try:
         sc.start()
         console.log(f"{label}: stack serving in {time.perf_counter() - t0:.1f} s (the weights file made or reused)")
-        trial_list = asyncio.run(_trials(sc, trials, progress, task, label))
+        return asyncio.run(_trials(sc, trials, progress, task, label))
     finally:
         sc.stop()
-    # after the stack is gone, so the cold start has the machine to itself
-    cold = []
-    for i in range(trials if cold_probe else 0):
-        cold.append(sc.cold_restart())
-        console.log(f"cold restart {i + 1}/{trials}: {cold[-1]['cold_restart_ms']:.0f} ms")
-    return {"trials": trial_list, "cold": cold}, sc
+
+
+def _cold_restarts(backend: str, size: str, trials: int, weights: Path, max_seq: int | None) -> list[dict[str, Any]]:
+    """After every stack is gone, so that a cold start has the machine to itself."""
+    sc = Scenario(size=size, backend=backend, weights=weights, max_seq=max_seq)
+    out = []
+    try:
+        make_weights(size, weights)
+        for i in range(trials):
+            out.append(sc.cold_restart())
+            console.log(f"cold restart {i + 1}/{trials}: {out[-1]['cold_restart_ms']:.0f} ms")
+    finally:
+        shutil.rmtree(sc.work_dir, ignore_errors=True)
+    return out
 
 
 async def _trials(sc: Scenario, n: int, progress: Progress, task: Any, label: str) -> list[Trial]:
@@ -133,6 +140,9 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
     }
 
 
+WAYS = ("standby", "fresh", "cold")
+
+
 def cli(
     backend: str = typer.Option("auto", help="host, cuda or auto"),
     weights_gib: float = typer.Option(0.0, help="weights size (0: the demo's model)"),
@@ -141,38 +151,55 @@ def cli(
     unshadowed: bool = typer.Option(False, help="also a warm standby that attaches only at the takeover"),
     max_seq: int = typer.Option(0, help="KV capacity per slot of every engine (0: the model's); a large model's "
                                 "caches must fit beside its weights"),
+    ways: str = typer.Option(",".join(WAYS), help="which ways, comma-separated: standby, fresh, cold (a large "
+                             "model's ways one run at a time, within a time limit; the speedup needs cold and standby)"),
+    weights_dir: Path | None = typer.Option(None, help="make the one weights file here, keep it, and reuse it when "
+                                            "it is there already (default: a temporary folder, removed at the end)"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
     One weights file serves every way (in $TMPDIR: /dev/shm on a machine whose disk cannot hold it, and the
-    output then says the cold restart read it from memory), removed at the end."""
+    output then says the cold restart read it from memory), removed at the end unless --weights-dir."""
+    chosen = {w.strip() for w in ways.split(",") if w.strip()}
+    if not chosen or chosen - set(WAYS):
+        raise typer.BadParameter(f"ways: some of {', '.join(WAYS)}, not {ways!r}")
     backend = detect_backend() if backend == "auto" else backend
     size = size_for(backend, weights_gib)
-    shared = Path(tempfile.mkdtemp(prefix="holdfast-bench-weights-"))
-    ways = {"weights": shared / f"weights-{size}.safetensors", "max_seq": max_seq or None}
+    shared = weights_dir or Path(tempfile.mkdtemp(prefix="holdfast-bench-weights-"))
+    shared.mkdir(parents=True, exist_ok=True)
+    weights = shared / f"weights-{size}.safetensors"
+    common: dict[str, Any] = {"weights": weights, "max_seq": max_seq or None}
+    runs: dict[str, list[Trial]] = {}
+    cold: list[dict[str, Any]] = []
     try:
         with Progress(console=console, transient=True) as progress:
-            standby, _ = _pipeline_way(backend, size, 1, trials, progress, "warm standby takeover", cold_probe=True,
-                                       **ways)
-            fresh, _ = _pipeline_way(backend, size, 0, trials, progress, "fresh-process reattach", cold_probe=False,
-                                     **ways)
-            plain = (_pipeline_way(backend, size, 1, trials, progress, "warm standby, no shadow", cold_probe=False,
-                                   shadow=False, **ways)[0] if unshadowed else None)
+            if "standby" in chosen:
+                runs["warm_standby"] = _pipeline_way(backend, size, 1, trials, progress, "warm standby takeover",
+                                                     **common)
+            if "fresh" in chosen:
+                runs["fresh_process_reattach"] = _pipeline_way(backend, size, 0, trials, progress,
+                                                               "fresh-process reattach", **common)
+            if unshadowed:
+                runs["warm_standby_unshadowed"] = _pipeline_way(backend, size, 1, trials, progress,
+                                                                "warm standby, no shadow", shadow=False, **common)
+        if "cold" in chosen:
+            cold = _cold_restarts(backend, size, trials, weights, max_seq or None)
     finally:
-        shutil.rmtree(shared, ignore_errors=True)
-    cold = [c["cold_restart_ms"] for c in standby["cold"]]
-    report: dict[str, Any] = {
-        "backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials, "max_seq": max_seq or None,
-        "cold_restart": {"death_to_first_token_ms": summarize(cold),
-                         "page_cache_dropped": all(c["page_cache_dropped"] for c in standby["cold"]),
-                         "weights_in_memory_fs": any(c["weights_in_memory_fs"] for c in standby["cold"])},
-        "fresh_process_reattach": _way_report(fresh["trials"]),
-        "warm_standby": _way_report(standby["trials"]),
-    }
-    if plain is not None:
-        report["warm_standby_unshadowed"] = _way_report(plain["trials"])
-    sb = report["warm_standby"]["death_to_first_token_ms"]
-    report["speedup_cold_over_standby"] = round(summarize(cold)["p50"] / sb["p50"], 1) if sb else None
+        if weights_dir is None:
+            shutil.rmtree(shared, ignore_errors=True)
+    report: dict[str, Any] = {"backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials,
+                              "max_seq": max_seq or None}
+    if cold:
+        report["cold_restart"] = {
+            "death_to_first_token_ms": summarize([c["cold_restart_ms"] for c in cold]),
+            "page_cache_dropped": all(c["page_cache_dropped"] for c in cold),
+            "weights_in_memory_fs": any(c["weights_in_memory_fs"] for c in cold)}
+    for way in ("fresh_process_reattach", "warm_standby_unshadowed", "warm_standby"):
+        if way in runs:
+            report[way] = _way_report(runs[way])
+    sb = (report.get("warm_standby") or {}).get("death_to_first_token_ms")
+    report["speedup_cold_over_standby"] = (
+        round(report["cold_restart"]["death_to_first_token_ms"]["p50"] / sb["p50"], 1) if sb and cold else None)
     if json_out:
         print(json.dumps(report))
         return

@@ -7,6 +7,8 @@
 #   the large recovery step "recoverybig" (MAX_SEQ_BIG: every engine's KV capacity, so that two engines' caches
 #   fit beside the weights). Its one weights file lives in $TMPDIR: TMPDIR=/dev/shm where the disk is too small
 #   (nvidia-h200-x2: 256 GiB of memory for GIB_BIG=120; the output then says the cold restart read from memory).
+#   A 10-minute call may not hold every way of a 120 GiB run: WAYS_BIG=standby,cold then WAYS_BIG=fresh in a second
+#   call on the still-warm machine, with WEIGHTS_DIR=/dev/shm/hf (the file made once, kept and reused).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,7 +28,8 @@ for step in $STEPS; do
     recovery16) $HF bench recovery --backend cuda --weights-gib 16 --trials "${TRIALS:-3}" --json \
                   > "$OUT/recovery16.json" 2> "$OUT/recovery16.err" ;;
     recoverybig) $HF bench recovery --backend cuda --weights-gib "${GIB_BIG:-48}" --trials "${TRIALS_BIG:-2}" \
-                  --max-seq "${MAX_SEQ_BIG:-1024}" --json \
+                  --max-seq "${MAX_SEQ_BIG:-1024}" ${WAYS_BIG:+--ways "$WAYS_BIG"} \
+                  ${WEIGHTS_DIR:+--weights-dir "$WEIGHTS_DIR"} --json \
                   > "$OUT/recoverybig.json" 2> "$OUT/recoverybig.err" ;;
     chaos) $HF chaos --minutes "${CHAOS_MIN:-1}" --seed 7 --json > "$OUT/chaos.json" 2> "$OUT/chaos.err" ;;
   esac
