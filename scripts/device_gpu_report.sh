@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU report, run ON the device machine through scripts/device_run.sh (DEVICE_CMD): the gpu-marked
 # tests, the demo, recovery side by side and a short chaos run, on the cuda backend. Every result lands in
-# $OUT (JSON + logs) to be copied into docs/benchmarks.md. HF_ENGINE_GRAPHS=1 in the environment runs every
-# engine with CUDA graphs (engines/reference/static_forward.py); "forward" probes the forward's cost.
+# $OUT (JSON + logs) to be copied into docs/benchmarks.md. HF_ENGINE_GRAPHS=false in the environment runs every
+# engine without CUDA graphs (on by default on CUDA: engines/reference/static_forward.py); "forward" probes the forward's cost.
 #   STEPS="probe tests demo recovery8 recovery16 chaos" (default: tests demo recovery16 chaos), GIB_BIG=48 for
 #   the large recovery step "recoverybig" (MAX_SEQ_BIG: every engine's KV capacity, so that two engines' caches
 #   fit beside the weights). Its one weights file lives in $TMPDIR: TMPDIR=/dev/shm where the disk is too small
