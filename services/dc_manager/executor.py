@@ -68,13 +68,15 @@ class IntentProgress(BaseModel):
     takeover_ms: float | None = None
     spawn: SpawnReply | None = None
     spawn_ms: float | None = None
+    memory_of: str | None = None  # the leases handed on are this engine's (see IntentExecutor._freeze)
 
 
 class StepFailed(Exception):
-    def __init__(self, step: Step, detail: str) -> None:
+    def __init__(self, step: Step, detail: str, code: str = "") -> None:
         super().__init__(detail)
         self.step = step
         self.detail = detail
+        self.code = code  # the node's typed error code, if it answered with one
 
 
 async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float) -> R:
@@ -157,8 +159,7 @@ class IntentExecutor:
                                                             TakeoverReply, self.settings.takeover_timeout_s))
             cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id, transfer_token=token)
             try:
-                prog.freeze, prog.freeze_ms = await self._command(Step.FREEZE, node, cmd, FreezeReply,
-                                                                  self.settings.freeze_timeout_s)
+                prog.freeze, prog.freeze_ms = await self._freeze(intent, node, cmd, prog)
             except StepFailed:
                 if early is not None:
                     early.cancel()  # only our wait: the promoted shadow, never owning the leases, exits (75)
@@ -170,7 +171,7 @@ class IntentExecutor:
             await self._save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
         freeze_timing = {"freeze": prog.freeze_ms or 0.0}
         if prog.takeover is None:
-            cmd2 = self._takeover(intent, prog.freeze.transfer_token)
+            cmd2 = self._takeover(intent, prog.freeze.transfer_token, prog.memory_of)
             # One result per intent when the takeover is prompt (the usual case: a warm standby). A slow one
             # gets the freeze's own result first, so the controller trades its short freeze deadline for the
             # reattach deadline while the successor starts.
@@ -204,10 +205,31 @@ class IntentExecutor:
         shadow = self.view.shadow_of(intent.engine_id, intent.node)
         return shadow is not None and intent.successor in (None, shadow.engine_id)
 
+    async def _freeze(self, intent: RecoverIntent, node: str, cmd: Freeze,
+                      prog: IntentProgress) -> tuple[FreezeReply, float]:
+        """The failed engine's leases frozen. One that holds none but is a successor (a shadow promoted while its
+        predecessor's freeze ran, which serves at once and owns those leases only once the predecessor is dead)
+        died before it owned them: they are still its predecessor's, frozen under their first token, and are
+        handed on (`memory_of`: a second freeze of frozen leases answers with their token) rather than left
+        frozen until reclaimed while a cold start looks for room."""
+        try:
+            return await self._command(Step.FREEZE, node, cmd, FreezeReply, self.settings.freeze_timeout_s)
+        except StepFailed as e:
+            info = self.view.engines.get(intent.engine_id)
+            pred = info.successor_of if info is not None else None
+            if e.code != "not_found" or not pred or pred == intent.engine_id:
+                raise
+            log.warning("intent %s: %s holds no leases; handing on %s's, which it died before owning",
+                        prog.key, intent.engine_id, pred)
+            got = await self._command(Step.FREEZE, node, Freeze(owner=pred, incident_id=intent.incident_id),
+                                      FreezeReply, self.settings.freeze_timeout_s)
+            prog.memory_of = pred
+            return got
+
     @staticmethod
-    def _takeover(intent: RecoverIntent, token: str) -> Takeover:
+    def _takeover(intent: RecoverIntent, token: str, memory_of: str | None = None) -> Takeover:
         return Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id, transfer_token=token,
-                        successor=intent.successor, version=intent.version)
+                        successor=intent.successor, version=intent.version, memory_of=memory_of)
 
     async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         if prog.spawn is None:
@@ -252,9 +274,9 @@ class IntentExecutor:
                                                                   traceparent=trace),
                                          self.settings.retries, self.settings.retry_backoff_s)
             except RemoteError as e:
-                raise StepFailed(step, f"{e.remote_code}: {e.message}") from None
+                raise StepFailed(step, f"{e.remote_code}: {e.message}", e.remote_code) from None
             except HoldfastError as e:
-                raise StepFailed(step, f"{e.code}: {e.message}") from None
+                raise StepFailed(step, f"{e.code}: {e.message}", e.code) from None
             return out, round((time.perf_counter() - t0) * 1000.0, 3)
 
     def _span(self, name: str, attributes: dict[str, str | bool]) -> contextlib.AbstractContextManager[object]:
