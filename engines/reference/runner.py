@@ -37,6 +37,7 @@ from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
 from engines.reference.tokenizer import BOS
 from libs.common.gc_tuning import long_lived_gc
+from libs.common.procs import wall_time_of
 
 log = logging.getLogger("holdfast.engine")
 T_PROCESS = time.perf_counter()
@@ -236,7 +237,7 @@ def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_st
         return core
     # Recovered memory: the first token is computed before ready, from the weights as they are.
     first_token(core)
-    rec: dict[str, Any] = {"source": loaded.source, "first_token_ms": _ms(t_start),
+    rec: dict[str, Any] = {"source": loaded.source, "first_token_ms": _ms(t_start), "t0_wall": wall_time_of(t_start),
                            "attach_ms": loaded.timings_ms.get("attach_ms"), "build_ms": build_ms}
     state.info["recovery"] = rec
 

@@ -30,6 +30,7 @@ from engines.reference.model import Transformer
 from engines.reference.server import EngineState
 from engines.reference.settings import EngineSettings
 from libs.common.gc_tuning import long_lived_gc
+from libs.common.procs import wall_time_of
 
 log = logging.getLogger("holdfast.engine.standby")
 
@@ -108,7 +109,7 @@ class Standby:
         assert self.shadow is not None
         shadow = self.shadow
         rec = {"source": "shadow", "first_token_ms": _ms(t_start), "read_only": shadow.read_only,
-               "shadow_timings_ms": shadow.timings_ms}
+               "shadow_timings_ms": shadow.timings_ms, "t0_wall": wall_time_of(t_start)}
         self.state.info["recovery"] = rec
 
         def at(key: str):  # noqa: ANN202 - a callback recording ms since the promotion

@@ -72,6 +72,20 @@ def in_memory_fs(path: Path) -> bool:
     return fstype in ("tmpfs", "ramfs")
 
 
+def successor_marks(recovery: dict[str, Any], t_kill: float) -> dict[str, float]:
+    """The successor's own moments on the timeline (ms after the death): its assignment (or a fresh process's
+    start) and its first request's arrival in its HTTP handler, placed by the wall time of its clock's origin
+    (`t0_wall`, same host), so that the steps between the control plane's events and its first token show."""
+    t0 = recovery.get("t0_wall")
+    if not isinstance(t0, (int, float)):
+        return {}
+    out = {"successor assigned": (t0 - t_kill) * 1000.0}
+    handler = (recovery.get("first_generation") or {}).get("handler")
+    if isinstance(handler, (int, float)):
+        out["successor first request"] = (t0 - t_kill) * 1000.0 + handler
+    return out
+
+
 @dataclass
 class Trial:
     """One SIGKILL of the serving engine and what the clients saw of its recovery."""
@@ -307,8 +321,10 @@ class Scenario:
         successor = await self.wait_serving(standbys=0, timeout=60)
         after_sum = await self.weights_checksum(successor.endpoint or "") if check_weights else None
         health = await self.engine_health(successor.endpoint or "")
-        return Trial(t_kill, first_token, results, self.timeline(t_kill, first_token, after=seen), lost, mismatched,
-                     resolved.incident_id, before, after_sum, dict(health.get("recovery") or {}))
+        recovery = dict(health.get("recovery") or {})
+        timeline = {**self.timeline(t_kill, first_token, after=seen), **successor_marks(recovery, t_kill)}
+        return Trial(t_kill, first_token, results, dict(sorted(timeline.items(), key=lambda kv: kv[1])), lost,
+                     mismatched, resolved.incident_id, before, after_sum, recovery)
 
     async def _until_tokens(self, tasks: list[asyncio.Task[Any]], want: int) -> None:
         """Wait until `want` more tokens streamed, so the kill lands mid-generation."""

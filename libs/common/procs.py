@@ -119,6 +119,12 @@ def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None
     return Child("etcd", argv, log_path=log_path)
 
 
+def wall_time_of(perf: float) -> float:
+    """The wall-clock time (time.time) of a `time.perf_counter()` reading taken in this process: timings kept on
+    the monotonic clock, placed on the clock that other processes of the host share."""
+    return time.time() - (time.perf_counter() - perf)
+
+
 def stat_fields(pid: int, *, tid: int | str | None = None, stat_fd: int | None = None) -> list[bytes] | None:
     """/proc/<pid>/stat (a thread's: /proc/<pid>/task/<tid>/stat) from field 3 on: the command name, field 2,
     may hold spaces and parentheses, so split after its last ')'. None if the process is gone. `stat_fd`: that

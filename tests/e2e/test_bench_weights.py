@@ -54,3 +54,11 @@ def test_a_benchmark_model_has_about_the_asked_size_and_a_large_one_is_wider_not
         assert abs(cfg.n_params() * cfg.bytes_per_param() / 2**30 - gib) / gib < 0.03, (backend, gib, cfg.name)
     assert size_for("cuda", 16.0).startswith("8b@") and size_for("cuda", 120.0).startswith("70b@")
     assert get_config(size_for("cuda", 120.0)).n_layers < 100
+
+
+def test_the_successors_own_moments_land_on_the_deaths_timeline() -> None:
+    from libs.cli.scenario import successor_marks
+
+    marks = successor_marks({"t0_wall": 100.010, "first_generation": {"handler": 12.5}}, t_kill=100.0)
+    assert marks == pytest.approx({"successor assigned": 10.0, "successor first request": 22.5})
+    assert successor_marks({"first_generation": {"handler": 3.0}}, t_kill=1.0) == {}  # an engine without its origin
