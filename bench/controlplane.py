@@ -27,7 +27,7 @@ import typer
 
 from libs.common import procs
 from libs.common.bus import Bus
-from libs.common.cluster_view import range_pages, service_gc
+from libs.common.cluster_view import range_pages
 from libs.common.config import CommonSettings
 from libs.common.errors import NotFound
 from libs.common.events import (
@@ -54,6 +54,7 @@ from libs.common.events import (
     TakeoverReply,
     event_subject,
 )
+from libs.common.gc_tuning import service_gc
 from libs.common.service import run_loop
 from libs.common.store import Store, encode_value
 

@@ -14,7 +14,6 @@ engines: ~6.5 MB) is larger than gRPC's 4 MiB message limit and fails outright.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 from collections.abc import Callable
@@ -26,23 +25,9 @@ from aetcd.utils import prefix_range_end
 from pydantic import ValidationError
 
 from libs.common.events import EngineInfo, LeaseInfo, LeaseState
-from libs.common.gc_tuning import long_lived_gc
 from libs.common.store import Store
 
 log = logging.getLogger("holdfast.view")
-
-# The control plane's services (controller, dc_manager): a young collection every 100,000 net allocations.
-YOUNG_GC_THRESHOLD = 100_000
-
-
-def service_gc() -> None:
-    """`long_lived_gc`, with a larger young generation for the control plane's services. At hundreds of
-    incidents a second an incident's objects (records, envelopes, futures, tasks) live for seconds, and a
-    young collection every 20,000 net allocations walks many of them while they are still alive (measured in
-    the controller, a burst of 8,000 incidents: 23 young collections, ~0.5 s of CPU; at 100,000: 2, ~0.16 s)."""
-    long_lived_gc()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
-
 
 Listener = Callable[[str, str, Any], None]
 

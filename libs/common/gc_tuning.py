@@ -25,6 +25,19 @@ def long_lived_gc(*, collect: bool = True) -> None:
     gc.set_threshold(20_000, 20, 50)
 
 
+# The control plane's services (controller, dc_manager): a young collection every 100,000 net allocations.
+YOUNG_GC_THRESHOLD = 100_000
+
+
+def service_gc() -> None:
+    """`long_lived_gc`, with a larger young generation for the control plane's services. At hundreds of
+    incidents a second an incident's objects (records, envelopes, futures, tasks) live for seconds, and a
+    young collection every 20,000 net allocations walks many of them while they are still alive (measured in
+    the controller, a burst of 8,000 incidents: 23 young collections, ~0.5 s of CPU; at 100,000: 2, ~0.16 s)."""
+    long_lived_gc()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def _on_gc(phase: str, info: dict) -> None:
     global _paused_s, _started
     if phase == "start":

@@ -7,9 +7,8 @@ import logging
 import os
 import secrets
 
-from libs.common.cluster_view import service_gc
 from libs.common.errors import InvariantBroken
-from libs.common.gc_tuning import count_pauses, paused_ms
+from libs.common.gc_tuning import count_pauses, paused_ms, service_gc
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
 from services.controller.api.app import bind, create_app, serve

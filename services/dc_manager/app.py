@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from libs.common.cluster_view import ClusterView, service_gc
+from libs.common.cluster_view import ClusterView
+from libs.common.gc_tuning import service_gc
 from libs.common.ids import subject_token
 from libs.common.service import Runtime
 from services.dc_manager.executor import IntentExecutor
