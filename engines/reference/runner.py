@@ -32,7 +32,7 @@ from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, sample
 from engines.reference.memory import LeasedMemory, Loaded, LocalMemory, scratch_weights
 from engines.reference.model import Transformer
-from engines.reference.server import EngineState, build_app
+from engines.reference.server import EngineState, build_app, warm_routes
 from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
 from engines.reference.tokenizer import BOS
@@ -98,6 +98,7 @@ class HttpThread:
             time.sleep(0.005)
         if not self.server.started:
             raise RuntimeError("the HTTP server did not start")
+        warm_routes(self.endpoint)
 
     def stop(self) -> None:
         self.server.should_exit = True

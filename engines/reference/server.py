@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -129,6 +130,17 @@ def preload_streaming() -> None:
     t = threading.Thread(target=anyio.run, args=(anyio.sleep, 0), name="anyio-preload")
     t.start()
     t.join()
+
+
+def warm_routes(endpoint: str) -> None:
+    """One request to each route before anything is served: FastAPI reads and tokenizes an endpoint's source
+    file on the route's first request (`inspect.getsourcelines`, for its error messages), which would otherwise
+    land on a successor's first request after a takeover (stall_watch.py caught the HTTP thread in
+    `tokenize.open`, ~9 ms before the handler, on the CPU). Nothing is served yet: /generate answers 503 (or
+    400 for the empty prompt), after FastAPI has done its first-request work and validated the body."""
+    with httpx.Client(timeout=10) as client:
+        client.get(f"{endpoint}/health")
+        client.post(f"{endpoint}/generate", json={"prompt": "", "max_tokens": 0, "stream": True})
 
 
 def build_app(state: EngineState) -> FastAPI:
