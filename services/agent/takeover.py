@@ -60,10 +60,10 @@ class Takeovers:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         pred = agent.get(cmd.engine_id)
-        standby = self._choose(cmd, pred)
         # The memory's owner: the predecessor, or (memory_of) its own predecessor, whose frozen leases it died
         # before owning. A shadow of the predecessor maps those only if it is the owner.
         owner = cmd.memory_of or pred.engine_id
+        standby = self._choose(cmd, pred, owner)
         shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == owner
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
@@ -82,11 +82,11 @@ class Takeovers:
         used_standby = False
         try:
             if standby is not None and standby.state is State.STANDBY:
-                successor = await self._via_standby(cmd, pred, standby, timings, shadowed)
+                successor = await self._via_standby(cmd, pred, owner, standby, timings, shadowed)
                 used_standby = successor is not None
             if successor is None:
                 await agent.kill_confirmed(pred)  # a cold successor maps the memory read-write
-                successor = await self._cold(cmd, pred, timings)
+                successor = await self._cold(cmd, pred, owner, timings)
         except BaseException:
             pred.handing_over = False  # nobody took its slot: the reconciler may replace it
             if pred.state is State.STOPPED:
@@ -140,11 +140,10 @@ class Takeovers:
             agent.writer.put_spec(agent.node, key, spec)
         log.info("hot upgrade: %s now wants %d, %s %d", pred.spec_key, old.replicas, successor.spec_key, new.replicas)
 
-    def _choose(self, cmd: Takeover, pred: EngineRecord) -> EngineRecord | None:
+    def _choose(self, cmd: Takeover, pred: EngineRecord, owner: str) -> EngineRecord | None:
         records = self.agent.records()
         if cmd.successor is None:
-            return supervision.pick_standby(records, pred.model, version=cmd.version,
-                                            predecessor=cmd.memory_of or pred.engine_id)
+            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=owner)
         named = self.agent.engines.get(cmd.successor)
         if named is None:
             raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
@@ -153,16 +152,16 @@ class Takeovers:
             raise Conflict(f"engine {cmd.successor} is not a ready standby for {pred.model} ({named.state.value})")
         return fit
 
-    async def _via_standby(self, cmd: Takeover, pred: EngineRecord, sb: EngineRecord,
+    async def _via_standby(self, cmd: Takeover, pred: EngineRecord, owner: str, sb: EngineRecord,
                            timings: dict[str, float], shadowed: bool) -> EngineRecord | None:
         agent = self.agent
         t = time.perf_counter()
         sb.transition(Ev.ASSIGN)
-        sb.taking_over = cmd.memory_of or pred.engine_id
+        sb.taking_over = owner
         sb.role = EngineRole.ACTIVE
         sb.generation = pred.generation + 1
         try:
-            await agent.assign(sb, {"op": "assign", "predecessor": cmd.memory_of or pred.engine_id,
+            await agent.assign(sb, {"op": "assign", "predecessor": owner,
                                     "transfer_token": cmd.transfer_token, "incident_id": cmd.incident_id,
                                     "model": pred.model, "shadowed": shadowed})
             timings["assign_ms"] = _ms(t)
@@ -181,7 +180,7 @@ class Takeovers:
             agent.retire(sb)
             return None
 
-    async def _cold(self, cmd: Takeover, pred: EngineRecord, timings: dict[str, float]) -> EngineRecord:
+    async def _cold(self, cmd: Takeover, pred: EngineRecord, owner: str, timings: dict[str, float]) -> EngineRecord:
         agent = self.agent
         spec = agent.specs.get(pred.spec_key or "")
         if spec is None:
@@ -192,9 +191,9 @@ class Takeovers:
         t = time.perf_counter()
         rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec,
                                  generation=pred.generation + 1,
-                                 extra_env={"HF_TAKEOVER_FROM": cmd.memory_of or pred.engine_id,
-                                            "HF_TRANSFER_TOKEN": cmd.transfer_token, "HF_INCIDENT_ID": cmd.incident_id})
-        rec.taking_over = cmd.memory_of or pred.engine_id
+                                 extra_env={"HF_TAKEOVER_FROM": owner, "HF_TRANSFER_TOKEN": cmd.transfer_token,
+                                            "HF_INCIDENT_ID": cmd.incident_id})
+        rec.taking_over = owner
         timings["spawn_ms"] = _ms(t)
         t = time.perf_counter()
         await agent.wait_ready(rec.engine_id, 2 * spec.cold_start_s + agent.settings.takeover_timeout_s)
