@@ -44,12 +44,12 @@ def open_stat(pid: int) -> int | None:
     return None
 
 
-def proc_start_time(pid: int) -> int | None:
+def proc_start_time(pid: int, stat_fd: int | None = None) -> int | None:
     """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None if gone.
 
     A pid together with its start time names one process forever: a recycled pid has another start time.
     """
-    rest = stat_fields(pid)
+    rest = stat_fields(pid, stat_fd=stat_fd)
     return None if rest is None else int(rest[19])  # field 22 overall
 
 
@@ -96,8 +96,7 @@ class PidWatcher:
         stat_fd = open_stat(pid)
         # Both fds name the process that had this pid when they were opened: if its start time still
         # matches now, that is the process we meant.
-        rest = stat_fields(pid, stat_fd=stat_fd)
-        if start_time is not None and (rest is None or int(rest[19]) != start_time):
+        if start_time is not None and proc_start_time(pid, stat_fd) != start_time:
             os.close(fd)
             if stat_fd is not None:
                 os.close(stat_fd)
