@@ -108,30 +108,31 @@ async def _trials(sc: Scenario, n: int, progress: Progress, task: Any, label: st
     return out
 
 
+def _p50_by_key(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each numeric key's median over the rows that have it."""
+    values: dict[str, list[float]] = {}
+    for row in rows:
+        for k, v in row.items():
+            if isinstance(v, (int, float)):
+                values.setdefault(k, []).append(float(v))
+    return {k: round(statistics.median(v), 2) for k, v in values.items()}
+
+
+ENGINE_CLOCK = ("first_token_ms", "first_request_ms", "first_request_token_ms")
+
+
 def _way_report(trials: list[Trial]) -> dict[str, Any]:
     rec = [t.recovery_ms for t in trials if t.recovery_ms is not None]
-    steps: dict[str, list[float]] = {}
-    for t in trials:
-        for k, v in t.steps_ms().items():
-            steps.setdefault(k, []).append(v)
-    events: dict[str, list[float]] = {}  # each event's time after the death, by its publisher's clock
-    for t in trials:
-        for k, v in t.timeline_ms.items():
-            events.setdefault(k, []).append(v)
-    engine: dict[str, list[float]] = {}  # the successor's own clock, from its assignment (or start)
-    phases: dict[str, list[float]] = {}  # its first generation's phases (EngineCore.trace_next)
-    for t in trials:
-        for k in ("first_token_ms", "first_request_ms", "first_request_token_ms"):
-            if isinstance(t.engine_recovery.get(k), (int, float)):
-                engine.setdefault(k, []).append(float(t.engine_recovery[k]))
-        for k, v in (t.engine_recovery.get("first_generation") or {}).items():
-            phases.setdefault(k, []).append(float(v))
     return {
         "death_to_first_token_ms": summarize(rec) if rec else None,
-        "steps_ms_p50": {k: round(statistics.median(v), 2) for k, v in steps.items()},
-        "timeline_ms_p50": {k: round(statistics.median(v), 2) for k, v in events.items()},
-        "successor_ms_p50": {k: round(statistics.median(v), 2) for k, v in engine.items()},
-        "successor_first_generation_p50": {k: round(statistics.median(v), 2) for k, v in phases.items()},
+        "steps_ms_p50": _p50_by_key([t.steps_ms() for t in trials]),
+        # each event's time after the death, by its publisher's clock
+        "timeline_ms_p50": _p50_by_key([t.timeline_ms for t in trials]),
+        # the successor's own clock, from its assignment (or start)
+        "successor_ms_p50": _p50_by_key([{k: t.engine_recovery.get(k) for k in ENGINE_CLOCK} for t in trials]),
+        # its first generation's phases (EngineCore.trace_next)
+        "successor_first_generation_p50": _p50_by_key([t.engine_recovery.get("first_generation") or {}
+                                                       for t in trials]),
         # late wake-ups of a 1 ms sleeper in the promoted standby, with every thread's frame (stall_watch.py)
         "successor_stalls": [t.engine_recovery["stalls"] for t in trials if t.engine_recovery.get("stalls")],
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),

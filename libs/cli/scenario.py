@@ -79,10 +79,11 @@ def successor_marks(recovery: dict[str, Any], t_kill: float) -> dict[str, float]
     t0 = recovery.get("t0_wall")
     if not isinstance(t0, (int, float)):
         return {}
-    out = {"successor assigned": (t0 - t_kill) * 1000.0}
+    assigned = (t0 - t_kill) * 1000.0
+    out = {"successor assigned": assigned}
     handler = (recovery.get("first_generation") or {}).get("handler")
     if isinstance(handler, (int, float)):
-        out["successor first request"] = (t0 - t_kill) * 1000.0 + handler
+        out["successor first request"] = assigned + handler
     return out
 
 
