@@ -150,14 +150,13 @@ class Bus:
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._tickers: list[asyncio.Task[None]] = []  # durable consumers' in-progress tickers
-        # publish_all: stream acks come to one inbox subscription, matched to their futures by token.
-        self._ack_prefix: str | None = None
+        # publish_all's stream acks and request's replies come to one inbox subscription (_inbox), matched to
+        # their waiters by a counter's token.
+        self._inbox_prefix: str | None = None
+        self._tokens = itertools.count()
         self._acks: dict[str, _AckBatch] = {}
-        self._ack_tokens = itertools.count()
-        self._subjects: dict[type, str] = {}
-        # request: replies come to one inbox subscription of ours too, matched by a counter's token.
-        self._reply_prefix: str | None = None
         self._replies: dict[str, asyncio.Future[Msg]] = {}
+        self._subjects: dict[type, str] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -263,7 +262,7 @@ class Bus:
         # One future for the whole call, completed by its last ack (or its first error), and one timer: not a
         # future per event and asyncio.wait's callbacks on each.
         tokens: list[str] = []
-        prefix = self._ack_prefix or await self._ack_inbox()
+        prefix = self._inbox_prefix or await self._inbox()
         loop = asyncio.get_running_loop()
         batch = _AckBatch(loop.create_future())
         timer = None
@@ -271,7 +270,7 @@ class Bus:
             for env in envs:
                 subject, body, headers = self._wire(env)
                 if env.data.durable:
-                    token = str(next(self._ack_tokens))
+                    token = str(next(self._tokens))
                     tokens.append(token)
                     self._acks[token] = batch
                     batch.left += 1
@@ -292,11 +291,19 @@ class Bus:
             for token in tokens:
                 self._acks.pop(token, None)
 
-    async def _ack_inbox(self) -> str:
+    async def _inbox(self) -> str:
+        """One inbox subscription of ours for both stream acks (publish_all) and command replies (request), each
+        message routed by its token (one counter hands out both kinds)."""
         prefix = f"{self.nc.new_inbox()}."
 
-        async def on_ack(msg: Msg) -> None:
-            batch = self._acks.pop(msg.subject[len(prefix):], None)
+        async def on_message(msg: Msg) -> None:
+            token = msg.subject[len(prefix):]
+            waiter = self._replies.pop(token, None)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result(msg)
+                return
+            batch = self._acks.pop(token, None)
             if batch is None or batch.done.done():
                 return
             if msg.headers and msg.headers.get("Status") == "503":
@@ -312,20 +319,8 @@ class Bus:
             else:
                 batch.ack()
 
-        self._subs.append(await self.nc.subscribe(prefix + "*", cb=on_ack))
-        self._ack_prefix = prefix
-        return prefix
-
-    async def _reply_inbox(self) -> str:
-        prefix = f"{self.nc.new_inbox()}."
-
-        async def on_reply(msg: Msg) -> None:
-            waiter = self._replies.pop(msg.subject[len(prefix):], None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(msg)
-
-        self._subs.append(await self.nc.subscribe(prefix + "*", cb=on_reply))
-        self._reply_prefix = prefix
+        self._subs.append(await self.nc.subscribe(prefix + "*", cb=on_message))
+        self._inbox_prefix = prefix
         return prefix
 
     def _wire(self, env: Envelope) -> tuple[str, bytes, dict[str, str]]:
@@ -499,8 +494,8 @@ class Bus:
         # (a second future and callbacks); here a counter's token and one timer (~2-3% of the dc_manager,
         # which sends two commands per incident). Same semantics: no responders, timeout, typed reply.
         limit = timeout or self.settings.request_timeout_s
-        prefix = self._reply_prefix or await self._reply_inbox()
-        token = str(next(self._ack_tokens))
+        prefix = self._inbox_prefix or await self._inbox()
+        token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Msg] = loop.create_future()
         self._replies[token] = waiter
