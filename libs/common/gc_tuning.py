@@ -14,15 +14,16 @@ _paused_s = 0.0
 _started: float | None = None
 
 
-def long_lived_gc(*, collect: bool = True) -> None:
+def long_lived_gc(*, collect: bool = True, young: int = 20_000) -> None:
     """Everything alive now lives as long as the process: the collector should not walk it again (`gc.freeze`);
     and the young generation is collected less often (the default, 700 allocations, runs a collection every
     few hundred small messages). `collect=False` where a full collection's pause would sit on a serving path
-    (the few cycles of garbage then frozen stay: bounded, once)."""
+    (the few cycles of garbage then frozen stay: bounded, once). `young`: net allocations between young
+    collections."""
     if collect:
         gc.collect()
     gc.freeze()
-    gc.set_threshold(20_000, 20, 50)
+    gc.set_threshold(young, 20, 50)
 
 
 # The control plane's services (controller, dc_manager): a young collection every 100,000 net allocations.
@@ -34,8 +35,7 @@ def service_gc() -> None:
     incidents a second an incident's objects (records, envelopes, futures, tasks) live for seconds, and a
     young collection every 20,000 net allocations walks many of them while they are still alive (measured in
     the controller, a burst of 8,000 incidents: 23 young collections, ~0.5 s of CPU; at 100,000: 2, ~0.16 s)."""
-    long_lived_gc()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+    long_lived_gc(young=YOUNG_GC_THRESHOLD)
 
 
 def _on_gc(phase: str, info: dict) -> None:
