@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -75,31 +74,6 @@ def prefill_spans(n: int, prefix_len: int | None, chunk: int) -> list[tuple[int,
     return spans + [(i, i + 1) for i in range(prefix, n)]
 
 
-class _HostCopy:
-    """Logits on their way to the host, queued (under the forward lock) right behind their forward.
-
-    Why: the forwards of all requests share one stream, so a plain copy or a sample on the device after the
-    lock is let go waits behind whatever the next holder queued meanwhile (on an H200 at 120 GiB the first
-    token after a failover took 80 ms, a second request's prefill included, for a 44 ms forward). Waiting
-    inside the lock instead keeps the GPU idle while the next holder launches, and hands the lock over in no
-    fair order. An event recorded behind this copy completes with it, whatever is queued after."""
-
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.done: Any = None
-        if logits.device.type != "cuda":
-            self.host = logits
-            return
-        self.host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-        self.host.copy_(logits, non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record()
-
-    def wait(self) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host
-
-
 class EngineCore:
     def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64,
                  graphs: bool | None = False) -> None:
@@ -142,8 +116,7 @@ class EngineCore:
 
     def forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         with self._lock:
-            logits = _HostCopy(self._forward(slot, tokens, start))
-        return logits.wait()
+            return self._forward(slot, tokens, start).cpu()
 
     def _forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """One forward, the lock held: fixed-shape (static_forward.py invariant 1) for one token and for a
@@ -159,14 +132,17 @@ class EngineCore:
     def prefill(self, slot: int, ctx: list[int], spans: list[tuple[int, int]]) -> torch.Tensor | None:
         """All of a request's prefill forwards under one hold of the lock: when many requests arrive at
         once (a failover releases the held and the replayed ones together), the first of them reaches its
-        first token after its own prefill rather than after everyone's forwards interleaved."""
-        if not spans:
-            return None
+        first token after its own prefill rather than after everyone's forwards interleaved.
+
+        Both return the logits on the host, copied before the lock is let go: the copy waits for this
+        forward only. Copied after, it would wait behind whatever the next holder queued on the same stream
+        meanwhile (on an H200 at 120 GiB, the first token after a failover took 80 ms, a second request's
+        prefill included, for a 44 ms forward)."""
+        logits = None
         with self._lock:
             for start, stop in spans:
                 logits = self._forward(slot, ctx[start:stop], start)
-            copy = _HostCopy(logits)
-        return copy.wait()
+            return None if logits is None else logits.cpu()
 
     def trace_next(self, into: dict[str, float], t0: float) -> None:
         """Record, into `into`, the phases of the next generation (ms since `t0`): slot taken, prefill
