@@ -116,7 +116,7 @@ class EngineCore:
 
     def forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         with self._lock:
-            return self._forward(slot, tokens, start).cpu()
+            return self._forward(slot, tokens, start)
 
     def _forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """One forward, the lock held: fixed-shape (static_forward.py invariant 1) for one token and for a
@@ -132,17 +132,12 @@ class EngineCore:
     def prefill(self, slot: int, ctx: list[int], spans: list[tuple[int, int]]) -> torch.Tensor | None:
         """All of a request's prefill forwards under one hold of the lock: when many requests arrive at
         once (a failover releases the held and the replayed ones together), the first of them reaches its
-        first token after its own prefill rather than after everyone's forwards interleaved.
-
-        Both return the logits on the host, copied before the lock is let go: the copy waits for this
-        forward only. Copied after, it would wait behind whatever the next holder queued on the same stream
-        meanwhile (on an H200 at 120 GiB, the first token after a failover took 80 ms, a second request's
-        prefill included, for a 44 ms forward)."""
+        first token after its own prefill rather than after everyone's forwards interleaved."""
         logits = None
         with self._lock:
             for start, stop in spans:
                 logits = self._forward(slot, ctx[start:stop], start)
-            return None if logits is None else logits.cpu()
+        return logits
 
     def trace_next(self, into: dict[str, float], t0: float) -> None:
         """Record, into `into`, the phases of the next generation (ms since `t0`): slot taken, prefill
