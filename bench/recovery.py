@@ -144,6 +144,23 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
 WAYS = ("standby", "fresh", "cold")
 
 
+def build_report(head: dict[str, Any], runs: dict[str, list[Trial]], cold: list[dict[str, Any]]) -> dict[str, Any]:
+    """The benchmark's JSON from the ways measured so far (all of them at the end; fewer in a partial one)."""
+    report = dict(head)
+    if cold:
+        report["cold_restart"] = {
+            "death_to_first_token_ms": summarize([c["cold_restart_ms"] for c in cold]),
+            "page_cache_dropped": all(c["page_cache_dropped"] for c in cold),
+            "weights_in_memory_fs": any(c["weights_in_memory_fs"] for c in cold)}
+    for way in ("fresh_process_reattach", "warm_standby_unshadowed", "warm_standby"):
+        if way in runs:
+            report[way] = _way_report(runs[way])
+    sb = (report.get("warm_standby") or {}).get("death_to_first_token_ms")
+    report["speedup_cold_over_standby"] = (
+        round(report["cold_restart"]["death_to_first_token_ms"]["p50"] / sb["p50"], 1) if sb and cold else None)
+    return report
+
+
 def cli(
     backend: str = typer.Option("auto", help="host, cuda or auto"),
     weights_gib: float = typer.Option(0.0, help="weights size (0: the demo's model)"),
@@ -156,6 +173,8 @@ def cli(
                              "model's ways one run at a time, within a time limit; the speedup needs cold and standby)"),
     weights_dir: Path | None = typer.Option(None, help="make the one weights file here, keep it, and reuse it when "
                                             "it is there already (default: a temporary folder, removed at the end)"),
+    partial: Path | None = typer.Option(None, help="also write the report so far here (JSON) each time a way ends: "
+                                        "what a run cut off by a time limit had measured"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
@@ -170,37 +189,36 @@ def cli(
     shared.mkdir(parents=True, exist_ok=True)
     weights = shared / f"weights-{size}.safetensors"
     common: dict[str, Any] = {"weights": weights, "max_seq": max_seq or None}
+    head: dict[str, Any] = {"backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials,
+                            "max_seq": max_seq or None}
     runs: dict[str, list[Trial]] = {}
     cold: list[dict[str, Any]] = []
+
+    def way_done() -> None:
+        if partial is not None:
+            partial.write_text(json.dumps(build_report(head, runs, cold)))
+
     try:
         with Progress(console=console, transient=True) as progress:
             if "standby" in chosen:
                 runs["warm_standby"] = _pipeline_way(backend, size, 1, trials, progress, "warm standby takeover",
                                                      **common)
+                way_done()
             if "fresh" in chosen:
                 runs["fresh_process_reattach"] = _pipeline_way(backend, size, 0, trials, progress,
                                                                "fresh-process reattach", **common)
+                way_done()
             if unshadowed:
                 runs["warm_standby_unshadowed"] = _pipeline_way(backend, size, 1, trials, progress,
                                                                 "warm standby, no shadow", shadow=False, **common)
+                way_done()
         if "cold" in chosen:
             cold = _cold_restarts(backend, size, trials, weights, max_seq or None)
+            way_done()
     finally:
         if weights_dir is None:
             shutil.rmtree(shared, ignore_errors=True)
-    report: dict[str, Any] = {"backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials,
-                              "max_seq": max_seq or None}
-    if cold:
-        report["cold_restart"] = {
-            "death_to_first_token_ms": summarize([c["cold_restart_ms"] for c in cold]),
-            "page_cache_dropped": all(c["page_cache_dropped"] for c in cold),
-            "weights_in_memory_fs": any(c["weights_in_memory_fs"] for c in cold)}
-    for way in ("fresh_process_reattach", "warm_standby_unshadowed", "warm_standby"):
-        if way in runs:
-            report[way] = _way_report(runs[way])
-    sb = (report.get("warm_standby") or {}).get("death_to_first_token_ms")
-    report["speedup_cold_over_standby"] = (
-        round(report["cold_restart"]["death_to_first_token_ms"]["p50"] / sb["p50"], 1) if sb and cold else None)
+    report = build_report(head, runs, cold)
     if json_out:
         print(json.dumps(report))
         return

@@ -8,7 +8,10 @@
 #   fit beside the weights). Its one weights file lives in $TMPDIR: TMPDIR=/dev/shm where the disk is too small
 #   (nvidia-h200-x2: 256 GiB of memory for GIB_BIG=120; the output then says the cold restart read from memory).
 #   A 10-minute call may not hold every way of a 120 GiB run: WAYS_BIG=standby,cold then WAYS_BIG=fresh in a second
-#   call on the still-warm machine, with WEIGHTS_DIR=/dev/shm/hf (the file made once, kept and reused).
+#   call on the still-warm machine, with WEIGHTS_DIR=/dev/shm/hf (the file made once, kept and reused). A call
+#   cut off by its limit still brings back <step>.partial.json: every way that ended before the cut.
+#   Measured 2026-11-30 (x2, 120 GiB): making the file and loading it into leases 136-178 s, a standby trial ~21 s,
+#   a cold restart ~72 s, a fresh-process trial ~23 s: standby x2 + cold x2 fit one call, fresh x2 another.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,12 +27,14 @@ for step in $STEPS; do
     tests) python3 -m pytest -p no:cacheprovider -m gpu tests -q --timeout 300 > "$OUT/gpu_tests.log" 2>&1 ;;
     demo) $HF demo --json > "$OUT/demo.json" 2> "$OUT/demo.err" ;;
     recovery8) $HF bench recovery --backend cuda --weights-gib 8 --trials "${TRIALS:-3}" --unshadowed --json \
+                  --partial "$OUT/recovery8.partial.json" \
                   > "$OUT/recovery8.json" 2> "$OUT/recovery8.err" ;;
     recovery16) $HF bench recovery --backend cuda --weights-gib 16 --trials "${TRIALS:-3}" --json \
+                  --partial "$OUT/recovery16.partial.json" \
                   > "$OUT/recovery16.json" 2> "$OUT/recovery16.err" ;;
     recoverybig) $HF bench recovery --backend cuda --weights-gib "${GIB_BIG:-48}" --trials "${TRIALS_BIG:-2}" \
                   --max-seq "${MAX_SEQ_BIG:-1024}" ${WAYS_BIG:+--ways "$WAYS_BIG"} \
-                  ${WEIGHTS_DIR:+--weights-dir "$WEIGHTS_DIR"} --json \
+                  ${WEIGHTS_DIR:+--weights-dir "$WEIGHTS_DIR"} --partial "$OUT/recoverybig.partial.json" --json \
                   > "$OUT/recoverybig.json" 2> "$OUT/recoverybig.err" ;;
     chaos) $HF chaos --minutes "${CHAOS_MIN:-1}" --seed 7 --json > "$OUT/chaos.json" 2> "$OUT/chaos.err" ;;
   esac

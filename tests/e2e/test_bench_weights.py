@@ -62,3 +62,19 @@ def test_the_successors_own_moments_land_on_the_deaths_timeline() -> None:
     marks = successor_marks({"t0_wall": 100.010, "first_generation": {"handler": 12.5}}, t_kill=100.0)
     assert marks == pytest.approx({"successor assigned": 10.0, "successor first request": 22.5})
     assert successor_marks({"first_generation": {"handler": 3.0}}, t_kill=1.0) == {}  # an engine without its origin
+
+
+def test_a_partial_report_holds_each_way_as_it_ends_the_same_as_the_final_one(tmp_path: Path) -> None:
+    """A large model's run may be cut off by a time limit: what it measured so far is on disk."""
+    import json
+    import subprocess
+    import sys
+
+    partial = tmp_path / "partial.json"
+    out = subprocess.run([sys.executable, "-m", "libs.cli.main", "bench", "recovery", "--backend", "host", "--trials",
+                          "1", "--ways", "cold", "--weights-dir", str(tmp_path / "w"), "--partial", str(partial),
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    final = json.loads(out.stdout)
+    assert final["cold_restart"]["death_to_first_token_ms"]["n"] == 1
+    assert json.loads(partial.read_text()) == final
+    assert (tmp_path / "w").is_dir() and list((tmp_path / "w").glob("*.safetensors"))  # kept for the next call
