@@ -3,7 +3,9 @@
 # tests, the demo, recovery side by side and a short chaos run, on the cuda backend. Every result lands in
 # $OUT (JSON + logs) to be copied into docs/benchmarks.md. HF_ENGINE_GRAPHS=false in the environment runs every
 # engine without CUDA graphs (on by default on CUDA: engines/reference/static_forward.py); "forward" probes the forward's cost.
-#   STEPS="probe tests demo recovery8 recovery16 chaos" (default: tests demo recovery16 chaos), GIB_BIG=48 for
+#   STEPS="probe forward tail tests demo recovery8 recovery16 chaos" (default: tests demo recovery16 chaos);
+#   "tail": scripts/probe_dead_tail.py on memory shared like an engine's and its shadow's (GIB_TAIL, 16; up to
+#   ~120 fits one H200: one copy). GIB_BIG=48 for
 #   the large recovery step "recoverybig" (MAX_SEQ_BIG: every engine's KV capacity, so that two engines' caches
 #   fit beside the weights). Its one weights file lives in $TMPDIR: TMPDIR=/dev/shm where the disk is too small
 #   (nvidia-h200-x2: 256 GiB of memory for GIB_BIG=120; the output then says the cold restart read from memory).
@@ -24,6 +26,7 @@ for step in $STEPS; do
   case $step in
     probe) python3 scripts/probe_exit.py > "$OUT/probe_exit.jsonl" 2> "$OUT/probe_exit.err" ;;
     forward) python3 scripts/probe_forward.py 1b 8b@39 70b@10 > "$OUT/probe_forward.jsonl" 2> "$OUT/probe_forward.err" ;;
+    tail) python3 scripts/probe_dead_tail.py shared "${GIB_TAIL:-16}" 1 4 > "$OUT/probe_dead_tail.jsonl" 2> "$OUT/probe_dead_tail.err" ;;
     tests) python3 -m pytest -p no:cacheprovider -m gpu tests -q --timeout 300 > "$OUT/gpu_tests.log" 2>&1 ;;
     demo) $HF demo --json > "$OUT/demo.json" 2> "$OUT/demo.err" ;;
     recovery8) $HF bench recovery --backend cuda --weights-gib 8 --trials "${TRIALS:-3}" --unshadowed --json \
