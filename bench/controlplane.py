@@ -80,6 +80,7 @@ class SimulatedCluster:
         self.takeover_calls = 0
         self.spawn_calls = 0
         self.takeover_gate: asyncio.Event | None = None  # tests: hold takeovers until set
+        self.reply_gate: asyncio.Event | None = None  # tests: hold takeovers' replies (the takeover done) until set
         self.takeover_started = asyncio.Event()
         self.spawn_ready_s = 0.05  # a cold engine's load time (real engines: seconds to minutes)
         self.ready_gate: asyncio.Event | None = None  # tests: hold cold engines "loading" until set
@@ -125,7 +126,7 @@ class SimulatedCluster:
         # Freeze and takeover publish nothing when events are off (the benchmark): no trace context to carry on.
         quiet = not self.emit_events and not self.record
         # ... and each answers at once (no gate, no etcd write): answered in the subscription's task, no task each.
-        quiet = quiet and self.takeover_gate is None
+        quiet = quiet and self.takeover_gate is None and self.reply_gate is None
         await self.bus.serve("*", Freeze, self.freeze, attach_trace=not quiet, inline=quiet)
         await self.bus.serve("*", Takeover, self.takeover, attach_trace=not quiet, inline=quiet)
         for node in self.node_names:  # per node: a cold engine runs on the node it was sent to (placement)
@@ -186,7 +187,10 @@ class SimulatedCluster:
                 await self._do_takeover(cmd, fut)  # nothing to wait for: no task of its own (the benchmark)
             else:
                 asyncio.create_task(self._do_takeover(cmd, fut))
-        return await asyncio.shield(fut)
+        reply = await asyncio.shield(fut)
+        if self.reply_gate is not None:
+            await self.reply_gate.wait()
+        return reply
 
     async def _do_takeover(self, cmd: Takeover, fut: asyncio.Future[TakeoverReply]) -> None:
         if self.takeover_gate is not None:

@@ -4,12 +4,16 @@ Results: one per intent when it goes well and promptly (the reattach result carr
 `frozen_at`); a takeover still running `freeze_result_after_s` after its freeze gets a freeze result first;
 a failed step gets a failed result (a failed takeover's carries `frozen_at` too).
 
-Idempotent by recorded progress: each command's reply is stored at `dcm/intents/<incident>-<kind>` before
-its result is published, so an intent redelivered after this process died skips the steps already done
-(a freeze is never repeated once its transfer token is known) and re-sends the one it was in. The record
-is read only on a redelivery (a first delivery has none), and written through a `BatchWriter`: awaited,
-but grouped with other intents' writes into one etcd transaction. Results
-carry ids derived from the intent, so a re-published result is dropped by JetStream's duplicate window.
+Idempotent by recorded progress: the freeze's reply (and a cold start's) is stored at
+`dcm/intents/<incident>-<kind>` before the next command is sent, so an intent redelivered after this
+process died never freezes twice (the transfer token is reused) and re-sends the command it was in. The
+record is read only on a redelivery (a first delivery has none), and written through a `BatchWriter`:
+awaited, but grouped with other intents' writes into one etcd transaction. The takeover's reply is not
+recorded: the agent's takeover is idempotent by incident (a repeated command gets the first one's
+successor), so a redelivery that re-sends it gets the same reply; a record would only spare that one
+re-sent command, and only if this process died in the moment between the record and the ack (the result
+is published right after either way). Results carry ids derived from the intent, so a re-published
+result is dropped by JetStream's duplicate window.
 
 Errors: a node that does not answer is retried with backoff (temporary); a typed error reply (not_found,
 conflict...) is permanent and becomes a failed result at once.
@@ -186,7 +190,7 @@ class IntentExecutor:
                 timer.cancel()
                 for task in announced:
                     await task
-            await self._save(prog)
+            # Not recorded (see the module's docstring): a redelivery re-sends the takeover, idempotent by incident.
         engine = prog.takeover.engine
         overlap = {"promoted_during_freeze": 1.0} if early is not None else {}
         await self._result(intent, Step.REATTACH, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
