@@ -309,13 +309,20 @@ class Bus:
             if msg.headers and msg.headers.get("Status") == "503":
                 batch.fail(NoStreamResponseError())
                 return
+            data = msg.data
+            if data.startswith(b'{"stream":') and b'"error"' not in data:
+                batch.ack()  # nats-server's PubAck ({"stream":...,"seq":...}): no JSON parse per ack
+                return
             try:
-                resp = json.loads(msg.data)
+                resp = json.loads(data)
             except ValueError as e:
                 batch.fail(e)
                 return
             if "error" in resp:
-                batch.fail(APIError.from_error(resp["error"]))
+                try:
+                    APIError.from_error(resp["error"])  # raises the typed error (it returns nothing)
+                except APIError as e:
+                    batch.fail(e)
             else:
                 batch.ack()
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
-from nats.js.errors import NoStreamResponseError
+from nats.js.api import StreamConfig
+from nats.js.errors import APIError, NoStreamResponseError
 
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
@@ -30,3 +33,31 @@ async def test_an_event_no_stream_takes_is_an_error_not_a_silent_loss(settings: 
         assert not lost._acks  # nothing left waiting
     finally:
         await lost.close()
+
+
+async def test_a_stream_that_refuses_an_event_fails_the_wait_with_its_error(settings: CommonSettings) -> None:
+    # Stream acks are read without a JSON parse when they are plain PubAcks; an error ack still fails the wait.
+    small = settings.model_copy(update={"subject_prefix": settings.subject_prefix + "s",
+                                        "stream_name": settings.stream_name + "S"})
+    bus = await Bus.connect(small, "test", stream=False)
+    try:
+        await bus.js.add_stream(StreamConfig(name=small.stream_name, subjects=[f"{small.subject_prefix}.incident.>"],
+                                             max_msg_size=64))
+        env = bus.envelope(IncidentResolved(incident_id="i3", engine_id="e3"), id="i3-resolved")
+        with pytest.raises(APIError):
+            await bus.publish_all([env])
+        assert not bus._acks
+        # What the fast path expects of an accepted event's ack (nats-server's PubAck), and a duplicate's:
+        await bus.js.update_stream(StreamConfig(name=small.stream_name, subjects=[f"{small.subject_prefix}.incident.>"],
+                                                max_msg_size=-1))
+        subject = f"{small.subject_prefix}.incident.x"
+        first = await bus.nc.request(subject, b"{}", headers={"Nats-Msg-Id": "d1"}, timeout=2)
+        again = await bus.nc.request(subject, b"{}", headers={"Nats-Msg-Id": "d1"}, timeout=2)
+        assert first.data.startswith(b'{"stream":') and b'"error"' not in first.data
+        assert again.data.startswith(b'{"stream":') and b'"duplicate"' in again.data
+        await bus.publish_all([env])
+        assert [e.id for e in await bus.replay("incident.resolved")] == ["i3-resolved"]
+    finally:
+        with contextlib.suppress(Exception):
+            await bus.js.delete_stream(small.stream_name)
+        await bus.close()
