@@ -55,6 +55,7 @@ from libs.common.events import (
     event_subject,
 )
 from libs.common.gc_tuning import service_gc
+from libs.common.ids import new_id
 from libs.common.service import run_loop
 from libs.common.store import Store, encode_value
 
@@ -141,10 +142,13 @@ class SimulatedCluster:
 
     def fault(self, engine_id: str, kind: FaultKind = FaultKind.KILLED) -> Envelope:
         """The FaultDetected an agent would publish for this engine's death now (not yet published)."""
+        return self.bus.envelope(self.fault_event(engine_id, kind))
+
+    def fault_event(self, engine_id: str, kind: FaultKind = FaultKind.KILLED) -> FaultDetected:
         e = self.engines[engine_id]
-        return self.bus.envelope(FaultDetected(engine_id=engine_id, model=e.model, engine_class=e.engine_class,
-                                               generation=e.generation, kind=kind, gpu=e.gpu, node=e.node,
-                                               signal=9 if kind is FaultKind.KILLED else None, died_at=time.time()))
+        return FaultDetected(engine_id=engine_id, model=e.model, engine_class=e.engine_class, generation=e.generation,
+                             kind=kind, gpu=e.gpu, node=e.node, signal=9 if kind is FaultKind.KILLED else None,
+                             died_at=time.time())
 
     # ------------------------------------------------------------ gpu_manager side
 
@@ -300,7 +304,7 @@ async def _inject(sim: SimulatedCluster, eids: list[str]) -> None:
     """Faults published together, their stream acks awaited together (the injector's own CPU is not the
     control plane's); a publish not acknowledged in time (an overloaded loop) is retried with the same
     envelopes (deduplicated by id)."""
-    envs = [sim.fault(eid) for eid in eids]
+    envs = [sim.bus.wired(sim.fault_event(eid), id=new_id()) for eid in eids]  # no Envelope model per fault
     for attempt in range(5):
         try:
             await sim.bus.publish_all(envs, timeout=10.0)

@@ -60,6 +60,7 @@ C = TypeVar("C", bound=Command)
 R = TypeVar("R", bound=BaseModel)
 
 MAX_DELIVER = 5
+_VERSION_TIME = b',"version":' + str(SCHEMA_VERSION).encode() + b',"time":'
 
 # Inside a durable handler: how many times JetStream has delivered this message (1: the first time). A
 # handler whose progress is recorded elsewhere reads that record only on a redelivery.
@@ -137,6 +138,21 @@ def _expire(waiter: asyncio.Future[Any]) -> None:
         waiter.set_exception(NatsTimeout())
 
 
+def _json(value: str | None) -> bytes:
+    return b"null" if value is None else json.dumps(value).encode()
+
+
+class Wired:
+    """An event as it goes on the wire (`Bus.wired`): subject, body and headers, built without an `Envelope`
+    model. The body is the JSON of the `Envelope` that `Bus.envelope` would build, field for field (the same
+    fields, order and values; strings escaped by `json`), so receivers decode and validate it the same way."""
+
+    __slots__ = ("body", "durable", "headers", "id", "subject")
+
+    def __init__(self, subject: str, body: bytes, headers: dict[str, str], durable: bool, id: str) -> None:
+        self.subject, self.body, self.headers, self.durable, self.id = subject, body, headers, durable, id
+
+
 class Bus:
     """One NATS connection with Holdfast's typing, tracing and error handling on top."""
 
@@ -157,6 +173,7 @@ class Bus:
         self._acks: dict[str, _AckBatch] = {}
         self._replies: dict[str, asyncio.Future[Msg]] = {}
         self._subjects: dict[type, str] = {}
+        self._source_json: bytes | None = None  # ',"source":...,"node":...' of this bus's envelopes (wired)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -240,20 +257,46 @@ class Bus:
             **extra,
         )
 
+    def wired(self, payload: Event, *, id: str, traceparent: str | None = None,
+              incident_id: str | None = None) -> Wired:
+        """`envelope(payload, id=, traceparent=, incident_id=)` ready for `publish`/`publish_all`, without the
+        `Envelope` model: ~half the CPU of building the model and dumping it (the controller publishes five
+        events per incident). For events this process publishes and does not read back."""
+        if traceparent is not None:
+            state = None
+        else:
+            carrier = telemetry.inject_headers()
+            traceparent, state = carrier.get("traceparent"), carrier.get("tracestate")
+        incident = incident_id or getattr(payload, "incident_id", None)
+        if self._source_json is None:  # the fields every envelope of this bus shares
+            self._source_json = b',"source":' + _json(self.source) + b',"node":' + _json(self.settings.node)
+        body = b"".join((b'{"id":', _json(id), b',"type":', _json(payload.type),  # type: ignore[attr-defined]
+                         _VERSION_TIME, repr(time.time()).encode(), self._source_json, b',"incident_id":', _json(incident),
+                         b',"trace":{"traceparent":', _json(traceparent), b',"tracestate":', _json(state), b'},"data":',
+                         payload.model_dump_json().encode(), b"}"))
+        durable = payload.durable
+        headers = {"Nats-Msg-Id": id} if durable else {"hf-id": id}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        if state:
+            headers["tracestate"] = state
+        return Wired(self._subject(type(payload)), body, headers, durable, id)
+
     async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
         env = self.envelope(payload, incident_id=incident_id)
         await self.publish(env)
         return env
 
-    async def publish(self, env: Envelope) -> None:
-        subject, body, headers = self._wire(env)
-        if env.data.durable:
+    async def publish(self, env: Envelope | Wired) -> None:
+        subject, body, headers, durable = self._out(env)
+        if durable:
             # Msg-Id makes a retried publish idempotent inside the stream's duplicate window.
             await self.js.publish(subject, body, headers=headers, timeout=2)
         else:
             await self.nc.publish(subject, body, headers=headers)
 
-    async def publish_all(self, envs: list[Envelope], *, timeout: float = 2.0) -> None:
+    async def publish_all(self, envs: list[Envelope] | list[Wired] | list[Envelope | Wired], *,
+                          timeout: float = 2.0) -> None:
         """Publish `envs` in order and wait for every durable one's stream ack together: one timer for all,
         no request (and timer) per event. Raises like `publish` (nats TimeoutError, a stream error) when
         any ack is missing; a retry is idempotent (Msg-Id)."""
@@ -268,8 +311,8 @@ class Bus:
         timer = None
         try:
             for env in envs:
-                subject, body, headers = self._wire(env)
-                if env.data.durable:
+                subject, body, headers, durable = self._out(env)
+                if durable:
                     token = str(next(self._tokens))
                     tokens.append(token)
                     self._acks[token] = batch
@@ -330,11 +373,19 @@ class Bus:
         self._inbox_prefix = prefix
         return prefix
 
-    def _wire(self, env: Envelope) -> tuple[str, bytes, dict[str, str]]:
-        cls = type(env.data)
+    def _out(self, env: Envelope | Wired) -> tuple[str, bytes, dict[str, str], bool]:
+        if isinstance(env, Wired):
+            return env.subject, env.body, env.headers, env.durable
+        return (*self._wire(env), env.data.durable)
+
+    def _subject(self, cls: type) -> str:
         subject = self._subjects.get(cls)
         if subject is None:  # once per event class (pydantic's class-level field lookup is not free)
             subject = self._subjects[cls] = event_subject(self.prefix, cls)
+        return subject
+
+    def _wire(self, env: Envelope) -> tuple[str, bytes, dict[str, str]]:
+        subject = self._subject(type(env.data))
         # The event's id: a durable event carries it as Nats-Msg-Id (the stream's deduplication key), a core one
         # as hf-id; not both (every header is a regex check and encodes in nats-py's publish).
         headers = {"Nats-Msg-Id": env.id} if env.data.durable else {"hf-id": env.id}

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 
-from libs.common.bus import Bus
+from libs.common.bus import Bus, Wired
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
@@ -396,7 +396,7 @@ class IncidentDriver(ColdStarts):
     async def _send_intent(self, rec: IncidentRecord, *, fallback: bool) -> None:
         await self.bus.publish(self._intent_envelope(rec, fallback=fallback))
 
-    def _intent_envelope(self, rec: IncidentRecord, *, fallback: bool) -> Envelope:
+    def _intent_envelope(self, rec: IncidentRecord, *, fallback: bool) -> Wired:
         intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,
                                engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
                                memory_lost=fallback, version=rec.version, node=rec.node,
@@ -453,8 +453,9 @@ class IncidentDriver(ColdStarts):
         the incident's trace (its recorded traceparent is the context to propagate, as it is)."""
         await self.bus.publish(self._envelope(payload, key, rec))
 
-    def _envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Envelope:
-        return self.bus.envelope(payload, id=key, traceparent=rec.trace_parent if rec else None)
+    def _envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Wired:
+        # Wired: the envelope's JSON without its model (this process never reads these events back).
+        return self.bus.wired(payload, id=key, traceparent=rec.trace_parent if rec else None)
 
     def _memory_gone(self, rec: IncidentRecord) -> bool:
         leases = self.view.leases_of(rec.engine_id)

@@ -295,7 +295,7 @@ class IntentExecutor:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
                               endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
         kind = "fallback" if intent.memory_lost else "recover"
-        env = self.bus.envelope(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=_intent_trace.get())
+        env = self.bus.wired(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=_intent_trace.get())
         await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result
 
     async def _load(self, key: str) -> IntentProgress | None:

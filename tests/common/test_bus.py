@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -10,13 +11,17 @@ from libs.common import telemetry
 from libs.common.bus import Bus
 from libs.common.errors import CommandTimeout, NotFound, RemoteError, Unavailable
 from libs.common.events import (
+    EndpointAdded,
+    EngineStopped,
     Envelope,
     FaultDetected,
     FaultKind,
     Freeze,
     FreezeReply,
+    IncidentResolved,
     ListLeases,
     ListLeasesReply,
+    decode_event,
 )
 
 telemetry.setup("tests")
@@ -40,6 +45,38 @@ async def test_event_round_trip_carries_trace_context(bus: Bus) -> None:
     assert isinstance(env.data, FaultDetected) and env.data.signal == 9
     assert env.trace.traceparent and trace_id in env.trace.traceparent
     assert seen_trace == trace_id
+
+
+async def test_a_wired_event_is_the_envelope_it_stands_for_and_arrives_as_one(bus: Bus) -> None:
+    payloads = [
+        IncidentResolved(incident_id="inc-1", engine_id="e1", successor_id="e1-s1", timings_ms={"freeze": 1.5},
+                         total_ms=12.25),
+        EndpointAdded(model="m\u00e9\"x\\", engine_id="e2", url="http://127.0.0.1:9/e2", predecessor_id="e1"),
+        EngineStopped(engine_id="e3", exit_code=0),  # a core (not durable) event
+    ]
+    with telemetry.tracer("test").start_as_current_span("incident"):
+        for i, payload in enumerate(payloads):
+            for traceparent, incident in ((None, None), ("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", f"inc-{i}")):
+                env = bus.envelope(payload, id=f"id-{i}", traceparent=traceparent, incident_id=incident)
+                wired = bus.wired(payload, id=f"id-{i}", traceparent=traceparent, incident_id=incident)
+                want, got = json.loads(env.model_dump_json()), json.loads(wired.body)
+                assert abs(want.pop("time") - got.pop("time")) < 5 and list(got) == list(want) and got == want
+                assert decode_event(wired.body).model_copy(update={"time": env.time}) == env
+                subject, _, headers = bus._wire(env)
+                assert (wired.subject, wired.headers, wired.durable, wired.id) == (subject, headers, payload.durable,
+                                                                                   env.id)
+    seen: asyncio.Queue[Envelope] = asyncio.Queue()
+
+    async def handler(env: Envelope) -> None:
+        await seen.put(env)
+
+    await bus.subscribe("engine.stopped", handler)
+    await bus.publish_all([bus.wired(payloads[0], id="w-resolved"), bus.wired(payloads[2], id="w-stopped")])
+    await bus.publish(bus.wired(payloads[1], id="w-added"))
+    assert [e.id for e in await bus.replay("incident.resolved")] == ["w-resolved"]
+    assert [(e.id, e.data) for e in await bus.replay("router.endpoint.added")] == [("w-added", payloads[1])]
+    core = await asyncio.wait_for(seen.get(), 2)
+    assert core.id == "w-stopped" and core.data == payloads[2]
 
 
 async def test_malformed_message_is_rejected_and_subscriber_keeps_working(bus: Bus) -> None:
