@@ -6,11 +6,13 @@ import asyncio
 import json
 
 import pytest
+from nats.aio.msg import Msg
 
 from libs.common import telemetry
-from libs.common.bus import Bus
+from libs.common.bus import Bus, _typed, ok_reply
 from libs.common.errors import CommandTimeout, NotFound, RemoteError, Unavailable
 from libs.common.events import (
+    CommandEnvelope,
     EndpointAdded,
     EngineStopped,
     Envelope,
@@ -21,7 +23,10 @@ from libs.common.events import (
     IncidentResolved,
     ListLeases,
     ListLeasesReply,
+    TraceContext,
+    command_subject,
     decode_event,
+    decode_model,
 )
 
 telemetry.setup("tests")
@@ -109,6 +114,24 @@ async def test_request_reply_with_typed_reply_and_typed_error(bus: Bus) -> None:
     with pytest.raises(RemoteError) as err:
         await bus.request("node-1", Freeze(owner="ghost"), FreezeReply)
     assert err.value.remote_code == "not_found"
+
+
+async def test_a_command_goes_out_as_the_command_envelope_it_stands_for(bus: Bus) -> None:
+    seen: list[bytes] = []
+
+    async def answer(msg: Msg) -> None:
+        seen.append(msg.data)
+        await msg.respond(ok_reply(FreezeReply(lease_ids=["l1"], epoch=2, transfer_token="tok")))
+
+    await bus.nc.subscribe(command_subject(bus.prefix, "node-raw", Freeze), cb=answer)
+    cmd = Freeze(owner="e\u00e9\"1", incident_id="inc-1")
+    tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    assert (await bus.request("node-raw", cmd, FreezeReply, traceparent=tp)).transfer_token == "tok"
+    got = json.loads(seen[0])
+    want = json.loads(CommandEnvelope(id=got["id"], time=got["time"], source=bus.source,
+                                      trace=TraceContext(traceparent=tp), data=cmd.model_dump()).model_dump_json())
+    assert got == want and list(got) == list(want)
+    assert decode_model(_typed(CommandEnvelope, Freeze), seen[0]).data == cmd  # what `serve` validates it as
 
 
 async def test_request_times_out_or_says_nobody_answers(bus: Bus) -> None:
