@@ -175,6 +175,7 @@ class Bus:
         self._subjects: dict[type, str] = {}
         self._source_json: bytes | None = None  # ',"source":...,"node":...' of this bus's envelopes (wired)
         self._command_head: bytes | None = None  # the same for its command envelopes
+        self._command_kinds: dict[type, str] = {}  # command class -> '<service>.<op>', the end of its subject
 
     # ------------------------------------------------------------ lifecycle
 
@@ -540,7 +541,10 @@ class Bus:
         traceparent: str | None = None,
     ) -> R:
         """`traceparent`: the trace to file the command under (default: the current span's context)."""
-        subject = command_subject(self.prefix, node, type(command))
+        kind = self._command_kinds.get(type(command))
+        if kind is None:  # once per command class: `command_subject` reads pydantic's class fields (not free)
+            kind = self._command_kinds[type(command)] = command_subject("", "", type(command))[len(".node.."):]
+        subject = f"{self.prefix}.node.{node}.{kind}"  # command_subject(self.prefix, node, type(command))
         headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
         body = self._command_json(command, headers.get("traceparent"), headers.get("tracestate"))
         # Not nc.request: its token is a NUID built digit by digit in Python and its wait an asyncio.wait_for
