@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeVar
 
 import nats
@@ -139,7 +140,8 @@ def _expire(waiter: asyncio.Future[Any]) -> None:
 
 
 def _json(value: str | None) -> bytes:
-    return b"null" if value is None else json.dumps(value).encode()
+    # json.dumps's C string encoder without json.dumps's Python wrapper (what json.dumps(value) gives for a str)
+    return b"null" if value is None else encode_basestring_ascii(value).encode()
 
 
 class Wired:

@@ -6,7 +6,7 @@ the nodes propagate, so an exporter added later sees whole traces.
 
 from __future__ import annotations
 
-import secrets
+import random
 
 from opentelemetry import trace
 
@@ -24,9 +24,11 @@ class IncidentTracer:
     def open(self, rec: IncidentRecord) -> None:
         """Give the incident its trace context (`rec.trace_parent`), and its live root span when exporting."""
         if not self.export_spans:  # the fault's trace (the detector's span) when it came with one, else a new one
+            # Ids as the OpenTelemetry SDK makes them (random.getrandbits, never zero): not a secret, and not an
+            # os.urandom call each (two per incident).
             current = trace.get_current_span().get_span_context()
-            trace_id = f"{current.trace_id:032x}" if current.is_valid else secrets.token_hex(16)
-            rec.trace_parent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+            trace_id = current.trace_id if current.is_valid else (random.getrandbits(128) or 1)
+            rec.trace_parent = f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-01"
             return
         start = rec.died_at if rec.died_at is not None else rec.opened_at
         span = self.tracer.start_span(f"incident {rec.reason}", start_time=int(start * 1e9),
