@@ -127,7 +127,7 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
         "death_to_first_token_ms": summarize(rec) if rec else None,
         "steps_ms_p50": _p50_by_key([t.steps_ms() for t in trials]),
         # each event's time after the death, by its publisher's clock
-        "timeline_ms_p50": _p50_by_key([t.timeline_ms for t in trials]),
+        "timeline_ms_p50": dict(sorted(_p50_by_key([t.timeline_ms for t in trials]).items(), key=lambda kv: kv[1])),
         # the successor's own clock, from its assignment (or start)
         "successor_ms_p50": _p50_by_key([{k: t.engine_recovery.get(k) for k in ENGINE_CLOCK} for t in trials]),
         # its first generation's phases (EngineCore.trace_next)

@@ -87,6 +87,20 @@ def successor_marks(recovery: dict[str, Any], t_kill: float) -> dict[str, float]
     return out
 
 
+ROUTE_IN_MARKS = {"received": "router received", "first_sent": "router first request",
+                  "first_answered": "router first answer"}
+
+
+def router_marks(route_ins: list[dict[str, Any]], engine_id: str, t_kill: float) -> dict[str, float]:
+    """The router's moments of the successor's route-in (services/router/route_ins.py) on the timeline (ms
+    after the death): between `endpoint added` and the successor's handler, where no event shows."""
+    entry = next((e for e in reversed(route_ins) if e.get("engine_id") == engine_id), None)
+    if entry is None:
+        return {}
+    return {label: (entry[key] - t_kill) * 1000.0 for key, label in ROUTE_IN_MARKS.items()
+            if isinstance(entry.get(key), (int, float))}
+
+
 @dataclass
 class Trial:
     """One SIGKILL of the serving engine and what the clients saw of its recovery."""
@@ -271,6 +285,12 @@ class Scenario:
             result.error = f"{type(e).__name__}: {e}"
         return result
 
+    async def router_stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        assert self.stack is not None
+        r = await client.get(f"{self.stack.router_url}/stats", timeout=10)
+        r.raise_for_status()
+        return dict(r.json())
+
     async def engine_health(self, endpoint: str) -> dict[str, Any]:
         async with httpx.AsyncClient() as c:
             r = await c.get(f"{endpoint}/health", timeout=10)
@@ -323,7 +343,9 @@ class Scenario:
         after_sum = await self.weights_checksum(successor.endpoint or "") if check_weights else None
         health = await self.engine_health(successor.endpoint or "")
         recovery = dict(health.get("recovery") or {})
-        timeline = {**self.timeline(t_kill, first_token, after=seen), **successor_marks(recovery, t_kill)}
+        route_ins = (await self.router_stats(client)).get("route_ins") or []
+        timeline = {**self.timeline(t_kill, first_token, after=seen), **successor_marks(recovery, t_kill),
+                    **router_marks(route_ins, successor.engine_id, t_kill)}
         return Trial(t_kill, first_token, results, dict(sorted(timeline.items(), key=lambda kv: kv[1])), lost,
                      mismatched, resolved.incident_id, before, after_sum, recovery)
 

@@ -32,7 +32,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync()}
+        return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
+                "route_ins": relay.route_ins.recent()}
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:

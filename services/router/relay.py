@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
@@ -127,6 +128,7 @@ class Relay:
         self.settings = settings
         self.stats = Stats()
         self.inflight = InFlight()
+        self.route_ins = RouteIns()
 
     def endpoint_gone(self, engine_id: str) -> int:
         """An event removed this engine: cut its streams (they resume elsewhere)."""
@@ -197,8 +199,10 @@ class Relay:
                 "seed": seed, "stream": True, "ignore_eos": req.ignore_eos}
         abort = self.inflight.add(ep.engine_id)
         timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)
+        self.route_ins.sent(ep.engine_id)
         try:
             async with self.client.stream("POST", ep.url + "/generate", json=body, timeout=timeout) as resp:
+                self.route_ins.answered(ep.engine_id)
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
                 if resp.status_code != 200:

@@ -117,13 +117,14 @@ class EndpointFeed:
         if not self.ready:
             self._buffer.append(env)
             return
-        self.apply(env.data)
+        self.apply(env.data, published=env.time)
 
-    def apply(self, ev: Any) -> None:
+    def apply(self, ev: Any, *, published: float | None = None) -> None:
         now = self.clock()
         if isinstance(ev, EndpointAdded):
             self.last_event[(ev.model, ev.engine_id)] = now
             self.table.add(ev.model, ev.engine_id, ev.url)
+            self.relay.route_ins.added(ev.engine_id, published)
             log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
                 self.last_event[(ev.model, ev.predecessor_id)] = now
@@ -150,7 +151,7 @@ class EndpointFeed:
 
     def go_live(self) -> None:
         for env in self._buffer:  # no await in here: nothing can slip in between
-            self.apply(env.data)
+            self.apply(env.data, published=env.time)
         self._buffer.clear()
         self.ready = True
 

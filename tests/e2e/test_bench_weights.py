@@ -64,6 +64,18 @@ def test_the_successors_own_moments_land_on_the_deaths_timeline() -> None:
     assert successor_marks({"first_generation": {"handler": 3.0}}, t_kill=1.0) == {}  # an engine without its origin
 
 
+def test_the_routers_moments_of_the_successors_route_in_land_on_the_deaths_timeline() -> None:
+    from libs.cli.scenario import router_marks
+
+    route_ins = [{"engine_id": "s", "published": 100.001, "received": 100.002, "first_sent": 100.003},
+                 {"engine_id": "other", "published": 100.0, "received": 100.0},
+                 {"engine_id": "s", "published": 100.011, "received": 100.012, "first_sent": 100.013,
+                  "first_answered": 100.020}]
+    marks = router_marks(route_ins, "s", t_kill=100.0)  # the latest addition of the successor counts
+    assert marks == pytest.approx({"router received": 12.0, "router first request": 13.0, "router first answer": 20.0})
+    assert router_marks(route_ins, "unknown", t_kill=100.0) == {}
+
+
 def test_a_partial_report_holds_each_way_as_it_ends_the_same_as_the_final_one(tmp_path: Path) -> None:
     """A large model's run may be cut off by a time limit: what it measured so far is on disk."""
     import json

@@ -138,6 +138,9 @@ async def test_a_held_request_completes_once_an_endpoint_for_its_model_is_added(
         r = await pending
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == generate(a.url, prompt="late", max_tokens=5)["tokens"]
+    # the route-in's own timeline: published, received, first request sent and answered, in that order
+    entry = next(e for e in router.stats()["route_ins"] if e["engine_id"] == "late-a")
+    assert entry["published"] <= entry["received"] <= entry["first_sent"] <= entry["first_answered"]
 
 
 async def test_no_request_is_dropped_under_a_burst_while_the_engine_is_killed(engines, start_router, bus: Bus,
