@@ -47,6 +47,7 @@ from libs.common.events import (
     Event,
     Reply,
     TraceContext,
+    command_kind,
     command_subject,
     decode_event,
     decode_model,
@@ -142,6 +143,17 @@ def _expire(waiter: asyncio.Future[Any]) -> None:
 def _json(value: str | None) -> bytes:
     # json.dumps's C string encoder without json.dumps's Python wrapper (what json.dumps(value) gives for a str)
     return b"null" if value is None else encode_basestring_ascii(value).encode()
+
+
+def _event_headers(id: str, durable: bool, traceparent: str | None, tracestate: str | None) -> dict[str, str]:
+    # The event's id: a durable event carries it as Nats-Msg-Id (the stream's deduplication key), a core one
+    # as hf-id; not both (every header is a regex check and encodes in nats-py's publish).
+    headers = {"Nats-Msg-Id": id} if durable else {"hf-id": id}
+    if traceparent:
+        headers["traceparent"] = traceparent
+    if tracestate:
+        headers["tracestate"] = tracestate
+    return headers
 
 
 class Wired:
@@ -279,12 +291,7 @@ class Bus:
                          b',"trace":{"traceparent":', _json(traceparent), b',"tracestate":', _json(state), b'},"data":',
                          payload.model_dump_json().encode(), b"}"))
         durable = payload.durable
-        headers = {"Nats-Msg-Id": id} if durable else {"hf-id": id}
-        if traceparent:
-            headers["traceparent"] = traceparent
-        if state:
-            headers["tracestate"] = state
-        return Wired(self._subject(type(payload)), body, headers, durable, id)
+        return Wired(self._subject(type(payload)), body, _event_headers(id, durable, traceparent, state), durable, id)
 
     async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
         env = self.envelope(payload, incident_id=incident_id)
@@ -389,15 +396,8 @@ class Bus:
         return subject
 
     def _wire(self, env: Envelope) -> tuple[str, bytes, dict[str, str]]:
-        subject = self._subject(type(env.data))
-        # The event's id: a durable event carries it as Nats-Msg-Id (the stream's deduplication key), a core one
-        # as hf-id; not both (every header is a regex check and encodes in nats-py's publish).
-        headers = {"Nats-Msg-Id": env.id} if env.data.durable else {"hf-id": env.id}
-        if env.trace.traceparent:
-            headers["traceparent"] = env.trace.traceparent
-        if env.trace.tracestate:
-            headers["tracestate"] = env.trace.tracestate
-        return subject, env.model_dump_json().encode(), headers
+        headers = _event_headers(env.id, env.data.durable, env.trace.traceparent, env.trace.tracestate)
+        return self._subject(type(env.data)), env.model_dump_json().encode(), headers
 
     async def subscribe(self, subject: str, handler: EventHandler, *, queue: str = "") -> Any:
         """Core (not durable) subscription to events: live only, fastest path."""
@@ -544,8 +544,8 @@ class Bus:
     ) -> R:
         """`traceparent`: the trace to file the command under (default: the current span's context)."""
         kind = self._command_kinds.get(type(command))
-        if kind is None:  # once per command class: `command_subject` reads pydantic's class fields (not free)
-            kind = self._command_kinds[type(command)] = command_subject("", "", type(command))[len(".node.."):]
+        if kind is None:  # once per command class: `command_kind` reads pydantic's class fields (not free)
+            kind = self._command_kinds[type(command)] = command_kind(type(command))
         subject = f"{self.prefix}.node.{node}.{kind}"  # command_subject(self.prefix, node, type(command))
         headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
         body = self._command_json(command, headers.get("traceparent"), headers.get("tracestate"))

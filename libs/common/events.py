@@ -563,9 +563,13 @@ def decode_model(model: type[M], data: Any) -> M:
         raise MalformedMessage(f"invalid {model.__name__}: {_summarize(e)}") from None
 
 
+def command_kind(command: type[Command] | Command) -> str:
+    """'<service>.<op>': the end of a command's subject, the same on every node."""
+    return f"{command.service}.{command.model_fields['op'].default}"
+
+
 def command_subject(prefix: str, node: str, command: type[Command] | Command) -> str:
-    op = command.model_fields["op"].default
-    return f"{prefix}.node.{node}.{command.service}.{op}"
+    return f"{prefix}.node.{node}.{command_kind(command)}"
 
 
 def event_subject(prefix: str, event: Event | type[Event]) -> str:
