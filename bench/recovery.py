@@ -133,6 +133,8 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
         # its first generation's phases (EngineCore.trace_next)
         "successor_first_generation_p50": _p50_by_key([t.engine_recovery.get("first_generation") or {}
                                                        for t in trials]),
+        # resumed requests whose prefixes came from the predecessor's KV cache (engines/reference/kv_reuse.py)
+        "successor_kv_reused_p50": _p50_by_key([t.engine_recovery.get("kv_reused") or {} for t in trials]),
         # late wake-ups of a 1 ms sleeper in the promoted standby, with every thread's frame (stall_watch.py)
         "successor_stalls": [t.engine_recovery["stalls"] for t in trials if t.engine_recovery.get("stalls")],
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),

@@ -9,7 +9,11 @@ one: the reference engine values exactness over throughput). Invariants:
    while a fresh prompt still gets a fast chunked prefill.
 2. Sampling draws from a generator seeded by (seed, absolute position): a sampled generation is
    resumable the same way; temperature 0 is greedy (argmax, lowest index on a tie).
-3. A slot is returned when its generation ends, fails or is abandoned (`close()` of the iterator).
+3. A slot is returned when its generation ends, fails or is abandoned (`close()` of the iterator), never with
+   a forward in flight (each forward ends in a sampled token before the generation can stop).
+4. Where the cache is leased, each slot's finished positions are marked (kv_reuse.py), and a successor holding
+   its predecessor's cache (`donor`) copies a resumed request's finished prefix instead of computing it: the
+   forwards run are those of invariant 1 from there on, so the continuation is the same.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.reference.kv_reuse import KvDonor, SlotMarks
 from engines.reference.model import Transformer
 from engines.reference.static_forward import StaticForward
 from engines.reference.tokenizer import EOS, TextStream
@@ -67,25 +72,35 @@ def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def prefill_spans(n: int, prefix_len: int | None, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) of each prefill forward: the prompt in chunks from 0, then the resumed tokens singly."""
-    prefix = n if prefix_len is None else max(0, min(prefix_len, n))
+def prompt_length(n: int, prefix_len: int | None) -> int:
+    return n if prefix_len is None else max(0, min(prefix_len, n))
+
+
+def prefill_spans(n: int, prefix_len: int | None, chunk: int, reused: int = 0) -> list[tuple[int, int]]:
+    """[start, stop) of each prefill forward: the prompt in chunks from 0, then the resumed tokens singly; with
+    `reused` positions copied from a predecessor's cache (at least the whole prompt), only the tokens after."""
+    prefix = prompt_length(n, prefix_len)
+    if reused:
+        return [(i, i + 1) for i in range(max(reused, prefix), n)]
     spans = [(i, min(i + chunk, prefix)) for i in range(0, prefix, chunk)]
     return spans + [(i, i + 1) for i in range(prefix, n)]
 
 
 class EngineCore:
     def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64,
-                 graphs: bool | None = False) -> None:
+                 graphs: bool | None = False, marks: torch.Tensor | None = None, donor: KvDonor | None = None) -> None:
         if kv.dim() != 6 or kv.shape[1] != model.cfg.n_layers:
             raise ValueError(f"kv cache shape {tuple(kv.shape)} does not fit {model.cfg.n_layers} layers")
         self.model = model
         self.kv = kv
         self.prefill_chunk = max(1, prefill_chunk)
+        self.marks = SlotMarks(marks) if marks is not None else None  # invariant 4 (leased caches only)
+        self.donor = donor if donor is not None and donor.fits(kv) else None
+        self.donor_stats: dict[str, int] | None = None  # what the retired donor served
         # fixed-shape forwards (CUDA graphs once captured by warm()): static_forward.py; None: where it pays, on CUDA
         if graphs is None:
             graphs = model.device.type == "cuda"
-        self.static = StaticForward(model, kv, min(self.prefill_chunk, kv.shape[4])) if graphs else None
+        self.static = StaticForward(model, kv, min(self.prefill_chunk, kv.shape[4]), self.marks) if graphs else None
         self.max_seq = kv.shape[4]
         self._lock = threading.Lock()  # one forward at a time
         self._free = list(range(kv.shape[0]))
@@ -121,23 +136,54 @@ class EngineCore:
     def _forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """One forward, the lock held: fixed-shape (static_forward.py invariant 1) for one token and for a
         prompt's first chunk when graphs are on; eager otherwise."""
-        if self.static is not None:
+        static, marks = self.static, self.marks
+        if static is not None and (len(tokens) == 1 or start == 0 and len(tokens) <= static.chunk):
             if len(tokens) == 1:
-                return self.static.decode(slot, tokens[0], start)
-            if start == 0 and len(tokens) <= self.static.chunk:
-                return self.static.first_chunk(slot, tokens)
-        t = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-        return self.model.forward(t, start, self.kv[slot])
+                logits = static.decode(slot, tokens[0], start)
+                written = static.token
+            else:
+                logits = static.first_chunk(slot, tokens)
+                written = static.prompt[:len(tokens)]
+        else:
+            written = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+            logits = self.model.forward(written, start, self.kv[slot])
+        if marks is not None:
+            marks.written(slot, start, written)
+        return logits
 
-    def prefill(self, slot: int, ctx: list[int], spans: list[tuple[int, int]]) -> torch.Tensor | None:
+    def prefill(self, slot: int, ctx: list[int], prefix_len: int | None) -> tuple[torch.Tensor | None, int]:
         """All of a request's prefill forwards under one hold of the lock: when many requests arrive at
         once (a failover releases the held and the replayed ones together), the first of them reaches its
-        first token after its own prefill rather than after everyone's forwards interleaved."""
+        first token after its own prefill rather than after everyone's forwards interleaved. Returns the
+        last logits and how many positions came from the predecessor's cache (invariant 4)."""
         logits = None
+        prompt = prompt_length(len(ctx), prefix_len)
         with self._lock:
-            for start, stop in spans:
+            reused, vouched = 0, None
+            if self.donor is not None and prompt < len(ctx):
+                reused, vouched = self.donor.restore(self.kv, slot, prompt, ctx)
+            if self.marks is not None:
+                self.marks.begin(slot, prompt)
+                if vouched is not None:
+                    self.marks.vouch(slot, vouched)
+            for start, stop in prefill_spans(len(ctx), prefix_len, self.prefill_chunk, reused):
                 logits = self._forward(slot, ctx[start:stop], start)
-        return logits
+        return logits, reused
+
+    def retire_donor(self) -> None:
+        """Stop reading the predecessor's cache (the replayed requests have come back), and give it back."""
+        with self._lock:  # no copy from it runs now, and none starts after
+            donor = self.donor
+            if donor is not None:
+                self.donor_stats = donor.stats()
+            self.donor = None
+        if donor is not None:
+            donor.retire()
+
+    def kv_reuse(self) -> dict[str, int] | None:
+        """Prefixes copied from a predecessor's cache so far (None: this engine had no predecessor's cache)."""
+        donor = self.donor
+        return donor.stats() if donor is not None else self.donor_stats
 
     def trace_next(self, into: dict[str, float], t0: float) -> None:
         """Record, into `into`, the phases of the next generation (ms since `t0`): slot taken, prefill
@@ -192,8 +238,10 @@ class EngineCore:
             ctx = list(req.context)
             logits = None
             if req.max_tokens > 0:
-                logits = self.prefill(slot, ctx, prefill_spans(len(ctx), req.prefix_len, self.prefill_chunk))
+                logits, reused = self.prefill(slot, ctx, req.prefix_len)
                 self._mark(phases, "prefill_launched")
+                if phases is not None:
+                    phases["kv_reused"] = reused
             first_ms = 0.0
             produced = 0
             reason = "length"

@@ -6,19 +6,24 @@
   successor takes over a predecessor's leases. Tensors come back from the registered metadata, so a
   reattach reads nothing from disk.
 
-A warm standby may *shadow* an active engine: `shadow()` maps that engine's weights read-only (a share
-token the agent got from the gpu_manager) and leases a KV cache of its own, so the standby's model is built
-and warm before any failure. `adopt()` then takes the predecessor's leases over for real (after its death,
-as the gpu_manager enforces): the weights keep their mappings (the SDK reuses them), and the
-predecessor's KV cache, which this engine does not use, is released at once.
+The KV lease holds the cache and, after it, the marks of its finished positions (kv_reuse.py), registered as
+tensors `kv_cache` and `kv_marks`.
 
-Invariant: the engine core only ever sees `Loaded` (named weight tensors + one KV tensor); it never imports
-the SDK, so the same core runs over leased or ordinary memory.
+A warm standby may *shadow* an active engine: `shadow()` maps that engine's weights and KV lease read-only (a
+share token the agent got from the gpu_manager) and leases a KV cache of its own, so the standby's model is
+built and warm before any failure, and the predecessor's cache can give resumed requests their prefixes
+(`Loaded.donor`). `adopt()` then takes the predecessor's leases over for real (after its death, as the
+gpu_manager enforces): the weights keep their mappings (the SDK reuses them), and the predecessor's KV lease
+is released once the donor is retired (`retire_donor`), whichever of the two comes last.
+
+Invariant: the engine core only ever sees `Loaded` (named weight tensors, one KV tensor, its marks, a donor);
+it never imports the SDK, so the same core runs over leased or ordinary memory.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,11 +33,14 @@ from typing import Any, TypeVar
 import torch
 
 from engines.reference.config import ModelConfig
+from engines.reference.kv_reuse import KvDonor, marks_shape
 from engines.reference.weights import check_file_matches, load_weights, torch_dtype
 
 log = logging.getLogger("holdfast.engine.memory")
 
 KV_NAME = "kv_cache"
+MARKS_NAME = "kv_marks"
+MARKS_ALIGN = 256
 T = TypeVar("T")
 
 
@@ -44,6 +52,8 @@ class Loaded:
     # "shadow" (a live engine's weights, read-only, for a warm standby)
     timings_ms: dict[str, float] = field(default_factory=dict)
     read_only: bool = False  # the weights are mapped read-only (a write faults)
+    marks: torch.Tensor | None = None  # the cache's marks (leased caches only): kv_reuse.py
+    donor: KvDonor | None = None  # a shadowed predecessor's cache, for resumed requests' prefixes
 
 
 def _ms(t0: float) -> float:
@@ -71,12 +81,14 @@ def kv_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
     return weights["tok_embeddings.weight"].dtype
 
 
-def split_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def split_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None,
+                                                                             torch.Tensor | None]:
+    """(weights, KV cache, its marks); an engine from before the marks left none."""
     names = cfg.tensor_shapes()
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ValueError(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
-    return {n: tensors[n] for n in names}, tensors.get(KV_NAME)
+    return {n: tensors[n] for n in names}, tensors.get(KV_NAME), tensors.get(MARKS_NAME)
 
 
 class LocalMemory:
@@ -133,7 +145,11 @@ class LeasedMemory:
         self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class=engine_class)
         self.client.on_lease_lost = exit_on_lease_lost
         self._attachment: Any = None
-        self._own_kv: Any = None  # a shadowing standby's own KV cache
+        self._own_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # a shadowing standby's own KV cache, marks
+        self._donor_lock = threading.Lock()
+        self._donor_lease: str | None = None  # the shadowed predecessor's KV lease, mapped for its prefixes
+        self._donor_retired = False
+        self._adopted = False
 
     def pending(self) -> bool:
         return bool(self.client.pending())
@@ -146,9 +162,9 @@ class LeasedMemory:
         weights = load_safetensors_into_leases(self.client, str(path), tag="weights", name="weights", gpu=self.gpu,
                                                framework="torch")
         t_load = _ms(t0)
-        kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
+        kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
         self.client.commit()
-        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks)
 
     def attach(self, cfg: ModelConfig, slots: int, max_seq: int) -> Loaded:
         t0 = time.perf_counter()
@@ -168,17 +184,26 @@ class LeasedMemory:
         return self._rebuild(cfg, "takeover", slots, max_seq, t0)
 
     def shadow(self, cfg: ModelConfig, owner: str, share_token: str, slots: int, max_seq: int) -> Loaded:
-        """The owner's weights, read-only, and a KV cache of this engine's own (leased once, kept)."""
+        """The owner's weights and KV cache, read-only, and a KV cache of this engine's own (leased once, kept)."""
         t0 = time.perf_counter()
         self.drop_shadow()
         att = self.client.share(owner, share_token)
         t_attach = _ms(t0)
-        weights, _ = split_tensors(cfg, att.tensors(framework="torch"))
-        if self._own_kv is None or tuple(self._own_kv.shape) != cfg.kv_shape(slots, max_seq):
+        weights, their_kv, their_marks = split_tensors(cfg, att.tensors(framework="torch"))
+        if self._own_kv is None or tuple(self._own_kv[0].shape) != cfg.kv_shape(slots, max_seq):
             self._own_kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
             self.client.commit()
         read_only = all(lease.mapping.read_only for lease in att.leases)
-        return Loaded(weights, self._own_kv, "shadow", {"attach_ms": t_attach, "total_ms": _ms(t0)}, read_only)
+        donor = None
+        if their_kv is not None and their_marks is not None:
+            with self._donor_lock:
+                self._donor_lease = next((lease.id for lease in att.leases
+                                          if any(m.name == MARKS_NAME for m in lease.tensor_metas)), None)
+                self._donor_retired = self._adopted = False
+            donor = KvDonor(their_kv, their_marks, on_retire=self._retire_donor_lease)
+        kv, marks = self._own_kv
+        return Loaded(weights, kv, "shadow", {"attach_ms": t_attach, "total_ms": _ms(t0)}, read_only,
+                      marks=marks, donor=donor)
 
     def drop_shadow(self) -> None:
         """Unmap a shadow. The caller has dropped every tensor built over it."""
@@ -199,34 +224,61 @@ class LeasedMemory:
             if not shadowed <= {lease.id for lease in att.leases}:
                 raise Unavailable(f"the takeover of {predecessor}'s leases did not happen; to be tried again") from None
         t_takeover = _ms(t0)
-        unused = [lease.id for lease in att.leases if lease.id not in shadowed | own]
-        for lease_id in unused:
-            self.client.release(lease_id)
+        with self._donor_lock:
+            self._adopted = True
+            keep = shadowed | own
+            if self._donor_lease is not None and self._donor_retired:
+                keep.discard(self._donor_lease)
+                self._donor_lease = None
+            unused = [lease.id for lease in att.leases if lease.id not in keep]
+            for lease_id in unused:
+                self.client.release(lease_id)
         return {"takeover_ms": t_takeover, "released": float(len(unused)), "total_ms": _ms(t0)}
+
+    def _retire_donor_lease(self) -> None:
+        """The donor (the predecessor's KV lease, kept mapped for resumed requests) is no longer read: release
+        it if this engine owns it by now; otherwise `adopt` will, as it takes it over."""
+        with self._donor_lock:
+            self._donor_retired = True
+            lease_id = self._donor_lease if self._adopted else None
+            if lease_id is None:
+                return
+            self._donor_lease = None
+            try:
+                self.client.release(lease_id)
+            except Exception as e:  # noqa: BLE001 - left to the manager's reclaim: an orphan ages out
+                log.warning("releasing the predecessor's KV lease %s failed: %s: %s", lease_id, type(e).__name__, e)
 
     def _rebuild(self, cfg: ModelConfig, source: str, slots: int, max_seq: int, t0: float) -> Loaded:
         t_attach = _ms(t0)
         tensors = self._attachment.tensors(framework="torch")
-        weights, kv = split_tensors(cfg, tensors)
+        weights, kv, marks = split_tensors(cfg, tensors)
         t_views = _ms(t0)
         want = cfg.kv_shape(slots, max_seq)
-        if kv is None or tuple(kv.shape) != want:
-            # The predecessor's cache does not fit this configuration: lease a new one (its contents are
-            # never reused anyway: requests in flight are replayed by the router, not resumed from the cache).
+        if kv is None or marks is None or tuple(kv.shape) != want:
+            # The predecessor's cache does not fit this configuration (or has no marks): lease a new one. Its
+            # contents are not reused on this path (the cache is this engine's own now, and zeroed: kv_reuse.py
+            # serves a shadow's promotion, which reads the predecessor's cache beside its own).
             log.info("KV cache lease missing or of another shape (%s); leasing a new one",
                      None if kv is None else tuple(kv.shape))
-            kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
+            kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
             self.client.commit()
-        return Loaded(weights, kv, source, {"attach_ms": t_attach, "views_ms": t_views, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, source, {"attach_ms": t_attach, "views_ms": t_views, "total_ms": _ms(t0)},
+                      marks=marks)
 
-    def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, slots: int, max_seq: int) -> torch.Tensor:
-        shape = cfg.kv_shape(slots, max_seq)
+    def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, slots: int,
+                max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A KV lease: the cache, zeroed, then its marks (kv_reuse.py), both registered."""
+        shape, mshape = cfg.kv_shape(slots, max_seq), marks_shape(slots, max_seq)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        lease = self.client.allocate(nbytes, tag="kv_cache", name=KV_NAME, gpu=self.gpu)
+        offset = -(-nbytes // MARKS_ALIGN) * MARKS_ALIGN
+        lease = self.client.allocate(offset + torch.Size(mshape).numel() * 8, tag="kv_cache", name=KV_NAME,
+                                     gpu=self.gpu)
         kv = lease.torch(dtype, shape, 0)
         kv.zero_()
-        self.client.register([lease.meta(KV_NAME, dtype, shape, 0)])
-        return kv
+        marks = lease.torch(torch.int64, mshape, offset)
+        self.client.register([lease.meta(KV_NAME, dtype, shape, 0), lease.meta(MARKS_NAME, torch.int64, mshape, offset)])
+        return kv, marks
 
     def start_heartbeats(self) -> None:
         self.client.start_heartbeats()

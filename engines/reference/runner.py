@@ -229,7 +229,8 @@ def run(s: EngineSettings) -> int:
 
 def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_start: float) -> EngineCore:
     t0 = time.perf_counter()
-    core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk, graphs=s.graphs)
+    core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk, graphs=s.graphs,
+                      marks=loaded.marks)
     build_ms = _ms(t0)
     state.info["memory"] = {"kind": state.info["memory"]["kind"], "source": loaded.source,
                             "timings_ms": loaded.timings_ms, "build_ms": build_ms}

@@ -156,7 +156,8 @@ def build_app(state: EngineState) -> FastAPI:
             "device": str(core.model.device) if core else None,
             "slots": core.slots if core else 0, "free_slots": core.free_slots() if core else 0,
             "tokens_generated": core.tokens_generated if core else 0,
-            "requests_done": core.requests_done if core else 0, **state.info,
+            "requests_done": core.requests_done if core else 0,
+            "kv_reused": core.kv_reuse() if core else None, **state.info,
         }
 
     @app.get("/checksum")

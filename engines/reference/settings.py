@@ -47,6 +47,9 @@ class EngineSettings(BaseSettings):
                          "(pre-built model, instant takeover); off: attach at the takeover")
     adopt_timeout_s: float = Field(30.0, gt=0, description="a promoted shadow waits this long for its predecessor's "
                                    "death to own its leases; then it exits with 75")
+    kv_reuse_s: float = Field(10.0, ge=0, description="a promoted shadow reads its predecessor's KV cache for the "
+                              "prefixes of resumed requests this long, then gives it back (engines/reference/"
+                              "kv_reuse.py); 0: never reads it")
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
     log_level: str = "INFO"
 

@@ -3,7 +3,8 @@
 Before any failure the agent tells the standby to *shadow* an active engine of its model on its GPU: it maps
 that engine's weights read-only, leases a KV cache of its own, builds the full model over them and runs it
 once (kernels, allocator, the real shapes). When that engine fails and the standby is assigned to it, the
-standby serves at once: nothing is mapped, built or loaded on the recovery path.
+standby serves at once: nothing is mapped, built or loaded on the recovery path. It maps that engine's KV cache
+too (read-only): the requests the router replays find their prefixes there (kv_reuse.py) for `kv_reuse_s`.
 
 Why serving may start before the predecessor's death is confirmed: the two share only the weights, which
 neither writes (read-only here: a write faults); each has its own KV cache. Ownership of the leases still
@@ -25,6 +26,7 @@ from typing import Any
 from engines.reference import stall_watch
 from engines.reference.config import ModelConfig
 from engines.reference.engine import EngineCore
+from engines.reference.kv_reuse import retire_later
 from engines.reference.memory import LeasedMemory, LocalMemory, retry_until
 from engines.reference.model import Transformer
 from engines.reference.server import EngineState
@@ -74,8 +76,9 @@ class Standby:
         self.drop()
         try:
             loaded = self.memory.shadow(self.cfg, owner, share_token, self.s.slots, self.max_seq)
+            donor = loaded.donor if self.s.kv_reuse_s > 0 else None
             core = EngineCore(Transformer(self.cfg, loaded.weights), loaded.kv, prefill_chunk=self.s.prefill_chunk,
-                              graphs=self.s.graphs)
+                              graphs=self.s.graphs, marks=loaded.marks, donor=donor)
             warm_ms = core.warm()
             core.warm_concurrent(core.slots)  # what the first requests would allocate, allocated now
         except Exception as e:  # noqa: BLE001 - a failed shadow leaves a plain warm standby, said to the agent
@@ -118,6 +121,8 @@ class Standby:
         self.state.on_first_request = at("first_request_ms")  # the router's first request reached us
         self.state.on_first_token = at("first_request_token_ms")  # and its first token left
         shadow.core.trace_next(rec.setdefault("first_generation", {}), t_start)
+        if shadow.core.donor is not None:  # the predecessor's cache, for the replayed requests' prefixes
+            retire_later(self.s.kv_reuse_s, shadow.core.retire_donor)
         stall_watch.watch(rec.setdefault("stalls", []), 0.3)  # who holds the interpreter meanwhile
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engines.reference.kv_reuse import SlotMarks
 from engines.reference.model import Transformer
 
 
 class StaticForward:
-    def __init__(self, model: Transformer, kv: torch.Tensor, chunk: int) -> None:
-        self.model, self.kv, self.chunk = model, kv, chunk
+    def __init__(self, model: Transformer, kv: torch.Tensor, chunk: int, marks: SlotMarks | None = None) -> None:
+        self.model, self.kv, self.chunk, self.marks = model, kv, chunk, marks
         dev = model.device
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
@@ -90,12 +91,19 @@ class StaticForward:
         """Run one forward of `kind` on `slot` as a capture's warm-up, leaving the slot's cache as it was.
         Why: it writes keys and values of whatever its inputs last held (another request's prompt, another
         slot's token) at the chunk's positions or the last decode position; an engine capturing while it
-        serves (capture_graphs_in_background) has live requests' keys there."""
+        serves (capture_graphs_in_background) has live requests' keys there. Their marks (kv_reuse.py) vouch
+        for nothing meanwhile: a successor must not copy them from an engine killed in between."""
         cache = self.kv[slot]  # [layer, k|v, kv_head, position, head_dim]
         touched = self.position if kind == "decode" else self.prompt_positions
         saved = cache.index_select(3, touched)
+        marks = self.marks.marks[slot] if self.marks is not None else None
+        if marks is not None:
+            saved_marks = marks.index_select(0, touched + 1)
+            marks.index_fill_(0, touched + 1, -1)
         self._compute(kind, slot)
         cache.index_copy_(3, touched, saved)
+        if marks is not None:
+            marks.index_copy_(0, touched + 1, saved_marks)
 
     def _run(self, kind: str, slot: int) -> torch.Tensor:
         got = self.graphs.get((kind, slot))

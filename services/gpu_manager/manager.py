@@ -51,6 +51,9 @@ class Move:
     changes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+SHAREABLE = (Tag.WEIGHTS, Tag.KV_CACHE)
+
+
 class LeaseBook:
     def __init__(self, settings: GpuManagerSettings, backend: Backend, db: LeaseDb, keeper: KeeperClient,
                  mirror: Mirror) -> None:
@@ -148,8 +151,9 @@ class LeaseBook:
     # ------------------------------------------------------------ transitions
 
     def shareable(self, owner: str) -> list[LeaseRecord]:
-        """The owner's committed weight leases that still hold memory (a standby may shadow them)."""
-        return [r for r in self.records.values() if r.info.owner == owner and r.info.tag == Tag.WEIGHTS
+        """The owner's committed weight and KV cache leases that still hold memory (a standby may shadow them:
+        the weights to serve, the cache for the prefixes of the requests it would resume)."""
+        return [r for r in self.records.values() if r.info.owner == owner and r.info.tag in SHAREABLE
                 and r.info.state in LIVE and r.info.layout_hash is not None]
 
     def frozen_for_transfer(self, owner: str, token: str) -> list[LeaseRecord]:

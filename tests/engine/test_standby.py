@@ -3,6 +3,7 @@ killed engine's leases when the agent assigns it, and serves identical greedy ou
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -32,13 +33,15 @@ from tests.engine.support import generate
 from tests.gpu_manager.harness import until
 
 PROMPT = {"prompt": "A standby is ready.", "max_tokens": 40, "ignore_eos": True}
+PROMPT_TOKENS = 1 + len("A standby is ready.")  # BOS + bytes
+KV_REUSE_S = 2.0  # how long a promoted shadow reads its predecessor's cache
 
 
 def reference_spec(weights: Path, *, shadow: bool = True) -> EngineSpec:
     return EngineSpec(engine_class="reference", model="tiny-ref", replicas=1, standbys=1, cold_start_s=10.0,
                       command=[sys.executable, "-m", "engines.reference", "serve", "--size", "tiny",
                                "--weights", str(weights), "--memory", "leased"],
-                      env={"HF_ENGINE_SHADOW": "true" if shadow else "false"})
+                      env={"HF_ENGINE_SHADOW": "true" if shadow else "false", "HF_ENGINE_KV_REUSE_S": str(KV_REUSE_S)})
 
 
 async def _engines(bus: Bus, node: str) -> list[EngineInfo]:
@@ -53,6 +56,20 @@ async def _kill_and_take_over(bus: Bus, node: str, engine: EngineInfo, incident_
     return await bus.request(node, Takeover(incident_id=incident_id, engine_id=engine.engine_id,
                                             transfer_token=frozen.transfer_token), TakeoverReply, timeout=30)
 
+
+
+async def _an_engine_and_its_shadow(weights: Path, settings: CommonSettings, bus: Bus, agent: AgentProcess,
+                                    recorder: Recorder) -> tuple[EngineInfo, EngineInfo, dict]:
+    """An active engine serving (with its answer to PROMPT) and the standby shadowing it."""
+    agent.start([reference_spec(weights)], heartbeat_timeout_s=3.0)
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=60)).engine
+    assert active.endpoint
+    before = generate(active.endpoint, **PROMPT)
+
+    async def shadow() -> EngineInfo | None:
+        return next((e for e in await _engines(bus, settings.node) if e.shadows == active.engine_id), None)
+
+    return active, await until(shadow), before
 
 
 async def test_a_warm_standby_takes_over_the_killed_engine_and_serves_the_same_greedy_output(
@@ -77,15 +94,7 @@ async def test_a_warm_standby_takes_over_the_killed_engine_and_serves_the_same_g
 async def test_a_shadowing_standby_serves_at_once_and_owns_the_leases_once_the_predecessor_is_dead(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
         settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
-    agent.start([reference_spec(tiny_weights)], heartbeat_timeout_s=3.0)
-    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=60)).engine
-    assert active.endpoint
-    before = generate(active.endpoint, **PROMPT)
-
-    async def shadow() -> EngineInfo | None:
-        return next((e for e in await _engines(bus, settings.node) if e.shadows == active.engine_id), None)
-
-    standby = await until(shadow)
+    active, standby, before = await _an_engine_and_its_shadow(tiny_weights, settings, bus, agent, recorder)
     assert standby.role is EngineRole.STANDBY and standby.state == "standby"
     leases_before = (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases
     weights = {i.id for i in leases_before if i.owner == active.engine_id and i.tag == "weights"}
@@ -105,10 +114,38 @@ async def test_a_shadowing_standby_serves_at_once_and_owns_the_leases_once_the_p
 
     health = await until(adopted)
     assert health["recovery"]["source"] == "shadow" and health["shadow"]["read_only"] is True
-    after = {i.id: i for i in (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases}
+
+    async def given_back() -> dict | None:  # the predecessor's KV cache, once its prefixes were no longer read
+        leases = {i.id: i for i in (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases}
+        return None if pred_kv & set(leases) else leases
+
+    after = await until(given_back, timeout=KV_REUSE_S + 20)
     assert {i for i in weights if after[i].owner == standby.engine_id and after[i].epoch == 2} == weights
-    assert not pred_kv & set(after)  # the predecessor's KV cache, unused by the successor, was given back
     assert own_kv <= set(after) and after[own_kv.pop()].owner == standby.engine_id
+
+
+async def test_a_request_resumed_on_the_promoted_shadow_reuses_the_killed_engines_cache_and_continues_exactly(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
+    active, _, before = await _an_engine_and_its_shadow(tiny_weights, settings, bus, agent, recorder)
+    assert active.endpoint
+    whole = before["tokens"]
+    first: list[int] = []
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", active.endpoint + "/generate", json={**PROMPT, "stream": True}) as r:
+        for line in r.iter_lines():  # the request in flight when its engine dies
+            first.append(json.loads(line)["token"])
+            if len(first) == 5:
+                break
+        reply = await _kill_and_take_over(bus, settings.node, active, "inc-kv")
+    assert first == whole[:5] and reply.engine.endpoint and reply.timings_ms["shadowed"] == 1.0
+
+    resumed = generate(reply.engine.endpoint, **{**PROMPT, "max_tokens": 35}, resume=first)  # as a router does
+    assert resumed["tokens"] == whole[5:]
+    health = httpx.get(reply.engine.endpoint + "/health", timeout=10).json()
+    assert health["kv_reused"] == {"requests": 1, "positions": PROMPT_TOKENS + 4, "refused": 0}
+    # A fresh prompt is computed as ever, and gives what it gave before the failover.
+    assert generate(reply.engine.endpoint, **PROMPT)["tokens"] == whole
 
 
 async def test_a_standby_shadowing_another_engine_drops_its_shadow_and_takes_over_the_failed_one(

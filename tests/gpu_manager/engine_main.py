@@ -43,8 +43,11 @@ class TestEngine:
     def hashes(self) -> dict[str, str]:
         return {k: hashlib.sha256(self._bytes(v)).hexdigest() for k, v in self.views.items()}
 
-    def write(self, n: int, seed: int) -> dict:
-        lease = self.client.allocate(n, name="data")
+    def write(self, n: int, seed: int, tag: str | None = None) -> dict:
+        """A lease of `n` bytes of a seeded pattern, registered as tensor "data" (or, given a tag, as a tensor named
+        after it, beside the earlier ones), committed."""
+        name = tag or "data"
+        lease = self.client.allocate(n, name=name, **({"tag": tag} if tag else {}))
         pattern = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
         if self.framework == "torch":
             import torch
@@ -55,9 +58,9 @@ class TestEngine:
         else:
             view = lease.numpy("uint8", (n,))
             view[:] = pattern
-        self.client.register([lease.meta("data", "uint8", (n,))])
+        self.client.register([lease.meta(name, "uint8", (n,))])
         digest = self.client.commit()
-        self.views = {"data": view}
+        self.views = {**self.views, name: view} if tag else {"data": view}
         return {"lease": lease.id, "epoch": lease.epoch, "layout": digest, "expected": hashlib.sha256(pattern.tobytes()).hexdigest(),
                 **self.hashes()}
 
@@ -68,7 +71,7 @@ class TestEngine:
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
         if cmd == "write":
-            return self.write(int(words[1]), int(words[2]))
+            return self.write(int(words[1]), int(words[2]), *words[3:4])
         if cmd == "hash":
             return self.hashes()
         if cmd == "pending":

@@ -58,6 +58,21 @@ async def test_a_standby_maps_the_owners_weights_read_only_and_only_with_its_own
     assert none.value.remote_code == "not_found"
 
 
+async def test_a_share_maps_the_owners_kv_cache_read_only_too_but_no_other_lease(manager, engines, bus):
+    owner = engines(manager, "eng-owner")
+    weights = owner.ask(f"write {N} 5")
+    kv = owner.ask(f"write {N} 6 kv_cache")
+    other = owner.ask(f"write {N} 7 other")
+    grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb"), ShareWeightsReply)
+    assert sorted(grant.lease_ids) == sorted([weights["lease"], kv["lease"]]) and grant.bytes >= 2 * N
+
+    shadow = engines(manager, "eng-sb").ask(f"share eng-owner {grant.share_token}")
+    assert shadow["read_only"] == {weights["lease"]: True, kv["lease"]: True}
+    assert shadow["kv_cache"] == kv["expected"] and "other" not in shadow
+    listed = await bus.request(NODE, ListLeases(owner="eng-owner"), ListLeasesReply)
+    assert {i.id for i in listed.leases} == {weights["lease"], kv["lease"], other["lease"]}
+
+
 async def test_a_shadow_takes_the_leases_over_after_the_owners_death_keeping_its_mapping(manager, engines, bus):
     owner = engines(manager, "eng-owner")
     wrote = owner.ask(f"write {N} 6")

@@ -1,0 +1,213 @@
+"""A predecessor's KV cache reused by its successor (engines/reference/kv_reuse.py), in process: two engine
+cores over the same weights, the first stopped mid-generation as a killed engine would be, the second resuming
+its request from the first one's cache and marks (tiny size, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.reference.config import get_config
+from engines.reference.engine import EngineCore, GenerationRequest, TokenOut
+from engines.reference.kv_reuse import UNMARKED, KvDonor, marks_shape, reusable_prefix
+from engines.reference.model import Transformer
+from engines.reference.weights import load_weights, make_weights
+
+CFG = get_config("tiny")
+SLOTS, MAX_SEQ = 2, 256
+PROMPT = [256, *b"Holdfast keeps the cache"]  # BOS + bytes
+N_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    return load_weights(make_weights(CFG, tmp_path_factory.mktemp("w") / "tiny.safetensors"))
+
+
+def new_core(weights: dict[str, torch.Tensor], *, graphs: bool, donor: KvDonor | None = None) -> EngineCore:
+    kv = torch.zeros(CFG.kv_shape(SLOTS, MAX_SEQ))
+    marks = torch.zeros(marks_shape(SLOTS, MAX_SEQ), dtype=torch.int64)
+    return EngineCore(Transformer(CFG, weights), kv, prefill_chunk=8, graphs=graphs, marks=marks, donor=donor)
+
+
+def marks_of(core: EngineCore) -> torch.Tensor:
+    assert core.marks is not None
+    return core.marks.marks
+
+
+def request(context: list[int], prefix_len: int) -> GenerationRequest:
+    return GenerationRequest(context=context, max_tokens=N_TOKENS - (len(context) - prefix_len),
+                             prefix_len=prefix_len, ignore_eos=True)
+
+
+def tokens_of(core: EngineCore, req: GenerationRequest) -> list[int]:
+    return [e.token for e in core.generate(req) if isinstance(e, TokenOut)]
+
+
+def killed_after(core: EngineCore, k: int) -> list[int]:
+    """The first `k` tokens of the prompt's generation; then the generation stops where it stands (its slot is
+    returned, its cache and marks stay, as in a SIGKILLed engine's lease)."""
+    it = core.generate(request(PROMPT, len(PROMPT)))
+    got = []
+    for ev in it:
+        got.append(ev.token)  # type: ignore[union-attr]
+        if len(got) == k:
+            break
+    it.close()
+    return got
+
+
+def reused_by_the_next_generation(core: EngineCore, req: GenerationRequest) -> tuple[list[int], float]:
+    phases: dict[str, float] = {}
+    core.trace_next(phases, 0.0)
+    return tokens_of(core, req), phases["kv_reused"]
+
+
+def test_a_reusable_prefix_covers_the_whole_prompt_matches_every_token_and_leaves_the_last_one() -> None:
+    row = torch.tensor([3, 10, 11, 12, 13, 14, UNMARKED, UNMARKED])
+    assert reusable_prefix(row, 3, [10, 11, 12, 13, 14]) == 4  # the last position is computed again
+    assert reusable_prefix(row, 3, [10, 11, 12, 13, 14, 15, 16]) == 5
+    assert reusable_prefix(row, 3, [10, 11, 12, 99, 14, 15]) == 3  # up to the first mismatch
+    assert reusable_prefix(row, 3, [10, 11, 99, 13, 14]) == 0  # not the whole prompt
+    assert reusable_prefix(row, 2, [10, 11, 12, 13, 14]) == 0  # another prompt length: other forwards
+    assert reusable_prefix(row, 3, [10, 11, 12]) == 0  # nothing resumed: the prompt's logits are needed
+    assert reusable_prefix(torch.tensor([0, UNMARKED, UNMARKED]), 0, [1, 2]) == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_a_resumed_request_copies_its_prefix_from_the_predecessors_cache_and_continues_exactly(
+        weights: dict[str, torch.Tensor], graphs: bool) -> None:
+    whole = tokens_of(new_core(weights, graphs=graphs), request(PROMPT, len(PROMPT)))
+    predecessor = new_core(weights, graphs=graphs)
+    first = killed_after(predecessor, 5)
+    assert first == whole[:5]
+    # The 5th token was sampled but never fed: its keys and values are not there, nor vouched for.
+    marked = int((marks_of(predecessor)[:, 1:] != UNMARKED).sum())
+    assert marked == len(PROMPT) + 4
+
+    successor = new_core(weights, graphs=graphs, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
+    got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[5:]
+    assert reused == len(PROMPT) + 4  # all but the last resumed token: one forward instead of 1 + 5
+    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0}
+
+
+def test_the_successor_marks_what_it_copied_so_its_own_successor_can_reuse_it_again(
+        weights: dict[str, torch.Tensor]) -> None:
+    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
+    first = new_core(weights, graphs=False)
+    killed_after(first, 3)
+    second = new_core(weights, graphs=False, donor=KvDonor(first.kv, marks_of(first)))
+    it = second.generate(request(PROMPT + whole[:3], len(PROMPT)))
+    more = [next(it).token for _ in range(4)]  # type: ignore[union-attr]
+    it.close()
+    assert more == whole[3:7]
+    third = new_core(weights, graphs=False, donor=KvDonor(second.kv, marks_of(second)))
+    got, reused = reused_by_the_next_generation(third, request(PROMPT + whole[:7], len(PROMPT)))
+    assert got == whole[7:] and reused == len(PROMPT) + 6
+
+
+def test_a_prefix_marked_for_other_tokens_or_another_prompt_length_is_not_reused(
+        weights: dict[str, torch.Tensor]) -> None:
+    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
+    predecessor = new_core(weights, graphs=False)
+    first = killed_after(predecessor, 5)
+    donor = KvDonor(predecessor.kv, marks_of(predecessor))
+
+    other_prompt = [256, *b"Another prompt entirely, longer"]
+    core = new_core(weights, graphs=False, donor=donor)
+    assert reused_by_the_next_generation(core, request(other_prompt + first, len(other_prompt)))[1] == 0
+    # The same tokens counted as a longer prompt are prefilled in other chunks: other bits, not reused.
+    assert reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT) + 2))[1] == 0
+    # A resumed token that differs from the predecessor's: the prefix up to it only; the rest computed.
+    changed = first[:2] + [(first[2] + 1) % 256] + first[3:]
+    assert reused_by_the_next_generation(core, request(PROMPT + changed, len(PROMPT)))[1] == len(PROMPT) + 2
+    got, reused = reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[5:] and reused == len(PROMPT) + 4
+
+
+class RewrittenMeanwhile(KvDonor):
+    """A predecessor still alive that starts another request in the slot while it is being copied."""
+
+    def _read_again(self, slot: int, m: int) -> torch.Tensor:
+        self.marks[slot, 1:].fill_(UNMARKED)
+        return super()._read_again(slot, m)
+
+
+def test_a_copy_whose_marks_changed_under_it_is_not_used_and_the_request_is_computed_whole(
+        weights: dict[str, torch.Tensor]) -> None:
+    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
+    predecessor = new_core(weights, graphs=False)
+    first = killed_after(predecessor, 5)
+    core = new_core(weights, graphs=False, donor=RewrittenMeanwhile(predecessor.kv, marks_of(predecessor)))
+    got, reused = reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[5:] and reused == 0
+    assert core.kv_reuse() == {"requests": 0, "positions": 0, "refused": 1}
+
+
+def test_a_slot_taken_by_a_new_request_vouches_for_nothing_of_the_old_one(weights: dict[str, torch.Tensor]) -> None:
+    core = new_core(weights, graphs=False)
+    killed_after(core, 5)
+    slot = next(s for s in range(SLOTS) if int(marks_of(core)[s, 0]) == len(PROMPT))
+    assert core.free_slots() == SLOTS  # the slot just given back is the next one taken
+    it = core.generate(GenerationRequest(context=[256, 7], max_tokens=1))
+    next(it)
+    row = marks_of(core)[slot]
+    assert int(row[0]) == 2 and row[1:3].tolist() == [256, 7] and bool((row[3:] == UNMARKED).all())
+    it.close()
+
+
+def test_a_retired_donor_is_read_no_more_and_its_memory_is_given_back(weights: dict[str, torch.Tensor]) -> None:
+    predecessor = new_core(weights, graphs=False)
+    first = killed_after(predecessor, 2)
+    given_back: list[bool] = []
+    core = new_core(weights, graphs=False, donor=KvDonor(predecessor.kv, marks_of(predecessor),
+                                                         on_retire=lambda: given_back.append(True)))
+    core.retire_donor()
+    assert given_back == [True] and core.donor is None
+    assert reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT)))[1] == 0
+    assert core.kv_reuse() == {"requests": 0, "positions": 0, "refused": 0}
+
+
+def test_a_donor_of_another_layout_is_not_used(weights: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    other = get_config("tiny@2")
+    donor = KvDonor(torch.zeros(other.kv_shape(SLOTS, MAX_SEQ)), torch.zeros(marks_shape(SLOTS, MAX_SEQ),
+                                                                              dtype=torch.int64))
+    assert new_core(weights, graphs=False, donor=donor).donor is None
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and_continues_exactly(
+        tmp_path: Path) -> None:
+    """The CUDA path: graphs captured on both sides, the copy on a stream of its own, the marks of a slot whose
+    graphs were captured while it held a live request (the capture's warm-up writes and restores its positions)."""
+    dev = torch.device("cuda")
+    w = load_weights(make_weights(CFG, tmp_path / "tiny.safetensors"), dev)
+
+    def core_on_cuda(donor: KvDonor | None = None) -> EngineCore:
+        kv = torch.zeros(CFG.kv_shape(SLOTS, MAX_SEQ), device=dev)
+        marks = torch.zeros(marks_shape(SLOTS, MAX_SEQ), dtype=torch.int64, device=dev)
+        return EngineCore(Transformer(CFG, w), kv, prefill_chunk=8, graphs=True, marks=marks, donor=donor)
+
+    reference = core_on_cuda()
+    reference.warm()
+    whole = tokens_of(reference, request(PROMPT, len(PROMPT)))
+    predecessor = core_on_cuda()  # serves before its graphs exist, captures them while a request is live
+    it = predecessor.generate(request(PROMPT, len(PROMPT)))
+    first = [next(it).token for _ in range(3)]  # type: ignore[union-attr]
+    predecessor.capture_graphs_in_background().join()  # type: ignore[union-attr]
+    first += [next(it).token for _ in range(2)]  # type: ignore[union-attr]
+    it.close()
+    torch.cuda.synchronize()
+    assert first == whole[:5]
+    assert int((marks_of(predecessor)[:, 1:] != UNMARKED).sum()) == len(PROMPT) + 4
+
+    successor = core_on_cuda(KvDonor(predecessor.kv, marks_of(predecessor)))
+    successor.warm()
+    got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[5:] and reused == len(PROMPT) + 4
+    successor.retire_donor()
+    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0}
