@@ -96,6 +96,8 @@ class EngineCore:
         self.prefill_chunk = max(1, prefill_chunk)
         self.marks = SlotMarks(marks) if marks is not None else None  # invariant 4 (leased caches only)
         self.donor = donor if donor is not None and donor.fits(kv) else None
+        if self.donor is not None:
+            self.donor.warm()
         self.donor_stats: dict[str, int] | None = None  # what the retired donor served
         # fixed-shape forwards (CUDA graphs once captured by warm()): static_forward.py; None: where it pays, on CUDA
         if graphs is None:
@@ -159,13 +161,11 @@ class EngineCore:
         logits = None
         prompt = prompt_length(len(ctx), prefix_len)
         with self._lock:
-            reused, vouched = 0, None
+            reused = 0
             if self.donor is not None and prompt < len(ctx):
-                reused, vouched = self.donor.restore(self.kv, slot, prompt, ctx)
-            if self.marks is not None:
+                reused = self.donor.restore(self.kv, self.marks, slot, prompt, ctx)  # marks the slot if it reuses
+            if self.marks is not None and not reused:
                 self.marks.begin(slot, prompt)
-                if vouched is not None:
-                    self.marks.vouch(slot, vouched)
             for start, stop in prefill_spans(len(ctx), prefix_len, self.prefill_chunk, reused):
                 logits = self._forward(slot, ctx[start:stop], start)
         return logits, reused

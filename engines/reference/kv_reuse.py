@@ -81,10 +81,19 @@ class KvDonor:
     def __init__(self, kv: torch.Tensor, marks: torch.Tensor, on_retire: Callable[[], None] | None = None) -> None:
         self.kv, self.marks = kv, marks
         self.side = torch.cuda.Stream(kv.device) if kv.is_cuda else None  # reads not queued behind our forwards
+        # The second read's buffer, made now: a device allocation on the takeover's path waits for the driver,
+        # which the predecessor's teardown holds for tens of ms (scripts/probe_teardown.py).
+        self._again = torch.empty(marks.shape[1], dtype=marks.dtype, device=marks.device)
         self._on_retire = on_retire
         self.requests = 0
         self.positions = 0
         self.refused = 0  # prefixes the marks vouched for, then not (a live predecessor rewrote them)
+
+    def warm(self) -> None:
+        """Run the stream and its copies once (the shadow does, long before its promotion)."""
+        with self._stream():
+            self._again.copy_(self.marks[0])
+            self._again.to("cpu")
 
     def fits(self, kv: torch.Tensor) -> bool:
         """Whether this cache's slots have `kv`'s layout (layers, k|v, heads, head_dim, dtype)."""
@@ -100,13 +109,13 @@ class KvDonor:
             yield
         torch.cuda.current_stream(self.kv.device).wait_stream(self.side)
 
-    def restore(self, into_kv: torch.Tensor, slot: int, prompt_len: int,
-                ctx: Sequence[int]) -> tuple[int, torch.Tensor | None]:
-        """Copy the longest prefix of `ctx` this cache holds finished into slot `slot` of `into_kv`; returns its
-        length (0: nothing reused) and the marks that vouched for it (a device tensor [1 + length], for the
-        caller to mark in its own cache, so that its successor may reuse the prefix in turn). The forward lock
-        is held: the slot is the caller's, and none of its forwards is in flight (each ended in a sampled token).
-        Reads and copies run on a stream of their own, not queued behind other requests' forwards."""
+    def restore(self, into_kv: torch.Tensor, into_marks: SlotMarks | None, slot: int, prompt_len: int,
+                ctx: Sequence[int]) -> int:
+        """Copy the longest prefix of `ctx` this cache holds finished into slot `slot` of `into_kv`, and mark it
+        there (a new request's marks, then the prefix's: this engine's successor may reuse it in turn); returns
+        its length (0: nothing reused, nothing marked). The forward lock is held: the slot is the caller's, and
+        none of its forwards is in flight (each ended in a sampled token). Everything runs on a stream of its
+        own, not queued behind other requests' forwards, and allocates nothing on the device."""
         with self._stream():
             rows = self.marks.to("cpu", copy=True)  # a snapshot: on a CPU, the live memory itself otherwise
             best, m = 0, 0
@@ -115,21 +124,22 @@ class KvDonor:
                 if got > m:
                     best, m = s, got
             if m == 0:
-                return 0, None
+                return 0
             into_kv[slot, :, :, :, :m].copy_(self.kv[best, :, :, :, :m])
             vouched = self._read_again(best, m)
-            if not torch.equal(vouched.to("cpu"), rows[best, :1 + m]):
+            if not torch.equal(vouched.to("cpu"), rows[best, :1 + m]):  # invariant 3: the copy may be torn
                 self.refused += 1
-                return 0, None
-        if self.side is not None:  # read on the caller's stream (SlotMarks.vouch) after this block is freed
-            vouched.record_stream(torch.cuda.current_stream(self.kv.device))
+                return 0
+            if into_marks is not None:
+                into_marks.begin(slot, prompt_len)
+                into_marks.vouch(slot, vouched)
         self.requests += 1
         self.positions += m
-        return m, vouched
+        return m
 
     def _read_again(self, slot: int, m: int) -> torch.Tensor:
         """The slot's marks of the first `m` positions, read again after their copy (invariant 3), on the device."""
-        return self.marks[slot, :1 + m].clone()
+        return self._again[:1 + m].copy_(self.marks[slot, :1 + m])
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.requests, "positions": self.positions, "refused": self.refused}

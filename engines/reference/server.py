@@ -143,9 +143,24 @@ def warm_routes(endpoint: str) -> None:
         client.post(f"{endpoint}/generate", json={"prompt": "", "max_tokens": 0, "stream": True})
 
 
+class ArrivalMark:
+    """Marks `arrived` (EngineCore.mark) when a request's headers are parsed, before FastAPI reads and validates
+    its body: a traced first generation then tells the HTTP server's share of the wait from FastAPI's."""
+
+    def __init__(self, app: Any, state: EngineState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        core = self.state.core
+        if core is not None and scope["type"] == "http" and scope["path"] == "/generate":
+            core.mark("arrived")
+        await self.app(scope, receive, send)
+
+
 def build_app(state: EngineState) -> FastAPI:
     preload_streaming()
     app = FastAPI(title="Holdfast reference engine")
+    app.add_middleware(ArrivalMark, state=state)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
