@@ -225,3 +225,67 @@ async def test_durable_consumer_replays_what_it_missed_after_a_restart(settings)
     assert seen == ["a", "b", "c"]
     await consumer.close()
     await producer.close()
+
+
+async def _receiver(bus: Bus, subject: str, n: int) -> tuple[list[bytes], asyncio.Future[None]]:
+    got: list[bytes] = []
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def cb(msg: Msg) -> None:
+        got.append(msg.data)
+        if len(got) == n and not done.done():
+            done.set_result(None)
+
+    await bus.nc.subscribe(subject, cb=cb)
+    await bus.nc.flush()
+    return got, done
+
+
+def _count_writes(nc: object) -> list[int]:
+    """Each write of the connection, as the number of commands it carried."""
+    writes: list[int] = []
+    transport = nc._transport  # type: ignore[attr-defined]
+    inner = transport.writelines
+
+    def writelines(payload: list[bytes]) -> None:
+        writes.append(len(payload))
+        inner(payload)
+
+    transport.writelines = writelines
+    return writes
+
+
+async def test_publishes_made_while_other_work_is_ready_go_out_in_one_write_and_in_order(bus: Bus) -> None:
+    got, done = await _receiver(bus, "t.batch", 40)
+    writes = _count_writes(bus.nc)
+    try:
+        async def twice(i: int) -> None:
+            await bus.nc.publish("t.batch", b"a%d" % i)
+            await asyncio.sleep(0)  # a second loop pass: nats-py's own flusher had written the first round by now
+            await bus.nc.publish("t.batch", b"b%d" % i)
+
+        await asyncio.gather(*(twice(i) for i in range(20)))
+        await asyncio.wait_for(done, 10)
+    finally:
+        del bus.nc._transport.writelines  # type: ignore[attr-defined]
+    assert writes[0] == 40  # both rounds, one write
+    assert got == [b"a%d" % i for i in range(20)] + [b"b%d" % i for i in range(20)]
+
+
+async def test_a_loop_that_is_never_idle_still_gets_its_publishes_written(bus: Bus) -> None:
+    got, done = await _receiver(bus, "t.busy", 1)
+    stop = False
+
+    async def spin() -> None:  # always ready: the flusher never finds the loop idle
+        while not stop:
+            await asyncio.sleep(0)
+
+    spinner = asyncio.ensure_future(spin())
+    try:
+        await asyncio.sleep(0)
+        await bus.nc.publish("t.busy", b"x")
+        await asyncio.wait_for(done, 10)  # written after at most LINGER_PASSES passes
+    finally:
+        stop = True
+        await spinner
+    assert got == [b"x"]
