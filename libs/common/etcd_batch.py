@@ -54,8 +54,13 @@ class _Op:
 
 class BatchWriter:
     def __init__(self, store: Store, *, guard: Callable[[Any], list[Any]] | None = None, max_ops: int = 100,
-                 parallel: int = 4) -> None:
+                 parallel: int = 4, behind_linger_s: float = 0.0) -> None:
         self.store = store
+        # Written-behind writes with nothing awaited beside them wait up to this long for company: an awaited
+        # write (or `max_ops` writes) sends them at once. 0: sent as soon as a slot is free.
+        self.behind_linger_s = behind_linger_s
+        self._urgent = False  # an awaited write (or a flush) is pending: no lingering
+        self._hurry: asyncio.Future[None] | None = None  # the linger's wait, ended early by an urgent write
         self.guard = guard  # (transactions helper) -> comparisons added to every transaction
         self.max_ops = max_ops
         self.parallel = parallel
@@ -69,6 +74,7 @@ class BatchWriter:
         self.deferred_dropped = 0  # put_after writes superseded before they were due (never sent)
         self._later: list[_Op] = []  # writes to a key that has a create pending (kept in order)
         self._later_keys: dict[str, int] = {}  # key -> its writes in _later (no scan of _later per write)
+        self.lingered = 0  # transactions that waited for company (health and benchmarks)
         self._inflight: dict[str, _Op] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -128,6 +134,7 @@ class BatchWriter:
             self._deferred[key][0].cancel()
             self._fire_deferred(key)
         while self._pending or self._later or self._running:
+            self._hasten()
             self._ensure_task()
             self._wake.set()
             self._idle.clear()
@@ -146,6 +153,7 @@ class BatchWriter:
         fut = asyncio.get_running_loop().create_future() if wait else None
         if fut is not None:
             op.waiters.append(fut)
+            self._hasten()
         cur = self._pending.get(op.key)
         if (cur is not None and (cur.kind == CREATE or op.kind == CREATE)) or op.key in self._later_keys:
             self._later.append(op)  # a create decides what follows it: keep the order
@@ -158,6 +166,24 @@ class BatchWriter:
         self._ensure_task()
         self._wake.set()
         return fut
+
+    def _hasten(self) -> None:
+        self._urgent = True
+        if self._hurry is not None and not self._hurry.done():
+            self._hurry.set_result(None)
+
+    async def _linger(self) -> None:
+        """Only written-behind writes are pending: give later writes `behind_linger_s` to join them (one
+        transaction, one raft commit and one gRPC call for all), unless an awaited one comes first."""
+        loop = asyncio.get_running_loop()
+        self._hurry = hurry = loop.create_future()
+        timer = loop.call_later(self.behind_linger_s, lambda: hurry.done() or hurry.set_result(None))
+        try:
+            await hurry
+        finally:
+            timer.cancel()
+            self._hurry = None
+        self.lingered += 1
 
     async def _wait(self, fut: asyncio.Future[bool] | None) -> bool:
         assert fut is not None
@@ -172,6 +198,9 @@ class BatchWriter:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self.behind_linger_s > 0 and self._pending and not self._urgent and len(self._pending) < self.max_ops:
+                await self._linger()
+            self._urgent = False
             while self._pending or self._later:
                 self._promote_later()
                 batch = self._take()

@@ -91,7 +91,8 @@ class IncidentDriver(ColdStarts):
         self.metrics = metrics
         leader_key = store.full("leader/controller")
         # Fencing: every write (batched or not) holds only while the leader key still names this instance.
-        self.writer = BatchWriter(store, guard=lambda t: [t.value(leader_key) == settings.instance.encode()])
+        self.writer = BatchWriter(store, guard=lambda t: [t.value(leader_key) == settings.instance.encode()],
+                                  behind_linger_s=settings.record_linger_s)
         self.writer.on_send = view.expect_own  # the view takes our records back from the watch unparsed
         self.log = IncidentLog(store, self.writer)
         self.by_cold: dict[str, str] = {}  # cold-started successor engine id -> its incident

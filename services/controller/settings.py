@@ -27,6 +27,8 @@ class ControllerSettings(CommonSettings):
     fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")
     waiting_record_delay_s: float = Field(1.0, ge=0, description="an incident's waiting state (freezing, fallback) "
                                           "is recorded only if it still waits this long after dispatch (0: at once)")
+    record_linger_s: float = Field(0.005, ge=0, description="written-behind etcd writes (later records, endpoint "
+                                   "keys) wait up to this for an awaited write to share its transaction (0: none)")
     concurrency: int = Field(256, ge=1, description="events handled at once per durable consumer")
     ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
     tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")

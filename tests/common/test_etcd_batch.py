@@ -38,3 +38,29 @@ async def test_a_create_of_an_existing_key_fails_and_the_writes_behind_it_still_
     await writer.flush()
     assert await store.get("k/x") == b'{"v":1}'
     await writer.close()
+
+
+async def test_written_behind_writes_wait_for_an_awaited_write_and_share_its_transaction(store: Store) -> None:
+    writer = BatchWriter(store, behind_linger_s=3600)  # only an awaited write (or a flush) sends them
+    writer.put_nowait("k/behind1", {"v": 1})
+    writer.delete_nowait("k/gone")
+    await asyncio.sleep(0.05)
+    assert writer.transactions == 0 and writer.pending("k/behind1") == (True, b'{"v":1}')
+    await writer.put("k/awaited", {"v": 2})  # not held by the linger
+    assert writer.transactions == 1  # all three in one transaction
+    assert await store.get("k/behind1") == b'{"v":1}' and await store.get("k/awaited") == b'{"v":2}'
+    await writer.close()
+
+
+async def test_a_flush_sends_lingering_writes_at_once_and_a_linger_ends_on_its_own(store: Store) -> None:
+    writer = BatchWriter(store, behind_linger_s=3600)
+    writer.put_nowait("k/a", {"v": 1})
+    await writer.flush()  # does not wait out the linger
+    assert await store.get("k/a") == b'{"v":1}'
+    await writer.close()
+    writer = BatchWriter(store, behind_linger_s=0.01)
+    writer.put_nowait("k/b", {"v": 1})  # nothing else comes: sent when the linger ends
+    while writer.pending("k/b")[0]:
+        await asyncio.sleep(0.01)
+    assert await store.get("k/b") == b'{"v":1}' and writer.lingered >= 1
+    await writer.close()
