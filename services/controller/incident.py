@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -100,10 +101,14 @@ class Deadlines:
         return {S.FREEZING: self.freeze_s, S.REATTACHING: self.reattach_s, S.FALLBACK: self.fallback_s}.get(state)
 
 
+_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")  # what subject_token keeps as it is
+
+
 def incident_id_for(engine_id: str, generation: int, reason: IncidentReason = IncidentReason.FAILURE) -> str:
     """Invariant 1: the same failed generation always maps to the same id (subject- and URL-safe)."""
     short = {IncidentReason.FAILURE: "inc", IncidentReason.MANUAL_FAILOVER: "mf", IncidentReason.HOT_UPGRADE: "up"}[reason]
-    return f"{short}-{subject_token(engine_id)}-g{generation}"
+    token = engine_id if _SAFE_TOKEN.fullmatch(engine_id) else subject_token(engine_id)  # the same, without a loop
+    return f"{short}-{token}-g{generation}"
 
 
 class StepRecord(BaseModel):
