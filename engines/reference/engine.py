@@ -13,7 +13,8 @@ one: the reference engine values exactness over throughput). Invariants:
    a forward in flight (each forward ends in a sampled token before the generation can stop).
 4. Where the cache is leased, each slot's finished positions are marked (kv_reuse.py), and a successor holding
    its predecessor's cache (`donor`) copies a resumed request's finished prefix instead of computing it: the
-   forwards run are those of invariant 1 from there on, so the continuation is the same.
+   forwards run are those of invariant 1 from there on, so the continuation is the same. The generations the
+   predecessor had in flight are continued before their requests come back (continuation.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.reference.continuation import Continuations, key_of
 from engines.reference.kv_reuse import KvDonor, SlotMarks
 from engines.reference.model import Transformer
 from engines.reference.static_forward import StaticForward
@@ -107,6 +109,7 @@ class EngineCore:
         self._lock = threading.Lock()  # one forward at a time
         self._free = list(range(kv.shape[0]))
         self._slots_cv = threading.Condition()
+        self.continuations = Continuations()
         self.tokens_generated = 0
         self.requests_done = 0
         self._phases: dict[str, float] | None = None  # armed by trace_next(): where one generation's time goes
@@ -122,9 +125,17 @@ class EngineCore:
 
     def _take_slot(self, timeout: float | None) -> int:
         with self._slots_cv:
+            if not self._free:
+                evicted = self.continuations.evict()  # continuation.py invariant 2
+                if evicted is not None:
+                    return evicted
             if not self._slots_cv.wait_for(lambda: bool(self._free), timeout=timeout):
                 raise TimeoutError("no free KV slot")
             return self._free.pop()
+
+    def _try_take_slot(self, keep_free: int) -> int | None:
+        with self._slots_cv:
+            return self._free.pop() if len(self._free) > keep_free else None
 
     def _give_slot(self, slot: int) -> None:
         with self._slots_cv:
@@ -177,13 +188,41 @@ class EngineCore:
             if donor is not None:
                 self.donor_stats = donor.stats()
             self.donor = None
+        for slot in self.continuations.drop_all():
+            self._give_slot(slot)
         if donor is not None:
             donor.retire()
 
-    def kv_reuse(self) -> dict[str, int] | None:
-        """Prefixes copied from a predecessor's cache so far (None: this engine had no predecessor's cache)."""
+    def continue_in_flight(self) -> int:
+        """Run now the forward that resumes each generation the predecessor had in flight (continuation.py),
+        keeping one slot free for new requests; returns how many were computed."""
         donor = self.donor
-        return donor.stats() if donor is not None else self.donor_stats
+        if donor is None:
+            return 0
+        todo = [key_of(ctx, prompt) for ctx, prompt in donor.in_flight()][:max(0, self.slots - 1)]
+        self.continuations.plan(todo)
+        done = 0
+        for key in todo:
+            slot = self._try_take_slot(keep_free=1)
+            if slot is None:
+                self.continuations.abandon(key)
+                continue
+            try:
+                logits, reused = self.prefill(slot, list(key[0]), key[1])
+            except BaseException:
+                self.continuations.abandon(key)
+                self._give_slot(slot)
+                raise
+            self.continuations.done(key, slot, logits, reused)  # type: ignore[arg-type]
+            done += 1
+        return done
+
+    def kv_reuse(self) -> dict[str, int] | None:
+        """Prefixes copied from a predecessor's cache so far, and in-flight generations continued (None: this
+        engine had no predecessor's cache)."""
+        donor = self.donor
+        stats = donor.stats() if donor is not None else self.donor_stats
+        return {**stats, **self.continuations.stats()} if stats is not None else None
 
     def trace_next(self, into: dict[str, float], t0: float) -> None:
         """Record, into `into`, the phases of the next generation (ms since `t0`): slot taken, prefill
@@ -230,14 +269,23 @@ class EngineCore:
         segments = self._segments() if phases is not None else 0
         gc_before = gc_tuning.paused_ms() if phases is not None else 0.0
         self._mark(phases, "called")
-        slot = self._take_slot(slot_timeout)
+        ctx = list(req.context)
+        continued = None
+        if req.max_tokens > 0:
+            continued = self.continuations.take(key_of(ctx, prompt_length(len(ctx), req.prefix_len)), slot_timeout)
+        slot = continued[0] if continued is not None else self._take_slot(slot_timeout)
         self._mark(phases, "slot")
+        unfed: int | None = None  # the position of a token sampled and not fed yet (kv_reuse.py marks)
         try:
             text = TextStream()
             text.prime(req.context)
-            ctx = list(req.context)
             logits = None
-            if req.max_tokens > 0:
+            if continued is not None:
+                _, logits, reused = continued
+                self._mark(phases, "continued")
+                if phases is not None:
+                    phases["kv_reused"] = reused
+            elif req.max_tokens > 0:
                 logits, reused = self.prefill(slot, ctx, req.prefix_len)
                 self._mark(phases, "prefill_launched")
                 if phases is not None:
@@ -258,6 +306,9 @@ class EngineCore:
                         phases["new_segments"] = self._segments() - segments
                         phases["gc_ms"] = round(gc_tuning.paused_ms() - gc_before, 3)  # collector pauses meanwhile
                         phases["prefill_tokens"] = len(ctx)
+                if self.marks is not None:
+                    self.marks.sampled(slot, len(ctx), tok)
+                    unfed = len(ctx)
                 ctx.append(tok)
                 produced += 1
                 self.tokens_generated += 1
@@ -267,10 +318,13 @@ class EngineCore:
                     break
                 if produced < req.max_tokens and len(ctx) < self.max_seq:
                     logits = self.forward(slot, [tok], len(ctx) - 1)
+                    unfed = None
             self.requests_done += 1
             yield Finished(prompt_tokens=len(req.context), completion_tokens=produced, finish_reason=reason,
                            first_token_ms=round(first_ms, 3), total_ms=round((time.perf_counter() - t0) * 1000, 3))
         finally:
+            if unfed is not None and self.marks is not None:  # ended (or was abandoned): nothing in flight here
+                self.marks.unsampled(slot, unfed)
             self._give_slot(slot)
 
     def warm_concurrent(self, n: int, *, cuda_only: bool = True) -> None:

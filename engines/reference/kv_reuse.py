@@ -6,7 +6,8 @@ consistent). Why: a request resumed after a failover otherwise runs one forward 
 
 Marks: an int64 tensor [slot, 1 + max_seq] in the KV lease, beside the cache. Column 0: the prompt length of the
 slot's request (the part prefilled in chunks); column 1 + p: the token at position p once the forward that wrote
-p's keys and values in every layer has ended, else -1.
+p's keys and values in every layer has ended; -(token + 2) for a token sampled for position p and sent, its
+forward not run yet (the generation is in flight: continuation.py); else -1.
 
 Invariants:
 1. A mark is written after the forward whose keys and values it vouches for, on the same stream (kernels run in
@@ -33,6 +34,26 @@ import torch
 log = logging.getLogger("holdfast.engine.kv_reuse")
 
 UNMARKED = -1
+
+
+def sampled_mark(token: int) -> int:
+    return -(token + 2)
+
+
+def in_flight(row: torch.Tensor) -> tuple[list[int], int] | None:
+    """The generation in flight in the slot whose marks are `row` (a CPU tensor): its context (every finished
+    position, then the token sampled after them) and its prompt length; None if the slot holds none."""
+    prompt_len = int(row[0])
+    if prompt_len <= 0:
+        return None
+    unfinished = (row[1:] < 0).nonzero()
+    if unfinished.numel() == 0:
+        return None
+    n = int(unfinished[0])
+    nxt = int(row[1 + n])
+    if n < prompt_len or nxt > sampled_mark(0):
+        return None
+    return [*row[1:1 + n].tolist(), -nxt - 2], prompt_len
 
 
 def marks_shape(slots: int, max_seq: int) -> tuple[int, int]:
@@ -68,6 +89,14 @@ class SlotMarks:
     def vouch(self, slot: int, marks: torch.Tensor) -> None:
         """A prefix copied from a predecessor's cache (KvDonor.restore), with the marks that vouched for it."""
         self.marks[slot, :marks.shape[0]].copy_(marks)
+
+    def sampled(self, slot: int, position: int, token: int) -> None:
+        """`token` was sampled for `position` and goes to the client; its forward comes with the next step."""
+        self.marks[slot, 1 + position].fill_(sampled_mark(token))
+
+    def unsampled(self, slot: int, position: int) -> None:
+        """The generation ended without feeding its last sampled token: nothing is in flight in the slot."""
+        self.marks[slot, 1 + position].fill_(UNMARKED)
 
     def written(self, slot: int, start: int, tokens: torch.Tensor) -> None:
         """`tokens` (a device tensor, int64) now have finished keys and values at positions start.."""
@@ -136,6 +165,12 @@ class KvDonor:
         self.requests += 1
         self.positions += m
         return m
+
+    def in_flight(self) -> list[tuple[list[int], int]]:
+        """The generations in flight in the predecessor's slots: (context, prompt length) each."""
+        with self._stream():
+            rows = self.marks.to("cpu", copy=True)
+        return [got for s in range(rows.shape[0]) if (got := in_flight(rows[s])) is not None]
 
     def _read_again(self, slot: int, m: int) -> torch.Tensor:
         """The slot's marks of the first `m` positions, read again after their copy (invariant 3), on the device."""

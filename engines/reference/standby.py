@@ -122,10 +122,22 @@ class Standby:
         self.state.on_first_token = at("first_request_token_ms")  # and its first token left
         shadow.core.trace_next(rec.setdefault("first_generation", {}), t_start)
         if shadow.core.donor is not None:  # the predecessor's cache, for the replayed requests' prefixes
+            threading.Thread(target=self._continue_in_flight, args=(shadow.core, rec), name="continue-in-flight",
+                             daemon=True).start()
             retire_later(self.s.kv_reuse_s, shadow.core.retire_donor)
         stall_watch.watch(rec.setdefault("stalls", []), 0.3)  # who holds the interpreter meanwhile
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core
+
+    @staticmethod
+    def _continue_in_flight(core: EngineCore, rec: dict[str, Any]) -> None:
+        """The predecessor's generations in flight, resumed now (continuation.py); a failure only costs time:
+        their requests then compute the same forwards themselves."""
+        t0 = time.perf_counter()
+        try:
+            rec["continued"] = {"generations": core.continue_in_flight(), "ms": _ms(t0)}
+        except Exception as e:  # noqa: BLE001 - logged; serving goes on
+            log.warning("continuing the predecessor's generations failed: %s: %s", type(e).__name__, e)
 
     def _adopt(self, predecessor: str, token: str) -> None:
         from libs.client.protocol import NotFrozenYet, PredecessorAlive

@@ -4,6 +4,7 @@ its request from the first one's cache and marks (tiny size, CPU)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,14 @@ import torch
 
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, GenerationRequest, TokenOut
-from engines.reference.kv_reuse import UNMARKED, KvDonor, marks_shape, reusable_prefix
+from engines.reference.kv_reuse import (
+    UNMARKED,
+    KvDonor,
+    in_flight,
+    marks_shape,
+    reusable_prefix,
+    sampled_mark,
+)
 from engines.reference.model import Transformer
 from engines.reference.weights import load_weights, make_weights
 
@@ -19,6 +27,7 @@ CFG = get_config("tiny")
 SLOTS, MAX_SEQ = 2, 256
 PROMPT = [256, *b"Holdfast keeps the cache"]  # BOS + bytes
 N_TOKENS = 12
+NOTHING_CONTINUED = {"requests": 0, "positions": 0, "refused": 0, "continued": 0, "continued_taken": 0}
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +56,23 @@ def tokens_of(core: EngineCore, req: GenerationRequest) -> list[int]:
     return [e.token for e in core.generate(req) if isinstance(e, TokenOut)]
 
 
+KILLED: list[Iterator[object]] = []  # generations stopped where they stood: not closed, as in a SIGKILLed engine
+
+
+@pytest.fixture(autouse=True)
+def _close_killed() -> Iterator[None]:
+    """Each test's 'killed' generations end with it (a generator alive at the interpreter's exit aborts it)."""
+    yield
+    while KILLED:
+        KILLED.pop().close()  # type: ignore[attr-defined]
+
+
 def killed_after(core: EngineCore, k: int) -> list[int]:
-    """The first `k` tokens of the prompt's generation; then the generation stops where it stands (its slot is
-    returned, its cache and marks stay, as in a SIGKILLed engine's lease)."""
+    """The first `k` tokens of the prompt's generation; then the generation stops where it stands, its last
+    token sent and not fed (its slot held, its cache and marks left as in a SIGKILLed engine's lease)."""
     it = core.generate(request(PROMPT, len(PROMPT)))
-    got = []
-    for ev in it:
-        got.append(ev.token)  # type: ignore[union-attr]
-        if len(got) == k:
-            break
-    it.close()
+    got = [next(it).token for _ in range(k)]  # type: ignore[union-attr]
+    KILLED.append(it)
     return got
 
 
@@ -84,15 +100,15 @@ def test_a_resumed_request_copies_its_prefix_from_the_predecessors_cache_and_con
     predecessor = new_core(weights, graphs=graphs)
     first = killed_after(predecessor, 5)
     assert first == whole[:5]
-    # The 5th token was sampled but never fed: its keys and values are not there, nor vouched for.
-    marked = int((marks_of(predecessor)[:, 1:] != UNMARKED).sum())
-    assert marked == len(PROMPT) + 4
+    # The 5th token was sampled and sent, never fed: its keys and values are not there, nor vouched for.
+    assert int((marks_of(predecessor)[:, 1:] >= 0).sum()) == len(PROMPT) + 4
+    assert [row for row in map(in_flight, marks_of(predecessor)) if row] == [(PROMPT + first, len(PROMPT))]
 
     successor = new_core(weights, graphs=graphs, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
     got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
     assert got == whole[5:]
     assert reused == len(PROMPT) + 4  # all but the last resumed token: one forward instead of 1 + 5
-    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0}
+    assert successor.kv_reuse() == {**NOTHING_CONTINUED, "requests": 1, "positions": len(PROMPT) + 4}
 
 
 def test_the_successor_marks_what_it_copied_so_its_own_successor_can_reuse_it_again(
@@ -129,6 +145,48 @@ def test_a_prefix_marked_for_other_tokens_or_another_prompt_length_is_not_reused
     assert got == whole[5:] and reused == len(PROMPT) + 4
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_a_generation_in_flight_is_continued_before_its_request_returns_which_then_takes_it(
+        weights: dict[str, torch.Tensor], graphs: bool) -> None:
+    whole = tokens_of(new_core(weights, graphs=graphs), request(PROMPT, len(PROMPT)))
+    predecessor = new_core(weights, graphs=graphs)
+    first = killed_after(predecessor, 5)
+    successor = new_core(weights, graphs=graphs, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
+    assert successor.continue_in_flight() == 1 and successor.free_slots() == SLOTS - 1
+
+    phases: dict[str, float] = {}
+    successor.trace_next(phases, 0.0)
+    assert tokens_of(successor, request(PROMPT + first, len(PROMPT))) == whole[5:]
+    assert "continued" in phases and "prefill_launched" not in phases and phases["kv_reused"] == len(PROMPT) + 4
+    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0, "continued": 1,
+                                    "continued_taken": 1}
+    assert successor.free_slots() == SLOTS
+
+
+def test_a_continuation_no_request_takes_yields_its_slot_to_a_request_short_of_one_and_is_dropped_at_retirement(
+        weights: dict[str, torch.Tensor]) -> None:
+    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
+    predecessor = new_core(weights, graphs=False)
+    first = killed_after(predecessor, 3)
+    successor = new_core(weights, graphs=False, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
+    assert successor.continue_in_flight() == 1 and successor.free_slots() == SLOTS - 1
+    busy = successor.generate(request(PROMPT, len(PROMPT)))  # another context: not the continuation's
+    next(busy)
+    assert successor.free_slots() == 0
+    assert len(tokens_of(successor, GenerationRequest(context=[256, 1, 2], max_tokens=2))) == 2  # its slot taken
+    assert successor.kv_reuse()["continued_taken"] == 0  # type: ignore[index]
+    busy.close()
+    # The request coming back after all runs its forward itself, and continues the same.
+    got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[3:] and reused == len(PROMPT) + 2
+
+    again = new_core(weights, graphs=False, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
+    assert again.continue_in_flight() == 1 and again.free_slots() == SLOTS - 1
+    again.retire_donor()
+    assert again.free_slots() == SLOTS
+    assert again.kv_reuse() == {**NOTHING_CONTINUED, "requests": 1, "positions": len(PROMPT) + 2, "continued": 1}
+
+
 class RewrittenMeanwhile(KvDonor):
     """A predecessor still alive that starts another request in the slot while it is being copied."""
 
@@ -145,19 +203,21 @@ def test_a_copy_whose_marks_changed_under_it_is_not_used_and_the_request_is_comp
     core = new_core(weights, graphs=False, donor=RewrittenMeanwhile(predecessor.kv, marks_of(predecessor)))
     got, reused = reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT)))
     assert got == whole[5:] and reused == 0
-    assert core.kv_reuse() == {"requests": 0, "positions": 0, "refused": 1}
+    assert core.kv_reuse() == {**NOTHING_CONTINUED, "refused": 1}
 
 
 def test_a_slot_taken_by_a_new_request_vouches_for_nothing_of_the_old_one(weights: dict[str, torch.Tensor]) -> None:
     core = new_core(weights, graphs=False)
-    killed_after(core, 5)
+    tokens_of(core, request(PROMPT, len(PROMPT)))
     slot = next(s for s in range(SLOTS) if int(marks_of(core)[s, 0]) == len(PROMPT))
     assert core.free_slots() == SLOTS  # the slot just given back is the next one taken
     it = core.generate(GenerationRequest(context=[256, 7], max_tokens=1))
-    next(it)
+    tok = next(it).token  # type: ignore[union-attr]
     row = marks_of(core)[slot]
-    assert int(row[0]) == 2 and row[1:3].tolist() == [256, 7] and bool((row[3:] == UNMARKED).all())
-    it.close()
+    assert int(row[0]) == 2 and row[1:3].tolist() == [256, 7] and bool((row[4:] == UNMARKED).all())
+    assert int(row[3]) == sampled_mark(tok)  # sent, not fed: in flight
+    assert list(it)[-1].completion_tokens == 1  # type: ignore[union-attr]
+    assert int(row[3]) == UNMARKED and in_flight(row) is None  # ended: nothing in flight any more
 
 
 def test_a_retired_donor_is_read_no_more_and_its_memory_is_given_back(weights: dict[str, torch.Tensor]) -> None:
@@ -169,7 +229,7 @@ def test_a_retired_donor_is_read_no_more_and_its_memory_is_given_back(weights: d
     core.retire_donor()
     assert given_back == [True] and core.donor is None
     assert reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT)))[1] == 0
-    assert core.kv_reuse() == {"requests": 0, "positions": 0, "refused": 0}
+    assert core.kv_reuse() == NOTHING_CONTINUED
 
 
 def test_a_donor_of_another_layout_is_not_used(weights: dict[str, torch.Tensor], tmp_path: Path) -> None:
@@ -200,14 +260,16 @@ def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and
     first = [next(it).token for _ in range(3)]  # type: ignore[union-attr]
     predecessor.capture_graphs_in_background().join()  # type: ignore[union-attr]
     first += [next(it).token for _ in range(2)]  # type: ignore[union-attr]
-    it.close()
+    KILLED.append(it)
     torch.cuda.synchronize()
     assert first == whole[:5]
-    assert int((marks_of(predecessor)[:, 1:] != UNMARKED).sum()) == len(PROMPT) + 4
+    assert int((marks_of(predecessor)[:, 1:] >= 0).sum()) == len(PROMPT) + 4
 
     successor = core_on_cuda(KvDonor(predecessor.kv, marks_of(predecessor)))
     successor.warm()
+    assert successor.continue_in_flight() == 1
     got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
     assert got == whole[5:] and reused == len(PROMPT) + 4
     successor.retire_donor()
-    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0}
+    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0, "continued": 1,
+                                    "continued_taken": 1}

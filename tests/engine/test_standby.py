@@ -143,7 +143,11 @@ async def test_a_request_resumed_on_the_promoted_shadow_reuses_the_killed_engine
     resumed = generate(reply.engine.endpoint, **{**PROMPT, "max_tokens": 35}, resume=first)  # as a router does
     assert resumed["tokens"] == whole[5:]
     health = httpx.get(reply.engine.endpoint + "/health", timeout=10).json()
-    assert health["kv_reused"] == {"requests": 1, "positions": PROMPT_TOKENS + 4, "refused": 0}
+    reused = health["kv_reused"]
+    assert reused["positions"] >= PROMPT_TOKENS + 4 and reused["refused"] == 0
+    # The generation in flight at the kill was continued at the promotion: the request took that forward,
+    # unless (the tiny model is fast) the predecessor had already finished it, leaving nothing in flight.
+    assert reused["continued_taken"] <= reused["continued"] <= 1
     # A fresh prompt is computed as ever, and gives what it gave before the failover.
     assert generate(reply.engine.endpoint, **PROMPT)["tokens"] == whole
 
