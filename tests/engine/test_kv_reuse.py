@@ -76,6 +76,14 @@ def killed_after(core: EngineCore, k: int) -> list[int]:
     return got
 
 
+def killed_mid_generation(weights: dict[str, torch.Tensor], k: int, *, graphs: bool = False
+                          ) -> tuple[list[int], EngineCore, list[int]]:
+    """The whole uninterrupted generation, and a predecessor killed after sending its first `k` tokens."""
+    whole = tokens_of(new_core(weights, graphs=graphs), request(PROMPT, len(PROMPT)))
+    predecessor = new_core(weights, graphs=graphs)
+    return whole, predecessor, killed_after(predecessor, k)
+
+
 def reused_by_the_next_generation(core: EngineCore, req: GenerationRequest) -> tuple[list[int], float]:
     phases: dict[str, float] = {}
     core.trace_next(phases, 0.0)
@@ -96,9 +104,7 @@ def test_a_reusable_prefix_covers_the_whole_prompt_matches_every_token_and_leave
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
 def test_a_resumed_request_copies_its_prefix_from_the_predecessors_cache_and_continues_exactly(
         weights: dict[str, torch.Tensor], graphs: bool) -> None:
-    whole = tokens_of(new_core(weights, graphs=graphs), request(PROMPT, len(PROMPT)))
-    predecessor = new_core(weights, graphs=graphs)
-    first = killed_after(predecessor, 5)
+    whole, predecessor, first = killed_mid_generation(weights, 5, graphs=graphs)
     assert first == whole[:5]
     # The 5th token was sampled and sent, never fed: its keys and values are not there, nor vouched for.
     assert int((marks_of(predecessor)[:, 1:] >= 0).sum()) == len(PROMPT) + 4
@@ -128,9 +134,7 @@ def test_the_successor_marks_what_it_copied_so_its_own_successor_can_reuse_it_ag
 
 def test_a_prefix_marked_for_other_tokens_or_another_prompt_length_is_not_reused(
         weights: dict[str, torch.Tensor]) -> None:
-    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
-    predecessor = new_core(weights, graphs=False)
-    first = killed_after(predecessor, 5)
+    whole, predecessor, first = killed_mid_generation(weights, 5)
     donor = KvDonor(predecessor.kv, marks_of(predecessor))
 
     other_prompt = [256, *b"Another prompt entirely, longer"]
@@ -148,9 +152,7 @@ def test_a_prefix_marked_for_other_tokens_or_another_prompt_length_is_not_reused
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
 def test_a_generation_in_flight_is_continued_before_its_request_returns_which_then_takes_it(
         weights: dict[str, torch.Tensor], graphs: bool) -> None:
-    whole = tokens_of(new_core(weights, graphs=graphs), request(PROMPT, len(PROMPT)))
-    predecessor = new_core(weights, graphs=graphs)
-    first = killed_after(predecessor, 5)
+    whole, predecessor, first = killed_mid_generation(weights, 5, graphs=graphs)
     successor = new_core(weights, graphs=graphs, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
     assert successor.continue_in_flight() == 1 and successor.free_slots() == SLOTS - 1
 
@@ -165,9 +167,7 @@ def test_a_generation_in_flight_is_continued_before_its_request_returns_which_th
 
 def test_a_continuation_no_request_takes_yields_its_slot_to_a_request_short_of_one_and_is_dropped_at_retirement(
         weights: dict[str, torch.Tensor]) -> None:
-    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
-    predecessor = new_core(weights, graphs=False)
-    first = killed_after(predecessor, 3)
+    whole, predecessor, first = killed_mid_generation(weights, 3)
     successor = new_core(weights, graphs=False, donor=KvDonor(predecessor.kv, marks_of(predecessor)))
     assert successor.continue_in_flight() == 1 and successor.free_slots() == SLOTS - 1
     busy = successor.generate(request(PROMPT, len(PROMPT)))  # another context: not the continuation's
@@ -197,9 +197,7 @@ class RewrittenMeanwhile(KvDonor):
 
 def test_a_copy_whose_marks_changed_under_it_is_not_used_and_the_request_is_computed_whole(
         weights: dict[str, torch.Tensor]) -> None:
-    whole = tokens_of(new_core(weights, graphs=False), request(PROMPT, len(PROMPT)))
-    predecessor = new_core(weights, graphs=False)
-    first = killed_after(predecessor, 5)
+    whole, predecessor, first = killed_mid_generation(weights, 5)
     core = new_core(weights, graphs=False, donor=RewrittenMeanwhile(predecessor.kv, marks_of(predecessor)))
     got, reused = reused_by_the_next_generation(core, request(PROMPT + first, len(PROMPT)))
     assert got == whole[5:] and reused == 0
