@@ -41,8 +41,8 @@ class StaticForward:
         self.key_positions = torch.arange(kv.shape[4], device=dev)
         self.graphs: dict[tuple[str, int], tuple[Any, torch.Tensor]] = {}
         # Hidden positions are read (and weighted 0): 0 x NaN would still be NaN, and leased memory holds
-        # whatever its last owner left. The cache's contents never carry over a takeover anyway (a resumed
-        # request is prefilled again), so it starts zeroed.
+        # whatever its last owner left. This cache starts zeroed (its marks vouch for nothing: kv_reuse.py);
+        # what carries over a takeover is copied in from the predecessor's cache, prefix by prefix.
         kv.zero_()
 
     def decode(self, slot: int, token: int, position: int) -> torch.Tensor:
