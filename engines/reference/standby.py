@@ -56,16 +56,20 @@ class Standby:
                  state: EngineState, max_seq: int) -> None:
         self.s, self.cfg, self.memory, self.link, self.state, self.max_seq = s, cfg, memory, link, state, max_seq
         self.shadow: ShadowCore | None = None
+        self._continuing: threading.Thread | None = None  # the predecessor's generations in flight, resumed
 
     def wait_assignment(self) -> Any:
         """Follow shadow/unshadow instructions until the assignment comes; return it."""
-        from libs.client.agent_link import Assignment, Shadow
+        from libs.client.agent_link import Assignment, OwnerDown, Shadow
 
         while True:
             ins = self.link.wait_instruction()
             if isinstance(ins, Assignment):
                 return ins
-            if isinstance(ins, Shadow):
+            if isinstance(ins, OwnerDown):
+                if self.shadows(ins.owner):  # its failure is published: the assignment will likely be ours
+                    self._continue(self.state.info["shadow"], early=True)
+            elif isinstance(ins, Shadow):
                 self._shadow(ins.owner, ins.share_token)
             else:
                 self.drop()
@@ -98,6 +102,9 @@ class Standby:
         """Forget the shadow: the model over its memory first, then the mappings."""
         if self.shadow is None:
             return
+        if self._continuing is not None:  # its forwards read the mappings about to go
+            self._continuing.join()
+            self._continuing = None
         self.shadow = None
         self.state.info.pop("shadow", None)
         gc.unfreeze()  # frozen by _shadow: the model must be collectable again
@@ -122,22 +129,29 @@ class Standby:
         self.state.on_first_token = at("first_request_token_ms")  # and its first token left
         shadow.core.trace_next(rec.setdefault("first_generation", {}), t_start)
         if shadow.core.donor is not None:  # the predecessor's cache, for the replayed requests' prefixes
-            threading.Thread(target=self._continue_in_flight, args=(shadow.core, rec), name="continue-in-flight",
-                             daemon=True).start()
+            self._continue(rec, early=False)
             retire_later(self.s.kv_reuse_s, shadow.core.retire_donor)
         stall_watch.watch(rec.setdefault("stalls", []), 0.3)  # who holds the interpreter meanwhile
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core
 
-    @staticmethod
-    def _continue_in_flight(core: EngineCore, rec: dict[str, Any]) -> None:
-        """The predecessor's generations in flight, resumed now (continuation.py); a failure only costs time:
-        their requests then compute the same forwards themselves."""
-        t0 = time.perf_counter()
-        try:
-            rec["continued"] = {"generations": core.continue_in_flight(), "ms": _ms(t0)}
-        except Exception as e:  # noqa: BLE001 - logged; serving goes on
-            log.warning("continuing the predecessor's generations failed: %s: %s", type(e).__name__, e)
+    def _continue(self, into: dict[str, Any], *, early: bool) -> None:
+        """Resume the shadowed engine's generations in flight (continuation.py) on a thread, once: on the
+        agent's word that it failed (`early`), else at the promotion. Results wait in the shadow's own slots
+        and are served only once it is promoted; a dropped shadow waits for the thread first."""
+        if self._continuing is not None or self.shadow is None or self.shadow.core.donor is None:
+            return
+        core = self.shadow.core
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                into["continued"] = {"generations": core.continue_in_flight(), "ms": _ms(t0), "early": early}
+            except Exception as e:  # noqa: BLE001 - only time is lost: the requests compute the same forwards
+                log.warning("continuing the predecessor's generations failed: %s: %s", type(e).__name__, e)
+
+        self._continuing = threading.Thread(target=run, name="continue-in-flight", daemon=True)
+        self._continuing.start()
 
     def _adopt(self, predecessor: str, token: str) -> None:
         from libs.client.protocol import NotFrozenYet, PredecessorAlive

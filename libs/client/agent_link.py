@@ -18,7 +18,8 @@ Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
 engine -> agent: register (first frame; answered by registered or error; `shadows`: it can shadow, and whom it
 shadows now), heartbeat, ready, fatal, shadowing {owner, read_only}, bye;
 agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model, shadowed},
-shadow {owner, share_token}, unshadow, error {code, message}.
+shadow {owner, share_token}, unshadow, owner_down {owner} (the shadowed engine failed: an assignment may follow),
+error {code, message}.
 """
 
 from __future__ import annotations
@@ -65,7 +66,15 @@ class Unshadow:
     """Drop the shadow (its owner went away without this standby taking over)."""
 
 
-Instruction = Assignment | Shadow | Unshadow
+@dataclass(frozen=True)
+class OwnerDown:
+    """The shadowed engine failed (the agent published its fault): the assignment to take it over may follow.
+    Nothing is owned or served on this word alone."""
+
+    owner: str
+
+
+Instruction = Assignment | Shadow | Unshadow | OwnerDown
 
 
 def default_socket_path() -> str:
@@ -305,5 +314,7 @@ class AgentLink:
             self._assignments.put(Shadow(owner=str(msg["owner"]), share_token=str(msg["share_token"])))
         elif op == "unshadow" and self.can_shadow:
             self._assignments.put(Unshadow())
+        elif op == "owner_down" and self.can_shadow:
+            self._assignments.put(OwnerDown(owner=str(msg["owner"])))
         elif op == "error":
             log.error("agent says: %s: %s", msg.get("code"), msg.get("message"))

@@ -3,6 +3,7 @@ killed engine's leases when the agent assigns it, and serves identical greedy ou
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -224,3 +225,28 @@ async def test_an_injected_cuda_error_is_reported_as_one_cuda_error_fault(
     os.kill(active.pid, signal.SIGUSR1)  # the chaos run's "engine reported a CUDA error"
     fault = await recorder.wait("fault.detected", lambda e: e.engine_id == active.engine_id, within_s=20)
     assert fault.kind == "cuda_error" and "illegal memory access" in fault.detail
+
+
+async def test_a_shadow_told_its_engine_failed_resumes_the_generation_in_flight_before_it_is_assigned(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],
+        settings: CommonSettings, bus: Bus, agent: AgentProcess, recorder: Recorder) -> None:
+    active, standby, _ = await _an_engine_and_its_shadow(tiny_weights, settings, bus, agent, recorder)
+    assert active.endpoint and active.pid is not None
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", active.endpoint + "/generate", json={**PROMPT, "max_tokens": 1500, "stream": True}) as r:
+        assert len(list(itertools.islice(r.iter_lines(), 5))) == 5  # a long generation, in flight at the kill
+        os.kill(active.pid, signal.SIGKILL)
+    await recorder.wait("fault.detected", lambda e: e.engine_id == active.engine_id, within_s=20)
+    # Only now the control plane's part (the agent has told the shadow already): freeze, take over.
+    frozen = await bus.request(settings.node, Freeze(owner=active.engine_id, incident_id="inc-early"), FreezeReply)
+    reply = await bus.request(settings.node, Takeover(incident_id="inc-early", engine_id=active.engine_id,
+                                                      transfer_token=frozen.transfer_token), TakeoverReply, timeout=30)
+    assert reply.used_standby and reply.engine.engine_id == standby.engine_id and reply.engine.endpoint
+
+    async def continued() -> dict | None:
+        health = httpx.get(reply.engine.endpoint + "/health", timeout=10).json()
+        return health["shadow"].get("continued")
+
+    got = await until(continued)
+    assert got["generations"] == 1 and got["early"] is True
+    assert generate(reply.engine.endpoint, **PROMPT)["tokens"][:5]  # and it serves
