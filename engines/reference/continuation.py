@@ -1,11 +1,12 @@
 """Generations in flight in a killed engine, continued by its successor before their requests come back.
 
 Why: a promoted shadow learns of its promotion ~7 ms after the death (on an H200), and the router's replayed
-requests reach it ~12 ms later; the agent tells it of the failure (`owner_down`) as it publishes the fault (detected 1.3-2.4 ms
-after the death there). The predecessor's marks (kv_reuse.py) say, for each generation it had in flight, the context
-with finished keys and values and the token it sampled next: the forward that resumes it (that token, at its
-position, over the prefix copied from the predecessor's cache) is known before the request arrives, so it runs
-at once; the request that comes back with that very context takes its slot and logits and samples.
+requests reach it ~12 ms later; the agent tells it of the failure (`owner_down`) as it publishes the fault
+(detected 1.3-2.4 ms after the death there). The predecessor's marks (kv_reuse.py) say, for each generation it had
+in flight, the context with finished keys and values and the token it sampled next: the forward that resumes it
+(that token, at its position, over the prefix copied from the predecessor's cache) is known before the request
+arrives, so it runs at once; the request that comes back with that very context takes its slot and logits and
+samples.
 
 Invariants:
 1. A continuation is the forward the request itself would run (EngineCore.prefill, same context, same prompt
