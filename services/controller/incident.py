@@ -98,7 +98,11 @@ class Deadlines:
     fallback_s: float = 300.0
 
     def for_state(self, state: IncidentState) -> float | None:
-        return {S.FREEZING: self.freeze_s, S.REATTACHING: self.reattach_s, S.FALLBACK: self.fallback_s}.get(state)
+        if state is S.FREEZING:  # not a dict built per call (four times per incident)
+            return self.freeze_s
+        if state is S.REATTACHING:
+            return self.reattach_s
+        return self.fallback_s if state is S.FALLBACK else None
 
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")  # what subject_token keeps as it is
@@ -214,8 +218,17 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
           **changes: object) -> IncidentRecord:
     """The one way a record moves (invariant 2): a new record in the next state, steps bookkept."""
     new_state = transition(rec.state, trigger)
-    # Shallow, with its own steps dict: step records are replaced (model_copy), never mutated in place.
-    out = rec.model_copy(update={**changes, "state": new_state, "updated_at": now, "steps": dict(rec.steps)})
+    limit = deadlines.for_state(new_state)
+    # Shallow, with its own steps dict: step records are replaced (model_copy), never mutated in place. Every
+    # field the new state sets is in this one copy's update (an attribute set on a model afterwards costs
+    # pydantic's __setattr__ each).
+    update = {**changes, "state": new_state, "updated_at": now, "steps": dict(rec.steps),
+              "deadline": None if limit is None else now + limit}
+    if new_state is S.FALLBACK:
+        update["fallback"] = True
+    if new_state is S.FAILED:
+        update["failure"] = detail or str(trigger)
+    out = rec.model_copy(update=update)
     old_step = STEP_OF.get(rec.state)
     if old_step is not None:
         ok = trigger in (T.FROZEN, T.REATTACHED, T.SPAWNED, T.ROUTED_IN)
@@ -237,10 +250,4 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
     new_step = STEP_OF.get(new_state)
     if new_step is not None:
         start_step(out, new_step, now)
-    if new_state is S.FALLBACK:
-        out.fallback = True
-    if new_state is S.FAILED:
-        out.failure = detail or str(trigger)
-    limit = deadlines.for_state(new_state)
-    out.deadline = None if limit is None else now + limit
     return out
