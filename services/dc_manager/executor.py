@@ -48,6 +48,7 @@ from libs.common.events import (
     Spawn,
     SpawnReply,
     Step,
+    Tag,
     Takeover,
     TakeoverReply,
 )
@@ -211,24 +212,31 @@ class IntentExecutor:
 
     async def _freeze(self, intent: RecoverIntent, node: str, cmd: Freeze,
                       prog: IntentProgress) -> tuple[FreezeReply, float]:
-        """The failed engine's leases frozen. One that holds none but is a successor (a shadow promoted while its
-        predecessor's freeze ran, which serves at once and owns those leases only once the predecessor is dead)
+        """The failed engine's leases frozen. One that holds no weights but is a successor (a shadow promoted while
+        its predecessor's freeze ran, which serves at once and owns those leases only once the predecessor is dead)
         died before it owned them: they are still its predecessor's, frozen under their first token, and are
         handed on (`memory_of`: a second freeze of frozen leases answers with their token) rather than left
-        frozen until reclaimed while a cold start looks for room."""
+        frozen until reclaimed while a cold start looks for room. What it held of its own (the KV cache a shadow
+        leases) stays frozen until its grace window ends."""
+        info = self.view.engines.get(intent.engine_id)
+        pred = info.successor_of if info is not None else None
+        if pred == intent.engine_id:
+            pred = None
         try:
-            return await self._command(Step.FREEZE, node, cmd, FreezeReply, self.settings.freeze_timeout_s)
+            got = await self._command(Step.FREEZE, node, cmd, FreezeReply, self.settings.freeze_timeout_s)
         except StepFailed as e:
-            info = self.view.engines.get(intent.engine_id)
-            pred = info.successor_of if info is not None else None
-            if e.code != "not_found" or not pred or pred == intent.engine_id:
+            if e.code != "not_found" or not pred:
                 raise
-            log.warning("intent %s: %s holds no leases; handing on %s's, which it died before owning",
-                        prog.key, intent.engine_id, pred)
-            got = await self._command(Step.FREEZE, node, Freeze(owner=pred, incident_id=intent.incident_id),
-                                      FreezeReply, self.settings.freeze_timeout_s)
-            prog.memory_of = pred
-            return got
+        else:
+            if not pred or any(lease.tag == Tag.WEIGHTS for lease in got[0].leases):
+                return got
+        assert pred is not None
+        log.warning("intent %s: %s holds no weights; handing on %s's, which it died before owning",
+                    prog.key, intent.engine_id, pred)
+        handed = await self._command(Step.FREEZE, node, Freeze(owner=pred, incident_id=intent.incident_id),
+                                     FreezeReply, self.settings.freeze_timeout_s)
+        prog.memory_of = pred
+        return handed
 
     @staticmethod
     def _takeover(intent: RecoverIntent, token: str, memory_of: str | None = None) -> Takeover:

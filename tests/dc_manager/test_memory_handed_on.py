@@ -1,6 +1,7 @@
 """A shadow promoted while the freeze ran (it serves at once, owns the leases only once its predecessor is dead)
-that dies before it owned them: its incident's freeze finds nothing of its own, so the dc_manager hands on
-its predecessor's leases, still frozen under their first token, to the next successor (Takeover.memory_of)."""
+that dies before it owned them: its incident's freeze finds no weights of its own (nothing, or the KV cache it
+leased as a shadow), so the dc_manager hands on its predecessor's leases, still frozen under their first token,
+to the next successor (Takeover.memory_of)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from libs.common.events import (
     Freeze,
     FreezeReply,
     IntentResult,
+    LeaseInfo,
+    LeaseState,
     RecoverIntent,
+    Tag,
     Takeover,
     TakeoverReply,
 )
@@ -30,13 +34,18 @@ TOKEN = "first-token-" + "x" * 20
 class Node:
     """The node side: the first engine's leases frozen under TOKEN; its successor holds none."""
 
-    def __init__(self, owner: str) -> None:
-        self.owner = owner
+    def __init__(self, owner: str, kv_of: tuple[str, ...] = ()) -> None:
+        self.owner, self.kv_of = owner, kv_of
         self.freezes: list[str] = []
         self.takeovers: list[Takeover] = []
 
     async def freeze(self, cmd: Freeze) -> FreezeReply:
         self.freezes.append(cmd.owner)
+        if cmd.owner in self.kv_of:  # a KV cache only, frozen now under the token asked for
+            kv = LeaseInfo(id=f"KV-{cmd.owner}", node=NODE, gpu=0, size=1 << 20, chunk_size=1 << 20,
+                           tag=Tag.KV_CACHE, owner=cmd.owner, epoch=1, state=LeaseState.FROZEN, created_at=0.0,
+                           last_seen=0.0)
+            return FreezeReply(lease_ids=[kv.id], epoch=1, transfer_token=cmd.transfer_token or "t", leases=[kv])
         if cmd.owner != self.owner:
             raise NotFound(f"{cmd.owner} holds no live leases on {NODE}")
         return FreezeReply(lease_ids=[f"L-{cmd.owner}"], epoch=2, transfer_token=TOKEN)  # frozen already: its token
@@ -65,10 +74,10 @@ async def _cluster(store: Store, **engines: str | None) -> None:
 
 async def test_a_successor_that_died_before_owning_its_memory_has_its_predecessors_frozen_leases_handed_on(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
-    node = Node(owner="first")
+    node = Node(owner="first", kv_of=("kv-only",))
     await bus.serve(NODE, Freeze, node.freeze)
     await bus.serve(NODE, Takeover, node.takeover)
-    await _cluster(store, first=None, second="first", plain=None)
+    await _cluster(store, first=None, second="first", plain=None, **{"kv-only": "first"})
     dcm = start("services.dc_manager", service_env(settings_env), tmp_path / "dcm.log")
     try:
         await healthy(bus, "dc_manager", "dc-1")
@@ -86,5 +95,12 @@ async def test_a_successor_that_died_before_owning_its_memory_has_its_predecesso
         got = await wait_for(lambda: _results(bus, "inc-plain"), what="the plain engine's result")
         assert [(r.step, r.ok) for r in got] == [("freeze", False)] and "not_found" in got[0].detail
         assert len(node.takeovers) == 1
+
+        # One that leased a KV cache of its own as a shadow: the freeze finds that, and no weights.
+        await bus.emit(RecoverIntent(incident_id="inc-kv-only", engine_id="kv-only", model="m", node=NODE))
+        got = await wait_for(lambda: _results(bus, "inc-kv-only"), what="the KV-only successor's result")
+        assert [(r.step, r.ok) for r in got] == [("reattach", True)]
+        assert node.freezes[-2:] == ["kv-only", "first"]
+        assert (node.takeovers[-1].memory_of, node.takeovers[-1].transfer_token) == ("first", TOKEN)
     finally:
         dcm.stop()

@@ -271,3 +271,33 @@ def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and
     successor.retire_donor()
     assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0, "continued": 1,
                                     "continued_taken": 1}
+
+
+class FakeLease:
+    """What split_tensors reads of a mapped lease: its id, creation time and named tensors."""
+
+    def __init__(self, lease_id: str, created_at: float, tensors: dict[str, torch.Tensor]) -> None:
+        self.id = lease_id
+        self.info = type("Info", (), {"created_at": created_at})()
+        self.tensor_metas = [type("Meta", (), {"name": name})() for name in tensors]
+        self._tensors = tensors
+
+    def view(self, meta: object, framework: str) -> torch.Tensor:
+        return self._tensors[meta.name]  # type: ignore[attr-defined]
+
+
+def test_of_two_kv_leases_the_newest_is_the_cache_and_the_older_one_is_named_for_release(
+        weights: dict[str, torch.Tensor]) -> None:
+    """An engine that took a predecessor's place holds, for a while, that predecessor's KV lease beside its own
+    (its donor); whoever takes its leases next uses its own cache and gives the other back."""
+    from engines.reference.memory import split_tensors
+
+    def cache(fill: int) -> dict[str, torch.Tensor]:
+        return {"kv_cache": torch.full(CFG.kv_shape(1, 8), float(fill)),
+                "kv_marks": torch.full(marks_shape(1, 8), fill, dtype=torch.int64)}
+
+    leases = [FakeLease("W", 1.0, dict(weights)), FakeLease("KV-old", 2.0, cache(1)), FakeLease("KV-own", 3.0, cache(2))]
+    for order in (leases, leases[::-1]):
+        got_weights, kv, marks, older = split_tensors(CFG, order)  # type: ignore[arg-type]
+        assert set(got_weights) == set(weights) and kv is not None and marks is not None
+        assert float(kv.flatten()[0]) == 2.0 and int(marks.flatten()[0]) == 2 and older == ["KV-old"]
