@@ -46,7 +46,7 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check libs services engines bench tests
-	$(VENV)/bin/mypy libs
+	$(VENV)/bin/mypy libs engines/reference
 
 fmt: setup
 	$(VENV)/bin/ruff format libs services engines bench tests

@@ -135,6 +135,9 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
                                                        for t in trials]),
         # resumed requests whose prefixes came from the predecessor's KV cache (engines/reference/kv_reuse.py)
         "successor_kv_reused_p50": _p50_by_key([t.engine_recovery.get("kv_reused") or {} for t in trials]),
+        # the predecessor's generations in flight resumed before their requests came back (continuation.py):
+        # how many, in how long, and whether on the agent's early word (1) or at the promotion (0)
+        "successor_continued_p50": _p50_by_key([t.engine_recovery.get("continued") or {} for t in trials]),
         # late wake-ups of a 1 ms sleeper in the promoted standby, with every thread's frame (stall_watch.py)
         "successor_stalls": [t.engine_recovery["stalls"] for t in trials if t.engine_recovery.get("stalls")],
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -260,7 +260,8 @@ class EngineCore:
         if req.max_tokens < 0:
             raise BadRequest("max_tokens must be >= 0")
 
-    def generate(self, req: GenerationRequest, *, slot_timeout: float | None = None) -> Iterator[TokenOut | Finished]:
+    def generate(self, req: GenerationRequest, *,
+                 slot_timeout: float | None = None) -> Generator[TokenOut | Finished, None, None]:
         """Yields TokenOut per generated token, then one Finished. Each next() runs at most one forward
         pass, so a caller can step it from a worker thread and stop at any point (close() frees the slot)."""
         self.validate(req)

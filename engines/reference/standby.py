@@ -68,7 +68,7 @@ class Standby:
                 return ins
             if isinstance(ins, OwnerDown):
                 if self.shadows(ins.owner):  # its failure is published: the assignment will likely be ours
-                    self._continue(self.state.info["shadow"], early=True)
+                    self._continue(early=True)
             elif isinstance(ins, Shadow):
                 self._shadow(ins.owner, ins.share_token)
             else:
@@ -118,7 +118,7 @@ class Standby:
         """Serve the shadowed predecessor's model now; own its leases once it is dead (background)."""
         assert self.shadow is not None
         shadow = self.shadow
-        rec = {"source": "shadow", "first_token_ms": _ms(t_start), "read_only": shadow.read_only,
+        rec: dict[str, Any] = {"source": "shadow", "first_token_ms": _ms(t_start), "read_only": shadow.read_only,
                "shadow_timings_ms": shadow.timings_ms, "t0_wall": wall_time_of(t_start)}
         self.state.info["recovery"] = rec
 
@@ -129,16 +129,18 @@ class Standby:
         self.state.on_first_token = at("first_request_token_ms")  # and its first token left
         shadow.core.trace_next(rec.setdefault("first_generation", {}), t_start)
         if shadow.core.donor is not None:  # the predecessor's cache, for the replayed requests' prefixes
-            self._continue(rec, early=False)
+            self._continue(early=False)
             retire_later(self.s.kv_reuse_s, shadow.core.retire_donor)
         stall_watch.watch(rec.setdefault("stalls", []), 0.3)  # who holds the interpreter meanwhile
         threading.Thread(target=self._adopt, args=(predecessor, transfer_token), name="adopt", daemon=True).start()
         return shadow.core
 
-    def _continue(self, into: dict[str, Any], *, early: bool) -> None:
+    def _continue(self, *, early: bool) -> None:
         """Resume the shadowed engine's generations in flight (continuation.py) on a thread, once: on the
         agent's word that it failed (`early`), else at the promotion. Results wait in the shadow's own slots
-        and are served only once it is promoted; a dropped shadow waits for the thread first."""
+        and are served only once it is promoted; a dropped shadow waits for the thread first. What it did goes
+        to /health `continued`."""
+        into = self.state.info.setdefault("continued", {})
         if self._continuing is not None or self.shadow is None or self.shadow.core.donor is None:
             return
         core = self.shadow.core
@@ -146,7 +148,7 @@ class Standby:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                into["continued"] = {"generations": core.continue_in_flight(), "ms": _ms(t0), "early": early}
+                into.update(generations=core.continue_in_flight(), ms=_ms(t0), early=early)
             except Exception as e:  # noqa: BLE001 - only time is lost: the requests compute the same forwards
                 log.warning("continuing the predecessor's generations failed: %s: %s", type(e).__name__, e)
 

@@ -343,8 +343,9 @@ class Scenario:
         after_sum = await self.weights_checksum(successor.endpoint or "") if check_weights else None
         health = await self.engine_health(successor.endpoint or "")
         recovery = dict(health.get("recovery") or {})
-        if health.get("kv_reused") is not None:  # resumed requests' prefixes copied from the predecessor's cache
-            recovery["kv_reused"] = health["kv_reused"]
+        for key in ("kv_reused", "continued"):  # prefixes copied from the predecessor's cache; generations resumed
+            if health.get(key):
+                recovery[key] = health[key]
         route_ins = (await self.router_stats(client)).get("route_ins") or []
         timeline = {**self.timeline(t_kill, first_token, after=seen), **successor_marks(recovery, t_kill),
                     **router_marks(route_ins, successor.engine_id, t_kill)}
