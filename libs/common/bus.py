@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeVar
 
+import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
@@ -134,56 +135,6 @@ class _AckBatch:
         self.fail(NatsTimeout())
 
 
-class _Client(NATS):
-    """nats-py's client whose flusher writes when its loop has nothing else ready to run.
-
-    nats-py's flusher writes everything pending as soon as it runs, one write per wake: on a busy loop the
-    publishes, acks and replies of consecutive loop passes go out in several small writes, each waking
-    nats-server and, behind it, the next process (on a loaded 2-core machine those wake-ups, not the bytes,
-    are the cost). This flusher, woken while other callbacks are ready, yields to them first (each may
-    publish more) for at most `LINGER_PASSES` loop passes, then writes it all at once. It never waits on a
-    timer: on a quiet loop nothing else is ready and it writes at once, as before, so no latency is added at
-    low load (a fixed 1 ms linger, tried in an earlier pass, added ~6 ms to p50 at 100 incidents/s).
-    Overrides the private `Client._flusher` of nats-py 2.x (the same queue and pending-buffer protocol;
-    tests/common/test_bus.py)."""
-
-    LINGER_PASSES = 8
-
-    async def _flusher(self) -> None:
-        assert self._transport and self._flush_queue, "Client.connect must be called first"
-        queue = self._flush_queue
-        ready = getattr(asyncio.get_running_loop(), "_ready", None)  # CPython's ready queue (None: write at once)
-        while True:
-            if not self.is_connected or self.is_connecting:
-                break
-            waiters = [await queue.get()]
-            try:
-                if ready:
-                    # Put back while yielding, so publishers see a flush pending and queue no other waiter.
-                    queue.put_nowait(waiters.pop())
-                    for _ in range(self.LINGER_PASSES):
-                        await asyncio.sleep(0)
-                        if not ready:
-                            break
-                    while not queue.empty():
-                        waiters.append(queue.get_nowait())
-                if self._pending_data_size > 0:
-                    self._transport.writelines(self._pending[:])
-                    self._pending = []
-                    self._pending_data_size = 0
-                    await self._transport.drain()
-            except OSError as e:
-                await self._error_cb(e)
-                await self._process_op_err(e)
-                break
-            except (asyncio.CancelledError, RuntimeError, AttributeError):
-                break  # cancelled (close) or the loop is gone, as nats-py's own flusher
-            finally:
-                for waiter in waiters:  # a waiter may have been cancelled (nats-py issue #624)
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-
 def _expire(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_exception(NatsTimeout())
@@ -254,8 +205,7 @@ class Bus:
         async def reconnected_cb() -> None:
             log.info("nats reconnected")
 
-        nc = _Client()
-        await nc.connect(
+        nc = await nats.connect(
             servers=[s.strip() for s in settings.nats_url.split(",")],
             name=source,
             error_cb=error_cb,
