@@ -40,10 +40,13 @@ async def setup(rt: Runtime) -> None:
     pending: set[asyncio.Task[None]] = set()
     book.on_owner_exit = owner_exit
 
+    await Commands(book).register(rt.bus, settings.node)
+    # The command subscriptions are at the server (a round trip) before any engine can reconnect: whoever saw
+    # an engine back (a test, the control plane) finds the commands answered, not "no responders".
+    await rt.bus.nc.flush()
     path = str(settings.socket_path())
     server = await serve_frames(path, lambda stream: serve_connection(book, stream), mode=settings.socket_mode,
                                 group=settings.socket_group, max_size=settings.max_frame_bytes)
-    await Commands(book).register(rt.bus, settings.node)
     rt.spawn("reconciler", book.reconcile_forever())
     rt.health_detail = lambda: {"backend": backend.name, "socket": path, "leases": len(book.records),
                                 "rejected_frames": book.rejected}
