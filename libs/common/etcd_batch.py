@@ -169,15 +169,15 @@ class BatchWriter:
 
     def _hasten(self) -> None:
         self._urgent = True
-        if self._hurry is not None and not self._hurry.done():
-            self._hurry.set_result(None)
+        if self._hurry is not None:
+            _wake(self._hurry)
 
     async def _linger(self) -> None:
         """Only written-behind writes are pending: give later writes `behind_linger_s` to join them (one
         transaction, one raft commit and one gRPC call for all), unless an awaited one comes first."""
         loop = asyncio.get_running_loop()
         self._hurry = hurry = loop.create_future()
-        timer = loop.call_later(self.behind_linger_s, lambda: hurry.done() or hurry.set_result(None))
+        timer = loop.call_later(self.behind_linger_s, _wake, hurry)
         try:
             await hurry
         finally:
@@ -294,3 +294,8 @@ class BatchWriter:
     def _req(self, t: Any, op: _Op) -> Any:
         k = self.store.full(op.key)
         return t.delete(k) if op.kind == DELETE else t.put(k, op.value)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
