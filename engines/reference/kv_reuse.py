@@ -74,8 +74,9 @@ def reusable_prefix(row: torch.Tensor, prompt_len: int, ctx: Sequence[int]) -> i
 
 
 class SlotMarks:
-    """The writer's side: one engine's marks over its own cache (invariant 1). Every call is made with the
-    engine's forward lock held, on the stream its forwards run on."""
+    """The writer's side: one engine's marks over its own cache (invariant 1). A slot's marks are written by the
+    thread serving its request, in stream order with that request's forwards (a prefix copied in: on the
+    donor's stream, which the next forward waits for)."""
 
     def __init__(self, marks: torch.Tensor) -> None:
         self.marks = marks
