@@ -1,5 +1,6 @@
 """`python -m bench.plot`: recovery time vs weights size for the three ways, from the recovery benchmark's
-JSON results in docs/results/ (files named `*recovery*.json`), drawn to docs/recovery.png."""
+JSON results in docs/results/ (files named `*recovery*.json`), drawn to docs/recovery.png. Where several files
+measured the same way at the same size, the newest (`measured_at`, else none: older) is drawn."""
 
 from __future__ import annotations
 
@@ -45,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for backend, marker in (("cuda", "o"), ("host", "s")):
         for way, label in WAYS.items():
-            pts = sorted((gib_of(d), d[way]["death_to_first_token_ms"]["p50"]) for d in docs
-                         if d["backend"] == backend and (d.get(way) or {}).get("death_to_first_token_ms"))
+            newest: dict[float, tuple[str, float]] = {}
+            for d in docs:
+                if d["backend"] == backend and (d.get(way) or {}).get("death_to_first_token_ms"):
+                    at, gib = d.get("measured_at", ""), round(gib_of(d), 2)
+                    if gib not in newest or at >= newest[gib][0]:
+                        newest[gib] = (at, d[way]["death_to_first_token_ms"]["p50"])
+            pts = sorted((gib, p50) for gib, (_, p50) in newest.items())
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker=marker, label=f"{label} ({'H200' if backend == 'cuda' else 'CPU, host backend'})")
