@@ -284,13 +284,11 @@ class EngineCore:
             if continued is not None:
                 _, logits, reused = continued
                 self._mark(phases, "continued")
-                if phases is not None:
-                    phases["kv_reused"] = reused
             elif req.max_tokens > 0:
                 logits, reused = self.prefill(slot, ctx, req.prefix_len)
                 self._mark(phases, "prefill_launched")
-                if phases is not None:
-                    phases["kv_reused"] = reused
+            if phases is not None and logits is not None:
+                phases["kv_reused"] = reused
             first_ms = 0.0
             produced = 0
             reason = "length"

@@ -103,6 +103,16 @@ class SlotMarks:
         """`tokens` (a device tensor, int64) now have finished keys and values at positions start.."""
         self.marks[slot, 1 + start:1 + start + tokens.shape[0]].copy_(tokens)
 
+    @contextlib.contextmanager
+    def overwritten(self, slot: int, positions: torch.Tensor) -> Iterator[None]:
+        """`positions` (a device tensor) of the slot hold other keys and values for a while and are put back
+        after (a graph capture's warm-up): they vouch for nothing meanwhile, then as before."""
+        row = self.marks[slot]
+        saved = row.index_select(0, positions + 1)
+        row.index_fill_(0, positions + 1, UNMARKED)
+        yield
+        row.index_copy_(0, positions + 1, saved)
+
 
 class KvDonor:
     """A predecessor's cache and marks, mapped read-only by its successor: the prefixes of its requests, to be
@@ -147,7 +157,7 @@ class KvDonor:
         none of its forwards is in flight (each ended in a sampled token). Everything runs on a stream of its
         own, not queued behind other requests' forwards, and allocates nothing on the device."""
         with self._stream():
-            rows = self.marks.to("cpu", copy=True)  # a snapshot: on a CPU, the live memory itself otherwise
+            rows = self._snapshot()
             best, m = 0, 0
             for s in range(rows.shape[0]):
                 got = reusable_prefix(rows[s], prompt_len, ctx)
@@ -170,8 +180,12 @@ class KvDonor:
     def in_flight(self) -> list[tuple[list[int], int]]:
         """The generations in flight in the predecessor's slots: (context, prompt length) each."""
         with self._stream():
-            rows = self.marks.to("cpu", copy=True)
+            rows = self._snapshot()
         return [got for s in range(rows.shape[0]) if (got := in_flight(rows[s])) is not None]
+
+    def _snapshot(self) -> torch.Tensor:
+        """Every slot's marks, on the CPU (a copy: on a CPU, `to` would hand back the live memory itself)."""
+        return self.marks.to("cpu", copy=True)
 
     def _read_again(self, slot: int, m: int) -> torch.Tensor:
         """The slot's marks of the first `m` positions, read again after their copy (invariant 3), on the device."""

@@ -81,24 +81,28 @@ def kv_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
     return weights["tok_embeddings.weight"].dtype
 
 
+def is_cache(lease: Any) -> bool:
+    """Whether a mapped lease holds a KV cache (the tensor `kv_cache` registered in it)."""
+    return any(m.name == KV_NAME for m in lease.tensor_metas)
+
+
 def split_tensors(cfg: ModelConfig, leases: list[Any]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None,
                                                                  torch.Tensor | None, list[str]]:
-    """(weights, KV cache, its marks, the other KV leases) from an attachment's leases. An engine that took a
-    predecessor's place may still hold that predecessor's KV lease beside its own (kv_reuse.py keeps it for a
-    while): the newest is the cache; the ids of the others come back, for the caller to release. An engine
-    from before the marks left none."""
-    tensors = {m.name: lease.view(m, "torch") for lease in leases for m in lease.tensor_metas}
+    """(weights, KV cache, its marks, the ids of the KV leases, newest first) from an attachment's leases. An
+    engine that took a predecessor's place may still hold that predecessor's KV lease beside its own
+    (kv_reuse.py keeps it for a while): the newest is the cache, the others are for the caller to release. An
+    engine from before the marks left none."""
+    caches = sorted(filter(is_cache, leases), key=lambda lease: lease.info.created_at, reverse=True)
+    tensors = {m.name: lease.view(m, "torch") for lease in leases if not is_cache(lease) for m in lease.tensor_metas}
     names = cfg.tensor_shapes()
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ValueError(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
-    caches = sorted((lease for lease in leases if any(m.name == KV_NAME for m in lease.tensor_metas)),
-                    key=lambda lease: lease.info.created_at, reverse=True)
     kv = marks = None
     if caches:
         own = {m.name: caches[0].view(m, "torch") for m in caches[0].tensor_metas}
         kv, marks = own.get(KV_NAME), own.get(MARKS_NAME)
-    return {n: tensors[n] for n in names}, kv, marks, [lease.id for lease in caches[1:]]
+    return {n: tensors[n] for n in names}, kv, marks, [lease.id for lease in caches]
 
 
 class LocalMemory:
@@ -199,7 +203,7 @@ class LeasedMemory:
         self.drop_shadow()
         att = self.client.share(owner, share_token)
         t_attach = _ms(t0)
-        weights, their_kv, their_marks, older = split_tensors(cfg, att.leases)
+        weights, their_kv, their_marks, caches = split_tensors(cfg, att.leases)
         if self._own_kv is None or tuple(self._own_kv[0].shape) != cfg.kv_shape(slots, max_seq):
             self._own_kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
             self.client.commit()
@@ -207,8 +211,7 @@ class LeasedMemory:
         donor = None
         if their_kv is not None and their_marks is not None:
             with self._donor_lock:
-                self._donor_lease = next(lease.id for lease in att.leases if lease.id not in older
-                                         and any(m.name == MARKS_NAME for m in lease.tensor_metas))
+                self._donor_lease = caches[0]
                 self._donor_retired = self._adopted = False
             donor = KvDonor(their_kv, their_marks, on_retire=self._retire_donor_lease)
         kv, marks = self._own_kv
@@ -236,7 +239,7 @@ class LeasedMemory:
         t_takeover = _ms(t0)
         with self._donor_lock:
             self._adopted = True
-            caches = {lease.id for lease in att.leases if any(m.name == KV_NAME for m in lease.tensor_metas)}
+            caches = {lease.id for lease in att.leases if is_cache(lease)}
             keep = (shadowed - caches) | own  # the weights, this engine's cache, and the donor while it is read
             if self._donor_lease is not None and not self._donor_retired:
                 keep.add(self._donor_lease)
@@ -263,8 +266,8 @@ class LeasedMemory:
 
     def _rebuild(self, cfg: ModelConfig, source: str, slots: int, max_seq: int, t0: float) -> Loaded:
         t_attach = _ms(t0)
-        weights, kv, marks, older = split_tensors(cfg, self._attachment.leases)
-        for lease_id in older:  # a predecessor's predecessor's cache, kept by it for reuse: not this engine's
+        weights, kv, marks, caches = split_tensors(cfg, self._attachment.leases)
+        for lease_id in caches[1:]:  # a predecessor's predecessor's cache, kept by it for reuse: not this engine's
             self.client.release(lease_id)
         t_views = _ms(t0)
         want = cfg.kv_shape(slots, max_seq)

@@ -140,10 +140,10 @@ class Standby:
         agent's word that it failed (`early`), else at the promotion. Results wait in the shadow's own slots
         and are served only once it is promoted; a dropped shadow waits for the thread first. What it did goes
         to /health `continued`."""
-        into = self.state.info.setdefault("continued", {})
         if self._continuing is not None or self.shadow is None or self.shadow.core.donor is None:
             return
         core = self.shadow.core
+        into = self.state.info.setdefault("continued", {})
 
         def run() -> None:
             t0 = time.perf_counter()

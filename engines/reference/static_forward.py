@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -95,15 +96,10 @@ class StaticForward:
         for nothing meanwhile: a successor must not copy them from an engine killed in between."""
         cache = self.kv[slot]  # [layer, k|v, kv_head, position, head_dim]
         touched = self.position if kind == "decode" else self.prompt_positions
-        saved = cache.index_select(3, touched)
-        marks = self.marks.marks[slot] if self.marks is not None else None
-        if marks is not None:
-            saved_marks = marks.index_select(0, touched + 1)
-            marks.index_fill_(0, touched + 1, -1)
-        self._compute(kind, slot)
-        cache.index_copy_(3, touched, saved)
-        if marks is not None:
-            marks.index_copy_(0, touched + 1, saved_marks)
+        with self.marks.overwritten(slot, touched) if self.marks is not None else contextlib.nullcontext():
+            saved = cache.index_select(3, touched)
+            self._compute(kind, slot)
+            cache.index_copy_(3, touched, saved)
 
     def _run(self, kind: str, slot: int) -> torch.Tensor:
         got = self.graphs.get((kind, slot))

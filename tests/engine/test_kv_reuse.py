@@ -286,7 +286,7 @@ class FakeLease:
         return self._tensors[meta.name]  # type: ignore[attr-defined]
 
 
-def test_of_two_kv_leases_the_newest_is_the_cache_and_the_older_one_is_named_for_release(
+def test_of_two_kv_leases_the_newest_is_the_cache_and_the_older_one_comes_after_it_for_release(
         weights: dict[str, torch.Tensor]) -> None:
     """An engine that took a predecessor's place holds, for a while, that predecessor's KV lease beside its own
     (its donor); whoever takes its leases next uses its own cache and gives the other back."""
@@ -298,6 +298,6 @@ def test_of_two_kv_leases_the_newest_is_the_cache_and_the_older_one_is_named_for
 
     leases = [FakeLease("W", 1.0, dict(weights)), FakeLease("KV-old", 2.0, cache(1)), FakeLease("KV-own", 3.0, cache(2))]
     for order in (leases, leases[::-1]):
-        got_weights, kv, marks, older = split_tensors(CFG, order)  # type: ignore[arg-type]
+        got_weights, kv, marks, caches = split_tensors(CFG, order)  # type: ignore[arg-type]
         assert set(got_weights) == set(weights) and kv is not None and marks is not None
-        assert float(kv.flatten()[0]) == 2.0 and int(marks.flatten()[0]) == 2 and older == ["KV-old"]
+        assert float(kv.flatten()[0]) == 2.0 and int(marks.flatten()[0]) == 2 and caches == ["KV-own", "KV-old"]
