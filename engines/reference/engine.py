@@ -14,24 +14,31 @@ one: the reference engine values exactness over throughput). Invariants:
 4. Where the cache is leased, each slot's finished positions are marked (kv_reuse.py), and a successor holding
    its predecessor's cache (`donor`) copies a resumed request's finished prefix instead of computing it: the
    forwards run are those of invariant 1 from there on, so the continuation is the same. The generations the
-   predecessor had in flight are continued before their requests come back (continuation.py).
+   predecessor had in flight are continued before their requests come back (continuation.py). Where the KV lease
+   itself was handed on (`inherit`: a reattach, a cold-spawned takeover), the slots holding a predecessor's
+   prompts wait for their requests, which continue in place (kv_reuse.py invariant 5).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engines.reference.continuation import Continuations, key_of
-from engines.reference.kv_reuse import KvDonor, SlotMarks
+from engines.reference.kv_reuse import InheritedSlots, KvDonor, SlotMarks
 from engines.reference.model import Transformer
 from engines.reference.static_forward import StaticForward
 from engines.reference.tokenizer import EOS, TextStream
 from libs.common import gc_tuning
+
+log = logging.getLogger("holdfast.engine")
 
 
 @dataclass(frozen=True)
@@ -90,13 +97,17 @@ def prefill_spans(n: int, prefix_len: int | None, chunk: int, reused: int = 0) -
 
 class EngineCore:
     def __init__(self, model: Transformer, kv: torch.Tensor, *, prefill_chunk: int = 64,
-                 graphs: bool | None = False, marks: torch.Tensor | None = None, donor: KvDonor | None = None) -> None:
+                 graphs: bool | None = False, marks: torch.Tensor | None = None, donor: KvDonor | None = None,
+                 inherit: bool = False) -> None:
         if kv.dim() != 6 or kv.shape[1] != model.cfg.n_layers:
             raise ValueError(f"kv cache shape {tuple(kv.shape)} does not fit {model.cfg.n_layers} layers")
         self.model = model
         self.kv = kv
         self.prefill_chunk = max(1, prefill_chunk)
-        self.marks = SlotMarks(marks) if marks is not None else None  # invariant 4 (leased caches only)
+        # invariant 4 (leased caches only); a cache handed on keeps the slots its predecessor's requests are in
+        self.inherited = InheritedSlots(marks.to("cpu", copy=True)) if marks is not None and inherit else None
+        held = self.inherited.held if self.inherited is not None else []
+        self.marks = SlotMarks(marks, keep=held) if marks is not None else None
         self.donor = donor if donor is not None and donor.fits(kv) else None
         if self.donor is not None:
             self.donor.warm()
@@ -104,10 +115,11 @@ class EngineCore:
         # fixed-shape forwards (CUDA graphs once captured by warm()): static_forward.py; None: where it pays, on CUDA
         if graphs is None:
             graphs = model.device.type == "cuda"
-        self.static = StaticForward(model, kv, min(self.prefill_chunk, kv.shape[4]), self.marks) if graphs else None
+        self.static = (StaticForward(model, kv, min(self.prefill_chunk, kv.shape[4]), self.marks, keep=held)
+                       if graphs else None)
         self.max_seq = kv.shape[4]
         self._lock = threading.Lock()  # one forward at a time
-        self._free = list(range(kv.shape[0]))
+        self._free = [slot for slot in range(kv.shape[0]) if slot not in held]
         self._slots_cv = threading.Condition()
         self.continuations = Continuations()
         self.tokens_generated = 0
@@ -127,6 +139,8 @@ class EngineCore:
         with self._slots_cv:
             if not self._free:
                 evicted = self.continuations.evict()  # continuation.py invariant 2
+                if evicted is None and self.inherited is not None:
+                    evicted = self.inherited.evict()
                 if evicted is not None:
                     return evicted
             if not self._slots_cv.wait_for(lambda: bool(self._free), timeout=timeout):
@@ -141,6 +155,15 @@ class EngineCore:
         with self._slots_cv:
             self._free.append(slot)
             self._slots_cv.notify()
+
+    @contextlib.contextmanager
+    def spare_slot(self) -> Iterator[int]:
+        """A slot for a forward of the engine's own (a probe, a warm-up), given back after."""
+        slot = self._take_slot(None)
+        try:
+            yield slot
+        finally:
+            self._give_slot(slot)
 
     def forward(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         with self._lock:
@@ -164,16 +187,22 @@ class EngineCore:
             marks.written(slot, start, written)
         return logits
 
-    def prefill(self, slot: int, ctx: list[int], prefix_len: int | None) -> tuple[torch.Tensor | None, int]:
+    def prefill(self, slot: int, ctx: list[int], prefix_len: int | None,
+                inherited: torch.Tensor | None = None) -> tuple[torch.Tensor | None, int]:
         """All of a request's prefill forwards under one hold of the lock: when many requests arrive at
         once (a failover releases the held and the replayed ones together), the first of them reaches its
         first token after its own prefill rather than after everyone's forwards interleaved. Returns the
-        last logits and how many positions came from the predecessor's cache (invariant 4)."""
+        last logits and how many positions came from the predecessor's cache (invariant 4). `inherited`: the
+        marks of the prefix `slot` holds already (InheritedSlots.claim)."""
         logits = None
         prompt = prompt_length(len(ctx), prefix_len)
         with self._lock:
             reused = 0
-            if self.donor is not None and prompt < len(ctx):
+            if inherited is not None and self.marks is not None:
+                reused = inherited.shape[0] - 1
+                self.marks.begin(slot, prompt)  # the rest of the old generation's marks vouch for nothing now
+                self.marks.vouch(slot, inherited)
+            elif self.donor is not None and prompt < len(ctx):
                 reused = self.donor.restore(self.kv, self.marks, slot, prompt, ctx)  # marks the slot if it reuses
             if self.marks is not None and not reused:
                 self.marks.begin(slot, prompt)
@@ -182,33 +211,42 @@ class EngineCore:
         return logits, reused
 
     def retire_donor(self) -> None:
-        """Stop reading the predecessor's cache (the replayed requests have come back), and give it back."""
+        """Stop reading the predecessor's cache (the replayed requests have come back), and give it back; slots
+        still held for them are free again."""
         with self._lock:  # no copy from it runs now, and none starts after
             donor = self.donor
             if donor is not None:
                 self.donor_stats = donor.stats()
             self.donor = None
-        for slot in self.continuations.drop_all():
+        held = self.inherited.release_all() if self.inherited is not None else []
+        for slot in self.continuations.drop_all() + held:
             self._give_slot(slot)
         if donor is not None:
             donor.retire()
 
     def continue_in_flight(self) -> int:
         """Run now the forward that resumes each generation the predecessor had in flight (continuation.py),
-        keeping one slot free for new requests; returns how many were computed."""
-        donor = self.donor
-        if donor is None:
+        keeping one slot free for new requests (an inherited one continues in its own slot); returns how many
+        were computed."""
+        donor, inherited = self.donor, self.inherited
+        if donor is not None:
+            found = donor.in_flight()[:max(0, self.slots - 1)]
+        elif inherited is not None:
+            found = inherited.in_flight()
+        else:
             return 0
-        todo = [key_of(ctx, prompt) for ctx, prompt in donor.in_flight()][:max(0, self.slots - 1)]
-        self.continuations.plan(todo)
+        todo = [key_of(ctx, prompt) for ctx, prompt in found]
+        self.continuations.plan(todo)  # before any claim: a request coming back meanwhile waits for its forward
         done = 0
         for key in todo:
-            slot = self._try_take_slot(keep_free=1)
+            ctx, prompt = list(key[0]), key[1]
+            claimed = inherited.claim(prompt, ctx) if donor is None and inherited is not None else None
+            slot = claimed[0] if claimed is not None else self._try_take_slot(keep_free=1) if donor is not None else None
             if slot is None:
                 self.continuations.abandon(key)
                 continue
             try:
-                logits, reused = self.prefill(slot, list(key[0]), key[1])
+                logits, reused = self.prefill(slot, ctx, prompt, claimed[1] if claimed is not None else None)
             except BaseException:
                 self.continuations.abandon(key)
                 self._give_slot(slot)
@@ -217,11 +255,26 @@ class EngineCore:
             done += 1
         return done
 
+    def continue_in_background(self, into: dict[str, Any], **note: Any) -> threading.Thread:
+        """continue_in_flight on a thread of its own; what it did (generations, ms, and `note`) goes to `into`
+        (/health `continued`). A failure costs only time: the requests compute the same forwards themselves."""
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                into.update(generations=self.continue_in_flight(), ms=round((time.perf_counter() - t0) * 1000, 3),
+                            **note)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("continuing the predecessor's generations failed: %s: %s", type(e).__name__, e)
+
+        t = threading.Thread(target=run, name="continue-in-flight", daemon=True)
+        t.start()
+        return t
+
     def kv_reuse(self) -> dict[str, int] | None:
         """Prefixes copied from a predecessor's cache so far, and in-flight generations continued (None: this
         engine had no predecessor's cache)."""
-        donor = self.donor
-        stats = donor.stats() if donor is not None else self.donor_stats
+        donor, inherited = self.donor, self.inherited
+        stats = donor.stats() if donor is not None else inherited.stats() if inherited is not None else self.donor_stats
         return {**stats, **self.continuations.stats()} if stats is not None else None
 
     def trace_next(self, into: dict[str, float], t0: float) -> None:
@@ -271,10 +324,14 @@ class EngineCore:
         gc_before = gc_tuning.paused_ms() if phases is not None else 0.0
         self._mark(phases, "called")
         ctx = list(req.context)
-        continued = None
+        continued = claimed = None
         if req.max_tokens > 0:
-            continued = self.continuations.take(key_of(ctx, prompt_length(len(ctx), req.prefix_len)), slot_timeout)
-        slot = continued[0] if continued is not None else self._take_slot(slot_timeout)
+            prompt = prompt_length(len(ctx), req.prefix_len)
+            continued = self.continuations.take(key_of(ctx, prompt), slot_timeout)
+            if continued is None and self.inherited is not None:
+                claimed = self.inherited.claim(prompt, ctx)
+        slot = continued[0] if continued is not None else claimed[0] if claimed is not None else \
+            self._take_slot(slot_timeout)
         self._mark(phases, "slot")
         unfed: int | None = None  # the position of a token sampled and not fed yet (kv_reuse.py marks)
         try:
@@ -285,7 +342,7 @@ class EngineCore:
                 _, logits, reused = continued
                 self._mark(phases, "continued")
             elif req.max_tokens > 0:
-                logits, reused = self.prefill(slot, ctx, req.prefix_len)
+                logits, reused = self.prefill(slot, ctx, req.prefix_len, claimed[1] if claimed is not None else None)
                 self._mark(phases, "prefill_launched")
             if phases is not None and logits is not None:
                 phases["kv_reused"] = reused
@@ -382,8 +439,7 @@ class EngineCore:
     def warm(self) -> float:
         """Run the kernels once (one prefill chunk, one decode step); returns the milliseconds it took."""
         t0 = time.perf_counter()
-        slot = self._take_slot(None)
-        try:
+        with self.spare_slot() as slot:
             n = max(2, min(self.prefill_chunk, self.max_seq - 2))  # a full chunk: its kernels, not a toy shape's
             self.forward(slot, list(range(n)), 0)
             self.forward(slot, [2], n)
@@ -391,6 +447,4 @@ class EngineCore:
                 self.static.capture(self.slots, self._lock)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
-        finally:
-            self._give_slot(slot)
         return (time.perf_counter() - t0) * 1000

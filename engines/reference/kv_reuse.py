@@ -20,6 +20,9 @@ Invariants:
 3. A predecessor still alive (a hang) may rewrite a slot while it is read: the marks are read again after the
    copy, and the copy is used only if they still vouch for it (equal marks rewritten mean equal keys and values).
 4. The context's last token is always computed again: its logits give the next token.
+5. Where the KV lease itself is handed on (a reattach, a cold-spawned takeover: `InheritedSlots`), a slot whose
+   marks vouch for a prompt is given to no request but one whose context they cover, until it is needed or the
+   window ends: its keys and values stay as the predecessor left them, and the request continues in place.
 """
 
 from __future__ import annotations
@@ -78,9 +81,13 @@ class SlotMarks:
     thread serving its request, in stream order with that request's forwards (a prefix copied in: on the
     donor's stream, which the next forward waits for)."""
 
-    def __init__(self, marks: torch.Tensor) -> None:
+    def __init__(self, marks: torch.Tensor, keep: Sequence[int] = ()) -> None:
         self.marks = marks
-        marks.fill_(UNMARKED)  # whatever a previous owner left vouches for nothing in this engine's cache
+        # whatever a previous owner left vouches for nothing in this engine's cache, but in the slots it inherits
+        # (invariant 5), whose keys and values are kept as they are
+        for slot in range(marks.shape[0]):
+            if slot not in keep:
+                marks[slot].fill_(UNMARKED)
 
     def begin(self, slot: int, prompt_len: int) -> None:
         row = self.marks[slot]
@@ -201,6 +208,69 @@ class KvDonor:
         del self.kv, self.marks
         if self._on_retire is not None:
             self._on_retire()
+
+
+def holds_a_prompt(row: torch.Tensor) -> bool:
+    """Whether the slot whose marks are `row` (a CPU tensor) holds a whole prompt's finished keys and values."""
+    prompt_len = int(row[0])
+    return 0 < prompt_len < row.shape[0] and bool((row[1:1 + prompt_len] >= 0).all())
+
+
+class InheritedSlots:
+    """This engine's own cache as its predecessor left it (invariant 5): on the reattach and cold-spawned takeover
+    paths the KV lease is handed on, not shared, so a resumed request needs no copy: it is served in the slot that
+    holds its prefix. Those slots are held out of other requests' way until one claims them, a request finds no
+    other slot (`evict`), or the window ends (`release_all`)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        """`rows`: every slot's marks as the predecessor left them, on the CPU (read before they are cleared)."""
+        self._lock = threading.Lock()
+        self._rows = {s: rows[s].clone() for s in range(rows.shape[0]) if holds_a_prompt(rows[s])}
+        self.requests = 0
+        self.positions = 0
+
+    @property
+    def held(self) -> list[int]:
+        with self._lock:
+            return sorted(self._rows)
+
+    def claim(self, prompt_len: int, ctx: Sequence[int]) -> tuple[int, torch.Tensor] | None:
+        """The held slot that holds the longest finished prefix of `ctx`, no longer held, and its marks of that
+        prefix (the prompt length, then the prefix's tokens: SlotMarks.vouch); None if no held slot holds one."""
+        with self._lock:
+            best, m = -1, 0
+            for slot, row in self._rows.items():
+                got = reusable_prefix(row, prompt_len, ctx)
+                if got > m:
+                    best, m = slot, got
+            if m == 0:
+                return None
+            row = self._rows.pop(best)
+            self.requests += 1
+            self.positions += m
+            return best, row[:1 + m]
+
+    def in_flight(self) -> list[tuple[list[int], int]]:
+        """The generations in flight in the held slots: (context, prompt length) each."""
+        with self._lock:
+            rows = list(self._rows.values())
+        return [got for row in rows if (got := in_flight(row)) is not None]
+
+    def evict(self) -> int | None:
+        """A held slot, its contents given up (a request needs it), or None."""
+        with self._lock:
+            return self._rows.popitem()[0] if self._rows else None
+
+    def release_all(self) -> list[int]:
+        """Every slot still held: the requests a failover replays have had their window."""
+        with self._lock:
+            slots = list(self._rows)
+            self._rows.clear()
+            return slots
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"requests": self.requests, "positions": self.positions, "refused": 0, "held": len(self._rows)}
 
 
 def retire_later(after_s: float, retire: Callable[[], None]) -> threading.Timer:

@@ -272,9 +272,9 @@ class LeasedMemory:
         t_views = _ms(t0)
         want = cfg.kv_shape(slots, max_seq)
         if kv is None or marks is None or tuple(kv.shape) != want:
-            # The predecessor's cache does not fit this configuration (or has no marks): lease a new one. Its
-            # contents are not reused on this path (the cache is this engine's own now, and zeroed: kv_reuse.py
-            # serves a shadow's promotion, which reads the predecessor's cache beside its own).
+            # The predecessor's cache does not fit this configuration (or has no marks): lease a new one. One that
+            # fits is this engine's own now, its slots holding the predecessor's requests kept as they are
+            # (kv_reuse.py invariant 5) and the rest zeroed.
             log.info("KV cache lease missing or of another shape (%s); leasing a new one",
                      None if kv is None else tuple(kv.shape))
             kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)

@@ -30,6 +30,7 @@ import uvicorn
 
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, sample
+from engines.reference.kv_reuse import retire_later
 from engines.reference.memory import LeasedMemory, Loaded, LocalMemory, scratch_weights
 from engines.reference.model import Transformer
 from engines.reference.server import EngineState, build_app, warm_routes
@@ -121,7 +122,8 @@ def warm_standby(s: EngineSettings, device: torch.device) -> float:
 
 def first_token(core: EngineCore) -> int:
     """One real forward over the (reattached) weights: proves the memory serves before ready is reported."""
-    tok = sample(core.forward(0, [BOS], 0), 0.0, 0, 1)
+    with core.spare_slot() as slot:  # not one holding a predecessor's request (kv_reuse.py invariant 5)
+        tok = sample(core.forward(slot, [BOS], 0), 0.0, 0, 1)
     if core.model.device.type == "cuda":
         torch.cuda.synchronize(core.model.device)
     return tok
@@ -229,16 +231,22 @@ def run(s: EngineSettings) -> int:
 
 def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_start: float) -> EngineCore:
     t0 = time.perf_counter()
+    recovered = loaded.source != "file"  # the KV lease was handed on: its slots wait for their requests
     core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk, graphs=s.graphs,
-                      marks=loaded.marks)
+                      marks=loaded.marks, inherit=recovered and s.kv_reuse_s > 0)
     build_ms = _ms(t0)
     state.info["memory"] = {"kind": state.info["memory"]["kind"], "source": loaded.source,
                             "timings_ms": loaded.timings_ms, "build_ms": build_ms}
     if loaded.source == "file":
         state.info["warmup_ms"] = core.warm()
         return core
-    # Recovered memory: the first token is computed before ready, from the weights as they are.
+    # Recovered memory: the generations the predecessor had in flight resume at once, in their own slots, and
+    # the first token is computed before ready, from the weights as they are.
+    if core.inherited is not None:
+        core.continue_in_background(state.info.setdefault("continued", {}), early=False)
     first_token(core)
+    if core.inherited is not None:
+        retire_later(s.kv_reuse_s, core.retire_donor)  # the replayed requests come after ready
     rec: dict[str, Any] = {"source": loaded.source, "first_token_ms": _ms(t_start), "t0_wall": wall_time_of(t_start),
                            "attach_ms": loaded.timings_ms.get("attach_ms"), "build_ms": build_ms}
     state.info["recovery"] = rec

@@ -142,18 +142,8 @@ class Standby:
         to /health `continued`."""
         if self._continuing is not None or self.shadow is None or self.shadow.core.donor is None:
             return
-        core = self.shadow.core
-        into = self.state.info.setdefault("continued", {})
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                into.update(generations=core.continue_in_flight(), ms=_ms(t0), early=early)
-            except Exception as e:  # noqa: BLE001 - only time is lost: the requests compute the same forwards
-                log.warning("continuing the predecessor's generations failed: %s: %s", type(e).__name__, e)
-
-        self._continuing = threading.Thread(target=run, name="continue-in-flight", daemon=True)
-        self._continuing.start()
+        self._continuing = self.shadow.core.continue_in_background(self.state.info.setdefault("continued", {}),
+                                                                   early=early)
 
     def _adopt(self, predecessor: str, token: str) -> None:
         from libs.client.protocol import NotFrozenYet, PredecessorAlive

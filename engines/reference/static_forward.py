@@ -16,12 +16,14 @@ Invariants:
    independently; the padding's keys and values, written after the prompt's end, are overwritten by the
    next tokens before any query can read them.
 3. Without CUDA (or before `capture`), the same kernels run eagerly: the same numbers, only slower.
-4. The cache starts zeroed: a hidden position is read with weight 0, and 0 x NaN is NaN.
+4. The cache starts zeroed (but for slots inherited in place, which hold only values forwards wrote): a hidden
+   position is read with weight 0, and 0 x NaN is NaN.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,7 +34,8 @@ from engines.reference.model import Transformer
 
 
 class StaticForward:
-    def __init__(self, model: Transformer, kv: torch.Tensor, chunk: int, marks: SlotMarks | None = None) -> None:
+    def __init__(self, model: Transformer, kv: torch.Tensor, chunk: int, marks: SlotMarks | None = None,
+                 keep: Sequence[int] = ()) -> None:
         self.model, self.kv, self.chunk, self.marks = model, kv, chunk, marks
         dev = model.device
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
@@ -42,9 +45,12 @@ class StaticForward:
         self.key_positions = torch.arange(kv.shape[4], device=dev)
         self.graphs: dict[tuple[str, int], tuple[Any, torch.Tensor]] = {}
         # Hidden positions are read (and weighted 0): 0 x NaN would still be NaN, and leased memory holds
-        # whatever its last owner left. This cache starts zeroed (its marks vouch for nothing: kv_reuse.py);
-        # what carries over a takeover is copied in from the predecessor's cache, prefix by prefix.
-        kv.zero_()
+        # whatever its last owner left. This cache starts zeroed (its marks vouch for nothing: kv_reuse.py), but
+        # for the slots `keep` inherited from a predecessor that zeroed them in turn and wrote only forwards'
+        # values since (kv_reuse.py invariant 5); the rest of what carries over a takeover is copied in.
+        for slot in range(kv.shape[0]):
+            if slot not in keep:
+                kv[slot].zero_()
 
     def decode(self, slot: int, token: int, position: int) -> torch.Tensor:
         """Logits ([1, vocab], float32, a tensor of the caller's) of `token` at `position`."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -66,3 +68,17 @@ def generate(url: str, **body: object) -> dict:
     r = httpx.post(url + "/generate", json={"stream": False, **body}, timeout=60)
     r.raise_for_status()
     return r.json()
+
+
+@contextlib.contextmanager
+def in_flight(url: str, n: int, **body: object) -> Iterator[list[int]]:
+    """A streamed generation's first `n` tokens, its stream still open inside the block (the request in flight
+    when its engine dies there)."""
+    sent: list[int] = []
+    with httpx.Client(timeout=30) as client, client.stream("POST", url + "/generate",
+                                                           json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            sent.append(json.loads(line)["token"])
+            if len(sent) == n:
+                break
+        yield sent

@@ -237,6 +237,93 @@ def test_a_donor_of_another_layout_is_not_used(weights: dict[str, torch.Tensor],
     assert new_core(weights, graphs=False, donor=donor).donor is None
 
 
+def handed_on(predecessor: EngineCore, weights: dict[str, torch.Tensor], *, graphs: bool) -> EngineCore:
+    """A successor over the predecessor's very cache and marks: the KV lease handed on (a reattach, a
+    cold-spawned takeover), not shared."""
+    return EngineCore(Transformer(CFG, weights), predecessor.kv, prefill_chunk=8, graphs=graphs,
+                      marks=marks_of(predecessor), inherit=True)
+
+
+def held_slot(core: EngineCore) -> int:
+    assert core.inherited is not None
+    (slot,) = core.inherited.held
+    return slot
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_a_successor_handed_the_cache_itself_serves_the_resumed_request_in_the_slot_that_holds_it_exactly(
+        weights: dict[str, torch.Tensor], graphs: bool) -> None:
+    whole, predecessor, first = killed_mid_generation(weights, 5, graphs=graphs)
+    other = [s for s in range(SLOTS) if int(marks_of(predecessor)[s, 0]) != len(PROMPT)]
+    marks_of(predecessor)[other[0], 0] = 3  # a stale prompt length with no finished prompt: not held
+    successor = handed_on(predecessor, weights, graphs=graphs)
+    slot = held_slot(successor)
+    assert successor.free_slots() == SLOTS - 1  # the held slot is no new request's
+    assert int(marks_of(successor)[slot, 0]) == len(PROMPT)  # its marks still vouch for what it holds
+    assert bool((marks_of(successor)[other[0]] == UNMARKED).all())  # the others vouch for nothing
+
+    busy = successor.generate(GenerationRequest(context=[256, 9, 9, 9], max_tokens=3))  # not in its way
+    next(busy)
+    got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
+    busy.close()
+    assert got == whole[5:]
+    assert reused == len(PROMPT) + 4  # one forward instead of 1 + 5, and no copy
+    assert successor.kv_reuse() == {**NOTHING_CONTINUED, "requests": 1, "positions": len(PROMPT) + 4, "held": 0}
+    assert successor.free_slots() == SLOTS
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_a_generation_in_flight_in_a_handed_on_cache_is_continued_in_its_own_slot_and_taken_by_its_request(
+        weights: dict[str, torch.Tensor], graphs: bool) -> None:
+    whole, predecessor, first = killed_mid_generation(weights, 5, graphs=graphs)
+    successor = handed_on(predecessor, weights, graphs=graphs)
+    slot = held_slot(successor)
+    assert successor.continue_in_flight() == 1 and successor.free_slots() == SLOTS - 1
+
+    phases: dict[str, float] = {}
+    successor.trace_next(phases, 0.0)
+    it = successor.generate(request(PROMPT + first, len(PROMPT)))
+    got = [next(it).token]  # type: ignore[union-attr]
+    assert int(marks_of(successor)[slot, 0]) == len(PROMPT)  # served in the slot that held it
+    got += [e.token for e in it if isinstance(e, TokenOut)]
+    assert got == whole[5:] and "continued" in phases and "prefill_launched" not in phases
+    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0, "held": 0,
+                                    "continued": 1, "continued_taken": 1}
+
+
+def test_a_held_slot_yields_to_a_request_short_of_one_and_its_request_is_then_computed_whole(
+        weights: dict[str, torch.Tensor]) -> None:
+    whole, predecessor, first = killed_mid_generation(weights, 3)
+    successor = handed_on(predecessor, weights, graphs=False)
+    held_slot(successor)
+    busy = successor.generate(GenerationRequest(context=[256, 9, 9, 9], max_tokens=3))
+    next(busy)
+    assert successor.free_slots() == 0
+    assert len(tokens_of(successor, GenerationRequest(context=[256, 1, 2], max_tokens=2))) == 2  # the held slot
+    busy.close()
+    assert successor.inherited is not None and successor.inherited.held == []
+    got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[3:] and reused == 0
+
+
+def test_slots_still_held_when_the_window_ends_are_free_again(weights: dict[str, torch.Tensor]) -> None:
+    _, predecessor, first = killed_mid_generation(weights, 2)
+    successor = handed_on(predecessor, weights, graphs=False)
+    held_slot(successor)
+    successor.retire_donor()
+    assert successor.free_slots() == SLOTS
+    assert reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))[1] == 0
+    assert successor.kv_reuse() == {**NOTHING_CONTINUED, "held": 0}
+
+
+def test_a_cache_handed_on_with_inheritance_off_vouches_for_nothing(weights: dict[str, torch.Tensor]) -> None:
+    _, predecessor, first = killed_mid_generation(weights, 2)
+    successor = EngineCore(Transformer(CFG, weights), predecessor.kv, prefill_chunk=8, graphs=False,
+                           marks=marks_of(predecessor))
+    assert successor.inherited is None and successor.free_slots() == SLOTS
+    assert bool((marks_of(successor) == UNMARKED).all()) and successor.kv_reuse() is None
+
+
 @pytest.mark.gpu
 def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and_continues_exactly(
         tmp_path: Path) -> None:

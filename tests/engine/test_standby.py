@@ -4,7 +4,6 @@ killed engine's leases when the agent assigns it, and serves identical greedy ou
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import sys
@@ -30,7 +29,7 @@ from libs.common.events import (
     TakeoverReply,
 )
 from tests.agent.conftest import AgentProcess, Recorder
-from tests.engine.support import generate
+from tests.engine.support import generate, in_flight
 from tests.gpu_manager.harness import until
 
 PROMPT = {"prompt": "A standby is ready.", "max_tokens": 40, "ignore_eos": True}
@@ -131,13 +130,7 @@ async def test_a_request_resumed_on_the_promoted_shadow_reuses_the_killed_engine
     active, _, before = await _an_engine_and_its_shadow(tiny_weights, settings, bus, agent, recorder)
     assert active.endpoint
     whole = before["tokens"]
-    first: list[int] = []
-    with httpx.Client(timeout=30) as client, client.stream(
-            "POST", active.endpoint + "/generate", json={**PROMPT, "stream": True}) as r:
-        for line in r.iter_lines():  # the request in flight when its engine dies
-            first.append(json.loads(line)["token"])
-            if len(first) == 5:
-                break
+    with in_flight(active.endpoint, 5, **PROMPT) as first:
         reply = await _kill_and_take_over(bus, settings.node, active, "inc-kv")
     assert first == whole[:5] and reply.engine.endpoint and reply.timings_ms["shadowed"] == 1.0
 

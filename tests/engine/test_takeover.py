@@ -6,12 +6,15 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import httpx
+
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import Freeze, FreezeReply
-from tests.engine.support import EngineProc, generate
+from tests.engine.support import EngineProc, generate, in_flight
 
 PROMPT = {"prompt": "Weights outlive the engine.", "max_tokens": 48, "ignore_eos": True}
+PROMPT_TOKENS = 1 + len("Weights outlive the engine.")  # BOS + bytes
 
 
 def leased_engine(tmp: Path, weights: Path, engine_id: str, env: dict[str, str], **extra_env: str) -> EngineProc:
@@ -39,6 +42,32 @@ async def test_a_new_process_reattaches_the_leases_and_its_greedy_output_is_iden
         assert info["recovery"]["first_token_ms"] > 0
         after = generate(second.url, **PROMPT)
         assert after["tokens"] == before["tokens"] and after["text"] == before["text"]
+    finally:
+        second.stop()
+
+
+async def test_a_request_resumed_after_a_reattach_continues_in_place_from_the_killed_engines_cache(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str]) -> None:
+    first = leased_engine(tmp_path, tiny_weights, "eng-kv", settings_env)
+    first.wait_ready()
+    whole = generate(first.url, **PROMPT)["tokens"]
+    with in_flight(first.url, 5, **PROMPT) as sent:
+        kill(first)
+    assert sent == whole[:5]
+
+    second = leased_engine(tmp_path, tiny_weights, "eng-kv", settings_env)
+    info = second.wait_ready()
+    try:
+        assert info["memory"]["source"] == "reattached"
+        resumed = generate(second.url, **{**PROMPT, "max_tokens": PROMPT["max_tokens"] - 5}, resume=sent)  # a router's replay
+        assert resumed["tokens"] == whole[5:]
+        reused = httpx.get(second.url + "/health", timeout=10).json()["kv_reused"]
+        # The prompt and the tokens sent came from the cache the killed engine left, in place: one forward. The
+        # generation was in flight at the kill (continued at start-up, then taken) unless the tiny model had
+        # finished it by then.
+        assert reused["requests"] == 1 and reused["positions"] >= PROMPT_TOKENS + 4 and reused["refused"] == 0
+        assert reused["continued_taken"] <= reused["continued"] <= 1
+        assert generate(second.url, **PROMPT)["tokens"] == whole  # a fresh prompt: computed as ever
     finally:
         second.stop()
 
