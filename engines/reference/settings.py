@@ -48,8 +48,9 @@ class EngineSettings(BaseSettings):
     adopt_timeout_s: float = Field(30.0, gt=0, description="a promoted shadow waits this long for its predecessor's "
                                    "death to own its leases; then it exits with 75")
     kv_reuse_s: float = Field(10.0, ge=0, description="a promoted shadow reads its predecessor's KV cache for the "
-                              "prefixes of resumed requests this long, then gives it back (engines/reference/"
-                              "kv_reuse.py); 0: never reads it")
+                              "prefixes of resumed requests this long, then gives it back; an engine handed its "
+                              "predecessor's KV lease (reattach, takeover) holds the slots of its requests this long "
+                              "(engines/reference/kv_reuse.py); 0: neither")
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
     log_level: str = "INFO"
 
