@@ -4,11 +4,13 @@ request resumed after its engine died costs its successor, with and without the 
 
 For each number of tokens generated before the death, a predecessor engine core generates them for a prompt
 and stops where it stands (as a SIGKILLed engine leaves its lease: cache and marks intact); then the resumed
-request (the prompt plus those tokens, as a router sends it) runs on two successor cores over the same weights:
+request (the prompt plus those tokens, as a router sends it) runs on three successor cores over the same weights:
 - recompute: no predecessor's cache: the prompt's chunks and one forward per generated token (exact resume);
-- reuse: the predecessor's cache as donor: the finished prefix copied, one forward.
-Reported: milliseconds to the resumed request's next token (median of the trials), the ratio, the positions
-reused, and whether both gave the token the uninterrupted generation gave (they must).
+- reuse: the predecessor's cache as donor (a promoted shadow's way): the finished prefix copied, one forward;
+- in place: the predecessor's cache handed on (a reattach's or cold-spawned takeover's way; each trial on a copy
+  of it as the predecessor left it): the request served in the slot that holds its prefix, one forward.
+Reported: milliseconds to the resumed request's next token (median of the trials), the ratios, the positions
+reused, and whether every way gave the token the uninterrupted generation gave (they must).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ SLOTS = 2
 
 
 def _cores(size: str, device: str, max_seq: int) -> Iterator[Any]:
-    """Engine cores over one set of weights, each with a cache and marks of its own (the first: the donor)."""
+    """Engine cores over one set of weights, each with a cache and marks of its own (the first: the donor), or
+    with `handed` (a cache and its marks handed on, kept where they hold a request)."""
     import torch
 
     from engines.reference.config import get_config
@@ -45,8 +48,13 @@ def _cores(size: str, device: str, max_seq: int) -> Iterator[Any]:
     while True:
         kv = torch.zeros(cfg.kv_shape(SLOTS, max_seq), dtype=weights["tok_embeddings.weight"].dtype, device=dev)
         marks = torch.zeros(marks_shape(SLOTS, max_seq), dtype=torch.int64, device=dev)
-        yield lambda donor=None, kv=kv, marks=marks: EngineCore(Transformer(cfg, weights), kv, marks=marks,
-                                                                donor=donor, graphs=False)
+
+        def core(donor: Any = None, handed: Any = None, kv: Any = kv, marks: Any = marks) -> EngineCore:
+            kv, marks = handed or (kv, marks)
+            return EngineCore(Transformer(cfg, weights), kv, marks=marks, donor=donor, graphs=False,
+                              inherit=handed is not None)
+
+        yield core
 
 
 def _first_token_ms(core: Any, context: list[int], prompt_len: int) -> tuple[float, int, float]:
@@ -90,17 +98,21 @@ def run(size: str, generated: list[int], trials: int = 3, device: str = "auto") 
         context = prompt + first  # what a router resumes with
         assert predecessor.marks is not None
         donor = KvDonor(predecessor.kv, predecessor.marks.marks)
-        ways: dict[str, list[tuple[float, int, float]]] = {"recompute": [], "reuse": []}
+        ways: dict[str, list[tuple[float, int, float]]] = {"recompute": [], "reuse": [], "in_place": []}
         for _ in range(trials):
             ways["recompute"].append(_first_token_ms(next(cores)(), context, len(prompt)))
             ways["reuse"].append(_first_token_ms(next(cores)(donor), context, len(prompt)))
+            handed = (predecessor.kv.clone(), predecessor.marks.marks.clone())  # the lease as the death left it
+            ways["in_place"].append(_first_token_ms(next(cores)(handed=handed), context, len(prompt)))
         stopped.close()
         med = {w: statistics.median(ms for ms, _, _ in got) for w, got in ways.items()}
         rows.append({
             "generated": k, "context": len(context),
             "recompute_ms": round(med["recompute"], 3), "reuse_ms": round(med["reuse"], 3),
             "ratio": round(med["recompute"] / med["reuse"], 1) if med["reuse"] else None,
-            "positions_reused": ways["reuse"][0][2],
+            "in_place_ms": round(med["in_place"], 3),
+            "in_place_ratio": round(med["recompute"] / med["in_place"], 1) if med["in_place"] else None,
+            "positions_reused": ways["reuse"][0][2], "positions_in_place": ways["in_place"][0][2],
             "same_token": all(tok == whole[k] for got in ways.values() for _, tok, _ in got),
         })
     dev = str(next(cores)().model.device)
@@ -114,7 +126,8 @@ def cli(
     device: str = typer.Option("auto", help="auto, cpu, cuda"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
-    """A resumed request's next token after its engine died: recomputed vs from the predecessor's KV cache."""
+    """A resumed request's next token after its engine died: recomputed vs from the predecessor's KV cache (copied,
+    or in place)."""
     out = run(size, [int(x) for x in generated.split(",") if x.strip()], trials, device)
     if as_json:
         print(json.dumps(out))
@@ -123,9 +136,10 @@ def cli(
     from rich.table import Table
 
     table = Table(title=f"resume after a death: {out['size']} on {out['device']}, {out['trials']} trials")
-    for col in ("generated", "recompute ms", "reuse ms", "ratio", "reused", "same token"):
+    for col in ("generated", "recompute ms", "reuse ms", "ratio", "in place ms", "ratio", "reused", "same token"):
         table.add_column(col, justify="right")
     for r in out["rows"]:
         table.add_row(str(r["generated"]), f"{r['recompute_ms']:.1f}", f"{r['reuse_ms']:.1f}", f"{r['ratio']}x",
-                      str(int(r["positions_reused"])), str(r["same_token"]))
+                      f"{r['in_place_ms']:.1f}", f"{r['in_place_ratio']}x", str(int(r["positions_reused"])),
+                      str(r["same_token"]))
     Console().print(table)

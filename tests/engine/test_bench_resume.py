@@ -1,4 +1,4 @@
-"""`holdfast bench resume`: both ways give the uninterrupted generation's token, and the reuse way copies every
+"""`holdfast bench resume`: every way gives the uninterrupted generation's token, and the reuse ways take every
 finished position (tiny size, CPU; the figures themselves are the benchmark's, not asserted)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ def test_a_resumed_request_gets_the_same_token_recomputed_or_from_the_predecesso
     assert [r["generated"] for r in out["rows"]] == [1, 8]
     for r in out["rows"]:
         assert r["same_token"] is True
-        assert r["positions_reused"] == out["prompt_tokens"] + r["generated"] - 1
-        assert r["recompute_ms"] > 0 and r["reuse_ms"] > 0
+        assert r["positions_reused"] == r["positions_in_place"] == out["prompt_tokens"] + r["generated"] - 1
+        assert r["recompute_ms"] > 0 and r["reuse_ms"] > 0 and r["in_place_ms"] > 0
 
 
 def test_the_cli_prints_the_rows_as_json() -> None:
