@@ -205,7 +205,9 @@ class ClusterView:
             if self.endpoint_by_engine.get(engine, ("", ""))[0] == model:
                 del self.endpoint_by_engine[engine]
             return self.endpoints.pop((model, engine), None)
-        url = _json(value)
+        # A URL is written as it is (not JSON): parse only what could be a JSON string (a parse that fails
+        # raises, per endpoint write, and the controller writes two per incident).
+        url = _json(value) if value is not None and value.lstrip()[:1] == b'"' else None
         self.endpoints[(model, engine)] = url if isinstance(url, str) else (value or b"").decode()
         self.endpoint_by_engine[engine] = (model, self.endpoints[(model, engine)])
         return self.endpoints[(model, engine)]

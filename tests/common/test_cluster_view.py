@@ -46,3 +46,15 @@ def test_the_standby_shadowing_an_engine_is_found_and_forgotten_as_its_record_ch
     assert view.shadow_of("e2", "n1") is None
     view.apply("delete", "engines/sb", None)
     assert view.shadowed_by == {}
+
+
+def test_an_endpoint_reads_as_its_url_whether_written_as_it_is_or_as_a_json_string() -> None:
+    view = ClusterView()
+    view.apply("put", "endpoints/m/e1", b"http://127.0.0.1:8001")  # as the controller writes it
+    view.apply("put", "endpoints/m/e2", b' "http://127.0.0.1:8002"')
+    view.apply("put", "endpoints/m/e3", b"12")  # not a URL, kept as written
+    assert view.endpoint_of("e1") == ("m", "http://127.0.0.1:8001")
+    assert view.endpoint_of("e2") == ("m", "http://127.0.0.1:8002")
+    assert view.endpoint_of("e3") == ("m", "12")
+    view.apply("delete", "endpoints/m/e1", None)
+    assert view.endpoint_of("e1") is None
