@@ -58,6 +58,8 @@ from libs.common.ids import new_id
 log = logging.getLogger("holdfast.bus")
 
 EventHandler = Callable[[Envelope], Awaitable[None]]
+# Many events at once -> for each, in order: None (handled) or the exception that failed it.
+BatchHandler = Callable[[list[Envelope]], Awaitable[list[BaseException | None]]]
 C = TypeVar("C", bound=Command)
 R = TypeVar("R", bound=BaseModel)
 
@@ -133,6 +135,19 @@ class _AckBatch:
 
     def expire(self) -> None:
         self.fail(NatsTimeout())
+
+
+def _consumer_config(name: str, new_only: bool, ack_wait: float, concurrency: int) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=name,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
+        max_deliver=MAX_DELIVER,
+        ack_wait=ack_wait,
+        # Unacked messages waiting for a free slot get no in-progress marks: never let more than we run
+        # be outstanding, or they would be redelivered under us while they wait.
+        max_ack_pending=concurrency if concurrency > 1 else 1000,
+    )
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:
@@ -418,16 +433,7 @@ class Bus:
         without it a second process cannot bind a durable that another one holds. `attach_trace=False`: the
         handler files its work under a trace of its own choosing, so the message's context is not made current.
         """
-        config = ConsumerConfig(
-            durable_name=name,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
-            max_deliver=MAX_DELIVER,
-            ack_wait=ack_wait,
-            # Unacked messages waiting for a free slot get no in-progress marks: never let more than we run
-            # be outstanding, or they would be redelivered under us while they wait.
-            max_ack_pending=concurrency if concurrency > 1 else 1000,
-        )
+        config = _consumer_config(name, new_only, ack_wait, concurrency)
         inner = self._event_cb(handler, raise_errors=True, attach_trace=attach_trace)
 
         async def handle(msg: Msg) -> None:
@@ -448,24 +454,7 @@ class Bus:
         else:
             slots = asyncio.Semaphore(concurrency)
             loop = asyncio.get_running_loop()
-            # Messages being handled, by identity: one shared ticker marks the long-running ones in progress
-            # (not a task and a timer per message: at hundreds of messages a second those cost more than
-            # the handlers). Period ack_wait/4 and age >= ack_wait/4: every message is marked before it is
-            # ack_wait/2 old, then every ack_wait/4, well inside ack_wait.
-            running: dict[int, tuple[Msg, float]] = {}
-            period = max(ack_wait / 4, 0.05)
-
-            async def keep_in_progress() -> None:
-                while True:
-                    await asyncio.sleep(period)
-                    now = loop.time()
-                    for msg, started in list(running.values()):
-                        if now - started >= period:
-                            with contextlib.suppress(Exception):
-                                await msg.in_progress()
-
-            ticker = asyncio.create_task(keep_in_progress(), name=f"in-progress:{name}")
-            self._tickers.append(ticker)
+            running = self._in_progress(name, ack_wait)
 
             async def run(msg: Msg) -> None:
                 running[id(msg)] = (msg, loop.time())
@@ -487,6 +476,96 @@ class Bus:
                                       queue=name if shared else None)
         self._subs.append(sub)
         return sub
+
+    async def durable_batches(self, subject: str, name: str, handler: BatchHandler, *, concurrency: int = 256,
+                              ack_wait: float = 30, new_only: bool = False, shared: bool = False) -> Any:
+        """`durable(..., concurrency=, attach_trace=False)` for a handler of many events at once: the messages
+        delivered in one loop pass go to one `handler` call (one task for them all, not one each), which
+        returns, in their order, None for each event handled (acked) or the exception that failed it (nak'd,
+        redelivered later). A handler that raises fails them all. A malformed message is terminated and not
+        handed on. Each message holds one of `concurrency` slots until it is settled, and is marked in
+        progress while it runs, as with `durable`. Events reach the handler without their message's trace
+        context made current (the handler files its work under traces of its own)."""
+        config = _consumer_config(name, new_only, ack_wait, concurrency)
+        slots = asyncio.Semaphore(concurrency)
+        loop = asyncio.get_running_loop()
+        running = self._in_progress(name, ack_wait)
+        gathered: list[Msg] = []  # delivered in this loop pass, not yet handed to a batch
+
+        async def settle(msg: Msg, error: BaseException | None) -> None:
+            try:
+                if error is None:
+                    await msg.ack()
+                elif isinstance(error, MalformedMessage):
+                    await msg.term()  # poison: never redeliver
+                else:
+                    log.error("handler of %s failed; message will be redelivered", msg.subject, exc_info=error)
+                    await msg.nak(delay=0.5)
+            except Exception:  # noqa: BLE001 - ack/nak failed (connection lost): JetStream redelivers
+                log.warning("could not settle a message on %s", msg.subject)
+
+        async def run(msgs: list[Msg]) -> None:
+            try:
+                envs: list[Envelope] = []
+                handed: list[Msg] = []
+                for msg in msgs:
+                    try:
+                        envs.append(decode_event(msg.data))
+                        handed.append(msg)
+                    except MalformedMessage as e:
+                        self.rejected += 1
+                        log.warning("rejected message on %s: %s", msg.subject, e.message)
+                        await settle(msg, e)
+                try:
+                    outcomes = await handler(envs) if envs else []
+                except Exception as e:  # noqa: BLE001 - every event of the batch is redelivered
+                    outcomes = [e] * len(envs)
+                for msg, error in zip(handed, outcomes, strict=True):
+                    await settle(msg, error)
+            finally:
+                for msg in msgs:
+                    running.pop(id(msg), None)
+                    slots.release()
+
+        def start() -> None:
+            msgs = gathered.copy()
+            gathered.clear()
+            task = loop.create_task(run(msgs), name=f"durable:{name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        async def cb(msg: Msg) -> None:
+            await slots.acquire()  # backpressure: at most `concurrency` messages in flight
+            running[id(msg)] = (msg, loop.time())
+            if not gathered:
+                loop.call_soon(start)  # after nats-py has handed over what it read in this pass
+            gathered.append(msg)
+
+        sub = await self.js.subscribe(self._full(subject), durable=name, cb=cb, manual_ack=True, config=config,
+                                      queue=name if shared else None)
+        self._subs.append(sub)
+        return sub
+
+    def _in_progress(self, name: str, ack_wait: float) -> dict[int, tuple[Msg, float]]:
+        """Messages being handled, by identity (id -> the message, when it started), and one shared ticker
+        that marks the long-running ones in progress (not a task and a timer per message: at hundreds of
+        messages a second those cost more than the handlers). Period ack_wait/4 and age >= ack_wait/4: every
+        message is marked before it is ack_wait/2 old, then every ack_wait/4, well inside ack_wait."""
+        loop = asyncio.get_running_loop()
+        running: dict[int, tuple[Msg, float]] = {}
+        period = max(ack_wait / 4, 0.05)
+
+        async def keep_in_progress() -> None:
+            while True:
+                await asyncio.sleep(period)
+                now = loop.time()
+                for msg, started in list(running.values()):
+                    if now - started >= period:
+                        with contextlib.suppress(Exception):
+                            await msg.in_progress()
+
+        self._tickers.append(asyncio.create_task(keep_in_progress(), name=f"in-progress:{name}"))
+        return running
 
     async def replay(self, subject: str, *, start_seq: int = 1) -> list[Envelope]:
         """Read every stored event on `subject` (ephemeral ordered consumer); for catch-up and tests."""

@@ -5,7 +5,8 @@ not the bytes, are what a Python process spends its time on. The writer collects
 caller and sends them as one transaction of up to `max_ops` operations (etcd's default limit is 128):
 
 - `create(key, value)` (put only if absent) and `put(key, value)` wait until their transaction is
-  committed: use them for what safety needs before acting (an incident's opening, a command's progress).
+  committed: use them for what safety needs before acting (an incident's opening, a command's progress);
+  `create_soon` queues a create and returns its future (a caller with many awaits them together).
 - `put_nowait` / `delete_nowait` return at once (DESIGN.md section 4: record the other steps without
   waiting); a later write to the same key replaces a pending one, so only the latest value is sent.
 - `put_after(key, value, delay_s)` queues a put only after `delay_s`, and drops it when a newer write of
@@ -88,6 +89,12 @@ class BatchWriter:
     async def create(self, key: str, value: Any) -> bool:
         """Put only if `key` is absent; True when this write created it."""
         return await self._wait(self._add(_Op(CREATE, key, value)))
+
+    def create_soon(self, key: str, value: Any) -> asyncio.Future[bool]:
+        """`create` queued now, its outcome awaited later (many creates of one caller, one wait each, no task)."""
+        fut = self._add(_Op(CREATE, key, value))
+        assert fut is not None
+        return fut
 
     async def put(self, key: str, value: Any) -> None:
         await self._wait(self._add(_Op(PUT, key, value)))

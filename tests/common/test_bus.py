@@ -225,3 +225,28 @@ async def test_durable_consumer_replays_what_it_missed_after_a_restart(settings)
     assert seen == ["a", "b", "c"]
     await consumer.close()
     await producer.close()
+
+
+async def test_events_delivered_together_reach_a_batch_handler_together_and_only_the_failed_one_comes_again(
+        bus: Bus) -> None:
+    ids = [f"e{i}" for i in range(20)]
+    await bus.publish_all([bus.wired(FaultDetected(engine_id=e, kind=FaultKind.KILLED), id=f"f-{e}") for e in ids])
+    await bus.js.publish(f"{bus.prefix}.fault.detected", b"not an envelope")  # stored, then terminated
+    batches: list[list[str]] = []
+    every = asyncio.Event()
+
+    async def handler(envs: list[Envelope]) -> list[BaseException | None]:
+        got = [env.data.engine_id for env in envs]  # type: ignore[union-attr]
+        batches.append(got)
+        if sum(len(b) for b in batches) == len(ids) + 1:
+            every.set()
+        first_e3 = sum(b.count("e3") for b in batches) == 1
+        return [RuntimeError("e3 fails once") if e == "e3" and first_e3 else None for e in got]
+
+    await bus.durable_batches("fault.>", "batched", handler, concurrency=64, ack_wait=1.0)
+    await asyncio.wait_for(every.wait(), 10)
+    await asyncio.sleep(1.5)  # past ack_wait: an event handled but not acked would be delivered again by now
+    seen = [e for b in batches for e in b]
+    assert sorted(seen) == sorted([*ids, "e3"])  # the failed one twice (nak'd), every other one once (acked)
+    assert max(len(b) for b in batches) > 1  # stored events delivered at once are handled together
+    assert bus.rejected == 1
