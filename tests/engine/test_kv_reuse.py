@@ -4,7 +4,7 @@ its request from the first one's cache and marks (tiny size, CPU)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -324,18 +324,19 @@ def test_a_cache_handed_on_with_inheritance_off_vouches_for_nothing(weights: dic
     assert bool((marks_of(successor) == UNMARKED).all()) and successor.kv_reuse() is None
 
 
-@pytest.mark.gpu
-def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and_continues_exactly(
-        tmp_path: Path) -> None:
-    """The CUDA path: graphs captured on both sides, the copy on a stream of its own, the marks of a slot whose
-    graphs were captured while it held a live request (the capture's warm-up writes and restores its positions)."""
+def killed_on_cuda(tmp_path: Path) -> tuple[Callable[..., EngineCore], list[int], EngineCore, list[int]]:
+    """On CUDA with graphs: a core factory, the uninterrupted generation, and a predecessor killed after sending 5
+    tokens, whose graphs were captured while that request was live (the capture's warm-up writes and restores
+    its positions)."""
     dev = torch.device("cuda")
     w = load_weights(make_weights(CFG, tmp_path / "tiny.safetensors"), dev)
 
-    def core_on_cuda(donor: KvDonor | None = None) -> EngineCore:
-        kv = torch.zeros(CFG.kv_shape(SLOTS, MAX_SEQ), device=dev)
-        marks = torch.zeros(marks_shape(SLOTS, MAX_SEQ), dtype=torch.int64, device=dev)
-        return EngineCore(Transformer(CFG, w), kv, prefill_chunk=8, graphs=True, marks=marks, donor=donor)
+    def core_on_cuda(donor: KvDonor | None = None, handed: EngineCore | None = None) -> EngineCore:
+        kv = torch.zeros(CFG.kv_shape(SLOTS, MAX_SEQ), device=dev) if handed is None else handed.kv
+        marks = (torch.zeros(marks_shape(SLOTS, MAX_SEQ), dtype=torch.int64, device=dev) if handed is None
+                 else marks_of(handed))
+        return EngineCore(Transformer(CFG, w), kv, prefill_chunk=8, graphs=True, marks=marks, donor=donor,
+                          inherit=handed is not None)
 
     reference = core_on_cuda()
     reference.warm()
@@ -349,7 +350,14 @@ def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and
     torch.cuda.synchronize()
     assert first == whole[:5]
     assert int((marks_of(predecessor)[:, 1:] >= 0).sum()) == len(PROMPT) + 4
+    return core_on_cuda, whole, predecessor, first
 
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and_continues_exactly(
+        tmp_path: Path) -> None:
+    """The CUDA path: graphs captured on both sides, the copy on a stream of its own."""
+    core_on_cuda, whole, predecessor, first = killed_on_cuda(tmp_path)
     successor = core_on_cuda(KvDonor(predecessor.kv, marks_of(predecessor)))
     successor.warm()
     assert successor.continue_in_flight() == 1
@@ -358,6 +366,20 @@ def test_on_cuda_with_graphs_a_resumed_request_reuses_the_predecessors_cache_and
     successor.retire_donor()
     assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0, "continued": 1,
                                     "continued_taken": 1}
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_a_cache_handed_on_serves_the_resumed_request_in_place_exactly(tmp_path: Path) -> None:
+    """The handed-on path on CUDA: the held slot is not zeroed, its graphs are captured while it is held, and the
+    generation in flight continues in it."""
+    core_on_cuda, whole, predecessor, first = killed_on_cuda(tmp_path)
+    successor = core_on_cuda(handed=predecessor)
+    assert successor.continue_in_flight() == 1
+    successor.capture_graphs_in_background().join()  # type: ignore[union-attr]
+    got, reused = reused_by_the_next_generation(successor, request(PROMPT + first, len(PROMPT)))
+    assert got == whole[5:] and reused == len(PROMPT) + 4
+    assert successor.kv_reuse() == {"requests": 1, "positions": len(PROMPT) + 4, "refused": 0, "held": 0,
+                                    "continued": 1, "continued_taken": 1}
 
 
 class FakeLease:
