@@ -10,6 +10,8 @@ replaced it; its writer's `lost` is set and it stops.
 
 from __future__ import annotations
 
+import asyncio
+
 from libs.common.cluster_view import range_pages
 from libs.common.etcd_batch import BatchWriter
 from libs.common.store import Store
@@ -27,6 +29,10 @@ class IncidentLog:
 
     async def create(self, rec: IncidentRecord) -> bool:
         return await self.writer.create(incident_key(rec.id), rec)
+
+    def create_soon(self, rec: IncidentRecord) -> asyncio.Future[bool]:
+        """`create`, queued now and awaited later (a batch of openings)."""
+        return self.writer.create_soon(incident_key(rec.id), rec)
 
     async def load(self, incident_id: str) -> IncidentRecord | None:
         """The latest record: this process's own write not yet in etcd first, else etcd's."""

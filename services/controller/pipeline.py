@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import NamedTuple
 
 from libs.common.bus import Bus, Wired
 from libs.common.etcd_batch import BatchWriter
@@ -44,6 +45,7 @@ from libs.common.events import (
     Step,
 )
 from libs.common.store import Store
+from services.controller.batches import Batches
 from services.controller.cold_starts import ColdStarts
 from services.controller.incident import (
     WAITING,
@@ -77,11 +79,22 @@ RESULT_RULES: dict[tuple[Step, bool], tuple[Trigger, frozenset[IncidentState]]] 
 }
 
 
+class RouteOut(NamedTuple):
+    """A dispatch prepared: the record's working copy and the events to publish (route out, the intent,
+    incident.opened); `lost`: the memory is gone, `cold`: the successor starts cold; `model`: the route's model."""
+
+    work: IncidentRecord
+    events: list[Wired]
+    lost: bool
+    cold: bool
+    model: str
+
+
 def endpoint_key(model: str, engine_id: str) -> str:
     return f"endpoints/{model}/{engine_id}"
 
 
-class IncidentDriver(ColdStarts):
+class IncidentDriver(ColdStarts, Batches):
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: ControllerSettings,
                  metrics: ControllerMetrics) -> None:
         self.bus = bus
@@ -124,9 +137,12 @@ class IncidentDriver(ColdStarts):
         for inc_id in list(self.open):
             await self._guarded(inc_id, self._resume(inc_id))
         kw = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
-        await self.bus.durable("fault.detected", "controller-faults", self.on_fault, **kw)
+        # Faults delivered together are opened together: one task, one wait for their creates, one publish
+        # (and one wait for the stream acks) of their route-out events.
+        await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, **kw)
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
-        await self.bus.durable("intent.result", "controller-intents", self.on_intent_result, attach_trace=False, **kw)
+        # Results delivered together (prompt takeovers) are routed in together, as faults are opened.
+        await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw)
         await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw)
         await self.bus.durable("memory.>", "controller-memory", self.on_memory_event, **kw)
 
@@ -280,10 +296,7 @@ class IncidentDriver(ColdStarts):
                 return
             cur = rec
             if frozen_at is not None and rec.state is S.FREEZING and trigger is not Trigger.FROZEN:
-                now = time.time()
-                started = rec.steps.get(Step.FREEZE)
-                cur = apply(rec, Trigger.FROZEN, min(now, max(frozen_at, started.started_at if started else frozen_at)),
-                            self.deadlines)
+                cur = self._frozen_at(rec, frozen_at)
             if trigger is Trigger.REATTACHED and cur.state is S.FREEZING:
                 # The successor serves already, its memory not frozen yet: routed in when the freeze ends
                 # (memory.frozen or the dc_manager's result), never before (incident.py: no such transition).
@@ -309,14 +322,24 @@ class IncidentDriver(ColdStarts):
             rec = await self._commit(rec, new, write=new.state is not S.ROUTING_IN)
             await self._advance(rec)
 
+    def _frozen_at(self, rec: IncidentRecord, frozen_at: float) -> IncidentRecord:
+        """A record still freezing, its freeze ended at `frozen_at` (bounded by its start and now)."""
+        now = time.time()
+        started = rec.steps.get(Step.FREEZE)
+        return apply(rec, Trigger.FROZEN, min(now, max(frozen_at, started.started_at if started else frozen_at)),
+                     self.deadlines)
+
     async def _resume(self, inc_id: str) -> None:
         async with self._lock(inc_id):
-            rec = self.open.get(inc_id) or await self.log.load(inc_id)
-            if rec is None or rec.terminal:
-                self.open.pop(inc_id, None)
-                return
-            self.open[inc_id] = rec
-            await self._advance(rec)
+            await self._resume_unlocked(inc_id)
+
+    async def _resume_unlocked(self, inc_id: str) -> None:
+        rec = self.open.get(inc_id) or await self.log.load(inc_id)
+        if rec is None or rec.terminal:
+            self.open.pop(inc_id, None)
+            return
+        self.open[inc_id] = rec
+        await self._advance(rec)
 
     async def _advance(self, rec: IncidentRecord) -> None:
         """Run the controller's own steps (route out and dispatch; route in and close) until it must wait."""
@@ -332,25 +355,27 @@ class IncidentDriver(ColdStarts):
                 except BaseException:
                     self.log.save(rec)  # maybe not written on entry (see trigger): keep where it stands now
                     raise
-                rec = await self._commit(rec, routed)
-                if rec.move_off and rec.state is S.RESOLVED and rec.successor_id != rec.engine_id:
-                    # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
-                    self._stop_in_background(rec.id, rec.engine_id, rec.node)
+                rec = await self._routed_in(rec, routed)
             else:
                 return
 
     async def _dispatch(self, rec: IncidentRecord) -> IncidentRecord:
+        out = self._route_out(rec)
+        await self.bus.publish_all(out.events)  # published together, their stream acks awaited together
+        return self._routed_out(out)
+
+    def _route_out(self, rec: IncidentRecord) -> RouteOut:
+        """The dispatch's events (route out, the intent, incident.opened) for `rec`'s working copy; once they
+        are published, `_routed_out` takes it on."""
         work = rec.model_copy(update={"steps": dict(rec.steps)})  # steps are replaced, never mutated
         if work.trace_parent is None:
             self.tracing.open(work)
-        now = time.time()
-        start_step(work, Step.ROUTE_OUT, now)
+        start_step(work, Step.ROUTE_OUT, time.time())
         hit = self.view.endpoint_of(work.engine_id)
         model, url = hit if hit is not None else (work.model, work.endpoint)
         # Route out beside the freeze: routers hold requests while the memory is frozen.
         lost = work.memory_lost or self._memory_gone(work)
         cold = lost or work.move_off  # moving off a drained node: the successor starts cold elsewhere
-        # Published together, their stream acks awaited together (one wait, not three requests).
         events = [
             self._intent_envelope(work, fallback=cold),
             self._envelope(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,
@@ -361,16 +386,33 @@ class IncidentDriver(ColdStarts):
             events.insert(0, self._envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id, url=url,
                                                             reason=str(work.kind or work.reason), incident_id=work.id),
                                             f"{work.id}-removed", work))
-        await self.bus.publish_all(events)
+        return RouteOut(work, events, lost, cold, model or work.model)
+
+    def _routed_out(self, out: RouteOut) -> IncidentRecord:
+        work = out.work
         if work.move_off:  # make before break: a drained engine serves until its successor does (route-in)
             end_step(work, Step.ROUTE_OUT, "skipped", time.time(), "drain: routed out when its successor is routed in")
         else:
-            self.writer.delete_nowait(endpoint_key(model or work.model, work.engine_id))
+            self.writer.delete_nowait(endpoint_key(out.model, work.engine_id))
             end_step(work, Step.ROUTE_OUT, "done", time.time())
-        trig = Trigger.DISPATCHED_FALLBACK if cold else Trigger.DISPATCHED
-        return apply(work, trig, time.time(), self.deadlines, memory_lost=lost)
+        trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
+        return apply(work, trig, time.time(), self.deadlines, memory_lost=out.lost)
 
     async def _route_in(self, rec: IncidentRecord) -> IncidentRecord:
+        new, events = self._route_in_events(rec)
+        await self.bus.publish_all(events)
+        return new
+
+    async def _routed_in(self, rec: IncidentRecord, routed: IncidentRecord) -> IncidentRecord:
+        """Route-in's events are published: record the incident resolved."""
+        rec = await self._commit(rec, routed)
+        if rec.move_off and rec.state is S.RESOLVED and rec.successor_id != rec.engine_id:
+            # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
+            self._stop_in_background(rec.id, rec.engine_id, rec.node)
+        return rec
+
+    def _route_in_events(self, rec: IncidentRecord) -> tuple[IncidentRecord, list[Wired]]:
+        """Route-in's endpoint key (written behind) and events for `rec`, and the record once they are out."""
         succ, url = rec.successor_id or "", rec.successor_endpoint
         engine = self.view.engines.get(succ)
         url = url or (engine.endpoint if engine else None) or ""
@@ -391,8 +433,7 @@ class IncidentDriver(ColdStarts):
             events.insert(1, self._envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
                                                             reason="drained", incident_id=rec.id),
                                             f"{rec.id}-removed", rec))
-        await self.bus.publish_all(events)
-        return new
+        return new, events
 
     async def _send_intent(self, rec: IncidentRecord, *, fallback: bool) -> None:
         await self.bus.publish(self._intent_envelope(rec, fallback=fallback))
