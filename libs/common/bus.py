@@ -23,7 +23,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeVar
 
@@ -69,6 +69,10 @@ _VERSION_TIME = b',"version":' + str(SCHEMA_VERSION).encode() + b',"time":'
 # Inside a durable handler: how many times JetStream has delivered this message (1: the first time). A
 # handler whose progress is recorded elsewhere reads that record only on a redelivery.
 delivery_attempt: contextvars.ContextVar[int] = contextvars.ContextVar("hf_delivery_attempt", default=0)
+# Inside a `durable_batches` handler: each event's delivery count, in the order of the events handed over
+# (empty outside one). Read it at the handler's start: the handler's own tasks copy it as it is then.
+delivery_attempts: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("hf_delivery_attempts",
+                                                                                      default=())
 
 
 def ok_reply(result: BaseModel) -> bytes:
@@ -137,6 +141,48 @@ class _AckBatch:
         self.fail(NatsTimeout())
 
 
+async def beside(together: Awaitable[None], alone: dict[int, Awaitable[None]],
+                 out: list[BaseException | None]) -> list[BaseException | None]:
+    """For batch handlers (`durable_batches`): the batch's common part and the events handled one at a time (by
+    position) run concurrently; each one-at-a-time handler's failure becomes its event's outcome in `out`, and a
+    failure of the common part is raised (failing every event of the batch)."""
+    if not alone:
+        await together
+        return out
+    done = await asyncio.gather(together, *alone.values(), return_exceptions=True)
+    for i, result in zip(alone, done[1:], strict=True):
+        out[i] = result if isinstance(result, BaseException) else None
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return out
+
+
+class _Replies:
+    """The replies of one `request_all` call, by position, as they arrive; its caller is woken once per loop
+    pass that brought any (not once per reply)."""
+
+    __slots__ = ("arrived", "expired", "left", "waiter")
+
+    def __init__(self, n: int) -> None:
+        self.arrived: list[tuple[int, Msg]] = []
+        self.left = n
+        self.expired = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, i: int, msg: Msg) -> None:
+        self.arrived.append((i, msg))
+        self.left -= 1
+        self._wake()
+
+    def expire(self) -> None:
+        self.expired = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
 def _consumer_config(name: str, new_only: bool, ack_wait: float, concurrency: int) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=name,
@@ -201,6 +247,7 @@ class Bus:
         self._tokens = itertools.count()
         self._acks: dict[str, _AckBatch] = {}
         self._replies: dict[str, asyncio.Future[Msg]] = {}
+        self._batched: dict[str, tuple[_Replies, int]] = {}  # request_all's replies: token -> (its call, position)
         self._subjects: dict[type, str] = {}
         self._source_json: bytes | None = None  # ',"source":...,"node":...' of this bus's envelopes (wired)
         self._command_head: bytes | None = None  # the same for its command envelopes
@@ -372,6 +419,10 @@ class Bus:
                 if not waiter.done():
                     waiter.set_result(msg)
                 return
+            batched = self._batched.pop(token, None)
+            if batched is not None:
+                batched[0].put(batched[1], msg)
+                return
             batch = self._acks.pop(token, None)
             if batch is None or batch.done.done():
                 return
@@ -485,7 +536,8 @@ class Bus:
         redelivered later). A handler that raises fails them all. A malformed message is terminated and not
         handed on. Each message holds one of `concurrency` slots until it is settled, and is marked in
         progress while it runs, as with `durable`. Events reach the handler without their message's trace
-        context made current (the handler files its work under traces of its own)."""
+        context made current (the handler files its work under traces of its own). Each event's delivery count
+        (`delivery_attempt` of a one-at-a-time handler) is in `delivery_attempts`, in the events' order."""
         config = _consumer_config(name, new_only, ack_wait, concurrency)
         slots = asyncio.Semaphore(concurrency)
         loop = asyncio.get_running_loop()
@@ -508,14 +560,17 @@ class Bus:
             try:
                 envs: list[Envelope] = []
                 handed: list[Msg] = []
+                attempts: list[int] = []
                 for msg in msgs:
                     try:
                         envs.append(decode_event(msg.data))
                         handed.append(msg)
+                        attempts.append(_num_delivered(msg))
                     except MalformedMessage as e:
                         self.rejected += 1
                         log.warning("rejected message on %s: %s", msg.subject, e.message)
                         await settle(msg, e)
+                delivery_attempts.set(tuple(attempts))  # this task's own context: per batch
                 try:
                     outcomes = await handler(envs) if envs else []
                 except Exception as e:  # noqa: BLE001 - every event of the batch is redelivered
@@ -622,12 +677,7 @@ class Bus:
         traceparent: str | None = None,
     ) -> R:
         """`traceparent`: the trace to file the command under (default: the current span's context)."""
-        kind = self._command_kinds.get(type(command))
-        if kind is None:  # once per command class: `command_kind` reads pydantic's class fields (not free)
-            kind = self._command_kinds[type(command)] = command_kind(type(command))
-        subject = f"{self.prefix}.node.{node}.{kind}"  # command_subject(self.prefix, node, type(command))
-        headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
-        body = self._command_json(command, headers.get("traceparent"), headers.get("tracestate"))
+        subject, body, headers = self._command_out(node, command, traceparent)
         # Not nc.request: its token is a NUID built digit by digit in Python and its wait an asyncio.wait_for
         # (a second future and callbacks); here a counter's token and one timer (~2-3% of the dc_manager,
         # which sends two commands per incident). Same semantics: no responders, timeout, typed reply.
@@ -646,6 +696,63 @@ class Bus:
         finally:
             timer.cancel()
             self._replies.pop(token, None)
+        return self._reply_of(msg, subject, reply_model)
+
+    async def request_all(self, calls: Sequence[tuple[str, Command, str | None]], reply_model: type[R], *,
+                          timeout: float | None = None) -> AsyncIterator[list[tuple[int, R | HoldfastError]]]:
+        """`request(node, command, reply_model, timeout=, traceparent=)` for each (node, command, traceparent) of
+        `calls`, all sent at once, one timer for all: yields, as they arrive (one list per loop pass that brought
+        any), (position in `calls`, the typed reply or the `HoldfastError` that `request` would raise:
+        `Unavailable`, `RemoteError`, and `CommandTimeout` for each one still unanswered after `timeout`). Not
+        retried. Closing the iterator early drops the replies still to come."""
+        limit = timeout or self.settings.request_timeout_s
+        prefix = self._inbox_prefix or await self._inbox()
+        loop = asyncio.get_running_loop()
+        replies = _Replies(len(calls))
+        tokens: list[str] = []
+        subjects: list[str] = []
+        timer = loop.call_later(limit, replies.expire)
+        try:
+            for i, (node, command, traceparent) in enumerate(calls):
+                subject, body, headers = self._command_out(node, command, traceparent)
+                token = str(next(self._tokens))
+                self._batched[token] = (replies, i)
+                tokens.append(token)
+                subjects.append(subject)
+                await self.nc.publish(subject, body, reply=prefix + token, headers=headers or None)
+            answered = [False] * len(calls)
+            while replies.left > 0 and not replies.expired or replies.arrived:
+                if not replies.arrived:
+                    replies.waiter = loop.create_future()
+                    await replies.waiter
+                    continue
+                got, replies.arrived = replies.arrived, []
+                out: list[tuple[int, R | HoldfastError]] = []
+                for i, msg in got:
+                    answered[i] = True
+                    try:
+                        out.append((i, self._reply_of(msg, subjects[i], reply_model)))
+                    except HoldfastError as e:
+                        out.append((i, e))
+                yield out
+            missing = [i for i, done in enumerate(answered) if not done]
+            if missing:
+                yield [(i, CommandTimeout(f"{subjects[i]} did not answer in {limit}s")) for i in missing]
+        finally:
+            timer.cancel()
+            for token in tokens:
+                self._batched.pop(token, None)
+
+    def _command_out(self, node: str, command: Command, traceparent: str | None) -> tuple[str, bytes, dict[str, str]]:
+        kind = self._command_kinds.get(type(command))
+        if kind is None:  # once per command class: `command_kind` reads pydantic's class fields (not free)
+            kind = self._command_kinds[type(command)] = command_kind(type(command))
+        subject = f"{self.prefix}.node.{node}.{kind}"  # command_subject(self.prefix, node, type(command))
+        headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
+        return subject, self._command_json(command, headers.get("traceparent"), headers.get("tracestate")), headers
+
+    @staticmethod
+    def _reply_of(msg: Msg, subject: str, reply_model: type[R]) -> R:
         if msg.headers and msg.headers.get("Status") == "503":
             raise Unavailable(f"no service answers {subject}")
         reply = decode_model(_typed(Reply, reply_model, optional=True), msg.data)  # one pass, data validated
@@ -654,7 +761,7 @@ class Bus:
             raise RemoteError(err.code, err.message)
         if reply.data is None:
             return decode_model(reply_model, {})  # says what is missing
-        return reply.data  # type: ignore[return-value]
+        return reply.data  # type: ignore[no-any-return]
 
     def _command_json(self, command: Command, traceparent: str | None, tracestate: str | None) -> bytes:
         """The JSON of `CommandEnvelope(id=new_id(), source=, trace=, data=command)`, field for field, built

@@ -250,3 +250,57 @@ async def test_events_delivered_together_reach_a_batch_handler_together_and_only
     assert sorted(seen) == sorted([*ids, "e3"])  # the failed one twice (nak'd), every other one once (acked)
     assert max(len(b) for b in batches) > 1  # stored events delivered at once are handled together
     assert bus.rejected == 1
+
+
+async def test_batch_handlers_read_each_events_delivery_count_and_a_failed_one_comes_again_counted_twice(
+        bus: Bus) -> None:
+    from libs.common.bus import delivery_attempts
+
+    ids = [f"e{i}" for i in range(6)]
+    await bus.publish_all([bus.wired(FaultDetected(engine_id=e, kind=FaultKind.KILLED), id=f"f-{e}") for e in ids])
+    seen: list[tuple[str, int]] = []
+    both = asyncio.Event()
+
+    async def handler(envs: list[Envelope]) -> list[BaseException | None]:
+        attempts = delivery_attempts.get()
+        got = [env.data.engine_id for env in envs]  # type: ignore[union-attr]
+        seen.extend(zip(got, attempts, strict=True))
+        if ("e2", 2) in seen:
+            both.set()
+        return [RuntimeError("e2 fails once") if (e, n) == ("e2", 1) else None for e, n in zip(got, attempts, strict=True)]
+
+    await bus.durable_batches("fault.>", "counted", handler, concurrency=16, ack_wait=1.0)
+    await asyncio.wait_for(both.wait(), 10)
+    assert sorted(seen) == sorted([(e, 1) for e in ids] + [("e2", 2)])
+    assert delivery_attempts.get() == ()  # outside a batch handler: nothing
+
+
+async def test_commands_sent_together_answer_each_in_its_place_with_typed_errors_and_timeouts(
+        bus: Bus) -> None:
+    async def freeze(cmd: Freeze) -> FreezeReply:
+        if cmd.owner == "gone":
+            raise NotFound("no leases owned by gone")
+        return FreezeReply(lease_ids=[f"L-{cmd.owner}"], epoch=2, transfer_token=f"tok-{cmd.owner}")
+
+    await bus.serve("n1", Freeze, freeze)
+    async def silent(msg: Msg) -> None:
+        pass  # takes the command, never answers
+
+    await bus.nc.subscribe(command_subject(bus.prefix, "mute", Freeze), cb=silent)
+    calls = [("n1", Freeze(owner="a", incident_id="i1"), None), ("n1", Freeze(owner="gone", incident_id="i2"), None),
+             ("nobody", Freeze(owner="b", incident_id="i3"), None), ("mute", Freeze(owner="c", incident_id="i4"), None),
+             ("n1", Freeze(owner="d", incident_id="i5"), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")]
+    got: dict[int, object] = {}
+    passes = 0
+    async for arrived in bus.request_all(calls, FreezeReply, timeout=1.0):
+        passes += 1
+        for i, value in arrived:
+            assert i not in got  # each call's outcome once
+            got[i] = value
+    assert sorted(got) == [0, 1, 2, 3, 4] and passes < 5  # replies of one loop pass come together
+    assert isinstance(got[0], FreezeReply) and got[0].transfer_token == "tok-a"
+    assert isinstance(got[4], FreezeReply) and got[4].transfer_token == "tok-d"
+    assert isinstance(got[1], RemoteError) and got[1].remote_code == "not_found"
+    assert isinstance(got[2], Unavailable)
+    assert isinstance(got[3], CommandTimeout)
+    assert not bus._batched  # nothing left waiting for a reply
