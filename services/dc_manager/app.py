@@ -21,8 +21,10 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     executor = IntentExecutor(rt.bus, rt.store, view, settings)
     # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents;
     # several managers of one datacenter share it (a deliver group): each intent goes to one of them.
-    await rt.bus.durable("intent.recover", f"dc_manager-{subject_token(settings.datacenter)}", executor.on_intent,
-                         concurrency=settings.concurrency, ack_wait=settings.ack_wait_s, shared=True,
-                         attach_trace=executor.export_spans)  # no spans of ours: the trace is passed on as is
+    # What arrives in one loop pass is handled together (executor.on_intents, batches.py); each intent keeps
+    # its own ack. With spans exported, each intent's trace is made current on its one-at-a-time path.
+    await rt.bus.durable_batches("intent.recover", f"dc_manager-{subject_token(settings.datacenter)}",
+                                 executor.on_intents, concurrency=settings.concurrency, ack_wait=settings.ack_wait_s,
+                                 shared=True)
     rt.health_detail = lambda: {"datacenter": settings.datacenter, "handled": executor.handled,
                                 "nodes": sorted(settings.node_set() or [])}

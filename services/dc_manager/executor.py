@@ -17,6 +17,9 @@ result is dropped by JetStream's duplicate window.
 
 Errors: a node that does not answer is retried with backoff (temporary); a typed error reply (not_found,
 conflict...) is permanent and becomes a failed result at once.
+
+Intents come in batches (`on_intents`, batches.py): the common case runs each step for the whole batch at
+once; the rest, and any intent whose batched step failed, take this one-at-a-time path (`on_intent`, `_handle`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from libs.common import telemetry
-from libs.common.bus import Bus, delivery_attempt, spans_exported
+from libs.common.bus import Bus, Wired, delivery_attempt, spans_exported
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.etcd_batch import BatchWriter
@@ -53,6 +56,7 @@ from libs.common.events import (
     TakeoverReply,
 )
 from libs.common.store import Store
+from services.dc_manager.batches import IntentBatches
 from services.dc_manager.placement import Action, place
 from services.dc_manager.settings import DcManagerSettings
 
@@ -96,7 +100,7 @@ async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_
     raise AssertionError("unreachable")
 
 
-class IntentExecutor:
+class IntentExecutor(IntentBatches):
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: DcManagerSettings) -> None:
         self.bus = bus
         self.store = store
@@ -112,31 +116,39 @@ class IntentExecutor:
     def owns(self, intent: RecoverIntent) -> bool:
         return self.allowed is None or intent.node in self.allowed
 
+    @staticmethod
+    def key_of(intent: RecoverIntent) -> str:
+        return f"{intent.incident_id}-{'fallback' if intent.memory_lost else 'recover'}"
+
     async def on_intent(self, env: Envelope) -> None:
         intent = env.data
         assert isinstance(intent, RecoverIntent)
         if not self.owns(intent):
             return
-        key = f"{intent.incident_id}-{'fallback' if intent.memory_lost else 'recover'}"
-        if not self.export_spans:
-            _intent_trace.set(env.trace.traceparent)
+        key = self.key_of(intent)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             with self._span("dc_manager.intent", {"holdfast.incident": intent.incident_id,
                                                   "holdfast.fallback": intent.memory_lost}):
                 prog = (await self._load(key) if delivery_attempt.get() != 1 else None) \
                     or IntentProgress(key=key, incident_id=intent.incident_id)
-                try:
-                    if intent.memory_lost:
-                        await self._cold_start(intent, prog)
-                    else:
-                        await self._reattach(intent, prog)
-                except StepFailed as e:
-                    log.warning("intent %s: %s failed: %s", key, e.step, e.detail)
-                    await self._result(intent, e.step, ok=False, detail=e.detail,
-                                       frozen_at=prog.frozen_at if e.step is Step.REATTACH else None)
+                await self._handle(intent, prog, env.trace.traceparent)
         self._locks.pop(key, None)
         self.handled += 1
+
+    async def _handle(self, intent: RecoverIntent, prog: IntentProgress, trace: str | None) -> None:
+        """The intent's steps from `prog` on, under its key's lock (held by the caller); a failed step's result."""
+        if not self.export_spans:
+            _intent_trace.set(trace)
+        try:
+            if intent.memory_lost:
+                await self._cold_start(intent, prog)
+            else:
+                await self._reattach(intent, prog)
+        except StepFailed as e:
+            log.warning("intent %s: %s failed: %s", prog.key, e.step, e.detail)
+            await self._result(intent, e.step, ok=False, detail=e.detail,
+                               frozen_at=prog.frozen_at if e.step is Step.REATTACH else None)
 
     # ------------------------------------------------------------ the two paths
 
@@ -199,11 +211,11 @@ class IntentExecutor:
                                     **overlap},
                            detail="standby" if prog.takeover.used_standby else "cold-spawned", frozen_at=prog.frozen_at)
 
-    def _promote_early(self, intent: RecoverIntent) -> bool:
+    def _promote_early(self, intent: RecoverIntent, attempt: int | None = None) -> bool:
         """Promote while freezing: a first delivery (a redelivery runs the steps in order, and the freeze says
         which token holds), the engine's leases not frozen already, and a standby beside it that shadows it
         (and is the one named, if one is)."""
-        if not self.settings.promote_shadows_early or delivery_attempt.get() != 1:
+        if not self.settings.promote_shadows_early or (delivery_attempt.get() if attempt is None else attempt) != 1:
             return False
         if any(lease.state is LeaseState.FROZEN for lease in self.view.leases_of(intent.engine_id)):
             return False
@@ -300,11 +312,18 @@ class IntentExecutor:
                       successor: str | None = None, endpoint: str | None = None,
                       timings: dict[str, float] | None = None, node: str | None = None,
                       frozen_at: float | None = None) -> None:
+        env = self._result_event(intent, step, ok=ok, detail=detail, successor=successor, endpoint=endpoint,
+                                 timings=timings, node=node, frozen_at=frozen_at, trace=_intent_trace.get())
+        await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result
+
+    def _result_event(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
+                      successor: str | None = None, endpoint: str | None = None,
+                      timings: dict[str, float] | None = None, node: str | None = None,
+                      frozen_at: float | None = None, trace: str | None = None) -> Wired:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
                               endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
         kind = "fallback" if intent.memory_lost else "recover"
-        env = self.bus.wired(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=_intent_trace.get())
-        await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result
+        return self.bus.wired(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=trace)
 
     async def _load(self, key: str) -> IntentProgress | None:
         return await self.store.get_model(f"dcm/intents/{key}", IntentProgress)

@@ -1,0 +1,218 @@
+"""Intents delivered together, handled together (a part of `IntentExecutor`).
+
+The durable consumer hands over what arrived in one loop pass (`Bus.durable_batches`). The common case, a
+first delivery of a reattach in place (no shadow promoted early, no predecessor's memory to hand on, no
+spans exported), runs its steps for the whole batch at once: the freezes sent together (one timer, one
+wake-up per loop pass that brings replies), their progress records queued together (one etcd transaction
+through the `BatchWriter`), the takeovers sent together, and the results of the takeovers that answered in
+one loop pass published with one `publish_all`. A takeover still running `freeze_result_after_s` after
+the freezes gets the freeze's own result first, as one at a time. Each intent keeps its own lock, record,
+derived result ids and ack. Anything else (a redelivery, a cold start, a placement elsewhere, an early
+promotion) takes `on_intent`'s path beside the batch; so does an intent whose freeze or takeover did not
+answer well here: it goes on alone from its recorded progress (retries, typed errors, a failed result),
+so a node that is slow or gone costs the batch's first attempt plus the usual ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from libs.common import telemetry
+from libs.common.bus import Wired, beside, delivery_attempt, delivery_attempts
+from libs.common.events import Envelope, Freeze, FreezeReply, RecoverIntent, Step, TakeoverReply
+from services.dc_manager.placement import Action, place
+
+if TYPE_CHECKING:
+    from services.dc_manager.executor import IntentExecutor, IntentProgress
+
+
+@dataclass
+class _Item:
+    """One intent of a batch on the common path."""
+
+    at: int  # its position in the batch
+    intent: RecoverIntent
+    node: str
+    trace: str | None
+    prog: IntentProgress
+    announced: bool = False  # its freeze result is published (the takeover was slow)
+    alone: asyncio.Task[None] | None = field(default=None, repr=False)  # going on alone from its progress
+
+
+class IntentBatches:
+    """Mixed into `IntentExecutor`: uses its view, settings, locks, writer and one-at-a-time steps."""
+
+    async def on_intents(self: IntentExecutor, envs: list[Envelope]) -> list[BaseException | None]:
+        """Intents delivered in one loop pass; per intent, in order: None (handled: acked) or what failed it."""
+        attempts = delivery_attempts.get() or (0,) * len(envs)
+        out: list[BaseException | None] = [None] * len(envs)
+        items: list[_Item] = []
+        alone: dict[int, Awaitable[None]] = {}
+        keys: set[str] = set()
+        from services.dc_manager.executor import IntentProgress
+
+        for i, env in enumerate(envs):
+            intent = env.data
+            if not isinstance(intent, RecoverIntent) or attempts[i] != 1 or self.export_spans:
+                alone[i] = self._one(env, attempts[i])
+                continue
+            if not self.owns(intent):
+                continue
+            key = self.key_of(intent)
+            node = None if key in keys or key in self._locks else self._in_place(intent)
+            if node is None:
+                alone[i] = self._one(env, attempts[i])
+                continue
+            keys.add(key)
+            items.append(_Item(i, intent, node, env.trace.traceparent, IntentProgress(key=key, incident_id=intent.incident_id)))
+        return await beside(self._together(items, out), alone, out)
+
+    async def _one(self: IntentExecutor, env: Envelope, attempt: int) -> None:
+        delivery_attempt.set(attempt)  # this coroutine runs as a task of its own (gather): its own context
+        if self.export_spans and env.trace.traceparent:
+            carrier = {"traceparent": env.trace.traceparent, **({"tracestate": env.trace.tracestate}
+                                                                if env.trace.tracestate else {})}
+            with telemetry.attach_headers(carrier):
+                await self.on_intent(env)
+        else:
+            await self.on_intent(env)
+
+    def _in_place(self: IntentExecutor, intent: RecoverIntent) -> str | None:
+        """The node to reattach on when the intent is the batch's common case (see the module), else None."""
+        if intent.memory_lost or not intent.node:
+            return None
+        slot = self.view.gpu_slot(intent.node, intent.gpu)
+        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=0, slots=[slot] if slot else [],
+                      alive={intent.node} & self.view.nodes.keys(), allowed=self.allowed)
+        if where.action is not Action.REATTACH or self._promote_early(intent, attempt=1):
+            return None
+        info = self.view.engines.get(intent.engine_id)
+        if info is not None and info.successor_of and info.successor_of != intent.engine_id:
+            return None  # a successor that may hold its predecessor's memory (`_freeze`'s hand-on)
+        return where.node
+
+    async def _together(self: IntentExecutor, items: list[_Item], out: list[BaseException | None]) -> None:
+        if not items:
+            return
+        locks = [self._locks.setdefault(item.prog.key, asyncio.Lock()) for item in items]
+        for lock in locks:
+            await lock.acquire()  # keys checked free in this loop pass: nobody else holds them
+        try:
+            frozen = await self._freeze_all(items)
+            await self._take_over_all(frozen, out)
+        finally:
+            for item in items:
+                if item.alone is not None:
+                    try:
+                        await item.alone
+                    except Exception as e:  # noqa: BLE001 - redelivered
+                        out[item.at] = e
+            for item, lock in zip(items, locks, strict=True):
+                lock.release()
+                self._locks.pop(item.prog.key, None)
+            self.handled += len(items)
+
+    async def _freeze_all(self: IntentExecutor, items: list[_Item]) -> list[_Item]:
+        """Every item's freeze sent at once; those frozen have their progress recorded (awaited together) and are
+        returned; the others go on alone (their freeze again, with retries; a typed error becomes a failed result)."""
+        calls = [(item.node, Freeze(owner=item.intent.engine_id, incident_id=item.intent.incident_id), item.trace)
+                 for item in items]
+        t0 = time.perf_counter()
+        frozen: list[_Item] = []
+        async for got in self.bus.request_all(calls, FreezeReply, timeout=self.settings.freeze_timeout_s):
+            now, ms = time.time(), round((time.perf_counter() - t0) * 1000.0, 3)
+            for i, reply in got:
+                item = items[i]
+                if isinstance(reply, FreezeReply):
+                    item.prog.freeze, item.prog.freeze_ms, item.prog.frozen_at = reply, ms, now
+                    frozen.append(item)
+                else:
+                    self._go_alone(item)
+        saved = await asyncio.gather(*(self._save(item.prog) for item in frozen), return_exceptions=True)
+        kept = []
+        for item, error in zip(frozen, saved, strict=True):
+            if isinstance(error, BaseException):
+                item.prog.freeze = None  # not resumable from a record: it freezes again (the same token)
+                self._go_alone(item)
+            else:
+                kept.append(item)
+        return kept
+
+    async def _take_over_all(self: IntentExecutor, items: list[_Item], out: list[BaseException | None]) -> None:
+        """Every frozen item's takeover sent at once; the results of those answered in one loop pass published
+        together; a takeover that fails goes on alone from the recorded freeze (sent again: idempotent)."""
+        if not items:
+            return
+        loop = asyncio.get_running_loop()
+        answered: set[int] = set()
+        announcing: list[asyncio.Task[None]] = []
+
+        def announce() -> None:  # the freeze's own result for every takeover still running (as one at a time)
+            slow = [item for i, item in enumerate(items) if i not in answered]
+            for item in slow:
+                item.announced = True
+            announcing.append(loop.create_task(self._publish_results([self._freeze_result(item) for item in slow])))
+
+        calls = [(item.node, self._takeover(item.intent, item.prog.freeze.transfer_token), item.trace)  # type: ignore[union-attr]
+                 for item in items]
+        t0 = time.perf_counter()
+        timer = loop.call_later(self.settings.freeze_result_after_s, announce)
+        try:
+            async for got in self.bus.request_all(calls, TakeoverReply, timeout=self.settings.takeover_timeout_s):
+                ms = round((time.perf_counter() - t0) * 1000.0, 3)
+                done: list[_Item] = []
+                for i, reply in got:
+                    answered.add(i)
+                    item = items[i]
+                    if isinstance(reply, TakeoverReply):
+                        item.prog.takeover, item.prog.takeover_ms = reply, ms
+                        done.append(item)
+                    else:
+                        self._go_alone(item)
+                if any(item.announced for item in done):
+                    for task in announcing:
+                        await task  # a freeze result goes before its reattach result
+                try:
+                    await self._publish_results([self._reattach_result(item) for item in done])
+                except Exception as e:  # noqa: BLE001 - each redelivered; its freeze is recorded
+                    for item in done:
+                        out[item.at] = e
+        finally:
+            timer.cancel()
+            for task in announcing:
+                try:
+                    await task
+                except Exception as e:  # noqa: BLE001 - a freeze result lost: redeliver those intents
+                    for item in items:
+                        if item.announced:
+                            out[item.at] = e
+
+    def _go_alone(self: IntentExecutor, item: _Item) -> None:
+        """The item's intent goes on as one at a time would, from its progress, under the lock the batch holds."""
+        async def go() -> None:
+            delivery_attempt.set(1)
+            await self._handle(item.intent, item.prog, item.trace)
+
+        item.alone = asyncio.get_running_loop().create_task(go())
+
+    def _freeze_result(self: IntentExecutor, item: _Item) -> Wired:
+        return self._result_event(item.intent, Step.FREEZE, ok=True, timings={"freeze": item.prog.freeze_ms or 0.0},
+                                  frozen_at=item.prog.frozen_at, trace=item.trace)
+
+    def _reattach_result(self: IntentExecutor, item: _Item) -> Wired:
+        prog = item.prog
+        assert prog.takeover is not None
+        engine = prog.takeover.engine
+        return self._result_event(item.intent, Step.REATTACH, ok=True, successor=engine.engine_id,
+                                  endpoint=engine.endpoint, frozen_at=prog.frozen_at, trace=item.trace,
+                                  timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0,
+                                           "freeze": prog.freeze_ms or 0.0},
+                                  detail="standby" if prog.takeover.used_standby else "cold-spawned")
+
+    async def _publish_results(self: IntentExecutor, events: list[Wired]) -> None:
+        if events:
+            await self.bus.publish_all(events)
