@@ -13,13 +13,11 @@ redelivers) only the messages it concerns; the per-message result is what the co
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from libs.common.bus import Wired
+from libs.common.bus import Wired, beside
 from libs.common.events import EngineRole, Envelope, FaultDetected, IntentResult, Step
 from services.controller.incident import IncidentRecord, IncidentState, Trigger, apply, incident_id_for
 
@@ -28,21 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("holdfast.controller.pipeline")
 S = IncidentState
-
-
-async def _beside(together: Awaitable[None], alone: dict[int, Awaitable[None]],
-                  out: list[BaseException | None]) -> list[BaseException | None]:
-    """The batch's common part and its one-at-a-time handlers (by message index) run concurrently; each
-    handler's failure is its message's outcome in `out`."""
-    if not alone:
-        await together
-        return out
-    done = await asyncio.gather(together, *alone.values(), return_exceptions=True)
-    for i, result in zip(alone, done[1:], strict=True):
-        out[i] = result if isinstance(result, BaseException) else None
-    if isinstance(done[0], BaseException):
-        raise done[0]
-    return out
 
 
 class Batches:
@@ -72,7 +55,7 @@ class Batches:
                 fresh.append((i, self._record_from_fault(inc_id, f, env)))
             except Exception as e:  # noqa: BLE001 - this fault alone is redelivered
                 out[i] = e
-        return await _beside(self._open_together(fresh, out), {i: self.on_fault(envs[i]) for i in alone}, out)
+        return await beside(self._open_together(fresh, out), {i: self.on_fault(envs[i]) for i in alone}, out)
 
     async def _open_together(self: IncidentDriver, fresh: list[tuple[int, IncidentRecord]], out: list[BaseException | None]) -> None:
         """`on_fault` for new incidents, each under its own lock: their creates awaited together, their route-out
@@ -139,7 +122,7 @@ class Batches:
                 continue
             ids.add(r.incident_id)
             together.append((i, r))
-        return await _beside(self._route_in_together(together, out), {i: self.on_intent_result(envs[i]) for i in alone},
+        return await beside(self._route_in_together(together, out), {i: self.on_intent_result(envs[i]) for i in alone},
                              out)
 
     def _routes_in_at_once(self: IncidentDriver, r: IntentResult, ids: set[str]) -> bool:
