@@ -107,3 +107,19 @@ async def test_a_shadow_that_writes_faults_and_the_owners_bytes_stay_as_they_wer
         standby.ask("poke")
     assert standby.proc.wait(10) == -signal.SIGSEGV
     assert owner.ask("hash")["data"] == wrote["expected"]
+
+
+async def test_a_share_cut_off_by_a_manager_restart_is_asked_again_and_maps_the_owners_weights(manager, engines, bus):
+    from tests.gpu_manager.harness import until
+
+    owner = engines(manager, "eng-owner")
+    wrote = owner.ask(f"write {N} 8")
+    assert owner.ask("heartbeats 0.1") == {"ok": True}  # reconnects by itself after the restart
+    standby = engines(manager, "eng-sb")  # its socket breaks unseen: its next call finds it broken
+    assert standby.ask("status")["connected"]
+    manager.kill()
+    manager.start()
+    await until(lambda: owner.ask("status")["connected"])
+    grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb"), ShareWeightsReply)
+    shadow = standby.ask(f"share eng-owner {grant.share_token}")
+    assert shadow["data"] == wrote["expected"] and shadow["read_only"] == {wrote["lease"]: True}
