@@ -240,13 +240,18 @@ class EngineCore:
         done = 0
         for key in todo:
             ctx, prompt = list(key[0]), key[1]
-            claimed = inherited.claim(prompt, ctx) if donor is None and inherited is not None else None
-            slot = claimed[0] if claimed is not None else self._try_take_slot(keep_free=1) if donor is not None else None
+            held: torch.Tensor | None = None  # the marks of the prefix an inherited slot holds
+            if donor is not None:
+                slot = self._try_take_slot(keep_free=1)
+            else:
+                assert inherited is not None
+                claimed = inherited.claim(prompt, ctx)
+                slot, held = claimed if claimed is not None else (None, None)
             if slot is None:
                 self.continuations.abandon(key)
                 continue
             try:
-                logits, reused = self.prefill(slot, ctx, prompt, claimed[1] if claimed is not None else None)
+                logits, reused = self.prefill(slot, ctx, prompt, held)
             except BaseException:
                 self.continuations.abandon(key)
                 self._give_slot(slot)
