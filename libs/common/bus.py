@@ -157,6 +157,18 @@ async def beside(together: Awaitable[None], alone: dict[int, Awaitable[None]],
     return out
 
 
+@contextlib.asynccontextmanager
+async def holding(locks: list[asyncio.Lock]) -> AsyncIterator[None]:
+    """For batch handlers: every lock of the batch's items held for the block (taken in order, given back after)."""
+    for lock in locks:
+        await lock.acquire()
+    try:
+        yield
+    finally:
+        for lock in locks:
+            lock.release()
+
+
 class _Replies:
     """The replies of one `request_all` call, by position, as they arrive; its caller is woken once per loop
     pass that brought any (not once per reply)."""

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from libs.common.bus import Wired, beside
+from libs.common.bus import Wired, beside, holding
 from libs.common.events import EngineRole, Envelope, FaultDetected, IntentResult, Step
 from services.controller.incident import IncidentRecord, IncidentState, Trigger, apply, incident_id_for
 
@@ -60,10 +60,7 @@ class Batches:
     async def _open_together(self: IncidentDriver, fresh: list[tuple[int, IncidentRecord]], out: list[BaseException | None]) -> None:
         """`on_fault` for new incidents, each under its own lock: their creates awaited together, their route-out
         events published together; a failure fails (and redelivers) only the faults it concerns."""
-        locks = [self._lock(rec.id) for _, rec in fresh]
-        for lock in locks:
-            await lock.acquire()  # new ids: nobody else holds them
-        try:
+        async with holding([self._lock(rec.id) for _, rec in fresh]):  # new ids: nobody else holds them
             created = [(i, rec, self.log.create_soon(rec)) for i, rec in fresh]
             opened: list[tuple[int, IncidentRecord]] = []
             for i, rec, fut in created:
@@ -102,9 +99,6 @@ class Batches:
                                                            after_s=self.settings.waiting_record_delay_s))
                 except Exception as e:  # noqa: BLE001 - redelivered
                     out[i] = e
-        finally:
-            for lock in locks:
-                lock.release()
 
     async def on_results(self: IncidentDriver, envs: list[Envelope]) -> list[BaseException | None]:
         """Intent results delivered in one loop pass. A prompt takeover's result (reattached, for an incident open
@@ -136,10 +130,7 @@ class Batches:
     async def _route_in_together(self: IncidentDriver, together: list[tuple[int, IntentResult]], out: list[BaseException | None]) -> None:
         """`trigger(REATTACHED)` then route-in for each result, each under its incident's lock (none is held: checked
         in this loop pass), their events published together; a failure fails only the results it concerns."""
-        locks = [self._lock(r.incident_id) for _, r in together]
-        for lock in locks:
-            await lock.acquire()
-        try:
+        async with holding([self._lock(r.incident_id) for _, r in together]):
             staged: list[tuple[int, IncidentRecord, IncidentRecord, list[Wired]]] = []
             for i, r in together:
                 try:
@@ -163,6 +154,3 @@ class Batches:
                     await self._routed_in(routing, routed)
                 except Exception as e:  # noqa: BLE001 - redelivered
                     out[i] = e
-        finally:
-            for lock in locks:
-                lock.release()
