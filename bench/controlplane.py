@@ -12,6 +12,7 @@ its pipeline latency is from the fault's publication to the EndpointAdded that n
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -370,7 +371,11 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)  # the leader's durable consumers are bound
 
-        targets = list(sim.engines)[:incidents]
+        # Engines ready to fail, oldest first. A steady run longer than one failure per engine fails successors
+        # again: each successor joins the queue when its EndpointAdded arrives, as a served engine would.
+        ready = collections.deque(list(sim.engines)[:incidents] if rate <= 0 else sim.engines)
+        total = min(incidents, len(ready)) if rate <= 0 else incidents
+        starved = 0  # steady mode: faults due when no engine was ready (every one in an incident: far behind)
         died: dict[str, float] = {}
         latencies: list[float] = []
         resolved_at: list[float] = []  # when each successor was announced, in arrival order
@@ -387,7 +392,9 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                 seen.add(pred)
                 latencies.append(now - died[pred])
                 resolved_at.append(now)
-                if len(latencies) == len(targets):
+                if data.get("engine_id") in sim.engines:
+                    ready.append(data["engine_id"])
+                if len(latencies) == total:
                     done.set()
 
         await bus.nc.subscribe(event_subject(bus.prefix, EndpointAdded), cb=on_added)
@@ -400,26 +407,23 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
         bench_cpu0 = time.process_time()
         start = time.time()
-        if rate <= 0:
-            for i in range(0, len(targets), 200):
-                batch = targets[i:i + 200]
-                for eid in batch:
-                    died[eid] = time.time()
+        offered, planned = 0, total
+        while offered < planned:
+            # Burst: 200 at a time, all at once. Steady: fault i is due at start + i / rate; what is due every 5 ms.
+            due = min(planned, offered + 200 if rate <= 0 else int((time.time() - start) * rate) + 1)
+            batch = [ready.popleft() for _ in range(min(due - offered, len(ready)))]
+            short = due - offered - len(batch)
+            starved, total, offered = starved + short, total - short, due  # the run's incidents: those injected
+            for eid in batch:
+                died[eid] = time.time()
+            if batch:
                 await _inject(sim, batch)
-        else:
-            # Offered load: fault i is due at start + i / rate; send what is due every 5 ms.
-            sent = 0
-            while sent < len(targets):
-                due = min(len(targets), int((time.time() - start) * rate) + 1)
-                batch = targets[sent:due]
-                for eid in batch:
-                    died[eid] = time.time()
-                if batch:
-                    await _inject(sim, batch)
-                sent = due
+            if rate > 0:
                 await asyncio.sleep(0.005)
         injected = time.time()
-        wait_s = max(60.0, incidents / 20)
+        if len(latencies) >= total:  # the last faults due found no engine ready: nothing more to wait for
+            done.set()
+        wait_s = max(60.0, total / 20)
         while not done.is_set() and time.time() - injected < wait_s:
             _check_alive(children)
             with contextlib.suppress(TimeoutError):
@@ -438,7 +442,8 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         return {
             "mode": "burst" if rate <= 0 else "steady", "offered_per_s": rate if rate > 0 else None,
             "nodes": nodes, "gpus_per_node": gpus_per_node, "engines": nodes * gpus_per_node,
-            "dc_managers": dc_managers, "incidents": len(targets), "resolved": len(lat),
+            "dc_managers": dc_managers, "incidents": total, "resolved": len(lat),
+            "engines_failed_again": max(0, total - nodes * gpus_per_node), "starved": starved,
             "populate_s": round(populate_s, 2), "inject_s": round(injected - start, 3),
             "wall_s": round(end - start, 3),
             "incidents_per_s": round(len(lat) / (end - start), 1) if lat else 0.0,
@@ -510,18 +515,22 @@ async def messaging_floor(workdir: Path, n: int = 8000) -> dict[str, dict[str, f
 
 def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
         rate: float = typer.Option(0.0, help="steady mode: offered faults per second (0: burst, all at once)"),
-        duration: float = typer.Option(0.0, help="steady mode: seconds of offered load (incidents = rate x duration)"),
+        duration: float = typer.Option(0.0, help="steady mode: seconds of offered load (incidents = rate x duration; "
+                                       "past one per engine, successors fail again)"),
         dc_managers: int = typer.Option(1, help="dc_manager processes sharing the datacenter's intents"),
         json_out: bool = typer.Option(False, "--json"),
         floor: bool = typer.Option(False, help="only measure bare nats-py CPU per message (the messaging floor)")) -> None:
     """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes.
 
     Burst mode fires every fault at once (throughput; latency is mostly queueing). Steady mode offers
-    `--rate` faults/s for `--duration` s: if the pipeline keeps up, its p99 is the pipeline's own latency.
+    `--rate` faults/s for `--duration` s: if the pipeline keeps up, its p99 is the pipeline's own latency. A steady
+    run may outlast one failure per engine: each successor, once announced, is failed again in its turn (oldest
+    first), so that a long run measures a sustained rate, not the first 8,000 incidents.
     """
     if rate > 0 and duration > 0:
         incidents = int(rate * duration)
-    incidents = min(incidents, nodes * gpus_per_node)  # one incident per engine: each engine fails once
+    if rate <= 0:
+        incidents = min(incidents, nodes * gpus_per_node)  # a burst fails each engine once, all at once
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child processes are stopped
     if floor:
         with tempfile.TemporaryDirectory(prefix="hf-bench-floor-") as d:
