@@ -333,6 +333,14 @@ def _pct(lat: list[float], p: float) -> float | None:
     return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 2) if lat else None
 
 
+def _windows(by_death: list[tuple[float, float]], start: float, width: float) -> list[float | None]:
+    """p99 latency (ms) of the faults due in each `width` seconds from `start`."""
+    buckets: dict[int, list[float]] = {}
+    for died, latency in by_death:
+        buckets.setdefault(int((died - start) // width), []).append(latency)
+    return [_pct(sorted(buckets.get(i, [])), 0.99) for i in range(max(buckets, default=-1) + 1)]
+
+
 async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Path, *, rate: float = 0.0,
                     dc_managers: int = 1) -> dict[str, Any]:
     """Burst (`rate` 0: every fault at once) or steady (`rate` faults/s, spread evenly) through the pipeline."""
@@ -378,6 +386,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         starved = 0  # steady mode: faults due when no engine was ready (every one in an incident: far behind)
         died: dict[str, float] = {}
         latencies: list[float] = []
+        by_death: list[tuple[float, float]] = []  # (when the fault was due, its latency): the latency over the run
         resolved_at: list[float] = []  # when each successor was announced, in arrival order
         seen: set[str] = set()
         done = asyncio.Event()
@@ -391,6 +400,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             if pred in died and pred not in seen:
                 seen.add(pred)
                 latencies.append(now - died[pred])
+                by_death.append((died[pred], now - died[pred]))
                 resolved_at.append(now)
                 if data.get("engine_id") in sim.engines:
                     ready.append(data["engine_id"])
@@ -452,6 +462,9 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             # one's latency, so a pipeline that keeps up at 1,000/s shows 8,000 / (8 s + its latency) there).
             "served_per_s_mid": _mid_rate(resolved_at),
             "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
+            # Steady mode: p99 of the faults of each 10 s of the run: flat when the pipeline keeps up, rising
+            # when a backlog builds (a whole run's p99 cannot tell the two apart).
+            "p99_ms_by_10s": _windows(by_death, start, 10.0) if rate > 0 else None,
             "cpu_s": cpu, "cpu_ms_per_incident": round(sum(cpu.values()) * 1000 / max(1, len(lat)), 2),
             "etcd_transactions": rev1 - rev0, "intent_results": results, "records_not_written": controller.get("records_not_written"), "controller_gc_paused_ms": controller.get("gc_paused_ms"), "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
             "cpus": os.cpu_count(),

@@ -21,6 +21,7 @@ def test_a_burst_fails_each_engine_once_and_resolves_every_incident() -> None:
     assert out["mode"] == "burst" and out["engines"] == 4
     assert out["incidents"] == out["resolved"] == 4  # capped at one failure per engine
     assert out["engines_failed_again"] == 0 and out["freeze_calls"] == out["takeover_calls"] == 4
+    assert out["p99_ms_by_10s"] is None  # a steady run's measure
 
 
 def test_a_steady_run_past_one_failure_per_engine_fails_the_successors_again() -> None:
@@ -31,3 +32,5 @@ def test_a_steady_run_past_one_failure_per_engine_fails_the_successors_again() -
     assert out["resolved"] == out["incidents"] >= 30
     assert out["engines_failed_again"] == out["incidents"] - 4
     assert out["takeover_calls"] == out["incidents"]
+    (window,) = out["p99_ms_by_10s"]  # one 10 s window: the run's own p99
+    assert window == out["latency_ms"]["p99"]
