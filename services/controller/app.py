@@ -13,8 +13,10 @@ from libs.common.service import Runtime
 from libs.common.store import LeaderElection
 from services.controller.api.app import bind, create_app, serve
 from services.controller.api.context import ApiContext
+from services.controller.incident_log import incident_key
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
+from services.controller.retention import Retention, prune_forever
 from services.controller.rollout_driver import RolloutDriver
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -63,6 +65,10 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
         await driver.start()
         rt.spawn("deadlines", driver.run_deadlines())
         rt.spawn("rollouts", RolloutDriver(rt.store, view, settings.tick_s).run())
+        policy = Retention(settings.incident_retention_s, settings.incident_retention_max,
+                           settings.incident_retention_min_s)
+        rt.spawn("retention", prune_forever(view.ended, lambda inc_id: driver.writer.delete_nowait(incident_key(inc_id)),
+                                            policy, settings.incident_retention_check_s))
         # Leadership ends when the election lease expires or a fenced write finds another leader's key.
         lost = [asyncio.create_task(election.lost.wait()), asyncio.create_task(driver.writer.lost.wait())]
         await asyncio.wait(lost, return_when=asyncio.FIRST_COMPLETED)
@@ -71,7 +77,7 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
 
     rt.health_detail = lambda: {"leader": state["leader"], "api": state["api"], "open_incidents": len(driver.open),
                                 "view_revision": view.revision, "etcd_transactions": driver.writer.transactions,
-                                "records_not_written": driver.writer.deferred_dropped,
+                                "records_not_written": driver.writer.deferred_dropped, "ended_incidents": len(view.ended),
                                 "gc_paused_ms": round(paused_ms(), 1)}
     rt.on_close(driver.writer.flush)  # a clean stop writes what is queued (fenced: only while leading)
     rt.on_close(election.resign)

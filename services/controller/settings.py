@@ -32,3 +32,10 @@ class ControllerSettings(CommonSettings):
     concurrency: int = Field(256, ge=1, description="events handled at once per durable consumer")
     ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
     tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")
+    incident_retention_s: float = Field(7 * 86_400.0, gt=0, description="an ended incident's record is deleted "
+                                        "from etcd this long after it ended")
+    incident_retention_max: int = Field(100_000, ge=0, description="more ended incident records than this: the "
+                                        "oldest are deleted early (none younger than incident_retention_min_s)")
+    incident_retention_min_s: float = Field(600.0, ge=0, description="no ended incident's record is deleted sooner "
+                                            "than this: a redelivered or retried fault still finds it")
+    incident_retention_check_s: float = Field(5.0, gt=0, description="how often ended records are checked")

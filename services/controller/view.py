@@ -10,6 +10,7 @@ from typing import Any
 
 from libs.common.cluster_view import ClusterView as BaseClusterView
 from libs.common.cluster_view import GpuSlot
+from libs.common.store import Store
 from services.controller.incident import IncidentRecord
 from services.controller.rollout import RolloutRecord
 
@@ -27,6 +28,8 @@ class ClusterView(BaseClusterView):
         # Several writes of one record may be on their way (sent one transaction after another): a queue per
         # id, in the order sent, which is the order etcd commits them and the watch brings them back.
         self._own: dict[str, list[tuple[bytes, IncidentRecord]]] = {}
+        # Ended incidents (resolved, failed): id -> when it ended, oldest first (retention.py deletes from the front).
+        self.ended: dict[str, float] = {}
 
     def expect_own(self, key: str, value: bytes | None, obj: Any) -> None:
         """A `BatchWriter.on_send` hook: an incident record of ours is on its way to etcd."""
@@ -39,6 +42,7 @@ class ClusterView(BaseClusterView):
     def _on_incidents(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":
             self._own.pop(rest, None)
+            self.ended.pop(rest, None)
             rec = self.incidents.pop(rest, None)
             if rec is not None and self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
@@ -58,9 +62,16 @@ class ClusterView(BaseClusterView):
         if rec.terminal:
             if self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
+            if rest not in self.ended:
+                self.ended[rest] = rec.updated_at
         else:
             self.open_by_engine[rec.engine_id] = rest
         return rec
+
+    async def load(self, store: Store) -> None:
+        await super().load(store)
+        # The snapshot comes in key order: put the ended records in the order they ended (oldest first).
+        self.ended = dict(sorted(self.ended.items(), key=lambda item: item[1]))
 
     def _on_rollouts(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":
