@@ -9,6 +9,14 @@ skipped, never fatal.
 
 The snapshot is read in pages (`range_pages`) at one revision: a single range of a large cluster (8,000
 engines: ~6.5 MB) is larger than gRPC's 4 MiB message limit and fails outright.
+
+etcd compacts its history: a watch that falls behind the compaction (a long stall, a reconnect after a while)
+cannot resume, since the changes it missed are gone (`Store.watch_prefix` raises `WatchCompacted`). `follow`
+then resyncs: it stops every head's watch, reads a fresh snapshot and brings the view to it through `apply`
+(keys gone from etcd as deletes, keys new or changed as puts, so listeners and indexes see them as they would
+have seen the watch's events; unchanged keys are skipped, told by their mod revision), and watches every head
+again from the snapshot's revision + 1. All heads restart together, so the view stays one revision's state plus
+later changes. `load` is that same resync (on an empty view: the initial snapshot).
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aetcd.exceptions
+import grpc
 from aetcd.rpc import RangeRequest
 from aetcd.utils import prefix_range_end
 from pydantic import ValidationError
 
+from libs.common.errors import WatchCompacted
 from libs.common.events import EngineInfo, LeaseInfo, LeaseState
 from libs.common.store import Store
 
@@ -54,17 +65,24 @@ async def range_pages(store: Store, prefix: str, *, page: int = 2000) -> tuple[l
     The first page fixes the revision; later pages read at that revision, so the result is one consistent
     snapshot however many pages it takes, and a watch from revision + 1 misses nothing.
     """
+    items, revision = await range_snapshot(store, prefix, page=page)
+    return [(key, value) for key, value, _ in items], revision
+
+
+async def range_snapshot(store: Store, prefix: str, *,
+                         page: int = 2000) -> tuple[list[tuple[str, bytes, int]], int]:
+    """`range_pages` with each key's mod revision: (key, value, mod_revision) in key order, and the revision."""
     client = store.client
     start, end = store.full(prefix), prefix_range_end(store.full(prefix))
     revision = 0
-    out: list[tuple[str, bytes]] = []
+    out: list[tuple[str, bytes, int]] = []
     while True:
         req = RangeRequest(key=start, range_end=end, limit=page, revision=revision,
                            sort_order=RangeRequest.ASCEND, sort_target=RangeRequest.KEY)
         reply = await client.kvstub.Range(req, timeout=client._timeout, metadata=client.metadata)
         if revision == 0:
             revision = int(reply.header.revision)
-        out.extend((store.rel(kv.key), kv.value) for kv in reply.kvs)
+        out.extend((store.rel(kv.key), kv.value, int(kv.mod_revision)) for kv in reply.kvs)
         if not reply.more or not reply.kvs:
             return out, revision
         start = reply.kvs[-1].key + b"\0"  # the next key after the last one read
@@ -98,6 +116,12 @@ class ClusterView:
         self.specs: dict[str, dict[str, Any]] = {}
         self.agent_specs: dict[str, dict[str, Any]] = {}  # agents/<node>/specs/<key>: what each agent runs
         self.revision = 0
+        # Every key of a kept head that the view has applied (snapshot or watch), with its mod revision: what a
+        # resync compares a fresh snapshot with (gone: deleted; other mod revision: changed).
+        self._mods: dict[str, int] = {}
+        # The revision `load` last brought the whole view to, until `follow` starts watching from it.
+        self._snapshot_rev: int | None = None
+        self.resyncs = 0  # snapshots taken after a watch fell behind etcd's compaction (tests, health)
         self.synced = asyncio.Event()
         self.listeners: list[Listener] = []
         # Heads its owner does not use (the dc_manager: endpoints): neither watched nor applied.
@@ -280,9 +304,32 @@ class ClusterView:
     # ------------------------------------------------------------ following etcd
 
     async def load(self, store: Store) -> None:
-        items, self.revision = await range_pages(store, "")
-        for key, value in items:
+        """Bring the view to a fresh snapshot (one revision); see `bring_to`."""
+        items, revision = await range_snapshot(store, "")
+        self.bring_to(items, revision)
+
+    def bring_to(self, items: list[tuple[str, bytes, int]], revision: int) -> None:
+        """Make the view the snapshot `items` (key, value, mod revision) of `revision`, through `apply`.
+
+        Keys the view holds that the snapshot lacks are applied as deletes, keys new or with another mod revision
+        as puts (deletes first, so an index never counts a key twice); unchanged keys are left alone. On an
+        empty view this is the initial load. Only kept heads count (`heads()`)."""
+        kept = frozenset(self.heads())
+        fresh: dict[str, int] = {}
+        changed: list[tuple[str, bytes]] = []
+        mods = self._mods
+        for key, value, mod in items:
+            if key.partition("/")[0] not in kept:
+                continue
+            fresh[key] = mod
+            if mods.get(key) != mod:
+                changed.append((key, value))
+        for key in [k for k in mods if k not in fresh]:
+            self.apply("delete", key, None)
+        for key, value in changed:
             self.apply("put", key, value)
+        self._mods = fresh
+        self.revision = self._snapshot_rev = revision
 
     def heads(self) -> list[str]:
         """The key heads this view keeps (those with an `_on_<head>` handler, less `skip_heads`)."""
@@ -295,13 +342,54 @@ class ClusterView:
         changes are incident records and `dcm/` progress, which a view without a handler for them would
         receive, decode and drop (~10% of the dc_manager). Each head's changes arrive in order; changes
         of different heads may interleave differently than etcd committed them (no handler relies on
-        an order across heads)."""
-        await self.load(store)
-        self.synced.set()
-        start = self.revision + 1
-        await asyncio.gather(*(self._follow_head(store, head, start) for head in self.heads()))
+        an order across heads).
+
+        A view already loaded (`load`) and not followed since is followed from its snapshot's revision + 1 (no
+        second snapshot); any other view loads first.
+
+        A head whose watch falls behind etcd's compaction (`WatchCompacted`) stops all of them: the view
+        resyncs from a fresh snapshot (`load`) and every head watches again from its revision + 1."""
+        if self._snapshot_rev is None:
+            await self.load(store)
+        while True:
+            assert self._snapshot_rev is not None
+            start, self._snapshot_rev = self._snapshot_rev + 1, None  # from here on heads move on separately
+            self.synced.set()
+            try:
+                await self._follow_heads(store, start)
+            except WatchCompacted as e:
+                log.warning("%s; resyncing the view from a snapshot", e)
+            await self._resync(store)
+
+    async def _resync(self, store: Store) -> None:
+        while True:
+            try:
+                await self.load(store)
+                self.resyncs += 1
+                return
+            except (grpc.RpcError, aetcd.exceptions.ClientError) as e:  # etcd briefly unreachable: retry
+                log.warning("resync snapshot failed (%s); retrying", e)
+                await asyncio.sleep(0.5)
+
+    async def _follow_heads(self, store: Store, start: int) -> None:
+        """Watch every kept head from `start` until one of them raises (then stop the others and re-raise)."""
+        tasks = [asyncio.create_task(self._follow_head(store, head, start), name=f"view-watch:{head}")
+                 for head in self.heads()]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [e for e in (t.exception() for t in done if not t.cancelled()) if e is not None]
+        if errors:  # a real failure first: a compaction beside it must not hide it
+            raise next((e for e in errors if not isinstance(e, WatchCompacted)), errors[0])
 
     async def _follow_head(self, store: Store, head: str, start: int) -> None:
         async for ev in store.watch_prefix(f"{head}/", start_revision=start):
             self.revision = max(self.revision, ev.revision)
+            if ev.kind == "delete":
+                self._mods.pop(ev.key, None)
+            else:
+                self._mods[ev.key] = ev.revision
             self.apply(ev.kind, ev.key, ev.value)

@@ -68,3 +68,18 @@ class RemoteError(HoldfastError):
 
 class InvariantBroken(RuntimeError):
     """Not a reply: a bug or corrupted state. Let it crash the process."""
+
+
+class WatchCompacted(HoldfastError):
+    """A watch asked etcd for changes from a revision that etcd has compacted away: the changes between that
+    revision and `compacted_revision` are gone, so resuming cannot fill the gap. The watcher must resync from a
+    fresh snapshot (`ClusterView.follow` does) and watch again from that snapshot's revision + 1."""
+
+    code = "watch_compacted"
+
+    def __init__(self, prefix: str, revision: int | None, compacted_revision: int) -> None:
+        super().__init__(f"watch of {prefix!r} from revision {revision} is behind etcd's compaction "
+                         f"(history kept from {compacted_revision})")
+        self.prefix = prefix
+        self.revision = revision
+        self.compacted_revision = compacted_revision

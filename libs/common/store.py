@@ -4,7 +4,9 @@ Keys are given relative to the configured prefix (`/holdfast/` by default): `sto
 Values are JSON: pass a pydantic model, a dict or bytes. What is offered:
 - get / get_prefix / put / delete / delete_prefix
 - create (put only if absent) and cas (compare-and-swap on the current value), both transactions
-- watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision
+- watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision;
+  a start (or resume) at a revision etcd has compacted raises `WatchCompacted` (errors.py) instead: the gap
+  cannot be filled from the history, the caller resyncs from a snapshot (`ClusterView.follow` does)
 - leases: `grant(ttl)` and `KeepAlive` (a supervised task refreshing it at ttl/3); `ThreadKeepAlive` does
   the refreshing from a dedicated thread with its own gRPC channel, so a busy event loop cannot let it lapse
 - `LeaderElection`: campaign with a key bound to a lease (kept by `ThreadKeepAlive`), observe, resign
@@ -29,7 +31,7 @@ from aetcd import rpc
 from pydantic import BaseModel
 
 from libs.common.config import CommonSettings
-from libs.common.errors import Unavailable
+from libs.common.errors import Unavailable, WatchCompacted
 
 log = logging.getLogger("holdfast.store")
 M = TypeVar("M", bound=BaseModel)
@@ -154,7 +156,10 @@ class Store:
     # ------------------------------------------------------------ watch
 
     async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Yield every change under `prefix`; on a broken stream, resume after the last revision seen."""
+        """Yield every change under `prefix`; on a broken stream, resume after the last revision seen.
+
+        Raises `WatchCompacted` when the revision to start or resume at is older than etcd's compaction: the
+        changes in between are gone for good, and retrying the same revision would fail forever."""
         next_rev = start_revision
         while True:
             try:
@@ -170,6 +175,8 @@ class Store:
                         await watch.cancel()
             except asyncio.CancelledError:
                 raise
+            except aetcd.exceptions.RevisionCompactedError as e:
+                raise WatchCompacted(prefix, next_rev, int(e.compacted_revision)) from None
             except Exception as e:  # noqa: BLE001 - etcd restarted or the stream broke: resume
                 log.warning("watch on %s broke (%s); resuming", prefix, e)
                 await asyncio.sleep(0.5)
