@@ -9,6 +9,7 @@ import secrets
 
 from libs.common.errors import InvariantBroken
 from libs.common.gc_tuning import count_pauses, paused_ms, service_gc
+from libs.common.retention import Retention, prune_forever
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
 from services.controller.api.app import bind, create_app, serve
@@ -16,7 +17,6 @@ from services.controller.api.context import ApiContext
 from services.controller.incident_log import incident_key
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
-from services.controller.retention import Retention, prune_forever
 from services.controller.rollout_driver import RolloutDriver
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -68,7 +68,7 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
         policy = Retention(settings.incident_retention_s, settings.incident_retention_max,
                            settings.incident_retention_min_s)
         rt.spawn("retention", prune_forever(view.ended, lambda inc_id: driver.writer.delete_nowait(incident_key(inc_id)),
-                                            policy, settings.incident_retention_check_s))
+                                            policy, settings.incident_retention_check_s, "ended incident records"))
         # Leadership ends when the election lease expires or a fenced write finds another leader's key.
         lost = [asyncio.create_task(election.lost.wait()), asyncio.create_task(driver.writer.lost.wait())]
         await asyncio.wait(lost, return_when=asyncio.FIRST_COMPLETED)

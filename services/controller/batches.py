@@ -48,7 +48,7 @@ class Batches:
                 continue  # a standby holds no leased memory; the agent replaces it on its own
             inc_id = incident_id_for(f.engine_id, f.generation)
             if inc_id in self._closed:
-                continue  # ended here: a late redelivery (its record may be gone already: retention.py)
+                continue  # ended here: a late redelivery (its record may be gone already: libs/common/retention.py)
             if inc_id in ids or inc_id in self.open or inc_id in self._locks or self.view.open_incident_for(f.engine_id):
                 alone.append(i)
                 continue

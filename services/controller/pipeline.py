@@ -207,7 +207,7 @@ class IncidentDriver(ColdStarts, Batches):
             return  # a standby holds no leased memory; the agent replaces it on its own
         inc_id = incident_id_for(f.engine_id, f.generation)
         if inc_id in self._closed:
-            return  # ended here: a late redelivery (its record may be gone already: retention.py)
+            return  # ended here: a late redelivery (its record may be gone already: libs/common/retention.py)
         other = self.view.open_incident_for(f.engine_id)
         if other is not None and other.id != inc_id:
             # Already being replaced on purpose: a GPU fault now means its memory is gone.

@@ -28,7 +28,7 @@ class ClusterView(BaseClusterView):
         # Several writes of one record may be on their way (sent one transaction after another): a queue per
         # id, in the order sent, which is the order etcd commits them and the watch brings them back.
         self._own: dict[str, list[tuple[bytes, IncidentRecord]]] = {}
-        # Ended incidents (resolved, failed): id -> when it ended, oldest first (retention.py deletes from the front).
+        # Ended incidents (resolved, failed): id -> when it ended, oldest first (libs/common/retention.py deletes from the front).
         self.ended: dict[str, float] = {}
 
     def expect_own(self, key: str, value: bytes | None, obj: Any) -> None:

@@ -7,6 +7,7 @@ import asyncio
 from libs.common.cluster_view import ClusterView
 from libs.common.gc_tuning import service_gc
 from libs.common.ids import subject_token
+from libs.common.retention import Retention, prune_forever
 from libs.common.service import Runtime
 from services.dc_manager.executor import IntentExecutor
 from services.dc_manager.settings import DcManagerSettings
@@ -26,5 +27,10 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     await rt.bus.durable_batches("intent.recover", f"dc_manager-{subject_token(settings.datacenter)}",
                                  executor.on_intents, concurrency=settings.concurrency, ack_wait=settings.ack_wait_s,
                                  shared=True)
+    policy = Retention(settings.progress_retention_s, settings.progress_retention_max,
+                       settings.progress_retention_min_s)
+    rt.spawn("retention", prune_forever(executor.ended, executor.forget, policy, settings.progress_retention_check_s,
+                                        "intent progress records"))
     rt.health_detail = lambda: {"datacenter": settings.datacenter, "handled": executor.handled,
+                                "progress_records": len(executor.written) + len(executor.ended),
                                 "nodes": sorted(settings.node_set() or [])}

@@ -114,6 +114,8 @@ class IntentBatches:
             for item, lock in zip(items, locks, strict=True):
                 lock.release()
                 self._locks.pop(item.prog.key, None)
+                if out[item.at] is None:  # handled (a failed one is redelivered and needs its record)
+                    self.finished(item.prog.key)
             self.handled += len(items)
 
     async def _freeze_all(self: IntentExecutor, items: list[_Item]) -> list[_Item]:

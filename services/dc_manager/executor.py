@@ -13,7 +13,8 @@ recorded: the agent's takeover is idempotent by incident (a repeated command get
 successor), so a redelivery that re-sends it gets the same reply; a record would only spare that one
 re-sent command, and only if this process died in the moment between the record and the ack (the result
 is published right after either way). Results carry ids derived from the intent, so a re-published
-result is dropped by JetStream's duplicate window.
+result is dropped by JetStream's duplicate window. Progress records are deleted after `progress_retention_s` (never sooner
+than `progress_retention_min_s`: libs/common/retention.py), so that they do not pile up in etcd.
 
 Errors: a node that does not answer is retried with backoff (temporary); a typed error reply (not_found,
 conflict...) is permanent and becomes a failed result at once.
@@ -80,6 +81,10 @@ class IntentProgress(BaseModel):
     memory_of: str | None = None  # the leases handed on are this engine's (see IntentExecutor._freeze)
 
 
+def progress_key(key: str) -> str:
+    return f"dcm/intents/{key}"
+
+
 class StepFailed(Exception):
     def __init__(self, step: Step, detail: str, code: str = "") -> None:
         super().__init__(detail)
@@ -112,6 +117,10 @@ class IntentExecutor(IntentBatches):
         self._locks: dict[str, asyncio.Lock] = {}
         self.writer = BatchWriter(store)
         self.handled = 0
+        # Progress records this process wrote: those of intents still running, and those of finished intents
+        # (key -> when it finished, oldest first), deleted after their retention (app.py, libs/common/retention.py).
+        self.written: set[str] = set()
+        self.ended: dict[str, float] = {}
 
     def owns(self, intent: RecoverIntent) -> bool:
         return self.allowed is None or intent.node in self.allowed
@@ -134,6 +143,7 @@ class IntentExecutor(IntentBatches):
                     or IntentProgress(key=key, incident_id=intent.incident_id)
                 await self._handle(intent, prog, env.trace.traceparent)
         self._locks.pop(key, None)
+        self.finished(key)
         self.handled += 1
 
     async def _handle(self, intent: RecoverIntent, prog: IntentProgress, trace: str | None) -> None:
@@ -326,7 +336,18 @@ class IntentExecutor(IntentBatches):
         return self.bus.wired(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=trace)
 
     async def _load(self, key: str) -> IntentProgress | None:
-        return await self.store.get_model(f"dcm/intents/{key}", IntentProgress)
+        return await self.store.get_model(progress_key(key), IntentProgress)
 
     async def _save(self, prog: IntentProgress) -> None:
-        await self.writer.put(f"dcm/intents/{prog.key}", prog)
+        self.written.add(prog.key)
+        await self.writer.put(progress_key(prog.key), prog)
+
+    def finished(self, key: str) -> None:
+        """The intent of `key` is handled (its result published): its progress record, if any, may go later."""
+        if key in self.written:
+            self.written.discard(key)
+            self.ended[key] = time.time()
+
+    def forget(self, key: str) -> None:
+        """Delete a progress record past its retention (written behind)."""
+        self.writer.delete_nowait(progress_key(key))

@@ -21,6 +21,13 @@ class DcManagerSettings(CommonSettings):
     retries: int = Field(3, ge=1, description="attempts per command when the node does not answer")
     retry_backoff_s: float = Field(0.1, ge=0, description="first pause between attempts (doubles each time)")
     concurrency: int = Field(256, ge=1, description="intents handled at once")
+    progress_retention_s: float = Field(600.0, gt=0, description="an intent's progress record (dcm/intents/) is "
+                                        "deleted this long after it was written")
+    progress_retention_max: int = Field(100_000, ge=0, description="more progress records than this: the oldest "
+                                        "are deleted early (none younger than progress_retention_min_s)")
+    progress_retention_min_s: float = Field(60.0, ge=0, description="no progress record is deleted sooner: a "
+                                            "redelivered intent still finds it (no second freeze)")
+    progress_retention_check_s: float = Field(5.0, gt=0, description="how often progress records are checked")
     ack_wait_s: float = Field(5.0, gt=0, description="an intent not finished by a dead manager is redelivered after this")
     specs: dict[str, EngineSpec] = Field(default_factory=dict,
                                          description="engine class -> spec for cold starts (etcd specs/<class> wins)")

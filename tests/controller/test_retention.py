@@ -1,4 +1,4 @@
-"""Ended incidents' records leave etcd after their retention (services/controller/retention.py): the policy
+"""Ended incidents' records leave etcd after their retention (libs/common/retention.py): the policy
 alone, then a real controller and dc_manager deleting a resolved record while an open incident's stays, and a
 late copy of a pruned incident's fault opening nothing."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from libs.common.bus import Bus
 from libs.common.events import EndpointRemoved
+from libs.common.retention import Retention, due
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
-from services.controller.retention import Retention, due
 from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
 
 POLICY = Retention(keep_s=100.0, keep_max=3, min_s=10.0, per_pass=10)
