@@ -107,6 +107,9 @@ def nats_server(port: int, data_dir: Path, log_path: Path | None = None) -> Chil
     return Child("nats", argv, log_path=log_path)
 
 
+ETCD_HISTORY = "10m"  # etcd's --auto-compaction-retention (periodic) for the etcd servers started here
+
+
 def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None = None) -> Child:
     url = f"http://127.0.0.1:{port}"
     peer = f"http://127.0.0.1:{peer_port}"
@@ -115,6 +118,10 @@ def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None
         "--listen-client-urls", url, "--advertise-client-urls", url,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
         "--initial-cluster", f"holdfast={peer}", "--log-level", "warn",
+        # Without compaction etcd keeps every revision of every key: at hundreds of incidents a second its
+        # database reaches the quota (2 GiB) and etcd refuses every write (NOSPACE). History older than this is
+        # dropped; a watch that falls that far behind resyncs from a snapshot (ClusterView.follow).
+        "--auto-compaction-mode", "periodic", "--auto-compaction-retention", ETCD_HISTORY,
     ]
     return Child("etcd", argv, log_path=log_path)
 
