@@ -36,6 +36,6 @@ class ControllerSettings(CommonSettings):
                                         "from etcd this long after it ended")
     incident_retention_max: int = Field(100_000, ge=0, description="more ended incident records than this: the "
                                         "oldest are deleted early (none younger than incident_retention_min_s)")
-    incident_retention_min_s: float = Field(600.0, ge=0, description="no ended incident's record is deleted sooner "
+    incident_retention_min_s: float = Field(120.0, ge=0, description="no ended incident's record is deleted sooner "
                                             "than this: a redelivered or retried fault still finds it")
     incident_retention_check_s: float = Field(5.0, gt=0, description="how often ended records are checked")
