@@ -466,7 +466,9 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             # when a backlog builds (a whole run's p99 cannot tell the two apart).
             "p99_ms_by_10s": _windows(by_death, start, 10.0) if rate > 0 else None,
             "cpu_s": cpu, "cpu_ms_per_incident": round(sum(cpu.values()) * 1000 / max(1, len(lat)), 2),
-            "etcd_transactions": rev1 - rev0, "intent_results": results, "records_not_written": controller.get("records_not_written"), "controller_gc_paused_ms": controller.get("gc_paused_ms"), "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
+            "etcd_transactions": rev1 - rev0, "intent_results": results, "records_not_written": controller.get("records_not_written"), "controller_gc_paused_ms": controller.get("gc_paused_ms"),
+            # Ended incidents whose records the controller keeps (its retention deletes the older ones).
+            "ended_incidents_kept": controller.get("ended_incidents"), "freeze_calls": sim.freeze_calls, "takeover_calls": sim.takeover_calls,
             "cpus": os.cpu_count(),
         }
     finally:
