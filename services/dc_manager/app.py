@@ -20,6 +20,7 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     await asyncio.wait_for(view.synced.wait(), 30)
     service_gc()
     executor = IntentExecutor(rt.bus, rt.store, view, settings)
+    await executor.adopt_leftovers()  # before any intent: what earlier managers left is deleted in its time
     # One durable name per datacenter: a restarted manager resumes (and gets redelivered) its intents;
     # several managers of one datacenter share it (a deliver group): each intent goes to one of them.
     # What arrives in one loop pass is handled together (executor.on_intents, batches.py); each intent keeps

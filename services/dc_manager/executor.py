@@ -34,11 +34,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
 from libs.common import telemetry
 from libs.common.bus import Bus, Wired, delivery_attempt, spans_exported
-from libs.common.cluster_view import ClusterView
+from libs.common.cluster_view import ClusterView, range_pages
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
@@ -79,6 +79,7 @@ class IntentProgress(BaseModel):
     spawn: SpawnReply | None = None
     spawn_ms: float | None = None
     memory_of: str | None = None  # the leases handed on are this engine's (see IntentExecutor._freeze)
+    started_at: float = Field(default_factory=time.time)  # when its handling began (the retention of leftovers)
 
 
 def progress_key(key: str) -> str:
@@ -341,6 +342,22 @@ class IntentExecutor(IntentBatches):
     async def _save(self, prog: IntentProgress) -> None:
         self.written.add(prog.key)
         await self.writer.put(progress_key(prog.key), prog)
+
+    async def adopt_leftovers(self) -> int:
+        """Progress records already in etcd at start (a dead manager's, or this datacenter's other managers'):
+        handed to the retention by when their intent began, so that none stays for good. An intent still running
+        elsewhere is far younger than `progress_retention_s`. Returns how many."""
+        items, _ = await range_pages(self.store, "dcm/intents/")
+        found: dict[str, float] = {}
+        for key, raw in items:
+            try:
+                found[key[len("dcm/intents/"):]] = IntentProgress.model_validate_json(raw).started_at
+            except ValidationError:
+                found[key[len("dcm/intents/"):]] = time.time()  # unreadable: goes after a full retention
+        merged = {**found, **self.ended}
+        self.ended.clear()
+        self.ended.update(sorted(merged.items(), key=lambda item: item[1]))
+        return len(found)
 
     def finished(self, key: str) -> None:
         """The intent of `key` is handled (its result published): its progress record, if any, may go later."""

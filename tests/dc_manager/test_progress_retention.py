@@ -1,5 +1,6 @@
 """A finished intent's progress record (`dcm/intents/<key>`) leaves etcd after its retention; a running intent's
-stays however long it runs (libs/common/retention.py; a real dc_manager process, simulated nodes)."""
+stays however long it runs; records an earlier manager left go too (libs/common/retention.py; a real dc_manager
+process, simulated nodes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from bench.controlplane import SimulatedCluster
 from libs.common.bus import Bus
 from libs.common.events import IntentResult, RecoverIntent, Step
 from libs.common.store import Store
-from services.dc_manager.executor import IntentExecutor, progress_key
+from services.dc_manager.executor import IntentExecutor, IntentProgress, progress_key
 from tests.controller.helpers import healthy, service_env, start, wait_for
 
 
@@ -30,6 +31,9 @@ async def test_a_finished_intents_progress_record_is_deleted_a_running_ones_is_k
     await bus.subscribe("intent.result", on_result)
     env = service_env(settings_env, HF_PROGRESS_RETENTION_S="0.3", HF_PROGRESS_RETENTION_MIN_S="0",
                       HF_PROGRESS_RETENTION_CHECK_S="0.1")
+    # Left by a manager that died: one readable record, one not.
+    await store.put(progress_key("inc-left-recover"), IntentProgress(key="inc-left-recover", incident_id="inc-left"))
+    await store.put(progress_key("inc-bad-recover"), "not a progress record")
     child = start("services.dc_manager", env, tmp_path / "dcm.log")
     try:
         await healthy(bus, "dc_manager", "dc-1")
@@ -44,6 +48,8 @@ async def test_a_finished_intents_progress_record_is_deleted_a_running_ones_is_k
         got = await asyncio.wait_for(results.get(), 15)
         assert got.ok and got.incident_id == "inc-r"
         await wait_for(lambda: _gone(store, key), what="the finished intent's record deleted")
+        for left in ("inc-left-recover", "inc-bad-recover"):
+            await wait_for(lambda left=left: _gone(store, progress_key(left)), what=f"the leftover {left} deleted")
     finally:
         child.stop()
 
