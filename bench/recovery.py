@@ -121,6 +121,17 @@ def _p50_by_key(rows: list[dict[str, Any]]) -> dict[str, float]:
 ENGINE_CLOCK = ("first_token_ms", "first_request_ms", "first_request_token_ms")
 
 
+def _trial_row(t: Trial) -> dict[str, Any]:
+    def ms(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+
+    return {"death_to_first_token_ms": None if t.recovery_ms is None else round(t.recovery_ms, 2),
+            "timeline_ms": ms(dict(sorted(t.timeline_ms.items(), key=lambda kv: kv[1]))),
+            "successor_first_generation": ms(t.engine_recovery.get("first_generation") or {}),
+            "successor_continued": ms(t.engine_recovery.get("continued") or {}),
+            "lost": t.lost, "mismatched": t.mismatched}
+
+
 def _way_report(trials: list[Trial]) -> dict[str, Any]:
     rec = [t.recovery_ms for t in trials if t.recovery_ms is not None]
     return {
@@ -140,6 +151,8 @@ def _way_report(trials: list[Trial]) -> dict[str, Any]:
         "successor_continued_p50": _p50_by_key([t.engine_recovery.get("continued") or {} for t in trials]),
         # late wake-ups of a 1 ms sleeper in the promoted standby, with every thread's frame (stall_watch.py)
         "successor_stalls": [t.engine_recovery["stalls"] for t in trials if t.engine_recovery.get("stalls")],
+        # every trial on its own: an outlier's timeline and first generation, which the medians above hide
+        "per_trial": [_trial_row(t) for t in trials],
         "weights_intact": all(t.weights_before is not None and t.weights_before == t.weights_after for t in trials),
         "outputs_match": all(t.mismatched == 0 for t in trials),
         "requests_lost": sum(t.lost for t in trials),
