@@ -5,11 +5,12 @@ late copy of a pruned incident's fault opening nothing."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from libs.common.bus import Bus
 from libs.common.events import EndpointRemoved
-from libs.common.retention import Retention, due
+from libs.common.retention import Retention, due, prune_once
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
 from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
@@ -80,3 +81,11 @@ async def _state(store: Store, inc_id: str, state: IncidentState) -> IncidentRec
 
 async def _gone(store: Store, inc_id: str) -> bool:
     return await store.get(f"incidents/{inc_id}") is None
+
+
+async def test_a_backlog_larger_than_a_chunk_is_deleted_in_one_pass() -> None:
+    ended = {f"i{n}": 0.0 for n in range(25)}
+    ended["young"] = time.time()
+    deleted: list[str] = []
+    assert await prune_once(ended, deleted.append, Retention(keep_s=60.0, keep_max=0, min_s=30.0, per_pass=10)) == 25
+    assert deleted == [f"i{n}" for n in range(25)] and list(ended) == ["young"]
