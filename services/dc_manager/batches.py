@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from libs.common import telemetry
-from libs.common.bus import Wired, beside, delivery_attempt, delivery_attempts
+from libs.common.bus import Wired, beside, delivery_attempt, delivery_attempts, holding
 from libs.common.events import Envelope, Freeze, FreezeReply, RecoverIntent, Step, TakeoverReply
 from services.dc_manager.placement import Action, place
 
@@ -98,25 +98,23 @@ class IntentBatches:
     async def _together(self: IntentExecutor, items: list[_Item], out: list[BaseException | None]) -> None:
         if not items:
             return
-        locks = [self._locks.setdefault(item.prog.key, asyncio.Lock()) for item in items]
-        for lock in locks:
-            await lock.acquire()  # keys checked free in this loop pass: nobody else holds them
-        try:
-            frozen = await self._freeze_all(items)
-            await self._take_over_all(frozen, out)
-        finally:
-            for item in items:
-                if item.alone is not None:
-                    try:
-                        await item.alone
-                    except Exception as e:  # noqa: BLE001 - redelivered
-                        out[item.at] = e
-            for item, lock in zip(items, locks, strict=True):
-                lock.release()
-                self._locks.pop(item.prog.key, None)
-                if out[item.at] is None:  # handled (a failed one is redelivered and needs its record)
-                    self.finished(item.prog.key)
-            self.handled += len(items)
+        # keys checked free in this loop pass: nobody else holds them
+        async with holding([self._locks.setdefault(item.prog.key, asyncio.Lock()) for item in items]):
+            try:
+                frozen = await self._freeze_all(items)
+                await self._take_over_all(frozen, out)
+            finally:
+                for item in items:
+                    if item.alone is not None:
+                        try:
+                            await item.alone
+                        except Exception as e:  # noqa: BLE001 - redelivered
+                            out[item.at] = e
+                for item in items:
+                    self._locks.pop(item.prog.key, None)
+                    if out[item.at] is None:  # handled (a failed one is redelivered and needs its record)
+                        self.finished(item.prog.key)
+                self.handled += len(items)
 
     async def _freeze_all(self: IntentExecutor, items: list[_Item]) -> list[_Item]:
         """Every item's freeze sent at once; those frozen have their progress recorded (awaited together) and are

@@ -82,8 +82,11 @@ class IntentProgress(BaseModel):
     started_at: float = Field(default_factory=time.time)  # when its handling began (the retention of leftovers)
 
 
+PROGRESS = "dcm/intents/"  # the etcd prefix of the progress records
+
+
 def progress_key(key: str) -> str:
-    return f"dcm/intents/{key}"
+    return f"{PROGRESS}{key}"
 
 
 class StepFailed(Exception):
@@ -333,8 +336,7 @@ class IntentExecutor(IntentBatches):
                       frozen_at: float | None = None, trace: str | None = None) -> Wired:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
                               endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
-        kind = "fallback" if intent.memory_lost else "recover"
-        return self.bus.wired(result, id=f"{intent.incident_id}-{kind}-{step}-result", traceparent=trace)
+        return self.bus.wired(result, id=f"{self.key_of(intent)}-{step}-result", traceparent=trace)
 
     async def _load(self, key: str) -> IntentProgress | None:
         return await self.store.get_model(progress_key(key), IntentProgress)
@@ -347,13 +349,14 @@ class IntentExecutor(IntentBatches):
         """Progress records already in etcd at start (a dead manager's, or this datacenter's other managers'):
         handed to the retention by when their intent began, so that none stays for good. An intent still running
         elsewhere is far younger than `progress_retention_s`. Returns how many."""
-        items, _ = await range_pages(self.store, "dcm/intents/")
+        items, _ = await range_pages(self.store, PROGRESS)
         found: dict[str, float] = {}
         for key, raw in items:
             try:
-                found[key[len("dcm/intents/"):]] = IntentProgress.model_validate_json(raw).started_at
+                began = IntentProgress.model_validate_json(raw).started_at
             except ValidationError:
-                found[key[len("dcm/intents/"):]] = time.time()  # unreadable: goes after a full retention
+                began = time.time()  # unreadable: goes after a full retention
+            found[key.removeprefix(PROGRESS)] = began
         merged = {**found, **self.ended}
         self.ended.clear()
         self.ended.update(sorted(merged.items(), key=lambda item: item[1]))
