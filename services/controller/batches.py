@@ -33,7 +33,7 @@ class Batches:
 
     async def on_faults(self: IncidentDriver, envs: list[Envelope]) -> list[BaseException | None]:
         """Faults delivered in one loop pass. A new incident (the common case: not open here, no other incident
-        of its engine, once in the batch) is opened and routed out with the others; anything else takes
+        of its engine, not ended here, once in the batch) is opened and routed out with the others; anything else takes
         `on_fault`'s path on its own. Per fault, in order: None, or the exception that failed it."""
         out: list[BaseException | None] = [None] * len(envs)
         fresh: list[tuple[int, IncidentRecord]] = []
@@ -47,9 +47,8 @@ class Batches:
             if f.role is EngineRole.STANDBY:
                 continue  # a standby holds no leased memory; the agent replaces it on its own
             inc_id = incident_id_for(f.engine_id, f.generation)
-            if inc_id in self._closed:
-                continue  # ended here: a late redelivery (its record may be gone already: libs/common/retention.py)
-            if inc_id in ids or inc_id in self.open or inc_id in self._locks or self.view.open_incident_for(f.engine_id):
+            if (inc_id in ids or inc_id in self.open or inc_id in self._locks or inc_id in self._closed
+                    or self.view.open_incident_for(f.engine_id)):
                 alone.append(i)
                 continue
             ids.add(inc_id)
