@@ -307,7 +307,12 @@ class LeaderElection:
     """One leader per `name`: the leader's id sits at `leader/<name>`, bound to its lease.
 
     A killed leader stops refreshing; etcd deletes the key when the lease expires and the next
-    campaigner's create succeeds. `lost` tells the leader it must stop acting (lease gone).
+    campaigner's create succeeds. `lost` tells the leader it must stop acting (lease gone); the owner then
+    resigns and may campaign again in the same process (a new lease, a new key).
+
+    `term` is the leader key's create revision: unique to one tenure (a key created again, even for the same
+    candidate, has a higher one), so writes guarded by `fence(t)` can never land in a later term, nor
+    another candidate's.
     """
 
     def __init__(self, store: Store, name: str, candidate: str, *, ttl: int = 3) -> None:
@@ -318,6 +323,7 @@ class LeaderElection:
         self.lease: Lease | None = None
         self.keepalive: ThreadKeepAlive | None = None
         self._ka_task: asyncio.Task[None] | None = None
+        self.term = 0  # the leader key's create revision while leading; 0 when not
 
     async def campaign(self, *, poll_s: float = 0.2) -> None:
         """Return once this candidate is the leader."""
@@ -327,11 +333,18 @@ class LeaderElection:
         self._ka_task = asyncio.create_task(self.keepalive.run(), name=f"leader-keepalive:{self.key}")
         while True:
             if await self.store.create(self.key, self.candidate, lease=self.lease):
-                log.info("%s is leader of %s", self.candidate, self.key)
-                return
-            current = await self.store.get(self.key)
-            if current is not None and current.decode() == self.candidate:
-                return
+                found = await self.store.client.get(self.store.full(self.key))
+                if found is not None and found.lease == self.lease.id:
+                    self.term = found.create_revision
+                    log.info("%s is leader of %s (term %d)", self.candidate, self.key, self.term)
+                    return
+                continue  # gone again already (an expiry raced us): campaign on
+            found = await self.store.client.get(self.store.full(self.key))
+            if found is not None and found.value.decode() == self.candidate and found.lease != self.lease.id:
+                # Our own key from an earlier term (its lease not yet expired, its keep-alive stopped): not a
+                # tenure we can act in, since nothing refreshes it. Clear it and campaign for a fresh one.
+                await self.store.delete_if(self.key, self.candidate)
+                continue
             await self._wait_for_vacancy(poll_s)
 
     async def _wait_for_vacancy(self, poll_s: float) -> None:
@@ -345,7 +358,14 @@ class LeaderElection:
     async def is_leader(self) -> bool:
         return (await self.leader()) == self.candidate
 
+    def fence(self, t: Any) -> list[Any]:
+        """Transaction comparisons that hold only while this term's leader key exists (`BatchWriter` guard)."""
+        return [t.create(self.store.full(self.key)) == self.term]
+
     async def resign(self) -> None:
+        """Stop refreshing, delete the key if it is still ours, revoke the lease; best effort (etcd may be
+        unreachable: the lease then expires by itself). A later `campaign()` starts a new term."""
+        self.term = 0
         if self.keepalive is not None:
             self.keepalive.stop()
         if self._ka_task:

@@ -1,4 +1,5 @@
-"""Controller wiring: the view (every instance), the API (every instance), the pipeline (leader only)."""
+"""Controller wiring: the view (every instance), the API (every instance), the pipeline (leader only, one
+term at a time: `leadership.py` steps down on a lost lease and campaigns again)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import asyncio
 import logging
 import os
 import secrets
+from collections.abc import Coroutine
+from typing import Any
 
-from libs.common.errors import InvariantBroken
 from libs.common.gc_tuning import count_pauses, paused_ms, service_gc
 from libs.common.retention import Retention, prune_forever
 from libs.common.service import Runtime
@@ -15,6 +17,7 @@ from libs.common.store import LeaderElection
 from services.controller.api.app import bind, create_app, serve
 from services.controller.api.context import ApiContext
 from services.controller.incident_log import incident_key
+from services.controller.leadership import lead_forever
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
 from services.controller.rollout_driver import RolloutDriver
@@ -37,12 +40,35 @@ def admin_token(settings: ControllerSettings) -> str:
     return path.read_text().strip()
 
 
+class LeaderTerm:
+    """What one term of leadership runs (`leadership.Term`): the incident pipeline, its deadline pass, the
+    roll-out pass and the retention of ended records, each term with a fresh driver fenced by its key."""
+
+    def __init__(self, rt: Runtime, view: ClusterView, settings: ControllerSettings, metrics: ControllerMetrics,
+                 election: LeaderElection) -> None:
+        self.settings = settings
+        self.view = view
+        self.driver = IncidentDriver(rt.bus, rt.store, view, settings, metrics, fence=election.fence)
+        self.rollouts = RolloutDriver(rt.store, view, settings.tick_s)
+        self.lost = self.driver.writer.lost
+
+    def tasks(self) -> dict[str, Coroutine[Any, Any, Any]]:
+        s = self.settings
+        policy = Retention(s.incident_retention_s, s.incident_retention_max, s.incident_retention_min_s)
+        delete = self.driver.writer.delete_nowait
+        return {"deadlines": self.driver.run_deadlines(), "rollouts": self.rollouts.run(),
+                "retention": prune_forever(self.view.ended, lambda inc_id: delete(incident_key(inc_id)), policy,
+                                           s.incident_retention_check_s, "ended incident records")}
+
+    async def stop(self) -> None:
+        await self.driver.stop()
+
+
 async def setup(rt: Runtime, settings: ControllerSettings) -> None:
     view = ClusterView()
     election = LeaderElection(rt.store, "controller", settings.instance, ttl=settings.leader_ttl_s)
-    state = {"leader": False, "api": ""}
+    state: dict[str, Any] = {"leader": False, "api": "", "term": None, "terms": 0}
     metrics = ControllerMetrics(view, lambda: bool(state["leader"]))
-    driver = IncidentDriver(rt.bus, rt.store, view, settings, metrics)
 
     rt.spawn("view", view.follow(rt.store))
     await asyncio.wait_for(view.synced.wait(), 30)
@@ -58,27 +84,27 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
         rt.spawn("api", serve(create_app(ctx), sock))
         log.info("admin API on %s", state["api"])
 
-    async def lead() -> None:
-        await election.campaign()
-        state["leader"] = True
-        log.info("%s leads", settings.instance)
-        await driver.start()
-        rt.spawn("deadlines", driver.run_deadlines())
-        rt.spawn("rollouts", RolloutDriver(rt.store, view, settings.tick_s).run())
-        policy = Retention(settings.incident_retention_s, settings.incident_retention_max,
-                           settings.incident_retention_min_s)
-        rt.spawn("retention", prune_forever(view.ended, lambda inc_id: driver.writer.delete_nowait(incident_key(inc_id)),
-                                            policy, settings.incident_retention_check_s, "ended incident records"))
-        # Leadership ends when the election lease expires or a fenced write finds another leader's key.
-        lost = [asyncio.create_task(election.lost.wait()), asyncio.create_task(driver.writer.lost.wait())]
-        await asyncio.wait(lost, return_when=asyncio.FIRST_COMPLETED)
-        # Another controller may already act: stop at once; the supervisor restarts us as a candidate.
-        raise InvariantBroken("controller leadership lost")
+    async def begin() -> LeaderTerm:
+        term = LeaderTerm(rt, view, settings, metrics, election)
+        await term.driver.start()  # resumes open incidents, then consumes
+        state["term"] = term
+        state["terms"] += 1
+        log.info("%s leads (term %d)", settings.instance, election.term)
+        return term
 
-    rt.health_detail = lambda: {"leader": state["leader"], "api": state["api"], "open_incidents": len(driver.open),
-                                "view_revision": view.revision, "etcd_transactions": driver.writer.transactions,
-                                "records_not_written": driver.writer.deferred_dropped, "ended_incidents": len(view.ended),
-                                "gc_paused_ms": round(paused_ms(), 1)}
-    rt.on_close(driver.writer.flush)  # a clean stop writes what is queued (fenced: only while leading)
-    rt.on_close(election.resign)
-    rt.spawn("leadership", lead())
+    def on_change(leading: bool) -> None:
+        state["leader"] = leading
+
+    def health() -> dict[str, Any]:
+        term: LeaderTerm | None = state["term"]
+        writer = term.driver.writer if term else None
+        return {"leader": state["leader"], "api": state["api"], "terms": state["terms"],
+                "open_incidents": len(term.driver.open) if term else 0, "view_revision": view.revision,
+                "etcd_transactions": writer.transactions if writer else 0,
+                "records_not_written": writer.deferred_dropped if writer else 0, "ended_incidents": len(view.ended),
+                "gc_paused_ms": round(paused_ms(), 1)}
+
+    rt.health_detail = health
+    rt.on_close(election.resign)  # after the leadership task's own step-down (a no-op then)
+    # Losing leadership steps down and campaigns again (leadership.py); only a broken invariant ends the process.
+    rt.spawn("leadership", lead_forever(election, begin, on_change))

@@ -16,9 +16,11 @@ The fallback's cold-started successor: `cold_starts.py`; the incident's trace: `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from libs.common.bus import Bus, Wired
 from libs.common.etcd_batch import BatchWriter
@@ -96,16 +98,16 @@ def endpoint_key(model: str, engine_id: str) -> str:
 
 class IncidentDriver(ColdStarts, Batches):
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: ControllerSettings,
-                 metrics: ControllerMetrics) -> None:
+                 metrics: ControllerMetrics, fence: Callable[[Any], list[Any]]) -> None:
         self.bus = bus
         self.store = store
         self.view = view
         self.settings = settings
         self.metrics = metrics
-        leader_key = store.full("leader/controller")
-        # Fencing: every write (batched or not) holds only while the leader key still names this instance.
-        self.writer = BatchWriter(store, guard=lambda t: [t.value(leader_key) == settings.instance.encode()],
-                                  behind_linger_s=settings.record_linger_s)
+        # Fencing: every write (batched or not) holds only while this term's leader key exists
+        # (LeaderElection.fence): not after the lease is lost, nor in a later term of this same process.
+        self.writer = BatchWriter(store, guard=fence, behind_linger_s=settings.record_linger_s)
+        self.subscriptions: list[Any] = []  # the term's durable consumers (unsubscribed when it ends)
         self.writer.on_send = view.expect_own  # the view takes our records back from the watch unparsed
         self.log = IncidentLog(store, self.writer)
         self.by_cold: dict[str, str] = {}  # cold-started successor engine id -> its incident
@@ -139,12 +141,28 @@ class IncidentDriver(ColdStarts, Batches):
         kw = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
         # Faults delivered together are opened together: one task, one wait for their creates, one publish
         # (and one wait for the stream acks) of their route-out events.
-        await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, **kw)
+        subs = self.subscriptions
+        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, **kw))
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
         # Results delivered together (prompt takeovers) are routed in together, as faults are opened.
-        await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw)
-        await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw)
-        await self.bus.durable("memory.>", "controller-memory", self.on_memory_event, **kw)
+        subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw))
+        subs.append(await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw))
+        subs.append(await self.bus.durable("memory.>", "controller-memory", self.on_memory_event, **kw))
+
+    async def stop(self) -> None:
+        """Step down: consume nothing more (unacked events go to the next leader), end the background steps,
+        and send what is queued: against the fence of a lost term every write fails (its waiters hear it and
+        their events are redelivered); on a clean stop while still leading they are written."""
+        for sub in self.subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self.subscriptions.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            await self.writer.flush()
+        finally:
+            await self.writer.close()
 
     async def run_deadlines(self) -> None:
         """Level-triggered pass: missed deadlines, stalled local steps, incidents opened by any API."""

@@ -1,0 +1,110 @@
+"""`lead_forever`: campaign, lead one term, step down when it ends, campaign again (in-process, with backoff).
+
+A term ends when the election lease is lost (etcd expired it: a partition, a stalled etcd), when a fenced
+write finds the leader key no longer this term's, or when a term task fails. Stepping down is what a
+kubelet or an etcd client does through a partition, not an exit: stop every leader-only task, unsubscribe
+the pipeline's consumers (their unacked events are redelivered to whoever leads next), let the term's
+queued writes fail against the fence (`LeaderElection.fence`: the old term's key is gone, so none of them
+can land, even if this process leads again), resign, wait a backoff, campaign again.
+
+Invariants: at most one term of this process is running at any moment; a term's writes hold only while
+its leader key exists; a campaign that fails (etcd unreachable) is retried with exponential backoff, never
+fatal. A broken invariant (`InvariantBroken`) still ends the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+from libs.common.errors import InvariantBroken
+from libs.common.service import Backoff
+from libs.common.store import LeaderElection
+
+log = logging.getLogger("holdfast.controller.leadership")
+
+STEP_DOWN_DEADLINE_S = 10.0  # the old term's tasks and queued writes get this long to end
+STABLE_TERM_S = 60.0  # a term that lasted this long resets the backoff
+
+
+class Term(Protocol):
+    """One tenure's work: `tasks` run until the term ends; `stop` ends what they leave (consumers, writes)."""
+
+    lost: asyncio.Event  # set by the term itself when it finds it can no longer write (fenced out)
+
+    def tasks(self) -> dict[str, Coroutine[Any, Any, Any]]: ...
+
+    async def stop(self) -> None: ...
+
+
+async def _until_over(election: LeaderElection, term: Term, tasks: dict[str, asyncio.Task[Any]]) -> str:
+    """Why the term is over: the lease, the fence, or a task's end (a failure is re-raised if it is a bug)."""
+    lease = asyncio.create_task(election.lost.wait(), name="term:lease")
+    fence = asyncio.create_task(term.lost.wait(), name="term:fence")
+    try:
+        done, _ = await asyncio.wait([lease, fence, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lease.cancel()
+        fence.cancel()
+    if lease in done:
+        return "election lease expired"
+    if fence in done:
+        return "a fenced write found another term's leader key"
+    task = next(iter(done))
+    exc = task.exception()
+    if isinstance(exc, InvariantBroken):
+        raise exc
+    return f"task {task.get_name()} ended: {exc!r}"
+
+
+async def _stop(term: Term, tasks: dict[str, asyncio.Task[Any]]) -> None:
+    for t in tasks.values():
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks.values(), timeout=STEP_DOWN_DEADLINE_S)
+    try:
+        await asyncio.wait_for(term.stop(), STEP_DOWN_DEADLINE_S)
+    except Exception as e:  # noqa: BLE001 - a stop that cannot finish (etcd away) must not keep us from campaigning
+        log.warning("stepping down: the old term did not stop cleanly: %r", e)
+
+
+async def lead_forever(election: LeaderElection, begin: Callable[[], Awaitable[Term]],
+                       on_change: Callable[[bool], None], backoff: Backoff | None = None) -> None:
+    """Lead whenever elected, for as long as this runs. `begin` starts a term (after the election is won);
+    `on_change(True/False)` tells the rest of the process whether it leads."""
+    backoff = backoff or Backoff(first_s=0.5, max_s=15.0)
+    while True:
+        try:
+            await election.campaign()
+            term = await begin()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - etcd or NATS unreachable: temporary, campaign again later
+            delay = backoff.next_delay()
+            log.warning("campaign or term start failed (%r); campaigning again in %.1f s", e, delay)
+            await _resign(election)
+            await asyncio.sleep(delay)
+            continue
+        on_change(True)
+        started = time.monotonic()
+        tasks = {name: asyncio.create_task(coro, name=name) for name, coro in term.tasks().items()}
+        try:
+            why = await _until_over(election, term, tasks)
+        finally:
+            on_change(False)
+            await _stop(term, tasks)
+            await _resign(election)
+        if time.monotonic() - started >= STABLE_TERM_S:
+            backoff.reset()
+        delay = backoff.next_delay()
+        log.error("controller leadership lost (%s): stepping down; campaigning again in %.1f s", why, delay)
+        await asyncio.sleep(delay)
+
+
+async def _resign(election: LeaderElection) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(election.resign(), STEP_DOWN_DEADLINE_S)
