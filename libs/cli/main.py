@@ -60,7 +60,8 @@ def up(
     base_dir: Path | None = typer.Option(None, help="data, sockets and logs (default: a temporary directory)"),
     engines_file: Path | None = typer.Option(None, help="JSON list of engine specs for the agent"),
 ) -> None:
-    """Start nats-server, etcd and every service on loopback; Ctrl-C or SIGTERM stops them all."""
+    """Start nats-server, etcd and every service on loopback, restarting any that dies (with backoff);
+    Ctrl-C or SIGTERM stops them all."""
     from libs.cli.stack import Stack, StackConfig
 
     stack = Stack(StackConfig(base_dir=base_dir, nats_port=nats_port, etcd_port=etcd_port, etcd_peer_port=etcd_port + 1,
@@ -88,10 +89,7 @@ def up(
         console.print(f"logs: {stack.logs}")
         print("holdfast: ready", flush=True)
         while not stopping:
-            for name, child in stack.children.items():
-                if not child.alive():
-                    console.print(f"[red]{name} exited ({child.returncode}); see {child.log_path}[/red]")
-                    stopping = True
+            stack.supervise_once(lambda line: console.print(f"[yellow]{line}[/yellow]"))  # restart what died
             time.sleep(0.2)
     except Exception as e:  # noqa: BLE001 - say why, stop everything, exit non-zero
         console.print(f"[red]holdfast up failed: {e}[/red]")

@@ -4,6 +4,11 @@ Used by `holdfast up`, `holdfast demo`, the benchmarks and the end-to-end tests,
 same processes the same way. Each child runs in its own session (a SIGKILL of one takes no other with
 it), logs to `<base_dir>/logs/<name>.log`, and `stop()` ends them in reverse order, SIGKILL after a
 deadline, so nothing is left behind.
+
+`supervise_once()` (called in a loop by `holdfast up`) restarts a child that died, as compose's
+`restart: unless-stopped` does: infra (nats, etcd) included, each restart logged, after a delay that doubles
+with each death in a row (0.5 s up to 30 s; `ChildRestarts`) and starts over once the child has run for
+`STABLE_S`. Stopping the stack is never undone by it (it is not called once stop begins).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +32,33 @@ from libs.common.config import (
     DEFAULT_ROUTER_PORT,
     CommonSettings,
 )
-from libs.common.service import check_health
+from libs.common.service import Backoff, check_health
+
+STABLE_S = 60.0  # a child that ran this long before dying is restarted after the shortest delay again
+
+
+@dataclass
+class ChildRestarts:
+    """One child's restart bookkeeping (pure: the caller passes the clock)."""
+
+    backoff: Backoff = field(default_factory=lambda: Backoff(first_s=0.5, max_s=30.0))
+    started_at: float = 0.0
+    due_at: float | None = None  # when the dead child is to be started again; None while it runs
+    count: int = 0
+
+    def died(self, now: float) -> float:
+        """The child was found dead: the delay before its restart."""
+        if now - self.started_at >= STABLE_S:
+            self.backoff.reset()
+        delay = self.backoff.next_delay()
+        self.due_at = now + delay
+        return delay
+
+    def restarted(self, now: float) -> None:
+        self.due_at = None
+        self.started_at = now
+        self.count += 1
+
 
 # Start order: memory first (engines need it), then the agent, then the cluster side, then the router.
 SERVICES = ("gpu_manager", "agent", "dc_manager", "controller", "router")
@@ -61,6 +93,7 @@ class Stack:
         self.base_dir = config.base_dir or Path(tempfile.mkdtemp(prefix="holdfast-stack-"))
         self.logs = self.base_dir / "logs"
         self.children: dict[str, procs.Child] = {}
+        self.restarts: dict[str, ChildRestarts] = {}
 
     # ------------------------------------------------------------ settings every child shares
 
@@ -165,8 +198,9 @@ class Stack:
         self.children[name].kill(sig)
 
     def restart(self, name: str) -> procs.Child:
-        """Stop `name` (if still running) and start it again with the same command line and data."""
-        old = self.children.pop(name)
+        """Stop `name` (if still running) and start it again with the same command line and data (in its
+        place in the start order, so `stop()` still ends the services before the infra)."""
+        old = self.children[name]
         old.stop()
         child = procs.Child(name, old.argv, env=old.env, log_path=old.log_path).start()
         self.children[name] = child
@@ -174,6 +208,27 @@ class Stack:
         if port is not None:
             procs.wait_port(port, child)
         return child
+
+    def supervise_once(self, say: Callable[[str], None], now: float | None = None) -> None:
+        """One supervision pass: note each child found dead, and restart each whose delay is over."""
+        now = time.monotonic() if now is None else now
+        for name, child in list(self.children.items()):
+            r = self.restarts.setdefault(name, ChildRestarts(started_at=now))
+            if r.due_at is None:
+                if not child.alive():
+                    delay = r.died(now)
+                    say(f"{name} exited ({child.returncode}); restarting in {delay:.1f} s (see {child.log_path})")
+                continue
+            if now < r.due_at:
+                continue
+            try:
+                new = self.restart(name)
+            except Exception as e:  # noqa: BLE001 - it died again while starting: the next pass backs off more
+                say(f"{name} failed to restart: {e}")
+                r.restarted(now)
+                continue
+            r.restarted(now)
+            say(f"{name} restarted (pid {new.pid}, restart {r.count})")
 
     def pids(self) -> dict[str, int]:
         return {name: c.pid for name, c in self.children.items() if c.proc is not None}
