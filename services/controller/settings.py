@@ -22,6 +22,8 @@ class ControllerSettings(CommonSettings):
     api_port: int = Field(DEFAULT_API_PORT, description="REST admin API port (0: pick a free one)")
     admin_token: str = Field("", description="bearer token for every route; empty: generated into state_dir")
     read_token: str = Field("", description="bearer token for GET routes only; empty: none")
+    api_max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413 "
+                                    "before they are read (every route)")
     freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
     reattach_deadline_s: float = Field(30.0, gt=0, description="takeover must be confirmed within this after freeze")
     fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")

@@ -23,6 +23,7 @@ from libs.common.errors import (
     Unavailable,
 )
 from services.controller.api.context import ApiContext
+from services.controller.api.guard import RequestGuard
 from services.controller.api.routers import engines, gpus, incidents, leases, nodes, system
 
 STATUS_OF: dict[type[HoldfastError], int] = {NotFound: 404, Conflict: 409, InvalidTransition: 409,
@@ -47,6 +48,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.state.ctx = ctx  # also without a lifespan run (in-process test clients)
     for r in (nodes.router, gpus.router, engines.router, leases.router, incidents.router, system.router):
         app.include_router(r)
+    # Token and body size are checked from the headers, before any body byte is read (guard.py).
+    app.add_middleware(RequestGuard, admin_token=ctx.admin_token, read_token=ctx.read_token,  # type: ignore[arg-type]
+                       max_body_bytes=ctx.settings.api_max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -16,14 +16,22 @@ from services.controller.api.context import ctx
 bearer = HTTPBearer(auto_error=False, description="admin token, or the read-only token for GET routes")
 
 
+def token_role(token: str, admin_token: str, read_token: str) -> str | None:
+    """"admin", "read" or None (no token, or an unknown one); also used by `guard.py` before any body is read."""
+    if token and hmac.compare_digest(token.encode(), admin_token.encode()):
+        return "admin"
+    if token and read_token and hmac.compare_digest(token.encode(), read_token.encode()):
+        return "read"
+    return None
+
+
 def _role(request: Request, creds: HTTPAuthorizationCredentials | None) -> str:
     c = ctx(request)
     token = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else ""
-    if token and hmac.compare_digest(token.encode(), c.admin_token.encode()):
-        return "admin"
-    if token and c.read_token and hmac.compare_digest(token.encode(), c.read_token.encode()):
-        return "read"
-    raise HTTPException(401, "missing or unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
+    role = token_role(token, c.admin_token, c.read_token)
+    if role is None:
+        raise HTTPException(401, "missing or unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return role
 
 
 def require_read(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:

@@ -1,0 +1,110 @@
+"""`RequestGuard`: the ASGI layer in front of the admin API that decides from the headers alone.
+
+Before any byte of a body is read (and so before FastAPI parses anything):
+1. a route that needs a token, asked without a known one: 401 (`WWW-Authenticate: Bearer`);
+2. a declared `Content-Length` above `max_body_bytes`: 413.
+Both answers carry `Connection: close`: the server closes the connection instead of reading the rest, so a
+50 MB body from an unauthenticated client costs the controller its headers, not its memory or its loop.
+A body without a declared length (chunked) is counted as it is read; past the limit the client gets 413 and
+the app sees a disconnect. Which routes need no token (probes, scrapers, the docs) is the table `PUBLIC`;
+which token may do what (read, admin) is still decided per router (`auth.py`, 403).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from services.controller.api.auth import token_role
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+def verdict(path: str, headers: dict[bytes, bytes], admin_token: str, read_token: str,
+            max_body_bytes: int) -> tuple[int, str, str] | None:
+    """(status, error code, message) to answer at once, or None to let the request in. Pure."""
+    if path not in PUBLIC:
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or token_role(token.strip(), admin_token, read_token) is None:
+            return 401, "unauthorized", "missing or unknown bearer token"
+    length = headers.get(b"content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            return 400, "bad_request", "Content-Length is not a number"
+        if declared > max_body_bytes:
+            return 413, "payload_too_large", f"the body ({declared} bytes) is over the limit of {max_body_bytes} bytes"
+    return None
+
+
+async def answer(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": code, "message": message, "detail": None}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestGuard:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, admin_token: str, read_token: str,
+                 max_body_bytes: int) -> None:
+        self.app = app
+        self.admin_token = admin_token
+        self.read_token = read_token
+        self.max_body_bytes = max_body_bytes
+        self.refused = {401: 0, 413: 0, 400: 0}  # answered here, body unread (health, tests)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        bad = verdict(scope["path"], headers, self.admin_token, self.read_token, self.max_body_bytes)
+        if bad is not None:
+            self.refused[bad[0]] = self.refused.get(bad[0], 0) + 1
+            await answer(send, *bad)
+            return
+        if b"content-length" in headers:
+            await self.app(scope, receive, send)  # at most the declared length arrives (HTTP framing)
+            return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A body of unknown length: counted chunk by chunk; past the limit, 413 and a disconnect for the app."""
+        read = 0
+        state = {"started": False, "refused": False}
+
+        async def counted_receive() -> Message:
+            nonlocal read
+            if state["refused"]:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                read += len(msg.get("body", b""))
+                if read > self.max_body_bytes and not state["started"]:
+                    state["refused"] = True
+                    self.refused[413] += 1
+                    await answer(send, 413, "payload_too_large", f"the body is over the limit of {self.max_body_bytes} bytes")
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg: Message) -> None:
+            if state["refused"]:
+                return  # the 413 is the answer: the app's own reply to the disconnect is dropped
+            state["started"] = True
+            await send(msg)
+
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except Exception:
+            if not state["refused"]:
+                raise  # the app's own failure; a refused body's disconnect is expected to end it
