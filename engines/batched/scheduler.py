@@ -4,7 +4,8 @@ One step (`schedule`) is a `Batch` of `Work(seq, start, num_tokens)` (the contra
 1. every running sequence in decode gets its one token (a token is reserved for each before any prefill);
 2. running sequences still in prefill get a chunk of at most `prefill_chunk` tokens, oldest first;
 3. waiting sequences are admitted first come, first served while the token budget, `max_num_seqs` and the
-   free blocks allow; the head of the queue that does not fit stops admission (no later one overtakes it).
+   free blocks allow their whole first chunk; the head of the queue that does not fit stops admission (no
+   later one overtakes it).
 When a running sequence needs a block and none is free, the most recently arrived running sequence is
 preempted by recompute (blocks freed, num_computed = 0, back into the waiting queue at its arrival place),
 never an older one: the oldest running sequence always progresses, so with a KV cache that holds one
@@ -260,9 +261,9 @@ class Scheduler:
                 prefix = prefix[:len(prefix) * bs // cfg.prefill_chunk * cfg.prefill_chunk // bs]
             start = len(prefix) * bs
             n = self._chunk(seq, start, budget)
-            if n and not self.bm.can_allocate(seq, n, prefix):
-                n = min(n, self.bm.max_allocatable(seq, prefix)) if not cfg.deterministic else 0
-            if n <= 0:
+            # The whole first chunk or nothing: a sliver of the last free blocks would be preempted again
+            # by the next decode that needs a block (the head waits instead, and so does everyone after it).
+            if n == 0 or not self.bm.can_allocate(seq, n, prefix):
                 return
             self.bm.allocate(seq, n, prefix)
             self.prefix_query_tokens += len(seq.tokens)
