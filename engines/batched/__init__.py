@@ -1,0 +1,27 @@
+"""The batched engine: continuous batching over a paged KV cache that lives in a Holdfast lease, with a
+step journal beside it so that every in-flight sequence survives the engine's death without recompute.
+
+A straight line, as in nano-vllm (config -> model runner -> scheduler -> server):
+
+| module | what it holds | imports |
+| --- | --- | --- |
+| `config.py` | `EngineConfig`: every setting, parsed once (flags / HF_ENGINE_* env), passed down | pure |
+| `sequence.py` | `Sequence`, `SeqStatus` (waiting, running, preempted, finished), `SamplingParams`, the status table | pure |
+| `block_manager.py` | `BlockManager`: fixed-size KV blocks, reference counts, block tables, prefix sharing by block hash | pure |
+| `scheduler.py` | `Scheduler`: which sequences run this step (decode tokens + prefill chunks within a token budget), preemption, FCFS | pure |
+| `model_runner.py` | `ModelRunner`: the model over given weights and a paged KV tensor; one forward over a flat batch; sampling | torch |
+| `attention.py` | paged attention: a CPU reference path and the CUDA fast path | torch |
+| `journal.py` | `Journal`: per-slot committed state (tokens, lengths, block tables) in shared memory beside the KV | torch |
+| `memory.py` | where weights, KV and journal come from (leases through the SDK, or local tensors) | SDK |
+| `engine.py` | `LLMEngine`: the step loop (schedule -> run -> sample -> journal commit -> outputs) | all above |
+| `server.py` | HTTP API (`/generate`, `/health`), the agent link | engine |
+
+Shared contracts (the pure modules never import torch):
+- KV cache tensor: `[n_layers, 2 (k|v), num_blocks, block_size, n_kv_heads, head_dim]`. A token at position
+  `p` of a sequence with block table `bt` lives in slot `bt[p // block_size] * block_size + p % block_size`.
+- A step is a `Batch` of `Work(seq, start, num_tokens)`: the sequence's tokens `[start, start + num_tokens)` are
+  fed at positions `start..`, their keys and values written, attention over positions `< start + num_tokens`.
+  A work whose end reaches `len(seq.tokens)` samples one token from its last row.
+- Sequence invariant: KV is valid for positions `[0, num_computed)`; tokens are known for `[0, len(tokens))`;
+  a running sequence in decode has `num_computed == len(tokens) - 1`.
+"""

@@ -1,0 +1,201 @@
+"""`python -m engines.batched --weights w.safetensors [--size tiny] [--max-num-seqs 256] ...` (config.py).
+
+Start-up is one straight line: config -> memory (weights, KV cache, journal) -> model runner -> scheduler ->
+engine (adopting the journal's sequences when the KV lease was handed on) -> HTTP server -> ready.
+A standby stops after the HTTP server: it warms its kernels on a scratch model, holds no memory, and on its
+assignment takes the predecessor's weights, KV cache and journal over and continues from there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.batched.config import EngineConfig, parse_config
+from engines.batched.engine import LLMEngine
+from engines.batched.journal import Journal, JournalLayout
+from engines.batched.memory import Loaded, LeasedMemory, LocalMemory, kv_layout, kv_shape
+from engines.batched.model_runner import ModelRunner, RunItem
+from engines.batched.scheduler import Scheduler, SchedulerConfig
+from engines.batched.server import EngineState, HttpThread
+from engines.reference.config import ModelConfig, get_config
+from engines.reference.tokenizer import BOS
+
+log = logging.getLogger("holdfast.engine.batched")
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def open_memory(cfg: EngineConfig, device: torch.device) -> LocalMemory | LeasedMemory:
+    mode = cfg.memory
+    if mode == "auto":
+        sock = cfg.gpu_manager_socket or os.environ.get("HF_GPU_MANAGER_SOCKET")
+        mode = "leased" if sock and Path(sock).exists() else "local"
+    if mode == "local":
+        return LocalMemory(device)
+    return LeasedMemory(cfg.id, socket_path=cfg.gpu_manager_socket, gpu=cfg.gpu)
+
+
+def open_agent_link(cfg: EngineConfig) -> Any:
+    if cfg.agent == "off" or (cfg.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
+        return None
+    from libs.client.agent_link import AgentLink
+
+    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model)
+    link.start_heartbeats(0.2)
+    return link
+
+
+def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,
+                 cuda_graphs: bool) -> tuple[LLMEngine, dict[str, Any]]:
+    """Runner, scheduler and journal over the loaded tensors; the journal's sequences adopted when the KV lease
+    came from before (and was written for this layout)."""
+    runner = ModelRunner(mcfg, loaded.weights, loaded.kv, layout.block_size, deterministic=cfg.deterministic,
+                         cuda_graphs=cuda_graphs, max_num_seqs=cfg.max_num_seqs)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                          prefill_chunk=cfg.prefill_chunk, max_model_len=layout.max_len,
+                                          max_waiting=cfg.max_waiting, deterministic=cfg.deterministic,
+                                          block_size=layout.block_size, num_blocks=layout.num_blocks,
+                                          prefix_caching=cfg.prefix_caching))
+    journal = Journal(layout, loaded.journal)
+    engine = LLMEngine(runner, scheduler, journal, adopt_claim_s=cfg.adopt_claim_s)
+    info: dict[str, Any] = {"adopted": 0, "journal": "new"}
+    if loaded.kv_handed_on and journal.matches():
+        entries, dropped = journal.recover()
+        engine.adopt(entries, dropped)
+        info = {"adopted": len(entries), "dropped": dropped, "journal": "adopted",
+                "positions_kept": sum(e.computed for e in entries)}
+    else:
+        journal.format()
+    return engine, info
+
+
+def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> float:
+    """A standby's warm-up: the runner's kernels on a scratch one-layer model (no lease), so its first step
+    after a takeover compiles and loads nothing."""
+    t0 = time.perf_counter()
+    small = mcfg.with_layers(1)
+    dtype = torch.float32 if mcfg.dtype == "float32" else torch.bfloat16
+    w = {n: torch.empty(s, device=device, dtype=dtype).normal_(0.0, 0.02) for n, s in small.tensor_shapes().items()}
+    kv = torch.zeros(kv_shape(small, 8, cfg.block_size), dtype=dtype, device=device)
+    runner = ModelRunner(small, w, kv, cfg.block_size, deterministic=cfg.deterministic, cuda_graphs=False,
+                         max_num_seqs=4)
+    runner.run([RunItem(token_ids=[BOS, 1, 2], start=0, block_table=[0], sample=True, temperature=0.0, seed=0),
+                RunItem(token_ids=[BOS], start=0, block_table=[1], sample=True, temperature=0.7, seed=1)])
+    runner.run([RunItem(token_ids=[3], start=3, block_table=[0], sample=True, temperature=0.0, seed=0)])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _ms(t0)
+
+
+def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+def run(cfg: EngineConfig) -> int:
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.threads)
+    t_process = time.perf_counter()
+    mcfg = get_config(cfg.size)
+    max_len = cfg.max_model_len or mcfg.max_seq
+    device = pick_device(cfg.device)
+    state = EngineState(cfg.id, cfg.model, cfg.size, max_len, cfg.max_waiting)
+    state.role = cfg.role
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    http = HttpThread(state, cfg.host, cfg.port)
+    http.start()
+    memory = open_memory(cfg, device)
+    link = open_agent_link(cfg)
+    engine: LLMEngine | None = None
+
+    def layout_of(dtype: torch.dtype) -> JournalLayout:
+        return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                         max_len=max_len, num_blocks=cfg.num_blocks, kv_cache_gib=cfg.kv_cache_gib)
+
+    try:
+        t_start = t_process
+        if cfg.role == "standby":
+            state.state = "standby"
+            state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
+            if link is None:
+                raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
+            link.ready(None)
+            a = link.wait_assignment()
+            t_start = time.perf_counter()
+            state.role, state.state = "active", "loading"
+            state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
+            loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s)
+        elif cfg.takeover_from:
+            state.state = "loading"
+            if not cfg.transfer_token:
+                raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
+            loaded = memory.takeover(mcfg, cfg.takeover_from, cfg.transfer_token, layout_of, cfg.adopt_wait_s)
+        elif memory.pending():
+            state.state = "loading"
+            loaded = memory.attach(mcfg, layout_of)
+        else:
+            state.state = "loading"
+            loaded = memory.load(mcfg, cfg.weights, layout_of)
+        memory.start_heartbeats()
+        layout = layout_of(loaded.kv.dtype)
+        t_build = time.perf_counter()
+        # A recovered engine serves first: graphs (a cold start's) would be captured over the adopted sequences'
+        # first steps.
+        engine, adopted = build_engine(cfg, mcfg, loaded, layout, cuda_graphs=cfg.cuda_graphs and loaded.source == "file")
+        engine.start()
+        state.engine = engine
+        state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
+                                "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,
+                                "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}
+        if loaded.source != "file":
+            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start), **adopted}
+        state.state = "ready"
+        if link is not None:
+            link.ready(http.endpoint)
+        if cfg.ready_file:
+            write_ready_file(cfg.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": cfg.id,
+                                              "state": "ready", **state.info})
+        log.info("engine %s serving %s on %s (%s, %s, %d blocks)", cfg.id, cfg.model, http.endpoint, loaded.source,
+                 device, layout.num_blocks)
+        while not stop.wait(0.5):
+            if engine.fatal is not None:
+                return 70
+        state.state = "stopping"
+        return 0
+    finally:
+        if engine is not None:
+            engine.stop()
+        http.stop()
+        if link is not None:
+            link.close()
+        memory.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(parse_config(list(sys.argv[1:] if argv is None else argv))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Every setting of the batched engine, parsed once (flags `--max-num-seqs 256` or `HF_ENGINE_MAX_NUM_SEQS=256`)
+and passed down as one object: nothing below reads the environment.
+
+The agent sets HF_ENGINE_ID, HF_ENGINE_ROLE, HF_MODEL, HF_AGENT_SOCKET, HF_GPU_MANAGER_SOCKET, HF_GPU (and
+HF_TAKEOVER_FROM + HF_TRANSFER_TOKEN for a cold-spawned successor); they are read here too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HF_ENGINE_", extra="ignore", cli_prog_name="holdfast engine batched",
+                                      cli_kebab_case=True, cli_implicit_flags=True)
+
+    # the model and where it comes from
+    size: str = Field("tiny", description="model size (engines/reference/config.py SIZES)")
+    weights: Path = Field(description="safetensors file made by `python -m engines.reference make-weights`")
+    model: str = Field("reference", validation_alias=AliasChoices("model", "HF_MODEL"),
+                       description="model name the router routes by")
+    device: str = Field("auto", description="auto (cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N")
+    memory: Literal["auto", "leased", "local"] = Field(
+        "auto", description="leased: Holdfast leases; local: plain tensors; auto: leased when a gpu_manager socket exists")
+    gpu_manager_socket: str | None = Field(None, validation_alias=AliasChoices("gpu_manager_socket", "HF_GPU_MANAGER_SOCKET"))
+    gpu: int = Field(0, validation_alias=AliasChoices("gpu", "HF_GPU"))
+    threads: int = Field(1, ge=1, description="torch CPU threads (fixed: results do not depend on the machine's load)")
+
+    # identity and role (the agent sets them)
+    id: str = Field(default_factory=lambda: f"bat-{os.getpid()}", description="engine id")
+    role: Literal["active", "standby"] = Field("active", description="standby: warm up, hold no memory, wait for an "
+                                               "assignment, then adopt the predecessor's weights, KV cache and journal")
+    takeover_from: str | None = Field(None, validation_alias=AliasChoices("takeover_from", "HF_TAKEOVER_FROM"))
+    transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
+    agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
+
+    # KV cache and scheduling
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_blocks: int | None = Field(None, ge=2, description="KV blocks (default: kv_cache_gib, or enough for "
+                                   "max_num_seqs sequences of max_model_len on the CPU)")
+    kv_cache_gib: float | None = Field(None, gt=0, description="KV cache size in GiB (sets num_blocks)")
+    max_num_seqs: int = Field(256, ge=1, description="sequences running at once")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step (decode tokens + prefill chunks)")
+    prefill_chunk: int = Field(256, ge=1, description="largest prefill chunk; in deterministic mode chunks are cut "
+                               "at multiples of it, so a sequence's numerics do not depend on the batch")
+    max_model_len: int | None = Field(None, ge=2, description="context limit (default: the size's max_seq)")
+    max_waiting: int = Field(10000, ge=0, description="queued requests past which new ones get 503")
+    prefix_caching: bool = Field(True, description="share full KV blocks of equal prefixes")
+    deterministic: bool = Field(False, description="batch-invariant kernels: a sequence's tokens do not depend on "
+                                "what runs beside it (exact output through a failover)")
+    cuda_graphs: bool = Field(True, description="decode steps replayed as CUDA graphs at batch-size buckets (CUDA only)")
+
+    # recovery
+    adopt_claim_s: float = Field(30.0, gt=0, description="an adopted sequence that no resumed request claims in this "
+                                 "long is dropped and its blocks freed")
+    adopt_wait_s: float = Field(30.0, gt=0, description="a successor waits this long for its predecessor's death to "
+                                "own its leases")
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(0, description="HTTP port; 0: a free one (reported in the ready file and to the agent)")
+    ready_file: Path | None = Field(None, description="written (JSON) once serving: endpoint, pid, timings")
+    log_level: str = "INFO"
+
+
+def parse_config(argv: list[str]) -> EngineConfig:
+    return CliApp.run(EngineConfig, cli_args=argv)

@@ -1,0 +1,318 @@
+"""`LLMEngine`: the step loop of the batched engine, on one thread of its own.
+
+Each step: take new requests and aborts -> `Scheduler.schedule()` -> journal (rows of sequences that left, new
+admissions, new block-table entries) -> `ModelRunner.run()` -> `Scheduler.commit()` -> journal commit -> tokens
+to their requests' sinks. The HTTP layer never touches the scheduler: it hands requests in through `submit`
+and gets tokens back through its `Sink` (called from the step thread; thread-safe on the sink's side).
+
+Recovery (journal.py): a successor handed the KV lease adopts every sequence the journal committed and runs
+them at once, with no prefill (their KV is there). Until a resumed request claims it, an adopted sequence's
+tokens wait in its buffer; the claim matches the request id the router sends (or, failing that, the tokens),
+and reconciles the two views of the sequence: tokens the client saw past the journal are taken as given, and
+tokens the engine made past what the client saw are sent first. An adopted sequence nobody claims within
+`adopt_claim_s` is dropped and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engines.batched.journal import Admission, Entry, Journal
+from engines.batched.model_runner import ModelRunner, RunItem
+from engines.batched.scheduler import Scheduler
+from engines.batched.sequence import SamplingParams, SeqStatus, Sequence
+from engines.reference.tokenizer import EOS
+
+log = logging.getLogger("holdfast.engine.batched")
+STOP = frozenset({EOS})
+
+
+class Sink(Protocol):
+    """Where one request's output goes (called on the step thread)."""
+
+    def token(self, token: int) -> None: ...
+
+    def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+
+@dataclass
+class Request:
+    request_id: str
+    context: list[int]  # prompt (+ tokens) + the tokens a predecessor already generated (resume)
+    max_tokens: int  # still to generate
+    temperature: float
+    seed: int
+    ignore_eos: bool
+    sink: Sink
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    sink: Sink | None  # None: adopted, not claimed yet
+    slot: int | None = None
+    sent: int = 0  # tokens past the prompt handed to the sink
+    adopted_at: float = 0.0
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    requests_done: int = 0
+    aborted: int = 0
+    adopted: int = 0
+    adopted_dropped: int = 0
+    claimed: int = 0
+    claim_extra_tokens: int = 0  # tokens the client saw past the journal (fed, not recomputed)
+    journal_dropped: int = 0
+    unjournaled: int = 0
+
+
+def finish_reason(seq: Sequence) -> str:
+    reason = seq.finish_reason or "length"
+    return "eos" if reason == "stop" else reason
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, journal: Journal, *, adopt_claim_s: float,
+                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.runner, self.scheduler, self.journal = runner, scheduler, journal
+        self.adopt_claim_s = adopt_claim_s
+        self.counters = Counters()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: dict[int, _Live] = {}  # seq_id -> live sequence
+        self._by_request: dict[str, int] = {}
+        self._orphans: dict[int, _Live] = {}  # adopted, not claimed yet
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._on_step = on_step
+        self.fatal: BaseException | None = None
+
+    # ------------------------------------------------------------------ the HTTP side (any thread)
+    def submit(self, req: Request) -> None:
+        self._inbox.put(("submit", req))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ recovery
+    def adopt(self, entries: list[Entry], dropped: int) -> None:
+        """Sequences a predecessor committed to the journal: running again at once (before `start`)."""
+        now = time.perf_counter()
+        seqs: list[Sequence] = []
+        for e in entries:
+            params = SamplingParams(max_tokens=e.max_tokens, temperature=e.temperature, seed=e.seed,
+                                    stop_token_ids=STOP, ignore_eos=e.ignore_eos)
+            seq = Sequence(seq_id=next(self._ids), request_id=e.request_id, tokens=list(e.tokens),
+                           prompt_len=e.prompt_len, params=params)
+            seq.num_computed = e.computed
+            seq.block_table = list(e.block_table)
+            seqs.append(seq)
+            live = _Live(seq, None, e.slot, sent=len(e.tokens) - e.prompt_len, adopted_at=now)
+            self._live[seq.seq_id] = live
+            self._orphans[seq.seq_id] = live
+        self.scheduler.adopt(seqs)
+        self.counters.adopted += len(seqs)
+        self.counters.journal_dropped += dropped
+
+    # ------------------------------------------------------------------ the step thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                if not self.step():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
+            log.exception("the engine's step loop failed")
+            self.fatal = e
+            for live in list(self._live.values()):
+                if live.sink is not None:
+                    live.sink.finish("error", 0, 0)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                op, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op == "submit":
+                self._admit(arg)
+            else:
+                self._abort(arg)
+        self._expire_orphans()
+
+    def _admit(self, req: Request) -> None:
+        live = self._claim(req)
+        if live is not None:
+            self.counters.claimed += 1
+            return
+        old = self._by_request.get(req.request_id)
+        if old is not None:  # the same request again (a router's retry here): the newer one wins
+            self._abort(req.request_id)
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+                                stop_token_ids=STOP, ignore_eos=req.ignore_eos)
+        seq = Sequence(seq_id=next(self._ids), request_id=req.request_id, tokens=list(req.context),
+                       prompt_len=len(req.context), params=params)
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:  # QueueFull, PromptTooLong: the HTTP layer checked; a race with a full queue
+            req.sink.finish(f"refused: {e}", len(req.context), 0)
+            return
+        self._live[seq.seq_id] = _Live(seq, req.sink)
+        self._by_request[req.request_id] = seq.seq_id
+
+    def _claim(self, req: Request) -> _Live | None:
+        """An adopted sequence this resumed request continues, reconciled with what the client saw."""
+        if not self._orphans:
+            return None
+        sid = self._by_request.get(req.request_id) if req.request_id else None
+        live = self._orphans.get(sid) if sid is not None else None
+        if live is None:  # no id (an older router): the same tokens and sampling
+            live = next((o for o in self._orphans.values() if _prefix_related(o.seq.tokens, req.context)
+                         and o.seq.params.seed == req.seed and o.seq.params.temperature == req.temperature), None)
+        if live is None or len(req.context) < live.seq.prompt_len or not _prefix_related(live.seq.tokens, req.context):
+            return None
+        seq = live.seq
+        extra = req.context[len(seq.tokens):]
+        if extra and seq.status == SeqStatus.FINISHED:
+            return None  # the client saw more than this sequence ever made: not the same generation
+        if extra:  # the client saw tokens the journal had not committed: they are the sequence's, as given
+            seq.tokens.extend(extra)
+            self.counters.claim_extra_tokens += len(extra)
+        del self._orphans[seq.seq_id]
+        live.sink = req.sink
+        # the client has everything up to its context; send what the engine made past it
+        live.sent = len(req.context) - seq.prompt_len
+        for tok in seq.tokens[len(req.context):]:
+            req.sink.token(tok)
+            live.sent += 1
+        self._by_request[req.request_id] = seq.seq_id
+        if seq.status == SeqStatus.FINISHED:  # it ended while unclaimed: its tokens are all there
+            req.sink.finish(finish_reason(seq), seq.prompt_len, len(seq.tokens) - seq.prompt_len)
+            self.counters.requests_done += 1
+            self._leave(live)
+        return live
+
+    def _abort(self, request_id: str) -> None:
+        sid = self._by_request.pop(request_id, None)
+        live = self._live.get(sid) if sid is not None else None
+        if live is None or live.seq.status == SeqStatus.FINISHED:
+            return
+        self.scheduler.abort(live.seq.seq_id)
+        self._leave(live)
+        self.counters.aborted += 1
+
+    def _expire_orphans(self) -> None:
+        now = time.perf_counter()
+        for live in [o for o in self._orphans.values() if now - o.adopted_at > self.adopt_claim_s]:
+            del self._orphans[live.seq.seq_id]
+            if live.seq.status != SeqStatus.FINISHED:
+                self.scheduler.abort(live.seq.seq_id)
+            self._leave(live)
+            self.counters.adopted_dropped += 1
+
+    def _leave(self, live: _Live) -> None:
+        self._live.pop(live.seq.seq_id, None)
+        if self._by_request.get(live.seq.request_id) == live.seq.seq_id:
+            del self._by_request[live.seq.request_id]
+        if live.slot is not None:
+            self.journal.release(live.slot)
+            live.slot = None
+
+    def step(self) -> bool:
+        batch = self.scheduler.schedule()
+        # Sequences that left the running set (preempted) give their journal rows up before this step's forward
+        # writes into the blocks they held (journal.py invariant 4).
+        for live in self._live.values():
+            if live.slot is not None and live.seq.status != SeqStatus.RUNNING:
+                self.journal.release(live.slot)
+                live.slot = None
+        if not batch.works:
+            return False
+        items: list[RunItem] = []
+        for w in batch.works:
+            seq = w.seq
+            live = self._live[seq.seq_id]
+            self._journal_admit(live)
+            end = w.start + w.num_tokens
+            sample = end == len(seq.tokens)
+            items.append(RunItem(token_ids=seq.tokens[w.start:end], start=w.start, block_table=list(seq.block_table),
+                                 sample=sample, temperature=seq.params.temperature, seed=seq.params.seed or 0))
+            if not sample or w.num_tokens > 1:
+                self.counters.prefill_tokens += w.num_tokens
+        out = self.runner.run(items)
+        sampled = {w.seq.seq_id: tok for w, tok in zip(batch.works, out, strict=True) if tok is not None}
+        result = self.scheduler.commit(batch, sampled)
+        self.journal.commit([(live.slot, len(w.seq.tokens), w.seq.num_computed, sampled.get(w.seq.seq_id))
+                             for w in batch.works if (live := self._live[w.seq.seq_id]).slot is not None])
+        self.counters.steps += 1
+        self.counters.tokens += len(sampled)
+        for w in batch.works:
+            live = self._live[w.seq.seq_id]
+            if live.sink is not None:
+                seq = live.seq
+                while live.sent < len(seq.tokens) - seq.prompt_len:
+                    live.sink.token(seq.tokens[seq.prompt_len + live.sent])
+                    live.sent += 1
+        for seq in result.finished:
+            live = self._live.get(seq.seq_id)
+            if live is None:
+                continue
+            if live.sink is not None:
+                live.sink.finish(finish_reason(seq), seq.prompt_len, len(seq.tokens) - seq.prompt_len)
+                self.counters.requests_done += 1
+                self._leave(live)
+            # an adopted sequence that finished unclaimed waits (its tokens) for its claim, or its expiry
+            elif live.slot is not None:
+                self.journal.release(live.slot)
+                live.slot = None
+        if self._on_step is not None:
+            self._on_step(self)
+        return True
+
+    def _journal_admit(self, live: _Live) -> None:
+        seq = live.seq
+        if live.slot is None:
+            live.slot = self.journal.admit(Admission(seq.seq_id, seq.request_id, seq.tokens, seq.prompt_len,
+                                                     seq.params.max_tokens, seq.params.temperature, seq.params.seed or 0,
+                                                     seq.params.ignore_eos), seq.block_table)
+            if live.slot is None:
+                self.counters.unjournaled += 1
+        else:
+            self.journal.grow(live.slot, seq.block_table)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters.__dict__, "live": len(self._live), "unclaimed": len(self._orphans),
+                "scheduler": self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}}
+
+
+def _prefix_related(a: list[int], b: list[int]) -> bool:
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+

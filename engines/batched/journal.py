@@ -1,0 +1,249 @@
+"""The step journal: what a successor needs to continue every in-flight sequence, kept in the KV lease beside
+the paged cache, so it outlives the engine process exactly as the cache does.
+
+Layout (tensors registered in the KV lease, after `kv_cache`):
+- `jr_header` int64[8]: magic, version, block_size, num_blocks, slots, max_len, max_blocks, 0. A successor
+  whose configuration gives another header cannot read the cache and leases a new one.
+- `jr_rows` int64[slots, 10], one row per journal slot (a running sequence holds one):
+  epoch (0: empty), seq_id, prompt_len, max_tokens, temperature (float64 bits), seed, flags (1: ignore_eos),
+  n_blocks, check (crc32 of the admission: the fields before n_blocks, the request id and the prompt tokens),
+  progress (`length << 32 | computed`: tokens known, positions whose KV is written).
+- `jr_tokens` int32[slots, max_len]: the sequence's tokens (prompt, then each sampled one).
+- `jr_blocks` int32[slots, max_blocks]: its block table.
+- `jr_ids` uint8[slots, 64]: its request id (UTF-8, NUL-padded).
+
+Ordering (the whole argument for "no recompute, nothing wrong"): every write goes in program order on the CPU
+(shared memory of a memfd lease) and in stream order on CUDA (the step's forward and these writes are on one
+stream), so a write that is visible implies every write queued before it is done.
+1. Admission: the row's fields, id, prompt tokens and block table, then `check` last. A row whose check does
+   not match was cut off while being admitted: the successor ignores it (its request comes back through the
+   router's replay, prefilled from scratch).
+2. A step: new block-table entries before the forward (the forward writes into those blocks); after it, the
+   sampled tokens, then `progress` in ONE aligned 8-byte store (length and computed never torn apart).
+3. So `progress` vouches for the tokens below `length` and the KV below `computed`. A step cut off by the death
+   left at most KV past `computed` (half written, never read: the successor writes those positions again) and
+   tokens past `length` (ignored). The successor redoes that step from the committed state; nothing else.
+4. A finished, aborted or preempted sequence's row is emptied (epoch 0) before its blocks can be reused.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = 0x484F4C444A524E4C  # "HOLDJRNL"
+VERSION = 1
+ID_BYTES = 64
+(EPOCH, SEQ_ID, PROMPT_LEN, MAX_TOKENS, TEMP, SEED, FLAGS, N_BLOCKS, CHECK, PROGRESS) = range(10)
+N_FIELDS = 10
+FLAG_IGNORE_EOS = 1
+
+
+@dataclass(frozen=True)
+class JournalLayout:
+    block_size: int
+    num_blocks: int
+    slots: int
+    max_len: int
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_len // self.block_size)
+
+    def header(self) -> list[int]:
+        return [MAGIC, VERSION, self.block_size, self.num_blocks, self.slots, self.max_len, self.max_blocks, 0]
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every journal tensor, in their order in the lease."""
+        return {"jr_header": (torch.int64, (8,)), "jr_rows": (torch.int64, (self.slots, N_FIELDS)),
+                "jr_tokens": (torch.int32, (self.slots, self.max_len)),
+                "jr_blocks": (torch.int32, (self.slots, self.max_blocks)),
+                "jr_ids": (torch.uint8, (self.slots, ID_BYTES))}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One sequence as the journal committed it."""
+
+    slot: int
+    seq_id: int
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    computed: int
+    block_table: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Admission:
+    seq_id: int
+    request_id: str
+    tokens: Seq[int]
+    prompt_len: int
+    max_tokens: int
+    temperature: float
+    seed: int
+    ignore_eos: bool
+
+
+class JournalMismatch(ValueError):
+    """The journal in a handed-on lease was written for another configuration (or is not a journal)."""
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_f64(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
+
+
+def _check(fields: Seq[int], rid: bytes, prompt: Seq[int]) -> int:
+    c = zlib.crc32(struct.pack(f"<{len(fields)}q", *fields))
+    c = zlib.crc32(rid, c)
+    return zlib.crc32(struct.pack(f"<{len(prompt)}i", *prompt), c)
+
+
+def _progress(length: int, computed: int) -> int:
+    return (length << 32) | computed
+
+
+class Journal:
+    """Writes (engine side) and reads (successor side) the journal tensors. Not thread-safe: the engine's step
+    thread is its only writer."""
+
+    def __init__(self, layout: JournalLayout, tensors: dict[str, torch.Tensor]) -> None:
+        self.layout = layout
+        self.header, self.rows = tensors["jr_header"], tensors["jr_rows"]
+        self.tokens, self.blocks, self.ids = tensors["jr_tokens"], tensors["jr_blocks"], tensors["jr_ids"]
+        self.device = self.rows.device
+        self._free = list(range(layout.slots - 1, -1, -1))
+        self._epoch = 0
+        self._n_blocks: dict[int, int] = {}  # slot -> block-table entries written
+
+    # ------------------------------------------------------------------ creation and recovery
+    def format(self) -> None:
+        """A new journal: every slot empty, then the header (a successor trusts nothing without it)."""
+        self.rows.zero_()
+        self.header.copy_(torch.tensor(self.layout.header(), dtype=torch.int64))
+
+    def matches(self) -> bool:
+        return [int(x) for x in self.header.cpu().tolist()] == self.layout.header()
+
+    def recover(self) -> tuple[list[Entry], int]:
+        """The committed sequences (and the number of slots dropped as cut off mid-admission or inconsistent).
+        The slots they hold stay taken; the rest are free."""
+        if not self.matches():
+            raise JournalMismatch(f"journal header {self.header.cpu().tolist()} != {self.layout.header()}")
+        rows = self.rows.cpu().tolist()
+        toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
+        out: list[Entry] = []
+        dropped = 0
+        for slot, r in enumerate(rows):
+            if r[EPOCH] == 0:
+                continue
+            e = self._entry(slot, r, toks[slot], blocks[slot], bytes(ids[slot].tolist()))
+            if e is None:
+                dropped += 1
+                self._clear(slot)
+                continue
+            out.append(e)
+            self._epoch = max(self._epoch, r[EPOCH])
+        taken = {e.slot for e in out}
+        self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken]
+        for e in out:
+            self._n_blocks[e.slot] = len(e.block_table)
+        return out, dropped
+
+    def _entry(self, slot: int, r: list[int], toks: torch.Tensor, blocks: torch.Tensor, rid_raw: bytes) -> Entry | None:
+        prompt_len, n_blocks = r[PROMPT_LEN], r[N_BLOCKS]
+        length, computed = r[PROGRESS] >> 32, r[PROGRESS] & 0xFFFFFFFF
+        L = self.layout
+        if not (0 < prompt_len <= length <= L.max_len and 0 <= n_blocks <= L.max_blocks):
+            return None
+        prompt = toks[:prompt_len].tolist()
+        if _check(r[:N_BLOCKS], rid_raw, prompt) != r[CHECK]:
+            return None
+        table = blocks[:n_blocks].tolist()
+        # computed <= length - 1: the last known token's logits are what the next step needs; a torn window
+        # could not leave it higher (progress is one store), but a successor never trusts past that.
+        computed = min(computed, length - 1, n_blocks * L.block_size)
+        if any(not 0 <= b < L.num_blocks for b in table):
+            return None
+        return Entry(slot=slot, seq_id=r[SEQ_ID], request_id=rid_raw.rstrip(b"\0").decode(errors="replace"),
+                     tokens=toks[:length].tolist(), prompt_len=prompt_len, computed=computed, block_table=table,
+                     max_tokens=r[MAX_TOKENS], temperature=_bits_f64(r[TEMP]), seed=r[SEED],
+                     ignore_eos=bool(r[FLAGS] & FLAG_IGNORE_EOS))
+
+    # ------------------------------------------------------------------ the engine's writes
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def admit(self, a: Admission, block_table: Seq[int]) -> int | None:
+        """A journal slot for a sequence about to run its first forward (None: the journal is full; the sequence
+        then runs unjournaled and a failure replays it through the router)."""
+        if not self._free or len(a.tokens) > self.layout.max_len:
+            return None
+        slot = self._free.pop()
+        self._epoch += 1
+        rid = a.request_id.encode()[:ID_BYTES]
+        rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
+        prompt = list(a.tokens[: a.prompt_len])
+        fields = [self._epoch, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
+                  FLAG_IGNORE_EOS if a.ignore_eos else 0]
+        check = _check(fields, rid_raw, prompt)  # n_blocks grows after admission: not covered
+        fields.append(len(block_table))
+        dev = self.device
+        self.ids[slot].copy_(torch.frombuffer(bytearray(rid_raw), dtype=torch.uint8))
+        self.tokens[slot, : len(a.tokens)] = torch.tensor(list(a.tokens), dtype=torch.int32, device=dev)
+        if block_table:
+            self.blocks[slot, : len(block_table)] = torch.tensor(list(block_table), dtype=torch.int32, device=dev)
+        self._n_blocks[slot] = len(block_table)
+        # progress (the whole context known, nothing computed), then the fields, the check last (invariant 1)
+        row = fields + [check, _progress(len(a.tokens), 0)]
+        self.rows[slot, :CHECK] = torch.tensor(row[:CHECK], dtype=torch.int64, device=dev)
+        self.rows[slot, PROGRESS] = row[PROGRESS]
+        self.rows[slot, CHECK] = check
+        return slot
+
+    def grow(self, slot: int, block_table: Seq[int]) -> None:
+        """New block-table entries, before the forward that writes into them."""
+        n = self._n_blocks.get(slot, 0)
+        if len(block_table) <= n:
+            return
+        new = torch.tensor(list(block_table[n:]), dtype=torch.int32, device=self.device)
+        self.blocks[slot, n: len(block_table)] = new
+        self.rows[slot, N_BLOCKS] = len(block_table)
+        self._n_blocks[slot] = len(block_table)
+
+    def commit(self, updates: Seq[tuple[int, int, int, int | None]]) -> None:
+        """After a step's forward: (slot, length, computed, token sampled at position length - 1 or None) per
+        sequence. Tokens first, then each row's progress in one store (invariant 2)."""
+        if not updates:
+            return
+        dev = self.device
+        sampled = [(s, n - 1, t) for s, n, _, t in updates if t is not None]
+        if sampled:
+            idx = torch.tensor([[s, p] for s, p, _ in sampled], dtype=torch.int64, device=dev)
+            self.tokens[idx[:, 0], idx[:, 1]] = torch.tensor([t for _, _, t in sampled], dtype=torch.int32, device=dev)
+        slots = torch.tensor([u[0] for u in updates], dtype=torch.int64, device=dev)
+        prog = torch.tensor([_progress(n, c) for _, n, c, _ in updates], dtype=torch.int64, device=dev)
+        self.rows[slots, PROGRESS] = prog
+
+    def release(self, slot: int) -> None:
+        """The sequence left (finished, aborted, preempted): its row emptied before its blocks are reused."""
+        self._clear(slot)
+        self._free.append(slot)
+
+    def _clear(self, slot: int) -> None:
+        self.rows[slot, EPOCH] = 0
+        self.rows[slot, CHECK] = 0
+        self._n_blocks.pop(slot, None)

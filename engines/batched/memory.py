@@ -1,0 +1,200 @@
+"""Where the batched engine's tensors come from: the only module of this engine that talks to the memory SDK.
+
+- `LocalMemory`: plain tensors (standalone runs, tests without a gpu_manager); nothing survives the process.
+- `LeasedMemory`: weights in `weights` leases, the paged KV cache and its journal in one `kv_cache` lease.
+  `load` (cold, from the file), `attach` (this engine's own leases after a restart), `takeover` (a dead
+  predecessor's leases: a cold-spawned successor or a promoted standby). A handed-on KV lease whose journal
+  was written for this configuration is kept as it is: its sequences continue (journal.py).
+
+Invariant: the engine never sees the SDK, only `Loaded`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.batched.journal import JournalLayout
+from engines.reference.config import ModelConfig
+from engines.reference.memory import retry_until
+from engines.reference.weights import check_file_matches, load_weights
+
+log = logging.getLogger("holdfast.engine.batched.memory")
+
+KV_NAME = "kv_cache"
+ALIGN = 256
+
+
+class MissingWeights(ValueError):
+    """The leases handed to this engine do not hold a complete set of the model's weights."""
+
+
+@dataclass
+class Loaded:
+    weights: dict[str, torch.Tensor]
+    kv: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
+    journal: dict[str, torch.Tensor]
+    source: str  # "file", "reattached", "takeover"
+    kv_handed_on: bool  # the KV lease (and its journal) came from before: its sequences may continue
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (cfg.n_layers, 2, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+
+
+def kv_layout(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, block_size: int, max_num_seqs: int,
+              max_len: int, num_blocks: int | None, kv_cache_gib: float | None) -> JournalLayout:
+    """The cache's size: given blocks, or given GiB, or (CUDA) 85% of the memory free now, or (CPU) room for
+    every sequence at the full length."""
+    per_block = cfg.n_layers * 2 * block_size * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    if num_blocks is None and kv_cache_gib is not None:
+        num_blocks = int(kv_cache_gib * 2**30) // per_block
+    if num_blocks is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        num_blocks = int(free * 0.85) // per_block
+    if num_blocks is None:
+        num_blocks = max_num_seqs * -(-max_len // block_size)
+    return JournalLayout(block_size=block_size, num_blocks=max(2, num_blocks), slots=max_num_seqs, max_len=max_len)
+
+
+def _packed(cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """(name, dtype, shape, byte offset) of the cache and the journal's tensors in one KV lease."""
+    items = [(KV_NAME, dtype, kv_shape(cfg, layout.num_blocks, layout.block_size))]
+    items += [(n, dt, shape) for n, (dt, shape) in layout.tensors().items()]
+    out, off = [], 0
+    for name, dt, shape in items:
+        out.append((name, dt, shape, off))
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        off = -(-(off + nbytes) // ALIGN) * ALIGN
+    return out
+
+
+def lease_bytes(cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> int:
+    name, dt, shape, off = _packed(cfg, dtype, layout)[-1]
+    return off + torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+
+
+class LocalMemory:
+    kind = "local"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def pending(self) -> bool:
+        return False
+
+    def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
+        t0 = time.perf_counter()
+        check_file_matches(path, cfg)
+        weights = load_weights(path, self.device)
+        dtype = weights["tok_embeddings.weight"].dtype
+        layout: JournalLayout = layout_of(dtype)
+        kv = torch.zeros(kv_shape(cfg, layout.num_blocks, layout.block_size), dtype=dtype, device=self.device)
+        journal = {n: torch.zeros(shape, dtype=dt, device=self.device) for n, (dt, shape) in layout.tensors().items()}
+        return Loaded(weights, kv, journal, "file", False, {"load_ms": _ms(t0)})
+
+    def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
+        raise RuntimeError("local memory has nothing to reattach")
+
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float) -> Loaded:
+        raise RuntimeError("local memory cannot take over a predecessor's leases: run with --memory leased")
+
+    def start_heartbeats(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LeasedMemory:
+    kind = "leased"
+
+    def __init__(self, engine_id: str, *, socket_path: str | None, gpu: int) -> None:
+        from libs.client.memory import MemoryClient, exit_on_lease_lost  # the SDK: only when leases are used
+
+        self.gpu = gpu
+        self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class="batched")
+        self.client.on_lease_lost = exit_on_lease_lost
+
+    def pending(self) -> bool:
+        return bool(self.client.pending())
+
+    def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
+        from libs.client.safetensors_io import load_safetensors_into_leases
+
+        t0 = time.perf_counter()
+        check_file_matches(path, cfg)
+        weights = load_safetensors_into_leases(self.client, str(path), tag="weights", name="weights", gpu=self.gpu,
+                                               framework="torch")
+        t_load = _ms(t0)
+        dtype = weights["tok_embeddings.weight"].dtype
+        kv, journal = self._new_kv(cfg, dtype, layout_of(dtype))
+        self.client.commit()
+        return Loaded(weights, kv, journal, "file", False, {"load_ms": t_load, "total_ms": _ms(t0)})
+
+    def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
+        t0 = time.perf_counter()
+        att = self.client.attach()
+        return self._rebuild(cfg, att.leases, "reattached", layout_of, t0)
+
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float) -> Loaded:
+        from libs.client.protocol import NotFrozenYet, PredecessorAlive
+
+        t0 = time.perf_counter()
+        # The fault is published as the predecessor begins to exit; the manager hands its memory over only
+        # once it is gone (and frozen): retried at a short fixed interval.
+        att, _ = retry_until(lambda: self.client.takeover(predecessor, token), (PredecessorAlive, NotFrozenYet), wait_s)
+        return self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
+
+    def _rebuild(self, cfg: ModelConfig, leases: list[Any], source: str, layout_of: Any, t0: float) -> Loaded:
+        t_attach = _ms(t0)
+        caches = sorted((lease for lease in leases if any(m.name == KV_NAME for m in lease.tensor_metas)),
+                        key=lambda lease: lease.info.created_at, reverse=True)
+        tensors = {m.name: lease.view(m, "torch") for lease in leases if lease not in caches for m in lease.tensor_metas}
+        missing = [n for n in cfg.tensor_shapes() if n not in tensors]
+        if missing:
+            raise MissingWeights(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
+        weights = {n: tensors[n] for n in cfg.tensor_shapes()}
+        dtype = weights["tok_embeddings.weight"].dtype
+        layout: JournalLayout = layout_of(dtype)
+        for extra in caches[1:]:
+            self.client.release(extra.id)
+        if caches:
+            own = {m.name: caches[0].view(m, "torch") for m in caches[0].tensor_metas}
+            want = {n: shape for n, _, shape, _ in _packed(cfg, dtype, layout)}
+            if all(n in own and tuple(own[n].shape) == s for n, s in want.items()):
+                journal = {n: own[n] for n in layout.tensors()}
+                return Loaded(weights, own[KV_NAME], journal, source, True,
+                              {"attach_ms": t_attach, "total_ms": _ms(t0)})
+            log.info("the handed-on KV lease does not fit this configuration; leasing a new one")
+            self.client.release(caches[0].id)
+        kv, journal = self._new_kv(cfg, dtype, layout)
+        self.client.commit()
+        return Loaded(weights, kv, journal, source, False, {"attach_ms": t_attach, "total_ms": _ms(t0)})
+
+    def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        packed = _packed(cfg, dtype, layout)
+        lease = self.client.allocate(lease_bytes(cfg, dtype, layout), tag="kv_cache", name=KV_NAME, gpu=self.gpu)
+        views = {name: lease.torch(dt, shape, off) for name, dt, shape, off in packed}
+        views[KV_NAME].zero_()
+        self.client.register([lease.meta(name, dt, shape, off) for name, dt, shape, off in packed])
+        return views[KV_NAME], {n: views[n] for n in layout.tensors()}
+
+    def start_heartbeats(self) -> None:
+        self.client.start_heartbeats()
+
+    def close(self) -> None:
+        try:
+            self.client.close(unmap=False)  # the leases stay with the gpu_manager for a successor
+        except Exception as e:  # noqa: BLE001 - closing on the way out: the process ends anyway
+            log.warning("closing the memory client failed: %s", e)

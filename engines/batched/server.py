@@ -1,0 +1,209 @@
+"""The batched engine's HTTP API (FastAPI on a uvicorn thread): POST /generate, GET /health.
+
+`/generate` speaks the reference engine's protocol, which the router relays: `{prompt | tokens, resume,
+max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streamed NDJSON lines
+`{"index", "token", "text"}`, then `{"done": true, "prompt_tokens", "completion_tokens", "finish_reason",
+"first_token_ms", "total_ms", "engine_id"}`. Errors: 400 (a context longer than the model's), 503 (not ready,
+or the queue is full), in-band `{"done": true, "error": ...}` after the stream started. A client that goes away
+aborts its sequence at once: its blocks are free for the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engines.batched.engine import LLMEngine, Request
+from engines.reference import tokenizer
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(None, description="text; encoded with a leading BOS")
+    tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt")
+    resume: list[int] | None = Field(None, description="tokens this request already generated elsewhere")
+    max_tokens: int = Field(64, ge=0)
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+    greedy: bool | None = None
+    seed: int = 0
+    stream: bool = False
+    ignore_eos: bool = False
+    request_id: str | None = Field(None, max_length=64, description="the same across a request's replays (the "
+                                   "router's): a successor holding the sequence continues it")
+
+    @model_validator(mode="after")
+    def _has_input(self) -> GenerateBody:
+        if self.prompt is None and not self.tokens:
+            raise ValueError("give a prompt or tokens")
+        return self
+
+
+class EngineState:
+    def __init__(self, engine_id: str, model: str, size: str, max_model_len: int, max_waiting: int) -> None:
+        self.engine_id, self.model, self.size = engine_id, model, size
+        self.max_model_len, self.max_waiting = max_model_len, max_waiting
+        self.state = "starting"  # starting, loading, standby, ready, stopping
+        self.role = "active"
+        self.engine: LLMEngine | None = None
+        self.in_flight = 0
+        self.info: dict[str, Any] = {}
+        self.on_first_token: Callable[[float], None] | None = None
+
+
+class _Sink:
+    """Hands the step thread's output to one request's coroutine."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def token(self, token: int) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ("token", token))
+
+    def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ("done", (reason, prompt_tokens, completion_tokens)))
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+
+
+def build_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="Holdfast batched engine")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        eng = state.engine
+        return {"ok": state.state in ("ready", "standby"), "state": state.state, "role": state.role,
+                "engine_id": state.engine_id, "model": state.model, "size": state.size, "in_flight": state.in_flight,
+                "engine": eng.stats() if eng else None, **state.info}
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateBody) -> Any:
+        eng = state.engine
+        if eng is None or state.state != "ready":
+            return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
+        ctx = tokenizer.encode(body.prompt) if body.prompt is not None else []
+        ctx += list(body.tokens or []) + list(body.resume or [])
+        if any(not 0 <= t < tokenizer.EOS + 1 for t in ctx):
+            return _error(400, "bad_request", "token ids must be in [0, 257]")
+        if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
+            return _error(400, "context_too_long", f"the context ({len(ctx)} tokens) leaves no room in the model's "
+                          f"{state.max_model_len}")
+        if state.in_flight >= state.max_waiting + eng.scheduler.config.max_num_seqs:
+            return _error(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
+        sink = _Sink(asyncio.get_running_loop())
+        max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
+        req = Request(request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx, max_tokens=max_tokens,
+                      temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
+                      ignore_eos=body.ignore_eos, sink=sink)
+        if body.max_tokens == 0:
+            return _final_only(state, len(ctx), body.stream)
+        resumed = list(body.resume or [])
+        if body.stream:
+            return StreamingResponse(_stream(state, eng, req, sink, resumed), media_type="application/x-ndjson")
+        return await _collect(state, eng, req, sink, resumed)
+
+    return app
+
+
+def _final_only(state: EngineState, prompt_tokens: int, stream: bool) -> Any:
+    final = {"done": True, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "finish_reason": "length",
+             "first_token_ms": None, "total_ms": 0.0, "engine_id": state.engine_id}
+    if stream:
+        return StreamingResponse(iter([json.dumps(final) + "\n"]), media_type="application/x-ndjson")
+    return {"tokens": [], "text": "", **final}
+
+
+async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink, resumed: list[int]) -> AsyncIterator[dict[str, Any]]:
+    """Token lines then the final line; aborts the sequence if the consumer goes away first."""
+    t0 = time.perf_counter()
+    first_ms: float | None = None
+    text = tokenizer.TextStream()
+    text.prime(resumed)
+    state.in_flight += 1
+    eng.submit(req)
+    done = False
+    try:
+        index = 0
+        while True:
+            kind, val = await sink.q.get()
+            if kind == "token":
+                if first_ms is None:
+                    first_ms = round((time.perf_counter() - t0) * 1000, 3)
+                    cb, state.on_first_token = state.on_first_token, None
+                    if cb is not None:
+                        cb(time.perf_counter())
+                yield {"index": index, "token": val, "text": text.push(val)}
+                index += 1
+                continue
+            reason, prompt_tokens, completion_tokens = val
+            done = True
+            if reason.startswith("refused") or reason == "error":
+                yield {"done": True, "error": {"code": "engine_error", "message": reason}, "engine_id": state.engine_id}
+                return
+            yield {"done": True, "prompt_tokens": len(req.context), "completion_tokens": index, "finish_reason": reason,
+                   "first_token_ms": first_ms, "total_ms": round((time.perf_counter() - t0) * 1000, 3),
+                   "engine_id": state.engine_id}
+            return
+    finally:
+        state.in_flight -= 1
+        if not done:
+            eng.abort(req.request_id)
+
+
+async def _stream(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink, resumed: list[int]) -> AsyncIterator[bytes]:
+    async for line in _events(state, eng, req, sink, resumed):
+        yield (json.dumps(line) + "\n").encode()
+
+
+async def _collect(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink, resumed: list[int]) -> Any:
+    tokens: list[int] = []
+    text: list[str] = []
+    async for ev in _events(state, eng, req, sink, resumed):
+        if not ev.get("done"):
+            tokens.append(ev["token"])
+            text.append(ev["text"])
+        elif "error" in ev:
+            return _error(503, ev["error"]["code"], ev["error"]["message"])
+        else:
+            return {"tokens": tokens, "text": "".join(text), **ev}
+    return _error(500, "engine_error", "generation ended without a result")
+
+
+class HttpThread:
+    """uvicorn on a thread of its own (it installs no signal handlers off the main thread)."""
+
+    def __init__(self, state: EngineState, host: str, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://{host}:{self.port}"
+        config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.server.started:
+            raise RuntimeError("the HTTP server did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
