@@ -1,0 +1,216 @@
+"""The chaos run's harder faults, each a function the run calls (bench/chaos.py decides when and keeps count).
+
+- `catch_allocating`: the next engine process to start is stepped (SIGCONT/SIGSTOP slices of ~1 ms) until it
+  maps a lease the gpu_manager reports uncommitted, then SIGKILLed there: a death during start-up allocation.
+- `send_xid`: a GPU fault injected where NVML reports it (bench/chaos_nvml/pynvml.py on the agent's path).
+- `pressure`: bench/chaos_pressure.py, a hostile same-uid client of the gpu_manager, as a process of its own.
+- `api_load`: large bodies POSTed to the controller's admin endpoints, with and without the token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from libs.common import procs
+
+MEMFD_MAP = re.compile(r"/memfd:hf-([\w-]+)-\d+")
+NVML_SHIM_DIR = Path(__file__).with_name("chaos_nvml")
+
+
+def writable_leases(pid: int) -> set[str]:
+    """Leases the process maps writable (host backend)."""
+    return memfd_leases(pid)[1]
+
+
+def proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return "X"
+
+
+def engine_pids(state_dir: Path) -> set[int]:
+    return set(procs.pids_with_env("HF_STATE_DIR", str(state_dir), having=("HF_ENGINE_ID",)))
+
+
+def _stop(pid: int) -> bool:
+    """SIGSTOP and wait until every thread is stopped; False when the process is gone."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        st = proc_state(pid)
+        if st in ("T", "t"):
+            return True
+        if st in ("X", "Z"):
+            return False
+        time.sleep(0.0005)
+    return proc_state(pid) in ("T", "t")
+
+
+def memfd_leases(pid: int) -> tuple[set[str], set[str]]:
+    """(every lease the process maps, the ones it maps writable): memfd names in /proc/<pid>/maps (host)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set(), set()
+    every, writable = set(), set()
+    for line in maps.splitlines():
+        m = MEMFD_MAP.search(line)
+        if m is not None:
+            every.add(m.group(1))
+            if line.split()[1][1] == "w":  # perms: r w x s/p
+                writable.add(m.group(1))
+    return every, writable
+
+
+def catch_allocating(state_dir: Path, before: set[int], uncommitted: Callable[[str], str | None],
+                     within_s: float = 60.0, slice_s: float = 0.001) -> dict[str, Any]:
+    """Wait for an engine process not in `before`; let it run (its maps polled) until it maps its first lease,
+    then step it (SIGCONT/SIGSTOP slices of ~1 ms) until it maps writable a lease that `uncommitted` names
+    (its tag; None when committed or unknown), and SIGKILL it there. Blocking: run it in a thread. Stepping
+    only from the first mapping on keeps its heartbeats flowing through the rest of its start-up.
+
+    Returns {"result": "hit", "tag": ...} or {"result": "missed"} (every lease it mapped writable was
+    committed before a stop landed between allocate and commit: it is SIGKILLed anyway, a death early in its
+    life) or {"result": "no start-up"}."""
+    deadline = time.monotonic() + within_s
+    pid = None
+    while pid is None and time.monotonic() < deadline:
+        new = engine_pids(state_dir) - before
+        pid = min(new) if new else None
+        time.sleep(0.002)
+    if pid is None:
+        return {"result": "no start-up"}
+    while time.monotonic() < deadline and not memfd_leases(pid)[0]:
+        if proc_state(pid) in ("X", "Z"):
+            return {"result": "no start-up", "pid": pid}
+        time.sleep(0.001)
+    checked: set[str] = set()
+    quiet_since: float | None = None
+    while time.monotonic() < deadline:
+        if not _stop(pid):
+            return {"result": "no start-up", "pid": pid}
+        fresh = memfd_leases(pid)[1] - checked
+        for lease in sorted(fresh):
+            tag = uncommitted(lease)
+            if tag is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                return {"result": "hit", "tag": tag, "pid": pid, "lease": lease}
+        checked |= fresh
+        if checked and not fresh:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since > 1.0:  # its allocations are done and committed
+                break
+        elif fresh:
+            quiet_since = None
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return {"result": "no start-up", "pid": pid}
+        time.sleep(slice_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return {"result": "missed", "pid": pid}
+
+
+def send_xid(socket_path: str, gpu: int, xid: int) -> None:
+    """One XID event into the agent's NVML stand-in (raises OSError when no agent listens)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(json.dumps({"gpu": gpu, "xid": xid}).encode(), socket_path)
+
+
+async def pressure(socket_path: str, on_holding: Callable[[], Any], *, connections: int = 200,
+                   hold_s: float = 4.0) -> dict[str, Any]:
+    """Run the hostile client; `on_holding()` is awaited once its pressure is up. Its report, or why none."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.chaos_pressure", "--socket", socket_path, "--connections", str(connections),
+        "--hold", str(hold_s), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert proc.stdout is not None
+    report: dict[str, Any] = {}
+    try:
+        async with asyncio.timeout(hold_s + 90):
+            while line := await proc.stdout.readline():
+                obj = json.loads(line)
+                if obj.get("holding"):
+                    await on_holding()
+                else:
+                    report = obj
+            await proc.wait()
+    except TimeoutError:
+        report = {"error": "the pressure client did not finish"}
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return report or {"error": f"no report (exit {proc.returncode})"}
+
+
+# (method, path, token?) of admin endpoints; the bodies are far past any sane size, and the authenticated
+# ones name nothing that exists, so none of them may change the cluster whatever the controller does.
+API_TARGETS = (
+    ("POST", "/v1/nodes/{node}/drain", False),
+    ("POST", "/v1/engine-classes/reference/upgrade", False),
+    ("POST", "/v1/engines/chaos-no-such-engine/failover", True),
+)
+
+
+async def post_raw(url: str, path: str, body: bytes, token: str | None) -> str:
+    """POST `body` and return the status the server answered, read even when it answers early (before the
+    body is sent) and closes: 'error:<why>' only when no status line came back at all."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+            + (f"Authorization: Bearer {token}\r\n" if token else "") + "\r\n")
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+    except OSError as e:
+        return f"error:{type(e).__name__}"
+    try:
+        writer.write(head.encode())
+        with contextlib.suppress(OSError):  # refused early: the answer may already wait to be read
+            for i in range(0, len(body), 1 << 20):
+                writer.write(body[i:i + (1 << 20)])
+                await writer.drain()
+        try:
+            line = await asyncio.wait_for(reader.readline(), 30)
+        except (OSError, TimeoutError) as e:
+            return f"error:{type(e).__name__}"
+        parts = line.split()
+        return parts[1].decode() if len(parts) > 1 and parts[0].startswith(b"HTTP/") else "error:no status line"
+    finally:
+        writer.close()
+
+
+async def api_load(api_url: str, token: str, node: str, stop: asyncio.Event, *, body_mib: int = 8,
+                   loops_per_target: int = 1) -> Counter[str]:
+    """POST `body_mib` MiB JSON bodies to each target in a loop until `stop`; the statuses answered
+    ('401', '413', ... or 'error:<why>')."""
+    statuses: Counter[str] = Counter()
+    body = b'{"successor": "' + b"x" * (body_mib << 20) + b'", "version": "v"}'
+
+    async def loop(path: str, auth: bool) -> None:
+        while not stop.is_set():
+            status = await post_raw(api_url, path.format(node=node), body, token if auth else None)
+            statuses[f"{'auth' if auth else 'anon'}:{status}"] += 1
+            if status.startswith("error"):
+                await asyncio.sleep(0.05)
+
+    tasks = [asyncio.create_task(loop(p, a)) for _, p, a in API_TARGETS for _ in range(loops_per_target)]
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return statuses
