@@ -6,8 +6,9 @@ start-up allocation (holding an uncommitted lease), a GPU XID reported through N
 SIGKILL, fd pressure on the gpu_manager (a hostile same-uid client) with an engine killed under it, agent,
 dc_manager, router and controller-leader SIGKILL (two controllers run), NATS restart, etcd restart, etcd
 stalled by SIGSTOP for 3-15 s, and large bodies POSTed to the admin API while an engine's incident runs.
-The chaos run plays the process supervisor (systemd, Kubernetes) for every service: one it kills, or one
-that exits on its own, is started again with the same command line and configuration (and counted).
+A service chaos kills is started again by chaos with the same command line and configuration (as systemd or
+Kubernetes would); one that exits on its own is restarted by the stack's supervisor (`Stack.supervise_once`,
+what `holdfast up` runs), and counted.
 
 Invariants, each counted and expected to be 0:
 - corrupted: a serving engine's weights hash differs from the hash of the weights file;

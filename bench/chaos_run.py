@@ -60,7 +60,7 @@ class Tally:
     skipped: Counter[str] = field(default_factory=Counter)
     two_writer_samples: list[dict[str, Any]] = field(default_factory=list)
     replica_samples: list[dict[str, Any]] = field(default_factory=list)
-    restarts: Counter[str] = field(default_factory=Counter)  # exits the supervisor found (not chaos's kills)
+    restarts: Counter[str] = field(default_factory=Counter)  # the stack supervisor's (not chaos's kills)
     allocating: Counter[str] = field(default_factory=Counter)
     pressure: dict[str, Counter[str]] = field(default_factory=dict)
     manager_unserved: int = 0
@@ -167,16 +167,18 @@ class Chaos:
     # ------------------------------------------------------------ the supervisor
 
     async def supervise(self) -> None:
-        """Restart any service that exited while chaos was not restarting it itself (as systemd would)."""
+        """The stack's own supervisor (Stack.supervise_once, as `holdfast up` runs it) restarts a service that
+        exited on its own; it passes while chaos is killing and restarting one itself (no double restart)."""
         while not self.stop.is_set():
             await asyncio.sleep(0.5)
-            for name, child in list(self.stack.children.items()):
-                if name in self.busy or child.alive():
-                    continue
-                self.tally.restarts[name] += 1
-                self.tally.notes.append(f"supervisor: {name} exited ({child.returncode}); restarted")
-                console.print(f"[red]{name} exited ({child.returncode}); restarting it[/red]")
-                await asyncio.to_thread(self.stack.restart, name)
+            if not self.busy:
+                await asyncio.to_thread(self.stack.supervise_once, self._supervisor_says)
+
+    def _supervisor_says(self, line: str) -> None:
+        self.tally.notes.append(f"supervisor: {line}")
+        console.print(f"[red]supervisor: {line}[/red]")
+        if " restarted (pid " in line:
+            self.tally.restarts[line.split()[0]] += 1
 
     async def restart(self, name: str, *, kill: bool = True) -> None:
         self.busy.add(name)
