@@ -1,0 +1,316 @@
+"""The model over a paged KV cache: one forward over a step's flat batch of works, then sampling.
+
+A step is a list of `RunItem`s (one per scheduled work: tokens fed at positions `start..`, the sequence's block
+table). Their rows are concatenated; the embeddings, the decoder layers (attention.py's paged attention per
+sequence) run once over all rows, the head only over the rows that sample. Step inputs are built once on the
+host into one pinned buffer and copied to the device in one non-blocking copy. A decode-only step on CUDA
+replays a CUDA graph captured at the smallest batch-size bucket that holds it (padding rows: slot -1, context
+0, so they write nothing and read nothing); any other step, and every step on the CPU, runs eagerly.
+
+Deterministic (batch-invariant) mode: each row's logits are bit-identical whatever else the batch holds.
+- Linear layers and RMSNorm run over fixed tiles of rows (`tile` rows: 64 on CUDA, 16 on the CPU; the last
+  tile padded with zeros), one kernel call per tile. A GEMM of one fixed shape reduces each output element in
+  one fixed order (its kernel, tiling and split-K are chosen from the shape alone), and that order does not
+  depend on the other rows' values or on the row's place in the tile (a row's dot products use only its own
+  inputs). Without tiles, a step of 3 rows and one of 200 run differently-shaped GEMMs, which pick different
+  kernels and reduction splits: last-bit differences that greedy decoding turns into different tokens.
+- Transcendental elementwise functions are tiled too (RMSNorm's rsqrt, SiLU's exp, one SwiGLU per tile): on
+  the CPU their vectorized and scalar paths round differently and an element's path depends on the tensor's
+  size (a row's SiLU differed between a 2-row and a 16-row tensor). Attention is per sequence by construction
+  (attention.py invariant 1); rope and residual adds are multiplications and additions, correctly rounded
+  whatever the path; the embedding is a gather.
+- Cost: a step of M rows computes ceil(M / tile) * tile rows in ceil(M / tile) GEMM calls per linear layer
+  instead of one: at small batches the padding (a decode step of 1 row computes 64 on CUDA, though decode is
+  bound by reading the weights, which is the same), at large ones the extra launches and the smaller GEMMs'
+  lower efficiency. Figures: docs (CPU measured by tests/engine_batched, GPU by scripts/bench_paged_attention).
+
+Invariants:
+1. `run` returns when its sampled tokens are on the host; the pinned buffers are reused only after that, so a
+   non-blocking copy never reads a buffer being rewritten.
+2. A row's KV goes to `block_table[p // block_size] * block_size + p % block_size` (the package's contract);
+   rows never write outside the blocks their item names (checked before any kernel runs).
+3. Sampling is engines/reference/engine.py's `sample`, seeded per (seed, position of the sampled token).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engines.batched.attention import AttnMeta, attend, paged_kernels, write_kv
+from engines.reference.config import ModelConfig
+from engines.reference.engine import sample
+from engines.reference.model import Transformer, apply_rope, rms_norm
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class RunItemError(ValueError):
+    """A work that cannot run: out of the context, a block table too short, a block outside the cache."""
+
+
+@dataclass(frozen=True)
+class RunItem:
+    token_ids: Sequence[int]  # fed this step at positions start..
+    start: int
+    block_table: Sequence[int]  # the sequence's blocks, at least ceil((start + len(token_ids)) / block_size)
+    sample: bool  # sample one token from the last row
+    temperature: float = 0.0
+    seed: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+class _Staging:
+    """One pinned host buffer and one device buffer of int64; `upload(n)` copies the first n in one go."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self.dev = self.host if device.type == "cpu" else torch.zeros(size, dtype=torch.int64, device=device)
+
+    def upload(self, n: int) -> None:
+        if self.dev is not self.host:
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+
+
+def _sections(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(buf[at:at + n])
+        at += n
+    return out
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor, block_size: int, *,
+                 deterministic: bool = False, cuda_graphs: bool = True, max_num_seqs: int = 256) -> None:
+        self.model = Transformer(cfg, weights)  # checks the weights; its rope tables, in the weights' dtype
+        self.cfg, self.w, self.device = cfg, weights, self.model.device
+        want = (cfg.n_layers, 2, kv.shape[2] if kv.dim() == 6 else -1, block_size, cfg.n_kv_heads, cfg.head_dim)
+        if kv.dim() != 6 or tuple(kv.shape) != want:
+            raise ValueError(f"kv cache shape {tuple(kv.shape)}, expected [layers, 2, blocks, {block_size}, "
+                             f"{cfg.n_kv_heads}, {cfg.head_dim}]")
+        if kv.device != self.device:
+            raise ValueError(f"kv cache on {kv.device}, weights on {self.device}")
+        self.kv, self.block_size, self.num_blocks = kv, block_size, kv.shape[2]
+        self.deterministic = deterministic
+        self.tile = 64 if self.device.type == "cuda" else 16
+        self.max_num_seqs = max_num_seqs
+        self.table_width = -(-cfg.max_seq // block_size)
+        self.buckets = [b for b in GRAPH_BUCKETS if b <= max_num_seqs]
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and paged_kernels is not None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._stage = _Staging(self.device, 1 << 12)
+
+    # ---- arithmetic for the benchmark
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.cfg.n_layers * 2 * self.cfg.n_kv_heads * self.cfg.head_dim * self.kv.element_size()
+
+    def roofline_step_s(self, batch: int, ctx: int, bandwidth_bytes_s: float) -> float:
+        """A decode step's lower bound: every weight read once (the embedding table only at the batch's rows) and
+        each sequence's KV of `ctx` tokens read once, over `bandwidth_bytes_s`."""
+        weights = sum(t.numel() * t.element_size() for n, t in self.w.items() if n != "tok_embeddings.weight")
+        emb = self.w["tok_embeddings.weight"]
+        weights += batch * emb.shape[1] * emb.element_size()
+        return (weights + batch * ctx * self.kv_bytes_per_token) / bandwidth_bytes_s
+
+    # ---- a step
+
+    def run(self, items: Sequence[RunItem]) -> list[int | None]:
+        """Run one step; the sampled token of each item that samples (None for the others)."""
+        return self._sample(items, self.logits(items)) if items else []
+
+    @torch.inference_mode()
+    def logits(self, items: Sequence[RunItem]) -> torch.Tensor:
+        """Run one step; the logits (float32, [items that sample, vocab]) of each sampling item's last row."""
+        for it in items:
+            self._check(it)
+        B = len(items)
+        if B == 0:
+            return torch.empty(0, self.cfg.vocab_size)
+        if self._graphs and B <= self.buckets[-1] and all(len(it.token_ids) == 1 for it in items):
+            logits = self._replay(items)[:B]
+            rows = [i for i, it in enumerate(items) if it.sample]
+            return logits[rows]  # a copy: the graph's output is rewritten by the next replay
+        return self._eager(items)
+
+    def _check(self, it: RunItem) -> None:
+        n = len(it.token_ids)
+        if n == 0 or it.start < 0:
+            raise RunItemError(f"a work feeds at least one token from a position >= 0 (got {n} at {it.start})")
+        if it.end > self.cfg.max_seq:
+            raise RunItemError(f"context of {it.end} tokens exceeds the model's {self.cfg.max_seq}")
+        nb = -(-it.end // self.block_size)
+        if len(it.block_table) < nb:
+            raise RunItemError(f"{it.end} tokens need {nb} blocks, the block table has {len(it.block_table)}")
+        used = it.block_table[:nb]
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            raise RunItemError(f"block table names blocks outside 0..{self.num_blocks - 1}: {list(used)}")
+        if not all(0 <= t < self.cfg.vocab_size for t in it.token_ids):
+            raise RunItemError(f"token ids outside the vocabulary of {self.cfg.vocab_size}")
+
+    def _host_rows(self, items: Sequence[RunItem]) -> tuple[list[int], list[int], list[int]]:
+        """Tokens, positions and KV slots of every row, in order."""
+        bs = self.block_size
+        tokens = list(itertools.chain.from_iterable(it.token_ids for it in items))
+        positions: list[int] = []
+        slots: list[int] = []
+        for it in items:
+            bt = it.block_table
+            positions.extend(range(it.start, it.end))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(it.start, it.end))
+        return tokens, positions, slots
+
+    def _fill_tables(self, table: torch.Tensor, items: Sequence[RunItem]) -> None:
+        """Write each item's used blocks at the start of its row of `table` ([>= B, W] host); the rest unread."""
+        used = [-(-it.end // self.block_size) for it in items]
+        blocks = itertools.chain.from_iterable(it.block_table[:n] for it, n in zip(items, used, strict=True))
+        flat = torch.tensor(list(blocks), dtype=torch.int64)
+        lens = torch.tensor(used)
+        firsts = torch.cumsum(lens, 0) - lens
+        rows = torch.arange(len(items)) * table.shape[1]
+        index = torch.arange(flat.numel()) + torch.repeat_interleave(rows - firsts, lens)
+        table.view(-1).index_copy_(0, index, flat)
+
+    def _eager(self, items: Sequence[RunItem]) -> torch.Tensor:
+        tokens, positions, slots = self._host_rows(items)
+        T, B = len(tokens), len(items)
+        ends = [it.end for it in items]
+        starts = [0, *itertools.accumulate(len(it.token_ids) for it in items)]
+        heads = [starts[i + 1] - 1 for i, it in enumerate(items) if it.sample]
+        W = max(-(-e // self.block_size) for e in ends)
+        sizes = [T, T, T, B, len(heads), B * W]
+        if sum(sizes) > self._stage.host.numel():
+            self._stage = _Staging(self.device, 2 * sum(sizes))
+        host = _sections(self._stage.host, sizes)
+        for view, values in zip(host, (tokens, positions, slots, ends, heads), strict=False):
+            view.copy_(torch.tensor(values, dtype=torch.int64))
+        self._fill_tables(host[5].view(B, W), items)
+        self._stage.upload(sum(sizes))
+        tok, pos, slot, ctx, head, table = _sections(self._stage.dev, sizes)
+        meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B)
+        return self._forward(tok, pos, slot, meta, head)
+
+    # ---- the forward
+
+    def _rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`fn` over the rows of x: at once, or (deterministic) one fixed-size tile at a time."""
+        if not self.deterministic or x.shape[0] == 0:
+            return fn(x)
+        M, t = x.shape[0], self.tile
+        if M % t:
+            x = F.pad(x, (0, 0, 0, t - M % t))
+        return torch.cat([fn(x[i:i + t]) for i in range(0, x.shape[0], t)])[:M]
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        w = self.w[name]
+        return self._rows(lambda rows: F.linear(rows, w), x)
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        w, eps = self.w[name], self.cfg.norm_eps
+        return self._rows(lambda rows: rms_norm(rows, w, eps), x)
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """SwiGLU, tiled as a whole: SiLU's exp is not batch-invariant on the CPU (vectorized and scalar paths
+        round differently, and which one an element takes depends on the tensor's size: seen on AVX-512)."""
+        w1, w2, w3 = (self.w[p + f"feed_forward.{n}.weight"] for n in ("w1", "w2", "w3"))
+        return self._rows(lambda rows: F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2), x)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnMeta,
+                 head_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits (float32) of `head_rows` (None: every row)."""
+        cfg = self.cfg
+        T, hd = tokens.shape[0], cfg.head_dim
+        h = F.embedding(tokens, self.w["tok_embeddings.weight"])
+        cos, sin = self.model.cos[positions], self.model.sin[positions]
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            x = self._norm(h, p + "attention_norm.weight")
+            q = apply_rope(self._linear(x, p + "attention.wq.weight").view(T, cfg.n_heads, hd), cos, sin)
+            k = apply_rope(self._linear(x, p + "attention.wk.weight").view(T, cfg.n_kv_heads, hd), cos, sin)
+            v = self._linear(x, p + "attention.wv.weight").view(T, cfg.n_kv_heads, hd)
+            write_kv(self.kv[i], k, v, slots)
+            h = h + self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight")
+            h = h + self._mlp(self._norm(h, p + "ffn_norm.weight"), p)
+        if head_rows is not None:
+            h = h[head_rows]
+        return self._linear(self._norm(h, "norm.weight"), "output.weight").float()
+
+    def _sample(self, items: Sequence[RunItem], logits: torch.Tensor) -> list[int | None]:
+        """engine.py's `sample` per sampling row; greedy rows' argmax taken in one call (the same argmax)."""
+        out: list[int | None] = [None] * len(items)
+        idx = [i for i, it in enumerate(items) if it.sample]
+        if not idx:
+            return out
+        rows = logits.cpu()
+        greedy = [j for j, i in enumerate(idx) if items[i].temperature <= 0]
+        if greedy:
+            for j, tok in zip(greedy, torch.argmax(rows[greedy], dim=-1).tolist(), strict=True):
+                out[idx[j]] = tok
+        for j, i in enumerate(idx):
+            it = items[i]
+            if it.temperature > 0:
+                out[i] = sample(rows[j:j + 1], it.temperature, it.seed, it.end)
+        return out
+
+    # ---- CUDA graphs of decode-only steps
+
+    def warmup(self) -> None:
+        """Compile and tune once before serving: an eager decode-shaped forward, then (CUDA) the graphs."""
+        self.capture_graphs()
+
+    def _graph_inputs(self) -> list[int]:
+        n = self.buckets[-1]
+        return [n, n, n, n, n * self.table_width]  # tokens, positions, slots, context lengths, block tables
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        sizes = self._graph_inputs()
+        self._gstage = _Staging(self.device, sum(sizes))
+        n = self.buckets[-1]
+        tok, pos, slot, ctx, table = _sections(self._gstage.dev, sizes)
+        slot.fill_(-1)  # padding everywhere while capturing: nothing written, nothing read
+        self._gstage.host.copy_(self._gstage.dev.cpu())
+        table = table.view(n, self.table_width)
+        if not self.use_graphs:
+            meta = AttnMeta([0, 1], [0], table[:1], ctx[:1], decode_only=True)
+            self._forward(tok[:1], pos[:1], slot[:1], meta, None)
+            return
+        pool = None
+        for b in reversed(self.buckets):
+            meta = AttnMeta([], [], table[:b], ctx[:b], decode_only=True)
+            self._forward(tok[:b], pos[:b], slot[:b], meta, None)  # compiles, tunes, allocates outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(tok[:b], pos[:b], slot[:b], meta, None)
+            pool = graph.pool()
+            self._graphs[b] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def _replay(self, items: Sequence[RunItem]) -> torch.Tensor:
+        B = len(items)
+        b = next(x for x in self.buckets if x >= B)
+        n = self.buckets[-1]
+        tokens, positions, slots = self._host_rows(items)
+        tok, pos, slot, ctx, table = _sections(self._gstage.host, self._graph_inputs())
+        pad = b - B
+        tok[:b].copy_(torch.tensor(tokens + [0] * pad, dtype=torch.int64))
+        pos[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64))
+        slot[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64))
+        ctx[:b].copy_(torch.tensor([it.end for it in items] + [0] * pad, dtype=torch.int64))
+        self._fill_tables(table.view(n, self.table_width), items)
+        self._gstage.upload(self._gstage.host.numel())
+        graph, logits = self._graphs[b]
+        graph.replay()
+        return logits

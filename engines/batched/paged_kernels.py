@@ -1,0 +1,105 @@
+"""Triton kernels of the paged KV cache (CUDA only; importing this module needs Triton).
+
+- `store_kv`: each row's key and value into its slot; a row whose slot is < 0 (graph padding) stores nothing.
+- `paged_decode`: one query row per sequence, grouped-query heads, online softmax in float32, keys and values
+  read through the block table. One program per (sequence, kv head) walks the context from position 0 in
+  fixed steps of BLOCK_N tokens: the order of every reduction depends on that sequence's context length alone,
+  so the result is the same whatever else the batch holds (attention.py invariant 1). The rep query heads
+  that share a kv head are one tile (padded to 16 rows for `tl.dot`): each key block is read once per kv head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr, D: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    k = tl.load(k_ptr + row * k_stride + offs, mask=mask)
+    v = tl.load(v_ptr + row * v_stride + offs, mask=mask)
+    tl.store(kc_ptr + slot * D + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + slot * D + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(layer_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    T = k.shape[0]
+    if T == 0:
+        return
+    kvh, hd = layer_kv.shape[-2:]
+    d = kvh * hd
+    k2, v2 = k.reshape(T, d), v.reshape(T, d)
+    if k2.stride(1) != 1 or v2.stride(1) != 1:
+        k2, v2 = k2.contiguous(), v2.contiguous()
+    _store_kv_kernel[(T,)](k2, v2, k2.stride(0), v2.stride(0), layer_kv[0], layer_kv[1], slot_mapping, D=d,
+                           BLOCK=triton.next_power_of_2(d))
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, o_stride_t, o_stride_h, kc_ptr, vc_ptr,
+                         slot_stride, bt_ptr, bt_stride, lens_ptr, scale, REP: tl.constexpr,
+                         REP_PAD: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    g = tl.program_id(1)
+    ctx = tl.load(lens_ptr + seq)
+    heads = g * REP + tl.arange(0, REP_PAD)
+    hmask = tl.arange(0, REP_PAD) < REP
+    dims = tl.arange(0, HD)
+    q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=hmask[:, None],
+                other=0.0)
+    m = tl.full((REP_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((REP_PAD,), tl.float32)
+    acc = tl.zeros((REP_PAD, HD), tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        tmask = t < ctx
+        blk = tl.load(bt_ptr + seq * bt_stride + t // BS, mask=tmask, other=0)
+        slot = blk * BS + t % BS
+        offs = slot[:, None] * slot_stride + g * HD + dims[None, :]
+        k = tl.load(kc_ptr + offs, mask=tmask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=tmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # ctx 0 (a padding row): 0
+    tl.store(o_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+def paged_decode(q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 block_n: int = 64) -> torch.Tensor:
+    """q [B, H, hd] (one row per sequence) -> [B, H, hd]."""
+    B, heads, hd = q.shape
+    kvh = layer_kv.shape[-2]
+    rep = heads // kvh
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    _paged_decode_kernel[(B, kvh)](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), layer_kv[0], layer_kv[1], kvh * hd,
+        block_tables, block_tables.stride(0), context_lens, 1.0 / hd ** 0.5, REP=rep,
+        REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BS=layer_kv.shape[2], BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32)
+    return out
