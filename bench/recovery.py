@@ -193,11 +193,26 @@ def cli(
                                             "it is there already (default: a temporary folder, removed at the end)"),
     partial: Path | None = typer.Option(None, help="also write the report so far here (JSON) each time a way ends: "
                                         "what a run cut off by a time limit had measured"),
+    streams: int = typer.Option(0, min=0, help="N > 0: the batched engine under N concurrent streams instead "
+                                "(bench/load_recovery.py): per-stream largest gap, late first token, lost, "
+                                "mismatched, recomputed prefill, with a no-failure control in the same run"),
+    late: int = typer.Option(0, min=0, help="with --streams: requests sent right after each kill"),
+    max_tokens: int = typer.Option(96, min=8, help="with --streams: tokens each stream asks for"),
+    kv_cache_gib: float = typer.Option(0.0, help="with --streams: the batched engine's KV cache (0: its default)"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
     One weights file serves every way (in $TMPDIR: /dev/shm on a machine whose disk cannot hold it, and the
     output then says the cold restart read it from memory), removed at the end unless --weights-dir."""
+    if streams:
+        from bench.load_recovery import run as load_run
+
+        backend = detect_backend() if backend == "auto" else backend
+        report = asyncio.run(load_run(backend=backend, size=size_for(backend, weights_gib), streams=streams,
+                                      late=late, trials=trials, max_tokens=max_tokens,
+                                      kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir))
+        print(json.dumps(report))
+        return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}
     if not chosen or chosen - set(WAYS):
         raise typer.BadParameter(f"ways: some of {', '.join(WAYS)}, not {ways!r}")

@@ -29,8 +29,10 @@ from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, HttpThread
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.tokenizer import BOS
+from libs.common.gc_tuning import long_lived_gc
 
 log = logging.getLogger("holdfast.engine.batched")
+HEARTBEAT_S = 0.2
 
 
 def _ms(t0: float) -> float:
@@ -59,7 +61,8 @@ def open_agent_link(cfg: EngineConfig) -> Any:
     from libs.client.agent_link import AgentLink
 
     link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model)
-    link.start_heartbeats(0.2)
+    if cfg.role == "active":
+        link.start_heartbeats(HEARTBEAT_S)
     return link
 
 
@@ -141,6 +144,11 @@ def run(cfg: EngineConfig) -> int:
             state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
             if link is None:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
+            # The warm heap is collected and frozen (a full collection of a torch process holds the interpreter
+            # for ~1 s on a loaded machine) before heartbeats begin: the agent's hang watch would take that
+            # pause for a hung engine. ready() then finds nothing left to collect.
+            long_lived_gc()
+            link.start_heartbeats(HEARTBEAT_S)
             link.ready(None)
             a = link.wait_assignment()
             t_start = time.perf_counter()
@@ -165,6 +173,7 @@ def run(cfg: EngineConfig) -> int:
         # first steps.
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, cuda_graphs=cfg.cuda_graphs and loaded.source == "file")
         engine.start()
+        long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
                                 "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,

@@ -51,6 +51,7 @@ class Request:
     seed: int
     ignore_eos: bool
     sink: Sink
+    resumed: int = 0  # how many of the context's last tokens a predecessor generated (a router's replay)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Counters:
     adopted_dropped: int = 0
     claimed: int = 0
     claim_extra_tokens: int = 0  # tokens the client saw past the journal (fed, not recomputed)
+    recomputed_tokens: int = 0  # context of replayed requests this engine did not hold: prefilled again
     journal_dropped: int = 0
     unjournaled: int = 0
 
@@ -171,6 +173,8 @@ class LLMEngine:
         if live is not None:
             self.counters.claimed += 1
             return
+        if req.resumed:  # a replay of a generation whose KV this engine does not hold: all of it again
+            self.counters.recomputed_tokens += len(req.context)
         old = self._by_request.get(req.request_id)
         if old is not None:  # the same request again (a router's retry here): the newer one wins
             self._abort(req.request_id)

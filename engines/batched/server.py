@@ -108,7 +108,7 @@ def build_app(state: EngineState) -> FastAPI:
         max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
         req = Request(request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx, max_tokens=max_tokens,
                       temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
-                      ignore_eos=body.ignore_eos, sink=sink)
+                      ignore_eos=body.ignore_eos, sink=sink, resumed=len(body.resume or []))
         if body.max_tokens == 0:
             return _final_only(state, len(ctx), body.stream)
         resumed = list(body.resume or [])

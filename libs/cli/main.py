@@ -131,7 +131,7 @@ def _bench(name: str, module: str) -> None:
     bench_app.command(name)(fn)
 
 
-for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload"):
+for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload", "serve"):
     _bench(_bench_name, f"bench.{_bench_name}")
 
 

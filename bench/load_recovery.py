@@ -1,0 +1,180 @@
+"""`holdfast bench recovery --streams N --late M`: recovery of a loaded batched engine, measured per user.
+
+The real stack (nats, etcd, gpu_manager, agent with one batched engine and one warm standby, dc_manager,
+controller, router) serves N concurrent streams through the router. In each trial the active engine is
+SIGKILLed once every stream has tokens, and M new requests are sent right after the kill. The same load with
+no failure runs first in the same run, as the control. Reported, side by side:
+- per stream, the largest gap between two consecutive tokens (p50 / p99 / max over streams and trials);
+- the M late requests' time to first token (p50 / p99 / max);
+- lost requests (an error or no end), mismatched outputs (tokens unlike the control's: the engine runs in
+  deterministic mode, so a stream's tokens do not depend on what ran beside it);
+- prefill tokens the successor recomputed (requests replayed that it did not hold; goal 0), the sequences it
+  adopted from the journal, and its memory (the standby holds no KV of its own before the failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from libs.cli.scenario import MODEL, Scenario, make_weights
+from libs.cli.stack import Stack, StackConfig
+from libs.common.events import EngineSpec
+
+
+@dataclass
+class Stream:
+    prompt: str
+    sent_at: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    error: str | None = None
+    done: bool = False
+
+    def largest_gap_ms(self) -> float | None:
+        if len(self.arrivals) < 2:
+            return None
+        return max(b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)) * 1000
+
+    def first_token_ms(self) -> float | None:
+        return (self.arrivals[0] - self.sent_at) * 1000 if self.arrivals else None
+
+
+def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None) -> list[str]:
+    argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--deterministic",
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(2048, max_num_seqs)),
+            "--prefill-chunk", "256"]
+    if kv_cache_gib:
+        argv += ["--kv-cache-gib", str(kv_cache_gib)]
+    return argv
+
+
+class LoadScenario(Scenario):
+    """The demo's scenario with the batched engine (its standby adopts; it does not shadow)."""
+
+    def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, **kw: Any) -> None:
+        super().__init__(shadow=False, **kw)
+        self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
+
+    def start(self) -> Stack:
+        make_weights(self.size, self.weights)
+        spec = EngineSpec(engine_class="batched", model=MODEL,
+                          command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
+                                                  kv_cache_gib=self.kv_cache_gib),
+                          replicas=1, standbys=self.standbys, cold_start_s=120.0)
+        specs_file = self.work_dir / "engines.json"
+        specs_file.write_text(json.dumps([spec.model_dump(mode="json")]))
+        self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
+                                                 engines_file=specs_file))
+        self.stack.start(timeout=180)
+        return self.stack
+
+
+async def stream(client: httpx.AsyncClient, url: str, s: Stream, max_tokens: int) -> Stream:
+    body = {"model": MODEL, "prompt": s.prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": True}
+    s.sent_at = time.time()
+    try:
+        async with client.stream("POST", f"{url}/v1/generate", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if obj.get("done"):
+                    s.done = not obj.get("error")
+                    s.error = json.dumps(obj["error"]) if obj.get("error") else None
+                    break
+                s.tokens.append(int(obj["token"]))
+                s.arrivals.append(time.time())
+    except Exception as e:  # noqa: BLE001 - a lost request is a finding
+        s.error = f"{type(e).__name__}: {e}"
+    return s
+
+
+def prompts(n: int, prefix: str) -> list[str]:
+    return [f"{prefix} {i}: a user of a loaded engine asks about failover number {i * 7919 % 1000}" for i in range(n)]
+
+
+def pct(values: list[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {"n": len(values), "p50": round(q[49], 2), "p99": round(q[98], 2), "max": round(max(values), 2)}
+
+
+async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: int, max_tokens: int, *,
+                    kill: bool, warm_tokens: int) -> dict[str, Any]:
+    assert sc.stack is not None
+    url = sc.stack.router_url
+    active = await sc.wait_serving(timeout=300)
+    seen = len(sc.events)
+    streams = [Stream(p) for p in prompts(n, "stream")]
+    tasks = [asyncio.create_task(stream(client, url, s, max_tokens)) for s in streams]
+    deadline = time.monotonic() + 120
+    while any(len(s.tokens) < warm_tokens for s in streams):
+        if any(t.done() for t in tasks) or time.monotonic() > deadline:
+            raise RuntimeError("a stream ended (or stalled) before every stream had its first tokens; raise max_tokens")
+        await asyncio.sleep(0.002)
+    t_kill = sc.kill_engine(active) if kill else time.time()
+    lates = [Stream(p) for p in prompts(late, "late")]
+    late_tasks = [asyncio.create_task(stream(client, url, s, max_tokens // 2)) for s in lates]
+    await asyncio.gather(*tasks, *late_tasks)
+    out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill}
+    if kill:
+        await sc.wait_event("incident.resolved", 120, after=seen)
+        successor = await sc.wait_serving(standbys=0, timeout=120)
+        out["successor"] = await sc.engine_health(successor.endpoint or "")
+    return out
+
+
+def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
+    streams = [s for r in rounds for s in r["streams"]]
+    lates = [s for r in rounds for s in r["late"]]
+    gaps = [g for s in streams if (g := s.largest_gap_ms()) is not None]
+    ttft = [t for s in lates if (t := s.first_token_ms()) is not None]
+    lost = sum(1 for s in streams + lates if s.error or not s.done)
+    ref = {s.prompt: s.tokens for s in (control["streams"] + control["late"])} if control else {}
+    mismatched = sum(1 for s in streams + lates if s.done and ref.get(s.prompt) is not None and s.tokens != ref[s.prompt])
+    out: dict[str, Any] = {"largest_gap_ms": pct(gaps), "late_first_token_ms": pct(ttft),
+                           "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
+                           "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates)}
+    succ = [r["successor"] for r in rounds if "successor" in r]
+    if succ:
+        eng = [h.get("engine") or {} for h in succ]
+        out["successor"] = {
+            "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
+            "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],
+            "recovery": [h.get("recovery") for h in succ]}
+    return out
+
+
+async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
+              kv_cache_gib: float | None, work_dir: Path | None) -> dict[str, Any]:
+    sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
+                      kv_cache_gib=kv_cache_gib, work_dir=work_dir)
+    await asyncio.to_thread(sc.start)
+    try:
+        await sc.connect()
+        limits = httpx.Limits(max_connections=streams + late + 16, max_keepalive_connections=streams + late + 16)
+        async with httpx.AsyncClient(limits=limits) as client:
+            warm = 4
+            control = await one_round(sc, client, streams, late, max_tokens, kill=False, warm_tokens=warm)
+            rounds = [await one_round(sc, client, streams, late, max_tokens, kill=True, warm_tokens=warm)
+                      for _ in range(trials)]
+        return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
+                "trials": trials, "max_tokens": max_tokens, "no_failure": summarize([control], control),
+                "sigkill": summarize(rounds, control)}
+    finally:
+        await sc.close()
+        sc.stop()

@@ -1,0 +1,178 @@
+"""`holdfast bench serve --concurrency 1,16,64,256`: what the batched engine serves, per user and in all.
+
+One engine process (the batched engine, local memory: serving speed, not recovery) gets, at each concurrency
+c, c streams at once (distinct prompts of ~`prompt_len` tokens, `max_tokens` each, ignore_eos). Reported per c:
+output tokens/s, time to first token p50/p99/max, inter-token latency p50/p99 (every gap of every stream) and
+each stream's largest gap (p50/p99/max), and beside them the decode roofline of that run: the bytes a decode
+step must read (all weights + the KV of every running sequence) over the memory bandwidth measured in the same
+run (a device-to-device copy on CUDA; on the CPU a large tensor copy), as tokens/s and as the share reached.
+With --plain, a plain torch batched decode of the same model (contiguous KV, SDPA, no paging, no scheduler,
+bench/plain_decode.py) runs at the same batch sizes in the same run, for the ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+
+from libs.cli.scenario import make_weights
+
+
+def pct(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "max": None}
+    if len(values) == 1:
+        return {"p50": round(values[0], 3), "p99": round(values[0], 3), "max": round(values[0], 3)}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": round(q[49], 3), "p99": round(q[98], 3), "max": round(max(values), 3)}
+
+
+def measure_bandwidth(device: str) -> float:
+    """Bytes/s of a large copy (read + write counted), the best of five."""
+    import torch
+
+    dev = torch.device(device)
+    n = (1 << 30) if dev.type == "cuda" else (1 << 27)
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = max(best, 2 * n / (time.perf_counter() - t0))
+    del a, b
+    return best
+
+
+def roofline_tokens_s(size: str, batch: int, ctx: int, bandwidth: float) -> float:
+    from engines.reference.config import get_config
+
+    cfg = get_config(size)
+    wbytes = cfg.n_params() * cfg.bytes_per_param()
+    kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * cfg.bytes_per_param()
+    step_s = (wbytes + batch * ctx * kv_per_token) / bandwidth
+    return batch / step_s
+
+
+class EngineProcess:
+    def __init__(self, weights: Path, size: str, work: Path, extra: list[str]) -> None:
+        self.ready = work / "serve-engine.ready.json"
+        self.ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--memory", "local",
+                "--agent", "off", "--ready-file", str(self.ready), *extra]
+        self.log = (work / "serve-engine.log").open("w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 600) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"engine did not start: {Path(self.log.name).read_text()[-3000:]}")
+            time.sleep(0.1)
+        return json.loads(self.ready.read_text())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    async with client.stream("POST", url + "/generate", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.strip() and '"token"' in line:
+                arrivals.append(time.perf_counter())
+    return {"t0": t0, "arrivals": arrivals}
+
+
+async def at_concurrency(url: str, c: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+    prompts = [(f"user {i}: " + "tell me about holdfast and failures " * 64)[:prompt_len] for i in range(c)]
+    limits = httpx.Limits(max_connections=c + 8, max_keepalive_connections=c + 8)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(one_stream(client, url, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t0
+    tokens = sum(len(r["arrivals"]) for r in runs)
+    ttft = [(r["arrivals"][0] - r["t0"]) * 1000 for r in runs if r["arrivals"]]
+    gaps = [(b - a) * 1000 for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    largest = [max((b - a) * 1000 for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False))
+               for r in runs if len(r["arrivals"]) > 1]
+    # decode-only throughput: tokens after each stream's first, over the time from the last first token on
+    decode_from = max((r["arrivals"][0] for r in runs if r["arrivals"]), default=t0)
+    decode_tokens = sum(sum(1 for a in r["arrivals"] if a > decode_from) for r in runs)
+    decode_end = max((r["arrivals"][-1] for r in runs if r["arrivals"]), default=decode_from)
+    return {"concurrency": c, "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tokens_per_s": round(tokens / wall, 1),
+            "decode_tokens_per_s": round(decode_tokens / (decode_end - decode_from), 1) if decode_end > decode_from else None,
+            "ttft_ms": pct(ttft), "itl_ms": pct(gaps), "largest_gap_ms": pct(largest)}
+
+
+def cli(
+    size: str = typer.Option("auto", help="model size (auto: 8b on CUDA, tiny on the CPU)"),
+    concurrency: str = typer.Option("1,16,64,256", help="comma-separated stream counts"),
+    prompt_len: int = typer.Option(128, min=1, help="prompt length in bytes (tokens)"),
+    max_tokens: int = typer.Option(256, min=2, help="tokens each stream generates"),
+    deterministic: bool = typer.Option(False, help="the engine's batch-invariant mode"),
+    both_modes: bool = typer.Option(False, help="run default and deterministic mode side by side"),
+    plain: bool = typer.Option(False, help="also a plain torch batched decode at the same batch sizes"),
+    engine_args: str = typer.Option("", help="extra engine flags, space-separated"),
+    weights_dir: Path | None = typer.Option(None, help="make/reuse the weights file here"),
+) -> None:
+    """Output tokens/s, TTFT, inter-token latency and the roofline, at several concurrencies."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if size == "auto":
+        size = "8b" if device == "cuda" else "tiny"
+    levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    work = weights_dir or Path(tempfile.mkdtemp(prefix="holdfast-bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    weights = make_weights(size, work / f"weights-{size}.safetensors")
+    bandwidth = measure_bandwidth(device)
+    report: dict[str, Any] = {"bench": "serve", "size": size, "device": device, "prompt_len": prompt_len,
+                              "max_tokens": max_tokens, "bandwidth_gb_s": round(bandwidth / 1e9, 1), "modes": {}}
+    modes = [False, True] if both_modes else [deterministic]
+    for det in modes:
+        extra = ["--max-num-seqs", str(max(levels)), "--max-num-batched-tokens", str(max(2048, max(levels))),
+                 *(["--deterministic"] if det else []), *engine_args.split()]
+        eng = EngineProcess(weights, size, work, extra)
+        try:
+            url = eng.wait()["endpoint"]
+            asyncio.run(at_concurrency(url, min(4, max(levels)), prompt_len, 8))  # warm-up
+            rows = []
+            for c in levels:
+                row = asyncio.run(at_concurrency(url, c, prompt_len, max_tokens))
+                roof = roofline_tokens_s(size, c, prompt_len + max_tokens // 2, bandwidth)
+                row["roofline_tokens_per_s"] = round(roof, 1)
+                row["share_of_roofline"] = round((row["decode_tokens_per_s"] or 0) / roof, 3)
+                rows.append(row)
+                print(json.dumps({"mode": "deterministic" if det else "default", **row}), file=sys.stderr)
+            report["modes"]["deterministic" if det else "default"] = rows
+        finally:
+            eng.stop()
+    if plain:
+        from bench.plain_decode import run_plain
+
+        report["plain_decode"] = run_plain(weights, size, levels, ctx=512)
+    print(json.dumps(report))

@@ -1,0 +1,25 @@
+"""The whole stack with the batched engine under 16 concurrent streams (real nats, etcd, gpu_manager, agent with
+a warm standby, controller, dc_manager, router; a real SIGKILL): every stream and every request sent during the
+outage completes with the tokens of the no-failure run, the standby adopts all 16 sequences from the journal and
+claims each resumed request, and no prefill token is recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.load_recovery import run
+
+
+@pytest.mark.timeout(600)
+async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_the_router(tmp_path: Path) -> None:
+    report = await run(backend="host", size="tiny", streams=16, late=4, trials=1, max_tokens=96,
+                       kv_cache_gib=None, work_dir=tmp_path)
+    control, failed = report["no_failure"], report["sigkill"]
+    assert control["lost"] == 0 and control["requests"] == 20
+    assert failed["lost"] == 0 and failed["mismatched"] == 0 and failed["requests"] == 20
+    succ = failed["successor"]
+    assert succ["adopted"] == [16] and succ["claimed"] == [16]
+    assert succ["recomputed_prefill_tokens"] == 0
+    assert succ["recovery"][0]["source"] == "takeover" and succ["recovery"][0]["journal"] == "adopted"
