@@ -1,7 +1,9 @@
 """Control-plane commands over NATS request/reply: freeze, transfer, reclaim, list (models in libs.common.events).
 
-freeze(owner)   every live lease of the owner -> FROZEN, with a fresh random transfer token (idempotent: a
-                second freeze of the same frozen leases returns the same token); emits MemoryFrozen.
+freeze(owner)   every committed live lease of the owner -> FROZEN, with a fresh random transfer token
+                (idempotent: a second freeze of the same frozen leases returns the same token); emits
+                MemoryFrozen. Uncommitted leases are reclaimed instead; an owner without a committed weights
+                lease gets `NoCommittedWeights` (not_found: the control plane cold-starts from the file).
 transfer(owner, successor, token)   names the successor allowed to take the frozen leases over; the
                 successor then sends `takeover` on the engine socket (kill-before-transfer is enforced there).
 share(owner, grantee)   a token with which `grantee` may map the owner's weight leases read-only (a warm
@@ -32,7 +34,7 @@ from libs.common.events import (
     TransferReply,
 )
 from services.gpu_manager.fsm import LIVE, LeaseEvent
-from services.gpu_manager.manager import LeaseBook, Move
+from services.gpu_manager.manager import LeaseBook, Move, NoCommittedWeights, split_for_freeze
 
 log = logging.getLogger("holdfast.gpu_manager.commands")
 
@@ -55,6 +57,11 @@ class Commands:
             recs = [r for r in self.book.records.values() if r.info.owner == cmd.owner and r.info.state in LIVE]
             if not recs:
                 raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
+            recs, half = split_for_freeze(recs)
+            await self._reclaim_uncommitted(cmd.owner, half)
+            if not recs:
+                raise NoCommittedWeights(f"{cmd.owner} committed no weights on {self.book.settings.node} "
+                                         "(killed while loading): nothing to hand on, cold-start from the file")
             tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
             if len(tokens) == 1 and None not in tokens:
                 token = tokens.pop()  # frozen already (a redelivered freeze): the same token
@@ -75,6 +82,13 @@ class Commands:
                 self.book.mirror.frozen(frozen)
             return FreezeReply(lease_ids=[r.id for r in recs], epoch=epoch, transfer_token=token,
                                leases=[r.info for r in recs])
+
+    async def _reclaim_uncommitted(self, owner: str, recs: list) -> None:
+        """Never offered to a successor: its tensors were not all there (caller holds the lock)."""
+        if not recs:
+            return
+        log.warning("freeze of %s: reclaiming %d uncommitted leases %s", owner, len(recs), [r.id for r in recs])
+        await self.book.apply_all([Move(r, LeaseEvent.FORCE_RECLAIM, "uncommitted at freeze") for r in recs])
 
     async def transfer(self, cmd: Transfer) -> TransferReply:
         async with self.book.lock:

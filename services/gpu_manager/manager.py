@@ -10,6 +10,11 @@ Invariants (numbered as in the service README):
 3. A lease's memory is freed exactly when it becomes RECLAIMED: manager fds and handles closed, keeper entry
    dropped. Memory of a live lease is always held by the manager and by the keeper.
 4. All mutations run under one asyncio lock, so two requests never interleave inside a transition.
+5. Only a committed set is ever offered to a successor: an uncommitted lease (allocated or registered after the
+   owner's last commit: a start-up killed half way) is reclaimed at the freeze, never frozen; an owner with no
+   committed weights lease is refused (`NoCommittedWeights`: the control plane cold-starts from the weights
+   file); a frozen set with an uncommitted lease or no weights (rows frozen before this rule) is refused to a
+   successor (`IncompleteLeaseSet`) rather than handed over for it to crash on missing tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from libs.client.protocol import NotFrozenYet, chunk_sizes
-from libs.common.errors import InvariantBroken, NotFound, PermissionDenied
+from libs.common.errors import HoldfastError, InvariantBroken, NotFound, PermissionDenied
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from libs.common.ids import new_id
 from services.gpu_manager import reconciler
@@ -52,6 +57,41 @@ class Move:
 
 
 SHAREABLE = (Tag.WEIGHTS, Tag.KV_CACHE)
+
+
+class NoCommittedWeights(NotFound):
+    """The owner committed no weights lease (killed while loading): nothing to hand on. Code `not_found`, so
+    the control plane goes to its fallback, a cold start from the weights file."""
+
+
+class IncompleteLeaseSet(HoldfastError):
+    """A frozen set a successor cannot run from: a lease without a commit, or no weights at all."""
+
+    code = "incomplete_leases"
+
+
+def committed(rec: LeaseRecord) -> bool:
+    """The owner declared the lease's tensors complete (`commit`); a later `register` clears it again."""
+    return rec.info.layout_hash is not None
+
+
+def split_for_freeze(recs: Sequence[LeaseRecord]) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+    """(to freeze, to reclaim) of an owner's live leases (invariant 5, pure): the committed ones are frozen
+    only when one of them holds weights; every uncommitted one is reclaimed."""
+    done = [r for r in recs if committed(r)]
+    half = [r for r in recs if not committed(r)]
+    if not any(r.info.tag == Tag.WEIGHTS for r in done):
+        return [], half
+    return done, half
+
+
+def check_complete(owner: str, recs: Sequence[LeaseRecord]) -> None:
+    """Refuse a frozen set that a successor could not run from (invariant 5)."""
+    half = [r.id for r in recs if not committed(r)]
+    if half:
+        raise IncompleteLeaseSet(f"{owner}'s leases {half} were never committed: a successor must cold-start")
+    if not any(r.info.tag == Tag.WEIGHTS for r in recs):
+        raise IncompleteLeaseSet(f"{owner}'s frozen leases hold no weights: a successor must cold-start")
 
 
 class LeaseBook:
@@ -166,6 +206,7 @@ class LeaseBook:
         for rec in recs:
             if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, token):
                 raise PermissionDenied("wrong transfer token")
+        check_complete(owner, recs)
         return recs
 
     def get(self, lease_id: str) -> LeaseRecord:

@@ -70,6 +70,8 @@ async def test_a_lease_frozen_for_a_successor_is_reported_lost_on_reconnect_not_
         kept = client.allocate(4096, name="kept")
         view = kept.numpy("uint8", (4096,))
         view[:] = 9
+        client.register([kept.meta("kept", "uint8", (4096,))])
+        client.commit()  # only a committed set is frozen for a successor (manager.py invariant 5)
         frozen = await bus.request(NODE, Freeze(owner="eng-fenced"), FreezeReply)
         assert frozen.lease_ids == [kept.id]
         manager.kill()
