@@ -116,7 +116,8 @@ async def _spawn(agent: Agent, cmd: Spawn) -> SpawnReply:
         # dc_manager's cold-start fallback: one process that reattaches the named engine's leases.
         extra = {"HF_TAKEOVER_FROM": cmd.reattach_from, "HF_TRANSFER_TOKEN": cmd.transfer_token or "",
                  "HF_INCIDENT_ID": cmd.incident_id or ""}
-        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra)
+        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
+                                 replacing=agent.engines.get(cmd.reattach_from))
         return SpawnReply(engine=agent.info(rec))
     agent.specs[key] = cmd.spec
     agent.writer.put_spec(agent.node, key, cmd.spec)

@@ -61,6 +61,28 @@ def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, 
     return out
 
 
+def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str, *,
+                 replacing: EngineRecord | None = None, candidate: str | None = None) -> str | None:
+    """Whether one more engine may become active for spec `key`: None if so, else why not. The one rule behind
+    "never more running actives than `replicas`" (README invariant 11), asked wherever an engine becomes active:
+    a start (the reconciler, a Spawn, a takeover's cold successor) and a standby's promotion.
+
+    Counted: the spec's engines that run with the active role (starting, ready, or a standby being assigned).
+    A failed, stopping or stopped engine is not running for the count (its fencing is the takeover's business).
+    A successor fills its predecessor's slot: it is counted against the predecessor's spec (a hot upgrade's
+    successor belongs to another), the predecessor itself not counted, nor the `candidate` being promoted."""
+    slot = replacing.spec_key if replacing is not None and replacing.spec_key else key
+    spec = specs.get(slot)
+    if spec is None:
+        return None  # an engine nobody configured (adopted): no desired count to hold it to
+    running = [r.engine_id for r in records if r.spec_key == slot and r.role is EngineRole.ACTIVE and r.state in LIVE
+               and r is not replacing and r.engine_id != candidate]
+    if len(running) < spec.replicas:
+        return None
+    whose = f" to replace {replacing.engine_id}" if replacing is not None else ""
+    return f"{slot} wants {spec.replicas} active, and {len(running)} run already {running}: no new one{whose}"
+
+
 def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSpec]:
     """A hot upgrade replaced one engine of `old` by one of `new`: the desired counts follow, so the
     reconciler neither restarts the old version nor adds a second new one. When the old version has no

@@ -97,12 +97,23 @@ class Agent:
 
     # ------------------------------------------------------------ starting
 
+    def admit_active(self, key: str, *, replacing: EngineRecord | None = None, candidate: str | None = None) -> None:
+        """Raise Conflict (and say so in the log) when one more active engine of `key` would exceed its spec's
+        `replicas` (supervision.admit_active: the one rule, whatever path the engine comes by)."""
+        why = supervision.admit_active(self.specs, self.records(), key, replacing=replacing, candidate=candidate)
+        if why is not None:
+            log.warning("refused an active engine: %s", why)
+            raise Conflict(why)
+
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
-                     extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None) -> EngineRecord:
+                     extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
+                     replacing: EngineRecord | None = None) -> EngineRecord:
         spec = spec or self.specs[key]
         engine_id = engine_id or new_id(subject_token(spec.model))
         if engine_id in self.engines and self.engines[engine_id].live:
             raise Conflict(f"engine {engine_id} already runs")
+        if role is EngineRole.ACTIVE:
+            self.admit_active(key, replacing=replacing)
         gpu = spec.gpus[0] if spec.gpus else 0
         env = launcher.engine_env(self.settings, spec, engine_id=engine_id, role=role, gpu=gpu, extra=extra_env)
         log_path = self.settings.state_dir / "engines" / f"{engine_id}.log"
@@ -417,7 +428,7 @@ class Agent:
         for key, role in p.start:
             try:
                 self.start_engine(key, role)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, Conflict) as e:
                 log.error("cannot start a %s engine of %s: %s", role.value, key, e)
         await shadows.reconcile(self)
 

@@ -64,6 +64,9 @@ class Takeovers:
         # before owning. A shadow of the predecessor maps those only if it is the owner.
         owner = cmd.memory_of or pred.engine_id
         standby = self._choose(cmd, pred, owner)
+        # Refused before anyone is fenced when the spec already runs its count without the predecessor (another
+        # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
+        agent.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
         shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == owner
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
@@ -156,6 +159,7 @@ class Takeovers:
                            timings: dict[str, float], shadowed: bool) -> EngineRecord | None:
         agent = self.agent
         t = time.perf_counter()
+        agent.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
         sb.transition(Ev.ASSIGN)
         sb.taking_over = owner
         sb.role = EngineRole.ACTIVE
@@ -189,7 +193,7 @@ class Takeovers:
             spec = spec.model_copy(update={"version": cmd.version, "replicas": 0})
             self._cold_specs[supervision.spec_key(spec)] = spec
         t = time.perf_counter()
-        rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec,
+        rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec, replacing=pred,
                                  generation=pred.generation + 1,
                                  extra_env={"HF_TAKEOVER_FROM": owner, "HF_TRANSFER_TOKEN": cmd.transfer_token,
                                             "HF_INCIDENT_ID": cmd.incident_id})
