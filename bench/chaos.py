@@ -73,12 +73,13 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults
     assert stack is not None
     # GPU faults arrive through NVML's path: the agent runs with the stand-in on its import path (restarted
     # with it, as a deployment would change its environment)
+    await sc.connect()
+    await sc.wait_serving()  # engines up first: an agent restart mid-start-up is a fault of its own kind
     agent = stack.children["agent"]
     agent.env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(cf.NVML_SHIM_DIR),
                                                                     os.environ.get("PYTHONPATH")])),
                       "HF_CHAOS_NVML_SOCKET": chaos.nvml_socket, "HF_NVML": "true"})
     await asyncio.to_thread(stack.restart, "agent")
-    await sc.connect()
     assert sc.bus is not None
     for subject in ("incident.resolved", "incident.failed"):
         await sc.bus.subscribe(subject, chaos.on_terminal)
