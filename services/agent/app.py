@@ -52,7 +52,8 @@ async def setup(rt: Runtime) -> None:
     for info in await records.load_engines(rt.store, settings.node):
         agent.readopt(info)
 
-    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent), mode=0o600)
+    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent, settings.peer_uids()),
+                                     mode=settings.socket_mode)
     rt.on_close(server.close)
 
     nvml = NvmlWatcher(agent.gpu_fault)

@@ -14,6 +14,9 @@ class AgentSettings(CommonSettings):
     engines_file: Path | None = Field(None, description="JSON list of EngineSpec to run on this node")
     engines: list[EngineSpec] = Field(default_factory=list, description="engine specs inline (JSON, env HF_ENGINES)")
     agent_socket: Path | None = Field(None, description="engines' unix socket; default <state_dir>/agent.sock")
+    socket_mode: int = Field(0o600, description="permissions of the engines' socket (the uid check holds whatever they are)")
+    allowed_uids: list[int] = Field(default_factory=list, description="uids whose processes may register on the "
+                                    "socket (SO_PEERCRED); empty: the agent's own uid only")
     gpu_manager_socket: Path | None = Field(None, description="passed to engines; default <state_dir>/gpu_manager.sock")
     heartbeat_timeout_s: float = Field(1.0, description="heartbeats missing this long: the engine is hung")
     node_ttl_s: int = Field(3, description="etcd lease of nodes/<node>: a dead agent's node key vanishes after this")
@@ -36,6 +39,11 @@ class AgentSettings(CommonSettings):
 
     def socket_path(self) -> Path:
         return self.agent_socket or self.state_dir / "agent.sock"
+
+    def peer_uids(self) -> frozenset[int]:
+        import os
+
+        return frozenset(self.allowed_uids or [os.getuid()])
 
     def gpu_manager_path(self) -> Path:
         return self.gpu_manager_socket or self.state_dir / "gpu_manager.sock"

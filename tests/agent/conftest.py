@@ -19,6 +19,7 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import EngineInfo, EngineSpec, Envelope, NodeInfo
 from libs.common.store import Store
+from tests.gpu_manager.test_crash_reattach import open_dir  # noqa: F401 - fixture: a dir other uids may traverse
 
 ROOT = Path(__file__).resolve().parents[2]
 
