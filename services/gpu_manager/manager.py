@@ -10,7 +10,7 @@ Invariants (numbered as in the service README):
 3. A lease's memory is freed exactly when it becomes RECLAIMED: manager fds and handles closed, keeper entry
    dropped. Memory of a live lease is always held by the manager and by the keeper.
 4. All mutations run under one asyncio lock, so two requests never interleave inside a transition.
-5. Only a committed set is ever offered to a successor: an uncommitted lease (allocated or registered after the
+5. (README 9) Only a committed set is ever offered to a successor: an uncommitted lease (allocated or registered after the
    owner's last commit: a start-up killed half way) is reclaimed at the freeze, never frozen; an owner with no
    committed weights lease is refused (`NoCommittedWeights`: the control plane cold-starts from the weights
    file); a frozen set with an uncommitted lease or no weights (rows frozen before this rule) is refused to a
