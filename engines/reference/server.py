@@ -41,6 +41,8 @@ class GenerateBody(BaseModel):
     seed: int = Field(0, description="sampling seed; with (seed, position) it fixes each sampled token")
     stream: bool = False
     ignore_eos: bool = False
+    request_id: str | None = Field(None, description="the router's id of the client request, the same in all its "
+                                   "replays; accepted and not used here")
 
     @model_validator(mode="after")
     def _has_input(self) -> GenerateBody:

@@ -1,7 +1,7 @@
 """One client request relayed to engines, resumed on another engine when its engine fails.
 
-The relay sends the engine `{prompt, tokens (as the client sent them), resume: tokens generated so far,
-max_tokens: what is left}`; the reference engine's exact-resume invariant (engines/reference/engine.py) makes the continuation
+The relay sends the engine `{request_id, prompt, tokens (as the client sent them), resume: tokens generated so
+far, max_tokens: what is left}`; the reference engine's exact-resume invariant (engines/reference/engine.py) makes the continuation
 identical to the uninterrupted generation, so the client sees one stream. Invariants:
 1. Every client request ends in exactly one of: completed, an explicit error (a 503/502 JSON body before
    the stream starts, or a final `{"done": true, "error": ...}` line after), or the client going away.
@@ -9,6 +9,10 @@ identical to the uninterrupted generation, so the client sees one stream. Invari
 3. A failed engine (connection error, 5xx, a stream cut short, an in-band engine error, silence past
    `token_timeout_s`, or its endpoint removed by an event) is never retried for that request before another
    endpoint is tried; it is marked suspect so new requests avoid it too.
+4. One client request has one `request_id` (the caller's, or `gen-<uuid>`), sent in every attempt's body, so a
+   successor can recognise a request it resumes.
+5. When the relay stops early (the client went away, or the caller threw `Enough` in), the engine request is
+   closed at once: its connection is dropped, which makes the engine stop generating and free the slot.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import random
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +70,11 @@ class UpstreamFailed(Exception):
     pass
 
 
+class Enough(Exception):
+    """Thrown into `Relay.run` (`athrow`) by a caller that has all it wants, e.g. a stop string matched: the
+    engine request is closed and the client request counts as completed."""
+
+
 @dataclass
 class Stats:
     requests: int = 0
@@ -111,6 +121,9 @@ async def _next_line(lines: AsyncIterator[str], abort: asyncio.Event, silence_s:
     stop = asyncio.ensure_future(abort.wait())
     try:
         done, _ = await asyncio.wait({read, stop}, timeout=silence_s, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (the client went away): no read may outlive the stream it reads
+        read.cancel()
+        raise
     finally:
         stop.cancel()
     if read in done:
@@ -134,10 +147,11 @@ class Relay:
         """An event removed this engine: cut its streams (they resume elsewhere)."""
         return self.inflight.abort(engine_id)
 
-    async def run(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def run(self, req: GenerateRequest, request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Token lines, then one final line. Raises RelayError before the first line; after it, an error
         is a final `{"done": true, "error": ...}` line."""
         s = self.settings
+        rid = request_id or f"gen-{uuid.uuid4().hex}"  # the same in every attempt (invariant 4)
         self.stats.requests += 1
         self.stats.in_flight += 1
         seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 and not req.greedy else 0)
@@ -154,14 +168,16 @@ class Relay:
                 engines.append(ep.engine_id)
                 offset = len(generated)
                 try:
-                    async for item in self._attempt(ep, req, seed, generated):
-                        if item.get("done"):
-                            prompt_tokens = item.get("prompt_tokens")
-                            item = {**item, "model": req.model, "completion_tokens": len(generated),
-                                    "prompt_tokens": None if prompt_tokens is None else prompt_tokens - offset,
-                                    "replays": attempts, "engines": engines}
-                            outcome = "completed"
-                        yield item
+                    # aclosing: an early stop (Enough, the client gone) closes the engine stream now, not at GC
+                    async with contextlib.aclosing(self._attempt(ep, req, seed, generated, rid)) as attempt:
+                        async for item in attempt:
+                            if item.get("done"):
+                                prompt_tokens = item.get("prompt_tokens")
+                                item = {**item, "model": req.model, "completion_tokens": len(generated),
+                                        "prompt_tokens": None if prompt_tokens is None else prompt_tokens - offset,
+                                        "replays": attempts, "engines": engines, "request_id": rid}
+                                outcome = "completed"
+                            yield item
                     if outcome == "completed":
                         return
                     raise UpstreamFailed("stream ended without a final line")
@@ -173,6 +189,8 @@ class Relay:
                     self.stats.replayed += 1
                 finally:
                     self.table.release(ep)
+        except Enough:
+            outcome = "completed"
         except RelayError as e:
             outcome = "client_error" if 400 <= e.status < 500 else "failed"
             if generated:  # the client already has tokens: the error goes in-band, as the final line
@@ -192,9 +210,10 @@ class Relay:
             else:
                 self.stats.cancelled += 1
 
-    async def _attempt(self, ep: Endpoint, req: GenerateRequest, seed: int, generated: list[int]) -> AsyncIterator[dict[str, Any]]:
+    async def _attempt(self, ep: Endpoint, req: GenerateRequest, seed: int, generated: list[int],
+                       request_id: str) -> AsyncIterator[dict[str, Any]]:
         s = self.settings
-        body = {"prompt": req.prompt, "tokens": req.tokens, "resume": generated,
+        body = {"request_id": request_id, "prompt": req.prompt, "tokens": req.tokens, "resume": generated,
                 "max_tokens": req.max_tokens - len(generated), "temperature": req.temperature, "greedy": req.greedy,
                 "seed": seed, "stream": True, "ignore_eos": req.ignore_eos}
         abort = self.inflight.add(ep.engine_id)
