@@ -26,12 +26,13 @@ from typing import Any, Protocol
 
 from engines.batched.journal import Admission, Entry, Journal
 from engines.batched.model_runner import ModelRunner, RunItem
-from engines.batched.scheduler import Scheduler
+from engines.batched.scheduler import QueueFull, Scheduler
 from engines.batched.sequence import SamplingParams, SeqStatus, Sequence
 from engines.reference.tokenizer import EOS
 
 log = logging.getLogger("holdfast.engine.batched")
 STOP = frozenset({EOS})
+REFUSED_FULL, REFUSED_BAD = "refused:queue_full", "refused:bad_request"  # finish reasons of a refused request
 
 
 class Sink(Protocol):
@@ -184,8 +185,12 @@ class LLMEngine:
                        prompt_len=len(req.context), params=params)
         try:
             self.scheduler.add(seq)
-        except ValueError as e:  # QueueFull, PromptTooLong: the HTTP layer checked; a race with a full queue
-            req.sink.finish(f"refused: {e}", len(req.context), 0)
+        except QueueFull:  # the HTTP layer checked; a burst raced it
+            req.sink.finish(REFUSED_FULL, len(req.context), 0)
+            return
+        except ValueError as e:
+            log.warning("request %s refused: %s", req.request_id, e)
+            req.sink.finish(REFUSED_BAD, len(req.context), 0)
             return
         self._live[seq.seq_id] = _Live(seq, req.sink)
         self._by_request[req.request_id] = seq.seq_id

@@ -28,6 +28,10 @@ from engines.batched.engine import LLMEngine, Request
 from engines.reference import tokenizer
 
 
+REFUSALS = {"queue_full": "the engine's queue is full; try again later",
+            "bad_request": "the engine refused the request as invalid"}
+
+
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -151,8 +155,10 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
                 continue
             reason, prompt_tokens, completion_tokens = val
             done = True
-            if reason.startswith("refused") or reason == "error":
-                yield {"done": True, "error": {"code": "engine_error", "message": reason}, "engine_id": state.engine_id}
+            if reason.startswith("refused:") or reason == "error":
+                code = reason.removeprefix("refused:") if reason.startswith("refused:") else "engine_error"
+                yield {"done": True, "error": {"code": code, "message": REFUSALS.get(code, "the engine failed")},
+                       "engine_id": state.engine_id}
                 return
             yield {"done": True, "prompt_tokens": len(req.context), "completion_tokens": index, "finish_reason": reason,
                    "first_token_ms": first_ms, "total_ms": round((time.perf_counter() - t0) * 1000, 3),
@@ -177,7 +183,8 @@ async def _collect(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink
             tokens.append(ev["token"])
             text.append(ev["text"])
         elif "error" in ev:
-            return _error(503, ev["error"]["code"], ev["error"]["message"])
+            code = ev["error"]["code"]
+            return _error(400 if code == "bad_request" else 503, code, ev["error"]["message"])
         else:
             return {"tokens": tokens, "text": "".join(text), **ev}
     return _error(500, "engine_error", "generation ended without a result")

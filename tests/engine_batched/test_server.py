@@ -1,0 +1,110 @@
+"""The batched engine's HTTP API as a client meets it (a real engine process, tiny model, local memory): many
+requests at once batched and answered exactly, bad input refused with a clear status, a client that goes away
+frees its blocks at once, KV exhaustion preempts and never crashes, and a full queue answers 503."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.common import procs
+from tests.engine.support import make_tiny_weights
+
+
+class Engine:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        weights = make_tiny_weights(tmp / "tiny.safetensors")
+        self.ready = tmp / "ready.json"
+        argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", "tiny", "--memory",
+                "local", "--agent", "off", "--ready-file", str(self.ready), *args]
+        self.child = procs.Child("batched", argv, env={"PYTHONUNBUFFERED": "1"}, log_path=tmp / "engine.log").start()
+        deadline = time.monotonic() + 90
+        while not self.ready.exists():
+            assert self.child.alive() and time.monotonic() < deadline, (tmp / "engine.log").read_text()[-3000:]
+            time.sleep(0.05)
+        self.url = json.loads(self.ready.read_text())["endpoint"]
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+
+@pytest.fixture
+def engine(tmp_path: Path, request: pytest.FixtureRequest):
+    e = Engine(tmp_path, *getattr(request, "param", ()))
+    yield e
+    e.child.stop()
+
+
+def gen(url: str, **body: object) -> httpx.Response:
+    return httpx.post(url + "/generate", json={"max_tokens": 16, **body}, timeout=120)
+
+
+async def _many(url: str, n: int, **body: object) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=n + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=300) as c:
+        return await asyncio.gather(*(c.post(url + "/generate", json={"prompt": f"user {i}", "max_tokens": 24,
+                                                                        "ignore_eos": True, **body})
+                                      for i in range(n)))
+
+
+@pytest.mark.parametrize("engine", [("--deterministic", "--max-num-seqs", "64", "--prefill-chunk", "32")], indirect=True)
+def test_sixty_four_requests_at_once_get_the_tokens_each_gets_alone(engine: Engine) -> None:
+    alone = {i: gen(engine.url, prompt=f"user {i}", max_tokens=24, ignore_eos=True).json()["tokens"] for i in range(64)}
+    together = asyncio.run(_many(engine.url, 64))
+    assert [r.json()["tokens"] for r in together] == [alone[i] for i in range(64)]
+    assert engine.health()["engine"]["scheduler"]["running"] == 0
+
+
+def test_bad_input_gets_a_clear_status_and_the_engine_keeps_serving(engine: Engine) -> None:
+    too_long = gen(engine.url, prompt="x" * 5000)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_too_long"
+    assert gen(engine.url, tokens=[999]).status_code == 400
+    assert gen(engine.url).status_code == 422  # no prompt, no tokens
+    assert gen(engine.url, prompt="hi", max_tokens=-1).status_code == 422
+    assert gen(engine.url, prompt="still serving").status_code == 200
+
+
+def test_a_client_that_goes_away_frees_its_blocks_at_once(engine: Engine) -> None:
+    total = engine.health()["engine"]["scheduler"]["num_blocks"]
+    with httpx.stream("POST", engine.url + "/generate", json={"prompt": "a long one " * 40, "max_tokens": 1500,
+                                                              "ignore_eos": True, "stream": True}, timeout=60) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n == 3:
+                break
+    deadline = time.monotonic() + 10
+    while True:
+        sched = engine.health()["engine"]["scheduler"]
+        if sched["running"] == 0 and sched["aborted"] == 1:
+            break
+        assert time.monotonic() < deadline, sched
+        time.sleep(0.05)
+    assert sched["free_blocks"] == total  # every block back (a cached one counts as free)
+
+
+@pytest.mark.parametrize("engine", [("--num-blocks", "130", "--block-size", "16", "--max-num-seqs", "32",
+                                     "--prefill-chunk", "64")], indirect=True)
+def test_when_kv_blocks_run_out_sequences_are_preempted_and_all_finish(engine: Engine) -> None:
+    # 32 sequences of ~90 tokens need ~190 blocks at once: more than the 130 there are
+    rs = asyncio.run(_many(engine.url, 32, prompt="p" * 40, max_tokens=60))
+    assert all(r.status_code == 200 and len(r.json()["tokens"]) == 60 for r in rs)
+    sched = engine.health()["engine"]["scheduler"]
+    assert sched["preemptions"] > 0 and sched["running"] == 0
+
+
+@pytest.mark.parametrize("engine", [("--max-waiting", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                                     "--prefill-chunk", "32")], indirect=True)
+def test_past_the_queue_new_requests_get_503_and_none_is_lost_silently(engine: Engine) -> None:
+    rs = asyncio.run(_many(engine.url, 40, max_tokens=64))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) >= 4
+    for r in rs:
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "queue_full"
+        else:
+            assert len(r.json()["tokens"]) == 64
