@@ -229,8 +229,18 @@ class BlockManager:
         for b, n in refs.items():
             self._ref[b] = n
         self._empty = deque(b for b in range(self.num_blocks) if b not in refs)
-        for seq in seqs:
-            self.register(seq)
+        if self.prefix_caching:
+            self._register_adopted(seqs, refs)
+
+    def _register_adopted(self, seqs: list[Sequence], refs: Counter[int]) -> None:
+        """Hash every full computed block; where two blocks hold the same content (computed side by side),
+        the shared one keeps the hash, so that a block in two tables is registered (invariant 2)."""
+        found = [(refs[seq.block_table[j]], seq.block_table[j], h) for seq in seqs
+                 for j, h in enumerate(self.token_block_hashes(seq, seq.num_computed // self.block_size))]
+        for _, b, h in sorted(found, key=lambda c: -c[0]):
+            if h not in self._by_hash and self._hash_of[b] is None:
+                self._by_hash[h] = b
+                self._hash_of[b] = h
 
     def _check_table(self, seq: Sequence) -> None:
         table, bs = seq.block_table, self.block_size

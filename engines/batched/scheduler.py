@@ -199,7 +199,7 @@ class Scheduler:
         decodes: list[Work] = []
         prefills: list[Work] = []
         preempted: list[Sequence] = []
-        blocked = False  # a running sequence went without: admit nobody after it (FCFS)
+        blocked = False  # a running sequence went without, or one was preempted: admit nobody this step
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -216,6 +216,7 @@ class Scheduler:
             n, victims = self._fit_blocks(seq, n, shrink=not decode and not self.config.deterministic)
             preempted.extend(v for v, _ in victims)
             reserved -= sum(1 for v, was_decode in victims if was_decode and v is not seq)
+            blocked = blocked or bool(victims)  # blocks were short: admitting now would only thrash
             if n == 0:  # seq was the newest running one and gave its own blocks up
                 blocked = True
                 continue

@@ -229,3 +229,14 @@ def test_adoption_needs_an_empty_manager() -> None:
     bm.allocate(seq(1, [1, 2]), 2)
     with pytest.raises(AdoptionError, match="holds no blocks"):
         bm.adopt([])
+
+
+def test_adoption_keeps_the_hash_on_the_shared_block_when_a_duplicate_comes_first() -> None:
+    # c computed the same first block as a and b side by side (a duplicate, unregistered); a and b share one.
+    a, b, c = (seq(i, [1, 2, 3, 4, 5]) for i in (1, 2, 3))
+    for s, table in ((a, [0, 1]), (b, [0, 2]), (c, [3, 4])):
+        s.block_table, s.num_computed = table, 4
+    bm = BlockManager(8, BS)
+    bm.adopt([c, a, b])
+    assert bm.block_hash(0) is not None and bm.block_hash(3) is None
+    assert bm.cached_prefix(seq(4, [1, 2, 3, 4, 5])) == [0]

@@ -189,6 +189,19 @@ def test_the_newest_sequence_preempts_itself_when_it_alone_is_short() -> None:
     assert shape(b) == [(1, 32, 1)] and [p.seq_id for p in b.preempted] == [2]
 
 
+def test_no_sequence_is_admitted_in_a_step_that_preempted_one() -> None:
+    s = Scheduler(SchedulerConfig(num_blocks=7, block_size=1, prefix_caching=False, max_model_len=7,
+                                  max_num_batched_tokens=8, max_num_seqs=4, prefill_chunk=2))
+    s.add(req(1, 3, max_tokens=3))
+    s.add(req(2, 4, max_tokens=3, first=100))
+    step(s)
+    step(s)  # both sampled their first token; all seven blocks held
+    b = s.schedule()
+    # 1 needs a block: 2 (newest) is preempted; its first chunk would fit the blocks left, but it must wait
+    assert [p.seq_id for p in b.preempted] == [2] and shape(b) == [(1, 3, 1)]
+    assert s.get(2).status is SeqStatus.WAITING
+
+
 def test_a_preempted_sequence_recomputes_and_finishes_with_its_tokens_kept() -> None:
     s = make(num_blocks=16, max_model_len=64, max_num_batched_tokens=64, prefill_chunk=64)
     s.add(req(1, 28, max_tokens=30))
