@@ -178,3 +178,5 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
     finally:
         await sc.close()
         sc.stop()
+        if work_dir is None:
+            sc.discard_weights()

@@ -6,7 +6,10 @@ Checks, each of which fails the demo (exit 1, saying which) when it does not hol
 - the successor's weights hash equals the predecessor's (the memory survived the SIGKILL);
 - after a SIGKILL and restart of the gpu_manager itself, the leases are still there and the engine
   still answers the same;
-- the incident is resolved.
+- the incident is resolved;
+- then the batched engine under load (bench/load_recovery.py, deterministic mode): 16 streams through the
+  router and 4 requests sent during the outage survive a SIGKILL, each with the tokens of the no-failure run,
+  the standby adopting every in-flight sequence from the journal, with no prefill token recomputed.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def run(*, json_only: bool = False, size: str = "auto") -> int:
         with console.status("stopping the stack..."):
             sc.stop()
         sc.discard_weights()
+    if not failures:
+        try:
+            with console.status("the batched engine: 16 streams + 4 late requests through a SIGKILL..."):
+                result["under_load"] = _under_load(backend, size, failures)
+        except Exception as e:  # noqa: BLE001 - say what broke, exit non-zero
+            failures.append(f"under load: {type(e).__name__}: {e}")
     result = {"demo": "ok" if not failures else "failed", **result}
     if failures:
         result["failures"] = failures
@@ -114,6 +123,25 @@ async def _play(sc: Scenario, failures: list[str], quiet: bool) -> dict[str, Any
         "steps_ms": {k: _r(v) for k, v in trial.steps_ms().items()},
         "successor": trial.engine_recovery,  # its own clock from the promotion (first generation's phases)
     }
+
+
+def _under_load(backend: str, size: str, failures: list[str]) -> dict[str, Any]:
+    from bench.load_recovery import run as load_run
+
+    report = asyncio.run(load_run(backend=backend, size=size, streams=16, late=4, trials=1, max_tokens=96,
+                                  kv_cache_gib=None, work_dir=None))
+    out = report["sigkill"]
+    succ = out.get("successor") or {}
+    if out["lost"] or out["mismatched"]:
+        failures.append(f"under load: {out['lost']} requests lost, {out['mismatched']} outputs differ")
+    if succ.get("recomputed_prefill_tokens"):
+        failures.append(f"under load: the successor recomputed {succ['recomputed_prefill_tokens']} prefill tokens")
+    if succ.get("adopted") != [16]:
+        failures.append(f"under load: the successor adopted {succ.get('adopted')} sequences, not 16")
+    return {"streams": 16, "late": 4, "largest_gap_ms": out["largest_gap_ms"],
+            "late_first_token_ms": out["late_first_token_ms"], "no_failure_largest_gap_ms":
+            report["no_failure"]["largest_gap_ms"], "lost": out["lost"], "mismatched": out["mismatched"],
+            "adopted": succ.get("adopted"), "recomputed_prefill_tokens": succ.get("recomputed_prefill_tokens")}
 
 
 def _print_timeline(timeline: dict[str, float]) -> None:
