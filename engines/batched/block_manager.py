@@ -105,14 +105,15 @@ class BlockManager:
         return min((j * self.block_size // c + 1) * c, seq.prompt_len)
 
     def token_block_hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """The chained hashes of seq's first n full token blocks (computed once, kept on the sequence)."""
+        """seq's chained block hashes, at least its first n full token blocks' (computed once, kept on the
+        sequence; the list may hold more than n)."""
         bs, hashes = self.block_size, seq.block_hashes
         assert n * bs <= len(seq.tokens), "only full token blocks have a hash"
         while len(hashes) < n:
             j = len(hashes)
             prev = hashes[-1] if hashes else b""
             hashes.append(chain_hash(prev, seq.tokens[j * bs:(j + 1) * bs], self._block_marker(seq, j)))
-        return hashes[:n]
+        return hashes
 
     # -- prefix sharing ----------------------------------------------------------------------------------
     def cached_prefix(self, seq: Sequence) -> list[int]:
@@ -120,8 +121,9 @@ class BlockManager:
         the whole of seq's tokens: at least the last token is left to compute (invariant 5)."""
         if not self.prefix_caching or seq.block_table or seq.num_computed:
             return []
+        n = (len(seq.tokens) - 1) // self.block_size
         found: list[int] = []
-        for h in self.token_block_hashes(seq, (len(seq.tokens) - 1) // self.block_size):
+        for h in self.token_block_hashes(seq, n)[:n]:
             b = self._by_hash.get(h)
             if b is None:
                 break
@@ -132,9 +134,9 @@ class BlockManager:
         """Register seq's full, computed blocks under their hashes (after its num_computed advanced). A block
         whose content another block already holds (two sequences computed the same prefix in one step) stays
         unregistered: the first one serves later matches."""
-        if not self.prefix_caching:
-            return
         n_full = seq.num_computed // self.block_size
+        if not self.prefix_caching or n_full == 0 or self._hash_of[seq.block_table[n_full - 1]] is not None:
+            return  # the usual step: no block filled up since the last call
         hashes = self.token_block_hashes(seq, n_full)
         # Registered blocks form a prefix of the table bar duplicates, so scan down from the top until one.
         for j in range(n_full - 1, -1, -1):
@@ -150,11 +152,15 @@ class BlockManager:
         """How many tokens past seq's computed ones (or past `prefix`, if given) blocks can be found for."""
         base = len(prefix) * self.block_size if prefix else seq.num_computed
         held = len(seq.block_table) + len(prefix)
-        revived = sum(1 for b in prefix if self._ref[b] == 0)  # taking these removes them from the pool
+        revived = sum(1 for b in prefix if self._ref[b] == 0) if prefix else 0  # they leave the pool
         return (held + self.num_free_blocks - revived) * self.block_size - base
 
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> bool:
-        return num_tokens <= self.max_allocatable(seq, prefix)
+        if prefix:
+            return num_tokens <= self.max_allocatable(seq, prefix)
+        # The step's common case (a decode, a chunk) without building anything.
+        need = -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
+        return need <= len(self._empty) + len(self._cached_free)
 
     def allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> None:
         """Make seq's block table cover its next `num_tokens` positions. With `prefix` (from
@@ -163,7 +169,7 @@ class BlockManager:
         if prefix:
             if seq.block_table or seq.num_computed:
                 raise ValueError(f"sequence {seq.seq_id}: a prefix is taken only by a sequence with no blocks")
-            want = self.token_block_hashes(seq, len(prefix))
+            want = self.token_block_hashes(seq, len(prefix))[:len(prefix)]
             if any(self._hash_of[b] != h for b, h in zip(prefix, want, strict=True)):
                 raise ValueError(f"sequence {seq.seq_id}: prefix blocks do not hold its tokens (stale lookup?)")
         if not self.can_allocate(seq, num_tokens, prefix):
@@ -235,8 +241,10 @@ class BlockManager:
     def _register_adopted(self, seqs: list[Sequence], refs: Counter[int]) -> None:
         """Hash every full computed block; where two blocks hold the same content (computed side by side),
         the shared one keeps the hash, so that a block in two tables is registered (invariant 2)."""
-        found = [(refs[seq.block_table[j]], seq.block_table[j], h) for seq in seqs
-                 for j, h in enumerate(self.token_block_hashes(seq, seq.num_computed // self.block_size))]
+        found = []
+        for seq in seqs:
+            n = seq.num_computed // self.block_size
+            found += [(refs[b], b, h) for b, h in zip(seq.block_table[:n], self.token_block_hashes(seq, n)[:n], strict=True)]
         for _, b, h in sorted(found, key=lambda c: -c[0]):
             if h not in self._by_hash and self._hash_of[b] is None:
                 self._by_hash[h] = b

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engines.batched.block_manager import AdoptionError, BlockManager
 from engines.batched.sequence import InvalidRequest, SeqStatus, Sequence, transition
 
 
-class QueueFull(RuntimeError):
-    """`max_waiting` sequences are queued already: refuse (HTTP 503), do not drop silently."""
+class QueueFull(ValueError):
+    """`max_waiting` sequences are queued already: refuse (HTTP 503, not 400), do not drop silently. A
+    ValueError like the other refusals of `add`, so that one `except ValueError` turns them all away."""
 
 
 class PromptTooLong(InvalidRequest):
@@ -89,10 +91,9 @@ class SchedulerConfig:
                              f"block_size ({self.block_size}), so that a block lies within one chunk")
 
 
-@dataclass(frozen=True, slots=True)
-class Work:
+class Work(NamedTuple):
     """Feed `seq.tokens[start:start + num_tokens]` at positions `start..`; `samples`: the last row is the
-    end of the known tokens, so one token is sampled from it."""
+    end of the known tokens, so one token is sampled from it. (A tuple: hundreds are built per step.)"""
 
     seq: Sequence
     start: int
@@ -195,6 +196,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> Batch:
         budget = self.config.max_num_batched_tokens
+        bs = self.bm.block_size
         reserved = sum(1 for s in self.running if s.in_decode)  # one token each, kept from prefills
         decodes: list[Work] = []
         prefills: list[Work] = []
@@ -207,6 +209,11 @@ class Scheduler:
             if decode:
                 reserved -= 1
                 n = 1
+                if len(seq.tokens) <= len(seq.block_table) * bs:  # most decodes: their slot is there
+                    decodes.append(Work(seq, seq.num_computed, 1, True))
+                    budget -= 1
+                    i += 1
+                    continue
             else:
                 n = self._chunk(seq, seq.num_computed, budget - reserved)
                 if n == 0:
