@@ -133,9 +133,10 @@ def run(cfg: EngineConfig) -> int:
     link = open_agent_link(cfg)
     engine: LLMEngine | None = None
 
-    def layout_of(dtype: torch.dtype) -> JournalLayout:
+    def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:
+        """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
         return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                         max_len=max_len, num_blocks=cfg.num_blocks, kv_cache_gib=cfg.kv_cache_gib)
+                         max_len=max_len, num_blocks=num_blocks or cfg.num_blocks, kv_cache_gib=cfg.kv_cache_gib)
 
     try:
         t_start = t_process
@@ -167,7 +168,7 @@ def run(cfg: EngineConfig) -> int:
             state.state = "loading"
             loaded = memory.load(mcfg, cfg.weights, layout_of)
         memory.start_heartbeats()
-        layout = layout_of(loaded.kv.dtype)
+        layout = loaded.layout
         t_build = time.perf_counter()
         # A recovered engine serves first: graphs (a cold start's) would be captured over the adopted sequences'
         # first steps.

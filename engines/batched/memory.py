@@ -41,6 +41,7 @@ class Loaded:
     journal: dict[str, torch.Tensor]
     source: str  # "file", "reattached", "takeover"
     kv_handed_on: bool  # the KV lease (and its journal) came from before: its sequences may continue
+    layout: JournalLayout
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -98,10 +99,10 @@ class LocalMemory:
         check_file_matches(path, cfg)
         weights = load_weights(path, self.device)
         dtype = weights["tok_embeddings.weight"].dtype
-        layout: JournalLayout = layout_of(dtype)
+        layout: JournalLayout = layout_of(dtype, None)
         kv = torch.zeros(kv_shape(cfg, layout.num_blocks, layout.block_size), dtype=dtype, device=self.device)
         journal = {n: torch.zeros(shape, dtype=dt, device=self.device) for n, (dt, shape) in layout.tensors().items()}
-        return Loaded(weights, kv, journal, "file", False, {"load_ms": _ms(t0)})
+        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": _ms(t0)})
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         raise RuntimeError("local memory has nothing to reattach")
@@ -138,9 +139,10 @@ class LeasedMemory:
                                                framework="torch")
         t_load = _ms(t0)
         dtype = weights["tok_embeddings.weight"].dtype
-        kv, journal = self._new_kv(cfg, dtype, layout_of(dtype))
+        layout = layout_of(dtype, None)
+        kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, "file", False, {"load_ms": t_load, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)})
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         t0 = time.perf_counter()
@@ -166,21 +168,25 @@ class LeasedMemory:
             raise MissingWeights(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
         weights = {n: tensors[n] for n in cfg.tensor_shapes()}
         dtype = weights["tok_embeddings.weight"].dtype
-        layout: JournalLayout = layout_of(dtype)
         for extra in caches[1:]:
             self.client.release(extra.id)
         if caches:
             own = {m.name: caches[0].view(m, "torch") for m in caches[0].tensor_metas}
+            # The cache's size is the predecessor's (its free memory then, not this process's now): the rest of
+            # the layout must be this configuration's for its journal to be read.
+            kept = own[KV_NAME].shape[2] if KV_NAME in own and own[KV_NAME].dim() == 6 else None
+            layout: JournalLayout = layout_of(dtype, kept)
             want = {n: shape for n, _, shape, _ in _packed(cfg, dtype, layout)}
             if all(n in own and tuple(own[n].shape) == s for n, s in want.items()):
                 journal = {n: own[n] for n in layout.tensors()}
-                return Loaded(weights, own[KV_NAME], journal, source, True,
+                return Loaded(weights, own[KV_NAME], journal, source, True, layout,
                               {"attach_ms": t_attach, "total_ms": _ms(t0)})
             log.info("the handed-on KV lease does not fit this configuration; leasing a new one")
             self.client.release(caches[0].id)
+        layout = layout_of(dtype, None)
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, source, False, {"attach_ms": t_attach, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, "total_ms": _ms(t0)})
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         packed = _packed(cfg, dtype, layout)

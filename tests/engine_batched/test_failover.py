@@ -24,7 +24,7 @@ from tests.engine.conftest import gpu_manager, tiny_weights  # noqa: F401 - fixt
 STREAMS = 16
 MAX_TOKENS = 160
 ARGS = ("--size", "tiny", "--memory", "leased", "--deterministic", "--max-num-seqs", "32",
-        "--max-num-batched-tokens", "256", "--prefill-chunk", "32", "--block-size", "16", "--num-blocks", "512")
+        "--max-num-batched-tokens", "256", "--prefill-chunk", "32", "--block-size", "16")
 
 
 class BatchedEngine:
@@ -114,11 +114,14 @@ def run_kill_and_resume(first: BatchedEngine, start_successor) -> tuple[dict, di
 @pytest.mark.timeout(300)
 def test_sixteen_streams_continue_exactly_after_a_sigkill_with_no_prefill_recomputed(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str]) -> None:  # noqa: F811
-    first = BatchedEngine(tmp_path, tiny_weights, "bat-1", settings_env)
+    first = BatchedEngine(tmp_path, tiny_weights, "bat-1", settings_env, "--num-blocks", "512")
     first.wait_ready()
-    out, expected, got = run_kill_and_resume(first, lambda: BatchedEngine(tmp_path, tiny_weights, "bat-1", settings_env))
+    # the successor would size a new cache otherwise (as on a GPU, from its free memory): it keeps the lease's
+    out, expected, got = run_kill_and_resume(first, lambda: BatchedEngine(tmp_path, tiny_weights, "bat-1", settings_env,
+                                                                          "--num-blocks", "300"))
     rec, stats = out["info"]["recovery"], out["health"]["engine"]
     assert rec["source"] == "reattached" and rec["journal"] == "adopted"
+    assert out["info"]["memory"]["num_blocks"] == 512
     in_flight = rec["adopted"]
     assert in_flight == STREAMS and rec["dropped"] == 0  # every stream was mid-generation
     assert got == expected  # every stream, token for token
