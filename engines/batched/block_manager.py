@@ -244,7 +244,8 @@ class BlockManager:
         found = []
         for seq in seqs:
             n = seq.num_computed // self.block_size
-            found += [(refs[b], b, h) for b, h in zip(seq.block_table[:n], self.token_block_hashes(seq, n)[:n], strict=True)]
+            hashes = self.token_block_hashes(seq, n)[:n]
+            found += [(refs[b], b, h) for b, h in zip(seq.block_table[:n], hashes, strict=True)]
         for _, b, h in sorted(found, key=lambda c: -c[0]):
             if h not in self._by_hash and self._hash_of[b] is None:
                 self._by_hash[h] = b
