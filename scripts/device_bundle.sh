@@ -14,7 +14,7 @@ PY=${PY:-.venv/bin/python}
 # hypothesis, pytest, pytest-timeout, typer, rich, grpcio, protobuf, zipp, cuda-bindings.
 PKGS="pydantic pydantic-core pydantic-settings annotated-types typing-inspection python-dotenv nats-py aetcd
       sqlalchemy typing-extensions opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions pytest-asyncio
-      fastapi starlette uvicorn annotated-doc"
+      fastapi starlette uvicorn annotated-doc cryptography cffi pycparser pynacl"
 SPECS=""
 for p in $PKGS; do
   v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")
@@ -24,6 +24,9 @@ done
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $SPECS
+
+# nkeys (NATS auth) is published as a source archive only: build its pure-Python wheel here.
+$PY -m pip wheel -q --no-deps -w .whl "nkeys==$($PY -c "import importlib.metadata as m; print(m.version('nkeys'))")"
 
 cp -f "$($PY -c 'import sys; print(sys.prefix)')/bin/nats-server" .device/bin/nats-server
 if ! { (cd /tmp && apt-get download etcd-server >/dev/null 2>&1) && dpkg-deb -x /tmp/etcd-server_*.deb /tmp/etcd-x \

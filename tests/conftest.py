@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from libs.common import procs
+from libs.common import procs, security
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.gpu import has_gpu
 from libs.common.ids import new_id
+from libs.common.security import servers
+from libs.common.security.policy import KeyRange
 from libs.common.store import Store
 
 HAS_GPU = has_gpu()
@@ -39,28 +41,53 @@ def infra_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+# Nodes whose agent and gpu_manager get credentials in the test servers (a service on another node is refused:
+# `CredentialsMissing` names it). Every other connection of the tests is `admin` (security.identity_for).
+TEST_NODES = ("node-1", "node-2", "node-3", "node-t", "n-early", "n-handed-on")
+TEST_IDENTITIES = security.identities(TEST_NODES)
+
+
 @pytest.fixture(scope="session")
-def nats_server(infra_dir: Path) -> Iterator[str]:
+def credentials(infra_dir: Path) -> Path:
+    """The tests' CA, certificates and nkeys, minted once a session (~0.1 s)."""
+    return security.mint(infra_dir / "credentials", TEST_IDENTITIES)
+
+
+@pytest.fixture(scope="session")
+def nats_server(infra_dir: Path, credentials: Path) -> Iterator[str]:
+    """TLS, nkey users and per-role subject permissions as in production; each test has its own subject prefix
+    and stream, so the permissions name them `*` (tests/common/test_security_nats.py checks the real ones)."""
     port = procs.free_port()
-    child = procs.nats_server(port, infra_dir / "nats", infra_dir / "nats.log").start()
+    conf = servers.write_nats_config(infra_dir / "nats.conf", credentials, TEST_IDENTITIES, prefix="*", stream="*")
+    child = procs.nats_server(port, infra_dir / "nats", infra_dir / "nats.log", config=conf).start()
     procs.wait_port(port, child)
     yield f"nats://127.0.0.1:{port}"
     child.stop()
 
 
+def _whole_keyspace(identity: str, prefix: str) -> list[KeyRange]:
+    return [KeyRange("/", write=True)]
+
+
 @pytest.fixture(scope="session")
-def etcd_server(infra_dir: Path) -> Iterator[str]:
+def etcd_server(infra_dir: Path, credentials: Path) -> Iterator[str]:
+    """TLS with client certificates and auth on; each test has its own key prefix, which etcd's static key ranges
+    cannot follow, so every identity may touch every key here (tests/common/test_security_etcd.py checks the real
+    key ranges, and the e2e tests run the stack with them)."""
     port, peer = procs.free_port(), procs.free_port()
-    child = procs.etcd_server(port, peer, infra_dir / "etcd", infra_dir / "etcd.log").start()
+    child = procs.etcd_server(port, peer, infra_dir / "etcd", infra_dir / "etcd.log",
+                              tls_flags=servers.etcd_tls_flags(credentials)).start()
     procs.wait_port(port, child)
+    servers.etcd_setup(f"127.0.0.1:{port}", credentials, TEST_IDENTITIES, prefix="/", ranges=_whole_keyspace)
     yield f"127.0.0.1:{port}"
     child.stop()
 
 
 @pytest.fixture
-def settings(nats_server: str, etcd_server: str, tmp_path: Path) -> CommonSettings:
+def settings(nats_server: str, etcd_server: str, credentials: Path, tmp_path: Path) -> CommonSettings:
     tag = new_id("t")
     return CommonSettings(
+        credentials_dir=credentials,
         nats_url=nats_server,
         etcd_endpoints=etcd_server,
         subject_prefix=tag.replace("-", ""),

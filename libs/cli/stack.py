@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.common import procs
+from libs.common import procs, security
 from libs.common.bus import Bus
 from libs.common.config import (
     DEFAULT_API_PORT,
@@ -32,6 +32,7 @@ from libs.common.config import (
     DEFAULT_ROUTER_PORT,
     CommonSettings,
 )
+from libs.common.security import servers
 from libs.common.service import Backoff, check_health
 
 STABLE_S = 60.0  # a child that ran this long before dying is restarted after the shortest delay again
@@ -78,6 +79,10 @@ class StackConfig:
     engines_file: Path | None = None
     api_token: str = "holdfast-dev-admin"
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Auth and TLS on NATS and etcd (libs/common/security), credentials minted once into <state>/credentials.
+    # False only to measure what they cost (bench pairs) or to debug with plain clients.
+    secure: bool = True
+    other_nodes: tuple[str, ...] = ()  # nodes besides `node` whose agent/gpu_manager get credentials
 
     @classmethod
     def ephemeral(cls, **kw: object) -> StackConfig:
@@ -120,16 +125,35 @@ class Stack:
             "HF_API_PORT": str(c.api_port),
             "HF_ADMIN_TOKEN": c.api_token,
             "HF_ROUTER_PORT": str(c.router_port),
+            "HF_CREDENTIALS_DIR": str(self.credentials_dir),
+            "HF_INSECURE": "0" if c.secure else "1",
             "PYTHONUNBUFFERED": "1",
         }
         if c.engines_file is not None:
             env["HF_ENGINES_FILE"] = str(c.engines_file)
         return {**env, **c.extra_env}
 
+    @property
+    def credentials_dir(self) -> Path:
+        return self.base_dir / "state" / "credentials"
+
     def settings(self) -> CommonSettings:
         env = self.env()
         return CommonSettings(nats_url=env["HF_NATS_URL"], etcd_endpoints=env["HF_ETCD_ENDPOINTS"],
-                              node=self.config.node, state_dir=Path(env["HF_STATE_DIR"]))
+                              node=self.config.node, state_dir=Path(env["HF_STATE_DIR"]),
+                              credentials_dir=self.credentials_dir, insecure=not self.config.secure)
+
+    def _secure_infra(self) -> tuple[Path | None, list[str] | None]:
+        """Mint what is missing of the credentials (kept across restarts of the stack: same keys, same CA) and
+        write nats-server's config; (None, None) with `secure` off."""
+        if not self.config.secure:
+            return None, None
+        s = self.settings()
+        ids = security.identities([self.config.node, *self.config.other_nodes])
+        security.mint(self.credentials_dir, ids)
+        conf = servers.write_nats_config(self.base_dir / "nats.conf", self.credentials_dir, ids,
+                                         prefix=s.subject_prefix, stream=s.stream_name)
+        return conf, servers.etcd_tls_flags(self.credentials_dir)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -137,12 +161,17 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.base_dir / "state").mkdir(parents=True, exist_ok=True, mode=0o700)
         c = self.config
-        nats = procs.nats_server(c.nats_port, self.base_dir / "nats", self.logs / "nats.log").start()
+        nats_conf, etcd_tls = self._secure_infra()
+        nats = procs.nats_server(c.nats_port, self.base_dir / "nats", self.logs / "nats.log", config=nats_conf).start()
         self.children["nats"] = nats
-        etcd = procs.etcd_server(c.etcd_port, c.etcd_peer_port, self.base_dir / "etcd", self.logs / "etcd.log").start()
+        etcd = procs.etcd_server(c.etcd_port, c.etcd_peer_port, self.base_dir / "etcd", self.logs / "etcd.log",
+                                 tls_flags=etcd_tls).start()
         self.children["etcd"] = etcd
         procs.wait_port(c.nats_port, nats)
         procs.wait_port(c.etcd_port, etcd)
+        if c.secure:  # users, roles and key ranges (idempotent: a restarted stack finds them in place)
+            ids = security.identities([c.node, *c.other_nodes])
+            servers.etcd_setup(f"127.0.0.1:{c.etcd_port}", self.credentials_dir, ids, prefix=self.settings().etcd_prefix)
 
     def start_service(self, service: str, *args: str, name: str | None = None,
                       env_extra: dict[str, str] | None = None) -> procs.Child:

@@ -35,9 +35,16 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import BaseModel, create_model
 
-from libs.common import telemetry
+from libs.common import security, telemetry
 from libs.common.config import CommonSettings
-from libs.common.errors import CommandTimeout, HoldfastError, MalformedMessage, RemoteError, Unavailable
+from libs.common.errors import (
+    CommandTimeout,
+    HoldfastError,
+    MalformedMessage,
+    RemoteError,
+    Unavailable,
+    WrongNode,
+)
 from libs.common.events import (
     SCHEMA_VERSION,
     Command,
@@ -240,6 +247,17 @@ class Wired:
         self.subject, self.body, self.headers, self.durable, self.id = subject, body, headers, durable, id
 
 
+def nats_auth(settings: CommonSettings, source: str) -> dict[str, Any]:
+    """nats.connect's options for this connection's identity: TLS against the cluster's CA, the identity's nkey
+    (its seed is read by nats-py only to sign the server's nonce) and its own inbox prefix (the server lets it
+    read replies there only). `insecure`: none of it, for a server with auth off."""
+    if settings.insecure:
+        return {}
+    creds = security.credentials_for(settings.credentials(), source, settings.node)
+    return {"tls": creds.client_tls(), "nkeys_seed": str(creds.nkey_seed),
+            "inbox_prefix": security.policy.inbox_prefix(creds.identity)}
+
+
 class Bus:
     """One NATS connection with Holdfast's typing, tracing and error handling on top."""
 
@@ -282,6 +300,7 @@ class Bus:
         nc = await nats.connect(
             servers=[s.strip() for s in settings.nats_url.split(",")],
             name=source,
+            **nats_auth(settings, source),
             error_cb=error_cb,
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
@@ -761,7 +780,7 @@ class Bus:
             kind = self._command_kinds[type(command)] = command_kind(type(command))
         subject = f"{self.prefix}.node.{node}.{kind}"  # command_subject(self.prefix, node, type(command))
         headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
-        return subject, self._command_json(command, headers.get("traceparent"), headers.get("tracestate")), headers
+        return subject, self._command_json(command, headers.get("traceparent"), headers.get("tracestate"), node), headers
 
     @staticmethod
     def _reply_of(msg: Msg, subject: str, reply_model: type[R]) -> R:
@@ -775,13 +794,13 @@ class Bus:
             return decode_model(reply_model, {})  # says what is missing
         return reply.data  # type: ignore[no-any-return]
 
-    def _command_json(self, command: Command, traceparent: str | None, tracestate: str | None) -> bytes:
+    def _command_json(self, command: Command, traceparent: str | None, tracestate: str | None, node: str) -> bytes:
         """The JSON of `CommandEnvelope(id=new_id(), source=, trace=, data=command)`, field for field, built
         without the model (its construction and dump were ~3x this; the dc_manager sends two per incident)."""
         if self._command_head is None:
             self._command_head = b',"source":' + _json(self.source) + b',"trace":{"traceparent":'
         return b"".join((b'{"id":', _json(new_id()), _VERSION_TIME, repr(time.time()).encode(), self._command_head,
-                         _json(traceparent), b',"tracestate":', _json(tracestate), b'},"data":',
+                         _json(traceparent), b',"tracestate":', _json(tracestate), b'},"to":', _json(node), b',"data":',
                          command.model_dump_json().encode(), b"}"))
 
     async def serve(
@@ -812,7 +831,10 @@ class Bus:
 
         async def answer(msg: Msg) -> None:
             try:
-                command = decode_model(typed, msg.data).data  # envelope and command validated in one pass
+                env = decode_model(typed, msg.data)  # envelope and command validated in one pass
+                if env.to is not None and env.to != node:  # misrouted or forged: never acted on
+                    raise WrongNode(f"{subject} serves node {node!r}; this command is addressed to {env.to!r}")
+                command = env.data
                 if attach_trace:
                     with telemetry.attach_headers(msg.headers or {}):
                         result = await handler(command)
@@ -820,7 +842,7 @@ class Bus:
                     result = await handler(command)
                 body = ok_reply(result)
             except HoldfastError as e:
-                if isinstance(e, MalformedMessage):
+                if isinstance(e, MalformedMessage | WrongNode):
                     self.rejected += 1
                     log.warning("rejected command on %s: %s", msg.subject, e.message)
                 err = e.to_dict()

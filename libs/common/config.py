@@ -38,6 +38,9 @@ class CommonSettings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = Field(False, description="one JSON object a log line")
     request_timeout_s: float = Field(2.0, description="default timeout of NATS request/reply")
+    credentials_dir: Path | None = Field(
+        None, description="CA, certificates and NATS nkeys (libs/common/security); default: <state_dir>/credentials")
+    insecure: bool = Field(False, description="connect to NATS and etcd without TLS or credentials (servers with auth off)")
 
     def to_env(self) -> dict[str, str]:
         """The shared settings as `HF_*` variables, for a child process that must see the same cluster."""
@@ -51,7 +54,13 @@ class CommonSettings(BaseSettings):
             "HF_DATACENTER": self.datacenter,
             "HF_STATE_DIR": str(self.state_dir),
             "HF_LOG_LEVEL": self.log_level,
+            "HF_CREDENTIALS_DIR": str(self.credentials()),
+            "HF_INSECURE": "1" if self.insecure else "0",
         }
+
+    def credentials(self) -> Path:
+        """Where this process's credentials lie (a child process is told the same with `to_env`)."""
+        return self.credentials_dir if self.credentials_dir is not None else self.state_dir / "credentials"
 
     def ensure_state_dir(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -39,6 +39,12 @@ class PermissionDenied(HoldfastError):
     code = "permission_denied"
 
 
+class WrongNode(PermissionDenied):
+    """A command whose envelope names another node than the one its receiver serves: refused, never acted on."""
+
+    code = "wrong_node"
+
+
 class StaleEpoch(HoldfastError):
     code = "stale_epoch"
 

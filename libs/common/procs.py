@@ -101,17 +101,22 @@ def wait_port(port: int, child: Child | None = None, timeout: float = 15.0) -> N
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
-def nats_server(port: int, data_dir: Path, log_path: Path | None = None) -> Child:
+def nats_server(port: int, data_dir: Path, log_path: Path | None = None, *, config: Path | None = None) -> Child:
+    """`config`: a nats-server config file (TLS, users, permissions: libs/common/security); flags win over it."""
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)]
+    if config is not None:
+        argv += ["-c", str(config)]
     return Child("nats", argv, log_path=log_path)
 
 
 ETCD_HISTORY = "10m"  # etcd's --auto-compaction-retention (periodic) for the etcd servers started here
 
 
-def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None = None) -> Child:
-    url = f"http://127.0.0.1:{port}"
+def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None = None, *,
+                tls_flags: list[str] | None = None) -> Child:
+    """`tls_flags`: etcd's certificate flags (security.servers.etcd_tls_flags): clients then speak TLS only."""
+    url = f"{'https' if tls_flags else 'http'}://127.0.0.1:{port}"
     peer = f"http://127.0.0.1:{peer_port}"
     argv = [
         find_binary("etcd"), "--name", "holdfast", "--data-dir", str(data_dir),
@@ -122,6 +127,7 @@ def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None
         # database reaches the quota (2 GiB) and etcd refuses every write (NOSPACE). History older than this is
         # dropped; a watch that falls that far behind resyncs from a snapshot (ClusterView.follow).
         "--auto-compaction-mode", "periodic", "--auto-compaction-retention", ETCD_HISTORY,
+        *(tls_flags or []),
     ]
     return Child("etcd", argv, log_path=log_path)
 

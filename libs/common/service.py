@@ -117,7 +117,7 @@ class Runtime:
     async def start(self, *, use_store: bool = True) -> None:
         self.bus = await Bus.connect(self.settings, f"{self.service}:{self.instance}")
         if use_store:
-            self.store = await Store.connect(self.settings)
+            self.store = await Store.connect(self.settings, source=f"{self.service}:{self.instance}")
 
     async def announce_health(self) -> None:
         """Answer health requests; called after setup, so "healthy" means every handler is registered."""

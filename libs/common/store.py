@@ -26,10 +26,12 @@ from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+import aetcd.watcher
 import grpc
 from aetcd import rpc
 from pydantic import BaseModel
 
+from libs.common import security
 from libs.common.config import CommonSettings
 from libs.common.errors import Unavailable, WatchCompacted
 
@@ -61,21 +63,56 @@ class Lease:
     ttl: int
 
 
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel presenting a client certificate (aetcd itself dials in plaintext only):
+    its `connect` with the channel made secure, the rest unchanged. With etcd's auth on, the certificate's CN
+    is the user whose role's key ranges every request is checked against."""
+
+    def __init__(self, *args: Any, tls: grpc.ChannelCredentials, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._tls = tls
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", self._tls, options=self._options.items())
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                     metadata=self.metadata)
+        self._connected.set()
+
+
+def etcd_tls(settings: CommonSettings, source: str) -> grpc.ChannelCredentials | None:
+    """The channel credentials of the identity of `source` (as the bus's: '<service>:<instance>'; any other
+    source is an operator, `admin`), None when `insecure`."""
+    if settings.insecure:
+        return None
+    creds = security.credentials_for(settings.credentials(), source, settings.node, nats=False)
+    return grpc.ssl_channel_credentials(*creds.grpc_parts())
+
+
 class Store:
-    def __init__(self, client: aetcd.Client, settings: CommonSettings) -> None:
+    def __init__(self, client: aetcd.Client, settings: CommonSettings, source: str = "") -> None:
         self.client = client
         self.settings = settings
+        self.source = source
         self.prefix = settings.etcd_prefix if settings.etcd_prefix.endswith("/") else settings.etcd_prefix + "/"
 
     @classmethod
-    async def connect(cls, settings: CommonSettings, *, timeout: float = 10.0) -> Store:
+    async def connect(cls, settings: CommonSettings, *, source: str = "", timeout: float = 10.0) -> Store:
+        """`source`: who connects ('<service>:<instance>', as for `Bus.connect`); it picks the credentials."""
         host, port = settings.etcd_hosts()[0]
-        client = aetcd.Client(host=host, port=port, timeout=5)
-        store = cls(client, settings)
+        tls = etcd_tls(settings, source)
+        client = aetcd.Client(host=host, port=port, timeout=5) if tls is None else _TlsClient(
+            host=host, port=port, timeout=5, tls=tls)
+        store = cls(client, settings, source)
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                await client.get(b"/holdfast-ping")
+                await client.status()  # needs no key permission: the router may read endpoints/ only
                 return store
             except Exception as e:  # noqa: BLE001 - etcd may still be starting
                 if asyncio.get_running_loop().time() > deadline:
@@ -244,6 +281,7 @@ class ThreadKeepAlive:
     def __init__(self, store: Store, lease: Lease, *, stall_limit_s: float | None = None) -> None:
         host, port = store.settings.etcd_hosts()[0]
         self.target = f"{host}:{port}"
+        self.tls = etcd_tls(store.settings, store.source)
         self.lease = lease
         self.interval = max(lease.ttl / 3.0, 0.2)
         self.stall_limit_s = stall_limit_s if stall_limit_s is not None else max(30.0, 10.0 * lease.ttl)
@@ -277,7 +315,7 @@ class ThreadKeepAlive:
                 loop.call_soon_threadsafe(self.lost.set)
 
     def _refresh_forever(self) -> None:
-        channel = grpc.insecure_channel(self.target)
+        channel = grpc.insecure_channel(self.target) if self.tls is None else grpc.secure_channel(self.target, self.tls)
         stub = rpc.LeaseStub(channel)
         try:
             while not self._stop.wait(self.interval):

@@ -1,0 +1,23 @@
+"""Authentication and authorization of the bus (NATS) and the store (etcd).
+
+Every connection authenticates as one *identity* (policy.py) and runs over TLS against the cluster's CA:
+NATS with the identity's nkey (nats-py signs the server's nonce; the seed never leaves the process), etcd with
+the identity's client certificate (its CN is the etcd user). What an identity may touch is decided by the
+servers (nats-server's subject permissions, etcd's RBAC), not by the clients, so a stolen or forged client
+gets only what its credential allows. `holdfast up` and the test fixtures mint dev credentials once per
+state directory (pki.mint); production mounts the same files (docs/security.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from libs.common.security.pki import Credentials, CredentialsMissing, mint
+from libs.common.security.policy import ADMIN, identities, identity_for
+
+__all__ = ["ADMIN", "Credentials", "CredentialsMissing", "credentials_for", "identities", "identity_for", "mint"]
+
+
+def credentials_for(credentials_dir: Path, source: str, node: str, *, nats: bool = True) -> Credentials:
+    """The credentials a connection of `source` on `node` uses; `CredentialsMissing` says what is absent."""
+    return Credentials.load(credentials_dir, identity_for(source, node), nats=nats)

@@ -1,0 +1,149 @@
+"""Who may do what on the bus and in the store: pure tables, no I/O (security/__init__.py says why).
+
+An *identity* is one credential: `controller`, `dc_manager`, `router`, `admin` (operators, the CLI, tests and
+benchmarks), and per node `agent.<node>` and `gpu_manager.<node>`. Its NATS user (an nkey) gets the subject
+permissions of `nats_permissions`; its etcd user (the client certificate's CN) gets the key ranges of
+`etcd_ranges`. Invariants (tests/common/test_security_*.py):
+1. a node's agent and gpu_manager subscribe only to their own node's command subjects, and publish commands
+   only to their own node (the agent's `share_weights` to its gpu_manager);
+2. only the dc_manager publishes every node command; the controller publishes `reclaim` and `agent.stop`
+   (forced reclaim and cold-start clean-up, its admin operations) and nothing else on `node.`;
+3. the router subscribes to router events only and publishes nothing but replies;
+4. each identity reads replies on its own inbox prefix only (`inbox_prefix`), so no one reads another's
+   replies (a `ListLeases` answer, a stream ack);
+5. JetStream consumers (`$JS.API.CONSUMER.*`, acks) belong to the controller and the dc_manager alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libs.common.events import Reclaim, ShareWeights, StopEngine, command_kind
+
+ADMIN = "admin"
+ROOT = "root"  # etcd's root user: set-up only (users, roles, auth enable); no service runs as it
+CLUSTER_ROLES = ("controller", "dc_manager", "router")
+NODE_ROLES = ("agent", "gpu_manager")
+SERVICE_OF_SOURCE = {"controller-api": "controller"}  # a bus `source` naming a part of a service
+
+
+class UnknownIdentity(ValueError):
+    pass
+
+
+def node_identity(role: str, node: str) -> str:
+    return f"{role}.{node}"
+
+
+def identity_for(source: str, node: str) -> str:
+    """The identity a connection with this bus `source` ('<service>:<instance>') uses: a service's own; any
+    other source (the CLI, `holdfast up`'s health checks, tests, benchmarks) is an operator: `admin`."""
+    service = source.split(":", 1)[0]
+    service = SERVICE_OF_SOURCE.get(service, service)
+    if service in NODE_ROLES:
+        return node_identity(service, node)
+    if service in CLUSTER_ROLES:
+        return service
+    return ADMIN
+
+
+def identities(nodes: list[str] | tuple[str, ...]) -> list[str]:
+    """Every identity of a cluster with these nodes (the etcd root user apart)."""
+    return [ADMIN, *CLUSTER_ROLES, *(node_identity(r, n) for n in nodes for r in NODE_ROLES)]
+
+
+def split_identity(identity: str) -> tuple[str, str | None]:
+    role, _, node = identity.partition(".")
+    if role in NODE_ROLES and node:
+        return role, node
+    if identity in (ADMIN, *CLUSTER_ROLES):
+        return identity, None
+    raise UnknownIdentity(f"no such identity: {identity!r}")
+
+
+def inbox_prefix(identity: str) -> str:
+    """Where this identity's replies come (a subject token: no dots)."""
+    return "_INBOX_" + identity.replace(".", "_")
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """Allowed subjects; `None` for both: everything (the admin)."""
+
+    publish: tuple[str, ...] | None
+    subscribe: tuple[str, ...] | None
+
+
+def _stream_admin(stream: str) -> list[str]:
+    # Every service makes sure the stream exists at start (Bus.connect(stream=True)): the first one up creates it.
+    return [f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")] + ["$JS.API.INFO"]
+
+
+def _consumers(stream: str) -> list[str]:
+    return [f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"$JS.API.STREAM.MSG.GET.{stream}", "$JS.API.STREAM.NAMES", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
+    """The subjects `identity` may publish and subscribe to. `prefix`/`stream`: the cluster's subject prefix and
+    stream name (`*` in the test fixtures, whose tests each use their own)."""
+    role, node = split_identity(identity)
+    if role == ADMIN:
+        return Permissions(None, None)
+    p = prefix
+    sub = [f"{inbox_prefix(identity)}.>", f"{p}.health.{role}", f"{p}.health.{role}.>"]
+    pub = _stream_admin(stream)
+    if role == "agent":
+        sub.append(f"{p}.node.{node}.agent.>")
+        pub += [f"{p}.fault.detected", f"{p}.engine.>", f"{p}.node.{node}.{command_kind(ShareWeights)}"]
+    elif role == "gpu_manager":
+        sub.append(f"{p}.node.{node}.gpu_manager.>")
+        pub += [f"{p}.memory.>"]
+    elif role == "controller":
+        pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
+                f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}", *_consumers(stream)]
+    elif role == "dc_manager":
+        pub += [f"{p}.intent.result", f"{p}.node.*.agent.>", f"{p}.node.*.gpu_manager.>", *_consumers(stream)]
+    elif role == "router":
+        sub.append(f"{p}.router.endpoint.>")
+    return Permissions(tuple(pub), tuple(sub))
+
+
+# ---------------------------------------------------------------- etcd
+
+@dataclass(frozen=True)
+class KeyRange:
+    """etcd's [key, range_end) with `write` or read only; a prefix range ends at the prefix's successor."""
+
+    key: str
+    write: bool
+    prefix: bool = True
+
+    def bounds(self) -> tuple[bytes, bytes]:
+        key = self.key.encode()
+        if not self.prefix:
+            return key, b""
+        end = bytearray(key)
+        end[-1] += 1  # the prefix's successor: every key that starts with it sorts before this
+        return key, bytes(end)
+
+
+def etcd_ranges(identity: str, prefix: str) -> list[KeyRange]:
+    """The key ranges `identity` may read or write under the cluster's etcd `prefix` (ends with '/').
+
+    What each service writes (and why it may): agent: `nodes/<node>`, `agents/<node>/`, `engines/` (engine ids
+    are not node-scoped: a known limit, docs/security.md); gpu_manager: `allocations/<node>/`, `gpus/<node>/`;
+    dc_manager: its progress records `dcm/` and `leader/`; controller: everything (incidents, endpoints, drain,
+    rollouts, leader, and the clean-up of what a dead node left); router: reads `endpoints/` only."""
+    role, node = split_identity(identity)
+    if role in (ADMIN, "controller"):
+        return [KeyRange(prefix, write=True)]
+    if role == "router":
+        return [KeyRange(prefix + "endpoints/", write=False)]
+    read_all = KeyRange(prefix, write=False)
+    if role == "dc_manager":
+        return [read_all, KeyRange(prefix + "dcm/", write=True), KeyRange(prefix + "leader/", write=True)]
+    if role == "agent":
+        return [read_all, KeyRange(f"{prefix}nodes/{node}", write=True, prefix=False),
+                KeyRange(f"{prefix}agents/{node}/", write=True), KeyRange(prefix + "engines/", write=True)]
+    return [read_all, KeyRange(f"{prefix}allocations/{node}/", write=True), KeyRange(f"{prefix}gpus/{node}/", write=True)]
