@@ -17,6 +17,8 @@ Invariants:
 2. A frame larger than `max_size` is refused from its header, before its payload is read.
 3. End of stream at a frame boundary is `PeerClosed`; inside a frame it is `TruncatedFrame`.
 4. After `MalformedMessage` the stream's framing can no longer be trusted: callers reply and close.
+5. A server's accept loop ends only with the server: a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM, ...) is
+   retried with backoff and logged once per episode, and `FrameServer.accept_trouble` says why meanwhile.
 
 Two variants: blocking (`send_frame`/`recv_frame`, for the engine SDK, which has no event loop) and asyncio
 (`FrameStream`, `serve_frames`, for services). Generic: nothing here knows about leases.
@@ -27,10 +29,13 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import grp
+import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -39,10 +44,16 @@ import msgpack
 from libs.common.errors import MalformedMessage
 
 HEADER = struct.Struct("!II")
+log = logging.getLogger("holdfast.wire")
+
 MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD in the Linux kernel
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 DEFAULT_MAX_FDS = 16384
 _MARKER = b"\x00"
+# accept() fails while the process (EMFILE) or the system (ENFILE) has no fd left, or the kernel no memory
+# (ENOBUFS, ENOMEM): the connection stays queued in the backlog, so the server pauses and tries again.
+ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause between accept attempts that failed
+ACCEPT_QUIET_S = 2 * ACCEPT_PAUSE_S[1]  # no failure for this long ends an episode (longer than any pause)
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 
 
@@ -239,6 +250,12 @@ class FrameStream:
     def closed(self) -> bool:
         return self._closed
 
+    async def wait_readable(self) -> None:
+        """Until a byte (or the end of the stream) can be read; reads nothing. A server bounds the idle time
+        before a frame and the time of the frame itself separately with it."""
+        loop = asyncio.get_running_loop()
+        await self._wait(loop.add_reader, loop.remove_reader)
+
     async def _wait(self, register: Callable[..., None], unregister: Callable[[int], Any]) -> None:
         fut = asyncio.get_running_loop().create_future()
         fileno = self.sock.fileno()
@@ -302,18 +319,58 @@ class FrameServer:
         self._stream_kwargs = stream_kwargs
         self._tasks: set[asyncio.Task[None]] = set()
         self._accept_task: asyncio.Task[None] | None = None
+        self._failed_since: float | None = None  # start of the current episode of failed accepts
+        self._last_failure = 0.0
+        self._failures = 0
+        self._last_error = ""
 
     def start(self) -> None:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name=f"accept:{self.path}")
 
     async def _accept_loop(self) -> None:
+        """Accept forever. A failed accept (no fd left, no kernel memory, a connection aborted in the queue)
+        pauses, doubling up to a second, and tries again: it never ends the loop. One warning when an episode
+        of failures starts, one line at the first accept after a quiet `ACCEPT_QUIET_S` (near the limit,
+        accepts fail and succeed in turn: that is one episode); `accept_trouble` says what is wrong meanwhile."""
         loop = asyncio.get_running_loop()
+        pause = ACCEPT_PAUSE_S[0]
         while True:
-            conn, _ = await loop.sock_accept(self.sock)
+            try:
+                conn, _ = await loop.sock_accept(self.sock)
+            except OSError as e:
+                if e.errno == errno.EBADF:  # our own socket closed under us: close() is under way
+                    return
+                self._accept_failed(e)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, ACCEPT_PAUSE_S[1])
+                continue
+            pause = ACCEPT_PAUSE_S[0]
+            if self._failed_since is not None and time.monotonic() - self._last_failure >= ACCEPT_QUIET_S:
+                log.warning("%s: accepting again after %d failed accepts over %.1f s", self.path, self._failures,
+                            self._last_failure - self._failed_since)
+                self._failed_since, self._failures = None, 0
             stream = FrameStream(conn, **self._stream_kwargs)
             task = loop.create_task(self._run(stream), name=f"conn:{self.path}:{conn.fileno()}")
             self._tasks.add(task)  # keep a reference so the task is not collected mid-flight
             task.add_done_callback(self._tasks.discard)
+
+    def _accept_failed(self, e: OSError) -> None:
+        now = time.monotonic()
+        if self._failed_since is None or now - self._last_failure >= ACCEPT_QUIET_S:
+            # a new episode (a previous one ended quietly, with no accept since: its clients gave up)
+            self._failed_since, self._failures = now, 0
+            log.warning("%s: cannot accept (%s); retrying with backoff, connections wait in the backlog",
+                        self.path, _errno_text(e))
+        self._failures += 1
+        self._last_failure = now
+        self._last_error = _errno_text(e)
+
+    @property
+    def accept_trouble(self) -> str | None:
+        """Why accepting fails now, or None once no accept has failed for `ACCEPT_QUIET_S`."""
+        if self._failed_since is None or time.monotonic() - self._last_failure >= ACCEPT_QUIET_S:
+            return None
+        return f"{self._last_error}: {self._failures} failed accepts in {time.monotonic() - self._failed_since:.1f} s"
 
     async def _run(self, stream: FrameStream) -> None:
         try:
@@ -339,6 +396,11 @@ class FrameServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _errno_text(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno or 0, "")
+    return f"{name} ({e.strerror})" if name else repr(e)
 
 
 def listen_unix(path: str, *, mode: int = 0o600, group: str | int | None = None, backlog: int = 128
