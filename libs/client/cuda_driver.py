@@ -49,6 +49,11 @@ def uuid_of(ordinal: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def total_memory(ordinal: int) -> int:
+    """The device's memory in bytes (what the gpu_manager may lease on it at most)."""
+    return int(check(cu.cuDeviceTotalMem(check(cu.cuDeviceGet(ordinal)))))
+
+
 def ordinal_of(selector: str | int) -> int:
     """A device ordinal from an index or a UUID (as nvidia-smi prints it, 'GPU-' optional)."""
     if isinstance(selector, int) or str(selector).isdigit():

@@ -40,6 +40,30 @@ class OutOfMemory(HoldfastError):
     code = "out_of_memory"
 
 
+class LimitExceeded(HoldfastError):
+    """A request over one of the manager's limits (settings.py); the connection stays usable unless said."""
+
+    code = "limit_exceeded"
+
+
+class TooManyChunks(LimitExceeded):
+    """An allocate whose size / chunk size is more chunks (one fd each, here and in the manager) than allowed."""
+
+    code = "too_many_chunks"
+
+
+class TooManyFds(LimitExceeded):
+    """An allocate that would take the chunk fds of one client process, or of the manager, past their limit."""
+
+    code = "too_many_fds"
+
+
+class TooManyConnections(LimitExceeded):
+    """This uid holds as many connections as allowed; the manager answers this, then closes the new one."""
+
+    code = "too_many_connections"
+
+
 class Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -4,27 +4,56 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+import resource
+from typing import Any, cast
 
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.service import Runtime
-from libs.common.wire import serve_frames
+from libs.common.wire import FrameServer, serve_frames
 from services.gpu_manager.backends import make_backend
 from services.gpu_manager.commands import Commands
 from services.gpu_manager.db import LeaseDb
 from services.gpu_manager.keeper_client import KeeperClient
+from services.gpu_manager.limits import ConnectionCount
 from services.gpu_manager.manager import LeaseBook
 from services.gpu_manager.mirror import Mirror
-from services.gpu_manager.session import serve_connection
+from services.gpu_manager.session import fd_usage, serve_connection
 from services.gpu_manager.settings import GpuManagerSettings
 
 log = logging.getLogger("holdfast.gpu_manager")
+
+FD_PRESSURE = 0.9  # health says degraded while this share of RLIMIT_NOFILE is open
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard one: every chunk of every lease is one fd here (and one in the keeper,
+    which inherits the limit), and a distribution's default soft limit (1024) is a few engines' worth."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns: ConnectionCount) -> dict[str, Any]:
+    """Health detail: `status` is `degraded` (with `degraded`: condition -> reason) while accepting fails or
+    fds run short, `ok` otherwise; it recovers by itself once the condition ends."""
+    open_fds, limit = fd_usage()
+    degraded = {}
+    if server.accept_trouble is not None:
+        degraded["accept"] = f"cannot accept engine connections: {server.accept_trouble}"
+    if open_fds >= FD_PRESSURE * limit:
+        degraded["fds"] = f"{open_fds} of {limit} fds open"
+    return {"status": "degraded" if degraded else "ok", "degraded": degraded, "backend": backend, "socket": path,
+            "leases": len(book.records), "rejected_frames": book.rejected, "fds": {"open": open_fds, "limit": limit},
+            "connections": sum(conns.by_uid.values()), "refused_connections": conns.refused}
 
 
 async def setup(rt: Runtime) -> None:
     settings = cast(GpuManagerSettings, rt.settings)
     settings.ensure_state_dir()
-    backend = await asyncio.to_thread(make_backend, settings.backend, settings.gpus)
+    fd_limit = raise_fd_limit()  # before the keeper starts: it inherits it
+    backend = await asyncio.to_thread(make_backend, settings.backend, settings.gpus, settings.host_capacity_bytes,
+                                      settings.host_capacity_fraction)
     db = LeaseDb(settings.database_url())
     keeper = KeeperClient(settings.keeper_path())
     mirror = Mirror(rt.bus, rt.store, settings.node)
@@ -45,11 +74,12 @@ async def setup(rt: Runtime) -> None:
     # an engine back (a test, the control plane) finds the commands answered, not "no responders".
     await rt.bus.nc.flush()
     path = str(settings.socket_path())
-    server = await serve_frames(path, lambda stream: serve_connection(book, stream), mode=settings.socket_mode,
-                                group=settings.socket_group, max_size=settings.max_frame_bytes)
+    conns = ConnectionCount(settings.max_connections_per_uid)
+    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream),
+                                mode=settings.socket_mode, group=settings.socket_group,
+                                max_size=settings.max_frame_bytes)
     rt.spawn("reconciler", book.reconcile_forever())
-    rt.health_detail = lambda: {"backend": backend.name, "socket": path, "leases": len(book.records),
-                                "rejected_frames": book.rejected}
+    rt.health_detail = lambda: health(backend.name, path, server, book, conns)
 
     async def close() -> None:
         await server.close()
@@ -61,5 +91,5 @@ async def setup(rt: Runtime) -> None:
     # The startup heap lives as long as the process: out of the collector's sight, a full collection does
     # not walk it in the middle of an engine's attach or takeover.
     long_lived_gc()
-    log.info("gpu_manager on %s: backend %s, socket %s, %d live leases", settings.node, backend.name, path,
-             len(book.records))
+    log.info("gpu_manager on %s: backend %s, socket %s, %d live leases, fd limit %d", settings.node, backend.name,
+             path, len(book.records), fd_limit[0])

@@ -8,15 +8,22 @@
   importer's mapping are gone.
 
 Invariant: `free(chunks)` leaves this process with no fd and no handle of those chunks.
+`capacity(gpu)`: the most bytes leases may hold on that gpu at once (host: a fraction of the host's or its
+cgroup's memory; cuda: the device's memory); the session refuses an allocate past it (out_of_memory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
+
+from libs.client.protocol import OutOfMemory, TooManyFds
+from libs.common.errors import HoldfastError
 
 
 @dataclass
@@ -36,6 +43,7 @@ class Backend(Protocol):
     def free(self, chunks: list[Chunk]) -> None: ...
     def gpu_uuid(self, gpu: int) -> str | None: ...
     def free_bytes(self, gpu: int) -> int | None: ...
+    def capacity(self, gpu: int) -> int: ...
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -47,8 +55,44 @@ def _close(fd: int) -> None:
         os.close(fd)
 
 
+def host_memory_bytes() -> int:
+    """The memory this process may use: MemTotal, or its cgroup's limit (v2 memory.max, v1 limit_in_bytes)
+    where that is lower (a container's share of a large host)."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    cgroups = Path("/sys/fs/cgroup")
+    limits = [cgroups / "memory.max", cgroups / "memory/memory.limit_in_bytes"]
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            hierarchy, _, own = line.partition("::")  # cgroup v2: "0::/path"
+            if hierarchy == "0" and own.strip("/"):
+                limits.insert(0, cgroups / own.strip("/") / "memory.max")
+    for limit in limits:
+        with contextlib.suppress(OSError, ValueError):
+            text = limit.read_text().strip()
+            if text != "max":
+                return min(total, int(text))
+    return total
+
+
+def exhausted_error(e: OSError, what: object) -> HoldfastError | None:
+    """The typed reply for a call that ran out of fds or memory (the client learns, nothing else breaks), or
+    None for any other error."""
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return TooManyFds(f"the gpu_manager has no fd left for {what} ({e.strerror})")
+    if e.errno in (errno.ENOMEM, errno.ENOBUFS, errno.ENOSPC, errno.EFBIG):
+        return OutOfMemory(f"no memory for {what} ({e.strerror})")
+    return None
+
+
 class HostBackend:
     name = "host"
+
+    def __init__(self, capacity_bytes: int | None = None, capacity_fraction: float = 0.8) -> None:
+        self._capacity = capacity_bytes if capacity_bytes is not None else int(host_memory_bytes() * capacity_fraction)
+
+    def capacity(self, gpu: int) -> int:
+        return self._capacity  # every "gpu" index of the host backend shares the host's memory
 
     def granularity(self, gpu: int) -> int:
         return mmap.PAGESIZE
@@ -65,6 +109,12 @@ class HostBackend:
                 fd = os.memfd_create(f"hf-{label}-{i}", os.MFD_CLOEXEC)
                 chunks.append(Chunk(size, fd))
                 os.ftruncate(fd, size)
+        except OSError as e:
+            self.free(chunks)
+            typed = exhausted_error(e, f"{len(sizes)} chunks")
+            if typed is None:
+                raise
+            raise typed from e
         except BaseException:
             self.free(chunks)
             raise
@@ -85,11 +135,12 @@ class HostBackend:
         return None
 
 
-def make_backend(kind: str, gpus: list[str]) -> Backend:
+def make_backend(kind: str, gpus: list[str], host_capacity_bytes: int | None = None,
+                 host_capacity_fraction: float = 0.8) -> Backend:
     if kind == "auto":
         kind = "cuda" if cuda_available() else "host"
     if kind == "host":
-        return HostBackend()
+        return HostBackend(host_capacity_bytes, host_capacity_fraction)
     if kind == "cuda":
         from services.gpu_manager.cuda_backend import CudaBackend
 

@@ -25,6 +25,7 @@ class CudaBackend:
         self._ctx = {o: cd.primary_context(o) for o in self.ordinals}
         self._uuid = {o: cd.uuid_of(o) for o in self.ordinals}
         self._gran = {o: cd.granularity(o) for o in self.ordinals}
+        self._total = {o: cd.total_memory(o) for o in self.ordinals}
         self._local = threading.local()
 
     def _use(self, gpu: int) -> None:
@@ -79,6 +80,12 @@ class CudaBackend:
             if c.handle is not None:
                 cd.check(cu.cuMemRelease(c.handle))
                 c.handle = None
+
+    def capacity(self, gpu: int) -> int:
+        """The device's memory: an allocate past it is refused before any cuMemCreate (which would fail anyway,
+        after creating chunks one by one up to the point of failure)."""
+        self.check_gpu(gpu)
+        return self._total[gpu]
 
     def gpu_uuid(self, gpu: int) -> str | None:
         return self._uuid.get(gpu)

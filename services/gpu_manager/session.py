@@ -7,13 +7,23 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
 3. A warm standby holding the share token the control plane obtained for it (`share` command) gets read-only
    fds of the owner's committed weight leases, nothing else; ownership does not move.
 4. Every bad request gets a typed error reply; a frame that breaks the framing closes this connection
-   only. Other connections and the lease table are untouched.
+   only. Other connections and the lease table are untouched. Running out of fds or memory while serving a
+   request is a typed reply too (too_many_fds, out_of_memory), not a dropped connection.
+5. Limits (limits.py): connections per uid, chunks per lease, chunk fds per client and under the manager's
+   RLIMIT_NOFILE, bytes per gpu; each refused with its typed error.
+6. Deadlines: the hello must be whole within `hello_timeout_s` of the connect; after it, a frame once begun
+   must be whole within `frame_timeout_s` (both answered `timeout`, then closed), and a connection silent for
+   `idle_timeout_s` is closed without a reply (a reply nobody asked for would be read as the answer to the
+   client's next request; the SDK sees the close and reconnects). No wait here blocks another connection.
+7. Listings answer for the caller only: `pending` shows leases of the caller's engine id *and* uid.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import resource
 import secrets
 import time
 from dataclasses import dataclass
@@ -45,6 +55,7 @@ from libs.client.protocol import (
     tensor_extent,
 )
 from libs.common.errors import (
+    CommandTimeout,
     Conflict,
     HoldfastError,
     MalformedMessage,
@@ -54,7 +65,9 @@ from libs.common.errors import (
 )
 from libs.common.events import LeaseState
 from libs.common.wire import FrameStream, PeerClosed, close_fds
+from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import LeaseEvent
+from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
 from services.gpu_manager.manager import LeaseBook, Move
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
 
@@ -70,22 +83,47 @@ class Peer:
     pid_start: int | None
 
 
+class Idle(Exception):
+    """The connection was silent past `idle_timeout_s` after its hello (closed without a reply)."""
+
+
+def fd_usage() -> tuple[int, int]:
+    """(open fds, soft RLIMIT_NOFILE) of this process."""
+    return len(os.listdir("/proc/self/fd")), resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 class EngineSession:
-    def __init__(self, book: LeaseBook, stream: FrameStream) -> None:
+    def __init__(self, book: LeaseBook, stream: FrameStream, conns: ConnectionCount) -> None:
         self.book = book
         self.stream = stream
+        self.conns = conns
         creds = stream.peer_credentials()
         self.pid, self.uid = creds.pid, creds.uid
         self.peer: Peer | None = None
+        self.hello_by = asyncio.get_running_loop().time() + book.settings.hello_timeout_s
 
     async def serve(self) -> None:
         try:
+            self.conns.admit(self.uid)
+        except HoldfastError as e:
+            self.conns.refused += 1
+            if self.conns.refused & (self.conns.refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood logs little
+                log.warning("refused a connection of pid %d: %s (%d refused so far)", self.pid, e, self.conns.refused)
+            await self._send(error(e))
+            return
+        try:
+            await self._serve()
+        finally:
+            self.conns.release(self.uid)
+
+    async def _serve(self) -> None:
+        try:
             while True:
                 try:
-                    req, fds = await self.stream.recv()
-                except PeerClosed:
+                    req, fds = await self._next_frame()
+                except (PeerClosed, Idle):
                     return
-                except MalformedMessage as e:  # framing is lost: answer, then drop this connection only
+                except (MalformedMessage, CommandTimeout) as e:  # framing is lost: answer, then drop this one
                     self.book.rejected += 1
                     await self._send(error(e))
                     return
@@ -100,6 +138,24 @@ class EngineSession:
             log.info("connection of pid %d lost: %r", self.pid, e)
         finally:
             await self._closed()
+
+    async def _next_frame(self) -> tuple[dict[str, Any], list[int]]:
+        """The next frame within its deadline (rule 6)."""
+        settings = self.book.settings
+        if self.peer is None:
+            left = self.hello_by - asyncio.get_running_loop().time()
+            return await _within(self.stream.recv(), left, f"no hello within {settings.hello_timeout_s} s")
+        if settings.idle_timeout_s:
+            try:
+                await asyncio.wait_for(self.stream.wait_readable(), settings.idle_timeout_s)
+            except TimeoutError:
+                log.info("closing the connection of %s (pid %d): silent for %s s", self.peer.engine_id, self.pid,
+                         settings.idle_timeout_s)
+                raise Idle from None
+        else:
+            await self.stream.wait_readable()
+        return await _within(self.stream.recv(), settings.frame_timeout_s,
+                             f"a frame begun was not whole within {settings.frame_timeout_s} s")
 
     async def _send(self, reply: dict[str, Any], fds: list[int] | None = None) -> None:
         try:
@@ -125,9 +181,16 @@ class EngineSession:
             if isinstance(e, MalformedMessage):
                 self.book.rejected += 1
             return error(e), []
+        except OSError as e:  # out of fds or memory mid-request: the client learns, the connection stays
+            typed = exhausted_error(e, obj.get("op"))
+            if typed is None:
+                raise
+            log.warning("%s from pid %d failed: %s", obj.get("op"), self.pid, typed)
+            return error(typed), []
 
     async def _dispatch(self, req: Any, peer: Peer) -> tuple[dict[str, Any], list[int]]:
         if isinstance(req, Allocate):
+            self._admit_allocate(req, peer)
             rec = await self.book.create(owner=peer.engine_id, engine_class=peer.engine_class, uid=peer.uid,
                                          pid=peer.pid, pid_start=peer.pid_start, gpu=req.gpu, size=req.size,
                                          tag=req.tag, name=req.name, chunk_size=req.chunk_size)
@@ -178,6 +241,23 @@ class EngineSession:
                           granularity=backend.granularity(0) if backend.name == "host" else 0,
                           manager_pid=os.getpid())
 
+    def _admit_allocate(self, req: Allocate, peer: Peer) -> None:
+        """Limits of rule 5, checked here rather than in LeaseBook.create: they are about who asks (the
+        calling process, its connection) and the manager's fds, which the session knows; the book stays the
+        table. Under the book's lock, so two allocates cannot both pass on the same counts."""
+        backend, settings = self.book.backend, self.book.settings
+        backend.check_gpu(req.gpu)
+        shape = lease_shape(req.size, req.chunk_size or settings.chunk_mib * 1024 * 1024,
+                            backend.granularity(req.gpu))
+        live = self.book.records.values()
+        open_fds, fd_limit = fd_usage()
+        usage = Usage(client_fds=sum(_chunks(r) for r in live if r.owner_pid == peer.pid),
+                      open_fds=open_fds, fd_limit=fd_limit,
+                      leased_bytes=sum(r.info.size for r in live if backend.name == "host" or r.info.gpu == req.gpu),
+                      capacity=backend.capacity(req.gpu))
+        ClientLimits(settings.max_chunks_per_lease, settings.max_fds_per_client,
+                     settings.fd_reserve).check_allocate(shape, usage)
+
     def _mine(self, peer: Peer) -> list[LeaseRecord]:
         return [r for r in self.book.records.values()
                 if r.info.owner == peer.engine_id and r.owner_pid == peer.pid and r.info.state == LeaseState.ACTIVE]
@@ -216,9 +296,13 @@ class EngineSession:
         return CommitReply(layout_hash=digest)
 
     def pending(self, peer: Peer) -> list[LeaseRecord]:
+        """Leases waiting for this engine id, of this uid only (rule 7: another user naming the same engine id
+        learns nothing)."""
         out = []
         for rec in self.book.records.values():
             state = rec.info.state
+            if rec.owner_uid != peer.uid:
+                continue
             if rec.info.owner == peer.engine_id and (
                     state == LeaseState.ORPHANED or state == LeaseState.ACTIVE and rec.owner_pid != peer.pid):
                 out.append(rec)
@@ -232,8 +316,8 @@ class EngineSession:
         for rec in self.book.records.values():
             if rec.info.owner != peer.engine_id or rec.info.state not in (LeaseState.ACTIVE, LeaseState.ORPHANED):
                 continue
-            if rec.owner_uid != peer.uid:
-                raise PermissionDenied(f"lease {rec.id} belongs to another user")
+            if rec.owner_uid != peer.uid:  # says no more than that: not its id, not its state
+                raise PermissionDenied(f"{peer.engine_id}'s leases belong to another user")
             if rec.info.state == LeaseState.ACTIVE:
                 if rec.owner_pid == peer.pid:
                     already.append(rec)  # e.g. the manager restarted under a live engine
@@ -325,6 +409,17 @@ class EngineSession:
         return ok(GrantReply(leases=grants)), fds
 
 
-async def serve_connection(book: LeaseBook, stream: FrameStream) -> None:
-    await EngineSession(book, stream).serve()
+async def _within(recv: Any, seconds: float, why: str) -> Any:
+    try:
+        return await asyncio.wait_for(recv, max(seconds, 0.0))
+    except TimeoutError:
+        raise CommandTimeout(why) from None
+
+
+def _chunks(rec: LeaseRecord) -> int:
+    return -(-rec.info.size // rec.info.chunk_size)
+
+
+async def serve_connection(book: LeaseBook, conns: ConnectionCount, stream: FrameStream) -> None:
+    await EngineSession(book, stream, conns).serve()
 

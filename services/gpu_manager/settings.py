@@ -27,8 +27,22 @@ class GpuManagerSettings(CommonSettings):
     class_cold_start_s: dict[str, float] = Field(default_factory=dict, description="engine class -> cold start, s")
     class_grace_s: dict[str, float] = Field(default_factory=dict, description="engine class -> explicit grace, s")
     reconcile_interval_s: float = Field(0.5, gt=0, description="period of the reconciler pass")
-    host_capacity_bytes: int | None = Field(None, description="host backend: most bytes leased at once")
+    host_capacity_bytes: int | None = Field(None, description="host backend: most bytes leased at once; default "
+                                            "host_capacity_fraction of the host's (or its cgroup's) memory")
+    host_capacity_fraction: float = Field(0.8, gt=0, le=1, description="host backend without host_capacity_bytes: "
+                                          "this fraction of MemTotal, or of the cgroup's memory.max if lower")
     max_frame_bytes: int = Field(16 * 1024 * 1024, description="largest protocol frame accepted")
+    # Limits of one client (issue 18): each is refused with a typed error reply, the connection kept.
+    max_chunks_per_lease: int = Field(16384, gt=0, description="most chunks (one fd each) in one lease")
+    max_fds_per_client: int = Field(65536, gt=0, description="most chunk fds of live leases owned by one process")
+    max_connections_per_uid: int = Field(512, gt=0, description="most open engine connections of one uid")
+    fd_reserve: int = Field(256, ge=0, description="fds an allocate must leave free under RLIMIT_NOFILE (accepts, "
+                                                   "the keeper, the database, NATS)")
+    # Deadlines on the engine socket: a silent or half-open connection costs an fd, not forever.
+    hello_timeout_s: float = Field(10.0, gt=0, description="a new connection must complete its hello within this")
+    frame_timeout_s: float = Field(10.0, gt=0, description="a frame, once its first byte came, must be whole within")
+    idle_timeout_s: float = Field(3600.0, ge=0, description="a connection silent this long after hello is closed "
+                                                            "(the SDK reconnects by itself); 0: never")
 
     def socket_path(self) -> Path:
         return self.gpu_manager_socket or default_socket_path(self.state_dir)

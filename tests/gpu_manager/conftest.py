@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,3 +47,12 @@ def engines() -> Iterator:
     yield start
     for e in started:
         e.close()
+
+
+@pytest.fixture
+def open_dir():
+    """A directory other users may traverse (pytest's tmp dirs are private to root)."""
+    d = tempfile.mkdtemp(prefix="hf-uid-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import stat
-import tempfile
 import time
 
 import pytest
@@ -90,15 +88,6 @@ def _attach_as(socket_path: str, engine_id: str) -> dict:
         return {"code": e.code}
     except OSError as e:
         return {"code": "os_error", "errno": e.errno}
-
-
-@pytest.fixture
-def open_dir():
-    """A directory other users may traverse (pytest's tmp dirs are private to root)."""
-    d = tempfile.mkdtemp(prefix="hf-uid-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a child under another uid")
