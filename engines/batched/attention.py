@@ -9,6 +9,11 @@ Two paths, chosen per sequence by its own shape and never by the batch's:
   and softmax in float32, a causal mask offset for a chunk;
 - CUDA: one query row (decode) -> the Triton paged-decode kernel (paged_kernels.py); several rows (a prefill
   chunk) -> gather + SDPA, one sequence at a time.
+Chosen by scripts/bench_paged_attention.py on an H200 (8b shape, bf16, block 16): decode of 64 sequences at
+4,096 positions in 0.31 ms (3.4 TB/s of KV), 256 at 2,048 in 0.59 ms, against 4.5-21 ms for gathering the
+blocks and running SDPA; prefill chunks of 512 rows over 4,096 positions in ~0.26 ms a sequence with gather +
+SDPA, against 1.6 ms on the reference path (at 128 rows over 512 the two are even: the per-sequence launches
+dominate; a Triton varlen prefill kernel is the next step if chunked prefill shows in the step time).
 
 Invariants:
 1. Batch invariance by construction: every reduction of sequence `i` runs over its own rows and context only,
@@ -121,12 +126,14 @@ def reference_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> to
 
 
 def sdpa_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """One prefill chunk through torch's fused attention (CUDA): the same contract as `reference_one`."""
+    """One prefill chunk through torch's fused attention (CUDA): the same contract as `reference_one`. Inputs
+    are 4-D ([1, heads, rows, hd]): with 3-D ones SDPA fell back to its math kernel, 10x slower on an H200
+    (2.0 ms against 0.2 ms for 512 rows over 4,096 positions, bf16, 32/8 heads)."""
     n, ctx = q.shape[0], keys.shape[0]
-    k, v = keys.transpose(0, 1).to(q.dtype), vals.transpose(0, 1).to(q.dtype)
+    qh = q.transpose(0, 1)[None]
+    k, v = keys.transpose(0, 1).to(q.dtype)[None], vals.transpose(0, 1).to(q.dtype)[None]
     if n == ctx:  # a chunk from position 0: plain causal, which the flash kernel takes
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
     else:
-        allowed = ~causal_mask(n, ctx, q.device)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=allowed, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=~causal_mask(n, ctx, q.device), enable_gqa=True)
+    return out[0].transpose(0, 1)
