@@ -1,4 +1,5 @@
-"""The router's HTTP API: POST /v1/generate (JSON or NDJSON stream), GET /stats, GET /healthz."""
+"""The router's HTTP API: POST /v1/generate (JSON or NDJSON stream), GET /stats, GET /healthz, and the
+OpenAI-compatible routes (openai_api.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.router.openai_api import openai_routes
 from services.router.relay import GenerateRequest, Relay, RelayError
 from services.router.table import EndpointTable
 
@@ -16,6 +18,7 @@ from services.router.table import EndpointTable
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
               sync: Callable[[], dict[str, Any]] = dict) -> FastAPI:
     app = FastAPI(title="Holdfast reference router")
+    app.include_router(openai_routes(relay, table))
 
     @app.post("/v1/generate", response_model=None)
     async def generate(req: GenerateRequest) -> Any:

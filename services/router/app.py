@@ -35,7 +35,7 @@ class QuietServer(uvicorn.Server):
 
 
 async def setup(rt: Runtime, settings: RouterSettings) -> None:
-    table = EndpointTable(settings.queue_max)
+    table = EndpointTable(settings.queue_max, forget_s=settings.model_forget_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
     rt.on_close(client.aclose)

@@ -22,7 +22,7 @@ import contextlib
 import json
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +147,7 @@ class Relay:
         """An event removed this engine: cut its streams (they resume elsewhere)."""
         return self.inflight.abort(engine_id)
 
-    async def run(self, req: GenerateRequest, request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def run(self, req: GenerateRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Token lines, then one final line. Raises RelayError before the first line; after it, an error
         is a final `{"done": true, "error": ...}` line."""
         s = self.settings
@@ -211,7 +211,7 @@ class Relay:
                 self.stats.cancelled += 1
 
     async def _attempt(self, ep: Endpoint, req: GenerateRequest, seed: int, generated: list[int],
-                       request_id: str) -> AsyncIterator[dict[str, Any]]:
+                       request_id: str) -> AsyncGenerator[dict[str, Any], None]:
         s = self.settings
         body = {"request_id": request_id, "prompt": req.prompt, "tokens": req.tokens, "resume": generated,
                 "max_tokens": req.max_tokens - len(generated), "temperature": req.temperature, "greedy": req.greedy,

@@ -23,4 +23,6 @@ class RouterSettings(CommonSettings):
                                "reconnect) and make the table equal to it")
     reconcile_grace_s: float = Field(5.0, ge=0, description="an endpoint event this recent outranks what etcd says "
                                      "(the controller's etcd write may land just after its event)")
+    model_forget_s: float = Field(60.0, ge=0, description="a model stays known (held, listed in /v1/models) this "
+                                  "long after its last endpoint went; then the OpenAI API answers 404 for it")
     reconcile_read_timeout_s: float = Field(5.0, gt=0, description="one read of etcd's endpoints/ gives up after this")

@@ -9,6 +9,9 @@ connection makes an engine *suspect* for a while, it is never probed). Invariant
    at once. Replays of requests already streaming are not bounded (they were admitted already).
 3. `release` is called once for every successful `acquire` (the relay's finally), so in-flight counts
    return to zero when the router is idle.
+4. A model is *known* while an endpoint serves it and for `forget_s` after its last endpoint went (a
+   failover's gap between `removed` and the successor's `added`); a model no endpoint ever served since
+   start is not known. The OpenAI API answers 404 for a model that is not known, and holds the others.
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ class ModelRoutes:
     waiting: int = 0  # new requests held now
     rr: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    gone_since: float | None = None  # when its last endpoint went; None while one serves it, or never any
 
 
 class EndpointTable:
-    def __init__(self, queue_max: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, queue_max: int, *, forget_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.queue_max = queue_max
+        self.forget_s = forget_s
         self.clock = clock
         self.models: dict[str, ModelRoutes] = {}
 
@@ -75,6 +80,7 @@ class EndpointTable:
             ep = Endpoint(model, engine_id, url.rstrip("/"), inflight=ep.inflight if ep else 0)
             routes.endpoints[engine_id] = ep
         ep.suspect_until = 0.0  # an event saying it serves outranks what we observed before
+        routes.gone_since = None
         self._wake(routes)
         return ep
 
@@ -82,13 +88,26 @@ class EndpointTable:
         routes = self.models.get(model)
         if routes is None:
             return None
-        return routes.endpoints.pop(engine_id, None)
+        ep = routes.endpoints.pop(engine_id, None)
+        if ep is not None and not routes.endpoints:
+            routes.gone_since = self.clock()
+        return ep
 
     def find(self, engine_id: str) -> Endpoint | None:
         for routes in self.models.values():
             if engine_id in routes.endpoints:
                 return routes.endpoints[engine_id]
         return None
+
+    def is_known(self, model: str) -> bool:
+        """Served now or within `forget_s` (invariant 4)."""
+        r = self.models.get(model)
+        if r is None:
+            return False
+        return bool(r.endpoints) or (r.gone_since is not None and self.clock() - r.gone_since < self.forget_s)
+
+    def known(self) -> list[str]:
+        return sorted(m for m in self.models if self.is_known(m))
 
     # ------------------------------------------------------------ observations from the relay
 

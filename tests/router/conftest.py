@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from libs.common import procs
+from libs.common.store import Store
 from tests.engine.support import EngineProc, make_tiny_weights
 
 
@@ -65,3 +68,20 @@ def start_router(tmp_path: Path, settings_env: dict[str, str]) -> Iterator[Calla
     yield start
     for c in children:
         c.stop()
+
+
+@dataclass
+class OpenAIStack:
+    engine: EngineProc
+    router: RouterProc
+
+
+@pytest.fixture
+async def openai_stack(engines: Callable[[str], EngineProc], start_router: Callable[..., RouterProc],
+                       store: Store) -> OpenAIStack:
+    """One engine serving `tiny-ref`, and a router that finds it in etcd at start."""
+    engine = engines("oa-a")
+    await asyncio.to_thread(engine.wait_ready)
+    await store.put("endpoints/tiny-ref/oa-a", engine.url)
+    router = await asyncio.to_thread(start_router, hold_timeout_s=2)
+    return OpenAIStack(engine, router)

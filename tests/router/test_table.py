@@ -65,3 +65,24 @@ def test_removing_an_endpoint_takes_it_out_of_every_choice() -> None:
     t.add("m", "a", "http://a")
     assert t.remove("m", "a") is not None
     assert t.pick("m") is None and t.describe() == {}
+
+
+async def test_a_model_is_known_while_served_and_for_the_forget_window_after_its_last_endpoint_went() -> None:
+    held = EndpointTable(4)
+    with pytest.raises(NoEndpoint):
+        await held.acquire("held-only", 0.01)  # a request held for a model creates no knowledge of it
+    assert held.known() == [] and not held.is_known("held-only")
+    clock = Clock()
+    t = EndpointTable(4, forget_s=60.0, clock=clock)
+    t.add("m", "a", "http://a")
+    t.add("m", "b", "http://b")
+    t.remove("m", "a")
+    clock.now += 1000.0
+    assert t.known() == ["m"]  # b still serves it
+    t.remove("m", "b")
+    clock.now += 59.0
+    assert t.is_known("m")  # a failover's gap: requests are held, not refused
+    t.add("m", "c", "http://c")
+    t.remove("m", "c")
+    clock.now += 60.0
+    assert not t.is_known("m") and t.known() == []

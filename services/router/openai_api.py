@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+A body becomes a `Job` (openai_protocol.py), runs through the relay (so an engine failure is replayed on a
+successor underneath, invisibly), its text goes through the stop strings (stop_scan.py) and out in OpenAI's
+shapes (openai_format.py). Invariants:
+1. Status before content: an error up to the first piece of text (bad body 400, unknown model 404, no
+   engine or queue full 503, engines failed 502, an engine's refusal with its 4xx) is a status and OpenAI's
+   error body; after it, one `data: {"error": ...}` event ends the stream (no `[DONE]`).
+2. A stop string ends the request: the text stops before it, finish_reason "stop", and the engine request is
+   closed at once (`Enough` thrown into the relay). A client that goes away (stream or not) closes it too.
+3. `id` is the relay's `request_id`, the one every engine attempt of this request was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.router import openai_format as fmt
+from services.router.openai_protocol import FINISH_REASONS, Job, OpenAIError, chat_job, completion_job
+from services.router.relay import Enough, Relay, RelayError
+from services.router.stop_scan import StopScanner
+from services.router.table import EndpointTable
+
+
+@dataclass(frozen=True)
+class End:
+    finish_reason: str
+    completion_tokens: int  # tokens the engines generated for it (with a stop string: up to the match)
+    error: OpenAIError | None = None
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body iterator however the response ends. Starlette leaves it suspended when the client goes
+    away while a chunk is being sent, and the engine request under it would stay open until GC (invariant 2)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
+    api = APIRouter()
+    started = int(time.time())
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": started, "owned_by": "holdfast"}
+                                           for m in table.known()]}
+
+    @api.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response | dict[str, Any]:
+        return await serve(request, completion_job)
+
+    @api.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response | dict[str, Any]:
+        return await serve(request, chat_job)
+
+    async def serve(request: Request, parse: Callable[[Any], Job]) -> Response | dict[str, Any]:
+        try:
+            job = parse(await _json(request))
+            if not table.is_known(job.model):
+                raise OpenAIError(404, f"The model `{job.model}` does not exist.", param="model",
+                                  code="model_not_found")
+            events = _events(relay, job)
+            first = await anext(events)  # a refusal or an early failure raises here (invariant 1)
+        except OpenAIError as e:
+            return JSONResponse(status_code=e.status, content=e.body())
+        if job.stream:
+            return ClosingStreamingResponse(_sse(job, first, events), media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+        return await _until_disconnect(request, _whole(job, first, events))
+
+    return api
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request: {e}") from None
+
+
+def _from_relay(e: RelayError) -> OpenAIError:
+    message = e.message
+    if e.code == "engine_refused":  # the engine's own error body: its message is the useful part
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            message = json.loads(message)["error"]["message"]
+    return OpenAIError(e.status, message, code=e.code)
+
+
+async def _events(relay: Relay, job: Job) -> AsyncIterator[str | End]:
+    """Non-empty text pieces, then one End. Raises OpenAIError before the first piece."""
+    items = relay.run(job.generate, job.request_id)
+    scan = StopScanner(job.stops)
+    count = 0
+    try:
+        async for item in items:
+            if item.get("done"):
+                if "error" in item:  # in-band: tokens were already generated
+                    err = item["error"]
+                    yield End("error", count, OpenAIError(502, err.get("message", ""), code=err.get("code")))
+                    return
+                if tail := scan.flush():
+                    yield tail
+                yield End(FINISH_REASONS.get(item.get("finish_reason", ""), "stop"), count)
+                return
+            count += 1
+            if text := scan.push(item.get("text", "")):
+                yield text
+            if scan.stopped:
+                with contextlib.suppress(StopAsyncIteration):
+                    await items.athrow(Enough())
+                yield End("stop", count)
+                return
+        yield End("error", count, OpenAIError(502, "the relay ended without a final line", code="truncated"))
+    except RelayError as e:  # only before any token: the relay reports later errors in-band
+        raise _from_relay(e) from None
+    finally:
+        await items.aclose()
+
+
+async def _sse(job: Job, first: str | End, events: AsyncIterator[str | End]) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    if job.kind == "chat":
+        yield fmt.sse(fmt.chunk(job, created, None, first=True))
+    ev = first
+    while not isinstance(ev, End):
+        yield fmt.sse(fmt.chunk(job, created, ev))
+        ev = await anext(events)
+    if ev.error is not None:
+        yield fmt.sse(ev.error.body())
+        return
+    yield fmt.sse(fmt.chunk(job, created, None, ev.finish_reason))
+    if job.include_usage:
+        yield fmt.sse(fmt.usage_chunk(job, created, ev.completion_tokens))
+    yield fmt.DONE
+
+
+async def _whole(job: Job, first: str | End, events: AsyncIterator[str | End]) -> Response | dict[str, Any]:
+    parts: list[str] = []
+    ev = first
+    while not isinstance(ev, End):
+        parts.append(ev)
+        ev = await anext(events)
+    if ev.error is not None:
+        return JSONResponse(status_code=ev.error.status, content=ev.error.body())
+    return fmt.body(job, int(time.time()), "".join(parts), ev.finish_reason, ev.completion_tokens)
+
+
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Run `work`; if the client goes away first, cancel it (which closes the engine request) at once.
+    The body is read already, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,195 @@
+"""OpenAI-compatible request bodies, the chat template and OpenAI's error shape (pure logic: no I/O).
+
+A request body becomes a `Job`: what the relay must generate (`GenerateRequest`) plus what the OpenAI layer
+does with the text (stop strings, streaming, usage). Invariants:
+1. A body is accepted only if every field in it is one we honour: unknown fields, `n` != 1 and sampling knobs
+   the engines do not have (`top_p` != 1, penalties != 0, `logprobs`, `echo`, `suffix`, `best_of` > 1) get a
+   400 naming the field, never a silent no-op.
+2. Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; 4xx are
+   `invalid_request_error`, 5xx `server_error`.
+3. The chat template is fixed and byte-exact (the reference engines' byte-level tokenizer has no special
+   tokens): one `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n` (`render_chat`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engines.reference import tokenizer
+from services.router.relay import GenerateRequest
+
+# No max_tokens on a chat request means "until the context ends": the engine stops at its max_seq first
+# (finish_reason "length"); the router does not know each engine's context length.
+UNBOUNDED = 1 << 30
+MAX_STOPS = 4  # as OpenAI
+
+# The engines' reasons -> OpenAI's: "eos" is the model's own end of text.
+FINISH_REASONS = {"eos": "stop", "length": "length", "max_seq": "length"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """The fields both endpoints share. Neutral values of knobs we lack are accepted (clients send them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="none: 1.0, as OpenAI")
+    seed: int | None = None
+    n: int | None = Field(None, ge=1, le=1, description="only 1")
+    top_p: float | None = Field(None, ge=1.0, le=1.0, description="only 1 (no nucleus sampling in the engines)")
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    user: str | None = None  # an end-user id: accepted, not used
+    ignore_eos: bool = False  # an extension (as vLLM's): generate past the model's end of text
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _options_need_stream(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(16, ge=0, description="16 by default, as OpenAI")
+    logprobs: None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: Literal[False] | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One OpenAI request as the router runs it."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str  # also the response's `id`, and the relay's request_id for the engine
+    generate: GenerateRequest
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int  # counted here with the engines' tokenizer: known even when a stop string cuts the stream
+
+    @property
+    def model(self) -> str:
+        return self.generate.model
+
+
+def render_chat(messages: list[Message]) -> str:
+    """Invariant 3. A `developer` message is a system message (OpenAI's newer name for it)."""
+    lines = [f"<|{'system' if m.role == 'developer' else m.role}|>\n{m.text()}\n" for m in messages]
+    return "".join(lines) + "<|assistant|>\n"
+
+
+def completion_job(raw: Any) -> Job:
+    body = _parse(CompletionBody, raw)
+    prompt, tokens = _prompt_of(body.prompt)
+    count = (len(tokenizer.encode(prompt)) if prompt is not None else 0) + len(tokens or [])
+    return _job("completion", f"cmpl-{uuid.uuid4().hex}", body, prompt, tokens, body.max_tokens, count)
+
+
+def chat_job(raw: Any) -> Job:
+    body = _parse(ChatBody, raw)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise OpenAIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    prompt = render_chat(body.messages)
+    return _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, prompt, None,
+                UNBOUNDED if limit is None else limit, len(tokenizer.encode(prompt)))
+
+
+def _job(kind: Literal["completion", "chat"], request_id: str, body: _Common, prompt: str | None,
+         tokens: list[int] | None, max_tokens: int | None, prompt_tokens: int) -> Job:
+    gen = GenerateRequest(model=body.model, prompt=prompt, tokens=tokens, max_tokens=UNBOUNDED if max_tokens is None
+                          else max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                          seed=body.seed, stream=True, ignore_eos=body.ignore_eos)
+    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Job(kind, request_id, gen, stops, body.stream, include_usage, prompt_tokens)
+
+
+def _prompt_of(prompt: str | list[str] | list[int]) -> tuple[str | None, list[int] | None]:
+    """A string, a list of one string, or token ids: one prompt (n = 1, no batches)."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
+        return str(prompt[0]), None
+    if not prompt:
+        raise OpenAIError(400, "the prompt must not be empty", param="prompt")
+    return None, [int(t) for t in prompt]
+
+
+def _parse(model: type[_Common], raw: Any) -> Any:
+    """Invariant 1: a validation error becomes a 400 naming the first offending field."""
+    if not isinstance(raw, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            raise OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param) from None
+        if err["type"] == "missing":
+            raise OpenAIError(400, f"Missing required parameter: '{param}'.", param=param) from None
+        raise OpenAIError(400, f"Invalid value for '{param}': {err['msg']}", param=param) from None

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible API through the official `openai` client, against a real router and a real reference
+engine (tiny model, CPU): completions and chat, streamed and whole, stop strings, max_tokens, seeds, usage,
+the models list, OpenAI's error shapes, and the engine request closed when a stop string ends it or the client
+goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engines.reference import tokenizer
+from libs.common.bus import Bus
+from libs.common.store import Store
+from tests.engine.support import generate
+from tests.router.conftest import OpenAIStack
+from tests.router.test_router import MODEL, announce, retire, wait_for_table
+
+LONG = {"ignore_eos": True}  # the tiny random model may sample its EOS early; these tests want exact lengths
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def health(stack: OpenAIStack) -> dict[str, Any]:
+    return httpx.get(stack.engine.url + "/health", timeout=5).json()
+
+
+def wait_engine_idle(stack: OpenAIStack, within_s: float) -> float:
+    """Seconds until every KV slot of the engine is free again (the request was closed there)."""
+    t0 = time.monotonic()
+    while (h := health(stack))["free_slots"] != h["slots"]:
+        assert time.monotonic() - t0 < within_s, h
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+async def test_a_completion_whole_or_streamed_is_the_engines_greedy_output_with_its_usage(
+        openai_stack: OpenAIStack) -> None:
+    direct = generate(openai_stack.engine.url, prompt="Once upon a time", max_tokens=24, **LONG)
+    c = client(openai_stack.router.url)
+    r = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                   extra_body=LONG)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    assert r.choices[0].text == direct["text"] and r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (direct["prompt_tokens"], 24)
+    assert r.usage.total_tokens == direct["prompt_tokens"] + 24
+
+    stream = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                        stream=True, stream_options={"include_usage": True}, extra_body=LONG)
+    chunks = [ch async for ch in stream]
+    assert len(chunks) > 3 and all(ch.id == chunks[0].id for ch in chunks) and chunks[0].id != r.id
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == direct["text"]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == r.usage.model_dump()
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+async def test_a_chat_is_the_engines_greedy_continuation_of_the_documented_template_whole_or_streamed(
+        openai_stack: OpenAIStack) -> None:
+    template = "<|system|>\nYou are terse.\n<|user|>\nName a colour.\n<|assistant|>\n"
+    direct = generate(openai_stack.engine.url, prompt=template, max_tokens=20, **LONG)
+    c = client(openai_stack.router.url)
+    messages: Any = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    r = await c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0,
+                                        extra_body=LONG)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == direct["text"]
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.prompt_tokens == len(tokenizer.encode(template)) == direct["prompt_tokens"]
+    stream = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
+                                             extra_body=LONG)
+    text = "".join([ch.choices[0].delta.content or "" async for ch in stream])
+    assert text == direct["text"]
+
+    # on the wire: server-sent events as OpenAI sends them
+    async with httpx.AsyncClient(timeout=60) as h, h.stream(
+            "POST", openai_stack.router.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 20, "stream": True, "temperature": 0,
+                  **LONG}) as wire:
+        assert wire.status_code == 200 and wire.headers["content-type"].startswith("text/event-stream")
+        raw = (await wire.aread()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events[:-1])
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(p["choices"][0]["delta"].get("content", "") for p in payloads) == direct["text"]
+    assert payloads[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert {p["object"] for p in payloads} == {"chat.completion.chunk"}
+
+
+async def test_the_text_stops_before_a_stop_string_and_the_engine_request_ends_there(
+        openai_stack: OpenAIStack) -> None:
+    c = client(openai_stack.router.url)
+    for stream in (False, True):
+        prompt = f"stop test {stream}"
+        full = generate(openai_stack.engine.url, prompt=prompt, max_tokens=60, **LONG)["text"]
+        stop = full[20:23]  # spans several byte tokens; its first occurrence may be earlier still
+        expected = full[:full.find(stop)]
+        before = health(openai_stack)["tokens_generated"]
+        kwargs: Any = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "temperature": 0,
+                       "stop": ["\x00never\x00", stop], "extra_body": LONG}
+        if stream:
+            chunks = [ch async for ch in await c.completions.create(stream=True, **kwargs)]
+            text = "".join(ch.choices[0].text for ch in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            r = await c.completions.create(**kwargs)
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, reason) == (expected, "stop"), stream
+        await asyncio.to_thread(wait_engine_idle, openai_stack, 10)
+        # the engine stopped right after the match, far short of the 1,500 tokens asked for
+        assert health(openai_stack)["tokens_generated"] - before < 40
+    stats = openai_stack.router.stats()
+    assert stats["in_flight"] == 0 and stats["cancelled"] == 0 and stats["completed"] == 2
+
+
+async def test_one_seed_reproduces_a_sampled_completion_and_another_seed_differs(openai_stack: OpenAIStack) -> None:
+    c = client(openai_stack.router.url)
+
+    async def sample(seed: int) -> str:
+        r = await c.completions.create(model=MODEL, prompt="Roll the dice:", max_tokens=32, temperature=1.0,
+                                       seed=seed, extra_body=LONG)
+        return r.choices[0].text
+
+    first, again, other = await sample(7), await sample(7), await sample(8)
+    assert first == again and first != other
+
+
+BAD_BODIES: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "extra_body": {"unknown_knob": 1}}, "unknown_knob"),
+    ({"max_tokens": 4}, "prompt"),
+]
+
+
+async def test_errors_have_openais_shape_and_status_unknown_model_404_bad_body_400(openai_stack: OpenAIStack) -> None:
+    c = client(openai_stack.router.url)
+    models = await c.models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
+    with pytest.raises(openai.NotFoundError) as nf:
+        await c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert nf.value.code == "model_not_found" and nf.value.param == "model" and nf.value.type == "invalid_request_error"
+
+    for body, param in BAD_BODIES:
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, **{"prompt": openai.NOT_GIVEN, **body})
+        assert (e.value.status_code, e.value.param, e.value.type) == (400, param, "invalid_request_error"), body
+
+    async with httpx.AsyncClient(timeout=30) as h:
+        r = await h.post(openai_stack.router.url + "/v1/completions", content=b"{not json",
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as long:  # the engine's refusal, its message passed on
+        await c.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=4)
+    assert "does not fit max_seq" in long.value.message and long.value.code == "engine_refused"
+    assert openai_stack.router.stats()["in_flight"] == 0
+
+
+async def test_a_client_that_goes_away_frees_the_engine_slot_at_once_streamed_or_not(
+        openai_stack: OpenAIStack) -> None:
+    c = client(openai_stack.router.url)
+    before = health(openai_stack)["tokens_generated"]
+    stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
+                                             max_tokens=1500, temperature=0, stream=True, extra_body=LONG)
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 10:
+            break
+    await stream.close()
+    freed_s = await asyncio.to_thread(wait_engine_idle, openai_stack, 10)
+    generated = health(openai_stack)["tokens_generated"] - before
+    assert generated < 200, generated  # a forward or a few after the close, not the 1,500 asked for
+    print(f"stream closed: slot freed {freed_s * 1000:.0f} ms later; {generated} tokens generated in all")
+
+    before = health(openai_stack)["tokens_generated"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=1.0)) as h:
+        with pytest.raises(httpx.ReadTimeout):  # gives up after 1 s and closes its connection
+            await h.post(openai_stack.router.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "long", "max_tokens": 1900, "temperature": 0, **LONG})
+    freed_s = await asyncio.to_thread(wait_engine_idle, openai_stack, 10)
+    generated = health(openai_stack)["tokens_generated"] - before
+    await asyncio.sleep(1.0)  # had the generation gone on, the count would still grow
+    assert health(openai_stack)["tokens_generated"] - before == generated < 1900
+    print(f"whole request dropped: slot freed {freed_s * 1000:.0f} ms later; {generated} tokens generated in all")
+
+    deadline = time.monotonic() + 10
+    while openai_stack.router.stats()["in_flight"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert openai_stack.router.stats()["cancelled"] == 2
+
+
+async def test_a_known_model_without_an_engine_gets_a_503_and_failing_engines_a_502(
+        start_router, bus: Bus, store: Store) -> None:
+    router = start_router(hold_timeout_s=0.5, max_replays=0)
+    await announce(bus, store, "gone-a", "http://127.0.0.1:9")  # a port nothing listens on
+    await asyncio.to_thread(wait_for_table, router, {"gone-a"})
+    c = client(router.url)
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert e.value.status_code == 502 and e.value.code == "replays_exhausted" and e.value.type == "server_error"
+    await retire(bus, store, "gone-a", "test")
+    await asyncio.to_thread(wait_for_table, router, set())
+    assert [m.id for m in (await c.models.list()).data] == [MODEL]  # known for model_forget_s, served by none
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503 and e.value.code == "no_endpoint"
+    body = e.value.body
+    assert isinstance(body, dict) and set(body) == {"message", "type", "param", "code"}
