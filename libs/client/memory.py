@@ -12,7 +12,9 @@
     client.start_heartbeats()
 
 Every error the gpu_manager replies with is raised as its typed class (StaleEpoch, PermissionDenied,
-PredecessorAlive, ...), with the same `code`.
+PredecessorAlive, ...), with the same `code`. Every call is bounded: `timeout_s` (default
+HF_GPU_MANAGER_TIMEOUT_S, else 60 s) without progress on the socket raises `CommandTimeout` (code `timeout`);
+a manager that is down raises `Unavailable` after `reconnect_timeout_s`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from libs.client import protocol as p
-from libs.client.connection import BROKEN, Backoff, open_session, round_trip
+from libs.client.connection import BROKEN, Backoff, open_session, peer_gone, round_trip
+from libs.client.connection import timeout_s as _timeout_s
 from libs.client.mapping import CudaMapping, HostMapping, close_all
 from libs.client.protocol import TensorMeta, contiguous_stride, tensor_extent
 from libs.common import errors
-from libs.common.errors import HoldfastError, RemoteError, Unavailable
+from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.events import LeaseInfo, LeaseState
 
 __all__ = ["Attachment", "MappedLease", "MemoryClient", "TensorMeta", "default_socket_path"]
@@ -175,8 +178,11 @@ class MemoryClient:
     must stop writing to it."""
 
     def __init__(self, sock: socket.socket, engine_id: str, hello: p.HelloReply, *, socket_path: str | None = None,
-                 engine_class: str = "default", reconnect_timeout_s: float = 30.0) -> None:
+                 engine_class: str = "default", reconnect_timeout_s: float = 30.0,
+                 timeout_s: float | None = None) -> None:
         self.sock: socket.socket | None = sock
+        self.timeout_s = _timeout_s(timeout_s)  # per socket operation: connect, send, each recv of a reply
+        self._reconnect_timed_out = False  # the last reconnection attempt found a manager that did not answer
         self.engine_id = engine_id
         self.engine_class = engine_class
         self.socket_path = socket_path or default_socket_path()
@@ -196,9 +202,14 @@ class MemoryClient:
 
     @classmethod
     def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default",
-                reconnect_timeout_s: float = 30.0) -> MemoryClient:
+                reconnect_timeout_s: float = 30.0, timeout_s: float | None = None) -> MemoryClient:
+        """Connect and say hello; `CommandTimeout` if the manager does not answer within `timeout_s`."""
         path = socket_path or default_socket_path()
-        sock, reply = open_session(path, engine_id, engine_class)
+        timeout = _timeout_s(timeout_s)
+        try:
+            sock, reply = open_session(path, engine_id, engine_class, timeout)
+        except TimeoutError:
+            raise CommandTimeout(f"gpu_manager at {path} did not answer hello within {timeout} s") from None
         try:
             _raise_if_error(reply)
             hello = p.HelloReply.model_validate(_body(reply))
@@ -206,7 +217,7 @@ class MemoryClient:
             sock.close()
             raise
         return cls(sock, engine_id, hello, socket_path=path, engine_class=engine_class,
-                   reconnect_timeout_s=reconnect_timeout_s)
+                   reconnect_timeout_s=reconnect_timeout_s, timeout_s=timeout)
 
     @property
     def backend(self) -> str:
@@ -218,17 +229,27 @@ class MemoryClient:
 
     def _call(self, req: p.Msg) -> tuple[dict[str, Any], list[int]]:
         """One request. A broken connection is reopened first (waiting up to `reconnect_timeout_s` for the
-        manager); a request cut off by a break is sent again only if repeating it is harmless."""
+        manager); a request cut off by a break is sent again only if repeating it is harmless. A manager that
+        accepts but does not answer within `timeout_s` raises `CommandTimeout` (the connection is dropped:
+        a late reply would be read as the answer to the next request)."""
         deadline = time.monotonic() + self.reconnect_timeout_s
         backoff = Backoff()
         while True:
             with self._lock:
-                if self.sock is None and not self._closed:
-                    self._reconnect_locked()
+                if self.sock is not None and peer_gone(self.sock):  # closed while idle: nothing sent yet
+                    self._broken_locked(ConnectionResetError("the gpu_manager closed the connection"))
+                if self.sock is None and not self._closed and not self._reconnect_locked() \
+                        and self._reconnect_timed_out:
+                    raise CommandTimeout(f"gpu_manager at {self.socket_path} accepted but did not answer "
+                                         f"within {self.timeout_s} s")
                 if self.sock is not None:
                     try:
                         reply, fds = round_trip(self.sock, req)
                         break
+                    except TimeoutError as e:
+                        self._broken_locked(e)
+                        raise CommandTimeout(f"gpu_manager did not answer '{req.op}' within {self.timeout_s} s; "  # type: ignore[attr-defined]
+                                             "it may or may not have taken effect") from None
                     except BROKEN as e:
                         self._broken_locked(e)
                         if req.op not in _REPEATABLE:  # type: ignore[attr-defined]
@@ -257,9 +278,11 @@ class MemoryClient:
     def _reconnect_locked(self) -> bool:
         """One attempt: connect, hello with the same engine id, resume the leases mapped here. Caller holds
         the lock."""
+        self._reconnect_timed_out = False
         try:
-            sock, reply = open_session(self.socket_path, self.engine_id, self.engine_class)
+            sock, reply = open_session(self.socket_path, self.engine_id, self.engine_class, self.timeout_s)
         except BROKEN as e:
+            self._reconnect_timed_out = isinstance(e, TimeoutError)
             log.debug("reconnect to %s failed: %r", self.socket_path, e)
             return False
         try:
@@ -274,6 +297,7 @@ class MemoryClient:
                 resumed = p.ResumeReply.model_validate(_body(body))
         except BROKEN as e:
             sock.close()
+            self._reconnect_timed_out = isinstance(e, TimeoutError)
             log.debug("reconnect to %s broke during hello/resume: %r", self.socket_path, e)
             return False
         except HoldfastError as e:  # the manager answered but refused: keep trying (it may be mid-upgrade)
