@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import EngineInfo, EngineSpec, Envelope, NodeInfo
 from libs.common.store import Store
-from tests.gpu_manager.test_crash_reattach import open_dir  # noqa: F401 - fixture: a dir other uids may traverse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,3 +160,11 @@ def gpu_manager(settings_env: dict[str, str]) -> Iterator[Any]:
     mgr = ManagerProc(env, Path(settings_env["HF_STATE_DIR"])).start()
     yield mgr
     mgr.stop()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[str]:
+    """A directory other users may traverse (pytest's tmp dirs are private to root)."""
+    with tempfile.TemporaryDirectory(prefix="hf-agent-uid-", dir="/tmp") as d:
+        os.chmod(d, 0o755)
+        yield d
