@@ -1,8 +1,10 @@
 """Stop strings over streamed text (pure logic): text is let out only once no stop string can start in it.
 
 Invariants:
-1. The text let out, joined, is the generated text up to (not including) the first occurrence of any stop
-   string, however the text was split into pieces: a stop string split over several pieces is found.
+1. The text let out, joined, is the generated text up to (not including) the stop string that is complete
+   first (the occurrence that ends earliest; of two ending at one place, the longer), however the text was
+   split into pieces: a stop string split over several pieces is found. "Complete first" is what generating
+   means: with stops `a` and `baa`, `bba` stops at `a` before `baa` could ever be seen.
 2. Nothing that could still turn out to be the start of a stop string is let out early, and nothing else is
    held back: a held tail is always a proper prefix of some stop string.
 """
@@ -21,11 +23,11 @@ class StopScanner:
         if self.stopped:
             return ""
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
             self.held = ""
-            return buf[:min(hits)]
+            return buf[:min(hits)[1]]
         keep = self._open_prefix(buf)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]

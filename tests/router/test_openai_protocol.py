@@ -76,14 +76,20 @@ def _scan(pieces: list[str], stops: tuple[str, ...]) -> tuple[str, bool]:
 
 @given(st.text(alphabet="abc", max_size=40), st.lists(st.text(alphabet="abc", min_size=1, max_size=3), max_size=3),
        st.data())
-def test_the_text_let_out_stops_before_the_first_stop_string_however_the_text_is_split(
+def test_the_text_let_out_stops_before_the_stop_string_complete_first_however_the_text_is_split(
         text: str, stops: list[str], data: st.DataObject) -> None:
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    ends = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
     out, stopped = _scan(pieces, tuple(stops))
-    assert out == (text[:min(hits)] if hits else text)
-    assert stopped == bool(hits)
+    assert out == (text[:min(ends)[1]] if ends else text)
+    assert stopped == bool(ends)
+
+
+def test_a_stop_string_complete_first_wins_over_one_that_began_earlier() -> None:
+    assert _scan(["bba", "a"], ("a", "baa")) == ("bb", True)
+    assert _scan(["bbaa"], ("a", "baa")) == ("bb", True)  # the same, whatever the split
+    assert _scan(["xab"], ("ab", "b")) == ("x", True)  # both end at one place: the longer
 
 
 def test_only_a_possible_start_of_a_stop_string_is_held_back() -> None:
