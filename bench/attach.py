@@ -27,6 +27,7 @@ from typing import Any
 import typer
 
 from libs.common import procs
+from libs.common.security.infra import SecureInfra
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "bench-attach"
@@ -118,10 +119,12 @@ def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
 def run(backend: str, gib: float, chunk_mib: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="hf-bench-attach-"))
     nats_port, etcd_port, peer = procs.free_port(), procs.free_port(), procs.free_port()
-    nats = procs.nats_server(nats_port, tmp / "nats", tmp / "nats.log").start()
-    etcd = procs.etcd_server(etcd_port, peer, tmp / "etcd", tmp / "etcd.log").start()
     state = tmp / "state"
-    env = {**os.environ, "HF_NATS_URL": f"nats://127.0.0.1:{nats_port}", "HF_ETCD_ENDPOINTS": f"127.0.0.1:{etcd_port}",
+    sec = SecureInfra(state / "credentials", ["node-1"])  # auth and TLS, as the stack runs them
+    settings = sec.settings(state_dir=state)
+    nats = procs.nats_server(nats_port, tmp / "nats", tmp / "nats.log", config=sec.nats_config(tmp / "nats.conf", settings)).start()
+    etcd = procs.etcd_server(etcd_port, peer, tmp / "etcd", tmp / "etcd.log", tls_flags=sec.etcd_flags()).start()
+    env = {**os.environ, **sec.env(), "HF_NODE": "node-1", "HF_NATS_URL": f"nats://127.0.0.1:{nats_port}", "HF_ETCD_ENDPOINTS": f"127.0.0.1:{etcd_port}",
            "HF_STATE_DIR": str(state), "HF_BACKEND": backend, "HF_CHUNK_MIB": str(chunk_mib), "HF_GRACE_S": "3600"}
     socket_path = str(state / "gpu_manager.sock")
     manager = procs.Child("gpu_manager", [sys.executable, "-m", "services.gpu_manager"], env=env,
@@ -129,6 +132,7 @@ def run(backend: str, gib: float, chunk_mib: int) -> dict[str, Any]:
     try:
         procs.wait_port(nats_port, nats)
         procs.wait_port(etcd_port, etcd)
+        sec.etcd_ready(etcd_port, settings)
         manager.start()
         deadline = time.monotonic() + 60
         while not Path(socket_path).exists():

@@ -29,7 +29,6 @@ import typer
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.cluster_view import range_pages
-from libs.common.config import CommonSettings
 from libs.common.errors import NotFound
 from libs.common.events import (
     EndpointAdded,
@@ -57,6 +56,7 @@ from libs.common.events import (
 )
 from libs.common.gc_tuning import service_gc
 from libs.common.ids import new_id
+from libs.common.security.infra import SecureInfra
 from libs.common.service import run_loop
 from libs.common.store import Store, encode_value
 
@@ -342,18 +342,22 @@ def _windows(by_death: list[tuple[float, float]], start: float, width: float) ->
 
 
 async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Path, *, rate: float = 0.0,
-                    dc_managers: int = 1) -> dict[str, Any]:
-    """Burst (`rate` 0: every fault at once) or steady (`rate` faults/s, spread evenly) through the pipeline."""
+                    dc_managers: int = 1, secure: bool = True) -> dict[str, Any]:
+    """Burst (`rate` 0: every fault at once) or steady (`rate` faults/s, spread evenly) through the pipeline.
+    `secure`: NATS and etcd with auth and TLS, as the stack runs them (the simulated nodes connect as `admin`)."""
     nats_port, etcd_port, peer = procs.free_port(), procs.free_port(), procs.free_port()
-    infra = [procs.nats_server(nats_port, workdir / "nats", workdir / "nats.log").start(),
-             procs.etcd_server(etcd_port, peer, workdir / "etcd", workdir / "etcd.log").start()]
+    sec = SecureInfra(workdir / "state" / "credentials", [], secure)
+    settings = sec.settings(nats_url=f"nats://127.0.0.1:{nats_port}", etcd_endpoints=f"127.0.0.1:{etcd_port}",
+                            state_dir=workdir / "state")
+    infra = [procs.nats_server(nats_port, workdir / "nats", workdir / "nats.log",
+                               config=sec.nats_config(workdir / "nats.conf", settings)).start(),
+             procs.etcd_server(etcd_port, peer, workdir / "etcd", workdir / "etcd.log", tls_flags=sec.etcd_flags()).start()]
     children = list(infra)
     try:
         procs.wait_port(nats_port, infra[0])
         procs.wait_port(etcd_port, infra[1])
-        settings = CommonSettings(nats_url=f"nats://127.0.0.1:{nats_port}", etcd_endpoints=f"127.0.0.1:{etcd_port}",
-                                  state_dir=workdir / "state")
-        env = {"HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
+        sec.etcd_ready(etcd_port, settings)
+        env = {**sec.env(), "HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints,
                "HF_STATE_DIR": str(settings.state_dir), "HF_LOG_LEVEL": "WARNING", "HF_API_ENABLED": "false",
                "HF_INSTANCE": "c1", "HF_DATACENTER": "dc-1", "HF_REATTACH_DEADLINE_S": "120",
                "HF_FREEZE_DEADLINE_S": "120", "HF_TAKEOVER_TIMEOUT_S": "120", "HF_FREEZE_TIMEOUT_S": "60"}
@@ -534,6 +538,7 @@ def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
                                        "past one per engine, successors fail again)"),
         dc_managers: int = typer.Option(1, help="dc_manager processes sharing the datacenter's intents"),
         json_out: bool = typer.Option(False, "--json"),
+        secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd (--no-secure: to measure their cost)"),
         floor: bool = typer.Option(False, help="only measure bare nats-py CPU per message (the messaging floor)")) -> None:
     """Incidents per second and pipeline latency of the real controller and dc_manager on simulated nodes.
 
@@ -552,7 +557,8 @@ def cli(nodes: int = 10, gpus_per_node: int = 8, incidents: int = 1000,
             print(json.dumps(run_loop(messaging_floor(Path(d)))))
         return
     with tempfile.TemporaryDirectory(prefix="hf-bench-cp-") as d:
-        result = run_loop(run_bench(nodes, gpus_per_node, incidents, Path(d), rate=rate, dc_managers=dc_managers))
+        result = run_loop(run_bench(nodes, gpus_per_node, incidents, Path(d), rate=rate, dc_managers=dc_managers,
+                                     secure=secure))
     if json_out:
         print(json.dumps(result))
         return

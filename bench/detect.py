@@ -29,6 +29,7 @@ from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import EngineSpec, Envelope
+from libs.common.security.infra import SecureInfra
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,18 +85,21 @@ def run(kills: int) -> dict[str, Any]:
     nats_port, etcd_port, peer = procs.free_port(), procs.free_port(), procs.free_port()
     children: list[procs.Child] = []
     try:
-        nats = procs.nats_server(nats_port, base / "nats", base / "nats.log").start()
+        sec = SecureInfra(base / "state" / "credentials", ["bench-node"])  # auth and TLS, as the stack runs
+        settings = sec.settings(nats_url=f"nats://127.0.0.1:{nats_port}", etcd_endpoints=f"127.0.0.1:{etcd_port}",
+                                node="bench-node", state_dir=base / "state")
+        nats = procs.nats_server(nats_port, base / "nats", base / "nats.log",
+                                 config=sec.nats_config(base / "nats.conf", settings)).start()
         children.append(nats)
-        etcd = procs.etcd_server(etcd_port, peer, base / "etcd", base / "etcd.log").start()
+        etcd = procs.etcd_server(etcd_port, peer, base / "etcd", base / "etcd.log", tls_flags=sec.etcd_flags()).start()
         children.append(etcd)
         procs.wait_port(nats_port, nats)
         procs.wait_port(etcd_port, etcd)
-        settings = CommonSettings(nats_url=f"nats://127.0.0.1:{nats_port}", etcd_endpoints=f"127.0.0.1:{etcd_port}",
-                                  node="bench-node", state_dir=base / "state")
+        sec.etcd_ready(etcd_port, settings)
         spec = EngineSpec(engine_class="pattern", model="detect-bench", replicas=1, standbys=0, cold_start_s=10,
                           command=[sys.executable, "-m", "engines.pattern", "--bytes", "0", "--no-http"])
         (base / "engines.json").write_text(json.dumps([spec.model_dump(mode="json")]))
-        env = {"HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints, "HF_NODE": settings.node,
+        env = {**sec.env(), "HF_NATS_URL": settings.nats_url, "HF_ETCD_ENDPOINTS": settings.etcd_endpoints, "HF_NODE": settings.node,
                "HF_STATE_DIR": str(settings.state_dir), "HF_ENGINES_FILE": str(base / "engines.json"),
                "HF_TAKEOVER_WAIT_S": "0", "HF_RECONCILE_INTERVAL_S": "0.05", "HF_NVML": "false",
                # every round kills on purpose: the crash-loop backoff would make each restart wait up to 30 s

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.common import procs, security
+from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import (
     DEFAULT_API_PORT,
@@ -32,7 +32,7 @@ from libs.common.config import (
     DEFAULT_ROUTER_PORT,
     CommonSettings,
 )
-from libs.common.security import servers
+from libs.common.security.infra import SecureInfra
 from libs.common.service import Backoff, check_health
 
 STABLE_S = 60.0  # a child that ran this long before dying is restarted after the shortest delay again
@@ -125,8 +125,7 @@ class Stack:
             "HF_API_PORT": str(c.api_port),
             "HF_ADMIN_TOKEN": c.api_token,
             "HF_ROUTER_PORT": str(c.router_port),
-            "HF_CREDENTIALS_DIR": str(self.credentials_dir),
-            "HF_INSECURE": "0" if c.secure else "1",
+            **self.infra.env(),
             "PYTHONUNBUFFERED": "1",
         }
         if c.engines_file is not None:
@@ -143,17 +142,9 @@ class Stack:
                               node=self.config.node, state_dir=Path(env["HF_STATE_DIR"]),
                               credentials_dir=self.credentials_dir, insecure=not self.config.secure)
 
-    def _secure_infra(self) -> tuple[Path | None, list[str] | None]:
-        """Mint what is missing of the credentials (kept across restarts of the stack: same keys, same CA) and
-        write nats-server's config; (None, None) with `secure` off."""
-        if not self.config.secure:
-            return None, None
-        s = self.settings()
-        ids = security.identities([self.config.node, *self.config.other_nodes])
-        security.mint(self.credentials_dir, ids)
-        conf = servers.write_nats_config(self.base_dir / "nats.conf", self.credentials_dir, ids,
-                                         prefix=s.subject_prefix, stream=s.stream_name)
-        return conf, servers.etcd_tls_flags(self.credentials_dir)
+    @property
+    def infra(self) -> SecureInfra:
+        return SecureInfra(self.credentials_dir, [self.config.node, *self.config.other_nodes], self.config.secure)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -161,17 +152,16 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.base_dir / "state").mkdir(parents=True, exist_ok=True, mode=0o700)
         c = self.config
-        nats_conf, etcd_tls = self._secure_infra()
+        infra, settings = self.infra, self.settings()
+        nats_conf = infra.nats_config(self.base_dir / "nats.conf", settings)
         nats = procs.nats_server(c.nats_port, self.base_dir / "nats", self.logs / "nats.log", config=nats_conf).start()
         self.children["nats"] = nats
         etcd = procs.etcd_server(c.etcd_port, c.etcd_peer_port, self.base_dir / "etcd", self.logs / "etcd.log",
-                                 tls_flags=etcd_tls).start()
+                                 tls_flags=infra.etcd_flags()).start()
         self.children["etcd"] = etcd
         procs.wait_port(c.nats_port, nats)
         procs.wait_port(c.etcd_port, etcd)
-        if c.secure:  # users, roles and key ranges (idempotent: a restarted stack finds them in place)
-            ids = security.identities([c.node, *c.other_nodes])
-            servers.etcd_setup(f"127.0.0.1:{c.etcd_port}", self.credentials_dir, ids, prefix=self.settings().etcd_prefix)
+        infra.etcd_ready(c.etcd_port, settings)  # users, roles, key ranges (a restarted stack finds them in place)
 
     def start_service(self, service: str, *args: str, name: str | None = None,
                       env_extra: dict[str, str] | None = None) -> procs.Child:

@@ -828,12 +828,15 @@ class Bus:
             task.add_done_callback(self._tasks.discard)
 
         typed = _typed(CommandEnvelope, command_type)
+        exact = "*" not in node and ">" not in node  # a wildcard serves many nodes: each message's subject names its
+        node_at = self.prefix.count(".") + 2  # '<prefix>.node.<node>.<service>.<op>'
 
         async def answer(msg: Msg) -> None:
             try:
                 env = decode_model(typed, msg.data)  # envelope and command validated in one pass
-                if env.to is not None and env.to != node:  # misrouted or forged: never acted on
-                    raise WrongNode(f"{subject} serves node {node!r}; this command is addressed to {env.to!r}")
+                if env.to is not None and env.to != (node if exact else msg.subject.split(".")[node_at]):
+                    # misrouted or forged (the subject names one node, the envelope another): never acted on
+                    raise WrongNode(f"{msg.subject} is node {node!r}'s; this command is addressed to {env.to!r}")
                 command = env.data
                 if attach_trace:
                     with telemetry.attach_headers(msg.headers or {}):

@@ -525,8 +525,8 @@ class CommandEnvelope(Model):
     version: int = SCHEMA_VERSION
     time: float = Field(default_factory=time.time)
     source: str
-    to: str | None = None  # the node it is addressed to (its subject's); a service serving another refuses it
     trace: TraceContext = Field(default_factory=TraceContext)
+    to: str | None = None  # the node it is addressed to (its subject's); a service serving another refuses it
     data: dict[str, Any]
 
 

@@ -26,6 +26,7 @@ from libs.common import telemetry
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import HealthReply
+from libs.common.security import CredentialsMissing
 from libs.common.store import Store
 
 log = logging.getLogger("holdfast.service")
@@ -168,7 +169,11 @@ def run_service(service: str, instance: str, settings: CommonSettings,
     telemetry.setup(service, instance=instance, otel_endpoint=settings.otel_endpoint,
                     log_level=settings.log_level, log_json=settings.log_json)
     rt = Runtime(service, instance, settings)
-    code = run_loop(serve_until_stopped(rt, setup, use_store=use_store))
+    try:
+        code = run_loop(serve_until_stopped(rt, setup, use_store=use_store))
+    except CredentialsMissing as e:  # said plainly, no traceback: the operator's fix is in the message
+        log.error("%s cannot start: %s", service, e.message)
+        code = 2
     sys.exit(code)
 
 

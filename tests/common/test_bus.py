@@ -129,7 +129,8 @@ async def test_a_command_goes_out_as_the_command_envelope_it_stands_for(bus: Bus
     assert (await bus.request("node-raw", cmd, FreezeReply, traceparent=tp)).transfer_token == "tok"
     got = json.loads(seen[0])
     want = json.loads(CommandEnvelope(id=got["id"], time=got["time"], source=bus.source,
-                                      trace=TraceContext(traceparent=tp), data=cmd.model_dump()).model_dump_json())
+                                      trace=TraceContext(traceparent=tp), to="node-raw",
+                                      data=cmd.model_dump()).model_dump_json())
     assert got == want and list(got) == list(want)
     assert decode_model(_typed(CommandEnvelope, Freeze), seen[0]).data == cmd  # what `serve` validates it as
 

@@ -10,10 +10,23 @@ state directory (pki.mint); production mounts the same files (docs/security.md).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from libs.common.security.pki import Credentials, CredentialsMissing, mint
 from libs.common.security.policy import ADMIN, identities, identity_for
+
+
+
+class _TlsEofNoise(logging.Filter):
+    """asyncio warns on every TLS connection nats-py closes (its protocol returns True from eof_received, which
+    TLS ignores): harmless, and it would fill every log once TLS is on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_TlsEofNoise())
 
 __all__ = ["ADMIN", "Credentials", "CredentialsMissing", "credentials_for", "identities", "identity_for", "mint"]
 

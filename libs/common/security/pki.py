@@ -4,7 +4,7 @@ libraries `cryptography` and `nkeys`; nothing home-made), and loading them for a
 Layout of `<dir>` (0700; every file 0600; production mounts the same names from a Kubernetes Secret):
     ca.pem                     the CA certificate every client and server trusts
     ca.key                     the CA key (dev only: lets `mint` add identities later; production omits it)
-    server.pem, server.key     nats-server's and etcd's certificate (127.0.0.1, ::1, localhost)
+    server.pem, server.key     nats-server's and etcd's certificate (127.0.0.1, ::1, localhost, `server_names`)
     <identity>.pem, .key       a client certificate, CN = identity (etcd maps the CN to its user)
     <identity>.nk              the identity's NATS nkey seed (its public key goes in nats-server's config)
 """
@@ -70,7 +70,8 @@ def _load_ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     return cert, ca_key
 
 
-def _issue(d: Path, cn: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], *, server: bool) -> None:
+def _issue(d: Path, cn: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], *, server: bool,
+           names: tuple[str, ...] = ()) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
     b = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca[0].subject).public_key(key.public_key())
@@ -79,7 +80,7 @@ def _issue(d: Path, cn: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivate
          .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True))
     if server:
         sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                x509.IPAddress(ipaddress.ip_address("::1"))]
+                x509.IPAddress(ipaddress.ip_address("::1")), *(x509.DNSName(n) for n in names)]
         # etcd also dials itself with this certificate: it is a client certificate too.
         b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False).add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -90,14 +91,15 @@ def _issue(d: Path, cn: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivate
     _write_private(d / f"{cn}.pem", cert.public_bytes(serialization.Encoding.PEM))
 
 
-def mint(d: Path, identities: list[str]) -> Path:
+def mint(d: Path, identities: list[str], *, server_names: tuple[str, ...] = ()) -> Path:
     """Create what is missing in the credentials directory `d` (the CA, the server certificate, each identity's
-    certificate and nkey, etcd's root certificate); what exists is kept, so a restarted stack keeps its keys."""
+    certificate and nkey, etcd's root certificate); what exists is kept, so a restarted stack keeps its keys.
+    `server_names`: host names the servers are reached by besides loopback (compose: `nats`, `etcd`)."""
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)
     ca = _load_ca(d)
     if not (d / f"{SERVER}.pem").exists():
-        _issue(d, SERVER, ca, server=True)
+        _issue(d, SERVER, ca, server=True, names=server_names)
     for ident in [ROOT, *identities]:
         if not (d / f"{ident}.pem").exists():
             _issue(d, ident, ca, server=False)

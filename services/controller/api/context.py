@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from libs.common.bus import Bus
 from libs.common.store import Store
+from services.controller.api.audit import AuditLog
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -24,6 +25,7 @@ class ApiContext:
     is_leader: Callable[[], bool]
     admin_token: str
     read_token: str = ""
+    audit: AuditLog = field(default_factory=AuditLog)
 
 
 def ctx(request: Request) -> ApiContext:

@@ -1,9 +1,13 @@
-"""Health, readiness and metrics: no auth (probes and scrapers)."""
+"""Health, readiness and metrics: no auth (probes and scrapers); the audit record: admin only."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Response
+from dataclasses import asdict
+from typing import Any
 
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
+
+from services.controller.api.auth import require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.schemas import HealthOut
 
@@ -34,3 +38,13 @@ def readyz(response: Response, c: ApiContext = Depends(ctx)) -> HealthOut:
 def metrics(c: ApiContext = Depends(ctx)) -> Response:
     """Prometheus text format."""
     return Response(c.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+
+@router.get("/v1/audit")
+def audit(limit: int = Query(100, ge=1, le=10_000), c: ApiContext = Depends(ctx),
+          role: str = Depends(require_read)) -> dict[str, Any]:
+    """The admin actions this controller instance served, newest first: who, what, when, outcome (admin only)."""
+    if role != "admin":
+        raise HTTPException(403, "the audit record is for the admin token")
+    return {"items": [asdict(e) for e in c.audit.newest(limit)]}
