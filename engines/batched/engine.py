@@ -88,7 +88,7 @@ def finish_reason(seq: Sequence) -> str:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, journal: Journal, *, adopt_claim_s: float,
-                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 capture_graphs_when_idle: bool = False, on_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.runner, self.scheduler, self.journal = runner, scheduler, journal
         self.adopt_claim_s = adopt_claim_s
         self.counters = Counters()
@@ -101,6 +101,8 @@ class LLMEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_step = on_step
+        self._capture_when_idle = capture_graphs_when_idle
+        self.graphs_captured_ms: float | None = None
         self.fatal: BaseException | None = None
 
     # ------------------------------------------------------------------ the HTTP side (any thread)
@@ -147,9 +149,16 @@ class LLMEngine:
         try:
             while not self._stop.is_set():
                 self._drain()
-                if not self.step():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                if self.step():
+                    continue
+                if self._capture_when_idle:  # a recovered engine's graphs: nothing is waiting now
+                    self._capture_when_idle = False
+                    t0 = time.perf_counter()
+                    self.runner.capture_graphs()
+                    self.graphs_captured_ms = round((time.perf_counter() - t0) * 1000, 1)
+                    continue
+                self._wake.wait(0.05)
+                self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
             log.exception("the engine's step loop failed")
             self.fatal = e
@@ -317,6 +326,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters.__dict__, "live": len(self._live), "unclaimed": len(self._orphans),
+                "graphs_captured_ms": self.graphs_captured_ms,
                 "scheduler": self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}}
 
 
