@@ -9,6 +9,8 @@ import resource
 import socket
 import time
 
+import nats.errors
+
 from libs.client.protocol import Hello
 from libs.common.wire import recv_frame, send_frame
 from tests.gpu_manager.harness import until
@@ -17,7 +19,11 @@ HOGS = 40
 
 
 async def _health(bus, settings) -> dict:  # noqa: ANN001
-    msg = await bus.nc.request(f"{settings.subject_prefix}.health.gpu_manager", b"", timeout=5)
+    """The manager's health detail; {} when the request times out (a loaded machine: asked again)."""
+    try:
+        msg = await bus.nc.request(f"{settings.subject_prefix}.health.gpu_manager", b"", timeout=3)
+    except nats.errors.TimeoutError:
+        return {}
     return json.loads(msg.data)["detail"]
 
 
@@ -44,7 +50,7 @@ async def test_accept_survives_fd_exhaustion_reports_it_and_serves_again(manager
             s = socket.socket(socket.AF_UNIX)
             s.connect(manager.socket)
             hogs.append(s)
-        detail = await until(lambda: _degraded(bus, settings), timeout=10)
+        detail = await until(lambda: _degraded(bus, settings), timeout=20)
         assert "EMFILE" in detail["degraded"]["accept"] or "Too many open files" in detail["degraded"]["accept"]
         assert detail["fds"]["limit"] == in_use + 6
     finally:
@@ -55,7 +61,7 @@ async def test_accept_survives_fd_exhaustion_reports_it_and_serves_again(manager
     t0 = time.monotonic()
     reply = await until(lambda: _try_hello(manager.socket), timeout=10)
     assert reply["ok"] and time.monotonic() - t0 < 5
-    detail = await until(lambda: _ok(bus, settings), timeout=10)
+    detail = await until(lambda: _ok(bus, settings), timeout=20)
     assert "accept" not in detail.get("degraded", {})
     assert _hello(manager.socket, "later", 5)["ok"]  # the first accept after the quiet spell logs the end
     log = manager.log()
