@@ -54,12 +54,17 @@ def credentials(infra_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def nats_server(infra_dir: Path, credentials: Path) -> Iterator[str]:
+def nats_conf(infra_dir: Path, credentials: Path) -> Path:
     """TLS, nkey users and per-role subject permissions as in production; each test has its own subject prefix
-    and stream, so the permissions name them `*` (tests/common/test_security_nats.py checks the real ones)."""
+    and stream, so the permissions name them `*` (tests/common/test_security_nats.py checks the real ones).
+    Also for a test's own nats-server (`procs.nats_server(..., config=nats_conf)`)."""
+    return servers.write_nats_config(infra_dir / "nats.conf", credentials, TEST_IDENTITIES, prefix="*", stream="*")
+
+
+@pytest.fixture(scope="session")
+def nats_server(infra_dir: Path, nats_conf: Path) -> Iterator[str]:
     port = procs.free_port()
-    conf = servers.write_nats_config(infra_dir / "nats.conf", credentials, TEST_IDENTITIES, prefix="*", stream="*")
-    child = procs.nats_server(port, infra_dir / "nats", infra_dir / "nats.log", config=conf).start()
+    child = procs.nats_server(port, infra_dir / "nats", infra_dir / "nats.log", config=nats_conf).start()
     procs.wait_port(port, child)
     yield f"nats://127.0.0.1:{port}"
     child.stop()
@@ -69,16 +74,20 @@ def _whole_keyspace(identity: str, prefix: str) -> list[KeyRange]:
     return [KeyRange("/", write=True)]
 
 
-@pytest.fixture(scope="session")
-def etcd_server(infra_dir: Path, credentials: Path) -> Iterator[str]:
-    """TLS with client certificates and auth on; each test has its own key prefix, which etcd's static key ranges
-    cannot follow, so every identity may touch every key here (tests/common/test_security_etcd.py checks the real
-    key ranges, and the e2e tests run the stack with them)."""
-    port, peer = procs.free_port(), procs.free_port()
-    child = procs.etcd_server(port, peer, infra_dir / "etcd", infra_dir / "etcd.log",
-                              tls_flags=servers.etcd_tls_flags(credentials)).start()
+def start_etcd(port: int, peer: int, data: Path, log: Path, credentials: Path) -> procs.Child:
+    """etcd with TLS, client certificates and auth on, listening and set up. Each test has its own key prefix,
+    which etcd's static key ranges cannot follow, so every identity may touch every key here
+    (tests/common/test_security_etcd.py checks the real key ranges; the e2e tests run the stack with them)."""
+    child = procs.etcd_server(port, peer, data, log, tls_flags=servers.etcd_tls_flags(credentials)).start()
     procs.wait_port(port, child)
     servers.etcd_setup(f"127.0.0.1:{port}", credentials, TEST_IDENTITIES, prefix="/", ranges=_whole_keyspace)
+    return child
+
+
+@pytest.fixture(scope="session")
+def etcd_server(infra_dir: Path, credentials: Path) -> Iterator[str]:
+    port, peer = procs.free_port(), procs.free_port()
+    child = start_etcd(port, peer, infra_dir / "etcd", infra_dir / "etcd.log", credentials)
     yield f"127.0.0.1:{port}"
     child.stop()
 

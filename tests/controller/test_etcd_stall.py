@@ -17,15 +17,15 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
+from tests.conftest import start_etcd
 from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
 
 
 @pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[procs.Child]:
+def own_etcd(tmp_path: Path, credentials: Path) -> Iterator[procs.Child]:
     port, peer = procs.free_port(), procs.free_port()
-    child = procs.etcd_server(port, peer, tmp_path / "etcd", tmp_path / "etcd.log").start()
+    child = start_etcd(port, peer, tmp_path / "etcd", tmp_path / "etcd.log", credentials)
     child.port = port  # type: ignore[attr-defined]
-    procs.wait_port(port, child)
     yield child
     child.kill(signal.SIGCONT)
     child.stop()

@@ -181,9 +181,9 @@ async def routed_to(router: Any, prompt: str) -> list[str]:
 
 
 async def test_after_a_nats_outage_the_router_routes_to_the_endpoint_added_in_etcd_and_not_the_removed_one(
-        engines, start_router, store: Store, tmp_path) -> None:
+        engines, start_router, store: Store, tmp_path, nats_conf) -> None:
     port = procs.free_port()
-    nats = procs.nats_server(port, tmp_path / "own-nats", tmp_path / "own-nats.log").start()
+    nats = procs.nats_server(port, tmp_path / "own-nats", tmp_path / "own-nats.log", config=nats_conf).start()
     procs.wait_port(port, nats)
     try:
         a, b = engines("cut-a"), engines("cut-b")
@@ -200,7 +200,7 @@ async def test_after_a_nats_outage_the_router_routes_to_the_endpoint_added_in_et
         await store.put(f"endpoints/{MODEL}/cut-b", b.url)
         assert [e["engine_id"] for e in router.stats()["endpoints"][MODEL]] == ["cut-a"]
 
-        nats = procs.nats_server(port, tmp_path / "own-nats", tmp_path / "own-nats.log").start()
+        nats = procs.nats_server(port, tmp_path / "own-nats", tmp_path / "own-nats.log", config=nats_conf).start()
         procs.wait_port(port, nats)
         await asyncio.to_thread(wait_for_table, router, {"cut-b"})
         for i in range(4):
