@@ -1,5 +1,5 @@
-"""Controller wiring: the view (every instance), the API (every instance), the pipeline (leader only, one
-term at a time: `leadership.py` steps down on a lost lease and campaigns again)."""
+"""Controller wiring: the view (every instance), the API (every instance, on a thread of its own: `api/server.py`),
+the pipeline (leader only, one term at a time: `leadership.py` steps down on a lost lease and campaigns again)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from libs.common.gc_tuning import count_pauses, paused_ms, service_gc
 from libs.common.retention import Retention, prune_forever
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
-from services.controller.api.app import bind, create_app, serve
-from services.controller.api.context import ApiContext
+from services.controller.api.server import ApiThread, bind
 from services.controller.incident_log import incident_key
 from services.controller.leadership import lead_forever
 from services.controller.metrics import ControllerMetrics
@@ -75,13 +74,14 @@ async def setup(rt: Runtime, settings: ControllerSettings) -> None:
     service_gc()
     count_pauses()
     if settings.api_enabled:
-        ctx = ApiContext(settings=settings, view=view, store=rt.store, bus=rt.bus, metrics=metrics,
-                         is_leader=lambda: bool(state["leader"]), admin_token=admin_token(settings),
-                         read_token=settings.read_token)
+        # Its own thread, loop, etcd and NATS connections and view: no request is parsed on the pipeline's loop.
         sock = bind(settings.api_host, settings.api_port)
         host, port = sock.getsockname()[:2]
+        api = ApiThread(settings, sock, metrics, lambda: bool(state["leader"]), admin_token(settings))
+        api.start()
+        rt.spawn("api", api.run())
+        await api.wait_ready()
         state["api"] = f"http://{host}:{port}"
-        rt.spawn("api", serve(create_app(ctx), sock))
         log.info("admin API on %s", state["api"])
 
     async def begin() -> LeaderTerm:

@@ -1,12 +1,10 @@
-"""The admin API app: routers wired, errors mapped to JSON bodies, served by uvicorn inside the controller."""
+"""The admin API app: routers wired, errors mapped to JSON bodies (served on its own thread: `server.py`)."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -71,25 +69,3 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return _error(status, exc.code, exc.message)
 
     return app
-
-
-class ApiServer(uvicorn.Server):
-    """uvicorn inside a service: the service runner owns the signals, not uvicorn."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-async def serve(app: FastAPI, sock: socket.socket) -> None:
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    await ApiServer(config).serve(sockets=[sock])
