@@ -113,6 +113,24 @@ def pct(values: list[float]) -> dict[str, float | int | None]:
     return {"n": len(values), "p50": round(q[49], 2), "p99": round(q[98], 2), "max": round(max(values), 2)}
 
 
+async def standby_gpu_mib(sc: LoadScenario) -> dict[str, int] | None:
+    """GPU memory of each process of the warm standby and of the active engine, by nvidia-smi (None without one):
+    the standby holds its CUDA context and kernels, no weights and no KV cache of its own."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, timeout=30)
+    used = {int(p): int(m) for p, m in (line.split(",") for line in r.stdout.strip().splitlines() if "," in line)}
+    out = {}
+    for e in await sc.engines():
+        if e.pid in used and e.state in ("standby", "ready"):
+            out[f"{e.role}:{e.engine_id}"] = used[e.pid]
+    return out
+
+
 async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: int, max_tokens: int, *,
                     kill: bool, warm_tokens: int) -> dict[str, Any]:
     assert sc.stack is not None
@@ -126,11 +144,12 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: i
         if any(t.done() for t in tasks) or time.monotonic() > deadline:
             raise RuntimeError("a stream ended (or stalled) before every stream had its first tokens; raise max_tokens")
         await asyncio.sleep(0.002)
+    standby_mib = await standby_gpu_mib(sc) if kill else None
     t_kill = sc.kill_engine(active) if kill else time.time()
     lates = [Stream(p) for p in prompts(late, "late")]
     late_tasks = [asyncio.create_task(stream(client, url, s, max_tokens // 2)) for s in lates]
     await asyncio.gather(*tasks, *late_tasks)
-    out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill}
+    out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib}
     if kill:
         await sc.wait_event("incident.resolved", 120, after=seen)
         successor = await sc.wait_serving(standbys=0, timeout=120)
@@ -152,6 +171,7 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
     succ = [r["successor"] for r in rounds if "successor" in r]
     if succ:
         eng = [h.get("engine") or {} for h in succ]
+        out["standby_gpu_mib"] = [r.get("standby_gpu_mib") for r in rounds]
         out["successor"] = {
             "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
             "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],

@@ -91,6 +91,11 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     if loaded.kv_handed_on and journal.matches():
         entries, dropped = journal.recover()
         engine.adopt(entries, dropped)
+        bucket = runner.bucket_for(len(entries)) if entries and cfg.cuda_graphs and runner.use_graphs else None
+        if bucket is not None:  # the adopted sequences' decode graph (~60 ms at 8b), the rest when idle
+            t0 = time.perf_counter()
+            runner.capture_graphs([bucket])
+            graphs_ms = _ms(t0)
         info = {"adopted": len(entries), "dropped": dropped, "journal": "adopted",
                 "positions_kept": sum(e.computed for e in entries), "graphs_ms": graphs_ms}
     else:

@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,8 @@ class AttnMeta:
     block_tables: torch.Tensor  # [B, W] int64 on the KV's device; entries past a sequence's blocks are unread
     context_lens_t: torch.Tensor  # [B] int64 on the KV's device
     decode_only: bool  # every sequence has exactly one row (rows == sequences, in order)
+    batched_prefill: bool = False  # CUDA, default mode: every prefill chunk of the step in one padded SDPA call
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # index tensors built at the first layer
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +76,7 @@ def attend(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, *, reference
     out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
+    prefill: list[int] = []
     for i in range(meta.num_seqs):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
         if hi == lo:
@@ -81,16 +84,65 @@ def attend(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, *, reference
         if fast and hi - lo == 1:
             decode_rows.append(lo)
             decode_seqs.append(i)
-            continue
-        keys, vals = gather(layer_kv, meta.block_tables[i], meta.context_lens[i])
-        attn = sdpa_one if fast else reference_one
-        out[lo:hi] = attn(q[lo:hi], keys, vals).flatten(1)
+        elif fast and meta.batched_prefill:
+            prefill.append(i)
+        else:
+            keys, vals = gather(layer_kv, meta.block_tables[i], meta.context_lens[i])
+            attn = sdpa_one if fast else reference_one
+            out[lo:hi] = attn(q[lo:hi], keys, vals).flatten(1)
+    if prefill:
+        padded_prefill(q, layer_kv, meta, prefill, out)
     if decode_rows:
-        rows = torch.tensor(decode_rows, device=q.device)
-        seqs = torch.tensor(decode_seqs, device=q.device)
+        if "decode" not in meta.cache:  # built once a step, not once a layer
+            meta.cache["decode"] = (torch.tensor(decode_rows, device=q.device), torch.tensor(decode_seqs, device=q.device))
+        rows, seqs = meta.cache["decode"]
         got = paged_kernels.paged_decode(q[rows], layer_kv, meta.block_tables[seqs], meta.context_lens_t[seqs])
         out[rows] = got.flatten(1)
     return out
+
+
+def _padded_index(meta: AttnMeta, seqs: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For the step's prefill chunks as one padded batch: each chunk's flat rows [S, N] (pads: row 0), the
+    padded positions of real rows and their flat rows, the block tables [S, nb], the mask [S, 1, N, C] (True: may
+    attend)."""
+    n = [meta.query_starts[i + 1] - meta.query_starts[i] for i in seqs]
+    ctx = [meta.context_lens[i] for i in seqs]
+    N, nb = max(n), max(-(-c // block_size) for c in ctx)
+    r = torch.arange(N)
+    starts = torch.tensor([meta.query_starts[i] for i in seqs])[:, None]
+    real = r[None, :] < torch.tensor(n)[:, None]
+    rows = torch.where(real, starts + r[None, :], torch.zeros_like(starts))
+    q_pos = torch.tensor(ctx)[:, None] - torch.tensor(n)[:, None] + r[None, :]  # [S, N]
+    k_pos = torch.arange(nb * block_size)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    mask[~real] = False
+    mask[..., 0] = True  # a padded row attends one key (an all-masked row is NaN); its output is dropped
+    tables = meta.block_tables[torch.tensor(seqs, device=meta.block_tables.device), :nb]
+    keep = real.flatten().nonzero().flatten()  # positions of real rows in the padded batch; on the host, once
+    dest = rows.flatten()[keep]
+    return rows.to(device), keep.to(device), dest.to(device), tables, mask[:, None].to(device)
+
+
+def padded_prefill(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, seqs: list[int], out: torch.Tensor) -> None:
+    """Every prefill chunk of the step in one SDPA call (CUDA, default mode): the per-sequence calls were
+    ~6 launches a sequence a layer, most of a prefill step's time. Not batch-invariant (the padded shapes depend
+    on the batch): the deterministic mode keeps `sdpa_one`."""
+    bs, kvh, hd = layer_kv.shape[2:]
+    if "prefill" not in meta.cache:
+        meta.cache["prefill"] = _padded_index(meta, seqs, bs, q.device)
+    rows, keep, dest, tables, mask = meta.cache["prefill"]
+    S, N = rows.shape
+    heads = q.shape[1]
+    qp = q[rows.flatten()].view(S, N, heads, hd).transpose(1, 2)  # [S, H, N, hd]
+    flat = tables.flatten()
+    k = layer_kv[0].index_select(0, flat).view(S, -1, kvh, hd).transpose(1, 2).to(q.dtype)
+    v = layer_kv[1].index_select(0, flat).view(S, -1, kvh, hd).transpose(1, 2).to(q.dtype)
+    rep = heads // kvh
+    if rep > 1:  # full heads: the memory-efficient kernel takes an arbitrary mask, not grouped heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask)  # [S, H, N, hd]
+    o = o.transpose(1, 2).reshape(S * N, heads * hd)
+    out.index_copy_(0, dest, o.index_select(0, keep))
 
 
 def gather(layer_kv: torch.Tensor, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -140,7 +141,7 @@ class ModelRunner:
         B = len(items)
         if B == 0:
             return torch.empty(0, self.cfg.vocab_size)
-        if self._graphs and B <= self.buckets[-1] and all(len(it.token_ids) == 1 for it in items):
+        if self._graph_for(B) is not None and all(len(it.token_ids) == 1 for it in items):
             logits = self._replay(items)[:B]
             rows = [i for i, it in enumerate(items) if it.sample]
             return logits[rows]  # a copy: the graph's output is rewritten by the next replay
@@ -200,7 +201,7 @@ class ModelRunner:
         self._fill_tables(host[5].view(B, W), items)
         self._stage.upload(sum(sizes))
         tok, pos, slot, ctx, head, table = _sections(self._stage.dev, sizes)
-        meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B)
+        meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B, batched_prefill=not self.deterministic)
         return self._forward(tok, pos, slot, meta, head)
 
     # ---- the forward
@@ -275,34 +276,48 @@ class ModelRunner:
         n = self.buckets[-1]
         return [n, n, n, n, n * self.table_width]  # tokens, positions, slots, context lengths, block tables
 
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, buckets: Sequence[int] | None = None) -> None:
+        """Capture the decode graphs of `buckets` (default: all) not captured yet. May be called again for more:
+        every graph reads the same staging buffer and shares one memory pool."""
         sizes = self._graph_inputs()
-        self._gstage = _Staging(self.device, sum(sizes))
         n = self.buckets[-1]
+        if getattr(self, "_gstage", None) is None:
+            self._gstage = _Staging(self.device, sum(sizes))
+            self._gpool: Any = None
         tok, pos, slot, ctx, table = _sections(self._gstage.dev, sizes)
         slot.fill_(-1)  # padding everywhere while capturing: nothing written, nothing read
+        ctx.zero_()
         self._gstage.host.copy_(self._gstage.dev.cpu())
         table = table.view(n, self.table_width)
         if not self.use_graphs:
             meta = AttnMeta([0, 1], [0], table[:1], ctx[:1], decode_only=True)
             self._forward(tok[:1], pos[:1], slot[:1], meta, None)
             return
-        pool = None
-        for b in reversed(self.buckets):
+        want = sorted(set(self.buckets if buckets is None else buckets) & set(self.buckets) - set(self._graphs),
+                      reverse=True)
+        for b in want:
             meta = AttnMeta([], [], table[:b], ctx[:b], decode_only=True)
             self._forward(tok[:b], pos[:b], slot[:b], meta, None)  # compiles, tunes, allocates outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self._gpool):
                 logits = self._forward(tok[:b], pos[:b], slot[:b], meta, None)
-            pool = graph.pool()
+            self._gpool = graph.pool()
             self._graphs[b] = (graph, logits)
         torch.cuda.synchronize()
 
+    def _graph_for(self, n: int) -> int | None:
+        """The smallest captured bucket that holds `n` rows (None: run eagerly)."""
+        return min((b for b in self._graphs if b >= n), default=None)
+
     def _replay(self, items: Sequence[RunItem]) -> torch.Tensor:
         B = len(items)
-        b = next(x for x in self.buckets if x >= B)
+        b = self._graph_for(B)
+        assert b is not None
         n = self.buckets[-1]
         tokens, positions, slots = self._host_rows(items)
         tok, pos, slot, ctx, table = _sections(self._gstage.host, self._graph_inputs())
