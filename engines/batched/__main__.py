@@ -67,11 +67,11 @@ def open_agent_link(cfg: EngineConfig) -> Any:
 
 
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,
-                 cuda_graphs: bool) -> tuple[LLMEngine, dict[str, Any]]:
+                 capture_now: bool) -> tuple[LLMEngine, dict[str, Any]]:
     """Runner, scheduler and journal over the loaded tensors; the journal's sequences adopted when the KV lease
     came from before (and was written for this layout)."""
     runner = ModelRunner(mcfg, loaded.weights, loaded.kv, layout.block_size, deterministic=cfg.deterministic,
-                         cuda_graphs=cuda_graphs, max_num_seqs=cfg.max_num_seqs)
+                         cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           prefill_chunk=cfg.prefill_chunk, max_model_len=layout.max_len,
@@ -79,19 +79,19 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
                                           block_size=layout.block_size, num_blocks=layout.num_blocks,
                                           prefix_caching=cfg.prefix_caching))
     journal = Journal(layout, loaded.journal)
-    if cuda_graphs:
+    if capture_now and runner.use_graphs:
         t0 = time.perf_counter()
         runner.warmup()  # a cold start captures its decode graphs before serving
         graphs_ms: float | None = _ms(t0)
     else:
         graphs_ms = None
     engine = LLMEngine(runner, scheduler, journal, adopt_claim_s=cfg.adopt_claim_s,
-                       capture_graphs_when_idle=not cuda_graphs and cfg.cuda_graphs and runner.use_graphs)
+                       capture_graphs_when_idle=not capture_now and runner.use_graphs)
     info: dict[str, Any] = {"adopted": 0, "journal": "new", "graphs_ms": graphs_ms}
     if loaded.kv_handed_on and journal.matches():
         entries, dropped = journal.recover()
         engine.adopt(entries, dropped)
-        bucket = runner.bucket_for(len(entries)) if entries and cfg.cuda_graphs and runner.use_graphs else None
+        bucket = runner.bucket_for(len(entries)) if entries and runner.use_graphs else None
         if bucket is not None:  # the adopted sequences' decode graph (~60 ms at 8b), the rest when idle
             t0 = time.perf_counter()
             runner.capture_graphs([bucket])
@@ -184,7 +184,8 @@ def run(cfg: EngineConfig) -> int:
         t_build = time.perf_counter()
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
         # adopted sequence; it captures them once it is idle (engine.py).
-        engine, adopted = build_engine(cfg, mcfg, loaded, layout, cuda_graphs=cfg.cuda_graphs and loaded.source == "file")
+        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file")
+        engine.flush = state.outbox.flush
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine

@@ -88,7 +88,7 @@ def finish_reason(seq: Sequence) -> str:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, journal: Journal, *, adopt_claim_s: float,
-                 capture_graphs_when_idle: bool = False, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 capture_graphs_when_idle: bool = False) -> None:
         self.runner, self.scheduler, self.journal = runner, scheduler, journal
         self.adopt_claim_s = adopt_claim_s
         self.counters = Counters()
@@ -100,7 +100,9 @@ class LLMEngine:
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._on_step = on_step
+        # called on the step thread after each pass (new requests taken, a step run): the HTTP side hands the
+        # pass's tokens to their requests at once (one wake-up of its loop a pass, not one a token)
+        self.flush: Callable[[], None] = lambda: None
         self._capture_when_idle = capture_graphs_when_idle
         self.graphs_captured_ms: float | None = None
         self.fatal: BaseException | None = None
@@ -149,7 +151,9 @@ class LLMEngine:
         try:
             while not self._stop.is_set():
                 self._drain()
-                if self.step():
+                ran = self.step()
+                self.flush()
+                if ran:
                     continue
                 if self._capture_when_idle:  # a recovered engine's graphs: nothing is waiting now
                     self._capture_when_idle = False
@@ -165,6 +169,7 @@ class LLMEngine:
             for live in list(self._live.values()):
                 if live.sink is not None:
                     live.sink.finish("error", 0, 0)
+            self.flush()
 
     def _drain(self) -> None:
         while True:
@@ -309,8 +314,6 @@ class LLMEngine:
             elif live.slot is not None:
                 self.journal.release(live.slot)
                 live.slot = None
-        if self._on_step is not None:
-            self._on_step(self)
         return True
 
     def _journal_admit(self, live: _Live) -> None:
