@@ -48,10 +48,13 @@ class Stream:
         return (self.arrivals[0] - self.sent_at) * 1000 if self.arrivals else None
 
 
-def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None) -> list[str]:
+def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None,
+                    step_tokens: int = 2048, prefill_chunk: int = 256) -> list[str]:
+    """The engine in deterministic mode (outputs comparable with the control's); `step_tokens` bounds a step's
+    prefill, hence how long one step can hold every stream's next token."""
     argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--deterministic",
-            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(2048, max_num_seqs)),
-            "--prefill-chunk", "256"]
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
+            "--prefill-chunk", str(prefill_chunk)]
     if kv_cache_gib:
         argv += ["--kv-cache-gib", str(kv_cache_gib)]
     return argv
@@ -60,15 +63,18 @@ def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib
 class LoadScenario(Scenario):
     """The demo's scenario with the batched engine (its standby adopts; it does not shadow)."""
 
-    def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, **kw: Any) -> None:
+    def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
+                 prefill_chunk: int = 256, **kw: Any) -> None:
         super().__init__(shadow=False, **kw)
         self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
+        self.step_tokens, self.prefill_chunk = step_tokens, prefill_chunk
 
     def start(self) -> Stack:
         make_weights(self.size, self.weights)
         spec = EngineSpec(engine_class="batched", model=MODEL,
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
-                                                  kv_cache_gib=self.kv_cache_gib),
+                                                  kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
+                                                  prefill_chunk=self.prefill_chunk),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
         specs_file = self.work_dir / "engines.json"
         specs_file.write_text(json.dumps([spec.model_dump(mode="json")]))
@@ -180,9 +186,11 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
 
 
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
-              kv_cache_gib: float | None, work_dir: Path | None) -> dict[str, Any]:
+              kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
+              prefill_chunk: int = 256) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
-                      kv_cache_gib=kv_cache_gib, work_dir=work_dir)
+                      kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
+                      prefill_chunk=prefill_chunk)
     await asyncio.to_thread(sc.start)
     try:
         await sc.connect()
@@ -193,7 +201,7 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
             rounds = [await one_round(sc, client, streams, late, max_tokens, kill=True, warm_tokens=warm)
                       for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
-                "trials": trials, "max_tokens": max_tokens, "no_failure": summarize([control], control),
+                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "no_failure": summarize([control], control),
                 "sigkill": summarize(rounds, control)}
     finally:
         await sc.close()

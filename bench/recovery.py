@@ -199,6 +199,8 @@ def cli(
     late: int = typer.Option(0, min=0, help="with --streams: requests sent right after each kill"),
     max_tokens: int = typer.Option(96, min=8, help="with --streams: tokens each stream asks for"),
     kv_cache_gib: float = typer.Option(0.0, help="with --streams: the batched engine's KV cache (0: its default)"),
+    step_tokens: int = typer.Option(2048, help="with --streams: the engine's token budget of a step"),
+    prefill_chunk: int = typer.Option(256, help="with --streams: the engine's largest prefill chunk"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
@@ -210,7 +212,8 @@ def cli(
         backend = detect_backend() if backend == "auto" else backend
         report = asyncio.run(load_run(backend=backend, size=size_for(backend, weights_gib), streams=streams,
                                       late=late, trials=trials, max_tokens=max_tokens,
-                                      kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir))
+                                      kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
+                                      step_tokens=step_tokens, prefill_chunk=prefill_chunk))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}
