@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from libs.cli.scenario import MODEL, Scenario, make_weights
+from libs.cli.scenario import MODEL, Scenario, make_weights, router_marks
 from libs.cli.stack import Stack, StackConfig
 from libs.common.events import EngineSpec
 
@@ -160,6 +160,19 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: i
         await sc.wait_event("incident.resolved", 120, after=seen)
         successor = await sc.wait_serving(standbys=0, timeout=120)
         out["successor"] = await sc.engine_health(successor.endpoint or "")
+        after = [t for s in streams for t in s.arrivals if t > t_kill]
+        resumed = [min((t for t in s.arrivals if t > t_kill), default=None) for s in streams]
+        rec = out["successor"].get("recovery") or {}
+        marks: dict[str, float] = {}
+        if isinstance(rec.get("t0_wall"), (int, float)):
+            marks["successor assigned"] = (rec["t0_wall"] - t_kill) * 1000
+            for key, label in (("ready_ms", "successor ready"), ("first_request_ms", "successor first request")):
+                if isinstance(rec.get(key), (int, float)):
+                    marks[label] = marks["successor assigned"] + rec[key]
+        route_ins = (await sc.router_stats(client)).get("route_ins") or []
+        marks.update(router_marks(route_ins, successor.engine_id, t_kill))
+        out["timeline_ms"] = {**sc.timeline(t_kill, min(after) if after else None, after=seen), **marks,
+                              "last stream resumed": (max(r for r in resumed if r) - t_kill) * 1000 if any(resumed) else None}
     return out
 
 
@@ -182,6 +195,9 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
             "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
             "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],
             "recovery": [h.get("recovery") for h in succ]}
+        out["timeline_ms"] = [dict(sorted(((k, round(v, 1)) for k, v in r["timeline_ms"].items() if v is not None),
+                                          key=lambda kv: kv[1]))
+                              for r in rounds if "timeline_ms" in r]
     return out
 
 

@@ -92,12 +92,10 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
         entries, dropped = journal.recover()
         engine.adopt(entries, dropped)
         bucket = runner.bucket_for(len(entries)) if entries and runner.use_graphs else None
-        if bucket is not None:  # the adopted sequences' decode graph (~60 ms at 8b), the rest when idle
-            t0 = time.perf_counter()
-            runner.capture_graphs([bucket])
-            graphs_ms = _ms(t0)
+        if bucket is not None:  # the adopted sequences' decode graph (~60-90 ms at 8b) is the step thread's first
+            engine.capture_first = [bucket]  # work, while the router's replays come in; the rest when idle
         info = {"adopted": len(entries), "dropped": dropped, "journal": "adopted",
-                "positions_kept": sum(e.computed for e in entries), "graphs_ms": graphs_ms}
+                "positions_kept": sum(e.computed for e in entries)}
     else:
         journal.format()
     return engine, info
@@ -193,7 +191,9 @@ def run(cfg: EngineConfig) -> int:
                                 "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,
                                 "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}
         if loaded.source != "file":
-            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start), **adopted}
+            state.t_start = t_start
+            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start),
+                                      "t0_wall": time.time() - (time.perf_counter() - t_start), **adopted}
         state.state = "ready"
         if link is not None:
             link.ready(http.endpoint)

@@ -104,7 +104,8 @@ class LLMEngine:
         # pass's tokens to their requests at once (one wake-up of its loop a pass, not one a token)
         self.flush: Callable[[], None] = lambda: None
         self._capture_when_idle = capture_graphs_when_idle
-        self.graphs_captured_ms: float | None = None
+        self.capture_first: list[int] = []  # graph buckets captured before the first step (a recovery's own)
+        self.graphs_captured_ms: dict[str, float] = {}
         self.fatal: BaseException | None = None
 
     # ------------------------------------------------------------------ the HTTP side (any thread)
@@ -147,8 +148,15 @@ class LLMEngine:
         self.counters.journal_dropped += dropped
 
     # ------------------------------------------------------------------ the step thread
+    def _capture(self, label: str, buckets: list[int] | None) -> None:
+        t0 = time.perf_counter()
+        self.runner.capture_graphs(buckets)
+        self.graphs_captured_ms[label] = round((time.perf_counter() - t0) * 1000, 1)
+
     def _loop(self) -> None:
         try:
+            if self.capture_first:
+                self._capture("first", self.capture_first)
             while not self._stop.is_set():
                 self._drain()
                 ran = self.step()
@@ -157,9 +165,7 @@ class LLMEngine:
                     continue
                 if self._capture_when_idle:  # a recovered engine's graphs: nothing is waiting now
                     self._capture_when_idle = False
-                    t0 = time.perf_counter()
-                    self.runner.capture_graphs()
-                    self.graphs_captured_ms = round((time.perf_counter() - t0) * 1000, 1)
+                    self._capture("when_idle", None)
                     continue
                 self._wake.wait(0.05)
                 self._wake.clear()
