@@ -127,8 +127,9 @@ async def standby_gpu_mib(sc: LoadScenario) -> dict[str, int] | None:
 
     if shutil.which("nvidia-smi") is None:
         return None
-    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                       capture_output=True, text=True, timeout=30)
+    r = await asyncio.to_thread(subprocess.run, ["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                                 "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                timeout=30)
     used = {int(p): int(m) for p, m in (line.split(",") for line in r.stdout.strip().splitlines() if "," in line)}
     out = {}
     for e in await sc.engines():

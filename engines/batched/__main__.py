@@ -23,7 +23,7 @@ import torch
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
-from engines.batched.memory import Loaded, LeasedMemory, LocalMemory, kv_layout, kv_shape
+from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout, kv_shape
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, HttpThread

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F

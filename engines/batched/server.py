@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engines.batched.engine import LLMEngine, Request
 from engines.reference import tokenizer
 
-
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid"}
 
