@@ -314,7 +314,8 @@ class Bus:
         return bus
 
     async def ensure_stream(self) -> None:
-        """Create (or keep) the stream that holds every durable event subject."""
+        """Create (or keep) the stream that holds every durable event subject, with `stream_replicas` copies
+        (on a NATS cluster: the stream outlives a server, its consumers' state too, as they inherit them)."""
         subjects = [f"{self.prefix}.{kind}.>" for kind in ("fault", "incident", "intent", "memory", "engine", "router", "node.gpu")]
         config = StreamConfig(
             name=self.settings.stream_name,
@@ -322,6 +323,7 @@ class Bus:
             retention=RetentionPolicy.LIMITS,
             max_age=24 * 3600,
             max_msgs=1_000_000,
+            num_replicas=self.settings.stream_replicas,
         )
         try:
             await self.js.stream_info(self.settings.stream_name)

@@ -31,6 +31,7 @@ class CommonSettings(BaseSettings):
     subject_prefix: str = Field("hf", description="prefix of every NATS subject")
     etcd_prefix: str = Field("/holdfast/", description="prefix of every etcd key")
     stream_name: str = Field("HOLDFAST", description="JetStream stream holding durable events")
+    stream_replicas: int = Field(1, ge=1, le=5, description="copies of that stream (3 on a 3-server NATS cluster)")
     node: str = Field("node-1", description="this node's id")
     datacenter: str = Field("dc-1", description="this node's datacenter or zone")
     state_dir: Path = Field(default_factory=default_state_dir, description="sockets, databases, scratch")
@@ -50,6 +51,7 @@ class CommonSettings(BaseSettings):
             "HF_SUBJECT_PREFIX": self.subject_prefix,
             "HF_ETCD_PREFIX": self.etcd_prefix,
             "HF_STREAM_NAME": self.stream_name,
+            "HF_STREAM_REPLICAS": str(self.stream_replicas),
             "HF_NODE": self.node,
             "HF_DATACENTER": self.datacenter,
             "HF_STATE_DIR": str(self.state_dir),

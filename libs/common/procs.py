@@ -101,35 +101,45 @@ def wait_port(port: int, child: Child | None = None, timeout: float = 15.0) -> N
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
-def nats_server(port: int, data_dir: Path, log_path: Path | None = None, *, config: Path | None = None) -> Child:
-    """`config`: a nats-server config file (TLS, users, permissions: libs/common/security); flags win over it."""
+def nats_server(port: int, data_dir: Path, log_path: Path | None = None, *, config: Path | None = None,
+                name: str = "nats", cluster_port: int | None = None, routes: tuple[int, ...] = ()) -> Child:
+    """`config`: a nats-server config file (TLS, users, permissions: libs/common/security); flags win over it.
+    `cluster_port`/`routes`: a member of a loopback cluster (server `name`, the other members' cluster ports);
+    JetStream then replicates across the members."""
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)]
+    if cluster_port is not None:
+        argv += ["--name", name, "--cluster_name", "holdfast", "--cluster", f"nats://127.0.0.1:{cluster_port}",
+                 "--routes", ",".join(f"nats://127.0.0.1:{r}" for r in routes)]
     if config is not None:
         argv += ["-c", str(config)]
-    return Child("nats", argv, log_path=log_path)
+    return Child(name, argv, log_path=log_path)
 
 
 ETCD_HISTORY = "10m"  # etcd's --auto-compaction-retention (periodic) for the etcd servers started here
 
 
 def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None = None, *,
-                tls_flags: list[str] | None = None) -> Child:
-    """`tls_flags`: etcd's certificate flags (security.servers.etcd_tls_flags): clients then speak TLS only."""
+                tls_flags: list[str] | None = None, name: str = "holdfast",
+                initial_cluster: dict[str, int] | None = None) -> Child:
+    """`tls_flags`: etcd's certificate flags (security.servers.etcd_tls_flags): clients then speak TLS only.
+    `initial_cluster`: every member's name -> peer port, for a member (`name`) of a loopback cluster."""
     url = f"{'https' if tls_flags else 'http'}://127.0.0.1:{port}"
     peer = f"http://127.0.0.1:{peer_port}"
+    members = initial_cluster or {name: peer_port}
     argv = [
-        find_binary("etcd"), "--name", "holdfast", "--data-dir", str(data_dir),
+        find_binary("etcd"), "--name", name, "--data-dir", str(data_dir),
         "--listen-client-urls", url, "--advertise-client-urls", url,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"holdfast={peer}", "--log-level", "warn",
+        "--initial-cluster", ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in members.items()),
+        "--log-level", "warn",
         # Without compaction etcd keeps every revision of every key: at hundreds of incidents a second its
         # database reaches the quota (2 GiB) and etcd refuses every write (NOSPACE). History older than this is
         # dropped; a watch that falls that far behind resyncs from a snapshot (ClusterView.follow).
         "--auto-compaction-mode", "periodic", "--auto-compaction-retention", ETCD_HISTORY,
         *(tls_flags or []),
     ]
-    return Child("etcd", argv, log_path=log_path)
+    return Child("etcd" if initial_cluster is None else name, argv, log_path=log_path)
 
 
 def wall_time_of(perf: float) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import threading
@@ -37,6 +38,11 @@ from libs.common.errors import Unavailable, WatchCompacted
 
 log = logging.getLogger("holdfast.store")
 M = TypeVar("M", bound=BaseModel)
+
+# A member gone takes its connection with it; the channel then tries the members again at once, and at most
+# this long apart while none answers (gRPC's default backs off to 120 s, longer than any lease here).
+_RECONNECT = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1000,
+              "grpc.min_reconnect_backoff_ms": 100}
 
 
 def encode_value(value: Any) -> bytes:
@@ -63,19 +69,58 @@ class Lease:
     ttl: int
 
 
-class _TlsClient(aetcd.Client):
-    """aetcd's client over a TLS channel presenting a client certificate (aetcd itself dials in plaintext only):
-    its `connect` with the channel made secure, the rest unchanged. With etcd's auth on, the certificate's CN
-    is the user whose role's key ranges every request is checked against."""
+def grpc_target(hosts: list[tuple[str, int]]) -> str:
+    """One gRPC target naming every etcd member: `ipv4:a:p,b:q` (gRPC's static address list) when the hosts
+    are IP literals, so the channel's pick_first policy connects to the first member that answers and, when
+    that one goes, to the next that does (a member's death costs the calls then in flight, not the client).
+    A single host name stays a DNS target: gRPC tries every address it resolves to (a Kubernetes headless
+    Service names every member). Several host names are refused: gRPC takes one name a channel."""
+    hosts = [(h.strip("[]"), p) for h, p in hosts]
+    if len(hosts) == 1:
+        host, port = hosts[0]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    families = {_ip_family(h) for h, _ in hosts}
+    if families == {4}:
+        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in hosts)
+    if families == {6}:
+        return "ipv6:" + ",".join(f"[{h}]:{p}" for h, p in hosts)
+    raise ValueError(f"etcd endpoints {hosts}: several members must be IP literals of one family "
+                     "(or one DNS name resolving to all of them)")
 
-    def __init__(self, *args: Any, tls: grpc.ChannelCredentials, **kw: Any) -> None:
+
+def channel_options(hosts: list[tuple[str, int]]) -> dict[str, Any]:
+    """The channel's options: fast reconnects and, for a list of addresses (whose target has no host name),
+    the name every member's certificate is checked against: the first host's (on loopback 127.0.0.1, which
+    the server certificate names; in a cluster give one DNS name instead)."""
+    if len(hosts) == 1:
+        return dict(_RECONNECT)
+    return {**_RECONNECT, "grpc.ssl_target_name_override": hosts[0][0].strip("[]")}
+
+
+def _ip_family(host: str) -> int | None:
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+
+
+class _EtcdClient(aetcd.Client):
+    """aetcd's client over a channel to every member (`grpc_target`) and, with `tls`, presenting a client
+    certificate (aetcd itself dials one host in plaintext only): its `connect` with that channel, the rest
+    unchanged. With etcd's auth on, the certificate's CN is the user whose role's key ranges every request is
+    checked against."""
+
+    def __init__(self, *args: Any, target: str, tls: grpc.ChannelCredentials | None, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        self._target = target
         self._tls = tls
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", self._tls, options=self._options.items())
+        options = list(self._options.items())
+        self.channel = (rpc.insecure_channel(self._target, options=options) if self._tls is None
+                        else rpc.secure_channel(self._target, self._tls, options=options))
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
@@ -104,10 +149,9 @@ class Store:
     @classmethod
     async def connect(cls, settings: CommonSettings, *, source: str = "", timeout: float = 10.0) -> Store:
         """`source`: who connects ('<service>:<instance>', as for `Bus.connect`); it picks the credentials."""
-        host, port = settings.etcd_hosts()[0]
-        tls = etcd_tls(settings, source)
-        client = aetcd.Client(host=host, port=port, timeout=5) if tls is None else _TlsClient(
-            host=host, port=port, timeout=5, tls=tls)
+        target = grpc_target(settings.etcd_hosts())
+        client = _EtcdClient(timeout=5, target=target, tls=etcd_tls(settings, source),
+                             options=channel_options(settings.etcd_hosts()))
         store = cls(client, settings, source)
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
@@ -116,7 +160,7 @@ class Store:
                 return store
             except Exception as e:  # noqa: BLE001 - etcd may still be starting
                 if asyncio.get_running_loop().time() > deadline:
-                    raise Unavailable(f"etcd at {host}:{port} unreachable: {e}") from None
+                    raise Unavailable(f"etcd at {target} unreachable: {e}") from None
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
@@ -279,8 +323,8 @@ class ThreadKeepAlive:
     """
 
     def __init__(self, store: Store, lease: Lease, *, stall_limit_s: float | None = None) -> None:
-        host, port = store.settings.etcd_hosts()[0]
-        self.target = f"{host}:{port}"
+        self.target = grpc_target(store.settings.etcd_hosts())
+        self.options = list(channel_options(store.settings.etcd_hosts()).items())
         self.tls = etcd_tls(store.settings, store.source)
         self.lease = lease
         self.interval = max(lease.ttl / 3.0, 0.2)
@@ -315,7 +359,8 @@ class ThreadKeepAlive:
                 loop.call_soon_threadsafe(self.lost.set)
 
     def _refresh_forever(self) -> None:
-        channel = grpc.insecure_channel(self.target) if self.tls is None else grpc.secure_channel(self.target, self.tls)
+        channel = (grpc.insecure_channel(self.target, options=self.options) if self.tls is None
+                   else grpc.secure_channel(self.target, self.tls, options=self.options))
         stub = rpc.LeaseStub(channel)
         try:
             while not self._stop.wait(self.interval):
