@@ -120,6 +120,24 @@ def status(
     importlib.import_module("services.controller.status_cli").status(api_url, token)
 
 
+@app.command()
+def snapshot(
+    lease_id: str = typer.Argument(..., help="a committed lease (holdfast status lists them)"),
+    artifact: str | None = typer.Option(None, help="artifact name (default <engine class>.<lease name>)"),
+    host_tier: bool = typer.Option(False, help="also keep a copy in the node's host memory"),
+    api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
+    token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin token"),
+) -> None:
+    """Write a lease's weights to a weight artifact on its node (POST /v1/leases/{id}/snapshot; docs/restore.md)."""
+    import httpx
+
+    r = httpx.post(f"{api_url}/v1/leases/{lease_id}/snapshot", json={"artifact": artifact, "host_tier": host_tier},
+                   headers={"Authorization": f"Bearer {token}"}, timeout=900)
+    console.print_json(r.text)
+    if r.status_code != 200:
+        raise typer.Exit(1)
+
+
 def _bench(name: str, module: str) -> None:
     def load() -> Any:
         return importlib.import_module(module).cli
@@ -131,7 +149,7 @@ def _bench(name: str, module: str) -> None:
     bench_app.command(name)(fn)
 
 
-for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload", "serve"):
+for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload", "serve", "restore"):
     _bench(_bench_name, f"bench.{_bench_name}")
 
 

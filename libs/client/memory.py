@@ -199,6 +199,7 @@ class MemoryClient:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self.last_timings_ms: dict[str, float] = {}  # of the last attach or takeover
+        self.last_restore: dict[str, Any] = {}  # of the last restore: source, bytes, fill_s, fill_gib_s, ...
 
     @classmethod
     def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default",
@@ -432,6 +433,19 @@ class MemoryClient:
         log.info("%s: %d leases, %d chunks: request %.2f ms, map %.2f ms", req.op, len(att.leases), len(fds),  # type: ignore[attr-defined]
                  self.last_timings_ms["request_ms"], self.last_timings_ms["map_ms"])
         return att
+
+    def restore(self, artifact: str, *, gpu: int = 0, sources: Sequence[str] = ("host", "artifact")) -> MappedLease:
+        """A new weights lease filled by the gpu_manager from this node's copy of `artifact` (the host tier's,
+        else the artifact on disk, its hash checked), with the tensors it was written with registered. Commit
+        as after a load. `last_restore` says which copy served and how fast. Raises `NotFound` (no copy) or
+        `ArtifactInvalid` (truncated, corrupt, unfinished): then load from the original file."""
+        t0 = time.perf_counter()
+        body, fds = self._call(p.RestoreReq(artifact=artifact, gpu=gpu, sources=list(sources)))  # type: ignore[arg-type]
+        reply = p.GrantReply.model_validate(body)
+        lease = self._map(body, fds)[0]
+        self.last_restore = {"source": reply.source, **(reply.restore or {}),
+                             "request_s": round(time.perf_counter() - t0, 4)}
+        return lease
 
     def heartbeat(self) -> None:
         self._call(p.Heartbeat())

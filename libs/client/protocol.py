@@ -64,6 +64,14 @@ class TooManyConnections(LimitExceeded):
     code = "too_many_connections"
 
 
+class ArtifactInvalid(HoldfastError):
+    """A weight artifact that cannot be restored: no manifest (never finished), a file shorter than its
+    manifest says, a block whose hash differs, or another format version. The caller falls back to the
+    original weights file; nothing was mapped."""
+
+    code = "artifact_invalid"
+
+
 class Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -145,8 +153,20 @@ class Resume(Msg):
     epochs: dict[str, int]  # lease id -> the epoch the sender holds
 
 
+class RestoreReq(Msg):
+    """A new weights lease for the caller, filled from a node copy of a model's weights: the host tier's copy if
+    the node keeps one, else the artifact on disk (hash verified). The reply is a grant with the tensors the
+    artifact was written with (registered, not yet committed: the engine commits its set as after a load)."""
+
+    op: Literal["restore"] = "restore"
+    artifact: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    gpu: int = Field(0, ge=0)
+    sources: list[Literal["host", "artifact"]] = Field(default_factory=lambda: ["host", "artifact"], min_length=1)
+
+
 Request = Annotated[
-    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, ShareReq, Heartbeat, Release, Resume],  # noqa: UP007
+    Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, ShareReq, Heartbeat, Release, Resume,  # noqa: UP007
+          RestoreReq],
     Field(discriminator="op"),
 ]
 _request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
@@ -181,6 +201,8 @@ class HelloReply(Msg):
 
 class GrantReply(Msg):
     leases: list[LeaseGrant]
+    source: str | None = None  # restore: which copy served ("host" or "artifact")
+    restore: dict[str, float] | None = None  # restore: bytes, seconds, GiB/s, as measured by the manager
 
 
 class PendingReply(Msg):

@@ -9,14 +9,17 @@ are placed at 256-byte aligned offsets so every dtype view is aligned.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from pathlib import Path
 from typing import Any
 
 from libs.client.memory import MappedLease, MemoryClient
-from libs.client.protocol import TensorMeta
-from libs.common.errors import MalformedMessage
+from libs.client.protocol import ArtifactInvalid, TensorMeta
+from libs.common.errors import MalformedMessage, NotFound
+
+log = logging.getLogger("holdfast.client.safetensors")
 
 ALIGN = 256
 BOUNCE_BYTES = 64 * 1024 * 1024
@@ -97,3 +100,19 @@ def load_safetensors_into_leases(client: MemoryClient, path: str | Path, *, tag:
     client.register(metas)
     client.commit()
     return {m.name: lease.view(m, framework) for m in metas}
+
+
+def load_weights(client: MemoryClient, path: str | Path, *, artifact: str | None = None, tag: str = "weights",
+                 name: str = "weights", gpu: int = 0, framework: str = "torch") -> tuple[dict[str, Any], str]:
+    """The cold path: restore from this node's copy of `artifact` (host tier, else the artifact on disk) when
+    there is a sound one, else read the safetensors file. Returns (tensor views, the source that served:
+    "host", "artifact" or "file"). A missing, truncated or corrupt copy is logged and the file is read."""
+    if artifact is not None:
+        try:
+            lease = client.restore(artifact, gpu=gpu)
+        except (NotFound, ArtifactInvalid) as e:
+            log.warning("no sound copy of %s (%s: %s): loading %s", artifact, e.code, e.message, path)
+        else:
+            client.commit()
+            return {m.name: lease.view(m, framework) for m in lease.tensor_metas}, str(client.last_restore["source"])
+    return load_safetensors_into_leases(client, path, tag=tag, name=name, gpu=gpu, framework=framework), "file"

@@ -412,6 +412,28 @@ class ListLeasesReply(Model):
     leases: list[LeaseInfo]
 
 
+class SnapshotLease(Command):
+    """Write a committed lease's bytes, tensors and hashes to a weight artifact on its node (issue 21), and with
+    `host_tier` keep a copy in the node's host memory too. Answered when the artifact is whole on disk."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["snapshot"] = "snapshot"
+    lease_id: str
+    artifact: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    host_tier: bool = False
+
+
+class SnapshotReply(Model):
+    artifact: str  # the name a restore asks for
+    path: str
+    bytes: int
+    seconds: float
+    gib_s: float
+    root_hash: str
+    direct_io: bool
+    host_tier: bool = False  # a host-tier copy is held too
+
+
 class Takeover(Command):
     service: ClassVar[str] = "agent"
     op: Literal["takeover"] = "takeover"

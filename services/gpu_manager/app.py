@@ -17,8 +17,10 @@ from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.limits import ConnectionCount
 from services.gpu_manager.manager import LeaseBook
 from services.gpu_manager.mirror import Mirror
+from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.session import fd_usage, serve_connection
 from services.gpu_manager.settings import GpuManagerSettings
+from services.gpu_manager.tier import HostTier
 
 log = logging.getLogger("holdfast.gpu_manager")
 
@@ -34,7 +36,8 @@ def raise_fd_limit() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns: ConnectionCount) -> dict[str, Any]:
+def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns: ConnectionCount,
+           tier: HostTier) -> dict[str, Any]:
     """Health detail: `status` is `degraded` (with `degraded`: condition -> reason) while accepting fails or
     fds run short, `ok` otherwise; it recovers by itself once the condition ends."""
     open_fds, limit = fd_usage()
@@ -45,7 +48,7 @@ def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns:
         degraded["fds"] = f"{open_fds} of {limit} fds open"
     return {"status": "degraded" if degraded else "ok", "degraded": degraded, "backend": backend, "socket": path,
             "leases": len(book.records), "rejected_frames": book.rejected, "fds": {"open": open_fds, "limit": limit},
-            "connections": sum(conns.by_uid.values()), "refused_connections": conns.refused}
+            "connections": sum(conns.by_uid.values()), "refused_connections": conns.refused, "host_tier": tier.health()}
 
 
 async def setup(rt: Runtime) -> None:
@@ -60,6 +63,9 @@ async def setup(rt: Runtime) -> None:
     book = LeaseBook(settings, backend, db, keeper, mirror)
     rt.spawn("mirror", mirror.run())
     await book.load()
+    tier = HostTier(settings.host_tier_bytes, keeper)
+    tier.adopt(book.kept_tier)
+    copies = WeightCopies(book, tier)
 
     def owner_exit(pid: int) -> None:
         task = asyncio.get_running_loop().create_task(book.owner_exited(pid), name=f"owner-exit:{pid}")
@@ -69,20 +75,21 @@ async def setup(rt: Runtime) -> None:
     pending: set[asyncio.Task[None]] = set()
     book.on_owner_exit = owner_exit
 
-    await Commands(book).register(rt.bus, settings.node)
+    await Commands(book, copies).register(rt.bus, settings.node)
     # The command subscriptions are at the server (a round trip) before any engine can reconnect: whoever saw
     # an engine back (a test, the control plane) finds the commands answered, not "no responders".
     await rt.bus.nc.flush()
     path = str(settings.socket_path())
     conns = ConnectionCount(settings.max_connections_per_uid)
-    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream),
+    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies),
                                 mode=settings.socket_mode, group=settings.socket_group,
                                 max_size=settings.max_frame_bytes)
     rt.spawn("reconciler", book.reconcile_forever())
-    rt.health_detail = lambda: health(backend.name, path, server, book, conns)
+    rt.health_detail = lambda: health(backend.name, path, server, book, conns, tier)
 
     async def close() -> None:
         await server.close()
+        await copies.close()
         await book.close()
         keeper.close()
         db.close()

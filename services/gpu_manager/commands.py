@@ -10,6 +10,8 @@ share(owner, grantee)   a token with which `grantee` may map the owner's weight 
                 standby's shadow); nothing changes state, the owner keeps its leases.
 reclaim(lease, force)   ORPHANED/FROZEN -> RECLAIMED now; an ACTIVE lease only with force.
 list(owner?, state?)    live leases of this node.
+snapshot(lease, artifact?, host_tier)   write a committed lease to a weight artifact (restore.py), and keep a
+                host tier copy if asked; answered once the artifact is whole on disk.
 """
 
 from __future__ import annotations
@@ -30,18 +32,22 @@ from libs.common.events import (
     ReclaimReply,
     ShareWeights,
     ShareWeightsReply,
+    SnapshotLease,
+    SnapshotReply,
     Transfer,
     TransferReply,
 )
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.manager import LeaseBook, Move, NoCommittedWeights, split_for_freeze
+from services.gpu_manager.restore import WeightCopies
 
 log = logging.getLogger("holdfast.gpu_manager.commands")
 
 
 class Commands:
-    def __init__(self, book: LeaseBook) -> None:
+    def __init__(self, book: LeaseBook, copies: WeightCopies) -> None:
         self.book = book
+        self.copies = copies
         self.bus: Bus | None = None
 
     async def register(self, bus: Bus, node: str) -> None:
@@ -51,6 +57,7 @@ class Commands:
         await bus.serve(node, Reclaim, self.reclaim)
         await bus.serve(node, ShareWeights, self.share)
         await bus.serve(node, ListLeases, self.list)
+        await bus.serve(node, SnapshotLease, self.snapshot)
 
     async def freeze(self, cmd: Freeze) -> FreezeReply:
         async with self.book.lock:
@@ -115,6 +122,9 @@ class Commands:
             event = LeaseEvent.FORCE_RECLAIM if cmd.force else LeaseEvent.RECLAIM
             await self.book.apply(rec, event, "reclaimed by command")
             return ReclaimReply(lease=rec.info)
+
+    async def snapshot(self, cmd: SnapshotLease) -> SnapshotReply:
+        return await self.copies.snapshot(cmd.lease_id, cmd.artifact, host_tier=cmd.host_tier)
 
     async def list(self, cmd: ListLeases) -> ListLeasesReply:
         recs = [r.info for r in self.book.records.values()

@@ -42,6 +42,7 @@ from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.mirror import Mirror
 from services.gpu_manager.records import LeaseRecord, open_pidfd, process_alive
 from services.gpu_manager.settings import GpuManagerSettings
+from services.gpu_manager.tier import TIER_PREFIX
 
 log = logging.getLogger("holdfast.gpu_manager")
 
@@ -112,6 +113,7 @@ class LeaseBook:
         # Read-only shares of weights for warm standbys: token -> (owner, grantee). In memory on purpose: a
         # standby maps once, and its mapping outlives a manager restart (the keeper holds the memory).
         self.share_grants: dict[str, tuple[str, str]] = {}
+        self.kept_tier: dict[str, tuple[dict[str, Any], list[int]]] = {}  # the keeper's host tier entries, at load
 
     # ------------------------------------------------------------ lifecycle
 
@@ -139,6 +141,8 @@ class LeaseBook:
             self.records[rec.id] = rec
             if rec.info.state == LeaseState.ACTIVE and rec.owner_pid is not None:
                 self.watch_pid(rec.owner_pid)
+        for key in [k for k in held if k.startswith(TIER_PREFIX)]:  # host tier copies: not leases (tier.py)
+            self.kept_tier[key] = held.pop(key)
         for key, (_, fds) in held.items():  # memory the table does not know: a crash between keeper and SQL
             log.warning("keeper held unknown entry %s; dropping it", key)
             for fd in fds:

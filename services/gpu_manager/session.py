@@ -45,6 +45,7 @@ from libs.client.protocol import (
     PredecessorAlive,
     Register,
     Release,
+    RestoreReq,
     Resume,
     ResumeReply,
     ShareReq,
@@ -70,6 +71,7 @@ from services.gpu_manager.fsm import LeaseEvent
 from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
 from services.gpu_manager.manager import LeaseBook, Move
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
+from services.gpu_manager.restore import WeightCopies
 
 log = logging.getLogger("holdfast.gpu_manager.session")
 
@@ -93,8 +95,10 @@ def fd_usage() -> tuple[int, int]:
 
 
 class EngineSession:
-    def __init__(self, book: LeaseBook, stream: FrameStream, conns: ConnectionCount) -> None:
+    def __init__(self, book: LeaseBook, stream: FrameStream, conns: ConnectionCount,
+                 copies: WeightCopies | None = None) -> None:
         self.book = book
+        self.copies = copies
         self.stream = stream
         self.conns = conns
         creds = stream.peer_credentials()
@@ -175,6 +179,8 @@ class EngineSession:
                 return ok(await self.hello(req)), []
             if self.peer is None:
                 raise OutOfOrder(f"'{req.op}' before hello")
+            if isinstance(req, RestoreReq):  # takes the lock only around its allocate and register: its copy
+                return await self.restore(req, self.peer)  # runs for seconds while others are served
             async with self.book.lock:
                 return await self._dispatch(req, self.peer)
         except HoldfastError as e:
@@ -293,6 +299,8 @@ class EngineSession:
             rec.update(layout_hash=digest)
             self.book.mirror.lease_changed(rec.info, rec.info.state, "committed")
         await self.book.persist(mine)
+        if self.copies is not None:
+            self.copies.after_commit(mine)  # the artifact and host tier copies the settings ask for
         return CommitReply(layout_hash=digest)
 
     def pending(self, peer: Peer) -> list[LeaseRecord]:
@@ -399,6 +407,24 @@ class EngineSession:
                  req.owner, len(recs), sum(r.info.size for r in recs))
         return recs
 
+    async def restore(self, req: RestoreReq, peer: Peer) -> tuple[dict[str, Any], list[int]]:
+        """A new weights lease filled from the node's copy of `req.artifact` (restore.py)."""
+        if self.copies is None:
+            raise NotFound("this gpu_manager keeps no weight copies")
+
+        async def allocate(size: int, tag: Any, name: str) -> LeaseRecord:
+            async with self.book.lock:
+                self._admit_allocate(Allocate(gpu=req.gpu, size=size, tag=tag, name=name), peer)
+                return await self.book.create(owner=peer.engine_id, engine_class=peer.engine_class, uid=peer.uid,
+                                              pid=peer.pid, pid_start=peer.pid_start, gpu=req.gpu, size=size,
+                                              tag=tag, name=name, chunk_size=None)
+
+        rec, source, stats = await self.copies.restore(req.artifact, list(req.sources), allocate)
+        async with self.book.lock:
+            reply, fds = self._grant([rec])
+        reply.update(source=source, restore=stats)
+        return reply, fds
+
     def _grant(self, records: list[LeaseRecord], *, read_only: bool = False) -> tuple[dict[str, Any], list[int]]:
         grants, fds = [], []
         for rec in records:
@@ -420,6 +446,7 @@ def _chunks(rec: LeaseRecord) -> int:
     return -(-rec.info.size // rec.info.chunk_size)
 
 
-async def serve_connection(book: LeaseBook, conns: ConnectionCount, stream: FrameStream) -> None:
-    await EngineSession(book, stream, conns).serve()
+async def serve_connection(book: LeaseBook, conns: ConnectionCount, stream: FrameStream,
+                           copies: WeightCopies | None = None) -> None:
+    await EngineSession(book, stream, conns, copies).serve()
 

@@ -44,6 +44,25 @@ class GpuManagerSettings(CommonSettings):
     idle_timeout_s: float = Field(3600.0, ge=0, description="a connection silent this long after hello is closed "
                                                             "(the SDK reconnects by itself); 0: never")
 
+    # Weight artifacts and the host tier (issue 21; docs/restore.md).
+    artifact_dir: Path | None = Field(None, description="where weight artifacts are written and restored from; "
+                                      "default <state_dir>/artifacts")
+    snapshot_classes: list[str] = Field(default_factory=list, description="engine classes whose weights are "
+                                        "written to an artifact once, after an engine's first load")
+    host_tier_classes: list[str] = Field(default_factory=list, description="engine classes whose weights the "
+                                         "node keeps a copy of in host memory (memfd, held by the keeper)")
+    host_tier_bytes: int = Field(0, ge=0, description="most bytes the host tier may hold (0: no host tier)")
+    io_workers: int = Field(0, ge=0, description="blocks in flight when writing or restoring an artifact "
+                                                 "(0: the cores, 2..16)")
+    artifact_block_bytes: int = Field(64 * 1024 * 1024, ge=4096, multiple_of=4096,
+                                      description="unit of artifact I/O and hashing (a multiple of 4 KiB)")
+    artifact_file_bytes: int = Field(4 * 1024**3, ge=4096, multiple_of=4096,
+                                     description="bytes per artifact file (a multiple of the block)")
+    direct_io: bool = Field(True, description="O_DIRECT for artifact files where the filesystem allows it")
+
+    def artifact_root(self) -> Path:
+        return self.artifact_dir or self.state_dir / "artifacts"
+
     def socket_path(self) -> Path:
         return self.gpu_manager_socket or default_socket_path(self.state_dir)
 

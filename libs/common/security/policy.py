@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.common.events import Reclaim, ShareWeights, StopEngine, command_kind
+from libs.common.events import Reclaim, ShareWeights, SnapshotLease, StopEngine, command_kind
 
 ADMIN = "admin"
 ROOT = "root"  # etcd's root user: set-up only (users, roles, auth enable); no service runs as it
@@ -101,7 +101,8 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
         pub += [f"{p}.memory.>"]
     elif role == "controller":
         pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
-                f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}", *_consumers(stream)]
+                f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}",
+                f"{p}.node.*.{command_kind(SnapshotLease)}", *_consumers(stream)]
     elif role == "dc_manager":
         pub += [f"{p}.intent.result", f"{p}.node.*.agent.>", f"{p}.node.*.gpu_manager.>", *_consumers(stream)]
     elif role == "router":

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Body, Depends, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
 
-from libs.common.events import LeaseState
+from libs.common.errors import NotFound
+from libs.common.events import LeaseState, SnapshotLease, SnapshotReply
 from services.controller.api.auth import require_admin, require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.pagination import PageParams, page_params, paginate
@@ -28,3 +30,26 @@ def list_leases(node: str | None = Query(None, max_length=200), owner: str | Non
 async def reclaim(lease_id: str = Path(..., max_length=200), c: ApiContext = Depends(ctx)) -> LeaseOut:
     reply = await reclaim_lease(c.bus, c.view, lease_id)
     return LeaseOut(**reply.lease.model_dump())
+
+
+class SnapshotIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    artifact: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                 description="artifact name (default `<engine class>.<lease name>`)")
+    host_tier: bool = Field(False, description="also keep a copy in the node's host memory")
+
+
+SNAPSHOT_WAIT_S = 900.0  # the node answers once the artifact is whole on disk: 120 GiB at a few GiB/s
+
+
+@router.post("/{lease_id}/snapshot", response_model=SnapshotReply, dependencies=[Depends(require_admin)],
+             responses=WRITE_ERRORS)
+async def snapshot(lease_id: str = Path(..., max_length=200), body: SnapshotIn | None = Body(None),
+                   c: ApiContext = Depends(ctx)) -> SnapshotReply:
+    """Write a committed lease to a weight artifact on its node (docs/restore.md); 409 if not committed."""
+    lease = c.view.leases.get(lease_id)
+    if lease is None:
+        raise NotFound(f"no lease {lease_id}")
+    body = body or SnapshotIn()
+    cmd = SnapshotLease(lease_id=lease_id, artifact=body.artifact, host_tier=body.host_tier)
+    return await c.bus.request(lease.node, cmd, SnapshotReply, timeout=SNAPSHOT_WAIT_S)

@@ -1,0 +1,286 @@
+"""Copies of a lease's weights that outlive the GPU memory: artifacts on disk and the host tier, written from a
+committed lease and restored into a new lease for a cold-starting engine (issue 21; docs/restore.md).
+
+- `snapshot(lease)`: the lease is mapped into this process under the book's lock (a reclaim after that cannot
+  pull the pages away), then written block by block on many threads without the lock (engines keep being
+  served); the artifact appears under its name only once whole (artifact.py, invariant 2).
+- `restore(name)`: a new lease for the caller (the allocate path, with its limits), filled from the host tier's
+  copy if this node keeps one, else from the artifact with every block's hash checked; then the tensors the
+  artifact was written with are registered on it. A failed fill reclaims the new lease and says why.
+- Policy (settings): once an engine of a class in `snapshot_classes` commits its weights, they are written to
+  their artifact if none is there yet; of a class in `host_tier_classes`, copied into the host tier.
+
+Invariant: a restored lease is handed out only after every block was read whole (and, from disk, matched its
+hash); a restore that fails leaves no lease behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libs.common.errors import Conflict, NotFound
+from libs.common.events import LeaseState, SnapshotReply, Tag
+from services.gpu_manager.artifact import (
+    FORMAT_VERSION,
+    HASH,
+    Manifest,
+    artifact_path,
+    check_name,
+    default_name,
+    file_names,
+    plan_blocks,
+    read_manifest,
+    rebase,
+    root_digest,
+    write_manifest,
+)
+from services.gpu_manager.blockio import (
+    HostWindow,
+    OpenFiles,
+    default_workers,
+    open_files,
+    read_blocks,
+    write_blocks,
+)
+from services.gpu_manager.fsm import LIVE, LeaseEvent
+from services.gpu_manager.manager import LeaseBook
+from services.gpu_manager.records import LeaseRecord
+from services.gpu_manager.tier import HostTier
+
+log = logging.getLogger("holdfast.gpu_manager.restore")
+
+Allocator = Callable[[int, Tag, str], Awaitable[LeaseRecord]]
+
+
+def gib_s(nbytes: int, seconds: float) -> float:
+    return round(nbytes / max(seconds, 1e-9) / 2**30, 3)
+
+
+class WeightCopies:
+    def __init__(self, book: LeaseBook, tier: HostTier) -> None:
+        self.book = book
+        self.settings = book.settings
+        self.tier = tier
+        self.root = self.settings.artifact_root()
+        self.workers = self.settings.io_workers or default_workers()
+        self.block_bytes = self.settings.artifact_block_bytes
+        self.file_bytes = self.settings.artifact_file_bytes
+        if self.file_bytes % self.block_bytes:
+            raise ValueError(f"artifact_file_bytes {self.file_bytes} is not a multiple of the block "
+                             f"{self.block_bytes}")
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.policy_done: set[tuple[str, str]] = set()  # (what, name) the policy started already
+
+    # ------------------------------------------------------------ windows
+
+    def _window(self, gpu: int, chunks: list[Any], *, to_device: bool, block_bytes: int) -> Any:
+        """The lease's memory mapped here (blocking: call off the loop)."""
+        if self.book.backend.name == "cuda":
+            from services.gpu_manager.restore_cuda import CudaWindow
+
+            return CudaWindow(gpu, chunks, workers=self.workers, block_bytes=block_bytes, to_device=to_device)
+        return HostWindow([c.fd for c in chunks], [c.size for c in chunks], read_only=not to_device)
+
+    async def _map_live(self, lease_id: str, *, committed: bool, block_bytes: int) -> tuple[LeaseRecord, Any]:
+        async with self.book.lock:
+            rec = self.book.get(lease_id)
+            if rec.info.state not in LIVE:
+                raise Conflict(f"lease {lease_id} is {rec.info.state.value}")
+            if committed and rec.info.layout_hash is None:
+                raise Conflict(f"lease {lease_id} is not committed: its tensors may be half written")
+            window = await asyncio.to_thread(self._window, rec.info.gpu, list(self.book.chunks[lease_id]),
+                                             to_device=not committed, block_bytes=block_bytes)
+            return rec, window
+
+    # ------------------------------------------------------------ snapshot
+
+    async def snapshot(self, lease_id: str, name: str | None = None, *, host_tier: bool = False,
+                       artifact: bool = True) -> SnapshotReply:
+        rec, window = await self._map_live(lease_id, committed=True, block_bytes=self.block_bytes)
+        name = check_name(name or default_name(rec.info.engine_class, rec.info.name))
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        try:
+            async with lock:
+                man, path, direct = None, "", False
+                if artifact:
+                    man, path, direct = await asyncio.to_thread(self._write_artifact, window, rec, name)
+                if host_tier:
+                    man = await self._write_tier(window, rec, name)
+        finally:
+            await asyncio.to_thread(window.close)
+        assert man is not None
+        log.info("lease %s -> %s (%s%s): %d bytes in %.2f s (%.2f GiB/s, direct I/O %s)", lease_id, name, path or "",
+                 " + host tier" if host_tier else "", man.size, man.write_s, gib_s(man.size, man.write_s), direct)
+        return SnapshotReply(artifact=name, path=path, bytes=man.size, seconds=round(man.write_s, 4),
+                             gib_s=gib_s(man.size, man.write_s), root_hash=man.root, direct_io=direct,
+                             host_tier=host_tier)
+
+    def _blocks(self, size: int) -> list[Any]:
+        return plan_blocks(size, self.block_bytes, self.file_bytes)
+
+    def _manifest(self, rec: LeaseRecord, name: str, digests: list[str], seconds: float) -> Manifest:
+        size = rec.info.size
+        return Manifest(version=FORMAT_VERSION, name=name, size=size, tag=rec.info.tag.value,
+                        lease_name=rec.info.name, engine_class=rec.info.engine_class, source_lease=rec.id,
+                        layout_hash=rec.info.layout_hash, tensors=list(rec.tensors.values()), block_bytes=self.block_bytes,
+                        file_bytes=self.file_bytes, files=file_names(size, self.file_bytes), hash=HASH, blocks=digests,
+                        root=root_digest(digests), node=self.settings.node, created_at=time.time(), write_s=seconds)
+
+    def _write_artifact(self, window: Any, rec: LeaseRecord, name: str) -> tuple[Manifest, str, bool]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(4)
+        tmp = self.root / f".{name}.partial-{token}"
+        tmp.mkdir()
+        try:
+            t0 = time.perf_counter()
+            entries = file_names(rec.info.size, self.file_bytes)
+            files = open_files([tmp / e.name for e in entries], write=True, direct=self.settings.direct_io,
+                               sizes=[e.bytes for e in entries])
+            try:
+                digests = write_blocks(files, self._blocks(rec.info.size), window, workers=self.workers)
+                for fd in files.fds:
+                    os.fsync(fd)
+            finally:
+                files.close()
+            man = self._manifest(rec, name, digests, time.perf_counter() - t0)
+            write_manifest(tmp, man)  # the last write (artifact.py, invariant 2)
+            final = artifact_path(self.root, name)
+            old = self.root / f".{name}.old-{token}"
+            if final.exists():
+                os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            return man, str(final), files.direct
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    async def _write_tier(self, window: Any, rec: LeaseRecord, name: str) -> Manifest:
+        entries = file_names(rec.info.size, self.file_bytes)
+        self.tier.room_for(name, rec.info.size)
+        fds = self.tier.make_files(name, [e.bytes for e in entries])
+        try:
+            def copy() -> Manifest:
+                t0 = time.perf_counter()
+                digests = write_blocks(OpenFiles(fds, direct=False, owned=False), self._blocks(rec.info.size), window,
+                                       workers=self.workers)
+                return self._manifest(rec, name, digests, time.perf_counter() - t0)
+
+            man = await asyncio.to_thread(copy)
+            await self.tier.put(name, man, fds)
+            return man
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    # ------------------------------------------------------------ restore
+
+    def _source(self, name: str, sources: list[str]) -> tuple[str, Manifest, Any]:
+        """(which, manifest, what to read): the host tier's copy first, then the artifact (blocking)."""
+        copy = self.tier.get(name) if "host" in sources else None
+        if copy is not None:
+            return "host", copy.manifest, [os.dup(fd) for fd in copy.fds]  # a tier drop meanwhile closes its own
+        if "artifact" not in sources:
+            raise NotFound(f"no host tier copy of {name} on {self.settings.node}")
+        directory = artifact_path(self.root, name)
+        return "artifact", read_manifest(directory), directory
+
+    def _fill(self, window: Any, source: str, man: Manifest, where: Any) -> tuple[float, bool]:
+        blocks = plan_blocks(man.size, man.block_bytes, man.file_bytes)
+        if source == "host":
+            files = OpenFiles(where, direct=False)
+            digests = None  # memory the keeper held since we wrote it: no disk or network in between
+        else:
+            files = open_files([where / e.name for e in man.files], write=False, direct=self.settings.direct_io)
+            digests = man.blocks
+        try:
+            seconds = read_blocks(files, blocks, window, workers=self.workers, digests=digests,
+                                  what=f"{source} copy of {man.name}")
+        finally:
+            files.close()
+        return seconds, files.direct
+
+    async def restore(self, name: str, sources: list[str], allocate: Allocator) -> tuple[LeaseRecord, str, dict[str, float]]:
+        t0 = time.perf_counter()
+        source, man, where = await asyncio.to_thread(self._source, check_name(name), sources)
+        try:
+            rec = await allocate(man.size, Tag(man.tag), man.lease_name)
+        except BaseException:
+            if source == "host":
+                OpenFiles(where, direct=False).close()
+            raise
+        window = None
+        try:
+            _, window = await self._map_live(rec.id, committed=False, block_bytes=man.block_bytes)
+            seconds, direct = await asyncio.to_thread(self._fill, window, source, man, where)
+        except BaseException as e:
+            if source == "host" and window is None:
+                OpenFiles(where, direct=False).close()
+            await self._discard(rec, e)
+            raise
+        finally:
+            if window is not None:
+                await asyncio.to_thread(window.close)
+        async with self.book.lock:
+            if rec.info.state != LeaseState.ACTIVE or rec.id not in self.book.records:
+                raise Conflict(f"restored lease {rec.id} is {rec.info.state.value}: its engine went away")
+            for meta in rebase(man.tensors, rec.id):
+                rec.set_tensor(meta)
+            await self.book.persist([rec])
+        stats = {"bytes": float(man.size), "fill_s": round(seconds, 4), "fill_gib_s": gib_s(man.size, seconds),
+                 "total_s": round(time.perf_counter() - t0, 4), "direct_io": float(direct)}
+        log.info("restored %s from %s into %s: %d bytes in %.3f s (%.2f GiB/s)", name, source, rec.id, man.size,
+                 seconds, stats["fill_gib_s"])
+        return rec, source, stats
+
+    async def _discard(self, rec: LeaseRecord, why: BaseException) -> None:
+        log.warning("restore into %s failed (%r): reclaiming it", rec.id, why)
+        async with self.book.lock:
+            if rec.id in self.book.records:
+                await self.book.apply(rec, LeaseEvent.FORCE_RECLAIM, "restore failed")
+
+    # ------------------------------------------------------------ policy
+
+    def after_commit(self, recs: list[LeaseRecord]) -> None:
+        """Start the copies the settings ask for, once per artifact name (called under the book's lock)."""
+        for rec in recs:
+            if rec.info.tag != Tag.WEIGHTS or rec.info.layout_hash is None:
+                continue
+            name = default_name(rec.info.engine_class, rec.info.name)
+            disk = rec.info.engine_class in self.settings.snapshot_classes and ("artifact", name) not in self.policy_done
+            host = (rec.info.engine_class in self.settings.host_tier_classes and self.tier.cap > 0
+                    and self.tier.get(name) is None and ("host", name) not in self.policy_done)
+            if disk:
+                self.policy_done.add(("artifact", name))
+                disk = not (artifact_path(self.root, name) / "manifest.json").exists()
+            if host:
+                self.policy_done.add(("host", name))
+            if disk or host:
+                self._spawn(self._policy_copy(rec.id, name, disk, host), f"copy:{name}")
+
+    async def _policy_copy(self, lease_id: str, name: str, disk: bool, host: bool) -> None:
+        try:
+            await self.snapshot(lease_id, name, host_tier=host, artifact=disk)
+        except Exception as e:  # noqa: BLE001 - a policy copy failing leaves the cold path as it was
+            log.warning("copy of lease %s to %s by policy failed: %r", lease_id, name, e)
+
+    def _spawn(self, coro: Awaitable[Any], label: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=label)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.tier.close()
+
