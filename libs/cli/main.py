@@ -59,6 +59,8 @@ def up(
     backend: str = typer.Option("auto", help="memory backend: auto, host or cuda"),
     base_dir: Path | None = typer.Option(None, help="data, sockets and logs (default: a temporary directory)"),
     engines_file: Path | None = typer.Option(None, help="JSON list of engine specs for the agent"),
+    ha: bool = typer.Option(False, "--ha", help="3 etcd members, 3 NATS servers, 3 nodes, 2 controllers and "
+                            "dc_managers (etcd at --etcd-port + 2i, NATS at --nats-port + i)"),
 ) -> None:
     """Start nats-server, etcd and every service on loopback, restarting any that dies (with backoff);
     Ctrl-C or SIGTERM stops them all."""
@@ -66,7 +68,7 @@ def up(
 
     stack = Stack(StackConfig(base_dir=base_dir, nats_port=nats_port, etcd_port=etcd_port, etcd_peer_port=etcd_port + 1,
                               api_port=api_port, router_port=router_port, node=node, backend=backend,
-                              engines_file=engines_file))
+                              engines_file=engines_file, ha=ha, api_port_2=api_port + 1))
     stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:

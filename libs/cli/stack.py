@@ -9,6 +9,11 @@ deadline, so nothing is left behind.
 `restart: unless-stopped` does: infra (nats, etcd) included, each restart logged, after a delay that doubles
 with each death in a row (0.5 s up to 30 s; `ChildRestarts`) and starts over once the child has run for
 `STABLE_S`. Stopping the stack is never undone by it (it is not called once stop begins).
+
+With `ha` (`holdfast up --ha`): a 3-member etcd cluster and a 3-server NATS cluster (JetStream, the stream in 3
+copies; libs/cli/clusters.py), 3 nodes (a gpu_manager and an agent each, with the node's own name and state
+dir `<base>/state/<node>`; the engines file is the first node's), 2 controllers (the second's API on
+`api_port_2`), 2 dc_managers (one deliver group) and the router; every child is told every member.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.cli import clusters
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import (
@@ -63,6 +69,29 @@ class ChildRestarts:
 
 # Start order: memory first (engines need it), then the agent, then the cluster side, then the router.
 SERVICES = ("gpu_manager", "agent", "dc_manager", "controller", "router")
+HA_NODES = ("node-1", "node-2", "node-3")
+HA_COPIES = {"controller": 2, "dc_manager": 2}  # the cluster side's instances with --ha (a node's: one each)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One service process of the stack: its child name (log file, `children` key) and health instance."""
+
+    name: str
+    service: str
+    instance: str | None  # None: ask the service's bare health subject (instances that share a name)
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def ha_instances(nodes: tuple[str, ...], api_port_2: int, state: Path) -> list[Instance]:
+    """Every service process of an HA stack, in start order (pure)."""
+    out = [Instance(f"{svc}-{n}", svc, n, (("HF_NODE", n), ("HF_STATE_DIR", str(state / n))))
+           for svc in ("gpu_manager", "agent") for n in nodes]
+    out += [Instance(f"dc_manager-{i + 1}", "dc_manager", None) for i in range(HA_COPIES["dc_manager"])]
+    for i in range(HA_COPIES["controller"]):
+        env = (("HF_INSTANCE", f"controller-{i + 1}"),) + ((("HF_API_PORT", str(api_port_2)),) if i else ())
+        out.append(Instance(f"controller-{i + 1}", "controller", f"controller-{i + 1}", env))
+    return [*out, Instance("router", "router", None)]
 
 
 @dataclass
@@ -83,12 +112,29 @@ class StackConfig:
     # False only to measure what they cost (bench pairs) or to debug with plain clients.
     secure: bool = True
     other_nodes: tuple[str, ...] = ()  # nodes besides `node` whose agent/gpu_manager get credentials
+    ha: bool = False  # clustered etcd and NATS, 3 nodes, 2 controllers and dc_managers (module docstring)
+    api_port_2: int = DEFAULT_API_PORT + 1  # the second controller's API (ha)
+    etcd_members: tuple[clusters.Member, ...] = ()  # ha; empty: etcd_port + 2i (client), + 2i + 1 (peer)
+    nats_members: tuple[clusters.Member, ...] = ()  # ha; empty: nats_port + i (client), + 100 + i (routes)
 
     @classmethod
     def ephemeral(cls, **kw: object) -> StackConfig:
         """Free ports everywhere: for tests and demos that must not collide with a running stack."""
-        ports = {k: procs.free_port() for k in ("nats_port", "etcd_port", "etcd_peer_port", "api_port", "router_port")}
+        ports: dict[str, object] = {k: procs.free_port() for k in (
+            "nats_port", "etcd_port", "etcd_peer_port", "api_port", "router_port", "api_port_2")}
+        if kw.get("ha"):
+            ports |= {"etcd_members": clusters.members("etcd"), "nats_members": clusters.members("nats")}
         return cls(**{**ports, **kw})  # type: ignore[arg-type]
+
+    def members(self, kind: str) -> tuple[clusters.Member, ...]:
+        """The cluster members of `kind` ('etcd', 'nats') of an HA stack; empty without ha."""
+        if not self.ha:
+            return ()
+        if kind == "etcd":
+            return self.etcd_members or tuple(clusters.Member(f"etcd-{i}", self.etcd_port + 2 * i,
+                                                              self.etcd_port + 2 * i + 1) for i in range(3))
+        return self.nats_members or tuple(clusters.Member(f"nats-{i}", self.nats_port + i, self.nats_port + 100 + i)
+                                          for i in range(3))
 
 
 class Stack:
@@ -104,7 +150,13 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.config.nats_port}"
+        ms = self.config.members("nats")
+        return clusters.client_urls("nats", ms) if ms else f"nats://127.0.0.1:{self.config.nats_port}"
+
+    @property
+    def etcd_endpoints(self) -> str:
+        ms = self.config.members("etcd")
+        return clusters.client_urls("etcd", ms) if ms else f"127.0.0.1:{self.config.etcd_port}"
 
     @property
     def api_url(self) -> str:
@@ -118,7 +170,8 @@ class Stack:
         c = self.config
         env = {
             "HF_NATS_URL": self.nats_url,
-            "HF_ETCD_ENDPOINTS": f"127.0.0.1:{c.etcd_port}",
+            "HF_ETCD_ENDPOINTS": self.etcd_endpoints,
+            "HF_STREAM_REPLICAS": "3" if c.ha else "1",
             "HF_NODE": c.node,
             "HF_STATE_DIR": str(self.base_dir / "state"),
             "HF_BACKEND": c.backend,
@@ -128,7 +181,7 @@ class Stack:
             **self.infra.env(),
             "PYTHONUNBUFFERED": "1",
         }
-        if c.engines_file is not None:
+        if c.engines_file is not None and not c.ha:
             env["HF_ENGINES_FILE"] = str(c.engines_file)
         return {**env, **c.extra_env}
 
@@ -139,12 +192,25 @@ class Stack:
     def settings(self) -> CommonSettings:
         env = self.env()
         return CommonSettings(nats_url=env["HF_NATS_URL"], etcd_endpoints=env["HF_ETCD_ENDPOINTS"],
-                              node=self.config.node, state_dir=Path(env["HF_STATE_DIR"]),
+                              stream_replicas=int(env["HF_STREAM_REPLICAS"]), node=self.config.node, state_dir=Path(env["HF_STATE_DIR"]),
                               credentials_dir=self.credentials_dir, insecure=not self.config.secure)
 
     @property
     def infra(self) -> SecureInfra:
-        return SecureInfra(self.credentials_dir, [self.config.node, *self.config.other_nodes], self.config.secure)
+        nodes = [self.config.node, *self.config.other_nodes, *(HA_NODES if self.config.ha else ())]
+        return SecureInfra(self.credentials_dir, list(dict.fromkeys(nodes)), self.config.secure)
+
+    def instances(self) -> list[Instance]:
+        """The service processes this stack runs, in start order."""
+        if self.config.ha:
+            return ha_instances(HA_NODES, self.config.api_port_2, self.base_dir / "state")
+        return [Instance(s, s, None) for s in self.config.services]
+
+    def _ports(self) -> dict[str, int]:
+        """Each infra child's client port (restart waits for it)."""
+        c = self.config
+        ports = {"nats": c.nats_port, "etcd": c.etcd_port}
+        return ports | {m.name: m.port for kind in ("etcd", "nats") for m in c.members(kind)}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -154,6 +220,9 @@ class Stack:
         c = self.config
         infra, settings = self.infra, self.settings()
         nats_conf = infra.nats_config(self.base_dir / "nats.conf", settings)
+        if c.ha:
+            self._start_clusters(nats_conf)
+            return
         nats = procs.nats_server(c.nats_port, self.base_dir / "nats", self.logs / "nats.log", config=nats_conf).start()
         self.children["nats"] = nats
         etcd = procs.etcd_server(c.etcd_port, c.etcd_peer_port, self.base_dir / "etcd", self.logs / "etcd.log",
@@ -162,6 +231,31 @@ class Stack:
         procs.wait_port(c.nats_port, nats)
         procs.wait_port(c.etcd_port, etcd)
         infra.etcd_ready(c.etcd_port, settings)  # users, roles, key ranges (a restarted stack finds them in place)
+
+    def _start_clusters(self, nats_conf: Path | None) -> None:
+        c, infra = self.config, self.infra
+        nats_ms, etcd_ms = c.members("nats"), c.members("etcd")
+        kids = clusters.nats_children(nats_ms, self.base_dir, self.logs, config=nats_conf)
+        kids += clusters.etcd_children(etcd_ms, self.base_dir, self.logs, tls_flags=infra.etcd_flags())
+        for k in kids:
+            self.children[k.name] = k
+        clusters.start(nats_ms + etcd_ms, kids)
+        infra.etcd_ready(etcd_ms[0].port, self.settings())
+        asyncio.run(self._wait_stream())
+
+    async def _wait_stream(self, timeout: float = 30.0) -> None:
+        """A fresh NATS cluster elects its JetStream meta leader seconds after it listens: create the stream
+        (in its 3 copies) once it can be, so that no service starts against a cluster that refuses it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                bus = await Bus.connect(self.settings(), "holdfast-up")
+                await bus.close()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.25)
 
     def start_service(self, service: str, *args: str, name: str | None = None,
                       env_extra: dict[str, str] | None = None) -> procs.Child:
@@ -175,15 +269,22 @@ class Stack:
 
     def start(self, timeout: float = 60.0) -> None:
         self.start_infra()
-        for name in self.config.services:
-            self.start_service(name)
-        asyncio.run(self.wait_healthy(self.config.services, timeout))
+        for inst in self.instances():
+            self.start_service(inst.service, name=inst.name, env_extra=self._instance_env(inst))
+        asyncio.run(self.wait_healthy([i.name for i in self.instances()], timeout))
+
+    def _instance_env(self, inst: Instance) -> dict[str, str]:
+        env = dict(inst.env)
+        if self.config.ha and inst.instance == HA_NODES[0] and self.config.engines_file is not None:
+            env["HF_ENGINES_FILE"] = str(self.config.engines_file)  # the first node's agent runs the engines
+        return env
 
     async def wait_healthy(self, services: tuple[str, ...] | list[str], timeout: float = 60.0) -> dict[str, dict]:
         """Ask each service's health subject until all answer ok; raise naming the ones that do not."""
         bus = await Bus.connect(self.settings(), "holdfast-up", stream=False)
         deadline = time.monotonic() + timeout
         health: dict[str, dict] = {}
+        by_name = {i.name: i for i in self.instances()}
         try:
             pending = list(services)
             while pending:
@@ -192,8 +293,9 @@ class Stack:
                     if child is not None and not child.alive():
                         raise RuntimeError(f"{name} exited with {child.returncode}; log: {child.log_path}\n"
                                            + self.tail(name))
+                    inst = by_name.get(name, Instance(name, name, None))
                     try:
-                        reply = await check_health(bus, name, timeout=0.5)
+                        reply = await check_health(bus, inst.service, inst.instance, timeout=0.5)
                     except Exception:  # noqa: BLE001 - not up yet
                         continue
                     if reply.ok:
@@ -223,7 +325,7 @@ class Stack:
         old.stop()
         child = procs.Child(name, old.argv, env=old.env, log_path=old.log_path).start()
         self.children[name] = child
-        port = {"nats": self.config.nats_port, "etcd": self.config.etcd_port}.get(name)
+        port = self._ports().get(name)
         if port is not None:
             procs.wait_port(port, child)
         return child
@@ -263,3 +365,5 @@ class Stack:
         """Processes the services started detached (the gpu_manager's fd keeper, engines) carry the
         stack's state dir in their environment; end any still running so no orphan outlives the stack."""
         procs.kill_pids_with_env("HF_STATE_DIR", str(self.base_dir / "state"))
+        for node in HA_NODES if self.config.ha else ():
+            procs.kill_pids_with_env("HF_STATE_DIR", str(self.base_dir / "state" / node))
