@@ -66,7 +66,8 @@ class Memory:
         if self.client.pending():
             self.view = self.client.attach().tensors("numpy")["pattern"]
             return
-        lease = self.client.allocate(self.nbytes, tag="weights", name="pattern")
+        # on the GPU the agent started it on (HF_GPU), where its leases and its GPU's faults belong
+        lease = self.client.allocate(self.nbytes, tag="weights", name="pattern", gpu=int(os.environ.get("HF_GPU", "0")))
         self.view = lease.numpy("uint8", (self.nbytes,))
         pattern.fill(self.view, seed)
         self.client.register([lease.meta("pattern", "uint8", (self.nbytes,))])

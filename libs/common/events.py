@@ -98,7 +98,9 @@ class EngineSpec(Model):
     model: str
     command: list[str]
     env: dict[str, str] = Field(default_factory=dict)
-    gpus: list[int] = Field(default_factory=lambda: [0])
+    # Each GPU by UUID ("GPU-8f3a...", stable across reboots and CUDA_VISIBLE_DEVICES) or by node-local index;
+    # the agent resolves them against its node's GPUs and spreads the replicas over them (docs/multi_gpu.md).
+    gpus: list[int | str] = Field(default_factory=lambda: list[int | str]([0]))
     replicas: int = 1
     standbys: int = 1
     cold_start_s: float = 30.0
@@ -112,7 +114,8 @@ class EngineInfo(Model):
     engine_class: str
     role: EngineRole
     pid: int | None = None
-    gpu: int = 0
+    gpu: int = 0  # the node-local index (what leases and placement key on)
+    gpu_uuid: str | None = None  # the same GPU by UUID (None: an engine recorded before UUIDs, or adopted)
     endpoint: str | None = None
     generation: int = 0
     version: str = "1"
@@ -139,6 +142,21 @@ class NodeInfo(Model):
     nvml: bool = False
 
 
+class GpuRecord(Model):
+    """`gpus/<node>/<gpu>` in etcd, written by the node's gpu_manager: what placement reads (free bytes, health)."""
+
+    node: str
+    gpu: int  # node-local index (the key's last part)
+    uuid: str | None = None
+    total_bytes: int | None = None  # the most bytes leases may hold on it (None: unknown)
+    leased_bytes: int = 0  # held by live leases (ACTIVE, ORPHANED, FROZEN)
+    leases: int = 0
+    healthy: bool = True
+    detail: str = ""  # why it is unhealthy (XID 79, ECC, fallen off the bus, marked by an operator)
+    simulated: bool = False  # the host backend's stand-in for a GPU (a share of host memory)
+    updated_at: float = 0.0
+
+
 # ---------------------------------------------------------------- events (durable, on the JetStream stream)
 
 
@@ -159,6 +177,7 @@ class FaultDetected(Event):
     exit_code: int | None = None
     signal: int | None = None
     gpu: int = 0
+    gpu_uuid: str | None = None
     died_at: float | None = Field(None, description="when the agent observed the death (epoch seconds)")
     detail: str = ""
     role: EngineRole | None = None  # a standby's fault costs no memory: the agent replaces it by itself
@@ -298,10 +317,17 @@ class EndpointRemoved(Event):
 
 
 class GpuHealth(Event):
+    """A GPU's health changed (or its gpu_manager started): the same fields as its `gpus/<node>/<gpu>` record."""
+
     type: Literal["node.gpu.health"] = "node.gpu.health"
     gpu: int
     healthy: bool
     detail: str = ""
+    node: str = ""
+    uuid: str | None = None
+    total_bytes: int | None = None
+    leased_bytes: int = 0
+    lost_leases: list[str] = Field(default_factory=list)  # leases reclaimed because this GPU failed
 
 
 AnyEvent = Annotated[
@@ -401,6 +427,23 @@ class ShareWeightsReply(Model):
     bytes: int
 
 
+class SetGpuHealth(Command):
+    """Mark one of the node's GPUs healthy or not (the agent on an NVML fault, or an operator). Unhealthy: every
+    live lease on it is reclaimed (cause `gpu_fault`: its memory is lost) and new allocations there are refused
+    until it is marked healthy again."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["gpu_health"] = "gpu_health"
+    gpu: int | str  # index or UUID
+    healthy: bool
+    detail: str = ""
+
+
+class SetGpuHealthReply(Model):
+    gpu: GpuRecord
+    lost_leases: list[str] = Field(default_factory=list)
+
+
 class ListLeases(Command):
     service: ClassVar[str] = "gpu_manager"
     op: Literal["list"] = "list"
@@ -476,6 +519,26 @@ class StopEngine(Command):
 class StopReply(Model):
     engine_id: str
     exit_code: int | None = None
+
+
+class MarkGpu(Command):
+    """An agent's GPU marked unhealthy (what an NVML XID or ECC event does; on the host backend the only way a
+    simulated GPU fails) or healthy again. Unhealthy: every live engine on it gets one `gpu_fault` and is killed,
+    the gpu_manager loses its leases, and no replica is placed on it until it is marked healthy."""
+
+    service: ClassVar[str] = "agent"
+    op: Literal["mark_gpu"] = "mark_gpu"
+    gpu: int | str  # index or UUID
+    healthy: bool = False
+    detail: str = "marked unhealthy"
+
+
+class MarkGpuReply(Model):
+    gpu: int
+    uuid: str | None = None
+    healthy: bool
+    engines: list[str] = Field(default_factory=list)  # engines faulted because of it
+    gpu_manager: SetGpuHealthReply | None = None  # None: the gpu_manager did not answer (logged)
 
 
 class ListEngines(Command):

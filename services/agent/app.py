@@ -12,6 +12,7 @@ from libs.common.events import (
     EngineRole,
     ListEngines,
     ListEnginesReply,
+    MarkGpu,
     NodeInfo,
     Spawn,
     SpawnReply,
@@ -56,16 +57,16 @@ async def setup(rt: Runtime) -> None:
                                      mode=settings.socket_mode)
     rt.on_close(server.close)
 
-    nvml = NvmlWatcher(agent.gpu_fault)
+    nvml = NvmlWatcher(agent.nvml_fault)
     has_nvml = settings.nvml and nvml.start(asyncio.get_running_loop())
-    if settings.nvml and not has_nvml:
-        pass  # NvmlWatcher said why, once
+    if has_nvml:
+        agent.gpus = nvml.entries_of(settings.gpus)  # the real GPUs (else the simulated ones of the config)
     rt.on_close(_async(nvml.stop))
 
     node = NodeInfo(node=settings.node, datacenter=settings.datacenter, agent_pid=os.getpid(),
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
-                    gpus=settings.gpus or nvml.gpus or [0], nvml=bool(has_nvml))
+                    gpus=[g.index for g in agent.gpus], nvml=bool(has_nvml))
     rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
 
     takeovers = Takeovers(agent)
@@ -73,6 +74,7 @@ async def setup(rt: Runtime) -> None:
     await rt.bus.serve(settings.node, StopEngine, lambda cmd: _stop(agent, cmd))
     await rt.bus.serve(settings.node, ListEngines, lambda cmd: _list(agent))
     await rt.bus.serve(settings.node, Takeover, takeovers.handle)
+    await rt.bus.serve(settings.node, MarkGpu, agent.mark_gpu)
 
     rt.spawn("monitor", agent.monitor_loop())
     rt.spawn("exiting", agent.exiting_loop())
@@ -120,13 +122,17 @@ async def _spawn(agent: Agent, cmd: Spawn) -> SpawnReply:
         rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
                                  replacing=agent.engines.get(cmd.reattach_from))
         return SpawnReply(engine=agent.info(rec))
-    agent.specs[key] = cmd.spec
-    agent.writer.put_spec(agent.node, key, cmd.spec)
+    spec, old = cmd.spec, agent.specs.get(key)
+    if old is not None:  # a cold start names the one GPU placement chose: the spec keeps its others for later
+        spec = spec.model_copy(update={"gpus": list(dict.fromkeys([*spec.gpus, *old.gpus]))})
+    agent.specs[key] = spec
+    agent.writer.put_spec(agent.node, key, spec)
     actives = [r for r in agent.records() if r.spec_key == key and r.role is EngineRole.ACTIVE and r.state in LIVE]
     if cmd.engine_id is not None and cmd.engine_id in agent.engines:
         rec = agent.engines[cmd.engine_id]
     elif cmd.engine_id is not None or len(actives) < cmd.spec.replicas or not actives:
-        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id)
+        # on the spec's GPUs as sent (a cold start's: the one placement chose)
+        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
     else:
         rec = actives[0]
     agent.reconcile_soon()  # standbys and further replicas

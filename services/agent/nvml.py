@@ -1,7 +1,10 @@
-"""GPU health through NVML (nvidia-ml-py, optional): XID errors and uncorrectable (double-bit) ECC errors.
+"""GPU inventory and health through NVML (nvidia-ml-py, optional): each GPU's index, UUID and memory; XID errors,
+uncorrectable (double-bit) ECC errors, and a GPU fallen off the bus (a poll between event waits: a lost GPU sends
+no event).
 
-`nvmlEventSetWait` blocks, so it runs in a daemon thread and hands each event to the loop with
-`call_soon_threadsafe`. Without NVML (no package, no driver, no GPU) the agent says so once and goes on.
+`nvmlEventSetWait` blocks, so it runs in a daemon thread and hands each fault to the loop with
+`call_soon_threadsafe`; each GPU's loss is reported once. Without NVML (no package, no driver, no GPU) the agent
+says so once and goes on with the configured (simulated) GPUs.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from libs.common.gpu import GpuEntry, resolve_gpu
 
 log = logging.getLogger("holdfast.agent.nvml")
 
@@ -21,6 +26,9 @@ class NvmlWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.gpus: list[int] = []
+        self.entries: list[GpuEntry] = []
+        self._handles: dict[int, Any] = {}
+        self._lost: set[int] = set()
         self.available = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> bool:
@@ -32,7 +40,7 @@ class NvmlWatcher:
             log.warning("NVML unavailable (%s): GPU health (XID, ECC) is not watched on this node", e)
             return False
         try:
-            event_set, self.gpus = self._register(pynvml)
+            event_set = self._register(pynvml)
         except Exception as e:  # noqa: BLE001 - e.g. events not supported on this device
             log.warning("NVML events unavailable (%s): GPU health is not watched on this node", e)
             return False
@@ -42,23 +50,45 @@ class NvmlWatcher:
         log.info("watching NVML XID and ECC events on GPUs %s", self.gpus)
         return True
 
-    @staticmethod
-    def _register(pynvml: Any) -> tuple[Any, list[int]]:
+    def _register(self, pynvml: Any) -> Any:
         event_set = pynvml.nvmlEventSetCreate()
-        gpus = []
         mask = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
             pynvml.nvmlDeviceRegisterEvents(handle, mask & supported, event_set)
-            gpus.append(i)
-        return event_set, gpus
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            self.entries.append(GpuEntry(i, uuid.decode() if isinstance(uuid, bytes) else str(uuid), total))
+            self._handles[i] = handle
+            self.gpus.append(i)
+        return event_set
+
+    def entries_of(self, selectors: Sequence[int | str]) -> list[GpuEntry]:
+        """The configured GPUs (index or UUID) among those NVML sees; all of them when none is configured."""
+        if not selectors:
+            return list(self.entries)
+        return sorted({resolve_gpu(s, self.entries) for s in selectors}, key=lambda g: g.index)
+
+    def _poll_lost(self, pynvml: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """A GPU fallen off the bus answers every query with GpuIsLost (and sends no event): reported once."""
+        for index, handle in self._handles.items():
+            if index in self._lost:
+                continue
+            try:
+                pynvml.nvmlDeviceGetMemoryInfo(handle)
+            except pynvml.NVMLError_GpuIsLost:
+                self._lost.add(index)
+                loop.call_soon_threadsafe(self._on_fault, index, "GPU fallen off the bus (NVML: GPU is lost)")
+            except Exception:  # noqa: BLE001 - another query error is not a lost GPU
+                continue
 
     def _run(self, pynvml: Any, event_set: Any, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stop.is_set():
             try:
                 data = pynvml.nvmlEventSetWait_v2(event_set, 500)
             except pynvml.NVMLError_Timeout:
+                self._poll_lost(pynvml, loop)
                 continue
             except Exception as e:  # noqa: BLE001 - keep watching; a broken NVML is logged, not fatal
                 log.warning("NVML wait failed: %s", e)

@@ -34,7 +34,9 @@ class AgentSettings(CommonSettings):
     crash_backoff_max_s: float = Field(30.0, gt=0, description="the crash-loop backoff's cap")
     crash_backoff_reset_s: float = Field(10.0, gt=0, description="an engine up this long ends its spec's "
                                          "crash loop (the backoff starts over)")
-    gpus: list[int] = Field(default_factory=list, description="GPUs of this node (NVML: all visible when empty)")
+    gpus: list[int | str] = Field(default_factory=list, description="GPUs of this node by index or UUID (NVML: all "
+                                  "visible when empty); without NVML the simulated GPUs of the host backend, as the "
+                                  "gpu_manager's `gpus` (empty: one, 0)")
     nvml: bool = Field(True, description="watch GPU health through NVML when it is available")
 
     def socket_path(self) -> Path:

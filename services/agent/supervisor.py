@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from libs.common.bus import Bus
-from libs.common.errors import Conflict, NotFound, PermissionDenied
+from libs.common.errors import Conflict, HoldfastError, NotFound, PermissionDenied
 from libs.common.events import (
     EngineInfo,
     EngineReady,
@@ -26,11 +26,16 @@ from libs.common.events import (
     Event,
     FaultDetected,
     FaultKind,
+    MarkGpu,
+    MarkGpuReply,
     RestartBackoff,
+    SetGpuHealth,
+    SetGpuHealthReply,
 )
+from libs.common.gpu import GpuEntry, resolve_gpu, simulated_gpus
 from libs.common.ids import new_id, subject_token
 from libs.common.wire import FrameStream
-from services.agent import launcher, shadows, supervision
+from services.agent import gpus, launcher, shadows, supervision
 from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
@@ -61,6 +66,9 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.faults_published = 0
         self._reconcile_now = asyncio.Event()
+        # The node's GPUs (NVML's, or the host backend's simulated list: app.py sets them) and the unhealthy ones.
+        self.gpus: list[GpuEntry] = simulated_gpus(settings.gpus, settings.node)
+        self.unhealthy: dict[int, str] = {}
         self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
                                                max_s=settings.crash_backoff_max_s,
                                                reset_s=settings.crash_backoff_reset_s))
@@ -81,7 +89,12 @@ class Agent:
         self.background(self.bus.emit(payload), f"emit:{payload.type}")  # type: ignore[attr-defined]
 
     def info(self, rec: EngineRecord) -> EngineInfo:
-        return rec.info(self.node)
+        info = rec.info(self.node)
+        uuid = self.uuid_of(rec.gpu)
+        return info if uuid is None else info.model_copy(update={"gpu_uuid": uuid})
+
+    def uuid_of(self, gpu: int) -> str | None:
+        return next((g.uuid for g in self.gpus if g.index == gpu), None)
 
     def save(self, rec: EngineRecord) -> None:
         self.writer.put_engine(self.info(rec))
@@ -114,7 +127,9 @@ class Agent:
             raise Conflict(f"engine {engine_id} already runs")
         if role is EngineRole.ACTIVE:
             self.admit_active(key, replacing=replacing)
-        gpu = spec.gpus[0] if spec.gpus else 0
+        where = gpus.pick_gpu(spec, key, role, self.gpus, self.records(), self.unhealthy, replacing=replacing)
+        gpu = where.index
+        extra_env = {**(extra_env or {}), "HF_GPU_UUID": where.uuid} if where.uuid else extra_env
         env = launcher.engine_env(self.settings, spec, engine_id=engine_id, role=role, gpu=gpu, extra=extra_env)
         log_path = self.settings.state_dir / "engines" / f"{engine_id}.log"
         pid = launcher.spawn(spec.command, env, log_path)
@@ -123,7 +138,7 @@ class Agent:
                            child=True, generation=generation)
         self.engines[engine_id] = rec
         self.watcher.watch(engine_id, pid, child=True)  # our unreaped child: its pid cannot be recycled yet
-        log.info("started %s engine %s (pid %d) for %s", role.value, engine_id, pid, spec.model)
+        log.info("started %s engine %s (pid %d) for %s on GPU %d", role.value, engine_id, pid, spec.model, gpu)
         self.publish(EngineStarted(engine=self.info(rec)))
         self.save(rec)
         return rec
@@ -157,8 +172,8 @@ class Agent:
             return False
         self.publish(FaultDetected(
             engine_id=rec.engine_id, model=rec.model, engine_class=rec.engine_class, generation=rec.generation,
-            pid=rec.pid, kind=kind, exit_code=exit_code, signal=sig, gpu=rec.gpu, died_at=died_at, detail=detail,
-            role=rec.role, node=self.node))
+            pid=rec.pid, kind=kind, exit_code=exit_code, signal=sig, gpu=rec.gpu, gpu_uuid=self.uuid_of(rec.gpu),
+            died_at=died_at, detail=detail, role=rec.role, node=self.node))
         self.faults_published += 1
         self._tell_shadows(rec)
         rec.transition(Ev.FAULT)
@@ -231,11 +246,56 @@ class Agent:
         for rec in supervision.never_linked(self.records(), now, self.specs):
             self.fault(rec, FaultKind.HUNG, detail="never connected to the agent", died_at=time.time())
 
-    def gpu_fault(self, gpu: int, detail: str) -> int:
+    def gpu_fault(self, gpu: int, detail: str) -> list[str]:
+        """A GPU failed (NVML, or marked): it takes no engine until marked healthy; every live engine on it gets its
+        one `gpu_fault` (the controller sends its incident to the cold-start fallback: the memory is lost) and is
+        killed (it cannot serve from lost memory, and its slot is the fallback's); the gpu_manager is told, so that
+        it reclaims the GPU's leases and placement avoids it (`report_gpu`)."""
+        self.unhealthy[gpu] = detail or "unhealthy"
         hit = [r for r in self.records() if r.gpu == gpu and r.live]
         for rec in hit:
-            self.fault(rec, FaultKind.GPU_FAULT, detail=detail, died_at=time.time())
-        return len(hit)
+            if self.fault(rec, FaultKind.GPU_FAULT, detail=detail, died_at=time.time()):
+                self.background(self._kill_faulted(rec), f"gpu-fault-kill:{rec.engine_id}")
+        return [r.engine_id for r in hit]
+
+    def gpu_healthy(self, gpu: int) -> None:
+        self.unhealthy.pop(gpu, None)
+        self.reconcile_soon()
+
+    async def _kill_faulted(self, rec: EngineRecord) -> None:
+        try:
+            await self.kill_confirmed(rec)
+        except TimeoutError:
+            log.error("engine %s on a failed GPU did not die within 5 s of its SIGKILL", rec.engine_id)
+        if rec.role is EngineRole.STANDBY:
+            self.retire(rec)  # holds no memory: replaced at once (on a healthy GPU)
+            self.reconcile_soon()
+
+    async def mark_gpu(self, cmd: MarkGpu) -> MarkGpuReply:
+        """The MarkGpu command, and what an NVML fault does (`nvml_fault`)."""
+        gpu = resolve_gpu(cmd.gpu, self.gpus)
+        engines = self.gpu_fault(gpu.index, cmd.detail) if not cmd.healthy else []
+        if cmd.healthy:
+            self.gpu_healthy(gpu.index)
+        told = await self.report_gpu(gpu.index, cmd.healthy, cmd.detail)
+        return MarkGpuReply(gpu=gpu.index, uuid=gpu.uuid, healthy=cmd.healthy, engines=engines, gpu_manager=told)
+
+    def nvml_fault(self, gpu: int, detail: str) -> None:
+        """From the NVML thread (through the loop): the faults are published in this call, the gpu_manager told next."""
+        if gpu < 0:
+            log.error("NVML fault on an unknown device: %s", detail)
+            return
+        self.gpu_fault(gpu, detail)
+        self.background(self.report_gpu(gpu, False, detail), f"report-gpu:{gpu}")
+
+    async def report_gpu(self, gpu: int, healthy: bool, detail: str) -> SetGpuHealthReply | None:
+        """Tell the node's gpu_manager; None (logged) when it does not answer: the fault stands here anyway."""
+        try:
+            return await self.bus.request(self.node, SetGpuHealth(gpu=gpu, healthy=healthy, detail=detail),
+                                          SetGpuHealthReply, timeout=5.0)
+        except (HoldfastError, TimeoutError, OSError) as e:
+            log.error("gpu_manager not told that GPU %d is %s: %s", gpu, "healthy" if healthy else "unhealthy", e)
+            return None
 
     # ------------------------------------------------------------ stopping and killing
 
@@ -428,7 +488,7 @@ class Agent:
         for key, role in p.start:
             try:
                 self.start_engine(key, role)
-            except (OSError, ValueError, Conflict) as e:
+            except (OSError, ValueError, HoldfastError) as e:
                 log.error("cannot start a %s engine of %s: %s", role.value, key, e)
         await shadows.reconcile(self)
 

@@ -2,7 +2,8 @@
 
 1. Memory alive, its node present and its GPU healthy: reattach in place (the memory cannot move).
 2. Otherwise (memory lost, GPU unhealthy, node gone): cold start on a healthy GPU with room, preferring
-   the same node, then the most free memory, then the fewest engines.
+   the same node, then a GPU whose capacity its gpu_manager reported (`gpus/<node>/<gpu>`) over one of unknown
+   capacity (its room is a guess), then the most free memory, then the fewest engines.
 3. No such GPU: nothing (the intent fails; the controller records the incident as failed).
 """
 
@@ -46,6 +47,6 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
             and (s.free_bytes is None or s.free_bytes >= needed_bytes)]
     if not room:
         return Placement(Action.NONE, reason=f"{why}; no healthy gpu with {needed_bytes} bytes free")
-    best = min(room, key=lambda s: (s.node != node, -(s.free_bytes if s.free_bytes is not None else 1 << 62),
-                                    s.engines, s.node, s.gpu))
+    best = min(room, key=lambda s: (s.node != node, s.free_bytes is None, -(s.free_bytes or 0), s.engines, s.node,
+                                    s.gpu))
     return Placement(Action.COLD_START, best.node, best.gpu, f"{why}: cold start on {best.node}/{best.gpu}")

@@ -7,12 +7,16 @@ import logging
 import resource
 from typing import Any, cast
 
+from libs.common.events import SetGpuHealth
 from libs.common.gc_tuning import long_lived_gc
+from libs.common.gpu import GpuEntry
 from libs.common.service import Runtime
 from libs.common.wire import FrameServer, serve_frames
-from services.gpu_manager.backends import make_backend
+from services.gpu_manager.backends import Backend, make_backend
 from services.gpu_manager.commands import Commands
 from services.gpu_manager.db import LeaseDb
+from services.gpu_manager.gpu_board import GpuBoard, host_board
+from services.gpu_manager.gpu_publisher import GpuPublisher
 from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.limits import ConnectionCount
 from services.gpu_manager.manager import LeaseBook
@@ -51,6 +55,15 @@ def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns:
             "connections": sum(conns.by_uid.values()), "refused_connections": conns.refused, "host_tier": tier.health()}
 
 
+def gpu_board(settings: GpuManagerSettings, backend: Backend) -> GpuBoard:
+    """The GPUs this manager serves: the cuda backend's devices, or the host backend's simulated ones."""
+    if backend.name == "host":
+        return host_board(settings.node, settings.gpus, backend.capacity(0))
+    ordinals = getattr(backend, "ordinals", [])
+    return GpuBoard(settings.node, [GpuEntry(o, backend.gpu_uuid(o) or f"GPU-{settings.node}-{o}", backend.capacity(o))
+                                    for o in ordinals])
+
+
 async def setup(rt: Runtime) -> None:
     settings = cast(GpuManagerSettings, rt.settings)
     settings.ensure_state_dir()
@@ -61,6 +74,7 @@ async def setup(rt: Runtime) -> None:
     keeper = KeeperClient(settings.keeper_path())
     mirror = Mirror(rt.bus, rt.store, settings.node)
     book = LeaseBook(settings, backend, db, keeper, mirror)
+    book.board = gpu_board(settings, backend)
     rt.spawn("mirror", mirror.run())
     await book.load()
     tier = HostTier(settings.host_tier_bytes, keeper)
@@ -76,6 +90,9 @@ async def setup(rt: Runtime) -> None:
     book.on_owner_exit = owner_exit
 
     await Commands(book, copies).register(rt.bus, settings.node)
+    gpus = GpuPublisher(book, rt.bus, rt.store, settings.gpu_publish_interval_s)
+    await rt.bus.serve(settings.node, SetGpuHealth, gpus.set_health)
+    rt.spawn("gpus", gpus.run())
     # The command subscriptions are at the server (a round trip) before any engine can reconnect: whoever saw
     # an engine back (a test, the control plane) finds the commands answered, not "no responders".
     await rt.bus.nc.flush()

@@ -38,6 +38,7 @@ from services.gpu_manager import reconciler
 from services.gpu_manager.backends import Backend, Chunk, round_up
 from services.gpu_manager.db import LeaseDb
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
+from services.gpu_manager.gpu_board import GpuBoard
 from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.mirror import Mirror
 from services.gpu_manager.records import LeaseRecord, open_pidfd, process_alive
@@ -114,6 +115,8 @@ class LeaseBook:
         # standby maps once, and its mapping outlives a manager restart (the keeper holds the memory).
         self.share_grants: dict[str, tuple[str, str]] = {}
         self.kept_tier: dict[str, tuple[dict[str, Any], list[int]]] = {}  # the keeper's host tier entries, at load
+        # The node's GPUs and their health (set by app.setup; None: any index the backend takes, as before).
+        self.board: GpuBoard | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -280,6 +283,8 @@ class LeaseBook:
     async def create(self, *, owner: str, engine_class: str, uid: int, pid: int, pid_start: int | None,
                      gpu: int, size: int, tag: Tag, name: str, chunk_size: int | None) -> LeaseRecord:
         self.backend.check_gpu(gpu)
+        if self.board is not None:
+            self._check_board(gpu, size)
         gran = self.backend.granularity(gpu)
         chunk = round_up(chunk_size or self.settings.chunk_mib * 1024 * 1024, gran)
         size = round_up(size, gran)
@@ -308,6 +313,28 @@ class LeaseBook:
         self.watch_pid(pid)
         self.mirror.lease_changed(info, None, "allocated")
         return rec
+
+    def _check_board(self, gpu: int, size: int) -> None:
+        """A new lease only on a healthy GPU of this node, and (a simulated GPU, whose backend does not run out by
+        itself) within its share of the host's memory."""
+        assert self.board is not None
+        entry = self.board.check_allocatable(gpu)
+        if entry.simulated:
+            room = self.board.room(gpu, (r.info for r in self.records.values()))
+            if room is not None and size > room:
+                from libs.client.protocol import OutOfMemory
+
+                raise OutOfMemory(f"{size} bytes asked on GPU {gpu}, {max(0, room)} of {entry.total_bytes} free")
+
+    async def gpu_failed(self, gpu: int, cause: str) -> list[str]:
+        """Every live lease on a failed GPU is reclaimed: its memory is lost (a successor must cold-start from the
+        weights file; the controller routes an open incident of their owner to the fallback on the reclaim)."""
+        async with self.lock:
+            hit = [r for r in self.records.values() if r.info.gpu == gpu and r.info.state in LIVE]
+            await self.apply_all([Move(r, LeaseEvent.FORCE_RECLAIM, cause) for r in hit])
+        if hit:
+            log.warning("GPU %d failed (%s): %d leases lost %s", gpu, cause, len(hit), [r.id for r in hit])
+        return [r.id for r in hit]
 
     def fds_of(self, lease_id: str) -> list[int]:
         chunks = self.chunks.get(lease_id)

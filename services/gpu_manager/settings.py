@@ -15,7 +15,8 @@ def default_socket_path(state_dir: Path) -> Path:
 
 class GpuManagerSettings(CommonSettings):
     backend: str = Field("auto", description="host, cuda, or auto (cuda when a GPU is present, else host)")
-    gpus: list[str] = Field(default_factory=list, description="cuda: GPUs to manage by index or UUID (empty: all)")
+    gpus: list[str] = Field(default_factory=list, description="cuda: GPUs to manage by index or UUID (empty: all); "
+                            "host: the simulated GPUs, each an even share of the capacity (empty: one, 0)")
     chunk_mib: int = Field(1024, gt=0, description="chunk size of an allocation, MiB (rounded to the granularity)")
     gpu_manager_socket: Path | None = Field(None, description="engine socket; default <state_dir>/gpu_manager.sock")
     socket_mode: int = Field(0o600, description="permissions of the engine socket")
@@ -27,6 +28,8 @@ class GpuManagerSettings(CommonSettings):
     class_cold_start_s: dict[str, float] = Field(default_factory=dict, description="engine class -> cold start, s")
     class_grace_s: dict[str, float] = Field(default_factory=dict, description="engine class -> explicit grace, s")
     reconcile_interval_s: float = Field(0.5, gt=0, description="period of the reconciler pass")
+    gpu_publish_interval_s: float = Field(0.5, gt=0, description="how often gpus/<node>/<gpu> (leased bytes) is "
+                                          "recomputed and written when it changed")
     host_capacity_bytes: int | None = Field(None, description="host backend: most bytes leased at once; default "
                                             "host_capacity_fraction of the host's (or its cgroup's) memory")
     host_capacity_fraction: float = Field(0.8, gt=0, le=1, description="host backend without host_capacity_bytes: "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.common.events import Reclaim, ShareWeights, SnapshotLease, StopEngine, command_kind
+from libs.common.events import Reclaim, SetGpuHealth, ShareWeights, SnapshotLease, StopEngine, command_kind
 
 ADMIN = "admin"
 ROOT = "root"  # etcd's root user: set-up only (users, roles, auth enable); no service runs as it
@@ -95,10 +95,11 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
     pub = _stream_admin(stream)
     if role == "agent":
         sub.append(f"{p}.node.{node}.agent.>")
-        pub += [f"{p}.fault.detected", f"{p}.engine.>", f"{p}.node.{node}.{command_kind(ShareWeights)}"]
+        pub += [f"{p}.fault.detected", f"{p}.engine.>", f"{p}.node.{node}.{command_kind(ShareWeights)}",
+                f"{p}.node.{node}.{command_kind(SetGpuHealth)}"]
     elif role == "gpu_manager":
         sub.append(f"{p}.node.{node}.gpu_manager.>")
-        pub += [f"{p}.memory.>"]
+        pub += [f"{p}.memory.>", f"{p}.node.gpu.health"]
     elif role == "controller":
         pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
                 f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}",

@@ -1,0 +1,72 @@
+"""The node's GPUs published: `gpus/<node>/<gpu>` (GpuRecord) in etcd for placement, and a `node.gpu.health` event
+when a GPU's health changes (and once per GPU at start, so that subscribers learn the inventory); the
+`gpu_health` command (SetGpuHealth) that marks a GPU.
+
+Off the critical path: records are recomputed every `interval_s` from the lease table and written only when they
+changed (a lease's allocate or reclaim shows within one interval); a health change is written at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from libs.common.bus import Bus
+from libs.common.events import GpuHealth, GpuRecord, SetGpuHealth, SetGpuHealthReply
+from libs.common.store import Store
+from services.gpu_manager.gpu_board import same_record
+from services.gpu_manager.manager import LeaseBook
+
+log = logging.getLogger("holdfast.gpu_manager.gpus")
+
+
+class GpuPublisher:
+    def __init__(self, book: LeaseBook, bus: Bus, store: Store, interval_s: float = 0.5) -> None:
+        assert book.board is not None
+        self.book = book
+        self.board = book.board
+        self.bus = bus
+        self.store = store
+        self.interval_s = interval_s
+        self.written: dict[int, GpuRecord] = {}
+        self._writing = asyncio.Lock()  # one writer at a time: an older record never lands after a newer one
+
+    def current(self) -> dict[int, GpuRecord]:
+        return self.board.records((r.info for r in self.book.records.values()), time.time())
+
+    async def publish_changed(self) -> None:
+        async with self._writing:
+            for index, rec in self.current().items():
+                if same_record(self.written.get(index), rec):
+                    continue
+                await self.store.put(f"gpus/{rec.node}/{index}", rec.model_dump(mode="json"))
+                self.written[index] = rec
+
+    async def run(self) -> None:
+        recs = self.current()
+        for rec in recs.values():  # the inventory, once: a subscriber learns each GPU's UUID and capacity
+            await self.bus.emit(self._event(rec))
+        while True:
+            try:
+                await self.publish_changed()
+            except Exception as e:  # noqa: BLE001 - etcd briefly away: the next pass writes what changed
+                log.warning("GPU records not written (%r); retrying", e)
+            await asyncio.sleep(self.interval_s)
+
+    async def set_health(self, cmd: SetGpuHealth) -> SetGpuHealthReply:
+        gpu, changed = self.board.mark(cmd.gpu, cmd.healthy, cmd.detail)
+        # Reclaimed on every unhealthy mark, changed or not: a lease allocated in between must not stay live.
+        lost = [] if cmd.healthy else await self.book.gpu_failed(gpu.index, f"gpu_fault: {cmd.detail}")
+        rec = self.current()[gpu.index]
+        if changed or lost:
+            log.warning("GPU %d (%s) marked %s: %s", gpu.index, gpu.uuid, "healthy" if cmd.healthy else "unhealthy",
+                        cmd.detail)
+            await self.bus.emit(self._event(rec, lost))
+        await self.publish_changed()  # in etcd before the reply: placement must not pick it meanwhile
+        return SetGpuHealthReply(gpu=rec, lost_leases=lost)
+
+    @staticmethod
+    def _event(rec: GpuRecord, lost: list[str] | None = None) -> GpuHealth:
+        return GpuHealth(gpu=rec.gpu, healthy=rec.healthy, detail=rec.detail, node=rec.node, uuid=rec.uuid,
+                         total_bytes=rec.total_bytes, leased_bytes=rec.leased_bytes, lost_leases=lost or [])

@@ -1,0 +1,63 @@
+"""Placement on nodes of several GPUs, from the records their gpu_managers publish (`gpus/<node>/<gpu>`: GpuRecord)
+and their leases, through the dc_manager's view (pure: `ClusterView.apply`, no etcd)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from libs.common.cluster_view import ClusterView, GpuSlot
+from libs.common.events import GpuRecord, LeaseInfo, LeaseState, Tag
+from services.dc_manager.placement import Action, place
+
+M = 1 << 20
+
+
+def view_of(*records: GpuRecord, leases: tuple[LeaseInfo, ...] = ()) -> ClusterView:
+    view = ClusterView()
+    for node in {r.node for r in records}:
+        view.apply("put", f"nodes/{node}", json.dumps({"node": node, "gpus": []}).encode())
+    for rec in records:
+        view.apply("put", f"gpus/{rec.node}/{rec.gpu}", rec.model_dump_json().encode())
+    for lease in leases:
+        view.apply("put", f"allocations/{lease.node}/{lease.id}", lease.model_dump_json().encode())
+    return view
+
+
+def lease(node: str, gpu: int, size: int, n: int = 0) -> LeaseInfo:
+    now = time.time()
+    return LeaseInfo(id=f"l-{node}-{gpu}-{n}", node=node, gpu=gpu, size=size, chunk_size=size, tag=Tag.WEIGHTS,
+                     owner=f"e-{node}-{gpu}", epoch=1, state=LeaseState.ACTIVE, created_at=now, last_seen=now)
+
+
+def test_a_lost_engine_goes_to_the_healthy_gpu_of_its_node_never_to_the_failed_one_with_more_room() -> None:
+    view = view_of(GpuRecord(node="a", gpu=0, uuid="SIM-a-0", total_bytes=100 * M),
+                   GpuRecord(node="a", gpu=1, uuid="SIM-a-1", total_bytes=100 * M, healthy=False, detail="XID 79"),
+                   leases=(lease("a", 0, 40 * M),))
+    p = place("a", 1, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=set(view.nodes))
+    assert (p.action, p.node, p.gpu) == (Action.COLD_START, "a", 0)
+    # Live memory on the failed GPU is not reattached in place either.
+    p = place("a", 1, memory_lost=False, needed_bytes=0, slots=view.gpu_slots(), alive=set(view.nodes))
+    assert p.action is Action.COLD_START and p.gpu == 0 and "unhealthy" in p.reason
+
+
+def test_free_bytes_decide_between_gpus_and_a_gpu_without_room_is_skipped() -> None:
+    view = view_of(GpuRecord(node="a", gpu=0, total_bytes=100 * M), GpuRecord(node="a", gpu=1, total_bytes=100 * M),
+                   leases=(lease("a", 0, 30 * M), lease("a", 1, 60 * M)))
+    p = place("a", 0, memory_lost=True, needed_bytes=35 * M, slots=view.gpu_slots(), alive={"a"})
+    assert (p.node, p.gpu) == ("a", 0)  # 70 MiB free beats 40
+    view.apply("put", "allocations/a/l-more", lease("a", 0, 50 * M, 1).model_copy(update={"id": "l-more"})
+               .model_dump_json().encode())
+    p = place("a", 0, memory_lost=True, needed_bytes=35 * M, slots=view.gpu_slots(), alive={"a"})
+    assert (p.node, p.gpu) == ("a", 1)  # 20 MiB left on 0: too little
+    p = place("a", 0, memory_lost=True, needed_bytes=45 * M, slots=view.gpu_slots(), alive={"a"})
+    assert p.action is Action.NONE
+
+
+def test_a_gpu_of_unknown_capacity_comes_after_every_gpu_known_to_have_room() -> None:
+    # GPU 1 is listed by its node but no gpu_manager reported it: its room is a guess, not the most room.
+    slots = [GpuSlot("a", 0, True, 100 * M, 10 * M, 1), GpuSlot("a", 1, True, None, 0, 0)]
+    p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=slots, alive={"a"})
+    assert (p.node, p.gpu) == ("a", 0)
+    p = place("a", 0, memory_lost=True, needed_bytes=95 * M, slots=slots, alive={"a"})
+    assert (p.node, p.gpu) == ("a", 1)  # none known to have room: the unknown one is still tried
