@@ -1,0 +1,133 @@
+"""Gangs: the leases of a tensor-parallel engine's N ranks move as one. Pure: no I/O (issue 22, part 2).
+
+A tensor-parallel engine is N rank processes, each holding its own shard's leases (weights, KV). A successor group
+can only run if it gets every rank's shard, each at the generation the group last committed; half a group's
+memory is useless and a rank's memory from an older generation is wrong. So a gang's leases are frozen,
+transferred (taken over) and reclaimed together, checked as a whole before any lease moves:
+
+Invariants (tests/gpu_manager/test_gang.py):
+1. All or nothing: `plan` returns a move for every lease of every rank, or raises and moves none (the caller
+   applies the moves in one transaction: LeaseBook.apply_all).
+2. Partial: a gang missing a rank's leases (or a rank with no weights), or a successor group that does not name
+   exactly the ranks 0..N-1, is refused with `PartialGang` (code `partial_gang`).
+3. Stale: a lease whose epoch is not the one the gang recorded for it (a rank restarted or taken over alone
+   since), a successor asking with another gang generation than the current one, or ranks frozen under
+   different transfer tokens, is refused with `StaleGang` (code `stale_gang`).
+4. Every move is one the lease state machine allows (fsm.transition); one refused move refuses the gang.
+5. A takeover bumps the gang's generation by one; the successor's ranks own their predecessors' shards rank for
+   rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from libs.common.errors import HoldfastError
+from libs.common.events import LeaseInfo, LeaseState, Tag
+from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
+
+
+class PartialGang(HoldfastError):
+    code = "partial_gang"
+
+
+class StaleGang(HoldfastError):
+    code = "stale_gang"
+
+
+@dataclass(frozen=True)
+class Gang:
+    """One tensor-parallel engine's ranks: rank -> engine id (a rank's process), and the epoch of each lease as
+    of the gang's last commit (lease id -> epoch). `generation` grows by one with each takeover."""
+
+    gang_id: str
+    size: int
+    owners: Mapping[int, str]
+    epochs: Mapping[str, int] = field(default_factory=dict)
+    generation: int = 1
+
+    def rank_of(self, owner: str) -> int | None:
+        return next((r for r, o in self.owners.items() if o == owner), None)
+
+
+@dataclass(frozen=True)
+class GangMove:
+    lease_id: str
+    rank: int
+    event: LeaseEvent
+    new_owner: str | None = None  # a takeover: the successor rank's engine id
+
+
+def members(gang: Gang, leases: Sequence[LeaseInfo]) -> dict[int, list[LeaseInfo]]:
+    """Each rank's live leases (a rank with none is listed empty)."""
+    out: dict[int, list[LeaseInfo]] = {r: [] for r in range(gang.size)}
+    for info in leases:
+        rank = gang.rank_of(info.owner)
+        if rank is not None and info.state in LIVE:
+            out[rank].append(info)
+    return out
+
+
+def check_whole(gang: Gang, by_rank: Mapping[int, list[LeaseInfo]]) -> None:
+    """Refuse a partial or stale gang (invariants 2 and 3)."""
+    if sorted(gang.owners) != list(range(gang.size)):
+        raise PartialGang(f"gang {gang.gang_id} names ranks {sorted(gang.owners)}, not 0..{gang.size - 1}")
+    for rank, infos in by_rank.items():
+        if not infos:
+            raise PartialGang(f"gang {gang.gang_id}: rank {rank} ({gang.owners[rank]}) holds no live leases")
+        if not any(i.tag == Tag.WEIGHTS for i in infos):
+            raise PartialGang(f"gang {gang.gang_id}: rank {rank} holds no weights")
+        for info in infos:
+            want = gang.epochs.get(info.id)
+            if want is None:
+                raise PartialGang(f"gang {gang.gang_id}: lease {info.id} of rank {rank} is not in the gang's commit")
+            if info.epoch != want:
+                raise StaleGang(f"gang {gang.gang_id}: lease {info.id} of rank {rank} is at epoch {info.epoch}, "
+                                f"the gang committed it at {want}")
+    missing = set(gang.epochs) - {i.id for infos in by_rank.values() for i in infos}
+    if missing:
+        raise PartialGang(f"gang {gang.gang_id}: committed leases {sorted(missing)} are gone")
+
+
+def plan(gang: Gang, leases: Sequence[LeaseInfo], event: LeaseEvent, *, successors: Mapping[int, str] | None = None,
+         generation: int | None = None, token_of: Mapping[str, str | None] | None = None) -> list[GangMove]:
+    """The moves of `event` (FREEZE, TAKEOVER, RECLAIM, FORCE_RECLAIM, DEADLINE) for the whole gang, or a typed
+    error and no move. A takeover needs `successors` (rank -> engine id, every rank), the gang `generation` the
+    successor group was told (the current one), and each lease's transfer token (`token_of`: all the same)."""
+    by_rank = members(gang, leases)
+    check_whole(gang, by_rank)
+    if event is LeaseEvent.TAKEOVER:
+        _check_takeover(gang, by_rank, successors, generation, token_of or {})
+    moves = []
+    for rank, infos in sorted(by_rank.items()):
+        for info in infos:
+            transition(info.state, event)  # raises InvalidTransition: the whole gang is refused (invariant 4)
+            moves.append(GangMove(info.id, rank, event, (successors or {}).get(rank)
+                                  if event is LeaseEvent.TAKEOVER else None))
+    return moves
+
+
+def _check_takeover(gang: Gang, by_rank: Mapping[int, list[LeaseInfo]], successors: Mapping[int, str] | None,
+                    generation: int | None, token_of: Mapping[str, str | None]) -> None:
+    if successors is None or sorted(successors) != list(range(gang.size)):
+        got = sorted(successors or {})
+        raise PartialGang(f"gang {gang.gang_id} has {gang.size} ranks; the successor group has ranks {got}")
+    if generation != gang.generation:
+        raise StaleGang(f"gang {gang.gang_id} is at generation {gang.generation}; the successor group asked for "
+                        f"{generation}")
+    not_frozen = [i.id for infos in by_rank.values() for i in infos if i.state != LeaseState.FROZEN]
+    if not_frozen:
+        raise PartialGang(f"gang {gang.gang_id}: leases {not_frozen} are not frozen: the gang is frozen whole first")
+    tokens = {token_of.get(i.id) for infos in by_rank.values() for i in infos}
+    if len(tokens) != 1 or None in tokens:
+        raise StaleGang(f"gang {gang.gang_id}: its ranks were frozen under different transfer tokens")
+
+
+def after_takeover(gang: Gang, moves: Sequence[GangMove], leases: Sequence[LeaseInfo]) -> Gang:
+    """The gang the successor group holds (invariant 5): its engine ids, each lease's new epoch, generation + 1."""
+    old = {i.id: i.epoch for i in leases}
+    owners = {m.rank: m.new_owner or gang.owners[m.rank] for m in moves}
+    epochs = {m.lease_id: old[m.lease_id] + (1 if transition(LeaseState.FROZEN, m.event).bump_epoch else 0)
+              for m in moves}
+    return Gang(gang.gang_id, gang.size, owners, epochs, gang.generation + 1)

@@ -1,0 +1,84 @@
+"""Gangs (pure): a tensor-parallel engine's ranks' leases frozen, taken over and reclaimed together, all or nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.common.errors import InvalidTransition
+from libs.common.events import LeaseInfo, LeaseState, Tag
+from services.gpu_manager.fsm import LeaseEvent
+from services.gpu_manager.gang import Gang, PartialGang, StaleGang, after_takeover, plan
+
+A, F, R = LeaseState.ACTIVE, LeaseState.FROZEN, LeaseState.RECLAIMED
+
+
+def lease(rank: int, tag: Tag, state: LeaseState = A, epoch: int = 1, owner: str | None = None) -> LeaseInfo:
+    return LeaseInfo(id=f"r{rank}-{tag.value}", node="n", gpu=rank, size=1, chunk_size=1, tag=tag,
+                     owner=owner or f"tp-r{rank}", epoch=epoch, state=state, created_at=0.0, last_seen=0.0)
+
+
+def gang_of(n: int = 2, state: LeaseState = A) -> tuple[Gang, list[LeaseInfo]]:
+    leases = [lease(r, t, state) for r in range(n) for t in (Tag.WEIGHTS, Tag.KV_CACHE)]
+    return Gang("g1", n, {r: f"tp-r{r}" for r in range(n)}, {i.id: i.epoch for i in leases}), leases
+
+
+def test_a_whole_gang_is_frozen_every_lease_of_every_rank() -> None:
+    gang, leases = gang_of(2)
+    moves = plan(gang, leases, LeaseEvent.FREEZE)
+    assert sorted(m.lease_id for m in moves) == sorted(i.id for i in leases)
+    assert {m.rank for m in moves} == {0, 1}
+
+
+def test_a_gang_missing_a_ranks_leases_or_its_weights_is_partial_and_nothing_moves() -> None:
+    gang, leases = gang_of(2)
+    with pytest.raises(PartialGang, match="rank 1") as e:
+        plan(gang, [i for i in leases if not i.id.startswith("r1")], LeaseEvent.FREEZE)
+    assert e.value.code == "partial_gang"
+    with pytest.raises(PartialGang, match="no weights"):
+        plan(gang, [i for i in leases if i.id != "r1-weights"], LeaseEvent.FREEZE)
+    with pytest.raises(PartialGang, match="not in the gang"):
+        plan(gang, [*leases, lease(0, Tag.OTHER)], LeaseEvent.FREEZE)
+    reclaimed = [i.model_copy(update={"state": R}) if i.id == "r0-kv_cache" else i for i in leases]
+    with pytest.raises(PartialGang, match="rank 0|gone"):
+        plan(gang, reclaimed, LeaseEvent.FREEZE)
+
+
+def test_a_rank_restarted_alone_since_the_gangs_commit_is_stale() -> None:
+    gang, leases = gang_of(2)
+    moved = [i.model_copy(update={"epoch": 2}) if i.id == "r1-weights" else i for i in leases]
+    with pytest.raises(StaleGang, match="epoch 2") as e:
+        plan(gang, moved, LeaseEvent.FREEZE)
+    assert e.value.code == "stale_gang"
+
+
+def test_a_takeover_moves_every_rank_to_its_successor_rank_and_bumps_the_generation() -> None:
+    gang, leases = gang_of(2, F)
+    tokens = {i.id: "tok" for i in leases}
+    succ = {0: "new-r0", 1: "new-r1"}
+    moves = plan(gang, leases, LeaseEvent.TAKEOVER, successors=succ, generation=1, token_of=tokens)
+    assert {(m.lease_id, m.new_owner) for m in moves} == {(i.id, succ[int(i.id[1])]) for i in leases}
+    nxt = after_takeover(gang, moves, leases)
+    assert nxt.generation == 2 and dict(nxt.owners) == succ and set(nxt.epochs.values()) == {2}
+
+
+def test_a_takeover_is_refused_whole_when_the_group_is_partial_stale_or_not_all_frozen() -> None:
+    gang, leases = gang_of(2, F)
+    tokens = {i.id: "tok" for i in leases}
+    with pytest.raises(PartialGang, match="successor group"):
+        plan(gang, leases, LeaseEvent.TAKEOVER, successors={0: "new-r0"}, generation=1, token_of=tokens)
+    with pytest.raises(StaleGang, match="generation"):
+        plan(gang, leases, LeaseEvent.TAKEOVER, successors={0: "a", 1: "b"}, generation=0, token_of=tokens)
+    with pytest.raises(StaleGang, match="tokens"):
+        plan(gang, leases, LeaseEvent.TAKEOVER, successors={0: "a", 1: "b"}, generation=1,
+             token_of={**tokens, "r1-weights": "other"})
+    half = [i.model_copy(update={"state": A}) if i.id.startswith("r1") else i for i in leases]
+    with pytest.raises(PartialGang, match="not frozen"):
+        plan(gang, half, LeaseEvent.TAKEOVER, successors={0: "a", 1: "b"}, generation=1, token_of=tokens)
+
+
+def test_one_move_the_state_machine_refuses_refuses_the_whole_gang() -> None:
+    gang, leases = gang_of(2, F)
+    active = [i.model_copy(update={"state": A}) if i.id == "r1-kv_cache" else i for i in leases]
+    with pytest.raises(InvalidTransition):
+        plan(gang, active, LeaseEvent.RECLAIM)  # an ACTIVE lease takes no plain reclaim
+    assert len(plan(gang, active, LeaseEvent.FORCE_RECLAIM)) == 4
