@@ -1,0 +1,126 @@
+"""deploy/k8s: every manifest parses and has the structure the design asks for, every HF_* setting a
+container is given is one its service reads (no drift between settings and manifests), and kustomize renders
+both overlays (kubectl's built-in kustomize, offline, where kubectl is installed)."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+SETTINGS = {"gpu_manager": "GpuManagerSettings", "agent": "AgentSettings", "controller": "ControllerSettings",
+            "dc_manager": "DcManagerSettings", "router": "RouterSettings"}
+
+
+def docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def base() -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for f in sorted((K8S / "base").glob("*.yaml")):
+        for d in docs(f):
+            if d["kind"] != "Kustomization":
+                out[(d["kind"], d["metadata"]["name"])] = d
+    return out
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(obj["spec"]["template"]["spec"]["containers"])
+
+
+def service_of(c: dict[str, Any]) -> str | None:
+    cmd = c.get("command") or []
+    return next((a.removeprefix("services.") for a in cmd if a.startswith("services.")), None)
+
+
+def settings_fields(service: str) -> set[str]:
+    cls = getattr(importlib.import_module(f"services.{service}.settings"), SETTINGS[service])
+    return {f"HF_{name.upper()}" for name in cls.model_fields}
+
+
+def test_every_manifest_parses_and_every_kustomization_names_files_that_exist() -> None:
+    files = sorted(K8S.rglob("*.yaml"))
+    assert len(files) >= 10
+    for f in files:
+        for d in docs(f):
+            assert d.get("apiVersion") and d.get("kind"), f
+            if d["kind"] == "Kustomization":
+                for res in d.get("resources", []):
+                    assert (f.parent / res).exists(), f"{f}: {res} is missing"
+            else:
+                assert d["metadata"].get("name"), f
+
+
+def test_the_node_daemonset_has_what_pidfds_peercred_and_gpus_need() -> None:
+    ds = base()[("DaemonSet", "holdfast-node")]
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    state = next(v for v in pod["volumes"] if v["name"] == "state")
+    assert state["hostPath"]["path"]
+    by_service = {service_of(c): c for c in pod["containers"]}
+    assert set(by_service) == {"gpu_manager", "agent"}
+    for c in by_service.values():
+        env = {e["name"]: e for e in c["env"]}
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "state")
+        assert env["HF_STATE_DIR"]["value"] == mount["mountPath"]
+        assert env["HF_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"] and "add" not in c["securityContext"]["capabilities"]
+    assert by_service["gpu_manager"]["resources"]["limits"]["nvidia.com/gpu"] >= 1
+
+
+def test_the_cluster_side_is_replicated_probed_and_guarded() -> None:
+    objs = base()
+    for name, replicas in (("controller", 2), ("dc-manager", 2), ("router", 2)):
+        dep = objs[("Deployment", name)]
+        assert dep["spec"]["replicas"] >= replicas
+        assert ("PodDisruptionBudget", name) in objs
+        assert dep["spec"]["template"]["spec"]["serviceAccountName"] in {n for k, n in objs if k == "ServiceAccount"}
+    ctl = containers(objs[("Deployment", "controller")])[0]
+    assert (ctl["livenessProbe"]["httpGet"]["path"], ctl["readinessProbe"]["httpGet"]["path"]) == ("/healthz", "/readyz")
+    assert containers(objs[("Deployment", "router")])[0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    for name in ("etcd", "nats"):
+        assert objs[("StatefulSet", name)]["spec"]["replicas"] == 3 and ("PodDisruptionBudget", name) in objs
+    config = objs[("ConfigMap", "holdfast-config")]["data"]
+    assert int(config["HF_STREAM_REPLICAS"]) == objs[("StatefulSet", "nats")]["spec"]["replicas"]
+    assert all(f"nats-{i}.nats" in config["HF_NATS_URL"] for i in range(3))
+    assert ("NetworkPolicy", "infra-from-holdfast") in objs
+
+
+def test_every_setting_a_manifest_passes_is_one_its_service_reads() -> None:
+    objs = base()
+    config = set(objs[("ConfigMap", "holdfast-config")]["data"])
+    seen = set()
+    for (kind, _), obj in objs.items():
+        if kind not in ("Deployment", "DaemonSet"):
+            continue
+        for c in containers(obj):
+            service = service_of(c)
+            if service is None:
+                continue
+            seen.add(service)
+            given = {e["name"] for e in c.get("env", []) if e["name"].startswith("HF_")}
+            if any(src.get("configMapRef", {}).get("name") == "holdfast-config" for src in c.get("envFrom", [])):
+                given |= config
+            unread = given - settings_fields(service)
+            assert not unread, f"{service} is given settings it does not read: {sorted(unread)}"
+    assert seen == set(SETTINGS)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
+@pytest.mark.parametrize("overlay", ["dev", "production"])
+def test_kustomize_renders_each_overlay(overlay: str) -> None:
+    r = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert all(d["metadata"].get("namespace") == "holdfast" for d in rendered if d["kind"] != "Namespace")
+    ds = next(d for d in rendered if d["kind"] == "DaemonSet")
+    backend = next(e for e in containers(ds)[0]["env"] if e["name"] == "HF_BACKEND")["value"]
+    assert backend == ("host" if overlay == "dev" else "cuda")
