@@ -104,8 +104,12 @@ class WeightCopies:
 
     async def snapshot(self, lease_id: str, name: str | None = None, *, host_tier: bool = False,
                        artifact: bool = True) -> SnapshotReply:
+        async with self.book.lock:
+            size, default = self.book.get(lease_id).info.size, default_name(*self._class_and_name(lease_id))
+        name = check_name(name or default)
+        if host_tier:
+            self.tier.room_for(name, size)  # refused before any byte is written (tier.py, invariant 1)
         rec, window = await self._map_live(lease_id, committed=True, block_bytes=self.block_bytes)
-        name = check_name(name or default_name(rec.info.engine_class, rec.info.name))
         lock = self._locks.setdefault(name, asyncio.Lock())
         try:
             async with lock:
@@ -122,6 +126,10 @@ class WeightCopies:
         return SnapshotReply(artifact=name, path=path, bytes=man.size, seconds=round(man.write_s, 4),
                              gib_s=gib_s(man.size, man.write_s), root_hash=man.root, direct_io=direct,
                              host_tier=host_tier)
+
+    def _class_and_name(self, lease_id: str) -> tuple[str, str]:
+        info = self.book.get(lease_id).info
+        return info.engine_class, info.name
 
     def _blocks(self, size: int) -> list[Any]:
         return plan_blocks(size, self.block_bytes, self.file_bytes)
