@@ -10,6 +10,7 @@ from typing import Any, cast
 from libs.common.events import SetGpuHealth
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.gpu import GpuEntry
+from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from libs.common.wire import FrameServer, serve_frames
 from services.gpu_manager.backends import Backend, make_backend
@@ -20,6 +21,7 @@ from services.gpu_manager.gpu_publisher import GpuPublisher
 from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.limits import ConnectionCount
 from services.gpu_manager.manager import LeaseBook
+from services.gpu_manager.metrics import gpu_manager_registry
 from services.gpu_manager.mirror import Mirror
 from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.session import fd_usage, serve_connection
@@ -102,7 +104,9 @@ async def setup(rt: Runtime) -> None:
                                 mode=settings.socket_mode, group=settings.socket_group,
                                 max_size=settings.max_frame_bytes)
     rt.spawn("reconciler", book.reconcile_forever())
-    rt.health_detail = lambda: health(backend.name, path, server, book, conns, tier)
+    metrics_port = serve_metrics(rt, gpu_manager_registry(book, conns, server, fd_usage), settings.metrics_host,
+                                 settings.metrics_port)
+    rt.health_detail = lambda: {**health(backend.name, path, server, book, conns, tier), "metrics_port": metrics_port}
 
     async def close() -> None:
         await server.close()

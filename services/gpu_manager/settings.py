@@ -62,6 +62,9 @@ class GpuManagerSettings(CommonSettings):
     artifact_file_bytes: int = Field(4 * 1024**3, ge=4096, multiple_of=4096,
                                      description="bytes per artifact file (a multiple of the block)")
     direct_io: bool = Field(True, description="O_DIRECT for artifact files where the filesystem allows it")
+    metrics_host: str = Field("127.0.0.1", description="address of the Prometheus /metrics server")
+    metrics_port: int | None = Field(None, ge=0, description="port of the Prometheus /metrics server (0: a free "
+                                     "one, in health's metrics_port); none: not served")
 
     def artifact_root(self) -> Path:
         return self.artifact_dir or self.state_dir / "artifacts"
