@@ -16,9 +16,10 @@ import socket
 import httpx
 import uvicorn
 
+from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from services.router.api import build_app
-from services.router.relay import Relay
+from services.router.metrics import MeteredRelay, RouterMetrics
 from services.router.settings import RouterSettings
 from services.router.sync import EndpointFeed, keep_in_sync
 from services.router.table import EndpointTable
@@ -39,7 +40,9 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
     rt.on_close(client.aclose)
-    relay = Relay(table, client, settings)
+    metrics = RouterMetrics()
+    relay = MeteredRelay(table, client, settings, ttft=metrics.ttft)
+    metrics.watch(relay.stats)
     feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s)
 
     async def read_endpoints() -> dict[str, bytes]:
@@ -58,7 +61,9 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     port = sock.getsockname()[1]
     server = QuietServer(uvicorn.Config(build_app(relay, table, lambda: feed.ready, feed.stats.as_dict), log_level="warning",
                                         access_log=False, timeout_keep_alive=30))
+    metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {"url": f"http://{settings.router_host}:{port}", **relay.stats.as_dict(),
+                                "metrics_port": metrics_port,
                                 "endpoints": table.describe(), "sync": feed.stats.as_dict()}
 
     async def serve_http() -> None:

@@ -12,6 +12,9 @@ class RouterSettings(CommonSettings):
     instance: str = Field(default_factory=lambda: new_id("router"), description="this router's id")
     router_host: str = Field("127.0.0.1", description="HTTP listen address")
     router_port: int = Field(DEFAULT_ROUTER_PORT, description="HTTP port (0: a free one)")
+    metrics_host: str = Field("127.0.0.1", description="address of the Prometheus /metrics server")
+    metrics_port: int | None = Field(None, ge=0, description="port of the Prometheus /metrics server (0: a free "
+                                     "one, in health's metrics_port); none: not served")
     hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")

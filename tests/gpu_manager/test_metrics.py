@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import nats.errors
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.gpu_manager.settings import GpuManagerSettings
 from tests.gpu_manager.harness import until
+from tests.scrape import scrape
 
 MIB = 1024 * 1024
 
@@ -22,12 +21,6 @@ async def _health(bus, settings) -> dict:  # noqa: ANN001
         return {}
     return json.loads(msg.data)["detail"]
 
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics: (name, sorted labels) -> value."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def leases(m: dict, state: str) -> float:
