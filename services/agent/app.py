@@ -21,10 +21,12 @@ from libs.common.events import (
     Takeover,
 )
 from libs.common.gc_tuning import long_lived_gc
+from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from services.agent import records
 from services.agent.engines import LIVE
 from services.agent.link_server import make_handler
+from services.agent.metrics import AgentMetrics, MeteredAgent
 from services.agent.nvml import NvmlWatcher
 from services.agent.settings import AgentSettings
 from services.agent.supervision import spec_key
@@ -39,7 +41,8 @@ async def setup(rt: Runtime) -> None:
     settings.ensure_state_dir()
     writer = records.RecordWriter(rt.store)
     rt.spawn("records", writer.run())
-    agent = Agent(settings, rt.bus, writer)
+    metrics = AgentMetrics()
+    agent = MeteredAgent(settings, rt.bus, writer, metrics=metrics)
     rt.on_close(agent.close)
 
     # Specs: those received over NATS earlier (etcd), then the configured ones (config wins).
@@ -79,7 +82,9 @@ async def setup(rt: Runtime) -> None:
     rt.spawn("monitor", agent.monitor_loop())
     rt.spawn("exiting", agent.exiting_loop())
     rt.spawn("reconcile", agent.reconcile_loop())
+    metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {
+        "metrics_port": metrics_port,
         "engines": {r.engine_id: r.state.value for r in agent.records()},
         "faults_published": agent.faults_published,
         "backoff": {b.spec_key: b.model_dump() for b in agent.backoff_report()},

@@ -13,6 +13,9 @@ from libs.common.events import EngineSpec
 class AgentSettings(CommonSettings):
     engines_file: Path | None = Field(None, description="JSON list of EngineSpec to run on this node")
     engines: list[EngineSpec] = Field(default_factory=list, description="engine specs inline (JSON, env HF_ENGINES)")
+    metrics_host: str = Field("127.0.0.1", description="address of the Prometheus /metrics server")
+    metrics_port: int | None = Field(None, ge=0, description="port of the Prometheus /metrics server (0: a free "
+                                     "one, in health's metrics_port); none: not served")
     agent_socket: Path | None = Field(None, description="engines' unix socket; default <state_dir>/agent.sock")
     socket_mode: int = Field(0o600, description="permissions of the engines' socket (the uid check holds whatever they are)")
     allowed_uids: list[int] = Field(default_factory=list, description="uids whose processes may register on the "
