@@ -1,6 +1,7 @@
 """deploy/k8s: every manifest parses and has the structure the design asks for, every HF_* setting a
 container is given is one its service reads (no drift between settings and manifests), and kustomize renders
-both overlays (kubectl's built-in kustomize, offline, where kubectl is installed)."""
+both overlays (kubectl's built-in kustomize, offline, where kubectl is installed) into objects that are valid
+against the Kubernetes OpenAPI schemas of one fixed version (kubernetes-validate's bundled schemas, offline)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+# The oldest Kubernetes the manifests promise to apply to; strict: a field the schema does not know fails too.
+K8S_VERSION = "1.31.0"
 SETTINGS = {"gpu_manager": "GpuManagerSettings", "agent": "AgentSettings", "controller": "ControllerSettings",
             "dc_manager": "DcManagerSettings", "router": "RouterSettings"}
 
@@ -113,14 +117,52 @@ def test_every_setting_a_manifest_passes_is_one_its_service_reads() -> None:
     assert seen == set(SETTINGS)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
-@pytest.mark.parametrize("overlay", ["dev", "production"])
-def test_kustomize_renders_each_overlay(overlay: str) -> None:
+def render(overlay: str) -> list[dict[str, Any]]:
     r = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def schema_errors(obj: dict[str, Any]) -> str | None:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return f"{obj['kind']}/{obj['metadata'].get('name')}: {e.message} at {'.'.join(map(str, e.path))}"
+    return None
+
+
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                   reason="kubectl not installed (its kustomize renders offline)")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["dev", "production"])
+def test_kustomize_renders_each_overlay(overlay: str) -> None:
+    rendered = render(overlay)
     assert all(d["metadata"].get("namespace") == "holdfast" for d in rendered if d["kind"] != "Namespace")
     ds = next(d for d in rendered if d["kind"] == "DaemonSet")
     backend = next(e for e in containers(ds)[0]["env"] if e["name"] == "HF_BACKEND")["value"]
     assert backend == ("host" if overlay == "dev" else "cuda")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["dev", "production"])
+def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(overlay: str) -> None:
+    rendered = render(overlay)
+    kinds = {d["kind"] for d in rendered}
+    assert {"DaemonSet", "Deployment", "StatefulSet", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    errors = [e for e in map(schema_errors, rendered) if e]
+    assert not errors, "\n".join(errors)
+
+
+@needs_kubectl
+def test_the_schema_check_catches_a_misspelt_field_and_a_wrong_type() -> None:
+    ds = next(d for d in render("dev") if d["kind"] == "DaemonSet")
+    assert schema_errors(ds) is None
+    pod = ds["spec"]["template"]["spec"]
+    pod["hostPid"] = pod.pop("hostPID")  # unknown field: kubectl apply would drop it and pidfds would break
+    assert schema_errors(ds) is not None
+    pod["hostPID"] = pod.pop("hostPid")
+    ds["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": "metrics"}]
+    assert schema_errors(ds) is not None
