@@ -7,7 +7,8 @@ shapes (openai_format.py). Invariants:
    engine or queue full 503, engines failed 502, an engine's refusal with its 4xx) is a status and OpenAI's
    error body; after it, one `data: {"error": ...}` event ends the stream (no `[DONE]`).
 2. A stop string ends the request: the text stops before it, finish_reason "stop", and the engine request is
-   closed at once (`Enough` thrown into the relay). A client that goes away (stream or not) closes it too.
+   closed at once (`Relay.enough`, then the relay's generator closed). A client that goes away (stream or not)
+   closes it too.
 3. `id` is the relay's `request_id`, the one every engine attempt of this request was sent.
 """
 
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.router import openai_format as fmt
 from services.router.openai_protocol import FINISH_REASONS, Job, OpenAIError, chat_job, completion_job
-from services.router.relay import Enough, Relay, RelayError
+from services.router.relay import Relay, RelayError
 from services.router.stop_scan import StopScanner
 from services.router.table import EndpointTable
 
@@ -119,8 +120,8 @@ async def _events(relay: Relay, job: Job) -> AsyncIterator[str | End]:
             if text := scan.push(item.get("text", "")):
                 yield text
             if scan.stopped:
-                with contextlib.suppress(StopAsyncIteration):
-                    await items.athrow(Enough())
+                relay.enough(job.request_id)
+                await items.aclose()  # closes the engine request now, before the client hears of the stop
                 yield End("stop", count)
                 return
         yield End("error", count, OpenAIError(502, "the relay ended without a final line", code="truncated"))

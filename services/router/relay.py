@@ -11,8 +11,9 @@ identical to the uninterrupted generation, so the client sees one stream. Invari
    endpoint is tried; it is marked suspect so new requests avoid it too.
 4. One client request has one `request_id` (the caller's, or `gen-<uuid>`), sent in every attempt's body, so a
    successor can recognise a request it resumes.
-5. When the relay stops early (the client went away, or the caller threw `Enough` in), the engine request is
-   closed at once: its connection is dropped, which makes the engine stop generating and free the slot.
+5. When the relay stops early (the client went away, or the caller closed it after `enough`), the engine
+   request is closed at once: its connection is dropped, which makes the engine stop generating and free
+   the slot.
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ class RelayError(Exception):
 
 class UpstreamFailed(Exception):
     pass
-
-
-class Enough(Exception):
-    """Thrown into `Relay.run` (`athrow`) by a caller that has all it wants, e.g. a stop string matched: the
-    engine request is closed and the client request counts as completed."""
 
 
 @dataclass
@@ -142,6 +138,13 @@ class Relay:
         self.stats = Stats()
         self.inflight = InFlight()
         self.route_ins = RouteIns()
+        self._enough: set[str] = set()  # request ids whose caller has all it wants (see `enough`)
+
+    def enough(self, request_id: str) -> None:
+        """The caller has all it wants of this request (a stop string matched) and closes its `run` next:
+        the request then counts as completed, not cancelled. A mark rather than an exception thrown in, so
+        that it works through wrappers of `run` (metrics.py), which pass on only `aclose`."""
+        self._enough.add(request_id)
 
     def endpoint_gone(self, engine_id: str) -> int:
         """An event removed this engine: cut its streams (they resume elsewhere)."""
@@ -168,7 +171,7 @@ class Relay:
                 engines.append(ep.engine_id)
                 offset = len(generated)
                 try:
-                    # aclosing: an early stop (Enough, the client gone) closes the engine stream now, not at GC
+                    # aclosing: an early stop (enough, the client gone) closes the engine stream now, not at GC
                     async with contextlib.aclosing(self._attempt(ep, req, seed, generated, rid)) as attempt:
                         async for item in attempt:
                             if item.get("done"):
@@ -189,8 +192,6 @@ class Relay:
                     self.stats.replayed += 1
                 finally:
                     self.table.release(ep)
-        except Enough:
-            outcome = "completed"
         except RelayError as e:
             outcome = "client_error" if 400 <= e.status < 500 else "failed"
             if generated:  # the client already has tokens: the error goes in-band, as the final line
@@ -199,6 +200,9 @@ class Relay:
             raise
         finally:
             self.stats.in_flight -= 1
+            if rid in self._enough:
+                self._enough.discard(rid)
+                outcome = "completed" if outcome == "cancelled" else outcome
             if outcome == "completed":
                 self.stats.completed += 1
             elif outcome == "failed":
