@@ -30,6 +30,8 @@ def admin_token(settings: ControllerSettings) -> str:
     """The configured token, or one generated once into the state dir (readable by this user only)."""
     if settings.admin_token:
         return settings.admin_token
+    if settings.api_tokens:
+        return ""  # hashed tokens configured: no plain token is made (api/tokens.py)
     path = settings.ensure_state_dir() / "controller-admin-token"
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

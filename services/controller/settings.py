@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import socket
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from libs.common.config import DEFAULT_API_PORT, CommonSettings
+from services.controller.api.tokens import TokenTable
 
 
 def default_instance() -> str:
@@ -20,8 +21,13 @@ class ControllerSettings(CommonSettings):
     api_enabled: bool = Field(True, description="serve the REST admin API in this process")
     api_host: str = Field("127.0.0.1", description="REST admin API bind address")
     api_port: int = Field(DEFAULT_API_PORT, description="REST admin API port (0: pick a free one)")
-    admin_token: str = Field("", description="bearer token for every route; empty: generated into state_dir")
-    read_token: str = Field("", description="bearer token for GET routes only; empty: none")
+    api_tokens: str = Field("", description="the API's tokens as hashes: comma-separated '<scope>:sha256:<hex>' "
+                            "(scope read, operate or admin; `holdfast api-token SCOPE` prints a new one)")
+    admin_token: str = Field("", description="dev: a plain admin-scope token, hashed at start; empty: generated "
+                             "into state_dir unless api_tokens is set")
+    read_token: str = Field("", description="dev: a plain read-scope token, hashed at start; empty: none")
+    api_cors_origins: str = Field("", description="comma-separated origins a browser may call the API from; "
+                                  "empty: no CORS headers at all (browsers refuse cross-origin calls)")
     api_max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413 "
                                     "before they are read (every route)")
     freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
@@ -41,3 +47,9 @@ class ControllerSettings(CommonSettings):
     incident_retention_min_s: float = Field(120.0, ge=0, description="no ended incident's record is deleted sooner "
                                             "than this: a redelivered or retried fault still finds it")
     incident_retention_check_s: float = Field(5.0, gt=0, description="how often ended records are checked")
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _tokens_parse(cls, v: str) -> str:
+        TokenTable.parse(v)  # a bad entry stops the start with a clear error, not the first request
+        return v

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -47,8 +48,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
     for r in (nodes.router, gpus.router, engines.router, leases.router, incidents.router, system.router):
         app.include_router(r)
     # Token and body size are checked from the headers, before any body byte is read (guard.py).
-    app.add_middleware(RequestGuard, admin_token=ctx.admin_token, read_token=ctx.read_token,  # type: ignore[arg-type]
-                       max_body_bytes=ctx.settings.api_max_body_bytes)
+    app.add_middleware(RequestGuard, tokens=ctx.tokens, max_body_bytes=ctx.settings.api_max_body_bytes)
+    # CORS only where configured, outside the guard (a browser's preflight carries no token). Without it no
+    # response has CORS headers, so a page on another origin cannot read the API with a user's token.
+    origins = [o.strip() for o in ctx.settings.api_cors_origins.split(",") if o.strip()]
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

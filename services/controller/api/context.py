@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from fastapi import Request
 
 from libs.common.bus import Bus
 from libs.common.store import Store
 from services.controller.api.audit import AuditLog
+from services.controller.api.tokens import TokenTable
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -23,9 +24,14 @@ class ApiContext:
     bus: Bus
     metrics: ControllerMetrics
     is_leader: Callable[[], bool]
-    admin_token: str
-    read_token: str = ""
+    tokens: TokenTable = field(default_factory=TokenTable)  # digests only (tokens.py)
     audit: AuditLog = field(default_factory=AuditLog)
+    # Plain dev tokens (benchmarks, in-process tests): hashed into `tokens` and not kept.
+    admin_token: InitVar[str] = ""
+    read_token: InitVar[str] = ""
+
+    def __post_init__(self, admin_token: str, read_token: str) -> None:
+        self.tokens = self.tokens.with_plain(admin_token, read_token)
 
 
 def ctx(request: Request) -> ApiContext:

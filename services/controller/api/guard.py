@@ -7,7 +7,7 @@ Both answers carry `Connection: close`: the server closes the connection instead
 50 MB body from an unauthenticated client costs the controller its headers, not its memory or its loop.
 A body without a declared length (chunked) is counted as it is read; past the limit the client gets 413 and
 the app sees a disconnect. Which routes need no token (probes, scrapers, the docs) is the table `PUBLIC`;
-which token may do what (read, admin) is still decided per router (`auth.py`, 403).
+which scope may do what (read, operate, admin) is still decided per route (`auth.py`, 403).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from services.controller.api.auth import token_role
+from services.controller.api.tokens import TokenTable
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,10 +28,16 @@ PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-re
 
 def verdict(path: str, headers: dict[bytes, bytes], admin_token: str, read_token: str,
             max_body_bytes: int) -> tuple[int, str, str] | None:
+    """`decide` with the dev stack's plain tokens."""
+    return decide(path, headers, TokenTable().with_plain(admin_token, read_token), max_body_bytes)
+
+
+def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable,
+           max_body_bytes: int) -> tuple[int, str, str] | None:
     """(status, error code, message) to answer at once, or None to let the request in. Pure."""
     if path not in PUBLIC:
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or token_role(token.strip(), admin_token, read_token) is None:
+        if scheme.lower() != "bearer" or tokens.scope_of(token.strip()) is None:
             return 401, "unauthorized", "missing or unknown bearer token"
     length = headers.get(b"content-length")
     if length is not None:
@@ -55,11 +61,10 @@ async def answer(send: Send, status: int, code: str, message: str) -> None:
 
 
 class RequestGuard:
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, admin_token: str, read_token: str,
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, tokens: TokenTable,
                  max_body_bytes: int) -> None:
         self.app = app
-        self.admin_token = admin_token
-        self.read_token = read_token
+        self.tokens = tokens
         self.max_body_bytes = max_body_bytes
         self.refused = {401: 0, 413: 0, 400: 0}  # answered here, body unread (health, tests)
 
@@ -68,7 +73,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        bad = verdict(scope["path"], headers, self.admin_token, self.read_token, self.max_body_bytes)
+        bad = decide(scope["path"], headers, self.tokens, self.max_body_bytes)
         if bad is not None:
             self.refused[bad[0]] = self.refused.get(bad[0], 0) + 1
             await answer(send, *bad)

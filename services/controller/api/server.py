@@ -37,6 +37,7 @@ from libs.common.service import run_loop
 from libs.common.store import Store
 from services.controller.api.app import create_app
 from services.controller.api.context import ApiContext
+from services.controller.api.tokens import TokenTable
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -74,7 +75,8 @@ class ApiThread:
         self.sock = sock
         self.metrics = metrics
         self.is_leader = is_leader
-        self.admin_token = admin_token
+        # Hashed here, once: the thread keeps digests, not the plain dev token (tokens.py).
+        self.tokens = TokenTable.parse(settings.api_tokens).with_plain(admin_token, settings.read_token)
         self.ready: Future[None] = Future()  # resolved on the API thread; awaited on the main loop
         self.done: Future[None] = Future()
         self._server: ApiServer | None = None
@@ -130,7 +132,7 @@ class ApiThread:
                 synced.cancel()
                 raise TimeoutError(f"the API's view did not load from etcd within {SYNC_TIMEOUT_S} s")
             ctx = ApiContext(settings=s, view=view, store=store, bus=bus, metrics=self.metrics,
-                             is_leader=self.is_leader, admin_token=self.admin_token, read_token=s.read_token)
+                             is_leader=self.is_leader, tokens=self.tokens)
             config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=STOP_DEADLINE_S)
             self._server = server = ApiServer(config)

@@ -4,7 +4,7 @@ from fastapi import APIRouter, Body, Depends, Path, Query
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.events import IncidentReason
-from services.controller.api.auth import require_admin, require_read
+from services.controller.api.auth import require_admin, require_operate, require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.pagination import PageParams, page_params, paginate
 from services.controller.api.routers.errors import ONE_ERRORS, READ_ERRORS, WRITE_ERRORS
@@ -48,7 +48,7 @@ def get_engine(engine_id: str = Path(..., max_length=200), c: ApiContext = Depen
 
 
 @router.post("/v1/engines/{engine_id}/failover", status_code=202, response_model=IncidentSummary,
-             dependencies=[Depends(require_admin)], responses=WRITE_ERRORS)
+             dependencies=[Depends(require_operate)], responses=WRITE_ERRORS)
 async def failover(engine_id: str = Path(..., max_length=200), body: FailoverIn | None = Body(None),
                    c: ApiContext = Depends(ctx)) -> IncidentSummary:
     rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.MANUAL_FAILOVER,

@@ -13,7 +13,7 @@ READ_ERRORS: dict[int | str, dict[str, Any]] = {
 ONE_ERRORS: dict[int | str, dict[str, Any]] = {**READ_ERRORS, 404: {"model": ErrorOut, "description": "unknown id"}}
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **ONE_ERRORS,
-    403: {"model": ErrorOut, "description": "read-only token"},
+    403: {"model": ErrorOut, "description": "the token's scope is below the route's"},
     409: {"model": ErrorOut, "description": "conflicts with the current state"},
     502: {"model": ErrorOut, "description": "the node refused the command"},
     503: {"model": ErrorOut, "description": "the node did not answer"},

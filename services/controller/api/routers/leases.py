@@ -5,7 +5,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libs.common.errors import NotFound
 from libs.common.events import LeaseState, SnapshotLease, SnapshotReply
-from services.controller.api.auth import require_admin, require_read
+from services.controller.api.auth import require_admin, require_operate, require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.pagination import PageParams, page_params, paginate
 from services.controller.api.routers.errors import READ_ERRORS, WRITE_ERRORS
@@ -42,7 +42,7 @@ class SnapshotIn(BaseModel):
 SNAPSHOT_WAIT_S = 900.0  # the node answers once the artifact is whole on disk: 120 GiB at a few GiB/s
 
 
-@router.post("/{lease_id}/snapshot", response_model=SnapshotReply, dependencies=[Depends(require_admin)],
+@router.post("/{lease_id}/snapshot", response_model=SnapshotReply, dependencies=[Depends(require_operate)],
              responses=WRITE_ERRORS)
 async def snapshot(lease_id: str = Path(..., max_length=200), body: SnapshotIn | None = Body(None),
                    c: ApiContext = Depends(ctx)) -> SnapshotReply:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Path
 
-from services.controller.api.auth import require_admin, require_read
+from services.controller.api.auth import require_operate, require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.pagination import PageParams, page_params, paginate
 from services.controller.api.routers.errors import READ_ERRORS, WRITE_ERRORS
@@ -24,7 +24,7 @@ def list_nodes(p: PageParams = Depends(page_params), c: ApiContext = Depends(ctx
     return paginate(rows, p)
 
 
-@router.post("/{node_id}/drain", status_code=202, response_model=DrainOut, dependencies=[Depends(require_admin)],
+@router.post("/{node_id}/drain", status_code=202, response_model=DrainOut, dependencies=[Depends(require_operate)],
              responses=WRITE_ERRORS)
 async def drain(node_id: str = Path(..., max_length=200), c: ApiContext = Depends(ctx)) -> DrainOut:
     engines, incidents = await drain_node(c.store, c.view, node_id)

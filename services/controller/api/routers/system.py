@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from services.controller.api.auth import require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.schemas import HealthOut
+from services.controller.api.tokens import allows
 
 router = APIRouter(tags=["system"])
 
@@ -45,6 +46,6 @@ def metrics(c: ApiContext = Depends(ctx)) -> Response:
 def audit(limit: int = Query(100, ge=1, le=10_000), c: ApiContext = Depends(ctx),
           role: str = Depends(require_read)) -> dict[str, Any]:
     """The admin actions this controller instance served, newest first: who, what, when, outcome (admin only)."""
-    if role != "admin":
-        raise HTTPException(403, "the audit record is for the admin token")
+    if not allows(role, "admin"):
+        raise HTTPException(403, "the audit record is for admin-scope tokens")
     return {"items": [asdict(e) for e in c.audit.newest(limit)]}
