@@ -177,17 +177,27 @@ def cli(
     gap: float = typer.Option(3.5, help="mean pause between a recovery and the next fault, s (a long run: 1)"),
     smoke: bool = typer.Option(False, help="every kind once, in a seeded order (ignores --minutes/--faults)"),
     out: Path | None = typer.Option(None, help="also write the JSON report to this file"),
+    engine: str = typer.Option("reference", help="reference, or batched (engines/batched in deterministic mode: "
+                               "its outputs are checked token for token like the reference engine's)"),
 ) -> None:
     """Inject faults of every kind at random under load, then check the invariants (all must be 0)."""
     backend = detect_backend()
-    sc = Scenario(size="tiny" if backend == "host" else "small", backend=backend)
+    size = "tiny" if backend == "host" else "small"
+    if engine == "batched":
+        from bench.load_recovery import LoadScenario
+
+        sc: Scenario = LoadScenario(size=size, backend=backend, max_num_seqs=64, kv_cache_gib=None)
+    elif engine == "reference":
+        sc = Scenario(size=size, backend=backend)
+    else:
+        raise typer.BadParameter(f"engine: reference or batched, not {engine!r}")
     try:
         sc.start()
         report = asyncio.run(_run(sc, minutes, seed, workers, faults, gap=gap, smoke=smoke))
     finally:
         sc.stop()
         sc.discard_weights()
-    report = {"chaos": "ok" if not any(report["invariants"].values()) else "violated", "minutes": minutes,
+    report = {"chaos": "ok" if not any(report["invariants"].values()) else "violated", "engine": engine, "minutes": minutes,
               "seed": seed, "gap_s": gap, "smoke": smoke, "backend": backend, **report}
     text = json.dumps(report)
     if out is not None:

@@ -25,6 +25,10 @@ from libs.common.events import EngineInfo, Envelope, LeaseState
 
 console = Console(stderr=True)
 
+# How long a fault waits for its target (a ready engine, a listening agent) before it is counted as skipped:
+# on a loaded 2-core machine an agent restarted by the previous fault takes tens of seconds to listen again.
+WAIT_FOR_TARGET_S = 60.0
+
 FAULTS = ("engine_sigkill", "engine_sigstop", "engine_cuda_error", "engine_sigkill_allocating", "gpu_xid",
           "gpu_manager_sigkill", "gpu_manager_fd_pressure", "agent_sigkill", "dc_manager_sigkill",
           "router_sigkill", "controller_leader_sigkill", "nats_restart", "etcd_restart", "etcd_stall",
@@ -192,8 +196,15 @@ class Chaos:
 
     # ------------------------------------------------------------ faults
 
-    async def active_engine(self) -> EngineInfo | None:
-        return await self._engine("active")
+    async def active_engine(self, within_s: float = 0.0) -> EngineInfo | None:
+        """The ready active engine; waited for up to `within_s` (a fault due while the previous one's effects
+        settle, e.g. a store reconnecting after an etcd stall, lands once there is one, rather than being skipped)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            engine = await self._engine("active")
+            if engine is not None or time.monotonic() >= deadline:
+                return engine
+            await asyncio.sleep(0.2)
 
     async def _engine(self, role: str) -> EngineInfo | None:
         try:
@@ -218,7 +229,7 @@ class Chaos:
             await getattr(self, fault)()
 
     async def _signal_engine(self, fault: str) -> None:
-        engine = await self.active_engine()
+        engine = await self.active_engine(within_s=WAIT_FOR_TARGET_S)
         if engine is None or engine.pid is None:
             self._skip(fault, "no ready engine")
             return
@@ -274,7 +285,7 @@ class Chaos:
 
     async def gpu_xid(self) -> None:
         xid = self.rng.choice((48, 63, 74, 79, 94, 95))
-        deadline = time.monotonic() + 15.0  # an agent just restarted listens once its watcher runs
+        deadline = time.monotonic() + WAIT_FOR_TARGET_S  # an agent just restarted listens once its watcher runs
         while True:
             try:
                 cf.send_xid(self.nvml_socket, 0, xid)
@@ -331,7 +342,7 @@ class Chaos:
         load = asyncio.create_task(cf.api_load(self.stack.api_url, self.stack.config.api_token,
                                                self.stack.config.node, stop))
         await asyncio.sleep(1.0)
-        engine = await self.active_engine()
+        engine = await self.active_engine(within_s=WAIT_FOR_TARGET_S)
         if engine is None or engine.pid is None:
             self._skip("admin_api_load", "no ready engine to kill under the load")
         else:

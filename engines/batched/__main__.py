@@ -119,6 +119,17 @@ def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> 
     return _ms(t0)
 
 
+def report_fatal(link: Any) -> None:
+    """Fault injection (chaos runs, SIGUSR1): behave as an engine whose CUDA context hit a fatal error: tell the
+    agent through the link, then exit without cleanup. On a thread of its own: the signal handler runs on the
+    main thread, which may hold the link's send lock at that moment."""
+    try:
+        if link is not None:
+            link.report_fatal("cuda_error", "injected: an illegal memory access was encountered")
+    finally:
+        os._exit(70)
+
+
 def write_ready_file(path: Path, info: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(info))
@@ -141,6 +152,7 @@ def run(cfg: EngineConfig) -> int:
     http.start()
     memory = open_memory(cfg, device)
     link = open_agent_link(cfg)
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
     engine: LLMEngine | None = None
 
     def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:

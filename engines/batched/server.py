@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.batched.engine import LLMEngine, Request
 from engines.reference import tokenizer
+from engines.reference.weights import served_checksum
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid"}
@@ -122,6 +123,14 @@ def build_app(state: EngineState) -> FastAPI:
         return {"ok": state.state in ("ready", "standby"), "state": state.state, "role": state.role,
                 "engine_id": state.engine_id, "model": state.model, "size": state.size, "in_flight": state.in_flight,
                 "engine": eng.stats() if eng else None, **state.info}
+
+    @app.get("/checksum", response_model=None)
+    async def checksum() -> Any:
+        """sha256 of the weights being served (on a thread: a large model takes a while to hash)."""
+        eng = state.engine
+        if eng is None:
+            return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
+        return await served_checksum(state.engine_id, eng.runner.w)
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateBody) -> Any:

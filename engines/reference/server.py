@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.reference import tokenizer
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
-from engines.reference.weights import weights_sha256
+from engines.reference.weights import served_checksum
 
 
 class GenerateBody(BaseModel):
@@ -183,8 +183,7 @@ def build_app(state: EngineState) -> FastAPI:
         core = state.core
         if core is None:
             return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
-        digest = await asyncio.to_thread(weights_sha256, core.model.w)
-        return {"engine_id": state.engine_id, "weights_sha256": digest}
+        return await served_checksum(state.engine_id, core.model.w)
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateBody) -> Any:

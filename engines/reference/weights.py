@@ -122,3 +122,11 @@ def weights_sha256(tensors: dict[str, torch.Tensor], *, chunk_bytes: int = 1 << 
             weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) % 65521
             h.update(f"{int(words.sum())},{int((words * weights).sum())};".encode())
     return h.hexdigest()
+
+
+async def served_checksum(engine_id: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """An engine's /checksum body: the sha256 of the weights it serves, hashed on a thread (a large model takes a
+    while)."""
+    import asyncio
+
+    return {"engine_id": engine_id, "weights_sha256": await asyncio.to_thread(weights_sha256, weights)}
