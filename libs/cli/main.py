@@ -140,6 +140,19 @@ def snapshot(
         raise typer.Exit(1)
 
 
+@app.command("api-token")
+def api_token(scope: str = typer.Argument(..., help="read, operate or admin")) -> None:
+    """A new admin API token: the token (give it to its holder) and its hashed entry for HF_API_TOKENS."""
+    from services.controller.api.tokens import TokenConfigError, new_token
+
+    try:
+        token, entry = new_token(scope)
+    except TokenConfigError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    print(f"token: {token}\nentry: {entry}")
+
+
 def _bench(name: str, module: str) -> None:
     def load() -> Any:
         return importlib.import_module(module).cli

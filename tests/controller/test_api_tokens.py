@@ -4,6 +4,8 @@ tests run a real controller configured with hashed tokens only (no plain token a
 from __future__ import annotations
 
 import hmac
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -148,3 +150,14 @@ async def test_cors_answers_only_the_configured_origins() -> None:
             r = await cl.options("/v1/nodes", headers={**preflight, "Origin": origin})
         assert (r.headers.get("access-control-allow-origin") == origin) is allowed, (configured, origin)
         assert (r.status_code == 200) is allowed  # refused: the guard's 401 (no token), or CORS's 400
+
+
+def test_the_cli_prints_a_token_and_the_entry_that_admits_it_with_its_scope() -> None:
+    out = subprocess.run([sys.executable, "-m", "libs.cli.main", "api-token", "operate"], capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    lines = dict(line.split(": ", 1) for line in out.strip().splitlines())
+    assert lines["token"] not in lines["entry"]
+    assert TokenTable.parse(lines["entry"]).scope_of(lines["token"]) == "operate"
+    bad = subprocess.run([sys.executable, "-m", "libs.cli.main", "api-token", "root"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown scope" in bad.stdout
