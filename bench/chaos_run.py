@@ -110,6 +110,11 @@ class Chaos:
                     self.tally.ok += 1
                 else:
                     self.tally.wrong += 1
+                    want = baseline[prompt].tokens
+                    at = next((j for j, (a, b) in enumerate(zip(r.tokens, want, strict=False)) if a != b),
+                              min(len(r.tokens), len(want)))
+                    self.tally.notes.append(f"wrong: {prompt!r}: {len(r.tokens)} tokens for {len(want)}, first "
+                                            f"difference at {at}, at {time.time():.3f} (sent {t0:.3f})")
             elif r.error and (r.error.startswith("HTTP 503") or '"code"' in r.error):
                 self.tally.errors += 1
             elif r.error and r.error.split(":")[0] in TRANSPORT_ERRORS and self._router_was_down(t0, time.time()):

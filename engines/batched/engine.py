@@ -199,10 +199,13 @@ class LLMEngine:
         old = self._by_request.get(req.request_id)
         if old is not None:  # the same request again (a router's retry here): the newer one wins
             self._abort(req.request_id)
-        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+        # The tokens a predecessor generated are the sequence's output, not its prompt: the scheduler feeds them
+        # the way they were first computed (in deterministic mode one per step, as decode made them), so the
+        # continuation is the uninterrupted run's; they are not sent again.
+        params = SamplingParams(max_tokens=req.resumed + req.max_tokens, temperature=req.temperature, seed=req.seed,
                                 stop_token_ids=STOP, ignore_eos=req.ignore_eos)
         seq = Sequence(seq_id=next(self._ids), request_id=req.request_id, tokens=list(req.context),
-                       prompt_len=len(req.context), params=params)
+                       prompt_len=len(req.context) - req.resumed, params=params)
         try:
             self.scheduler.add(seq)
         except QueueFull:  # the HTTP layer checked; a burst raced it
@@ -212,7 +215,7 @@ class LLMEngine:
             log.warning("request %s refused: %s", req.request_id, e)
             req.sink.finish(REFUSED_BAD, len(req.context), 0)
             return
-        self._live[seq.seq_id] = _Live(seq, req.sink)
+        self._live[seq.seq_id] = _Live(seq, req.sink, sent=req.resumed)
         self._by_request[req.request_id] = seq.seq_id
 
     def _claim(self, req: Request) -> _Live | None:

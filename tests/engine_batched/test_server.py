@@ -108,3 +108,20 @@ def test_past_the_queue_new_requests_get_503_and_none_is_lost_silently(engine: E
             assert r.json()["error"]["code"] == "queue_full"
         else:
             assert len(r.json()["tokens"]) == 64
+
+
+@pytest.mark.parametrize("engine", [("--deterministic", "--prefill-chunk", "32")], indirect=True)
+def test_a_replayed_request_the_engine_does_not_hold_continues_exactly_and_resends_nothing(engine: Engine) -> None:
+    """A router's replay to an engine without the sequence (its KV lost): the tokens already generated are fed as
+    output, one per step as decode first made them, so the continuation equals the uninterrupted run's."""
+    from libs.cli.scenario import PROMPTS
+
+    differ = []
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 48, "ignore_eos": True}
+        full = gen(engine.url, **body).json()["tokens"]
+        for k in range(1, 48):
+            resumed = gen(engine.url, **{**body, "resume": full[:k], "max_tokens": 48 - k}).json()
+            if resumed["tokens"] != full[k:]:
+                differ.append((prompt, k))
+    assert not differ
