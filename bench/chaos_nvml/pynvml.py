@@ -40,14 +40,27 @@ class _Device(tuple):
 
 if _REAL is not None:
     NVMLError_Timeout = _REAL.NVMLError_Timeout
+    NVMLError_GpuIsLost = _REAL.NVMLError_GpuIsLost
     nvmlEventTypeXidCriticalError = _REAL.nvmlEventTypeXidCriticalError
     nvmlEventTypeDoubleBitEccError = _REAL.nvmlEventTypeDoubleBitEccError
 else:
     class NVMLError_Timeout(Exception):  # noqa: N801, N818 - the real package's name
         pass
 
+    class NVMLError_GpuIsLost(Exception):  # noqa: N801, N818 - the real package's name
+        pass
+
     nvmlEventTypeXidCriticalError = 0x8
     nvmlEventTypeDoubleBitEccError = 0x2
+
+
+class _Memory:
+    """nvmlDeviceGetMemoryInfo's answer for the stand-in's device: the host's memory (the host backend's pool)."""
+
+    def __init__(self) -> None:
+        self.total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        self.used = self.total - self.free
 
 
 class _EventData:
@@ -115,6 +128,20 @@ def nvmlDeviceGetIndex(device: Any) -> int:
         return int(device[1])
     assert _REAL is not None
     return int(_REAL.nvmlDeviceGetIndex(device))
+
+
+def nvmlDeviceGetUUID(device: Any) -> str:
+    if isinstance(device, _Device):
+        return f"GPU-00000000-0000-0000-0000-{int(device[1]):012d}"
+    assert _REAL is not None
+    return _REAL.nvmlDeviceGetUUID(device)
+
+
+def nvmlDeviceGetMemoryInfo(device: Any) -> Any:
+    if isinstance(device, _Device):
+        return _Memory()
+    assert _REAL is not None
+    return _REAL.nvmlDeviceGetMemoryInfo(device)
 
 
 def nvmlEventSetWait_v2(event_set: Any, timeout_ms: int) -> Any:
