@@ -42,19 +42,26 @@ class IncidentTracker:
     reopened: list[str] = field(default_factory=list)
     outcomes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # from events
     terminal_events: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # envelope ids
+    heard_at: dict[str, float] = field(default_factory=dict)  # when an incident's first terminal event was heard
 
-    def snapshot(self, records: list[dict[str, Any]]) -> None:
+    def snapshot(self, records: list[dict[str, Any]], taken_at: float = float("inf")) -> None:
+        """Records read from etcd by a read that began at `taken_at` (the clock `heard` is given): an incident
+        whose end was heard after the read began may be read open (the read saw etcd before the end): not a
+        reopening; one heard ended before the read began and read open again is."""
         for rec in records:
             inc = str(rec.get("id") or rec.get("incident_id"))
             state = str(rec.get("state", "")).lower()
             before = self.states.get(inc)
             if before in TERMINAL and state not in TERMINAL:
+                if self.heard_at.get(inc, float("-inf")) >= taken_at:
+                    continue  # a read older than the end it is compared with
                 self.reopened.append(inc)
             if before not in TERMINAL or state in TERMINAL:
                 self.states[inc] = state
             self.kinds.setdefault(inc, str(rec.get("kind") or rec.get("reason") or ""))
 
-    def heard(self, incident_id: str, outcome: str, envelope_id: str) -> None:
+    def heard(self, incident_id: str, outcome: str, envelope_id: str, at: float = float("-inf")) -> None:
+        self.heard_at.setdefault(incident_id, at)
         self.outcomes[incident_id].add(outcome)
         self.terminal_events[incident_id].add(envelope_id)
         self.states.setdefault(incident_id, outcome)  # ended before any snapshot saw it

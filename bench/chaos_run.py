@@ -21,7 +21,7 @@ from bench import chaos_faults as cf
 from bench.chaos_checks import IncidentTracker, excess
 from libs.cli.scenario import MODEL, PROMPTS, Scenario
 from libs.common import procs
-from libs.common.events import EngineInfo, Envelope, LeaseState
+from libs.common.events import EngineInfo, Envelope, LeaseState, MarkGpu, MarkGpuReply
 
 console = Console(stderr=True)
 
@@ -163,15 +163,16 @@ class Chaos:
 
     async def snapshot_incidents(self) -> None:
         assert self.sc.store is not None
+        taken_at = time.monotonic()
         try:
             raw = await self.sc.store.get_prefix("incidents/")
         except Exception:  # noqa: BLE001 - etcd restarting or stalled
             return
-        self.incidents.snapshot([json.loads(v) for v in raw.values()])
+        self.incidents.snapshot([json.loads(v) for v in raw.values()], taken_at)
 
     async def on_terminal(self, env: Envelope) -> None:
         outcome = "resolved" if env.type == "incident.resolved" else "failed"
-        self.incidents.heard(str(getattr(env.data, "incident_id", env.incident_id)), outcome, env.id)
+        self.incidents.heard(str(getattr(env.data, "incident_id", env.incident_id)), outcome, env.id, time.monotonic())
 
     # ------------------------------------------------------------ the supervisor
 
@@ -294,12 +295,25 @@ class Chaos:
         while True:
             try:
                 cf.send_xid(self.nvml_socket, 0, xid)
-                return
+                break
             except OSError as e:
                 if time.monotonic() > deadline:
                     self._skip("gpu_xid", f"no agent listening ({e})")
                     return
                 await asyncio.sleep(0.2)
+        await self._gpu_reset(0)
+
+    async def _gpu_reset(self, gpu: int) -> None:
+        """What an operator does after an XID: the GPU reset, marked healthy again. The agent keeps a GPU that
+        reported an XID unhealthy (nothing is placed on it) until then; on a one-GPU node the model would stay down
+        for the rest of the run. Once the fault has taken the engines down (the agent marked it)."""
+        await asyncio.sleep(1.0)
+        assert self.sc.bus is not None
+        try:
+            await self.sc.bus.request(self.stack.config.node, MarkGpu(gpu=gpu, healthy=True, detail="chaos: GPU reset"),
+                                      MarkGpuReply, timeout=15)
+        except Exception as e:  # noqa: BLE001 - the agent may be restarting: noted, and settle() says the rest
+            self.tally.notes.append(f"gpu reset not acknowledged: {type(e).__name__}: {e}")
 
     async def engine_sigkill_allocating(self) -> None:
         """Make an engine start (a standby killed, or every engine of the GPU lost to an XID, in turn) and

@@ -55,3 +55,14 @@ def test_one_outcome_announced_twice_is_a_duplicate_event_not_a_violation() -> N
     t.heard("i1", "resolved", "env-2")
     t.heard("i1", "resolved", "env-2")  # the same envelope redelivered
     assert t.ended_both_ways() == [] and t.duplicate_terminal_events() == 1
+
+
+def test_a_read_begun_before_the_end_was_heard_may_see_it_open_without_a_reopening() -> None:
+    # the chaos run reads incidents/ while the resolved event is handled: the read began at 10, the end was heard
+    # at 11, the read's result (open) comes back after; a read begun at 12 that sees it open is a reopening
+    t = IncidentTracker()
+    t.heard("inc-1", "resolved", "ev-1", at=11.0)
+    t.snapshot([{"id": "inc-1", "state": "freezing"}], taken_at=10.0)
+    assert t.reopened == [] and t.unresolved() == []
+    t.snapshot([{"id": "inc-1", "state": "freezing"}], taken_at=12.0)
+    assert t.reopened == ["inc-1"]
