@@ -6,7 +6,14 @@ share the servers without seeing each other's messages or keys.
 
 from __future__ import annotations
 
-import shutil
+import os
+
+# Some tests fork (tests/gpu_manager/harness.py `as_other_uid`) in this process, which by then holds gRPC
+# channels (the etcd client); gRPC's fork handlers then aborted the child once in a full run. The child does no
+# gRPC work: the handlers are turned off, as gRPC documents for processes that fork without using gRPC after.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import shutil  # noqa: E402
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
