@@ -310,7 +310,13 @@ class Bus:
         )
         bus = cls(nc, settings, source)
         if stream:
-            await bus.ensure_stream()
+            try:
+                await bus.ensure_stream()
+            except BaseException:
+                # The caller gets no bus: the connection must not live on, reconnecting forever (it did, in the
+                # test process, after a NATS cluster that refused the stream at first was stopped).
+                await nc.close()
+                raise
         return bus
 
     async def ensure_stream(self) -> None:
