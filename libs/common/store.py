@@ -37,6 +37,7 @@ from libs.common.config import CommonSettings
 from libs.common.errors import Unavailable, WatchCompacted
 
 log = logging.getLogger("holdfast.store")
+WATCH_CANCEL_S = 5.0
 M = TypeVar("M", bound=BaseModel)
 
 # A member gone takes its connection with it; the channel then tries the members again at once, and at most
@@ -252,8 +253,10 @@ class Store:
                         kind = "put" if ev.kind == "PUT" else "delete"
                         yield WatchEvent(kind, self.rel(ev.kv.key), ev.kv.value if kind == "put" else None, rev)
                 finally:
+                    # Bounded: the cancel is a request on the watch stream; a stream that no longer answers (its
+                    # member killed) held a cancelled watcher here for good, and whoever awaited it with it.
                     with contextlib.suppress(Exception):
-                        await watch.cancel()
+                        await asyncio.wait_for(watch.cancel(), WATCH_CANCEL_S)
             except asyncio.CancelledError:
                 raise
             except aetcd.exceptions.RevisionCompactedError as e:
