@@ -8,7 +8,6 @@ assignment takes the predecessor's weights, KV cache and journal over and contin
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,7 +25,8 @@ from engines.batched.journal import Journal, JournalLayout
 from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout, kv_shape
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
-from engines.batched.server import EngineState, HttpThread
+from engines.batched.server import EngineState, build_app, warm_routes
+from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.tokenizer import BOS
 from libs.common.gc_tuning import long_lived_gc
@@ -130,12 +130,6 @@ def report_fatal(link: Any) -> None:
         os._exit(70)
 
 
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
-
-
 def run(cfg: EngineConfig) -> int:
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.threads)
@@ -148,7 +142,7 @@ def run(cfg: EngineConfig) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    http = HttpThread(state, cfg.host, cfg.port)
+    http = HttpThread(build_app(state), cfg.host, cfg.port, warm_routes)
     http.start()
     memory = open_memory(cfg, device)
     link = open_agent_link(cfg)

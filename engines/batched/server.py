@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import socket
 import threading
 import time
 import uuid
@@ -22,7 +21,6 @@ from typing import Any
 
 import anyio
 import httpx
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -230,29 +228,6 @@ async def _collect(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink
         else:
             return {"tokens": tokens, "text": "".join(text), **ev}
     return _error(500, "engine_error", "generation ended without a result")
-
-
-class HttpThread:
-    """uvicorn on a thread of its own (it installs no signal handlers off the main thread)."""
-
-    def __init__(self, state: EngineState, host: str, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.port = self.sock.getsockname()[1]
-        self.endpoint = f"http://{host}:{self.port}"
-        config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not self.server.started:
-            raise RuntimeError("the HTTP server did not start")
-        warm_routes(self.endpoint)
 
 
 def warm_routes(endpoint: str) -> None:

@@ -15,19 +15,17 @@ known early and uvicorn's start-up is off the recovery path.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import uvicorn
 
+from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, sample
 from engines.reference.kv_reuse import retire_later
@@ -79,33 +77,6 @@ def open_agent_link(s: EngineSettings, *, can_shadow: bool = False) -> Any:
     return link
 
 
-class HttpThread:
-    """uvicorn on a thread of its own (it installs no signal handlers off the main thread)."""
-
-    def __init__(self, state: EngineState, host: str, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.port = self.sock.getsockname()[1]
-        self.endpoint = f"http://{host}:{self.port}"
-        config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not self.server.started:
-            raise RuntimeError("the HTTP server did not start")
-        warm_routes(self.endpoint)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
-
-
 def warm_standby(s: EngineSettings, device: torch.device) -> float:
     """Compile/load the kernels a forward pass uses, on a scratch one-layer model (no lease needed)."""
     cfg = get_config(s.size)
@@ -127,12 +98,6 @@ def first_token(core: EngineCore) -> int:
     if core.model.device.type == "cuda":
         torch.cuda.synchronize(core.model.device)
     return tok
-
-
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
 
 
 def run(s: EngineSettings) -> int:
@@ -164,7 +129,7 @@ def run(s: EngineSettings) -> int:
 
     signal.signal(signal.SIGUSR1, injected_cuda_error)
 
-    http = HttpThread(state, s.host, s.port)
+    http = HttpThread(build_app(state), s.host, s.port, warm_routes)
     http.start()
     memory = open_memory(s, device)
     link = open_agent_link(s, can_shadow=s.role == "standby" and s.shadow and memory.kind == "leased")

@@ -37,14 +37,14 @@ import sys, tempfile, pathlib, httpx, torch
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore
 from engines.reference.model import Transformer
-from engines.reference.runner import HttpThread
-from engines.reference.server import EngineState
+from engines.http_thread import HttpThread
+from engines.reference.server import EngineState, build_app, warm_routes
 from engines.reference.weights import load_weights, make_weights
 cfg = get_config("tiny")
 core = EngineCore(Transformer(cfg, load_weights(make_weights(cfg, pathlib.Path(tempfile.mkdtemp()) / "w"))),
                   torch.zeros(cfg.kv_shape(1, 128)))
 state = EngineState("e", "reference", "tiny")
-http = HttpThread(state, "127.0.0.1", 0)
+http = HttpThread(build_app(state), "127.0.0.1", 0, warm_routes)
 http.start()
 state.install(core)
 state.state = "ready"

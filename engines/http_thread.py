@@ -1,0 +1,49 @@
+"""What both engines' start-up shares: uvicorn on a thread of its own, and the ready file."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+
+class HttpThread:
+    """uvicorn serving `app` on a thread of its own (it installs no signal handlers off the main thread);
+    `warm(endpoint)` runs once it listens, before anything is served (each engine's first-use costs)."""
+
+    def __init__(self, app: Any, host: str, port: int, warm: Callable[[str], None]) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://{host}:{self.port}"
+        self._warm = warm
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.server.started:
+            raise RuntimeError("the HTTP server did not start")
+        self._warm(self.endpoint)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    """The ready file, replaced whole (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
