@@ -45,12 +45,13 @@ test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check libs services engines bench tests
+	$(VENV)/bin/ruff check libs services engines devstack bench holdfast tests
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy libs engines/reference
 
 fmt: setup
-	$(VENV)/bin/ruff format libs services engines bench tests
-	$(VENV)/bin/ruff check --fix libs services engines bench tests
+	$(VENV)/bin/ruff format libs services engines devstack bench holdfast tests
+	$(VENV)/bin/ruff check --fix libs services engines devstack bench holdfast tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -41,7 +41,7 @@ from rich.console import Console
 
 from bench import chaos_faults as cf
 from bench.chaos_run import FAULTS, Chaos, Tally
-from libs.cli.scenario import Scenario, detect_backend
+from devstack.scenario import Scenario, detect_backend
 from libs.common import procs
 from libs.common.events import LeaseState
 

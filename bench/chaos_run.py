@@ -19,7 +19,7 @@ from rich.console import Console
 
 from bench import chaos_faults as cf
 from bench.chaos_checks import IncidentTracker, excess
-from libs.cli.scenario import MODEL, PROMPTS, Scenario
+from devstack.scenario import MODEL, PROMPTS, Scenario
 from libs.common import procs
 from libs.common.events import EngineInfo, Envelope, LeaseState, MarkGpu, MarkGpuReply
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from libs.cli.scenario import MODEL, Scenario, make_weights, router_marks
-from libs.cli.stack import Stack, StackConfig
+from devstack.scenario import MODEL, Scenario, make_weights, router_marks
+from devstack.stack import Stack, StackConfig
 from libs.common.events import EngineSpec
 
 

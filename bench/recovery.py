@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from libs.cli.scenario import Scenario, Trial, detect_backend, make_weights
+from devstack.scenario import Scenario, Trial, detect_backend, make_weights
 
 console = Console(stderr=True)
 

@@ -30,8 +30,8 @@ import numpy as np
 import typer
 
 from services.gpu_manager import blockio
+from services.gpu_manager.app import make_backend
 from services.gpu_manager.artifact import file_names, plan_blocks
-from services.gpu_manager.backends import make_backend
 from services.gpu_manager.blockio import HostWindow, OpenFiles
 
 GIB = 1024**3

@@ -79,9 +79,9 @@ def _first_token_ms(core: Any, context: list[int], prompt_len: int) -> tuple[flo
 def run(size: str, generated: list[int], trials: int = 3, device: str = "auto") -> dict[str, Any]:
     import torch
 
-    from engines.reference import tokenizer
     from engines.reference.engine import GenerationRequest, TokenOut
     from engines.reference.kv_reuse import KvDonor
+    from libs.common import tokenizer
 
     torch.set_num_threads(1)
     prompt = tokenizer.encode(PROMPT)

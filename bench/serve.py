@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import typer
 
-from libs.cli.scenario import make_weights
+from devstack.scenario import make_weights
 
 
 def pct(values: list[float]) -> dict[str, float | None]:

@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"tests demo recovery16 chaos"}
-HF="python3 -m libs.cli.main"
+HF="python3 -m holdfast.main"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 nproc >> "$OUT/gpu.txt"; free -g | head -2 >> "$OUT/gpu.txt"; df -h / | tail -1 >> "$OUT/gpu.txt"
 for step in $STEPS; do

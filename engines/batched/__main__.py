@@ -28,8 +28,8 @@ from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
-from engines.reference.tokenizer import BOS
 from libs.common.gc_tuning import long_lived_gc
+from libs.common.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2

@@ -28,7 +28,7 @@ from engines.batched.journal import Admission, Entry, Journal
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import QueueFull, Scheduler
 from engines.batched.sequence import SamplingParams, SeqStatus, Sequence
-from engines.reference.tokenizer import EOS
+from libs.common.tokenizer import EOS
 
 log = logging.getLogger("holdfast.engine.batched")
 STOP = frozenset({EOS})

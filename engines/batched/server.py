@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.batched.engine import LLMEngine, Request
-from engines.reference import tokenizer
 from engines.reference.weights import served_checksum
+from libs.common import tokenizer
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid"}

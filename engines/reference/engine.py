@@ -35,8 +35,8 @@ from engines.reference.continuation import Continuations, key_of
 from engines.reference.kv_reuse import InheritedSlots, KvDonor, SlotMarks
 from engines.reference.model import Transformer
 from engines.reference.static_forward import StaticForward
-from engines.reference.tokenizer import EOS, TextStream
 from libs.common import gc_tuning
+from libs.common.tokenizer import EOS, TextStream
 
 log = logging.getLogger("holdfast.engine")
 

@@ -34,9 +34,9 @@ from engines.reference.model import Transformer
 from engines.reference.server import EngineState, build_app, warm_routes
 from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
-from engines.reference.tokenizer import BOS
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.procs import wall_time_of
+from libs.common.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine")
 T_PROCESS = time.perf_counter()

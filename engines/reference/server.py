@@ -23,9 +23,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.reference import tokenizer
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.weights import served_checksum
+from libs.common import tokenizer
 
 
 class GenerateBody(BaseModel):

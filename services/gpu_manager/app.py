@@ -13,7 +13,7 @@ from libs.common.gpu import GpuEntry
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from libs.common.wire import FrameServer, serve_frames
-from services.gpu_manager.backends import Backend, make_backend
+from services.gpu_manager.backends import Backend, HostBackend, cuda_available
 from services.gpu_manager.commands import Commands
 from services.gpu_manager.db import LeaseDb
 from services.gpu_manager.gpu_board import GpuBoard, host_board
@@ -40,6 +40,20 @@ def raise_fd_limit() -> tuple[int, int]:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def make_backend(kind: str, gpus: list[str], host_capacity_bytes: int | None = None,
+                 host_capacity_fraction: float = 0.8) -> Backend:
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "host"
+    if kind == "host":
+        return HostBackend(host_capacity_bytes, host_capacity_fraction)
+    if kind == "cuda":
+        from services.gpu_manager.cuda_backend import CudaBackend  # needs cuda-python: only where asked for
+
+        return CudaBackend(gpus)
+    raise ValueError(f"unknown backend {kind!r} (host, cuda or auto)")
+
 
 
 def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns: ConnectionCount,

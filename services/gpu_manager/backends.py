@@ -135,19 +135,6 @@ class HostBackend:
         return None
 
 
-def make_backend(kind: str, gpus: list[str], host_capacity_bytes: int | None = None,
-                 host_capacity_fraction: float = 0.8) -> Backend:
-    if kind == "auto":
-        kind = "cuda" if cuda_available() else "host"
-    if kind == "host":
-        return HostBackend(host_capacity_bytes, host_capacity_fraction)
-    if kind == "cuda":
-        from services.gpu_manager.cuda_backend import CudaBackend
-
-        return CudaBackend(gpus)
-    raise ValueError(f"unknown backend {kind!r} (host, cuda or auto)")
-
-
 def cuda_available() -> bool:
     try:
         from cuda.bindings import driver  # type: ignore[import-not-found]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.reference import tokenizer
+from libs.common import tokenizer
 from services.router.relay import GenerateRequest
 
 # No max_tokens on a chat request means "until the context ends": the engine stops at its max_seq first

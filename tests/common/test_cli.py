@@ -14,7 +14,7 @@ import pytest
 
 from libs.common import procs
 
-HOLDFAST = [sys.executable, "-m", "libs.cli.main"]
+HOLDFAST = [sys.executable, "-m", "holdfast.main"]
 
 
 def test_help_lists_every_sub_command() -> None:

@@ -19,7 +19,7 @@ def test_compose_file_is_valid_for_docker_compose() -> None:
 
 
 def test_compose_runs_every_service_of_the_local_stack() -> None:
-    from libs.cli.stack import SERVICES
+    from devstack.stack import SERVICES
 
     doc = yaml.safe_load(COMPOSE.read_text())
     assert {"nats", "etcd", *SERVICES} <= set(doc["services"])

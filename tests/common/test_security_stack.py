@@ -16,8 +16,8 @@ import pytest
 from nats.errors import NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from libs.cli.scenario import Scenario
-from libs.cli.stack import Stack, StackConfig
+from devstack.scenario import Scenario
+from devstack.stack import Stack, StackConfig
 from libs.common.events import Freeze, ListLeases, Reclaim, StopEngine, Takeover, command_subject
 from libs.common.security import Credentials
 from libs.common.security.policy import inbox_prefix

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.cli import clusters
+from devstack import clusters
 from libs.common import procs
 from libs.common.config import CommonSettings
 from libs.common.ids import new_id

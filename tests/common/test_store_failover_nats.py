@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.cli import clusters
+from devstack import clusters
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.service import check_health

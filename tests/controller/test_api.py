@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.events import LeaseState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from tests.controller.test_api import ADMIN, READER, _client, api  # noqa: F401 - `api` is the fixture used here
 
 

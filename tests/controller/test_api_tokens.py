@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.store import Store
@@ -153,11 +153,11 @@ async def test_cors_answers_only_the_configured_origins() -> None:
 
 
 def test_the_cli_prints_a_token_and_the_entry_that_admits_it_with_its_scope() -> None:
-    out = subprocess.run([sys.executable, "-m", "libs.cli.main", "api-token", "operate"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "holdfast.main", "api-token", "operate"], capture_output=True,
                          text=True, check=True, timeout=60).stdout
     lines = dict(line.split(": ", 1) for line in out.strip().splitlines())
     assert lines["token"] not in lines["entry"]
     assert TokenTable.parse(lines["entry"]).scope_of(lines["token"]) == "operate"
-    bad = subprocess.run([sys.executable, "-m", "libs.cli.main", "api-token", "root"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "holdfast.main", "api-token", "root"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown scope" in bad.stdout

@@ -10,7 +10,7 @@ import sys
 
 
 def _bench(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "libs.cli.main", "bench", "controlplane", "--nodes", "2",
+    r = subprocess.run([sys.executable, "-m", "holdfast.main", "bench", "controlplane", "--nodes", "2",
                         "--gpus-per-node", "2", *args, "--json"], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

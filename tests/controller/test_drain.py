@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.events import EndpointAdded, EndpointRemoved

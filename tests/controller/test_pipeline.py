@@ -7,7 +7,7 @@ import asyncio
 import signal
 from pathlib import Path
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common.bus import Bus
 from libs.common.events import EndpointAdded, EndpointRemoved, Envelope, FaultKind, IncidentResolved
 from libs.common.store import Store

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common.bus import Bus
 from libs.common.events import EndpointAdded, EngineInfo, EngineReattached, EngineRole, MemoryFrozen
 from libs.common.store import Store

@@ -7,7 +7,7 @@ import json
 import signal
 from pathlib import Path
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.events import IntentResult, RecoverIntent

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common.bus import MAX_DELIVER, Bus, delivery_attempts
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonSettings

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common.bus import Bus
 from libs.common.events import IntentResult, RecoverIntent, Step
 from libs.common.store import Store

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from bench.controlplane import SimulatedCluster
+from devstack.simcluster import SimulatedCluster
 from libs.common.bus import Bus
 from libs.common.events import Freeze, FreezeReply, IntentResult, RecoverIntent
 from libs.common.store import Store

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.cli.scenario import engine_command, in_memory_fs
+from devstack.scenario import engine_command, in_memory_fs
 
 
 def _mounts() -> dict[str, str]:
@@ -31,7 +31,7 @@ def test_every_engine_of_a_benchmark_gets_the_same_kv_capacity_when_asked() -> N
 
 
 def test_a_scenario_removes_only_the_weights_file_it_made_itself(tmp_path: Path) -> None:
-    from libs.cli.scenario import Scenario
+    from devstack.scenario import Scenario
 
     own = Scenario(size="tiny", backend="host", work_dir=tmp_path / "own")
     own.work_dir.mkdir()
@@ -57,7 +57,7 @@ def test_a_benchmark_model_has_about_the_asked_size_and_a_large_one_is_wider_not
 
 
 def test_the_successors_own_moments_land_on_the_deaths_timeline() -> None:
-    from libs.cli.scenario import successor_marks
+    from devstack.scenario import successor_marks
 
     marks = successor_marks({"t0_wall": 100.010, "first_generation": {"handler": 12.5}}, t_kill=100.0)
     assert marks == pytest.approx({"successor assigned": 10.0, "successor first request": 22.5})
@@ -65,7 +65,7 @@ def test_the_successors_own_moments_land_on_the_deaths_timeline() -> None:
 
 
 def test_the_routers_moments_of_the_successors_route_in_land_on_the_deaths_timeline() -> None:
-    from libs.cli.scenario import router_marks
+    from devstack.scenario import router_marks
 
     route_ins = [{"engine_id": "s", "published": 100.001, "received": 100.002, "first_sent": 100.003},
                  {"engine_id": "other", "published": 100.0, "received": 100.0},
@@ -83,7 +83,7 @@ def test_a_partial_report_holds_each_way_as_it_ends_the_same_as_the_final_one(tm
     import sys
 
     partial = tmp_path / "partial.json"
-    out = subprocess.run([sys.executable, "-m", "libs.cli.main", "bench", "recovery", "--backend", "host", "--trials",
+    out = subprocess.run([sys.executable, "-m", "holdfast.main", "bench", "recovery", "--backend", "host", "--trials",
                           "1", "--ways", "cold", "--weights-dir", str(tmp_path / "w"), "--partial", str(partial),
                           "--json"], capture_output=True, text=True, timeout=300, check=True)
     final = json.loads(out.stdout)

@@ -21,7 +21,7 @@ ZERO = {"corrupted": 0, "leaked": 0, "two_writers": 0, "replicas_exceeded": 0, "
 def test_a_smoke_run_of_every_fault_kind_keeps_every_invariant() -> None:
     env = {**os.environ, "HF_FORCE_NO_GPU": "1"}
     # the batched engine in deterministic mode: every output through every fault equals the no-failure run's
-    r = subprocess.run([sys.executable, "-m", "libs.cli.main", "chaos", "--smoke", "--gap", "1", "--seed", "7",
+    r = subprocess.run([sys.executable, "-m", "holdfast.main", "chaos", "--smoke", "--gap", "1", "--seed", "7",
                         "--engine", "batched", "--json"], capture_output=True, text=True, timeout=900, env=env)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no JSON report; stderr:\n{r.stderr[-4000:]}"

@@ -15,7 +15,7 @@ import pytest
 @pytest.mark.timeout(600)
 def test_demo_recovers_a_killed_engine_with_nothing_lost() -> None:
     env = {**os.environ, "HF_FORCE_NO_GPU": "1"}
-    r = subprocess.run([sys.executable, "-m", "libs.cli.main", "demo", "--json"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "holdfast.main", "demo", "--json"], capture_output=True, text=True,
                        timeout=600, env=env)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no JSON line; stderr:\n{r.stderr[-4000:]}"

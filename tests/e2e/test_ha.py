@@ -19,7 +19,7 @@ import pytest
 
 from bench.chaos_checks import IncidentTracker
 from bench.chaos_run import lease_writers
-from libs.cli.stack import HA_NODES, Stack, StackConfig
+from devstack.stack import HA_NODES, Stack, StackConfig
 from libs.common.bus import Bus
 from libs.common.events import EngineInfo, EngineSpec, Envelope, LeaseState, ListLeases, ListLeasesReply
 from libs.common.store import Store
@@ -152,7 +152,7 @@ async def test_incidents_resolve_once_while_an_etcd_member_a_nats_server_and_the
 
 
 def test_an_ha_stack_runs_each_node_its_own_pair_and_two_of_the_cluster_side() -> None:
-    from libs.cli.stack import ha_instances
+    from devstack.stack import ha_instances
 
     insts = ha_instances(HA_NODES, 9001, Path("/s"))
     assert len({i.name for i in insts}) == len(insts)

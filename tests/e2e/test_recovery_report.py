@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.recovery import _way_report
-from libs.cli.scenario import Trial
+from devstack.scenario import Trial
 
 
 def _trial(kill: float, first: float, added_ms: float) -> Trial:

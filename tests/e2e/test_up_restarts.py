@@ -13,11 +13,11 @@ from pathlib import Path
 
 from libs.common import procs
 
-HOLDFAST = [sys.executable, "-m", "libs.cli.main"]
+HOLDFAST = [sys.executable, "-m", "holdfast.main"]
 
 
 def test_restart_delays_double_and_start_over_after_a_stable_run() -> None:
-    from libs.cli.stack import ChildRestarts
+    from devstack.stack import ChildRestarts
 
     r = ChildRestarts(started_at=0.0)
     assert [r.died(1.0), r.died(2.0), r.died(3.0)] == [0.5, 1.0, 2.0]

@@ -20,7 +20,7 @@ def test_a_resumed_request_gets_the_same_token_recomputed_or_from_the_predecesso
 
 
 def test_the_cli_prints_the_rows_as_json() -> None:
-    r = subprocess.run([sys.executable, "-m", "libs.cli.main", "bench", "resume", "--size", "tiny", "--generated",
+    r = subprocess.run([sys.executable, "-m", "holdfast.main", "bench", "resume", "--size", "tiny", "--generated",
                         "2", "--trials", "1", "--device", "cpu", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = json.loads(r.stdout.strip().splitlines()[-1])["rows"]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.reference import tokenizer
 from engines.reference.config import get_config
 from engines.reference.hf_adapter import export_llama_safetensors, hf_name, llama_config, model_from_leases
 from engines.reference.model import Transformer
 from engines.reference.weights import load_weights, make_weights
+from libs.common import tokenizer
 
 transformers = pytest.importorskip("transformers")
 

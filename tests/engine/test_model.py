@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.reference import tokenizer
 from engines.reference.config import SIZES, get_config
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.model import Transformer
 from engines.reference.weights import file_metadata, load_weights, make_weights
+from libs.common import tokenizer
 
 CFG = get_config("tiny")
 

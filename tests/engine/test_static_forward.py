@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from engines.reference import tokenizer
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.model import Transformer
 from engines.reference.weights import load_weights, make_weights
+from libs.common import tokenizer
 
 CFG = get_config("tiny")
 

@@ -114,7 +114,7 @@ def test_past_the_queue_new_requests_get_503_and_none_is_lost_silently(engine: E
 def test_a_replayed_request_the_engine_does_not_hold_continues_exactly_and_resends_nothing(engine: Engine) -> None:
     """A router's replay to an engine without the sequence (its KV lost): the tokens already generated are fed as
     output, one per step as decode first made them, so the continuation equals the uninterrupted run's."""
-    from libs.cli.scenario import PROMPTS
+    from devstack.scenario import PROMPTS
 
     differ = []
     for prompt in PROMPTS:

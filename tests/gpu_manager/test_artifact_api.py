@@ -53,7 +53,7 @@ async def test_the_snapshot_route_and_command_write_the_artifact_on_the_node(man
             assert r.status_code == 422
 
         cli = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "libs.cli.main", "snapshot", lease_id, "--api-url", url,
+            subprocess.run, [sys.executable, "-m", "holdfast.main", "snapshot", lease_id, "--api-url", url,
                              "--token", ADMIN], capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stdout + cli.stderr
         assert '"artifact": "cls.w"' in cli.stdout

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from engines.reference import tokenizer
+from libs.common import tokenizer
 from libs.common.bus import Bus
 from libs.common.store import Store
 from tests.engine.support import generate

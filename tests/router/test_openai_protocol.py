@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.reference import tokenizer
+from libs.common import tokenizer
 from services.router import openai_format as fmt
 from services.router.openai_protocol import UNBOUNDED, OpenAIError, chat_job, completion_job
 from services.router.stop_scan import StopScanner

@@ -17,7 +17,6 @@ from libs.common.security.pki import Credentials, CredentialsMissing, mint
 from libs.common.security.policy import ADMIN, identities, identity_for
 
 
-
 class _TlsEofNoise(logging.Filter):
     """asyncio warns on every TLS connection nats-py closes (its protocol returns True from eof_received, which
     TLS ignores): harmless, and it would fill every log once TLS is on."""

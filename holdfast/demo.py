@@ -22,7 +22,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from libs.cli.scenario import PROMPTS, Scenario, detect_backend
+from devstack.scenario import PROMPTS, Scenario, detect_backend
 
 console = Console(stderr=True)
 

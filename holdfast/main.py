@@ -64,7 +64,7 @@ def up(
 ) -> None:
     """Start nats-server, etcd and every service on loopback, restarting any that dies (with backoff);
     Ctrl-C or SIGTERM stops them all."""
-    from libs.cli.stack import Stack, StackConfig
+    from devstack.stack import Stack, StackConfig
 
     stack = Stack(StackConfig(base_dir=base_dir, nats_port=nats_port, etcd_port=etcd_port, etcd_peer_port=etcd_port + 1,
                               api_port=api_port, router_port=router_port, node=node, backend=backend,
@@ -108,7 +108,7 @@ def demo(
     size: str = typer.Option("auto", help="reference model size (auto: tiny on CPU, larger on a GPU)"),
 ) -> None:
     """Start the stack, kill an engine mid-generation, recover it, and compare with a cold restart."""
-    from libs.cli import demo as demo_mod
+    from holdfast import demo as demo_mod
 
     sys.exit(demo_mod.run(json_only=json_only, size=size))
 

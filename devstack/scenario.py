@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from libs.cli.stack import Stack, StackConfig
+from devstack.stack import Stack, StackConfig
 from libs.common.bus import Bus
 from libs.common.events import EngineInfo, EngineSpec, Envelope, ListLeases, ListLeasesReply
 from libs.common.store import Store

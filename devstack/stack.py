@@ -11,7 +11,7 @@ with each death in a row (0.5 s up to 30 s; `ChildRestarts`) and starts over onc
 `STABLE_S`. Stopping the stack is never undone by it (it is not called once stop begins).
 
 With `ha` (`holdfast up --ha`): a 3-member etcd cluster and a 3-server NATS cluster (JetStream, the stream in 3
-copies; libs/cli/clusters.py), 3 nodes (a gpu_manager and an agent each, with the node's own name and state
+copies; devstack/clusters.py), 3 nodes (a gpu_manager and an agent each, with the node's own name and state
 dir `<base>/state/<node>`; the engines file is the first node's), 2 controllers (the second's API on
 `api_port_2`), 2 dc_managers (one deliver group) and the router; every child is told every member.
 """
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.cli import clusters
+from devstack import clusters
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import (

@@ -1,0 +1,1 @@
+"""The `holdfast` application: the command line and the demo. The top layer: it imports bench and devstack."""
