@@ -46,18 +46,28 @@ class HostMapping:
     def __init__(self, fds: list[int], sizes: list[int], *, read_only: bool = False) -> None:
         self.size = sum(sizes)
         self.read_only = read_only
-        prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
         # PROT_NONE (0): a reserved range, not accessible until the chunks are mapped over it
         self.base = _mmap(None, self.size, 0,
                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
         try:
-            offset = 0
-            for fd, size in zip(fds, sizes, strict=True):
-                _mmap(self.base + offset, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
-                offset += size
+            self.map_pages(fds, sizes)
         except BaseException:
             _libc.munmap(self.base, self.size)
             raise
+
+    def map_pages(self, fds: list[int], sizes: list[int]) -> None:
+        """Map chunks back to back at this mapping's addresses (at creation, and on wake after a sleep)."""
+        prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
+        offset = 0
+        for fd, size in zip(fds, sizes, strict=True):
+            _mmap(self.base + offset, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
+            offset += size
+
+    def release_pages(self) -> None:
+        """Sleep: the chunks' pages leave this process (their memory is freed once the manager and keeper let go
+        too); the range stays reserved (PROT_NONE: a stray access faults rather than reads stale bytes)."""
+        if self.base:
+            _mmap(self.base, self.size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1)
 
     @property
     def ptr(self) -> int:
@@ -96,26 +106,50 @@ class CudaMapping:
         self.base = int(cd.check(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
         self.handles: list[Any] = []
         self.mapped = 0
+        self.read_only = read_only
         try:
-            offset = 0
-            for fd, size in zip(fds, sizes, strict=True):
-                handle = cd.check(cu.cuMemImportFromShareableHandle(fd, cd.FD_HANDLE))
-                self.handles.append(handle)
-                cd.check(cu.cuMemMap(self.base + offset, size, 0, handle, 0))
-                offset += size
-                self.mapped = offset
-            self.read_only = False
-            if read_only:
-                try:
-                    cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal, read_only=True)], 1))
-                    self.read_only = True
-                except cd.CudaError:
-                    pass  # this driver/device grants device memory read-write only: see the module's note
-            if not self.read_only:
-                cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
+            self.map_pages(fds, sizes)
         except BaseException:
             self.unmap()
             raise
+
+    def map_pages(self, fds: list[int], sizes: list[int]) -> None:
+        """Import and map chunks back to back at the reserved VA (at creation, and on wake: the same addresses,
+        so pointers baked into captured CUDA graphs stay right)."""
+        from libs.client import cuda_driver as cd
+
+        cu = cd.cu
+        offset = 0
+        for fd, size in zip(fds, sizes, strict=True):
+            handle = cd.check(cu.cuMemImportFromShareableHandle(fd, cd.FD_HANDLE))
+            self.handles.append(handle)
+            cd.check(cu.cuMemMap(self.base + offset, size, 0, handle, 0))
+            offset += size
+            self.mapped = offset
+        wanted, self.read_only = self.read_only, False
+        if wanted:
+            try:
+                cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal, read_only=True)], 1))
+                self.read_only = True
+            except cd.CudaError:
+                pass  # this driver/device grants device memory read-write only: see the module's note
+        if not self.read_only:
+            cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
+
+    def release_pages(self) -> None:
+        """Sleep: cuMemUnmap of the range and cuMemRelease of this process's handles, the VA reservation kept
+        (cuMemAddressReserve'd; wake maps new chunks there). The physical memory is freed once the manager and
+        keeper released theirs too."""
+        from libs.client import cuda_driver as cd
+
+        cu = cd.cu
+        cd.check(cu.cuCtxSynchronize())  # no kernel may still write through the range
+        if self.mapped:
+            cd.check(cu.cuMemUnmap(self.base, self.mapped))
+            self.mapped = 0
+        for h in self.handles:
+            cd.check(cu.cuMemRelease(h))
+        self.handles = []
 
     @property
     def ptr(self) -> int:

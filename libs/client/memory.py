@@ -200,6 +200,9 @@ class MemoryClient:
         self._hb_thread: threading.Thread | None = None
         self.last_timings_ms: dict[str, float] = {}  # of the last attach or takeover
         self.last_restore: dict[str, Any] = {}  # of the last restore: source, bytes, fill_s, fill_gib_s, ...
+        # The control plane's asks (sleep, wake), from heartbeat replies: called on the heartbeat thread, which must
+        # not wait on it (the engine hands it to its own thread and `answer`s when done).
+        self.on_ask: Callable[[p.Ask], None] | None = None
 
     @classmethod
     def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default",
@@ -448,7 +451,59 @@ class MemoryClient:
         return lease
 
     def heartbeat(self) -> None:
-        self._call(p.Heartbeat())
+        body, _ = self._call(p.Heartbeat())
+        self._asked(body)
+
+    def _asked(self, body: dict[str, Any]) -> None:
+        ask = p.HeartbeatReply.model_validate(body).ask if body.get("ask") else None
+        if ask is None:
+            return
+        if self.on_ask is None:
+            self.answer(ask.id, HoldfastError(f"{self.engine_id} does not take '{ask.op}' asks"))
+            return
+        try:
+            self.on_ask(ask)
+        except Exception as e:  # noqa: BLE001 - the engine's callback must not break the link
+            log.exception("on_ask(%s) failed", ask.op)
+            self.answer(ask.id, e)
+
+    def sleep(self, lease_ids: Sequence[str], *, ask: str | None = None) -> p.SleepReply:
+        """Give these leases' physical memory back, keeping their addresses (issue 21). The caller must have
+        quiesced: nothing may touch their views until `wake` (host: an access faults). The manager releases its
+        side first (and copies weights where a wake can restore them), then the pages are unmapped here."""
+        leases = [self._own(lid) for lid in lease_ids]
+        body, _ = self._call(p.SleepReq(epochs={lease.id: lease.epoch for lease in leases}, ask=ask))
+        for lease in leases:
+            lease.mapping.release_pages()
+            lease.info = lease.info.model_copy(update={"state": LeaseState.SLEEPING})
+        return p.SleepReply.model_validate(body)
+
+    def wake(self, lease_ids: Sequence[str], *, ask: str | None = None) -> str | None:
+        """New physical memory for sleeping leases, mapped at the addresses they had: every view of them is valid
+        again (a KV cache's content is gone; weights come back filled). Returns which copy filled the weights."""
+        leases = [self._own(lid) for lid in lease_ids]
+        body, fds = self._call(p.WakeReq(epochs={lease.id: lease.epoch for lease in leases}, ask=ask))
+        reply, i = p.GrantReply.model_validate(body), 0
+        try:
+            for g in reply.leases:
+                lease = self.leases[g.lease.id]
+                lease.mapping.map_pages(fds[i:i + g.nfds], p.chunk_sizes(g.lease.size, g.lease.chunk_size))
+                lease.info = g.lease
+                i += g.nfds
+        finally:
+            close_all(fds)  # the mappings hold the memory now
+        return reply.source
+
+    def answer(self, ask_id: str, error: BaseException | None = None) -> None:
+        """Tell the manager an ask is done (error None) or why it was not."""
+        err = None if error is None else {"code": getattr(error, "code", "error"), "message": str(error)}
+        self._call(p.AnswerReq(ask=ask_id, error=err))
+
+    def _own(self, lease_id: str) -> MappedLease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise HoldfastError(f"lease {lease_id} is not mapped by this client")
+        return lease
 
     def release(self, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
@@ -476,17 +531,20 @@ class MemoryClient:
                     try:
                         body, fds = round_trip(self.sock, p.Heartbeat())  # type: ignore[arg-type]
                         close_all(fds)
+                        ask = p.HeartbeatReply.model_validate(_body(body)).ask if body.get("ask") else None
                     except BROKEN as e:
                         self._broken_locked(e)
                         wait = backoff.next()
                         continue
                     except Exception as e:  # noqa: BLE001 - keep beating; a bad reply is not a lost link
                         log.warning("heartbeat failed: %r", e)
-                        body = {"ok": True}
+                        body, ask = {"ok": True}, None
                 backoff.reset()
                 wait = interval_s
                 if not body.get("ok"):
                     log.warning("heartbeat refused: %s", body.get("error"))
+                elif ask is not None:  # out of the lock: the engine's handler calls this client
+                    self._asked({"ask": ask.model_dump()})
 
         self._hb_thread = threading.Thread(target=beat, name="hf-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -522,7 +580,7 @@ class MemoryClient:
 # them once does. allocate/attach/takeover/release are not: the caller learns (Unavailable) and decides.
 # Sent again after a break: asking twice does what asking once does. `share` only reads a grant, which outlives
 # a manager restart; without it a standby offered a shadow during a restart stayed unshadowed (CPU chaos, seed 11).
-_REPEATABLE = frozenset({"heartbeat", "pending", "register", "commit", "share"})
+_REPEATABLE = frozenset({"heartbeat", "pending", "register", "commit", "share", "answer"})
 
 
 def _body(reply: dict[str, Any]) -> dict[str, Any]:

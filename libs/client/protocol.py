@@ -164,9 +164,36 @@ class RestoreReq(Msg):
     sources: list[Literal["host", "artifact"]] = Field(default_factory=lambda: ["host", "artifact"], min_length=1)
 
 
+class SleepReq(Msg):
+    """Release these leases' physical memory; the caller keeps its address reservation (issue 21). A weights lease
+    is first copied to the node's host tier (or its artifact) unless a copy of it is there already. The engine
+    unmaps its pages after the reply; the memory is gone once it has (the manager's side is freed here)."""
+
+    op: Literal["sleep"] = "sleep"
+    epochs: dict[str, int] = Field(min_length=1)  # lease id -> the epoch the sender holds
+    ask: str | None = None  # the control plane's ask this answers (from a heartbeat reply), if any
+
+
+class WakeReq(Msg):
+    """New physical memory for sleeping leases (fds to map at the same addresses); a weights lease comes back
+    filled from its copy. The reply is a grant (`source`: which copy filled the weights)."""
+
+    op: Literal["wake"] = "wake"
+    epochs: dict[str, int] = Field(min_length=1)
+    ask: str | None = None
+
+
+class AnswerReq(Msg):
+    """The engine's last word on an ask: done (error None) or refused/failed, with why."""
+
+    op: Literal["answer"] = "answer"
+    ask: str = Field(min_length=1, max_length=64)
+    error: dict[str, str] | None = None  # {code, message}
+
+
 Request = Annotated[
     Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, ShareReq, Heartbeat, Release, Resume,  # noqa: UP007
-          RestoreReq],
+          RestoreReq, SleepReq, WakeReq, AnswerReq],
     Field(discriminator="op"),
 ]
 _request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
@@ -203,6 +230,23 @@ class GrantReply(Msg):
     leases: list[LeaseGrant]
     source: str | None = None  # restore: which copy served ("host" or "artifact")
     restore: dict[str, float] | None = None  # restore: bytes, seconds, GiB/s, as measured by the manager
+
+
+class Ask(Msg):
+    """Something the control plane asks of this engine, handed out once in a heartbeat's reply."""
+
+    id: str
+    op: Literal["sleep", "wake"]
+    level: int = 1  # sleep: 1 the KV cache, 2 the weights too
+
+
+class HeartbeatReply(Msg):
+    ask: Ask | None = None
+
+
+class SleepReply(Msg):
+    lease_ids: list[str]
+    bytes: int  # released by the manager (freed once the engine unmapped them too)
 
 
 class PendingReply(Msg):

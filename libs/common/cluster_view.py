@@ -218,7 +218,7 @@ class ClusterView:
                     owned.discard(lease_id)
                     if not owned:
                         del self.leases_by_owner[lease.owner]
-            if lease.state is not LeaseState.RECLAIMED:
+            if lease.state not in (LeaseState.RECLAIMED, LeaseState.SLEEPING):  # a sleeping lease holds no memory
                 k = (lease.node, lease.gpu)
                 self.leased_bytes[k] = self.leased_bytes.get(k, 0) + sign * lease.size
         return new if new is not None else old

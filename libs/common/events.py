@@ -1,7 +1,8 @@
 """The event and command catalog (DESIGN.md section 4): every message that crosses NATS, typed and versioned.
 
 An `Envelope` wraps each payload: id, type, version, time, source, node, incident id and W3C trace context.
-A payload's `type` is also its subject suffix: `fault.detected` travels on `<prefix>.fault.detected`.
+A payload's `type` names its subject: `incident.opened` travels on `<prefix>.incident.opened`; an event a node's
+services publish (`NODE_EVENTS`) also names the node: `<prefix>.fault.detected.<node>`.
 Commands travel on `<prefix>.node.<node>.<service>.<op>` as request/reply; each has its reply model.
 
 Decoding validates the whole message; anything unknown or malformed raises `MalformedMessage` with a
@@ -37,11 +38,21 @@ class FaultKind(StrEnum):
     CUDA_ERROR = "cuda_error"  # the engine reported a fatal CUDA error
     GPU_FAULT = "gpu_fault"  # NVML: XID or uncorrectable ECC on its GPU
 
+    @property
+    def loses_memory(self) -> bool:
+        """Whether a fault of this kind takes the engine's leased memory with it (its successor starts cold):
+        a GPU fault does; an engine that died on a sound GPU leaves its memory for the gpu_manager to freeze."""
+        return self in _LOSES_MEMORY
+
+
+_LOSES_MEMORY = frozenset({FaultKind.GPU_FAULT})
+
 
 class LeaseState(StrEnum):
     ACTIVE = "ACTIVE"
     ORPHANED = "ORPHANED"
     FROZEN = "FROZEN"
+    SLEEPING = "SLEEPING"  # the owner lives; its physical memory is released, its addresses kept (issue 21)
     RECLAIMED = "RECLAIMED"
 
 
@@ -155,6 +166,9 @@ class GpuRecord(Model):
     detail: str = ""  # why it is unhealthy (XID 79, ECC, fallen off the bus, marked by an operator)
     simulated: bool = False  # the host backend's stand-in for a GPU (a share of host memory)
     updated_at: float = 0.0
+    # weight copies on this node (the same for each of its GPUs): artifact or host-tier name -> "host" (a host tier
+    # copy, restored at PCIe speed) or "artifact" (on disk); placement prefers a node holding one (issue 21)
+    copies: dict[str, str] = Field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- events (durable, on the JetStream stream)
@@ -477,6 +491,31 @@ class SnapshotReply(Model):
     host_tier: bool = False  # a host-tier copy is held too
 
 
+class SleepEngine(Command):
+    """Ask an engine (through its gpu_manager, on its next heartbeat) to quiesce and release its KV cache's
+    physical memory, keeping its addresses; level 2 releases its weights too (kept by a node copy). `wake`
+    maps new memory at the same addresses (and restores the weights). Answered once the engine did it."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["sleep_engine"] = "sleep_engine"
+    engine_id: str = Field(min_length=1, max_length=256)
+    level: int = Field(1, ge=1, le=2)
+    wake: bool = False  # True: wake it (level is ignored)
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class SleepEngineReply(Model):
+    engine_id: str
+    state: str  # "sleeping" or "awake"
+    level: int
+    lease_ids: list[str]
+    bytes: int  # physical bytes released (sleep) or mapped again (wake)
+    seconds: float  # from the ask to the engine's answer
+    free_bytes_before: int | None = None  # the device's free memory (cuda: cuMemGetInfo), None on the host backend
+    free_bytes_after: int | None = None
+    weights_source: str | None = None  # wake of level 2: which copy restored the weights (host, artifact)
+
+
 class Takeover(Command):
     service: ClassVar[str] = "agent"
     op: Literal["takeover"] = "takeover"
@@ -658,5 +697,29 @@ def command_subject(prefix: str, node: str, command: type[Command] | Command) ->
     return f"{prefix}.node.{node}.{command_kind(command)}"
 
 
-def event_subject(prefix: str, event: Event | type[Event]) -> str:
-    return f"{prefix}.{event.model_fields['type'].default}"
+# Events a node's own services (agent, gpu_manager) publish: each travels on a subject that ends with the node's
+# name, and each node's identity may publish only on its own node's subjects (security/policy.py). Invariant: the
+# envelope's `node` equals its subject's last token (a subscriber refuses any other: `Bus`, issue 20).
+NODE_EVENTS: frozenset[type[Event]] = frozenset(
+    {FaultDetected, MemoryFrozen, LeaseChanged, EngineStarted, EngineReady, EngineStopped, EngineReattached, GpuHealth})
+NODE_EVENT_TYPES: frozenset[str] = frozenset(e.model_fields["type"].default for e in NODE_EVENTS)
+ANY_NODE = "*"
+
+
+def event_subject(prefix: str, event: Event | type[Event], node: str = ANY_NODE) -> str:
+    """`<prefix>.<type>`, and for a node's event `<prefix>.<type>.<node>` (default: every node's, to subscribe)."""
+    kind = event.model_fields["type"].default
+    return f"{prefix}.{kind}.{node}" if kind in NODE_EVENT_TYPES else f"{prefix}.{kind}"
+
+
+def subscription_subject(prefix: str, subject: str) -> str:
+    """What to subscribe to for `subject` (with or without the prefix): a node event's type alone stands for every
+    node's (`fault.detected` -> `<prefix>.fault.detected.*`); wildcards and full subjects are kept as they are."""
+    full = subject if subject.startswith(prefix + ".") else f"{prefix}.{subject}"
+    return f"{full}.{ANY_NODE}" if full[len(prefix) + 1:] in NODE_EVENT_TYPES else full
+
+
+def subject_node(prefix: str, subject: str) -> str | None:
+    """The node a node event's subject names (its last token), or None for any other subject."""
+    kind, _, node = subject[len(prefix) + 1:].rpartition(".")
+    return node if kind in NODE_EVENT_TYPES else None

@@ -26,6 +26,7 @@ from services.gpu_manager.mirror import Mirror
 from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.session import fd_usage, serve_connection
 from services.gpu_manager.settings import GpuManagerSettings
+from services.gpu_manager.sleep import Sleeper
 from services.gpu_manager.tier import HostTier
 
 log = logging.getLogger("holdfast.gpu_manager")
@@ -105,8 +106,9 @@ async def setup(rt: Runtime) -> None:
     pending: set[asyncio.Task[None]] = set()
     book.on_owner_exit = owner_exit
 
-    await Commands(book, copies).register(rt.bus, settings.node)
-    gpus = GpuPublisher(book, rt.bus, rt.store, settings.gpu_publish_interval_s)
+    sleeper = Sleeper(book, copies)
+    await Commands(book, copies, sleeper).register(rt.bus, settings.node)
+    gpus = GpuPublisher(book, rt.bus, rt.store, settings.gpu_publish_interval_s, copies=copies.listing)
     await rt.bus.serve(settings.node, SetGpuHealth, gpus.set_health)
     rt.spawn("gpus", gpus.run())
     # The command subscriptions are at the server (a round trip) before any engine can reconnect: whoever saw
@@ -114,7 +116,7 @@ async def setup(rt: Runtime) -> None:
     await rt.bus.nc.flush()
     path = str(settings.socket_path())
     conns = ConnectionCount(settings.max_connections_per_uid)
-    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies),
+    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies, sleeper),
                                 mode=settings.socket_mode, group=settings.socket_group,
                                 max_size=settings.max_frame_bytes)
     rt.spawn("reconciler", book.reconcile_forever())

@@ -12,6 +12,8 @@ reclaim(lease, force)   ORPHANED/FROZEN -> RECLAIMED now; an ACTIVE lease only w
 list(owner?, state?)    live leases of this node.
 snapshot(lease, artifact?, host_tier)   write a committed lease to a weight artifact (restore.py), and keep a
                 host tier copy if asked; answered once the artifact is whole on disk.
+sleep_engine(engine, level, wake)   ask a live engine to sleep (release its KV cache's memory, level 2 its weights
+                too) or wake, through its next heartbeat; answered once it did (sleep.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from libs.common.events import (
     ReclaimReply,
     ShareWeights,
     ShareWeightsReply,
+    SleepEngine,
+    SleepEngineReply,
     SnapshotLease,
     SnapshotReply,
     Transfer,
@@ -40,14 +44,16 @@ from libs.common.events import (
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.manager import LeaseBook, Move, NoCommittedWeights, split_for_freeze
 from services.gpu_manager.restore import WeightCopies
+from services.gpu_manager.sleep import Sleeper
 
 log = logging.getLogger("holdfast.gpu_manager.commands")
 
 
 class Commands:
-    def __init__(self, book: LeaseBook, copies: WeightCopies) -> None:
+    def __init__(self, book: LeaseBook, copies: WeightCopies, sleeper: Sleeper) -> None:
         self.book = book
         self.copies = copies
+        self.sleeper = sleeper
         self.bus: Bus | None = None
 
     async def register(self, bus: Bus, node: str) -> None:
@@ -58,10 +64,17 @@ class Commands:
         await bus.serve(node, ShareWeights, self.share)
         await bus.serve(node, ListLeases, self.list)
         await bus.serve(node, SnapshotLease, self.snapshot)
+        await bus.serve(node, SleepEngine, self.sleep_engine)
 
     async def freeze(self, cmd: Freeze) -> FreezeReply:
         async with self.book.lock:
+            asleep = [r for r in self.book.records.values()
+                      if r.info.owner == cmd.owner and r.info.state == LeaseState.SLEEPING]
+            await self._reclaim_asleep(cmd.owner, asleep)
             recs = [r for r in self.book.records.values() if r.info.owner == cmd.owner and r.info.state in LIVE]
+            if not recs and asleep:
+                raise NoCommittedWeights(f"{cmd.owner} slept with its weights released on {self.book.settings.node}: "
+                                         "nothing to hand on, cold-start (from a node copy or the file)")
             if not recs:
                 raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
             recs, half = split_for_freeze(recs)
@@ -96,6 +109,17 @@ class Commands:
             return
         log.warning("freeze of %s: reclaiming %d uncommitted leases %s", owner, len(recs), [r.id for r in recs])
         await self.book.apply_all([Move(r, LeaseEvent.FORCE_RECLAIM, "uncommitted at freeze") for r in recs])
+
+    async def _reclaim_asleep(self, owner: str, recs: list) -> None:
+        """A sleeping lease holds no memory: nothing for a successor, which leases a new KV cache and prefills
+        again (the router replays what was in flight; a sleeping engine had nothing in flight). Caller holds the
+        lock."""
+        if recs:
+            log.warning("freeze of %s: reclaiming %d sleeping leases %s", owner, len(recs), [r.id for r in recs])
+            await self.book.apply_all([Move(r, LeaseEvent.FORCE_RECLAIM, "asleep at freeze") for r in recs])
+
+    async def sleep_engine(self, cmd: SleepEngine) -> SleepEngineReply:
+        return await self.sleeper.ask(cmd)
 
     async def transfer(self, cmd: Transfer) -> TransferReply:
         async with self.book.lock:

@@ -6,11 +6,15 @@
     ORPHANED/FROZEN --deadline--> RECLAIMED        ACTIVE --release--> RECLAIMED
     ORPHANED/FROZEN --reclaim-->  RECLAIMED        any live state --force_reclaim--> RECLAIMED
     FROZEN   --freeze / owner_lost--> FROZEN (idempotent: a frozen lease waits for its successor)
+    ACTIVE   --sleep-->       SLEEPING --wake--> ACTIVE (same holder, same epoch: its addresses were kept)
+    SLEEPING --owner_lost / release / reclaim / force_reclaim--> RECLAIMED (nothing to hand on: no memory)
 
 Invariants (tests/gpu_manager/test_fsm.py checks them with hypothesis):
 1. RECLAIMED is terminal: no event leaves it.
 2. Epochs only grow, and grow exactly when a lease becomes ACTIVE again (a new read-write holder).
 3. Every (state, event) pair not in the table raises InvalidTransition and changes nothing.
+4. A SLEEPING lease holds no physical memory and is never frozen or handed on: its owner's death reclaims it
+   (a sleeping KV cache is empty; the successor prefills again or the router replays).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from libs.common.errors import InvalidTransition
 from libs.common.events import LeaseState
 
 ACTIVE, ORPHANED, FROZEN, RECLAIMED = LeaseState.ACTIVE, LeaseState.ORPHANED, LeaseState.FROZEN, LeaseState.RECLAIMED
+SLEEPING = LeaseState.SLEEPING
 
 
 class LeaseEvent(StrEnum):
@@ -34,6 +39,8 @@ class LeaseEvent(StrEnum):
     RELEASE = "release"  # the owner gives the lease back
     RECLAIM = "reclaim"  # control plane: reclaim an unowned lease now
     FORCE_RECLAIM = "force_reclaim"  # control plane: reclaim even an active lease
+    SLEEP = "sleep"  # the owner quiesced and unmapped it: its physical memory is released, its addresses kept
+    WAKE = "wake"  # the owner maps new memory at the same addresses
 
 
 @dataclass(frozen=True)
@@ -58,11 +65,18 @@ TRANSITIONS: MappingProxyType[tuple[LeaseState, LeaseEvent], Outcome] = MappingP
     (FROZEN, LeaseEvent.DEADLINE): Outcome(RECLAIMED),
     (FROZEN, LeaseEvent.RECLAIM): Outcome(RECLAIMED),
     (FROZEN, LeaseEvent.FORCE_RECLAIM): Outcome(RECLAIMED),
+    (ACTIVE, LeaseEvent.SLEEP): Outcome(SLEEPING),
+    (SLEEPING, LeaseEvent.WAKE): Outcome(ACTIVE),
+    (SLEEPING, LeaseEvent.OWNER_LOST): Outcome(RECLAIMED),
+    (SLEEPING, LeaseEvent.RELEASE): Outcome(RECLAIMED),
+    (SLEEPING, LeaseEvent.RECLAIM): Outcome(RECLAIMED),
+    (SLEEPING, LeaseEvent.FORCE_RECLAIM): Outcome(RECLAIMED),
 })
 
 # States whose memory a successor may still claim: the reconciler gives them a deadline.
 WAITING = frozenset({ORPHANED, FROZEN})
-LIVE = frozenset({ACTIVE, ORPHANED, FROZEN})
+LIVE = frozenset({ACTIVE, ORPHANED, FROZEN})  # holding memory (what capacity, GPU records and freezes count)
+HELD = LIVE | {SLEEPING}  # not reclaimed: rows of the table, whether or not memory backs them
 
 
 def transition(state: LeaseState, event: LeaseEvent) -> Outcome:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from libs.common.bus import Bus
 from libs.common.events import GpuHealth, GpuRecord, SetGpuHealth, SetGpuHealthReply
@@ -22,7 +23,8 @@ log = logging.getLogger("holdfast.gpu_manager.gpus")
 
 
 class GpuPublisher:
-    def __init__(self, book: LeaseBook, bus: Bus, store: Store, interval_s: float = 0.5) -> None:
+    def __init__(self, book: LeaseBook, bus: Bus, store: Store, interval_s: float = 0.5,
+                 copies: Callable[[], dict[str, str]] | None = None) -> None:
         assert book.board is not None
         self.book = book
         self.board = book.board
@@ -30,10 +32,19 @@ class GpuPublisher:
         self.store = store
         self.interval_s = interval_s
         self.written: dict[int, GpuRecord] = {}
+        self.copies = copies  # the node's weight copies (restore.py `listing`), in every record for placement
         self._writing = asyncio.Lock()  # one writer at a time: an older record never lands after a newer one
 
     def current(self) -> dict[int, GpuRecord]:
-        return self.board.records((r.info for r in self.book.records.values()), time.time())
+        recs = self.board.records((r.info for r in self.book.records.values()), time.time())
+        if self.copies is not None:
+            try:
+                copies = self.copies()
+            except OSError as e:  # an unreadable artifact dir: published without its copies, said once a pass
+                log.warning("weight copies not listed: %r", e)
+                copies = {}
+            recs = {i: r.model_copy(update={"copies": copies}) for i, r in recs.items()}
+        return recs
 
     async def publish_changed(self) -> None:
         async with self._writing:

@@ -132,6 +132,15 @@ class LeaseBook:
         for rec in rows:
             meta, fds = held.pop(rec.id, ({}, []))
             sizes = chunk_sizes(rec.info.size, rec.info.chunk_size)
+            if rec.info.state == LeaseState.SLEEPING:  # no memory by design (sleep.py, invariant 1)
+                for fd in fds:  # a crash between keeper and SQL in a sleep or a wake: the row wins
+                    os.close(fd)
+                if fds:
+                    await self.keeper.drop(rec.id)
+                self.records[rec.id], self.chunks[rec.id] = rec, []
+                if rec.owner_pid is not None:
+                    self.watch_pid(rec.owner_pid)
+                continue
             if len(fds) != len(sizes):
                 log.error("lease %s: keeper holds %d of %d chunks; its memory is lost", rec.id, len(fds), len(sizes))
                 for fd in fds:
@@ -188,7 +197,7 @@ class LeaseBook:
     async def owner_exited(self, pid: int) -> None:
         async with self.lock:
             await self.apply_all([Move(rec, LeaseEvent.OWNER_LOST, "owner_exited") for rec in self.records.values()
-                                  if rec.owner_pid == pid and rec.info.state == LeaseState.ACTIVE
+                                  if rec.owner_pid == pid and rec.info.state in (LeaseState.ACTIVE, LeaseState.SLEEPING)
                                   and not self.owner_alive(rec)])
 
     @staticmethod
@@ -292,7 +301,7 @@ class LeaseBook:
         if cap is not None and self.backend.name == "host":
             from libs.client.protocol import OutOfMemory
 
-            used = sum(r.info.size for r in self.records.values())
+            used = sum(r.info.size for r in self.records.values() if r.info.state in LIVE)  # sleeping: no memory
             if used + size > cap:
                 raise OutOfMemory(f"{size} bytes asked, {cap - used} of {cap} free")
         lease_id = new_id("lease")

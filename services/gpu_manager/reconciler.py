@@ -4,7 +4,8 @@ Level-triggered: each pass looks at every live lease and says what should happen
 notice or a manager restart cannot leave a lease behind.
 1. An ACTIVE lease whose owner process is gone becomes ORPHANED (its grace window starts).
 2. An ORPHANED or FROZEN lease whose deadline has passed is reclaimed (memory freed).
-3. Nothing else changes: a FROZEN lease with a dead owner waits for its successor until its deadline.
+3. A SLEEPING lease whose owner process is gone is reclaimed (it holds no memory to hand on).
+4. Nothing else changes: a FROZEN lease with a dead owner waits for its successor until its deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def plan(records: Iterable[LeaseRecord], now: float,
     out: list[tuple[str, LeaseEvent]] = []
     for rec in records:
         state = rec.info.state
-        if state == LeaseState.ACTIVE and not owner_alive(rec):
+        if state in (LeaseState.ACTIVE, LeaseState.SLEEPING) and not owner_alive(rec):
             out.append((rec.id, LeaseEvent.OWNER_LOST))
         elif state in WAITING and rec.info.deadline is not None and rec.info.deadline <= now:
             out.append((rec.id, LeaseEvent.DEADLINE))

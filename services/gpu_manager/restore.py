@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from libs.common.errors import Conflict, NotFound
+from libs.common.errors import Conflict, HoldfastError, NotFound
 from libs.common.events import LeaseState, SnapshotReply, Tag
 from services.gpu_manager.artifact import (
     FORMAT_VERSION,
@@ -255,6 +255,66 @@ class WeightCopies:
         async with self.book.lock:
             if rec.id in self.book.records:
                 await self.book.apply(rec, LeaseEvent.FORCE_RECLAIM, "restore failed")
+
+    def listing(self) -> dict[str, str]:
+        """This node's copies, name -> "host" or "artifact" (the host tier's win: the faster restore), as published
+        in each GPU record for placement (blocking: a directory listing)."""
+        out = {}
+        if self.root.is_dir():
+            out = {d.name: "artifact" for d in self.root.iterdir()
+                   if not d.name.startswith(".") and (d / "manifest.json").is_file()}
+        out.update({name: "host" for name in self.tier.entries})
+        return out
+
+    # ------------------------------------------------------------ sleep/wake of a weights lease (sleep.py)
+
+    def _copy_of(self, rec: LeaseRecord) -> tuple[str, str | None]:
+        """(name, where a copy written from this very lease at its committed layout is: host, artifact or None)."""
+        name = default_name(rec.info.engine_class, rec.info.name)
+
+        def same(man: Manifest) -> bool:
+            return man.source_lease == rec.id and man.layout_hash == rec.info.layout_hash and man.size == rec.info.size
+
+        copy = self.tier.get(name)
+        if copy is not None and same(copy.manifest):
+            return name, "host"
+        try:
+            if same(read_manifest(artifact_path(self.root, name))):
+                return name, "artifact"
+        except (NotFound, HoldfastError, OSError):
+            pass
+        return name, None
+
+    async def keep_for_wake(self, rec: LeaseRecord) -> str:
+        """Make sure a copy restores this lease's bytes (the host tier if it has room, else the artifact)."""
+        name, where = await asyncio.to_thread(self._copy_of, rec)
+        if where is not None:
+            return where
+        try:
+            self.tier.room_for(name, rec.info.size)
+            host = True
+        except HoldfastError:
+            host = False
+        await self.snapshot(rec.id, name, host_tier=host, artifact=not host)
+        return "host" if host else "artifact"
+
+    async def fill_for_wake(self, rec: LeaseRecord, chunks: list[Any]) -> str:
+        """Fill a waking weights lease's new chunks from its copy (hash checked from disk); its source."""
+        name, where = await asyncio.to_thread(self._copy_of, rec)
+        if where is None:
+            raise NotFound(f"no copy of lease {rec.id}'s weights ({name}) to wake it from")
+        source, man, files = await asyncio.to_thread(self._source, name, [where])
+        window = None
+        try:
+            window = await asyncio.to_thread(self._window, rec.info.gpu, chunks, to_device=True,
+                                             block_bytes=man.block_bytes)
+            await asyncio.to_thread(self._fill, window, source, man, files)
+        finally:
+            if window is not None:
+                await asyncio.to_thread(window.close)
+            elif source == "host":
+                OpenFiles(files, direct=False).close()
+        return source
 
     # ------------------------------------------------------------ policy
 

@@ -31,11 +31,13 @@ from typing import Any
 
 from libs.client.protocol import (
     Allocate,
+    AnswerReq,
     Attach,
     Commit,
     CommitReply,
     GrantReply,
     Heartbeat,
+    HeartbeatReply,
     Hello,
     HelloReply,
     LeaseGrant,
@@ -49,7 +51,9 @@ from libs.client.protocol import (
     Resume,
     ResumeReply,
     ShareReq,
+    SleepReq,
     TakeoverReq,
+    WakeReq,
     error,
     ok,
     parse_request,
@@ -67,11 +71,12 @@ from libs.common.errors import (
 from libs.common.events import LeaseState
 from libs.common.wire import FrameStream, PeerClosed, close_fds
 from services.gpu_manager.backends import exhausted_error
-from services.gpu_manager.fsm import LeaseEvent
+from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
 from services.gpu_manager.manager import LeaseBook, Move
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
 from services.gpu_manager.restore import WeightCopies
+from services.gpu_manager.sleep import Sleeper, resident_bytes
 
 log = logging.getLogger("holdfast.gpu_manager.session")
 
@@ -96,9 +101,10 @@ def fd_usage() -> tuple[int, int]:
 
 class EngineSession:
     def __init__(self, book: LeaseBook, stream: FrameStream, conns: ConnectionCount,
-                 copies: WeightCopies | None = None) -> None:
+                 copies: WeightCopies | None = None, sleeper: Sleeper | None = None) -> None:
         self.book = book
         self.copies = copies
+        self.sleeper = sleeper
         self.stream = stream
         self.conns = conns
         creds = stream.peer_credentials()
@@ -181,6 +187,8 @@ class EngineSession:
                 raise OutOfOrder(f"'{req.op}' before hello")
             if isinstance(req, RestoreReq):  # takes the lock only around its allocate and register: its copy
                 return await self.restore(req, self.peer)  # runs for seconds while others are served
+            if isinstance(req, SleepReq | WakeReq | AnswerReq):  # the same: a weights copy runs off the lock
+                return await self.sleep_wake(req, self.peer)
             async with self.book.lock:
                 return await self._dispatch(req, self.peer)
         except HoldfastError as e:
@@ -225,7 +233,8 @@ class EngineSession:
             mine = self._mine(peer)
             for rec in mine:
                 rec.update(last_seen=now)
-            return ok(), []
+            ask = self.sleeper.ask_for(peer.engine_id, peer.pid) if self.sleeper is not None else None
+            return ok(HeartbeatReply(ask=ask)), []
         if isinstance(req, Resume):
             return ok(await self.resume(req, peer)), []
         if isinstance(req, Release):
@@ -257,9 +266,9 @@ class EngineSession:
                             backend.granularity(req.gpu))
         live = self.book.records.values()
         open_fds, fd_limit = fd_usage()
-        usage = Usage(client_fds=sum(_chunks(r) for r in live if r.owner_pid == peer.pid),
+        usage = Usage(client_fds=sum(_chunks(r) for r in live if r.owner_pid == peer.pid and r.info.state in LIVE),
                       open_fds=open_fds, fd_limit=fd_limit,
-                      leased_bytes=sum(r.info.size for r in live if backend.name == "host" or r.info.gpu == req.gpu),
+                      leased_bytes=resident_bytes(live, None if backend.name == "host" else req.gpu),
                       capacity=backend.capacity(req.gpu))
         ClientLimits(settings.max_chunks_per_lease, settings.max_fds_per_client,
                      settings.fd_reserve).check_allocate(shape, usage)
@@ -361,7 +370,7 @@ class EngineSession:
                 lost[lease_id] = f"stale_epoch: the lease is at epoch {rec.info.epoch}, this engine holds {epoch}"
             elif rec.owner_pid != peer.pid:
                 lost[lease_id] = f"held by another process (pid {rec.owner_pid})"
-            elif rec.info.state == LeaseState.ACTIVE:
+            elif rec.info.state in (LeaseState.ACTIVE, LeaseState.SLEEPING):  # asleep: still its, memory or not
                 held.append(rec)
             elif rec.info.state == LeaseState.ORPHANED:
                 moves.append(Move(rec, LeaseEvent.REATTACH, "resumed", {"owner_pid_start": peer.pid_start}))
@@ -425,6 +434,21 @@ class EngineSession:
         reply.update(source=source, restore=stats)
         return reply, fds
 
+    async def sleep_wake(self, req: SleepReq | WakeReq | AnswerReq, peer: Peer) -> tuple[dict[str, Any], list[int]]:
+        """Release or renew a live engine's physical memory, its addresses kept (sleep.py)."""
+        if self.sleeper is None:
+            raise NotFound("this gpu_manager does not put engines to sleep")
+        if isinstance(req, AnswerReq):
+            self.sleeper.answer(req.ask, peer.engine_id, req.error)
+            return ok(), []
+        if isinstance(req, SleepReq):
+            return ok(await self.sleeper.sleep(req, peer.engine_id, peer.uid, peer.pid)), []
+        recs, source = await self.sleeper.wake(req, peer.engine_id, peer.uid, peer.pid)
+        async with self.book.lock:
+            reply, fds = self._grant(recs)
+        reply.update(source=source)
+        return reply, fds
+
     def _grant(self, records: list[LeaseRecord], *, read_only: bool = False) -> tuple[dict[str, Any], list[int]]:
         grants, fds = [], []
         for rec in records:
@@ -447,6 +471,6 @@ def _chunks(rec: LeaseRecord) -> int:
 
 
 async def serve_connection(book: LeaseBook, conns: ConnectionCount, stream: FrameStream,
-                           copies: WeightCopies | None = None) -> None:
-    await EngineSession(book, stream, conns, copies).serve()
+                           copies: WeightCopies | None = None, sleeper: Sleeper | None = None) -> None:
+    await EngineSession(book, stream, conns, copies, sleeper).serve()
 

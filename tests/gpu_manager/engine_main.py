@@ -11,6 +11,7 @@
     heartbeats SECONDS      start the SDK's heartbeat thread (it also reconnects by itself)
     status                  connected?, reconnects, held and lost leases with epochs, mapping addresses
     call OP JSON            send a raw request (for refusal tests); reply the error code or "ok"
+    sleep IDS / wake IDS    release / renew leases' physical memory, addresses kept; reply bytes, source, ptrs
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ class TestEngine:
                     "leases": {i: lease.epoch for i, lease in c.leases.items()},
                     "ptrs": {i: lease.ptr for i, lease in c.leases.items()}, "manager_pid": c.hello.manager_pid,
                     "shared": {i: lease.ptr for i, lease in c.shared.items()}}
+        if cmd == "sleep":
+            return {"ok": True, "bytes": self.client.sleep(words[1:]).bytes}
+        if cmd == "wake":
+            source = self.client.wake(words[1:])
+            return {"ok": True, "source": source, "ptrs": {i: self.client.leases[i].ptr for i in words[1:]},
+                    **self.hashes()}
         if cmd == "call":
             req = p.parse_request({"op": words[1], **json.loads(" ".join(words[2:]) or "{}")})
             self.client._call(req)

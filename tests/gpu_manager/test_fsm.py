@@ -51,9 +51,10 @@ def test_epochs_only_grow_and_grow_exactly_when_a_new_holder_becomes_active(seq)
         before_state, before_epoch = lease.state, lease.epoch
         took = lease.take(ev)
         assert lease.epoch >= before_epoch
+        new_holder = before_state in (LeaseState.ORPHANED, LeaseState.FROZEN)  # a wake keeps its holder
         if lease.epoch > before_epoch:
-            assert took and lease.state == LeaseState.ACTIVE and before_state != LeaseState.ACTIVE
-        if took and lease.state == LeaseState.ACTIVE and before_state != LeaseState.ACTIVE:
+            assert took and lease.state == LeaseState.ACTIVE and new_holder
+        if took and lease.state == LeaseState.ACTIVE and new_holder:
             assert lease.epoch == before_epoch + 1
 
 
@@ -93,10 +94,26 @@ def test_reconciler_orphans_dead_owners_and_reclaims_only_past_deadlines(rows, n
         rec = next(r for r in recs if r.id == lease_id)
         assert allowed(rec.info.state, event)
         if event == LeaseEvent.OWNER_LOST:
-            assert rec.info.state == LeaseState.ACTIVE and not alive[lease_id]
+            assert rec.info.state in (LeaseState.ACTIVE, LeaseState.SLEEPING) and not alive[lease_id]
         else:
             assert event == LeaseEvent.DEADLINE and rec.info.deadline is not None and rec.info.deadline <= now
     planned = {lid for lid, _ in reconciler.plan(recs, now, lambda r: alive[r.id])}
     for rec in recs:
         if rec.info.state == LeaseState.ACTIVE and alive[rec.id]:
             assert rec.id not in planned
+
+
+def test_sleep_keeps_the_holder_and_a_sleeping_lease_is_never_handed_on():
+    assert transition(LeaseState.ACTIVE, LeaseEvent.SLEEP).state == LeaseState.SLEEPING
+    woken = transition(LeaseState.SLEEPING, LeaseEvent.WAKE)
+    assert woken.state == LeaseState.ACTIVE and not woken.bump_epoch  # same holder, same addresses
+    assert transition(LeaseState.SLEEPING, LeaseEvent.OWNER_LOST).state == LeaseState.RECLAIMED
+    for event in (LeaseEvent.FREEZE, LeaseEvent.TAKEOVER, LeaseEvent.REATTACH, LeaseEvent.DEADLINE, LeaseEvent.SLEEP):
+        assert not allowed(LeaseState.SLEEPING, event), event
+    for state in (LeaseState.ORPHANED, LeaseState.FROZEN, LeaseState.RECLAIMED):
+        assert not allowed(state, LeaseEvent.SLEEP) and not allowed(state, LeaseEvent.WAKE)
+
+
+def test_the_reconciler_reclaims_a_dead_owners_sleeping_lease_but_not_a_live_ones():
+    recs = [_rec(LeaseState.SLEEPING, None, 1), _rec(LeaseState.SLEEPING, None, 2)]
+    assert reconciler.plan(recs, 0.0, lambda r: r.id == "l2") == [("l1", LeaseEvent.OWNER_LOST)]
