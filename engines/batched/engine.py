@@ -117,6 +117,12 @@ class LLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def call_between_steps(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the step thread between two steps (no step in flight while it runs): sleep.py parks the
+        thread there while the memory sleeps."""
+        self._inbox.put(("call", fn))
+        self._wake.set()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
@@ -185,6 +191,8 @@ class LLMEngine:
                 break
             if op == "submit":
                 self._admit(arg)
+            elif op == "call":
+                arg()
             else:
                 self._abort(arg)
         self._expire_orphans()
