@@ -23,36 +23,14 @@ import anyio
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.batched.engine import LLMEngine, Request
 from engines.reference.weights import served_checksum
 from libs.common import tokenizer
+from libs.common.generate import GenerateRequest
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid"}
-
-
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str | None = Field(None, description="text; encoded with a leading BOS")
-    tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt")
-    resume: list[int] | None = Field(None, description="tokens this request already generated elsewhere")
-    max_tokens: int = Field(64, ge=0)
-    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
-    greedy: bool | None = None
-    seed: int = 0
-    stream: bool = False
-    ignore_eos: bool = False
-    request_id: str | None = Field(None, max_length=64, description="the same across a request's replays (the "
-                                   "router's): a successor holding the sequence continues it")
-
-    @model_validator(mode="after")
-    def _has_input(self) -> GenerateBody:
-        if self.prompt is None and not self.tokens:
-            raise ValueError("give a prompt or tokens")
-        return self
 
 
 class EngineState:
@@ -131,7 +109,7 @@ def build_app(state: EngineState) -> FastAPI:
         return await served_checksum(state.engine_id, eng.runner.w)
 
     @app.post("/generate", response_model=None)
-    async def generate(body: GenerateBody) -> Any:
+    async def generate(body: GenerateRequest) -> Any:
         eng = state.engine
         if eng is None or state.state != "ready":
             return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")

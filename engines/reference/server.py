@@ -21,43 +21,18 @@ import anyio
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.weights import served_checksum
-from libs.common import tokenizer
+from libs.common.generate import GenerateRequest
 
 
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str | None = Field(None, description="text; encoded with a leading BOS")
-    tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt if both are given")
-    resume: list[int] | None = Field(None, description="tokens this request already generated elsewhere (a router "
-                                     "resuming it): fed one at a time after the prompt, so the continuation is exact")
-    max_tokens: int = Field(64, ge=0)
-    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
-    greedy: bool | None = Field(None, description="true forces temperature 0")
-    seed: int = Field(0, description="sampling seed; with (seed, position) it fixes each sampled token")
-    stream: bool = False
-    ignore_eos: bool = False
-    request_id: str | None = Field(None, description="the router's id of the client request, the same in all its "
-                                   "replays; accepted and not used here")
-
-    @model_validator(mode="after")
-    def _has_input(self) -> GenerateBody:
-        if self.prompt is None and not self.tokens:
-            raise ValueError("give a prompt or tokens")
-        return self
-
-    def to_request(self) -> GenerationRequest:
-        ctx = tokenizer.encode(self.prompt) if self.prompt is not None else []
-        ctx += list(self.tokens or [])
-        prefix_len = len(ctx)
-        ctx += list(self.resume or [])
-        temp = 0.0 if self.greedy else self.temperature
-        return GenerationRequest(context=ctx, max_tokens=self.max_tokens, temperature=temp, seed=self.seed,
-                                 ignore_eos=self.ignore_eos, prefix_len=prefix_len)
+def _generation(body: GenerateRequest) -> GenerationRequest:
+    """The engine core's request: the context is the prefix, then the resumed tokens (libs/common/generate.py)."""
+    prefix = body.prefix()
+    return GenerationRequest(context=prefix + list(body.resume or []), max_tokens=body.max_tokens,
+                             temperature=body.sampling_temperature(), seed=body.seed, ignore_eos=body.ignore_eos,
+                             prefix_len=len(prefix))
 
 
 class EngineState:
@@ -186,12 +161,12 @@ def build_app(state: EngineState) -> FastAPI:
         return await served_checksum(state.engine_id, core.model.w)
 
     @app.post("/generate", response_model=None)
-    async def generate(body: GenerateBody) -> Any:
+    async def generate(body: GenerateRequest) -> Any:
         core = state.core
         if core is None or state.state != "ready":
             return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
         core.mark("handler")
-        req = body.to_request()
+        req = _generation(body)
         cb, state.on_first_request = state.on_first_request, None
         if cb is not None:
             cb(time.perf_counter())
