@@ -26,6 +26,7 @@ from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout,
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
+from engines.batched.sleep import install as install_sleep
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
 from libs.common.gc_tuning import long_lived_gc
@@ -193,6 +194,8 @@ def run(cfg: EngineConfig) -> int:
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine
+        if memory.kind == "leased":  # the control plane's sleep and wake asks (sleep.py)
+            install_sleep(state, engine, memory.client)
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
                                 "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,
                                 "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}

@@ -23,7 +23,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TypeVar
 
@@ -49,6 +49,7 @@ from libs.common.events import (
     SCHEMA_VERSION,
     Command,
     CommandEnvelope,
+    EngineInfo,
     Envelope,
     ErrorBody,
     Event,
@@ -59,12 +60,16 @@ from libs.common.events import (
     decode_event,
     decode_model,
     event_subject,
+    subject_node,
+    subscription_subject,
 )
 from libs.common.ids import new_id
 
 log = logging.getLogger("holdfast.bus")
 
 EventHandler = Callable[[Envelope], Awaitable[None]]
+# Refuses an event (raises a HoldfastError) that its subscriber must never act on; returns None otherwise.
+Vet = Callable[[Envelope], None]
 # Many events at once -> for each, in order: None (handled) or the exception that failed it.
 BatchHandler = Callable[[list[Envelope]], Awaitable[list[BaseException | None]]]
 C = TypeVar("C", bound=Command)
@@ -97,6 +102,21 @@ def _num_delivered(msg: Msg) -> int:
     if len(tokens) >= 11:  # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>...
         return int(tokens[6]) or 1
     return msg.metadata.num_delivered or 1
+
+
+def engines_on_their_nodes(engines: Mapping[str, EngineInfo]) -> Vet:
+    """A `Vet` for events that name an engine (a fault): refused (`WrongNode`) when `engines` (the cluster's
+    records) place that engine on another node than the event's. A node's identity may publish events only on its
+    own node's subjects; this keeps it from faulting another node's engine on them. An engine not recorded (yet)
+    is let through: whatever its incident does, it does on the event's own node."""
+
+    def vet(env: Envelope) -> None:
+        engine_id = getattr(env.data, "engine_id", None)
+        engine = engines.get(engine_id) if engine_id else None
+        if engine is not None and engine.node != env.node:
+            raise WrongNode(f"node {env.node!r} names engine {engine_id!r}, which runs on node {engine.node!r}")
+
+    return vet
 
 
 def spans_exported() -> bool:
@@ -351,6 +371,11 @@ class Bus:
 
     # ------------------------------------------------------------ events
 
+    def node_of(self, payload: Event) -> str | None:
+        """The node an event is from: the node its payload names (the simulated cluster speaks for many), else
+        this bus's."""
+        return getattr(payload, "node", None) or self.settings.node
+
     def envelope(self, payload: Event, *, incident_id: str | None = None, id: str | None = None,
                  traceparent: str | None = None) -> Envelope:
         """Wrap `payload`. `id`: a chosen id (derived ids make re-publication idempotent); `traceparent`: the
@@ -367,7 +392,7 @@ class Bus:
         return Envelope(
             type=payload.type,  # type: ignore[attr-defined]
             source=self.source,
-            node=self.settings.node,
+            node=self.node_of(payload),
             incident_id=incident,
             trace=trace,
             data=payload,  # type: ignore[arg-type]
@@ -386,13 +411,14 @@ class Bus:
             traceparent, state = carrier.get("traceparent"), carrier.get("tracestate")
         incident = incident_id or getattr(payload, "incident_id", None)
         if self._source_json is None:  # the fields every envelope of this bus shares
-            self._source_json = b',"source":' + _json(self.source) + b',"node":' + _json(self.settings.node)
+            self._source_json = b',"source":' + _json(self.source) + b',"node":'
+        node = self.node_of(payload)
         body = b"".join((b'{"id":', _json(id), b',"type":', _json(payload.type),  # type: ignore[attr-defined]
-                         _VERSION_TIME, repr(time.time()).encode(), self._source_json, b',"incident_id":', _json(incident),
+                         _VERSION_TIME, repr(time.time()).encode(), self._source_json, _json(node), b',"incident_id":', _json(incident),
                          b',"trace":{"traceparent":', _json(traceparent), b',"tracestate":', _json(state), b'},"data":',
                          payload.model_dump_json().encode(), b"}"))
         durable = payload.durable
-        return Wired(self._subject(type(payload)), body, _event_headers(id, durable, traceparent, state), durable, id)
+        return Wired(self._subject(type(payload), node), body, _event_headers(id, durable, traceparent, state), durable, id)
 
     async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
         env = self.envelope(payload, incident_id=incident_id)
@@ -494,15 +520,15 @@ class Bus:
             return env.subject, env.body, env.headers, env.durable
         return (*self._wire(env), env.data.durable)
 
-    def _subject(self, cls: type) -> str:
+    def _subject(self, cls: type, node: str | None) -> str:
         subject = self._subjects.get(cls)
         if subject is None:  # once per event class (pydantic's class-level field lookup is not free)
-            subject = self._subjects[cls] = event_subject(self.prefix, cls)
-        return subject
+            subject = self._subjects[cls] = event_subject(self.prefix, cls, "")
+        return subject + node if subject.endswith(".") and node else subject
 
     def _wire(self, env: Envelope) -> tuple[str, bytes, dict[str, str]]:
         headers = _event_headers(env.id, env.data.durable, env.trace.traceparent, env.trace.tracestate)
-        return self._subject(type(env.data)), env.model_dump_json().encode(), headers
+        return self._subject(type(env.data), env.node), env.model_dump_json().encode(), headers
 
     async def subscribe(self, subject: str, handler: EventHandler, *, queue: str = "") -> Any:
         """Core (not durable) subscription to events: live only, fastest path."""
@@ -568,7 +594,8 @@ class Bus:
         return sub
 
     async def durable_batches(self, subject: str, name: str, handler: BatchHandler, *, concurrency: int = 256,
-                              ack_wait: float = 30, new_only: bool = False, shared: bool = False) -> Any:
+                              ack_wait: float = 30, new_only: bool = False, shared: bool = False,
+                              vet: Vet | None = None) -> Any:
         """`durable(..., concurrency=, attach_trace=False)` for a handler of many events at once: the messages
         delivered in one loop pass go to one `handler` call (one task for them all, not one each), which
         returns, in their order, None for each event handled (acked) or the exception that failed it (nak'd,
@@ -576,7 +603,8 @@ class Bus:
         handed on. Each message holds one of `concurrency` slots until it is settled, and is marked in
         progress while it runs, as with `durable`. Events reach the handler without their message's trace
         context made current (the handler files its work under traces of its own). Each event's delivery count
-        (`delivery_attempt` of a one-at-a-time handler) is in `delivery_attempts`, in the events' order."""
+        (`delivery_attempt` of a one-at-a-time handler) is in `delivery_attempts`, in the events' order. `vet(env)`
+        may refuse an event by raising a `HoldfastError`: it is then logged, counted and acked, never handed on."""
         config = _consumer_config(name, new_only, ack_wait, concurrency)
         slots = asyncio.Semaphore(concurrency)
         loop = asyncio.get_running_loop()
@@ -602,13 +630,16 @@ class Bus:
                 attempts: list[int] = []
                 for msg in msgs:
                     try:
-                        envs.append(decode_event(msg.data))
+                        envs.append(self._decode(msg, vet))
                         handed.append(msg)
                         attempts.append(_num_delivered(msg))
                     except MalformedMessage as e:
                         self.rejected += 1
                         log.warning("rejected message on %s: %s", msg.subject, e.message)
                         await settle(msg, e)
+                    except HoldfastError as e:
+                        self._refused(msg, e)
+                        await settle(msg, None)  # acked: never acted on, never redelivered
                 delivery_attempts.set(tuple(attempts))  # this task's own context: per batch
                 try:
                     outcomes = await handler(envs) if envs else []
@@ -682,18 +713,37 @@ class Bus:
         return out
 
     def _full(self, subject: str) -> str:
-        return subject if subject.startswith(self.prefix + ".") else f"{self.prefix}.{subject}"
+        return subscription_subject(self.prefix, subject)
+
+    def _decode(self, msg: Msg, vet: Vet | None = None) -> Envelope:
+        """The event in `msg`, from where its subject says: raises `MalformedMessage`, or `WrongNode` for a node
+        event whose envelope (or payload) names another node than its subject (forged by another node's identity,
+        which the server lets publish only on its own node's subjects), or what `vet` raises."""
+        env = decode_event(msg.data)
+        node = subject_node(self.prefix, msg.subject)
+        if node is not None and (env.node != node or getattr(env.data, "node", None) not in (None, "", node)):
+            raise WrongNode(f"{msg.subject} is node {node!r}'s; its event says node {env.node!r}")
+        if vet is not None:
+            vet(env)
+        return env
+
+    def _refused(self, msg: Msg, e: HoldfastError) -> None:
+        self.rejected += 1
+        log.warning("refused event on %s: %s", msg.subject, e.message)
 
     def _event_cb(self, handler: EventHandler, *, raise_errors: bool = False,
-                  attach_trace: bool = True) -> Callable[[Msg], Awaitable[None]]:
+                  attach_trace: bool = True, vet: Vet | None = None) -> Callable[[Msg], Awaitable[None]]:
         async def cb(msg: Msg) -> None:
             try:
-                env = decode_event(msg.data)
+                env = self._decode(msg, vet)
             except MalformedMessage as e:
                 self.rejected += 1
                 log.warning("rejected message on %s: %s", msg.subject, e.message)
                 if raise_errors:
                     raise
+                return
+            except HoldfastError as e:  # from another node than it says: handled (a durable one is acked), never acted on
+                self._refused(msg, e)
                 return
             headers = msg.headers
             try:

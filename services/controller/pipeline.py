@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from libs.common.bus import Bus, Wired
+from libs.common.bus import Bus, Wired, engines_on_their_nodes
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
@@ -142,7 +142,8 @@ class IncidentDriver(ColdStarts, Batches):
         # Faults delivered together are opened together: one task, one wait for their creates, one publish
         # (and one wait for the stream acks) of their route-out events.
         subs = self.subscriptions
-        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, **kw))
+        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults,
+                                                   vet=engines_on_their_nodes(self.view.engines), **kw))
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
         # Results delivered together (prompt takeovers) are routed in together, as faults are opened.
         subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw))

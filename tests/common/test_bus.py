@@ -27,6 +27,7 @@ from libs.common.events import (
     command_subject,
     decode_event,
     decode_model,
+    event_subject,
 )
 
 telemetry.setup("tests")
@@ -91,7 +92,7 @@ async def test_malformed_message_is_rejected_and_subscriber_keeps_working(bus: B
         await got.put(env)
 
     await bus.subscribe("fault.detected", handler)
-    subject = f"{bus.prefix}.fault.detected"
+    subject = event_subject(bus.prefix, FaultDetected, bus.settings.node)
     for junk in (b"not json", b"{}", b'{"type":"fault.detected","source":"x","data":{"type":"nope"}}',
                  b'{"type":"fault.detected","source":"x","data":{"type":"fault.detected","kind":"melted","engine_id":"e"}}'):
         await bus.nc.publish(subject, junk)
@@ -232,7 +233,7 @@ async def test_events_delivered_together_reach_a_batch_handler_together_and_only
         bus: Bus) -> None:
     ids = [f"e{i}" for i in range(20)]
     await bus.publish_all([bus.wired(FaultDetected(engine_id=e, kind=FaultKind.KILLED), id=f"f-{e}") for e in ids])
-    await bus.js.publish(f"{bus.prefix}.fault.detected", b"not an envelope")  # stored, then terminated
+    await bus.js.publish(event_subject(bus.prefix, FaultDetected, "node-1"), b"not an envelope")  # stored, then terminated
     batches: list[list[str]] = []
     every = asyncio.Event()
 

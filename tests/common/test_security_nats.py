@@ -148,7 +148,7 @@ async def test_only_agents_forge_no_fault_and_the_router_publishes_nothing(setti
         seen.append(env)
 
     await bus.subscribe("fault.detected", on_fault)
-    subject = event_subject(settings.subject_prefix, FaultDetected)
+    subject = event_subject(settings.subject_prefix, FaultDetected, "node-1")
     for who in ("router", "gpu_manager.node-1", "controller", "dc_manager"):
         intruder = await Intruder().connect(settings.nats_url, **_as(credentials, who))
         try:

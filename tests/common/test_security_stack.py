@@ -18,7 +18,16 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from devstack.scenario import Scenario
 from devstack.stack import Stack, StackConfig
-from libs.common.events import Freeze, ListLeases, Reclaim, StopEngine, Takeover, command_subject
+from libs.common.events import (
+    FaultDetected,
+    Freeze,
+    ListLeases,
+    Reclaim,
+    StopEngine,
+    Takeover,
+    command_subject,
+    event_subject,
+)
 from libs.common.security import Credentials
 from libs.common.security.policy import inbox_prefix
 
@@ -47,7 +56,7 @@ async def _intrude(url: str, creds: Path, who: str | None, node: str) -> list[st
                 errors.append(f"ANSWERED {subject}")
             except NatsTimeout:
                 pass
-        await nc.publish("hf.fault.detected", b"{}")
+        await nc.publish(event_subject("hf", FaultDetected, node), b"{}")
         await nc.flush()
         await asyncio.sleep(0.3)
     finally:

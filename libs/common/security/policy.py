@@ -4,8 +4,10 @@ An *identity* is one credential: `controller`, `dc_manager`, `router`, `admin` (
 benchmarks), and per node `agent.<node>` and `gpu_manager.<node>`. Its NATS user (an nkey) gets the subject
 permissions of `nats_permissions`; its etcd user (the client certificate's CN) gets the key ranges of
 `etcd_ranges`. Invariants (tests/common/test_security_*.py):
-1. a node's agent and gpu_manager subscribe only to their own node's command subjects, and publish commands
-   only to their own node (the agent's `share_weights` to its gpu_manager);
+1. a node's agent and gpu_manager subscribe only to their own node's command subjects, publish commands only
+   to their own node (the agent's `share_weights` to its gpu_manager), and publish events only on their own
+   node's event subjects (`<prefix>.fault.detected.<node>`: no node can fault another node's engine; the
+   controller also refuses an event whose envelope names another node, or an engine of another node);
 2. only the dc_manager publishes every node command; the controller publishes `reclaim` and `agent.stop`
    (forced reclaim and cold-start clean-up, its admin operations) and nothing else on `node.`;
 3. the router subscribes to router events only and publishes nothing but replies;
@@ -18,7 +20,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.common.events import Reclaim, SetGpuHealth, ShareWeights, SnapshotLease, StopEngine, command_kind
+from libs.common.events import (
+    EngineReattached,
+    EngineReady,
+    EngineStarted,
+    EngineStopped,
+    Event,
+    FaultDetected,
+    GpuHealth,
+    LeaseChanged,
+    MemoryFrozen,
+    Reclaim,
+    SetGpuHealth,
+    ShareWeights,
+    SnapshotLease,
+    StopEngine,
+    command_kind,
+    event_subject,
+)
 
 ADMIN = "admin"
 ROOT = "root"  # etcd's root user: set-up only (users, roles, auth enable); no service runs as it
@@ -74,6 +93,13 @@ class Permissions:
     subscribe: tuple[str, ...] | None
 
 
+# The events each node role publishes, each on its own node's subject only (events.NODE_EVENTS).
+NODE_EVENTS_OF: dict[str, tuple[type[Event], ...]] = {
+    "agent": (FaultDetected, EngineStarted, EngineReady, EngineStopped, EngineReattached),
+    "gpu_manager": (MemoryFrozen, LeaseChanged, GpuHealth),
+}
+
+
 def _stream_admin(stream: str) -> list[str]:
     # Every service makes sure the stream exists at start (Bus.connect(stream=True)): the first one up creates it.
     return [f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")] + ["$JS.API.INFO"]
@@ -95,11 +121,11 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
     pub = _stream_admin(stream)
     if role == "agent":
         sub.append(f"{p}.node.{node}.agent.>")
-        pub += [f"{p}.fault.detected", f"{p}.engine.>", f"{p}.node.{node}.{command_kind(ShareWeights)}",
-                f"{p}.node.{node}.{command_kind(SetGpuHealth)}"]
+        pub += [f"{p}.node.{node}.{command_kind(ShareWeights)}", f"{p}.node.{node}.{command_kind(SetGpuHealth)}"]
     elif role == "gpu_manager":
         sub.append(f"{p}.node.{node}.gpu_manager.>")
-        pub += [f"{p}.memory.>", f"{p}.node.gpu.health"]
+    if node is not None:
+        pub += [event_subject(p, event, node) for event in NODE_EVENTS_OF[role]]
     elif role == "controller":
         pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
                 f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}",
