@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.router.openai_api import openai_routes
-from services.router.relay import GenerateRequest, Relay, RelayError
+from services.router.relay import ClientRequest, Relay, RelayError
 from services.router.table import EndpointTable
 
 
@@ -21,7 +21,7 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     app.include_router(openai_routes(relay, table))
 
     @app.post("/v1/generate", response_model=None)
-    async def generate(req: GenerateRequest) -> Any:
+    async def generate(req: ClientRequest) -> Any:
         items = relay.run(req)
         try:
             first = await items.__anext__()  # held / refused requests get a status, not a broken stream

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.router.relay import GenerateRequest, Relay, Stats
+from services.router.relay import ClientRequest, Relay, Stats
 
 # From a warm engine's few milliseconds to a request held through a recovery (hold_timeout_s: 10 s by default).
 TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -54,7 +54,7 @@ class MeteredRelay(Relay):
         super().__init__(*args, **kw)
         self.ttft = ttft
 
-    async def run(self, req: GenerateRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    async def run(self, req: ClientRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         t0 = time.perf_counter()
         first = True
         async with aclosing(super().run(req, request_id)) as lines:

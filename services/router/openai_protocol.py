@@ -1,6 +1,6 @@
 """OpenAI-compatible request bodies, the chat template and OpenAI's error shape (pure logic: no I/O).
 
-A request body becomes a `Job`: what the relay must generate (`GenerateRequest`) plus what the OpenAI layer
+A request body becomes a `Job`: what the relay must generate (`ClientRequest`) plus what the OpenAI layer
 does with the text (stop strings, streaming, usage). Invariants:
 1. A body is accepted only if every field in it is one we honour: unknown fields, `n` != 1 and sampling knobs
    the engines do not have (`top_p` != 1, penalties != 0, `logprobs`, `echo`, `suffix`, `best_of` > 1) get a
@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from libs.common import tokenizer
-from services.router.relay import GenerateRequest
+from services.router.relay import ClientRequest
 
 # No max_tokens on a chat request means "until the context ends": the engine stops at its max_seq first
 # (finish_reason "length"); the router does not know each engine's context length.
@@ -122,7 +122,7 @@ class Job:
 
     kind: Literal["completion", "chat"]
     request_id: str  # also the response's `id`, and the relay's request_id for the engine
-    generate: GenerateRequest
+    generate: ClientRequest
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -158,9 +158,9 @@ def chat_job(raw: Any) -> Job:
 
 def _job(kind: Literal["completion", "chat"], request_id: str, body: _Common, prompt: str | None,
          tokens: list[int] | None, max_tokens: int | None, prompt_tokens: int) -> Job:
-    gen = GenerateRequest(model=body.model, prompt=prompt, tokens=tokens, max_tokens=UNBOUNDED if max_tokens is None
-                          else max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                          seed=body.seed, stream=True, ignore_eos=body.ignore_eos)
+    gen = ClientRequest(model=body.model, prompt=prompt, tokens=tokens, max_tokens=UNBOUNDED if max_tokens is None
+                        else max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                        seed=body.seed, stream=True, ignore_eos=body.ignore_eos)
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(kind, request_id, gen, stops, body.stream, include_usage, prompt_tokens)

@@ -28,32 +28,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
+from libs.common.generate import GenerateRequest, Sampling
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ClientRequest(Sampling):
+    """What a client asks the router to generate (`POST /v1/generate`; the OpenAI routes build one too). Each
+    attempt sends an engine the shared `GenerateRequest` (libs/common/generate.py) built from it."""
 
     model: str
-    prompt: str | None = None
-    tokens: list[int] | None = None
-    max_tokens: int = Field(64, ge=0)
-    temperature: float = Field(0.0, ge=0.0)
-    greedy: bool | None = None
     seed: int | None = Field(None, description="none with temperature > 0: the router picks one, so a replay "
                              "continues the same sampled text")
-    stream: bool = False
-    ignore_eos: bool = False
-
-    @model_validator(mode="after")
-    def _has_input(self) -> GenerateRequest:
-        if self.prompt is None and not self.tokens:
-            raise ValueError("give a prompt or tokens")
-        return self
 
 
 class RelayError(Exception):
@@ -150,7 +139,7 @@ class Relay:
         """An event removed this engine: cut its streams (they resume elsewhere)."""
         return self.inflight.abort(engine_id)
 
-    async def run(self, req: GenerateRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    async def run(self, req: ClientRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Token lines, then one final line. Raises RelayError before the first line; after it, an error
         is a final `{"done": true, "error": ...}` line."""
         s = self.settings
@@ -214,17 +203,17 @@ class Relay:
             else:
                 self.stats.cancelled += 1
 
-    async def _attempt(self, ep: Endpoint, req: GenerateRequest, seed: int, generated: list[int],
+    async def _attempt(self, ep: Endpoint, req: ClientRequest, seed: int, generated: list[int],
                        request_id: str) -> AsyncGenerator[dict[str, Any], None]:
         s = self.settings
-        body = {"request_id": request_id, "prompt": req.prompt, "tokens": req.tokens, "resume": generated,
-                "max_tokens": req.max_tokens - len(generated), "temperature": req.temperature, "greedy": req.greedy,
-                "seed": seed, "stream": True, "ignore_eos": req.ignore_eos}
+        body = GenerateRequest(request_id=request_id, prompt=req.prompt, tokens=req.tokens, resume=generated,
+                               max_tokens=req.max_tokens - len(generated), temperature=req.temperature,
+                               greedy=req.greedy, seed=seed, stream=True, ignore_eos=req.ignore_eos)
         abort = self.inflight.add(ep.engine_id)
         timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)
         self.route_ins.sent(ep.engine_id)
         try:
-            async with self.client.stream("POST", ep.url + "/generate", json=body, timeout=timeout) as resp:
+            async with self.client.stream("POST", ep.url + "/generate", json=body.model_dump(exclude_none=True), timeout=timeout) as resp:
                 self.route_ins.answered(ep.engine_id)
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
