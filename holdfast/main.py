@@ -19,6 +19,8 @@ app = typer.Typer(help="Holdfast: keep LLM inference engines' memory alive throu
                   no_args_is_help=True, add_completion=False)
 bench_app = typer.Typer(help="Benchmarks (figures go to docs/benchmarks.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+engine_app = typer.Typer(help="One engine: sleep and wake (issue 21; docs/restore.md).", no_args_is_help=True)
+app.add_typer(engine_app, name="engine")
 console = Console()
 
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
@@ -138,6 +140,39 @@ def snapshot(
     console.print_json(r.text)
     if r.status_code != 200:
         raise typer.Exit(1)
+
+
+def _engine_call(engine_id: str, what: str, level: int, timeout_s: float, api_url: str, token: str) -> None:
+    import httpx
+
+    r = httpx.post(f"{api_url}/v1/engines/{engine_id}/{what}", json={"level": level, "timeout_s": timeout_s},
+                   headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s + 15)
+    console.print_json(r.text)
+    if r.status_code != 200:
+        raise typer.Exit(1)
+
+
+@engine_app.command("sleep")
+def engine_sleep(
+    engine_id: str = typer.Argument(..., help="the engine to put to sleep"),
+    level: int = typer.Option(1, min=1, max=2, help="1: release the KV cache; 2: the weights too"),
+    timeout_s: float = typer.Option(60.0, help="how long the engine has to quiesce"),
+    api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
+    token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin token"),
+) -> None:
+    """Release an engine's KV cache memory, its addresses kept (POST /v1/engines/{id}/sleep)."""
+    _engine_call(engine_id, "sleep", level, timeout_s, api_url, token)
+
+
+@engine_app.command("wake")
+def engine_wake(
+    engine_id: str = typer.Argument(..., help="a sleeping engine"),
+    timeout_s: float = typer.Option(60.0, help="how long the engine has to wake"),
+    api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
+    token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin token"),
+) -> None:
+    """New memory at a sleeping engine's addresses, weights restored for level 2 (POST /v1/engines/{id}/wake)."""
+    _engine_call(engine_id, "wake", 1, timeout_s, api_url, token)
 
 
 @app.command("api-token")

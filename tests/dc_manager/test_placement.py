@@ -38,3 +38,25 @@ def test_no_gpu_with_room_means_no_placement() -> None:
 def test_a_manager_places_only_on_its_own_nodes() -> None:
     p = place("a", 0, memory_lost=True, needed_bytes=10 * G, slots=slots(), alive={"a", "b"}, allowed=frozenset({"b"}))
     assert (p.node, p.gpu) == ("b", 0)
+
+
+def test_a_cold_start_prefers_a_node_holding_a_copy_of_the_weights_host_tier_first() -> None:
+    near = dict(memory_lost=True, needed_bytes=10 * G, slots=slots(), alive={"a", "b"})
+    assert place("a", 1, **near).node == "a"  # no copies: the same node first
+    p = place("a", 1, **near, copies={"b": "artifact"})
+    assert (p.node, p.gpu) == ("b", 0) and "weights from artifact" in p.reason
+    assert place("a", 1, **near, copies={"a": "artifact", "b": "host"}).node == "b"  # the host tier beats a disk
+    assert place("a", 1, **near, copies={"a": "host", "b": "host"}).node == "a"  # equal copies: the same node
+    full = dict(near, needed_bytes=50 * G)
+    assert place("a", 1, **full, copies={"a": "host"}).node == "b"  # a copy on a node without room does not count
+
+
+def test_node_copies_keeps_each_nodes_closest_copy_of_the_class() -> None:
+    from services.dc_manager.placement import node_copies
+
+    records = {("a", 0): {"copies": {"batched.weights": "artifact", "reference.w": "host"}},
+               ("a", 1): {"copies": {"batched.weights": "artifact"}},
+               ("b", 0): {"copies": {"batched.weights": "host", "batchedx.w": "artifact"}},
+               ("c", 0): {}}
+    assert node_copies(records, "batched") == {"a": "artifact", "b": "host"}
+    assert node_copies(records, "reference") == {"a": "host"}

@@ -33,6 +33,7 @@ from libs.common.events import (
     Reclaim,
     SetGpuHealth,
     ShareWeights,
+    SleepEngine,
     SnapshotLease,
     StopEngine,
     command_kind,
@@ -129,7 +130,8 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
     elif role == "controller":
         pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
                 f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}",
-                f"{p}.node.*.{command_kind(SnapshotLease)}", *_consumers(stream)]
+                f"{p}.node.*.{command_kind(SnapshotLease)}", f"{p}.node.*.{command_kind(SleepEngine)}",
+                *_consumers(stream)]
     elif role == "dc_manager":
         pub += [f"{p}.intent.result", f"{p}.node.*.agent.>", f"{p}.node.*.gpu_manager.>", *_consumers(stream)]
     elif role == "router":

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Body, Depends, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.common.errors import Conflict, NotFound
-from libs.common.events import IncidentReason
+from libs.common.events import IncidentReason, SleepEngine, SleepEngineReply
 from services.controller.api.auth import require_admin, require_operate, require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.pagination import PageParams, page_params, paginate
@@ -54,6 +55,46 @@ async def failover(engine_id: str = Path(..., max_length=200), body: FailoverIn 
     rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.MANUAL_FAILOVER,
                                  successor=body.successor if body else None)
     return IncidentSummary.of(rec)
+
+
+class SleepIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    level: int = Field(1, ge=1, le=2, description="1: release the KV cache; 2: the weights too (kept by a node copy)")
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="how long the engine has to quiesce and answer")
+
+
+def _node_of(c: ApiContext, engine_id: str) -> str:
+    """The engine's node: its record, else its leases' (an engine the view knows only by its leases)."""
+    e = c.view.engines.get(engine_id)
+    if e is not None:
+        return e.node
+    leases = c.view.leases_of(engine_id)
+    if not leases:
+        raise NotFound(f"no engine {engine_id}")
+    return leases[0].node
+
+
+async def _sleep_or_wake(c: ApiContext, engine_id: str, body: SleepIn | None, wake: bool) -> SleepEngineReply:
+    body = body or SleepIn()
+    cmd = SleepEngine(engine_id=engine_id, level=body.level, wake=wake, timeout_s=body.timeout_s)
+    return await c.bus.request(_node_of(c, engine_id), cmd, SleepEngineReply, timeout=body.timeout_s + 10)
+
+
+@router.post("/v1/engines/{engine_id}/sleep", response_model=SleepEngineReply, dependencies=[Depends(require_operate)],
+             responses=WRITE_ERRORS)
+async def sleep(engine_id: str = Path(..., max_length=200), body: SleepIn | None = Body(None),
+                c: ApiContext = Depends(ctx)) -> SleepEngineReply:
+    """The engine quiesces and releases its KV cache's physical memory, keeping its addresses (level 2: its weights
+    too); answered once it did, with the bytes released. 404 unknown engine, 409 asleep already or mid-incident."""
+    return await _sleep_or_wake(c, engine_id, body, wake=False)
+
+
+@router.post("/v1/engines/{engine_id}/wake", response_model=SleepEngineReply, dependencies=[Depends(require_operate)],
+             responses=WRITE_ERRORS)
+async def wake(engine_id: str = Path(..., max_length=200), body: SleepIn | None = Body(None),
+               c: ApiContext = Depends(ctx)) -> SleepEngineReply:
+    """New memory at the sleeping engine's addresses (level 2: its weights restored); 409 if it is not asleep."""
+    return await _sleep_or_wake(c, engine_id, body, wake=True)
 
 
 def _upgrade_out(c: ApiContext, rec: RolloutRecord, skipped: dict[str, str] | None = None) -> UpgradeOut:

@@ -1,0 +1,42 @@
+"""A node's weight copies reach placement (issue 21): the gpu_manager publishes its host tier and artifact copies in
+its GPU records in etcd, and a cold start of that class is placed on the node holding one, over a node with more
+free memory and none."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from libs.common.cluster_view import GpuSlot
+from services.dc_manager.placement import Action, node_copies, place
+from tests.gpu_manager.harness import until
+from tests.gpu_manager.test_tier import MIB, load
+
+G = 1 << 30
+
+
+async def test_a_cold_start_goes_to_the_node_whose_gpu_manager_published_a_host_copy(manager_factory, store,
+                                                                                    tmp_path):
+    m = manager_factory(HF_ARTIFACT_DIR=str(tmp_path / "a"), HF_HOST_TIER_CLASSES='["tiered"]',
+                        HF_HOST_TIER_BYTES=str(4 * MIB), HF_ARTIFACT_BLOCK_BYTES=str(MIB),
+                        HF_ARTIFACT_FILE_BYTES=str(2 * MIB)).start()
+    client, _, _ = await asyncio.to_thread(load, m, "eng-c1", "tiered", 5)  # the policy copies it to the host tier
+
+    async def record() -> dict | None:
+        raw = await store.get("gpus/node-1/0")
+        rec = json.loads(raw) if raw else None
+        return rec if rec and rec.get("copies", {}).get("tiered.w") == "host" else None
+
+    assert await until(record)
+    published = await record()
+    records = {("node-1", 0): published, ("node-2", 0): {"copies": {}}}
+    slots = [GpuSlot("node-1", 0, True, 80 * G, 60 * G, 1), GpuSlot("node-2", 0, True, 80 * G, 0, 0)]
+    copies = node_copies(records, "tiered")
+    assert copies == {"node-1": "host"}
+    p = place("node-3", 0, memory_lost=True, needed_bytes=10 * G, slots=slots, alive={"node-1", "node-2"},
+              copies=copies)
+    assert (p.action, p.node) == (Action.COLD_START, "node-1") and "weights from host" in p.reason
+    other = place("node-3", 0, memory_lost=True, needed_bytes=10 * G, slots=slots, alive={"node-1", "node-2"},
+                  copies=node_copies(records, "untiered"))
+    assert other.node == "node-2"  # no copy of that class anywhere: the most free memory
+    client.close()
