@@ -68,7 +68,7 @@ async def test_a_wired_event_is_the_envelope_it_stands_for_and_arrives_as_one(bu
                 want, got = json.loads(env.model_dump_json()), json.loads(wired.body)
                 assert abs(want.pop("time") - got.pop("time")) < 5 and list(got) == list(want) and got == want
                 assert decode_event(wired.body).model_copy(update={"time": env.time}) == env
-                subject, _, headers = bus._wire(env)
+                subject, _, headers, _ = bus.events.out(env)
                 assert (wired.subject, wired.headers, wired.durable, wired.id) == (subject, headers, payload.durable,
                                                                                    env.id)
     seen: asyncio.Queue[Envelope] = asyncio.Queue()
@@ -168,7 +168,7 @@ async def test_concurrent_requests_each_get_their_own_reply_and_leave_nothing_wa
     pending.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pending
-    assert not bus._replies  # a cancelled or answered request leaves no waiter behind
+    assert not bus.nc._resp_map  # a cancelled or answered request leaves no waiter behind
 
 
 async def test_an_inline_responder_answers_every_command_with_its_own_reply(bus: Bus) -> None:
@@ -305,4 +305,4 @@ async def test_commands_sent_together_answer_each_in_its_place_with_typed_errors
     assert isinstance(got[1], RemoteError) and got[1].remote_code == "not_found"
     assert isinstance(got[2], Unavailable)
     assert isinstance(got[3], CommandTimeout)
-    assert not bus._batched  # nothing left waiting for a reply
+    assert not bus.nc._resp_map  # nothing left waiting for a reply

@@ -1,0 +1,112 @@
+"""The transport: one authenticated NATS connection, the JetStream stream of durable events, and what the
+other seams share (`Link`: the connection, its subject prefix and source, its subscriptions and tasks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js.api import RetentionPolicy, StreamConfig
+from nats.js.errors import NotFoundError
+
+from libs.common import security
+from libs.common.config import CommonSettings
+
+log = logging.getLogger("holdfast.bus")
+
+# Subject heads kept in the stream (durable events); the rest (commands, health, core events) is not stored.
+STREAM_KINDS = ("fault", "incident", "intent", "memory", "engine", "router", "node.gpu")
+
+
+def nats_auth(settings: CommonSettings, source: str) -> dict[str, Any]:
+    """nats.connect's options for this connection's identity: TLS against the cluster's CA, the identity's nkey
+    (its seed is read by nats-py only to sign the server's nonce) and its own inbox prefix (the server lets it
+    read replies there only). `insecure`: none of it, for a server with auth off."""
+    if settings.insecure:
+        return {}
+    creds = security.credentials_for(settings.credentials(), source, settings.node)
+    return {"tls": creds.client_tls(), "nkeys_seed": str(creds.nkey_seed),
+            "inbox_prefix": security.policy.inbox_prefix(creds.identity)}
+
+
+async def open_connection(settings: CommonSettings, source: str) -> NATS:
+    nc: NATS
+
+    async def error_cb(e: Exception) -> None:
+        log.warning("nats error: %s", e)
+
+    async def disconnected_cb() -> None:
+        if not (nc.is_closed or nc.is_draining):  # a close we asked for is not news
+            log.warning("nats disconnected; reconnecting")
+
+    async def reconnected_cb() -> None:
+        log.info("nats reconnected")
+
+    nc = await nats.connect(
+        servers=[s.strip() for s in settings.nats_url.split(",")],
+        name=source,
+        **nats_auth(settings, source),
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        connect_timeout=2,
+    )
+    return nc
+
+
+class Link:
+    """One connection and what every seam of the bus shares over it. Invariant: every subscription and task
+    started through it is in `subs`/`tasks`, so `close` ends them all."""
+
+    def __init__(self, nc: NATS, settings: CommonSettings, source: str) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.prefix = settings.subject_prefix
+        self.source = source
+        self.rejected = 0  # malformed or refused messages dropped (health replies and tests show it)
+        self.subs: list[Any] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A task kept referenced until it ends (and cancelled by `close`)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def ensure_stream(self) -> None:
+        """Create (or keep) the stream that holds every durable event subject, with `stream_replicas` copies
+        (on a NATS cluster: the stream outlives a server, its consumers' state too, as they inherit them)."""
+        config = StreamConfig(
+            name=self.settings.stream_name,
+            subjects=[f"{self.prefix}.{kind}.>" for kind in STREAM_KINDS],
+            retention=RetentionPolicy.LIMITS,
+            max_age=24 * 3600,
+            max_msgs=1_000_000,
+            num_replicas=self.settings.stream_replicas,
+        )
+        try:
+            await self.js.stream_info(self.settings.stream_name)
+            await self.js.update_stream(config)
+        except NotFoundError:
+            await self.js.add_stream(config)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            if task.get_name().startswith(("pull:", "in-progress:")):
+                task.cancel()
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=2)
+        except Exception:  # noqa: BLE001 - closing is best effort; the server may already be gone
+            pass
+        if not self.nc.is_closed:
+            await self.nc.close()

@@ -1,0 +1,225 @@
+"""Durable consumers: JetStream pull consumers with explicit ack, read with `fetch(batch=...)`.
+
+A consumer's pull loop asks for as many messages as it has free slots (`concurrency`) and waits for the first
+one (`fetch` returns as soon as one came and hands over whatever else the server had). Invariants (libs/common
+README 3): a message is acked only after its handler succeeded; a failed handler's message is nak'd and comes
+again (at most `MAX_DELIVER` deliveries); a malformed message is terminated (never redelivered); a refused one
+(receive.py) is acked, never acted on; at most `concurrency` messages are unacked at once (`max_ack_pending`),
+each marked in progress while its handler runs, so slow work is not redelivered under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from libs.common.bus.connection import Link
+from libs.common.bus.receive import EventHandler, Vet, decode, event_callback, refused
+from libs.common.errors import HoldfastError, MalformedMessage
+from libs.common.events import Envelope, subscription_subject
+
+log = logging.getLogger("holdfast.bus")
+
+MAX_DELIVER = 5
+FETCH_WAIT_S = 5.0  # how long one fetch waits for a first message before asking again
+# Many events at once -> for each, in order: None (handled) or the exception that failed it.
+BatchHandler = Callable[[list[Envelope]], Awaitable[list[BaseException | None]]]
+
+# Inside a durable handler: how many times JetStream has delivered this message (1: the first time). A
+# handler whose progress is recorded elsewhere reads that record only on a redelivery.
+delivery_attempt: contextvars.ContextVar[int] = contextvars.ContextVar("hf_delivery_attempt", default=0)
+# Inside a `durable_batches` handler: each event's delivery count, in the order of the events handed over
+# (empty outside one). Read it at the handler's start: the handler's own tasks copy it as it is then.
+delivery_attempts: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("hf_delivery_attempts",
+                                                                                      default=())
+
+
+def consumer_config(name: str, new_only: bool, ack_wait: float, concurrency: int) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=name,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
+        max_deliver=MAX_DELIVER,
+        ack_wait=ack_wait,
+        max_ack_pending=concurrency,  # never more out than we run: a waiting message gets no in-progress mark
+    )
+
+
+async def beside(together: Awaitable[None], alone: dict[int, Awaitable[None]],
+                 out: list[BaseException | None]) -> list[BaseException | None]:
+    """For batch handlers: the batch's common part and the events handled one at a time (by position) run
+    concurrently; each one-at-a-time handler's failure becomes its event's outcome in `out`, and a failure of
+    the common part is raised (failing every event of the batch)."""
+    if not alone:
+        await together
+        return out
+    done = await asyncio.gather(together, *alone.values(), return_exceptions=True)
+    for i, result in zip(alone, done[1:], strict=True):
+        out[i] = result if isinstance(result, BaseException) else None
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return out
+
+
+@contextlib.asynccontextmanager
+async def holding(locks: list[asyncio.Lock]) -> AsyncIterator[None]:
+    """For batch handlers: every lock of the batch's items held for the block (taken in order, given back after)."""
+    for lock in locks:
+        await lock.acquire()
+    try:
+        yield
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+async def settle(msg: Msg, error: BaseException | None) -> None:
+    try:
+        if error is None:
+            await msg.ack()
+        elif isinstance(error, MalformedMessage):
+            await msg.term()  # poison: never redeliver
+        else:
+            log.error("handler of %s failed; message will be redelivered", msg.subject, exc_info=error)
+            await msg.nak(delay=0.5)
+    except Exception:  # noqa: BLE001 - ack/nak failed (connection lost): JetStream redelivers
+        log.warning("could not settle a message on %s", msg.subject)
+
+
+class Consumer:
+    """One durable's pull loop and in-progress ticker; `unsubscribe` ends both (the durable stays on the server)."""
+
+    def __init__(self, link: Link, name: str, concurrency: int, ack_wait: float) -> None:
+        self.link, self.name = link, name
+        self.free = concurrency
+        self.room = asyncio.Event()
+        self.running: dict[int, tuple[Msg, float]] = {}  # id(msg) -> (msg, when its handler started)
+        self.ack_wait = ack_wait
+        self.psub: Any = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, subject: str, config: ConsumerConfig, dispatch: Callable[[list[Msg]], None]) -> Consumer:
+        link = self.link
+        self.psub = await link.js.pull_subscribe(subscription_subject(link.prefix, subject), durable=self.name,
+                                                 config=config)
+        self.tasks = [link.spawn(self._pull(dispatch), f"pull:{self.name}"),
+                      link.spawn(self._keep_in_progress(), f"in-progress:{self.name}")]
+        return self
+
+    async def unsubscribe(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await self.psub.unsubscribe()
+
+    def began(self, msgs: list[Msg]) -> None:
+        now = asyncio.get_running_loop().time()
+        for msg in msgs:
+            self.running[id(msg)] = (msg, now)
+
+    def done(self, msg: Msg) -> None:
+        self.running.pop(id(msg), None)
+        self.free += 1
+        self.room.set()
+
+    async def _pull(self, dispatch: Callable[[list[Msg]], None]) -> None:
+        while True:
+            while self.free <= 0:
+                self.room.clear()
+                await self.room.wait()
+            try:
+                msgs = await self.psub.fetch(batch=self.free, timeout=FETCH_WAIT_S)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except Exception as e:  # noqa: BLE001 - a reconnect, a server error: ask again shortly
+                log.warning("fetch on %s failed: %s", self.name, e)
+                await asyncio.sleep(0.2)
+                continue
+            self.free -= len(msgs)
+            self.began(msgs)
+            dispatch(msgs)
+
+    async def _keep_in_progress(self) -> None:
+        """One ticker for all running messages (not a timer each). Period ack_wait/4 and age >= ack_wait/4:
+        every message is marked before it is ack_wait/2 old, then every ack_wait/4, well inside ack_wait."""
+        loop = asyncio.get_running_loop()
+        period = max(self.ack_wait / 4, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for msg, started in list(self.running.values()):
+                if now - started >= period:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+
+
+async def durable(link: Link, subject: str, name: str, handler: EventHandler, *, new_only: bool = False,
+                  concurrency: int = 1, ack_wait: float = 30, attach_trace: bool = True,
+                  vet: Vet | None = None) -> Consumer:
+    """Each message to its own `handler` call (a task each; at most `concurrency` at once)."""
+    inner = event_callback(link, handler, raise_errors=True, attach_trace=attach_trace, vet=vet)
+    consumer = Consumer(link, name, concurrency, ack_wait)
+
+    async def run(msg: Msg) -> None:
+        error: BaseException | None = None
+        try:
+            delivery_attempt.set(msg.metadata.num_delivered or 1)
+            await inner(msg)
+        except Exception as e:  # noqa: BLE001 - terminated (malformed) or redelivered (failed)
+            error = e
+        await settle(msg, error)
+        consumer.done(msg)
+
+    def dispatch(msgs: list[Msg]) -> None:
+        for msg in msgs:
+            link.spawn(run(msg), f"durable:{name}")
+
+    return await consumer.start(subject, consumer_config(name, new_only, ack_wait, concurrency), dispatch)
+
+
+async def durable_batches(link: Link, subject: str, name: str, handler: BatchHandler, *, concurrency: int = 256,
+                          ack_wait: float = 30, new_only: bool = False, vet: Vet | None = None) -> Consumer:
+    """Each fetched batch to one `handler` call (one task for them all)."""
+    consumer = Consumer(link, name, concurrency, ack_wait)
+
+    async def run(msgs: list[Msg]) -> None:
+        envs: list[Envelope] = []
+        handed: list[Msg] = []
+        attempts: list[int] = []
+        try:
+            for msg in msgs:
+                try:
+                    envs.append(decode(link, msg, vet))
+                except MalformedMessage as e:
+                    refused(link, msg, e)
+                    await settle(msg, e)
+                    continue
+                except HoldfastError as e:
+                    refused(link, msg, e)
+                    await settle(msg, None)  # acked: never acted on, never redelivered
+                    continue
+                handed.append(msg)
+                attempts.append(msg.metadata.num_delivered or 1)
+            delivery_attempts.set(tuple(attempts))  # this task's own context: per batch
+            try:
+                outcomes = await handler(envs) if envs else []
+            except Exception as e:  # noqa: BLE001 - every event of the batch is redelivered
+                outcomes = [e] * len(envs)
+            for msg, error in zip(handed, outcomes, strict=True):
+                await settle(msg, error)
+        finally:
+            for msg in msgs:
+                consumer.done(msg)
+
+    def dispatch(msgs: list[Msg]) -> None:
+        link.spawn(run(msgs), f"durable:{name}")
+
+    return await consumer.start(subject, consumer_config(name, new_only, ack_wait, concurrency), dispatch)

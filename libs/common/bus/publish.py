@@ -1,0 +1,198 @@
+"""Events out: an `Envelope` (or its wire form, `Wired`) on its subject; durable types through JetStream.
+
+A node's event (events.NODE_EVENTS) goes on `<prefix>.<type>.<node>`, the node its payload names (the simulated
+cluster speaks for many nodes) or else this bus's; every other event on `<prefix>.<type>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import APIError, NoStreamResponseError
+
+from libs.common import telemetry
+from libs.common.bus import codec
+from libs.common.bus.connection import Link
+from libs.common.events import Envelope, Event, TraceContext, event_subject
+
+
+class Wired:
+    """An event as it goes on the wire: subject, body (the JSON of the `Envelope` it stands for, `codec`),
+    headers, whether it is durable, and its id."""
+
+    __slots__ = ("body", "durable", "headers", "id", "subject")
+
+    def __init__(self, subject: str, body: bytes, headers: dict[str, str], durable: bool, id: str) -> None:
+        self.subject, self.body, self.headers, self.durable, self.id = subject, body, headers, durable, id
+
+
+def event_headers(id: str, durable: bool, traceparent: str | None, tracestate: str | None) -> dict[str, str]:
+    # A durable event carries its id as Nats-Msg-Id (the stream's deduplication key: a retried publish is
+    # idempotent), a core one as hf-id; not both (each header costs a check and an encode in nats-py).
+    headers = {"Nats-Msg-Id": id} if durable else {"hf-id": id}
+    if traceparent:
+        headers["traceparent"] = traceparent
+    if tracestate:
+        headers["tracestate"] = tracestate
+    return headers
+
+
+class _AckBatch:
+    """The stream acks one `publish_all` call waits for: done when all came, failed by the first error."""
+
+    __slots__ = ("done", "left", "sealed")
+
+    def __init__(self, done: asyncio.Future[None]) -> None:
+        self.done = done
+        self.left = 0  # acks still to come
+        self.sealed = False  # every event is published (an early ack must not end the wait)
+
+    def ack(self) -> None:
+        self.left -= 1
+        self.finish_if_complete()
+
+    def seal(self) -> None:
+        self.sealed = True
+        self.finish_if_complete()
+
+    def finish_if_complete(self) -> None:
+        if self.sealed and self.left <= 0 and not self.done.done():
+            self.done.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    def expire(self) -> None:
+        self.fail(NatsTimeout())
+
+
+class Publisher:
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self._subjects: dict[tuple[type, str | None], str] = {}
+        # publish_all's stream acks come to one inbox subscription, matched to their call by a counter's token
+        # (not js.publish_async: its pending-ack semaphore scans its waiters on every acquire; docs/bus.md).
+        self._inbox: str | None = None
+        self._tokens = itertools.count()
+        self._acks: dict[str, _AckBatch] = {}
+
+    def node_of(self, payload: Event) -> str | None:
+        return getattr(payload, "node", None) or self.link.settings.node
+
+    def subject(self, cls: type[Event], node: str | None) -> str:
+        key = (cls, node)
+        subject = self._subjects.get(key)
+        if subject is None:  # pydantic's class-level field lookup, once per (class, node)
+            subject = self._subjects[key] = event_subject(self.link.prefix, cls, node or "")
+        return subject
+
+    def envelope(self, payload: Event, *, incident_id: str | None = None, id: str | None = None,
+                 traceparent: str | None = None) -> Envelope:
+        if traceparent is not None:
+            trace = TraceContext(traceparent=traceparent)  # a known parent: no propagator round trip
+        else:
+            headers = telemetry.inject_headers()
+            trace = TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
+        extra = {"id": id} if id is not None else {}
+        return Envelope(type=payload.type, source=self.link.source, node=self.node_of(payload),  # type: ignore[attr-defined]
+                        incident_id=incident_id or getattr(payload, "incident_id", None), trace=trace,
+                        data=payload, **extra)  # type: ignore[arg-type]
+
+    def wired(self, payload: Event, *, id: str, traceparent: str | None = None,
+              incident_id: str | None = None) -> Wired:
+        if traceparent is not None:
+            state = None
+        else:
+            carrier = telemetry.inject_headers()
+            traceparent, state = carrier.get("traceparent"), carrier.get("tracestate")
+        node = self.node_of(payload)
+        body = codec.event_body(payload, id=id, source=self.link.source, node=node,
+                                incident_id=incident_id or getattr(payload, "incident_id", None),
+                                traceparent=traceparent, tracestate=state)
+        durable = payload.durable
+        return Wired(self.subject(type(payload), node), body, event_headers(id, durable, traceparent, state), durable, id)
+
+    def out(self, env: Envelope | Wired) -> tuple[str, bytes, dict[str, str], bool]:
+        if isinstance(env, Wired):
+            return env.subject, env.body, env.headers, env.durable
+        headers = event_headers(env.id, env.data.durable, env.trace.traceparent, env.trace.tracestate)
+        return self.subject(type(env.data), env.node), env.model_dump_json().encode(), headers, env.data.durable
+
+    async def publish(self, env: Envelope | Wired) -> None:
+        subject, body, headers, durable = self.out(env)
+        if durable:
+            await self.link.js.publish(subject, body, headers=headers, timeout=2)
+        else:
+            await self.link.nc.publish(subject, body, headers=headers)
+
+    async def publish_all(self, envs: list[Envelope] | list[Wired] | list[Envelope | Wired], *,
+                          timeout: float = 2.0) -> None:
+        tokens: list[str] = []
+        prefix = self._inbox or await self._open_inbox()
+        loop = asyncio.get_running_loop()
+        batch = _AckBatch(loop.create_future())
+        timer = None
+        try:
+            for env in envs:
+                subject, body, headers, durable = self.out(env)
+                if durable:
+                    token = str(next(self._tokens))
+                    tokens.append(token)
+                    self._acks[token] = batch
+                    batch.left += 1
+                    await self.link.nc.publish(subject, body, reply=prefix + token, headers=headers)
+                else:
+                    await self.link.nc.publish(subject, body, headers=headers)
+            if not tokens:
+                return
+            batch.seal()
+            if not batch.done.done():
+                timer = loop.call_later(timeout, batch.expire)
+            await batch.done  # a stream error (no stream, wrong sequence...) or NatsTimeout is raised here
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if batch.done.done() and not batch.done.cancelled():
+                batch.done.exception()  # retrieved (raised above, or moot after another error): no warning
+            for token in tokens:
+                self._acks.pop(token, None)
+
+    async def _open_inbox(self) -> str:
+        prefix = f"{self.link.nc.new_inbox()}."
+
+        async def on_ack(msg: Msg) -> None:
+            batch = self._acks.pop(msg.subject[len(prefix):], None)
+            if batch is not None and not batch.done.done():
+                _settle(batch, msg)
+
+        self.link.subs.append(await self.link.nc.subscribe(prefix + "*", cb=on_ack))
+        self._inbox = prefix
+        return prefix
+
+
+def _settle(batch: _AckBatch, msg: Msg) -> None:
+    if msg.headers and msg.headers.get("Status") == "503":
+        batch.fail(NoStreamResponseError())
+        return
+    data = msg.data
+    if data.startswith(b'{"stream":') and b'"error"' not in data:
+        batch.ack()  # nats-server's PubAck ({"stream":...,"seq":...}): no JSON parse per ack
+        return
+    try:
+        resp: Any = json.loads(data)
+    except ValueError as e:
+        batch.fail(e)
+        return
+    if "error" in resp:
+        try:
+            APIError.from_error(resp["error"])  # raises the typed error (it returns nothing)
+        except APIError as e:
+            batch.fail(e)
+    else:
+        batch.ack()
