@@ -19,6 +19,7 @@ from libs.common.ids import new_id
 from libs.common.security import servers
 from libs.common.store import KeepAlive, Store, ThreadKeepAlive, WatchEvent, grpc_target
 from tests.conftest import TEST_IDENTITIES, _whole_keyspace
+from tests.support import wait_until
 
 
 def remote_ports_in_use() -> set[int]:
@@ -66,13 +67,6 @@ async def ha_store(etcd_cluster: tuple[tuple[clusters.Member, ...], list[procs.C
     await store.close()
 
 
-async def until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 async def test_the_store_carries_on_when_the_member_it_uses_is_killed(
         etcd_cluster: tuple[tuple[clusters.Member, ...], list[procs.Child]], ha_store: Store) -> None:
     ms, kids = etcd_cluster
@@ -90,7 +84,7 @@ async def test_the_store_carries_on_when_the_member_it_uses_is_killed(
 
     tasks.append(asyncio.create_task(watch()))
     await store.put("w/1", 1)
-    await until(lambda: len(seen) == 1)
+    await wait_until(lambda: len(seen) == 1)
 
     used = {m.port for m in ms} & remote_ports_in_use()
     assert len(used) == 1, f"the client should hold one member, holds {used}"
@@ -107,7 +101,7 @@ async def test_the_store_carries_on_when_the_member_it_uses_is_killed(
     assert not await store.create("created-after", "y")
     assert await store.cas("after", 2, 3)
     await store.put("w/2", 2)
-    await until(lambda: [e.key for e in seen] == ["w/1", "w/2"])  # the watch resumed, no event lost or doubled
+    await wait_until(lambda: [e.key for e in seen] == ["w/1", "w/2"])  # the watch resumed, no event lost or doubled
 
     # The lease outlives its ttl more than twice over: both keep-alives refresh it through the others.
     refreshed = thread_ka.refreshes

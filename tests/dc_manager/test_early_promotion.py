@@ -13,7 +13,6 @@ from libs.common.events import (
     EngineRole,
     Freeze,
     FreezeReply,
-    IntentResult,
     LeaseInfo,
     LeaseState,
     RecoverIntent,
@@ -23,6 +22,7 @@ from libs.common.events import (
 )
 from libs.common.store import Store
 from tests.controller.helpers import healthy, service_env, start, wait_for
+from tests.support import intent_results, put_node
 
 NODE = "n-early"
 
@@ -50,8 +50,7 @@ class Node:
 
 
 async def _cluster(store: Store, engine: str, *, shadowed: bool) -> None:
-    await store.put(f"nodes/{NODE}", {"node": NODE, "datacenter": "dc-1", "started_at": time.time(), "gpus": [0]})
-    await store.put(f"gpus/{NODE}/0", {"healthy": True, "total_bytes": 10 * 2**30})
+    await put_node(store, NODE)
     await store.put(f"engines/{engine}", EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
                                                     role=EngineRole.ACTIVE, state="ready"))
     await store.put(f"allocations/{NODE}/L-{engine}", LeaseInfo(
@@ -63,12 +62,6 @@ async def _cluster(store: Store, engine: str, *, shadowed: bool) -> None:
                                                 shadows=engine if shadowed else None))
 
 
-async def _results(bus: Bus, incident: str) -> list[IntentResult] | None:
-    got = [e.data for e in await bus.replay("intent.result")
-           if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
-    return got or None
-
-
 async def test_a_shadowing_standby_is_promoted_during_the_freeze_and_a_plain_one_after_it(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
     node = Node()
@@ -78,8 +71,9 @@ async def test_a_shadowing_standby_is_promoted_during_the_freeze_and_a_plain_one
     await _cluster(store, "e-plain", shadowed=False)
     dcm = start("services.dc_manager", service_env(settings_env, HF_PROMOTE_SHADOWS_EARLY="true"), tmp_path / "dcm.log")
     try:
+        # The condition the view needs: the manager answers health only after its setup, which waits for its
+        # view's first snapshot, read after the records above were written (the process starts after them).
         await healthy(bus, "dc_manager", "dc-1")
-        await asyncio.sleep(0.5)  # the manager's view has the standbys (a watch, not a read, feeds it)
         await bus.emit(RecoverIntent(incident_id="inc-sh", engine_id="e-shadowed", model="m", node=NODE))
 
         async def promoted() -> bool:
@@ -91,12 +85,12 @@ async def test_a_shadowing_standby_is_promoted_during_the_freeze_and_a_plain_one
         token = node.freezes[0].transfer_token
         assert token is not None and len(token) >= 16 and takeover.transfer_token == token
         node.release.set()
-        got = await wait_for(lambda: _results(bus, "inc-sh"), what="the intent's result")
+        got = await wait_for(lambda: intent_results(bus, "inc-sh"), what="the intent's result")
         assert [(r.step, r.ok) for r in got] == [("reattach", True)]
         assert got[0].timings_ms.get("promoted_during_freeze") == 1.0 and got[0].frozen_at is not None
 
         await bus.emit(RecoverIntent(incident_id="inc-plain", engine_id="e-plain", model="m", node=NODE))
-        got = await wait_for(lambda: _results(bus, "inc-plain"), what="the plain standby's result")
+        got = await wait_for(lambda: intent_results(bus, "inc-plain"), what="the plain standby's result")
         assert [(r.step, r.ok) for r in got] == [("reattach", True)]
         plain = [(t, answered) for t, answered in node.takeovers if t.engine_id == "e-plain"]
         assert plain and plain[0][1] is True  # only after the freeze answered

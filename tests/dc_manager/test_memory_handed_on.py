@@ -5,8 +5,6 @@ to the next successor (Takeover.memory_of)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 from libs.common.bus import Bus
@@ -16,7 +14,6 @@ from libs.common.events import (
     EngineRole,
     Freeze,
     FreezeReply,
-    IntentResult,
     LeaseInfo,
     LeaseState,
     RecoverIntent,
@@ -26,6 +23,7 @@ from libs.common.events import (
 )
 from libs.common.store import Store
 from tests.controller.helpers import healthy, service_env, start, wait_for
+from tests.support import intent_results, put_node
 
 NODE = "n-handed-on"
 TOKEN = "first-token-" + "x" * 20
@@ -57,15 +55,8 @@ class Node:
         return TakeoverReply(engine=succ, used_standby=True)
 
 
-async def _results(bus: Bus, incident: str) -> list[IntentResult] | None:
-    got = [e.data for e in await bus.replay("intent.result")
-           if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
-    return got or None
-
-
 async def _cluster(store: Store, **engines: str | None) -> None:
-    await store.put(f"nodes/{NODE}", {"node": NODE, "datacenter": "dc-1", "started_at": time.time(), "gpus": [0]})
-    await store.put(f"gpus/{NODE}/0", {"healthy": True, "total_bytes": 10 * 2**30})
+    await put_node(store, NODE)
     for engine, successor_of in engines.items():
         await store.put(f"engines/{engine}", EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
                                                         role=EngineRole.ACTIVE, state="ready",
@@ -80,11 +71,12 @@ async def test_a_successor_that_died_before_owning_its_memory_has_its_predecesso
     await _cluster(store, first=None, second="first", plain=None, **{"kv-only": "first"})
     dcm = start("services.dc_manager", service_env(settings_env), tmp_path / "dcm.log")
     try:
+        # The condition the view needs: the manager answers health only after its setup, which waits for its
+        # view's first snapshot, read after the records above were written (the process starts after them).
         await healthy(bus, "dc_manager", "dc-1")
 
-        await asyncio.sleep(0.5)  # the manager's view has the engines (a watch, not a read, feeds it)
         await bus.emit(RecoverIntent(incident_id="inc-second", engine_id="second", model="m", node=NODE))
-        got = await wait_for(lambda: _results(bus, "inc-second"), what="the second incident's result")
+        got = await wait_for(lambda: intent_results(bus, "inc-second"), what="the second incident's result")
         assert [(r.step, r.ok) for r in got] == [("reattach", True)] and got[0].successor_id == "third"
         assert node.freezes == ["second", "first"]
         (takeover,) = node.takeovers
@@ -92,13 +84,13 @@ async def test_a_successor_that_died_before_owning_its_memory_has_its_predecesso
 
         # An engine that is no one's successor and holds nothing: its freeze fails as before (the fallback).
         await bus.emit(RecoverIntent(incident_id="inc-plain", engine_id="plain", model="m", node=NODE))
-        got = await wait_for(lambda: _results(bus, "inc-plain"), what="the plain engine's result")
+        got = await wait_for(lambda: intent_results(bus, "inc-plain"), what="the plain engine's result")
         assert [(r.step, r.ok) for r in got] == [("freeze", False)] and "not_found" in got[0].detail
         assert len(node.takeovers) == 1
 
         # One that leased a KV cache of its own as a shadow: the freeze finds that, and no weights.
         await bus.emit(RecoverIntent(incident_id="inc-kv-only", engine_id="kv-only", model="m", node=NODE))
-        got = await wait_for(lambda: _results(bus, "inc-kv-only"), what="the KV-only successor's result")
+        got = await wait_for(lambda: intent_results(bus, "inc-kv-only"), what="the KV-only successor's result")
         assert [(r.step, r.ok) for r in got] == [("reattach", True)]
         assert node.freezes[-2:] == ["kv-only", "first"]
         assert (node.takeovers[-1].memory_of, node.takeovers[-1].transfer_token) == ("first", TOKEN)

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 from services.router.route_ins import RouteIns
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
+from tests.support import Clock
 
 
 def test_only_the_first_request_and_answer_after_an_addition_are_kept() -> None:
-    log = RouteIns(clock=Clock())
+    log = RouteIns(clock=Clock(now=1000.0, step=1.0))
     log.sent("e1")  # before any addition: nothing to attach it to
     log.added("e1", published=1000.5)
     log.sent("e1")
@@ -27,7 +19,7 @@ def test_only_the_first_request_and_answer_after_an_addition_are_kept() -> None:
 
 
 def test_an_endpoint_added_again_starts_a_new_entry_and_old_ones_fall_off() -> None:
-    log = RouteIns(keep=2, clock=Clock())
+    log = RouteIns(keep=2, clock=Clock(now=1000.0, step=1.0))
     log.added("a", None)  # added by a reconcile, not an event: received is the only time there is
     log.sent("a")
     log.added("b", 1001.5)

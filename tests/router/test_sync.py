@@ -11,14 +11,7 @@ from services.router.relay import Relay
 from services.router.settings import RouterSettings
 from services.router.sync import EndpointFeed, parse_endpoints, plan
 from services.router.table import EndpointTable
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import Clock
 
 
 def records(**urls: str) -> dict[str, bytes]:

@@ -7,14 +7,7 @@ import asyncio
 import pytest
 
 from services.router.table import EndpointTable, NoEndpoint, QueueFull
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import Clock
 
 
 def test_the_least_loaded_endpoint_is_chosen_and_ties_rotate() -> None:

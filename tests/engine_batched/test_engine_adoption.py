@@ -1,0 +1,79 @@
+"""The step loop of a successor that adopted a journal (engine.py): unclaimed adopted sequences run ahead by
+ADOPTED_AHEAD tokens and then wait for their claims (the step thread leaves the interpreter to the HTTP thread
+taking the router's replays); a claim gets those tokens at once and its sequence runs to its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from engines.batched.engine import ADOPTED_AHEAD, LLMEngine, Request
+from engines.batched.journal import Journal, JournalLayout
+from engines.batched.model_runner import ModelRunner
+from engines.batched.scheduler import Scheduler, SchedulerConfig
+from engines.reference.config import get_config
+from engines.reference.weights import load_weights, make_weights
+
+CFG = get_config("tiny")
+LAYOUT = JournalLayout(block_size=4, num_blocks=128, slots=8, max_len=256)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.done = threading.Event()
+
+    def token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.done.set()
+
+
+def engine(weights: dict[str, torch.Tensor], kv: torch.Tensor, jr: dict[str, torch.Tensor]) -> LLMEngine:
+    runner = ModelRunner(CFG, weights, kv, LAYOUT.block_size, deterministic=True)
+    sched = Scheduler(SchedulerConfig(num_blocks=LAYOUT.num_blocks, block_size=LAYOUT.block_size,
+                                      max_model_len=LAYOUT.max_len, max_num_seqs=LAYOUT.slots, deterministic=True))
+    return LLMEngine(runner, sched, Journal(LAYOUT, jr), adopt_claim_s=30.0)
+
+
+def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_their_tokens(tmp_path) -> None:
+    weights = load_weights(make_weights(CFG, tmp_path / "tiny.safetensors", seed=4))
+    kv = torch.zeros(CFG.n_layers, 2, LAYOUT.num_blocks, LAYOUT.block_size, CFG.n_kv_heads, CFG.head_dim)
+    jr = {n: torch.zeros(shape, dtype=dt) for n, (dt, shape) in LAYOUT.tensors().items()}
+    first = engine(weights, kv, jr)
+    first.journal.format()
+    prompt = [1, 5, 9, 13, 17]
+    sink = ListSink()
+    first.submit(Request("r1", prompt, 40, 0.0, 0, True, sink))
+    first._drain()
+    for _ in range(6):
+        first.step()
+    seen = list(sink.tokens)  # the predecessor dies here: its client has these
+
+    succ = engine(weights, kv, jr)
+    entries, dropped = succ.journal.recover()
+    succ.adopt(entries, dropped)
+    succ.start()
+    try:
+        deadline = time.monotonic() + 30
+        while succ.counters.steps < ADOPTED_AHEAD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # room for steps it should not take
+        assert succ.counters.steps == ADOPTED_AHEAD
+        claim = ListSink()
+        succ.submit(Request("r1", prompt + seen, 40 - len(seen), 0.0, 0, True, claim, resumed=len(seen)))
+        assert claim.done.wait(30)
+    finally:
+        succ.stop()
+    assert succ.counters.claimed == 1 and succ.counters.recomputed_tokens == 0
+    alone = ListSink()  # an uninterrupted run of the same request
+    ref = engine(weights, torch.zeros_like(kv), {n: torch.zeros_like(t) for n, t in jr.items()})
+    ref.journal.format()
+    ref.submit(Request("r2", prompt, 40, 0.0, 0, True, alone))
+    ref._drain()
+    while not alone.done.is_set():
+        ref.step()
+    assert seen + claim.tokens == alone.tokens

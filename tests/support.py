@@ -1,0 +1,57 @@
+"""What tests of several subsystems share: a fake clock, waiting on a condition, the records a node side writes.
+
+Waits are on conditions, never fixed sleeps: a test states what it waits for, and a slow machine only makes it
+wait longer, up to a bound that fails the test with what was awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libs.common.bus import Bus
+from libs.common.events import IntentResult
+from libs.common.store import Store
+
+
+class Clock:
+    """A clock the test moves: `now` is what it reads, `step` what each read adds first (0: it stands still)."""
+
+    def __init__(self, now: float = 100.0, step: float = 0.0) -> None:
+        self.now = now
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+async def wait_until(cond: Callable[[], Any | Awaitable[Any]], within_s: float = 20.0, every: float = 0.05,
+                     what: str = "condition") -> Any:
+    """Poll `cond` (plain or async) until it returns something truthy, and return that; an AssertionError naming
+    `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        got = cond()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_s} s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+async def put_node(store: Store, node: str, *, datacenter: str = "dc-1", gpu_bytes: int = 10 * 2**30) -> None:
+    """A node with one healthy GPU, as its agent and gpu_manager record them."""
+    await store.put(f"nodes/{node}", {"node": node, "datacenter": datacenter, "started_at": time.time(), "gpus": [0]})
+    await store.put(f"gpus/{node}/0", {"healthy": True, "total_bytes": gpu_bytes})
+
+
+async def intent_results(bus: Bus, incident: str) -> list[IntentResult] | None:
+    """The dc_manager's results for `incident` so far (None while there is none: a `wait_until` condition)."""
+    got = [e.data for e in await bus.replay("intent.result")
+           if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
+    return got or None
