@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.batched.attention import AttnMeta, attend, gather, reference_one, sdpa_one  # noqa: E402
+from engines.batched.memory import _fuse_local  # noqa: E402
 from engines.batched.model_runner import ModelRunner, RunItem  # noqa: E402
 from engines.reference.config import get_config  # noqa: E402
 
@@ -101,19 +102,20 @@ def bench_runner(size: str, batches: list[int], ctx: int) -> list[dict]:
     kv = torch.zeros(cfg.n_layers, 2, blocks, BS, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
     bw = measured_bandwidth()
     out = []
-    for det in (False, True):
-        for graphs in (False, True):
-            runner = ModelRunner(cfg, weights, kv, BS, deterministic=det, cuda_graphs=graphs,
-                                 max_num_seqs=max(batches))
-            runner.warmup()
-            for b in batches:
-                items = [RunItem([1], ctx - 1, list(range(i * nb, (i + 1) * nb)), True) for i in range(b)]
-                ms = timed(partial(runner.run, items), 10)
-                out.append({"kind": "runner_decode", "size": size, "deterministic": det, "graphs": graphs,
-                            "batch": b, "ctx": ctx, "step_ms": ms, "tokens_per_s": b / ms * 1e3,
-                            "roofline_ms": runner.roofline_step_s(b, ctx, bw) * 1e3})
-            runner = None  # its graphs' memory back before the next one captures
-            torch.cuda.empty_cache()
+    plain = dict(weights)
+    fused = _fuse_local(weights)  # `weights`' q/k/v and w1/w3 become views of the fused tensors
+    for det, graphs, fuse in ((False, True, False), (False, True, True), (True, True, True), (False, False, True)):
+        runner = ModelRunner(cfg, weights if fuse else plain, kv, BS, deterministic=det, cuda_graphs=graphs,
+                             max_num_seqs=max(batches), fused=fused if fuse else None)
+        runner.warmup()
+        for b in batches:
+            items = [RunItem([1], ctx - 1, list(range(i * nb, (i + 1) * nb)), True) for i in range(b)]
+            ms = timed(partial(runner.run, items), 10)
+            out.append({"kind": "runner_decode", "size": size, "deterministic": det, "graphs": graphs, "fused": fuse,
+                        "batch": b, "ctx": ctx, "step_ms": ms, "tokens_per_s": b / ms * 1e3,
+                        "roofline_ms": runner.roofline_step_s(b, ctx, bw) * 1e3})
+        runner = None  # its graphs' memory back before the next one captures
+        torch.cuda.empty_cache()
     return out
 
 

@@ -34,6 +34,7 @@ from libs.common.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2
+SWITCH_INTERVAL_S = 0.0005
 
 
 def _ms(t0: float) -> float:
@@ -72,7 +73,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     """Runner, scheduler and journal over the loaded tensors; the journal's sequences adopted when the KV lease
     came from before (and was written for this layout)."""
     runner = ModelRunner(mcfg, loaded.weights, loaded.kv, layout.block_size, deterministic=cfg.deterministic,
-                         cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs)
+                         cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs, fused=loaded.fused)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           prefill_chunk=cfg.prefill_chunk, max_model_len=layout.max_len,
@@ -134,6 +135,10 @@ def report_fatal(link: Any) -> None:
 def run(cfg: EngineConfig) -> int:
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.threads)
+    # The HTTP thread and the step thread share the interpreter: with the default 5 ms switch interval a request
+    # that arrives while the step thread runs Python (a graph capture, an eager step) waits up to 5 ms for each
+    # turn; a router's replay burst after a failover is 80 requests. 0.5 ms gives the HTTP thread its turns.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     t_process = time.perf_counter()
     mcfg = get_config(cfg.size)
     max_len = cfg.max_model_len or mcfg.max_seq

@@ -33,6 +33,11 @@ from libs.common.tokenizer import EOS
 log = logging.getLogger("holdfast.engine.batched")
 STOP = frozenset({EOS})
 REFUSED_FULL, REFUSED_BAD = "refused:queue_full", "refused:bad_request"  # finish reasons of a refused request
+# Tokens an unclaimed adopted sequence makes ahead of its claim. Its claim sends them at once (the client's
+# first token after a failover costs no step); past them, while every live sequence is unclaimed, the step
+# thread waits for claims instead of running on: the router's replay burst is taken by the HTTP thread, which
+# shares the interpreter with the step thread.
+ADOPTED_AHEAD = 4
 
 
 class Sink(Protocol):
@@ -62,6 +67,7 @@ class _Live:
     slot: int | None = None
     sent: int = 0  # tokens past the prompt handed to the sink
     adopted_at: float = 0.0
+    adopted_len: int = 0  # tokens at adoption (journal)
     t_submit: float = field(default_factory=time.perf_counter)
 
 
@@ -146,7 +152,7 @@ class LLMEngine:
             seq.num_computed = e.computed
             seq.block_table = list(e.block_table)
             seqs.append(seq)
-            live = _Live(seq, None, e.slot, sent=len(e.tokens) - e.prompt_len, adopted_at=now)
+            live = _Live(seq, None, e.slot, sent=len(e.tokens) - e.prompt_len, adopted_at=now, adopted_len=len(e.tokens))
             self._live[seq.seq_id] = live
             self._orphans[seq.seq_id] = live
         self.scheduler.adopt(seqs)
@@ -165,7 +171,7 @@ class LLMEngine:
                 self._capture("first", self.capture_first)
             while not self._stop.is_set():
                 self._drain()
-                ran = self.step()
+                ran = False if self._ahead_of_claims() else self.step()
                 self.flush()
                 if ran:
                     continue
@@ -182,6 +188,14 @@ class LLMEngine:
                 if live.sink is not None:
                     live.sink.finish("error", 0, 0)
             self.flush()
+
+    def _ahead_of_claims(self) -> bool:
+        """Every live sequence is adopted and unclaimed, and each has its ADOPTED_AHEAD tokens (or has ended):
+        no step is needed until a claim or a new request comes."""
+        if not self._orphans or len(self._orphans) != len(self._live):
+            return False
+        return all(o.seq.status == SeqStatus.FINISHED or len(o.seq.tokens) - o.adopted_len >= ADOPTED_AHEAD
+                   for o in self._orphans.values())
 
     def _drain(self) -> None:
         while True:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engines.batched.fused_layout import FUSED, Placed, fused_runs, write_order
 from engines.batched.journal import JournalLayout
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
@@ -43,6 +44,7 @@ class Loaded:
     kv_handed_on: bool  # the KV lease (and its journal) came from before: its sequences may continue
     layout: JournalLayout
     timings_ms: dict[str, float] = field(default_factory=dict)
+    fused: dict[str, torch.Tensor] = field(default_factory=dict)  # views over back-to-back parts (fused_layout.py)
 
 
 def _ms(t0: float) -> float:
@@ -98,11 +100,12 @@ class LocalMemory:
         t0 = time.perf_counter()
         check_file_matches(path, cfg)
         weights = load_weights(path, self.device)
+        fused = _fuse_local(weights)
         dtype = weights["tok_embeddings.weight"].dtype
         layout: JournalLayout = layout_of(dtype, None)
         kv = torch.zeros(kv_shape(cfg, layout.num_blocks, layout.block_size), dtype=dtype, device=self.device)
         journal = {n: torch.zeros(shape, dtype=dt, device=self.device) for n, (dt, shape) in layout.tensors().items()}
-        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": _ms(t0)})
+        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": _ms(t0)}, fused)
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         raise RuntimeError("local memory has nothing to reattach")
@@ -131,18 +134,44 @@ class LeasedMemory:
         return bool(self.client.pending())
 
     def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
-        from libs.client.safetensors_io import load_safetensors_into_leases
-
         t0 = time.perf_counter()
         check_file_matches(path, cfg)
-        weights = load_safetensors_into_leases(self.client, str(path), tag="weights", name="weights", gpu=self.gpu,
-                                               framework="torch")
+        lease, metas = self._load_weights(path)
+        weights = {m.name: lease.view(m, "torch") for m in metas}
         t_load = _ms(t0)
         dtype = weights["tok_embeddings.weight"].dtype
         layout = layout_of(dtype, None)
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)},
+                      _fused_views([(lease, m) for m in metas]))
+
+    def _load_weights(self, path: Path) -> tuple[Any, list[Any]]:
+        """The file into one weights lease, each layer's fused parts back to back (fused_layout.py)."""
+        import os
+
+        from libs.client.protocol import TensorMeta
+        from libs.client.safetensors_io import SAFETENSORS_DTYPES, _copy_in, read_header
+
+        data_start, header = read_header(path)
+        in_file = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+        plan: list[tuple[str, int, int, int]] = []  # name, lease offset, file offset, bytes
+        off = 0
+        for name in write_order(in_file):
+            start, end = header[name]["data_offsets"]
+            plan.append((name, off, start, end - start))
+            off += -(-(end - start) // ALIGN) * ALIGN
+        lease = self.client.allocate(max(off, ALIGN), tag="weights", name="weights", gpu=self.gpu)
+        metas = [TensorMeta(name=n, lease_id=lease.id, offset=o, shape=list(header[n]["shape"]),
+                            dtype=SAFETENSORS_DTYPES[header[n]["dtype"]]) for n, o, _, _ in plan]
+        fd = os.open(path, os.O_RDONLY)
+        try:  # the SDK's copy (host: preadv into the shared pages; cuda: a pinned bounce buffer)
+            _copy_in(lease, fd, data_start, [(m, start, nbytes) for m, (_, _, start, nbytes) in zip(metas, plan, strict=True)])
+        finally:
+            os.close(fd)
+        self.client.register(metas)
+        self.client.commit()
+        return lease, metas
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         t0 = time.perf_counter()
@@ -167,6 +196,7 @@ class LeasedMemory:
         if missing:
             raise MissingWeights(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
         weights = {n: tensors[n] for n in cfg.tensor_shapes()}
+        fused = _fused_views([(lease, m) for lease in leases if lease not in caches for m in lease.tensor_metas])
         dtype = weights["tok_embeddings.weight"].dtype
         for extra in caches[1:]:
             self.client.release(extra.id)
@@ -180,13 +210,13 @@ class LeasedMemory:
             if all(n in own and tuple(own[n].shape) == s for n, s in want.items()):
                 journal = {n: own[n] for n in layout.tensors()}
                 return Loaded(weights, own[KV_NAME], journal, source, True, layout,
-                              {"attach_ms": t_attach, "total_ms": _ms(t0)})
+                              {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused)
             log.info("the handed-on KV lease does not fit this configuration; leasing a new one")
             self.client.release(caches[0].id)
         layout = layout_of(dtype, None)
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused)
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         packed = _packed(cfg, dtype, layout)
@@ -204,3 +234,32 @@ class LeasedMemory:
             self.client.close(unmap=False)  # the leases stay with the gpu_manager for a successor
         except Exception as e:  # noqa: BLE001 - closing on the way out: the process ends anyway
             log.warning("closing the memory client failed: %s", e)
+
+
+def _fused_views(registered: list[tuple[Any, Any]]) -> dict[str, torch.Tensor]:
+    """One zero-copy view over each fused group the weights lease holds back to back (fused_layout.py)."""
+    from libs.client.protocol import DTYPE_SIZES
+
+    placed = [Placed(m.name, lease, m.offset, tuple(m.shape), m.dtype, DTYPE_SIZES.get(m.dtype, 0), m.stride is None)
+              for lease, m in registered]
+    return {name: first.lease.torch(first.dtype, shape, first.offset)  # type: ignore[attr-defined]
+            for name, (first, shape) in fused_runs(placed).items()}
+
+
+def _fuse_local(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local memory (no lease to keep): each fused group copied into one tensor, its parts made views of it."""
+    fused: dict[str, torch.Tensor] = {}
+    layers = sorted({n.split(".")[1] for n in weights if n.startswith("layers.")}, key=int)
+    for i in layers:
+        p = f"layers.{i}."
+        for name, parts in FUSED.items():
+            if not all(p + n in weights for n in parts):
+                continue
+            buf = torch.cat([weights[p + n] for n in parts])
+            at = 0
+            for n in parts:
+                rows = weights[p + n].shape[0]
+                weights[p + n] = buf[at:at + rows]
+                at += rows
+            fused[p + name] = buf
+    return fused

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.batched.attention import AttnMeta, attend, paged_kernels, write_kv
+from engines.batched.fused_layout import FUSED
 from engines.reference.config import ModelConfig
 from engines.reference.engine import sample
 from engines.reference.model import Transformer, apply_rope, rms_norm
@@ -94,9 +95,13 @@ def _sections(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor, block_size: int, *,
-                 deterministic: bool = False, cuda_graphs: bool = True, max_num_seqs: int = 256) -> None:
+                 deterministic: bool = False, cuda_graphs: bool = True, max_num_seqs: int = 256,
+                 fused: dict[str, torch.Tensor] | None = None) -> None:
         self.model = Transformer(cfg, weights)  # checks the weights; its rope tables, in the weights' dtype
         self.cfg, self.w, self.device = cfg, weights, self.model.device
+        self.fused = check_fused(cfg, weights, fused or {})
+        # CUDA: RMSNorm and SwiGLU's product in one Triton kernel each (one program a row: batch-invariant)
+        self.kern = paged_kernels if self.device.type == "cuda" and paged_kernels is not None else None
         want = (cfg.n_layers, 2, kv.shape[2] if kv.dim() == 6 else -1, block_size, cfg.n_kv_heads, cfg.head_dim)
         if kv.dim() != 6 or tuple(kv.shape) != want:
             raise ValueError(f"kv cache shape {tuple(kv.shape)}, expected [layers, 2, blocks, {block_size}, "
@@ -106,6 +111,11 @@ class ModelRunner:
         self.kv, self.block_size, self.num_blocks = kv, block_size, kv.shape[2]
         self.deterministic = deterministic
         self.tile = 64 if self.device.type == "cuda" else 16
+        # Deterministic: rows of multi-token works (prefill chunks) go through tiles 4x as tall: a mixed step
+        # re-reads the weights a quarter as often. A row's tile size is fixed by its own work's kind (a chunk or
+        # one token), which the scheduler sets from the sequence alone, so it stays batch-invariant.
+        self.prefill_tile = 4 * self.tile
+        self._split: int | None = None  # rows [0, split) small tiles, the rest prefill tiles; None: all small
         self.max_num_seqs = max_num_seqs
         self.table_width = -(-cfg.max_seq // block_size)
         self.buckets = [b for b in GRAPH_BUCKETS if b <= max_num_seqs]
@@ -145,7 +155,13 @@ class ModelRunner:
             logits = self._replay(items)[:B]
             rows = [i for i, it in enumerate(items) if it.sample]
             return logits[rows]  # a copy: the graph's output is rewritten by the next replay
-        return self._eager(items)
+        if not self.deterministic:
+            return self._eager(items)
+        # single-token works first (small tiles), chunks after (prefill tiles); the logits back in item order
+        order = sorted(range(B), key=lambda i: len(items[i].token_ids) > 1)
+        logits = self._eager([items[i] for i in order], split=sum(len(items[i].token_ids) == 1 for i in order))
+        at = {i: j for j, i in enumerate(i for i in order if items[i].sample)}
+        return logits[[at[i] for i in range(B) if items[i].sample]]
 
     def _check(self, it: RunItem) -> None:
         n = len(it.token_ids)
@@ -185,7 +201,7 @@ class ModelRunner:
         index = torch.arange(flat.numel()) + torch.repeat_interleave(rows - firsts, lens)
         table.view(-1).index_copy_(0, index, flat)
 
-    def _eager(self, items: Sequence[RunItem]) -> torch.Tensor:
+    def _eager(self, items: Sequence[RunItem], split: int | None = None) -> torch.Tensor:
         tokens, positions, slots = self._host_rows(items)
         T, B = len(tokens), len(items)
         ends = [it.end for it in items]
@@ -202,52 +218,86 @@ class ModelRunner:
         self._stage.upload(sum(sizes))
         tok, pos, slot, ctx, head, table = _sections(self._stage.dev, sizes)
         meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B, batched_prefill=not self.deterministic)
-        return self._forward(tok, pos, slot, meta, head)
+        self._split = split
+        try:
+            return self._forward(tok, pos, slot, meta, head)
+        finally:
+            self._split = None
 
     # ---- the forward
 
-    def _rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """`fn` over the rows of x: at once, or (deterministic) one fixed-size tile at a time."""
+    def _rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, head: bool = False) -> torch.Tensor:
+        """`fn` over the rows of x: at once, or (deterministic) one fixed-size tile at a time: the step's first
+        `_split` rows in tiles of `tile`, the rest in tiles of `prefill_tile` (the head's rows: all small)."""
         if not self.deterministic or x.shape[0] == 0:
             return fn(x)
-        M, t = x.shape[0], self.tile
+        M = x.shape[0]
+        split = M if head or self._split is None else min(self._split, M)
+        parts = [self._tiled(fn, x[:split], self.tile), self._tiled(fn, x[split:], self.prefill_tile)]
+        return torch.cat([p for p in parts if p is not None]) if parts[1] is not None else parts[0]
+
+    @staticmethod
+    def _tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: int) -> torch.Tensor | None:
+        M = x.shape[0]
+        if M == 0:
+            return None
         if M % t:
             x = F.pad(x, (0, 0, 0, t - M % t))
         return torch.cat([fn(x[i:i + t]) for i in range(0, x.shape[0], t)])[:M]
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        w = self.w[name]
-        return self._rows(lambda rows: F.linear(rows, w), x)
+    def _linear(self, x: torch.Tensor, name: str, *, head: bool = False) -> torch.Tensor:
+        w = self.fused.get(name)
+        w = self.w[name] if w is None else w
+        return self._rows(lambda rows: F.linear(rows, w), x, head=head)
 
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, name: str, *, head: bool = False) -> torch.Tensor:
         w, eps = self.w[name], self.cfg.norm_eps
-        return self._rows(lambda rows: rms_norm(rows, w, eps), x)
+        if self.kern is not None:  # one program a row: batch-invariant without tiles
+            return self.kern.rms_norm(x, w, eps)
+        return self._rows(lambda rows: rms_norm(rows, w, eps), x, head=head)
 
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """SwiGLU, tiled as a whole: SiLU's exp is not batch-invariant on the CPU (vectorized and scalar paths
-        round differently, and which one an element takes depends on the tensor's size: seen on AVX-512)."""
-        w1, w2, w3 = (self.w[p + f"feed_forward.{n}.weight"] for n in ("w1", "w2", "w3"))
+        """SwiGLU. CUDA with w1/w3 fused: one projection, one kernel for silu(gate) * up, then w2. Otherwise tiled
+        as a whole: SiLU's exp is not batch-invariant on the CPU (vectorized and scalar paths round differently,
+        and which one an element takes depends on the tensor's size: seen on AVX-512)."""
+        w2 = self.w[p + "feed_forward.w2.weight"]
+        w13 = self.fused.get(p + "feed_forward.w13.weight")
+        if w13 is not None and self.kern is not None:
+            return self._rows(lambda rows: F.linear(rows, w2), self.kern.silu_mul(self._rows(lambda rows: F.linear(rows, w13), x)))
+        if w13 is not None:
+            f = self.cfg.ffn_dim
+            return self._rows(lambda rows: F.linear(_silu_mul(F.linear(rows, w13), f), w2), x)
+        w1, w3 = (self.w[p + f"feed_forward.{n}.weight"] for n in ("w1", "w3"))
         return self._rows(lambda rows: F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2), x)
+
+    def _qkv(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, heads, hd] and k, v [T, kv heads, hd], rope applied: with wq/wk/wv fused, one projection and
+        one rope over q and k together (rope is elementwise: the same values as two calls)."""
+        cfg, T = self.cfg, x.shape[0]
+        H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if p + "attention.wqkv.weight" not in self.fused:
+            q = apply_rope(self._linear(x, p + "attention.wq.weight").view(T, H, hd), cos, sin)
+            k = apply_rope(self._linear(x, p + "attention.wk.weight").view(T, KV, hd), cos, sin)
+            return q, k, self._linear(x, p + "attention.wv.weight").view(T, KV, hd)
+        qkv = self._linear(x, p + "attention.wqkv.weight")
+        qk = apply_rope(qkv[:, :(H + KV) * hd].view(T, H + KV, hd), cos, sin)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * hd:].view(T, KV, hd)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnMeta,
                  head_rows: torch.Tensor | None) -> torch.Tensor:
         """Logits (float32) of `head_rows` (None: every row)."""
         cfg = self.cfg
-        T, hd = tokens.shape[0], cfg.head_dim
         h = F.embedding(tokens, self.w["tok_embeddings.weight"])
         cos, sin = self.model.cos[positions], self.model.sin[positions]
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            x = self._norm(h, p + "attention_norm.weight")
-            q = apply_rope(self._linear(x, p + "attention.wq.weight").view(T, cfg.n_heads, hd), cos, sin)
-            k = apply_rope(self._linear(x, p + "attention.wk.weight").view(T, cfg.n_kv_heads, hd), cos, sin)
-            v = self._linear(x, p + "attention.wv.weight").view(T, cfg.n_kv_heads, hd)
+            q, k, v = self._qkv(self._norm(h, p + "attention_norm.weight"), p, cos, sin)
             write_kv(self.kv[i], k, v, slots)
             h = h + self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight")
             h = h + self._mlp(self._norm(h, p + "ffn_norm.weight"), p)
         if head_rows is not None:
             h = h[head_rows]
-        return self._linear(self._norm(h, "norm.weight"), "output.weight").float()
+        return self._linear(self._norm(h, "norm.weight", head=True), "output.weight", head=True).float()
 
     def _sample(self, items: Sequence[RunItem], logits: torch.Tensor) -> list[int | None]:
         """engine.py's `sample` per sampling row; greedy rows' argmax taken in one call (the same argmax)."""
@@ -331,3 +381,29 @@ class ModelRunner:
         graph, logits = self._graphs[b]
         graph.replay()
         return logits
+
+
+def _silu_mul(x: torch.Tensor, f: int) -> torch.Tensor:
+    return F.silu(x[:, :f]) * x[:, f:]
+
+
+def check_fused(cfg: ModelConfig, weights: dict[str, torch.Tensor], fused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused projections a layer may use: `fused[name]` must be a view of exactly its parts' memory, in order
+    (memory.py lays the parts out back to back and views them as one; nothing is copied). A layer without a
+    complete, exact set runs its parts one by one."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        for name, parts in FUSED.items():
+            t = fused.get(p + name)
+            if t is None:
+                continue
+            ws = [weights[p + n] for n in parts]
+            ptr, ok = t.data_ptr(), t.is_contiguous() and t.dtype == ws[0].dtype and t.device == ws[0].device
+            for w in ws:
+                ok = ok and w.is_contiguous() and w.data_ptr() == ptr and w.dtype == t.dtype
+                ptr += w.numel() * w.element_size()
+            if not ok or tuple(t.shape) != (sum(w.shape[0] for w in ws), ws[0].shape[1]):
+                raise ValueError(f"fused {p + name} is not a view of {', '.join(parts)} back to back")
+            out[p + name] = t
+    return out

@@ -103,3 +103,55 @@ def paged_decode(q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Te
         REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BS=layer_kv.shape[2], BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32)
     return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, x_stride, w_ptr, o_ptr, o_stride, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(o_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds to the input's dtype, then scales
+    tl.store(o_ptr + row * o_stride + offs, (w * y).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """engines/reference/model.py's `rms_norm` in one kernel (one program a row: a row's result depends on that
+    row alone, so it is batch-invariant as it stands)."""
+    T, N = x.shape
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _rms_norm_kernel[(T,)](x, x.stride(0), weight, out, out.stride(0), N, eps, BLOCK=triton.next_power_of_2(N),
+                           num_warps=8 if N >= 2048 else 4)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, x_stride, o_ptr, o_stride, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < F
+    a = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + row * x_stride + F + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (a / (1.0 + tl.exp(-a))).to(o_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype first
+    tl.store(o_ptr + row * o_stride + offs, (s * b).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` of x = [gate | up] ([T, 2F], the fused w1/w3 projection's output) -> [T, F],
+    in one kernel; elementwise, so batch-invariant."""
+    T, two_f = x.shape
+    f = two_f // 2
+    out = torch.empty((T, f), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(f, block))](x, x.stride(0), out, out.stride(0), f, BLOCK=block)
+    return out

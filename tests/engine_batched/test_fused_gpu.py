@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.batched.memory import _fuse_local
-from engines.batched.model_runner import ModelRunner, RunItem
+from engines.batched.model_runner import ModelRunner
 from engines.reference.model import rms_norm
 from tests.engine_batched.test_model_runner import BLOCKS, BS, CFG, random_prompt, random_tables
 from tests.engine_batched.test_model_runner_gpu import decode_run, mixed_items

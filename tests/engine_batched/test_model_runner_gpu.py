@@ -82,15 +82,20 @@ def test_deterministic_logits_on_cuda_are_bit_identical_alone_and_batched(gpu_we
     rng = random.Random(2)
     r = runner(gpu_weights, deterministic=True, cuda_graphs=False)
     for k in (1, 3, 8, 16, 20):  # 21 sequences of up to 90 rows: several 64-row tiles
-        lengths = [rng.randrange(2, 90) for _ in range(k + 1)]
-        tables = random_tables(rng, lengths)
-        items = []
-        for n, t in zip(lengths, tables, strict=True):
-            seq, start = random_prompt(rng, n), rng.randrange(n)
-            if start:
-                r.logits([RunItem(seq[:start], 0, t, False)])
-            items.append(RunItem(seq[start:], start, t, True))
+        items = mixed_items(r, rng, k + 1)
         target = items[0]
         alone = r.logits([target])[0]
         rng.shuffle(items)
         assert torch.equal(alone, r.logits(items)[items.index(target)]), f"with {k} others"
+
+
+def mixed_items(r: ModelRunner, rng: random.Random, n: int) -> list[RunItem]:
+    """`n` sequences of up to 90 tokens, each with a random part already prefilled: chunks and decode rows."""
+    lengths = [rng.randrange(2, 90) for _ in range(n)]
+    items = []
+    for m, t in zip(lengths, random_tables(rng, lengths), strict=True):
+        seq, start = random_prompt(rng, m), rng.randrange(m)
+        if start:
+            r.logits([RunItem(seq[:start], 0, t, False)])
+        items.append(RunItem(seq[start:], start, t, True))
+    return items
