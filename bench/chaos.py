@@ -6,7 +6,11 @@ start-up allocation (holding an uncommitted lease), a GPU XID reported through N
 SIGKILL, fd pressure on the gpu_manager (a hostile same-uid client) with an engine killed under it, agent,
 dc_manager, router and controller-leader SIGKILL (two controllers run), NATS restart, etcd restart, etcd
 stalled by SIGSTOP for 3-15 s, and large bodies POSTed to the admin API while an engine's incident runs.
-A service chaos kills is started again by chaos with the same command line and configuration (as systemd or
+Several models run side by side (`--models`, each an active engine and a warm standby) and `--concurrency` faults
+are in flight at once: engine faults on different models overlap each other and service faults (a NATS restart
+while one model fails over and another's gpu_manager is under fd pressure); a fault holds what it hit until that
+serves again (its model serving with its standbys, its service healthy), and two faults never hold one thing
+(bench/chaos_lanes.py). A service chaos kills is started again by chaos with the same command line and configuration (as systemd or
 Kubernetes would); one that exits on its own is restarted by the stack's supervisor (`Stack.supervise_once`,
 what `holdfast up` runs), and counted.
 
@@ -65,7 +69,7 @@ def plan(rng: random.Random, smoke: bool) -> list[str] | None:
 
 
 async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults: int = 0, *, gap: float = 3.5,
-               smoke: bool = False) -> dict[str, Any]:
+               smoke: bool = False, concurrency: int = 1, max_minutes: float | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     tally = Tally()
     chaos = Chaos(sc, rng, tally)
@@ -74,7 +78,8 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults
     # GPU faults arrive through NVML's path: the agent runs with the stand-in on its import path (restarted
     # with it, as a deployment would change its environment)
     await sc.connect()
-    await sc.wait_serving()  # engines up first: an agent restart mid-start-up is a fault of its own kind
+    for model in sc.models:  # engines up first: an agent restart mid-start-up is a fault of its own kind
+        await sc.wait_serving(model=model)
     agent = stack.children["agent"]
     agent.env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(cf.NVML_SHIM_DIR),
                                                                     os.environ.get("PYTHONPATH")])),
@@ -88,27 +93,45 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults
     order = plan(rng, smoke)
     try:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
-            await sc.wait_serving()
-            baseline = await sc.baseline(client)
-            background = [asyncio.create_task(chaos.load(client, baseline, w)) for w in range(workers)]
+            baselines = {}
+            for model in sc.models:
+                await sc.wait_serving(model=model)
+                baselines[model] = await sc.baseline(client, model)
+            background = [asyncio.create_task(chaos.load(client, baselines, w))
+                          for w in range(max(workers, len(sc.models)))]
             background += [asyncio.create_task(c) for c in (chaos.watch_mappings(), chaos.watch_replicas(),
                                                              chaos.watch_incidents(), chaos.supervise())]
             start = time.monotonic()
             end = start + minutes * 60
-            cap = start + max(minutes * 60 * 4, min_faults * 30.0) + 300  # a machine too slow to reach it
-            injected = 0
-            while (order is not None and injected < len(order)) or (order is None and (
-                    time.monotonic() < end or (injected < min_faults and time.monotonic() < cap))):
-                fault = order[injected] if order is not None else rng.choice(FAULTS)
-                injected += 1
-                await asyncio.sleep(rng.uniform(gap * 0.57, gap * 1.43))
-                console.print(f"[yellow]{injected}: inject {fault}[/yellow]")
-                await chaos.inject(fault)
-                await chaos.settle()
+            cap = start + (max_minutes * 60 if max_minutes is not None  # a machine too slow to reach min_faults
+                           else max(minutes * 60 * 4, min_faults * 30.0 / concurrency) + 300)
+            drawn = 0
+
+            def next_fault() -> str | None:
+                nonlocal drawn
+                if order is not None:
+                    fault = order[drawn] if drawn < len(order) else None
+                elif time.monotonic() < cap and (time.monotonic() < end or drawn < min_faults):
+                    fault = rng.choice(FAULTS)
+                else:
+                    fault = None
+                drawn += fault is not None
+                return fault
+
+            async def slot() -> None:
+                """Faults one after another, each after a pause of about `gap`; `concurrency` slots run at once,
+                and a fault waits for its resources (chaos_lanes.py) while another holds them."""
+                while (fault := next_fault()) is not None:
+                    await asyncio.sleep(rng.uniform(gap * 0.57, gap * 1.43))
+                    await chaos.run_fault(fault)
+
+            await asyncio.gather(*(slot() for _ in range(concurrency)))
+            injected_s = time.monotonic() - start
             chaos.stop.set()
             await asyncio.gather(*background, return_exceptions=True)
             report = await _check(sc, chaos, tally)
             report["wall_s"] = round(time.monotonic() - start, 1)
+            report["injecting_s"] = round(injected_s, 1)  # the first fault's draw to the last one's settling
             return report
     finally:
         await sc.close()
@@ -116,8 +139,12 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults
 
 async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
     expected = weights_file_hash(sc.weights)
-    engine = await chaos.active_engine()
-    served = await sc.weights_checksum(engine.endpoint) if engine and engine.endpoint else None
+    corrupted = []  # models whose serving engine's weights differ from the file's (or none serves)
+    for model in sc.models:
+        engine = await chaos.active_engine(model, within_s=60.0)
+        served = await sc.weights_checksum(engine.endpoint) if engine and engine.endpoint else None
+        if served != expected:
+            corrupted.append(model)
     leases = (await sc.leases()).leases
     # leaked: held, past the deadline, and still not reclaimed after the reconciler had its chance
     grace_end = max((lease.deadline or 0) for lease in leases) if leases else 0
@@ -137,7 +164,7 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
     ended_twice = sorted(set(tracker.reopened) | set(tracker.ended_both_ways()))
     return {
         "invariants": {
-            "corrupted": 0 if served == expected else 1,
+            "corrupted": len(corrupted),
             "leaked": len(leaked),
             "two_writers": len(tally.two_writer_samples),
             "replicas_exceeded": len(tally.replica_samples),
@@ -156,11 +183,13 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
                       "duplicate_terminal_events": tracker.duplicate_terminal_events()},
         "failover_ms": {k: {"n": len(v), "p50": sorted(v)[len(v) // 2], "max": max(v)}
                         for k, v in tally.failover_ms.items() if v},
+        "busy_s": {k: {"n": len(v), "p50": sorted(v)[len(v) // 2], "max": max(v)}
+                   for k, v in sorted(tally.busy_s.items()) if v},
         "allocating": dict(tally.allocating),
         "fd_pressure": {k: dict(v) for k, v in tally.pressure.items()},
         "admin_api_statuses": dict(tally.api_statuses),
         "supervisor_restarts": dict(tally.restarts),
-        "details": {"leaked": leaked, "unresolved": unresolved,
+        "details": {"corrupted": corrupted, "leaked": leaked, "unresolved": unresolved,
                     "failed": [{"id": i, "kind": tracker.kinds.get(i)} for i in failed[:10]],
                     "ended_twice": ended_twice[:10], "two_writers": tally.two_writer_samples[:5],
                     "replicas_exceeded": tally.replica_samples[:5], "notes": tally.notes[:30]},
@@ -179,6 +208,12 @@ def cli(
     out: Path | None = typer.Option(None, help="also write the JSON report to this file"),
     engine: str = typer.Option("reference", help="reference, or batched (engines/batched in deterministic mode: "
                                "its outputs are checked token for token like the reference engine's)"),
+    models: int = typer.Option(2, help="models served (each an active engine and a standby): engine faults on "
+                               "different models overlap"),
+    concurrency: int = typer.Option(3, help="faults in flight at once (each waits for what it needs: "
+                                    "bench/chaos_lanes.py)"),
+    max_minutes: float | None = typer.Option(None, help="no fault drawn after this, even short of --faults (the "
+                                             "faults in flight settle and the end checks run after it)"),
 ) -> None:
     """Inject faults of every kind at random under load, then check the invariants (all must be 0)."""
     backend = detect_backend()
@@ -186,19 +221,22 @@ def cli(
     if engine == "batched":
         from bench.load_recovery import LoadScenario
 
-        sc: Scenario = LoadScenario(size=size, backend=backend, max_num_seqs=64, kv_cache_gib=None)
+        sc: Scenario = LoadScenario(size=size, backend=backend, max_num_seqs=64, kv_cache_gib=None, models=models)
     elif engine == "reference":
-        sc = Scenario(size=size, backend=backend)
+        sc = Scenario(size=size, backend=backend, models=models)
     else:
         raise typer.BadParameter(f"engine: reference or batched, not {engine!r}")
     try:
         sc.start()
-        report = asyncio.run(_run(sc, minutes, seed, workers, faults, gap=gap, smoke=smoke))
+        report = asyncio.run(_run(sc, minutes, seed, workers, faults, gap=gap, smoke=smoke,
+                                  concurrency=max(1, concurrency), max_minutes=max_minutes))
     finally:
         sc.stop()
         sc.discard_weights()
     report = {"chaos": "ok" if not any(report["invariants"].values()) else "violated", "engine": engine, "minutes": minutes,
-              "seed": seed, "gap_s": gap, "smoke": smoke, "backend": backend, **report}
+              "seed": seed, "gap_s": gap, "smoke": smoke, "models": models, "concurrency": concurrency,
+              "max_minutes": max_minutes, "faults_wanted": faults,
+              "backend": backend, **report}
     text = json.dumps(report)
     if out is not None:
         out.write_text(json.dumps(report, indent=2) + "\n")

@@ -41,6 +41,51 @@ def proc_state(pid: int) -> str:
         return "X"
 
 
+class EngineScan:
+    """The engine processes of one stack (environment `HF_STATE_DIR=<state_dir>` and `HF_ENGINE_ID`), found by
+    reading /proc/<pid>/environ of new processes only: a pid found to be an engine stays one (with its model)
+    until it is gone; one that is not is read again after `recheck_s` (a process forked by the agent shows the
+    agent's environment until its exec, ms later). A full read of every process's environment, 20 times a
+    second for the mapping samples and every ms or two while an allocation is caught, took a good share of
+    a 2-core machine from the stack it measures."""
+
+    def __init__(self, state_dir: Path, recheck_s: float = 0.25) -> None:
+        self.mark = f"HF_STATE_DIR={state_dir}".encode()
+        self.recheck_s = recheck_s
+        self.engines: dict[int, str] = {}  # pid -> model
+        self.others: dict[int, float] = {}  # pid -> when found not to be an engine
+
+    def scan(self, model: str | None = None) -> set[int]:
+        """The live engine pids (of `model`, when given)."""
+        now = time.monotonic()
+        me = os.getpid()
+        present = {int(n) for n in os.listdir("/proc") if n.isdigit()} - {me}
+        for gone in set(self.engines) - present:
+            del self.engines[gone]
+        for gone in set(self.others) - present:
+            del self.others[gone]
+        for pid in present - set(self.engines):
+            if now - self.others.get(pid, float("-inf")) < self.recheck_s:
+                continue
+            found = self._model_of(pid)
+            if found is None:
+                self.others[pid] = now
+            else:
+                self.engines[pid] = found
+                self.others.pop(pid, None)
+        return {pid for pid, m in self.engines.items() if model is None or m == model}
+
+    def _model_of(self, pid: int) -> str | None:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            return None
+        if self.mark not in env or not any(e.startswith(b"HF_ENGINE_ID=") for e in env):
+            return None
+        return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"HF_MODEL=")), "")
+
+
 def engine_pids(state_dir: Path) -> set[int]:
     return set(procs.pids_with_env("HF_STATE_DIR", str(state_dir), having=("HF_ENGINE_ID",)))
 
@@ -78,9 +123,9 @@ def memfd_leases(pid: int) -> tuple[set[str], set[str]]:
     return every, writable
 
 
-def catch_allocating(state_dir: Path, before: set[int], uncommitted: Callable[[str], str | None],
+def catch_allocating(scan: Callable[[], set[int]], before: set[int], uncommitted: Callable[[str], str | None],
                      within_s: float = 60.0, slice_s: float = 0.001) -> dict[str, Any]:
-    """Wait for an engine process not in `before`; let it run (its maps polled) until it maps its first lease,
+    """Wait for an engine process (of those `scan()` finds) not in `before`; let it run (its maps polled) until it maps its first lease,
     then step it (SIGCONT/SIGSTOP slices of ~1 ms) until it maps writable a lease that `uncommitted` names
     (its tag; None when committed or unknown), and SIGKILL it there. Blocking: run it in a thread. Stepping
     only from the first mapping on keeps its heartbeats flowing through the rest of its start-up.
@@ -91,7 +136,7 @@ def catch_allocating(state_dir: Path, before: set[int], uncommitted: Callable[[s
     deadline = time.monotonic() + within_s
     pid = None
     while pid is None and time.monotonic() < deadline:
-        new = engine_pids(state_dir) - before
+        new = scan() - before
         pid = min(new) if new else None
         time.sleep(0.002)
     if pid is None:
@@ -136,12 +181,14 @@ def send_xid(socket_path: str, gpu: int, xid: int) -> None:
 
 
 async def pressure(socket_path: str, on_holding: Callable[[], Any], *, connections: int = 200,
-                   hold_s: float = 4.0) -> dict[str, Any]:
-    """Run the hostile client; `on_holding()` is awaited once its pressure is up. Its report, or why none."""
+                   hold_s: float = 60.0) -> dict[str, Any]:
+    """Run the hostile client; `on_holding()` is awaited once its pressure is up, and the pressure is let go
+    when it returns (or after `hold_s` at most). Its report, or why none."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.chaos_pressure", "--socket", socket_path, "--connections", str(connections),
-        "--hold", str(hold_s), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    assert proc.stdout is not None
+        "--hold", str(hold_s), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    assert proc.stdout is not None and proc.stdin is not None
     report: dict[str, Any] = {}
     try:
         async with asyncio.timeout(hold_s + 90):
@@ -149,6 +196,9 @@ async def pressure(socket_path: str, on_holding: Callable[[], Any], *, connectio
                 obj = json.loads(line)
                 if obj.get("holding"):
                     await on_holding()
+                    with contextlib.suppress(OSError):
+                        proc.stdin.write(b"release\n")
+                        await proc.stdin.drain()
                 else:
                     report = obj
             await proc.wait()
@@ -198,10 +248,10 @@ async def post_raw(url: str, path: str, body: bytes, token: str | None) -> str:
 
 
 async def api_load(api_url: str, token: str, node: str, stop: asyncio.Event, *, body_mib: int = 8,
-                   loops_per_target: int = 1) -> Counter[str]:
+                   loops_per_target: int = 1, statuses: Counter[str] | None = None) -> Counter[str]:
     """POST `body_mib` MiB JSON bodies to each target in a loop until `stop`; the statuses answered
-    ('401', '413', ... or 'error:<why>')."""
-    statuses: Counter[str] = Counter()
+    ('401', '413', ... or 'error:<why>'), counted into `statuses` as they come when given."""
+    statuses = Counter() if statuses is None else statuses
     body = b'{"successor": "' + b"x" * (body_mib << 20) + b'", "version": "v"}'
 
     async def loop(path: str, auth: bool) -> None:

@@ -7,7 +7,7 @@ class name, or `dropped: ...` when the connection broke instead. `probe_during` 
 client's hello while the pressure holds and after it ended; a manager that still serves answers both (a
 typed refusal during the pressure is an answer too).
 
-    python -m bench.chaos_pressure --socket PATH --connections 200 --hold 5
+    python -m bench.chaos_pressure --socket PATH --connections 200 --hold 60
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import resource
+import select
 import socket
 import sys
 import time
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=200)
     ap.add_argument("--chunk-mib", type=int, default=256, help="one lease of this many MiB in 4 KiB chunks")
     ap.add_argument("--huge-gib", type=int, default=1024, help="one lease of this many GiB (beyond the machine)")
-    ap.add_argument("--hold", type=float, default=5.0)
+    ap.add_argument("--hold", type=float, default=5.0, help="hold the pressure this long at most, s (a line on "
+                    "stdin lets it go sooner)")
     args = ap.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         report["huge"] = outcome(lambda: client.allocate(args.huge_gib << 30, tag="other", name="huge"), 30.0)[0]
     report["probe_during"] = probe(args.socket, f"{name}-probe")
     print(json.dumps({"holding": True}), flush=True)  # the chaos run injects its engine fault now
-    time.sleep(args.hold)
+    select.select([sys.stdin], [], [], args.hold)  # held until the run says its fault is over (a line), or --hold
     for s in conns:
         s.close()
     if client is not None:

@@ -76,8 +76,7 @@ class LoadScenario(Scenario):
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
                                                   prefill_chunk=self.prefill_chunk),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
-        specs_file = self.work_dir / "engines.json"
-        specs_file.write_text(json.dumps([spec.model_dump(mode="json")]))
+        specs_file = self.write_specs(spec)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
                                                  engines_file=specs_file))
         self.stack.start(timeout=180)

@@ -156,8 +156,11 @@ class StreamResult:
 class Scenario:
     def __init__(self, *, size: str, backend: str, standbys: int = 1, max_tokens: int = 48,
                  work_dir: Path | None = None, shadow: bool = True, weights: Path | None = None,
-                 max_seq: int | None = None) -> None:
+                 max_seq: int | None = None, models: int = 1) -> None:
         self.size = size
+        # the models served, each from one spec (same weights): `demo`, then `demo-2`...; a chaos run's faults on
+        # engines of different models overlap
+        self.models = [MODEL] + [f"{MODEL}-{i}" for i in range(2, models + 1)]
         self.max_seq = max_seq  # KV capacity per slot of every engine (a large model's caches must fit beside it)
         self.shadow = shadow  # standbys shadow the active engine's weights (engines/reference/standby.py)
         self.backend = backend
@@ -179,12 +182,18 @@ class Scenario:
         spec = EngineSpec(engine_class="reference", model=MODEL, command=engine_command(self.weights, self.size, self.max_seq),
                           replicas=1, standbys=self.standbys, cold_start_s=30.0,
                           env={"HF_ENGINE_SHADOW": "true" if self.shadow else "false"})
-        specs_file = self.work_dir / "engines.json"
-        specs_file.write_text(json.dumps([spec.model_dump(mode="json")]))
+        specs_file = self.write_specs(spec)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
                                                  engines_file=specs_file))
         self.stack.start(timeout=120)
         return self.stack
+
+    def write_specs(self, spec: EngineSpec) -> Path:
+        """The engines file: `spec` once per model of this scenario."""
+        specs_file = self.work_dir / "engines.json"
+        specs_file.write_text(json.dumps([spec.model_copy(update={"model": m}).model_dump(mode="json")
+                                          for m in self.models]))
+        return specs_file
 
     async def connect(self) -> None:
         assert self.stack is not None
@@ -233,17 +242,18 @@ class Scenario:
         raw = await self.store.get_prefix("engines/")
         return [EngineInfo.model_validate_json(v) for v in raw.values()]
 
-    async def wait_serving(self, *, standbys: int | None = None, timeout: float = 180.0) -> EngineInfo:
-        """Until one active engine is ready and routed, and the wanted number of standbys wait (shadowing it,
-        when standbys shadow)."""
+    async def wait_serving(self, *, standbys: int | None = None, timeout: float = 180.0,
+                           model: str = MODEL) -> EngineInfo:
+        """Until one active engine of `model` is ready and routed, and the wanted number of its standbys wait
+        (shadowing it, when standbys shadow)."""
         want = self.standbys if standbys is None else standbys
         deadline = time.monotonic() + timeout
         while True:
-            engines = await self.engines()
-            active = [e for e in engines if e.role == "active" and e.state == "ready" and e.model == MODEL]
+            engines = [e for e in await self.engines() if e.model == model]
+            active = [e for e in engines if e.role == "active" and e.state == "ready"]
             ready_standbys = [e for e in engines if e.role == "standby" and e.state in ("standby", "ready")
                               and (not self.shadow or any(e.shadows == a.engine_id for a in active))]
-            routed = await self.store.get_prefix(f"endpoints/{MODEL}/") if self.store else {}
+            routed = await self.store.get_prefix(f"endpoints/{model}/") if self.store else {}
             if active and len(ready_standbys) >= want and routed:
                 return active[0]
             if time.monotonic() > deadline:
@@ -258,10 +268,10 @@ class Scenario:
     # ------------------------------------------------------------ traffic
 
     async def generate(self, client: httpx.AsyncClient, prompt: str, *, stream: bool = True,
-                       max_tokens: int | None = None) -> StreamResult:
+                       max_tokens: int | None = None, model: str = MODEL) -> StreamResult:
         assert self.stack is not None
         result = StreamResult(prompt)
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens, "stream": True,
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens, "stream": True,
                 "temperature": 0.0, "ignore_eos": True}
         try:
             async with client.stream("POST", f"{self.stack.router_url}/v1/generate", json=body, timeout=120) as r:
@@ -309,8 +319,8 @@ class Scenario:
 
     # ------------------------------------------------------------ one failover, measured
 
-    async def baseline(self, client: httpx.AsyncClient) -> dict[str, StreamResult]:
-        out = {p: (await self.generate(client, p)) for p in PROMPTS}
+    async def baseline(self, client: httpx.AsyncClient, model: str = MODEL) -> dict[str, StreamResult]:
+        out = {p: (await self.generate(client, p, model=model)) for p in PROMPTS}
         for r in out.values():
             if r.error or not r.done:
                 raise RuntimeError(f"baseline request failed: {r.error}")

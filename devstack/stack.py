@@ -24,7 +24,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -330,10 +330,14 @@ class Stack:
             procs.wait_port(port, child)
         return child
 
-    def supervise_once(self, say: Callable[[str], None], now: float | None = None) -> None:
-        """One supervision pass: note each child found dead, and restart each whose delay is over."""
+    def supervise_once(self, say: Callable[[str], None], now: float | None = None,
+                       skip: Collection[str] = ()) -> None:
+        """One supervision pass: note each child found dead, and restart each whose delay is over; the children
+        in `skip` are left alone this pass (someone else is restarting them: `holdfast chaos`)."""
         now = time.monotonic() if now is None else now
         for name, child in list(self.children.items()):
+            if name in skip:
+                continue
             r = self.restarts.setdefault(name, ChildRestarts(started_at=now))
             if r.due_at is None:
                 if not child.alive():
