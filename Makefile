@@ -10,6 +10,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: setup system-deps demo test test-fast up lint fmt clean
 
 setup: system-deps $(STAMP)
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then git config commit.template .gitmessage; fi
 
 # etcd comes from Debian's etcd-server; docker-compose only validates deploy/compose (no engine runs here).
 system-deps:
