@@ -9,6 +9,11 @@ Invariants:
 2. States only move along `TRANSITIONS`; terminal states (resolved, failed) never change again.
 3. A record in state S says that the entry action of S (the intent sent, the endpoint added...) is done.
 4. Every step that started has a start time; every step that ended has an end time >= its start.
+5. A successor known while still freezing (a shadow promoted while the freeze runs) is in the record
+   (`successor_id`, state freezing); it is routed in once the freeze ends, never before: the incident
+   resolves at route-in, and its memory must be frozen by then.
+6. A transition to the same state (a fact recorded on the way: an early successor, the cold engine started)
+   changes no step and no deadline.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class Trigger(StrEnum):
     DISPATCHED = "dispatched"  # endpoint removed, recover intent sent
     DISPATCHED_FALLBACK = "dispatched_fallback"  # memory known lost at opening: cold start intent sent
     FROZEN = "frozen"
-    REATTACHED = "reattached"
+    REATTACHED = "reattached"  # from freezing: the successor serves early, recorded; routed in once frozen
+    COLD_STARTED = "cold_started"  # the fallback's engine was started (not ready yet): recorded
     SPAWNED = "spawned"  # the cold-started successor reported ready
     STEP_FAILED = "step_failed"
     DEADLINE_MISSED = "deadline_missed"
@@ -56,7 +62,8 @@ WAITING = frozenset({S.FREEZING, S.REATTACHING, S.FALLBACK})
 TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProxyType({
     (S.OPENED, T.DISPATCHED): S.FREEZING,
     (S.OPENED, T.DISPATCHED_FALLBACK): S.FALLBACK,
-    (S.FREEZING, T.FROZEN): S.REATTACHING,
+    (S.FREEZING, T.FROZEN): S.REATTACHING,  # with a successor recorded early, on at once to routing_in
+    (S.FREEZING, T.REATTACHED): S.FREEZING,  # invariant 5: recorded, waits for the freeze
     (S.REATTACHING, T.REATTACHED): S.ROUTING_IN,
     (S.FREEZING, T.STEP_FAILED): S.FALLBACK,
     (S.FREEZING, T.DEADLINE_MISSED): S.FALLBACK,
@@ -64,6 +71,7 @@ TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProx
     (S.REATTACHING, T.STEP_FAILED): S.FALLBACK,
     (S.REATTACHING, T.DEADLINE_MISSED): S.FALLBACK,
     (S.REATTACHING, T.MEMORY_LOST): S.FALLBACK,
+    (S.FALLBACK, T.COLD_STARTED): S.FALLBACK,  # which engine is starting, recorded (routed in when ready)
     (S.FALLBACK, T.SPAWNED): S.ROUTING_IN,  # the cold-started engine reported ready
     (S.FALLBACK, T.REATTACHED): S.ROUTING_IN,  # a late reattach wins: it holds the memory, no reload
     (S.FALLBACK, T.STEP_FAILED): S.FAILED,
@@ -218,6 +226,8 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
           **changes: object) -> IncidentRecord:
     """The one way a record moves (invariant 2): a new record in the next state, steps bookkept."""
     new_state = transition(rec.state, trigger)
+    if new_state is rec.state:  # invariant 6: a fact recorded, no step moves
+        return rec.model_copy(update={**changes, "updated_at": now, "steps": dict(rec.steps)})
     limit = deadlines.for_state(new_state)
     # Shallow, with its own steps dict: step records are replaced (model_copy), never mutated in place. Every
     # field the new state sets is in this one copy's update (an attribute set on a model afterwards costs
@@ -234,9 +244,7 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
         ok = trigger in (T.FROZEN, T.REATTACHED, T.SPAWNED, T.ROUTED_IN)
         end_step(out, old_step, "done" if ok else "failed", now, detail if not ok else "")
     if trigger is T.REATTACHED:
-        # Never from FREEZING: a successor may serve before the freeze ends (a shadow promoted meanwhile),
-        # but routed in, the incident resolves, and its memory must be frozen by then (pipeline.py waits).
-        # From FALLBACK: the reattach was late but holds the memory; the cold start is superseded.
+        # From FREEZING it is a self-transition (above): invariant 5. From FALLBACK: the reattach was late but holds the memory; the cold start is superseded.
         end_step(out, Step.REATTACH, "done", now)
         if rec.state is S.FALLBACK:
             late = out.steps.get(Step.REATTACH)
@@ -250,4 +258,6 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
     new_step = STEP_OF.get(new_state)
     if new_step is not None:
         start_step(out, new_step, now)
+    if new_state is S.REATTACHING and out.successor_id:  # invariant 5: frozen now, the early successor goes in
+        return apply(out, T.REATTACHED, now, deadlines)
     return out

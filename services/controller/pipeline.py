@@ -1,7 +1,16 @@
 """`IncidentDriver`: the leader's side of the pipeline (detect -> freeze -> route out -> reattach -> route in).
 
-Every handler is idempotent by recorded progress (the record in etcd says which entry actions are done,
-invariant 3 of `incident.py`), and every event it publishes has an id derived from the incident, so the
+One path per step, for any number of incidents: what the durable consumers deliver in one loop pass
+(`Bus.durable_batches`) is handled together, and a single event (an engine or memory event, a deadline) is a
+batch of one on the same path. Faults open their incidents (the creates awaited together); results and
+events become `Move`s, triggers of `incident.py`'s table; then `_advance` runs the controller's own steps for
+every incident the batch moved: the route-outs of those opened published with one `publish_all` (one wait
+for their stream acks), the route-ins of those whose successor is known likewise. Each incident keeps its
+own lock, record and derived event ids, and a failure fails (and redelivers) only the messages it concerns:
+the per-message outcome is what the consumer acks or naks.
+
+Every step is idempotent by recorded progress (the record in etcd says which entry actions are done,
+invariant 3 of `incident.py`), and every event published has an id derived from the incident, so the
 JetStream duplicate window drops a re-publication after a crash: a resumed incident finishes exactly once.
 Order of work inside a step: act first, then record that the step is done (a crash in between redoes an
 idempotent action instead of skipping one).
@@ -10,7 +19,8 @@ Durability (DESIGN.md section 4, latency budget): the opening is written and con
 done for the incident (it is what makes one incident per failed generation); every later record, and the
 endpoint keys, are written behind through one fenced `BatchWriter` (grouped into etcd transactions, guarded
 by the leader key). A queued record lost in a crash is redone by the next leader from the older record.
-The fallback's cold-started successor: `cold_starts.py`; the incident's trace: `incident_trace.py`.
+The events built: `routes.py`; the open records and their indexes: `open_incidents.py`; engines stopped:
+`engine_stops.py`; the incident's trace: `incident_trace.py`.
 """
 
 from __future__ import annotations
@@ -19,10 +29,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from libs.common.bus import Bus, Wired, engines_on_their_nodes
+from libs.common.bus import Bus, holding
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
@@ -32,23 +42,17 @@ from libs.common.events import (
     EngineRole,
     EngineStopped,
     Envelope,
-    Event,
     FaultDetected,
-    FaultKind,
     IncidentFailed,
-    IncidentOpened,
     IncidentReason,
-    IncidentResolved,
     IntentResult,
     LeaseChanged,
     LeaseState,
     MemoryFrozen,
-    RecoverIntent,
     Step,
 )
 from libs.common.store import Store
-from services.controller.batches import Batches
-from services.controller.cold_starts import ColdStarts
+from services.controller.engine_stops import EngineStops
 from services.controller.incident import (
     WAITING,
     Deadlines,
@@ -57,19 +61,20 @@ from services.controller.incident import (
     Trigger,
     apply,
     can,
-    end_step,
     incident_id_for,
     opened_record,
-    start_step,
 )
 from services.controller.incident_log import IncidentLog
 from services.controller.incident_trace import IncidentTracer
 from services.controller.metrics import ControllerMetrics
+from services.controller.open_incidents import OpenIncidents
+from services.controller.routes import IncidentEvents, endpoint_key
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
 
 log = logging.getLogger("holdfast.controller.pipeline")
 S = IncidentState
+Outcomes = list[BaseException | None]  # per message of a batch, in order: None (acked) or what failed it
 
 # Which incident states a dc_manager result may act in (a late result of an abandoned step is ignored).
 RESULT_RULES: dict[tuple[Step, bool], tuple[Trigger, frozenset[IncidentState]]] = {
@@ -77,26 +82,26 @@ RESULT_RULES: dict[tuple[Step, bool], tuple[Trigger, frozenset[IncidentState]]] 
     (Step.FREEZE, False): (Trigger.STEP_FAILED, frozenset({S.FREEZING})),
     (Step.REATTACH, True): (Trigger.REATTACHED, frozenset({S.FREEZING, S.REATTACHING, S.FALLBACK})),
     (Step.REATTACH, False): (Trigger.STEP_FAILED, frozenset({S.FREEZING, S.REATTACHING})),
+    (Step.FALLBACK, True): (Trigger.COLD_STARTED, frozenset({S.FALLBACK})),
     (Step.FALLBACK, False): (Trigger.STEP_FAILED, frozenset({S.FALLBACK})),
 }
 
 
-class RouteOut(NamedTuple):
-    """A dispatch prepared: the record's working copy and the events to publish (route out, the intent,
-    incident.opened); `lost`: the memory is gone, `cold`: the successor starts cold; `model`: the route's model."""
+class Move(NamedTuple):
+    """A trigger for one incident, from message `at` of its batch. `states`: the states it may act in (None:
+    wherever the table allows it); `frozen_at`: it reports what followed a freeze that ended then (the
+    dc_manager's one result per intent): a record still freezing first ends its freeze at that time."""
 
-    work: IncidentRecord
-    events: list[Wired]
-    lost: bool
-    cold: bool
-    model: str
+    at: int
+    inc_id: str
+    trigger: Trigger
+    states: frozenset[IncidentState] | None = None
+    detail: str = ""
+    frozen_at: float | None = None
+    changes: dict[str, Any] = {}  # noqa: RUF012 - never mutated
 
 
-def endpoint_key(model: str, engine_id: str) -> str:
-    return f"endpoints/{model}/{engine_id}"
-
-
-class IncidentDriver(ColdStarts, Batches):
+class IncidentDriver:
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: ControllerSettings,
                  metrics: ControllerMetrics, fence: Callable[[Any], list[Any]]) -> None:
         self.bus = bus
@@ -110,42 +115,33 @@ class IncidentDriver(ColdStarts, Batches):
         self.subscriptions: list[Any] = []  # the term's durable consumers (unsubscribed when it ends)
         self.writer.on_send = view.expect_own  # the view takes our records back from the watch unparsed
         self.log = IncidentLog(store, self.writer)
-        self.by_cold: dict[str, str] = {}  # cold-started successor engine id -> its incident
         self.deadlines = Deadlines(settings.freeze_deadline_s, settings.reattach_deadline_s, settings.fallback_deadline_s)
-        self.open: dict[str, IncidentRecord] = {}
+        self.open = OpenIncidents()  # all incident state is in these records (incident.py's table)
         self.tracing = IncidentTracer()
+        self.events = IncidentEvents(bus, view, self.writer, self.tracing, self.deadlines)
+        self.stops = EngineStops(bus, view)
+        # Not incident state: who is working on an incident right now. Its lock (one holder at a time), and the
+        # incidents the deadline pass handed to a background task (not handed again while that task runs).
         self._locks: dict[str, asyncio.Lock] = {}
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._successors: set[str] = set()  # successors of open incidents (not announced on their own)
-        # successors serving before their predecessor's memory is frozen (a shadow promoted while the freeze runs,
-        # dc_manager promote_shadows_early), by incident: routed in when the freeze ends
-        self._reattached_early: dict[str, dict[str, object]] = {}
-        # Incidents this leader closed recently: the view (fed by the watch, behind the write-behind records)
-        # may still show them open for a moment; without this the deadline pass would "resume" each one.
-        self._closed: dict[str, None] = {}
 
     # ------------------------------------------------------------ lifecycle (leader only)
 
     async def start(self) -> None:
         """Resume every open incident from its record, then consume events (redelivered ones included)."""
         for rec in await self.log.open_records():
-            self.open[rec.id] = rec
-            if rec.state is S.FALLBACK and rec.cold_successor_id:
-                self.by_cold[rec.cold_successor_id] = rec.id
-            if rec.successor_id:
-                self._successors.add(rec.successor_id)
+            self.open.put(rec)
         log.info("leader resumes %d open incident(s)", len(self.open))
-        for inc_id in list(self.open):
-            await self._guarded(inc_id, self._resume(inc_id))
-        kw = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
-        # Faults delivered together are opened together: one task, one wait for their creates, one publish
-        # (and one wait for the stream acks) of their route-out events.
+        for inc_id in self.open:
+            try:
+                await self._resume(inc_id)
+            except Exception:  # noqa: BLE001 - the deadline pass retries it
+                log.exception("incident %s: resume failed", inc_id)
+        kw: dict[str, Any] = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
         subs = self.subscriptions
-        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults,
-                                                   vet=engines_on_their_nodes(self.view.engines), **kw))
+        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, **kw))
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
-        # Results delivered together (prompt takeovers) are routed in together, as faults are opened.
         subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw))
         subs.append(await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw))
         subs.append(await self.bus.durable("memory.>", "controller-memory", self.on_memory_event, **kw))
@@ -160,6 +156,7 @@ class IncidentDriver(ColdStarts, Batches):
         self.subscriptions.clear()
         for task in list(self._tasks):
             task.cancel()
+        self.stops.cancel()
         try:
             await self.writer.flush()
         finally:
@@ -170,13 +167,13 @@ class IncidentDriver(ColdStarts, Batches):
         while True:
             await asyncio.sleep(self.settings.tick_s)
             now = time.time()
-            for rec in list(self.open.values()):
+            for rec in self.open.records():
                 lock = self._locks.get(rec.id)
                 if rec.id in self._busy or (lock is not None and lock.locked()):
                     continue  # being worked on right now: nothing stalled
                 if rec.state in WAITING and rec.deadline is not None and now > rec.deadline:
-                    step = rec.state.value
-                    self._background(rec.id, self.trigger(rec.id, Trigger.DEADLINE_MISSED, detail=f"{step} missed its deadline"))
+                    self._background(rec.id, self.trigger(rec.id, Trigger.DEADLINE_MISSED,
+                                                          detail=f"{rec.state.value} missed its deadline"))
                 elif rec.state in (S.OPENED, S.ROUTING_IN) and now - rec.updated_at > 1.0:
                     self._background(rec.id, self._resume(rec.id))
                 elif rec.state is S.FALLBACK and rec.cold_successor_id:
@@ -186,16 +183,16 @@ class IncidentDriver(ColdStarts, Batches):
                         self._background(rec.id, self._cold_ready(rec.id, cold.engine_id, cold.endpoint))
             for inc_id in list(self.view.open_by_engine.values()):
                 seen = self.view.incidents.get(inc_id)
-                if inc_id not in self.open and inc_id not in self._busy and inc_id not in self._closed \
+                if inc_id not in self.open and inc_id not in self._busy and not self.open.closed_here(inc_id) \
                         and seen is not None and seen.state is S.OPENED:
                     self._background(inc_id, self._resume(inc_id))
 
-    def _background(self, inc_id: str, coro: object) -> None:
+    def _background(self, inc_id: str, coro: Any) -> None:
         self._busy.add(inc_id)
 
         async def run() -> None:
             try:
-                await coro  # type: ignore[misc]
+                await coro
             except Exception:  # noqa: BLE001 - retried on the next tick
                 log.exception("incident %s: background step failed", inc_id)
             finally:
@@ -205,62 +202,61 @@ class IncidentDriver(ColdStarts, Batches):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _guarded(self, inc_id: str, coro: object) -> None:
-        try:
-            await coro  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - the deadline pass retries it
-            log.exception("incident %s: resume failed", inc_id)
-
     def _lock(self, inc_id: str) -> asyncio.Lock:
         lock = self._locks.get(inc_id)  # not setdefault: that builds a Lock on every call, used or not
         if lock is None:
             lock = self._locks[inc_id] = asyncio.Lock()
         return lock
 
-    # ------------------------------------------------------------ event handlers
+    def _holding(self, inc_ids: Iterable[str]) -> contextlib.AbstractAsyncContextManager[None]:
+        """Every incident's lock, taken in one order (sorted, each once): two batches never wait on each other
+        in a cycle. A handler takes no lock while it holds these."""
+        return holding([self._lock(inc_id) for inc_id in sorted(set(inc_ids))])
 
-    async def on_fault(self, env: Envelope) -> None:
-        f = env.data
-        assert isinstance(f, FaultDetected)
-        if f.role is EngineRole.STANDBY:
-            return  # a standby holds no leased memory; the agent replaces it on its own
-        inc_id = incident_id_for(f.engine_id, f.generation)
-        if inc_id in self._closed:
-            return  # ended here: a late redelivery (its record may be gone already: libs/common/retention.py)
-        other = self.view.open_incident_for(f.engine_id)
-        if other is not None and other.id != inc_id:
-            # Already being replaced on purpose: a GPU fault now means its memory is gone.
-            if f.kind is FaultKind.GPU_FAULT:
-                await self.trigger(other.id, Trigger.MEMORY_LOST, detail="gpu fault during the incident")
-            return
-        async with self._lock(inc_id):
-            rec = self.open.get(inc_id)
-            if rec is None:
-                # Create first (the common case: a new fault); only a redelivery finds it there and loads it.
-                rec = self._record_from_fault(inc_id, f, env)
-                if await self.log.create(rec):
-                    self.metrics.record_opened(rec)
-                    if self.tracing.export_spans:  # the detect step's span (no copy made when none is exported)
-                        self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
-                    log.info("incident %s opened: %s %s", inc_id, f.engine_id, f.kind)
-                else:
-                    rec = await self.log.load(inc_id)
-            if rec is None or rec.terminal:
-                return
-            self.open[inc_id] = rec
-            await self._advance(rec)
+    # ------------------------------------------------------------ event handlers (batches; one event: a batch of one)
 
-    async def on_intent_result(self, env: Envelope) -> None:
-        r = env.data
-        assert isinstance(r, IntentResult)
-        if r.step is Step.FALLBACK and r.ok:
-            await self._cold_spawned(r)
-            return
-        trigger, states = RESULT_RULES[(r.step, r.ok)]
-        changes = {}
-        if r.successor_id:
-            changes = {"successor_id": r.successor_id, "successor_endpoint": r.endpoint}
-        await self.trigger(r.incident_id, trigger, states=states, detail=r.detail, frozen_at=r.frozen_at, **changes)
+    async def on_faults(self, envs: list[Envelope]) -> Outcomes:
+        """Faults delivered in one loop pass: each opens its incident (a redelivery finds it), or, for an engine
+        already in another incident (replaced on purpose), a fault that loses memory says that memory is gone."""
+        out: Outcomes = [None] * len(envs)
+        opens: dict[str, tuple[int, FaultDetected, Envelope]] = {}
+        moves: list[Move] = []
+        for i, env in enumerate(envs):
+            f = env.data
+            if not isinstance(f, FaultDetected) or f.role is EngineRole.STANDBY:
+                continue  # a standby holds no leased memory; the agent replaces it on its own
+            inc_id = incident_id_for(f.engine_id, f.generation)
+            if self.open.closed_here(inc_id) or inc_id in opens:
+                continue  # ended here (its record may be gone already: libs/common/retention.py), or a repeat
+            other = self.view.open_incident_for(f.engine_id)
+            if other is not None and other.id != inc_id:
+                if f.kind.loses_memory:
+                    moves.append(Move(i, other.id, Trigger.MEMORY_LOST, detail=f"{f.kind.replace('_', ' ')} during the incident"))
+                continue
+            opens[inc_id] = (i, f, env)
+        async with self._holding([*opens, *(m.inc_id for m in moves)]):
+            moved = await self._open(list(opens.values()), out)
+            moved.update(await self._apply(moves, out))
+            await self._advance(moved, out)
+        return out
+
+    async def on_results(self, envs: list[Envelope]) -> Outcomes:
+        """Intent results delivered in one loop pass, each a trigger of its incident (in order: a freeze's result
+        and its reattach's, delivered together, move it twice)."""
+        moves = []
+        for i, env in enumerate(envs):
+            r = env.data
+            if not isinstance(r, IntentResult):
+                continue
+            trigger, states = RESULT_RULES[(r.step, r.ok)]
+            changes: dict[str, Any] = {}
+            if trigger is Trigger.COLD_STARTED:
+                changes = {"cold_successor_id": r.successor_id, "cold_successor_endpoint": r.endpoint,
+                           "cold_successor_node": r.node}
+            elif r.successor_id:
+                changes = {"successor_id": r.successor_id, "successor_endpoint": r.endpoint}
+            moves.append(Move(i, r.incident_id, trigger, states, r.detail, r.frozen_at, changes))
+        return await self._moved(moves, len(envs))
 
     async def on_engine_event(self, env: Envelope) -> None:
         e = env.data
@@ -276,8 +272,9 @@ class IncidentDriver(ColdStarts, Batches):
             if hit is not None and self.view.open_incident_for(e.engine_id) is None:
                 model, url = hit
                 self.writer.delete_nowait(endpoint_key(model, e.engine_id))
-                await self._emit_once(EndpointRemoved(model=model, engine_id=e.engine_id, url=url, reason="stopped"),
-                                      f"stopped-{e.engine_id}")
+                await self.bus.publish(self.events.envelope(
+                    EndpointRemoved(model=model, engine_id=e.engine_id, url=url, reason="stopped"),
+                    f"stopped-{e.engine_id}", None))
 
     async def on_memory_event(self, env: Envelope) -> None:
         e = env.data
@@ -291,7 +288,7 @@ class IncidentDriver(ColdStarts, Batches):
 
     async def _engine_ready(self, e: EngineReady) -> None:
         info = e.engine
-        inc_id = self.by_cold.get(info.engine_id)
+        inc_id = self.open.incident_of_cold(info.engine_id)
         if inc_id is not None:
             await self._cold_ready(inc_id, info.engine_id, info.endpoint)
             return
@@ -299,49 +296,146 @@ class IncidentDriver(ColdStarts, Batches):
             return
         if self.view.open_incident_for(info.engine_id) is not None:
             return  # it is failing: do not announce it
-        if info.engine_id in self._successors or e.takeover_of is not None:
+        if self.open.is_successor(info.engine_id) or e.takeover_of is not None:
             return  # a successor: route-in announces it with its predecessor (before or after this event)
         self.writer.put_nowait(endpoint_key(info.model, info.engine_id), info.endpoint)
-        await self._emit_once(EndpointAdded(model=info.model, engine_id=info.engine_id, url=info.endpoint),
-                              f"ready-{info.engine_id}-g{info.generation}")
+        await self.bus.publish(self.events.envelope(
+            EndpointAdded(model=info.model, engine_id=info.engine_id, url=info.endpoint),
+            f"ready-{info.engine_id}-g{info.generation}", None))
 
-    # ------------------------------------------------------------ moving an incident
+    async def _cold_ready(self, inc_id: str, engine_id: str, endpoint: str | None) -> None:
+        """The fallback's cold-started engine reports ready: routed in (if it is still the incident's)."""
+        await self.trigger(inc_id, Trigger.SPAWNED, states=frozenset({S.FALLBACK}), successor_id=engine_id,
+                           successor_endpoint=endpoint)
 
     async def trigger(self, inc_id: str, trigger: Trigger, *, states: frozenset[IncidentState] | None = None,
-                      detail: str = "", frozen_at: float | None = None, **changes: object) -> None:
-        """`frozen_at`: the trigger reports what followed a freeze that ended then (the dc_manager's one
-        result per intent); a record still freezing first ends its freeze step at that time."""
-        async with self._lock(inc_id):
+                      detail: str = "", frozen_at: float | None = None, **changes: Any) -> None:
+        """One trigger: a batch of one (`Move`)."""
+        out = await self._moved([Move(0, inc_id, trigger, states, detail, frozen_at, changes)], 1)
+        if out[0] is not None:
+            raise out[0]
+
+    async def _resume(self, inc_id: str) -> None:
+        out: Outcomes = [None]
+        async with self._holding([inc_id]):
             rec = self.open.get(inc_id) or await self.log.load(inc_id)
-            if rec is None:
+            if rec is None or rec.terminal:
+                self.open.drop(inc_id)
                 return
-            cur = rec
-            if frozen_at is not None and rec.state is S.FREEZING and trigger is not Trigger.FROZEN:
-                cur = self._frozen_at(rec, frozen_at)
-            if trigger is Trigger.REATTACHED and cur.state is S.FREEZING:
-                # The successor serves already, its memory not frozen yet: routed in when the freeze ends
-                # (memory.frozen or the dc_manager's result), never before (incident.py: no such transition).
-                self._reattached_early[inc_id] = changes
-                return
-            if not can(cur.state, trigger) or (states is not None and cur.state not in states):
-                return  # unknown, finished, or a late result of an abandoned step: nothing to do
-            new = apply(cur, trigger, time.time(), self.deadlines, detail=detail, **changes)
-            early = self._reattached_early.pop(inc_id, None) if new.state is S.REATTACHING else None
-            if early is not None:
-                new = apply(new, Trigger.REATTACHED, time.time(), self.deadlines, **early)  # type: ignore[arg-type]
-            if rec.state is S.FALLBACK and trigger is Trigger.REATTACHED and rec.cold_successor_id:
-                self._stop_cold(rec)
-                new.cold_stopped = True
-            if new.state is S.FALLBACK:
-                await self._send_intent(new, fallback=True)
-            elif new.state is S.FAILED:
-                await self._emit_once(IncidentFailed(incident_id=new.id, engine_id=new.engine_id,
-                                                     step=self._failed_step(rec), reason=new.failure or ""),
-                                      f"{new.id}-failed", new)
-            # Entering route-in, the record is not written: route-in follows at once and writes the next one
-            # (a crash before it redoes the step from the result, which is acked only after route-in).
-            rec = await self._commit(rec, new, write=new.state is not S.ROUTING_IN)
-            await self._advance(rec)
+            self.open.put(rec)
+            await self._advance({inc_id: 0}, out)
+        if out[0] is not None:
+            raise out[0]
+
+    # ------------------------------------------------------------ the path (its callers hold the incidents' locks)
+
+    async def _moved(self, moves: list[Move], n: int) -> Outcomes:
+        out: Outcomes = [None] * n
+        async with self._holding(m.inc_id for m in moves):
+            await self._advance(await self._apply(moves, out), out)
+        return out
+
+    async def _open(self, faults: list[tuple[int, FaultDetected, Envelope]], out: Outcomes) -> dict[str, int]:
+        """Each fault's incident, opened here (creates queued together, awaited together) or, found in etcd (a
+        redelivery), loaded. Returns the incidents to advance, by id: the message each one came from."""
+        found: dict[str, int] = {}
+        created = []
+        for i, f, env in faults:
+            inc_id = incident_id_for(f.engine_id, f.generation)
+            if inc_id in self.open:
+                found[inc_id] = i
+                continue
+            try:
+                rec = self._record_from_fault(inc_id, f, env)
+            except Exception as e:  # noqa: BLE001 - this fault alone is redelivered
+                out[i] = e
+                continue
+            created.append((i, rec, self.log.create_soon(rec)))  # create first: the common case is a new fault
+        for i, rec, fut in created:
+            try:
+                if await fut:
+                    self.metrics.record_opened(rec)
+                    if self.tracing.export_spans:  # the detect step's span (no copy made when none is exported)
+                        self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
+                    log.info("incident %s opened: %s %s", rec.id, rec.engine_id, rec.kind)
+                else:  # it exists (a redelivery): load it
+                    loaded = await self.log.load(rec.id)
+                    if loaded is None or loaded.terminal:
+                        continue
+                    rec = loaded
+            except Exception as e:  # noqa: BLE001 - etcd failed this create or load: redelivered
+                out[i] = e
+                continue
+            self.open.put(rec)
+            found[rec.id] = i
+        return found
+
+    async def _apply(self, moves: list[Move], out: Outcomes) -> dict[str, int]:
+        """Each move, in order, on its incident's latest record; the waiting states' entry actions done (the
+        fallback's intent sent, a failure announced). Returns the incidents moved, by id: their message."""
+        moved: dict[str, int] = {}
+        moves = list(moves)  # a move may bring another (a cold engine found ready)
+        for m in moves:
+            try:
+                rec = self.open.get(m.inc_id) or await self.log.load(m.inc_id)
+                new = self._next(rec, m) if rec is not None else None
+                if rec is None or new is None:
+                    continue
+                if new.state is S.FALLBACK and rec.state is not S.FALLBACK:
+                    await self.bus.publish(self.events.intent(new, fallback=True))
+                elif new.state is S.FAILED:
+                    await self.bus.publish(self.events.envelope(
+                        IncidentFailed(incident_id=new.id, engine_id=new.engine_id, step=self._failed_step(rec),
+                                       reason=new.failure or ""), f"{new.id}-failed", new))
+                # Entering route-in, the record is not written: route-in follows at once and writes the next
+                # one (a crash before it redoes the step from the result, which is acked only after route-in).
+                self._commit(rec, new, write=new.state is not S.ROUTING_IN)
+                moved[m.inc_id] = m.at
+                if m.trigger is Trigger.COLD_STARTED:
+                    ready = self.view.engines.get(new.cold_successor_id or "")
+                    if ready is not None and ready.state == "ready":  # ready before the spawn was answered
+                        moves.append(Move(m.at, m.inc_id, Trigger.SPAWNED, frozenset({S.FALLBACK}),
+                                          changes={"successor_id": ready.engine_id,
+                                                   "successor_endpoint": ready.endpoint}))
+            except Exception as e:  # noqa: BLE001 - this message alone is redelivered
+                out[m.at] = e
+        return moved
+
+    def _next(self, rec: IncidentRecord, m: Move) -> IncidentRecord | None:
+        """The record after `m`, or None when `m` does not apply (unknown, finished, a late result of an
+        abandoned step, a fact already recorded)."""
+        cur = rec
+        if m.frozen_at is not None and rec.state is S.FREEZING and m.trigger is not Trigger.FROZEN:
+            cur = self._frozen_at(rec, m.frozen_at)
+        if m.trigger is Trigger.COLD_STARTED and not self._cold_started_is_news(cur, m.changes):
+            return None
+        if m.trigger is Trigger.SPAWNED and (m.inc_id not in self.open
+                                             or cur.cold_successor_id != m.changes.get("successor_id")):
+            return None  # not this leader's, or not its cold engine (superseded)
+        if not can(cur.state, m.trigger) or (m.states is not None and cur.state not in m.states):
+            # A freeze's end (`frozen_at`) may have routed a successor recorded early in already (incident.py,
+            # invariant 5): the reattach this result reports; otherwise the move does not apply.
+            return cur if cur is not rec and cur.state is S.ROUTING_IN else None
+        changes = m.changes
+        if m.trigger is Trigger.SPAWNED:
+            changes = {**changes, "successor_endpoint": changes.get("successor_endpoint") or cur.cold_successor_endpoint}
+        new = apply(cur, m.trigger, time.time(), self.deadlines, detail=m.detail, **changes)
+        if rec.state is S.FALLBACK and m.trigger is Trigger.REATTACHED and rec.cold_successor_id:
+            self.stops.stop(rec.id, rec.cold_successor_id, rec.cold_successor_node)  # the late reattach won
+            new.cold_stopped = True
+        return new
+
+    def _cold_started_is_news(self, rec: IncidentRecord, cold: dict[str, Any]) -> bool:
+        """The fallback's engine was started. Not news when already recorded; and when a reattach won before
+        the spawn was even answered, that engine is not needed: stopped."""
+        engine_id = cold.get("cold_successor_id")
+        if not engine_id:
+            return False
+        if rec.state is not S.FALLBACK:
+            if rec.successor_id != engine_id and not rec.cold_stopped:
+                self.stops.stop(rec.id, engine_id, cold.get("cold_successor_node"))
+            return False
+        return rec.cold_successor_id != engine_id
 
     def _frozen_at(self, rec: IncidentRecord, frozen_at: float) -> IncidentRecord:
         """A record still freezing, its freeze ended at `frozen_at` (bounded by its start and now)."""
@@ -350,150 +444,95 @@ class IncidentDriver(ColdStarts, Batches):
         return apply(rec, Trigger.FROZEN, min(now, max(frozen_at, started.started_at if started else frozen_at)),
                      self.deadlines)
 
-    async def _resume(self, inc_id: str) -> None:
-        async with self._lock(inc_id):
-            await self._resume_unlocked(inc_id)
+    async def _advance(self, moved: dict[str, int], out: Outcomes) -> None:
+        """Run the controller's own steps (route out and dispatch; route in and close) for every incident moved,
+        each step for all of them at once, until each must wait for others."""
+        while moved:
+            opened, routing = {}, {}
+            for inc_id, at in moved.items():
+                rec = self.open.get(inc_id)
+                if rec is not None and out[at] is None:
+                    if rec.state is S.OPENED:
+                        opened[inc_id] = at
+                    elif rec.state is S.ROUTING_IN:
+                        routing[inc_id] = at
+            await self._route_in(routing, out)
+            moved = await self._route_out(opened, out)
 
-    async def _resume_unlocked(self, inc_id: str) -> None:
-        rec = self.open.get(inc_id) or await self.log.load(inc_id)
-        if rec is None or rec.terminal:
-            self.open.pop(inc_id, None)
+    async def _route_out(self, opened: dict[str, int], out: Outcomes) -> dict[str, int]:
+        """Route out and dispatch (their events published together). The waiting state's record is written only
+        if the incident still waits a moment later (a prompt takeover's incident goes from opened to resolved
+        with no record in between; a new leader resumes it from opened: the dispatch is idempotent)."""
+        if not opened:
+            return {}
+        staged = []
+        for inc_id, at in opened.items():
+            rec = self.open.get(inc_id)
+            try:
+                if rec is not None:
+                    staged.append((rec, at, self.events.route_out(rec)))
+            except Exception as e:  # noqa: BLE001 - redelivered (its record says opened)
+                out[at] = e
+        try:
+            await self.bus.publish_all([ev for _, _, r in staged for ev in r.events])
+        except Exception as e:  # noqa: BLE001 - none of them is routed out: all redelivered (idempotent)
+            for _, at, _ in staged:
+                out[at] = e
+            return {}
+        moved = {}
+        for rec, at, r in staged:
+            try:
+                self._commit(rec, self.events.routed_out(r), after_s=self.settings.waiting_record_delay_s)
+                moved[rec.id] = at
+            except Exception as e:  # noqa: BLE001 - redelivered
+                out[at] = e
+        return moved
+
+    async def _route_in(self, routing: dict[str, int], out: Outcomes) -> None:
+        """Route in and close (their events published together)."""
+        if not routing:
             return
-        self.open[inc_id] = rec
-        await self._advance(rec)
+        staged = []
+        for inc_id, at in routing.items():
+            rec = self.open.get(inc_id)
+            if rec is None:
+                continue
+            try:
+                staged.append((rec, at, *self.events.route_in(rec)))
+            except Exception as e:  # noqa: BLE001 - redelivered
+                self.log.save(rec)  # maybe not written on entry (see _apply): kept where it stands now
+                out[at] = e
+        try:
+            await self.bus.publish_all([ev for _, _, _, events in staged for ev in events])
+        except Exception as e:  # noqa: BLE001 - none routed in: each redelivered, its record kept as it stands
+            for rec, at, _, _ in staged:
+                self.log.save(rec)  # maybe not written on entry (see _apply): kept where it stands now
+                out[at] = e
+            return
+        for rec, at, routed, _ in staged:
+            try:
+                self._commit(rec, routed)
+                if rec.move_off and rec.successor_id != rec.engine_id:
+                    # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
+                    self.stops.stop(rec.id, rec.engine_id, rec.node)
+            except Exception as e:  # noqa: BLE001 - redelivered
+                out[at] = e
 
-    async def _advance(self, rec: IncidentRecord) -> None:
-        """Run the controller's own steps (route out and dispatch; route in and close) until it must wait."""
-        while True:
-            if rec.state is S.OPENED:
-                # The waiting state's record is written only if the incident is still waiting a moment later
-                # (a prompt takeover's incident goes from opened to resolved with no record in between; a new
-                # leader resumes it from opened: the dispatch is idempotent).
-                rec = await self._commit(rec, await self._dispatch(rec), after_s=self.settings.waiting_record_delay_s)
-            elif rec.state is S.ROUTING_IN:
-                try:
-                    routed = await self._route_in(rec)
-                except BaseException:
-                    self.log.save(rec)  # maybe not written on entry (see trigger): keep where it stands now
-                    raise
-                rec = await self._routed_in(rec, routed)
-            else:
-                return
-
-    async def _dispatch(self, rec: IncidentRecord) -> IncidentRecord:
-        out = self._route_out(rec)
-        await self.bus.publish_all(out.events)  # published together, their stream acks awaited together
-        return self._routed_out(out)
-
-    def _route_out(self, rec: IncidentRecord) -> RouteOut:
-        """The dispatch's events (route out, the intent, incident.opened) for `rec`'s working copy; once they
-        are published, `_routed_out` takes it on."""
-        work = rec.model_copy(update={"steps": dict(rec.steps)})  # steps are replaced, never mutated
-        if work.trace_parent is None:
-            self.tracing.open(work)
-        start_step(work, Step.ROUTE_OUT, time.time())
-        hit = self.view.endpoint_of(work.engine_id)
-        model, url = hit if hit is not None else (work.model, work.endpoint)
-        # Route out beside the freeze: routers hold requests while the memory is frozen.
-        lost = work.memory_lost or self._memory_gone(work)
-        cold = lost or work.move_off  # moving off a drained node: the successor starts cold elsewhere
-        events = [
-            self._intent_envelope(work, fallback=cold),
-            self._envelope(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,
-                                          kind=work.kind, model=work.model, gpu=work.gpu),
-                           f"{work.id}-opened", work),
-        ]
-        if not work.move_off:
-            events.insert(0, self._envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id, url=url,
-                                                            reason=str(work.kind or work.reason), incident_id=work.id),
-                                            f"{work.id}-removed", work))
-        return RouteOut(work, events, lost, cold, model or work.model)
-
-    def _routed_out(self, out: RouteOut) -> IncidentRecord:
-        work = out.work
-        if work.move_off:  # make before break: a drained engine serves until its successor does (route-in)
-            end_step(work, Step.ROUTE_OUT, "skipped", time.time(), "drain: routed out when its successor is routed in")
-        else:
-            self.writer.delete_nowait(endpoint_key(out.model, work.engine_id))
-            end_step(work, Step.ROUTE_OUT, "done", time.time())
-        trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
-        return apply(work, trig, time.time(), self.deadlines, memory_lost=out.lost)
-
-    async def _route_in(self, rec: IncidentRecord) -> IncidentRecord:
-        new, events = self._route_in_events(rec)
-        await self.bus.publish_all(events)
-        return new
-
-    async def _routed_in(self, rec: IncidentRecord, routed: IncidentRecord) -> IncidentRecord:
-        """Route-in's events are published: record the incident resolved."""
-        rec = await self._commit(rec, routed)
-        if rec.move_off and rec.state is S.RESOLVED and rec.successor_id != rec.engine_id:
-            # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
-            self._stop_in_background(rec.id, rec.engine_id, rec.node)
-        return rec
-
-    def _route_in_events(self, rec: IncidentRecord) -> tuple[IncidentRecord, list[Wired]]:
-        """Route-in's endpoint key (written behind) and events for `rec`, and the record once they are out."""
-        succ, url = rec.successor_id or "", rec.successor_endpoint
-        engine = self.view.engines.get(succ)
-        url = url or (engine.endpoint if engine else None) or ""
-        if succ and url:
-            self.writer.put_nowait(endpoint_key(rec.model, succ), url)
-        new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
-        events = [
-            self._envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
-                                         predecessor_id=rec.engine_id), f"{rec.id}-added", rec),
-            self._envelope(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
-                                            timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
-                                            fallback=new.fallback), f"{new.id}-resolved", new),
-        ]
-        if rec.move_off:  # the drained engine's route goes only now, after its successor's (make before break)
-            hit = self.view.endpoint_of(rec.engine_id)
-            model, old_url = hit if hit is not None else (rec.model, rec.endpoint)
-            self.writer.delete_nowait(endpoint_key(model, rec.engine_id))
-            events.insert(1, self._envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
-                                                            reason="drained", incident_id=rec.id),
-                                            f"{rec.id}-removed", rec))
-        return new, events
-
-    async def _send_intent(self, rec: IncidentRecord, *, fallback: bool) -> None:
-        await self.bus.publish(self._intent_envelope(rec, fallback=fallback))
-
-    def _intent_envelope(self, rec: IncidentRecord, *, fallback: bool) -> Wired:
-        intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,
-                               engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
-                               memory_lost=fallback, version=rec.version, node=rec.node,
-                               successor=rec.successor_hint)
-        return self._envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
-
-    async def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True,
-                      after_s: float = 0.0) -> IncidentRecord:
+    def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True, after_s: float = 0.0) -> None:
+        """`new` is the incident's record from now on: in the table, and queued to etcd (written behind, fenced by
+        the leader key: incident_log.py) unless `write` is False."""
         new.leader = self.settings.instance  # `new` is this call's own copy (apply and the callers copy)
         if write and after_s > 0:
             self.log.save_after(new, after_s)
         elif write:
-            self.log.save(new)  # written behind, fenced by the leader key (incident_log.py)
-        if old.successor_id != new.successor_id:
-            self._successors.discard(old.successor_id or "")
-        if new.successor_id and not new.terminal:
-            self._successors.add(new.successor_id)
-        elif new.successor_id:
-            self._successors.discard(new.successor_id)
+            self.log.save(new)
         self.tracing.steps(old, new)
+        self.open.put(new)
         if new.terminal:
-            self.open.pop(new.id, None)
-            self._reattached_early.pop(new.id, None)
-            self._closed[new.id] = None
-            if len(self._closed) > 100_000:  # bounded: the oldest half goes (long since in the view)
-                for old_id in list(self._closed)[:50_000]:
-                    del self._closed[old_id]
             self._locks.pop(new.id, None)
             self.metrics.record_closed(new)
             self.tracing.close(new)
             log.info("incident %s %s in %s ms", new.id, new.state, new.total_ms())
-        else:
-            self.open[new.id] = new
-        return new
 
     # ------------------------------------------------------------ helpers
 
@@ -506,23 +545,10 @@ class IncidentDriver(ColdStarts, Batches):
             generation=f.generation, node=f.node or env.node or (engine.node if engine else None), gpu=f.gpu,
             endpoint=(hit[1] if hit else None) or (engine.endpoint if engine else None),
             reason=IncidentReason.FAILURE, kind=f.kind, died_at=f.died_at,
-            memory_lost=f.kind is FaultKind.GPU_FAULT, leader=self.settings.instance,
+            memory_lost=f.kind.loses_memory, leader=self.settings.instance,
         )
         self.tracing.open(rec)
         return rec
-
-    async def _emit_once(self, payload: Event, key: str, rec: IncidentRecord | None = None) -> None:
-        """Publish with an id derived from the incident: JetStream drops a repeat after a crash. Filed under
-        the incident's trace (its recorded traceparent is the context to propagate, as it is)."""
-        await self.bus.publish(self._envelope(payload, key, rec))
-
-    def _envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Wired:
-        # Wired: the envelope's JSON without its model (this process never reads these events back).
-        return self.bus.wired(payload, id=key, traceparent=rec.trace_parent if rec else None)
-
-    def _memory_gone(self, rec: IncidentRecord) -> bool:
-        leases = self.view.leases_of(rec.engine_id)
-        return bool(leases) and all(lease.state is LeaseState.RECLAIMED for lease in leases)
 
     @staticmethod
     def _failed_step(rec: IncidentRecord) -> Step:

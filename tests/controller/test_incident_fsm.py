@@ -61,11 +61,27 @@ def test_a_missed_deadline_takes_the_fallback_and_a_failed_fallback_fails_the_in
 
 def test_a_successor_is_never_routed_in_before_the_freeze_ends() -> None:
     rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED, 0.0, D)
-    with pytest.raises(InvalidTransition):
-        apply(rec, Trigger.REATTACHED, 0.01, D)  # a shadow promoted while the freeze runs waits for it
+    # A shadow promoted while the freeze runs is recorded, and waits for it: no step moves, no deadline changes.
+    early = apply(rec, Trigger.REATTACHED, 0.01, D, successor_id="s", successor_endpoint="http://s")
+    assert early.state is IncidentState.FREEZING and early.successor_id == "s"
+    assert early.deadline == rec.deadline and early.steps == rec.steps and early.updated_at == 0.01
+    # The freeze ends: the recorded successor goes on to route-in at once.
+    frozen = apply(early, Trigger.FROZEN, 0.02, D)
+    assert frozen.state is IncidentState.ROUTING_IN and frozen.successor_endpoint == "http://s"
+    assert frozen.steps[Step.FREEZE].status == "done" and frozen.steps[Step.REATTACH].status == "done"
+    # Without one, the freeze's end waits for the reattach as before.
     rec = apply(apply(rec, Trigger.FROZEN, 0.02, D), Trigger.REATTACHED, 0.02, D)
     assert rec.state is IncidentState.ROUTING_IN
     assert rec.steps[Step.FREEZE].status == "done" and rec.steps[Step.REATTACH].status == "done"
+
+
+def test_the_fallbacks_cold_engine_is_recorded_without_moving_a_step() -> None:
+    rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED_FALLBACK, 0.0, D)
+    started = apply(rec, Trigger.COLD_STARTED, 1.0, D, cold_successor_id="cs", cold_successor_node="n")
+    assert started.state is IncidentState.FALLBACK and started.cold_successor_id == "cs"
+    assert started.deadline == rec.deadline and started.steps == rec.steps
+    ready = apply(started, Trigger.SPAWNED, 2.0, D, successor_id="cs")
+    assert ready.state is IncidentState.ROUTING_IN and ready.steps[Step.FALLBACK].status == "done"
 
 
 def test_memory_known_lost_at_opening_goes_straight_to_the_cold_start() -> None:

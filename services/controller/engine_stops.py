@@ -1,0 +1,49 @@
+"""`EngineStops`: engines an incident no longer needs, stopped in the background, best effort.
+
+Two kinds: a fallback's cold-started engine superseded by a late reattach (the reattach holds the memory,
+nothing reloads), and a drained node's engine once its successor serves. The node may be gone; a leftover
+engine stays visible in the view. Each stop is a named task kept referenced until it ends; `cancel` ends
+those still running when the leader steps down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from libs.common.bus import Bus
+from libs.common.events import StopEngine, StopReply
+from services.controller.view import ClusterView
+
+log = logging.getLogger("holdfast.controller.pipeline")
+
+
+class EngineStops:
+    def __init__(self, bus: Bus, view: ClusterView) -> None:
+        self.bus = bus
+        self.view = view
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def stop(self, inc_id: str, engine_id: str | None, node: str | None) -> None:
+        """Stop `engine_id` on `node` (else the node the view places it on), in the background."""
+        if not engine_id:
+            return
+        engine = self.view.engines.get(engine_id)
+        node = node or (engine.node if engine else None)
+        if not node:
+            log.warning("incident %s: cannot stop engine %s: node unknown", inc_id, engine_id)
+            return
+        task = asyncio.create_task(self._stop(inc_id, engine_id, node), name=f"stop:{engine_id}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _stop(self, inc_id: str, engine_id: str, node: str) -> None:
+        try:
+            await self.bus.request(node, StopEngine(engine_id=engine_id), StopReply, timeout=10.0)
+            log.info("incident %s: stopped engine %s on %s", inc_id, engine_id, node)
+        except Exception as e:  # noqa: BLE001 - best effort: a leftover engine is visible in the view
+            log.warning("incident %s: could not stop engine %s: %s", inc_id, engine_id, e)
+
+    def cancel(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()

@@ -1,0 +1,131 @@
+"""`IncidentEvents`: what the pipeline's own steps publish and write for one incident, built without sending.
+
+Route out (the endpoint removed, the recover intent, incident.opened) and route in (the successor's endpoint
+added, incident.resolved), each with its endpoint key queued behind on the `BatchWriter`. The pipeline sends
+the events of many incidents with one `publish_all` (pipeline.py); every event's id is derived from its
+incident, so a re-publication after a crash is dropped by JetStream's duplicate window.
+
+A drained node's engine (`move_off`) is routed make-before-break: its route stays until its successor's
+route is added, in the same publication.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from libs.common.bus import Bus, Wired
+from libs.common.etcd_batch import BatchWriter
+from libs.common.events import (
+    EndpointAdded,
+    EndpointRemoved,
+    Event,
+    IncidentOpened,
+    IncidentResolved,
+    LeaseState,
+    RecoverIntent,
+    Step,
+)
+from services.controller.incident import Deadlines, IncidentRecord, Trigger, apply, end_step, start_step
+from services.controller.incident_trace import IncidentTracer
+from services.controller.view import ClusterView
+
+
+class RouteOut(NamedTuple):
+    """A dispatch prepared: the record's working copy and the events to publish (route out, the intent,
+    incident.opened); `lost`: the memory is gone, `cold`: the successor starts cold; `model`: the route's model."""
+
+    work: IncidentRecord
+    events: list[Wired]
+    lost: bool
+    cold: bool
+    model: str
+
+
+def endpoint_key(model: str, engine_id: str) -> str:
+    return f"endpoints/{model}/{engine_id}"
+
+
+class IncidentEvents:
+    def __init__(self, bus: Bus, view: ClusterView, writer: BatchWriter, tracing: IncidentTracer,
+                 deadlines: Deadlines) -> None:
+        self.bus = bus
+        self.view = view
+        self.writer = writer
+        self.tracing = tracing
+        self.deadlines = deadlines
+
+    def route_out(self, rec: IncidentRecord) -> RouteOut:
+        """The dispatch's events for `rec`'s working copy; once they are published, `routed_out` takes it on."""
+        work = rec.model_copy(update={"steps": dict(rec.steps)})  # steps are replaced, never mutated
+        if work.trace_parent is None:
+            self.tracing.open(work)
+        start_step(work, Step.ROUTE_OUT, time.time())
+        hit = self.view.endpoint_of(work.engine_id)
+        model, url = hit if hit is not None else (work.model, work.endpoint)
+        # Route out beside the freeze: routers hold requests while the memory is frozen.
+        lost = work.memory_lost or self._memory_gone(work)
+        cold = lost or work.move_off  # moving off a drained node: the successor starts cold elsewhere
+        events = [
+            self.intent(work, fallback=cold),
+            self.envelope(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,
+                                         kind=work.kind, model=work.model, gpu=work.gpu),
+                          f"{work.id}-opened", work),
+        ]
+        if not work.move_off:
+            events.insert(0, self.envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id,
+                                                           url=url, reason=str(work.kind or work.reason),
+                                                           incident_id=work.id),
+                                           f"{work.id}-removed", work))
+        return RouteOut(work, events, lost, cold, model or work.model)
+
+    def routed_out(self, out: RouteOut) -> IncidentRecord:
+        """The route-out's events are published: its endpoint key goes, and the record moves to waiting."""
+        work = out.work
+        if work.move_off:  # make before break: a drained engine serves until its successor does (route-in)
+            end_step(work, Step.ROUTE_OUT, "skipped", time.time(), "drain: routed out when its successor is routed in")
+        else:
+            self.writer.delete_nowait(endpoint_key(out.model, work.engine_id))
+            end_step(work, Step.ROUTE_OUT, "done", time.time())
+        trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
+        return apply(work, trig, time.time(), self.deadlines, memory_lost=out.lost)
+
+    def route_in(self, rec: IncidentRecord) -> tuple[IncidentRecord, list[Wired]]:
+        """Route-in's endpoint key (written behind) and events for `rec`, and the record once they are out."""
+        succ, url = rec.successor_id or "", rec.successor_endpoint
+        engine = self.view.engines.get(succ)
+        url = url or (engine.endpoint if engine else None) or ""
+        if succ and url:
+            self.writer.put_nowait(endpoint_key(rec.model, succ), url)
+        new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
+        events = [
+            self.envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
+                                        predecessor_id=rec.engine_id), f"{rec.id}-added", rec),
+            self.envelope(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
+                                           timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
+                                           fallback=new.fallback), f"{new.id}-resolved", new),
+        ]
+        if rec.move_off:  # the drained engine's route goes only now, after its successor's (make before break)
+            hit = self.view.endpoint_of(rec.engine_id)
+            model, old_url = hit if hit is not None else (rec.model, rec.endpoint)
+            self.writer.delete_nowait(endpoint_key(model, rec.engine_id))
+            events.insert(1, self.envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
+                                                           reason="drained", incident_id=rec.id),
+                                           f"{rec.id}-removed", rec))
+        return new, events
+
+    def intent(self, rec: IncidentRecord, *, fallback: bool) -> Wired:
+        intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,
+                               engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
+                               memory_lost=fallback, version=rec.version, node=rec.node,
+                               successor=rec.successor_hint)
+        return self.envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
+
+    def envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Wired:
+        """An event with an id derived from its incident, filed under the incident's trace (its recorded
+        traceparent, as it is). Wired: the envelope's JSON without its model (never read back here)."""
+        return self.bus.wired(payload, id=key, traceparent=rec.trace_parent if rec else None)
+
+    def _memory_gone(self, rec: IncidentRecord) -> bool:
+        leases = self.view.leases_of(rec.engine_id)
+        return bool(leases) and all(lease.state is LeaseState.RECLAIMED for lease in leases)
