@@ -1,373 +1,234 @@
-"""`IntentExecutor`: one RecoverIntent -> node commands (freeze, takeover; or a cold-start spawn) -> results.
+"""`IntentExecutor`: the dc_manager's recover intents, as they are delivered (`Bus.durable_batches`).
 
-Results: one per intent when it goes well and promptly (the reattach result carries the freeze's time,
-`frozen_at`); a takeover still running `freeze_result_after_s` after its freeze gets a freeze result first;
-a failed step gets a failed result (a failed takeover's carries `frozen_at` too).
-
-Idempotent by recorded progress: the freeze's reply (and a cold start's) is stored at
-`dcm/intents/<incident>-<kind>` before the next command is sent, so an intent redelivered after this
-process died never freezes twice (the transfer token is reused) and re-sends the command it was in. The
-record is read only on a redelivery (a first delivery has none), and written through a `BatchWriter`:
-awaited, but grouped with other intents' writes into one etcd transaction. The takeover's reply is not
-recorded: the agent's takeover is idempotent by incident (a repeated command gets the first one's
-successor), so a redelivery that re-sends it gets the same reply; a record would only spare that one
-re-sent command, and only if this process died in the moment between the record and the ack (the result
-is published right after either way). Results carry ids derived from the intent, so a re-published
-result is dropped by JetStream's duplicate window. Progress records are deleted after `progress_retention_s` (never sooner
-than `progress_retention_min_s`: libs/common/retention.py), so that they do not pile up in etcd.
-
-Errors: a node that does not answer is retried with backoff (temporary); a typed error reply (not_found,
-conflict...) is permanent and becomes a failed result at once.
-
-Intents come in batches (`on_intents`, batches.py): the common case runs each step for the whole batch at
-once; the rest, and any intent whose batched step failed, take this one-at-a-time path (`on_intent`, `_handle`).
+What arrives in one loop pass is handled together; each intent keeps its own lock (by key: incident and
+kind), progress record, derived result ids and ack. Its steps are `IntentSteps`' (steps.py). The common case,
+a first delivery of a reattach in place (no shadow promoted early, no predecessor's memory to hand on, no
+spans exported), runs each step for the whole batch at once: the freezes sent together (one timer, one
+wake-up per loop pass that brings replies), their progress records queued together (one etcd transaction
+through the `BatchWriter`), the takeovers sent together, and the results of the takeovers that answered in
+one loop pass published with one `publish_all`. A takeover still running `freeze_result_after_s` after
+the freezes gets the freeze's own result first. Any other intent (a redelivery, a cold start, a placement
+elsewhere, an early promotion), and one whose freeze or takeover did not answer well here, goes on alone
+from its recorded progress through the same steps (`IntentSteps.handle`: retries, typed errors, a failed
+result), so a node that is slow or gone costs the batch's first attempt plus the usual ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
-import logging
-import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-from pydantic import BaseModel, Field, ValidationError
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
 
 from libs.common import telemetry
-from libs.common.bus import Bus, Wired, delivery_attempt, spans_exported
-from libs.common.cluster_view import ClusterView, range_pages
-from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
-from libs.common.etcd_batch import BatchWriter
-from libs.common.events import (
-    EngineSpec,
-    Envelope,
-    Freeze,
-    FreezeReply,
-    IntentResult,
-    LeaseState,
-    RecoverIntent,
-    Spawn,
-    SpawnReply,
-    Step,
-    Tag,
-    Takeover,
-    TakeoverReply,
-)
+from libs.common.bus import Bus, beside, delivery_attempt, delivery_attempts, holding
+from libs.common.cluster_view import ClusterView
+from libs.common.events import Envelope, Freeze, FreezeReply, RecoverIntent, TakeoverReply
 from libs.common.store import Store
-from services.dc_manager.batches import IntentBatches
-from services.dc_manager.placement import Action, place
+from services.dc_manager.placement import Action
 from services.dc_manager.settings import DcManagerSettings
+from services.dc_manager.steps import IntentProgress, IntentSteps, progress_key
 
-log = logging.getLogger("holdfast.dc_manager")
-# The intent's trace, handed to its node commands as is when this process builds no spans of its own (no
-# exporter): no propagator round trip (extract, attach, inject) per command.
-_intent_trace: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_intent_trace", default=None)
-R = TypeVar("R", bound=BaseModel)
+__all__ = ["IntentExecutor", "IntentProgress", "progress_key"]
 
 
-class IntentProgress(BaseModel):
-    key: str
-    incident_id: str
-    freeze: FreezeReply | None = None
-    freeze_ms: float | None = None
-    frozen_at: float | None = None  # epoch seconds when the freeze answered (the results carry it)
-    takeover: TakeoverReply | None = None
-    takeover_ms: float | None = None
-    spawn: SpawnReply | None = None
-    spawn_ms: float | None = None
-    memory_of: str | None = None  # the leases handed on are this engine's (see IntentExecutor._freeze)
-    started_at: float = Field(default_factory=time.time)  # when its handling began (the retention of leftovers)
+@dataclass
+class _Item:
+    """One intent of a batch on the common path."""
+
+    at: int  # its position in the batch
+    intent: RecoverIntent
+    node: str
+    trace: str | None
+    prog: IntentProgress
+    announced: bool = False  # its freeze result is published (the takeover was slow)
+    alone: asyncio.Task[None] | None = field(default=None, repr=False)  # going on alone from its progress
 
 
-PROGRESS = "dcm/intents/"  # the etcd prefix of the progress records
-
-
-def progress_key(key: str) -> str:
-    return f"{PROGRESS}{key}"
-
-
-class StepFailed(Exception):
-    def __init__(self, step: Step, detail: str, code: str = "") -> None:
-        super().__init__(detail)
-        self.step = step
-        self.detail = detail
-        self.code = code  # the node's typed error code, if it answered with one
-
-
-async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float) -> R:
-    """Retry while the node does not answer; a typed error reply is final."""
-    for i in range(attempts):
-        try:
-            return await call()
-        except (CommandTimeout, Unavailable):
-            if i == attempts - 1:
-                raise
-            await asyncio.sleep(backoff_s * (2**i))
-    raise AssertionError("unreachable")
-
-
-class IntentExecutor(IntentBatches):
+class IntentExecutor:
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: DcManagerSettings) -> None:
         self.bus = bus
-        self.store = store
         self.view = view
         self.settings = settings
-        self.allowed = settings.node_set()
-        self.tracer = telemetry.tracer("dc_manager")
-        self.export_spans = spans_exported()  # no exporter: no spans (the incoming trace context still travels)
-        self._locks: dict[str, asyncio.Lock] = {}
-        self.writer = BatchWriter(store)
+        self.steps = IntentSteps(bus, store, view, settings)
+        self._locks: dict[str, asyncio.Lock] = {}  # by intent key: one handler at a time
         self.handled = 0
-        # Progress records this process wrote: those of intents still running, and those of finished intents
-        # (key -> when it finished, oldest first), deleted after their retention (app.py, libs/common/retention.py).
-        self.written: set[str] = set()
-        self.ended: dict[str, float] = {}
 
-    def owns(self, intent: RecoverIntent) -> bool:
-        return self.allowed is None or intent.node in self.allowed
+    @property
+    def export_spans(self) -> bool:
+        return self.steps.export_spans
 
-    @staticmethod
-    def key_of(intent: RecoverIntent) -> str:
-        return f"{intent.incident_id}-{'fallback' if intent.memory_lost else 'recover'}"
+    @export_spans.setter
+    def export_spans(self, on: bool) -> None:
+        self.steps.export_spans = on
 
-    async def on_intent(self, env: Envelope) -> None:
+    key_of = staticmethod(IntentSteps.key_of)
+
+    async def on_intents(self, envs: list[Envelope]) -> list[BaseException | None]:
+        """Intents delivered in one loop pass; per intent, in order: None (handled: acked) or what failed it."""
+        attempts = delivery_attempts.get() or (0,) * len(envs)
+        out: list[BaseException | None] = [None] * len(envs)
+        items: list[_Item] = []
+        alone: dict[int, Awaitable[None]] = {}
+        keys: set[str] = set()
+        for i, env in enumerate(envs):
+            intent = env.data
+            if not isinstance(intent, RecoverIntent) or attempts[i] != 1 or self.export_spans:
+                alone[i] = self._one(env, attempts[i])
+                continue
+            if not self.steps.owns(intent):
+                continue
+            key = self.key_of(intent)
+            node = None if key in keys or key in self._locks else self._common_node(intent)
+            if node is None:
+                alone[i] = self._one(env, attempts[i])
+                continue
+            keys.add(key)
+            items.append(_Item(i, intent, node, env.trace.traceparent, IntentProgress(key=key, incident_id=intent.incident_id)))
+        return await beside(self._together(items, out), alone, out)
+
+    async def _one(self, env: Envelope, attempt: int) -> None:
+        delivery_attempt.set(attempt)  # this coroutine runs as a task of its own (gather): its own context
+        if self.export_spans and env.trace.traceparent:
+            carrier = {"traceparent": env.trace.traceparent, **({"tracestate": env.trace.tracestate}
+                                                                if env.trace.tracestate else {})}
+            with telemetry.attach_headers(carrier):
+                await self._alone(env)
+        else:
+            await self._alone(env)
+
+    async def _alone(self, env: Envelope) -> None:
+        """An intent stepped on its own from its recorded progress (read on a redelivery only)."""
         intent = env.data
         assert isinstance(intent, RecoverIntent)
-        if not self.owns(intent):
+        if not self.steps.owns(intent):
             return
         key = self.key_of(intent)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            with self._span("dc_manager.intent", {"holdfast.incident": intent.incident_id,
-                                                  "holdfast.fallback": intent.memory_lost}):
-                prog = (await self._load(key) if delivery_attempt.get() != 1 else None) \
+            with self.steps.span("dc_manager.intent", {"holdfast.incident": intent.incident_id,
+                                                       "holdfast.fallback": intent.memory_lost}):
+                prog = (await self.steps.load(key) if delivery_attempt.get() != 1 else None) \
                     or IntentProgress(key=key, incident_id=intent.incident_id)
-                await self._handle(intent, prog, env.trace.traceparent)
+                await self.steps.handle(intent, prog, env.trace.traceparent)
         self._locks.pop(key, None)
-        self.finished(key)
+        self.steps.finished(key)
         self.handled += 1
 
-    async def _handle(self, intent: RecoverIntent, prog: IntentProgress, trace: str | None) -> None:
-        """The intent's steps from `prog` on, under its key's lock (held by the caller); a failed step's result."""
-        if not self.export_spans:
-            _intent_trace.set(trace)
-        try:
-            if intent.memory_lost:
-                await self._cold_start(intent, prog)
-            else:
-                await self._reattach(intent, prog)
-        except StepFailed as e:
-            log.warning("intent %s: %s failed: %s", prog.key, e.step, e.detail)
-            await self._result(intent, e.step, ok=False, detail=e.detail,
-                               frozen_at=prog.frozen_at if e.step is Step.REATTACH else None)
-
-    # ------------------------------------------------------------ the two paths
-
-    async def _reattach(self, intent: RecoverIntent, prog: IntentProgress) -> None:
-        # Reattaching in place only looks at the engine's own GPU (no scan of the cluster per incident); when it
-        # cannot, the whole home node is placed again, for the reason it gives.
-        home = {intent.node} if intent.node else set()
-        slot = self.view.gpu_slot(intent.node, intent.gpu) if intent.node else None
-        where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=0, slots=[slot] if slot else [],
-                      alive=home & self.view.nodes.keys(), allowed=self.allowed)
-        if where.action is not Action.REATTACH:
-            needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
-            where = place(intent.node, intent.gpu, memory_lost=False, needed_bytes=needed,
-                          slots=self.view.gpu_slots(home), alive=home & self.view.nodes.keys(), allowed=self.allowed)
-            raise StepFailed(Step.FREEZE, f"cannot reattach in place: {where.reason}")
-        node = where.node or ""
-        early: asyncio.Task[tuple[TakeoverReply, float]] | None = None
-        if prog.freeze is None:
-            token = None
-            if prog.takeover is None and self._promote_early(intent):
-                # The shadow needs no memory to serve (it maps the weights read-only already): promote it now,
-                # with a token chosen here, which it needs only to own the leases once they are frozen.
-                token = secrets.token_urlsafe(24)
-                early = asyncio.ensure_future(self._command(Step.REATTACH, node, self._takeover(intent, token),
-                                                            TakeoverReply, self.settings.takeover_timeout_s))
-            cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id, transfer_token=token)
-            try:
-                prog.freeze, prog.freeze_ms = await self._freeze(intent, node, cmd, prog)
-            except StepFailed:
-                if early is not None:
-                    early.cancel()  # only our wait: the promoted shadow, never owning the leases, exits (75)
-                raise
-            prog.frozen_at = time.time()
-            if early is not None and prog.freeze.transfer_token != token:
-                log.warning("intent %s: %s was frozen already under another token; the early-promoted shadow "
-                            "cannot own its leases", prog.key, intent.engine_id)
-            await self._save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
-        freeze_timing = {"freeze": prog.freeze_ms or 0.0}
-        if prog.takeover is None:
-            cmd2 = self._takeover(intent, prog.freeze.transfer_token, prog.memory_of)
-            # One result per intent when the takeover is prompt (the usual case: a warm standby). A slow one
-            # gets the freeze's own result first, so the controller trades its short freeze deadline for the
-            # reattach deadline while the successor starts.
-            announced: list[asyncio.Task[None]] = []
-            timer = asyncio.get_running_loop().call_later(
-                self.settings.freeze_result_after_s, lambda: announced.append(asyncio.ensure_future(
-                    self._result(intent, Step.FREEZE, ok=True, timings=freeze_timing, frozen_at=prog.frozen_at))))
-            try:
-                prog.takeover, prog.takeover_ms = await (early or self._command(
-                    Step.REATTACH, node, cmd2, TakeoverReply, self.settings.takeover_timeout_s))
-            finally:
-                timer.cancel()
-                for task in announced:
-                    await task
-            # Not recorded (see the module's docstring): a redelivery re-sends the takeover, idempotent by incident.
-        engine = prog.takeover.engine
-        overlap = {"promoted_during_freeze": 1.0} if early is not None else {}
-        await self._result(intent, Step.REATTACH, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
-                           timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0, **freeze_timing,
-                                    **overlap},
-                           detail="standby" if prog.takeover.used_standby else "cold-spawned", frozen_at=prog.frozen_at)
-
-    def _promote_early(self, intent: RecoverIntent, attempt: int | None = None) -> bool:
-        """Promote while freezing: a first delivery (a redelivery runs the steps in order, and the freeze says
-        which token holds), the engine's leases not frozen already, and a standby beside it that shadows it
-        (and is the one named, if one is)."""
-        if not self.settings.promote_shadows_early or (delivery_attempt.get() if attempt is None else attempt) != 1:
-            return False
-        if any(lease.state is LeaseState.FROZEN for lease in self.view.leases_of(intent.engine_id)):
-            return False
-        shadow = self.view.shadow_of(intent.engine_id, intent.node)
-        return shadow is not None and intent.successor in (None, shadow.engine_id)
-
-    async def _freeze(self, intent: RecoverIntent, node: str, cmd: Freeze,
-                      prog: IntentProgress) -> tuple[FreezeReply, float]:
-        """The failed engine's leases frozen. One that holds no weights but is a successor (a shadow promoted while
-        its predecessor's freeze ran, which serves at once and owns those leases only once the predecessor is dead)
-        died before it owned them: they are still its predecessor's, frozen under their first token, and are
-        handed on (`memory_of`: a second freeze of frozen leases answers with their token) rather than left
-        frozen until reclaimed while a cold start looks for room. What it held of its own (the KV cache a shadow
-        leases) stays frozen until its grace window ends."""
+    def _common_node(self, intent: RecoverIntent) -> str | None:
+        """The node to reattach on when the intent is the batch's common case (see the module), else None."""
+        if intent.memory_lost or not intent.node:
+            return None
+        where = self.steps.in_place(intent)
+        if where.action is not Action.REATTACH or self.steps.promote_early(intent, attempt=1):
+            return None
         info = self.view.engines.get(intent.engine_id)
-        pred = info.successor_of if info is not None else None
-        if pred == intent.engine_id:
-            pred = None
+        if info is not None and info.successor_of and info.successor_of != intent.engine_id:
+            return None  # a successor that may hold its predecessor's memory (`_freeze`'s hand-on)
+        return where.node
+
+    async def _together(self, items: list[_Item], out: list[BaseException | None]) -> None:
+        if not items:
+            return
+        # keys checked free in this loop pass: nobody else holds them
+        async with holding([self._locks.setdefault(item.prog.key, asyncio.Lock()) for item in items]):
+            try:
+                frozen = await self._freeze_all(items)
+                await self._take_over_all(frozen, out)
+            finally:
+                for item in items:
+                    if item.alone is not None:
+                        try:
+                            await item.alone
+                        except Exception as e:  # noqa: BLE001 - redelivered
+                            out[item.at] = e
+                for item in items:
+                    self._locks.pop(item.prog.key, None)
+                    if out[item.at] is None:  # handled (a failed one is redelivered and needs its record)
+                        self.steps.finished(item.prog.key)
+                self.handled += len(items)
+
+    async def _freeze_all(self, items: list[_Item]) -> list[_Item]:
+        """Every item's freeze sent at once; those frozen have their progress recorded (awaited together) and are
+        returned; the others go on alone (their freeze again, with retries; a typed error becomes a failed result)."""
+        calls = [(item.node, Freeze(owner=item.intent.engine_id, incident_id=item.intent.incident_id), item.trace)
+                 for item in items]
+        t0 = time.perf_counter()
+        frozen: list[_Item] = []
+        async for got in self.bus.request_all(calls, FreezeReply, timeout=self.settings.freeze_timeout_s):
+            now, ms = time.time(), round((time.perf_counter() - t0) * 1000.0, 3)
+            for i, reply in got:
+                item = items[i]
+                if isinstance(reply, FreezeReply):
+                    item.prog.freeze, item.prog.freeze_ms, item.prog.frozen_at = reply, ms, now
+                    frozen.append(item)
+                else:
+                    self._go_alone(item)
+        saved = await asyncio.gather(*(self.steps.save(item.prog) for item in frozen), return_exceptions=True)
+        kept = []
+        for item, error in zip(frozen, saved, strict=True):
+            if isinstance(error, BaseException):
+                item.prog.freeze = None  # not resumable from a record: it freezes again (the same token)
+                self._go_alone(item)
+            else:
+                kept.append(item)
+        return kept
+
+    async def _take_over_all(self, items: list[_Item], out: list[BaseException | None]) -> None:
+        """Every frozen item's takeover sent at once; the results of those answered in one loop pass published
+        together; a takeover that fails goes on alone from the recorded freeze (sent again: idempotent)."""
+        if not items:
+            return
+        loop = asyncio.get_running_loop()
+        answered: set[int] = set()
+        announcing: list[asyncio.Task[None]] = []
+
+        def announce() -> None:  # the freeze's own result for every takeover still running (as one at a time)
+            slow = [item for i, item in enumerate(items) if i not in answered]
+            for item in slow:
+                item.announced = True
+            announcing.append(loop.create_task(self.steps.publish(
+                [self.steps.freeze_result(item.intent, item.prog, item.trace) for item in slow])))
+
+        calls = [(item.node, self.steps.takeover(item.intent, item.prog.freeze.transfer_token), item.trace)  # type: ignore[union-attr]
+                 for item in items]
+        t0 = time.perf_counter()
+        timer = loop.call_later(self.settings.freeze_result_after_s, announce)
         try:
-            got = await self._command(Step.FREEZE, node, cmd, FreezeReply, self.settings.freeze_timeout_s)
-        except StepFailed as e:
-            if e.code != "not_found" or not pred:
-                raise
-        else:
-            if not pred or any(lease.tag == Tag.WEIGHTS for lease in got[0].leases):
-                return got
-        assert pred is not None
-        log.warning("intent %s: %s holds no weights; handing on %s's, which it died before owning",
-                    prog.key, intent.engine_id, pred)
-        handed = await self._command(Step.FREEZE, node, Freeze(owner=pred, incident_id=intent.incident_id),
-                                     FreezeReply, self.settings.freeze_timeout_s)
-        prog.memory_of = pred
-        return handed
+            async for got in self.bus.request_all(calls, TakeoverReply, timeout=self.settings.takeover_timeout_s):
+                ms = round((time.perf_counter() - t0) * 1000.0, 3)
+                done: list[_Item] = []
+                for i, reply in got:
+                    answered.add(i)
+                    item = items[i]
+                    if isinstance(reply, TakeoverReply):
+                        item.prog.takeover, item.prog.takeover_ms = reply, ms
+                        done.append(item)
+                    else:
+                        self._go_alone(item)
+                if any(item.announced for item in done):
+                    for task in announcing:
+                        await task  # a freeze result goes before its reattach result
+                try:
+                    await self.steps.publish([self.steps.reattach_result(item.intent, item.prog, item.trace)
+                                              for item in done])
+                except Exception as e:  # noqa: BLE001 - each redelivered; its freeze is recorded
+                    for item in done:
+                        out[item.at] = e
+        finally:
+            timer.cancel()
+            for task in announcing:
+                try:
+                    await task
+                except Exception as e:  # noqa: BLE001 - a freeze result lost: redeliver those intents
+                    for item in items:
+                        if item.announced:
+                            out[item.at] = e
 
-    @staticmethod
-    def _takeover(intent: RecoverIntent, token: str, memory_of: str | None = None) -> Takeover:
-        return Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id, transfer_token=token,
-                        successor=intent.successor, version=intent.version, memory_of=memory_of)
+    def _go_alone(self, item: _Item) -> None:
+        """The item's intent goes on as one at a time would, from its progress, under the lock the batch holds."""
+        async def go() -> None:
+            delivery_attempt.set(1)
+            await self.steps.handle(item.intent, item.prog, item.trace)
 
-    async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
-        if prog.spawn is None:
-            needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
-            where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
-                          slots=self.view.gpu_slots(), alive=set(self.view.nodes), allowed=self.allowed)
-            if where.action is Action.NONE:
-                raise StepFailed(Step.FALLBACK, where.reason)
-            spec = self.spec_for(intent)
-            if spec is None:
-                raise StepFailed(Step.FALLBACK, f"no engine spec for {intent.engine_id} (class {intent.engine_class})")
-            spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
-            cmd = Spawn(spec=spec, engine_id=f"cs-{intent.incident_id}", incident_id=intent.incident_id)
-            prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
-                                                            self.settings.spawn_timeout_s)
-            await self._save(prog)
-        engine = prog.spawn.engine
-        await self._result(intent, Step.FALLBACK, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
-                           timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state, node=engine.node)
-
-    def spec_for(self, intent: RecoverIntent) -> EngineSpec | None:
-        """The engine's own recorded spec, else `specs/<class>` in etcd (or the spec an agent runs that class
-        with), else this manager's config."""
-        raw = (self.view.engine_raw.get(intent.engine_id) or {}).get("spec")
-        if raw is None:
-            raw = self.view.spec_of_class(intent.engine_class)
-        if raw is not None:
-            try:
-                return EngineSpec.model_validate(raw)
-            except ValueError as e:
-                log.warning("bad spec for %s: %s", intent.engine_id, e)
-        return self.settings.specs.get(intent.engine_class)
-
-    # ------------------------------------------------------------ plumbing
-
-    async def _command(self, step: Step, node: str, cmd: object, reply: type[R], wait_s: float) -> tuple[R, float]:
-        with self._span(f"dc_manager.{step}", {"holdfast.node": node}):
-            t0 = time.perf_counter()
-            try:
-                trace = _intent_trace.get()
-                out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s,  # type: ignore[arg-type]
-                                                                  traceparent=trace),
-                                         self.settings.retries, self.settings.retry_backoff_s)
-            except RemoteError as e:
-                raise StepFailed(step, f"{e.remote_code}: {e.message}", e.remote_code) from None
-            except HoldfastError as e:
-                raise StepFailed(step, f"{e.code}: {e.message}", e.code) from None
-            return out, round((time.perf_counter() - t0) * 1000.0, 3)
-
-    def _span(self, name: str, attributes: dict[str, str | bool]) -> contextlib.AbstractContextManager[object]:
-        if not self.export_spans:
-            return contextlib.nullcontext()
-        return self.tracer.start_as_current_span(name, attributes=attributes)
-
-    async def _result(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
-                      successor: str | None = None, endpoint: str | None = None,
-                      timings: dict[str, float] | None = None, node: str | None = None,
-                      frozen_at: float | None = None) -> None:
-        env = self._result_event(intent, step, ok=ok, detail=detail, successor=successor, endpoint=endpoint,
-                                 timings=timings, node=node, frozen_at=frozen_at, trace=_intent_trace.get())
-        await self.bus.publish_all([env])  # its ack awaited without a request (and its timer) per result
-
-    def _result_event(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
-                      successor: str | None = None, endpoint: str | None = None,
-                      timings: dict[str, float] | None = None, node: str | None = None,
-                      frozen_at: float | None = None, trace: str | None = None) -> Wired:
-        result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
-                              endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
-        return self.bus.wired(result, id=f"{self.key_of(intent)}-{step}-result", traceparent=trace)
-
-    async def _load(self, key: str) -> IntentProgress | None:
-        return await self.store.get_model(progress_key(key), IntentProgress)
-
-    async def _save(self, prog: IntentProgress) -> None:
-        self.written.add(prog.key)
-        await self.writer.put(progress_key(prog.key), prog)
-
-    async def adopt_leftovers(self) -> int:
-        """Progress records already in etcd at start (a dead manager's, or this datacenter's other managers'):
-        handed to the retention by when their intent began, so that none stays for good. An intent still running
-        elsewhere is far younger than `progress_retention_s`. Returns how many."""
-        items, _ = await range_pages(self.store, PROGRESS)
-        found: dict[str, float] = {}
-        for key, raw in items:
-            try:
-                began = IntentProgress.model_validate_json(raw).started_at
-            except ValidationError:
-                began = time.time()  # unreadable: goes after a full retention
-            found[key.removeprefix(PROGRESS)] = began
-        merged = {**found, **self.ended}
-        self.ended.clear()
-        self.ended.update(sorted(merged.items(), key=lambda item: item[1]))
-        return len(found)
-
-    def finished(self, key: str) -> None:
-        """The intent of `key` is handled (its result published): its progress record, if any, may go later."""
-        if key in self.written:
-            self.written.discard(key)
-            self.ended[key] = time.time()
-
-    def forget(self, key: str) -> None:
-        """Delete a progress record past its retention (written behind)."""
-        self.writer.delete_nowait(progress_key(key))
+        item.alone = asyncio.get_running_loop().create_task(go())
