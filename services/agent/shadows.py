@@ -11,17 +11,32 @@ gpu_manager refuses (the engine has no committed weights yet) is offered again o
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
+from libs.common.bus import Bus
 from libs.common.errors import HoldfastError
 from libs.common.events import ShareWeights, ShareWeightsReply
 from services.agent import supervision
 from services.agent.engines import EngineRecord
 
-if TYPE_CHECKING:
-    from services.agent.supervisor import Agent
-
 log = logging.getLogger("holdfast.agent.shadows")
+
+
+class Agent(Protocol):
+    """What this module needs of the node's agent (supervisor.py's `Agent` is one): its engines' records, its
+    bus and node, and the link to a standby. Named here so that this module does not import the supervisor."""
+
+    bus: Bus
+    node: str
+
+    def records(self) -> list[EngineRecord]: ...
+
+    def save(self, rec: EngineRecord) -> None: ...
+
+    async def assign(self, rec: EngineRecord, msg: dict[str, Any]) -> None: ...
+
+    def background(self, coro: Coroutine[Any, Any, Any], name: str) -> None: ...
 
 
 async def reconcile(agent: Agent) -> None:

@@ -476,15 +476,15 @@ class Agent:
                 self.backoffs.note_up(rec.spec_key, now, rec.spawned_mono)
         p = supervision.plan(self.specs, self.records(), now, self.settings.takeover_wait_s, self.backoffs)
         for engine_id in p.stop:
-            rec = self.engines.get(engine_id)
-            if rec is not None and rec.live:
+            extra = self.engines.get(engine_id)
+            if extra is not None and extra.live:
                 log.info("stopping standby %s: more than its spec wants", engine_id)
                 self.background(self.stop(engine_id), f"stop:{engine_id}")
         for engine_id in p.retire:
-            rec = self.engines.get(engine_id)
-            if rec is not None:
-                await self.kill_confirmed(rec)
-                self.retire(rec)
+            retiring = self.engines.get(engine_id)
+            if retiring is not None:
+                await self.kill_confirmed(retiring)
+                self.retire(retiring)
         for key, role in p.start:
             try:
                 self.start_engine(key, role)

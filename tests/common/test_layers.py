@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import grimp
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("libs", "services", "engines", "devstack", "bench", "holdfast")
@@ -69,8 +68,6 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles(g) == [["a.x", "a.y"]]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 part 1: three cycles left (agent shadows/supervisor, controller "
-                   "pipeline/batches/cold_starts, dc_manager executor/batches); strict: remove this once they go")
 def test_no_module_takes_part_in_an_import_cycle() -> None:
     assert cycles(grimp.build_graph(*PACKAGES)) == []
 
