@@ -88,3 +88,22 @@ def test_a_node_identity_may_publish_only_its_own_nodes_events() -> None:
     for identity in ("agent.node-1", "gpu_manager.node-1"):
         events = [s for s in nats_permissions(identity, "hf", "S").publish or () if not s.startswith(("$", "hf.node."))]
         assert events and all(s.endswith(".node-1") and "*" not in s and ">" not in s for s in events), events
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` the rest."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or token not in ("*", s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def test_the_consumers_may_fetch_from_their_pull_consumers_on_the_real_stream_name() -> None:
+    for identity, durable in (("controller", "controller-faults"), ("dc_manager", "dc_manager-dc-1")):
+        allowed = nats_permissions(identity, "hf", "HOLDFAST").publish or ()
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.HOLDFAST.{durable}"
+        assert any(_matches(p, subject) for p in allowed), (identity, subject)
+    assert not any(_matches(p, "$JS.API.CONSUMER.MSG.NEXT.HOLDFAST.x") for p in nats_permissions("router", "hf", "HOLDFAST").publish or ())

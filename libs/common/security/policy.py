@@ -107,7 +107,9 @@ def _stream_admin(stream: str) -> list[str]:
 
 
 def _consumers(stream: str) -> list[str]:
+    # MSG.NEXT: a pull consumer's fetch (libs/common/bus/durable.py), one token deeper than the other calls.
     return [f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
             f"$JS.API.STREAM.MSG.GET.{stream}", "$JS.API.STREAM.NAMES", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
