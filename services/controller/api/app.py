@@ -19,6 +19,7 @@ from libs.common.errors import (
     InvalidTransition,
     NotFound,
     RemoteError,
+    StaleEpoch,
     Unavailable,
 )
 from services.controller.api.context import ApiContext
@@ -26,8 +27,10 @@ from services.controller.api.guard import RequestGuard
 from services.controller.api.routers import engines, gpus, incidents, leases, nodes, system
 
 STATUS_OF: dict[type[HoldfastError], int] = {NotFound: 404, Conflict: 409, InvalidTransition: 409,
-                                             Unavailable: 503, CommandTimeout: 503}
-REMOTE_STATUS = {"not_found": 404, "conflict": 409, "invalid_transition": 409, "stale_epoch": 409}
+                                             StaleEpoch: 409, Unavailable: 503, CommandTimeout: 503}
+# A node's typed refusal maps as the same error raised here would (a node's command timing out is a 503, as a
+# local one is); a code no table names is the node refusing: 502.
+REMOTE_STATUS = {t.code: s for t, s in STATUS_OF.items()}
 
 
 def _error(status: int, code: str, message: str, detail: list | None = None,
