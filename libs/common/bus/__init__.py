@@ -10,7 +10,14 @@ from libs.common.bus.client import Bus
 from libs.common.bus.codec import ok_reply
 from libs.common.bus.codec import typed as _typed
 from libs.common.bus.connection import nats_auth
-from libs.common.bus.durable import MAX_DELIVER, BatchHandler, beside, delivery_attempt, delivery_attempts, holding
+from libs.common.bus.durable import (
+    MAX_DELIVER,
+    BatchHandler,
+    beside,
+    delivery_attempt,
+    delivery_attempts,
+    holding,
+)
 from libs.common.bus.publish import Wired
 from libs.common.bus.receive import EventHandler, Vet, engines_on_their_nodes
 from libs.common.bus.spans import spans_exported

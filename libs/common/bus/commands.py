@@ -21,8 +21,22 @@ from pydantic import BaseModel
 from libs.common import telemetry
 from libs.common.bus import codec
 from libs.common.bus.connection import Link
-from libs.common.errors import CommandTimeout, HoldfastError, MalformedMessage, RemoteError, Unavailable, WrongNode
-from libs.common.events import Command, CommandEnvelope, ErrorBody, command_kind, command_subject, decode_model
+from libs.common.errors import (
+    CommandTimeout,
+    HoldfastError,
+    MalformedMessage,
+    RemoteError,
+    Unavailable,
+    WrongNode,
+)
+from libs.common.events import (
+    Command,
+    CommandEnvelope,
+    ErrorBody,
+    command_kind,
+    command_subject,
+    decode_model,
+)
 
 log = logging.getLogger("holdfast.bus")
 
@@ -68,13 +82,33 @@ class Commands:
             except HoldfastError as e:
                 return i, e
 
-        pending = {asyncio.ensure_future(one(i, *call)) for i, call in enumerate(calls)}
+        # One callback per finished request and one waiter for all (asyncio.wait over the pending set would
+        # re-register on every task at each wake-up: quadratic in a burst of hundreds).
+        loop = asyncio.get_running_loop()
+        arrived: list[tuple[int, R | HoldfastError]] = []
+        waiter: list[asyncio.Future[None]] = [loop.create_future()]
+
+        def landed(task: asyncio.Task[tuple[int, R | HoldfastError]]) -> None:
+            if not task.cancelled():
+                arrived.append(task.result())
+            if not waiter[0].done():
+                waiter[0].set_result(None)
+
+        tasks = [loop.create_task(one(i, *call)) for i, call in enumerate(calls)]
+        for task in tasks:
+            task.add_done_callback(landed)
+        left = len(tasks)
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                yield [task.result() for task in done]
+            while left > 0:
+                if not arrived:
+                    await waiter[0]
+                    waiter[0] = loop.create_future()
+                    continue
+                got, arrived[:] = arrived[:], []
+                left -= len(got)
+                yield got
         finally:
-            for task in pending:
+            for task in tasks:
                 task.cancel()
 
     async def serve(self, node: str, command_type: type[C], handler: Callable[[C], Awaitable[BaseModel]], *,

@@ -137,7 +137,7 @@ class Consumer:
                 await self.room.wait()
             try:
                 msgs = await self.psub.fetch(batch=self.free, timeout=FETCH_WAIT_S)
-            except (NatsTimeout, asyncio.TimeoutError):
+            except (TimeoutError, NatsTimeout):
                 continue
             except Exception as e:  # noqa: BLE001 - a reconnect, a server error: ask again shortly
                 log.warning("fetch on %s failed: %s", self.name, e)
