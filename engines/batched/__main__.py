@@ -34,7 +34,6 @@ from libs.common.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2
-SWITCH_INTERVAL_S = 0.0005
 
 
 def _ms(t0: float) -> float:
@@ -135,10 +134,6 @@ def report_fatal(link: Any) -> None:
 def run(cfg: EngineConfig) -> int:
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.threads)
-    # The HTTP thread and the step thread share the interpreter: with the default 5 ms switch interval a request
-    # that arrives while the step thread runs Python (a graph capture, an eager step) waits up to 5 ms for each
-    # turn; a router's replay burst after a failover is 80 requests. 0.5 ms gives the HTTP thread its turns.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     t_process = time.perf_counter()
     mcfg = get_config(cfg.size)
     max_len = cfg.max_model_len or mcfg.max_seq
