@@ -50,6 +50,7 @@ from libs.common import procs
 from libs.common.events import LeaseState
 
 console = Console(stderr=True)
+REDRAWS = 4  # a random run's draws of another kind when the one drawn would wait (the last one drawn waits)
 
 
 def weights_file_hash(path: Path) -> str:
@@ -112,7 +113,13 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults
                 if order is not None:
                     fault = order[drawn] if drawn < len(order) else None
                 elif time.monotonic() < cap and (time.monotonic() < end or drawn < min_faults):
+                    # a kind whose target another fault holds (the GPU through an XID's recovery, a model failing
+                    # over) is drawn again, a few times, rather than left to wait while other kinds could run
                     fault = rng.choice(FAULTS)
+                    for _ in range(REDRAWS):
+                        if chaos.can_start(fault):
+                            break
+                        fault = rng.choice(FAULTS)
                 else:
                     fault = None
                 drawn += fault is not None

@@ -23,8 +23,10 @@ from libs.common.events import EngineInfo, LeaseState, MarkGpu, MarkGpuReply
 console = Console(stderr=True)
 
 # How long a fault waits for its target (a ready engine, a listening agent) before it is counted as skipped:
-# on a loaded 2-core machine an agent restarted by the previous fault takes tens of seconds to listen again.
-WAIT_FOR_TARGET_S = 60.0
+# on a loaded 2-core machine an agent restarted by the previous fault takes tens of seconds to listen again, and
+# after an XID the agent starts a model's new active engine only once the failed one's takeover wait (60 s) is
+# over, even when its incident has already failed (nowhere to put it while the GPU was unhealthy).
+WAIT_FOR_TARGET_S = 150.0
 SERVICE_KILLS = ("gpu_manager_sigkill", "agent_sigkill", "dc_manager_sigkill")  # the router: router_sigkill()
 
 

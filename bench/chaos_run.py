@@ -172,16 +172,27 @@ class Chaos(Injectors):
                 self.claims.grant()
                 self._claims_changed.notify_all()
 
+    def _taken(self) -> set[str]:
+        return set().union(*self.claims.held.values(), *(w for _, w in self.claims.waiting))
+
     def pick_model(self) -> str:
         """A model no fault holds or waits for, when there is one (else any): engine faults spread over models."""
-        taken = set().union(*self.claims.held.values(), *(w for _, w in self.claims.waiting))
+        taken = self._taken()
         free = [m for m in self.models if f"model:{m}" not in taken]
         return self.rng.choice(free or self.models)
+
+    def _via_xid(self, fault: str) -> bool:
+        return fault == "engine_sigkill_allocating" and self.tally.faults[fault] % 2 == 0  # xid, standby in turn
+
+    def can_start(self, fault: str) -> bool:
+        """Nothing `fault` needs is held or waited for now (on a free model, for an engine fault)."""
+        want = resources(fault, self.pick_model(), self.models, via_xid=self._via_xid(fault))
+        return not (want & self._taken())
 
     async def run_fault(self, fault: str) -> None:
         """One fault: its resources taken, injected, and held until what it hit serves again."""
         model = self.pick_model()
-        via_xid = fault == "engine_sigkill_allocating" and self.tally.faults[fault] % 2 == 0
+        via_xid = self._via_xid(fault)
         async with self.holding(resources(fault, model, self.models, via_xid=via_xid)):
             console.print(f"[yellow]{sum(self.tally.faults.values()) + 1}: inject {fault} ({model})[/yellow]")
             t0 = time.monotonic()
