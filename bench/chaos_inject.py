@@ -83,14 +83,24 @@ class Injectors:
 
 
     async def restart(self, name: str, *, kill: bool = True) -> None:
+        """Kill `name` and start it again, as systemd would. One that exits again while starting (a router started
+        while etcd restarts cannot connect, and exits 1) is the stack supervisor's to restart, with its backoff."""
         self.busy.add(name)
         try:
             if kill:
                 self.stack.kill(name)  # restart() below waits for its exit
             await asyncio.to_thread(self.stack.restart, name)
+        except Exception as e:  # noqa: BLE001 - noted; the supervisor restarts it, settle_after waits for that
+            self.tally.notes.append(f"{name} exited while chaos restarted it: {type(e).__name__}: {e}")
         finally:
             self.busy.discard(name)
 
+    async def listening(self, port: int) -> None:
+        """Until something listens on `port` again (whichever restart, chaos's or the supervisor's, got it up)."""
+        while True:
+            if await asyncio.to_thread(procs.port_open, port):
+                return
+            await asyncio.sleep(0.05)
 
     async def active_engine(self, model: str, within_s: float = 0.0) -> EngineInfo | None:
         """The ready active engine of `model`; waited for up to `within_s` (a fault due while the previous one's
@@ -174,7 +184,7 @@ class Injectors:
         down = time.time()
         self.router_outages.append((down, 0.0))
         await self.restart("router")
-        await asyncio.to_thread(procs.wait_port, self.stack.config.router_port, self.stack.children["router"])
+        await self.listening(self.stack.config.router_port)
         self.router_outages[-1] = (down, time.time())
 
     async def etcd_stall(self) -> None:

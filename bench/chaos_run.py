@@ -230,11 +230,19 @@ class Chaos(Injectors):
 
     async def _healthy(self, service: str) -> None:
         if service in ("nats", "etcd", "router"):
-            return  # restart() waited for its port
+            port = {"nats": self.stack.config.nats_port, "etcd": self.stack.config.etcd_port,
+                    "router": self.stack.config.router_port}[service]
+            await self.listening(port)
+            return
         if service == "controller":
             await self._led()
             return
-        await self.stack.wait_healthy([service], timeout=SETTLE_S)
+        while True:
+            try:
+                await self.stack.wait_healthy([service], timeout=SETTLE_S)
+                return
+            except RuntimeError:  # it exited while starting: the supervisor starts it again
+                await asyncio.sleep(0.5)
 
     async def _led(self) -> None:
         """Until a live controller holds the leader key (its candidate name carries its pid)."""
