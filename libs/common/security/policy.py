@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from libs.common.events import (
-    EngineReattached,
     EngineReady,
+    EngineReattached,
     EngineStarted,
     EngineStopped,
     Event,
