@@ -14,7 +14,12 @@ Deterministic (batch-invariant) mode: each row's logits are bit-identical whatev
   depend on the other rows' values or on the row's place in the tile (a row's dot products use only its own
   inputs). Without tiles, a step of 3 rows and one of 200 run differently-shaped GEMMs, which pick different
   kernels and reduction splits: last-bit differences that greedy decoding turns into different tokens.
-- Transcendental elementwise functions are tiled too (RMSNorm's rsqrt, SiLU's exp, one SwiGLU per tile): on
+- Rows of one-token works go through tiles of `tile` rows, rows of prefill chunks through tiles of
+  `prefill_tile` (4x): the step's single-token works are put first, and a row's tile size is fixed by its own
+  work's kind, which the scheduler sets from the sequence alone. The head's rows all take small tiles.
+- With the fused projections (fused_layout.py) a layer runs one q|k|v GEMM and one gate|up GEMM; on CUDA RMSNorm
+  and silu(gate)*up are Triton kernels of one program a row, batch-invariant without tiles.
+- On the CPU transcendental elementwise functions are tiled too (RMSNorm's rsqrt, SiLU's exp, one SwiGLU per tile): on
   the CPU their vectorized and scalar paths round differently and an element's path depends on the tensor's
   size (a row's SiLU differed between a 2-row and a 16-row tensor). Attention is per sequence by construction
   (attention.py invariant 1); rope and residual adds are multiplications and additions, correctly rounded

@@ -6,6 +6,9 @@
   fixed steps of BLOCK_N tokens: the order of every reduction depends on that sequence's context length alone,
   so the result is the same whatever else the batch holds (attention.py invariant 1). The rep query heads
   that share a kv head are one tile (padded to 16 rows for `tl.dot`): each key block is read once per kv head.
+- `rms_norm`, `silu_mul`: RMSNorm and SwiGLU's silu(gate) * up, one kernel each instead of ~8 and 3 small torch
+  kernels (a decode step of the 8b shape ran ~40 kernels a layer). One program a row (or a row's block): a row's
+  result depends on that row alone, so both are batch-invariant without tiles.
 """
 
 from __future__ import annotations
