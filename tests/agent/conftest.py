@@ -20,6 +20,7 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import EngineInfo, EngineSpec, Envelope, NodeInfo
 from libs.common.store import Store
+from tests.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,19 +130,6 @@ def kill_engines_of(socket_path: str) -> list[int]:
 async def engine_records(store: Store) -> dict[str, EngineInfo]:
     return {k.removeprefix("engines/"): EngineInfo.model_validate_json(v)
             for k, v in (await store.get_prefix("engines/")).items()}
-
-
-async def wait_until(cond: Callable[[], Any], within_s: float = 20.0, every: float = 0.05) -> Any:
-    async def loop() -> Any:
-        while True:
-            got = cond()
-            if asyncio.iscoroutine(got):
-                got = await got
-            if got:
-                return got
-            await asyncio.sleep(every)
-
-    return await asyncio.wait_for(loop(), within_s)
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,8 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import EngineRole, FaultKind, ListEngines, ListEnginesReply
 from libs.common.store import Store
-from tests.agent.conftest import ROOT, AgentProcess, Recorder, engine_records, pattern_spec, wait_until
+from tests.agent.conftest import ROOT, AgentProcess, Recorder, engine_records, pattern_spec
+from tests.support import wait_until
 
 
 async def test_the_node_key_vanishes_when_the_agent_is_sigkilled(agent: AgentProcess, store: Store) -> None:

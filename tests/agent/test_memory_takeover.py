@@ -19,8 +19,9 @@ from libs.common.events import (
     Takeover,
     TakeoverReply,
 )
-from tests.agent.conftest import AgentProcess, Recorder, alive, pattern_spec, wait_until
+from tests.agent.conftest import AgentProcess, Recorder, alive, pattern_spec
 from tests.gpu_manager.harness import ManagerProc
+from tests.support import wait_until
 
 NBYTES = 8 << 20
 

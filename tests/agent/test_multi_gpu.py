@@ -24,8 +24,9 @@ from libs.common.events import (
 )
 from libs.common.gpu import simulated_uuid
 from libs.common.store import Store
-from tests.agent.conftest import AgentProcess, Recorder, alive, pattern_spec, wait_until
+from tests.agent.conftest import AgentProcess, Recorder, alive, pattern_spec
 from tests.gpu_manager.harness import ManagerProc
+from tests.support import wait_until
 
 NBYTES = 4 << 20
 CAPACITY = 64 << 20  # two simulated GPUs of 32 MiB each
