@@ -7,6 +7,7 @@ Values are JSON: pass a pydantic model, a dict or bytes. What is offered:
 - watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision;
   a start (or resume) at a revision etcd has compacted raises `WatchCompacted` (errors.py) instead: the gap
   cannot be filled from the history, the caller resyncs from a snapshot (`ClusterView.follow` does)
+  A cancelled watch always ends, even one cancelled as etcd confirms its creation (`etcd_watch.Watcher`)
 - leases: `grant(ttl)` and `KeepAlive` (a supervised task refreshing it at ttl/3); `ThreadKeepAlive` does
   the refreshing from a dedicated thread with its own gRPC channel, so a busy event loop cannot let it lapse
 - `LeaderElection`: campaign with a key bound to a lease (kept by `ThreadKeepAlive`), observe, resign
@@ -27,7 +28,6 @@ from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
-import aetcd.watcher
 import grpc
 from aetcd import rpc
 from pydantic import BaseModel
@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from libs.common import security
 from libs.common.config import CommonSettings
 from libs.common.errors import Unavailable, WatchCompacted
+from libs.common.etcd_watch import Watcher
 
 log = logging.getLogger("holdfast.store")
 WATCH_CANCEL_S = 5.0
@@ -126,8 +127,8 @@ class _EtcdClient(aetcd.Client):
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
-        self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
-                                                     metadata=self.metadata)
+        # Our Watcher: aetcd's, with a creation that a cancellation always reaches (etcd_watch.py).
+        self._watcher = Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
         self._connected.set()
 
 
@@ -255,8 +256,10 @@ class Store:
                 finally:
                     # Bounded: the cancel is a request on the watch stream; a stream that no longer answers (its
                     # member killed) held a cancelled watcher here for good, and whoever awaited it with it.
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation of this task.
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), WATCH_CANCEL_S)
+                        async with asyncio.timeout(WATCH_CANCEL_S):
+                            await watch.cancel()
             except asyncio.CancelledError:
                 raise
             except aetcd.exceptions.RevisionCompactedError as e:
