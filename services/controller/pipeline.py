@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from libs.common.bus import Bus, holding
+from libs.common.bus import Bus, engines_on_their_nodes, holding
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
@@ -140,7 +140,8 @@ class IncidentDriver:
                 log.exception("incident %s: resume failed", inc_id)
         kw: dict[str, Any] = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
         subs = self.subscriptions
-        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, **kw))
+        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults,
+                                                   vet=engines_on_their_nodes(self.view.engines), **kw))
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
         subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw))
         subs.append(await self.bus.durable("engine.>", "controller-engines", self.on_engine_event, **kw))
