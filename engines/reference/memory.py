@@ -124,6 +124,13 @@ class LocalMemory:
         kv = torch.zeros(cfg.kv_shape(slots, max_seq), dtype=kv_dtype(weights), device=self.device)
         return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)})
 
+    def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], slots: int, max_seq: int) -> Loaded:
+        """A tensor-parallel rank's part of the weights (tp.read_shard), and its KV cache."""
+        t0 = time.perf_counter()
+        weights = {name: t.to(self.device) for name, t in tensors.items()}
+        kv = torch.zeros(cfg.kv_shape(slots, max_seq), dtype=kv_dtype(weights), device=self.device)
+        return Loaded(weights, kv, "file", {"load_ms": _ms(t0), "total_ms": _ms(t0)})
+
     def attach(self, cfg: ModelConfig, slots: int, max_seq: int) -> Loaded:
         raise RuntimeError("local memory has nothing to reattach")
 
@@ -179,6 +186,40 @@ class LeasedMemory:
         kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
         self.client.commit()
         return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks)
+
+    def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], slots: int, max_seq: int) -> Loaded:
+        """A tensor-parallel rank's part of the weights (tp.read_shard) copied into one weights lease of its own,
+        registered, with its KV lease, and committed."""
+        t0 = time.perf_counter()
+        layout, offset = {}, 0
+        for name, t in tensors.items():
+            layout[name] = offset
+            offset += -(-t.numel() * t.element_size() // MARKS_ALIGN) * MARKS_ALIGN
+        lease = self.client.allocate(max(offset, MARKS_ALIGN), tag="weights", name="weights", gpu=self.gpu)
+        weights = {}
+        for name, t in tensors.items():
+            weights[name] = lease.torch(t.dtype, tuple(t.shape), layout[name])
+            weights[name].copy_(t)
+        self.client.register([lease.meta(name, t.dtype, tuple(t.shape), layout[name]) for name, t in tensors.items()])
+        t_load = _ms(t0)
+        kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
+        self.client.commit()
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks)
+
+    def register_gang(self, gang_id: str, owners: list[str]) -> dict[str, Any]:
+        """This engine's ranks' leases become one gang (rank 0, once every rank committed)."""
+        return self.client.register_gang(gang_id, owners).model_dump()
+
+    def gang_takeover(self, cfg: ModelConfig, gang_id: str, rank: int, successors: list[str], generation: int,
+                      token: str, slots: int, max_seq: int, wait_death_s: float = 30.0) -> Loaded:
+        """Rank `rank` of a successor group: its rank's leases of the frozen gang, once the whole group asked."""
+        from libs.client.protocol import PredecessorAlive
+
+        t0 = time.perf_counter()
+        self._attachment, _ = retry_until(
+            lambda: self.client.gang_takeover(gang_id, rank, successors, generation, token), (PredecessorAlive,),
+            wait_death_s)
+        return self._rebuild(cfg, "takeover", slots, max_seq, t0)
 
     def attach(self, cfg: ModelConfig, slots: int, max_seq: int) -> Loaded:
         t0 = time.perf_counter()

@@ -88,7 +88,7 @@ class Transformer:
             h = h + attend(rms_norm(h, w[p + "attention_norm.weight"], cfg.norm_eps), p, i)
             x = rms_norm(h, w[p + "ffn_norm.weight"], cfg.norm_eps)
             gate = F.silu(F.linear(x, w[p + "feed_forward.w1.weight"])) * F.linear(x, w[p + "feed_forward.w3.weight"])
-            h = h + F.linear(gate, w[p + "feed_forward.w2.weight"])
+            h = h + self.reduce(F.linear(gate, w[p + "feed_forward.w2.weight"]))
         h = rms_norm(h, w["norm.weight"], cfg.norm_eps)
         return F.linear(h, w["output.weight"]).float()
 
@@ -128,4 +128,9 @@ class Transformer:
             scores = scores.view(kvh, rep, T, seq).masked_fill(mask, float("-inf")).view(kvh, rep * T, seq)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, vals).view(cfg.n_heads, T, hd).transpose(0, 1).reshape(T, cfg.n_heads * hd)
-        return F.linear(out, self.w[p + "attention.wo.weight"])
+        return self.reduce(F.linear(out, self.w[p + "attention.wo.weight"]))
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of a row-parallel projection (attention's `wo`, the feed-forward's `w2`): the whole sum here;
+        a tensor-parallel rank holds a part of it and sums it over the ranks (tp.py)."""
+        return x

@@ -101,6 +101,10 @@ def first_token(core: EngineCore) -> int:
 
 
 def run(s: EngineSettings) -> int:
+    if s.tp > 1:  # a tensor-parallel group: its own start-up (tp_runner.py)
+        from engines.reference.tp_runner import run_tp
+
+        return run_tp(s)
     logging.basicConfig(level=s.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(s.threads)
     cfg = get_config(s.size)

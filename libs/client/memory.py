@@ -200,6 +200,7 @@ class MemoryClient:
         self._hb_thread: threading.Thread | None = None
         self.last_timings_ms: dict[str, float] = {}  # of the last attach or takeover
         self.last_restore: dict[str, Any] = {}  # of the last restore: source, bytes, fill_s, fill_gib_s, ...
+        self.last_gang: p.GangView | None = None  # of the last gang_takeover: the gang the group holds now
         # The control plane's asks (sleep, wake), from heartbeat replies: called on the heartbeat thread, which must
         # not wait on it (the engine hands it to its own thread and `answer`s when done).
         self.on_ask: Callable[[p.Ask], None] | None = None
@@ -417,6 +418,26 @@ class MemoryClient:
         control plane's `share` command). They stay the owner's: no heartbeats, no epoch, kept apart in
         `shared`. A later `takeover` of the same owner reuses these mappings, so views built now stay valid."""
         return self._timed(p.ShareReq(owner=owner, share_token=share_token))
+
+    def register_gang(self, gang_id: str, owners: Sequence[str]) -> p.GangView:
+        """Rank 0 of a tensor-parallel engine, once every rank committed: rank r's leases (engine `owners[r]`) form
+        one gang, frozen, taken over and reclaimed together from now on (the gpu_manager's gangs.py)."""
+        body, _ = self._call(p.GangRegister(gang_id=gang_id, owners=list(owners)))
+        return p.GangView.model_validate(body)
+
+    def gang_takeover(self, gang_id: str, rank: int, successors: Sequence[str], generation: int, transfer_token: str,
+                      *, wait_s: float = 30.0) -> Attachment:
+        """This process is rank `rank` of the successor group `successors`: map its rank's leases of the frozen gang.
+        Every rank of the group calls it; it returns once all have (the leases move together) or raises
+        `PartialGang` / `StaleGang` with nothing moved. `last_gang` is the gang the group holds now."""
+        req = p.GangTakeover(gang_id=gang_id, rank=rank, successors=list(successors), generation=generation,
+                             transfer_token=transfer_token, wait_s=wait_s)
+        t0 = time.perf_counter()
+        body, fds = self._call(req)
+        self.last_gang = p.GangView.model_validate(body["gang"])
+        att = Attachment(self._map(body, fds))
+        self.last_timings_ms = {"request_ms": round((time.perf_counter() - t0) * 1000, 3)}
+        return att
 
     def unshare(self) -> None:
         """Unmap every shadowed lease. Every view of them must be gone first (they become invalid)."""

@@ -72,6 +72,19 @@ class ArtifactInvalid(HoldfastError):
     code = "artifact_invalid"
 
 
+class PartialGang(HoldfastError):
+    """A tensor-parallel gang asked to move without every rank's leases (or a successor group without every rank):
+    nothing moved (services/gpu_manager/gang.py)."""
+
+    code = "partial_gang"
+
+
+class StaleGang(HoldfastError):
+    """A gang move at another generation, or over leases at other epochs, than the gang committed: nothing moved."""
+
+    code = "stale_gang"
+
+
 class Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -191,9 +204,33 @@ class AnswerReq(Msg):
     error: dict[str, str] | None = None  # {code, message}
 
 
+class GangRegister(Msg):
+    """Rank 0 of a tensor-parallel engine, once every rank committed its leases: those leases form one gang, rank r
+    being the engine `owners[r]` (gang.py). Registering again (the same ranks) takes the epochs anew."""
+
+    op: Literal["gang_register"] = "gang_register"
+    gang_id: str = Field(min_length=1, max_length=256)
+    owners: list[str] = Field(min_length=1, max_length=64)
+
+
+class GangTakeover(Msg):
+    """One rank of a successor group takes its rank's leases of a frozen gang. Every rank of the group sends it,
+    each on its own connection, naming the same group (`successors[r]`: rank r's engine id), generation and token;
+    the leases move, all ranks' in one commit, once the last rank has asked, or none move: a group that does not
+    name every rank, asks at another generation or does not all ask within `wait_s` is refused."""
+
+    op: Literal["gang_takeover"] = "gang_takeover"
+    gang_id: str = Field(min_length=1, max_length=256)
+    rank: int = Field(ge=0)
+    successors: list[str] = Field(min_length=1, max_length=64)
+    generation: int = Field(ge=1)
+    transfer_token: str
+    wait_s: float = Field(30.0, gt=0, le=300)
+
+
 Request = Annotated[
     Union[Hello, Allocate, Register, Commit, Pending, Attach, TakeoverReq, ShareReq, Heartbeat, Release, Resume,  # noqa: UP007
-          RestoreReq, SleepReq, WakeReq, AnswerReq],
+          RestoreReq, SleepReq, WakeReq, AnswerReq, GangRegister, GangTakeover],
     Field(discriminator="op"),
 ]
 _request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
@@ -226,8 +263,18 @@ class HelloReply(Msg):
     manager_pid: int
 
 
+class GangView(Msg):
+    """A gang as the manager holds it: rank r is `owners[r]`; each lease's committed epoch; the generation."""
+
+    gang_id: str
+    owners: list[str]
+    epochs: dict[str, int]
+    generation: int
+
+
 class GrantReply(Msg):
     leases: list[LeaseGrant]
+    gang: GangView | None = None  # gang_takeover: the gang the successor group holds now
     source: str | None = None  # restore: which copy served ("host" or "artifact")
     restore: dict[str, float] | None = None  # restore: bytes, seconds, GiB/s, as measured by the manager
 

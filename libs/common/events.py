@@ -422,6 +422,38 @@ class ReclaimReply(Model):
     lease: LeaseInfo
 
 
+class FreezeGang(Command):
+    """Freeze every lease of every rank of a tensor-parallel engine's gang under one transfer token, or none
+    (services/gpu_manager/gangs.py): refused `partial_gang` / `stale_gang` when a rank's leases are missing or moved."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["freeze_gang"] = "freeze_gang"
+    gang_id: str
+    incident_id: str | None = None
+    transfer_token: str | None = Field(None, min_length=16, max_length=128)
+
+
+class FreezeGangReply(Model):
+    gang_id: str
+    owners: list[str]  # rank r's engine id
+    generation: int  # what the successor group names in its gang_takeover
+    transfer_token: str
+    leases: list[LeaseInfo] = Field(default_factory=list)
+
+
+class ReclaimGang(Command):
+    """Reclaim every lease of a gang at once (an ACTIVE one only with `force`), or none."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["reclaim_gang"] = "reclaim_gang"
+    gang_id: str
+    force: bool = False
+
+
+class ReclaimGangReply(Model):
+    lease_ids: list[str]
+
+
 class ShareWeights(Command):
     """A read-only share of an owner's weight leases for a warm standby of the same model (its shadow).
 

@@ -16,24 +16,20 @@ Invariants (tests/gpu_manager/test_gang.py):
 4. Every move is one the lease state machine allows (fsm.transition); one refused move refuses the gang.
 5. A takeover bumps the gang's generation by one; the successor's ranks own their predecessors' shards rank for
    rank.
+6. A gang is formed (`form`) only from committed leases: every rank's live leases committed, weights among them;
+   its epochs are those leases' epochs then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from libs.common.errors import HoldfastError
+from libs.client.protocol import GangView, PartialGang, StaleGang
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 
-
-class PartialGang(HoldfastError):
-    code = "partial_gang"
-
-
-class StaleGang(HoldfastError):
-    code = "stale_gang"
+__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "form", "plan"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +45,10 @@ class Gang:
 
     def rank_of(self, owner: str) -> int | None:
         return next((r for r, o in self.owners.items() if o == owner), None)
+
+    def view(self) -> GangView:
+        return GangView(gang_id=self.gang_id, owners=[self.owners[r] for r in range(self.size)],
+                        epochs=dict(self.epochs), generation=self.generation)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,20 @@ def members(gang: Gang, leases: Sequence[LeaseInfo]) -> dict[int, list[LeaseInfo
         if rank is not None and info.state in LIVE:
             out[rank].append(info)
     return out
+
+
+def form(gang_id: str, owners: Sequence[str], leases: Sequence[LeaseInfo]) -> Gang:
+    """A new gang: rank r is `owners[r]`, its epochs those of every rank's live leases now (invariant 6)."""
+    if not owners or len(set(owners)) != len(owners):
+        raise PartialGang(f"gang {gang_id}: ranks {list(owners)} must name each engine once")
+    gang = Gang(gang_id, len(owners), dict(enumerate(owners)))
+    by_rank = members(gang, leases)
+    half = [i.id for infos in by_rank.values() for i in infos if i.layout_hash is None]
+    if half:
+        raise PartialGang(f"gang {gang_id}: leases {half} are not committed: every rank commits before the gang forms")
+    gang = replace(gang, epochs={i.id: i.epoch for infos in by_rank.values() for i in infos})
+    check_whole(gang, by_rank)
+    return gang
 
 
 def check_whole(gang: Gang, by_rank: Mapping[int, list[LeaseInfo]]) -> None:

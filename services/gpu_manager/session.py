@@ -16,6 +16,8 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
    `idle_timeout_s` is closed without a reply (a reply nobody asked for would be read as the answer to the
    client's next request; the SDK sees the close and reconnects). No wait here blocks another connection.
 7. Listings answer for the caller only: `pending` shows leases of the caller's engine id *and* uid.
+8. A gang's leases (a tensor-parallel engine's ranks') move only with the gang (gangs.py): `gang_takeover` by
+   every rank of the successor group; a plain `takeover` of one rank's leases is refused (`partial_gang`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from libs.client.protocol import (
     Attach,
     Commit,
     CommitReply,
+    GangRegister,
+    GangTakeover,
     GrantReply,
     Heartbeat,
     HeartbeatReply,
@@ -42,6 +46,7 @@ from libs.client.protocol import (
     HelloReply,
     LeaseGrant,
     OutOfOrder,
+    PartialGang,
     Pending,
     PendingReply,
     PredecessorAlive,
@@ -189,6 +194,8 @@ class EngineSession:
                 return await self.restore(req, self.peer)  # runs for seconds while others are served
             if isinstance(req, SleepReq | WakeReq | AnswerReq):  # the same: a weights copy runs off the lock
                 return await self.sleep_wake(req, self.peer)
+            if isinstance(req, GangTakeover):  # waits for the group's other ranks: the lock only around its checks
+                return await self.gang_takeover(req, self.peer)
             async with self.book.lock:
                 return await self._dispatch(req, self.peer)
         except HoldfastError as e:
@@ -228,6 +235,8 @@ class EngineSession:
             return granted
         if isinstance(req, ShareReq):
             return self._grant(self.share(req, peer), read_only=True)
+        if isinstance(req, GangRegister):
+            return ok((await self.book.gangs.register(req, peer.uid)).view()), []
         if isinstance(req, Heartbeat):
             now = time.time()
             mine = self._mine(peer)
@@ -386,6 +395,10 @@ class EngineSession:
         """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor)."""
         frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token)
         for rec in frozen:
+            gang = self.book.gangs.member_of(rec.id)
+            if gang is not None:  # rule 8
+                raise PartialGang(f"lease {rec.id} is rank {gang.rank_of(rec.info.owner)} of gang {gang.gang_id}: "
+                                  "its successor group takes the whole gang over (gang_takeover)")
             if rec.successor is not None and rec.successor != peer.engine_id:
                 raise PermissionDenied(f"lease {rec.id} is promised to {rec.successor}")
             if rec.owner_uid != peer.uid:
@@ -398,6 +411,17 @@ class EngineSession:
                   "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None})
             for rec in frozen])
         return frozen
+
+    async def gang_takeover(self, req: GangTakeover, peer: Peer) -> tuple[dict[str, Any], list[int]]:
+        """This rank's leases of a frozen gang, once its whole group has asked (gangs.py invariant 2)."""
+        t0 = time.perf_counter()
+        gang, recs = await self.book.gangs.takeover(req, peer)
+        async with self.book.lock:
+            reply, fds = self._grant(recs)
+        reply["gang"] = gang.view().model_dump(mode="json")
+        log.info("gang %s: rank %d (%s, pid %d) took %d leases in %.2f ms (the group's wait included)", req.gang_id,
+                 req.rank, peer.engine_id, peer.pid, len(recs), (time.perf_counter() - t0) * 1000)
+        return reply, fds
 
     def share(self, req: ShareReq, peer: Peer) -> list[LeaseRecord]:
         """Read-only views of an owner's weights for the standby the control plane named (rule 3)."""

@@ -1,0 +1,191 @@
+"""The node's gangs (tensor-parallel engines' ranks' leases) and the moves that go through them: register, freeze,
+reclaim, take over. The decisions are gang.py's (pure); this module applies them to the lease book.
+
+Invariants (tests/gpu_manager/test_gang_socket.py, tests/engine/test_tp.py):
+1. Every move of a gang's leases is one `gang.plan` of the whole gang, applied in one `LeaseBook.apply_all`: every
+   lease of every rank moves, or none does.
+2. A takeover moves nothing until every rank of the successor group has asked (each on its own connection, so each
+   rank's leases get that rank's process as their holder); the last rank's request applies the whole move. A
+   rank that does not come within `wait_s` makes the group partial: every waiting rank is refused, nothing moved.
+3. A lease of a gang is never taken over alone (`member_of`: the plain takeover refuses it).
+4. Gangs are held in memory: a restarted gpu_manager knows none until the engine registers again (docs/multi_gpu.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+from typing import Any
+
+from libs.client.protocol import GangRegister, GangTakeover, PredecessorAlive
+from libs.common.errors import Conflict, NotFound, PermissionDenied
+from libs.common.events import LeaseState
+from services.gpu_manager.fsm import LeaseEvent
+from services.gpu_manager.gang import Gang, PartialGang, after_takeover, form, plan
+from services.gpu_manager.manager import LeaseBook, Move, check_complete
+from services.gpu_manager.records import LeaseRecord
+
+log = logging.getLogger("holdfast.gpu_manager.gangs")
+
+
+@dataclasses.dataclass
+class _Gathering:
+    """The ranks of one successor group that have asked so far: rank -> (peer, the future its reply waits on)."""
+
+    successors: list[str]
+    generation: int
+    token: str
+    ranks: dict[int, tuple[Any, asyncio.Future[list[LeaseRecord]]]] = dataclasses.field(default_factory=dict)
+
+
+class GangBook:
+    def __init__(self, book: LeaseBook) -> None:
+        self.book = book
+        self.gangs: dict[str, Gang] = {}
+        self._gathering: dict[str, _Gathering] = {}
+
+    def get(self, gang_id: str) -> Gang:
+        gang = self.gangs.get(gang_id)
+        if gang is None:
+            raise NotFound(f"no gang {gang_id} on {self.book.settings.node}")
+        return gang
+
+    def member_of(self, lease_id: str) -> Gang | None:
+        return next((g for g in self.gangs.values() if lease_id in g.epochs), None)
+
+    def _leases(self) -> list[Any]:
+        return [r.info for r in self.book.records.values()]
+
+    def _records(self, gang: Gang) -> list[LeaseRecord]:
+        owners = set(gang.owners.values())
+        return [r for r in self.book.records.values() if r.info.owner in owners]
+
+    # ------------------------------------------------------------ under the book's lock
+
+    async def register(self, req: GangRegister, uid: int) -> Gang:
+        """Rank 0's registration once every rank committed (gang.py invariant 6). Caller holds the lock."""
+        if any(r.owner_uid != uid for r in self.book.records.values() if r.info.owner in req.owners):
+            raise PermissionDenied(f"gang {req.gang_id}: a rank's leases belong to another user")
+        old = self.gangs.get(req.gang_id)
+        if old is not None and set(old.owners.values()) != set(req.owners) and \
+                any(r.info.state != LeaseState.RECLAIMED for r in self._records(old)):
+            raise Conflict(f"gang {req.gang_id} is held by {list(old.owners.values())}, whose leases live")
+        gang = form(req.gang_id, req.owners, self._leases())
+        if old is not None:
+            gang = dataclasses.replace(gang, generation=old.generation)
+        self.gangs[req.gang_id] = gang
+        log.info("gang %s registered: %d ranks %s, %d leases, generation %d", gang.gang_id, gang.size,
+                 req.owners, len(gang.epochs), gang.generation)
+        return gang
+
+    async def freeze(self, gang_id: str, token: str | None, cause: str) -> tuple[Gang, list[LeaseRecord], str]:
+        """Every lease of every rank FROZEN under one transfer token (a repeated freeze keeps theirs). Caller holds
+        the lock."""
+        gang = self.get(gang_id)
+        moves = plan(gang, self._leases(), LeaseEvent.FREEZE)
+        recs = [self.book.records[m.lease_id] for m in moves]
+        tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
+        frozen_whole = len(tokens) == 1 and None not in tokens and all(r.info.state == LeaseState.FROZEN for r in recs)
+        token = tokens.pop() if frozen_whole else token or secrets.token_urlsafe(24)
+        await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
+        return gang, recs, token
+
+    async def reclaim(self, gang_id: str, force: bool) -> list[str]:
+        """Every lease of every rank RECLAIMED (an ACTIVE one only with `force`), then the gang is forgotten. Caller
+        holds the lock."""
+        gang = self.get(gang_id)
+        event = LeaseEvent.FORCE_RECLAIM if force else LeaseEvent.RECLAIM
+        moves = plan(gang, self._leases(), event)
+        await self.book.apply_all([Move(self.book.records[m.lease_id], event, f"gang {gang_id} reclaimed")
+                                   for m in moves])
+        del self.gangs[gang_id]
+        return [m.lease_id for m in moves]
+
+    # ------------------------------------------------------------ takeover: the lock only around its checks
+
+    async def takeover(self, req: GangTakeover, peer: Any) -> tuple[Gang, list[LeaseRecord]]:
+        """Rank `req.rank`'s leases, once every rank of the group has asked (invariant 2)."""
+        async with self.book.lock:
+            gang = self._check_takeover(req, peer)
+            gathering = self._gathering.get(req.gang_id)
+            if gathering is None:
+                gathering = self._gathering[req.gang_id] = _Gathering(list(req.successors), req.generation,
+                                                                      req.transfer_token)
+            elif (gathering.successors, gathering.generation) != (list(req.successors), req.generation) or \
+                    not secrets.compare_digest(gathering.token, req.transfer_token):
+                raise Conflict(f"gang {req.gang_id}: another successor group ({gathering.successors}, generation "
+                               f"{gathering.generation}) is gathering")
+            if req.rank in gathering.ranks:
+                raise Conflict(f"gang {req.gang_id}: rank {req.rank} asked twice")
+            done: asyncio.Future[list[LeaseRecord]] = asyncio.get_running_loop().create_future()
+            gathering.ranks[req.rank] = (peer, done)
+            if len(gathering.ranks) == gang.size:
+                await self._move(gang, gathering)
+        try:
+            recs = await asyncio.wait_for(asyncio.shield(done), req.wait_s)
+        except TimeoutError:
+            async with self.book.lock:
+                if done.done():  # moved while the lock was awaited
+                    return self.get(req.gang_id), done.result()
+                missing = sorted(set(range(gang.size)) - set(gathering.ranks))
+                self._fail(req.gang_id, gathering, PartialGang(
+                    f"gang {req.gang_id}: ranks {missing} of the successor group did not ask within {req.wait_s} s; "
+                    "nothing moved"))
+            recs = await done  # raises the refusal
+        return self.get(req.gang_id), recs
+
+    def _check_takeover(self, req: GangTakeover, peer: Any) -> Gang:
+        """What one rank's request can be refused for at once, before it waits (gang.py's checks included)."""
+        gang = self.get(req.gang_id)
+        if req.rank >= len(req.successors) or req.successors[req.rank] != peer.engine_id:
+            raise PermissionDenied(f"{peer.engine_id} is not rank {req.rank} of the group {req.successors}")
+        recs = self._records(gang)
+        plan(gang, [r.info for r in recs], LeaseEvent.TAKEOVER, successors=dict(enumerate(req.successors)),
+             generation=req.generation, token_of={r.id: r.transfer_token for r in recs})
+        live = [r for r in recs if r.info.id in gang.epochs]
+        for rec in live:
+            if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, req.transfer_token):
+                raise PermissionDenied("wrong transfer token")
+            if rec.owner_uid != peer.uid:
+                raise PermissionDenied(f"lease {rec.id} belongs to another user")
+            if self.book.owner_alive(rec):
+                raise PredecessorAlive(f"{rec.info.owner} (pid {rec.owner_pid}) still runs: kill the group first")
+        check_complete(req.gang_id, live)
+        return gang
+
+    async def _move(self, gang: Gang, gathering: _Gathering) -> None:
+        """The whole group has asked: every rank's leases in one commit (invariant 1). Caller holds the lock."""
+        recs = self._records(gang)
+        successors = dict(enumerate(gathering.successors))
+        try:
+            moves = plan(gang, [r.info for r in recs], LeaseEvent.TAKEOVER, successors=successors,
+                         generation=gathering.generation, token_of={r.id: r.transfer_token for r in recs})
+            by_id = {r.id: r for r in recs}
+            before = [by_id[m.lease_id].info for m in moves]
+            await self.book.apply_all([
+                Move(by_id[m.lease_id], LeaseEvent.TAKEOVER, f"gang {gang.gang_id} taken over (rank {m.rank})",
+                     _holder(gathering.ranks[m.rank][0]) | {"transfer_token": None, "successor": None})
+                for m in moves])
+        except Exception as e:
+            self._fail(gang.gang_id, gathering, e)
+            return
+        self.gangs[gang.gang_id] = after_takeover(gang, moves, before)
+        del self._gathering[gang.gang_id]
+        for rank, (_, done) in gathering.ranks.items():
+            done.set_result([by_id[m.lease_id] for m in moves if m.rank == rank])
+        log.info("gang %s taken over by %s: %d leases, generation %d", gang.gang_id, gathering.successors,
+                 len(moves), gang.generation + 1)
+
+    def _fail(self, gang_id: str, gathering: _Gathering, why: Exception) -> None:
+        if self._gathering.get(gang_id) is gathering:
+            del self._gathering[gang_id]
+        for _, done in gathering.ranks.values():
+            if not done.done():
+                done.set_exception(why)
+
+
+def _holder(peer: Any) -> dict[str, Any]:
+    return {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
+            "owner_pid_start": peer.pid_start}
