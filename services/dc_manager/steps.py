@@ -54,7 +54,7 @@ from libs.common.events import (
     TakeoverReply,
 )
 from libs.common.store import Store
-from services.dc_manager.placement import Action, Placement, place
+from services.dc_manager.placement import Action, Placement, node_copies, place
 from services.dc_manager.settings import DcManagerSettings
 
 log = logging.getLogger("holdfast.dc_manager")
@@ -250,8 +250,11 @@ class IntentSteps:
     async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         if prog.spawn is None:
             needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
+            # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
+            # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
             where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
-                          slots=self.view.gpu_slots(), alive=set(self.view.nodes), allowed=self.allowed)
+                          slots=self.view.gpu_slots(), alive=set(self.view.nodes), allowed=self.allowed,
+                          copies=node_copies(self.view.gpus, intent.engine_class))
             if where.action is Action.NONE:
                 raise StepFailed(Step.FALLBACK, where.reason)
             spec = self.spec_for(intent)
