@@ -22,7 +22,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from libs.common.errors import Conflict, HoldfastError, NotFound
@@ -341,8 +341,8 @@ class WeightCopies:
         except Exception as e:  # noqa: BLE001 - a policy copy failing leaves the cold path as it was
             log.warning("copy of lease %s to %s by policy failed: %r", lease_id, name, e)
 
-    def _spawn(self, coro: Awaitable[Any], label: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=label)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, Any], label: str) -> None:
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro, name=label)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
