@@ -277,6 +277,34 @@ async def test_batch_handlers_read_each_events_delivery_count_and_a_failed_one_c
     assert delivery_attempts.get() == ()  # outside a batch handler: nothing
 
 
+async def test_a_durable_consumer_runs_at_most_its_concurrency_and_asks_again_after_a_request_expires(
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    from libs.common.bus import durable
+
+    monkeypatch.setattr(durable, "FETCH_WAIT_S", 0.3)  # each pull request expires (a 408) after 0.3 s
+    running, most, seen = [0], [0], []
+    every = asyncio.Event()
+
+    async def handler(env: Envelope) -> None:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        await asyncio.sleep(0.05)
+        running[0] -= 1
+        seen.append(env.data.engine_id)  # type: ignore[union-attr]
+        if len(seen) == 12:
+            every.set()
+
+    await bus.publish_all([bus.wired(FaultDetected(engine_id=f"a{i}", kind=FaultKind.KILLED), id=f"f-a{i}")
+                           for i in range(6)])
+    await bus.durable("fault.>", "bounded", handler, concurrency=3, ack_wait=5.0)
+    await asyncio.sleep(1.0)  # the stored six handled; several requests expire with nothing to bring
+    await bus.publish_all([bus.wired(FaultDetected(engine_id=f"b{i}", kind=FaultKind.KILLED), id=f"f-b{i}")
+                           for i in range(6)])
+    await asyncio.wait_for(every.wait(), 10)
+    assert sorted(seen) == sorted([f"a{i}" for i in range(6)] + [f"b{i}" for i in range(6)])
+    assert most[0] == 3  # the three slots filled, never more
+
+
 async def test_commands_sent_together_answer_each_in_its_place_with_typed_errors_and_timeouts(
         bus: Bus) -> None:
     async def freeze(cmd: Freeze) -> FreezeReply:
@@ -305,4 +333,4 @@ async def test_commands_sent_together_answer_each_in_its_place_with_typed_errors
     assert isinstance(got[1], RemoteError) and got[1].remote_code == "not_found"
     assert isinstance(got[2], Unavailable)
     assert isinstance(got[3], CommandTimeout)
-    assert not bus.nc._resp_map  # nothing left waiting for a reply
+    assert not bus.nc._resp_map and not bus.link.inbox.waiting  # nothing left waiting for a reply

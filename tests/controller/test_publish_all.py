@@ -30,7 +30,7 @@ async def test_an_event_no_stream_takes_is_an_error_not_a_silent_loss(settings: 
         env = lost.envelope(IncidentResolved(incident_id="i2", engine_id="e2"), id="i2-resolved")
         with pytest.raises(NoStreamResponseError):
             await lost.publish_all([env])
-        assert not lost.events._acks  # nothing left waiting
+        assert not lost.link.inbox.waiting  # nothing left waiting
     finally:
         await lost.close()
 
@@ -46,7 +46,7 @@ async def test_a_stream_that_refuses_an_event_fails_the_wait_with_its_error(sett
         env = bus.envelope(IncidentResolved(incident_id="i3", engine_id="e3"), id="i3-resolved")
         with pytest.raises(APIError):
             await bus.publish_all([env])
-        assert not bus.events._acks
+        assert not bus.link.inbox.waiting
         # What the fast path expects of an accepted event's ack (nats-server's PubAck), and a duplicate's:
         await bus.js.update_stream(StreamConfig(name=small.stream_name, subjects=[f"{small.subject_prefix}.incident.>"],
                                                 max_msg_size=-1))

@@ -66,6 +66,19 @@ class ReplyOut(msgspec.Struct):
     error: ErrorOut | None
 
 
+_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def field(model: BaseModel, name: str) -> Any:
+    """`getattr(model, name, None)` without pydantic's slow miss (its `__getattr__` raises and the caller catches
+    AttributeError: ~5 us, against ~0.1 for a field that exists); each class's fields are read once."""
+    cls = type(model)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(cls.model_fields)
+    return getattr(model, name) if name in names else None
+
+
 def event_body(payload: Event, *, id: str, source: str, node: str | None, incident_id: str | None,
                traceparent: str | None, tracestate: str | None) -> bytes:
     return _encode(EnvelopeOut(id, payload.type, SCHEMA_VERSION, time.time(), source, node,  # type: ignore[attr-defined]

@@ -1,6 +1,9 @@
 """Commands: request/reply on `<prefix>.node.<node>.<service>.<op>` with typed replies and typed errors.
 
-Requests go through nats-py's own request (one muxed inbox, no responders detected by the server). Invariants
+A single `request` goes through nats-py's own request (one muxed inbox, no responders detected by the server);
+`request_all`, the dc_manager's hundreds at once, through an inbox subscription of its own, one timer and one wake-up
+per loop pass for the whole call: nats-py's request costs a task and a timer per command, ~1.6x the CPU (docs/bus.md,
+`holdfast bench controlplane --floor`). Invariants
 (libs/common README 2 and 6): every command a handler takes is answered, with its reply model or a typed error
 (`HoldfastError.code`, else `internal`), raised again on the caller's side as `RemoteError`; a command whose
 envelope is addressed (`to`) to another node than its subject's is refused with `wrong_node`, never handled.
@@ -72,44 +75,47 @@ class Commands:
 
     async def request_all(self, calls: Sequence[tuple[str, Command, str | None]], reply_model: type[R], *,
                           timeout: float | None = None) -> AsyncIterator[list[tuple[int, R | HoldfastError]]]:
-        """`request` for each (node, command, traceparent) of `calls`, all sent at once: yields, as they arrive
-        (one list per wake-up), (position in `calls`, the typed reply or the `HoldfastError` that `request`
-        raises). Not retried. Closing the iterator early cancels the requests still waiting."""
-
-        async def one(i: int, node: str, command: Command, traceparent: str | None) -> tuple[int, R | HoldfastError]:
-            try:
-                return i, await self.request(node, command, reply_model, timeout=timeout, traceparent=traceparent)
-            except HoldfastError as e:
-                return i, e
-
-        # One callback per finished request and one waiter for all (asyncio.wait over the pending set would
-        # re-register on every task at each wake-up: quadratic in a burst of hundreds).
+        """`request` for each (node, command, traceparent) of `calls`, all sent at once, one timer for all: yields,
+        as they arrive (one list per loop pass that brought any), (position in `calls`, the typed reply or the
+        `HoldfastError` that `request` raises: `Unavailable`, `RemoteError`, and `CommandTimeout` for each one
+        still unanswered after `timeout`). Not retried. Closing the iterator early drops the replies to come."""
+        limit = timeout or self.link.settings.request_timeout_s
+        inbox = self.link.inbox
+        prefix = await inbox.open()
         loop = asyncio.get_running_loop()
-        arrived: list[tuple[int, R | HoldfastError]] = []
-        waiter: list[asyncio.Future[None]] = [loop.create_future()]
-
-        def landed(task: asyncio.Task[tuple[int, R | HoldfastError]]) -> None:
-            if not task.cancelled():
-                arrived.append(task.result())
-            if not waiter[0].done():
-                waiter[0].set_result(None)
-
-        tasks = [loop.create_task(one(i, *call)) for i, call in enumerate(calls)]
-        for task in tasks:
-            task.add_done_callback(landed)
-        left = len(tasks)
+        replies = _Replies(len(calls))
+        tokens: list[str] = []
+        subjects: list[str] = []
+        timer = loop.call_later(limit, replies.expire)
         try:
-            while left > 0:
-                if not arrived:
-                    await waiter[0]
-                    waiter[0] = loop.create_future()
+            for i, (node, command, traceparent) in enumerate(calls):
+                subject, body, headers = self.out(node, command, traceparent)
+                token = inbox.expect(replies.put, i)
+                tokens.append(token)
+                subjects.append(subject)
+                await self.link.nc.publish(subject, body, reply=prefix + token, headers=headers or None)
+            answered = [False] * len(calls)
+            while replies.left > 0 and not replies.expired or replies.arrived:
+                if not replies.arrived:
+                    replies.waiter = loop.create_future()
+                    await replies.waiter
                     continue
-                got, arrived[:] = arrived[:], []
-                left -= len(got)
-                yield got
+                got, replies.arrived = replies.arrived, []
+                out: list[tuple[int, R | HoldfastError]] = []
+                for i, msg in got:
+                    answered[i] = True
+                    try:
+                        out.append((i, reply_of(msg, subjects[i], reply_model)))
+                    except HoldfastError as e:
+                        out.append((i, e))
+                yield out
+            missing = [i for i, done in enumerate(answered) if not done]
+            if missing:
+                yield [(i, CommandTimeout(f"{subjects[i]} did not answer in {limit}s")) for i in missing]
         finally:
-            for task in tasks:
-                task.cancel()
+            timer.cancel()
+            for token in tokens:
+                inbox.forget(token)
 
     async def serve(self, node: str, command_type: type[C], handler: Callable[[C], Awaitable[BaseModel]], *,
                     queue: str = "", attach_trace: bool = True, inline: bool = False) -> Any:
@@ -166,7 +172,35 @@ class Commands:
         return sub
 
 
+class _Replies:
+    """The replies of one `request_all` call, by position, as they arrive; its caller is woken once per loop
+    pass that brought any (not once per reply)."""
+
+    __slots__ = ("arrived", "expired", "left", "waiter")
+
+    def __init__(self, n: int) -> None:
+        self.arrived: list[tuple[int, Msg]] = []
+        self.left = n
+        self.expired = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, i: int, msg: Msg) -> None:
+        self.arrived.append((i, msg))
+        self.left -= 1
+        self._wake()
+
+    def expire(self) -> None:
+        self.expired = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
 def reply_of(msg: Msg, subject: str, reply_model: type[R]) -> R:
+    if msg.headers and msg.headers.get("Status") == "503":  # the server's no-responders reply (request_all)
+        raise Unavailable(f"no service answers {subject}")
     reply = decode_model(codec.typed_reply(reply_model), msg.data)  # one pass, data validated
     if not reply.ok:
         err = reply.error or ErrorBody(code="error", message="error reply without a body")

@@ -1,15 +1,18 @@
 """The transport: one authenticated NATS connection, the JetStream stream of durable events, and what the
-other seams share (`Link`: the connection, its subject prefix and source, its subscriptions and tasks)."""
+other seams share (`Link`: the connection, its subject prefix and source, its subscriptions and tasks, its reply
+`Inbox`)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
@@ -60,6 +63,49 @@ async def open_connection(settings: CommonSettings, source: str) -> NATS:
     return nc
 
 
+class Inbox:
+    """One inbox subscription for every reply this connection waits on (publish_all's stream acks, request_all's
+    command replies), each routed by its token, handed out by one counter, to `on_reply(arg, msg)`: not a
+    subscription, a task and a timer per reply (nats-py's request and publish_async; docs/bus.md has the cost)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.prefix: str | None = None
+        self._tokens = itertools.count()
+        self._waiting: dict[str, tuple[Callable[[Any, Msg], None], Any]] = {}
+
+    async def open(self) -> str:
+        """The subject prefix to reply to (`prefix + token`), subscribed on first use."""
+        if self.prefix is not None:
+            return self.prefix
+        prefix = f"{self.link.nc.new_inbox()}."
+
+        async def on_message(msg: Msg) -> None:
+            waiting = self._waiting.pop(msg.subject[len(prefix):], None)
+            if waiting is not None:
+                waiting[0](waiting[1], msg)
+
+        sub = await self.link.nc.subscribe(prefix + "*", cb=on_message)
+        if self.prefix is not None:  # another caller opened it while we subscribed: keep one
+            await sub.unsubscribe()
+            return self.prefix
+        self.link.subs.append(sub)
+        self.prefix = prefix
+        return prefix
+
+    def expect(self, on_reply: Callable[[Any, Msg], None], arg: Any) -> str:
+        token = str(next(self._tokens))
+        self._waiting[token] = (on_reply, arg)
+        return token
+
+    def forget(self, token: str) -> None:
+        self._waiting.pop(token, None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+
 class Link:
     """One connection and what every seam of the bus shares over it. Invariant: every subscription and task
     started through it is in `subs`/`tasks`, so `close` ends them all."""
@@ -73,6 +119,7 @@ class Link:
         self.rejected = 0  # malformed or refused messages dropped (health replies and tests show it)
         self.subs: list[Any] = []
         self.tasks: set[asyncio.Task[None]] = set()
+        self.inbox = Inbox(self)
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A task kept referenced until it ends (and cancelled by `close`)."""

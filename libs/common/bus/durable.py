@@ -1,11 +1,15 @@
-"""Durable consumers: JetStream pull consumers with explicit ack, read with `fetch(batch=...)`.
+"""Durable consumers: JetStream pull consumers with explicit ack, read by pull requests on a callback inbox.
 
-A consumer's pull loop asks for as many messages as it has free slots (`concurrency`) and waits for the first
-one (`fetch` returns as soon as one came and hands over whatever else the server had). Invariants (libs/common
-README 3): a message is acked only after its handler succeeded; a failed handler's message is nak'd and comes
-again (at most `MAX_DELIVER` deliveries); a malformed message is terminated (never redelivered); a refused one
-(receive.py) is acked, never acted on; at most `concurrency` messages are unacked at once (`max_ack_pending`),
-each marked in progress while its handler runs, so slow work is not redelivered under it.
+A consumer asks JetStream (`$JS.API.CONSUMER.MSG.NEXT`) for as many messages as it has free slots
+(`concurrency`); the server sends what it has at once and the rest as it comes, until the request is filled or
+expires (`FETCH_WAIT_S`), then the consumer asks again. Messages land on one callback subscription and are handed
+over once per event-loop pass. Not nats-py's `fetch`: it takes each message with `next_msg`, a task and a timer per
+message, ~2x the CPU per message of this (docs/bus.md, `holdfast bench controlplane --floor`). Invariants
+(libs/common README 3): a message is acked only after its handler succeeded; a failed handler's message is nak'd and
+comes again (at most `MAX_DELIVER` deliveries); a malformed message is terminated (never redelivered); a refused one
+(receive.py) is acked, never acted on; at most `concurrency` messages are unacked at once (`max_ack_pending`, and
+no request asks for more than the free slots), each marked in progress while its handler runs, so slow work is not
+redelivered under it.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from libs.common.bus.connection import Link
 from libs.common.bus.receive import EventHandler, Vet, decode, event_callback, refused
@@ -51,6 +56,18 @@ def consumer_config(name: str, new_only: bool, ack_wait: float, concurrency: int
         ack_wait=ack_wait,
         max_ack_pending=concurrency,  # never more out than we run: a waiting message gets no in-progress mark
     )
+
+
+def num_delivered(msg: Msg) -> int:
+    """How many times JetStream has delivered `msg`, read from its ack subject; `msg.metadata.num_delivered` only
+    for a form not known here. `msg.metadata` also parses the timestamp into a datetime and builds two dataclasses:
+    7.1 us a message against 0.4 (docs/bus.md)."""
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(tokens[4]) or 1
+    if len(tokens) >= 11:  # $JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>...
+        return int(tokens[6]) or 1
+    return msg.metadata.num_delivered or 1
 
 
 async def beside(together: Awaitable[None], alone: dict[int, Awaitable[None]],
@@ -95,7 +112,10 @@ async def settle(msg: Msg, error: BaseException | None) -> None:
 
 
 class Consumer:
-    """One durable's pull loop and in-progress ticker; `unsubscribe` ends both (the durable stays on the server)."""
+    """One durable's pull requests, its message inbox and its in-progress ticker; `unsubscribe` ends them (the
+    durable stays on the server). Invariant: `asked` (messages the open pull request may still bring) <= `free`
+    when a request is sent, and one request is open at a time, so no more than `concurrency` messages are ever
+    handed over unsettled."""
 
     def __init__(self, link: Link, name: str, concurrency: int, ack_wait: float) -> None:
         self.link, self.name = link, name
@@ -103,14 +123,26 @@ class Consumer:
         self.room = asyncio.Event()
         self.running: dict[int, tuple[Msg, float]] = {}  # id(msg) -> (msg, when its handler started)
         self.ack_wait = ack_wait
-        self.psub: Any = None
+        self.asked = 0  # messages the open pull request may still bring
+        self.answered = asyncio.Event()  # the open request is filled, expired or refused
+        self.status: str | None = None  # how the server ended the last request, if it did (408, 409...)
+        self.arrived: list[Msg] = []  # landed in this loop pass, not yet handed over
+        self.sub: Any = None
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self, subject: str, config: ConsumerConfig, dispatch: Callable[[list[Msg]], None]) -> Consumer:
         link = self.link
-        self.psub = await link.js.pull_subscribe(subscription_subject(link.prefix, subject), durable=self.name,
-                                                 config=config)
-        self.tasks = [link.spawn(self._pull(dispatch), f"pull:{self.name}"),
+        stream = link.settings.stream_name
+        config.filter_subject = subscription_subject(link.prefix, subject)
+        config.name = self.name
+        try:
+            await link.js.consumer_info(stream, self.name)
+        except NotFoundError:
+            await link.js.add_consumer(stream, config=config)
+        inbox = link.nc.new_inbox()
+        self.sub = await link.nc.subscribe(inbox, cb=self._landed(dispatch))
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{self.name}"
+        self.tasks = [link.spawn(self._pull(next_subject, inbox), f"pull:{self.name}"),
                       link.spawn(self._keep_in_progress(), f"in-progress:{self.name}")]
         return self
 
@@ -118,34 +150,63 @@ class Consumer:
         for task in self.tasks:
             task.cancel()
         with contextlib.suppress(Exception):
-            await self.psub.unsubscribe()
-
-    def began(self, msgs: list[Msg]) -> None:
-        now = asyncio.get_running_loop().time()
-        for msg in msgs:
-            self.running[id(msg)] = (msg, now)
+            await self.sub.unsubscribe()
 
     def done(self, msg: Msg) -> None:
         self.running.pop(id(msg), None)
         self.free += 1
         self.room.set()
 
-    async def _pull(self, dispatch: Callable[[list[Msg]], None]) -> None:
+    def _landed(self, dispatch: Callable[[list[Msg]], None]) -> Callable[[Msg], Awaitable[None]]:
+        loop = asyncio.get_running_loop()
+
+        def hand_over() -> None:  # once per loop pass: what landed in it goes to `dispatch` as one batch
+            msgs, self.arrived = self.arrived, []
+            now = loop.time()
+            for msg in msgs:
+                self.running[id(msg)] = (msg, now)
+            dispatch(msgs)
+
+        async def cb(msg: Msg) -> None:
+            headers = msg.headers
+            if headers and "Status" in headers:  # 408: expired; 409: refused (a limit, the consumer gone)
+                if headers["Status"] != "100":  # 100: an idle heartbeat, the request is still open
+                    self.status = headers["Status"]
+                    self.answered.set()
+                return
+            self.free -= 1
+            self.asked -= 1
+            if self.asked <= 0:
+                self.answered.set()
+            if not self.arrived:
+                loop.call_soon(hand_over)
+            self.arrived.append(msg)
+
+        return cb
+
+    async def _pull(self, next_subject: str, inbox: str) -> None:
+        expires = int(FETCH_WAIT_S * 1e9)
         while True:
             while self.free <= 0:
                 self.room.clear()
                 await self.room.wait()
+            self.asked = self.free
+            self.answered.clear()
+            self.status = None
             try:
-                msgs = await self.psub.fetch(batch=self.free, timeout=FETCH_WAIT_S)
-            except (TimeoutError, NatsTimeout):
-                continue
-            except Exception as e:  # noqa: BLE001 - a reconnect, a server error: ask again shortly
-                log.warning("fetch on %s failed: %s", self.name, e)
+                await self.link.nc.publish(next_subject, json.dumps({"batch": self.asked, "expires": expires}).encode(),
+                                           reply=inbox)
+            except Exception as e:  # noqa: BLE001 - a reconnect: ask again shortly
+                log.warning("pull request on %s failed: %s", self.name, e)
                 await asyncio.sleep(0.2)
                 continue
-            self.free -= len(msgs)
-            self.began(msgs)
-            dispatch(msgs)
+            # The server ends the request itself (filled, or a 408 at `expires`); a request lost with the
+            # connection is given up a second after it would have expired.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.answered.wait(), FETCH_WAIT_S + 1)
+            if self.status not in (None, "408"):  # refused (the consumer deleted, a limit): not in a hot loop
+                log.warning("pull request on %s refused: status %s", self.name, self.status)
+                await asyncio.sleep(0.2)
 
     async def _keep_in_progress(self) -> None:
         """One ticker for all running messages (not a timer each). Period ack_wait/4 and age >= ack_wait/4:
@@ -171,7 +232,7 @@ async def durable(link: Link, subject: str, name: str, handler: EventHandler, *,
     async def run(msg: Msg) -> None:
         error: BaseException | None = None
         try:
-            delivery_attempt.set(msg.metadata.num_delivered or 1)
+            delivery_attempt.set(num_delivered(msg))
             await inner(msg)
         except Exception as e:  # noqa: BLE001 - terminated (malformed) or redelivered (failed)
             error = e
@@ -207,7 +268,7 @@ async def durable_batches(link: Link, subject: str, name: str, handler: BatchHan
                     await settle(msg, None)  # acked: never acted on, never redelivered
                     continue
                 handed.append(msg)
-                attempts.append(msg.metadata.num_delivered or 1)
+                attempts.append(num_delivered(msg))
             delivery_attempts.set(tuple(attempts))  # this task's own context: per batch
             try:
                 outcomes = await handler(envs) if envs else []

@@ -7,7 +7,6 @@ cluster speaks for many nodes) or else this bus's; every other event on `<prefix
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from typing import Any
 
@@ -76,14 +75,9 @@ class Publisher:
     def __init__(self, link: Link) -> None:
         self.link = link
         self._subjects: dict[tuple[type, str | None], str] = {}
-        # publish_all's stream acks come to one inbox subscription, matched to their call by a counter's token
-        # (not js.publish_async: its pending-ack semaphore scans its waiters on every acquire; docs/bus.md).
-        self._inbox: str | None = None
-        self._tokens = itertools.count()
-        self._acks: dict[str, _AckBatch] = {}
 
     def node_of(self, payload: Event) -> str | None:
-        return getattr(payload, "node", None) or self.link.settings.node
+        return codec.field(payload, "node") or self.link.settings.node
 
     def subject(self, cls: type[Event], node: str | None) -> str:
         key = (cls, node)
@@ -101,7 +95,7 @@ class Publisher:
             trace = TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
         extra = {"id": id} if id is not None else {}
         return Envelope(type=payload.type, source=self.link.source, node=self.node_of(payload),  # type: ignore[attr-defined]
-                        incident_id=incident_id or getattr(payload, "incident_id", None), trace=trace,
+                        incident_id=incident_id or codec.field(payload, "incident_id"), trace=trace,
                         data=payload, **extra)  # type: ignore[arg-type]
 
     def wired(self, payload: Event, *, id: str, traceparent: str | None = None,
@@ -113,7 +107,7 @@ class Publisher:
             traceparent, state = carrier.get("traceparent"), carrier.get("tracestate")
         node = self.node_of(payload)
         body = codec.event_body(payload, id=id, source=self.link.source, node=node,
-                                incident_id=incident_id or getattr(payload, "incident_id", None),
+                                incident_id=incident_id or codec.field(payload, "incident_id"),
                                 traceparent=traceparent, tracestate=state)
         durable = payload.durable
         return Wired(self.subject(type(payload), node), body, event_headers(id, durable, traceparent, state), durable, id)
@@ -134,7 +128,10 @@ class Publisher:
     async def publish_all(self, envs: list[Envelope] | list[Wired] | list[Envelope | Wired], *,
                           timeout: float = 2.0) -> None:
         tokens: list[str] = []
-        prefix = self._inbox or await self._open_inbox()
+        # The stream acks come to the link's inbox (not js.publish_async: its pending-ack semaphore scans its
+        # waiters on every acquire; docs/bus.md).
+        inbox = self.link.inbox
+        prefix = await inbox.open()
         loop = asyncio.get_running_loop()
         batch = _AckBatch(loop.create_future())
         timer = None
@@ -142,9 +139,8 @@ class Publisher:
             for env in envs:
                 subject, body, headers, durable = self.out(env)
                 if durable:
-                    token = str(next(self._tokens))
+                    token = inbox.expect(_settle, batch)
                     tokens.append(token)
-                    self._acks[token] = batch
                     batch.left += 1
                     await self.link.nc.publish(subject, body, reply=prefix + token, headers=headers)
                 else:
@@ -161,22 +157,12 @@ class Publisher:
             if batch.done.done() and not batch.done.cancelled():
                 batch.done.exception()  # retrieved (raised above, or moot after another error): no warning
             for token in tokens:
-                self._acks.pop(token, None)
-
-    async def _open_inbox(self) -> str:
-        prefix = f"{self.link.nc.new_inbox()}."
-
-        async def on_ack(msg: Msg) -> None:
-            batch = self._acks.pop(msg.subject[len(prefix):], None)
-            if batch is not None and not batch.done.done():
-                _settle(batch, msg)
-
-        self.link.subs.append(await self.link.nc.subscribe(prefix + "*", cb=on_ack))
-        self._inbox = prefix
-        return prefix
+                inbox.forget(token)
 
 
 def _settle(batch: _AckBatch, msg: Msg) -> None:
+    if batch.done.done():  # failed or timed out already: later acks are moot
+        return
     if msg.headers and msg.headers.get("Status") == "503":
         batch.fail(NoStreamResponseError())
         return

@@ -16,6 +16,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from libs.common import telemetry
+from libs.common.bus import codec
 from libs.common.bus.connection import Link
 from libs.common.errors import HoldfastError, MalformedMessage, WrongNode
 from libs.common.events import EngineInfo, Envelope, decode_event, subject_node, subscription_subject
@@ -47,7 +48,7 @@ def decode(link: Link, msg: Msg, vet: Vet | None = None) -> Envelope:
     subject: forged by another node's identity, or misrouted) or what `vet` raises."""
     env = decode_event(msg.data)
     node = subject_node(link.prefix, msg.subject)
-    if node is not None and (env.node != node or getattr(env.data, "node", None) not in (None, "", node)):
+    if node is not None and (env.node != node or codec.field(env.data, "node") not in (None, "", node)):
         raise WrongNode(f"{msg.subject} is node {node!r}'s; its event says node {env.node!r}")
     if vet is not None:
         vet(env)
