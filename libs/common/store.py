@@ -4,7 +4,8 @@ Keys are given relative to the configured prefix (`/holdfast/` by default): `sto
 Values are JSON: pass a pydantic model, a dict or bytes. What is offered:
 - get / get_prefix / put / delete / delete_prefix
 - create (put only if absent) and cas (compare-and-swap on the current value), both transactions
-- watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision;
+- watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision
+  (a watch given no start revision reads the current one first, so even its first resume has one);
   a start (or resume) at a revision etcd has compacted raises `WatchCompacted` (errors.py) instead: the gap
   cannot be filled from the history, the caller resyncs from a snapshot (`ClusterView.follow` does)
   A cancelled watch always ends, even one cancelled as etcd confirms its creation (`etcd_watch.Watcher`)
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+import aetcd.utils
 import grpc
 from aetcd import rpc
 from pydantic import BaseModel
@@ -239,13 +241,19 @@ class Store:
     # ------------------------------------------------------------ watch
 
     async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Yield every change under `prefix`; on a broken stream, resume after the last revision seen.
+        """Yield every change under `prefix` from `start_revision` (None: from the revision current when the
+        iteration starts, read then); on a broken stream, resume after the last revision seen.
 
+        Invariant: the watch always asks etcd for an explicit revision, the one after the last it has seen (or
+        after the read it started at), never "from now": a stream that breaks before its first event, or between
+        two, resumes without a gap (a resume from now would lose every change made while it was cut off).
         Raises `WatchCompacted` when the revision to start or resume at is older than etcd's compaction: the
         changes in between are gone for good, and retrying the same revision would fail forever."""
         next_rev = start_revision
         while True:
             try:
+                if next_rev is None:  # the watch starts here: after the revision etcd is at now
+                    next_rev = await self.revision(prefix) + 1
                 watch = await self.client.watch_prefix(self.full(prefix), start_revision=next_rev)
                 try:
                     async for ev in watch:
@@ -265,8 +273,17 @@ class Store:
             except aetcd.exceptions.RevisionCompactedError as e:
                 raise WatchCompacted(prefix, next_rev, int(e.compacted_revision)) from None
             except Exception as e:  # noqa: BLE001 - etcd restarted or the stream broke: resume
-                log.warning("watch on %s broke (%s); resuming", prefix, e)
+                log.warning("watch on %s broke (%s); resuming at revision %s", prefix, e, next_rev)
                 await asyncio.sleep(0.5)
+
+    async def revision(self, prefix: str = "") -> int:
+        """etcd's current revision, read on `prefix` (a range the caller may read: the router may read
+        endpoints/ only); count_only, so no key comes back however many there are."""
+        full = self.full(prefix)
+        req = rpc.RangeRequest(key=full, range_end=aetcd.utils.prefix_range_end(full), count_only=True)
+        await self.client.connect()
+        reply = await self.client.kvstub.Range(req, timeout=self.client._timeout, metadata=self.client.metadata)
+        return int(reply.header.revision)
 
     async def delete_if(self, key: str, expected: Any) -> bool:
         """Delete `key` only while its value equals `expected`."""

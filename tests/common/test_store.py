@@ -10,6 +10,8 @@ import sys
 
 from libs.common.config import CommonSettings
 from libs.common.store import KeepAlive, LeaderElection, Store
+from tests.common.test_watch_resume import watch_created
+from tests.support import wait_until
 
 
 async def test_put_get_delete_and_prefix(store: Store) -> None:
@@ -44,7 +46,7 @@ async def test_watch_sees_puts_and_deletes_in_order(store: Store) -> None:
                 return
 
     task = asyncio.create_task(watch())
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: watch_created(store), what="the watch created")
     await store.put("engines/e1", b"a")
     await store.put("engines/e1", b"b")
     await store.put("other/x", b"ignored")

@@ -18,6 +18,7 @@ from libs.common.config import CommonSettings
 from libs.common.ids import new_id
 from libs.common.security import servers
 from libs.common.store import KeepAlive, Store, ThreadKeepAlive, WatchEvent, grpc_target
+from tests.common.test_watch_resume import watch_created
 from tests.conftest import TEST_IDENTITIES, _whole_keyspace
 from tests.support import wait_until
 
@@ -83,6 +84,7 @@ async def test_the_store_carries_on_when_the_member_it_uses_is_killed(
             seen.append(ev)
 
     tasks.append(asyncio.create_task(watch()))
+    await wait_until(lambda: watch_created(store), what="the watch created")  # else w/1 may come before it
     await store.put("w/1", 1)
     await wait_until(lambda: len(seen) == 1)
 
