@@ -6,6 +6,7 @@ group dies whole."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -103,3 +104,16 @@ async def test_a_frozen_gang_is_taken_over_by_a_new_group_that_serves_the_same_o
             (i.id, i.owner.replace("tp-a", "tp-b"), i.epoch + 1) for i in frozen.leases)  # the same leases, moved
     finally:
         second.stop()
+
+
+def test_a_follower_ranks_death_stops_the_whole_group(tmp_path: Path, tiny_weights: Path,
+                                                      settings_env: dict[str, str]) -> None:
+    group = engine(tmp_path, tiny_weights, "tp-die", settings_env, "--memory", "local", "--tp", "2")
+    try:
+        group.wait_ready()
+        followers = follower_pids(group.child.pid)
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        assert group.child.proc.wait(10) == 70  # type: ignore[union-attr]  # rank 0 ends with its group
+    finally:
+        group.stop()
