@@ -1,4 +1,5 @@
-"""The batched engine's HTTP API (FastAPI on a uvicorn thread): POST /generate, GET /health.
+"""The batched engine's HTTP API (FastAPI on a uvicorn thread): POST /generate, POST /generate_many,
+POST /abort, GET /health.
 
 `/generate` speaks the reference engine's protocol, which the router relays: `{prompt | tokens, resume,
 max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streamed NDJSON lines
@@ -6,6 +7,15 @@ max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streame
 "first_token_ms", "total_ms", "engine_id"}`. Errors: 400 (a context longer than the model's), 503 (not ready,
 or the queue is full), in-band `{"done": true, "error": ...}` after the stream started. A client that goes away
 aborts its sequence at once: its blocks are free for the next step.
+
+`/generate_many` `{"requests": [body, ...]}` is many `/generate` streams in one HTTP request: the router's
+resume of every stream of a dead engine at once (services/router/resume_batch.py). Why: 80 replays as 80 HTTP
+requests cost this engine (and the router) 80 connections, 80 h11 parses and 80 handler tasks, taken
+breadth-first by both event loops while the step thread runs: the first replay reached the handler 80-142 ms
+after the router sent it (H200, 8b, 64 + 16 streams). Lines are `/generate`'s, each with `"i"`: the index of
+its request in the body; a request refused alone gets a final line with its `error` and `status`; the stream
+ends after every request's final line. `/abort` `{"request_id"}` ends one of them (its client went away: the
+router cannot close one request of a shared connection); the connection closed ends all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import anyio
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
 
 from engines.batched.engine import LLMEngine, Request
 from engines.reference.weights import served_checksum
@@ -45,6 +56,7 @@ class EngineState:
         self.on_first_token: Callable[[float], None] | None = None
         self.outbox = Outbox()
         self.t_start: float | None = None  # perf_counter of a recovery's start (its assignment, or the process's)
+        self.batched_sinks: dict[str, _Sink] = {}  # request id -> sink, of requests streamed by /generate_many
 
 
 class Outbox:
@@ -90,6 +102,51 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
 
 
+class GenerateMany(BaseModel):
+    requests: list[GenerateRequest] = Field(..., min_length=1, max_length=4096)
+
+
+class AbortRequest(BaseModel):
+    request_id: str
+
+
+class Refused(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _prepare(state: EngineState, eng: LLMEngine, body: GenerateRequest) -> tuple[Request, _Sink]:
+    """One body checked and made a `Request` (not submitted yet); a refusal raises `Refused`."""
+    ctx = tokenizer.encode(body.prompt) if body.prompt is not None else []
+    ctx += list(body.tokens or []) + list(body.resume or [])
+    if any(not 0 <= t < tokenizer.EOS + 1 for t in ctx):
+        raise Refused(400, "bad_request", "token ids must be in [0, 257]")
+    if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
+        raise Refused(400, "context_too_long", f"the context ({len(ctx)} tokens) leaves no room in the model's "
+                      f"{state.max_model_len}")
+    if state.in_flight >= state.max_waiting + eng.scheduler.config.max_num_seqs:
+        raise Refused(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
+    state.outbox.loop = asyncio.get_running_loop()
+    sink = _Sink(state.outbox)
+    max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
+    req = Request(request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx, max_tokens=max_tokens,
+                  temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
+                  ignore_eos=body.ignore_eos, sink=sink, resumed=len(body.resume or []))
+    return req, sink
+
+
+def _serving(state: EngineState) -> LLMEngine | JSONResponse:
+    """The engine, if it serves now (a recovery's first request marked on its timeline); else the 503."""
+    eng = state.engine
+    if eng is None or state.state != "ready":
+        return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
+    rec = state.info.get("recovery")
+    if rec is not None and state.t_start is not None and "first_request_ms" not in rec:
+        rec["first_request_ms"] = round((time.perf_counter() - state.t_start) * 1000, 3)
+    return eng
+
+
 def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="Holdfast batched engine")
 
@@ -110,33 +167,34 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest) -> Any:
-        eng = state.engine
-        if eng is None or state.state != "ready":
-            return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
-        rec = state.info.get("recovery")
-        if rec is not None and state.t_start is not None and "first_request_ms" not in rec:
-            rec["first_request_ms"] = round((time.perf_counter() - state.t_start) * 1000, 3)
-        ctx = tokenizer.encode(body.prompt) if body.prompt is not None else []
-        ctx += list(body.tokens or []) + list(body.resume or [])
-        if any(not 0 <= t < tokenizer.EOS + 1 for t in ctx):
-            return _error(400, "bad_request", "token ids must be in [0, 257]")
-        if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
-            return _error(400, "context_too_long", f"the context ({len(ctx)} tokens) leaves no room in the model's "
-                          f"{state.max_model_len}")
-        if state.in_flight >= state.max_waiting + eng.scheduler.config.max_num_seqs:
-            return _error(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
-        state.outbox.loop = asyncio.get_running_loop()
-        sink = _Sink(state.outbox)
-        max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
-        req = Request(request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx, max_tokens=max_tokens,
-                      temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
-                      ignore_eos=body.ignore_eos, sink=sink, resumed=len(body.resume or []))
+        eng = _serving(state)
+        if isinstance(eng, JSONResponse):
+            return eng
+        try:
+            req, sink = _prepare(state, eng, body)
+        except Refused as e:
+            return _error(e.status, e.code, e.message)
         if body.max_tokens == 0:
-            return _final_only(state, len(ctx), body.stream)
+            return _final_only(state, len(req.context), body.stream)
         resumed = list(body.resume or [])
         if body.stream:
             return StreamingResponse(_stream(state, eng, req, sink, resumed), media_type="application/x-ndjson")
         return await _collect(state, eng, req, sink, resumed)
+
+    @app.post("/generate_many", response_model=None)
+    async def generate_many(body: GenerateMany) -> Any:
+        eng = _serving(state)
+        if isinstance(eng, JSONResponse):
+            return eng
+        return StreamingResponse(_many(state, eng, body.requests), media_type="application/x-ndjson")
+
+    @app.post("/abort")
+    async def abort(body: AbortRequest) -> dict[str, Any]:
+        """End one request of a `/generate_many` stream (its own client went away)."""
+        sink = state.batched_sinks.get(body.request_id)
+        if sink is not None:
+            sink.q.put_nowait(("done", ("aborted", 0, 0)))
+        return {"aborted": sink is not None}
 
     return app
 
@@ -172,6 +230,8 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
                 index += 1
                 continue
             reason, prompt_tokens, completion_tokens = val
+            if reason == "aborted":  # /abort: the finally aborts the sequence; no final line for nobody
+                return
             done = True
             if reason.startswith("refused:") or reason == "error":
                 code = reason.removeprefix("refused:") if reason.startswith("refused:") else "engine_error"
@@ -191,6 +251,50 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
 async def _stream(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink, resumed: list[int]) -> AsyncIterator[bytes]:
     async for line in _events(state, eng, req, sink, resumed):
         yield (json.dumps(line) + "\n").encode()
+
+
+async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest]) -> AsyncIterator[bytes]:
+    """Every request's `/generate` lines in one stream, each tagged with its index `i`, in the order they come.
+    Each request is submitted by its own pump task; all of them start in one pass of the event loop, so one pass
+    of the step thread takes them all."""
+    merged: asyncio.Queue[bytes | None] = asyncio.Queue()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def pump(i: int, events: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for line in events:
+                merged.put_nowait((json.dumps({"i": i, **line}) + "\n").encode())
+        finally:
+            merged.put_nowait(None)
+
+    for i, body in enumerate(bodies):
+        try:
+            req, sink = _prepare(state, eng, body)
+        except Refused as e:
+            yield (json.dumps({"i": i, "done": True, "status": e.status,
+                               "error": {"code": e.code, "message": e.message}}) + "\n").encode()
+            continue
+        if body.max_tokens == 0:
+            yield (json.dumps({"i": i, "done": True, "prompt_tokens": len(req.context), "completion_tokens": 0,
+                               "finish_reason": "length", "first_token_ms": None, "total_ms": 0.0,
+                               "engine_id": state.engine_id}) + "\n").encode()
+            continue
+        state.batched_sinks[req.request_id] = sink
+        tasks.append(asyncio.create_task(pump(i, _events(state, eng, req, sink, list(body.resume or [])))))
+    try:
+        open_ = len(tasks)
+        while open_:
+            line = await merged.get()
+            if line is None:
+                open_ -= 1
+                continue
+            yield line
+    finally:  # the connection closed (or all done): every request still running is aborted by its _events
+        for t in tasks:
+            t.cancel()
+        for body in bodies:
+            if body.request_id is not None:
+                state.batched_sinks.pop(body.request_id, None)
 
 
 async def _collect(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink, resumed: list[int]) -> Any:
@@ -220,6 +324,8 @@ def warm_routes(endpoint: str) -> None:
         client.get(f"{endpoint}/health")
         client.post(f"{endpoint}/generate", json={"prompt": "", "max_tokens": 1, "stream": True})
         client.post(f"{endpoint}/generate", json={"max_tokens": -1})
+        client.post(f"{endpoint}/generate_many", json={"requests": [{"prompt": "", "max_tokens": 1, "stream": True}]})
+        client.post(f"{endpoint}/abort", json={"request_id": ""})
 
     def stop(self) -> None:
         self.server.should_exit = True

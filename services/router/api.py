@@ -36,7 +36,7 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
-                "route_ins": relay.route_ins.recent()}
+                "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats()}
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:

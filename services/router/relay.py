@@ -31,6 +31,7 @@ import httpx
 from pydantic import Field
 
 from libs.common.generate import GenerateRequest, Sampling
+from services.router.resume_batch import BatchUnsupported, ResumeBatcher
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
 from services.router.table import Endpoint, EndpointTable, HoldRejected
@@ -127,6 +128,9 @@ class Relay:
         self.stats = Stats()
         self.inflight = InFlight()
         self.route_ins = RouteIns()
+        # replays to one engine within a window go as one request (resume_batch.py); 0: each alone
+        self.resumes = ResumeBatcher(client, window_s=settings.resume_batch_s,
+                                     timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
         self._enough: set[str] = set()  # request ids whose caller has all it wants (see `enough`)
 
     def enough(self, request_id: str) -> None:
@@ -161,7 +165,7 @@ class Relay:
                 offset = len(generated)
                 try:
                     # aclosing: an early stop (enough, the client gone) closes the engine stream now, not at GC
-                    async with contextlib.aclosing(self._attempt(ep, req, seed, generated, rid)) as attempt:
+                    async with contextlib.aclosing(self._attempt(ep, req, seed, generated, rid, replay=attempts > 0)) as attempt:
                         async for item in attempt:
                             if item.get("done"):
                                 prompt_tokens = item.get("prompt_tokens")
@@ -204,38 +208,58 @@ class Relay:
                 self.stats.cancelled += 1
 
     async def _attempt(self, ep: Endpoint, req: ClientRequest, seed: int, generated: list[int],
-                       request_id: str) -> AsyncGenerator[dict[str, Any], None]:
+                       request_id: str, *, replay: bool = False) -> AsyncGenerator[dict[str, Any], None]:
         s = self.settings
         body = GenerateRequest(request_id=request_id, prompt=req.prompt, tokens=req.tokens, resume=generated,
                                max_tokens=req.max_tokens - len(generated), temperature=req.temperature,
                                greedy=req.greedy, seed=seed, stream=True, ignore_eos=req.ignore_eos)
+        payload = body.model_dump(exclude_none=True)
         abort = self.inflight.add(ep.engine_id)
         timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)
         self.route_ins.sent(ep.engine_id)
         try:
-            async with self.client.stream("POST", ep.url + "/generate", json=body.model_dump(exclude_none=True), timeout=timeout) as resp:
+            if replay and s.resume_batch_s > 0 and self.resumes.supports(ep.url):
+                try:
+                    async with self.resumes.stream(ep.url, payload) as (status, lines):
+                        self.route_ins.answered(ep.engine_id)
+                        if status != 200:
+                            raise UpstreamFailed(f"engine answered {status} to a batched resume")
+                        async for item in self._lines(lines, abort, generated):
+                            yield item
+                    return
+                except BatchUnsupported:
+                    pass  # this engine takes requests one by one (resume_batch.py invariant 3)
+            async with self.client.stream("POST", ep.url + "/generate", json=payload, timeout=timeout) as resp:
                 self.route_ins.answered(ep.engine_id)
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
                 if resp.status_code != 200:
                     raise UpstreamFailed(f"engine answered {resp.status_code}")
-                lines = resp.aiter_lines()
-                while True:
-                    try:
-                        line = await _next_line(lines, abort, s.token_timeout_s)
-                    except StopAsyncIteration:
-                        return
-                    if not line.strip():
-                        continue
-                    obj = json.loads(line)
-                    if obj.get("done"):
-                        if "error" in obj:
-                            raise UpstreamFailed(f"engine error: {obj['error']}")
-                        yield obj
-                        return
-                    generated.append(int(obj["token"]))
-                    yield {"index": len(generated) - 1, "token": obj["token"], "text": obj.get("text", "")}
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+                async for item in self._lines(resp.aiter_lines(), abort, generated):
+                    yield item
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, ConnectionError) as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from None
         finally:
             self.inflight.discard(ep.engine_id, abort)
+
+    async def _lines(self, lines: AsyncIterator[str], abort: asyncio.Event,
+                     generated: list[int]) -> AsyncGenerator[dict[str, Any], None]:
+        """One engine stream's lines as the relay's items: tokens appended to `generated`, then the final line."""
+        while True:
+            try:
+                line = await _next_line(lines, abort, self.settings.token_timeout_s)
+            except StopAsyncIteration:
+                return
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if obj.get("done"):
+                if "error" in obj:
+                    status = obj.get("status")
+                    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+                        raise RelayError(status, "engine_refused", json.dumps(obj["error"])[:2000])
+                    raise UpstreamFailed(f"engine error: {obj['error']}")
+                yield obj
+                return
+            generated.append(int(obj["token"]))
+            yield {"index": len(generated) - 1, "token": obj["token"], "text": obj.get("text", "")}

@@ -19,6 +19,8 @@ class RouterSettings(CommonSettings):
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")
     token_timeout_s: float = Field(30.0, description="an engine silent this long mid-stream counts as failed")
+    resume_batch_s: float = Field(0.005, ge=0, description="replays that pick one engine within this window go as one "
+                                  "POST /generate_many (services/router/resume_batch.py); 0: each alone")
     connect_timeout_s: float = Field(2.0, description="connecting to an engine")
     suspect_s: float = Field(5.0, description="an engine whose connection failed gets no new requests this long "
                              "(or until an endpoint event says otherwise)")

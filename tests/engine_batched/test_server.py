@@ -125,3 +125,43 @@ def test_a_replayed_request_the_engine_does_not_hold_continues_exactly_and_resen
             if resumed["tokens"] != full[k:]:
                 differ.append((prompt, k))
     assert not differ
+
+
+def _many_lines(url: str, bodies: list[dict], *, abort_after: tuple[str, int] | None = None) -> dict[int, list[dict]]:
+    """`/generate_many`'s lines by request index; `abort_after=(request_id, n)`: `/abort` it after n lines."""
+    out: dict[int, list[dict]] = {}
+    with httpx.stream("POST", url + "/generate_many", json={"requests": bodies}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for n, line in enumerate(r.iter_lines()):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            out.setdefault(obj.pop("i"), []).append(obj)
+            if abort_after is not None and n == abort_after[1]:
+                assert httpx.post(url + "/abort", json={"request_id": abort_after[0]}, timeout=10).json()["aborted"]
+    return out
+
+
+@pytest.mark.parametrize("engine", [("--deterministic", "--prefill-chunk", "32")], indirect=True)
+def test_many_requests_in_one_generate_many_each_get_their_own_stream_as_alone(engine: Engine) -> None:
+    bodies = [{"request_id": f"m{i}", "prompt": f"user {i}", "max_tokens": 12, "ignore_eos": True, "stream": True}
+              for i in range(8)]
+    alone = [gen(engine.url, **{k: v for k, v in b.items() if k != "stream"}).json()["tokens"] for b in bodies]
+    lines = _many_lines(engine.url, [*bodies, {"prompt": "bad", "tokens": [999], "stream": True}])
+    for i in range(8):
+        assert [x["token"] for x in lines[i][:-1]] == alone[i]
+        assert lines[i][-1]["done"] and lines[i][-1]["completion_tokens"] == 12
+    assert lines[8] == [{"done": True, "status": 400, "error": {"code": "bad_request",
+                                                                 "message": "token ids must be in [0, 257]"}}]
+
+
+def test_an_abort_ends_one_request_of_a_generate_many_and_the_others_finish(engine: Engine) -> None:
+    bodies = [{"request_id": "long", "prompt": "a long one", "max_tokens": 1500, "ignore_eos": True, "stream": True},
+              {"request_id": "short", "prompt": "short", "max_tokens": 40, "ignore_eos": True, "stream": True}]
+    lines = _many_lines(engine.url, bodies, abort_after=("long", 4))
+    assert lines[1][-1]["done"] and lines[1][-1]["completion_tokens"] == 40
+    assert not any(x.get("done") for x in lines[0]) and len(lines[0]) < 1500
+    deadline = time.monotonic() + 10
+    while engine.health()["engine"]["live"]:
+        assert time.monotonic() < deadline, engine.health()
+        time.sleep(0.05)
