@@ -4,27 +4,36 @@
     HF_TAKEOVER_FROM:   cold-spawned successor: take the predecessor's leases over, serve, say ready
     standby:            connect (the warm-up), say ready, wait for an assignment, take over, say ready again
 
-It serves HTTP on 127.0.0.1 (an ephemeral port; the endpoint it reports): GET /checksum -> the sha256 of
-its leased memory and whether it still holds the pattern; GET /healthz. With --bytes 0 it holds no memory
-(the detection benchmark's engine). --fatal-after S reports a fatal CUDA error after S seconds, then exits 1.
+    --agent off:        no agent and no memory: serve, write --ready-file, wait for SIGTERM (the router tests)
+
+It serves HTTP on 127.0.0.1 (an ephemeral port; the endpoint it reports, server.py): POST /generate (the router's
+contract, deterministic tokens from tokens.py, no torch), GET /health, GET /checksum -> the sha256 of its leased
+memory and whether it still holds the pattern; GET /healthz. With --bytes 0 it holds no memory (the detection
+benchmark's engine); --no-http imports no HTTP stack at all. --fatal-after S reports a fatal CUDA error after
+S seconds, then exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from engines.http_thread import write_ready_file
 from engines.pattern import pattern
 from libs.client.agent_link import AgentLink
+from libs.common.ids import new_id
+
+if TYPE_CHECKING:  # the HTTP stack is imported only where HTTP is served (--no-http starts without it)
+    from engines.http_thread import HttpThread
+    from engines.pattern.server import PatternState
 
 log = logging.getLogger("holdfast.engine.pattern")
 
@@ -43,11 +52,28 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--crash-on-assign", action="store_true", default=bool(env.get("HF_PATTERN_CRASH_ON_ASSIGN")),
                    help="standby: die (exit 9) when assigned, as a standby that fails mid-takeover would")
     p.add_argument("--no-http", action="store_true", default=bool(env.get("HF_PATTERN_NO_HTTP")))
+    p.add_argument("--agent", choices=("on", "off"), default=env.get("HF_PATTERN_AGENT", "on"),
+                   help="off: serve alone (no agent, no leased memory), as the router tests use it")
+    p.add_argument("--id", default=env.get("HF_ENGINE_ID"), help="engine id with --agent off (default: a new one)")
+    p.add_argument("--model", default="pattern", help="the model name /health reports (agent mode: HF_MODEL)")
+    p.add_argument("--port", type=int, default=int(env.get("HF_PATTERN_PORT", "0")), help="HTTP port (0: a free one)")
+    p.add_argument("--ready-file", type=Path, default=_path(env.get("HF_PATTERN_READY_FILE")),
+                   help="written (JSON: endpoint, pid, engine_id) once serving")
+    p.add_argument("--slots", type=int, default=int(env.get("HF_PATTERN_SLOTS", "4")),
+                   help="generations served at once (the rest wait)")
+    p.add_argument("--max-seq", type=int, default=int(env.get("HF_PATTERN_MAX_SEQ", "2048")),
+                   help="the longest context; a longer prompt is refused (400), a generation stops there")
+    p.add_argument("--token-interval-s", type=float, default=float(env.get("HF_PATTERN_TOKEN_INTERVAL_S", "0.002")),
+                   help="time per generated token (the forward pass it stands for)")
     return p.parse_args(argv)
 
 
 def _float(v: str | None) -> float | None:
     return float(v) if v else None
+
+
+def _path(v: str | None) -> Path | None:
+    return Path(v) if v else None
 
 
 class Memory:
@@ -77,46 +103,48 @@ class Memory:
         self.view = self.client.takeover(predecessor, token).tensors("numpy")["pattern"]
 
 
-def serve_http(state: dict[str, Any]) -> str:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self.path == "/checksum":
-                view = state.get("view")
-                body = {"engine_id": state["engine_id"], "bytes": 0 if view is None else int(view.size),
-                        "sha256": None if view is None else pattern.checksum(view),
-                        "pattern_ok": None if view is None else pattern.matches(view, state["seed"])}
-            elif self.path == "/healthz":
-                body = {"ok": True, "engine_id": state["engine_id"]}
-            else:
-                self.send_error(404)
-                return
-            raw = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
+def serve_http(state: PatternState, port: int) -> HttpThread:
+    from engines.http_thread import HttpThread
+    from engines.pattern.server import build_app
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}"
+    # No warm-up request: Starlette does no first-request work worth moving (FastAPI's source reading is
+    # what the reference engine's warm-up avoids).
+    http = HttpThread(build_app(state), "127.0.0.1", port, warm=lambda _endpoint: None)
+    http.start()
+    return http
 
 
-def main(argv: list[str]) -> int:
-    logging.basicConfig(level=os.environ.get("HF_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack in the engine's log
-    args = parse(argv)
+def serve_alone(args: argparse.Namespace, stop: threading.Event) -> int:
+    """`--agent off`: no agent, no leased memory; serve, write the ready file, wait for SIGTERM or SIGINT."""
+    from engines.pattern.server import PatternState
+
+    engine_id = args.id or new_id("pattern")
+    state = PatternState(engine_id, model=args.model, slots=args.slots, max_seq=args.max_seq,
+                         token_interval_s=args.token_interval_s, seed=args.seed)
+    http = serve_http(state, args.port)
+    state.state = "ready"
+    if args.ready_file:
+        write_ready_file(args.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": engine_id,
+                                           "engine": "pattern"})
+    log.info("engine %s serving at %s (no agent)", engine_id, http.endpoint)
+    stop.wait()
+    http.stop()
+    return 0
+
+
+def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
     link = AgentLink.connect()
     log.info("engine %s registered with the agent (%s)", link.engine_id, link.role)
     link.start_heartbeats(args.heartbeat_s)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    state: dict[str, Any] = {"engine_id": link.engine_id, "seed": args.seed, "view": None}
     mem = Memory(link.engine_id, args.bytes, link.engine_class) if args.bytes > 0 else None
-    endpoint = None if args.no_http else serve_http(state)
+    state, endpoint = None, None
+    if not args.no_http:
+        from engines.pattern.server import PatternState
+
+        state = PatternState(link.engine_id, model=os.environ.get("HF_MODEL", args.model), slots=args.slots,
+                             max_seq=args.max_seq, token_interval_s=args.token_interval_s, seed=args.seed,
+                             role=link.role, state="standby" if link.role == "standby" else "starting")
+        endpoint = serve_http(state, args.port).endpoint
 
     if link.role == "standby":
         link.ready(None)  # warm: SDK connected, code loaded; no weight memory held
@@ -132,8 +160,13 @@ def main(argv: list[str]) -> int:
             mem.takeover(os.environ["HF_TAKEOVER_FROM"], os.environ.get("HF_TRANSFER_TOKEN", ""))
     elif mem is not None:
         mem.allocate_or_reattach(args.seed)
-    state["view"] = None if mem is None else mem.view
+    if state is not None:
+        state.view = None if mem is None else mem.view
+        state.state = "ready"
     link.ready(endpoint)
+    if args.ready_file and endpoint:
+        write_ready_file(args.ready_file, {"endpoint": endpoint, "pid": os.getpid(), "engine_id": link.engine_id,
+                                           "engine": "pattern"})
     log.info("engine %s serving at %s", link.engine_id, endpoint)
 
     started = time.monotonic()
@@ -148,6 +181,16 @@ def main(argv: list[str]) -> int:
         stop.wait(0.02)
     link.close()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("HF_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack in the engine's log
+    args = parse(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return serve_alone(args, stop) if args.agent == "off" else serve_with_agent(args, stop)
 
 
 if __name__ == "__main__":

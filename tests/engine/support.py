@@ -1,4 +1,5 @@
-"""Helpers for tests that run real engine processes (reference engine, tiny size)."""
+"""Helpers for tests that run real engine processes: the reference engine (tiny size, torch) or the pattern engine
+(engines/pattern with `--agent off`: the router's contract with deterministic tokens, no torch)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 from libs.common import procs
 
 ENGINE = [sys.executable, "-m", "engines.reference"]
+PATTERN = [sys.executable, "-m", "engines.pattern", "--agent", "off"]
 
 
 def make_tiny_weights(path: Path, seed: int = 0) -> Path:
@@ -24,15 +26,16 @@ def make_tiny_weights(path: Path, seed: int = 0) -> Path:
 
 
 class EngineProc:
-    """`python -m engines.reference serve` as a child process; `url` once its ready file exists."""
+    """`python -m engines.reference serve` (or `command`: another engine taking `--id` and `--ready-file`) as a
+    child process; `url` once its ready file exists."""
 
-    def __init__(self, tmp: Path, weights: Path, engine_id: str, *, env: dict[str, str] | None = None,
-                 args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, weights: Path | None, engine_id: str, *, env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = (), command: list[str] | None = None) -> None:
         self.engine_id = engine_id
         self.ready_file = tmp / f"{engine_id}.ready.json"
         self.ready_file.unlink(missing_ok=True)
-        argv = [*ENGINE, "serve", "--size", "tiny", "--weights", str(weights), "--id", engine_id,
-                "--ready-file", str(self.ready_file), *args]
+        base = command if command is not None else [*ENGINE, "serve", "--size", "tiny", "--weights", str(weights)]
+        argv = [*base, "--id", engine_id, "--ready-file", str(self.ready_file), *args]
         self.child = procs.Child(engine_id, argv, env={"PYTHONUNBUFFERED": "1", **(env or {})},
                                  log_path=tmp / f"{engine_id}.log")
         self.info: dict = {}
@@ -62,6 +65,11 @@ class EngineProc:
 
     def stop(self) -> None:
         self.child.stop()
+
+
+def pattern_engine(tmp: Path, engine_id: str, *, args: tuple[str, ...] = ()) -> EngineProc:
+    """The pattern engine serving alone (no agent, no memory), not started yet."""
+    return EngineProc(tmp, None, engine_id, args=args, command=PATTERN)
 
 
 def generate(url: str, **body: object) -> dict:

@@ -1,4 +1,5 @@
-"""Fixtures for the router tests: a tiny weights file, engine processes, a router process."""
+"""Fixtures for the router tests: engine processes (the pattern engine: the router's contract with deterministic
+tokens, no torch), a router process."""
 
 from __future__ import annotations
 
@@ -13,21 +14,20 @@ import pytest
 
 from libs.common import procs
 from libs.common.store import Store
-from tests.engine.support import EngineProc, make_tiny_weights
+from tests.engine.support import EngineProc, pattern_engine
 
-
-@pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_weights(tmp_path_factory.mktemp("weights") / "tiny.safetensors")
+# One token per 5 ms: a stream of a few hundred tokens is still in flight when a test kills its engine after
+# its first 20 (on a loaded 2-core machine too), and a whole test's generations stay within seconds.
+TOKEN_INTERVAL_S = "0.005"
 
 
 @pytest.fixture
-def engines(tmp_path: Path, tiny_weights: Path) -> Iterator[Callable[[str], EngineProc]]:
+def engines(tmp_path: Path) -> Iterator[Callable[[str], EngineProc]]:
     started: list[EngineProc] = []
 
     def start(engine_id: str) -> EngineProc:
-        e = EngineProc(tmp_path, tiny_weights, engine_id, args=("--memory", "local", "--slots", "4")).start()
-        started.append(e)
+        e = pattern_engine(tmp_path, engine_id, args=("--slots", "4", "--token-interval-s", TOKEN_INTERVAL_S))
+        started.append(e.start())
         return e
 
     yield start

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible API through the official `openai` client, against a real router and a real reference
-engine (tiny model, CPU): completions and chat, streamed and whole, stop strings, max_tokens, seeds, usage,
+"""The OpenAI-compatible API through the official `openai` client, against a real router and a real engine process
+(the pattern engine: deterministic tokens, no torch): completions and chat, streamed and whole, stop strings, max_tokens, seeds, usage,
 the models list, OpenAI's error shapes, and the engine request closed when a stop string ends it or the client
 goes away."""
 
@@ -21,7 +21,7 @@ from tests.engine.support import generate
 from tests.router.conftest import OpenAIStack
 from tests.router.test_router import MODEL, announce, retire, wait_for_table
 
-LONG = {"ignore_eos": True}  # the tiny random model may sample its EOS early; these tests want exact lengths
+LONG = {"ignore_eos": True}  # an engine may sample its EOS early (the reference's tiny model does); exact lengths
 
 
 def client(url: str) -> openai.AsyncOpenAI:

@@ -1,6 +1,7 @@
 """An OpenAI stream through an engine's SIGKILL: the official `openai` client's stream completes with the text of
 an uninterrupted greedy run (the relay replays on the successor underneath), and every engine attempt of the
-request is sent the same `request_id`. Real router, real reference engines, real NATS and etcd."""
+request is sent the same `request_id`. Real router, real engine processes (the
+pattern engine), real NATS and etcd."""
 
 from __future__ import annotations
 

@@ -88,12 +88,13 @@ async def test_router_serves_an_endpoint_found_in_the_etcd_snapshot_at_start(
     assert router.stats()["completed"] == 1
 
 
-async def test_a_stream_cut_by_a_sigkill_resumes_on_the_successor_and_equals_the_uninterrupted_output(
-        engines, start_router, bus: Bus, store: Store) -> None:
-    a, b = engines("kill-a"), engines("kill-b")
+async def a_stream_cut_by_a_sigkill_resumes_on_the_successor(a: Any, b: Any, start_router: Any, bus: Bus,
+                                                           store: Store) -> None:
+    """The case, for any engine `a` and successor `b` (started, not yet ready): the router's stream through a's
+    SIGKILL completes on b with the tokens of b's uninterrupted run (tests/engine runs it on the reference engine)."""
     await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
     router = start_router()
-    await announce(bus, store, "kill-a", a.url)
+    await announce(bus, store, a.engine_id, a.url)
     body = {"prompt": "The memory outlives the engine.", "max_tokens": 400, "ignore_eos": True}
     expected = generate(b.url, **body)["tokens"]
 
@@ -102,13 +103,19 @@ async def test_a_stream_cut_by_a_sigkill_resumes_on_the_successor_and_equals_the
         task = asyncio.create_task(stream_lines(c, router.url, body, seen, after=20))
         await seen.wait()
         a.child.kill(signal.SIGKILL)  # mid-generation: 20 of 400 tokens are out
-        await retire(bus, store, "kill-a", "killed")
-        await announce(bus, store, "kill-b", b.url, predecessor_id="kill-a")
+        await retire(bus, store, a.engine_id, "killed")
+        await announce(bus, store, b.engine_id, b.url, predecessor_id=a.engine_id)
         lines = await task
     assert_one_complete_stream(lines, expected)
-    assert lines[-1]["replays"] >= 1 and lines[-1]["engines"][-1] == "kill-b"
+    assert lines[-1]["replays"] >= 1 and lines[-1]["engines"][-1] == b.engine_id
     stats = router.stats()
     assert stats["replayed"] >= 1 and stats["failed"] == 0 and stats["completed"] == 1
+
+
+async def test_a_stream_cut_by_a_sigkill_resumes_on_the_successor_and_equals_the_uninterrupted_output(
+        engines, start_router, bus: Bus, store: Store) -> None:
+    await a_stream_cut_by_a_sigkill_resumes_on_the_successor(engines("kill-a"), engines("kill-b"), start_router,
+                                                             bus, store)
 
 
 async def test_held_requests_get_a_503_after_the_hold_timeout_and_past_the_queue_bound(start_router) -> None:
