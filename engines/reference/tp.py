@@ -111,8 +111,8 @@ class ForwardChannel:
         self.device = device
         self.group = group
 
-    def send(self, op: int, slot: int = 0, start: int = 0, tokens: list[int] | torch.Tensor = ()) -> None:
-        toks = torch.as_tensor(tokens, dtype=torch.long).to(self.device)
+    def send(self, op: int, slot: int = 0, start: int = 0, tokens: list[int] | torch.Tensor | None = None) -> None:
+        toks = torch.as_tensor(tokens if tokens is not None else [], dtype=torch.long).to(self.device)
         dist.broadcast(torch.tensor([op, slot, start, toks.numel()], dtype=torch.long, device=self.device), 0,
                        group=self.group)
         if toks.numel():

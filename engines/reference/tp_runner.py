@@ -34,7 +34,7 @@ import torch.distributed as dist
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import get_config
 from engines.reference.kv_reuse import retire_later
-from engines.reference.memory import Loaded
+from engines.reference.memory import LeasedMemory, Loaded
 from engines.reference.runner import first_token, open_agent_link, open_memory, pick_device
 from engines.reference.server import EngineState, build_app, warm_routes
 from engines.reference.settings import EngineSettings
@@ -133,8 +133,11 @@ def run_tp(s: EngineSettings) -> int:
         loaded = _load(s, memory, cfg, rank, owners, max_seq)
         dist.barrier()  # every rank's leases committed (or taken over)
         gang_id = s.takeover_gang or s.gang or s.id
-        gang = memory.client.last_gang.model_dump() if s.takeover_gang else \
-            memory.register_gang(gang_id, owners) if rank == 0 and memory.kind == "leased" else None
+        gang = None
+        if isinstance(memory, LeasedMemory) and s.takeover_gang and memory.client.last_gang is not None:
+            gang = memory.client.last_gang.model_dump()  # the manager moved the gang on with the takeover
+        elif isinstance(memory, LeasedMemory) and rank == 0:
+            gang = memory.register_gang(gang_id, owners)
         memory.start_heartbeats()
         model = ShardedTransformer(cfg, loaded.weights)
         channel = ForwardChannel(device)

@@ -88,7 +88,7 @@ class GangBook:
         recs = [self.book.records[m.lease_id] for m in moves]
         tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
         frozen_whole = len(tokens) == 1 and None not in tokens and all(r.info.state == LeaseState.FROZEN for r in recs)
-        token = tokens.pop() if frozen_whole else token or secrets.token_urlsafe(24)
+        token = (tokens.pop() if frozen_whole else None) or token or secrets.token_urlsafe(24)
         await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
         return gang, recs, token
 

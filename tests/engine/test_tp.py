@@ -117,3 +117,24 @@ def test_a_follower_ranks_death_stops_the_whole_group(tmp_path: Path, tiny_weigh
         assert group.child.proc.wait(10) == 70  # type: ignore[union-attr]  # rank 0 ends with its group
     finally:
         group.stop()
+
+
+@pytest.mark.gpu
+def test_two_ranks_over_nccl_serve_the_same_greedy_output_as_one_rank_on_cuda(
+        tmp_path: Path, tiny_weights: Path, settings_env: dict[str, str]) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank: two GPUs")
+    one = engine(tmp_path, tiny_weights, "tp-cuda-one", settings_env, "--memory", "local", "--device", "cuda",
+                 "--graphs", "false")  # eager, as the ranks run
+    two = engine(tmp_path, tiny_weights, "tp-cuda-two", settings_env, "--memory", "local", "--device", "cuda",
+                 "--tp", "2")
+    try:
+        one.wait_ready(120)
+        info = two.wait_ready(120)
+        assert info["tp"]["backend"] == "nccl"
+        assert generate(two.url, **PROMPT)["tokens"] == generate(one.url, **PROMPT)["tokens"]
+    finally:
+        one.stop()
+        two.stop()
