@@ -266,9 +266,11 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
 
 async def messaging_floor(workdir: Path, n: int = 8000) -> dict[str, dict[str, float]]:
     """CPU per message of bare nats-py on this machine (no pydantic, no tracing, no logic): what an incident's
-    messages cost at the least. Client and nats-server CPU in microseconds per message."""
+    messages cost at the least, and the ways the bus could use it side by side (docs/bus.md): a pull consumer read
+    with nats-py's `fetch` or with requests of its own on a callback inbox; commands by nats-py's `request` or on
+    one inbox. Client and nats-server CPU in microseconds per message."""
     import nats
-    from nats.js.api import StreamConfig
+    from nats.js.api import AckPolicy, StreamConfig
 
     port = procs.free_port()
     srv = procs.nats_server(port, workdir / "floor-nats", workdir / "floor-nats.log").start()
@@ -301,6 +303,36 @@ async def messaging_floor(workdir: Path, n: int = 8000) -> dict[str, dict[str, f
             await js.subscribe("f.a", durable="floor", cb=cb, manual_ack=True)
             await done.wait()
 
+        async def fetch() -> None:  # pull durable read with nats-py's fetch(batch=200), explicit ack of each
+            psub = await js.pull_subscribe("f.a", durable="floor-fetch", stream="FLOOR")
+            left = n
+            while left > 0:
+                for msg in await psub.fetch(batch=min(200, left), timeout=5):
+                    await msg.ack()
+                    left -= 1
+
+        async def pull_requests() -> None:  # pull durable read as the bus does: own MSG.NEXT requests, a callback
+            await js.add_consumer("FLOOR", durable_name="floor-pull", ack_policy=AckPolicy.EXPLICIT)
+            left, done, filled = [n], asyncio.Event(), asyncio.Event()
+            inbox = nc.new_inbox()
+
+            async def cb(msg: Any) -> None:
+                if msg.headers and "Status" in msg.headers:
+                    filled.set()
+                    return
+                await msg.ack()
+                left[0] -= 1
+                if left[0] % 200 == 0:
+                    filled.set()
+                if not left[0]:
+                    done.set()
+            await nc.subscribe(inbox, cb=cb)
+            while not done.is_set():
+                filled.clear()
+                await nc.publish("$JS.API.CONSUMER.MSG.NEXT.FLOOR.floor-pull",
+                                 json.dumps({"batch": 200, "expires": 5_000_000_000}).encode(), reply=inbox)
+                await filled.wait()
+
         async def request() -> None:  # request/reply, both sides in this process
             async def answer(msg: Any) -> None:
                 await msg.respond(body)
@@ -308,7 +340,29 @@ async def messaging_floor(workdir: Path, n: int = 8000) -> dict[str, dict[str, f
             for _ in range(0, n, 200):
                 await asyncio.gather(*(nc.request("f-cmd", body, timeout=10) for _j in range(200)))
 
-        for name, run in (("js_publish_acked", publish), ("durable_consume_ack", consume), ("request_reply", request)):
+        async def request_inbox() -> None:  # request/reply as the bus's request_all: one inbox, a token a reply
+            prefix = nc.new_inbox() + "."
+            waiting: dict[str, Any] = {}
+            left, round_done = [0], asyncio.Event()
+
+            async def on_reply(msg: Any) -> None:
+                waiting.pop(msg.subject[len(prefix):], None)
+                left[0] -= 1
+                if not left[0]:
+                    round_done.set()
+            await nc.subscribe(prefix + "*", cb=on_reply)
+            for i in range(0, n, 200):
+                round_done.clear()
+                left[0] = 200
+                for j in range(i, i + 200):
+                    waiting[str(j)] = True
+                    await nc.publish("f-cmd", body, reply=prefix + str(j))
+                await round_done.wait()
+
+        # Each durable read reads the same n stored messages through a consumer of its own.
+        for name, run in (("js_publish_acked", publish), ("durable_consume_ack", consume),
+                          ("pull_fetch_ack", fetch), ("pull_requests_ack", pull_requests),
+                          ("request_reply", request), ("request_inbox", request_inbox)):
             await measure(name, run)
         await nc.close()
     finally:
