@@ -166,6 +166,9 @@ class Resume(Msg):
     epochs: dict[str, int]  # lease id -> the epoch the sender holds
 
 
+CopySource = Literal["host", "artifact"]
+
+
 class RestoreReq(Msg):
     """A new weights lease for the caller, filled from a node copy of a model's weights: the host tier's copy if
     the node keeps one, else the artifact on disk (hash verified). The reply is a grant with the tensors the
@@ -174,7 +177,7 @@ class RestoreReq(Msg):
     op: Literal["restore"] = "restore"
     artifact: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     gpu: int = Field(0, ge=0)
-    sources: list[Literal["host", "artifact"]] = Field(default_factory=lambda: ["host", "artifact"], min_length=1)
+    sources: list[CopySource] = Field(default_factory=lambda: list[CopySource](["host", "artifact"]), min_length=1)
 
 
 class SleepReq(Msg):
