@@ -2,7 +2,8 @@
 
 Keys are given relative to the configured prefix (`/holdfast/` by default): `store.put("nodes/n1", ...)`.
 Values are JSON: pass a pydantic model, a dict or bytes. What is offered:
-- get / get_prefix / put / delete / delete_prefix
+- get / get_prefix / put / delete / delete_prefix; reads are tried again while etcd answers Unavailable (a
+  member's leader killed: "leader changed"), writes are not (one may have been applied)
 - create (put only if absent) and cas (compare-and-swap on the current value), both transactions
 - watch_prefix: an async iterator of `WatchEvent` that survives reconnects by resuming at the next revision
   (a watch given no start revision reads the current one first, so even its first resume has one);
@@ -41,6 +42,7 @@ from libs.common.etcd_watch import Watcher
 
 log = logging.getLogger("holdfast.store")
 WATCH_CANCEL_S = 5.0
+READ_RETRY_S = 5.0  # longer than an election among the members left (etcd's default election timeout: 1 s)
 M = TypeVar("M", bound=BaseModel)
 
 # A member gone takes its connection with it; the channel then tries the members again at once, and at most
@@ -179,8 +181,23 @@ class Store:
 
     # ------------------------------------------------------------ key/value
 
+    async def _read(self, call: Any, *args: Any) -> Any:
+        """A read, tried again while etcd answers Unavailable (`ConnectionFailedError`: "leader changed" when
+        the member's leader died while the read waited on it, or no member reachable) for up to READ_RETRY_S.
+        Only reads: a linearizable read is safe to repeat, while a write that got "leader changed" may have
+        been applied (repeating it could apply it twice), so writes report the error to their caller."""
+        deadline = time.monotonic() + READ_RETRY_S
+        while True:
+            try:
+                return await call(*args)
+            except aetcd.exceptions.ConnectionFailedError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("etcd read failed (%s): trying again", e)
+                await asyncio.sleep(0.1)
+
     async def get(self, key: str) -> bytes | None:
-        r = await self.client.get(self.full(key))
+        r = await self._read(self.client.get, self.full(key))
         return None if r is None else r.value
 
     async def get_model(self, key: str, model: type[M]) -> M | None:
@@ -188,11 +205,11 @@ class Store:
         return None if raw is None else model.model_validate_json(raw)
 
     async def get_with_revision(self, key: str) -> tuple[bytes | None, int]:
-        r = await self.client.get(self.full(key))
+        r = await self._read(self.client.get, self.full(key))
         return (None, 0) if r is None else (r.value, r.mod_revision)
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        r = await self.client.get_prefix(self.full(prefix))
+        r = await self._read(self.client.get_prefix, self.full(prefix))
         return {self.rel(kv.key): kv.value for kv in r}
 
     async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> None:
