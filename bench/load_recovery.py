@@ -176,6 +176,11 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: i
     return out
 
 
+def _assigned(r: dict[str, Any]) -> float:
+    t0 = (r["successor"].get("recovery") or {}).get("t0_wall")
+    return t0 if isinstance(t0, (int, float)) else r["t_kill"]
+
+
 def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
     streams = [s for r in rounds for s in r["streams"]]
     lates = [s for r in rounds for s in r["late"]]
@@ -184,7 +189,12 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
     lost = sum(1 for s in streams + lates if s.error or not s.done)
     ref = {s.prompt: s.tokens for s in (control["streams"] + control["late"])} if control else {}
     mismatched = sum(1 for s in streams + lates if s.done and ref.get(s.prompt) is not None and s.tokens != ref[s.prompt])
+    # per stream of a failover round: its first token from the successor (after its assignment: the
+    # predecessor's last tokens may still arrive just after the kill), in ms after the kill
+    resumed = [(t - r["t_kill"]) * 1000 for r in rounds if "successor" in r for s in r["streams"]
+               if (t := min((a for a in s.arrivals if a > _assigned(r)), default=None)) is not None]
     out: dict[str, Any] = {"largest_gap_ms": pct(gaps), "late_first_token_ms": pct(ttft),
+                           "stream_resumed_after_kill_ms": pct(resumed),
                            "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
                            "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates)}
     succ = [r["successor"] for r in rounds if "successor" in r]
@@ -194,6 +204,7 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
         out["successor"] = {
             "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
             "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],
+            "graphs_captured_ms": [e.get("graphs_captured_ms") for e in eng],
             "recovery": [h.get("recovery") for h in succ]}
         out["timeline_ms"] = [dict(sorted(((k, round(v, 1)) for k, v in r["timeline_ms"].items() if v is not None),
                                           key=lambda kv: kv[1]))

@@ -44,6 +44,12 @@ ADOPTED_AHEAD = 4
 # Python (a graph capture, a step). Only then: serving 256 streams, the shorter interval cost the step thread
 # more than it gave (H200, 8b: ITL p50 33 ms against 25 ms).
 CLAIM_SWITCH_INTERVAL_S = 0.0005
+# After a takeover no new request is admitted (no prefill chunk joins a step) until every claimed adopted
+# sequence has sent its first token after its claim, or this long after the adoption: the first steps are pure
+# decode (the captured graph, ~7 ms at 8b x 64), not mixed steps with the late prompts' prefill (the
+# no-failure control's largest gap, ~160 ms at 64 + 16 on the H200, was that prefill). Admission order and
+# prefill chunks are unchanged, so deterministic outputs are too.
+RESUME_FIRST_S = 0.5
 
 
 class Sink(Protocol):
@@ -109,6 +115,8 @@ class LLMEngine:
         self._live: dict[int, _Live] = {}  # seq_id -> live sequence
         self._by_request: dict[str, int] = {}
         self._orphans: dict[int, _Live] = {}  # adopted, not claimed yet
+        self._resuming: set[int] = set()  # adopted, no token sent since its claim yet (RESUME_FIRST_S)
+        self._resume_until = 0.0
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,6 +171,8 @@ class LLMEngine:
             self._live[seq.seq_id] = live
             self._orphans[seq.seq_id] = live
         self.scheduler.adopt(seqs)
+        self._resuming = {seq.seq_id for seq in seqs}
+        self._resume_until = now + RESUME_FIRST_S
         if seqs and self._switch_interval is None:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(CLAIM_SWITCH_INTERVAL_S)
@@ -185,7 +195,9 @@ class LLMEngine:
                 self.flush()
                 if ran:
                     continue
-                if self._capture_when_idle:  # a recovered engine's graphs: nothing is waiting now
+                # a recovered engine's graphs, once nothing waits: not while adopted sequences await their claims
+                # (capturing every bucket would hold the claims that come in meanwhile)
+                if self._capture_when_idle and not self._orphans:
                     self._capture_when_idle = False
                     self._capture("when_idle", None)
                     continue
@@ -278,6 +290,7 @@ class LLMEngine:
         for tok in seq.tokens[len(req.context):]:
             req.sink.token(tok)
             live.sent += 1
+            self._resuming.discard(seq.seq_id)
         self._by_request[req.request_id] = seq.seq_id
         if seq.status == SeqStatus.FINISHED:  # it ended while unclaimed: its tokens are all there
             req.sink.finish(finish_reason(seq), seq.prompt_len, len(seq.tokens) - seq.prompt_len)
@@ -304,6 +317,7 @@ class LLMEngine:
             self.counters.adopted_dropped += 1
 
     def _leave(self, live: _Live) -> None:
+        self._resuming.discard(live.seq.seq_id)
         self._live.pop(live.seq.seq_id, None)
         if self._by_request.get(live.seq.request_id) == live.seq.seq_id:
             del self._by_request[live.seq.request_id]
@@ -311,8 +325,14 @@ class LLMEngine:
             self.journal.release(live.slot)
             live.slot = None
 
+    def _admitting(self) -> bool:
+        """New requests join steps again once every resumed stream has its first token after the failover."""
+        if self._resuming and time.perf_counter() > self._resume_until:
+            self._resuming.clear()
+        return not self._resuming
+
     def step(self) -> bool:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(admit=self._admitting())
         # Sequences that left the running set (preempted) give their journal rows up before this step's forward
         # writes into the blocks they held (journal.py invariant 4).
         for live in self._live.values():
@@ -346,6 +366,7 @@ class LLMEngine:
                 while live.sent < len(seq.tokens) - seq.prompt_len:
                     live.sink.token(seq.tokens[seq.prompt_len + live.sent])
                     live.sent += 1
+                    self._resuming.discard(seq.seq_id)
         for seq in result.finished:
             live = self._live.get(seq.seq_id)
             if live is None:

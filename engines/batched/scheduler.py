@@ -5,7 +5,8 @@ One step (`schedule`) is a `Batch` of `Work(seq, start, num_tokens)` (the contra
 2. running sequences still in prefill get a chunk of at most `prefill_chunk` tokens, oldest first;
 3. waiting sequences are admitted first come, first served while the token budget, `max_num_seqs` and the
    free blocks allow their whole first chunk; the head of the queue that does not fit stops admission (no
-   later one overtakes it).
+   later one overtakes it). `schedule(admit=False)` admits nobody this step (a successor's resumed streams get
+   their first token before new prompts' prefill: engine.py).
 When a running sequence needs a block and none is free, the most recently arrived running sequence is
 preempted by recompute (blocks freed, num_computed = 0, back into the waiting queue at its arrival place),
 never an older one: the oldest running sequence always progresses, so with a KV cache that holds one
@@ -194,7 +195,7 @@ class Scheduler:
                 "num_blocks": self.bm.num_blocks, "finished": self.num_finished, "aborted": self.num_aborted}
 
     # -- one step ----------------------------------------------------------------------------------------
-    def schedule(self) -> Batch:
+    def schedule(self, *, admit: bool = True) -> Batch:
         budget = self.config.max_num_batched_tokens
         bs = self.bm.block_size
         reserved = sum(1 for s in self.running if s.in_decode)  # one token each, kept from prefills
@@ -231,7 +232,7 @@ class Scheduler:
             (decodes if decode else prefills).append(self._work(seq, n))
             budget -= n
             i += 1
-        if not blocked:
+        if admit and not blocked:
             self._admit(budget, prefills)
         return Batch(tuple(decodes + prefills), tuple(preempted))
 

@@ -77,3 +77,35 @@ def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_t
     while not alone.done.is_set():
         ref.step()
     assert seen + claim.tokens == alone.tokens
+
+
+def test_a_new_request_joins_the_steps_only_once_every_claimed_stream_has_its_first_token(tmp_path) -> None:
+    """After a takeover the late prompts' prefill does not delay the resumed streams' first token."""
+    weights = load_weights(make_weights(CFG, tmp_path / "tiny.safetensors", seed=4))
+    kv = torch.zeros(CFG.n_layers, 2, LAYOUT.num_blocks, LAYOUT.block_size, CFG.n_kv_heads, CFG.head_dim)
+    jr = {n: torch.zeros(shape, dtype=dt) for n, (dt, shape) in LAYOUT.tensors().items()}
+    first = engine(weights, kv, jr)
+    first.journal.format()
+    prompts = {"r1": [1, 5, 9, 13, 17], "r2": [2, 6, 10, 14]}
+    sinks = {rid: ListSink() for rid in prompts}
+    for rid, p in prompts.items():
+        first.submit(Request(rid, p, 40, 0.0, 0, True, sinks[rid]))
+    first._drain()
+    for _ in range(4):
+        first.step()
+
+    succ = engine(weights, kv, jr)
+    succ.adopt(*succ.journal.recover())
+    claims = {rid: ListSink() for rid in prompts}
+    for rid, p in prompts.items():
+        seen = sinks[rid].tokens
+        succ.submit(Request(rid, p + seen, 40 - len(seen), 0.0, 0, True, claims[rid], resumed=len(seen)))
+    late = ListSink()
+    succ.submit(Request("late", [3, 7, 11, 15, 19, 23], 8, 0.0, 0, True, late))
+    succ._drain()
+    assert succ.counters.claimed == 2
+    succ.step()  # decode only: each claimed stream gets its token, the late prompt waits
+    assert all(len(c.tokens) == 1 for c in claims.values())
+    assert succ.scheduler.stats()["waiting"] == 1 and succ.counters.prefill_tokens == 0
+    succ.step()  # every resumed stream has its first token: the late prompt is admitted
+    assert succ.scheduler.stats()["waiting"] == 0 and succ.counters.prefill_tokens == 6

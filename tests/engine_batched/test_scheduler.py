@@ -118,6 +118,18 @@ def test_decodes_come_first_and_keep_their_token_when_prefills_fill_the_budget()
     assert b.num_tokens == 10 and b.num_decode == 2
 
 
+def test_a_step_that_does_not_admit_runs_the_decodes_and_leaves_the_queue_as_it_was() -> None:
+    s = make(max_num_batched_tokens=64, prefill_chunk=8)
+    s.add(req(1, 3, max_tokens=10))
+    step(s)  # in decode now
+    s.add(req(2, 5))
+    b = s.schedule(admit=False)
+    assert shape(b) == [(1, 3, 1)]
+    s.commit(b, {1: 7})
+    assert [q.seq_id for q in s.waiting] == [2]
+    assert shape(step(s)) == [(1, 4, 1), (2, 0, 5)]
+
+
 def test_max_num_seqs_bounds_the_running_set() -> None:
     s = make(max_num_seqs=2, max_num_batched_tokens=32)
     for i in range(4):
