@@ -39,10 +39,15 @@ def engine(weights: dict[str, torch.Tensor], kv: torch.Tensor, jr: dict[str, tor
     return LLMEngine(runner, sched, Journal(LAYOUT, jr), adopt_claim_s=30.0)
 
 
-def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_their_tokens(tmp_path) -> None:
+def memory(tmp_path) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """Weights, an empty KV cache and journal: what a predecessor and its successor share."""
     weights = load_weights(make_weights(CFG, tmp_path / "tiny.safetensors", seed=4))
     kv = torch.zeros(CFG.n_layers, 2, LAYOUT.num_blocks, LAYOUT.block_size, CFG.n_kv_heads, CFG.head_dim)
-    jr = {n: torch.zeros(shape, dtype=dt) for n, (dt, shape) in LAYOUT.tensors().items()}
+    return weights, kv, {n: torch.zeros(shape, dtype=dt) for n, (dt, shape) in LAYOUT.tensors().items()}
+
+
+def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_their_tokens(tmp_path) -> None:
+    weights, kv, jr = memory(tmp_path)
     first = engine(weights, kv, jr)
     first.journal.format()
     prompt = [1, 5, 9, 13, 17]
@@ -81,9 +86,7 @@ def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_t
 
 def test_a_new_request_joins_the_steps_only_once_every_claimed_stream_has_its_first_token(tmp_path) -> None:
     """After a takeover the late prompts' prefill does not delay the resumed streams' first token."""
-    weights = load_weights(make_weights(CFG, tmp_path / "tiny.safetensors", seed=4))
-    kv = torch.zeros(CFG.n_layers, 2, LAYOUT.num_blocks, LAYOUT.block_size, CFG.n_kv_heads, CFG.head_dim)
-    jr = {n: torch.zeros(shape, dtype=dt) for n, (dt, shape) in LAYOUT.tensors().items()}
+    weights, kv, jr = memory(tmp_path)
     first = engine(weights, kv, jr)
     first.journal.format()
     prompts = {"r1": [1, 5, 9, 13, 17], "r2": [2, 6, 10, 14]}
