@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from bench.chaos_checks import IncidentTracker
+from bench.chaos_faults import EngineScan
 from bench.chaos_run import lease_writers
 from devstack.stack import HA_NODES, Stack, StackConfig
 from libs.common.bus import Bus
@@ -49,6 +50,7 @@ class Watch:
         self.tracker.heard(env.incident_id, env.type.removeprefix("incident."), env.id)
 
     async def sample(self) -> None:
+        scan = EngineScan(self.stack.base_dir / "state" / HA_NODES[0])  # keeps what it learnt between samples
         while True:
             try:
                 raw = await self.store.get_prefix("incidents/")
@@ -57,7 +59,7 @@ class Watch:
                 self.records.update({r["id"]: r for r in recs})
             except Exception:  # noqa: BLE001 - an etcd member just died: the next sample reads another
                 pass
-            writers = lease_writers(self.stack.base_dir / "state" / HA_NODES[0])
+            writers = await asyncio.to_thread(lease_writers, scan)
             if any(len(pids) > 1 for pids in writers.values()):
                 self.two_writers.append(writers)
             await asyncio.sleep(0.1)
