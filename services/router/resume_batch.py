@@ -83,11 +83,13 @@ class ResumeBatcher:
             status = await member.started
             yield status, self._lines(member)
         finally:
-            if not member.ended:
+            batch.open_members -= 1
+            if self._forming.get(url) is batch:  # not sent yet: it leaves the batch, nothing to abort
+                batch.members.remove(member)
+            elif not member.ended:
                 member.ended = True
                 self._abort_at_engine(url, body.get("request_id"))
-            batch.open_members -= 1
-            if batch.open_members == 0 and batch.task is not None:
+            if batch.open_members == 0 and batch.task is not None and self._forming.get(url) is not batch:
                 batch.task.cancel()  # invariant 2: the last member out closes the shared connection
 
     async def _lines(self, member: Member) -> AsyncIterator[str]:
@@ -102,7 +104,9 @@ class ResumeBatcher:
     async def _run(self, batch: _Batch) -> None:
         await asyncio.sleep(self.window_s)  # the others woken by the same endpoint event join meanwhile
         del self._forming[batch.url]
-        members = batch.members
+        members = batch.members  # fixed from here on: a line's "i" indexes it
+        if not members:  # every member left while it formed
+            return
         self.batches += 1
         self.batched_requests += len(members)
         try:
