@@ -9,10 +9,12 @@ import asyncio
 import json
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from libs.common.bus import Bus
 from libs.common.store import Store
@@ -22,11 +24,18 @@ from tests.router.test_router import MODEL, announce, assert_one_complete_stream
 ARGS = ("--deterministic", "--prefill-chunk", "32")
 
 
-async def two_engines(tmp_path: Path) -> tuple[Engine, Engine]:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    return await asyncio.gather(asyncio.to_thread(Engine, tmp_path / "a", *ARGS),
-                                asyncio.to_thread(Engine, tmp_path / "b", *ARGS))
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
+    """A serving engine and its successor-to-be (batched, tiny, deterministic)."""
+    engines: list[Engine] = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            engines.append(Engine(tmp_path / name, *ARGS))
+        yield engines[0], engines[1]
+    finally:
+        for e in engines:
+            e.child.stop()
 
 
 async def leave_after(client: httpx.AsyncClient, url: str, body: dict[str, Any], seen: asyncio.Event,
@@ -54,67 +63,59 @@ async def count_tokens(lines: Any) -> Any:
 
 
 async def test_streams_cut_by_a_sigkill_resume_on_the_successor_in_one_batched_request(
-        tmp_path: Path, start_router, bus: Bus, store: Store) -> None:
-    a, b = await two_engines(tmp_path)
-    try:
-        router = start_router()
-        await announce(bus, store, "batch-a", a.url)
-        bodies = [{"prompt": f"stream {i} outlives its engine", "max_tokens": 300, "ignore_eos": True}
-                  for i in range(8)]
-        async with httpx.AsyncClient(timeout=60) as c:
-            expected = [r.json()["tokens"] for r in await asyncio.gather(
-                *(c.post(b.url + "/generate", json=body) for body in bodies))]
-            seen = [asyncio.Event() for _ in bodies]
-            tasks = [asyncio.create_task(stream_lines(c, router.url, body, ev, after=10))
-                     for body, ev in zip(bodies, seen, strict=True)]
-            await asyncio.gather(*(ev.wait() for ev in seen))
-            a.child.kill(signal.SIGKILL)  # every stream has 10 of its 300 tokens
-            await retire(bus, store, "batch-a", "killed")
-            await announce(bus, store, "batch-b", b.url, predecessor_id="batch-a")
-            results = await asyncio.gather(*tasks)
-        for lines, want in zip(results, expected, strict=True):
-            assert_one_complete_stream(lines, want)
-            assert lines[-1]["engines"][-1] == "batch-b"
-        stats = router.stats()
-        assert stats["completed"] == len(bodies) and stats["failed"] == 0
-        assert stats["resume_batches"] == {"batches": 1, "batched_requests": len(bodies)}
-    finally:
-        a.child.stop()
-        b.child.stop()
+        pair: tuple[Engine, Engine], start_router, bus: Bus, store: Store) -> None:
+    a, b = pair
+    router = start_router()
+    await announce(bus, store, "batch-a", a.url)
+    bodies = [{"prompt": f"stream {i} outlives its engine", "max_tokens": 300, "ignore_eos": True}
+              for i in range(8)]
+    async with httpx.AsyncClient(timeout=60) as c:
+        expected = [r.json()["tokens"] for r in await asyncio.gather(
+            *(c.post(b.url + "/generate", json=body) for body in bodies))]
+        seen = [asyncio.Event() for _ in bodies]
+        tasks = [asyncio.create_task(stream_lines(c, router.url, body, ev, after=10))
+                 for body, ev in zip(bodies, seen, strict=True)]
+        await asyncio.gather(*(ev.wait() for ev in seen))
+        a.child.kill(signal.SIGKILL)  # every stream has 10 of its 300 tokens
+        await retire(bus, store, "batch-a", "killed")
+        await announce(bus, store, "batch-b", b.url, predecessor_id="batch-a")
+        results = await asyncio.gather(*tasks)
+    for lines, want in zip(results, expected, strict=True):
+        assert_one_complete_stream(lines, want)
+        assert lines[-1]["engines"][-1] == "batch-b"
+    stats = router.stats()
+    assert stats["completed"] == len(bodies) and stats["failed"] == 0
+    assert stats["resume_batches"] == {"batches": 1, "batched_requests": len(bodies)}
 
 
 async def test_a_client_that_leaves_after_a_batched_resume_is_aborted_at_the_engine_and_the_others_finish(
-        tmp_path: Path, start_router, bus: Bus, store: Store) -> None:
-    a, b = await two_engines(tmp_path)
-    try:
-        router = start_router()
-        await announce(bus, store, "leave-a", a.url)
-        stay = [{"prompt": f"stays {i}", "max_tokens": 1500, "ignore_eos": True} for i in range(3)]
-        goes = {"prompt": "goes away", "max_tokens": 1500, "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=60) as c:
-            expected = [(await c.post(b.url + "/generate", json=body)).json()["tokens"] for body in stay]
-            seen = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(stream_lines(c, router.url, body, ev, after=5))
-                     for body, ev in zip(stay, seen[:3], strict=True)]
-            killed = asyncio.Event()
-            leaver = asyncio.create_task(leave_after(c, router.url, goes, seen[3], killed, after=5, leave=20))
-            await asyncio.gather(*(ev.wait() for ev in seen))
-            a.child.kill(signal.SIGKILL)
-            killed.set()  # the leaver goes away 20 tokens later: on the successor, in the batch
-            await retire(bus, store, "leave-a", "killed")
-            await announce(bus, store, "leave-b", b.url, predecessor_id="leave-a")
-            assert await leaver == 20
-            deadline = time.monotonic() + 10
-            while not (eng := b.health()["engine"])["aborted"]:
-                assert time.monotonic() < deadline, eng
-                await asyncio.sleep(0.01)
-            # ended by /abort while the others run on the shared connection (not by that connection's end)
-            assert eng["live"] == 3, eng
-            results = await asyncio.gather(*tasks)
-        for lines, want in zip(results, expected, strict=True):
-            assert_one_complete_stream(lines, want)
-        assert router.stats()["resume_batches"] == {"batches": 1, "batched_requests": 4}
-        assert b.health()["engine"]["aborted"] == 1
-    finally:
-        a.child.stop()
-        b.child.stop()
+        pair: tuple[Engine, Engine], start_router, bus: Bus, store: Store) -> None:
+    a, b = pair
+    router = start_router()
+    await announce(bus, store, "leave-a", a.url)
+    stay = [{"prompt": f"stays {i}", "max_tokens": 1500, "ignore_eos": True} for i in range(3)]
+    goes = {"prompt": "goes away", "max_tokens": 1500, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as c:
+        expected = [(await c.post(b.url + "/generate", json=body)).json()["tokens"] for body in stay]
+        seen = [asyncio.Event() for _ in range(4)]
+        tasks = [asyncio.create_task(stream_lines(c, router.url, body, ev, after=5))
+                 for body, ev in zip(stay, seen[:3], strict=True)]
+        killed = asyncio.Event()
+        leaver = asyncio.create_task(leave_after(c, router.url, goes, seen[3], killed, after=5, leave=20))
+        await asyncio.gather(*(ev.wait() for ev in seen))
+        a.child.kill(signal.SIGKILL)
+        killed.set()  # the leaver goes away 20 tokens later: on the successor, in the batch
+        await retire(bus, store, "leave-a", "killed")
+        await announce(bus, store, "leave-b", b.url, predecessor_id="leave-a")
+        assert await leaver == 20
+        deadline = time.monotonic() + 10
+        while not (eng := b.health()["engine"])["aborted"]:
+            assert time.monotonic() < deadline, eng
+            await asyncio.sleep(0.01)
+        # ended by /abort while the others run on the shared connection (not by that connection's end)
+        assert eng["live"] == 3, eng
+        results = await asyncio.gather(*tasks)
+    for lines, want in zip(results, expected, strict=True):
+        assert_one_complete_stream(lines, want)
+    assert router.stats()["resume_batches"] == {"batches": 1, "batched_requests": 4}
+    assert b.health()["engine"]["aborted"] == 1
