@@ -222,7 +222,7 @@ async def run_bench(incidents: int, loops: int, body_mb: int, workdir: Path, *, 
 
         async def on_added(msg: Any) -> None:
             pred = (json.loads(msg.data).get("data") or {}).get("predecessor_id")
-            fut = added.get(pred)
+            fut = added.get(pred) if isinstance(pred, str) else None
             if fut is not None and not fut.done():
                 fut.set_result(time.time())
 

@@ -129,15 +129,15 @@ class Bench:
         drop_cache([self.path])
         t0 = time.perf_counter()
         if self.backend.name == "cuda":
+            import safetensors.torch
             import torch
-            from safetensors.torch import load_file
 
-            out = load_file(str(self.path), device="cuda:0")
+            out: object = safetensors.torch.load_file(str(self.path), device="cuda:0")
             torch.cuda.synchronize()
         else:
-            from safetensors.numpy import load_file
+            import safetensors.numpy
 
-            out = load_file(str(self.path))
+            out = safetensors.numpy.load_file(str(self.path))
         seconds = time.perf_counter() - t0
         del out
         return seconds

@@ -194,7 +194,7 @@ def run(cfg: EngineConfig) -> int:
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine
-        if memory.kind == "leased":  # the control plane's sleep and wake asks (sleep.py)
+        if isinstance(memory, LeasedMemory):  # the control plane's sleep and wake asks (sleep.py)
             install_sleep(state, engine, memory.client)
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
                                 "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,

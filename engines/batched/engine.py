@@ -368,17 +368,17 @@ class LLMEngine:
                     live.sent += 1
                     self._resuming.discard(seq.seq_id)
         for seq in result.finished:
-            live = self._live.get(seq.seq_id)
-            if live is None:
+            done = self._live.get(seq.seq_id)
+            if done is None:
                 continue
-            if live.sink is not None:
-                live.sink.finish(finish_reason(seq), seq.prompt_len, len(seq.tokens) - seq.prompt_len)
+            if done.sink is not None:
+                done.sink.finish(finish_reason(seq), seq.prompt_len, len(seq.tokens) - seq.prompt_len)
                 self.counters.requests_done += 1
-                self._leave(live)
+                self._leave(done)
             # an adopted sequence that finished unclaimed waits (its tokens) for its claim, or its expiry
-            elif live.slot is not None:
-                self.journal.release(live.slot)
-                live.slot = None
+            elif done.slot is not None:
+                self.journal.release(done.slot)
+                done.slot = None
         return True
 
     def _journal_admit(self, live: _Live) -> None:

@@ -238,8 +238,11 @@ class ModelRunner:
             return fn(x)
         M = x.shape[0]
         split = M if head or self._split is None else min(self._split, M)
-        parts = [self._tiled(fn, x[:split], self.tile), self._tiled(fn, x[split:], self.prefill_tile)]
-        return torch.cat([p for p in parts if p is not None]) if parts[1] is not None else parts[0]
+        head_rows, rest = self._tiled(fn, x[:split], self.tile), self._tiled(fn, x[split:], self.prefill_tile)
+        if rest is None:
+            assert head_rows is not None  # M > 0 rows: the head has at least one
+            return head_rows
+        return rest if head_rows is None else torch.cat([head_rows, rest])
 
     @staticmethod
     def _tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: int) -> torch.Tensor | None:

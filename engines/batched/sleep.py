@@ -66,7 +66,11 @@ class EngineSleeper:
             self._drain()
             parked, self._resume = threading.Event(), threading.Event()
             resume = self._resume
-            self.engine.call_between_steps(lambda: (parked.set(), resume.wait()))
+            def park() -> None:
+                parked.set()
+                resume.wait()
+
+            self.engine.call_between_steps(park)
             if not parked.wait(self.drain_s):
                 raise Conflict("the step thread did not reach a step boundary")
             _synchronize(self.engine)

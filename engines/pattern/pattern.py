@@ -27,4 +27,4 @@ def matches(buf: np.ndarray, seed: int = 7) -> bool:
 
 
 def checksum(buf: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(buf)).cast("B")).hexdigest()
+    return hashlib.sha256(memoryview(np.ascontiguousarray(buf).tobytes())).hexdigest()
