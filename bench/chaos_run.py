@@ -210,13 +210,24 @@ class Chaos(Injectors):
                     await self._replaced(hit)
                 if fault == "gpu_xid":
                     for m in self.models:
-                        await self.sc.wait_serving(model=m, timeout=SETTLE_S)
+                        await self._serving(m)
                 elif fault.startswith("engine_") or fault in ("gpu_manager_fd_pressure", "admin_api_load"):
-                    await self.sc.wait_serving(model=model, timeout=SETTLE_S)
+                    await self._serving(model)
                 if fault in SERVICE_OF and fault != "etcd_stall":
                     await self._healthy(SERVICE_OF[fault])
         except Exception as e:  # noqa: BLE001 - reported as a note
             self.tally.notes.append(f"not settled after {fault} ({model}): {type(e).__name__}: {e}")
+
+    async def _serving(self, model: str) -> None:
+        """Scenario.wait_serving, asked again when etcd is restarting or stalled (another fault in flight)."""
+        while True:
+            try:
+                await self.sc.wait_serving(model=model, timeout=SETTLE_S)
+                return
+            except TimeoutError:
+                raise
+            except Exception:  # noqa: BLE001 - the store unreachable for now
+                await asyncio.sleep(0.2)
 
     async def _replaced(self, engine_id: str) -> None:
         """Until no record says the engine `engine_id` is the ready active one (a SIGSTOPped engine's record says
