@@ -46,6 +46,7 @@ from engines.reference.tp import (
     read_shard,
     shard_config,
 )
+from libs.common.events import rank_engine_id
 
 log = logging.getLogger("holdfast.engine.tp")
 SETTINGS_ENV = "HF_ENGINE_TP_SETTINGS"
@@ -53,8 +54,7 @@ GROUP_DIED = 70
 IDLE_FOREVER = datetime.timedelta(days=365)  # a follower waits for rank 0's next forward however idle the engine
 
 
-def rank_id(engine_id: str, rank: int) -> str:
-    return engine_id if rank == 0 else f"{engine_id}-r{rank}"
+rank_id = rank_engine_id  # the agent and the control plane name the ranks the same way (libs/common/events.py)
 
 
 def _die_with_parent() -> None:

@@ -116,6 +116,14 @@ class EngineSpec(Model):
     standbys: int = 1
     cold_start_s: float = 30.0
     version: str = "1"
+    # Tensor-parallel ranks (engines/reference `--tp`): the agent starts rank 0 with HF_ENGINE_TP and supervises the
+    # ranks as one group, on GPUs gpu..gpu+tp-1 (docs/multi_gpu.md). Such a spec runs no standbys (not built).
+    tp: int = Field(1, ge=1, le=64)
+
+
+def rank_engine_id(engine_id: str, rank: int) -> str:
+    """Rank r's engine id (its gpu_manager client) in the TP group whose rank 0 is `engine_id`."""
+    return engine_id if rank == 0 else f"{engine_id}-r{rank}"
 
 
 class EngineInfo(Model):
@@ -139,6 +147,11 @@ class EngineInfo(Model):
     # a successor: the engine whose leases it took over (or, a shadow promoted early, will own once that engine is
     # dead); if it dies before owning them they are still that engine's, frozen (the dc_manager hands them on)
     successor_of: str | None = None
+    # A tensor-parallel group (this record is rank 0's, the one endpoint): its ranks' engine ids (rank_engine_id,
+    # rank 0 first) and the gang of their leases (its id stays the first group's across successor groups).
+    tp: int = 1
+    ranks: list[str] = Field(default_factory=list)
+    gang: str | None = None
 
 
 class NodeInfo(Model):
@@ -196,6 +209,10 @@ class FaultDetected(Event):
     detail: str = ""
     role: EngineRole | None = None  # a standby's fault costs no memory: the agent replaces it by itself
     node: str = ""
+    # A rank of a tensor-parallel group: the group's rank 0 engine id (the incident is the group's: one per group
+    # and generation, whichever rank faults) and its gang. None: a single engine.
+    group: str | None = None
+    gang: str | None = None
 
 
 class IncidentOpened(Event):
@@ -250,6 +267,7 @@ class RecoverIntent(Event):
     version: str | None = None  # hot upgrade: the successor's engine version
     node: str | None = None  # the node the engine ran on (dc_manager routes and places by it)
     successor: str | None = None  # a named standby to take over (manual failover may name one)
+    gang: str | None = None  # a tensor-parallel group: its gang is frozen (FreezeGang) and taken over whole
 
 
 class IntentResult(Event):
@@ -559,6 +577,10 @@ class Takeover(Command):
     # whose frozen leases the successor takes over, when not `engine_id`'s: its predecessor's, which `engine_id` (a
     # shadow promoted early) died before owning
     memory_of: str | None = None
+    # A tensor-parallel group's frozen gang: a successor group is started that takes it over whole
+    # (HF_TAKEOVER_GANG, HF_GANG_GENERATION with the transfer token); no standby.
+    gang: str | None = None
+    gang_generation: int | None = None
 
 
 class TakeoverReply(Model):

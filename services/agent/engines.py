@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from libs.common.errors import InvalidTransition
-from libs.common.events import EngineInfo, EngineRole
+from libs.common.events import EngineInfo, EngineRole, rank_engine_id
 
 
 class State(StrEnum):
@@ -86,6 +86,8 @@ class EngineRecord:
     shadows: str | None = None  # the active engine it shadows (it said so over its link)
     shadow_offered: str | None = None  # a shadow instruction sent, not answered yet
     shadow_refused: set[str] = field(default_factory=set)  # engines it could not shadow (not offered again)
+    tp: int = 1  # tensor-parallel ranks: this is rank 0's record, the group's (its process starts the others)
+    gang: str | None = None  # a TP group's gang id (the first group's engine id, kept by its successor groups)
 
     def transition(self, ev: Ev) -> State:
         nxt = TRANSITIONS.get((self.state, ev))
@@ -107,12 +109,19 @@ class EngineRecord:
     def live(self) -> bool:
         return self.state in LIVE
 
+    @property
+    def gpus(self) -> range:
+        """The GPUs its ranks run on (rank r on gpu + r)."""
+        return range(self.gpu, self.gpu + self.tp)
+
     def info(self, node: str = "") -> EngineInfo:
         return EngineInfo(
             engine_id=self.engine_id, node=node, model=self.model, engine_class=self.engine_class, role=self.role,
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
             heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
+            tp=self.tp, gang=self.gang,
+            ranks=[rank_engine_id(self.engine_id, r) for r in range(self.tp)] if self.tp > 1 else [],
         )
 
     @classmethod
@@ -123,6 +132,7 @@ class EngineRecord:
             gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
+            tp=info.tp, gang=info.gang,
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )

@@ -28,8 +28,11 @@ def engine_env(settings: AgentSettings, spec: EngineSpec, *, engine_id: str, rol
         "HF_GPU_MANAGER_SOCKET": str(settings.gpu_manager_path()),
     })
     # An engine of ours must not inherit a takeover that was meant for another process.
-    for key in ("HF_TAKEOVER_FROM", "HF_TRANSFER_TOKEN", "HF_INCIDENT_ID"):
+    for key in ("HF_TAKEOVER_FROM", "HF_TRANSFER_TOKEN", "HF_INCIDENT_ID", "HF_TAKEOVER_GANG", "HF_GANG_GENERATION",
+                "HF_ENGINE_TP"):
         env.pop(key, None)
+    if spec.tp > 1:  # rank 0 starts the other ranks (engines/reference/tp_runner.py)
+        env["HF_ENGINE_TP"] = str(spec.tp)
     env.update(spec.env)
     env.update(extra or {})
     return env

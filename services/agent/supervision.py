@@ -50,15 +50,21 @@ def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, 
         active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s))
         standbys = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE]
         missing = [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)
-        missing += [(key, EngineRole.STANDBY)] * max(0, spec.standbys - len(standbys))
+        want_standbys = standbys_of(spec)
+        missing += [(key, EngineRole.STANDBY)] * max(0, want_standbys - len(standbys))
         if missing and backoffs is not None and not backoffs.may_start(key, now):
             out.held.append(key)  # crash-looping: its replacements wait
         else:
             out.start += missing
         idle = sorted((r for r in standbys if r.state in (State.STANDBY, State.STARTING)),
                       key=lambda r: r.spawned_mono, reverse=True)
-        out.stop += [r.engine_id for r in idle[:max(0, len(standbys) - spec.standbys)]]  # the newest first
+        out.stop += [r.engine_id for r in idle[:max(0, len(standbys) - want_standbys)]]  # the newest first
     return out
+
+
+def standbys_of(spec: EngineSpec) -> int:
+    """The standbys a spec runs: none for a tensor-parallel group (standby groups are not built: docs/multi_gpu.md)."""
+    return spec.standbys if spec.tp == 1 else 0
 
 
 def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str, *,

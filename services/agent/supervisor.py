@@ -43,6 +43,7 @@ from services.agent.records import RecordWriter
 from services.agent.settings import AgentSettings
 
 log = logging.getLogger("holdfast.agent")
+GROUP_DIED = 70  # a TP group's rank 0 exits so when another rank died (engines/reference/tp_runner.py)
 
 
 def _known_fault(st: ExitStatus) -> tuple[FaultKind, str]:
@@ -120,7 +121,9 @@ class Agent:
 
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
                      extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
-                     replacing: EngineRecord | None = None) -> EngineRecord:
+                     replacing: EngineRecord | None = None, gang: str | None = None) -> EngineRecord:
+        """Start one engine (a TP spec: its rank 0, which starts the others; `gang`: a successor group keeps its
+        predecessor's gang id, a first group's is its own engine id)."""
         spec = spec or self.specs[key]
         engine_id = engine_id or new_id(subject_token(spec.model))
         if engine_id in self.engines and self.engines[engine_id].live:
@@ -135,7 +138,8 @@ class Agent:
         pid = launcher.spawn(spec.command, env, log_path)
         rec = EngineRecord(engine_id=engine_id, model=spec.model, engine_class=spec.engine_class, role=role,
                            gpu=gpu, version=spec.version, spec_key=key, pid=pid, pid_start=proc_start_time(pid),
-                           child=True, generation=generation)
+                           child=True, generation=generation, tp=spec.tp,
+                           gang=(gang or engine_id) if spec.tp > 1 else None)
         self.engines[engine_id] = rec
         self.watcher.watch(engine_id, pid, child=True)  # our unreaped child: its pid cannot be recycled yet
         log.info("started %s engine %s (pid %d) for %s on GPU %d", role.value, engine_id, pid, spec.model, gpu)
@@ -170,10 +174,15 @@ class Agent:
         """Publish this generation's one FaultDetected; False when it was already published (or a stop)."""
         if not rec.latch_fault():
             return False
+        if rec.tp > 1:
+            # A TP group is one engine to the outside: any rank's death ends rank 0 (a follower's with GROUP_DIED,
+            # tp_runner.py), the others die with rank 0, so this is the group's one fault; its incident is the group's.
+            detail = f"{detail}; a rank of the group died" if exit_code == GROUP_DIED else detail
         self.publish(FaultDetected(
             engine_id=rec.engine_id, model=rec.model, engine_class=rec.engine_class, generation=rec.generation,
             pid=rec.pid, kind=kind, exit_code=exit_code, signal=sig, gpu=rec.gpu, gpu_uuid=self.uuid_of(rec.gpu),
-            died_at=died_at, detail=detail, role=rec.role, node=self.node))
+            died_at=died_at, detail=detail, role=rec.role, node=self.node,
+            group=rec.engine_id if rec.tp > 1 else None, gang=rec.gang))
         self.faults_published += 1
         self._tell_shadows(rec)
         rec.transition(Ev.FAULT)
@@ -252,7 +261,7 @@ class Agent:
         killed (it cannot serve from lost memory, and its slot is the fallback's); the gpu_manager is told, so that
         it reclaims the GPU's leases and placement avoids it (`report_gpu`)."""
         self.unhealthy[gpu] = detail or "unhealthy"
-        hit = [r for r in self.records() if r.gpu == gpu and r.live]
+        hit = [r for r in self.records() if gpu in r.gpus and r.live]  # a TP group: any rank's GPU
         for rec in hit:
             if self.fault(rec, FaultKind.GPU_FAULT, detail=detail, died_at=time.time()):
                 self.background(self._kill_faulted(rec), f"gpu-fault-kill:{rec.engine_id}")

@@ -14,6 +14,10 @@ Then: a ready standby of the model (the named one, or the oldest) gets `assign` 
 leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
 process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
 
+A tensor-parallel group (`gang`): its rank 0 is killed (the other ranks die with it) and a new group is
+cold-spawned that takes the frozen gang over whole (HF_TAKEOVER_GANG, HF_GANG_GENERATION, HF_TRANSFER_TOKEN);
+standby groups are not built.
+
 `memory_of`: the leases taken over are that engine's, not the predecessor's (a shadow promoted early that died
 before it owned its own predecessor's leases: they are still frozen, and the dc_manager hands them on).
 
@@ -63,7 +67,8 @@ class Takeovers:
         # The memory's owner: the predecessor, or (memory_of) its own predecessor, whose frozen leases it died
         # before owning. A shadow of the predecessor maps those only if it is the owner.
         owner = cmd.memory_of or pred.engine_id
-        standby = self._choose(cmd, pred, owner)
+        # A TP group's successor is a new group taking the frozen gang over (no standby groups yet).
+        standby = None if cmd.gang is not None else self._choose(cmd, pred, owner)
         # Refused before anyone is fenced when the spec already runs its count without the predecessor (another
         # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
         agent.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
@@ -184,6 +189,17 @@ class Takeovers:
             agent.retire(sb)
             return None
 
+    @staticmethod
+    def _takeover_env(cmd: Takeover, owner: str) -> dict[str, str]:
+        """What a cold successor reads: the owner's frozen leases, or (a TP group) the whole frozen gang, each rank
+        its own rank's leases (engines/reference/tp_runner.py)."""
+        env = {"HF_TRANSFER_TOKEN": cmd.transfer_token, "HF_INCIDENT_ID": cmd.incident_id}
+        if cmd.gang is None:
+            return {**env, "HF_TAKEOVER_FROM": owner}
+        if cmd.gang_generation is None:
+            raise Conflict(f"takeover of gang {cmd.gang} without its generation (FreezeGang's reply names it)")
+        return {**env, "HF_TAKEOVER_GANG": cmd.gang, "HF_GANG_GENERATION": str(cmd.gang_generation)}
+
     async def _cold(self, cmd: Takeover, pred: EngineRecord, owner: str, timings: dict[str, float]) -> EngineRecord:
         agent = self.agent
         spec = agent.specs.get(pred.spec_key or "")
@@ -194,9 +210,8 @@ class Takeovers:
             self._cold_specs[supervision.spec_key(spec)] = spec
         t = time.perf_counter()
         rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec, replacing=pred,
-                                 generation=pred.generation + 1,
-                                 extra_env={"HF_TAKEOVER_FROM": owner, "HF_TRANSFER_TOKEN": cmd.transfer_token,
-                                            "HF_INCIDENT_ID": cmd.incident_id})
+                                 generation=pred.generation + 1, extra_env=self._takeover_env(cmd, owner),
+                                 gang=cmd.gang)
         rec.taking_over = owner
         timings["spawn_ms"] = _ms(t)
         t = time.perf_counter()
