@@ -14,6 +14,8 @@ Invariants:
    resolves at route-in, and its memory must be frozen by then.
 6. A transition to the same state (a fact recorded on the way: an early successor, the cold engine started)
    changes no step and no deadline.
+7. One incident per tensor-parallel group and generation: its id is the group's (rank 0's engine id), whichever
+   rank faulted; a further rank's fault is `rank_faulted` (recorded in `ranks_faulted`), never a second incident.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Trigger(StrEnum):
     DEADLINE_MISSED = "deadline_missed"
     MEMORY_LOST = "memory_lost"
     ROUTED_IN = "routed_in"
+    RANK_FAULTED = "rank_faulted"  # another rank of the incident's TP group faulted: it joins, recorded (invariant 7)
 
 
 S, T = IncidentState, Trigger
@@ -77,6 +80,8 @@ TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProx
     (S.FALLBACK, T.STEP_FAILED): S.FAILED,
     (S.FALLBACK, T.DEADLINE_MISSED): S.FAILED,
     (S.ROUTING_IN, T.ROUTED_IN): S.RESOLVED,
+    # Invariant 7: a rank's fault joins its group's open incident, in whatever state it is.
+    **{(state, T.RANK_FAULTED): state for state in IncidentState if state not in (S.RESOLVED, S.FAILED)},
 })
 
 # The step a state is waiting on (its start is the state's entry, its end the state's exit).
@@ -153,6 +158,8 @@ class IncidentRecord(BaseModel):
     kind: FaultKind | None = None
     version: str | None = None  # hot upgrade: the successor's version
     successor_hint: str | None = None  # a standby named by the operator
+    gang: str | None = None  # a TP group's gang: frozen (FreezeGang) and taken over whole by a successor group
+    ranks_faulted: list[str] = Field(default_factory=list)  # a TP group: the ranks whose faults it holds (invariant 7)
     move_off: bool = False  # a node drain: cold start on another node, then stop this engine (memory stays put)
     state: IncidentState = S.OPENED
     opened_at: float = Field(default_factory=time.time)

@@ -226,10 +226,16 @@ class IncidentDriver:
             f = env.data
             if not isinstance(f, FaultDetected) or f.role is EngineRole.STANDBY:
                 continue  # a standby holds no leased memory; the agent replaces it on its own
-            inc_id = incident_id_for(f.engine_id, f.generation)
-            if self.open.closed_here(inc_id) or inc_id in opens:
-                continue  # ended here (its record may be gone already: libs/common/retention.py), or a repeat
-            other = self.view.open_incident_for(f.engine_id)
+            if f.group is not None and not self._group_on_node(f, env):
+                continue
+            inc_id = self._incident_of(f)
+            if self.open.closed_here(inc_id):
+                continue  # ended here (its record may be gone already: libs/common/retention.py)
+            if f.group is not None:  # a rank's fault joins its group's incident (no-op for the rank that opened it)
+                moves.append(Move(i, inc_id, Trigger.RANK_FAULTED, changes={"rank": f.engine_id}))
+            if inc_id in opens:
+                continue  # a repeat, or another rank of the same group
+            other = self.view.open_incident_for(f.group or f.engine_id)
             if other is not None and other.id != inc_id:
                 if f.kind.loses_memory:
                     moves.append(Move(i, other.id, Trigger.MEMORY_LOST, detail=f"{f.kind.replace('_', ' ')} during the incident"))
@@ -342,7 +348,7 @@ class IncidentDriver:
         found: dict[str, int] = {}
         created = []
         for i, f, env in faults:
-            inc_id = incident_id_for(f.engine_id, f.generation)
+            inc_id = self._incident_of(f)
             if inc_id in self.open:
                 found[inc_id] = i
                 continue
@@ -410,6 +416,13 @@ class IncidentDriver:
             cur = self._frozen_at(rec, m.frozen_at)
         if m.trigger is Trigger.COLD_STARTED and not self._cold_started_is_news(cur, m.changes):
             return None
+        changes = m.changes
+        if m.trigger is Trigger.RANK_FAULTED:
+            rank = changes["rank"]
+            if rank in cur.ranks_faulted or not can(cur.state, m.trigger):
+                return None  # the rank that opened it, a redelivery, or a group already recovered
+            changes = {"ranks_faulted": [*cur.ranks_faulted, rank]}
+            log.info("incident %s: rank %s of group %s faulted too (joins)", cur.id, rank, cur.engine_id)
         if m.trigger is Trigger.SPAWNED and (m.inc_id not in self.open
                                              or cur.cold_successor_id != m.changes.get("successor_id")):
             return None  # not this leader's, or not its cold engine (superseded)
@@ -417,7 +430,6 @@ class IncidentDriver:
             # A freeze's end (`frozen_at`) may have routed a successor recorded early in already (incident.py,
             # invariant 5): the reattach this result reports; otherwise the move does not apply.
             return cur if cur is not rec and cur.state is S.ROUTING_IN else None
-        changes = m.changes
         if m.trigger is Trigger.SPAWNED:
             changes = {**changes, "successor_endpoint": changes.get("successor_endpoint") or cur.cold_successor_endpoint}
         new = apply(cur, m.trigger, time.time(), self.deadlines, detail=m.detail, **changes)
@@ -537,11 +549,28 @@ class IncidentDriver:
 
     # ------------------------------------------------------------ helpers
 
+    @staticmethod
+    def _incident_of(f: FaultDetected) -> str:
+        """incident.py, invariants 1 and 7: the failed generation's, a TP group's whichever rank faulted."""
+        return incident_id_for(f.group or f.engine_id, f.generation)
+
+    def _group_on_node(self, f: FaultDetected, env: Envelope) -> bool:
+        """A rank's fault names its group: refused (logged, acked) when that group's record is another node's (a
+        node faults only its own engines: the bus vets `engine_id`, this vets `group`)."""
+        group = self.view.engines.get(f.group or "")
+        if group is None or group.node == env.node:
+            return True
+        log.warning("fault of %s from node %s names group %s of node %s: ignored", f.engine_id, env.node, f.group,
+                    group.node)
+        return False
+
     def _record_from_fault(self, inc_id: str, f: FaultDetected, env: Envelope) -> IncidentRecord:
-        engine = self.view.engines.get(f.engine_id)
-        hit = self.view.endpoint_of(f.engine_id)
+        engine_id = f.group or f.engine_id  # a TP group's incident is its rank 0's, the group's one endpoint
+        engine = self.view.engines.get(engine_id)
+        hit = self.view.endpoint_of(engine_id)
         rec = opened_record(
-            id=inc_id, engine_id=f.engine_id, model=f.model or (engine.model if engine else "") or (hit[0] if hit else ""),
+            id=inc_id, engine_id=engine_id, gang=f.gang or (engine.gang if engine else None),
+            ranks_faulted=[f.engine_id] if f.group else [], model=f.model or (engine.model if engine else "") or (hit[0] if hit else ""),
             engine_class=f.engine_class if f.engine_class != "default" or engine is None else engine.engine_class,
             generation=f.generation, node=f.node or env.node or (engine.node if engine else None), gpu=f.gpu,
             endpoint=(hit[1] if hit else None) or (engine.endpoint if engine else None),

@@ -118,7 +118,7 @@ class IncidentEvents:
         intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,
                                engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
                                memory_lost=fallback, version=rec.version, node=rec.node,
-                               successor=rec.successor_hint)
+                               successor=rec.successor_hint, gang=rec.gang)
         return self.envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
 
     def envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Wired:

@@ -117,8 +117,8 @@ class IntentExecutor:
 
     def _common_node(self, intent: RecoverIntent) -> str | None:
         """The node to reattach on when the intent is the batch's common case (see the module), else None."""
-        if intent.memory_lost or not intent.node:
-            return None
+        if intent.memory_lost or not intent.node or intent.gang is not None:
+            return None  # a TP group's freeze is FreezeGang's (steps.py)
         where = self.steps.in_place(intent)
         if where.action is not Action.REATTACH or self.steps.promote_early(intent, attempt=1):
             return None

@@ -42,6 +42,8 @@ from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EngineSpec,
     Freeze,
+    FreezeGang,
+    FreezeGangReply,
     FreezeReply,
     IntentResult,
     LeaseState,
@@ -68,6 +70,7 @@ class IntentProgress(BaseModel):
     key: str
     incident_id: str
     freeze: FreezeReply | None = None
+    gang: FreezeGangReply | None = None  # a TP group's freeze (all its ranks' leases, one token)
     freeze_ms: float | None = None
     frozen_at: float | None = None  # epoch seconds when the freeze answered (the results carry it)
     takeover: TakeoverReply | None = None
@@ -136,6 +139,8 @@ class IntentSteps:
         try:
             if intent.memory_lost:
                 await self._cold_start(intent, prog)
+            elif intent.gang is not None:
+                await self._reattach_gang(intent, prog)
             else:
                 await self._reattach(intent, prog)
         except StepFailed as e:
@@ -183,9 +188,14 @@ class IntentSteps:
                 log.warning("intent %s: %s was frozen already under another token; the early-promoted shadow "
                             "cannot own its leases", prog.key, intent.engine_id)
             await self.save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
+        await self._take_over(intent, prog, node, self.takeover(intent, prog.freeze.transfer_token, prog.memory_of),
+                              early)
+
+    async def _take_over(self, intent: RecoverIntent, prog: IntentProgress, node: str, cmd: Takeover,
+                         early: asyncio.Task[tuple[TakeoverReply, float]] | None = None) -> None:
+        """The takeover (unless recorded), then the reattach's result."""
         trace = _intent_trace.get()
         if prog.takeover is None:
-            cmd2 = self.takeover(intent, prog.freeze.transfer_token, prog.memory_of)
             # One result per intent when the takeover is prompt (the usual case: a warm standby). A slow one
             # gets the freeze's own result first, so the controller trades its short freeze deadline for the
             # reattach deadline while the successor starts.
@@ -195,13 +205,33 @@ class IntentSteps:
                     self.publish([self.freeze_result(intent, prog, trace)]))))
             try:
                 prog.takeover, prog.takeover_ms = await (early or self._command(
-                    Step.REATTACH, node, cmd2, TakeoverReply, self.settings.takeover_timeout_s))
+                    Step.REATTACH, node, cmd, TakeoverReply, self.settings.takeover_timeout_s))
             finally:
                 timer.cancel()
                 for task in announced:
                     await task
             # Not recorded (see the module's docstring): a redelivery re-sends the takeover, idempotent by incident.
         await self.publish([self.reattach_result(intent, prog, trace, promoted_early=early is not None)])
+
+    async def _reattach_gang(self, intent: RecoverIntent, prog: IntentProgress) -> None:
+        """A tensor-parallel group: every rank's leases frozen under one token (`FreezeGang`: all or none, a stale or
+        partial gang refused), then a successor group started on the node takes the whole gang over (no standby
+        groups yet). In place only: the gang's leases are on this node's GPUs."""
+        assert intent.gang is not None
+        where = self.in_place(intent)
+        if where.action is not Action.REATTACH:
+            raise StepFailed(Step.FREEZE, f"cannot reattach group {intent.engine_id} in place: {where.reason}")
+        node = where.node or ""
+        if prog.gang is None:
+            cmd = FreezeGang(gang_id=intent.gang, incident_id=intent.incident_id)
+            prog.gang, prog.freeze_ms = await self._command(Step.FREEZE, node, cmd, FreezeGangReply,
+                                                            self.settings.freeze_timeout_s)
+            prog.frozen_at = time.time()
+            await self.save(prog)  # a redelivered intent reuses the token and generation
+        cmd2 = Takeover(incident_id=intent.incident_id, engine_id=intent.engine_id,
+                        transfer_token=prog.gang.transfer_token, version=intent.version, gang=intent.gang,
+                        gang_generation=prog.gang.generation)
+        await self._take_over(intent, prog, node, cmd2)
 
     def promote_early(self, intent: RecoverIntent, attempt: int | None = None) -> bool:
         """Promote while freezing: a first delivery (a redelivery runs the steps in order, and the freeze says

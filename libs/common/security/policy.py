@@ -8,8 +8,10 @@ permissions of `nats_permissions`; its etcd user (the client certificate's CN) g
    to their own node (the agent's `share_weights` to its gpu_manager), and publish events only on their own
    node's event subjects (`<prefix>.fault.detected.<node>`: no node can fault another node's engine; the
    controller also refuses an event whose envelope names another node, or an engine of another node);
-2. only the dc_manager publishes every node command; the controller publishes `reclaim` and `agent.stop`
-   (forced reclaim and cold-start clean-up, its admin operations) and nothing else on `node.`;
+2. only the dc_manager publishes every node command (a TP group's `freeze_gang` among them: its recover intents);
+   the controller publishes `reclaim`, `reclaim_gang` and `agent.stop` (forced reclaim of a lease or of a TP
+   group's whole gang, cold-start clean-up: its admin operations) and nothing else on `node.`; the gpu_manager
+   serves `freeze_gang` and `reclaim_gang` on its own node's subjects;
 3. the router subscribes to router events only and publishes nothing but replies;
 4. each identity reads replies on its own inbox prefix only (`inbox_prefix`), so no one reads another's
    replies (a `ListLeases` answer, a stream ack);
@@ -31,6 +33,7 @@ from libs.common.events import (
     LeaseChanged,
     MemoryFrozen,
     Reclaim,
+    ReclaimGang,
     SetGpuHealth,
     ShareWeights,
     SleepEngine,
@@ -131,7 +134,8 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
         pub += [event_subject(p, event, node) for event in NODE_EVENTS_OF[role]]
     elif role == "controller":
         pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
-                f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(StopEngine)}",
+                f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(ReclaimGang)}",
+                f"{p}.node.*.{command_kind(StopEngine)}",
                 f"{p}.node.*.{command_kind(SnapshotLease)}", f"{p}.node.*.{command_kind(SleepEngine)}",
                 *_consumers(stream)]
     elif role == "dc_manager":

@@ -1,0 +1,127 @@
+"""A tensor-parallel engine (TP=2, gloo, the host backend with two simulated GPUs) on the real stack (nats, etcd,
+gpu_manager, agent, controller, dc_manager, router): SIGKILL of rank 1 gives exactly one fault and one incident, for
+the group; the dc_manager freezes the gang (`FreezeGang`) and a successor group takes every rank's leases over with
+the weights file renamed away (no reload); the router serves the same greedy output from one endpoint throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from devstack.scenario import MODEL, Scenario, engine_command
+from devstack.stack import Stack, StackConfig
+from libs.common.events import EngineInfo, EngineSpec, FaultDetected
+from services.controller.incident import IncidentRecord, IncidentState
+from tests.engine.support import make_tiny_weights
+
+PROMPTS = ["Ranks hold shards.", "One group, one incident."]
+
+
+class TensorParallelScenario(Scenario):
+    """The demo scenario with one TP=2 engine and no standby (standby groups are not built)."""
+
+    def start(self) -> Stack:
+        make_tiny_weights(self.weights)
+        spec = EngineSpec(engine_class="reference", model=MODEL, command=engine_command(self.weights, self.size),
+                          replicas=1, standbys=0, tp=2, cold_start_s=30.0, env={"HF_ENGINE_MEMORY": "leased"})
+        self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
+                                                 engines_file=self.write_specs(spec),
+                                                 extra_env={"HF_GPUS": json.dumps(["0", "1"])}))
+        self.stack.start(timeout=120)
+        return self.stack
+
+
+def follower_pids(rank0: int) -> list[int]:
+    children = Path(f"/proc/{rank0}/task/{rank0}/children")
+    return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+async def incidents(sc: Scenario) -> list[IncidentRecord]:
+    assert sc.store is not None
+    return [IncidentRecord.model_validate_json(v) for v in (await sc.store.get_prefix("incidents/")).values()]
+
+
+async def routed(sc: Scenario) -> dict[str, str]:
+    assert sc.store is not None
+    return {k: v.decode() if isinstance(v, bytes) else v
+            for k, v in (await sc.store.get_prefix(f"endpoints/{MODEL}/")).items()}
+
+
+async def greedy(sc: Scenario, client: httpx.AsyncClient) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        r = await sc.generate(client, prompt, max_tokens=24)
+        assert r.done and not r.error, r.error
+        out.append(r.tokens)
+    return out
+
+
+@pytest.mark.timeout(420)
+async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_without_reload(tmp_path: Path) -> None:
+    sc = TensorParallelScenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
+    try:
+        await asyncio.to_thread(sc.start)
+        await sc.connect()
+        assert sc.bus is not None
+        faults: list[FaultDetected] = []
+
+        async def on_fault(env: object) -> None:
+            faults.append(env.data)  # type: ignore[attr-defined]
+
+        await sc.bus.subscribe("fault.detected", on_fault)
+        group = await sc.wait_serving(standbys=0, timeout=180)
+        assert group.tp == 2 and group.ranks == [group.engine_id, f"{group.engine_id}-r1"]
+        assert group.gang == group.engine_id
+        assert list((await routed(sc)).values()) == [group.endpoint]  # one endpoint: rank 0's
+        async with httpx.AsyncClient() as client:
+            before = await greedy(sc, client)
+            assert group.pid is not None
+            leased = (await sc.leases()).leases
+            followers = follower_pids(group.pid)
+            assert len(followers) == 1
+            sc.weights.rename(sc.weights.with_suffix(".gone"))  # the successor group cannot reload: leases only
+            seen = len(sc.events)
+            os.kill(followers[0], signal.SIGKILL)  # rank 1
+            resolved = await sc.wait_event("incident.resolved", 120, after=seen)
+            successor = await wait_successor(sc, group)
+            after = await greedy(sc, client)
+            health = await sc.engine_health(successor.endpoint or "")
+        assert after == before
+        assert health["memory"]["source"] == "takeover" and health["tp"]["ranks"] == 2
+        assert health["tp"]["gang"]["owners"] == successor.ranks and health["tp"]["gang"]["generation"] == 2
+        assert successor.gang == group.engine_id  # the gang keeps its id across groups
+        await asyncio.sleep(1.0)  # a second fault or incident would show by now
+        assert [(f.engine_id, f.group) for f in faults] == [(group.engine_id, group.engine_id)]
+        incs = await incidents(sc)
+        assert len(incs) == 1, [(i.id, i.engine_id, i.state) for i in incs]
+        inc = incs[0]
+        assert inc.id == resolved.data.incident_id and inc.state is IncidentState.RESOLVED  # type: ignore[attr-defined]
+        assert inc.engine_id == group.engine_id and inc.gang == group.engine_id and not inc.fallback
+        assert inc.successor_id == successor.engine_id
+        assert list((await routed(sc)).values()) == [successor.endpoint]
+        assert sorted((i.owner, i.gpu, i.tag.value) for i in leased) == sorted(
+            (owner, rank, tag) for rank, owner in enumerate(group.ranks) for tag in ("weights", "kv_cache"))
+        moved = (await sc.leases()).leases  # the first group's four leases, each moved once (no new allocation)
+        assert sorted((i.id, i.owner, i.epoch) for i in moved) == sorted(
+            (i.id, i.owner.replace(group.engine_id, successor.engine_id), i.epoch + 1) for i in leased)
+    finally:
+        await sc.close()
+        await asyncio.to_thread(sc.stop)
+
+
+async def wait_successor(sc: Scenario, group: EngineInfo, timeout: float = 60.0) -> EngineInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [e for e in await sc.engines() if e.engine_id != group.engine_id and e.state == "ready"
+                 and e.role == "active"]
+        if ready:
+            return ready[0]
+        assert time.monotonic() < deadline, [(e.engine_id, e.state) for e in await sc.engines()]
+        await asyncio.sleep(0.1)
