@@ -251,11 +251,15 @@ class ClusterView:
         self.agent_specs[rest] = _json(value) or {}
         return self.agent_specs[rest]
 
-    def spec_of_class(self, engine_class: str) -> dict[str, Any] | None:
-        """`specs/<class>` (operator-set) first, else the spec an agent runs engines of that class with."""
-        if engine_class in self.specs:
-            return self.specs[engine_class]
-        return next((s for s in self.agent_specs.values() if s.get("engine_class") == engine_class), None)
+    def spec_of(self, engine_class: str, model: str) -> dict[str, Any] | None:
+        """The spec engines of `model` and `engine_class` run with: `specs/<class>` (operator-set) first, else one an
+        agent runs. Both must name that model: one class commonly serves several models side by side, and a
+        cold start from another model's spec would serve the wrong weights under this model's name."""
+        operator = self.specs.get(engine_class)
+        if operator is not None and operator.get("model") == model:
+            return operator
+        return next((s for s in self.agent_specs.values()
+                     if s.get("engine_class") == engine_class and s.get("model") == model), None)
 
     def _on_specs(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":

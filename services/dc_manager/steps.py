@@ -301,16 +301,17 @@ class IntentSteps:
 
     def spec_for(self, intent: RecoverIntent) -> EngineSpec | None:
         """The engine's own recorded spec, else `specs/<class>` in etcd (or the spec an agent runs that class
-        with), else this manager's config."""
+        with), else this manager's config; whichever it is names the intent's model (never another model's)."""
         raw = (self.view.engine_raw.get(intent.engine_id) or {}).get("spec")
         if raw is None:
-            raw = self.view.spec_of_class(intent.engine_class)
+            raw = self.view.spec_of(intent.engine_class, intent.model)
         if raw is not None:
             try:
                 return EngineSpec.model_validate(raw)
             except ValueError as e:
                 log.warning("bad spec for %s: %s", intent.engine_id, e)
-        return self.settings.specs.get(intent.engine_class)
+        configured = self.settings.specs.get(intent.engine_class)
+        return configured if configured is not None and configured.model == intent.model else None
 
     # ------------------------------------------------------------ plumbing
 

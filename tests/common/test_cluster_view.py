@@ -12,22 +12,28 @@ def _spec(cls: str, model: str) -> bytes:
     return EngineSpec(engine_class=cls, model=model, command=["engine"]).model_dump_json().encode()
 
 
-def test_the_spec_an_agent_runs_serves_cold_starts_of_its_class() -> None:
+def test_the_spec_an_agent_runs_serves_cold_starts_of_its_class_and_model() -> None:
     view = ClusterView()
-    assert view.spec_of_class("reference") is None
+    assert view.spec_of("reference", "demo") is None
+    view.apply("put", "agents/node-1/specs/reference-demo-2", _spec("reference", "demo-2"))
     view.apply("put", "agents/node-1/specs/reference-demo", _spec("reference", "demo"))
-    assert view.spec_of_class("reference")["model"] == "demo"  # type: ignore[index]
-    view.apply("put", "specs/reference", _spec("reference", "operator-set"))
-    assert view.spec_of_class("reference")["model"] == "operator-set"  # type: ignore[index]
-    view.apply("delete", "specs/reference", None)
+    assert view.spec_of("reference", "demo")["model"] == "demo"  # type: ignore[index]
+    assert view.spec_of("reference", "demo-2")["model"] == "demo-2"  # type: ignore[index]
+    view.apply("put", "specs/reference", _spec("reference", "demo"))
+    view.apply("put", "agents/node-1/specs/reference-demo", _spec("reference", "demo").replace(b'"engine"', b'"x"'))
+    assert view.spec_of("reference", "demo")["command"] == ["engine"]  # type: ignore[index]  # operator-set first
     view.apply("delete", "agents/node-1/specs/reference-demo", None)
-    assert view.spec_of_class("reference") is None
+    assert view.spec_of("reference", "demo-2")["model"] == "demo-2"  # type: ignore[index]  # not the operator's
+    assert view.spec_of("reference", "other") is None  # never another model's spec
+    view.apply("delete", "specs/reference", None)
+    view.apply("delete", "agents/node-1/specs/reference-demo-2", None)
+    assert view.spec_of("reference", "demo-2") is None
 
 
 def test_other_agent_keys_are_not_specs() -> None:
     view = ClusterView()
-    view.apply("put", "agents/node-1/status", json.dumps({"engine_class": "reference"}).encode())
-    assert view.spec_of_class("reference") is None
+    view.apply("put", "agents/node-1/status", json.dumps({"engine_class": "reference", "model": "m"}).encode())
+    assert view.spec_of("reference", "m") is None
 
 
 def _engine(eid: str, *, shadows: str | None = None, state: str = "standby", node: str = "n1") -> bytes:

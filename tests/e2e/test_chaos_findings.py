@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from libs.common.cluster_view import ClusterView
 from libs.common.events import EngineSpec, RecoverIntent
 from services.dc_manager.steps import IntentSteps
 
 
-@pytest.mark.xfail(strict=True, reason="dc_manager picks a cold start's spec by engine class only (2026-12-01 chaos run)")
 def test_a_cold_start_fallback_runs_the_spec_of_the_incidents_model() -> None:
     # two models of one engine class on a node, as the chaos run serves them; the dead engine's record is gone
     view = ClusterView()
