@@ -126,6 +126,13 @@ def rank_engine_id(engine_id: str, rank: int) -> str:
     return engine_id if rank == 0 else f"{engine_id}-r{rank}"
 
 
+def group_of_rank(engine_id: str) -> str | None:
+    """The rank 0 engine id a rank r > 0 would belong to (`rank_engine_id`'s inverse); None: not a rank's id shape.
+    Only a shape: the caller checks the group's record lists it among its `ranks`."""
+    group, sep, rank = engine_id.rpartition("-r")
+    return group if sep and group and rank.isdigit() and int(rank) > 0 else None
+
+
 class EngineInfo(Model):
     engine_id: str
     node: str

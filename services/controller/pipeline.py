@@ -50,6 +50,7 @@ from libs.common.events import (
     LeaseState,
     MemoryFrozen,
     Step,
+    group_of_rank,
 )
 from libs.common.store import Store
 from services.controller.engine_stops import EngineStops
@@ -288,7 +289,7 @@ class IncidentDriver:
         if isinstance(e, MemoryFrozen) and e.incident_id:
             await self.trigger(e.incident_id, Trigger.FROZEN, states=frozenset({S.FREEZING}))
         elif isinstance(e, LeaseChanged) and e.lease.state is LeaseState.RECLAIMED:
-            inc = self.view.open_incident_for(e.lease.owner)
+            inc = self.view.open_incident_for(e.lease.owner) or self._group_incident_of(e.lease.owner)
             if inc is not None:
                 await self.trigger(inc.id, Trigger.MEMORY_LOST, states=frozenset({S.FREEZING, S.REATTACHING}),
                                    detail=f"lease {e.lease.id} reclaimed", memory_lost=True)
@@ -553,6 +554,11 @@ class IncidentDriver:
     def _incident_of(f: FaultDetected) -> str:
         """incident.py, invariants 1 and 7: the failed generation's, a TP group's whichever rank faulted."""
         return incident_id_for(f.group or f.engine_id, f.generation)
+
+    def _group_incident_of(self, owner: str) -> IncidentRecord | None:
+        """The open incident of the TP group whose rank `owner` is (its leases are the group's memory), if any."""
+        group = self.view.engines.get(group_of_rank(owner) or "")
+        return self.view.open_incident_for(group.engine_id) if group is not None and owner in group.ranks else None
 
     def _group_on_node(self, f: FaultDetected, env: Envelope) -> bool:
         """A rank's fault names its group: refused (logged, acked) when that group's record is another node's (a

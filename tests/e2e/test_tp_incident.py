@@ -105,6 +105,7 @@ async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_with
         assert inc.id == resolved.data.incident_id and inc.state is IncidentState.RESOLVED  # type: ignore[attr-defined]
         assert inc.engine_id == group.engine_id and inc.gang == group.engine_id and not inc.fallback
         assert inc.successor_id == successor.engine_id
+        print(f"TP=2 group takeover: incident {inc.timings_ms()}, successor {health.get('recovery')}")  # noqa: T201
         assert list((await routed(sc)).values()) == [successor.endpoint]
         assert sorted((i.owner, i.gpu, i.tag.value) for i in leased) == sorted(
             (owner, rank, tag) for rank, owner in enumerate(group.ranks) for tag in ("weights", "kv_cache"))
