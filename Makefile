@@ -48,7 +48,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check libs services engines devstack bench holdfast tests
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy libs services engines/reference
+	$(VENV)/bin/mypy libs services engines devstack bench holdfast
 
 fmt: setup
 	$(VENV)/bin/ruff format libs services engines devstack bench holdfast tests

@@ -33,7 +33,7 @@ SERVICE_KILLS = ("gpu_manager_sigkill", "agent_sigkill", "dc_manager_sigkill")  
 
 def serving(pid: int | None) -> bool:
     """The process exists and runs (a stopped or zombie one answers nothing)."""
-    return bool(pid) and cf.proc_state(int(pid)) not in "TtZX"
+    return pid is not None and pid > 0 and cf.proc_state(pid) not in "TtZX"
 
 
 @dataclass

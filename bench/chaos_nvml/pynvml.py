@@ -44,10 +44,10 @@ if _REAL is not None:
     nvmlEventTypeXidCriticalError = _REAL.nvmlEventTypeXidCriticalError
     nvmlEventTypeDoubleBitEccError = _REAL.nvmlEventTypeDoubleBitEccError
 else:
-    class NVMLError_Timeout(Exception):  # noqa: N801, N818 - the real package's name
+    class NVMLError_Timeout(Exception):  # type: ignore[no-redef]  # noqa: N801, N818 - the real package's name
         pass
 
-    class NVMLError_GpuIsLost(Exception):  # noqa: N801, N818 - the real package's name
+    class NVMLError_GpuIsLost(Exception):  # type: ignore[no-redef]  # noqa: N801, N818 - the real package's name
         pass
 
     nvmlEventTypeXidCriticalError = 0x8
