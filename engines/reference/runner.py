@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,14 +28,14 @@ from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, sample
 from engines.reference.kv_reuse import retire_later
-from engines.reference.memory import LeasedMemory, Loaded, LocalMemory, scratch_weights
+from engines.reference.memory import Loaded, scratch_weights
 from engines.reference.model import Transformer
 from engines.reference.server import EngineState, build_app, warm_routes
 from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
+from engines.reference.startup import first_token, open_agent_link, open_memory, pick_device
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.procs import wall_time_of
-from libs.common.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine")
 T_PROCESS = time.perf_counter()
@@ -44,37 +43,6 @@ T_PROCESS = time.perf_counter()
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def default_manager_socket() -> Path:
-    base = os.environ.get("HF_STATE_DIR") or str(Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"holdfast-{os.getuid()}")
-    return Path(base) / "gpu_manager.sock"
-
-
-def open_memory(s: EngineSettings, device: torch.device) -> LocalMemory | LeasedMemory:
-    mode = s.memory
-    if mode == "auto":
-        sock = Path(s.gpu_manager_socket) if s.gpu_manager_socket else default_manager_socket()
-        mode = "leased" if sock.exists() else "local"
-    if mode == "local":
-        return LocalMemory(device)
-    return LeasedMemory(s.id, socket_path=s.gpu_manager_socket, engine_class="reference", gpu=s.gpu)
-
-
-def open_agent_link(s: EngineSettings, *, can_shadow: bool = False) -> Any:
-    if s.agent == "off" or (s.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
-        return None
-    from libs.client.agent_link import AgentLink
-
-    link = AgentLink.connect(s.id, role=s.role, model=s.model, can_shadow=can_shadow)
-    link.start_heartbeats(0.2)
-    return link
 
 
 def warm_standby(s: EngineSettings, device: torch.device) -> float:
@@ -89,15 +57,6 @@ def warm_standby(s: EngineSettings, device: torch.device) -> float:
     sample(core.forward(0, [3], 3), 0.7, 1, 4)
     del core, kv, w
     return _ms(t0)
-
-
-def first_token(core: EngineCore) -> int:
-    """One real forward over the (reattached) weights: proves the memory serves before ready is reported."""
-    with core.spare_slot() as slot:  # not one holding a predecessor's request (kv_reuse.py invariant 5)
-        tok = sample(core.forward(slot, [BOS], 0), 0.0, 0, 1)
-    if core.model.device.type == "cuda":
-        torch.cuda.synchronize(core.model.device)
-    return tok
 
 
 def run(s: EngineSettings) -> int:

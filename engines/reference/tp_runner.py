@@ -35,9 +35,9 @@ from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import get_config
 from engines.reference.kv_reuse import retire_later
 from engines.reference.memory import LeasedMemory, Loaded
-from engines.reference.runner import first_token, open_agent_link, open_memory, pick_device
 from engines.reference.server import EngineState, build_app, warm_routes
 from engines.reference.settings import EngineSettings
+from engines.reference.startup import first_token, open_agent_link, open_memory, pick_device
 from engines.reference.tp import (
     ForwardChannel,
     ShardedTransformer,

@@ -16,6 +16,7 @@ from libs.common.wire import FrameServer, serve_frames
 from services.gpu_manager.backends import Backend, HostBackend, cuda_available
 from services.gpu_manager.commands import Commands
 from services.gpu_manager.db import LeaseDb
+from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.gpu_board import GpuBoard, host_board
 from services.gpu_manager.gpu_publisher import GpuPublisher
 from services.gpu_manager.keeper_client import KeeperClient
@@ -107,7 +108,8 @@ async def setup(rt: Runtime) -> None:
     book.on_owner_exit = owner_exit
 
     sleeper = Sleeper(book, copies)
-    await Commands(book, copies, sleeper).register(rt.bus, settings.node)
+    gangs = GangBook(book)  # tensor-parallel engines' leases, moved together
+    await Commands(book, copies, sleeper, gangs).register(rt.bus, settings.node)
     gpus = GpuPublisher(book, rt.bus, rt.store, settings.gpu_publish_interval_s, copies=copies.listing)
     await rt.bus.serve(settings.node, SetGpuHealth, gpus.set_health)
     rt.spawn("gpus", gpus.run())
@@ -116,7 +118,7 @@ async def setup(rt: Runtime) -> None:
     await rt.bus.nc.flush()
     path = str(settings.socket_path())
     conns = ConnectionCount(settings.max_connections_per_uid)
-    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies, sleeper),
+    server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies, sleeper, gangs=gangs),
                                 mode=settings.socket_mode, group=settings.socket_group,
                                 max_size=settings.max_frame_bytes)
     rt.spawn("reconciler", book.reconcile_forever())

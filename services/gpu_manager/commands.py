@@ -49,6 +49,7 @@ from libs.common.events import (
     TransferReply,
 )
 from services.gpu_manager.fsm import LIVE, LeaseEvent
+from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.manager import LeaseBook, Move, NoCommittedWeights, split_for_freeze
 from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.sleep import Sleeper
@@ -57,8 +58,9 @@ log = logging.getLogger("holdfast.gpu_manager.commands")
 
 
 class Commands:
-    def __init__(self, book: LeaseBook, copies: WeightCopies, sleeper: Sleeper) -> None:
+    def __init__(self, book: LeaseBook, copies: WeightCopies, sleeper: Sleeper, gangs: GangBook) -> None:
         self.book = book
+        self.gangs = gangs
         self.copies = copies
         self.sleeper = sleeper
         self.bus: Bus | None = None
@@ -115,7 +117,7 @@ class Commands:
     async def freeze_gang(self, cmd: FreezeGang) -> FreezeGangReply:
         async with self.book.lock:
             cause = f"frozen with gang {cmd.gang_id} ({cmd.incident_id or 'no incident'})"
-            gang, recs, token = await self.book.gangs.freeze(cmd.gang_id, cmd.transfer_token, cause)
+            gang, recs, token = await self.gangs.freeze(cmd.gang_id, cmd.transfer_token, cause)
         assert self.bus is not None
         for owner in gang.owners.values():  # each rank's leases, as a plain freeze announces an engine's
             mine = [r for r in recs if r.info.owner == owner]
@@ -131,7 +133,7 @@ class Commands:
 
     async def reclaim_gang(self, cmd: ReclaimGang) -> ReclaimGangReply:
         async with self.book.lock:
-            return ReclaimGangReply(lease_ids=await self.book.gangs.reclaim(cmd.gang_id, cmd.force))
+            return ReclaimGangReply(lease_ids=await self.gangs.reclaim(cmd.gang_id, cmd.force))
 
     async def _reclaim_uncommitted(self, owner: str, recs: list) -> None:
         """Never offered to a successor: its tensors were not all there (caller holds the lock)."""

@@ -117,9 +117,6 @@ class LeaseBook:
         self.kept_tier: dict[str, tuple[dict[str, Any], list[int]]] = {}  # the keeper's host tier entries, at load
         # The node's GPUs and their health (set by app.setup; None: any index the backend takes, as before).
         self.board: GpuBoard | None = None
-        from services.gpu_manager.gangs import GangBook  # here: gangs.py builds on this module
-
-        self.gangs = GangBook(self)  # tensor-parallel engines' leases, moved together (gangs.py)
 
     # ------------------------------------------------------------ lifecycle
 

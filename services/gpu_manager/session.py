@@ -77,6 +77,7 @@ from libs.common.events import LeaseState
 from libs.common.wire import FrameStream, PeerClosed, close_fds
 from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import LIVE, LeaseEvent
+from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
 from services.gpu_manager.manager import LeaseBook, Move
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
@@ -106,8 +107,9 @@ def fd_usage() -> tuple[int, int]:
 
 class EngineSession:
     def __init__(self, book: LeaseBook, stream: FrameStream, conns: ConnectionCount,
-                 copies: WeightCopies | None = None, sleeper: Sleeper | None = None) -> None:
+                 copies: WeightCopies | None = None, sleeper: Sleeper | None = None, *, gangs: GangBook) -> None:
         self.book = book
+        self.gangs = gangs  # tensor-parallel engines' leases, moved together (gangs.py, built on the book)
         self.copies = copies
         self.sleeper = sleeper
         self.stream = stream
@@ -236,7 +238,7 @@ class EngineSession:
         if isinstance(req, ShareReq):
             return self._grant(self.share(req, peer), read_only=True)
         if isinstance(req, GangRegister):
-            return ok((await self.book.gangs.register(req, peer.uid)).view()), []
+            return ok((await self.gangs.register(req, peer.uid)).view()), []
         if isinstance(req, Heartbeat):
             now = time.time()
             mine = self._mine(peer)
@@ -395,7 +397,7 @@ class EngineSession:
         """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor)."""
         frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token)
         for rec in frozen:
-            gang = self.book.gangs.member_of(rec.id)
+            gang = self.gangs.member_of(rec.id)
             if gang is not None:  # rule 8
                 raise PartialGang(f"lease {rec.id} is rank {gang.rank_of(rec.info.owner)} of gang {gang.gang_id}: "
                                   "its successor group takes the whole gang over (gang_takeover)")
@@ -415,7 +417,7 @@ class EngineSession:
     async def gang_takeover(self, req: GangTakeover, peer: Peer) -> tuple[dict[str, Any], list[int]]:
         """This rank's leases of a frozen gang, once its whole group has asked (gangs.py invariant 2)."""
         t0 = time.perf_counter()
-        gang, recs = await self.book.gangs.takeover(req, peer)
+        gang, recs = await self.gangs.takeover(req, peer)
         async with self.book.lock:
             reply, fds = self._grant(recs)
         reply["gang"] = gang.view().model_dump(mode="json")
@@ -495,6 +497,7 @@ def _chunks(rec: LeaseRecord) -> int:
 
 
 async def serve_connection(book: LeaseBook, conns: ConnectionCount, stream: FrameStream,
-                           copies: WeightCopies | None = None, sleeper: Sleeper | None = None) -> None:
-    await EngineSession(book, stream, conns, copies, sleeper).serve()
+                           copies: WeightCopies | None = None, sleeper: Sleeper | None = None, *,
+                           gangs: GangBook) -> None:
+    await EngineSession(book, stream, conns, copies, sleeper, gangs=gangs).serve()
 
