@@ -158,6 +158,9 @@ class Commands:
 
         sub = await link.nc.subscribe(subject, queue=queue, cb=answer if inline else spawn)
         link.subs.append(sub)
+        # One round trip: when serve returns, the server routes the command here. Without it a request sent
+        # at once from another connection can beat the SUB to the server and get "no responders".
+        await link.nc.flush()
         return sub
 
     async def serve_raw(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
