@@ -82,12 +82,15 @@ async def _play(sc: Scenario, failures: list[str], quiet: bool) -> dict[str, Any
             say(f"SIGKILLed pid {active.pid}; incident {trial.incident_id} resolved")
 
             with console.status("killing the gpu_manager itself, restarting it..."):
-                held_before = {lease.id for lease in (await sc.leases()).leases}
+                # The serving engine's leases, once its replacement standby is up too: a lease another engine is
+                # still allocating when the manager dies is uncommitted and rightly reclaimed by the restart.
+                serving = await sc.wait_serving()
+                held_before = {lease.id for lease in (await sc.leases()).leases if lease.owner == serving.engine_id}
                 assert sc.stack is not None
                 sc.stack.kill("gpu_manager")
                 sc.stack.restart("gpu_manager")
                 await sc.stack.wait_healthy(["gpu_manager"], timeout=60)
-                held_after = {lease.id for lease in (await sc.leases()).leases}
+                held_after = {lease.id for lease in (await sc.leases()).leases if lease.owner == serving.engine_id}
                 again = await sc.generate(client, PROMPTS[0])
             memory_kept = bool(held_before) and held_before <= held_after and again.tokens == baseline[PROMPTS[0]].tokens
             say(f"gpu_manager restarted: {len(held_after)} leases held, engine answers the same: {memory_kept}")
