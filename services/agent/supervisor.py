@@ -87,7 +87,9 @@ class Agent:
             log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
     def publish(self, payload: Event) -> None:
-        self.background(self.bus.emit(payload), f"emit:{payload.type}")  # type: ignore[attr-defined]
+        # Until the stream has it: a fault published as the NATS server in use dies must not be lost (the
+        # client reconnects to another server; a retry is stored once, by its Nats-Msg-Id).
+        self.background(self.bus.emit_until_stored(payload), f"emit:{payload.type}")  # type: ignore[attr-defined]
 
     def info(self, rec: EngineRecord) -> EngineInfo:
         info = rec.info(self.node)

@@ -88,3 +88,34 @@ async def test_a_replicated_stream_keeps_delivering_when_the_server_in_use_is_ki
         assert got[0] == "before" and set(got) == {"before", "after"}  # nothing lost (redelivery allowed)
     finally:
         await bus.close()
+
+
+async def test_a_fault_emitted_as_the_server_in_use_dies_is_stored_once(
+        nats_cluster: tuple[tuple[clusters.Member, ...], list[procs.Child]], credentials: Path,
+        tmp_path: Path) -> None:
+    """What the agent does with a fault it detected (emit_until_stored): one call, the server killed under it,
+    and the fault reaches the stream exactly once."""
+    ms, kids = nats_cluster
+    tag = new_id("t").replace("-", "")
+    settings = CommonSettings(credentials_dir=credentials, nats_url=clusters.client_urls("nats", ms),
+                              subject_prefix=tag, stream_name=f"S{tag}", stream_replicas=3,
+                              state_dir=tmp_path / "state")
+    bus = await connect_when_ready(settings)
+    try:
+        got: list[str] = []
+
+        async def handler(env: Envelope) -> None:
+            got.append(env.id)
+
+        await bus.durable("fault.detected", "emit-test", handler)
+        port = bus.nc.connected_url.port  # type: ignore[union-attr]
+        kids[next(i for i, m in enumerate(ms) if m.port == port)].kill()
+        env = await bus.emit_until_stored(FaultDetected(engine_id="victim", kind=FaultKind.KILLED), within_s=30)
+        deadline = time.monotonic() + 20
+        while env.id not in got:
+            assert time.monotonic() < deadline, f"delivered so far: {got}"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # a second copy stored by a retry would be delivered by now
+        assert got == [env.id]
+    finally:
+        await bus.close()

@@ -3,9 +3,12 @@ seams (connection.py, publish.py, receive.py, durable.py, commands.py); each met
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import nats.errors
 from pydantic import BaseModel
 
 from libs.common.bus import durable, receive
@@ -17,6 +20,8 @@ from libs.common.bus.receive import EventHandler, Vet
 from libs.common.config import CommonSettings
 from libs.common.errors import HoldfastError
 from libs.common.events import Command, Envelope, Event
+
+log = logging.getLogger("holdfast.bus")
 
 
 class Bus:
@@ -68,6 +73,28 @@ class Bus:
         env = self.envelope(payload, incident_id=incident_id)
         await self.events.publish(env)
         return env
+
+    async def emit_until_stored(self, payload: Event, *, within_s: float = 120.0) -> Envelope:
+        """`emit`, again and again until the server has it or `within_s` has passed (then the last error): for an
+        event that must not be lost when the NATS server in use dies mid-publish (a fault detected, an engine
+        ready). The same envelope each time: a durable event's id is its Nats-Msg-Id, so the stream stores it
+        once however many tries reached it."""
+        env = self.envelope(payload)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        tries = 0
+        while True:
+            try:
+                await self.events.publish(env)
+                return env
+            except (TimeoutError, nats.errors.Error, OSError) as e:
+                tries += 1
+                if loop.time() >= deadline:
+                    raise
+                delay = min(2.0, 0.1 * 2 ** min(tries, 5))
+                log.warning("%s %s not stored yet (%r, try %d); again in %.1f s", type(payload).__name__, env.id, e, tries,
+                            delay)
+                await asyncio.sleep(delay)
 
     async def publish(self, env: Envelope | Wired) -> None:
         await self.events.publish(env)
