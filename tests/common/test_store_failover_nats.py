@@ -31,6 +31,13 @@ def nats_cluster(tmp_path: Path, nats_conf: Path) -> Iterator[tuple[tuple[cluste
             k.stop()
 
 
+def cluster_settings(ms: tuple[clusters.Member, ...], credentials: Path, tmp_path: Path) -> CommonSettings:
+    """This test's own subjects and stream on the 3-server cluster, replicated on all three."""
+    tag = new_id("t").replace("-", "")
+    return CommonSettings(credentials_dir=credentials, nats_url=clusters.client_urls("nats", ms),
+                          subject_prefix=tag, stream_name=f"S{tag}", stream_replicas=3, state_dir=tmp_path / "state")
+
+
 async def connect_when_ready(settings: CommonSettings, timeout: float = 20.0) -> Bus:
     """A fresh cluster elects its JetStream meta leader a few seconds after it listens; until then creating
     the stream is refused."""
@@ -48,10 +55,7 @@ async def test_a_replicated_stream_keeps_delivering_when_the_server_in_use_is_ki
         nats_cluster: tuple[tuple[clusters.Member, ...], list[procs.Child]], credentials: Path,
         tmp_path: Path) -> None:
     ms, kids = nats_cluster
-    tag = new_id("t").replace("-", "")
-    settings = CommonSettings(credentials_dir=credentials, nats_url=clusters.client_urls("nats", ms),
-                              subject_prefix=tag, stream_name=f"S{tag}", stream_replicas=3,
-                              state_dir=tmp_path / "state")
+    settings = cluster_settings(ms, credentials, tmp_path)
     bus = await connect_when_ready(settings)
     try:
         info = await bus.js.stream_info(settings.stream_name)
@@ -96,10 +100,7 @@ async def test_a_fault_emitted_as_the_server_in_use_dies_is_stored_once(
     """What the agent does with a fault it detected (emit_until_stored): one call, the server killed under it,
     and the fault reaches the stream exactly once."""
     ms, kids = nats_cluster
-    tag = new_id("t").replace("-", "")
-    settings = CommonSettings(credentials_dir=credentials, nats_url=clusters.client_urls("nats", ms),
-                              subject_prefix=tag, stream_name=f"S{tag}", stream_replicas=3,
-                              state_dir=tmp_path / "state")
+    settings = cluster_settings(ms, credentials, tmp_path)
     bus = await connect_when_ready(settings)
     try:
         got: list[str] = []
