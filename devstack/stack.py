@@ -30,6 +30,7 @@ from pathlib import Path
 
 from devstack import clusters
 from libs.common import procs
+from libs.common.backoff import Backoff
 from libs.common.bus import Bus
 from libs.common.config import (
     DEFAULT_API_PORT,
@@ -39,7 +40,7 @@ from libs.common.config import (
     CommonSettings,
 )
 from libs.common.security.infra import SecureInfra
-from libs.common.service import Backoff, check_health
+from libs.common.service import check_health
 
 STABLE_S = 60.0  # a child that ran this long before dying is restarted after the shortest delay again
 

@@ -19,7 +19,6 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from libs.common import telemetry
@@ -53,25 +52,6 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run(main)` on the loop `loop_factory` picks (every service process and the control-plane bench)."""
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)
-
-
-@dataclass
-class Backoff:
-    """Exponential delays between attempts at something that keeps failing (a campaign, a child process):
-    `first_s`, doubled after each failure, at most `max_s`. `reset()` after a success that lasted: the next
-    failure waits `first_s` again. Pure: the caller sleeps."""
-
-    first_s: float = 0.5
-    max_s: float = 30.0
-    failures: int = 0
-
-    def next_delay(self) -> float:
-        delay = min(self.max_s, self.first_s * (2 ** min(self.failures, 32)))
-        self.failures += 1
-        return delay
-
-    def reset(self) -> None:
-        self.failures = 0
 
 
 def health_subject(prefix: str, service: str, instance: str) -> str:

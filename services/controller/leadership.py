@@ -21,8 +21,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
+from libs.common.backoff import Backoff
 from libs.common.errors import InvariantBroken
-from libs.common.service import Backoff
 from libs.common.store import LeaderElection
 
 log = logging.getLogger("holdfast.controller.leadership")

@@ -11,6 +11,7 @@ from typing import Any
 import nats.errors
 from pydantic import BaseModel
 
+from libs.common.backoff import Backoff
 from libs.common.bus import durable, receive
 from libs.common.bus.commands import C, Commands, R
 from libs.common.bus.connection import Link, open_connection
@@ -82,18 +83,17 @@ class Bus:
         env = self.envelope(payload)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        tries = 0
+        backoff = Backoff(first_s=0.2, max_s=2.0)  # soon after a server is back; no storm while it is down
         while True:
             try:
                 await self.events.publish(env)
                 return env
             except (TimeoutError, nats.errors.Error, OSError) as e:
-                tries += 1
                 if loop.time() >= deadline:
                     raise
-                delay = min(2.0, 0.1 * 2 ** min(tries, 5))
-                log.warning("%s %s not stored yet (%r, try %d); again in %.1f s", type(payload).__name__, env.id, e, tries,
-                            delay)
+                delay = backoff.next_delay()
+                log.warning("%s %s not stored yet (%r, try %d); again in %.1f s", type(payload).__name__, env.id, e,
+                            backoff.failures, delay)
                 await asyncio.sleep(delay)
 
     async def publish(self, env: Envelope | Wired) -> None:
