@@ -1,14 +1,25 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
+from libs.common import procs
+from libs.common.bus import Bus
+from libs.common.store import Store
+from tests.controller.helpers import control_plane, service_env, wait_for
 from tests.gpu_manager.harness import Engine, ManagerProc
+
+ADMIN_TOKEN = "admin-secret"
 
 
 @pytest.fixture
@@ -56,3 +67,36 @@ def open_dir():
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class AdminApi:
+    """A real controller's REST API, reached as the admin: `http` (base URL set) and `cli` (`holdfast ...` with
+    `--api-url` and `--token`), for the routes that reach a node's gpu_manager."""
+
+    url: str
+    http: httpx.AsyncClient
+
+    async def wait_lease_of(self, owner: str) -> None:
+        """Until the API lists `owner`'s one lease (the controller's view has caught up with the node)."""
+
+        async def seen() -> bool:
+            r = await self.http.get("/v1/leases", params={"owner": owner})
+            return r.status_code == 200 and r.json()["total"] == 1
+
+        await wait_for(seen, what=f"{owner}'s lease in the API's view")
+
+    async def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "holdfast.main", *args, "--api-url", self.url, "--token", ADMIN_TOKEN]
+        return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+async def admin_api(bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> AsyncIterator[AdminApi]:
+    """A controller with its REST API on a free loopback port (no dc_manager), stopped after the test."""
+    port = procs.free_port()
+    env = service_env(settings_env, HF_API_ENABLED="true", HF_API_PORT=str(port), HF_ADMIN_TOKEN=ADMIN_TOKEN)
+    async with control_plane(bus, store, env, tmp_path, dc_manager=False):
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+            yield AdminApi(url, http)

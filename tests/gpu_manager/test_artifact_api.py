@@ -4,24 +4,19 @@ and answers once the artifact is whole; `holdfast snapshot` is the same call fro
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from libs.client.memory import MemoryClient
-from libs.common import procs
 from services.gpu_manager.artifact import read_manifest
-from tests.controller.helpers import control_plane, service_env, wait_for
+from tests.gpu_manager.conftest import AdminApi
 
-ADMIN = "admin-secret"
 MIB = 1024 * 1024
 
 
-async def test_the_snapshot_route_and_command_write_the_artifact_on_the_node(manager_factory, bus, store,
-                                                                             settings_env, tmp_path: Path):
+async def test_the_snapshot_route_and_command_write_the_artifact_on_the_node(manager_factory, admin_api: AdminApi,
+                                                                             tmp_path: Path):
     artifacts = tmp_path / "artifacts"
     manager = manager_factory(HF_ARTIFACT_DIR=str(artifacts)).start()
 
@@ -34,31 +29,21 @@ async def test_the_snapshot_route_and_command_write_the_artifact_on_the_node(man
         return c, lease.id
 
     client, lease_id = await asyncio.to_thread(engine)
-    port = procs.free_port()
-    env = service_env(settings_env, HF_API_ENABLED="true", HF_API_PORT=str(port), HF_ADMIN_TOKEN=ADMIN)
-    async with control_plane(bus, store, env, tmp_path, dc_manager=False):
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
-            async def seen() -> bool:
-                r = await c.get("/v1/leases", params={"owner": "eng-api"})
-                return r.status_code == 200 and r.json()["total"] == 1
+    c = admin_api.http
+    await admin_api.wait_lease_of("eng-api")
+    assert (await c.post("/v1/leases/lease-nope/snapshot")).status_code == 404
+    r = await c.post(f"/v1/leases/{lease_id}/snapshot", json={"artifact": "by-api"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["artifact"] == "by-api" and r.json()["bytes"] == 2 * MIB
+    assert read_manifest(artifacts / "by-api").root == r.json()["root_hash"]
+    r = await c.post(f"/v1/leases/{lease_id}/snapshot", json={"artifact": "../escape"})
+    assert r.status_code == 422
 
-            await wait_for(seen, what="the lease in the API's view")
-            assert (await c.post("/v1/leases/lease-nope/snapshot")).status_code == 404
-            r = await c.post(f"/v1/leases/{lease_id}/snapshot", json={"artifact": "by-api"}, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["artifact"] == "by-api" and r.json()["bytes"] == 2 * MIB
-            assert read_manifest(artifacts / "by-api").root == r.json()["root_hash"]
-            r = await c.post(f"/v1/leases/{lease_id}/snapshot", json={"artifact": "../escape"})
-            assert r.status_code == 422
-
-        cli = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "holdfast.main", "snapshot", lease_id, "--api-url", url,
-                             "--token", ADMIN], capture_output=True, text=True, timeout=60)
-        assert cli.returncode == 0, cli.stdout + cli.stderr
-        assert '"artifact": "cls.w"' in cli.stdout
-        man = read_manifest(artifacts / "cls.w")
-        assert man.source_lease == lease_id and man.engine_class == "cls"
-        data = (artifacts / "cls.w" / "data-000.bin").read_bytes()
-        assert np.all(np.frombuffer(data, dtype=np.uint8) == 7)
+    cli = await admin_api.cli("snapshot", lease_id)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert '"artifact": "cls.w"' in cli.stdout
+    man = read_manifest(artifacts / "cls.w")
+    assert man.source_lease == lease_id and man.engine_class == "cls"
+    data = (artifacts / "cls.w" / "data-000.bin").read_bytes()
+    assert np.all(np.frombuffer(data, dtype=np.uint8) == 7)
     client.close()
