@@ -2,8 +2,13 @@
 
 Start-up is one straight line: config -> memory (weights, KV cache, journal) -> model runner -> scheduler ->
 engine (adopting the journal's sequences when the KV lease was handed on) -> HTTP server -> ready.
-A standby stops after the HTTP server: it warms its kernels on a scratch model, holds no memory, and on its
-assignment takes the predecessor's weights, KV cache and journal over and continues from there.
+A standby stops after the HTTP server: it warms its kernels on a scratch model, holds no memory of a lease, and
+on its assignment takes the predecessor's weights, KV cache and journal over and continues from there. Where it can
+tell the predecessor's lease sizes (leased memory, and a KV cache sized by --num-blocks / --kv-cache-gib, or on the
+CPU), it first reserves their addresses (memory.py `reserve`: placeholder memory), builds its runner over them and
+captures every decode graph: after the takeover maps the leases at those addresses that runner serves at once. A
+lease that lands elsewhere (other sizes, another placement) falls back to a runner built after the takeover, its
+graphs captured then.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +28,7 @@ import torch
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
-from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout, kv_shape
+from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout, kv_shape, placed_alike
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
@@ -67,12 +73,27 @@ def open_agent_link(cfg: EngineConfig) -> Any:
     return link
 
 
+def layout_fn(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device) -> Callable[..., JournalLayout]:
+    def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:
+        """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
+        return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                         max_len=cfg.max_model_len or mcfg.max_seq, num_blocks=num_blocks or cfg.num_blocks,
+                         kv_cache_gib=cfg.kv_cache_gib)
+
+    return layout_of
+
+
+def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRunner:
+    return ModelRunner(mcfg, loaded.weights, loaded.kv, loaded.layout.block_size, deterministic=cfg.deterministic,
+                       cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs, fused=loaded.fused)
+
+
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,
-                 capture_now: bool) -> tuple[LLMEngine, dict[str, Any]]:
-    """Runner, scheduler and journal over the loaded tensors; the journal's sequences adopted when the KV lease
-    came from before (and was written for this layout)."""
-    runner = ModelRunner(mcfg, loaded.weights, loaded.kv, layout.block_size, deterministic=cfg.deterministic,
-                         cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs, fused=loaded.fused)
+                 capture_now: bool, runner: ModelRunner | None = None) -> tuple[LLMEngine, dict[str, Any]]:
+    """Runner (`runner`: one built before over the same addresses, its graphs captured), scheduler and journal over
+    the loaded tensors; the journal's sequences adopted when the KV lease came from before (and was written for
+    this layout)."""
+    runner = runner or new_runner(cfg, mcfg, loaded)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           prefill_chunk=cfg.prefill_chunk, max_model_len=layout.max_len,
@@ -87,7 +108,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     else:
         graphs_ms = None
     engine = LLMEngine(runner, scheduler, journal, adopt_claim_s=cfg.adopt_claim_s,
-                       capture_graphs_when_idle=not capture_now and runner.use_graphs)
+                       capture_graphs_when_idle=not capture_now and runner.use_graphs, async_schedule=cfg.async_schedule)
     info: dict[str, Any] = {"adopted": 0, "journal": "new", "graphs_ms": graphs_ms}
     if loaded.kv_handed_on and journal.matches():
         entries, dropped = journal.recover()
@@ -120,6 +141,40 @@ def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> 
     return _ms(t0)
 
 
+def can_reserve(cfg: EngineConfig, memory: Any, device: torch.device) -> bool:
+    """Whether a standby can tell where its predecessor's leases will be: leased memory, and a KV cache whose size
+    is the configuration's (on CUDA the default sizes it from the free memory of the moment, the predecessor's)."""
+    return isinstance(memory, LeasedMemory) and (cfg.num_blocks is not None or cfg.kv_cache_gib is not None
+                                                 or device.type == "cpu")
+
+
+def prepare_runner(cfg: EngineConfig, mcfg: ModelConfig, memory: LeasedMemory,
+                   layout_of: Any) -> tuple[Loaded, ModelRunner, dict[str, Any]]:
+    """A standby's runner over its reservations (memory.py `reserve`), every decode graph captured (CUDA): the
+    successor's first step replays instead of capturing (60-90 ms a bucket at 8b)."""
+    reserved = memory.reserve(mcfg, cfg.weights, layout_of)
+    runner = new_runner(cfg, mcfg, reserved)
+    t0 = time.perf_counter()
+    runner.warmup()  # placeholder content: garbage logits, nothing written (padding rows), nothing kept
+    info = {**reserved.timings_ms, "graphs_ms": _ms(t0), "buckets": runner.buckets if runner.use_graphs else []}
+    if reserved.kv.device.type == "cuda":
+        torch.cuda.empty_cache()  # the eager passes' blocks; the graphs' pool stays
+    return reserved, runner, info
+
+
+def adopt_prepared(prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None,
+                   loaded: Loaded) -> tuple[ModelRunner | None, str]:
+    """The prepared runner if the takeover put every tensor where it was built, else None (and why)."""
+    if prepared is None:
+        return None, "none"
+    moved = placed_alike(prepared[0], loaded)
+    if moved:
+        log.warning("the leases taken over are not where the standby prepared its runner (%d tensors moved, e.g. "
+                    "%s): building a new one", len(moved), moved[:3])
+        return None, f"moved: {len(moved)} tensors"
+    return prepared[1], "reused"
+
+
 def report_fatal(link: Any) -> None:
     """Fault injection (chaos runs, SIGUSR1): behave as an engine whose CUDA context hit a fatal error: tell the
     agent through the link, then exit without cleanup. On a thread of its own: the signal handler runs on the
@@ -149,12 +204,9 @@ def run(cfg: EngineConfig) -> int:
     link = open_agent_link(cfg)
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
     engine: LLMEngine | None = None
+    prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations
 
-    def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:
-        """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
-        return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                         max_len=max_len, num_blocks=num_blocks or cfg.num_blocks, kv_cache_gib=cfg.kv_cache_gib)
-
+    layout_of = layout_fn(cfg, mcfg, device)
     try:
         t_start = t_process
         if cfg.role == "standby":
@@ -162,6 +214,10 @@ def run(cfg: EngineConfig) -> int:
             state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
             if link is None:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
+            if can_reserve(cfg, memory, device):
+                assert isinstance(memory, LeasedMemory)
+                prepared = prepare_runner(cfg, mcfg, memory, layout_of)
+                state.info["prepared"] = prepared[2]
             # The warm heap is collected and frozen (a full collection of a torch process holds the interpreter
             # for ~1 s on a loaded machine) before heartbeats begin: the agent's hang watch would take that
             # pause for a hung engine. ready() then finds nothing left to collect.
@@ -189,7 +245,11 @@ def run(cfg: EngineConfig) -> int:
         t_build = time.perf_counter()
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
         # adopted sequence; it captures them once it is idle (engine.py).
-        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file")
+        runner, how = adopt_prepared(prepared, loaded)
+        prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
+        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner)
+        if how != "none":
+            adopted["prepared_runner"] = how
         engine.flush = state.outbox.flush
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats

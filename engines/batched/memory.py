@@ -5,6 +5,10 @@
   `load` (cold, from the file), `attach` (this engine's own leases after a restart), `takeover` (a dead
   predecessor's leases: a cold-spawned successor or a promoted standby). A handed-on KV lease whose journal
   was written for this configuration is kept as it is: its sequences continue (journal.py).
+  `reserve` (a warm standby, before any failure): the addresses where a takeover will map the predecessor's
+  weights and KV leases (their sizes and the weights' placement computed as `load` computes them: from the file's
+  header and this configuration), backed by placeholder memory, and the same tensors as `takeover` will give, over
+  them: a runner built and its graphs captured over these stays valid after the takeover when `placed_alike`.
 
 Invariant: the engine never sees the SDK, only `Loaded`.
 """
@@ -150,20 +154,11 @@ class LeasedMemory:
         """The file into one weights lease, each layer's fused parts back to back (fused_layout.py)."""
         import os
 
-        from libs.client.protocol import TensorMeta
-        from libs.client.safetensors_io import SAFETENSORS_DTYPES, _copy_in, read_header
+        from libs.client.safetensors_io import _copy_in
 
-        data_start, header = read_header(path)
-        in_file = sorted(header, key=lambda n: header[n]["data_offsets"][0])
-        plan: list[tuple[str, int, int, int]] = []  # name, lease offset, file offset, bytes
-        off = 0
-        for name in write_order(in_file):
-            start, end = header[name]["data_offsets"]
-            plan.append((name, off, start, end - start))
-            off += -(-(end - start) // ALIGN) * ALIGN
-        lease = self.client.allocate(max(off, ALIGN), tag="weights", name="weights", gpu=self.gpu)
-        metas = [TensorMeta(name=n, lease_id=lease.id, offset=o, shape=list(header[n]["shape"]),
-                            dtype=SAFETENSORS_DTYPES[header[n]["dtype"]]) for n, o, _, _ in plan]
+        data_start, plan, nbytes, metas = weights_plan(path, "")
+        lease = self.client.allocate(nbytes, tag="weights", name="weights", gpu=self.gpu)
+        metas = [m.model_copy(update={"lease_id": lease.id}) for m in metas]
         fd = os.open(path, os.O_RDONLY)
         try:  # the SDK's copy (host: preadv into the shared pages; cuda: a pinned bounce buffer)
             _copy_in(lease, fd, data_start, [(m, start, nbytes) for m, (_, _, start, nbytes) in zip(metas, plan, strict=True)])
@@ -172,6 +167,23 @@ class LeasedMemory:
         self.client.register(metas)
         self.client.commit()
         return lease, metas
+
+    def reserve(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
+        """A standby's tensors where a takeover is expected to map its predecessor's leases (placeholder memory
+        until then: their content is garbage; nothing may depend on it). A takeover maps each lease into its
+        reservation when the size matches, else elsewhere (then `placed_alike` says what moved)."""
+        t0 = time.perf_counter()
+        _, _, nbytes, metas = weights_plan(path, "reserved")
+        wres = self.client.reserve(nbytes, tag="weights", name="weights", gpu=self.gpu)
+        weights = {m.name: wres.torch(m.dtype, m.shape, m.offset) for m in metas}
+        fused = _fused_views([(wres, m) for m in metas])
+        dtype = weights["tok_embeddings.weight"].dtype
+        layout: JournalLayout = layout_of(dtype, None)
+        kres = self.client.reserve(lease_bytes(cfg, dtype, layout), tag="kv_cache", name=KV_NAME, gpu=self.gpu)
+        views = {name: kres.torch(dt, shape, off) for name, dt, shape, off in _packed(cfg, dtype, layout)}
+        return Loaded({n: weights[n] for n in cfg.tensor_shapes()}, views[KV_NAME],
+                      {n: views[n] for n in layout.tensors()}, "reserved", False, layout,
+                      {"reserve_ms": _ms(t0), "reserved_bytes": wres.size + kres.size}, fused)
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         t0 = time.perf_counter()
@@ -234,6 +246,39 @@ class LeasedMemory:
             self.client.close(unmap=False)  # the leases stay with the gpu_manager for a successor
         except Exception as e:  # noqa: BLE001 - closing on the way out: the process ends anyway
             log.warning("closing the memory client failed: %s", e)
+
+
+def weights_plan(path: Path, lease_id: str) -> tuple[int, list[tuple[str, int, int, int]], int, list[Any]]:
+    """Where `load` puts a file's tensors in its weights lease: (the file's data start, [(name, lease offset, file
+    offset, bytes)], the lease's bytes, the tensors' metadata naming `lease_id`). Each layer's fused parts back to
+    back (fused_layout.py), every tensor at a multiple of ALIGN. Read from the file's header alone."""
+    from libs.client.protocol import TensorMeta
+    from libs.client.safetensors_io import SAFETENSORS_DTYPES, read_header
+
+    data_start, header = read_header(path)
+    in_file = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    plan: list[tuple[str, int, int, int]] = []
+    off = 0
+    for name in write_order(in_file):
+        start, end = header[name]["data_offsets"]
+        plan.append((name, off, start, end - start))
+        off += -(-(end - start) // ALIGN) * ALIGN
+    metas = [TensorMeta(name=n, lease_id=lease_id, offset=o, shape=list(header[n]["shape"]),
+                        dtype=SAFETENSORS_DTYPES[header[n]["dtype"]]) for n, o, _, _ in plan]
+    return data_start, plan, max(off, ALIGN), metas
+
+
+def placed_alike(a: Loaded, b: Loaded) -> list[str]:
+    """The tensors (weights, fused groups, the KV cache) whose address, shape, strides, dtype or device differ
+    between `a` and `b`; empty: whatever was built over `a` (a runner, its CUDA graphs) runs on `b` unchanged."""
+    def sig(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+        return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [("kv_cache", a.kv, b.kv)]
+    pairs += [(n, t, b.weights.get(n)) for n, t in a.weights.items()]
+    pairs += [(n, t, b.fused.get(n)) for n, t in a.fused.items()]
+    pairs += [(n, None, t) for n, t in b.fused.items() if n not in a.fused]
+    return [n for n, x, y in pairs if sig(x) != sig(y)]
 
 
 def _fused_views(registered: list[tuple[Any, Any]]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,14 @@
 - `CudaMapping`: import each POSIX fd (cuMemImportFromShareableHandle), reserve device VA, map the chunks
   back to back, grant read-write access; torch CUDA tensors wrap the device pointer (zero copy).
 
+Placeholders (`HostMapping.placeholder`, `CudaMapping.placeholder`): a warm standby reserves the range where it
+expects a predecessor's lease, backs it with one small memory of its own mapped over and over (garbage content shared
+by every page: reads are harmless, nothing depends on them), builds its model and captures its CUDA graphs over those
+addresses, and at the takeover `adopt` maps the handed-on chunks at the same addresses. A captured kernel holds
+virtual addresses only; which physical memory backs them is the page tables' business, changed by
+cuMemUnmap/cuMemMap (the property sleep/wake relies on too). Invariant: `adopt` takes chunks whose sizes add up to
+the reserved size exactly; anything else is refused before a page moves.
+
 `read_only=True` (a warm standby's shadow of another engine's weights): PROT_READ on the host, where a
 write faults; on cuda the driver is asked for read-only access and, where it refuses, the range is mapped
 read-write and `read_only` says False (the engine then only promises not to write).
@@ -44,16 +52,45 @@ class HostMapping:
     kind = "host"
 
     def __init__(self, fds: list[int], sizes: list[int], *, read_only: bool = False) -> None:
-        self.size = sum(sizes)
-        self.read_only = read_only
-        # PROT_NONE (0): a reserved range, not accessible until the chunks are mapped over it
-        self.base = _mmap(None, self.size, 0,
-                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+        self._reserve(sum(sizes), read_only)
         try:
             self.map_pages(fds, sizes)
         except BaseException:
-            _libc.munmap(self.base, self.size)
+            self.unmap()
             raise
+
+    def _reserve(self, size: int, read_only: bool) -> None:
+        self.size = size
+        self.read_only = read_only
+        self.placeheld = False  # backed by a placeholder (`placeholder`), not by a lease's chunks
+        # PROT_NONE (0): a reserved range, not accessible until the chunks are mapped over it
+        self.base = _mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+
+    @classmethod
+    def placeholder(cls, size: int, placeholder_bytes: int) -> HostMapping:
+        """`size` bytes reserved, every page backed by one memfd of `placeholder_bytes` mapped again and again."""
+        self = cls.__new__(cls)
+        self._reserve(size, False)
+        self.placeheld = True
+        fd = os.memfd_create("hf-placeholder", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, placeholder_bytes)
+            for off in range(0, size, placeholder_bytes):
+                _mmap(self.base + off, min(placeholder_bytes, size - off), mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_SHARED | _MAP_FIXED, fd)
+        except BaseException:
+            self.unmap()
+            raise
+        finally:
+            os.close(fd)  # the mappings keep the memfd's pages; they go with the last of them
+        return self
+
+    def adopt(self, fds: list[int], sizes: list[int]) -> None:
+        """The placeholder gives way to a lease's chunks at the same addresses (MAP_FIXED replaces it page for
+        page; its memory goes with its last mapping)."""
+        check_adoptable(self, sizes)
+        self.map_pages(fds, sizes)
+        self.placeheld = False
 
     def map_pages(self, fds: list[int], sizes: list[int]) -> None:
         """Map chunks back to back at this mapping's addresses (at creation, and on wake after a sleep)."""
@@ -98,20 +135,66 @@ class CudaMapping:
                  read_only: bool = False) -> None:
         from libs.client import cuda_driver as cd
 
-        cu = cd.cu
         cd.init()
-        self.ordinal = _local_ordinal(gpu_uuid, gpu)
+        self.ordinal = local_ordinal(gpu_uuid, gpu)
         cd.primary_context(self.ordinal)
-        self.size = sum(sizes)
-        self.base = int(cd.check(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
-        self.handles: list[Any] = []
-        self.mapped = 0
-        self.read_only = read_only
+        self._reserve(sum(sizes), read_only)
         try:
             self.map_pages(fds, sizes)
         except BaseException:
             self.unmap()
             raise
+
+    def _reserve(self, size: int, read_only: bool) -> None:
+        from libs.client import cuda_driver as cd
+
+        self.size = size
+        self.base = int(cd.check(cd.cu.cuMemAddressReserve(size, 0, 0, 0)))
+        self.handles: list[Any] = []
+        self.mapped = 0
+        self.read_only = read_only
+        self.placeheld = False  # backed by a placeholder (`placeholder`), not by a lease's chunks
+
+    @classmethod
+    def placeholder(cls, size: int, gpu: int, placeholder_bytes: int) -> CudaMapping:
+        """`size` bytes of device VA reserved on GPU `gpu` (this process's ordinal), backed by one allocation of
+        `placeholder_bytes` mapped again and again (and one of the granularity for a tail it does not divide):
+        the same physical memory may back several VA ranges at once (virtual aliasing)."""
+        from libs.client import cuda_driver as cd
+
+        cu = cd.cu
+        cd.init()
+        self = cls.__new__(cls)
+        self.ordinal = gpu
+        cd.primary_context(gpu)
+        gran = cd.granularity(gpu)
+        if size % gran:
+            raise HoldfastError(f"a reservation of {size} bytes is not a multiple of the granularity ({gran})")
+        big = max(gran, min(size, placeholder_bytes) // gran * gran)
+        self._reserve(size, False)
+        self.placeheld = True
+        try:
+            prop = cd.allocation_prop(gpu)
+            handles = {n: cd.check(cu.cuMemCreate(n, prop, 0)) for n in {big, gran}}
+            self.handles = list(handles.values())
+            off = 0
+            for n in placeholder_runs(size, big, gran):
+                cd.check(cu.cuMemMap(self.base + off, n, 0, handles[n], 0))
+                off += n
+                self.mapped = off
+            cd.check(cu.cuMemSetAccess(self.base, size, [cd.access_desc(gpu)], 1))
+        except BaseException:
+            self.unmap()
+            raise
+        return self
+
+    def adopt(self, fds: list[int], sizes: list[int]) -> None:
+        """The placeholder gives way to a lease's chunks at the same addresses: unmapped (after every kernel that
+        may read it finished) and released, then the chunks mapped as at creation."""
+        check_adoptable(self, sizes)
+        self.release_pages()
+        self.placeheld = False
+        self.map_pages(fds, sizes)
 
     def map_pages(self, fds: list[int], sizes: list[int]) -> None:
         """Import and map chunks back to back at the reserved VA (at creation, and on wake: the same addresses,
@@ -188,7 +271,20 @@ class CudaMapping:
         self.base = 0
 
 
-def _local_ordinal(gpu_uuid: str | None, gpu: int) -> int:
+def placeholder_runs(size: int, big: int, small: int) -> list[int]:
+    """The mapping sizes that cover `size` bytes: `big` while it fits, then `small` (which divides `size`)."""
+    full = size // big
+    return [big] * full + [small] * ((size - full * big) // small)
+
+
+def check_adoptable(mapping: HostMapping | CudaMapping, sizes: list[int]) -> None:
+    if not mapping.placeheld:
+        raise HoldfastError("only a placeholder's range can adopt a lease's chunks")
+    if sum(sizes) != mapping.size:
+        raise HoldfastError(f"chunks of {sum(sizes)} bytes cannot replace a placeholder of {mapping.size}")
+
+
+def local_ordinal(gpu_uuid: str | None, gpu: int) -> int:
     """This process's ordinal of the lease's GPU: CUDA_VISIBLE_DEVICES may number GPUs differently here."""
     from libs.client import cuda_driver as cd
 

@@ -31,13 +31,13 @@ from typing import Any
 from libs.client import protocol as p
 from libs.client.connection import BROKEN, Backoff, open_session, peer_gone, round_trip
 from libs.client.connection import timeout_s as _timeout_s
-from libs.client.mapping import CudaMapping, HostMapping, close_all
+from libs.client.mapping import CudaMapping, HostMapping, close_all, local_ordinal
 from libs.client.protocol import TensorMeta, contiguous_stride, tensor_extent
 from libs.common import errors
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.events import LeaseInfo, LeaseState
 
-__all__ = ["Attachment", "MappedLease", "MemoryClient", "TensorMeta", "default_socket_path"]
+__all__ = ["Attachment", "MappedLease", "MemoryClient", "Reservation", "TensorMeta", "default_socket_path"]
 
 log = logging.getLogger("holdfast.client.memory")
 
@@ -131,16 +131,7 @@ class MappedLease:
 
     def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
         """A torch view: CPU tensor on host, CUDA tensor on cuda; zero copy either way."""
-        import torch
-
-        meta = self.meta("_", dtype, shape, offset, stride)
-        tdtype = getattr(torch, meta.dtype)
-        extent = tensor_extent(meta)
-        if extent == 0:
-            device = "cpu" if self.mapping.kind == "host" else f"cuda:{self.mapping.ordinal}"  # type: ignore[union-attr]
-            return torch.empty(tuple(shape), dtype=tdtype, device=device)
-        flat = self.mapping.torch_bytes(offset, extent).view(tdtype)
-        return flat.as_strided(tuple(shape), tuple(meta.stride or contiguous_stride(meta.shape)))
+        return _torch_view(self.mapping, self.meta("_", dtype, shape, offset, stride))
 
     def view(self, meta: TensorMeta, framework: str = "numpy") -> Any:
         if framework == "torch":
@@ -150,6 +141,49 @@ class MappedLease:
         raise HoldfastError(f"unknown framework {framework!r} (numpy or torch)")
 
     def unmap(self) -> None:
+        self.mapping.unmap()
+
+
+def _torch_view(mapping: HostMapping | CudaMapping, meta: TensorMeta) -> Any:
+    import torch
+
+    tdtype = getattr(torch, meta.dtype)
+    extent = tensor_extent(meta)
+    if extent == 0:
+        device = "cpu" if mapping.kind == "host" else f"cuda:{mapping.ordinal}"  # type: ignore[union-attr]
+        return torch.empty(tuple(meta.shape), dtype=tdtype, device=device)
+    flat = mapping.torch_bytes(meta.offset, extent).view(tdtype)
+    return flat.as_strided(tuple(meta.shape), tuple(meta.stride or contiguous_stride(meta.shape)))
+
+
+class Reservation:
+    """Addresses kept for a lease this process expects to be handed by a `takeover` (a warm standby's for its
+    predecessor's weights and KV cache), backed by placeholder memory of its own until then (mapping.py). Views
+    made now (`torch`) read garbage until the takeover maps the lease here; from then on they are views of the
+    lease. A takeover maps a lease into the reservation of the same tag, name, size and GPU; the other
+    reservations are freed (their views become invalid)."""
+
+    def __init__(self, tag: str, name: str, gpu: int, mapping: HostMapping | CudaMapping) -> None:
+        self.tag, self.name, self.gpu, self.mapping = tag, name, gpu, mapping
+
+    @property
+    def size(self) -> int:
+        return self.mapping.size
+
+    @property
+    def ptr(self) -> int:
+        return self.mapping.ptr
+
+    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
+        meta = TensorMeta(name="_", lease_id="reserved", offset=offset, shape=list(shape), dtype=dtype_name(dtype),
+                          stride=list(stride) if stride is not None else None)
+        return _torch_view(self.mapping, meta)
+
+    def fits(self, g: p.LeaseGrant, ordinal: int) -> bool:
+        return (not g.read_only and str(g.lease.tag) == self.tag and g.lease.name == self.name
+                and g.lease.size == self.size and ordinal == self.gpu)
+
+    def free(self) -> None:
         self.mapping.unmap()
 
 
@@ -190,6 +224,7 @@ class MemoryClient:
         self.reconnect_timeout_s = reconnect_timeout_s  # how long a call waits for a manager that is down
         self.leases: dict[str, MappedLease] = {}
         self.shared: dict[str, MappedLease] = {}  # another engine's weights, mapped read-only (`share`)
+        self.reservations: list[Reservation] = []  # addresses kept for the next takeover's leases (`reserve`)
         self.lost_leases: dict[str, str] = {}
         self.on_lease_lost: Callable[[str, str], None] | None = None
         self.reconnects = 0
@@ -345,7 +380,7 @@ class MemoryClient:
                 self._reconnect_locked()
             return self.sock is not None
 
-    def _map(self, body: dict[str, Any], fds: list[int]) -> list[MappedLease]:
+    def _map(self, body: dict[str, Any], fds: list[int], *, into_reserved: bool = False) -> list[MappedLease]:
         grants = p.GrantReply.model_validate(body).leases
         out, i = [], 0
         try:
@@ -362,7 +397,8 @@ class MemoryClient:
                 else:
                     if shadow is not None:
                         shadow.unmap()
-                    lease = MappedLease(g.lease, self._mapping(g, chunk_fds), g.tensors)
+                    mapping = self._into_reservation(g, chunk_fds) if into_reserved else None
+                    lease = MappedLease(g.lease, mapping or self._mapping(g, chunk_fds), g.tensors)
                 store = self.shared if g.read_only else self.leases
                 old = store.pop(lease.id, None)
                 if old is not None and old is not lease:
@@ -378,6 +414,48 @@ class MemoryClient:
         if self.backend == "cuda":
             return CudaMapping(fds, sizes, g.gpu_uuid, g.lease.gpu, read_only=g.read_only)
         return HostMapping(fds, sizes, read_only=g.read_only)
+
+    def _into_reservation(self, g: p.LeaseGrant, fds: list[int]) -> HostMapping | CudaMapping | None:
+        """The lease mapped into the reservation made for it (the placeholder gives way), or None: none fits."""
+        ordinal = g.lease.gpu
+        if self.backend == "cuda":
+            ordinal = local_ordinal(g.gpu_uuid, g.lease.gpu)
+        res = next((r for r in self.reservations if r.fits(g, ordinal)), None)
+        if res is None:
+            return None
+        self.reservations.remove(res)
+        res.mapping.adopt(fds, p.chunk_sizes(g.lease.size, g.lease.chunk_size))
+        return res.mapping
+
+    def reserve(self, nbytes: int, *, tag: str, name: str, gpu: int = 0,
+                placeholder_bytes: int = 64 << 20) -> Reservation:
+        """Keep addresses for a lease of `nbytes` (rounded up as the manager rounds an allocate) that a later
+        `takeover` is expected to hand over with this tag and name, backed meanwhile by `placeholder_bytes` of this
+        process's own memory. Nothing is asked of the manager."""
+        gran = self._granularity(gpu)
+        size = -(-max(nbytes, 1) // gran) * gran
+        placeholder = -(-min(placeholder_bytes, size) // gran) * gran
+        if self.backend == "cuda":
+            mapping: HostMapping | CudaMapping = CudaMapping.placeholder(size, gpu, placeholder)
+        else:
+            mapping = HostMapping.placeholder(size, placeholder)
+        res = Reservation(tag, name, gpu, mapping)
+        self.reservations.append(res)
+        return res
+
+    def _granularity(self, gpu: int) -> int:
+        if self.backend == "cuda":  # the manager's backend rounds to the device's recommended granularity
+            from libs.client import cuda_driver as cd
+
+            cd.init()
+            return cd.granularity(gpu)
+        return self.hello.granularity or 4096
+
+    def free_reservations(self) -> None:
+        """Free every reservation no takeover used (their views become invalid)."""
+        for res in self.reservations:
+            res.free()
+        self.reservations.clear()
 
     def pending(self) -> list[LeaseInfo]:
         body, _ = self._call(p.Pending())
@@ -411,7 +489,14 @@ class MemoryClient:
         return self._timed(p.Attach())
 
     def takeover(self, predecessor: str, transfer_token: str) -> Attachment:
-        return self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token))
+        """The predecessor's leases, mapped here: each into the reservation made for it where one fits
+        (`reserve`: views made over it stay valid, now over the lease), the rest at new addresses. Reservations
+        no lease used are freed. `last_timings_ms["reserved"]`: how many leases went into reservations."""
+        before = len(self.reservations)
+        att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token), into_reserved=True)
+        self.last_timings_ms["reserved"] = before - len(self.reservations)
+        self.free_reservations()
+        return att
 
     def share(self, owner: str, share_token: str) -> Attachment:
         """Map `owner`'s committed weight leases read-only (a warm standby's shadow; the token comes from the
@@ -445,13 +530,13 @@ class MemoryClient:
             lease.unmap()
         self.shared.clear()
 
-    def _timed(self, req: p.Msg) -> Attachment:
+    def _timed(self, req: p.Msg, *, into_reserved: bool = False) -> Attachment:
         """attach/takeover, with where the time went in `last_timings_ms` (request: the manager's checks,
         its one commit and the fds; map: mapping every chunk here)."""
         t0 = time.perf_counter()
         body, fds = self._call(req)
         t1 = time.perf_counter()
-        att = Attachment(self._map(body, fds))
+        att = Attachment(self._map(body, fds, into_reserved=into_reserved))
         t2 = time.perf_counter()
         self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3)}
         log.info("%s: %d leases, %d chunks: request %.2f ms, map %.2f ms", req.op, len(att.leases), len(fds),  # type: ignore[attr-defined]
@@ -585,6 +670,7 @@ class MemoryClient:
                 lease.unmap()
             self.leases.clear()
             self.unshare()
+            self.free_reservations()
         with self._lock:
             if self.sock is not None:
                 self.sock.close()

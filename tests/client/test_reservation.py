@@ -1,0 +1,63 @@
+"""Reservations (`MemoryClient.reserve`): a warm standby keeps the addresses where a takeover will map its
+predecessor's lease, backed by placeholder memory of its own; views made over them before the takeover read the
+lease after it (host backend, real gpu_manager, a real SIGKILL)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from libs.client.memory import MemoryClient
+from libs.common.events import Freeze, FreezeReply
+from tests.gpu_manager.conftest import engines  # noqa: F401 - fixture
+
+N = 3 * 1024 * 1024 + 7  # 4 chunks of the fixture's 1 MiB
+NODE = "node-1"
+PLACEHOLDER = 64 * 1024
+
+
+def _placeholder_mappings() -> int:
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return sum("hf-placeholder" in line for line in f)
+
+
+async def _frozen_after_kill(manager, start_engine, bus, seed: int) -> tuple[dict, str]:  # noqa: ANN001
+    owner = start_engine(manager, "eng-owner")
+    wrote = owner.ask(f"write {N} {seed}")
+    frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id=f"inc-{seed}"), FreezeReply)
+    owner.kill()
+    return wrote, frozen.transfer_token
+
+
+async def test_a_view_made_over_a_reservation_before_the_takeover_reads_the_handed_on_lease(manager, engines, bus):  # noqa: F811
+    with MemoryClient.connect("eng-sb", socket_path=manager.socket) as client:
+        res = client.reserve(N, tag="weights", name="data", placeholder_bytes=PLACEHOLDER)
+        early = res.torch("uint8", (N,))  # what a runner captured over the standby's addresses holds
+        assert res.size >= N and _placeholder_mappings() == -(-res.size // PLACEHOLDER)
+        early[0] = 7  # one placeholder backs every run of the range (virtual aliasing): its bytes show everywhere
+        assert int(early[PLACEHOLDER]) == 7 and int(early[N // PLACEHOLDER * PLACEHOLDER]) == 7
+
+        wrote, token = await _frozen_after_kill(manager, engines, bus, 3)
+        att = client.takeover("eng-owner", token)
+        lease = att.leases[0]
+        assert lease.id == wrote["lease"] and lease.ptr == res.ptr  # mapped into the reservation
+        assert client.last_timings_ms["reserved"] == 1 and client.reservations == []
+        assert hashlib.sha256(early.numpy().tobytes()).hexdigest() == wrote["expected"]
+        assert _placeholder_mappings() == 0  # the placeholder gave way page for page
+
+
+async def test_a_lease_of_another_size_is_mapped_elsewhere_and_the_reservation_freed(manager, engines, bus):  # noqa: F811
+    with MemoryClient.connect("eng-sb2", socket_path=manager.socket) as client:
+        res = client.reserve(N + 8192, tag="weights", name="data", placeholder_bytes=PLACEHOLDER)
+        kept = client.reserve(N, tag="kv_cache", name="data", placeholder_bytes=PLACEHOLDER)  # another tag
+        ptrs = {res.ptr, kept.ptr}
+        wrote, token = await _frozen_after_kill(manager, engines, bus, 4)
+        att = client.takeover("eng-owner", token)
+        lease = att.leases[0]
+        assert lease.ptr not in ptrs and client.last_timings_ms["reserved"] == 0
+        assert client.reservations == [] and _placeholder_mappings() == 0
+        view = att.tensors("torch")["data"]
+        assert hashlib.sha256(view.numpy().tobytes()).hexdigest() == wrote["expected"]
+        assert isinstance(view, torch.Tensor)

@@ -1,0 +1,109 @@
+"""A warm standby's runner built before the failure (engines/batched/__main__.py `prepare_runner`): over addresses it
+reserved for its predecessor's weights and KV cache (placeholder memory of its own until then), its graphs captured
+on CUDA. After the takeover maps the predecessor's leases into those reservations the same runner serves, with the
+greedy tokens the predecessor served (real gpu_manager on the host backend, a real engine process, a real SIGKILL).
+A handed-on KV lease of another size lands elsewhere: the standby notices and builds a new runner."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engines.batched.__main__ import adopt_prepared, can_reserve, layout_fn, new_runner, prepare_runner
+from engines.batched.config import parse_config
+from engines.batched.memory import LeasedMemory, Loaded
+from engines.batched.model_runner import ModelRunner, RunItem
+from engines.reference.config import get_config
+from libs.common import tokenizer
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import Freeze, FreezeReply
+from tests.engine.conftest import gpu_manager, tiny_weights  # noqa: F401 - fixtures
+from tests.engine_batched.test_failover import ARGS as ENGINE_ARGS
+from tests.engine_batched.test_failover import BatchedEngine
+
+# after test_failover's ARGS (BatchedEngine's), which these override
+ARGS = ("--max-num-seqs", "8", "--max-model-len", "256", "--num-blocks", "64", "--device", "cpu")
+PROMPT = "the standby was ready"  # one prefill chunk (< 32 tokens): the engine runs it as this test does
+TOKENS = 24
+
+
+def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    """One sequence alone, as the engine runs it: the prompt as one chunk, then one token a step."""
+    table = list(range(-(-(len(prompt) + n) // 16)))
+    out = [runner.run([RunItem(token_ids=prompt, start=0, block_table=table, sample=True)])[0]]
+    while len(out) < n:
+        pos = len(prompt) + len(out) - 1
+        out.append(runner.run([RunItem(token_ids=[out[-1]], start=pos, block_table=table, sample=True)])[0])
+    return [t for t in out if t is not None]
+
+
+async def _served_then_frozen(tmp: Path, weights: Path, env: dict[str, str], bus: Bus, node: str,
+                              *extra: str) -> tuple[list[int], str]:
+    """The predecessor's greedy answer to PROMPT; then it is frozen, SIGKILLed, and its transfer token returned."""
+    first = BatchedEngine(tmp, weights, "bat-pred", env, *ARGS, *extra)
+    await asyncio.to_thread(first.wait_ready)
+    r = await asyncio.to_thread(httpx.post, first.url + "/generate",
+                                json={"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True}, timeout=60)
+    r.raise_for_status()
+    frozen = await bus.request(node, Freeze(owner="bat-pred", incident_id="inc-prepared"), FreezeReply)
+    await asyncio.to_thread(first.kill)
+    return r.json()["tokens"], frozen.transfer_token
+
+
+def _standby(socket: Path, weights: Path, *extra: str):  # noqa: ANN202
+    cfg = parse_config(["--weights", str(weights), "--id", "bat-sb", *ENGINE_ARGS, *ARGS, *extra])
+    memory = LeasedMemory("bat-sb", socket_path=str(socket), gpu=0)
+    mcfg = get_config(cfg.size)
+    device = torch.device(cfg.device)
+    layout_of = layout_fn(cfg, mcfg, device)
+    assert can_reserve(cfg, memory, device)
+    return cfg, mcfg, memory, layout_of
+
+
+@pytest.mark.timeout(180)
+async def test_the_runner_built_before_the_takeover_serves_the_predecessors_tokens_at_the_same_addresses(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],  # noqa: F811
+        settings: CommonSettings, bus: Bus) -> None:
+    cfg, mcfg, memory, layout_of = _standby(gpu_manager, tiny_weights)
+    try:
+        prepared = prepare_runner(cfg, mcfg, memory, layout_of)
+        reserved, runner, _ = prepared
+        prompt = tokenizer.encode(PROMPT)
+        before = greedy(runner, prompt, TOKENS)  # over the placeholder: not the model's answer
+
+        expected, token = await _served_then_frozen(tmp_path, tiny_weights, settings_env, bus, settings.node)
+        loaded: Loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0)
+        assert memory.client.last_timings_ms["reserved"] == 2  # weights and KV cache, into their reservations
+        assert loaded.kv.data_ptr() == reserved.kv.data_ptr() and loaded.kv_handed_on
+        reused, how = adopt_prepared(prepared, loaded)
+        assert reused is runner and how == "reused"
+
+        assert before != expected
+        assert greedy(runner, prompt, TOKENS) == expected  # the same runner, now over the predecessor's memory
+        assert greedy(new_runner(cfg, mcfg, loaded), prompt, TOKENS) == expected
+    finally:
+        memory.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_kv_lease_of_another_size_is_not_served_by_the_prepared_runner(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],  # noqa: F811
+        settings: CommonSettings, bus: Bus) -> None:
+    cfg, mcfg, memory, layout_of = _standby(gpu_manager, tiny_weights, "--num-blocks", "48")
+    try:
+        prepared = prepare_runner(cfg, mcfg, memory, layout_of)
+        expected, token = await _served_then_frozen(tmp_path, tiny_weights, settings_env, bus, settings.node)
+        loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0)
+        assert memory.client.last_timings_ms["reserved"] == 1  # the weights only
+        assert memory.client.reservations == []  # the KV cache's was freed
+        assert loaded.kv.shape[2] == 64 and loaded.kv_handed_on  # the predecessor's cache, kept at its size
+        reused, how = adopt_prepared(prepared, loaded)
+        assert reused is None and how == "moved: 1 tensors"
+        assert greedy(new_runner(cfg, mcfg, loaded), tokenizer.encode(PROMPT), TOKENS) == expected
+    finally:
+        memory.close()
