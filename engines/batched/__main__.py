@@ -144,8 +144,8 @@ def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> 
 def can_reserve(cfg: EngineConfig, memory: Any, device: torch.device) -> bool:
     """Whether a standby can tell where its predecessor's leases will be: leased memory, and a KV cache whose size
     is the configuration's (on CUDA the default sizes it from the free memory of the moment, the predecessor's)."""
-    return isinstance(memory, LeasedMemory) and (cfg.num_blocks is not None or cfg.kv_cache_gib is not None
-                                                 or device.type == "cpu")
+    return cfg.prepare_standby and isinstance(memory, LeasedMemory) and (
+        cfg.num_blocks is not None or cfg.kv_cache_gib is not None or device.type == "cpu")
 
 
 def prepare_runner(cfg: EngineConfig, mcfg: ModelConfig, memory: LeasedMemory,
