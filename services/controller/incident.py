@@ -20,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libs.common.errors import InvalidTransition
 from libs.common.events import FaultKind, IncidentReason, Step
-from libs.common.ids import subject_token
+from libs.common.ids import incident_id
 
 
 class IncidentState(StrEnum):
@@ -81,8 +80,12 @@ TRANSITIONS: Mapping[tuple[IncidentState, Trigger], IncidentState] = MappingProx
     (S.FALLBACK, T.DEADLINE_MISSED): S.FAILED,
     (S.ROUTING_IN, T.ROUTED_IN): S.RESOLVED,
     # Invariant 7: a rank's fault joins its group's open incident, in whatever state it is.
-    **{(state, T.RANK_FAULTED): state for state in IncidentState if state not in (S.RESOLVED, S.FAILED)},
+    **{(state, T.RANK_FAULTED): state for state in IncidentState if state not in TERMINAL},
 })
+# Invariant 2, as a rule of the table: no row leaves an ended state. A late result, a redelivered event, a step
+# that ran on after the end: whatever the trigger, an ended incident takes none (`transition` says so by name).
+if any(state in TERMINAL for state, _ in TRANSITIONS):
+    raise AssertionError("incident.py: a transition leaves an ended state")
 
 # The step a state is waiting on (its start is the state's entry, its end the state's exit).
 STEP_OF: Mapping[IncidentState, Step] = MappingProxyType({
@@ -94,6 +97,8 @@ STEP_OF: Mapping[IncidentState, Step] = MappingProxyType({
 
 
 def transition(state: IncidentState, trigger: Trigger) -> IncidentState:
+    if state in TERMINAL:
+        raise InvalidTransition(f"incident ended ({state}): it never changes again, {trigger} ignored")
     try:
         return TRANSITIONS[(state, trigger)]
     except KeyError:
@@ -118,14 +123,10 @@ class Deadlines:
         return self.fallback_s if state is S.FALLBACK else None
 
 
-_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")  # what subject_token keeps as it is
-
-
 def incident_id_for(engine_id: str, generation: int, reason: IncidentReason = IncidentReason.FAILURE) -> str:
     """Invariant 1: the same failed generation always maps to the same id (subject- and URL-safe)."""
     short = {IncidentReason.FAILURE: "inc", IncidentReason.MANUAL_FAILOVER: "mf", IncidentReason.HOT_UPGRADE: "up"}[reason]
-    token = engine_id if _SAFE_TOKEN.fullmatch(engine_id) else subject_token(engine_id)  # the same, without a loop
-    return f"{short}-{token}-g{generation}"
+    return incident_id(short, engine_id, generation)
 
 
 class StepRecord(BaseModel):

@@ -45,6 +45,10 @@ class IncidentLog:
         """Queue `rec` (written behind, fenced)."""
         self.writer.put_nowait(incident_key(rec.id), rec)
 
+    def write_soon(self, rec: IncidentRecord) -> asyncio.Future[None]:
+        """Queue `rec` now (fenced, hastened) and return the write's confirmation, to be awaited later."""
+        return asyncio.ensure_future(self.writer.put(incident_key(rec.id), rec))
+
     def save_after(self, rec: IncidentRecord, delay_s: float) -> None:
         """Queue `rec` in `delay_s` unless a newer record of the incident is saved first (then `rec` never is)."""
         self.writer.put_after(incident_key(rec.id), rec, delay_s)

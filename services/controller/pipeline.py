@@ -52,6 +52,7 @@ from libs.common.events import (
     Step,
     group_of_rank,
 )
+from libs.common.ids import cold_parent_of
 from libs.common.store import Store
 from services.controller.engine_stops import EngineStops
 from services.controller.incident import (
@@ -229,6 +230,10 @@ class IncidentDriver:
                 continue  # a standby holds no leased memory; the agent replaces it on its own
             if f.group is not None and not self._group_on_node(f, env):
                 continue
+            parent = self._cold_parent(f.engine_id)
+            if parent is not None:  # a fallback's own engine died before it served: that cold start failed
+                moves.append(Move(i, parent, Trigger.STEP_FAILED, frozenset({S.FALLBACK}),
+                                  detail=f"its cold-started engine {f.engine_id} failed ({f.kind}) before it was ready"))
             inc_id = self._incident_of(f)
             if self.open.closed_here(inc_id):
                 continue  # ended here (its record may be gone already: libs/common/retention.py)
@@ -391,10 +396,12 @@ class IncidentDriver:
                     continue
                 if new.state is S.FALLBACK and rec.state is not S.FALLBACK:
                     await self.bus.publish(self.events.intent(new, fallback=True))
-                elif new.state is S.FAILED:
-                    await self.bus.publish(self.events.envelope(
+                if new.state is S.FAILED:  # recorded first, then announced (_announce_ends)
+                    failed = self.events.envelope(
                         IncidentFailed(incident_id=new.id, engine_id=new.engine_id, step=self._failed_step(rec),
-                                       reason=new.failure or ""), f"{new.id}-failed", new))
+                                       reason=new.failure or ""), f"{new.id}-failed", new)
+                    await self._announce_ends([(m.at, failed, self._end(rec, new))], out)
+                    continue
                 # Entering route-in, the record is not written: route-in follows at once and writes the next
                 # one (a crash before it redoes the step from the result, which is acked only after route-in).
                 self._commit(rec, new, write=new.state is not S.ROUTING_IN)
@@ -503,7 +510,8 @@ class IncidentDriver:
         return moved
 
     async def _route_in(self, routing: dict[str, int], out: Outcomes) -> None:
-        """Route in and close (their events published together)."""
+        """Route in (the successors' endpoints published together), then close: each incident's resolved record
+        written and confirmed, then its incident.resolved published (`_announce_ends`)."""
         if not routing:
             return
         staged = []
@@ -512,25 +520,49 @@ class IncidentDriver:
             if rec is None:
                 continue
             try:
-                staged.append((rec, at, *self.events.route_in(rec)))
+                staged.append((rec, at, self.events.route_in(rec)))
             except Exception as e:  # noqa: BLE001 - redelivered
                 self.log.save(rec)  # maybe not written on entry (see _apply): kept where it stands now
                 out[at] = e
         try:
-            await self.bus.publish_all([ev for _, _, _, events in staged for ev in events])
+            await self.bus.publish_all([ev for _, _, r in staged for ev in r.events])
         except Exception as e:  # noqa: BLE001 - none routed in: each redelivered, its record kept as it stands
-            for rec, at, _, _ in staged:
+            for rec, at, _ in staged:
                 self.log.save(rec)  # maybe not written on entry (see _apply): kept where it stands now
                 out[at] = e
             return
-        for rec, at, routed, _ in staged:
+        ends = []
+        for rec, at, r in staged:
             try:
-                self._commit(rec, routed)
+                ends.append((at, r.ended, self._end(rec, r.record)))
                 if rec.move_off and rec.successor_id != rec.engine_id:
                     # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
                     self.stops.stop(rec.id, rec.engine_id, rec.node)
             except Exception as e:  # noqa: BLE001 - redelivered
                 out[at] = e
+        await self._announce_ends(ends, out)
+
+    def _end(self, old: IncidentRecord, new: IncidentRecord) -> asyncio.Future[None]:
+        """An incident ends (`new` is terminal): closed here at once, and its record's write started; the end is
+        announced only once that write is confirmed (`_announce_ends`)."""
+        self._commit(old, new, write=False)
+        return self.log.write_soon(new)
+
+    async def _announce_ends(self, ends: list[tuple[int, Any, asyncio.Future[None]]], out: Outcomes) -> None:
+        """Publish each ended incident's terminal event once its terminal record is in etcd. Never before: a leader
+        that loses its term between the two (a fenced write, an etcd stall) would have announced an end that the
+        next leader, resuming from the older record, cannot see, and finishes again, maybe the other way
+        (incident.py, invariant 2). An end whose write failed is not announced here: the next leader ends it."""
+        announced = []
+        for at, event, written in ends:
+            try:
+                await written
+                announced.append(event)
+            except Exception as e:  # noqa: BLE001 - this term's writes are fenced off: the next leader ends it
+                log.warning("an ended incident's record was not written (%s): its end is not announced", e)
+                out[at] = e
+        if announced:
+            await self.bus.publish_all(announced)
 
     def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True, after_s: float = 0.0) -> None:
         """`new` is the incident's record from now on: in the table, and queued to etcd (written behind, fenced by
@@ -554,6 +586,13 @@ class IncidentDriver:
     def _incident_of(f: FaultDetected) -> str:
         """incident.py, invariants 1 and 7: the failed generation's, a TP group's whichever rank faulted."""
         return incident_id_for(f.group or f.engine_id, f.generation)
+
+    def _cold_parent(self, engine_id: str) -> str | None:
+        """The open incident in fallback whose cold start `engine_id` is, if any: the one recorded, or the one its
+        id names (`cold_engine_id`: the engine may fail before the fallback's result records it)."""
+        inc_id = self.open.incident_of_cold(engine_id) or cold_parent_of(engine_id)
+        rec = self.open.get(inc_id) if inc_id else None
+        return rec.id if rec is not None and rec.state is S.FALLBACK else None
 
     def _group_incident_of(self, owner: str) -> IncidentRecord | None:
         """The open incident of the TP group whose rank `owner` is (its leases are the group's memory), if any."""

@@ -31,6 +31,16 @@ from services.controller.incident_trace import IncidentTracer
 from services.controller.view import ClusterView
 
 
+class RouteIn(NamedTuple):
+    """A route-in prepared: the record once it is done (resolved), the events to publish first (the successor's
+    endpoint; a drained engine's route removed), and `ended`: incident.resolved, published only once that record
+    is in etcd (pipeline.py: an end is never announced that a next leader could not see)."""
+
+    record: IncidentRecord
+    events: list[Wired]
+    ended: Wired
+
+
 class RouteOut(NamedTuple):
     """A dispatch prepared: the record's working copy and the events to publish (route out, the intent,
     incident.opened); `lost`: the memory is gone, `cold`: the successor starts cold; `model`: the route's model."""
@@ -90,7 +100,7 @@ class IncidentEvents:
         trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
         return apply(work, trig, time.time(), self.deadlines, memory_lost=out.lost)
 
-    def route_in(self, rec: IncidentRecord) -> tuple[IncidentRecord, list[Wired]]:
+    def route_in(self, rec: IncidentRecord) -> RouteIn:
         """Route-in's endpoint key (written behind) and events for `rec`, and the record once they are out."""
         succ, url = rec.successor_id or "", rec.successor_endpoint
         engine = self.view.engines.get(succ)
@@ -98,21 +108,19 @@ class IncidentEvents:
         if succ and url:
             self.writer.put_nowait(endpoint_key(rec.model, succ), url)
         new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
-        events = [
-            self.envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
-                                        predecessor_id=rec.engine_id), f"{rec.id}-added", rec),
-            self.envelope(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
-                                           timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
-                                           fallback=new.fallback), f"{new.id}-resolved", new),
-        ]
+        events = [self.envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
+                                              predecessor_id=rec.engine_id), f"{rec.id}-added", rec)]
+        ended = self.envelope(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
+                                               timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
+                                               fallback=new.fallback), f"{new.id}-resolved", new)
         if rec.move_off:  # the drained engine's route goes only now, after its successor's (make before break)
             hit = self.view.endpoint_of(rec.engine_id)
             model, old_url = hit if hit is not None else (rec.model, rec.endpoint)
             self.writer.delete_nowait(endpoint_key(model, rec.engine_id))
-            events.insert(1, self.envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
-                                                           reason="drained", incident_id=rec.id),
-                                           f"{rec.id}-removed", rec))
-        return new, events
+            events.append(self.envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
+                                                        reason="drained", incident_id=rec.id),
+                                        f"{rec.id}-removed", rec))
+        return RouteIn(new, events, ended)
 
     def intent(self, rec: IncidentRecord, *, fallback: bool) -> Wired:
         intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import logging
 import secrets
 import time
@@ -55,6 +56,7 @@ from libs.common.events import (
     Takeover,
     TakeoverReply,
 )
+from libs.common.ids import cold_engine_id
 from libs.common.store import Store
 from services.dc_manager.placement import Action, Placement, node_copies, place
 from services.dc_manager.settings import DcManagerSettings
@@ -63,6 +65,8 @@ log = logging.getLogger("holdfast.dc_manager")
 # The intent's trace, handed to its node commands as is when this process builds no spans of its own (no
 # exporter): no propagator round trip (extract, attach, inject) per command.
 _intent_trace: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_intent_trace", default=None)
+# The incident of the intent being stepped (its node commands' retries ask whether it has ended meanwhile).
+_intent_incident: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_intent_incident", default=None)
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -88,6 +92,14 @@ def progress_key(key: str) -> str:
     return f"{PROGRESS}{key}"
 
 
+# An incident record's states that never change again (services/controller/incident.py's TERMINAL).
+ENDED_STATES = frozenset({"resolved", "failed"})
+
+
+class IntentAbandoned(Exception):
+    """The intent's incident has ended (resolved by another way, or failed): nothing it would do is wanted."""
+
+
 class StepFailed(Exception):
     def __init__(self, step: Step, detail: str, code: str = "") -> None:
         super().__init__(detail)
@@ -96,8 +108,10 @@ class StepFailed(Exception):
         self.code = code  # the node's typed error code, if it answered with one
 
 
-async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float) -> R:
-    """Retry while the node does not answer; a typed error reply is final."""
+async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float,
+                       ended: Callable[[], Awaitable[str | None]] | None = None) -> R:
+    """Retry while the node does not answer; a typed error reply is final. Before each retry, `ended` says
+    whether the intent's incident has ended meanwhile (then the intent is abandoned: IntentAbandoned)."""
     for i in range(attempts):
         try:
             return await call()
@@ -105,6 +119,9 @@ async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_
             if i == attempts - 1:
                 raise
             await asyncio.sleep(backoff_s * (2**i))
+            state = await ended() if ended is not None else None
+            if state is not None:
+                raise IntentAbandoned(f"its incident is {state}") from None
     raise AssertionError("unreachable")
 
 
@@ -136,13 +153,21 @@ class IntentSteps:
         """The intent's steps from `prog` on, under its key's lock (held by the caller); a failed step's result."""
         if not self.export_spans:
             _intent_trace.set(trace)
+        _intent_incident.set(intent.incident_id)
         try:
+            # A redelivery may come long after its incident ended (a result published, its ack lost in a NATS or
+            # dc_manager restart): it runs only while the incident is open (the controller ignores late results
+            # anyway; a takeover or spawn for an ended incident would only start an engine nobody routes).
+            if delivery_attempt.get() != 1 and (state := await self.incident_ended()) is not None:
+                raise IntentAbandoned(f"its incident is {state} already")
             if intent.memory_lost:
                 await self._cold_start(intent, prog)
             elif intent.gang is not None:
                 await self._reattach_gang(intent, prog)
             else:
                 await self._reattach(intent, prog)
+        except IntentAbandoned as e:
+            log.info("intent %s abandoned: %s", prog.key, e)
         except StepFailed as e:
             log.warning("intent %s: %s failed: %s", prog.key, e.step, e.detail)
             await self._result(intent, e.step, ok=False, detail=e.detail,
@@ -291,7 +316,7 @@ class IntentSteps:
             if spec is None:
                 raise StepFailed(Step.FALLBACK, f"no engine spec for {intent.engine_id} (class {intent.engine_class})")
             spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
-            cmd = Spawn(spec=spec, engine_id=f"cs-{intent.incident_id}", incident_id=intent.incident_id)
+            cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
             prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
                                                             self.settings.spawn_timeout_s)
             await self.save(prog)
@@ -322,7 +347,7 @@ class IntentSteps:
                 trace = _intent_trace.get()
                 out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s,  # type: ignore[arg-type]
                                                                   traceparent=trace),
-                                         self.settings.retries, self.settings.retry_backoff_s)
+                                         self.settings.retries, self.settings.retry_backoff_s, self.incident_ended)
             except RemoteError as e:
                 raise StepFailed(step, f"{e.remote_code}: {e.message}", e.remote_code) from None
             except HoldfastError as e:
@@ -370,6 +395,20 @@ class IntentSteps:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
                               endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
         return self.bus.wired(result, id=f"{self.key_of(intent)}-{step}-result", traceparent=trace)
+
+    async def incident_ended(self) -> str | None:
+        """The state of the current intent's incident if it has ended (its record in etcd, written before its end
+        is announced), else None (open, unknown, or etcd not answering: the intent goes on)."""
+        inc_id = _intent_incident.get()
+        if inc_id is None:
+            return None
+        try:
+            raw = await self.store.get(f"incidents/{inc_id}")
+            state = json.loads(raw).get("state") if raw is not None else None
+        except Exception as e:  # noqa: BLE001 - unknown: the intent goes on (the controller ignores a late result)
+            log.debug("intent of %s: its incident's record unread: %s", inc_id, e)
+            return None
+        return state if state in ENDED_STATES else None
 
     async def load(self, key: str) -> IntentProgress | None:
         return await self.store.get_model(progress_key(key), IntentProgress)

@@ -1,0 +1,125 @@
+"""An ended incident never changes again, and every incident ends (issue 18, chaos findings of the ninth session).
+
+1. An end is announced (incident.resolved / incident.failed) only once the record saying so is in etcd: a leader
+   that loses its term between the two (its fenced write refused, as after an etcd stall) announces nothing, so
+   the next leader, resuming from the older record, cannot end, differently, an incident already heard ended.
+2. A fallback's own cold-started engine that fails before it is ready fails that fallback at once (its incident
+   ends failed), instead of leaving the incident in fallback until its 300 s deadline while the engine's own
+   incident (`inc-cs-inc-...`) recovers what it can.
+
+The leader's pipeline runs in this process (`IncidentDriver`), against the session's NATS and etcd, with a fence
+(the leader key's stand-in) that the test takes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import Envelope, FaultDetected, FaultKind, IncidentFailed, IncidentResolved
+from libs.common.ids import cold_engine_id
+from libs.common.store import Store
+from services.controller.incident import (
+    IncidentRecord,
+    IncidentState,
+    Trigger,
+    incident_id_for,
+    opened_record,
+)
+from services.controller.metrics import ControllerMetrics
+from services.controller.pipeline import IncidentDriver
+from services.controller.settings import ControllerSettings
+from services.controller.view import ClusterView
+from tests.controller.helpers import wait_for
+
+FENCE = "test/fence"
+
+
+@pytest.fixture
+async def driver(bus: Bus, store: Store, settings: CommonSettings):  # noqa: ANN201 - an async generator fixture
+    await store.put(FENCE, "held")
+    view = ClusterView()
+    conf = ControllerSettings(**settings.model_dump(), instance="c-test", api_enabled=False, record_linger_s=0.0)
+    d = IncidentDriver(bus, store, view, conf, ControllerMetrics(view, lambda: True),
+                       fence=lambda t: [t.value(store.full(FENCE)) == b"held"])
+    yield d
+    await d.writer.close()
+
+
+async def in_fallback_here(driver: IncidentDriver, store: Store, engine_id: str) -> tuple[IncidentRecord, str]:
+    """An incident in fallback, held by `driver` and in etcd, its cold engine recorded; and that engine's id."""
+    cold = cold_engine_id(incident_id_for(engine_id, 1))
+    rec = in_fallback(engine_id, cold)
+    await store.put(f"incidents/{rec.id}", rec)
+    driver.open.put(rec)
+    return rec, cold
+
+
+def in_fallback(engine_id: str, cold: str | None) -> IncidentRecord:
+    rec = opened_record(id=incident_id_for(engine_id, 1), engine_id=engine_id, model="m", node="n1",
+                        kind=FaultKind.GPU_FAULT, memory_lost=True)
+    rec = rec.model_copy(update={"state": IncidentState.FALLBACK, "fallback": True, "deadline": time.time() + 300,
+                                 "cold_successor_id": cold, "cold_successor_node": "n1" if cold else None})
+    return rec
+
+
+async def ends_heard(bus: Bus) -> list[Envelope]:
+    return [e for e in await bus.replay("incident.>") if isinstance(e.data, (IncidentResolved, IncidentFailed))]
+
+
+async def test_an_end_whose_record_the_fence_refuses_is_not_announced(driver: IncidentDriver, bus: Bus,
+                                                                      store: Store) -> None:
+    rec, cold = await in_fallback_here(driver, store, "e1")
+    await store.put(FENCE, "another term")  # this leader's term is over (its lease expired in an etcd stall)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the write's refusal, whatever its type: redelivered
+        await driver.trigger(rec.id, Trigger.SPAWNED, states=frozenset({IncidentState.FALLBACK}), successor_id=cold,
+                             successor_endpoint="http://127.0.0.1:1")
+    await asyncio.sleep(0.3)
+    kept = await store.get_model(f"incidents/{rec.id}", IncidentRecord)
+    assert kept is not None and kept.state is IncidentState.FALLBACK  # what the next leader resumes from
+    assert await ends_heard(bus) == []  # so nobody heard it end: the next leader's end is its only one
+
+
+async def test_an_end_is_announced_after_its_record_is_written(driver: IncidentDriver, bus: Bus,
+                                                               store: Store) -> None:
+    rec, cold = await in_fallback_here(driver, store, "e2")
+    seen: list[IncidentState | None] = []
+
+    async def on_end(env: Envelope) -> None:  # what etcd says when the end is heard
+        if isinstance(env.data, IncidentResolved):
+            got = await store.get_model(f"incidents/{rec.id}", IncidentRecord)
+            seen.append(got.state if got else None)
+
+    sub = await bus.subscribe("incident.resolved", on_end)
+    try:
+        await driver.trigger(rec.id, Trigger.SPAWNED, states=frozenset({IncidentState.FALLBACK}), successor_id=cold,
+                             successor_endpoint="http://127.0.0.1:1")
+        await wait_for(lambda: asyncio.sleep(0, seen), what="incident.resolved heard")
+    finally:
+        await sub.unsubscribe()
+    assert seen == [IncidentState.RESOLVED]
+
+
+async def test_a_cold_started_engine_failing_before_ready_fails_its_fallback_at_once(
+        driver: IncidentDriver, bus: Bus, store: Store) -> None:
+    # Its cold start not yet recorded (the fallback's result not in): the engine's name says whose it is.
+    rec = in_fallback("e3", None)
+    await store.put(f"incidents/{rec.id}", rec)
+    driver.open.put(rec)
+    cold = cold_engine_id(rec.id)
+    fault = FaultDetected(engine_id=cold, model="m", generation=0, kind=FaultKind.EXITED, node="n1")
+    out = await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="n1")])
+    assert out == [None]
+
+    async def parent_failed() -> IncidentRecord | None:
+        got = await store.get_model(f"incidents/{rec.id}", IncidentRecord)
+        return got if got is not None and got.state is IncidentState.FAILED else None
+
+    failed = await wait_for(parent_failed, timeout=5.0, what="the fallback's incident failed")
+    assert cold in (failed.failure or "")
+    child = incident_id_for(cold, 0)  # the engine's own incident opens as usual (its memory may be taken over)
+    assert await store.get_model(f"incidents/{child}", IncidentRecord) is not None
