@@ -18,18 +18,20 @@ Invariants (tests/gpu_manager/test_gang.py):
    rank.
 6. A gang is formed (`form`) only from committed leases: every rank's live leases committed, weights among them;
    its epochs are those leases' epochs then.
+7. A gang lasts exactly as long as one of its leases is held (`ended`): the move that reclaims its last lease ends
+   it, in the same commit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from libs.client.protocol import GangView, PartialGang, StaleGang
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 
-__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "form", "plan"]
+__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "belongs", "ended", "form", "plan"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,18 @@ class GangMove:
     rank: int
     event: LeaseEvent
     new_owner: str | None = None  # a takeover: the successor rank's engine id
+
+
+def belongs(gang: Gang, info: LeaseInfo) -> bool:
+    """A lease is the gang's if the gang committed it, or a rank of the gang holds it (one allocated since: it
+    makes the gang partial, but it goes with the gang)."""
+    return info.id in gang.epochs or gang.rank_of(info.owner) is not None
+
+
+def ended(gangs: Iterable[Gang], leases: Iterable[LeaseInfo]) -> list[str]:
+    """The gangs none of whose leases is held any more (invariant 7): `leases` are every row not reclaimed."""
+    held = [i for i in leases if i.state != LeaseState.RECLAIMED]
+    return [g.gang_id for g in gangs if not any(belongs(g, i) for i in held)]
 
 
 def members(gang: Gang, leases: Sequence[LeaseInfo]) -> dict[int, list[LeaseInfo]]:

@@ -8,7 +8,9 @@ Invariants (tests/gpu_manager/test_gang_socket.py, tests/engine/test_tp.py):
    rank's leases get that rank's process as their holder); the last rank's request applies the whole move. A
    rank that does not come within `wait_s` makes the group partial: every waiting rank is refused, nothing moved.
 3. A lease of a gang is never taken over alone (`member_of`: the plain takeover refuses it).
-4. Gangs are held in memory: a restarted gpu_manager knows none until the engine registers again (docs/multi_gpu.md).
+4. Gangs are durable (the book's `gangs`, saved with the leases: manager.py invariant 6): a gpu_manager SIGKILLed
+   and restarted freezes, hands over and reclaims a gang as before; a registration, a takeover's new owners and
+   generation, and a reclaim's end are each written in the commit of the lease rows they go with.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ class _Gathering:
 class GangBook:
     def __init__(self, book: LeaseBook) -> None:
         self.book = book
-        self.gangs: dict[str, Gang] = {}
         self._gathering: dict[str, _Gathering] = {}
+
+    @property
+    def gangs(self) -> dict[str, Gang]:
+        """The book's gangs (read here; written only through `LeaseBook.apply_all`, with the lease rows)."""
+        return self.book.gangs
 
     def get(self, gang_id: str) -> Gang:
         gang = self.gangs.get(gang_id)
@@ -75,7 +81,7 @@ class GangBook:
         gang = form(req.gang_id, req.owners, self._leases())
         if old is not None:
             gang = dataclasses.replace(gang, generation=old.generation)
-        self.gangs[req.gang_id] = gang
+        await self.book.apply_all([], gangs=[gang])  # durable before the reply
         log.info("gang %s registered: %d ranks %s, %d leases, generation %d", gang.gang_id, gang.size,
                  req.owners, len(gang.epochs), gang.generation)
         return gang
@@ -93,14 +99,13 @@ class GangBook:
         return gang, recs, token
 
     async def reclaim(self, gang_id: str, force: bool) -> list[str]:
-        """Every lease of every rank RECLAIMED (an ACTIVE one only with `force`), then the gang is forgotten. Caller
-        holds the lock."""
+        """Every lease of every rank RECLAIMED (an ACTIVE one only with `force`); the gang ends in the same commit
+        (gang.py invariant 7). Caller holds the lock."""
         gang = self.get(gang_id)
         event = LeaseEvent.FORCE_RECLAIM if force else LeaseEvent.RECLAIM
         moves = plan(gang, self._leases(), event)
         await self.book.apply_all([Move(self.book.records[m.lease_id], event, f"gang {gang_id} reclaimed")
                                    for m in moves])
-        del self.gangs[gang_id]
         return [m.lease_id for m in moves]
 
     # ------------------------------------------------------------ takeover: the lock only around its checks
@@ -163,15 +168,14 @@ class GangBook:
             moves = plan(gang, [r.info for r in recs], LeaseEvent.TAKEOVER, successors=successors,
                          generation=gathering.generation, token_of={r.id: r.transfer_token for r in recs})
             by_id = {r.id: r for r in recs}
-            before = [by_id[m.lease_id].info for m in moves]
-            await self.book.apply_all([
+            successor_gang = after_takeover(gang, moves, [by_id[m.lease_id].info for m in moves])
+            await self.book.apply_all([  # the leases' new owners and epochs and the gang's in one commit
                 Move(by_id[m.lease_id], LeaseEvent.TAKEOVER, f"gang {gang.gang_id} taken over (rank {m.rank})",
                      _holder(gathering.ranks[m.rank][0]) | {"transfer_token": None, "successor": None})
-                for m in moves])
+                for m in moves], gangs=[successor_gang])
         except Exception as e:
             self._fail(gang.gang_id, gathering, e)
             return
-        self.gangs[gang.gang_id] = after_takeover(gang, moves, before)
         del self._gathering[gang.gang_id]
         for rank, (_, done) in gathering.ranks.items():
             done.set_result([by_id[m.lease_id] for m in moves if m.rank == rank])

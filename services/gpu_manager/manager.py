@@ -15,6 +15,10 @@ Invariants (numbered as in the service README):
    committed weights lease is refused (`NoCommittedWeights`: the control plane cold-starts from the weights
    file); a frozen set with an uncommitted lease or no weights (rows frozen before this rule) is refused to a
    successor (`IncompleteLeaseSet`) rather than handed over for it to crash on missing tensors.
+6. The gangs (`gangs`: tensor-parallel engines' ranks, gang.py) are durable like the leases: a gang's row changes
+   in the same transaction as the lease rows that go with it (`apply_all(moves, gangs=...)`), and a gang ends in
+   the commit that reclaims its last lease; `load` reads them back after a restart. Moves that reclaim leases take
+   them out of `records` all at once, before any memory is freed: no reader sees part of such a commit.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from services.gpu_manager import reconciler
 from services.gpu_manager.backends import Backend, Chunk, round_up
 from services.gpu_manager.db import LeaseDb
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
+from services.gpu_manager.gang import Gang, ended
 from services.gpu_manager.gpu_board import GpuBoard
 from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.mirror import Mirror
@@ -117,6 +122,8 @@ class LeaseBook:
         self.kept_tier: dict[str, tuple[dict[str, Any], list[int]]] = {}  # the keeper's host tier entries, at load
         # The node's GPUs and their health (set by app.setup; None: any index the backend takes, as before).
         self.board: GpuBoard | None = None
+        # Tensor-parallel engines' gangs by id (gangs.py moves them; durable with the leases: invariant 6).
+        self.gangs: dict[str, Gang] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -160,8 +167,20 @@ class LeaseBook:
             for fd in fds:
                 os.close(fd)
             await self.keeper.drop(key)
+        await self._load_gangs()
         await self.mirror.resync([r.info for r in self.records.values()])
-        log.info("lease book loaded: %d live leases", len(self.records))
+        log.info("lease book loaded: %d live leases, %d gangs", len(self.records), len(self.gangs))
+
+    async def _load_gangs(self) -> None:
+        """The gangs, read back once every lease is (a gang whose leases were all lost with their memory ends)."""
+        gangs: list[Gang] = await self.db.run(self.db.load_gangs, self.settings.node)
+        self.gangs = {g.gang_id: g for g in gangs}
+        gone = ended(gangs, (r.info for r in self.records.values()))
+        if gone:
+            await self.persist([], drop_gangs=tuple(gone))
+            for gang_id in gone:
+                del self.gangs[gang_id]
+            log.warning("gangs %s ended: none of their leases is left", gone)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
@@ -235,10 +254,11 @@ class LeaseBook:
         """One transition of one lease. Caller holds `self.lock`."""
         await self.apply_all([Move(rec, event, cause, changes)])
 
-    async def apply_all(self, moves: Sequence[Move]) -> None:
+    async def apply_all(self, moves: Sequence[Move], *, gangs: Sequence[Gang] = ()) -> None:
         """The one place leases change state: every move checked against the table and staged on a copy,
-        then all the rows written in one transaction, then the copies become the live records. A refused
-        move or a failed commit leaves every record as it was. Caller holds `self.lock`."""
+        then all the rows written in one transaction, with the `gangs` given (new or changed) and the end of every
+        gang whose last lease these moves reclaim (invariant 6), then the copies become the live records. A
+        refused move or a failed commit leaves every record and gang as it was. Caller holds `self.lock`."""
         now = time.time()
         staged: dict[str, LeaseRecord] = {}
         notes: list[tuple[LeaseInfo, LeaseState, str]] = []
@@ -262,22 +282,33 @@ class LeaseBook:
             staged[rec.id] = rec
             if before != outcome.state or outcome.bump_epoch or info_changes:
                 notes.append((rec.info, before, move.cause))
-        await self.persist(list(staged.values()))
+        put = {g.gang_id: g for g in gangs}
+        after = {**self.gangs, **put}
+        gone = tuple(ended(after.values(), (staged.get(i, r).info for i, r in self.records.items()))) if after else ()
+        await self.persist(list(staged.values()), put_gangs=tuple(put.values()), drop_gangs=gone)
+        self.gangs = {k: g for k, g in after.items() if k not in gone}
+        freed = []
         for move in moves:  # the committed copies become the live records (callers keep their references)
             copy = staged.pop(move.rec.id, None)
             if copy is not None:
                 for f in dataclasses.fields(copy):
                     setattr(move.rec, f.name, getattr(copy, f.name))
                 if move.rec.info.state == LeaseState.RECLAIMED:
-                    await self._free(move.rec)
+                    self.records.pop(move.rec.id, None)  # all gone at once: a listing sees the commit whole
+                    freed.append(move.rec)
+        for rec in freed:
+            await self._free(rec)
+        if gone:
+            log.info("gangs %s ended with their last leases", list(gone))
         for info, before, cause in notes:
             self.mirror.lease_changed(info, before, cause)
 
-    async def persist(self, records: list[LeaseRecord]) -> None:
-        """Write rows in one transaction (durable when this returns)."""
-        if not records:
+    async def persist(self, records: list[LeaseRecord], put_gangs: tuple[Gang, ...] = (),
+                      drop_gangs: tuple[str, ...] = ()) -> None:
+        """Write rows (leases, gangs) in one transaction (durable when this returns)."""
+        if not (records or put_gangs or drop_gangs):
             return
-        await self.db.run(self.db.save, records)
+        await self.db.run(self.db.save, records, self.settings.node, put_gangs, drop_gangs)
         for rec in records:
             rec.tensors_dirty = False
 
@@ -355,7 +386,8 @@ class LeaseBook:
 
     async def reconcile_once(self) -> int:
         async with self.lock:
-            actions = reconciler.plan(list(self.records.values()), time.time(), self.owner_alive)
+            actions = reconciler.plan(list(self.records.values()), time.time(), self.owner_alive,
+                                      list(self.gangs.values()))
             await self.apply_all([Move(self.records[lease_id], event, "reconciler") for lease_id, event in actions
                                   if lease_id in self.records])
             return len(actions)

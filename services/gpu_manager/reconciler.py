@@ -1,4 +1,4 @@
-"""The reconciler's decisions, as a pure function of the lease table, the clock and process liveness.
+"""The reconciler's decisions, as a pure function of the lease table, the gangs, the clock and process liveness.
 
 Level-triggered: each pass looks at every live lease and says what should happen, so a missed pidfd
 notice or a manager restart cannot leave a lease behind.
@@ -6,6 +6,12 @@ notice or a manager restart cannot leave a lease behind.
 2. An ORPHANED or FROZEN lease whose deadline has passed is reclaimed (memory freed).
 3. A SLEEPING lease whose owner process is gone is reclaimed (it holds no memory to hand on).
 4. Nothing else changes: a FROZEN lease with a dead owner waits for its successor until its deadline.
+5. A gang's leases (gang.py: a tensor-parallel engine's ranks') are reclaimed by rules 2 and 3 together or not at
+   all: only once every one of them is due (past its deadline, or asleep with its owner gone), then all in the
+   same pass. So the gang's deadline is its latest lease's: its grace window starts when its last rank let go
+   (ranks die some milliseconds apart; a freeze gives every lease one deadline), and no rank's shard is freed
+   while another's waits for a successor group that would need both. Rule 1 stays per lease (orphaning frees
+   nothing). A lease of the gang still held by a live process keeps every other one of the gang.
 """
 
 from __future__ import annotations
@@ -13,17 +19,40 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from libs.common.events import LeaseState
-from services.gpu_manager.fsm import WAITING, LeaseEvent
+from services.gpu_manager.fsm import HELD, WAITING, LeaseEvent
+from services.gpu_manager.gang import Gang, belongs
 from services.gpu_manager.records import LeaseRecord
 
 
-def plan(records: Iterable[LeaseRecord], now: float,
-         owner_alive: Callable[[LeaseRecord], bool]) -> list[tuple[str, LeaseEvent]]:
+def plan(records: Iterable[LeaseRecord], now: float, owner_alive: Callable[[LeaseRecord], bool],
+         gangs: Iterable[Gang] = ()) -> list[tuple[str, LeaseEvent]]:
+    recs = list(records)
+    gangs = list(gangs)
+    in_gang = {r.id for r in recs for g in gangs if belongs(g, r.info)}
     out: list[tuple[str, LeaseEvent]] = []
-    for rec in records:
+    for rec in recs:
         state = rec.info.state
-        if state in (LeaseState.ACTIVE, LeaseState.SLEEPING) and not owner_alive(rec):
+        if state == LeaseState.ACTIVE and not owner_alive(rec):
             out.append((rec.id, LeaseEvent.OWNER_LOST))
-        elif state in WAITING and rec.info.deadline is not None and rec.info.deadline <= now:
-            out.append((rec.id, LeaseEvent.DEADLINE))
+        elif rec.id in in_gang:
+            continue  # rules 2 and 3 for its gang as a whole, below
+        elif (reclaim := _reclaim_event(rec, now, owner_alive)) is not None:
+            out.append((rec.id, reclaim))
+    done: set[str] = set()
+    for gang in gangs:
+        mine = [r for r in recs if r.id not in done and r.info.state in HELD and belongs(gang, r.info)]
+        events = [_reclaim_event(r, now, owner_alive) for r in mine]
+        if mine and None not in events:  # rule 5: every lease of the gang due, or none is reclaimed
+            out.extend((r.id, e) for r, e in zip(mine, events, strict=True) if e is not None)
+            done.update(r.id for r in mine)
     return out
+
+
+def _reclaim_event(rec: LeaseRecord, now: float, owner_alive: Callable[[LeaseRecord], bool]) -> LeaseEvent | None:
+    """The event that reclaims the lease now (rules 2 and 3), or None while it is not due."""
+    state = rec.info.state
+    if state == LeaseState.SLEEPING and not owner_alive(rec):
+        return LeaseEvent.OWNER_LOST
+    if state in WAITING and rec.info.deadline is not None and rec.info.deadline <= now:
+        return LeaseEvent.DEADLINE
+    return None

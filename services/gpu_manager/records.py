@@ -1,5 +1,6 @@
 """A lease row as the manager keeps it: the public `LeaseInfo` plus what only the manager needs (who holds it,
-the transfer token, the registered tensors). Pure data, plus process-identity helpers from /proc."""
+the transfer token, the registered tensors); a gang's row (gang.py's `Gang` as stored). Pure data, plus
+process-identity helpers from /proc."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from libs.client.protocol import TensorMeta
 from libs.common.events import LeaseInfo
 from libs.common.procs import stat_fields
+from services.gpu_manager.gang import Gang
 
 
 @dataclass
@@ -57,6 +59,19 @@ class LeaseRecord:
                    owner_pid=row.owner_pid, owner_pid_start=row.owner_pid_start,
                    transfer_token=row.transfer_token, successor=row.successor,
                    tensors={t.name: t for t in metas}, tensors_dirty=False)
+
+
+def gang_to_row(gang: Gang, node: str) -> dict[str, Any]:
+    """A gang as its SQL row: the ranks' engine ids in rank order, each lease's committed epoch, the generation."""
+    body = {"owners": [gang.owners[r] for r in range(gang.size)], "epochs": dict(gang.epochs)}
+    return {"gang_id": gang.gang_id, "node": node, "generation": gang.generation, "body": json.dumps(body)}
+
+
+def gang_from_row(row: Any) -> Gang:
+    body = json.loads(row.body)
+    owners = list(body["owners"])
+    return Gang(row.gang_id, len(owners), dict(enumerate(owners)), {k: int(v) for k, v in body["epochs"].items()},
+                int(row.generation))
 
 
 def layout_hash(metas: list[TensorMeta]) -> str:

@@ -5,6 +5,7 @@
     pending                 lease ids waiting for this engine id
     attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
     takeover PRED TOKEN     take over a frozen predecessor's leases
+    gang_takeover GANG RANK SUCC1,SUCC2.. GENERATION TOKEN   rank RANK of a successor group takes its gang's leases
     share OWNER TOKEN       map an owner's weight leases read-only (a standby's shadow)
     poke                    write one byte into the first tensor (a shadow: the process should fault)
     reconnect               new connection to the manager (e.g. after it restarted), keep mappings
@@ -81,6 +82,9 @@ class TestEngine:
             return self.grant(self.client.attach())
         if cmd == "takeover":
             return self.grant(self.client.takeover(words[1], words[2]))
+        if cmd == "gang_takeover":
+            att = self.client.gang_takeover(words[1], int(words[2]), words[3].split(","), int(words[4]), words[5])
+            return {**self.grant(att), "gang": self.client.last_gang.model_dump(mode="json")}
         if cmd == "share":
             att = self.client.share(words[1], words[2])
             out = self.grant(att)

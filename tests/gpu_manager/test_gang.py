@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from libs.common.errors import InvalidTransition
 from libs.common.events import LeaseInfo, LeaseState, Tag
-from services.gpu_manager.fsm import LeaseEvent
+from services.gpu_manager import reconciler
+from services.gpu_manager.fsm import LeaseEvent, transition
 from services.gpu_manager.gang import Gang, PartialGang, StaleGang, after_takeover, plan
+from services.gpu_manager.records import LeaseRecord
 
 A, F, R = LeaseState.ACTIVE, LeaseState.FROZEN, LeaseState.RECLAIMED
 
@@ -82,3 +86,39 @@ def test_one_move_the_state_machine_refuses_refuses_the_whole_gang() -> None:
     with pytest.raises(InvalidTransition):
         plan(gang, active, LeaseEvent.RECLAIM)  # an ACTIVE lease takes no plain reclaim
     assert len(plan(gang, active, LeaseEvent.FORCE_RECLAIM)) == 4
+
+
+# ------------------------------------------------------------ the reconciler's deadlines, per gang (reconciler rule 5)
+
+def _row(info: LeaseInfo, deadline: float | None, pid: int) -> LeaseRecord:
+    return LeaseRecord(info=info.model_copy(update={"deadline": deadline}), owner_uid=0, owner_pid=pid)
+
+
+HELD_STATES = [LeaseState.ACTIVE, LeaseState.ORPHANED, LeaseState.FROZEN, LeaseState.SLEEPING]
+
+
+@given(st.lists(st.tuples(st.sampled_from(HELD_STATES), st.one_of(st.none(), st.floats(0, 100)), st.booleans()),
+                min_size=4, max_size=4), st.floats(0, 100))
+def test_the_reconciler_reclaims_a_gangs_leases_all_in_one_pass_once_each_is_due_or_none(rows, now) -> None:
+    gang, leases = gang_of(2)
+    recs = [_row(i.model_copy(update={"state": s}), d, pid) for pid, (i, (s, d, _)) in enumerate(zip(leases, rows, strict=True))]
+    alive = {r.id: a for r, (_, _, a) in zip(recs, rows, strict=True)}
+    planned = dict(reconciler.plan(recs, now, lambda r: alive[r.id], [gang]))
+    reclaims = {r.id for r in recs if r.id in planned and transition(r.info.state, planned[r.id]).state == R}
+    due = [(r.info.state in (LeaseState.ORPHANED, LeaseState.FROZEN) and r.info.deadline is not None
+            and r.info.deadline <= now) or (r.info.state == LeaseState.SLEEPING and not alive[r.id]) for r in recs]
+    assert reclaims == ({r.id for r in recs} if all(due) else set())
+    for r in recs:  # an engine's death is still seen at once, lease by lease (orphaning frees nothing)
+        if r.info.state == LeaseState.ACTIVE and not alive[r.id]:
+            assert planned[r.id] == LeaseEvent.OWNER_LOST
+
+
+def test_a_ranks_lease_past_its_deadline_waits_for_the_gangs_last_and_a_lone_lease_does_not() -> None:
+    gang, leases = gang_of(2)
+    o = LeaseState.ORPHANED
+    recs = [_row(i.model_copy(update={"state": o}), 10.0 if i.id.startswith("r1") else 12.0, n)
+            for n, i in enumerate(leases)]
+    lone = _row(lease(5, Tag.WEIGHTS, o, owner="other"), 10.0, 9)
+    assert reconciler.plan([*recs, lone], 11.0, lambda r: False, [gang]) == [(lone.id, LeaseEvent.DEADLINE)]
+    assert sorted(reconciler.plan(recs, 12.0, lambda r: False, [gang])) == sorted(
+        (r.id, LeaseEvent.DEADLINE) for r in recs)
