@@ -30,6 +30,10 @@ class ControllerSettings(CommonSettings):
                                   "empty: no CORS headers at all (browsers refuse cross-origin calls)")
     api_max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413 "
                                     "before they are read (every route)")
+    api_linger_max_bytes: int = Field(64 << 20, ge=0, description="a connection the API closes while its client "
+                                      "still sends (a refused body) first reads and drops up to this many bytes, "
+                                      "so the client reads its 401/413 instead of a reset (api/linger.py)")
+    api_linger_max_s: float = Field(10.0, ge=0, description="and lingers at most this long (0: close at once)")
     freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
     reattach_deadline_s: float = Field(30.0, gt=0, description="takeover must be confirmed within this after freeze")
     fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")

@@ -3,8 +3,9 @@
 Before any byte of a body is read (and so before FastAPI parses anything):
 1. a route that needs a token, asked without a known one: 401 (`WWW-Authenticate: Bearer`);
 2. a declared `Content-Length` above `max_body_bytes`: 413.
-Both answers carry `Connection: close`: the server closes the connection instead of reading the rest, so a
-50 MB body from an unauthenticated client costs the controller its headers, not its memory or its loop.
+Both answers carry `Connection: close`: the body is never read into the app, so a 50 MB body from an
+unauthenticated client costs the controller its headers, not its memory or its loop. The connection then closes
+by lingering (linger.py): what the client still sends is dropped, bounded, so that it reads its answer.
 A body without a declared length (chunked) is counted as it is read; past the limit the client gets 413 and
 the app sees a disconnect. Which routes need no token (probes, scrapers, the docs) is the table `PUBLIC`;
 which scope may do what (read, operate, admin) is still decided per route (`auth.py`, 403).

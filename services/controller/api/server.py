@@ -37,6 +37,7 @@ from libs.common.service import run_loop
 from libs.common.store import Store
 from services.controller.api.app import create_app
 from services.controller.api.context import ApiContext
+from services.controller.api.linger import LingerStats, lingering_h11
 from services.controller.api.tokens import TokenTable
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
@@ -74,6 +75,7 @@ class ApiThread:
         self.settings = settings
         self.sock = sock
         self.metrics = metrics
+        self.linger = LingerStats()  # refused bodies dropped while their connections closed (linger.py)
         self.is_leader = is_leader
         # Hashed here, once: the thread keeps digests, not the plain dev token (tokens.py).
         self.tokens = TokenTable.parse(settings.api_tokens).with_plain(admin_token, settings.read_token)
@@ -134,7 +136,8 @@ class ApiThread:
             ctx = ApiContext(settings=s, view=view, store=store, bus=bus, metrics=self.metrics,
                              is_leader=self.is_leader, tokens=self.tokens)
             config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=STOP_DEADLINE_S)
+                                    timeout_graceful_shutdown=STOP_DEADLINE_S,
+                                    http=lingering_h11(s.api_linger_max_bytes, s.api_linger_max_s, self.linger))
             self._server = server = ApiServer(config)
             if self._stop.is_set():
                 return
