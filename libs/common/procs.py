@@ -15,10 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port gave this process: none is given twice
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nobody listens on now, never one this process was given before: the kernel may hand the
+    same ephemeral port to two binds in a row once the first socket is closed, and a benchmark that gave it to
+    both nats-server and etcd's peer listener found etcd where it looked for NATS (and waited forever)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
