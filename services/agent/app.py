@@ -25,6 +25,7 @@ from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from services.agent import records
 from services.agent.engines import LIVE
+from services.agent.incident_ends import follow_incident_ends
 from services.agent.link_server import make_handler
 from services.agent.metrics import AgentMetrics, MeteredAgent
 from services.agent.nvml import NvmlWatcher
@@ -82,6 +83,7 @@ async def setup(rt: Runtime) -> None:
     rt.spawn("monitor", agent.monitor_loop())
     rt.spawn("exiting", agent.exiting_loop())
     rt.spawn("reconcile", agent.reconcile_loop())
+    rt.spawn("incident-ends", follow_incident_ends(agent, rt.store, settings.reconcile_interval_s))
     metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {
         "metrics_port": metrics_port,

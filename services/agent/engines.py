@@ -76,6 +76,9 @@ class EngineRecord:
     said_bye: bool = False
     faulted: bool = False
     failed_mono: float | None = None
+    # No takeover can come for its memory: its fault loses it (FaultKind.loses_memory) or its incident has ended
+    # (incident_ends.py). A failed active engine then keeps no slot: it is replaced at once (supervision.plan).
+    memory_lost: bool = False
     handing_over: bool = False  # a takeover's predecessor: its slot is the successor's until it is retired
     ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
     taking_over: str | None = None  # the predecessor whose memory this successor takes over (until ready)

@@ -27,13 +27,20 @@ class Plan:
     held: list[str] = field(default_factory=list)  # spec keys whose starts wait out a crash-loop backoff
 
 
+def awaits_takeover(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
+    """A failed active engine whose memory a takeover may still come for: within `takeover_wait_s` of its fault,
+    and its memory not known lost (a fault that loses it, or its incident ended: `memory_lost`)."""
+    return (r.state is State.FAILED and r.role is EngineRole.ACTIVE and not r.memory_lost
+            and r.failed_mono is not None and now - r.failed_mono < takeover_wait_s)
+
+
 def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
     if r.role is not EngineRole.ACTIVE:
         return False
     if r.state in LIVE or r.handing_over:
         return True  # a predecessor being taken over keeps its slot: the successor fills it
     # A failed active engine keeps its slot while a takeover may still come for its memory.
-    return r.state is State.FAILED and r.failed_mono is not None and now - r.failed_mono < takeover_wait_s
+    return awaits_takeover(r, now, takeover_wait_s)
 
 
 def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float,
@@ -41,8 +48,8 @@ def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, 
     out = Plan()
     for r in records:
         if (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.failed_mono is not None
-                and now - r.failed_mono >= takeover_wait_s):
-            out.retire.append(r.engine_id)
+                and (now - r.failed_mono >= takeover_wait_s or (r.memory_lost and not r.handing_over))):
+            out.retire.append(r.engine_id)  # no takeover came in time, or none can come
         elif r.state is State.FAILED and r.role is EngineRole.STANDBY:
             out.retire.append(r.engine_id)  # a standby holds no memory: nothing to wait for
     for key, spec in specs.items():

@@ -189,6 +189,7 @@ class Agent:
         self._tell_shadows(rec)
         rec.transition(Ev.FAULT)
         rec.failed_mono = time.monotonic()
+        rec.memory_lost = kind.loses_memory  # no takeover can come for it: its slot is not held (supervision.plan)
         if rec.spec_key is not None:
             delay = self.backoffs.failed(rec.spec_key, rec.failed_mono, rec.failed_mono - rec.spawned_mono)
             if delay > 0:
@@ -437,6 +438,15 @@ class Agent:
         if link is None:
             raise ConnectionError(f"standby {rec.engine_id} has no link")
         await link.send(msg)
+
+    def memory_gone(self, rec: EngineRecord, why: str) -> None:
+        """No takeover will come for this failed engine's memory (its incident has ended): it is replaced now
+        rather than at the end of `takeover_wait_s`."""
+        if rec.memory_lost or rec.state is not State.FAILED:
+            return
+        rec.memory_lost = True
+        log.info("engine %s: %s; no takeover will come: replaced now", rec.engine_id, why)
+        self.reconcile_soon()
 
     # ------------------------------------------------------------ re-adoption after an agent restart
 
