@@ -20,6 +20,9 @@ Invariants (tests/gpu_manager/test_gang.py):
    its epochs are those leases' epochs then.
 7. A gang lasts exactly as long as one of its leases is held (`ended`): the move that reclaims its last lease ends
    it, in the same commit.
+8. A reclaim needs no whole gang (`plan_reclaim`): every lease of it still held goes, whole, partial or stale (a
+   rank's memory lost on a GPU fault leaves the others nothing to serve); only a refused move refuses it. A gang
+   that lost a committed lease is `broken`: no successor group can ever take it over.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from libs.client.protocol import GangView, PartialGang, StaleGang
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 
-__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "belongs", "ended", "form", "plan"]
+__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "belongs", "broken", "ended", "form",
+           "plan", "plan_reclaim"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,24 @@ def ended(gangs: Iterable[Gang], leases: Iterable[LeaseInfo]) -> list[str]:
     """The gangs none of whose leases is held any more (invariant 7): `leases` are every row not reclaimed."""
     held = [i for i in leases if i.state != LeaseState.RECLAIMED]
     return [g.gang_id for g in gangs if not any(belongs(g, i) for i in held)]
+
+
+def broken(gang: Gang, leases: Iterable[LeaseInfo]) -> bool:
+    """A lease the gang committed is no longer held (reclaimed: its memory lost, released, or its deadline): the
+    gang is partial for good (invariant 8)."""
+    held = {i.id for i in leases if i.state != LeaseState.RECLAIMED}
+    return any(lease_id not in held for lease_id in gang.epochs)
+
+
+def plan_reclaim(gang: Gang, leases: Sequence[LeaseInfo], event: LeaseEvent) -> list[GangMove]:
+    """`event` (RECLAIM, FORCE_RECLAIM) for every held lease of the gang, or InvalidTransition and no move
+    (invariant 8): an ACTIVE lease refuses a RECLAIM, so an unforced reclaim never takes a running rank's memory."""
+    moves = []
+    for info in leases:
+        if info.state != LeaseState.RECLAIMED and belongs(gang, info):
+            transition(info.state, event)
+            moves.append(GangMove(info.id, gang.rank_of(info.owner) or 0, event))
+    return moves
 
 
 def members(gang: Gang, leases: Sequence[LeaseInfo]) -> dict[int, list[LeaseInfo]]:

@@ -25,7 +25,7 @@ from libs.client.protocol import GangRegister, GangTakeover, PredecessorAlive
 from libs.common.errors import Conflict, NotFound, PermissionDenied
 from libs.common.events import LeaseState
 from services.gpu_manager.fsm import LeaseEvent
-from services.gpu_manager.gang import Gang, PartialGang, after_takeover, form, plan
+from services.gpu_manager.gang import Gang, PartialGang, after_takeover, form, plan, plan_reclaim
 from services.gpu_manager.manager import LeaseBook, Move, check_complete
 from services.gpu_manager.records import LeaseRecord
 
@@ -103,7 +103,7 @@ class GangBook:
         (gang.py invariant 7). Caller holds the lock."""
         gang = self.get(gang_id)
         event = LeaseEvent.FORCE_RECLAIM if force else LeaseEvent.RECLAIM
-        moves = plan(gang, self._leases(), event)
+        moves = plan_reclaim(gang, self._leases(), event)  # whole or not: a broken gang is reclaimed too
         await self.book.apply_all([Move(self.book.records[m.lease_id], event, f"gang {gang_id} reclaimed")
                                    for m in moves])
         return [m.lease_id for m in moves]

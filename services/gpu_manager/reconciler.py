@@ -12,6 +12,9 @@ notice or a manager restart cannot leave a lease behind.
    (ranks die some milliseconds apart; a freeze gives every lease one deadline), and no rank's shard is freed
    while another's waits for a successor group that would need both. Rule 1 stays per lease (orphaning frees
    nothing). A lease of the gang still held by a live process keeps every other one of the gang.
+6. A gang that lost a committed lease (gang.broken: a rank's memory gone with its GPU, say) can never be taken over:
+   its ORPHANED and FROZEN leases are due at once, without waiting for their deadline, so that the memory on the
+   healthy GPUs is there for the group that replaces it; still all in one pass, once no lease of it is held.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from libs.common.events import LeaseState
 from services.gpu_manager.fsm import HELD, WAITING, LeaseEvent
-from services.gpu_manager.gang import Gang, belongs
+from services.gpu_manager.gang import Gang, belongs, broken
 from services.gpu_manager.records import LeaseRecord
 
 
@@ -41,18 +44,22 @@ def plan(records: Iterable[LeaseRecord], now: float, owner_alive: Callable[[Leas
     done: set[str] = set()
     for gang in gangs:
         mine = [r for r in recs if r.id not in done and r.info.state in HELD and belongs(gang, r.info)]
-        events = [_reclaim_event(r, now, owner_alive) for r in mine]
+        lost = broken(gang, (r.info for r in recs))
+        events = [_reclaim_event(r, now, owner_alive, lost) for r in mine]
         if mine and None not in events:  # rule 5: every lease of the gang due, or none is reclaimed
             out.extend((r.id, e) for r, e in zip(mine, events, strict=True) if e is not None)
             done.update(r.id for r in mine)
     return out
 
 
-def _reclaim_event(rec: LeaseRecord, now: float, owner_alive: Callable[[LeaseRecord], bool]) -> LeaseEvent | None:
-    """The event that reclaims the lease now (rules 2 and 3), or None while it is not due."""
+def _reclaim_event(rec: LeaseRecord, now: float, owner_alive: Callable[[LeaseRecord], bool],
+                   gang_broken: bool = False) -> LeaseEvent | None:
+    """The event that reclaims the lease now (rules 2, 3 and 6), or None while it is not due."""
     state = rec.info.state
     if state == LeaseState.SLEEPING and not owner_alive(rec):
         return LeaseEvent.OWNER_LOST
+    if state in WAITING and gang_broken:
+        return LeaseEvent.RECLAIM
     if state in WAITING and rec.info.deadline is not None and rec.info.deadline <= now:
         return LeaseEvent.DEADLINE
     return None

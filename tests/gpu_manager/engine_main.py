@@ -1,6 +1,6 @@
 """A test engine on the SDK, driven by one command a line on stdin, one JSON reply a line on stdout.
 
-    write N SEED            allocate N bytes, fill with a seeded pattern, register 'data', commit
+    write N SEED [TAG [GPU]]  allocate N bytes (on GPU, default 0), fill with a seeded pattern, register, commit
     hash                    sha256 of every registered tensor as this process sees it now
     pending                 lease ids waiting for this engine id
     attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
@@ -45,11 +45,11 @@ class TestEngine:
     def hashes(self) -> dict[str, str]:
         return {k: hashlib.sha256(self._bytes(v)).hexdigest() for k, v in self.views.items()}
 
-    def write(self, n: int, seed: int, tag: str | None = None) -> dict:
+    def write(self, n: int, seed: int, tag: str | None = None, gpu: int = 0) -> dict:
         """A lease of `n` bytes of a seeded pattern, registered as tensor "data" (or, given a tag, as a tensor named
         after it, beside the earlier ones), committed."""
         name = tag or "data"
-        lease = self.client.allocate(n, name=name, **({"tag": tag} if tag else {}))
+        lease = self.client.allocate(n, name=name, gpu=gpu, **({"tag": tag} if tag else {}))
         pattern = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
         if self.framework == "torch":
             import torch
@@ -73,7 +73,7 @@ class TestEngine:
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
         if cmd == "write":
-            return self.write(int(words[1]), int(words[2]), *words[3:4])
+            return self.write(int(words[1]), int(words[2]), *words[3:4], *(int(w) for w in words[4:5]))
         if cmd == "hash":
             return self.hashes()
         if cmd == "pending":

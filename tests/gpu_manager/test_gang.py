@@ -122,3 +122,13 @@ def test_a_ranks_lease_past_its_deadline_waits_for_the_gangs_last_and_a_lone_lea
     assert reconciler.plan([*recs, lone], 11.0, lambda r: False, [gang]) == [(lone.id, LeaseEvent.DEADLINE)]
     assert sorted(reconciler.plan(recs, 12.0, lambda r: False, [gang])) == sorted(
         (r.id, LeaseEvent.DEADLINE) for r in recs)
+
+
+def test_a_gang_that_lost_a_committed_lease_is_reclaimed_once_no_process_holds_it_without_its_deadline() -> None:
+    gang, leases = gang_of(2)
+    o = LeaseState.ORPHANED
+    left = [_row(i.model_copy(update={"state": o}), 1000.0, n) for n, i in enumerate(leases) if i.id != "r1-weights"]
+    assert sorted(reconciler.plan(left, 0.0, lambda r: False, [gang])) == sorted(
+        (r.id, LeaseEvent.RECLAIM) for r in left)
+    running = [_row(i.info.model_copy(update={"state": A}), None, 0) if i.id == "r0-weights" else i for i in left]
+    assert reconciler.plan(running, 0.0, lambda r: r.id == "r0-weights", [gang]) == []  # rank 0 still holds one
