@@ -54,6 +54,8 @@ class EngineConfig(BaseSettings):
     deterministic: bool = Field(False, description="batch-invariant kernels: a sequence's tokens do not depend on "
                                 "what runs beside it (exact output through a failover)")
     cuda_graphs: bool = Field(True, description="decode steps replayed as CUDA graphs at batch-size buckets (CUDA only)")
+    async_schedule: bool = Field(True, description="schedule and launch step N+1 while step N runs on the device "
+                                 "(engine.py); --no-async-schedule: one step at a time")
 
     # recovery
     adopt_claim_s: float = Field(30.0, gt=0, description="an adopted sequence that no resumed request claims in this "

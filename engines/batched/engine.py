@@ -5,6 +5,16 @@ admissions, new block-table entries) -> `ModelRunner.run()` -> `Scheduler.commit
 to their requests' sinks. The HTTP layer never touches the scheduler: it hands requests in through `submit`
 and gets tokens back through its `Sink` (called from the step thread; thread-safe on the sink's side).
 
+Async scheduling (the step loop's default; `async_schedule=False` turns it off): the host's work of a step is
+done while the device runs the previous one, as vLLM v1 does. Step N+1 is scheduled and launched
+(`ModelRunner.launch`, greedy argmax on the device) while step N is still in flight: `Scheduler.advance` left a
+placeholder for each token N samples, and N+1's decode rows take those tokens from N's device tensor. Only then
+are N's tokens read back (one event), resolved (`Scheduler.resolve`: stop tokens, finished sequences), journaled
+and streamed. So a token is still streamed only after its journal write is queued (stream order), and the
+journal's progress never runs ahead of resolved tokens. The cost: a sequence that sampled a stop token runs one
+more (dropped) row. The loop steps synchronously (`step()`) while adopted sequences await their claims, while any
+live sequence samples with temperature > 0 (sampled on the host), and around `call_between_steps`.
+
 Recovery (journal.py): a successor handed the KV lease adopts every sequence the journal committed and runs
 them at once, with no prefill (their KV is there). Until a resumed request claims it, an adopted sequence's
 tokens wait in its buffer; the claim matches the request id the router sends (or, failing that, the tokens),
@@ -26,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.batched.journal import Admission, Entry, Journal
-from engines.batched.model_runner import ModelRunner, RunItem
-from engines.batched.scheduler import QueueFull, Scheduler
+from engines.batched.model_runner import Launched, ModelRunner, RunItem
+from engines.batched.scheduler import Batch, QueueFull, Scheduler
 from engines.batched.sequence import SamplingParams, SeqStatus, Sequence
 from libs.common.tokenizer import EOS
 
@@ -97,6 +107,48 @@ class Counters:
     recomputed_tokens: int = 0  # context of replayed requests this engine did not hold: prefilled again
     journal_dropped: int = 0
     unjournaled: int = 0
+    overlapped_steps: int = 0  # steps launched while the previous one was in flight
+    dropped_rows: int = 0  # rows of sequences that had already stopped (async scheduling's one extra)
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its batch, and its tokens (read back later through `launched`, or known: `tokens`)."""
+
+    batch: Batch
+    launched: Launched | None
+    tokens: list[int | None] | None
+    rows: dict[int, int]  # seq_id -> its row in the launched step's device tokens (sampling works)
+    t0: float
+
+
+class StepTimes:
+    """Where the step thread's time goes (ms): totals per phase and the slowest steps with their make-up, for
+    /health (the stalls a stream sees are the step thread's slowest passes)."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "resolve": 0.0}
+        self.steps = 0
+        self.slowest: list[dict[str, Any]] = []
+
+    def add(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.total[phase] += (now - t0) * 1000
+        return now
+
+    def step(self, ms: float, rows: int, prefill_tokens: int, graph: bool) -> None:
+        self.steps += 1
+        if len(self.slowest) < self.KEEP or ms > self.slowest[-1]["ms"]:
+            self.slowest.append({"ms": round(ms, 2), "rows": rows, "prefill_tokens": prefill_tokens, "decode_only": graph,
+                                 "at_step": self.steps})
+            self.slowest.sort(key=lambda r: -r["ms"])
+            del self.slowest[self.KEEP:]
+
+    def stats(self) -> dict[str, Any]:
+        return {"steps": self.steps, "total_ms": {k: round(v, 1) for k, v in self.total.items()},
+                "slowest": self.slowest}
 
 
 def finish_reason(seq: Sequence) -> str:
@@ -106,9 +158,13 @@ def finish_reason(seq: Sequence) -> str:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, journal: Journal, *, adopt_claim_s: float,
-                 capture_graphs_when_idle: bool = False) -> None:
+                 capture_graphs_when_idle: bool = False, async_schedule: bool = True) -> None:
         self.runner, self.scheduler, self.journal = runner, scheduler, journal
         self.adopt_claim_s = adopt_claim_s
+        self.async_schedule = async_schedule
+        self._inflight: _InFlight | None = None  # the launched step not resolved yet (async scheduling)
+        self._last_resolved = 0.0
+        self.times = StepTimes()
         self.counters = Counters()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -191,7 +247,10 @@ class LLMEngine:
                 self._capture("first", self.capture_first)
             while not self._stop.is_set():
                 self._drain()
-                ran = False if self._ahead_of_claims() else self.step()
+                if self._overlap():
+                    ran = self.step_overlapped()
+                else:
+                    ran = False if self._ahead_of_claims() else self.step()
                 self.flush()
                 if ran:
                     continue
@@ -203,6 +262,7 @@ class LLMEngine:
                     continue
                 self._wake.wait(0.05)
                 self._wake.clear()
+            self._resolve_inflight()
         except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
             log.exception("the engine's step loop failed")
             self.fatal = e
@@ -228,6 +288,8 @@ class LLMEngine:
             if op == "submit":
                 self._admit(arg)
             elif op == "call":
+                self._resolve_inflight()  # nothing in flight while it runs
+                self.flush()
                 arg()
             else:
                 self._abort(arg)
@@ -331,7 +393,36 @@ class LLMEngine:
             self._resuming.clear()
         return not self._resuming
 
+    def _overlap(self) -> bool:
+        """Step with overlap now: on, no adopted sequence awaiting its claim, every live sequence greedy."""
+        return (self.async_schedule and not self._orphans
+                and all(live.seq.params.temperature <= 0 for live in self._live.values()))
+
     def step(self) -> bool:
+        """One whole step (the one in flight first, if any): its tokens are handed to their sinks on return."""
+        self._resolve_inflight()
+        launched = self._launch(overlap=False)
+        if launched is not None:
+            self._resolve(launched)
+        return launched is not None
+
+    def step_overlapped(self) -> bool:
+        """Launch the next step while the one in flight runs, then resolve the one in flight. False: nothing
+        was launched and nothing was in flight."""
+        prev = self._inflight
+        self._inflight = self._launch(overlap=True)
+        if prev is not None:
+            self.counters.overlapped_steps += self._inflight is not None
+            self._resolve(prev)
+        return prev is not None or self._inflight is not None
+
+    def _resolve_inflight(self) -> None:
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._resolve(prev)
+
+    def _launch(self, *, overlap: bool) -> _InFlight | None:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule(admit=self._admitting())
         # Sequences that left the running set (preempted) give their journal rows up before this step's forward
         # writes into the blocks they held (journal.py invariant 4).
@@ -340,30 +431,63 @@ class LLMEngine:
                 self.journal.release(live.slot)
                 live.slot = None
         if not batch.works:
-            return False
+            return None
+        prev = self._inflight if overlap else None
         items: list[RunItem] = []
+        prefill = 0
         for w in batch.works:
             seq = w.seq
             live = self._live[seq.seq_id]
             self._journal_admit(live)
             end = w.start + w.num_tokens
-            sample = end == len(seq.tokens)
-            items.append(RunItem(token_ids=seq.tokens[w.start:end], start=w.start, block_table=list(seq.block_table),
-                                 sample=sample, temperature=seq.params.temperature, seed=seq.params.seed or 0))
-            if not sample or w.num_tokens > 1:
-                self.counters.prefill_tokens += w.num_tokens
-        out = self.runner.run(items)
+            feed = -1
+            if end > seq.num_known:  # its token is the step in flight's sample, still on the device
+                assert prev is not None and w.num_tokens == 1, "only a decode work feeds a pending token"
+                feed = prev.rows[seq.seq_id]
+            # the runner reads block tables while launching: no copy needed
+            items.append(RunItem(token_ids=[0] if feed >= 0 else seq.tokens[w.start:end], start=w.start,
+                                 block_table=seq.block_table, sample=w.samples, temperature=seq.params.temperature,
+                                 seed=seq.params.seed or 0, feed=feed))
+            if not w.samples or w.num_tokens > 1:
+                prefill += w.num_tokens
+        self.counters.prefill_tokens += prefill
+        t1 = self.times.add("schedule", t0)
+        launched: Launched | None = None
+        tokens: list[int | None] | None = None
+        rows: dict[int, int] = {}
+        if overlap:
+            launched = self.runner.launch(items, None if prev is None else prev.launched)
+            rows = {w.seq.seq_id: r for w, r in zip(batch.works, launched.rows, strict=True) if r is not None}
+        else:
+            tokens = self.runner.run(items)
+        self.times.add("launch", t1)
+        self.scheduler.advance(batch)
+        return _InFlight(batch, launched, tokens, rows, t0)
+
+    def _resolve(self, f: _InFlight) -> None:
+        t0 = time.perf_counter()
+        out = f.launched.tokens() if f.launched is not None else f.tokens or []
+        t1 = self.times.add("wait", t0)
+        batch = f.batch
         sampled = {w.seq.seq_id: tok for w, tok in zip(batch.works, out, strict=True) if tok is not None}
-        result = self.scheduler.commit(batch, sampled)
-        self.journal.commit([(live.slot, len(w.seq.tokens), w.seq.num_computed, sampled.get(w.seq.seq_id))
-                             for w in batch.works if (live := self._live[w.seq.seq_id]).slot is not None])
-        self.counters.steps += 1
-        self.counters.tokens += len(sampled)
+        self.counters.dropped_rows += sum(1 for w in batch.works if w.seq.status == SeqStatus.FINISHED)
+        result = self.scheduler.resolve(batch, sampled)
+        updates = []
         for w in batch.works:
-            live = self._live[w.seq.seq_id]
-            if live.sink is not None:
+            live = self._live.get(w.seq.seq_id)
+            if live is None or live.slot is None or live.seq is not w.seq:
+                continue  # gone (aborted, left) or its row given up (preempted)
+            if w.seq.status == SeqStatus.FINISHED and w.seq not in result.finished:
+                continue  # stopped by an earlier step: this row was dropped
+            updates.append((live.slot, w.seq.num_known, w.start + w.num_tokens, sampled.get(w.seq.seq_id)))
+        self.journal.commit(updates)
+        self.counters.steps += 1
+        self.counters.tokens += len(result.new_tokens)
+        for w in batch.works:
+            live = self._live.get(w.seq.seq_id)
+            if live is not None and live.sink is not None:
                 seq = live.seq
-                while live.sent < len(seq.tokens) - seq.prompt_len:
+                while live.sent < seq.num_known - seq.prompt_len:
                     live.sink.token(seq.tokens[seq.prompt_len + live.sent])
                     live.sent += 1
                     self._resuming.discard(seq.seq_id)
@@ -379,12 +503,17 @@ class LLMEngine:
             elif done.slot is not None:
                 self.journal.release(done.slot)
                 done.slot = None
-        return True
+        now = self.times.add("resolve", t1)
+        # the gap a decoding stream saw: since the previous step's tokens were handed out (or this one's launch)
+        gap = now - max(self._last_resolved, f.t0)
+        self._last_resolved = now
+        prefill = sum(w.num_tokens for w in batch.works if not w.samples or w.num_tokens > 1)
+        self.times.step(gap * 1000, len(batch.works), prefill, prefill == 0)
 
     def _journal_admit(self, live: _Live) -> None:
         seq = live.seq
         if live.slot is None:
-            live.slot = self.journal.admit(Admission(seq.seq_id, seq.request_id, seq.tokens, seq.prompt_len,
+            live.slot = self.journal.admit(Admission(seq.seq_id, seq.request_id, seq.tokens[:seq.num_known], seq.prompt_len,
                                                      seq.params.max_tokens, seq.params.temperature, seq.params.seed or 0,
                                                      seq.params.ignore_eos), seq.block_table)
             if live.slot is None:
@@ -394,7 +523,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters.__dict__, "live": len(self._live), "unclaimed": len(self._orphans),
-                "graphs_captured_ms": self.graphs_captured_ms,
+                "graphs_captured_ms": self.graphs_captured_ms, "step_times": self.times.stats(),
                 "scheduler": self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}}
 
 

@@ -116,6 +116,20 @@ def _progress(length: int, computed: int) -> int:
     return (length << 32) | computed
 
 
+def _on(device: torch.device, values: Seq[int] | bytes, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor on `device`. On CUDA through pinned memory and a copy that does not wait: a pageable
+    copy would wait for the whole stream (the step in flight), and the copy keeps its place in stream order,
+    which is what the ordering below relies on. The pinned block is reused only once that copy is done (torch's
+    pinned-memory cache records it)."""
+    if isinstance(values, bytes):
+        host = torch.frombuffer(bytearray(values), dtype=dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Journal:
     """Writes (engine side) and reads (successor side) the journal tensors. Not thread-safe: the engine's step
     thread is its only writer."""
@@ -172,7 +186,9 @@ class Journal:
         prompt = toks[:prompt_len].tolist()
         if _check(r[:N_BLOCKS], rid_raw, prompt) != r[CHECK]:
             return None
-        table = blocks[:n_blocks].tolist()
+        # Async scheduling writes a block-table entry for the position of a token still in flight before that
+        # token is committed: blocks past the committed tokens hold only KV past `computed` and are not adopted.
+        table = blocks[:min(n_blocks, -(-length // L.block_size))].tolist()
         # computed <= length - 1: the last known token's logits are what the next step needs; a torn window
         # could not leave it higher (progress is one store), but a successor never trusts past that.
         computed = min(computed, length - 1, n_blocks * L.block_size)
@@ -202,14 +218,14 @@ class Journal:
         check = _check(fields, rid_raw, prompt)  # n_blocks grows after admission: not covered
         fields.append(len(block_table))
         dev = self.device
-        self.ids[slot].copy_(torch.frombuffer(bytearray(rid_raw), dtype=torch.uint8))
-        self.tokens[slot, : len(a.tokens)] = torch.tensor(list(a.tokens), dtype=torch.int32, device=dev)
+        self.ids[slot].copy_(_on(dev, rid_raw, torch.uint8))
+        self.tokens[slot, : len(a.tokens)] = _on(dev, list(a.tokens), torch.int32)
         if block_table:
-            self.blocks[slot, : len(block_table)] = torch.tensor(list(block_table), dtype=torch.int32, device=dev)
+            self.blocks[slot, : len(block_table)] = _on(dev, list(block_table), torch.int32)
         self._n_blocks[slot] = len(block_table)
         # progress (the whole context known, nothing computed), then the fields, the check last (invariant 1)
         row = fields + [check, _progress(len(a.tokens), 0)]
-        self.rows[slot, :CHECK] = torch.tensor(row[:CHECK], dtype=torch.int64, device=dev)
+        self.rows[slot, :CHECK] = _on(dev, row[:CHECK], torch.int64)
         self.rows[slot, PROGRESS] = row[PROGRESS]
         self.rows[slot, CHECK] = check
         return slot
@@ -219,7 +235,7 @@ class Journal:
         n = self._n_blocks.get(slot, 0)
         if len(block_table) <= n:
             return
-        new = torch.tensor(list(block_table[n:]), dtype=torch.int32, device=self.device)
+        new = _on(self.device, list(block_table[n:]), torch.int32)
         self.blocks[slot, n: len(block_table)] = new
         self.rows[slot, N_BLOCKS] = len(block_table)
         self._n_blocks[slot] = len(block_table)
@@ -232,11 +248,10 @@ class Journal:
         dev = self.device
         sampled = [(s, n - 1, t) for s, n, _, t in updates if t is not None]
         if sampled:
-            idx = torch.tensor([[s, p] for s, p, _ in sampled], dtype=torch.int64, device=dev)
-            self.tokens[idx[:, 0], idx[:, 1]] = torch.tensor([t for _, _, t in sampled], dtype=torch.int32, device=dev)
-        slots = torch.tensor([u[0] for u in updates], dtype=torch.int64, device=dev)
-        prog = torch.tensor([_progress(n, c) for _, n, c, _ in updates], dtype=torch.int64, device=dev)
-        self.rows[slots, PROGRESS] = prog
+            cols = _on(dev, [s for s, _, _ in sampled] + [p for _, p, _ in sampled], torch.int64).view(2, -1)
+            self.tokens[cols[0], cols[1]] = _on(dev, [t for _, _, t in sampled], torch.int32)
+        cols = _on(dev, [u[0] for u in updates] + [_progress(n, c) for _, n, c, _ in updates], torch.int64).view(2, -1)
+        self.rows[cols[0], PROGRESS] = cols[1]
 
     def release(self, slot: int) -> None:
         """The sequence left (finished, aborted, preempted): its row emptied before its blocks are reused."""

@@ -31,9 +31,16 @@ Deterministic (batch-invariant) mode: each row's logits are bit-identical whatev
   ceil(M / tile) times. H200, 8b shape, ctx 512, graphs (scripts/bench_paged_attention.py, 2026-12): batch 1
   9.0 ms against 7.5 ms by default, batch 64 10.1 against 10.2, batch 256 34.9 against 18.0.
 
+Async scheduling (engine.py): `launch` queues a greedy step and returns at once with a `Launched`: the argmax
+is taken on the device, the sampled tokens copied without blocking into pinned host memory and read (one event
+waited) by `Launched.tokens()`, normally one step later, after the next step was queued. A decode row whose
+input token is the previous step's sample not read back yet (`RunItem.feed`: its row there) takes it from that
+step's device tensor (one index_copy after the upload), so a step never waits for the previous one's tokens.
+
 Invariants:
-1. `run` returns when its sampled tokens are on the host; the pinned buffers are reused only after that, so a
-   non-blocking copy never reads a buffer being rewritten.
+1. A pinned staging buffer is rewritten only after the copy that last read it is done (`_Staging.ready`, one
+   event), so a non-blocking copy never reads a buffer being rewritten; `run` returns when its sampled tokens
+   are on the host.
 2. A row's KV goes to `block_table[p // block_size] * block_size + p % block_size` (the package's contract);
    rows never write outside the blocks their item names (checked before any kernel runs).
 3. Sampling is engines/reference/engine.py's `sample`, seeded per (seed, position of the sampled token).
@@ -70,6 +77,7 @@ class RunItem:
     sample: bool  # sample one token from the last row
     temperature: float = 0.0
     seed: int = 0
+    feed: int = -1  # >= 0: the one token fed is row `feed` of the previous launched step's tokens (on the device)
 
     @property
     def end(self) -> int:
@@ -77,17 +85,50 @@ class RunItem:
 
 
 class _Staging:
-    """One pinned host buffer and one device buffer of int64; `upload(n)` copies the first n in one go."""
+    """One pinned host buffer and one device buffer of int64; `upload(n)` copies the first n in one go.
+    `ready()` before writing the host buffer: waits (almost never long) for the last upload to have read it."""
 
     def __init__(self, device: torch.device, size: int) -> None:
         self.device = device
         pinned = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.dev = self.host if device.type == "cpu" else torch.zeros(size, dtype=torch.int64, device=device)
+        self._copied: torch.cuda.Event | None = None
+
+    def ready(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def upload(self, n: int) -> None:
         if self.dev is not self.host:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+class Launched:
+    """A step queued on the device (`ModelRunner.launch`). `rows[i]`: item i's row in `dev` (None: it does not
+    sample); `tokens()` waits for the copy to the host and gives each item's token (None where none)."""
+
+    def __init__(self, dev: torch.Tensor, rows: list[int | None]) -> None:
+        self.dev, self.rows = dev, rows
+        if dev.is_cuda:
+            self._host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            self._host.copy_(dev, non_blocking=True)
+            self._done: torch.cuda.Event | None = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = dev, None
+        self._tokens: list[int | None] | None = None
+
+    def tokens(self) -> list[int | None]:
+        if self._tokens is None:
+            if self._done is not None:
+                self._done.synchronize()  # releases the interpreter while it waits
+            vals = self._host.tolist()
+            self._tokens = [None if r is None else vals[r] for r in self.rows]
+        return self._tokens
 
 
 def _sections(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
@@ -127,6 +168,7 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and paged_kernels is not None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._stage = _Staging(self.device, 1 << 12)
+        self._feed_stage = _Staging(self.device, 2 * max(max_num_seqs, 1))
 
     # ---- arithmetic for the benchmark
 
@@ -149,24 +191,57 @@ class ModelRunner:
         return self._sample(items, self.logits(items)) if items else []
 
     @torch.inference_mode()
+    def launch(self, items: Sequence[RunItem], prev: Launched | None = None) -> Launched:
+        """Queue one greedy step (every sampling item has temperature 0) and return without waiting for the
+        device; items with `feed` take their token from `prev`'s. The argmax is `run`'s (the same logits)."""
+        if any(it.sample and it.temperature > 0 for it in items):
+            raise RunItemError("launch samples greedily only: a step with temperature > 0 goes through run()")
+        raw, rows = self._raw_logits(items, None if prev is None else prev.dev)
+        return Launched(torch.argmax(raw, dim=-1), rows)
+
+    @torch.inference_mode()
     def logits(self, items: Sequence[RunItem]) -> torch.Tensor:
         """Run one step; the logits (float32, [items that sample, vocab]) of each sampling item's last row."""
+        raw, rows = self._raw_logits(items, None)
+        want = [r for r in rows if r is not None]
+        # a copy either way: a graph's output is rewritten by the next replay
+        return raw.clone() if want == list(range(raw.shape[0])) else raw[want]
+
+    def _raw_logits(self, items: Sequence[RunItem], prev: torch.Tensor | None) -> tuple[torch.Tensor, list[int | None]]:
+        """The step's logits rows (float32) and each item's row among them (None: it does not sample)."""
         for it in items:
             self._check(it)
+            if it.feed >= 0 and (prev is None or len(it.token_ids) != 1 or it.feed >= prev.numel()):
+                raise RunItemError(f"a fed item feeds one token from the previous step's {0 if prev is None else prev.numel()} rows")
         B = len(items)
         if B == 0:
-            return torch.empty(0, self.cfg.vocab_size)
+            return torch.empty(0, self.cfg.vocab_size), []
+        self._stage.ready()
+        self._feed_stage.ready()
         if self._graph_for(B) is not None and all(len(it.token_ids) == 1 for it in items):
-            logits = self._replay(items)[:B]
-            rows = [i for i, it in enumerate(items) if it.sample]
-            return logits[rows]  # a copy: the graph's output is rewritten by the next replay
+            self._gstage.ready()
+            return self._replay(items, prev)[:B], [i if it.sample else None for i, it in enumerate(items)]
         if not self.deterministic:
-            return self._eager(items)
+            return self._eager(items, prev=prev), _sample_rows(items)
         # single-token works first (small tiles), chunks after (prefill tiles); the logits back in item order
         order = sorted(range(B), key=lambda i: len(items[i].token_ids) > 1)
-        logits = self._eager([items[i] for i in order], split=sum(len(items[i].token_ids) == 1 for i in order))
+        logits = self._eager([items[i] for i in order], split=sum(len(items[i].token_ids) == 1 for i in order),
+                             prev=prev)
         at = {i: j for j, i in enumerate(i for i in order if items[i].sample)}
-        return logits[[at[i] for i in range(B) if items[i].sample]]
+        return logits, [at.get(i) for i in range(B)]
+
+    def _feed(self, items: Sequence[RunItem], first_rows: Sequence[int], tokens: torch.Tensor,
+              prev: torch.Tensor | None) -> None:
+        """Fed items' tokens (device `tokens`, uploaded already) taken from the previous step's on the device."""
+        pairs = [(r, it.feed) for r, it in zip(first_rows, items, strict=True) if it.feed >= 0]
+        if not pairs or prev is None:
+            return
+        n, st = len(pairs), self._feed_stage
+        if 2 * n > st.host.numel():
+            self._feed_stage = st = _Staging(self.device, 4 * n)
+        st.host[:2 * n].copy_(torch.tensor([r for r, _ in pairs] + [j for _, j in pairs], dtype=torch.int64))
+        st.upload(2 * n)
+        tokens.index_copy_(0, st.dev[:n], prev.index_select(0, st.dev[n:2 * n]))
 
     def _check(self, it: RunItem) -> None:
         n = len(it.token_ids)
@@ -206,7 +281,7 @@ class ModelRunner:
         index = torch.arange(flat.numel()) + torch.repeat_interleave(rows - firsts, lens)
         table.view(-1).index_copy_(0, index, flat)
 
-    def _eager(self, items: Sequence[RunItem], split: int | None = None) -> torch.Tensor:
+    def _eager(self, items: Sequence[RunItem], split: int | None = None, prev: torch.Tensor | None = None) -> torch.Tensor:
         tokens, positions, slots = self._host_rows(items)
         T, B = len(tokens), len(items)
         ends = [it.end for it in items]
@@ -222,6 +297,7 @@ class ModelRunner:
         self._fill_tables(host[5].view(B, W), items)
         self._stage.upload(sum(sizes))
         tok, pos, slot, ctx, head, table = _sections(self._stage.dev, sizes)
+        self._feed(items, starts[:-1], tok, prev)
         meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B, batched_prefill=not self.deterministic)
         self._split = split
         try:
@@ -372,7 +448,7 @@ class ModelRunner:
         """The smallest captured bucket that holds `n` rows (None: run eagerly)."""
         return min((b for b in self._graphs if b >= n), default=None)
 
-    def _replay(self, items: Sequence[RunItem]) -> torch.Tensor:
+    def _replay(self, items: Sequence[RunItem], prev: torch.Tensor | None = None) -> torch.Tensor:
         B = len(items)
         b = self._graph_for(B)
         assert b is not None
@@ -386,9 +462,16 @@ class ModelRunner:
         ctx[:b].copy_(torch.tensor([it.end for it in items] + [0] * pad, dtype=torch.int64))
         self._fill_tables(table.view(n, self.table_width), items)
         self._gstage.upload(self._gstage.host.numel())
+        self._feed(items, range(B), self._gstage.dev[:n], prev)
         graph, logits = self._graphs[b]
         graph.replay()
         return logits
+
+
+def _sample_rows(items: Sequence[RunItem]) -> list[int | None]:
+    """Each item's row among the sampling items' (None: it does not sample)."""
+    k = itertools.count()
+    return [next(k) if it.sample else None for it in items]
 
 
 def _silu_mul(x: torch.Tensor, f: int) -> torch.Tensor:

@@ -14,7 +14,14 @@ never an older one: the oldest running sequence always progresses, so with a KV 
 
 `commit(batch, sampled)` applies a step's results: num_computed advances, works that reached the end of
 their tokens append the sampled token, finished sequences free their blocks, newly full blocks are
-registered for prefix sharing.
+registered for prefix sharing. It is `advance(batch)` then `resolve(batch, sampled)`, which async scheduling
+(engine.py) calls apart: `advance` right after the step is launched (num_computed moves on, each sampling work
+appends a placeholder, sequence.py invariant 5), so that the next step is scheduled while this one runs on the
+device; `resolve` once its tokens are read back (placeholders filled, stop tokens, blocks registered,
+sequences finished). Scheduling with a step in flight: a sequence whose pending token certainly ends it (its
+length) is not scheduled; one that turns out to have sampled a stop token was scheduled once more and that
+work is dropped at its resolve (it wrote only KV past its end, in blocks freed after it in stream order). A
+sequence preempted with a placeholder is not admitted again before the placeholder is resolved.
 
 Deterministic mode: a prefill chunk spans `[k*C, min((k+1)*C, prompt_len))` (C = prefill_chunk), positions
 past the prompt (recompute after preemption) go one per step as decode computed them, and prefix hits inside
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engines.batched.block_manager import AdoptionError, BlockManager
-from engines.batched.sequence import InvalidRequest, SeqStatus, Sequence, transition
+from engines.batched.sequence import PENDING, InvalidRequest, SeqStatus, Sequence, transition
 
 
 class QueueFull(ValueError):
@@ -210,6 +217,9 @@ class Scheduler:
             if decode:
                 reserved -= 1
                 n = 1
+                if seq.num_pending and self._ends_by_length(seq, len(seq.tokens)):
+                    i += 1  # its pending token is its last: resolve finishes it
+                    continue
                 if len(seq.tokens) <= len(seq.block_table) * bs:  # most decodes: their slot is there
                     decodes.append(Work(seq, seq.num_computed, 1, True))
                     budget -= 1
@@ -265,6 +275,8 @@ class Scheduler:
         bs, cfg = self.bm.block_size, self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token in flight: its tokens are known after the resolve
+                return
             prefix = self.bm.cached_prefix(seq)
             if cfg.deterministic and len(prefix) * bs < seq.prompt_len:
                 prefix = prefix[:len(prefix) * bs // cfg.prefill_chunk * cfg.prefill_chunk // bs]
@@ -301,8 +313,12 @@ class Scheduler:
     # -- results -----------------------------------------------------------------------------------------
     def commit(self, batch: Batch, sampled: dict[int, int]) -> StepResult:
         """Apply a step's results. `sampled[seq_id]` is the token sampled for each work with `samples`."""
-        new_tokens: dict[int, int] = {}
-        finished: list[Sequence] = []
+        self.advance(batch)
+        return self.resolve(batch, sampled)
+
+    def advance(self, batch: Batch) -> None:
+        """A step launched: its works' positions count as computed, each sampling work appends a placeholder
+        (filled by `resolve`). Call once per batch, before the next `schedule`."""
         for w in batch.works:
             seq = w.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -310,31 +326,64 @@ class Scheduler:
             if w.start != seq.num_computed:
                 raise StaleBatch(f"sequence {seq.seq_id}: work starts at {w.start}, computed {seq.num_computed}")
             seq.num_computed += w.num_tokens
+            if w.samples:
+                seq.tokens.append(PENDING)
+                seq.num_pending += 1
+
+    def resolve(self, batch: Batch, sampled: dict[int, int]) -> StepResult:
+        """An advanced step's tokens are known: fill its placeholders (in order: the oldest first), stop
+        sequences at a stop token or their length, register newly full blocks."""
+        new_tokens: dict[int, int] = {}
+        finished: list[Sequence] = []
+        for w in batch.works:
+            seq = w.seq
+            if seq.status is SeqStatus.FINISHED:
+                continue  # aborted, or stopped by an earlier step's token: this work is dropped
+            done = w.start + w.num_tokens  # positions computed as of this step
             reason = None
             if w.samples:
                 if seq.seq_id not in sampled:
                     raise MissingSample(f"sequence {seq.seq_id} reached its end but no token was sampled")
+                at = len(seq.tokens) - seq.num_pending  # this step's placeholder: the oldest one left
+                if at != done or seq.num_pending == 0:
+                    raise StaleBatch(f"sequence {seq.seq_id}: no placeholder at {done} to resolve")
                 token = sampled[seq.seq_id]
-                seq.tokens.append(token)
+                seq.tokens[at] = token
+                seq.num_pending -= 1
                 new_tokens[seq.seq_id] = token
-                reason = self._stop_reason(seq, token)
-            self.bm.register(seq)
-            if reason is not None:
-                self.running.remove(seq)
+                reason = self._stop_reason(seq, token, at + 1)
+            if reason is not None:  # a later step's work for it (launched meanwhile) is dropped
+                del seq.tokens[done + 1:]
+                seq.num_pending = 0
+                if seq.status is SeqStatus.RUNNING:
+                    seq.num_computed = done
+                    self.bm.register(seq)
+                    self.running.remove(seq)
+                else:  # preempted while this step ran: it ends from the queue
+                    self.waiting.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+            elif seq.status is SeqStatus.RUNNING:
+                # positions below num_computed have known tokens (a later step in flight fed only this step's
+                # token); their KV is written in stream order before any later step reads a shared block
+                self.bm.register(seq)
         return StepResult(new_tokens, tuple(finished))
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        """"stop" for a stop token (EOS unless ignore_eos) before "length" (max_tokens or max_model_len)."""
+    def _ends_by_length(self, seq: Sequence, length: int) -> bool:
+        return length - seq.prompt_len >= seq.params.max_tokens or length >= self.config.max_model_len
+
+    def _stop_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """"stop" for a stop token (EOS unless ignore_eos) before "length" (max_tokens or max_model_len), for
+        the token at position length - 1."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
             return "stop"
-        if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.config.max_model_len:
-            return "length"
-        return None
+        return "length" if self._ends_by_length(seq, length) else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.num_pending:  # aborted with a step in flight: its pending tokens are never read
+            del seq.tokens[seq.num_known:]
+            seq.num_pending = 0
         self.bm.free(seq)
         transition(seq, SeqStatus.FINISHED)
         seq.finish_reason = reason

@@ -18,6 +18,9 @@ Invariants of a sequence (checked by the scheduler and the tests):
 3. `block_table` covers at least the computed positions: `len(block_table) * block_size >= num_computed`,
    and at most the known ones: `len(block_table) <= ceil(len(tokens) / block_size)`.
 4. A sequence without blocks (waiting, finished) has `num_computed == 0`.
+5. Async scheduling: the last `num_pending` tokens are placeholders (`PENDING`) for tokens sampled on the
+   device by a step still in flight; they are filled in order (`Scheduler.resolve`), so placeholders are only
+   ever at the end, and a sequence holds at most two (the step resolved next and the one launched after it).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ TRANSITIONS: MappingProxyType[SeqStatus, frozenset[SeqStatus]] = MappingProxyTyp
     SeqStatus.PREEMPTED: frozenset({SeqStatus.WAITING}),
     SeqStatus.FINISHED: frozenset(),
 })
+
+PENDING = -1  # a placeholder token: sampled by a step in flight, not read back yet (invariant 5)
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 
@@ -91,6 +96,7 @@ class Sequence:
     arrival: int = -1  # set by the scheduler: the order of arrival, which FCFS and preemption follow
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    num_pending: int = 0  # placeholders at the end of tokens (invariant 5)
     # Chained hashes of the full token blocks (a cache: tokens only grow, so a computed hash stays valid).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
@@ -107,6 +113,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose values are known on the host (all but the trailing placeholders)."""
+        return len(self.tokens) - self.num_pending
 
     @property
     def num_output(self) -> int:
