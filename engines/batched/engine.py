@@ -127,6 +127,7 @@ class StepTimes:
     /health (the stalls a stream sees are the step thread's slowest passes)."""
 
     KEEP = 8
+    LOG_MS = 50.0  # a pass this long is logged with its make-up (a stall every stream in decode sees)
 
     def __init__(self) -> None:
         self.total: dict[str, float] = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "resolve": 0.0}
@@ -140,6 +141,8 @@ class StepTimes:
 
     def step(self, ms: float, rows: int, prefill_tokens: int, graph: bool) -> None:
         self.steps += 1
+        if ms > self.LOG_MS:
+            log.info("slow step %d: %.1f ms, %d rows, %d prefill tokens", self.steps, ms, rows, prefill_tokens)
         if len(self.slowest) < self.KEEP or ms > self.slowest[-1]["ms"]:
             self.slowest.append({"ms": round(ms, 2), "rows": rows, "prefill_tokens": prefill_tokens, "decode_only": graph,
                                  "at_step": self.steps})
