@@ -9,13 +9,16 @@ no failure runs first in the same run, as the control. Reported, side by side:
 - lost requests (an error or no end), mismatched outputs (tokens unlike the control's: the engine runs in
   deterministic mode, so a stream's tokens do not depend on what ran beside it);
 - prefill tokens the successor recomputed (requests replayed that it did not hold; goal 0), the sequences it
-  adopted from the journal, and its memory (the standby holds no KV of its own before the failure).
+  adopted from the journal, and its memory (the standby holds no KV of its own before the failure);
+- the client's own health (`client`): the streams are read by worker processes (bench/load_client.py) that stamp
+  each token with the kernel's receive time; each worker's loop lag and CPU share, and how long after its arrival
+  a token was parsed, say whether the client kept up (one in-loop httpx reader did not, at 64 + 16 streams).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import os
 import statistics
 import sys
 import time
@@ -25,19 +28,19 @@ from typing import Any
 
 import httpx
 
-from devstack.scenario import MODEL, Scenario, make_weights, router_marks
+from bench.load_client import ClientPool, Job
+from devstack.scenario import MODEL, Scenario, StreamResult, make_weights, router_marks
 from devstack.stack import Stack, StackConfig
 from libs.common.events import EngineSpec
 
 
 @dataclass
-class Stream:
-    prompt: str
+class Stream(StreamResult):
+    """One user's stream as the load client read it: `arrivals` are kernel receive times, `parsed` when the
+    client parsed each token; `sent_at` times its first token."""
+
     sent_at: float = 0.0
-    tokens: list[int] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)
-    error: str | None = None
-    done: bool = False
+    parsed: list[float] = field(default_factory=list)
 
     def largest_gap_ms(self) -> float | None:
         if len(self.arrivals) < 2:
@@ -83,28 +86,9 @@ class LoadScenario(Scenario):
         return self.stack
 
 
-async def stream(client: httpx.AsyncClient, url: str, s: Stream, max_tokens: int) -> Stream:
-    body = {"model": MODEL, "prompt": s.prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
-            "ignore_eos": True}
-    s.sent_at = time.time()
-    try:
-        async with client.stream("POST", f"{url}/v1/generate", json=body, timeout=300) as r:
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return s
-            async for line in r.aiter_lines():
-                if not line.strip():
-                    continue
-                obj = json.loads(line)
-                if obj.get("done"):
-                    s.done = not obj.get("error")
-                    s.error = json.dumps(obj["error"]) if obj.get("error") else None
-                    break
-                s.tokens.append(int(obj["token"]))
-                s.arrivals.append(time.time())
-    except Exception as e:  # noqa: BLE001 - a lost request is a finding
-        s.error = f"{type(e).__name__}: {e}"
-    return s
+def default_client_procs() -> int:
+    """Client processes: a quarter of the cores (the engines, the router and the bus need the rest), 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 def prompts(n: int, prefix: str) -> list[str]:
@@ -137,31 +121,28 @@ async def standby_gpu_mib(sc: LoadScenario) -> dict[str, int] | None:
     return out
 
 
-async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: int, max_tokens: int, *,
-                    kill: bool, warm_tokens: int) -> dict[str, Any]:
-    assert sc.stack is not None
-    url = sc.stack.router_url
+async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPool, n: int, late: int,
+                    max_tokens: int, *, kill: bool, warm_tokens: int) -> dict[str, Any]:
     active = await sc.wait_serving(timeout=300)
     seen = len(sc.events)
-    streams = [Stream(p) for p in prompts(n, "stream")]
-    tasks = [asyncio.create_task(stream(client, url, s, max_tokens)) for s in streams]
-    deadline = time.monotonic() + 120
-    while any(len(s.tokens) < warm_tokens for s in streams):
-        if any(t.done() for t in tasks) or time.monotonic() > deadline:
-            raise RuntimeError("a stream ended (or stalled) before every stream had its first tokens; raise max_tokens")
-        await asyncio.sleep(0.002)
+    jobs = [Job(i, p, max_tokens) for i, p in enumerate(prompts(n, "stream"))]
+    late_jobs = [Job(n + i, p, max_tokens // 2) for i, p in enumerate(prompts(late, "late"))]
+    await pool.start(jobs, warm_tokens)
     standby_mib = await standby_gpu_mib(sc) if kill else None
     t_kill = sc.kill_engine(active) if kill else time.time()
-    lates = [Stream(p) for p in prompts(late, "late")]
-    late_tasks = [asyncio.create_task(stream(client, url, s, max_tokens // 2)) for s in lates]
-    await asyncio.gather(*tasks, *late_tasks)
-    out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib}
+    pool.send_late(late_jobs)
+    got, workers = await pool.results()
+    streams, lates = ([_stream(j, *got[j.key]) for j in js] for js in (jobs, late_jobs))
+    out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib,
+                           "workers": workers}
     if kill:
         await sc.wait_event("incident.resolved", 120, after=seen)
         successor = await sc.wait_serving(standbys=0, timeout=120)
         out["successor"] = await sc.engine_health(successor.endpoint or "")
-        after = [t for s in streams for t in s.arrivals if t > t_kill]
-        resumed = [min((t for t in s.arrivals if t > t_kill), default=None) for s in streams]
+        # the successor's tokens: after its assignment (the predecessor's last tokens still come just after the kill)
+        t_from = _assigned(out)
+        after = [t for s in streams for t in s.arrivals if t > t_from]
+        resumed = [min((t for t in s.arrivals if t > t_from), default=None) for s in streams]
         rec = out["successor"].get("recovery") or {}
         marks: dict[str, float] = {}
         if isinstance(rec.get("t0_wall"), (int, float)):
@@ -176,7 +157,29 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, n: int, late: i
     return out
 
 
+def _stream(job: Job, sent_at: float, r: Any) -> Stream:
+    return Stream(job.prompt, text=r.text, tokens=r.tokens, arrivals=r.arrivals, error=r.error, done=r.done,
+                  sent_at=sent_at, parsed=r.parsed)
+
+
+def client_report(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the client kept up: its loops' lateness (all ticks, and the worst from 50 ms before each kill to 1 s
+    after), CPU share per worker, how long after its arrival each token was parsed, and the largest gap per stream
+    as a reader stamping at parse time would have seen it (the earlier client's way)."""
+    lags = [lag for r in rounds for w in r["workers"] for _, lag in w["lags"]]
+    near = [lag for r in rounds for w in r["workers"] for at, lag in w["lags"] if r["t_kill"] - 0.05 <= at <= r["t_kill"] + 1]
+    streams = [s for r in rounds for s in r["streams"] + r["late"]]
+    delay = [(p - a) * 1000 for s in streams for a, p in zip(s.arrivals, s.parsed, strict=True)]
+    gaps = [max(b - a for a, b in zip(s.parsed, s.parsed[1:], strict=False)) * 1000
+            for r in rounds for s in r["streams"] if len(s.parsed) > 1]
+    return {"procs": len(rounds[0]["workers"]) if rounds else 0, "timestamps": "kernel receive (SO_TIMESTAMPNS)",
+            "loop_lag_ms": pct(lags), "loop_lag_max_near_kill_ms": round(max(near), 2) if near else None,
+            "cpu_share": [w["cpu_share"] for r in rounds for w in r["workers"]],
+            "parse_after_arrival_ms": pct(delay), "largest_gap_ms_if_stamped_at_parse": pct(gaps)}
+
+
 def _assigned(r: dict[str, Any]) -> float:
+    """When the successor was assigned (the kill's time where its health does not say)."""
     t0 = (r["successor"].get("recovery") or {}).get("t0_wall")
     return t0 if isinstance(t0, (int, float)) else r["t_kill"]
 
@@ -196,7 +199,8 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
     out: dict[str, Any] = {"largest_gap_ms": pct(gaps), "late_first_token_ms": pct(ttft),
                            "stream_resumed_after_kill_ms": pct(resumed),
                            "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
-                           "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates)}
+                           "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates),
+                           "client": client_report(rounds)}
     succ = [r["successor"] for r in rounds if "successor" in r]
     if succ:
         eng = [h.get("engine") or {} for h in succ]
@@ -214,23 +218,25 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
 
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
-              prefill_chunk: int = 256) -> dict[str, Any]:
+              prefill_chunk: int = 256, client_procs: int = 0) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk)
     await asyncio.to_thread(sc.start)
+    assert sc.stack is not None
+    pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs())
     try:
         await sc.connect()
-        limits = httpx.Limits(max_connections=streams + late + 16, max_keepalive_connections=streams + late + 16)
-        async with httpx.AsyncClient(limits=limits) as client:
+        async with httpx.AsyncClient() as client:  # the bench's own calls (router stats, health), not the streams
             warm = 4
-            control = await one_round(sc, client, streams, late, max_tokens, kill=False, warm_tokens=warm)
-            rounds = [await one_round(sc, client, streams, late, max_tokens, kill=True, warm_tokens=warm)
+            control = await one_round(sc, client, pool, streams, late, max_tokens, kill=False, warm_tokens=warm)
+            rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm)
                       for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
                 "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "no_failure": summarize([control], control),
                 "sigkill": summarize(rounds, control)}
     finally:
+        pool.close()
         await sc.close()
         sc.stop()
         if work_dir is None:

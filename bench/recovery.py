@@ -201,6 +201,8 @@ def cli(
     kv_cache_gib: float = typer.Option(0.0, help="with --streams: the batched engine's KV cache (0: its default)"),
     step_tokens: int = typer.Option(2048, help="with --streams: the engine's token budget of a step"),
     prefill_chunk: int = typer.Option(256, help="with --streams: the engine's largest prefill chunk"),
+    client_procs: int = typer.Option(0, min=0, help="with --streams: client processes reading the streams (0: a "
+                                     "quarter of the cores, 1 to 8); each reports its loop lag and CPU share"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
@@ -213,7 +215,8 @@ def cli(
         report = asyncio.run(load_run(backend=backend, size=size_for(backend, weights_gib), streams=streams,
                                       late=late, trials=trials, max_tokens=max_tokens,
                                       kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
-                                      step_tokens=step_tokens, prefill_chunk=prefill_chunk))
+                                      step_tokens=step_tokens, prefill_chunk=prefill_chunk,
+                                      client_procs=client_procs))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}
