@@ -129,6 +129,8 @@ async def _spawn(agent: Agent, cmd: Spawn) -> SpawnReply:
         rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
                                  replacing=agent.engines.get(cmd.reattach_from))
         return SpawnReply(engine=agent.info(rec))
+    if cmd.engine_id is None or cmd.engine_id not in agent.engines:
+        agent.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
     spec, old = cmd.spec, agent.specs.get(key)
     if old is not None:  # a cold start names the one GPU placement chose: the spec keeps its others for later
         spec = spec.model_copy(update={"gpus": list(dict.fromkeys([*spec.gpus, *old.gpus]))})

@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from libs.common.bus import Bus
-from libs.common.errors import Conflict, HoldfastError, NotFound, PermissionDenied
+from libs.common.errors import Conflict, HoldfastError, NotFound, PermissionDenied, Unavailable
 from libs.common.events import (
     EngineInfo,
     EngineReady,
@@ -120,6 +120,17 @@ class Agent:
         if why is not None:
             log.warning("refused an active engine: %s", why)
             raise Conflict(why)
+
+    def admit_fresh_start(self, key: str) -> None:
+        """Raise Unavailable while `key`'s engines crash-loop (its backoff, as the reconciler's starts wait it out).
+        Asked of a start from outside (a cold start's Spawn): without it each cold engine that dies at once made
+        its own incident, whose fallback spawned the next one at once (chains of `cs-inc-cs-inc-...` one or two
+        seconds apart on the H200 while every engine exited at start)."""
+        wait = self.backoffs.retry_in(key, time.monotonic())
+        if wait > 0:
+            why = f"engines of {key} keep failing: no new one for {wait:.1f} s"
+            log.warning("refused a start: %s", why)
+            raise Unavailable(why)
 
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
                      extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
