@@ -32,6 +32,21 @@ def pattern_spec(model: str = "pattern-m", *, replicas: int = 1, standbys: int =
                       cold_start_s=10.0, version=version)
 
 
+def crasher_spec() -> EngineSpec:
+    """An engine that exits with code 3 as soon as it starts: its spec crash-loops."""
+    return EngineSpec(engine_class="crasher", model="crash-m", command=[sys.executable, "-c", "raise SystemExit(3)"],
+                      replicas=1, standbys=0, cold_start_s=5.0)
+
+
+async def start_crash_loop(agent: AgentProcess, store: Store, base_s: float) -> EngineSpec:
+    """The agent up with `crasher_spec` only, its backoff from `base_s` (a quick takeover wait: no memory)."""
+    spec = crasher_spec()
+    agent.start([spec], takeover_wait_s=0.1, crash_backoff_base_s=base_s, crash_backoff_max_s=30,
+                crash_backoff_reset_s=30)
+    await agent.wait_up(store)
+    return spec
+
+
 class Recorder:
     """Every event on the test's prefix, in arrival order, with waiting helpers."""
 

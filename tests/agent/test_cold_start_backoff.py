@@ -6,24 +6,19 @@ it, each cold engine that died at start opened an incident whose fallback spawne
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 
 from libs.common.bus import Bus
 from libs.common.errors import HoldfastError
-from libs.common.events import EngineSpec, Spawn, SpawnReply
+from libs.common.events import Spawn, SpawnReply
 from libs.common.store import Store
-from tests.agent.conftest import AgentProcess, Recorder
+from tests.agent.conftest import AgentProcess, Recorder, start_crash_loop
 
 
 async def test_a_cold_start_of_a_crash_looping_spec_is_refused_until_its_backoff_ends(
         agent: AgentProcess, recorder: Recorder, bus: Bus, store: Store) -> None:
-    spec = EngineSpec(engine_class="crasher", model="crash-m", command=[sys.executable, "-c", "raise SystemExit(3)"],
-                      replicas=1, standbys=0, cold_start_s=5.0)
-    agent.start([spec], takeover_wait_s=0.1, crash_backoff_base_s=20.0, crash_backoff_max_s=30,
-                crash_backoff_reset_s=30)
-    await agent.wait_up(store)
+    spec = await start_crash_loop(agent, store, base_s=20.0)
     async with asyncio.timeout(20):  # the first failure is replaced at once; the second starts the backoff (20 s)
         while len(recorder.of("fault.detected")) < 2:
             await asyncio.sleep(0.05)

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 
 from libs.common.bus import Bus
-from libs.common.events import EngineSpec, ListEngines, ListEnginesReply
+from libs.common.events import ListEngines, ListEnginesReply
 from libs.common.store import Store
 from services.agent.supervision import spec_key
-from tests.agent.conftest import AgentProcess, Recorder
+from tests.agent.conftest import AgentProcess, Recorder, start_crash_loop
 
 WINDOW_S = 6.0
 
 
 async def test_an_engine_that_exits_at_once_is_restarted_ever_more_slowly_and_its_backoff_is_listed(
         agent: AgentProcess, recorder: Recorder, bus: Bus, store: Store) -> None:
-    spec = EngineSpec(engine_class="crasher", model="crash-m", command=[sys.executable, "-c", "raise SystemExit(3)"],
-                      replicas=1, standbys=0, cold_start_s=5.0)
-    agent.start([spec], takeover_wait_s=0.1, crash_backoff_base_s=1.0, crash_backoff_max_s=30,
-                crash_backoff_reset_s=30)
-    await agent.wait_up(store)
+    spec = await start_crash_loop(agent, store, base_s=1.0)
     first = await recorder.wait("engine.started")
     await asyncio.sleep(WINDOW_S)
 
