@@ -20,15 +20,20 @@ import pytest
 
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
+from libs.common.errors import InvalidTransition
 from libs.common.events import Envelope, FaultDetected, FaultKind, IncidentFailed, IncidentResolved
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
 from services.controller.incident import (
+    TERMINAL,
+    TRANSITIONS,
     IncidentRecord,
     IncidentState,
     Trigger,
+    can,
     incident_id_for,
     opened_record,
+    transition,
 )
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
@@ -123,3 +128,14 @@ async def test_a_cold_started_engine_failing_before_ready_fails_its_fallback_at_
     assert cold in (failed.failure or "")
     child = incident_id_for(cold, 0)  # the engine's own incident opens as usual (its memory may be taken over)
     assert await store.get_model(f"incidents/{child}", IncidentRecord) is not None
+
+
+def test_no_trigger_moves_an_ended_incident() -> None:
+    """The rule in the table itself: whatever arrives late (a result, a redelivered event, a deadline), an incident
+    that ended takes it nowhere."""
+    for ended in TERMINAL:
+        for trigger in Trigger:
+            assert not can(ended, trigger)
+            with pytest.raises(InvalidTransition, match="never changes again"):
+                transition(ended, trigger)
+    assert not any(state in TERMINAL for state, _ in TRANSITIONS)
