@@ -17,9 +17,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -152,6 +153,40 @@ class StreamResult:
     error: str | None = None
     done: bool = False
 
+R = TypeVar("R", bound=StreamResult)
+
+
+async def read_generation(client: httpx.AsyncClient, router_url: str, result: R, *, model: str, max_tokens: int,
+                          timeout: float, on_token: Callable[[], None] | None = None) -> R:
+    """Stream `result.prompt` through the router's `/v1/generate` (greedy, EOS ignored: outputs comparable run to
+    run) and read its NDJSON lines into `result`: each token with its arrival time, then the closing line's
+    verdict. Never raises: an HTTP error, a stream that breaks or ends without its closing line is `result.error`
+    or `done` false, a finding the caller counts as a lost request. `on_token` runs once per token received."""
+    body = {"model": model, "prompt": result.prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": True}
+    try:
+        async with client.stream("POST", f"{router_url}/v1/generate", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if obj.get("done"):
+                    result.done = not obj.get("error")
+                    if obj.get("error"):
+                        result.error = json.dumps(obj["error"])
+                    break
+                result.tokens.append(int(obj["token"]))
+                result.text += obj.get("text", "")
+                result.arrivals.append(time.time())
+                if on_token:
+                    on_token()
+    except Exception as e:  # noqa: BLE001 - a lost request is a finding, reported by the caller
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
 
 class Scenario:
     def __init__(self, *, size: str, backend: str, standbys: int = 1, max_tokens: int = 48,
@@ -270,30 +305,12 @@ class Scenario:
     async def generate(self, client: httpx.AsyncClient, prompt: str, *, stream: bool = True,
                        max_tokens: int | None = None, model: str = MODEL) -> StreamResult:
         assert self.stack is not None
-        result = StreamResult(prompt)
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens, "stream": True,
-                "temperature": 0.0, "ignore_eos": True}
-        try:
-            async with client.stream("POST", f"{self.stack.router_url}/v1/generate", json=body, timeout=120) as r:
-                if r.status_code != 200:
-                    result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                    return result
-                async for line in r.aiter_lines():
-                    if not line.strip():
-                        continue
-                    obj = json.loads(line)
-                    if obj.get("done"):
-                        result.done = not obj.get("error")
-                        if obj.get("error"):
-                            result.error = json.dumps(obj["error"])
-                        break
-                    result.tokens.append(int(obj["token"]))
-                    result.text += obj.get("text", "")
-                    result.arrivals.append(time.time())
-                    self.tokens_streamed += 1
-        except Exception as e:  # noqa: BLE001 - a lost request is a finding, reported by the caller
-            result.error = f"{type(e).__name__}: {e}"
-        return result
+
+        def counted() -> None:
+            self.tokens_streamed += 1
+
+        return await read_generation(client, self.stack.router_url, StreamResult(prompt), model=model,
+                                     max_tokens=max_tokens or self.max_tokens, timeout=120, on_token=counted)
 
     async def router_stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
         assert self.stack is not None
