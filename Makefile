@@ -37,13 +37,20 @@ demo: setup
 up: setup
 	$(VENV)/bin/holdfast up
 
-# pytest exits 5 when it collected nothing; that is a failure of the suite here, said plainly.
+# Most tests wait on real processes (nats-server, etcd, services, engines), so the suite runs on TEST_WORKERS
+# pytest-xdist workers, each with its own nats-server and etcd (tests/conftest.py); `TEST_WORKERS=0` runs it in
+# this process alone. `--dist loadgroup` hands tests out one at a time in collection order, the `slow` ones first
+# (tests/conftest.py), and keeps tests marked `xdist_group` on one worker. pytest exits 5 when it collected
+# nothing; that is a failure of the suite here, said plainly.
+TEST_WORKERS ?= 3
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup
-	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: setup
-	$(PY) -m pytest -q -x -m "not slow"
+	$(PY) -m pytest -q -x -m "not slow" $(PYTEST_PAR)
 
 lint: setup
 	$(VENV)/bin/ruff check libs services engines devstack bench holdfast tests

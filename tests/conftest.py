@@ -31,8 +31,34 @@ from libs.common.store import Store
 
 HAS_GPU = has_gpu()
 
+# Under pytest-xdist (`make test` runs several workers), each worker is its own process with its own nats-server
+# and etcd (the session fixtures below run once per worker). `procs.free_port` never hands a port twice within one
+# process, but two workers could each be handed the same closed port and race to bind it: each worker takes only
+# the ports of its own residue class (port % workers == its index), so no two workers are ever handed the same
+# one. Child processes that pick ports themselves (`holdfast chaos`, `holdfast up`) still ask the kernel.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1"... (unset without xdist)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKER.startswith("gw") and _WORKERS > 1:
+    _kernel_free_port = procs.free_port
+    _CLASS = int(_WORKER[2:]) % _WORKERS
+
+    def _free_port_of_this_worker() -> int:
+        while True:
+            port = _kernel_free_port()
+            if port % _WORKERS == _CLASS:
+                return port
+
+    procs.free_port = _free_port_of_this_worker
+    # Each torch process (an engine, a worker running the model in-process) would start one compute thread per
+    # core, and OpenMP threads spin while they wait: several workers' engines on 2 cores then spend the CPU
+    # spinning. One thread each while the workers already share the cores (a child inherits this).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The `slow` tests first (a stable sort: the rest keep their order): xdist hands tests out in this order, so
+    # the minutes-long ones start at once on separate workers instead of ending the run alone on one.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no NVIDIA GPU here (run on the device: scripts/device_run.sh)")
@@ -43,7 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def infra_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="hf-test-"))
+    d = Path(tempfile.mkdtemp(prefix=f"hf-test-{_WORKER or 'main'}-"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

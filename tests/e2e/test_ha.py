@@ -109,6 +109,7 @@ async def checksum(endpoint: str) -> dict[str, Any]:
         return dict((await c.get(f"{endpoint}/checksum", timeout=10)).json())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_incidents_resolve_once_while_an_etcd_member_a_nats_server_and_the_leader_die(tmp_path: Path) -> None:
     stack = Stack(StackConfig.ephemeral(ha=True, backend="host", base_dir=tmp_path / "stack",

@@ -63,6 +63,7 @@ async def greedy(sc: Scenario, client: httpx.AsyncClient) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_without_reload(tmp_path: Path) -> None:
     sc = TensorParallelScenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)

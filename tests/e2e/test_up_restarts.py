@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from libs.common import procs
 
 HOLDFAST = [sys.executable, "-m", "holdfast.main"]
@@ -39,6 +41,7 @@ def _read_until(up: subprocess.Popen[str], pattern: str, lines: list[str], timeo
     raise AssertionError(f"no line matching {pattern!r}:\n{''.join(lines)}")
 
 
+@pytest.mark.slow
 def test_up_restarts_a_killed_service_and_a_killed_etcd_then_stops_all(tmp_path: Path) -> None:
     ports = [procs.free_port() for _ in range(4)]
     argv = [*HOLDFAST, "up", "--nats-port", str(ports[0]), "--etcd-port", str(ports[1]), "--api-port", str(ports[2]),

@@ -111,6 +111,7 @@ def run_kill_and_resume(first: BatchedEngine, start_successor) -> tuple[dict, di
     return {"info": info, "health": health}, expected, got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sixteen_streams_continue_exactly_after_a_sigkill_with_no_prefill_recomputed(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str]) -> None:  # noqa: F811
@@ -128,6 +129,7 @@ def test_sixteen_streams_continue_exactly_after_a_sigkill_with_no_prefill_recomp
     assert stats["claimed"] == in_flight and stats["prefill_tokens"] == 0 and stats["claim_extra_tokens"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_cold_spawned_successor_takes_the_kv_lease_and_journal_over_with_the_transfer_token(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],  # noqa: F811

@@ -53,6 +53,7 @@ async def _many(url: str, n: int, **body: object) -> list[httpx.Response]:
                                       for i in range(n)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [("--deterministic", "--max-num-seqs", "64", "--prefill-chunk", "32")], indirect=True)
 def test_sixty_four_requests_at_once_get_the_tokens_each_gets_alone(engine: Engine) -> None:
     alone = {i: gen(engine.url, prompt=f"user {i}", max_tokens=24, ignore_eos=True).json()["tokens"] for i in range(64)}
