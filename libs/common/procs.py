@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 _HANDED_OUT: set[int] = set()  # every port free_port gave this process: none is given twice
 
 
