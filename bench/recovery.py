@@ -64,8 +64,10 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress: Progress, label: str,
-                  shadow: bool = True, weights: Path | None = None, max_seq: int | None = None) -> list[Trial]:
-    sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow, weights=weights, max_seq=max_seq)
+                  shadow: bool = True, weights: Path | None = None, max_seq: int | None = None,
+                  secure: bool = True) -> list[Trial]:
+    sc = Scenario(size=size, backend=backend, standbys=standbys, shadow=shadow, weights=weights, max_seq=max_seq,
+                  secure=secure)
     task = progress.add_task(label, total=trials)
     t0 = time.perf_counter()
     try:
@@ -203,11 +205,15 @@ def cli(
     prefill_chunk: int = typer.Option(256, help="with --streams: the engine's largest prefill chunk"),
     client_procs: int = typer.Option(0, min=0, help="with --streams: client processes reading the streams (0: a "
                                      "quarter of the cores, 1 to 8); each reports its loop lag and CPU share"),
+    secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
+                                "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
     One weights file serves every way (in $TMPDIR: /dev/shm on a machine whose disk cannot hold it, and the
     output then says the cold restart read it from memory), removed at the end unless --weights-dir."""
+    if streams and not secure:
+        raise typer.BadParameter("--no-secure measures the recovery ways; the --streams run is always secured")
     if streams:
         from bench.load_recovery import run as load_run
 
@@ -227,9 +233,9 @@ def cli(
     shared = weights_dir or Path(tempfile.mkdtemp(prefix="holdfast-bench-weights-"))
     shared.mkdir(parents=True, exist_ok=True)
     weights = shared / f"weights-{size}.safetensors"
-    common: dict[str, Any] = {"weights": weights, "max_seq": max_seq or None}
+    common: dict[str, Any] = {"weights": weights, "max_seq": max_seq or None, "secure": secure}
     head: dict[str, Any] = {"backend": backend, "size": size, "weights_gib": weights_gib, "trials": trials,
-                            "max_seq": max_seq or None}
+                            "max_seq": max_seq or None, "secure": secure}
     runs: dict[str, list[Trial]] = {}
     cold: list[dict[str, Any]] = []
 

@@ -191,8 +191,9 @@ async def read_generation(client: httpx.AsyncClient, router_url: str, result: R,
 class Scenario:
     def __init__(self, *, size: str, backend: str, standbys: int = 1, max_tokens: int = 48,
                  work_dir: Path | None = None, shadow: bool = True, weights: Path | None = None,
-                 max_seq: int | None = None, models: int = 1) -> None:
+                 max_seq: int | None = None, models: int = 1, secure: bool = True) -> None:
         self.size = size
+        self.secure = secure  # auth and TLS on NATS and etcd (False: what they cost, `bench recovery --no-secure`)
         # the models served, each from one spec (same weights): `demo`, then `demo-2`...; a chaos run's faults on
         # engines of different models overlap
         self.models = [MODEL] + [f"{MODEL}-{i}" for i in range(2, models + 1)]
@@ -219,7 +220,7 @@ class Scenario:
                           env={"HF_ENGINE_SHADOW": "true" if self.shadow else "false"})
         specs_file = self.write_specs(spec)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
-                                                 engines_file=specs_file))
+                                                 engines_file=specs_file, secure=self.secure))
         self.stack.start(timeout=120)
         return self.stack
 
