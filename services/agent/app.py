@@ -71,14 +71,15 @@ async def setup(rt: Runtime) -> None:
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
                     gpus=[g.index for g in agent.gpus], nvml=bool(has_nvml))
-    rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
-
     takeovers = Takeovers(agent)
     await rt.bus.serve(settings.node, Spawn, lambda cmd: _spawn(agent, cmd))
     await rt.bus.serve(settings.node, StopEngine, lambda cmd: _stop(agent, cmd))
     await rt.bus.serve(settings.node, ListEngines, lambda cmd: _list(agent))
     await rt.bus.serve(settings.node, Takeover, takeovers.handle)
     await rt.bus.serve(settings.node, MarkGpu, agent.mark_gpu)
+    # The node key says "up": whoever sees it may send commands at once, so it is written after every command
+    # is served (serve returns once the server routes to it), never beside them.
+    rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
 
     rt.spawn("monitor", agent.monitor_loop())
     rt.spawn("exiting", agent.exiting_loop())
