@@ -39,18 +39,24 @@ up: setup
 
 # Most tests wait on real processes (nats-server, etcd, services, engines), so the suite runs on TEST_WORKERS
 # pytest-xdist workers, each with its own nats-server and etcd (tests/conftest.py); `TEST_WORKERS=0` runs it in
-# this process alone. `--dist loadgroup` hands tests out one at a time in collection order, the `slow` ones first
-# (tests/conftest.py), and keeps tests marked `xdist_group` on one worker. pytest exits 5 when it collected
-# nothing; that is a failure of the suite here, said plainly.
+# this process alone. `--dist loadgroup` hands tests out one at a time in collection order and keeps each
+# `xdist_group` on one worker: the `slow` tests (whole stacks, a minute or more each) form one group, handed out
+# first, so they run one after another on one worker while the others share the rest (tests/conftest.py).
+# pytest exits 5 when it collected nothing; that is a failure of the suite here, said plainly.
 TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadgroup
 
+# Test files go under a short base of their own (removed when every test passed): a unix socket's path has at most
+# 107 bytes, and pytest's default base plus xdist's popen-gwN/ left too few for an HA stack's sockets.
 test: setup
-	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR); rc=$$?; \
+	@tmp=$$(mktemp -d /tmp/hft-XXXXXX); \
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --basetemp=$$tmp; rc=$$?; \
+	if [ $$rc -eq 0 ]; then rm -rf $$tmp; else echo "the tests' files are kept in $$tmp"; fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: setup
-	$(PY) -m pytest -q -x -m "not slow" $(PYTEST_PAR)
+	@tmp=$$(mktemp -d /tmp/hft-XXXXXX); $(PY) -m pytest -q -x -m "not slow" $(PYTEST_PAR) --basetemp=$$tmp; \
+	rc=$$?; if [ $$rc -eq 0 ]; then rm -rf $$tmp; fi; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check libs services engines devstack bench holdfast tests

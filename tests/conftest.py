@@ -56,9 +56,13 @@ if _WORKER.startswith("gw") and _WORKERS > 1:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The `slow` tests first (a stable sort: the rest keep their order): xdist hands tests out in this order, so
-    # the minutes-long ones start at once on separate workers instead of ending the run alone on one.
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # The `slow` tests (each a whole stack, a minute or more) are one xdist group, collected first: under
+    # `--dist loadgroup` one worker runs them one after another from the start while the other workers share the
+    # rest. Two of them at once on 2 cores starved each other's engines past their readiness timeouts.
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("slow"))
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no NVIDIA GPU here (run on the device: scripts/device_run.sh)")
