@@ -80,6 +80,14 @@ class Request:
     ignore_eos: bool
     sink: Sink
     resumed: int = 0  # how many of the context's last tokens a predecessor generated (a router's replay)
+    # Where its first token's time went (perf_counter; 0: not yet): received, handed in (`submit`), taken by the step
+    # thread (intake), first in a launched step, first token handed to its sink. Written by the step thread
+    # before the sink's items that follow them; read by the HTTP side after its final item.
+    t_received: float = 0.0  # the HTTP handler had it (set there)
+    t_submit: float = 0.0
+    t_intake: float = 0.0
+    t_scheduled: float = 0.0
+    t_first_token: float = 0.0
 
 
 @dataclass
@@ -91,6 +99,7 @@ class _Live:
     adopted_at: float = 0.0
     adopted_len: int = 0  # tokens at adoption (journal)
     t_submit: float = field(default_factory=time.perf_counter)
+    req: Request | None = None  # the request it serves (its timestamps); None: adopted, not claimed yet
 
 
 @dataclass
@@ -120,6 +129,7 @@ class _InFlight:
     tokens: list[int | None] | None
     rows: dict[int, int]  # seq_id -> its row in the launched step's device tokens (sampling works)
     t0: float
+    first_tokens: bool = False  # it samples some sequence's first token (the last row of its prompt)
 
 
 class StepTimes:
@@ -190,6 +200,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the HTTP side (any thread)
     def submit(self, req: Request) -> None:
+        req.t_submit = time.perf_counter()
         self._inbox.put(("submit", req))
         self._wake.set()
 
@@ -250,6 +261,9 @@ class LLMEngine:
                 self._capture("first", self.capture_first)
             while not self._stop.is_set():
                 self._drain()
+                # what intake produced (a claim's tokens made ahead, a refusal) goes out now, not after this
+                # pass's step: a successor's claims would otherwise wait a whole step for their first tokens
+                self.flush()
                 if self._overlap():
                     ran = self.step_overlapped()
                 else:
@@ -302,6 +316,7 @@ class LLMEngine:
             self._switch_interval = None
 
     def _admit(self, req: Request) -> None:
+        req.t_intake = time.perf_counter()
         live = self._claim(req)
         if live is not None:
             self.counters.claimed += 1
@@ -327,7 +342,7 @@ class LLMEngine:
             log.warning("request %s refused: %s", req.request_id, e)
             req.sink.finish(REFUSED_BAD, len(req.context), 0)
             return
-        self._live[seq.seq_id] = _Live(seq, req.sink, sent=req.resumed)
+        self._live[seq.seq_id] = _Live(seq, req.sink, sent=req.resumed, req=req)
         self._by_request[req.request_id] = seq.seq_id
 
     def _claim(self, req: Request) -> _Live | None:
@@ -349,9 +364,11 @@ class LLMEngine:
             seq.tokens.extend(extra)
             self.counters.claim_extra_tokens += len(extra)
         del self._orphans[seq.seq_id]
-        live.sink = req.sink
+        live.sink, live.req = req.sink, req
         # the client has everything up to its context; send what the engine made past it
         live.sent = len(req.context) - seq.prompt_len
+        if len(seq.tokens) > len(req.context):
+            req.t_first_token = time.perf_counter()
         for tok in seq.tokens[len(req.context):]:
             req.sink.token(tok)
             live.sent += 1
@@ -413,6 +430,14 @@ class LLMEngine:
         """Launch the next step while the one in flight runs, then resolve the one in flight. False: nothing
         was launched and nothing was in flight."""
         prev = self._inflight
+        if prev is not None and prev.first_tokens:
+            # New sequences' first tokens are handed out before the next launch, not after its host work (a
+            # mixed step's eager launches in deterministic mode; on the CPU the whole next step): a request's
+            # first token then costs its own step, not two. The overlap is lost for this one step.
+            self._inflight = None
+            self._resolve(prev)
+            self._inflight = self._launch(overlap=True)
+            return True
         self._inflight = self._launch(overlap=True)
         if prev is not None:
             self.counters.overlapped_steps += self._inflight is not None
@@ -441,6 +466,8 @@ class LLMEngine:
         for w in batch.works:
             seq = w.seq
             live = self._live[seq.seq_id]
+            if live.req is not None and not live.req.t_scheduled:
+                live.req.t_scheduled = t0
             self._journal_admit(live)
             end = w.start + w.num_tokens
             feed = -1
@@ -464,8 +491,9 @@ class LLMEngine:
         else:
             tokens = self.runner.run(items)
         self.times.add("launch", t1)
+        first = any(w.samples and w.start + w.num_tokens == w.seq.prompt_len for w in batch.works)
         self.scheduler.advance(batch)
-        return _InFlight(batch, launched, tokens, rows, t0)
+        return _InFlight(batch, launched, tokens, rows, t0, first)
 
     def _resolve(self, f: _InFlight) -> None:
         t0 = time.perf_counter()
@@ -490,6 +518,8 @@ class LLMEngine:
             live = self._live.get(w.seq.seq_id)
             if live is not None and live.sink is not None:
                 seq = live.seq
+                if live.req is not None and not live.req.t_first_token and live.sent < seq.num_known - seq.prompt_len:
+                    live.req.t_first_token = time.perf_counter()
                 while live.sent < seq.num_known - seq.prompt_len:
                     live.sink.token(seq.tokens[seq.prompt_len + live.sent])
                     live.sent += 1

@@ -57,6 +57,27 @@ class EngineState:
         self.outbox = Outbox()
         self.t_start: float | None = None  # perf_counter of a recovery's start (its assignment, or the process's)
         self.batched_sinks: dict[str, _Sink] = {}  # request id -> sink, of requests streamed by /generate_many
+        self.phases: collections.deque[dict[str, float]] = collections.deque(maxlen=256)  # recent first tokens'
+
+    def phase_stats(self) -> dict[str, dict[str, float]]:
+        """Where recent requests' first-token time went (ms, p50 / max per phase: `PHASES`), for /health."""
+        out = {}
+        for name in PHASES:
+            vals = sorted(p[name] for p in self.phases if name in p)
+            if vals:
+                out[name] = {"n": len(vals), "p50": vals[len(vals) // 2], "max": vals[-1]}
+        return out
+
+
+# A request's way to its first token (ms each, from engine.Request's timestamps and the first line's write):
+# received -> submitted (the response started, the request handed to the step thread) -> taken in by the step
+# thread -> first launched in a step -> first token handed to its sink -> first token line yielded for writing.
+PHASES = ("to_submit", "queued", "to_scheduled", "to_token", "to_write")
+
+
+def first_token_phases(req: Request, t_written: float) -> dict[str, float]:
+    marks = (req.t_received, req.t_submit, req.t_intake, req.t_scheduled, req.t_first_token, t_written)
+    return {name: round((b - a) * 1000, 2) for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True) if a and b}
 
 
 class Outbox:
@@ -128,11 +149,12 @@ def _prepare(state: EngineState, eng: LLMEngine, body: GenerateRequest) -> tuple
     if state.in_flight >= state.max_waiting + eng.scheduler.config.max_num_seqs:
         raise Refused(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
     state.outbox.loop = asyncio.get_running_loop()
+    t_received = time.perf_counter()
     sink = _Sink(state.outbox)
     max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
     req = Request(request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx, max_tokens=max_tokens,
                   temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
-                  ignore_eos=body.ignore_eos, sink=sink, resumed=len(body.resume or []))
+                  ignore_eos=body.ignore_eos, sink=sink, resumed=len(body.resume or []), t_received=t_received)
     return req, sink
 
 
@@ -155,7 +177,7 @@ def build_app(state: EngineState) -> FastAPI:
         eng = state.engine
         return {"ok": state.state in ("ready", "standby"), "state": state.state, "role": state.role,
                 "engine_id": state.engine_id, "model": state.model, "size": state.size, "in_flight": state.in_flight,
-                "engine": eng.stats() if eng else None, **state.info}
+                "engine": eng.stats() if eng else None, "first_token_phases_ms": state.phase_stats(), **state.info}
 
     @app.get("/checksum", response_model=None)
     async def checksum() -> Any:
@@ -211,6 +233,7 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
     """Token lines then the final line; aborts the sequence if the consumer goes away first."""
     t0 = time.perf_counter()
     first_ms: float | None = None
+    phases: dict[str, float] = {}
     text = tokenizer.TextStream()
     text.prime(resumed)
     state.in_flight += 1
@@ -223,6 +246,8 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
             if kind == "token":
                 if first_ms is None:
                     first_ms = round((time.perf_counter() - t0) * 1000, 3)
+                    phases = first_token_phases(req, time.perf_counter())
+                    state.phases.append(phases)
                     cb, state.on_first_token = state.on_first_token, None
                     if cb is not None:
                         cb(time.perf_counter())
@@ -240,7 +265,7 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
                 return
             yield {"done": True, "prompt_tokens": len(req.context), "completion_tokens": index, "finish_reason": reason,
                    "first_token_ms": first_ms, "total_ms": round((time.perf_counter() - t0) * 1000, 3),
-                   "engine_id": state.engine_id}
+                   "first_token_phases_ms": phases, "engine_id": state.engine_id}
             return
     finally:
         state.in_flight -= 1
@@ -249,8 +274,16 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink,
 
 
 async def _stream(state: EngineState, eng: LLMEngine, req: Request, sink: _Sink, resumed: list[int]) -> AsyncIterator[bytes]:
+    """Lines already queued go out in one write (a claim's tokens made ahead, a pass's tokens): each write is a
+    send() that gives the interpreter up to the step thread, and takes a switch interval to get it back."""
+    out: list[str] = []
     async for line in _events(state, eng, req, sink, resumed):
-        yield (json.dumps(line) + "\n").encode()
+        out.append(json.dumps(line) + "\n")
+        if sink.q.empty():
+            yield "".join(out).encode()
+            out.clear()
+    if out:
+        yield "".join(out).encode()
 
 
 async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest]) -> AsyncIterator[bytes]:
@@ -284,11 +317,18 @@ async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest
     try:
         open_ = len(tasks)
         while open_:
+            out = []
             line = await merged.get()
-            if line is None:
-                open_ -= 1
-                continue
-            yield line
+            while True:  # every line queued now in one write (see _stream): a claim burst is hundreds of lines
+                if line is None:
+                    open_ -= 1
+                else:
+                    out.append(line)
+                if merged.empty():
+                    break
+                line = merged.get_nowait()
+            if out:
+                yield b"".join(out)
     finally:  # the connection closed (or all done): every request still running is aborted by its _events
         for t in tasks:
             t.cancel()

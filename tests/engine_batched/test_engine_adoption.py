@@ -112,3 +112,49 @@ def test_a_new_request_joins_the_steps_only_once_every_claimed_stream_has_its_fi
     assert succ.scheduler.stats()["waiting"] == 1 and succ.counters.prefill_tokens == 0
     succ.step()  # every resumed stream has its first token: the late prompt is admitted
     assert succ.scheduler.stats()["waiting"] == 0 and succ.counters.prefill_tokens == 6
+
+
+def test_a_claims_tokens_made_ahead_are_handed_out_before_the_next_step(tmp_path) -> None:
+    """A claim's tokens are there already (ADOPTED_AHEAD): they reach the HTTP side (flush) at once, not after the
+    step the claim unblocks."""
+    weights, kv, jr = memory(tmp_path)
+    first = engine(weights, kv, jr)
+    first.journal.format()
+    prompt = [2, 4, 6, 8]
+    sink = ListSink()
+    first.submit(Request("r1", prompt, 40, 0.0, 0, True, sink))
+    first._drain()
+    for _ in range(5):
+        first.step()
+    seen = list(sink.tokens)
+
+    succ = engine(weights, kv, jr)
+    entries, dropped = succ.journal.recover()
+    succ.adopt(entries, dropped)
+    events: list[str] = []
+
+    def logged(fn):  # noqa: ANN001, ANN202 - the runner's method, its arguments passed through
+        def call(*args, **kw):  # noqa: ANN002, ANN003
+            events.append("step")
+            return fn(*args, **kw)
+        return call
+
+    succ.runner.run = logged(succ.runner.run)  # type: ignore[method-assign]  # a step alone
+    succ.runner.launch = logged(succ.runner.launch)  # type: ignore[method-assign]  # an overlapped step
+    claim = ListSink()
+    succ.flush = lambda: events.append(f"flush:{len(claim.tokens)}")
+    succ.start()
+    try:
+        deadline = time.monotonic() + 30
+        while succ.counters.steps < ADOPTED_AHEAD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert succ.counters.steps == ADOPTED_AHEAD
+        mark = len(events)
+        succ.submit(Request("r1", prompt + seen, 40 - len(seen), 0.0, 0, True, claim, resumed=len(seen)))
+        assert claim.done.wait(30)
+    finally:
+        succ.stop()
+    after = events[mark:]
+    handed = next(i for i, e in enumerate(after) if e.startswith("flush:") and e != "flush:0")
+    assert after[handed] == f"flush:{ADOPTED_AHEAD}" and "step" not in after[:handed]

@@ -75,3 +75,45 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_sequence_and_the_rest_ru
     assert not sinks["r2"].done.is_set() and eng.counters.aborted == 1
     assert all(sinks[r].done.is_set() and len(sinks[r].tokens) == MAX_TOKENS for r in PROMPTS if r != "r2")
     assert eng.journal.free_slots() == 8 and eng.scheduler.bm.num_free_blocks == eng.scheduler.config.num_blocks
+
+
+class _Order:
+    """Records launches and tokens in the order they happen."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        self.events: list[str] = []
+        launch = eng.runner.launch
+
+        def logged(*args, **kw):  # noqa: ANN002, ANN003 - passes the runner's arguments through
+            self.events.append("launch")
+            return launch(*args, **kw)
+
+        eng.runner.launch = logged  # type: ignore[method-assign]
+
+
+def test_a_new_requests_first_token_is_handed_out_before_the_next_step_is_launched(tmp_path) -> None:
+    """While others decode, a new request's first token costs its own step only: it is not held behind the host
+    work of the next launch (on the CPU the whole next step; a mixed step's eager launches on a GPU)."""
+    weights, kv, jr = memory(tmp_path)
+    eng = engine(weights, kv, jr)
+    eng.journal.format()
+    submit_all(eng)
+    for _ in range(3):  # every prompt in, the others decoding with a step in flight
+        eng.step_overlapped()
+    order = _Order(eng)
+
+    class Marking(ListSink):
+        def token(self, token: int) -> None:
+            order.events.append("token")
+            super().token(token)
+
+    late = Marking()
+    eng.submit(Request("late", [5, 6, 7, 8, 9], 4, 0.0, 0, True, late))
+    eng._drain()
+    while not late.tokens:
+        assert eng.step_overlapped()
+    first = order.events.index("token")
+    assert order.events[:first].count("launch") == 1  # its own step's, and no later one before its token
+    while eng.step_overlapped():
+        pass
+    assert late.done.is_set() and len(late.tokens) == 4
