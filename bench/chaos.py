@@ -47,6 +47,7 @@ from bench import chaos_faults as cf
 from bench.chaos_run import FAULTS, Chaos, Tally
 from devstack.scenario import Scenario, detect_backend
 from libs.common import procs
+from libs.common.errors import HoldfastError
 from libs.common.events import LeaseState
 
 console = Console(stderr=True)
@@ -152,11 +153,11 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
         served = await sc.weights_checksum(engine.endpoint) if engine and engine.endpoint else None
         if served != expected:
             corrupted.append(model)
-    leases = (await sc.leases()).leases
+    leases = await _leases(sc)
     # leaked: held, past the deadline, and still not reclaimed after the reconciler had its chance
     grace_end = max((lease.deadline or 0) for lease in leases) if leases else 0
     await asyncio.sleep(max(0.0, min(grace_end - time.time(), 120.0)) + 2.0)
-    leases = (await sc.leases()).leases
+    leases = await _leases(sc)
     engines = {e.engine_id for e in await sc.engines() if e.pid and procs.pid_alive(e.pid)}
     leaked = [lease.id for lease in leases if lease.state != LeaseState.RECLAIMED and lease.owner not in engines
               and lease.deadline is not None and lease.deadline < time.time()]
@@ -250,3 +251,15 @@ def cli(
     print(text if json_out else json.dumps(report, indent=2))
     if report["chaos"] != "ok":
         raise typer.Exit(1)
+
+
+async def _leases(sc: Scenario) -> list[Any]:
+    """The gpu_manager's leases, asked until it answers (it may be restarting after the last fault), 60 s at most."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            return list((await sc.leases()).leases)
+        except HoldfastError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)

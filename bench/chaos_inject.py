@@ -236,7 +236,10 @@ class Injectors:
         loop = asyncio.get_running_loop()
 
         def uncommitted(lease_id: str) -> str | None:
-            reply = asyncio.run_coroutine_threadsafe(self.sc.leases(), loop).result(10)
+            try:
+                reply = asyncio.run_coroutine_threadsafe(self.sc.leases(), loop).result(10)
+            except Exception:  # noqa: BLE001 - the gpu_manager is down (a fault beside this one): not caught here
+                return None
             for lease in reply.leases:
                 if lease.id == lease_id and lease.state is LeaseState.ACTIVE and lease.layout_hash is None:
                     return str(lease.tag)
