@@ -27,7 +27,15 @@ def _load_real() -> ModuleType | None:
     if spec is None or spec.loader is None:
         return None
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    # nvidia-ml-py sets the NVMLError_* classes it makes at import on `sys.modules[__name__]`: while it runs,
+    # that name must be the real module, or they land on this stand-in and the real module lacks them.
+    shim = sys.modules.get(spec.name)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if shim is not None:
+            sys.modules[spec.name] = shim
     return mod
 
 

@@ -44,3 +44,35 @@ def test_an_injected_xid_reaches_the_agents_nvml_watcher(tmp_path: Path) -> None
     finally:
         proc.kill()
         proc.wait()
+
+
+# nvidia-ml-py as it loads: its NVMLError_* classes are made at import and set on `sys.modules[__name__]`.
+FAKE_REAL_NVML = """
+import sys
+def _make_errors():
+    this = sys.modules[__name__]
+    for name in ("NVMLError_Timeout", "NVMLError_GpuIsLost"):
+        setattr(this, name, type(name, (Exception,), {"__module__": "pynvml-real"}))
+_make_errors()
+nvmlEventTypeXidCriticalError = 0x8
+nvmlEventTypeDoubleBitEccError = 0x2
+def nvmlDeviceGetCount():
+    return 3
+"""
+
+
+def test_the_stand_in_loads_a_real_nvml_that_makes_its_error_classes_at_import(tmp_path: Path) -> None:
+    """On a GPU machine torch and the agent import `pynvml` with the stand-in first on the path: the real package
+    must load as itself (its error classes on it), or every engine dies at `import torch` (the H200 chaos runs'
+    cold-start chains, 2026-12-01: AttributeError: module 'pynvml' has no attribute 'NVMLError_Timeout')."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "pynvml.py").write_text(FAKE_REAL_NVML)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(NVML_SHIM_DIR), str(real)])}
+    probe = ("import pynvml; print(pynvml.NVMLError_Timeout.__module__, pynvml.NVMLError_GpuIsLost.__module__, "
+             "pynvml.nvmlDeviceGetCount(), pynvml.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    real_mod, lost_mod, count, path = out.stdout.split()
+    assert (real_mod, lost_mod, count) == ("pynvml-real", "pynvml-real", "3")
+    assert Path(path).parent == NVML_SHIM_DIR  # the stand-in is what was imported, the real one behind it
