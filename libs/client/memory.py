@@ -243,13 +243,26 @@ class MemoryClient:
     @classmethod
     def connect(cls, engine_id: str, *, socket_path: str | None = None, engine_class: str = "default",
                 reconnect_timeout_s: float = 30.0, timeout_s: float | None = None) -> MemoryClient:
-        """Connect and say hello; `CommandTimeout` if the manager does not answer within `timeout_s`."""
+        """Connect and say hello; `CommandTimeout` if the manager does not answer within `timeout_s`. A manager
+        that is not listening (being restarted: its socket absent or refusing) is waited for up to
+        `reconnect_timeout_s`, as a broken connection is later, then `Unavailable`: an engine started during a
+        manager's restart must not die of it (under chaos such deaths chained cold starts)."""
         path = socket_path or default_socket_path()
         timeout = _timeout_s(timeout_s)
-        try:
-            sock, reply = open_session(path, engine_id, engine_class, timeout)
-        except TimeoutError:
-            raise CommandTimeout(f"gpu_manager at {path} did not answer hello within {timeout} s") from None
+        deadline = time.monotonic() + reconnect_timeout_s
+        backoff = Backoff()
+        while True:
+            try:
+                sock, reply = open_session(path, engine_id, engine_class, timeout)
+                break
+            except TimeoutError:
+                raise CommandTimeout(f"gpu_manager at {path} did not answer hello within {timeout} s") from None
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"gpu_manager not listening at {path} for {reconnect_timeout_s} s: {e!r}") \
+                        from None
+                log.info("gpu_manager not listening at %s (%s); waiting", path, type(e).__name__)
+                time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
         try:
             _raise_if_error(reply)
             hello = p.HelloReply.model_validate(_body(reply))

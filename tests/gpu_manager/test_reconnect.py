@@ -102,3 +102,33 @@ async def test_a_call_while_the_manager_stays_down_fails_as_unavailable_after_it
         assert client.connected
     finally:
         client.close()
+
+
+def test_an_engine_connecting_while_the_manager_restarts_waits_for_it(manager_factory) -> None:  # noqa: ANN001
+    """An engine started while its gpu_manager is being restarted (socket absent, then refusing) waits for it
+    (up to `reconnect_timeout_s`) instead of dying at start; past that it gets a typed `Unavailable`."""
+    import threading
+    import time
+
+    manager = manager_factory()
+    with pytest.raises(Unavailable, match="not listening"):
+        MemoryClient.connect("eng-early", socket_path=manager.socket, reconnect_timeout_s=0.3)
+
+    got: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            got["client"] = MemoryClient.connect("eng-early", socket_path=manager.socket, reconnect_timeout_s=60)
+        except Exception as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+
+    t = threading.Thread(target=connect)
+    t.start()
+    time.sleep(1.0)  # the engine is knocking at a socket nobody listens on
+    assert t.is_alive() and not got
+    manager.start()
+    t.join(60)
+    assert "error" not in got, got
+    client = got["client"]
+    assert isinstance(client, MemoryClient) and client.connected
+    client.close()
