@@ -132,7 +132,12 @@ class Worker:
 async def _recv(conn: multiprocessing.connection.Connection) -> Any:
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
-    loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), wake)
     try:
         await ready
     finally:
