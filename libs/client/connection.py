@@ -8,7 +8,6 @@ has made no progress for that long (a manager stopped, wedged, or flooded cannot
 from __future__ import annotations
 
 import os
-import random
 import socket
 from typing import Any
 
@@ -65,20 +64,3 @@ def peer_gone(sock: socket.socket) -> bool:
         return True
     finally:
         sock.settimeout(timeout)
-
-
-class Backoff:
-    """Exponential delays with jitter, from `first` up to `cap` seconds: the manager may be down a while
-    (a restart reloads its table), and many engines of a node should not knock all at once."""
-
-    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
-        self.first, self.cap = first, cap
-        self._next = first
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.cap, self._next * 2)
-        return delay * random.uniform(0.5, 1.0)
-
-    def reset(self) -> None:
-        self._next = self.first

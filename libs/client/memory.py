@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from libs.client import protocol as p
-from libs.client.connection import BROKEN, Backoff, open_session, peer_gone, round_trip
+from libs.client.connection import BROKEN, open_session, peer_gone, round_trip
 from libs.client.connection import timeout_s as _timeout_s
 from libs.client.mapping import CudaMapping, HostMapping, close_all, local_ordinal
 from libs.client.protocol import TensorMeta, contiguous_stride, tensor_extent
 from libs.common import errors
+from libs.common.backoff import Backoff
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.events import LeaseInfo, LeaseState
 
@@ -250,7 +251,7 @@ class MemoryClient:
         path = socket_path or default_socket_path()
         timeout = _timeout_s(timeout_s)
         deadline = time.monotonic() + reconnect_timeout_s
-        backoff = Backoff()
+        backoff = Backoff(first_s=0.05, max_s=2.0, jitter=0.5)
         while True:
             try:
                 sock, reply = open_session(path, engine_id, engine_class, timeout)
@@ -262,7 +263,7 @@ class MemoryClient:
                     raise Unavailable(f"gpu_manager not listening at {path} for {reconnect_timeout_s} s: {e!r}") \
                         from None
                 log.info("gpu_manager not listening at %s (%s); waiting", path, type(e).__name__)
-                time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+                time.sleep(min(backoff.next_delay(), max(0.0, deadline - time.monotonic())))
         try:
             _raise_if_error(reply)
             hello = p.HelloReply.model_validate(_body(reply))
@@ -286,7 +287,7 @@ class MemoryClient:
         accepts but does not answer within `timeout_s` raises `CommandTimeout` (the connection is dropped:
         a late reply would be read as the answer to the next request)."""
         deadline = time.monotonic() + self.reconnect_timeout_s
-        backoff = Backoff()
+        backoff = Backoff(first_s=0.05, max_s=2.0, jitter=0.5)
         while True:
             with self._lock:
                 if self.sock is not None and peer_gone(self.sock):  # closed while idle: nothing sent yet
@@ -312,7 +313,7 @@ class MemoryClient:
                 raise Unavailable("client closed")
             if time.monotonic() >= deadline:
                 raise Unavailable(f"gpu_manager unreachable at {self.socket_path} for {self.reconnect_timeout_s} s")
-            time.sleep(backoff.next())
+            time.sleep(backoff.next_delay())
         try:
             _raise_if_error(reply)
         except BaseException:
@@ -638,14 +639,14 @@ class MemoryClient:
             return
 
         def beat() -> None:
-            backoff = Backoff(first=min(0.05, interval_s), cap=max(2.0, interval_s))
+            backoff = Backoff(first_s=min(0.05, interval_s), max_s=max(2.0, interval_s), jitter=0.5)
             wait = interval_s
             while not self._hb_stop.wait(wait):
                 with self._lock:
                     if self._closed:
                         return
                     if self.sock is None and not self._reconnect_locked():
-                        wait = backoff.next()
+                        wait = backoff.next_delay()
                         continue
                     try:
                         body, fds = round_trip(self.sock, p.Heartbeat())  # type: ignore[arg-type]
@@ -653,7 +654,7 @@ class MemoryClient:
                         ask = p.HeartbeatReply.model_validate(_body(body)).ask if body.get("ask") else None
                     except BROKEN as e:
                         self._broken_locked(e)
-                        wait = backoff.next()
+                        wait = backoff.next_delay()
                         continue
                     except Exception as e:  # noqa: BLE001 - keep beating; a bad reply is not a lost link
                         log.warning("heartbeat failed: %r", e)
