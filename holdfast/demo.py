@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from devstack.scenario import PROMPTS, Scenario, detect_backend
+from libs.common.events import Tag
 
 console = Console(stderr=True)
 
@@ -85,7 +86,7 @@ async def _play(sc: Scenario, failures: list[str], quiet: bool) -> dict[str, Any
                 # The serving engine's leases, once its replacement standby is up too: a lease another engine is
                 # still allocating when the manager dies is uncommitted and rightly reclaimed by the restart.
                 serving = await sc.wait_serving()
-                held_before = {lease.id for lease in (await sc.leases()).leases if lease.owner == serving.engine_id}
+                held_before = await _settled_leases(sc, serving.engine_id)
                 assert sc.stack is not None
                 sc.stack.kill("gpu_manager")
                 sc.stack.restart("gpu_manager")
@@ -145,6 +146,19 @@ def _under_load(backend: str, size: str, failures: list[str]) -> dict[str, Any]:
             "late_first_token_ms": out["late_first_token_ms"], "no_failure_largest_gap_ms":
             report["no_failure"]["largest_gap_ms"], "lost": out["lost"], "mismatched": out["mismatched"],
             "adopted": succ.get("adopted"), "recomputed_prefill_tokens": succ.get("recomputed_prefill_tokens")}
+
+
+async def _settled_leases(sc: Scenario, engine_id: str, timeout: float = 30.0) -> set[str]:
+    """The leases `engine_id` keeps for itself: once it no longer holds a predecessor's KV cache taken over
+    (tag kv_cache, epoch > 1). A promoted shadow reads that cache for the replayed requests (kv_reuse_s) and
+    then releases it on its own; a release that falls across the manager's restart is not a lost lease."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        mine = [lease for lease in (await sc.leases()).leases if lease.owner == engine_id]
+        donors = [lease for lease in mine if lease.tag == Tag.KV_CACHE and lease.epoch > 1]
+        if not donors or asyncio.get_running_loop().time() > deadline:
+            return {lease.id for lease in mine}
+        await asyncio.sleep(0.2)
 
 
 def _print_timeline(timeline: dict[str, float]) -> None:
