@@ -164,6 +164,14 @@ class StepTimes:
                 "slowest": self.slowest}
 
 
+def request_params(max_tokens: int, temperature: float, seed: int, ignore_eos: bool) -> SamplingParams:
+    """A request's sampling and stop rule: EOS ends it unless it asked `ignore_eos`. A stop token ends a sequence
+    whatever `ignore_eos` says (scheduler.py `_stop_reason`), so EOS is one only for a request that stops at it
+    (issue 17: with EOS always a stop token, an `ignore_eos` request ended at its first EOS)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          stop_token_ids=frozenset() if ignore_eos else STOP, ignore_eos=ignore_eos)
+
+
 def finish_reason(seq: Sequence) -> str:
     reason = seq.finish_reason or "length"
     return "eos" if reason == "stop" else reason
@@ -230,8 +238,7 @@ class LLMEngine:
         now = time.perf_counter()
         seqs: list[Sequence] = []
         for e in entries:
-            params = SamplingParams(max_tokens=e.max_tokens, temperature=e.temperature, seed=e.seed,
-                                    stop_token_ids=STOP, ignore_eos=e.ignore_eos)
+            params = request_params(e.max_tokens, e.temperature, e.seed, e.ignore_eos)
             seq = Sequence(seq_id=next(self._ids), request_id=e.request_id, tokens=list(e.tokens),
                            prompt_len=e.prompt_len, params=params)
             seq.num_computed = e.computed
@@ -329,8 +336,7 @@ class LLMEngine:
         # The tokens a predecessor generated are the sequence's output, not its prompt: the scheduler feeds them
         # the way they were first computed (in deterministic mode one per step, as decode made them), so the
         # continuation is the uninterrupted run's; they are not sent again.
-        params = SamplingParams(max_tokens=req.resumed + req.max_tokens, temperature=req.temperature, seed=req.seed,
-                                stop_token_ids=STOP, ignore_eos=req.ignore_eos)
+        params = request_params(req.resumed + req.max_tokens, req.temperature, req.seed, req.ignore_eos)
         seq = Sequence(seq_id=next(self._ids), request_id=req.request_id, tokens=list(req.context),
                        prompt_len=len(req.context) - req.resumed, params=params)
         try:
