@@ -127,12 +127,14 @@ def test_orphan_is_reclaimed_after_its_deadline_and_its_memory_is_freed_everywhe
 
 
 def test_a_claimed_lease_is_not_reclaimed_when_its_old_deadline_passes(manager_factory, engines):
-    # The grace must outlast starting the successor's Python process, seconds on a loaded 2-core machine.
+    # The successor's process is started (and connected) before the kill: the grace then only has to outlast
+    # one attach, not a Python start-up that takes seconds on a loaded 2-core machine.
     manager = manager_factory(HF_GRACE_S="5.0").start()
     first = engines(manager, "eng-claim")
     wrote = first.ask(f"write {N} 6")
-    first.kill()
     second = engines(manager, "eng-claim")
+    assert second.ask("status")["connected"]
+    first.kill()
     assert second.ask("attach")["data"] == wrote["expected"]
 
     time.sleep(5.5)  # past the old deadline (grace 5 s): many reconciler passes (every 0.1 s) run meanwhile
