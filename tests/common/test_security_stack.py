@@ -68,8 +68,16 @@ async def _intrude(url: str, creds: Path, who: str | None, node: str) -> list[st
 @pytest.mark.timeout(600)
 def test_intruders_are_refused_and_the_healthy_engine_keeps_serving(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    orig = StackConfig.ephemeral  # the demo's stack, holding credentials for a second node too (an intruder's)
-    monkeypatch.setattr(StackConfig, "ephemeral", classmethod(lambda cls, **kw: orig(**{**kw, "other_nodes": ("node-2",)})))
+    # The demo's stack, holding credentials for a second node too (an intruder's). The agent's hang detection
+    # waits 5 s, not 1 s: on a loaded 2-core machine an engine starved of CPU for a second is rightly declared
+    # hung, and the incident that starts would not be the intruders' doing (what this test checks is theirs).
+    orig = StackConfig.ephemeral
+
+    def ephemeral(cls: type[StackConfig], **kw: Any) -> StackConfig:
+        env = {**kw.pop("extra_env", {}), "HF_HEARTBEAT_TIMEOUT_S": "5.0"}
+        return orig(**{**kw, "other_nodes": ("node-2",), "extra_env": env})
+
+    monkeypatch.setattr(StackConfig, "ephemeral", classmethod(ephemeral))
     sc = Scenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
     try:
         stack = sc.start()
