@@ -4,7 +4,8 @@ Every method blocks: the manager calls them through `LeaseDb.run` on one worker 
 writes in the order they were made. A row is written before the change it records is acted on (a new epoch
 is durable before read-write access is granted). A gang's row is written in the same transaction as the lease
 rows its change goes with (a takeover's new owners, epochs and generation; a reclaim's end of the gang), so a
-manager killed at any point restarts with a gang that matches its leases.
+manager killed at any point restarts with a gang that matches its leases. A row that cannot be read back is set
+aside into `quarantine` (quarantine.py), each row on its own: the others load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     BigInteger,
     Column,
+    Float,
     Integer,
     MetaData,
     String,
@@ -27,7 +29,8 @@ from sqlalchemy import (
 )
 
 from services.gpu_manager.gang import Gang
-from services.gpu_manager.records import LeaseRecord, gang_from_row, gang_to_row
+from services.gpu_manager.quarantine import BadRow, LeaseRow, gang_defects
+from services.gpu_manager.records import LeaseRecord, RowDefect, gang_from_row, gang_to_row
 
 T = TypeVar("T")
 
@@ -57,6 +60,18 @@ gangs = Table(
     Column("body", Text, nullable=False),
 )
 
+# Rows set aside at start-up (quarantine.py): what they were, from which table, and why. Never read back as leases.
+quarantine = Table(
+    "quarantine", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("node", String(256), nullable=False, index=True),
+    Column("kind", String(16), nullable=False),  # lease | gang
+    Column("key", String(256), nullable=False),  # the lease id, or the gang id
+    Column("reason", Text, nullable=False),
+    Column("row", Text, nullable=False),  # the row as it was, JSON
+    Column("at", Float, nullable=False),
+)
+
 
 class LeaseDb:
     def __init__(self, url: str) -> None:
@@ -71,14 +86,47 @@ class LeaseDb:
     def create_schema(self) -> None:
         metadata.create_all(self.engine)
 
-    def load_live(self, node: str) -> list[LeaseRecord]:
+    def load_live(self, node: str) -> tuple[list[LeaseRecord], list[BadRow]]:
+        """The node's live lease rows, and those that cannot be read back (each with its reason)."""
+        good, bad = [], []
         with self.engine.connect() as conn:
-            rows = conn.execute(select(leases).where(leases.c.node == node, leases.c.state != "RECLAIMED"))
-            return [LeaseRecord.from_row(r) for r in rows]
+            for row in conn.execute(select(leases).where(leases.c.node == node, leases.c.state != "RECLAIMED")):
+                try:
+                    good.append(LeaseRecord.from_row(row, node))
+                except RowDefect as e:
+                    bad.append(BadRow.of("lease", row.id, str(e), row._mapping))
+        return good, bad
 
-    def load_gangs(self, node: str) -> list[Gang]:
+    def load_gangs(self, node: str) -> tuple[list[Gang], list[BadRow]]:
+        """The node's gangs, and those that cannot be read back or name leases they cannot hold (quarantine.py)."""
+        good: dict[str, tuple[Gang, Any]] = {}
+        bad = []
         with self.engine.connect() as conn:
-            return [gang_from_row(r) for r in conn.execute(select(gangs).where(gangs.c.node == node))]
+            for row in conn.execute(select(gangs).where(gangs.c.node == node)):
+                try:
+                    good[row.gang_id] = (gang_from_row(row), row)
+                except RowDefect as e:
+                    bad.append(BadRow.of("gang", row.gang_id, str(e), row._mapping))
+            named = sorted({i for gang, _ in good.values() for i in gang.epochs})
+            rows = {r.id: LeaseRow(r.node, r.owner) for r in conn.execute(
+                select(leases.c.id, leases.c.node, leases.c.owner).where(leases.c.id.in_(named)))}
+            aside = conn.execute(select(quarantine.c.key).where(
+                quarantine.c.node == node, quarantine.c.kind == "lease", quarantine.c.key.in_(named)))
+            rows.update({key: LeaseRow(node, None) for (key,) in aside if key not in rows})
+        why = gang_defects([g for g, _ in good.values()], rows, node)
+        bad += [BadRow.of("gang", gang_id, why[gang_id], good.pop(gang_id)[1]._mapping) for gang_id in sorted(why)]
+        return [g for g, _ in good.values()], bad
+
+    def set_aside(self, node: str, bad: list[BadRow], at: float) -> None:
+        """Move rows to `quarantine`, in one transaction: each leaves its table as its copy lands there."""
+        with self.engine.begin() as conn:
+            for item in bad:
+                conn.execute(quarantine.insert().values(node=node, kind=item.kind, key=item.key, reason=item.reason,
+                                                        row=item.row, at=at))
+                if item.kind == "lease":
+                    conn.execute(leases.delete().where(leases.c.id == item.key, leases.c.node == node))
+                else:
+                    conn.execute(gangs.delete().where(gangs.c.node == node, gangs.c.gang_id == item.key))
 
     def save(self, records: list[LeaseRecord], node: str = "", put_gangs: tuple[Gang, ...] = (),
              drop_gangs: tuple[str, ...] = ()) -> None:

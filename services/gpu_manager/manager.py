@@ -19,6 +19,8 @@ Invariants (numbered as in the service README):
    in the same transaction as the lease rows that go with it (`apply_all(moves, gangs=...)`), and a gang ends in
    the commit that reclaims its last lease; `load` reads them back after a restart. Moves that reclaim leases take
    them out of `records` all at once, before any memory is freed: no reader sees part of such a commit.
+7. `load` reads each row on its own: a lease or gang row that cannot be read back is set aside (quarantine.py),
+   logged with its reason, and every other row is loaded; the manager starts and serves.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from services.gpu_manager.gang import Gang, ended
 from services.gpu_manager.gpu_board import GpuBoard
 from services.gpu_manager.keeper_client import KeeperClient
 from services.gpu_manager.mirror import Mirror
+from services.gpu_manager.quarantine import BadRow
 from services.gpu_manager.records import LeaseRecord, open_pidfd, process_alive
 from services.gpu_manager.settings import GpuManagerSettings
 from services.gpu_manager.tier import TIER_PREFIX
@@ -134,7 +137,8 @@ class LeaseBook:
     async def load(self) -> None:
         """Reload the table and take the memory back from the keeper (after a restart, or a first start)."""
         await self.db.run(self.db.create_schema)
-        rows: list[LeaseRecord] = await self.db.run(self.db.load_live, self.settings.node)
+        rows, bad = await self.db.run(self.db.load_live, self.settings.node)
+        await self._set_aside(bad)  # before the keeper's listing is matched: their memory is dropped as unknown
         held = await self.keeper.listing()
         for rec in rows:
             meta, fds = held.pop(rec.id, ({}, []))
@@ -173,7 +177,8 @@ class LeaseBook:
 
     async def _load_gangs(self) -> None:
         """The gangs, read back once every lease is (a gang whose leases were all lost with their memory ends)."""
-        gangs: list[Gang] = await self.db.run(self.db.load_gangs, self.settings.node)
+        gangs, bad = await self.db.run(self.db.load_gangs, self.settings.node)
+        await self._set_aside(bad)
         self.gangs = {g.gang_id: g for g in gangs}
         gone = ended(gangs, (r.info for r in self.records.values()))
         if gone:
@@ -181,6 +186,14 @@ class LeaseBook:
             for gang_id in gone:
                 del self.gangs[gang_id]
             log.warning("gangs %s ended: none of their leases is left", gone)
+
+    async def _set_aside(self, bad: list[BadRow]) -> None:
+        """Rows that cannot be loaded, moved to the quarantine table (durably) and logged once each (quarantine.py)."""
+        if not bad:
+            return
+        await self.db.run(self.db.set_aside, self.settings.node, bad, time.time())
+        for item in bad:
+            log.error("quarantined %s %s: %s (the row is in the quarantine table)", item.kind, item.key, item.reason)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,6 +1,10 @@
 """A lease row as the manager keeps it: the public `LeaseInfo` plus what only the manager needs (who holds it,
 the transfer token, the registered tensors); a gang's row (gang.py's `Gang` as stored). Pure data, plus
-process-identity helpers from /proc."""
+process-identity helpers from /proc.
+
+Reading a row back (`LeaseRecord.from_row`, `gang_from_row`) checks it whole and raises `RowDefect`, with the
+reason, for anything that is not a row this manager could have written: the caller sets that one row aside
+(quarantine.py) and loads the rest."""
 
 from __future__ import annotations
 
@@ -8,13 +12,18 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from libs.client.protocol import TensorMeta
 from libs.common.events import LeaseInfo
 from libs.common.procs import stat_fields
 from services.gpu_manager.gang import Gang
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,12 +62,47 @@ class LeaseRecord:
         return row
 
     @classmethod
-    def from_row(cls, row: Any) -> LeaseRecord:
-        metas = [TensorMeta.model_validate(t) for t in json.loads(row.tensors or "[]")]
-        return cls(info=LeaseInfo.model_validate_json(row.info), owner_uid=row.owner_uid,
-                   owner_pid=row.owner_pid, owner_pid_start=row.owner_pid_start,
+    def from_row(cls, row: Any, node: str) -> LeaseRecord:
+        """The row of a lease of `node`, or RowDefect (its reason) when it is not one this manager wrote."""
+        info = _read("info", lambda: LeaseInfo.model_validate_json(row.info))
+        metas = _read("tensors", lambda: [TensorMeta.model_validate(t) for t in _json_list(row.tensors or "[]")])
+        _read("columns", lambda: _StoredLeaseColumns.model_validate(dict(row._mapping)))
+        if (info.id, info.node, info.state.value) != (row.id, node, row.state):
+            raise RowDefect(f"its info (id {info.id}, node {info.node}, state {info.state.value}) is not its row's "
+                            f"(id {row.id}, node {node}, state {row.state})")
+        if info.size <= 0 or info.chunk_size <= 0 or info.epoch < 1:
+            raise RowDefect(f"size {info.size}, chunk size {info.chunk_size}, epoch {info.epoch}: each must be > 0")
+        strays = sorted({t.lease_id for t in metas} - {info.id})
+        if strays:
+            raise RowDefect(f"its tensors name other leases {strays}")
+        return cls(info=info, owner_uid=row.owner_uid, owner_pid=row.owner_pid, owner_pid_start=row.owner_pid_start,
                    transfer_token=row.transfer_token, successor=row.successor,
                    tensors={t.name: t for t in metas}, tensors_dirty=False)
+
+
+class RowDefect(ValueError):
+    """A stored row that is not one this manager could have written (bad JSON, wrong types, values that break an
+    invariant, a reference to a lease it cannot hold); the message says why."""
+
+
+class _StoredLeaseColumns(BaseModel):
+    """The lease row's own columns, beside its info (SQLite keeps whatever type it was given)."""
+
+    model_config = ConfigDict(extra="ignore")
+    owner_uid: StrictInt
+    owner_pid: StrictInt | None
+    owner_pid_start: StrictInt | None
+    transfer_token: StrictStr | None
+    successor: StrictStr | None
+
+
+class _StoredGang(BaseModel):
+    """A gang row's body and generation as gang_to_row writes them: at least one rank, each an engine id once."""
+
+    model_config = ConfigDict(extra="forbid")
+    owners: list[StrictStr] = Field(min_length=1)
+    epochs: dict[str, StrictInt]
+    generation: StrictInt = Field(ge=1)
 
 
 def gang_to_row(gang: Gang, node: str) -> dict[str, Any]:
@@ -68,10 +112,36 @@ def gang_to_row(gang: Gang, node: str) -> dict[str, Any]:
 
 
 def gang_from_row(row: Any) -> Gang:
-    body = json.loads(row.body)
-    owners = list(body["owners"])
-    return Gang(row.gang_id, len(owners), dict(enumerate(owners)), {k: int(v) for k, v in body["epochs"].items()},
-                int(row.generation))
+    """The gang of a row, or RowDefect (its reason) when the row is not one gang_to_row wrote."""
+    body = _read("body", lambda: json.loads(row.body))
+    if not isinstance(body, dict):
+        raise RowDefect(f"body: a JSON {type(body).__name__}, not an object")
+    stored = _read("body", lambda: _StoredGang.model_validate({**body, "generation": row.generation}))
+    if len(set(stored.owners)) != len(stored.owners):
+        raise RowDefect(f"its ranks {stored.owners} name an engine twice")
+    bad_epochs = sorted(k for k, v in stored.epochs.items() if v < 1)
+    if bad_epochs:
+        raise RowDefect(f"leases {bad_epochs} have an epoch below 1")
+    return Gang(row.gang_id, len(stored.owners), dict(enumerate(stored.owners)), dict(stored.epochs),
+                stored.generation)
+
+
+def _json_list(text: str) -> list[Any]:
+    got = json.loads(text)
+    if not isinstance(got, list):
+        raise TypeError(f"a JSON {type(got).__name__}, not a list")
+    return got
+
+
+def _read(column: str, parse: Callable[[], T]) -> T:
+    """`parse()`, or RowDefect naming the column and what is wrong with it, on one line."""
+    try:
+        return parse()
+    except ValidationError as e:
+        raise RowDefect(f"{column}: " + "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}"
+                                                   for err in e.errors())) from None
+    except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise RowDefect(f"{column}: {type(e).__name__}: {e}") from None
 
 
 def layout_hash(metas: list[TensorMeta]) -> str:

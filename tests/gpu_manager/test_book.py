@@ -75,7 +75,9 @@ def _rows(book: LeaseBook) -> dict[str, LeaseRecord]:
     """The table as a restarted manager would read it (a second engine on the same file)."""
     fresh = LeaseDb(book.settings.database_url())
     try:
-        return {r.id: r for r in fresh.load_live(book.settings.node)}
+        good, bad = fresh.load_live(book.settings.node)
+        assert not bad
+        return {r.id: r for r in good}
     finally:
         fresh.close()
 
