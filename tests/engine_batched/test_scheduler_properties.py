@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.batched.scheduler import Batch, Scheduler, SchedulerConfig
+from engines.batched.scheduler import Batch, QueueFull, Scheduler, SchedulerConfig
 from engines.batched.sequence import SamplingParams, SeqStatus, Sequence
 
 EOS = 0
@@ -38,28 +38,32 @@ class Scenario:
 
 
 @st.composite
-def scenarios(draw, aborts: bool = True) -> Scenario:
+def scenarios(draw, aborts: bool = True, pressure: bool = False) -> Scenario:
+    """`pressure`: a KV cache of one max_model_len sequence and a block or two more, 4-12 requests in the first
+    four steps against 2-6 running at once, a queue (max_waiting) of 1-6: preemption, queueing and refusal in
+    many runs."""
     bs = draw(st.sampled_from([1, 2, 4, 8]))
     deterministic = draw(st.booleans())
     max_model_len = draw(st.integers(8, 40))
     min_blocks = -(-max_model_len // bs)
-    num_blocks = draw(st.integers(min_blocks, 3 * min_blocks))
-    max_num_seqs = draw(st.integers(1, 6))
+    num_blocks = draw(st.integers(min_blocks, min_blocks + 2 if pressure else 3 * min_blocks))
+    max_num_seqs = draw(st.integers(2 if pressure else 1, 6))
     budget = draw(st.integers(max(max_num_seqs, bs), 32))
     chunk = bs * draw(st.integers(1, budget // bs)) if deterministic else draw(st.integers(1, budget))
     config = SchedulerConfig(num_blocks=num_blocks, block_size=bs, prefix_caching=draw(st.booleans()),
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=budget, prefill_chunk=chunk, deterministic=deterministic,
-                             eos_token_ids={EOS})
+                             eos_token_ids={EOS}, max_waiting=draw(st.integers(1, 6)) if pressure else 10_000)
     systems = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=16), min_size=1, max_size=3))
     reqs = []
-    for _ in range(draw(st.integers(1, 10))):
+    for _ in range(draw(st.integers(4, 12) if pressure else st.integers(1, 10))):
         prompt = draw(st.sampled_from(systems)) + draw(st.lists(st.integers(0, VOCAB - 1), max_size=12))
         prompt = (prompt or [1])[:max_model_len - 1]
         abort = None
         if aborts and draw(st.integers(0, 4)) == 0:
             abort = (draw(st.integers(0, 30)), draw(st.booleans()))
-        reqs.append(Req(draw(st.integers(0, 20)), prompt, draw(st.integers(1, 16)), draw(st.booleans()), abort))
+        arrive = draw(st.integers(0, 3) if pressure else st.integers(0, 20))
+        reqs.append(Req(arrive, prompt, draw(st.integers(1, 24 if pressure else 16)), draw(st.booleans()), abort))
     return Scenario(config, reqs)
 
 
@@ -89,6 +93,7 @@ class Run:
     kv: list[tuple[int, tuple[int, int]] | None] = field(default_factory=list)
     seqs: dict[int, Sequence] = field(default_factory=dict)
     first_scheduled: list[int] = field(default_factory=list)  # arrival orders, in order of first scheduling
+    refused: set[int] = field(default_factory=set)  # requests the full queue refused (QueueFull)
     step_no: int = 0
 
     def __post_init__(self) -> None:
@@ -122,7 +127,14 @@ class Run:
             if r.arrive == self.step_no:
                 seq = Sequence.from_prompt(i, f"r{i}", r.prompt,
                                            SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos))
-                self.sched.add(seq)
+                full = len(self.sched.waiting) >= self.sc.config.max_waiting
+                try:
+                    self.sched.add(seq)
+                except QueueFull:
+                    assert full, "refused with room in the queue"
+                    self.refused.add(i)
+                    continue
+                assert not full, "queued past max_waiting"
                 self.seqs[i] = seq
 
     def abort_due(self, between: bool) -> None:
@@ -209,6 +221,7 @@ def run_to_end(run: Run, max_steps: int = 3000) -> None:
 
 def check_outcomes(run: Run) -> None:
     assert not run.sched.running and not run.sched.waiting
+    assert run.seqs.keys() | run.refused == set(range(len(run.sc.reqs))), "a request neither served nor refused"
     assert run.sched.bm.num_free_blocks == run.sc.config.num_blocks
     for i, seq in run.seqs.items():
         r = run.sc.reqs[i]
