@@ -6,7 +6,9 @@ new leader resumes from it. The machine is a frozen table; `apply()` is the one 
 
 Invariants:
 1. One incident per failed engine generation: the id is derived from (engine id, generation, reason).
-2. States only move along `TRANSITIONS`; terminal states (resolved, failed) never change again.
+2. States only move along `TRANSITIONS`; terminal states (resolved, failed) never change again. The one thing
+   an ended record still loses is its mark `end_unannounced` (set by the transition that ends it): taken off,
+   once, when its end event is published (`announced`; the leader's `endings.py`).
 3. A record in state S says that the entry action of S (the intent sent, the endpoint added...) is done.
 4. Every step that started has a start time; every step that ended has an end time >= its start.
 5. A successor known while still freezing (a shadow promoted while the freeze runs) is in the record
@@ -177,6 +179,9 @@ class IncidentRecord(BaseModel):
     cold_successor_node: str | None = None
     cold_stopped: bool = False  # a late reattach superseded the cold start and its engine was stopped
     failure: str | None = None
+    # Ended, and its end (incident.resolved / incident.failed) not yet known published: the record is written
+    # first, the end announced after, then this is taken off (invariant 2). A leader finding it set announces it.
+    end_unannounced: bool = False
     trace_parent: str | None = None
     leader: str = ""  # the controller that last wrote the record
 
@@ -217,6 +222,20 @@ def opened_record(**fields: object) -> IncidentRecord:
     return rec
 
 
+def announced(rec: IncidentRecord) -> IncidentRecord:
+    """The ended record once its end event is published: only its mark is taken off (invariant 2)."""
+    if not rec.terminal:
+        raise InvalidTransition(f"incident {rec.id} is {rec.state}: it has no end to announce")
+    return rec.model_copy(update={"end_unannounced": False})
+
+
+def failed_step(rec: IncidentRecord) -> Step:
+    """The step a failed incident failed in: the last recorded failed (every row into failed leaves fallback,
+    whose step `apply` ends failed)."""
+    failed = [(s.ended_at or s.started_at, step) for step, s in rec.steps.items() if s.status == "failed"]
+    return max(failed)[1] if failed else Step.FALLBACK
+
+
 def end_step(rec: IncidentRecord, step: Step, status: str, now: float, detail: str = "") -> None:
     cur = rec.steps.get(step)
     if cur is None:
@@ -246,6 +265,8 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
         update["fallback"] = True
     if new_state is S.FAILED:
         update["failure"] = detail or str(trigger)
+    if new_state in TERMINAL:
+        update["end_unannounced"] = True
     out = rec.model_copy(update=update)
     old_step = STEP_OF.get(rec.state)
     if old_step is not None:

@@ -53,11 +53,19 @@ class IncidentLog:
         """Queue `rec` in `delay_s` unless a newer record of the incident is saved first (then `rec` never is)."""
         self.writer.put_after(incident_key(rec.id), rec, delay_s)
 
-    async def open_records(self) -> list[IncidentRecord]:
+    async def in_etcd(self, incident_id: str) -> IncidentRecord | None:
+        """The record etcd holds, never this process's queued write (what a write whose outcome is unknown left)."""
+        raw = await self.store.get(incident_key(incident_id))
+        return None if raw is None else IncidentRecord.model_validate_json(raw)
+
+    async def to_take_over(self) -> tuple[list[IncidentRecord], list[IncidentRecord]]:
+        """What a new leader takes over: the open records, and the ended ones whose end is not yet announced."""
         items, _ = await range_pages(self.store, "incidents/")  # paged: thousands of records exceed 4 MiB
-        out = []
+        open_, unannounced = [], []
         for _key, raw in items:
             rec = IncidentRecord.model_validate_json(raw)
             if not rec.terminal:
-                out.append(rec)
-        return out
+                open_.append(rec)
+            elif rec.end_unannounced:
+                unannounced.append(rec)
+        return open_, unannounced

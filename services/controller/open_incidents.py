@@ -8,7 +8,8 @@ incident and indexes derived from them, kept in step by `put`, the one way a rec
   records) may still show them open for a moment, and a late redelivery of their fault must not reopen them.
 
 Invariants:
-1. Every record held is open (not terminal); a terminal one put is dropped and remembered as closed.
+1. Every record held is open (not terminal); a terminal one put is dropped and remembered as closed; an open one
+   put is no longer closed (an end whose write did not land, resumed: endings.py).
 2. The indexes name exactly the successors (`successor_id`) and the cold engines (`cold_successor_id`, in
    fallback) of the records held.
 3. The closed memory is bounded (`closed_kept`): the oldest half goes (those are long since in the view).
@@ -54,6 +55,8 @@ class OpenIncidents:
                     del self._closed[old]
             return
         self._records[rec.id] = rec
+        if self._closed:
+            self._closed.pop(rec.id, None)
         if rec.successor_id:
             self._by_successor[rec.successor_id] = rec.id
         if rec.state is IncidentState.FALLBACK and rec.cold_successor_id:

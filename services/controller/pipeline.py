@@ -43,7 +43,6 @@ from libs.common.events import (
     EngineStopped,
     Envelope,
     FaultDetected,
-    IncidentFailed,
     IncidentReason,
     IntentResult,
     LeaseChanged,
@@ -54,6 +53,7 @@ from libs.common.events import (
 )
 from libs.common.ids import cold_parent_of
 from libs.common.store import Store
+from services.controller.endings import IncidentEnds
 from services.controller.engine_stops import EngineStops
 from services.controller.incident import (
     WAITING,
@@ -121,18 +121,24 @@ class IncidentDriver:
         self.open = OpenIncidents()  # all incident state is in these records (incident.py's table)
         self.tracing = IncidentTracer()
         self.events = IncidentEvents(bus, view, self.writer, self.tracing, self.deadlines)
+        self.ends = IncidentEnds(bus, self.log, self.events)
         self.stops = EngineStops(bus, view)
         # Not incident state: who is working on an incident right now. Its lock (one holder at a time), and the
         # incidents the deadline pass handed to a background task (not handed again while that task runs).
         self._locks: dict[str, asyncio.Lock] = {}
+        self._ended_locks: list[str] = []  # ended incidents' locks, dropped once released (`_drop_ended_locks`)
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._settling: asyncio.Task[None] | None = None  # the pass reading doubtful ends back (endings.py)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 
     async def start(self) -> None:
-        """Resume every open incident from its record, then consume events (redelivered ones included)."""
-        for rec in await self.log.open_records():
+        """Announce the ends an earlier term recorded but did not announce, resume every open incident from its
+        record, then consume events (redelivered ones included)."""
+        open_, unannounced = await self.log.to_take_over()
+        await self.ends.take_over(unannounced)
+        for rec in open_:
             self.open.put(rec)
         log.info("leader resumes %d open incident(s)", len(self.open))
         for inc_id in self.open:
@@ -169,6 +175,9 @@ class IncidentDriver:
         """Level-triggered pass: missed deadlines, stalled local steps, incidents opened by any API."""
         while True:
             await asyncio.sleep(self.settings.tick_s)
+            self._drop_ended_locks()
+            if self.ends.doubts and (self._settling is None or self._settling.done()):
+                self._settling = self._spawn(self._settle_ends(), "incident-ends:settle")
             now = time.time()
             for rec in self.open.records():
                 lock = self._locks.get(rec.id)
@@ -201,9 +210,38 @@ class IncidentDriver:
             finally:
                 self._busy.discard(inc_id)
 
-        task = asyncio.create_task(run(), name=f"incident:{inc_id}")
-        self._tasks.add(task)
+        self._spawn(run(), f"incident:{inc_id}")
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)  # referenced until done; cancelled by `stop`
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _settle_ends(self) -> None:
+        """Read back each doubtful end (endings.py) under its incident's lock; the first read that etcd does not
+        answer ends the pass (the store is still failing: the next tick tries again)."""
+        for inc_id in list(self.ends.doubts):
+            try:
+                async with self._holding([inc_id]):
+                    rec = await self.ends.settle(inc_id)
+                    if rec is not None and inc_id not in self.open:
+                        self.open.put(rec)  # its end never landed: resumed from etcd's record (deadline pass)
+            except Exception as e:  # noqa: BLE001 - etcd still failing: settled on a later tick
+                log.info("incident ends not settled yet (%r): again on the next tick", e)
+                return
+
+    def _drop_ended_locks(self) -> None:
+        """Forget the locks of incidents ended here, once nobody holds them (popped while held, a second holder
+        could take a new lock of the same incident at once)."""
+        keep = []
+        for inc_id in self._ended_locks:
+            lock = self._locks.get(inc_id)
+            if lock is not None and lock.locked():
+                keep.append(inc_id)
+            elif inc_id not in self.open:
+                self._locks.pop(inc_id, None)
+        self._ended_locks = keep
 
     def _lock(self, inc_id: str) -> asyncio.Lock:
         lock = self._locks.get(inc_id)  # not setdefault: that builds a Lock on every call, used or not
@@ -396,11 +434,8 @@ class IncidentDriver:
                     continue
                 if new.state is S.FALLBACK and rec.state is not S.FALLBACK:
                     await self.bus.publish(self.events.intent(new, fallback=True))
-                if new.state is S.FAILED:  # recorded first, then announced (_announce_ends)
-                    failed = self.events.envelope(
-                        IncidentFailed(incident_id=new.id, engine_id=new.engine_id, step=self._failed_step(rec),
-                                       reason=new.failure or ""), f"{new.id}-failed", new)
-                    await self._announce_ends([(m.at, failed, self._end(rec, new))], out)
+                if new.state is S.FAILED:  # recorded first, then announced (endings.py)
+                    await self.ends.announce([(m.at, new, self._end(rec, new))], out)
                     continue
                 # Entering route-in, the record is not written: route-in follows at once and writes the next
                 # one (a crash before it redoes the step from the result, which is acked only after route-in).
@@ -511,7 +546,7 @@ class IncidentDriver:
 
     async def _route_in(self, routing: dict[str, int], out: Outcomes) -> None:
         """Route in (the successors' endpoints published together), then close: each incident's resolved record
-        written and confirmed, then its incident.resolved published (`_announce_ends`)."""
+        written and confirmed, then its incident.resolved published (endings.py)."""
         if not routing:
             return
         staged = []
@@ -534,35 +569,19 @@ class IncidentDriver:
         ends = []
         for rec, at, r in staged:
             try:
-                ends.append((at, r.ended, self._end(rec, r.record)))
+                ends.append((at, r.record, self._end(rec, r.record)))
                 if rec.move_off and rec.successor_id != rec.engine_id:
                     # Drained: its successor serves now; stop it (best effort, like a superseded cold engine).
                     self.stops.stop(rec.id, rec.engine_id, rec.node)
             except Exception as e:  # noqa: BLE001 - redelivered
                 out[at] = e
-        await self._announce_ends(ends, out)
+        await self.ends.announce(ends, out)
 
     def _end(self, old: IncidentRecord, new: IncidentRecord) -> asyncio.Future[None]:
         """An incident ends (`new` is terminal): closed here at once, and its record's write started; the end is
-        announced only once that write is confirmed (`_announce_ends`)."""
+        announced only once that write is confirmed (endings.py)."""
         self._commit(old, new, write=False)
         return self.log.write_soon(new)
-
-    async def _announce_ends(self, ends: list[tuple[int, Any, asyncio.Future[None]]], out: Outcomes) -> None:
-        """Publish each ended incident's terminal event once its terminal record is in etcd. Never before: a leader
-        that loses its term between the two (a fenced write, an etcd stall) would have announced an end that the
-        next leader, resuming from the older record, cannot see, and finishes again, maybe the other way
-        (incident.py, invariant 2). An end whose write failed is not announced here: the next leader ends it."""
-        announced = []
-        for at, event, written in ends:
-            try:
-                await written
-                announced.append(event)
-            except Exception as e:  # noqa: BLE001 - this term's writes are fenced off: the next leader ends it
-                log.warning("an ended incident's record was not written (%s): its end is not announced", e)
-                out[at] = e
-        if announced:
-            await self.bus.publish_all(announced)
 
     def _commit(self, old: IncidentRecord, new: IncidentRecord, *, write: bool = True, after_s: float = 0.0) -> None:
         """`new` is the incident's record from now on: in the table, and queued to etcd (written behind, fenced by
@@ -575,7 +594,7 @@ class IncidentDriver:
         self.tracing.steps(old, new)
         self.open.put(new)
         if new.terminal:
-            self._locks.pop(new.id, None)
+            self._ended_locks.append(new.id)
             self.metrics.record_closed(new)
             self.tracing.close(new)
             log.info("incident %s %s in %s ms", new.id, new.state, new.total_ms())
@@ -624,7 +643,3 @@ class IncidentDriver:
         )
         self.tracing.open(rec)
         return rec
-
-    @staticmethod
-    def _failed_step(rec: IncidentRecord) -> Step:
-        return {S.FREEZING: Step.FREEZE, S.REATTACHING: Step.REATTACH}.get(rec.state, Step.FALLBACK)

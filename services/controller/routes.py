@@ -15,30 +15,40 @@ import time
 from typing import NamedTuple
 
 from libs.common.bus import Bus, Wired
+from libs.common.errors import InvalidTransition
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
     EndpointRemoved,
     Event,
+    IncidentFailed,
     IncidentOpened,
     IncidentResolved,
     LeaseState,
     RecoverIntent,
     Step,
 )
-from services.controller.incident import Deadlines, IncidentRecord, Trigger, apply, end_step, start_step
+from services.controller.incident import (
+    Deadlines,
+    IncidentRecord,
+    IncidentState,
+    Trigger,
+    apply,
+    end_step,
+    failed_step,
+    start_step,
+)
 from services.controller.incident_trace import IncidentTracer
 from services.controller.view import ClusterView
 
 
 class RouteIn(NamedTuple):
-    """A route-in prepared: the record once it is done (resolved), the events to publish first (the successor's
-    endpoint; a drained engine's route removed), and `ended`: incident.resolved, published only once that record
-    is in etcd (pipeline.py: an end is never announced that a next leader could not see)."""
+    """A route-in prepared: the record once it is done (resolved) and the events to publish first (the successor's
+    endpoint; a drained engine's route removed). Its end, incident.resolved, goes out only once that record is in
+    etcd (`ended`, endings.py: an end is never announced that a next leader could not see)."""
 
     record: IncidentRecord
     events: list[Wired]
-    ended: Wired
 
 
 class RouteOut(NamedTuple):
@@ -110,9 +120,6 @@ class IncidentEvents:
         new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
         events = [self.envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
                                               predecessor_id=rec.engine_id), f"{rec.id}-added", rec)]
-        ended = self.envelope(IncidentResolved(incident_id=new.id, engine_id=new.engine_id, successor_id=succ or None,
-                                               timings_ms=new.timings_ms(), total_ms=new.total_ms() or 0.0,
-                                               fallback=new.fallback), f"{new.id}-resolved", new)
         if rec.move_off:  # the drained engine's route goes only now, after its successor's (make before break)
             hit = self.view.endpoint_of(rec.engine_id)
             model, old_url = hit if hit is not None else (rec.model, rec.endpoint)
@@ -120,7 +127,19 @@ class IncidentEvents:
             events.append(self.envelope(EndpointRemoved(model=model, engine_id=rec.engine_id, url=old_url,
                                                         reason="drained", incident_id=rec.id),
                                         f"{rec.id}-removed", rec))
-        return RouteIn(new, events, ended)
+        return RouteIn(new, events)
+
+    def ended(self, rec: IncidentRecord) -> Wired:
+        """The end event of an ended record, from the record alone (a next leader rebuilds it the same: one id)."""
+        if rec.state is IncidentState.FAILED:
+            return self.envelope(IncidentFailed(incident_id=rec.id, engine_id=rec.engine_id, step=failed_step(rec),
+                                                reason=rec.failure or ""), f"{rec.id}-failed", rec)
+        if rec.state is not IncidentState.RESOLVED:
+            raise InvalidTransition(f"incident {rec.id} is {rec.state}: it has not ended")
+        return self.envelope(IncidentResolved(incident_id=rec.id, engine_id=rec.engine_id,
+                                              successor_id=rec.successor_id or None, timings_ms=rec.timings_ms(),
+                                              total_ms=rec.total_ms() or 0.0, fallback=rec.fallback),
+                             f"{rec.id}-resolved", rec)
 
     def intent(self, rec: IncidentRecord, *, fallback: bool) -> Wired:
         intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,

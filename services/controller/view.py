@@ -28,7 +28,8 @@ class ClusterView(BaseClusterView):
         # Several writes of one record may be on their way (sent one transaction after another): a queue per
         # id, in the order sent, which is the order etcd commits them and the watch brings them back.
         self._own: dict[str, list[tuple[bytes, IncidentRecord]]] = {}
-        # Ended incidents (resolved, failed): id -> when it ended, oldest first (libs/common/retention.py deletes from the front).
+        # Ended incidents (resolved, failed) whose end is announced: id -> when it ended, oldest first
+        # (libs/common/retention.py deletes from the front; a record still to announce is never offered).
         self.ended: dict[str, float] = {}
 
     def expect_own(self, key: str, value: bytes | None, obj: Any) -> None:
@@ -62,7 +63,7 @@ class ClusterView(BaseClusterView):
         if rec.terminal:
             if self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
-            if rest not in self.ended:
+            if rest not in self.ended and not rec.end_unannounced:  # retention waits for its end's announcement
                 self.ended[rest] = rec.updated_at
         else:
             self.open_by_engine[rec.engine_id] = rest
