@@ -161,6 +161,12 @@ class EngineInfo(Model):
     gang: str | None = None
 
 
+def engine_record_key(node: str, engine_id: str) -> str:
+    """An engine's record in etcd (EngineInfo, written by its node's agent): keyed by node so that etcd's RBAC
+    lets a node's agent write its own engines' records and no other node's (security/policy.py)."""
+    return f"engines/{node}/{engine_id}"
+
+
 class NodeInfo(Model):
     """`nodes/<node>` in etcd, bound to the agent's etcd lease: it vanishes with a dead agent."""
 
@@ -473,6 +479,10 @@ class ReclaimGang(Command):
     op: Literal["reclaim_gang"] = "reclaim_gang"
     gang_id: str
     force: bool = False
+    # Only if the gang is still this group's (its rank 0's engine id): a gang id outlives its groups, so a clean-up
+    # meant for a lost group never takes a successor group's memory (`conflict` then). None: whoever holds it.
+    group: str | None = None
+    incident_id: str | None = None
 
 
 class ReclaimGangReply(Model):

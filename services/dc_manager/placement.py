@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
 from libs.common.cluster_view import GpuSlot
+from libs.common.events import LeaseInfo
 
 
 class Action(StrEnum):
@@ -46,6 +47,16 @@ def node_copies(gpu_records: Mapping[tuple[str, int], Mapping[str, Any]], engine
                     COPY_RANK[kind] < COPY_RANK.get(out.get(node, ""), 2):
                 out[node] = kind
     return out
+
+
+def released(slots: Iterable[GpuSlot], freed: Iterable[LeaseInfo]) -> list[GpuSlot]:
+    """The slots with `freed` leases' bytes given back: leases just reclaimed that the view still counts (it drops
+    one when the gpu_manager's etcd mirror deletes its key, some milliseconds later). Pass only leases the view holds
+    now, so none is given back twice."""
+    back: dict[tuple[str, int], int] = {}
+    for lease in freed:
+        back[(lease.node, lease.gpu)] = back.get((lease.node, lease.gpu), 0) + lease.size
+    return [replace(s, leased_bytes=max(0, s.leased_bytes - back.get((s.node, s.gpu), 0))) for s in slots]
 
 
 def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, slots: Iterable[GpuSlot],

@@ -47,7 +47,10 @@ from libs.common.events import (
     FreezeGangReply,
     FreezeReply,
     IntentResult,
+    LeaseInfo,
     LeaseState,
+    ReclaimGang,
+    ReclaimGangReply,
     RecoverIntent,
     Spawn,
     SpawnReply,
@@ -58,7 +61,7 @@ from libs.common.events import (
 )
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
-from services.dc_manager.placement import Action, Placement, node_copies, place
+from services.dc_manager.placement import Action, Placement, node_copies, place, released
 from services.dc_manager.settings import DcManagerSettings
 
 log = logging.getLogger("holdfast.dc_manager")
@@ -305,11 +308,12 @@ class IntentSteps:
     async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         if prog.spawn is None:
             needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
+            freed = await self._reclaim_lost_gang(intent)
             # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
             # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
             where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
-                          slots=self.view.gpu_slots(), alive=set(self.view.nodes), allowed=self.allowed,
-                          copies=node_copies(self.view.gpus, intent.engine_class))
+                          slots=released(self.view.gpu_slots(), freed), alive=set(self.view.nodes),
+                          allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class))
             if where.action is Action.NONE:
                 raise StepFailed(Step.FALLBACK, where.reason)
             spec = self.spec_for(intent)
@@ -323,6 +327,28 @@ class IntentSteps:
         engine = prog.spawn.engine
         await self._result(intent, Step.FALLBACK, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
                            timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state, node=engine.node)
+
+    async def _reclaim_lost_gang(self, intent: RecoverIntent) -> list[LeaseInfo]:
+        """A tensor-parallel group whose memory is lost (a rank's GPU failed, or its gang can no longer be taken
+        over): every lease of its gang is reclaimed before its new group is placed, so that the memory on the
+        healthy GPUs is there for it. Forced: a rank on a healthy GPU may not be dead yet (the agent kills the group
+        on the fault), and no successor can ever map a broken gang. Only while the gang is still this group's
+        (`group`): a successor group's is never touched. The gpu_manager reclaims a broken gang by itself once its
+        ranks are dead (reconciler rule 6), but only if it heard of the fault; this does not depend on that. Best
+        effort: a failure is logged and the cold start goes on. Returns the leases reclaimed, as the view knew them."""
+        if intent.gang is None or not intent.node:
+            return []
+        cmd = ReclaimGang(gang_id=intent.gang, force=True, group=intent.engine_id, incident_id=intent.incident_id)
+        try:
+            reply, ms = await self._command(Step.FALLBACK, intent.node, cmd, ReclaimGangReply,
+                                            self.settings.freeze_timeout_s)
+        except StepFailed as e:
+            log.warning("intent %s: gang %s of %s not reclaimed before its cold start: %s", intent.incident_id,
+                        intent.gang, intent.engine_id, e.detail)
+            return []
+        log.info("intent %s: gang %s of %s reclaimed before its cold start: %d leases in %.1f ms", intent.incident_id,
+                 intent.gang, intent.engine_id, len(reply.lease_ids), ms)
+        return [self.view.leases[i] for i in reply.lease_ids if i in self.view.leases]
 
     def spec_for(self, intent: RecoverIntent) -> EngineSpec | None:
         """The engine's own recorded spec, else `specs/<class>` in etcd (or the spec an agent runs that class

@@ -133,7 +133,7 @@ class Commands:
 
     async def reclaim_gang(self, cmd: ReclaimGang) -> ReclaimGangReply:
         async with self.book.lock:
-            return ReclaimGangReply(lease_ids=await self.gangs.reclaim(cmd.gang_id, cmd.force))
+            return ReclaimGangReply(lease_ids=await self.gangs.reclaim(cmd.gang_id, cmd.force, cmd.group))
 
     async def _reclaim_uncommitted(self, owner: str, recs: list) -> None:
         """Never offered to a successor: its tensors were not all there (caller holds the lock)."""

@@ -98,10 +98,14 @@ class GangBook:
         await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
         return gang, recs, token
 
-    async def reclaim(self, gang_id: str, force: bool) -> list[str]:
+    async def reclaim(self, gang_id: str, force: bool, group: str | None = None) -> list[str]:
         """Every lease of every rank RECLAIMED (an ACTIVE one only with `force`); the gang ends in the same commit
-        (gang.py invariant 7). Caller holds the lock."""
+        (gang.py invariant 7). `group`: only while that engine is its rank 0 (a successor group's gang keeps the
+        id: a lost group's clean-up must not take it). Caller holds the lock."""
         gang = self.get(gang_id)
+        if group is not None and gang.owners.get(0) != group:
+            raise Conflict(f"gang {gang_id} is group {gang.owners.get(0)}'s now (generation {gang.generation}), "
+                           f"not {group}'s: nothing reclaimed")
         event = LeaseEvent.FORCE_RECLAIM if force else LeaseEvent.RECLAIM
         moves = plan_reclaim(gang, self._leases(), event)  # whole or not: a broken gang is reclaimed too
         await self.book.apply_all([Move(self.book.records[m.lease_id], event, f"gang {gang_id} reclaimed")
