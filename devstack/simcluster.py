@@ -35,6 +35,7 @@ from libs.common.events import (
     Tag,
     Takeover,
     TakeoverReply,
+    engine_record_key,
 )
 from libs.common.store import Store, encode_value
 
@@ -86,7 +87,7 @@ class SimulatedCluster:
                 self.engines[eid], self.leases[lease.id] = info, lease
                 self.owned.setdefault(eid, set()).add(lease.id)
                 kv += [(f"gpus/{node}/{gpu}", {"healthy": True, "total_bytes": self.gpu_bytes}),
-                       (f"engines/{eid}", info), (f"allocations/{node}/{lease.id}", lease),
+                       (engine_record_key(node, eid), info), (f"allocations/{node}/{lease.id}", lease),
                        (f"endpoints/m/{eid}", info.endpoint)]
         await self.put_many(kv)
 
@@ -193,7 +194,7 @@ class SimulatedCluster:
             self.leases[lease_id] = self.leases[lease_id].model_copy(update={"owner": succ.engine_id,
                                                                              "state": LeaseState.ACTIVE})
         if self.record:
-            await self.store.put(f"engines/{succ.engine_id}", succ)
+            await self.store.put(engine_record_key(succ.node, succ.engine_id), succ)
         fut.set_result(TakeoverReply(engine=succ, used_standby=True, timings_ms={"attach": 0.0}))
 
     async def spawn(self, cmd: Spawn, node: str | None = None) -> SpawnReply:
@@ -208,7 +209,7 @@ class SimulatedCluster:
                           state="starting", version=cmd.spec.version)
         self.engines[eid] = info
         if self.record:
-            await self.store.put(f"engines/{eid}", info)
+            await self.store.put(engine_record_key(info.node, eid), info)
         task = asyncio.create_task(self._become_ready(eid))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -223,7 +224,7 @@ class SimulatedCluster:
             return
         info = self.engines[eid] = self.engines[eid].model_copy(update={"state": "ready"})
         if self.record:
-            await self.store.put(f"engines/{eid}", info)
+            await self.store.put(engine_record_key(info.node, eid), info)
         await self.bus.emit(EngineReady(engine=info))
 
     async def stop(self, cmd: StopEngine) -> StopReply:
@@ -232,5 +233,6 @@ class SimulatedCluster:
         self.stopped.add(cmd.engine_id)
         self.engines[cmd.engine_id] = self.engines[cmd.engine_id].model_copy(update={"state": "stopped"})
         if self.record:
-            await self.store.put(f"engines/{cmd.engine_id}", self.engines[cmd.engine_id])
+            info = self.engines[cmd.engine_id]
+            await self.store.put(engine_record_key(info.node, cmd.engine_id), info)
         return StopReply(engine_id=cmd.engine_id, exit_code=0)

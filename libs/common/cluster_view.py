@@ -104,6 +104,7 @@ class ClusterView:
         self.gpus_of: dict[str, set[int]] = {}  # node -> its gpus listed under gpus/ (placement asks per node)
         self.engines: dict[str, EngineInfo] = {}
         self.engine_raw: dict[str, dict[str, Any]] = {}
+        self.engine_node: dict[str, str] = {}  # engine id -> the node whose key holds its record
         self.leases: dict[str, LeaseInfo] = {}
         # Indexes kept beside the maps so that per-incident queries cost O(1), not O(cluster).
         self.leases_by_owner: dict[str, set[str]] = {}
@@ -161,31 +162,42 @@ class ClusterView:
         return self.gpus[k]
 
     def _on_engines(self, kind: str, rest: str, value: bytes | None) -> Any:
-        old = self.engines.get(rest)
-        if old is not None and old.state not in ("failed", "stopped"):
-            self.engines_on[(old.node, old.gpu)] -= 1
-        if old is not None and old.shadows is not None:
-            self._unshadow(old.shadows, rest)
+        # `engines/<node>/<id>` (events.engine_record_key): the view is indexed by engine id, and a record counts
+        # only under its own node's key, the only one that node's agent may write (security/policy.py). So a
+        # node cannot recast another node's engine: a record whose body names another node or id, or an id
+        # already recorded under another node, is refused as malformed.
+        node, _, eid = rest.partition("/")
+        if not node or not eid or "/" in eid:
+            raise ValueError(f"not an engines/<node>/<id> key: engines/{rest}")
+        held_by = self.engine_node.get(eid)
+        if held_by is not None and held_by != node:
+            raise ValueError(f"engine {eid} is recorded under node {held_by}, not {node}")
+        old = self.engines.get(eid)
         if kind == "delete":
-            self.engine_raw.pop(rest, None)
-            return self.engines.pop(rest, None)
+            self._unindex_engine(eid, old)
+            self.engine_node.pop(eid, None)
+            self.engine_raw.pop(eid, None)
+            return self.engines.pop(eid, None)
         raw = _json(value) or {}
         fields = {k: v for k, v in raw.items() if k in EngineInfo.model_fields}
-        try:
-            new = EngineInfo.model_validate(fields)
-        except ValidationError:
-            if old is not None and old.state not in ("failed", "stopped"):
-                self.engines_on[(old.node, old.gpu)] += 1  # keep the indexes consistent with the kept record
-            if old is not None and old.shadows is not None:
-                self.shadowed_by.setdefault(old.shadows, set()).add(rest)
-            raise
-        self.engine_raw[rest] = raw
-        self.engines[rest] = new
+        new = EngineInfo.model_validate(fields)
+        if new.node != node or new.engine_id != eid:
+            raise ValueError(f"record of {new.engine_id} on {new.node} under the key of {eid} on {node}")
+        self._unindex_engine(eid, old)
+        self.engine_node[eid] = node
+        self.engine_raw[eid] = raw
+        self.engines[eid] = new
         if new.state not in ("failed", "stopped"):
             self.engines_on[(new.node, new.gpu)] = self.engines_on.get((new.node, new.gpu), 0) + 1
         if new.shadows is not None:
-            self.shadowed_by.setdefault(new.shadows, set()).add(rest)
+            self.shadowed_by.setdefault(new.shadows, set()).add(eid)
         return new
+
+    def _unindex_engine(self, eid: str, old: EngineInfo | None) -> None:
+        if old is not None and old.state not in ("failed", "stopped"):
+            self.engines_on[(old.node, old.gpu)] -= 1
+        if old is not None and old.shadows is not None:
+            self._unshadow(old.shadows, eid)
 
     def _unshadow(self, target: str, standby: str) -> None:
         ids = self.shadowed_by.get(target)

@@ -1,7 +1,8 @@
 """etcd records of this node's engines and of the node itself.
 
-- `engines/<id>`: EngineInfo JSON, written in the order the agent decided the changes (one writer task),
-  never on the detection path: a FaultDetected is published before its record is written.
+- `engines/<node>/<id>`: EngineInfo JSON, written in the order the agent decided the changes (one writer task),
+  never on the detection path: a FaultDetected is published before its record is written. Keyed by node so
+  that etcd's RBAC lets a node's agent write its own engines' records and no other node's (security/policy.py).
 - `nodes/<node>`: NodeInfo bound to the agent's etcd lease, refreshed by `KeepAlive`; a SIGKILLed agent
   stops refreshing and etcd deletes the key after the lease's ttl.
 - `agents/<node>/specs/<key>`: specs received over NATS, so a restarted agent keeps running them.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from libs.common.events import EngineInfo, EngineSpec, NodeInfo
+from libs.common.events import EngineInfo, EngineSpec, NodeInfo, engine_record_key
 from libs.common.store import KeepAlive, Lease, Store
 
 log = logging.getLogger("holdfast.agent.records")
@@ -26,10 +27,10 @@ class RecordWriter:
         self._queue: asyncio.Queue[tuple[str, EngineInfo | EngineSpec | None]] = asyncio.Queue()
 
     def put_engine(self, info: EngineInfo) -> None:
-        self._queue.put_nowait((f"engines/{info.engine_id}", info))
+        self._queue.put_nowait((engine_record_key(info.node, info.engine_id), info))
 
-    def delete_engine(self, engine_id: str) -> None:
-        self._queue.put_nowait((f"engines/{engine_id}", None))
+    def delete_engine(self, node: str, engine_id: str) -> None:
+        self._queue.put_nowait((engine_record_key(node, engine_id), None))
 
     def put_spec(self, node: str, key: str, spec: EngineSpec) -> None:
         self._queue.put_nowait((f"agents/{node}/specs/{key}", spec))
@@ -59,7 +60,7 @@ class RecordWriter:
 
 async def load_engines(store: Store, node: str) -> list[EngineInfo]:
     out = []
-    for key, raw in (await store.get_prefix("engines/")).items():
+    for key, raw in (await store.get_prefix(f"engines/{node}/")).items():
         try:
             info = EngineInfo.model_validate_json(raw)
         except ValueError:

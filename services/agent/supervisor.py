@@ -259,7 +259,7 @@ class Agent:
             self.publish(EngineStopped(engine_id=rec.engine_id, exit_code=rec.exit_code))
             if not rec.handing_over:  # a takeover's predecessor keeps its slot until the takeover retires it
                 self.engines.pop(rec.engine_id, None)
-                self.writer.delete_engine(rec.engine_id)
+                self.writer.delete_engine(self.node, rec.engine_id)
         self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} exited"))
 
     def check_heartbeats(self, now: float) -> None:
@@ -357,7 +357,7 @@ class Agent:
             return  # still alive (hung): kill_confirmed first
         self.engines.pop(rec.engine_id, None)
         self.watcher.forget(rec.engine_id)
-        self.writer.delete_engine(rec.engine_id)
+        self.writer.delete_engine(self.node, rec.engine_id)
 
     # ------------------------------------------------------------ the link with engines
 
@@ -464,7 +464,7 @@ class Agent:
     def readopt(self, info: EngineInfo) -> None:
         rec = EngineRecord.from_info(info)
         if rec.state in (State.STOPPED, State.STOPPING) or rec.pid is None:
-            self.writer.delete_engine(rec.engine_id)
+            self.writer.delete_engine(self.node, rec.engine_id)
             return
         self.engines[rec.engine_id] = rec
         try:

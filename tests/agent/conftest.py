@@ -143,8 +143,8 @@ def kill_engines_of(socket_path: str) -> list[int]:
 
 
 async def engine_records(store: Store) -> dict[str, EngineInfo]:
-    return {k.removeprefix("engines/"): EngineInfo.model_validate_json(v)
-            for k, v in (await store.get_prefix("engines/")).items()}
+    infos = [EngineInfo.model_validate_json(v) for v in (await store.get_prefix("engines/")).values()]
+    return {info.engine_id: info for info in infos}
 
 
 def alive(pid: int) -> bool:

@@ -43,14 +43,14 @@ def _engine(eid: str, *, shadows: str | None = None, state: str = "standby", nod
 
 def test_the_standby_shadowing_an_engine_is_found_and_forgotten_as_its_record_changes() -> None:
     view = ClusterView()
-    view.apply("put", "engines/sb", _engine("sb", shadows="e1"))
+    view.apply("put", "engines/n1/sb", _engine("sb", shadows="e1"))
     assert view.shadow_of("e1", "n1").engine_id == "sb"  # type: ignore[union-attr]
     assert view.shadow_of("e1", "n2") is None  # another node's standby cannot serve its memory
-    view.apply("put", "engines/sb", _engine("sb", shadows="e2"))
+    view.apply("put", "engines/n1/sb", _engine("sb", shadows="e2"))
     assert view.shadow_of("e1", "n1") is None and view.shadow_of("e2", "n1") is not None
-    view.apply("put", "engines/sb", _engine("sb", shadows="e2", state="ready"))  # promoted: serves, shadows none
+    view.apply("put", "engines/n1/sb", _engine("sb", shadows="e2", state="ready"))  # promoted: serves, shadows none
     assert view.shadow_of("e2", "n1") is None
-    view.apply("delete", "engines/sb", None)
+    view.apply("delete", "engines/n1/sb", None)
     assert view.shadowed_by == {}
 
 

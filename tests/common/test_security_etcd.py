@@ -97,6 +97,9 @@ async def test_a_nodes_agent_writes_its_node_key_not_anothers(as_) -> None:  # t
     await agent.put("nodes/node-2", {"node": "node-2"})
     await _refused(agent.put("nodes/node-1", {"node": "evil"}))
     await _refused(agent.put("allocations/node-2/l1", {"evil": True}))  # the gpu_manager's, not the agent's
+    await agent.put("engines/node-2/e2", {"engine_id": "e2"})  # its own engines' records, and no other node's
+    await _refused(agent.put("engines/node-1/e1", {"engine_id": "e1", "node": "node-2"}))
+    await _refused(agent.put("engines/e1", {"engine_id": "e1"}))  # nor a key outside every node's range
 
 
 async def test_the_router_reads_endpoints_and_writes_nothing(as_) -> None:  # type: ignore[no-untyped-def]

@@ -112,8 +112,8 @@ async def test_a_view_behind_a_compaction_resyncs_to_what_etcd_holds_and_follows
     await store.put("nodes/n1", {"gpus": [0, 1]})
     await store.put("nodes/n2", {"gpus": [0]})
     await store.put("gpus/n1/0", {"total_bytes": 100})
-    await store.put("engines/e1", _engine("e1", "n1", 0))
-    await store.put("engines/e2", _engine("e2", "n2", 0))
+    await store.put("engines/n1/e1", _engine("e1", "n1", 0))
+    await store.put("engines/n2/e2", _engine("e2", "n2", 0))
     await store.put("allocations/n1/l1", _lease("l1", "n1", 0, 10))
     await store.put("allocations/n2/l2", _lease("l2", "n2", 0, 20))
     await store.put("drain/n2", "")
@@ -128,9 +128,9 @@ async def test_a_view_behind_a_compaction_resyncs_to_what_etcd_holds_and_follows
     await store.put("nodes/n3", {"gpus": [0]})
     await store.delete("nodes/n2")
     await store.delete("drain/n2")
-    await store.delete("engines/e2")
+    await store.delete("engines/n2/e2")
     await store.delete("allocations/n2/l2")
-    await store.put("engines/e1", _engine("e1", "n1", 1))  # moved to gpu 1
+    await store.put("engines/n1/e1", _engine("e1", "n1", 1))  # moved to gpu 1
     await store.put("allocations/n1/l1", _lease("l1", "n1", 1, 30))
     await store.put("allocations/n3/l3", _lease("l3", "n3", 0, 5))
     await store.put("specs/c", {"engine_class": "c", "v": 2})
@@ -148,16 +148,16 @@ async def test_a_view_behind_a_compaction_resyncs_to_what_etcd_holds_and_follows
 
         # Listeners saw each key that changed once: the gone ones (as deletes: they left the view), the new and
         # changed ones (as puts); the unchanged ones (nodes/n1, gpus/n1/0) were left alone.
-        changed = {("nodes", "n3"), ("engines", "e1"), ("allocations", "n1/l1"), ("allocations", "n3/l3"),
+        changed = {("nodes", "n3"), ("engines", "n1/e1"), ("allocations", "n1/l1"), ("allocations", "n3/l3"),
                    ("specs", "c")}
-        gone = {("nodes", "n2"), ("drain", "n2"), ("engines", "e2"), ("allocations", "n2/l2")}
+        gone = {("nodes", "n2"), ("drain", "n2"), ("engines", "n2/e2"), ("allocations", "n2/l2")}
         assert sorted((head, rest) for head, rest, _ in seen) == sorted(changed | gone)
         assert seen[:len(gone)] == [(h, r, o) for h, r, o in seen if (h, r) in gone]  # deletes first
         assert seen[0][2] is not None  # a delete hands listeners the record that left
 
         # Later changes keep arriving, on every head, from the snapshot's revision on.
         await store.put("nodes/n4", {"gpus": [0]})
-        await store.put("engines/e1", _engine("e1", "n1", 1, state="failed"))
+        await store.put("engines/n1/e1", _engine("e1", "n1", 1, state="failed"))
         await store.delete("allocations/n3/l3")
         await wait_until(lambda: "n4" in view.nodes and view.engines["e1"].state == "failed"
                          and "l3" not in view.leases, WAIT_S)

@@ -20,6 +20,7 @@ from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
+from libs.common.events import engine_record_key
 from libs.common.service import Runtime
 from libs.common.store import Store
 from services.controller.app import setup
@@ -95,6 +96,6 @@ async def test_the_api_rides_out_an_etcd_stall_and_answers_after_it(
         await asyncio.sleep(3.0)
         assert children["c1"].alive(), f"controller exited with {children['c1'].returncode}"
         engine = sim.engine_id("n0000", 0)
-        await stall_store.delete(f"engines/{engine}")  # a change after the stall reaches the API's view
+        await stall_store.delete(engine_record_key(sim.engines[engine].node, engine))  # a change after the stall reaches the API's view
         await wait_for(lambda: _listed(c, len(sim.engines) - 1), timeout=30, what="the API's view following etcd")
         assert children["c1"].alive()

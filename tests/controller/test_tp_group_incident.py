@@ -21,6 +21,7 @@ from libs.common.events import (
     LeaseState,
     RecoverIntent,
     Tag,
+    engine_record_key,
 )
 from libs.common.store import Store
 from services.controller import incident as fsm
@@ -66,7 +67,7 @@ async def test_a_reclaimed_lease_of_another_rank_sends_the_groups_incident_to_th
         bus: Bus, store: Store, settings: CommonSettings, settings_env: dict[str, str], tmp_path: Path) -> None:
     group = EngineInfo(engine_id="grp", node=settings.node, model="m", engine_class="reference",
                        role=EngineRole.ACTIVE, state="failed", generation=3, tp=2, ranks=["grp", "grp-r1"], gang="grp")
-    await store.put("engines/grp", group.model_dump_json())
+    await store.put(engine_record_key(settings.node, "grp"), group.model_dump_json())
     env = service_env(settings_env, HF_FREEZE_DEADLINE_S="60")  # only the lost lease may end the freeze here
     async with control_plane(bus, store, env, tmp_path, dc_manager=False):
         await bus.emit(rank_fault("grp", "grp"))

@@ -19,6 +19,7 @@ from libs.common.events import (
     Tag,
     Takeover,
     TakeoverReply,
+    engine_record_key,
 )
 from libs.common.store import Store
 from tests.controller.helpers import healthy, service_env, start, wait_for
@@ -51,13 +52,13 @@ class Node:
 
 async def _cluster(store: Store, engine: str, *, shadowed: bool) -> None:
     await put_node(store, NODE)
-    await store.put(f"engines/{engine}", EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
+    await store.put(engine_record_key(NODE, engine), EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
                                                     role=EngineRole.ACTIVE, state="ready"))
     await store.put(f"allocations/{NODE}/L-{engine}", LeaseInfo(
         id=f"L-{engine}", node=NODE, gpu=0, size=2**20, chunk_size=2**20, tag=Tag.WEIGHTS, owner=engine,
         engine_class="c", epoch=1, state=LeaseState.ACTIVE, created_at=time.time(), last_seen=time.time()))
     sb = f"{engine}-standby"
-    await store.put(f"engines/{sb}", EngineInfo(engine_id=sb, node=NODE, model="m", engine_class="c",
+    await store.put(engine_record_key(NODE, sb), EngineInfo(engine_id=sb, node=NODE, model="m", engine_class="c",
                                                 role=EngineRole.STANDBY, state="standby",
                                                 shadows=engine if shadowed else None))
 

@@ -20,6 +20,7 @@ from libs.common.events import (
     Tag,
     Takeover,
     TakeoverReply,
+    engine_record_key,
 )
 from libs.common.store import Store
 from tests.controller.helpers import healthy, service_env, start, wait_for
@@ -58,7 +59,7 @@ class Node:
 async def _cluster(store: Store, **engines: str | None) -> None:
     await put_node(store, NODE)
     for engine, successor_of in engines.items():
-        await store.put(f"engines/{engine}", EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
+        await store.put(engine_record_key(NODE, engine), EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
                                                         role=EngineRole.ACTIVE, state="ready",
                                                         successor_of=successor_of))
 

@@ -167,8 +167,8 @@ class KeyRange:
 def etcd_ranges(identity: str, prefix: str) -> list[KeyRange]:
     """The key ranges `identity` may read or write under the cluster's etcd `prefix` (ends with '/').
 
-    What each service writes (and why it may): agent: `nodes/<node>`, `agents/<node>/`, `engines/` (engine ids
-    are not node-scoped: a known limit, docs/security.md); gpu_manager: `allocations/<node>/`, `gpus/<node>/`;
+    What each service writes (and why it may): agent: `nodes/<node>`, `agents/<node>/`, `engines/<node>/` (its
+    own engines' records); gpu_manager: `allocations/<node>/`, `gpus/<node>/`;
     dc_manager: its progress records `dcm/` and `leader/`; controller: everything (incidents, endpoints, drain,
     rollouts, leader, and the clean-up of what a dead node left); router: reads `endpoints/` only."""
     role, node = split_identity(identity)
@@ -181,5 +181,5 @@ def etcd_ranges(identity: str, prefix: str) -> list[KeyRange]:
         return [read_all, KeyRange(prefix + "dcm/", write=True), KeyRange(prefix + "leader/", write=True)]
     if role == "agent":
         return [read_all, KeyRange(f"{prefix}nodes/{node}", write=True, prefix=False),
-                KeyRange(f"{prefix}agents/{node}/", write=True), KeyRange(prefix + "engines/", write=True)]
+                KeyRange(f"{prefix}agents/{node}/", write=True), KeyRange(f"{prefix}engines/{node}/", write=True)]
     return [read_all, KeyRange(f"{prefix}allocations/{node}/", write=True), KeyRange(f"{prefix}gpus/{node}/", write=True)]
