@@ -64,3 +64,20 @@ def test_an_endpoint_reads_as_its_url_whether_written_as_it_is_or_as_a_json_stri
     assert view.endpoint_of("e3") == ("m", "12")
     view.apply("delete", "endpoints/m/e1", None)
     assert view.endpoint_of("e1") is None
+
+
+def test_an_engine_record_counts_only_under_its_own_nodes_key() -> None:
+    view = ClusterView()
+    view.apply("put", "engines/n1/e1", _engine("e1", state="ready"))
+    # Another node's agent may write engines/n2/ only (etcd RBAC); there it cannot recast n1's engine:
+    view.apply("put", "engines/n2/e1", _engine("e1", node="n2", state="failed"))  # an id recorded under n1
+    view.apply("put", "engines/n2/x", _engine("e1", node="n1", state="failed"))  # a body naming another id
+    view.apply("put", "engines/n2/e9", _engine("e9", node="n1"))  # a body naming another node
+    view.apply("delete", "engines/n2/e1", None)
+    view.apply("put", "engines/e1", _engine("e1", state="failed"))  # the old layout: no node in the key
+    assert set(view.engines) == {"e1"} and view.engines["e1"].state == "ready" and view.engines["e1"].node == "n1"
+    assert view.engines_on == {("n1", 0): 1}
+    view.apply("delete", "engines/n1/e1", None)
+    assert view.engines == {} and view.engines_on == {("n1", 0): 0}
+    view.apply("put", "engines/n2/e1", _engine("e1", node="n2"))  # once gone from n1, the id is free again
+    assert view.engines["e1"].node == "n2"
