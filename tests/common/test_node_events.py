@@ -14,9 +14,25 @@ from pathlib import Path
 import pytest
 
 from devstack.simcluster import SimulatedCluster
-from libs.common.bus import Bus
+from libs.common.bus import Bus, engines_on_their_nodes
 from libs.common.config import CommonSettings
-from libs.common.events import FaultDetected, FaultKind, event_subject
+from libs.common.errors import WrongNode
+from libs.common.events import (
+    EngineInfo,
+    EngineReady,
+    EngineReattached,
+    EngineRole,
+    EngineStopped,
+    Envelope,
+    FaultDetected,
+    FaultKind,
+    LeaseChanged,
+    LeaseInfo,
+    LeaseState,
+    MemoryFrozen,
+    Tag,
+    event_subject,
+)
 from libs.common.security.policy import nats_permissions
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, incident_id_for
@@ -107,3 +123,47 @@ def test_the_consumers_may_fetch_from_their_pull_consumers_on_the_real_stream_na
         subject = f"$JS.API.CONSUMER.MSG.NEXT.HOLDFAST.{durable}"
         assert any(_matches(p, subject) for p in allowed), (identity, subject)
     assert not any(_matches(p, "$JS.API.CONSUMER.MSG.NEXT.HOLDFAST.x") for p in nats_permissions("router", "hf", "HOLDFAST").publish or ())
+
+
+async def test_an_event_describing_another_nodes_engine_or_lease_never_reaches_a_handler(bus: Bus) -> None:
+    """`engine.*` and `memory.*` events carry the record they describe: its node must be the subject's too, or a
+    node could announce another node's engine as ready at an endpoint of its choosing (where the router would
+    send users' prompts)."""
+    seen: list[str] = []
+
+    async def handler(env: Envelope) -> None:
+        seen.append(env.type)
+
+    for kind in ("engine.ready", "memory.lease.changed"):
+        await bus.subscribe(kind, handler)
+    theirs = EngineInfo(engine_id="e-1", node="node-1", model="m", engine_class="c", role=EngineRole.ACTIVE,
+                        endpoint="http://127.0.0.1:9/evil", state="ready")
+    lease = LeaseInfo(id="l-1", node="node-1", gpu=0, size=1, chunk_size=1, tag=Tag.WEIGHTS, owner="e-1",
+                      engine_class="c", epoch=1, state=LeaseState.ACTIVE, created_at=0.0, last_seen=0.0)
+    node2 = bus.settings.model_copy(update={"node": "node-2"})
+    agent, gpu_manager = await Bus.connect(node2, "agent:node-2"), await Bus.connect(node2, "gpu_manager:node-2")
+    try:  # each on node-2's own subjects (the only ones its identity may publish), describing node-1's records
+        await agent.emit(EngineReady(engine=theirs))
+        await gpu_manager.emit(LeaseChanged(lease=lease, from_state=None))
+        await agent.emit(EngineReady(engine=theirs.model_copy(update={"node": "node-2"})))  # node-2's: genuine
+        await wait_for(lambda: asyncio.sleep(0, seen), timeout=5, what="the genuine event")
+        await asyncio.sleep(0.3)
+    finally:
+        await agent.close()
+        await gpu_manager.close()
+    assert seen == ["engine.ready"] and bus.rejected == 2  # type: ignore[attr-defined]
+
+
+def test_the_vet_refuses_every_engine_an_event_names_on_another_node() -> None:
+    engines = {"e-1": EngineInfo(engine_id="e-1", node="node-1", model="m", engine_class="c",
+                                 role=EngineRole.ACTIVE, state="ready")}
+    vet = engines_on_their_nodes(engines)
+    mine = EngineInfo(engine_id="e-2", node="node-2", model="m", engine_class="c", role=EngineRole.ACTIVE,
+                      state="ready")
+    named = [EngineStopped(engine_id="e-1"), EngineReady(engine=engines["e-1"].model_copy(update={"node": "node-2"})),
+             EngineReattached(incident_id=None, predecessor_id="e-1", engine=mine, used_standby=True),
+             MemoryFrozen(owner="e-1", lease_ids=[], epoch=1)]
+    for event in named:
+        with pytest.raises(WrongNode):
+            vet(Envelope(type=event.type, source="agent:node-2", node="node-2", data=event))
+    vet(Envelope(type="engine.ready", source="agent:node-2", node="node-2", data=EngineReady(engine=mine)))  # its own: passes

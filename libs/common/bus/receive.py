@@ -1,8 +1,9 @@
 """Events in: decode, validate and check where an event comes from before any handler sees it.
 
 Invariants (libs/common/README.md 1 and 8): a malformed message never reaches a handler and never stops a
-subscription; a node's event whose envelope or payload names another node than its subject, or that a `Vet`
-refuses, never reaches a handler either. Both are logged and counted (`Bus.rejected`).
+subscription; a node's event whose envelope or payload names another node than its subject (the payload's own
+`node`, or that of the engine or lease record it carries), or that a `Vet` refuses, never reaches a handler
+either. Both are logged and counted (`Bus.rejected`).
 """
 
 from __future__ import annotations
@@ -28,17 +29,29 @@ EventHandler = Callable[[Envelope], Awaitable[None]]
 Vet = Callable[[Envelope], None]
 
 
+# The fields by which an event names an engine (by id, or by the record it carries), and those that carry a
+# record of their own with a `node` (an engine's, a lease's).
+_ENGINE_ID_FIELDS = ("engine_id", "predecessor_id", "owner")
+_RECORD_FIELDS = ("engine", "lease")
+
+
 def engines_on_their_nodes(engines: Mapping[str, EngineInfo]) -> Vet:
-    """A `Vet` for events that name an engine (a fault): refused (`WrongNode`) when `engines` (the cluster's
-    records) place that engine on another node than the event's. A node's identity may publish events only on its
-    own node's subjects; this keeps it from faulting another node's engine on them. An engine not recorded (yet)
-    is let through: whatever its incident does, it does on the event's own node."""
+    """A `Vet` for events that name engines (a fault, an engine's or its memory's news): refused (`WrongNode`)
+    when `engines` (the cluster's records) place one of them on another node than the event's. A node's identity
+    may publish events only on its own node's subjects; this keeps it from faulting, stopping or re-announcing
+    another node's engine on them. An engine not recorded (yet) is let through: whatever its incident does, it
+    does on the event's own node."""
 
     def vet(env: Envelope) -> None:
-        engine_id = getattr(env.data, "engine_id", None)
-        engine = engines.get(engine_id) if engine_id else None
-        if engine is not None and engine.node != env.node:
-            raise WrongNode(f"node {env.node!r} names engine {engine_id!r}, which runs on node {engine.node!r}")
+        data = env.data
+        named = [codec.field(data, name) for name in _ENGINE_ID_FIELDS]
+        carried = codec.field(data, "engine")
+        if carried is not None:
+            named.append(carried.engine_id)
+        for engine_id in named:
+            engine = engines.get(engine_id) if engine_id else None
+            if engine is not None and engine.node != env.node:
+                raise WrongNode(f"node {env.node!r} names engine {engine_id!r}, which runs on node {engine.node!r}")
 
     return vet
 
@@ -48,8 +61,10 @@ def decode(link: Link, msg: Msg, vet: Vet | None = None) -> Envelope:
     subject: forged by another node's identity, or misrouted) or what `vet` raises."""
     env = decode_event(msg.data)
     node = subject_node(link.prefix, msg.subject)
-    if node is not None and (env.node != node or codec.field(env.data, "node") not in (None, "", node)):
-        raise WrongNode(f"{msg.subject} is node {node!r}'s; its event says node {env.node!r}")
+    if node is not None and (env.node != node or codec.field(env.data, "node") not in (None, "", node)
+                             or any(getattr(codec.field(env.data, f), "node", node) != node for f in _RECORD_FIELDS)):
+        raise WrongNode(f"{msg.subject} is node {node!r}'s; its event says node {env.node!r} or describes "
+                        f"another node's record")
     if vet is not None:
         vet(env)
     return env
