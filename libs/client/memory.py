@@ -31,7 +31,7 @@ from typing import Any
 from libs.client import protocol as p
 from libs.client.connection import BROKEN, open_session, peer_gone, round_trip
 from libs.client.connection import timeout_s as _timeout_s
-from libs.client.mapping import CudaMapping, HostMapping, close_all, local_ordinal
+from libs.client.mapping import CudaMapping, HostMapping, RangeMapping, close_all, local_ordinal
 from libs.client.protocol import TensorMeta, contiguous_stride, tensor_extent
 from libs.common import errors
 from libs.common.backoff import Backoff
@@ -91,11 +91,42 @@ def exit_on_lease_lost(lease_id: str, why: str) -> None:
     os._exit(75)
 
 
-class MappedLease:
+class MappedRange:
+    """Views over a mapping: what a lease mapped here (`MappedLease`) and addresses kept for one (`Reservation`)
+    have alike. `owner_id` is the lease id the views' metadata names."""
+
+    mapping: RangeMapping
+
+    @property
+    def owner_id(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def ptr(self) -> int:
+        return self.mapping.ptr
+
+    def meta(self, name: str, dtype: Any, shape: Sequence[int], offset: int = 0,
+             stride: Sequence[int] | None = None) -> TensorMeta:
+        return TensorMeta(name=name, lease_id=self.owner_id, offset=offset, shape=list(shape),
+                          dtype=dtype_name(dtype), stride=list(stride) if stride is not None else None)
+
+    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
+        """A torch view: CPU tensor on host, CUDA tensor on cuda; zero copy either way."""
+        import torch
+
+        meta = self.meta("_", dtype, shape, offset, stride)
+        tdtype = getattr(torch, meta.dtype)
+        extent = tensor_extent(meta)
+        if extent == 0:
+            return torch.empty(tuple(meta.shape), dtype=tdtype, device=self.mapping.device)
+        flat = self.mapping.torch_bytes(meta.offset, extent).view(tdtype)
+        return flat.as_strided(tuple(meta.shape), tuple(meta.stride or contiguous_stride(meta.shape)))
+
+
+class MappedLease(MappedRange):
     """A lease mapped into this process. `info` is the manager's row as of the last grant."""
 
-    def __init__(self, info: LeaseInfo, mapping: HostMapping | CudaMapping,
-                 tensors: Sequence[TensorMeta] = ()) -> None:
+    def __init__(self, info: LeaseInfo, mapping: RangeMapping, tensors: Sequence[TensorMeta] = ()) -> None:
         self.info = info
         self.mapping = mapping
         self.tensor_metas = list(tensors)
@@ -104,18 +135,11 @@ class MappedLease:
     def id(self) -> str:
         return self.info.id
 
+    owner_id = id
+
     @property
     def epoch(self) -> int:
         return self.info.epoch
-
-    @property
-    def ptr(self) -> int:
-        return self.mapping.ptr
-
-    def meta(self, name: str, dtype: Any, shape: Sequence[int], offset: int = 0,
-             stride: Sequence[int] | None = None) -> TensorMeta:
-        return TensorMeta(name=name, lease_id=self.id, offset=offset, shape=list(shape), dtype=dtype_name(dtype),
-                          stride=list(stride) if stride is not None else None)
 
     def numpy(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
         """A numpy view (host backend) of the lease's bytes; writes go straight to the shared memory."""
@@ -130,10 +154,6 @@ class MappedLease:
         strides = [s * item for s in (meta.stride or contiguous_stride(meta.shape))]
         return np.lib.stride_tricks.as_strided(flat, shape=tuple(shape), strides=tuple(strides))
 
-    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
-        """A torch view: CPU tensor on host, CUDA tensor on cuda; zero copy either way."""
-        return _torch_view(self.mapping, self.meta("_", dtype, shape, offset, stride))
-
     def view(self, meta: TensorMeta, framework: str = "numpy") -> Any:
         if framework == "torch":
             return self.torch(meta.dtype, meta.shape, meta.offset, meta.stride)
@@ -145,40 +165,21 @@ class MappedLease:
         self.mapping.unmap()
 
 
-def _torch_view(mapping: HostMapping | CudaMapping, meta: TensorMeta) -> Any:
-    import torch
-
-    tdtype = getattr(torch, meta.dtype)
-    extent = tensor_extent(meta)
-    if extent == 0:
-        device = "cpu" if mapping.kind == "host" else f"cuda:{mapping.ordinal}"  # type: ignore[union-attr]
-        return torch.empty(tuple(meta.shape), dtype=tdtype, device=device)
-    flat = mapping.torch_bytes(meta.offset, extent).view(tdtype)
-    return flat.as_strided(tuple(meta.shape), tuple(meta.stride or contiguous_stride(meta.shape)))
-
-
-class Reservation:
+class Reservation(MappedRange):
     """Addresses kept for a lease this process expects to be handed by a `takeover` (a warm standby's for its
     predecessor's weights and KV cache), backed by placeholder memory of its own until then (mapping.py). Views
     made now (`torch`) read garbage until the takeover maps the lease here; from then on they are views of the
     lease. A takeover maps a lease into the reservation of the same tag, name, size and GPU; the other
     reservations are freed (their views become invalid)."""
 
-    def __init__(self, tag: str, name: str, gpu: int, mapping: HostMapping | CudaMapping) -> None:
+    owner_id = "reserved"  # no lease yet
+
+    def __init__(self, tag: str, name: str, gpu: int, mapping: RangeMapping) -> None:
         self.tag, self.name, self.gpu, self.mapping = tag, name, gpu, mapping
 
     @property
     def size(self) -> int:
         return self.mapping.size
-
-    @property
-    def ptr(self) -> int:
-        return self.mapping.ptr
-
-    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, stride: Sequence[int] | None = None) -> Any:
-        meta = TensorMeta(name="_", lease_id="reserved", offset=offset, shape=list(shape), dtype=dtype_name(dtype),
-                          stride=list(stride) if stride is not None else None)
-        return _torch_view(self.mapping, meta)
 
     def fits(self, g: p.LeaseGrant, ordinal: int) -> bool:
         return (not g.read_only and str(g.lease.tag) == self.tag and g.lease.name == self.name
@@ -411,8 +412,7 @@ class MemoryClient:
                 else:
                     if shadow is not None:
                         shadow.unmap()
-                    mapping = self._into_reservation(g, chunk_fds) if into_reserved else None
-                    lease = MappedLease(g.lease, mapping or self._mapping(g, chunk_fds), g.tensors)
+                    lease = MappedLease(g.lease, self._map_grant(g, chunk_fds, into_reserved), g.tensors)
                 store = self.shared if g.read_only else self.leases
                 old = store.pop(lease.id, None)
                 if old is not None and old is not lease:
@@ -423,23 +423,26 @@ class MemoryClient:
             close_all(fds)  # the mappings hold the memory now; the fds are not needed
         return out
 
-    def _mapping(self, g: p.LeaseGrant, fds: list[int]) -> HostMapping | CudaMapping:
+    def _map_grant(self, g: p.LeaseGrant, fds: list[int], into_reserved: bool) -> RangeMapping:
+        """A granted lease's chunks mapped here: into the reservation made for it where `into_reserved` (a
+        takeover) and one fits (its placeholder gives way; views over it now read the lease), else at new
+        addresses."""
         sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
+        res = self._take_reservation(g) if into_reserved else None
+        if res is not None:
+            res.mapping.adopt(fds, sizes)
+            return res.mapping
         if self.backend == "cuda":
             return CudaMapping(fds, sizes, g.gpu_uuid, g.lease.gpu, read_only=g.read_only)
         return HostMapping(fds, sizes, read_only=g.read_only)
 
-    def _into_reservation(self, g: p.LeaseGrant, fds: list[int]) -> HostMapping | CudaMapping | None:
-        """The lease mapped into the reservation made for it (the placeholder gives way), or None: none fits."""
-        ordinal = g.lease.gpu
-        if self.backend == "cuda":
-            ordinal = local_ordinal(g.gpu_uuid, g.lease.gpu)
+    def _take_reservation(self, g: p.LeaseGrant) -> Reservation | None:
+        """The reservation of the grant's tag, name, size and GPU, no longer kept for anything else; or None."""
+        ordinal = local_ordinal(g.gpu_uuid, g.lease.gpu) if self.backend == "cuda" else g.lease.gpu
         res = next((r for r in self.reservations if r.fits(g, ordinal)), None)
-        if res is None:
-            return None
-        self.reservations.remove(res)
-        res.mapping.adopt(fds, p.chunk_sizes(g.lease.size, g.lease.chunk_size))
-        return res.mapping
+        if res is not None:
+            self.reservations.remove(res)
+        return res
 
     def reserve(self, nbytes: int, *, tag: str, name: str, gpu: int = 0,
                 placeholder_bytes: int = 64 << 20) -> Reservation:
@@ -449,11 +452,8 @@ class MemoryClient:
         gran = self._granularity(gpu)
         size = -(-max(nbytes, 1) // gran) * gran
         placeholder = -(-min(placeholder_bytes, size) // gran) * gran
-        if self.backend == "cuda":
-            mapping: HostMapping | CudaMapping = CudaMapping.placeholder(size, gpu, placeholder)
-        else:
-            mapping = HostMapping.placeholder(size, placeholder)
-        res = Reservation(tag, name, gpu, mapping)
+        kind = CudaMapping if self.backend == "cuda" else HostMapping
+        res = Reservation(tag, name, gpu, kind.placeholder(size, placeholder, gpu=gpu))
         self.reservations.append(res)
         return res
 
