@@ -12,6 +12,10 @@ Why: one Python loop reading every stream through httpx fell behind the router's
   reported, with each worker's loop lag (a 5 ms ticker's lateness) and CPU share: a reader can see whether the
   client kept up (a client that stops reading would make the router's writes wait: the lag shows it);
 - a worker owns its streams from the request to the end; the parent only sends jobs and collects results.
+
+One client for every serving bench: `bench recovery --streams` sends through the router (`/v1/generate`, naming
+the model), `bench serve` straight to one engine (`path="/generate"`, `model=None`: the engine's request model
+forbids fields it does not know).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import multiprocessing.connection
+import os
 import socket
 import struct
 import time
@@ -32,6 +37,22 @@ from bench.ndjson_http import NdjsonResponse, request_bytes
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 TIMESPEC = struct.Struct("@qq")
 TICK_S = 0.005
+ROUTER_PATH = "/v1/generate"
+
+
+def default_client_procs() -> int:
+    """Client processes: a quarter of the cores (the engines, the router and the bus need the rest), 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a worker's streams go: `url` + `path`, naming `model` in each body unless it is None."""
+
+    url: str
+    model: str | None
+    path: str = ROUTER_PATH
+    timeout_s: float = 300.0  # a whole stream's, from its request to its last line
 
 
 @dataclass
@@ -56,8 +77,10 @@ def _kernel_time(ancdata: list[tuple[int, int, bytes]]) -> float | None:
     return None
 
 
-async def read_generation(host: str, port: int, body: dict, out: Result, timeout: float) -> None:
-    """One `/v1/generate` stream into `out`; never raises: a failure is `out.response.error` (a lost request)."""
+async def read_generation(host: str, port: int, body: dict, out: Result, timeout: float,
+                          path: str = ROUTER_PATH) -> None:
+    """One generate stream (POST `path`) into `out`, within `timeout` seconds in all; never raises: a failure is
+    `out.response.error` (a lost request)."""
     loop = asyncio.get_running_loop()
     resp = out.response
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -89,7 +112,7 @@ async def read_generation(host: str, port: int, body: dict, out: Result, timeout
     out.sent_at = time.time()
     try:
         await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
-        await loop.sock_sendall(sock, request_bytes(host, port, "/v1/generate", body))
+        await loop.sock_sendall(sock, request_bytes(host, port, path, body))
         loop.add_reader(sock.fileno(), readable)
         try:
             await asyncio.wait_for(ended, timeout)
@@ -104,9 +127,9 @@ async def read_generation(host: str, port: int, body: dict, out: Result, timeout
 class Worker:
     """One client process's state: its streams, its loop's lateness, its CPU time."""
 
-    def __init__(self, url: str, model: str) -> None:
-        parts = urlsplit(url)
-        self.host, self.port, self.model = parts.hostname or "127.0.0.1", parts.port or 80, model
+    def __init__(self, target: Target) -> None:
+        parts = urlsplit(target.url)
+        self.host, self.port, self.target = parts.hostname or "127.0.0.1", parts.port or 80, target
         self.results: list[Result] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.lags: list[tuple[float, float]] = []  # (wall time, ms late) per tick
@@ -114,9 +137,12 @@ class Worker:
     def start(self, jobs: list[Job]) -> list[Result]:
         new = [Result(j.key) for j in jobs]
         for j, r in zip(jobs, new, strict=True):
-            body = {"model": self.model, "prompt": j.prompt, "max_tokens": j.max_tokens, "stream": True,
-                    "temperature": 0.0, "ignore_eos": True}
-            self.tasks.append(asyncio.create_task(read_generation(self.host, self.port, body, r, timeout=300)))
+            body: dict[str, Any] = {"prompt": j.prompt, "max_tokens": j.max_tokens, "stream": True,
+                                    "temperature": 0.0, "ignore_eos": True}
+            if self.target.model is not None:
+                body["model"] = self.target.model
+            self.tasks.append(asyncio.create_task(read_generation(self.host, self.port, body, r,
+                                                                  self.target.timeout_s, self.target.path)))
         self.results += new
         return new
 
@@ -145,14 +171,14 @@ async def _recv(conn: multiprocessing.connection.Connection) -> Any:
     return conn.recv()
 
 
-async def _serve(conn: multiprocessing.connection.Connection, url: str, model: str) -> None:
+async def _serve(conn: multiprocessing.connection.Connection, target: Target) -> None:
     """A worker's rounds: ("streams", jobs, warm) -> ("warm", error) once each has `warm` tokens; ("late", jobs);
     then ("results", ...) when every stream has ended; ("stop",) ends the process."""
     while True:
         msg = await _recv(conn)
         if msg[0] == "stop":
             return
-        w = Worker(url, model)
+        w = Worker(target)
         ticker = asyncio.create_task(w.tick())
         cpu0, wall0 = time.process_time(), time.monotonic()
         streams = w.start(msg[1])
@@ -174,20 +200,23 @@ async def _serve(conn: multiprocessing.connection.Connection, url: str, model: s
         conn.send(("results", [(r.key, r.sent_at, r.response) for r in w.results], w.lags, round(cpu, 3)))
 
 
-def worker_main(conn: multiprocessing.connection.Connection, url: str, model: str) -> None:
-    asyncio.run(_serve(conn, url, model))
+def worker_main(conn: multiprocessing.connection.Connection, target: Target) -> None:
+    asyncio.run(_serve(conn, target))
 
 
 class ClientPool:
-    """`procs` client processes (spawned: the parent's loop and threads stay out of them); jobs go round-robin."""
+    """`procs` client processes (spawned: the parent's loop and threads stay out of them); jobs go round-robin.
+    `model` None and `path="/generate"`: streams straight to an engine rather than through the router."""
 
-    def __init__(self, url: str, model: str, procs: int) -> None:
+    def __init__(self, url: str, model: str | None, procs: int, *, path: str = ROUTER_PATH,
+                 timeout_s: float = 300.0) -> None:
+        target = Target(url, model, path, timeout_s)
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[Any] = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(child, url, model), daemon=True)
+            p = ctx.Process(target=worker_main, args=(child, target), daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)

@@ -18,7 +18,6 @@ no failure runs first in the same run, as the control. Reported, side by side:
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.load_client import ClientPool, Job
+from bench.load_client import ClientPool, Job, default_client_procs
 from devstack.scenario import MODEL, Scenario, StreamResult, make_weights, router_marks
 from devstack.stack import Stack, StackConfig
 from libs.common.events import EngineSpec
@@ -84,11 +83,6 @@ class LoadScenario(Scenario):
                                                  engines_file=specs_file))
         self.stack.start(timeout=180)
         return self.stack
-
-
-def default_client_procs() -> int:
-    """Client processes: a quarter of the cores (the engines, the router and the bus need the rest), 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 def prompts(n: int, prefix: str) -> list[str]:

@@ -8,6 +8,12 @@ step must read (all weights + the KV of every running sequence) over the memory 
 run (a device-to-device copy on CUDA; on the CPU a large tensor copy), as tokens/s and as the share reached.
 With --plain, a plain torch batched decode of the same model (contiguous KV, SDPA, no paging, no scheduler,
 bench/plain_decode.py) runs at the same batch sizes in the same run, for the ratio.
+
+The streams are read by the serving benches' one client (bench/load_client.py): worker processes whose readers
+stamp each token with the kernel's receive time, so the figures are the engine's, not a busy client loop's (one
+process reading 256 streams through httpx took 87 us of CPU a line and could bind the figure). Each row's
+`client` says whether the client kept up: its loops' lateness and each worker's CPU share. `wall_s` runs from
+the first request sent to the last token's arrival.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import typer
 
+from bench.load_client import ClientPool, Job, default_client_procs
 from devstack.scenario import make_weights
+
+ENGINE_PATH = "/generate"  # the engine's own route: no router, no model name in the body
 
 
 def pct(values: list[float]) -> dict[str, float | None]:
@@ -94,38 +102,67 @@ class EngineProcess:
         self.log.close()
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    arrivals: list[float] = []
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    async with client.stream("POST", url + "/generate", json=body, timeout=600) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.strip() and '"token"' in line:
-                arrivals.append(time.perf_counter())
-    return {"t0": t0, "arrivals": arrivals}
+def stream_prompts(c: int, prompt_len: int) -> list[str]:
+    return [(f"user {i}: " + "tell me about holdfast and failures " * 64)[:prompt_len] for i in range(c)]
 
 
-async def at_concurrency(url: str, c: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
-    prompts = [(f"user {i}: " + "tell me about holdfast and failures " * 64)[:prompt_len] for i in range(c)]
-    limits = httpx.Limits(max_connections=c + 8, max_keepalive_connections=c + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        t0 = time.perf_counter()
-        runs = await asyncio.gather(*(one_stream(client, url, p, max_tokens) for p in prompts))
-        wall = time.perf_counter() - t0
-    tokens = sum(len(r["arrivals"]) for r in runs)
-    ttft = [(r["arrivals"][0] - r["t0"]) * 1000 for r in runs if r["arrivals"]]
-    gaps = [(b - a) * 1000 for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
-    largest = [max((b - a) * 1000 for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False))
-               for r in runs if len(r["arrivals"]) > 1]
+def serve_row(c: int, runs: list[tuple[float, list[float]]]) -> dict[str, Any]:
+    """One concurrency's figures from each stream's (request sent, token arrivals), all on one wall clock."""
+    firsts = [a[0] for _, a in runs if a]
+    lasts = [a[-1] for _, a in runs if a]
+    t0 = min((sent for sent, _ in runs), default=0.0)
+    wall = max(max(lasts, default=t0) - t0, 1e-9)
+    tokens = sum(len(a) for _, a in runs)
+    ttft = [(a[0] - sent) * 1000 for sent, a in runs if a]
+    gaps = [(b - a) * 1000 for _, arr in runs for a, b in zip(arr, arr[1:], strict=False)]
+    largest = [max((b - a) * 1000 for a, b in zip(arr, arr[1:], strict=False)) for _, arr in runs if len(arr) > 1]
     # decode-only throughput: tokens after each stream's first, over the time from the last first token on
-    decode_from = max((r["arrivals"][0] for r in runs if r["arrivals"]), default=t0)
-    decode_tokens = sum(sum(1 for a in r["arrivals"] if a > decode_from) for r in runs)
-    decode_end = max((r["arrivals"][-1] for r in runs if r["arrivals"]), default=decode_from)
+    decode_from = max(firsts, default=t0)
+    decode_tokens = sum(sum(1 for a in arr if a > decode_from) for _, arr in runs)
+    decode_end = max(lasts, default=decode_from)
     return {"concurrency": c, "output_tokens": tokens, "wall_s": round(wall, 3),
             "output_tokens_per_s": round(tokens / wall, 1),
             "decode_tokens_per_s": round(decode_tokens / (decode_end - decode_from), 1) if decode_end > decode_from else None,
             "ttft_ms": pct(ttft), "itl_ms": pct(gaps), "largest_gap_ms": pct(largest)}
+
+
+def client_health(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the client kept up: its worker loops' lateness (a 5 ms ticker's) and each worker's CPU share."""
+    return {"procs": len(workers), "loop_lag_ms": pct([lag for w in workers for _, lag in w["lags"]]),
+            "cpu_share": [w["cpu_share"] for w in workers]}
+
+
+async def at_concurrency(pool: ClientPool, c: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+    """`c` streams at once through the pool; a stream that fails fails the run (its error said)."""
+    jobs = [Job(i, p, max_tokens) for i, p in enumerate(stream_prompts(c, prompt_len))]
+    await pool.start(jobs, warm_tokens=0)
+    pool.send_late([])
+    got, workers = await pool.results()
+    failed = sorted((k, r.error or "no closing line") for k, (_, r) in got.items() if r.error or not r.done)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {c} streams failed; stream {failed[0][0]}: {failed[0][1]}")
+    row = serve_row(c, [(sent, r.arrivals) for sent, r in got.values()])
+    row["client"] = client_health(workers)
+    return row
+
+
+async def run_levels(url: str, levels: list[int], prompt_len: int, max_tokens: int, procs: int, size: str,
+                     bandwidth: float, mode: str) -> list[dict[str, Any]]:
+    """A warm-up, then one row per concurrency, each printed to stderr as it comes."""
+    pool = ClientPool(url, None, procs, path=ENGINE_PATH, timeout_s=600)
+    try:
+        await at_concurrency(pool, min(4, max(levels)), prompt_len, 8)  # warm-up
+        rows = []
+        for c in levels:
+            row = await at_concurrency(pool, c, prompt_len, max_tokens)
+            roof = roofline_tokens_s(size, c, prompt_len + max_tokens // 2, bandwidth)
+            row["roofline_tokens_per_s"] = round(roof, 1)
+            row["share_of_roofline"] = round((row["decode_tokens_per_s"] or 0) / roof, 3)
+            rows.append(row)
+            print(json.dumps({"mode": mode, **row}), file=sys.stderr)
+        return rows
+    finally:
+        pool.close()
 
 
 def cli(
@@ -138,6 +175,8 @@ def cli(
     plain: bool = typer.Option(False, help="also a plain torch batched decode at the same batch sizes"),
     engine_args: str = typer.Option("", help="extra engine flags, space-separated"),
     weights_dir: Path | None = typer.Option(None, help="make/reuse the weights file here"),
+    client_procs: int = typer.Option(0, min=0, help="client processes reading the streams (0: a quarter of the "
+                                     "cores, 1 to 8)"),
 ) -> None:
     """Output tokens/s, TTFT, inter-token latency and the roofline, at several concurrencies."""
     import torch
@@ -145,7 +184,13 @@ def cli(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if size == "auto":
         size = "8b" if device == "cuda" else "tiny"
-    levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    try:
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{concurrency!r} is not a comma-separated list of stream counts",
+                                 param_hint="--concurrency") from None
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter("give at least one stream count, each at least 1", param_hint="--concurrency")
     work = weights_dir or Path(tempfile.mkdtemp(prefix="holdfast-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     weights = make_weights(size, work / f"weights-{size}.safetensors")
@@ -156,19 +201,13 @@ def cli(
     for det in modes:
         extra = ["--max-num-seqs", str(max(levels)), "--max-num-batched-tokens", str(max(2048, max(levels))),
                  *(["--deterministic"] if det else []), *engine_args.split()]
+        mode = "deterministic" if det else "default"
         eng = EngineProcess(weights, size, work, extra)
         try:
             url = eng.wait()["endpoint"]
-            asyncio.run(at_concurrency(url, min(4, max(levels)), prompt_len, 8))  # warm-up
-            rows = []
-            for c in levels:
-                row = asyncio.run(at_concurrency(url, c, prompt_len, max_tokens))
-                roof = roofline_tokens_s(size, c, prompt_len + max_tokens // 2, bandwidth)
-                row["roofline_tokens_per_s"] = round(roof, 1)
-                row["share_of_roofline"] = round((row["decode_tokens_per_s"] or 0) / roof, 3)
-                rows.append(row)
-                print(json.dumps({"mode": "deterministic" if det else "default", **row}), file=sys.stderr)
-            report["modes"]["deterministic" if det else "default"] = rows
+            report["modes"][mode] = asyncio.run(run_levels(url, levels, prompt_len, max_tokens,
+                                                           client_procs or default_client_procs(), size, bandwidth,
+                                                           mode))
         finally:
             eng.stop()
     if plain:

@@ -14,6 +14,7 @@ class NdjsonServer:
     def __init__(self, delays_s: list[float], status: int = 200) -> None:
         self.delays_s, self.status = delays_s, status
         self.sent: list[list[float]] = []  # per connection, the wall time each token line was written
+        self.requests: list[tuple[str, dict]] = []  # per connection, the request's path and JSON body
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.thread = threading.Thread(target=self._accept, daemon=True)
@@ -36,7 +37,9 @@ class NdjsonServer:
         body = head.split(b"\r\n\r\n", 1)[1]
         while len(body) < length:
             body += conn.recv(65536)
-        prompt = json.loads(body)["prompt"]
+        request = json.loads(body)
+        self.requests.append((head.split(b" ", 2)[1].decode(), request))
+        prompt = request["prompt"]
         if self.status != 200:
             msg = b'{"detail": "no such model"}'
             conn.sendall(b"HTTP/1.1 %d Not Found\r\ncontent-length: %d\r\n\r\n%s" % (self.status, len(msg), msg))

@@ -1,0 +1,56 @@
+"""`holdfast bench serve`: its figures from token stamps (pure), and its streams read by the serving benches' one
+client (bench/load_client.py) straight from an engine's route, against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from bench.load_client import ClientPool
+from bench.serve import ENGINE_PATH, at_concurrency, cli, serve_row
+from tests.bench.ndjson_server import NdjsonServer
+
+
+def test_a_rows_figures_come_from_each_streams_send_time_and_token_stamps():
+    row = serve_row(2, [(10.0, [10.1, 10.2, 10.3]), (10.0, [10.15, 10.35])])
+    assert row["concurrency"] == 2 and row["output_tokens"] == 5 and row["wall_s"] == 0.35
+    assert row["output_tokens_per_s"] == pytest.approx(5 / 0.35, abs=0.1)
+    assert row["ttft_ms"]["max"] == pytest.approx(150) and row["itl_ms"]["max"] == pytest.approx(200)
+    assert row["largest_gap_ms"]["p50"] == pytest.approx(150)
+    # decode: the 3 tokens after the last first token (10.15), over the 0.2 s to the last token
+    assert row["decode_tokens_per_s"] == pytest.approx(15.0)
+
+
+async def test_streams_go_to_the_engines_route_with_no_model_named_and_are_stamped_by_the_client():
+    server = NdjsonServer([0.0, 0.01, 0.01, 0.01])
+    pool = ClientPool(server.url, None, procs=2, path=ENGINE_PATH)
+    try:
+        row = await at_concurrency(pool, 3, 16, 4)
+    finally:
+        pool.close()
+        server.close()
+    assert row["concurrency"] == 3 and row["output_tokens"] == 12
+    assert {path for path, _ in server.requests} == {ENGINE_PATH}
+    assert all("model" not in body and body["ignore_eos"] and body["stream"] for _, body in server.requests)
+    assert row["client"]["procs"] == 2 and len(row["client"]["cpu_share"]) == 2
+    assert row["itl_ms"]["p50"] is not None and row["wall_s"] > 0
+
+
+async def test_a_refused_stream_fails_the_run_with_its_error():
+    server = NdjsonServer([0.0], status=404)
+    pool = ClientPool(server.url, None, procs=1, path=ENGINE_PATH)
+    try:
+        with pytest.raises(RuntimeError, match="2 of 2 streams failed.*HTTP 404"):
+            await at_concurrency(pool, 2, 16, 4)
+    finally:
+        pool.close()
+        server.close()
+
+
+@pytest.mark.parametrize("levels", ["abc", "0", ","])
+def test_a_bad_concurrency_list_is_refused_before_anything_starts(levels):
+    app = typer.Typer()
+    app.command()(cli)
+    result = CliRunner().invoke(app, ["--size", "tiny", "--concurrency", levels])
+    assert result.exit_code == 2 and "--concurrency" in result.output
