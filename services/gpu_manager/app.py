@@ -107,10 +107,11 @@ async def setup(rt: Runtime) -> None:
     pending: set[asyncio.Task[None]] = set()
     book.on_owner_exit = owner_exit
 
+    gpus = GpuPublisher(book, rt.bus, rt.store, settings.gpu_publish_interval_s, copies=copies.listing)
+    await gpus.restore()  # failed GPUs stay failed: before any command or engine can reach a lease there
     sleeper = Sleeper(book, copies)
     gangs = GangBook(book)  # tensor-parallel engines' leases, moved together
     await Commands(book, copies, sleeper, gangs).register(rt.bus, settings.node)
-    gpus = GpuPublisher(book, rt.bus, rt.store, settings.gpu_publish_interval_s, copies=copies.listing)
     await rt.bus.serve(settings.node, SetGpuHealth, gpus.set_health)
     rt.spawn("gpus", gpus.run())
     # The command subscriptions are at the server (a round trip) before any engine can reconnect: whoever saw

@@ -1,11 +1,12 @@
-"""The durable lease and gang tables (SQLAlchemy Core: SQLite on local disk by default; a Postgres URL works too).
+"""The durable lease, gang and GPU health tables (SQLAlchemy Core: SQLite on local disk by default; a Postgres URL works too).
 
 Every method blocks: the manager calls them through `LeaseDb.run` on one worker thread, which also keeps
 writes in the order they were made. A row is written before the change it records is acted on (a new epoch
 is durable before read-write access is granted). A gang's row is written in the same transaction as the lease
 rows its change goes with (a takeover's new owners, epochs and generation; a reclaim's end of the gang), so a
 manager killed at any point restarts with a gang that matches its leases. A row that cannot be read back is set
-aside into `quarantine` (quarantine.py), each row on its own: the others load.
+aside into `quarantine` (quarantine.py), each row on its own: the others load. A failed GPU's row in `gpu_health` is
+written before its leases are reclaimed and deleted only when it is marked healthy (gpu_board.py invariant 4).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ gangs = Table(
     Column("gang_id", String(256), primary_key=True),
     Column("generation", BigInteger, nullable=False),
     Column("body", Text, nullable=False),
+)
+
+# The node's failed GPUs: a row per GPU marked unhealthy, by UUID (an index may name another GPU after a reboot);
+# no row: healthy. Read back before the engine socket serves, so a restarted manager never leases one out.
+gpu_health = Table(
+    "gpu_health", metadata,
+    Column("node", String(256), primary_key=True),
+    Column("uuid", String(128), primary_key=True),
+    Column("gpu", Integer, nullable=False),  # its index when marked (for a reader of the table)
+    Column("detail", Text, nullable=False),
+    Column("at", Float, nullable=False),
 )
 
 # Rows set aside at start-up (quarantine.py): what they were, from which table, and why. Never read back as leases.
@@ -116,6 +128,19 @@ class LeaseDb:
         why = gang_defects([g for g, _ in good.values()], rows, node)
         bad += [BadRow.of("gang", gang_id, why[gang_id], good.pop(gang_id)[1]._mapping) for gang_id in sorted(why)]
         return [g for g, _ in good.values()], bad
+
+    def load_gpu_health(self, node: str) -> dict[str, str]:
+        """The node's failed GPUs: UUID -> why."""
+        with self.engine.connect() as conn:
+            return {row.uuid: row.detail for row in conn.execute(select(gpu_health).where(gpu_health.c.node == node))}
+
+    def save_gpu_health(self, node: str, uuid: str, index: int, failed: str | None, at: float) -> None:
+        """GPU `uuid` failed (`failed`: why) or healthy (None: its row goes). Idempotent."""
+        key = (gpu_health.c.node == node) & (gpu_health.c.uuid == uuid)
+        with self.engine.begin() as conn:
+            conn.execute(gpu_health.delete().where(key))
+            if failed is not None:
+                conn.execute(gpu_health.insert().values(node=node, uuid=uuid, gpu=index, detail=failed, at=at))
 
     def set_aside(self, node: str, bad: list[BadRow], at: float) -> None:
         """Move rows to `quarantine`, in one transaction: each leaves its table as its copy lands there."""

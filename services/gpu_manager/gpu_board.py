@@ -6,11 +6,14 @@ Invariants (README "GPUs"):
    them when it marks the GPU (`LeaseBook.gpu_failed`), since the memory of a failed GPU is lost.
 3. A record's `leased_bytes` is the sum of its live leases' sizes; the host backend's simulated GPUs split the
    host's capacity evenly, so their free bytes add up to what the host backend can really hand out.
+4. A GPU marked unhealthy stays so until marked healthy, across restarts of the manager: the mark is durable (db
+   `gpu_health`, by UUID) before its leases are reclaimed and before the reply, and `restore()` reads it back before
+   any engine is served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.common.errors import HoldfastError
@@ -30,8 +33,7 @@ class GpuUnhealthy(HoldfastError):
 class GpuBoard:
     node: str
     gpus: Sequence[GpuEntry]
-    # index -> why it is unhealthy; absent: healthy. Kept in memory: a restarted manager starts healthy, and the
-    # agent marks a GPU again on its next fault (an operator's mark is re-sent the same way).
+    # index -> why it is unhealthy; absent: healthy. Mirrors the db's `gpu_health` rows (invariant 4).
     unhealthy: dict[int, str] = field(default_factory=dict)
 
     def entry(self, selector: int | str) -> GpuEntry:
@@ -60,6 +62,15 @@ class GpuBoard:
         else:
             self.unhealthy[gpu.index] = detail or "unhealthy"
         return gpu, was != healthy
+
+    def restore(self, failed: Mapping[str, str]) -> list[str]:
+        """The stored marks (UUID -> why) applied; returns the UUIDs this node no longer has (their rows are kept: the
+        GPU may come back, and only a healthy mark clears one)."""
+        by_uuid = {g.uuid: g.index for g in self.gpus}
+        for uuid, why in failed.items():
+            if uuid in by_uuid:
+                self.unhealthy[by_uuid[uuid]] = why
+        return sorted(u for u in failed if u not in by_uuid)
 
     def records(self, leases: Iterable[LeaseInfo], now: float) -> dict[int, GpuRecord]:
         used: dict[int, list[int]] = {g.index: [0, 0] for g in self.gpus}

@@ -1,6 +1,7 @@
 """The node's GPUs published: `gpus/<node>/<gpu>` (GpuRecord) in etcd for placement, and a `node.gpu.health` event
 when a GPU's health changes (and once per GPU at start, so that subscribers learn the inventory); the
-`gpu_health` command (SetGpuHealth) that marks a GPU.
+`gpu_health` command (SetGpuHealth) that marks a GPU, durably (db `gpu_health`), and `restore()`, which reads the
+marks back at start (gpu_board.py invariant 4).
 
 Off the critical path: records are recomputed every `interval_s` from the lease table and written only when they
 changed (a lease's allocate or reclaim shows within one interval); a health change is written at once.
@@ -34,6 +35,7 @@ class GpuPublisher:
         self.written: dict[int, GpuRecord] = {}
         self.copies = copies  # the node's weight copies (restore.py `listing`), in every record for placement
         self._writing = asyncio.Lock()  # one writer at a time: an older record never lands after a newer one
+        self._marking = asyncio.Lock()  # one mark at a time: the table and the board agree on the last one
 
     def current(self) -> dict[int, GpuRecord]:
         recs = self.board.records((r.info for r in self.book.records.values()), time.time())
@@ -65,10 +67,31 @@ class GpuPublisher:
                 log.warning("GPU records not written (%r); retrying", e)
             await asyncio.sleep(self.interval_s)
 
+    async def restore(self) -> None:
+        """At start, before any engine or command is served: the failed GPUs read back, and any lease still live on
+        one (the manager died after the durable mark, before the reclaim's commit) reclaimed now."""
+        db = self.book.db
+        gone = self.board.restore(await db.run(db.load_gpu_health, self.board.node))
+        if gone:
+            log.warning("GPUs %s were marked failed but are not on this node now; their marks are kept", gone)
+        for index, why in sorted(self.board.unhealthy.items()):
+            log.warning("GPU %d is still failed (%s): no lease goes there until it is marked healthy", index, why)
+            await self.book.gpu_failed(index, f"gpu_fault: {why}")
+
     async def set_health(self, cmd: SetGpuHealth) -> SetGpuHealthReply:
-        gpu, changed = self.board.mark(cmd.gpu, cmd.healthy, cmd.detail)
-        # Reclaimed on every unhealthy mark, changed or not: a lease allocated in between must not stay live.
-        lost = [] if cmd.healthy else await self.book.gpu_failed(gpu.index, f"gpu_fault: {cmd.detail}")
+        """Idempotent: a repeated mark (an agent retrying a report whose reply it lost) changes nothing more. The
+        board is never healthier than the table: an unhealthy mark refuses new leases at once, then is written; a
+        healthy one is written first. Both are durable before the leases are reclaimed and before the reply."""
+        async with self._marking:
+            gpu = self.board.entry(cmd.gpu)
+            changed = False if cmd.healthy else self.board.mark(gpu.index, False, cmd.detail)[1]
+            why = None if cmd.healthy else self.board.unhealthy[gpu.index]
+            db = self.book.db
+            await db.run(db.save_gpu_health, self.board.node, gpu.uuid, gpu.index, why, time.time())
+            if cmd.healthy:
+                changed = self.board.mark(gpu.index, True, cmd.detail)[1]
+            # Reclaimed on every unhealthy mark, changed or not: a lease allocated in between must not stay live.
+            lost = [] if cmd.healthy else await self.book.gpu_failed(gpu.index, f"gpu_fault: {cmd.detail}")
         rec = self.current()[gpu.index]
         if changed or lost:
             log.warning("GPU %d (%s) marked %s: %s", gpu.index, gpu.uuid, "healthy" if cmd.healthy else "unhealthy",

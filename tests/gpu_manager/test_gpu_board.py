@@ -48,3 +48,12 @@ def test_a_record_is_rewritten_only_when_something_but_its_time_changed() -> Non
     a, b = board.records([], 1.0)[0], board.records([], 2.0)[0]
     assert same_record(a, b) and not same_record(None, b)
     assert not same_record(a, board.records([lease(0, 0, M)], 3.0)[0])
+
+
+def test_stored_failures_are_restored_by_uuid_and_a_gpu_no_longer_here_is_named() -> None:
+    board = host_board("n", ["0", "1"], 100 * M)
+    gone = board.restore({"SIM-n-1": "XID 79", "SIM-n-7": "ECC"})
+    assert gone == ["SIM-n-7"] and board.unhealthy == {1: "XID 79"}
+    with pytest.raises(GpuUnhealthy, match="XID 79"):
+        board.check_allocatable(1)
+    assert board.check_allocatable(0).index == 0
