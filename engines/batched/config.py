@@ -54,11 +54,8 @@ class EngineConfig(BaseSettings):
     deterministic: bool = Field(False, description="batch-invariant kernels: a sequence's tokens do not depend on "
                                 "what runs beside it (exact output through a failover)")
     cuda_graphs: bool = Field(True, description="decode steps replayed as CUDA graphs at batch-size buckets (CUDA only)")
-    # Off by default since 2026-12-01: under load a request with ignore_eos came back done with 27 of its 64 tokens
-    # (tests/engine_batched/test_server.py's queue test, 1 run in 3 with async scheduling, 0 in 3 without); on
-    # again once that is traced and fixed.
-    async_schedule: bool = Field(False, description="schedule and launch step N+1 while step N runs on the device "
-                                 "(engine.py); off: one step at a time")
+    async_schedule: bool = Field(True, description="schedule and launch step N+1 while step N runs on the device "
+                                 "(engine.py); --no-async-schedule: one step at a time")
 
     # recovery
     adopt_claim_s: float = Field(30.0, gt=0, description="an adopted sequence that no resumed request claims in this "

@@ -5,7 +5,7 @@ admissions, new block-table entries) -> `ModelRunner.run()` -> `Scheduler.commit
 to their requests' sinks. The HTTP layer never touches the scheduler: it hands requests in through `submit`
 and gets tokens back through its `Sink` (called from the step thread; thread-safe on the sink's side).
 
-Async scheduling (opt-in since 2026-12-01, `--async-schedule`: a truncated response under load is not traced yet): the host's work of a step is
+Async scheduling (the step loop's default; `async_schedule=False` turns it off): the host's work of a step is
 done while the device runs the previous one, as vLLM v1 does. Step N+1 is scheduled and launched
 (`ModelRunner.launch`, greedy argmax on the device) while step N is still in flight: `Scheduler.advance` left a
 placeholder for each token N samples, and N+1's decode rows take those tokens from N's device tensor. Only then
