@@ -31,6 +31,7 @@ from libs.common.bus import Bus
 from libs.common.cluster_view import range_pages
 from libs.common.events import (
     EndpointAdded,
+    IncidentResolved,
     event_subject,
 )
 from libs.common.gc_tuning import service_gc
@@ -177,6 +178,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
         by_death: list[tuple[float, float]] = []  # (when the fault was due, its latency): the latency over the run
         resolved_at: list[float] = []  # when each successor was announced, in arrival order
         seen: set[str] = set()
+        ends: dict[str, float] = {}  # incident id -> fault to its incident.resolved (sent once its record is in etcd)
         done = asyncio.Event()
 
         async def on_added(msg: Any) -> None:
@@ -195,7 +197,15 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
                 if len(latencies) == total:
                     done.set()
 
+        async def on_resolved(msg: Any) -> None:
+            now = time.time()
+            data = json.loads(msg.data).get("data") or {}
+            eid, inc = data.get("engine_id"), data.get("incident_id")
+            if eid in died and inc not in ends:
+                ends[inc] = now - died[eid]
+
         await bus.nc.subscribe(event_subject(bus.prefix, EndpointAdded), cb=on_added)
+        await bus.nc.subscribe(event_subject(bus.prefix, IncidentResolved), cb=on_resolved)
         # Intent results published (one or two per incident): counted by the stream at the end, not delivered to
         # this process (8,000 more messages through nats-server and this loop, counted with the simulated nodes).
         results0 = await _stored(bus, "intent.result")
@@ -227,6 +237,10 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), timeout=1.0)
         end = time.time()
+        for _ in range(50):  # the last ends follow their endpoints by one etcd write
+            if len(ends) >= len(latencies):
+                break
+            await asyncio.sleep(0.1)
         cpu = {k: round(_cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
         cpu["bench (fault injection, simulated nodes)"] = round(time.process_time() - bench_cpu0, 2)
         _, rev1 = await range_pages(store, "leader/")
@@ -250,6 +264,9 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             # one's latency, so a pipeline that keeps up at 1,000/s shows 8,000 / (8 s + its latency) there).
             "served_per_s_mid": _mid_rate(resolved_at),
             "latency_ms": {"p50": _pct(lat, 0.50), "p90": _pct(lat, 0.90), "p99": _pct(lat, 0.99), "max": _pct(lat, 1.0)},
+            # Fault -> incident.resolved: the successor's endpoint goes out first; the end waits for its record.
+            "end_latency_ms": {"heard": len(ends), "p50": _pct(sorted(ends.values()), 0.50),
+                               "p99": _pct(sorted(ends.values()), 0.99)},
             # Steady mode: p99 of the faults of each 10 s of the run: flat when the pipeline keeps up, rising
             # when a backlog builds (a whole run's p99 cannot tell the two apart).
             "p99_ms_by_10s": _windows(by_death, start, 10.0) if rate > 0 else None,
