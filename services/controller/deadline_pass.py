@@ -1,0 +1,116 @@
+"""`DeadlinePass`: the leader's level-triggered pass, every `tick_s`: what no message will bring is found here.
+
+Each tick, for the incidents nobody is working on (their lock free, no background step of theirs running):
+- a waiting state (freezing, reattaching, fallback) past its deadline: `deadline_missed`;
+- opened or routing_in for over a second (a step that stalled, a resumed record): resumed;
+- a fallback whose cold engine the view shows ready (its ready event missed, or sent before the spawn was
+  answered): routed in;
+- an incident opened in etcd by any instance's API that this leader does not hold: resumed (it dispatches it);
+- the ends whose write or publication failed (endings.py, doubts): read back once etcd answers, each under its
+  incident's lock; one read refused ends that tick's read-back (etcd still failing).
+Each of these runs as a named background task, kept referenced until it ends, and is not handed out again while it
+runs; `cancel` ends them when the term does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from services.controller.endings import IncidentEnds
+from services.controller.incident import WAITING, IncidentState, Trigger
+from services.controller.incident_locks import IncidentLocks
+from services.controller.intake import cold_ready
+from services.controller.moves import Move
+from services.controller.open_incidents import OpenIncidents
+from services.controller.view import ClusterView
+
+log = logging.getLogger("holdfast.controller.deadlines")
+S = IncidentState
+STALLED_S = 1.0  # opened or routing_in for this long with nobody working on it: resumed
+
+
+class Steps(Protocol):
+    """What the pass hands its findings to (the driver, pipeline.py): a batch of one, a resume."""
+
+    async def move_one(self, move: Move) -> None: ...
+
+    async def resume(self, inc_id: str) -> None: ...
+
+
+class DeadlinePass:
+    def __init__(self, steps: Steps, open_: OpenIncidents, locks: IncidentLocks, view: ClusterView,
+                 ends: IncidentEnds, tick_s: float) -> None:
+        self.steps = steps
+        self.open = open_
+        self.locks = locks
+        self.view = view
+        self.ends = ends
+        self.tick_s = tick_s
+        self._busy: set[str] = set()  # incidents a background task of this pass is working on
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._settling: asyncio.Task[None] | None = None  # the read-back of doubtful ends
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.tick(time.time())
+
+    def tick(self, now: float) -> None:
+        self.locks.forget_ended(self.open)
+        if self.ends.doubts and (self._settling is None or self._settling.done()):
+            self._settling = self._spawn(self._settle_ends(), "incident-ends:settle")
+        for rec in self.open.records():
+            if rec.id in self._busy or self.locks.held(rec.id):
+                continue  # being worked on right now: nothing stalled
+            if rec.state in WAITING and rec.deadline is not None and now > rec.deadline:
+                self._background(rec.id, self.steps.move_one(Move(0, rec.id, Trigger.DEADLINE_MISSED,
+                                                                  detail=f"{rec.state.value} missed its deadline")))
+            elif rec.state in (S.OPENED, S.ROUTING_IN) and now - rec.updated_at > STALLED_S:
+                self._background(rec.id, self.steps.resume(rec.id))
+            elif rec.state is S.FALLBACK and rec.cold_successor_id:
+                cold = self.view.engines.get(rec.cold_successor_id)
+                if cold is not None and cold.state == "ready":
+                    self._background(rec.id, self.steps.move_one(cold_ready(rec.id, cold.engine_id, cold.endpoint)))
+        for inc_id in list(self.view.open_by_engine.values()):
+            seen = self.view.incidents.get(inc_id)
+            if inc_id not in self.open and inc_id not in self._busy and not self.open.closed_here(inc_id) \
+                    and seen is not None and seen.state is S.OPENED:
+                self._background(inc_id, self.steps.resume(inc_id))
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _background(self, inc_id: str, coro: Coroutine[Any, Any, None]) -> None:
+        self._busy.add(inc_id)
+
+        async def run() -> None:
+            try:
+                await coro
+            except Exception:  # noqa: BLE001 - retried on the next tick
+                log.exception("incident %s: background step failed", inc_id)
+            finally:
+                self._busy.discard(inc_id)
+
+        self._spawn(run(), f"incident:{inc_id}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)  # referenced until done; cancelled by `cancel`
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _settle_ends(self) -> None:
+        for inc_id in list(self.ends.doubts):
+            try:
+                async with self.locks.holding([inc_id]):
+                    rec = await self.ends.settle(inc_id)
+                    if rec is not None and inc_id not in self.open:
+                        self.open.put(rec)  # its end never landed: resumed from etcd's record (the next ticks)
+            except Exception as e:  # noqa: BLE001 - etcd still failing: read back on a later tick
+                log.info("incident ends not settled yet (%r): again on the next tick", e)
+                return
