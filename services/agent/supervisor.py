@@ -38,11 +38,13 @@ from libs.common.wire import FrameStream
 from services.agent import gpus, launcher, shadows, supervision
 from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State
+from services.agent.gpu_reports import GpuReports
 from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
 from services.agent.records import RecordWriter
 from services.agent.settings import AgentSettings
 
 log = logging.getLogger("holdfast.agent")
+REPORT_WAIT_S = 5.0  # how long a MarkGpu waits for the gpu_manager's answer (the report goes on after)
 GROUP_DIED = 70  # a TP group's rank 0 exits so when another rank died (engines/reference/tp_runner.py)
 
 
@@ -70,6 +72,7 @@ class Agent:
         # The node's GPUs (NVML's, or the host backend's simulated list: app.py sets them) and the unhealthy ones.
         self.gpus: list[GpuEntry] = simulated_gpus(settings.gpus, settings.node)
         self.unhealthy: dict[int, str] = {}
+        self.gpu_reports = GpuReports(self._send_gpu_health)  # told to the gpu_manager until it answers
         self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
                                                max_s=settings.crash_backoff_max_s,
                                                reset_s=settings.crash_backoff_reset_s))
@@ -309,16 +312,21 @@ class Agent:
             log.error("NVML fault on an unknown device: %s", detail)
             return
         self.gpu_fault(gpu, detail)
-        self.background(self.report_gpu(gpu, False, detail), f"report-gpu:{gpu}")
+        self.gpu_reports.want(gpu, False, detail)
 
     async def report_gpu(self, gpu: int, healthy: bool, detail: str) -> SetGpuHealthReply | None:
-        """Tell the node's gpu_manager; None (logged) when it does not answer: the fault stands here anyway."""
+        """Tell the node's gpu_manager, and wait up to REPORT_WAIT_S for its answer; None when it has not answered
+        by then (it is told as soon as it is back: gpu_reports.py). The fault stands here anyway."""
+        told = self.gpu_reports.want(gpu, healthy, detail)
         try:
-            return await self.bus.request(self.node, SetGpuHealth(gpu=gpu, healthy=healthy, detail=detail),
-                                          SetGpuHealthReply, timeout=5.0)
-        except (HoldfastError, TimeoutError, OSError) as e:
-            log.error("gpu_manager not told that GPU %d is %s: %s", gpu, "healthy" if healthy else "unhealthy", e)
+            async with asyncio.timeout(REPORT_WAIT_S):
+                return await asyncio.shield(told)
+        except TimeoutError:
             return None
+
+    async def _send_gpu_health(self, gpu: int, healthy: bool, detail: str) -> SetGpuHealthReply:
+        return await self.bus.request(self.node, SetGpuHealth(gpu=gpu, healthy=healthy, detail=detail),
+                                      SetGpuHealthReply, timeout=REPORT_WAIT_S)
 
     # ------------------------------------------------------------ stopping and killing
 
@@ -535,5 +543,6 @@ class Agent:
         for link in list(self.links.values()):
             link.close()
         self.watcher.close()
+        self.gpu_reports.close()
         for task in list(self._tasks):
             task.cancel()

@@ -165,6 +165,22 @@ def gpu_manager(settings_env: dict[str, str]) -> Iterator[Any]:
     mgr.stop()
 
 
+TWO_GPUS = json.dumps(["0", "1"])
+
+
+@pytest.fixture
+def two_gpu_manager(settings_env: dict[str, str]) -> Iterator[Any]:
+    """A real gpu_manager on the host backend with two simulated GPUs (the agent's `gpus` must be TWO_GPUS), leases
+    with a 120 s grace (a reclaim seen in a test is not a deadline's), GPU records rewritten every 0.1 s."""
+    from tests.gpu_manager.harness import ManagerProc
+
+    env = {**settings_env, "HF_BACKEND": "host", "HF_CHUNK_MIB": "1", "HF_RECONCILE_INTERVAL_S": "0.1",
+           "HF_GPUS": TWO_GPUS, "HF_GRACE_S": "120", "HF_GPU_PUBLISH_INTERVAL_S": "0.1"}
+    mgr = ManagerProc(env, Path(settings_env["HF_STATE_DIR"])).start()
+    yield mgr
+    mgr.stop()
+
+
 @pytest.fixture
 def open_dir() -> Iterator[str]:
     """A directory other users may traverse (pytest's tmp dirs are private to root)."""
