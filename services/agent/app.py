@@ -65,6 +65,8 @@ async def setup(rt: Runtime) -> None:
     has_nvml = settings.nvml and nvml.start(asyncio.get_running_loop())
     if has_nvml:
         agent.gpus = nvml.entries_of(settings.gpus)  # the real GPUs (else the simulated ones of the config)
+    # GPUs that failed before this agent started (the gpu_manager keeps them failed): no engine is placed there.
+    agent.unhealthy.update(await records.load_failed_gpus(rt.store, settings.node, agent.gpus))
     rt.on_close(_async(nvml.stop))
 
     node = NodeInfo(node=settings.node, datacenter=settings.datacenter, agent_pid=os.getpid(),

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
-from libs.common.events import EngineInfo, EngineSpec, NodeInfo, engine_record_key
+from libs.common.errors import NotFound
+from libs.common.events import EngineInfo, EngineSpec, GpuRecord, NodeInfo, engine_record_key
+from libs.common.gpu import GpuEntry, resolve_gpu
 from libs.common.store import KeepAlive, Lease, Store
 
 log = logging.getLogger("holdfast.agent.records")
@@ -75,6 +78,22 @@ async def load_specs(store: Store, node: str) -> dict[str, EngineSpec]:
     prefix = f"agents/{node}/specs/"
     return {k.removeprefix(prefix): EngineSpec.model_validate_json(v)
             for k, v in (await store.get_prefix(prefix)).items()}
+
+
+async def load_failed_gpus(store: Store, node: str, gpus: Sequence[GpuEntry]) -> dict[int, str]:
+    """The node's GPUs its gpu_manager holds failed (index -> why), from `gpus/<node>/<gpu>`, which it writes from
+    its durable marks: a restarted agent places nothing there. Matched by UUID (an index may have moved)."""
+    out = {}
+    for key, raw in (await store.get_prefix(f"gpus/{node}/")).items():
+        try:
+            rec = GpuRecord.model_validate_json(raw)
+            gpu = resolve_gpu(rec.uuid or rec.gpu, gpus)
+        except (ValueError, NotFound) as e:
+            log.warning("ignoring GPU record %s: %s", key, e)
+            continue
+        if not rec.healthy:
+            out[gpu.index] = rec.detail or "unhealthy"
+    return out
 
 
 async def register_node(store: Store, info: NodeInfo, ttl: int) -> tuple[Lease, KeepAlive]:
