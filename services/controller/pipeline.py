@@ -102,12 +102,14 @@ class IncidentDriver:
                 log.exception("incident %s: resume failed", inc_id)
         kw: dict[str, Any] = {"concurrency": self.settings.concurrency, "ack_wait": self.settings.ack_wait_s}
         subs = self.subscriptions
-        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults,
-                                                   vet=engines_on_their_nodes(self.view.engines), **kw))
+        # A node's events may name only its own node's engines (a fault, a ready engine's endpoint, a stop).
+        vet = engines_on_their_nodes(self.view.engines)
+        subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, vet=vet,
+                                                   **kw))
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
         subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw))
-        subs.append(await self.bus.durable("engine.>", "controller-engines", self.on_event, **kw))
-        subs.append(await self.bus.durable("memory.>", "controller-memory", self.on_event, **kw))
+        subs.append(await self.bus.durable("engine.>", "controller-engines", self.on_event, vet=vet, **kw))
+        subs.append(await self.bus.durable("memory.>", "controller-memory", self.on_event, vet=vet, **kw))
 
     async def stop(self) -> None:
         """Step down: consume nothing more (unacked events go to the next leader), end the background steps,

@@ -167,3 +167,25 @@ def test_the_vet_refuses_every_engine_an_event_names_on_another_node() -> None:
         with pytest.raises(WrongNode):
             vet(Envelope(type=event.type, source="agent:node-2", node="node-2", data=event))
     vet(Envelope(type="engine.ready", source="agent:node-2", node="node-2", data=EngineReady(engine=mine)))  # its own: passes
+
+
+async def test_another_nodes_agent_can_neither_reroute_nor_unroute_an_engine_it_does_not_run(
+        bus: Bus, store: Store, settings: CommonSettings, settings_env: dict[str, str], tmp_path: Path) -> None:
+    """On its own node's subjects, node-2's agent names node n0000's engine: as ready at an endpoint of its choosing
+    (the router would send users' prompts there), and as stopped (its endpoint would be removed). Both refused."""
+    sim = SimulatedCluster(bus, store, nodes=1, gpus_per_node=2)
+    await sim.populate()
+    await sim.serve()
+    victim, witness = sim.engine_id("n0000", 0), sim.engine_id("n0000", 1)
+    genuine = await store.get(f"endpoints/m/{victim}")
+    assert genuine is not None
+    forged = sim.engines[victim].model_copy(update={"node": "node-2", "endpoint": "http://127.0.0.1:9/evil"})
+    async with control_plane(bus, store, settings_env, tmp_path), _agent_of(settings, "node-2") as forger:
+        await forger.emit(EngineStopped(engine_id=victim))
+        await forger.emit(EngineReady(engine=forged))
+        await sim.fail(witness)  # a genuine incident after both: once it is over, the forged ones have been read
+        await wait_for(lambda: _ended(store, witness), timeout=30, what="the genuine incident")
+        await asyncio.sleep(0.5)
+        assert await store.get(f"endpoints/m/{victim}") == genuine
+        info = await bus.js.consumer_info(settings.stream_name, "controller-engines")
+        assert info.num_ack_pending == 0 and info.num_redelivered == 0  # refused and acked, not retried
