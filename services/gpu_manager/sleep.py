@@ -144,9 +144,13 @@ class Sleeper:
         return recs, source
 
     def _check_room(self, recs: list[LeaseRecord]) -> None:
-        """A wake takes memory like an allocate: refused past the GPU's capacity (someone took it meanwhile)."""
+        """A wake takes memory like an allocate: refused on a GPU marked unhealthy (`GpuUnhealthy`: a failed GPU's
+        mark leaves sleeping leases asleep, they hold no memory) and past the GPU's capacity (someone took it
+        meanwhile)."""
         backend, live = self.book.backend, list(self.book.records.values())
         for gpu in {r.info.gpu for r in recs}:
+            if self.book.board is not None:
+                self.book.board.check_allocatable(gpu)
             want = sum(r.info.size for r in recs if r.info.gpu == gpu)
             if backend.name == "host":
                 used, cap = resident_bytes(live), self.book.settings.host_capacity_bytes or backend.capacity(gpu)
