@@ -648,7 +648,7 @@ class MarkGpuReply(Model):
     uuid: str | None = None
     healthy: bool
     engines: list[str] = Field(default_factory=list)  # engines faulted because of it
-    gpu_manager: SetGpuHealthReply | None = None  # None: the gpu_manager did not answer (logged)
+    gpu_manager: SetGpuHealthReply | None = None  # None: no answer within 5 s (the agent keeps sending it)
 
 
 class ListEngines(Command):
