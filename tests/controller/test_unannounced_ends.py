@@ -204,9 +204,10 @@ async def test_a_new_leader_announces_an_end_recorded_but_never_announced(
         await second.stop()
 
 
-async def test_an_announced_end_is_not_announced_again_by_the_next_leader(
+async def test_an_announced_end_leaves_no_mark_for_the_next_leader(
         bus: Bus, store: Store, settings: CommonSettings) -> None:
-    """The mark that an end is still to be announced is taken off once it is: a new leader finds none."""
+    """The mark that an end is still to be announced is taken off once it is: a new leader finds none to announce
+    (a second publication would only be dropped by JetStream's duplicate window while it lasts)."""
     await store.put(FENCE, "held")
     first = new_driver(bus, store, settings)
     rec, cold = await in_fallback_here(first, store, "e3")
