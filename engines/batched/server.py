@@ -35,7 +35,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from engines.batched.engine import LLMEngine, Request
+from engines.batched.engine import LLMEngine
+from engines.batched.live import Request
 from engines.reference.weights import served_checksum
 from libs.common import tokenizer
 from libs.common.generate import GenerateRequest

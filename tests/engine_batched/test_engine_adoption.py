@@ -9,8 +9,10 @@ import time
 
 import torch
 
-from engines.batched.engine import ADOPTED_AHEAD, LLMEngine, Request
+from engines.batched.claims import ADOPTED_AHEAD
+from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
+from engines.batched.live import Request
 from engines.batched.model_runner import ModelRunner
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.reference.config import get_config

@@ -1,4 +1,4 @@
-"""Async scheduling in the engine (engine.py `step_overlapped`), on the CPU with the tiny model: step N+1 is
+"""Async scheduling in the engine (pipeline.py `step_overlapped`), on the CPU with the tiny model: step N+1 is
 launched with step N's tokens still pending (fed from its device tensor), then step N is resolved. Its outputs
 must be the synchronous steps' token for token (deterministic mode), and after every step the journal must be
 adoptable by a successor and hold every token already streamed."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engines.batched.engine import LLMEngine, Request
+from engines.batched.engine import LLMEngine
+from engines.batched.live import Request
 from tests.engine_batched.test_engine_adoption import ListSink, engine, memory
 
 PROMPTS = {f"r{i}": [(7 * i + k) % 250 + 1 for k in range(3 + 5 * i)] for i in range(6)}
@@ -46,13 +47,14 @@ def test_overlapped_steps_stream_the_synchronous_steps_tokens_and_keep_the_journ
             assert len(got[e.request_id].tokens) <= len(out)
 
     for _ in range(500):  # step_overlapped, with a death between its launch and its resolve too
-        prev = eng._inflight
-        eng._inflight = eng._launch(overlap=True)
+        pipe = eng.pipeline
+        prev = pipe.inflight
+        pipe.inflight = pipe.launch(overlap=True)
         successor_now()
         if prev is not None:
-            eng.counters.overlapped_steps += eng._inflight is not None
-            eng._resolve(prev)
-        elif eng._inflight is None:
+            eng.counters.overlapped_steps += pipe.inflight is not None
+            pipe.resolve(prev)
+        elif pipe.inflight is None:
             break
         successor_now()
     assert all(s.done.is_set() for s in got.values())

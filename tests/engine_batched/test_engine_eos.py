@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.batched.engine import LLMEngine, Request
+from engines.batched.engine import LLMEngine
+from engines.batched.live import Request
 from libs.common.tokenizer import EOS
 from tests.engine_batched.test_engine_adoption import ListSink, engine, memory
 
