@@ -1,5 +1,5 @@
 """Async scheduling's bookkeeping (scheduler.py `advance` / `resolve`), with random runs (hypothesis) against the
-fake model of test_scheduler_properties.py: step N+1 is scheduled and advanced before step N is resolved, and
+fake model of scheduler_runs.py: step N+1 is scheduled and advanced before step N is resolved, and
 the fake device runs the launched steps in launch order, each reading the tokens and block tables its launch
 saw (a fed token that is still a placeholder there is the previous step's sample, as on the device). Every
 sequence must end with exactly the synchronous run's tokens, every work must read KV its own tokens produced,
@@ -19,16 +19,13 @@ from hypothesis import strategies as st
 
 from engines.batched.scheduler import Batch, Scheduler, SchedulerConfig
 from engines.batched.sequence import PENDING, SeqStatus, Sequence
-from tests.engine_batched.test_scheduler_properties import (
+from tests.engine_batched.scheduler_runs import (
     PROPS,
     Req,
     Run,
     Scenario,
     check_outcomes,
     check_state,
-    expected_shape,
-    fake_next_token,
-    prefix_ids,
     run_to_end,
     scenarios,
 )
@@ -52,8 +49,6 @@ class AsyncRun(Run):
 
     def execute(self, launch: Launch, prev: Launch | None) -> None:
         """The fake device runs one launched step: a fed placeholder is `prev`'s sample of that sequence."""
-        cfg = self.sc.config
-        bs = cfg.block_size
         for w, table in zip(launch.batch.works, launch.tables, strict=True):
             seq = w.seq
             tokens = list(seq.tokens[:w.start + w.num_tokens])
@@ -61,16 +56,9 @@ class AsyncRun(Run):
                 if t == PENDING:
                     assert p == w.start and w.num_tokens == 1 and prev is not None, "a placeholder fed as a prompt"
                     tokens[p] = prev.sampled[seq.seq_id]
-            ids = prefix_ids(tokens)
-            for p in range(w.start):
-                cell = self.kv[table[p // bs] * bs + p % bs]
-                assert cell is not None and cell[0] == ids[p], f"seq {seq.seq_id} reads foreign KV at {p}"
-                if cfg.deterministic:
-                    assert cell[1] == expected_shape(seq, p, cfg.prefill_chunk), "KV computed in another shape"
-            for p in range(w.start, w.start + w.num_tokens):
-                self.kv[table[p // bs] * bs + p % bs] = (ids[p], (w.start, w.start + w.num_tokens))
+            tok = self.compute(seq, tokens, table, w.start, w.num_tokens)
             if w.samples:
-                launch.sampled[seq.seq_id] = fake_next_token(tokens)
+                launch.sampled[seq.seq_id] = tok
 
     def step(self) -> None:
         """Schedule and launch step N+1 with step N in flight, then resolve step N (OVERLAP); or resolve N first
@@ -107,7 +95,7 @@ class AsyncRun(Run):
 
 
 def run_and_check(sc: Scenario, kinds: list[str]) -> None:
-    run = AsyncRun(sc, Scheduler(sc.config), kinds=kinds)
+    run = AsyncRun.fresh(sc, kinds=kinds)
     run_to_end(run)
     check_outcomes(run)
     assert all(s.num_pending == 0 and PENDING not in s.tokens for s in run.seqs.values())
@@ -130,9 +118,9 @@ def test_async_runs_under_pressure_lose_no_token(sc: Scenario, kinds: list[str])
 @PROPS
 @given(scenarios(aborts=False), STEP_KINDS)
 def test_async_runs_end_with_the_synchronous_runs_tokens(sc: Scenario, kinds: list[str]) -> None:
-    sync = Run(sc, Scheduler(sc.config))
+    sync = Run.fresh(sc)
     run_to_end(sync)
-    run = AsyncRun(sc, Scheduler(sc.config), kinds=kinds)
+    run = AsyncRun.fresh(sc, kinds=kinds)
     run_to_end(run)
     assert {i: s.tokens for i, s in run.seqs.items()} == {i: s.tokens for i, s in sync.seqs.items()}
     assert {i: s.finish_reason for i, s in run.seqs.items()} == {i: s.finish_reason for i, s in sync.seqs.items()}
@@ -195,7 +183,7 @@ def test_a_sequence_preempted_with_its_token_in_flight_keeps_that_token_and_ends
     assert sched.waiting == [run.seqs[1]] and run.seqs[1].num_pending == 0 and run.seqs[1].num_output == 1
     run_to_end(run)
     check_outcomes(run)
-    sync = Run(sc, Scheduler(config))
+    sync = Run.fresh(sc)
     run_to_end(sync)
     assert [s.tokens for s in run.seqs.values()] == [s.tokens for s in sync.seqs.values()]
     assert all(s.num_output == 6 for s in run.seqs.values())
