@@ -15,7 +15,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import shutil  # noqa: E402
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,14 +39,11 @@ HAS_GPU = has_gpu()
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1"... (unset without xdist)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKER.startswith("gw") and _WORKERS > 1:
-    _kernel_free_port = procs.free_port
+    _any_free_port = procs.free_port
     _CLASS = int(_WORKER[2:]) % _WORKERS
 
-    def _free_port_of_this_worker() -> int:
-        while True:
-            port = _kernel_free_port()
-            if port % _WORKERS == _CLASS:
-                return port
+    def _free_port_of_this_worker(accept: Callable[[int], bool] | None = None) -> int:
+        return _any_free_port(lambda port: port % _WORKERS == _CLASS and (accept is None or accept(port)))
 
     procs.free_port = _free_port_of_this_worker
     # Each torch process (an engine, a worker running the model in-process) would start one compute thread per

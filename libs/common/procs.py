@@ -5,29 +5,54 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 _HANDED_OUT: set[int] = set()  # every port free_port gave this process: none is given twice
+_RNG = random.Random()  # its own, seeded from the OS: a seeded run (chaos) must not make two processes draw alike
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now, never one this process was given before: the kernel may hand the
-    same ephemeral port to two binds in a row once the first socket is closed, and a benchmark that gave it to
-    both nats-server and etcd's peer listener found etcd where it looked for NATS (and waited forever)."""
-    while True:
+def _port_range() -> tuple[int, int]:
+    """Where free ports are drawn: below the kernel's ephemeral range (net.ipv4.ip_local_port_range), so that no
+    outgoing connection and no bind to port 0 takes one of them meanwhile; above it if it starts too low."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return (10000, lo) if lo > 12000 else (hi + 1, 65536)
+
+
+PORT_RANGE = _port_range()
+
+
+def free_port(accept: Callable[[int], bool] | None = None) -> int:
+    """A loopback port nobody listens on now (nor holds in TIME_WAIT: bound here without SO_REUSEADDR), never one
+    this process was given before, and one `accept` takes (pytest-xdist workers each take their own residue class).
+
+    Drawn at random from PORT_RANGE, not asked of the kernel with port 0: the kernel may hand the same ephemeral
+    port to binds in a row once the first socket is closed (a benchmark that gave one to both nats-server and
+    etcd's peer listener found etcd where it looked for NATS), and a caller that must skip ports it was given
+    then spins on that one port (a fixture once hung for 300 s so)."""
+    for _ in range(1_000_000):  # a few ms; a range with no port left (or an `accept` taking none) says so
+        port = _RNG.randrange(*PORT_RANGE)
+        if port in _HANDED_OUT or (accept is not None and not accept(port)):
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port left in {PORT_RANGE} that this process may take")
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
