@@ -147,7 +147,7 @@ class SimulatedCluster:
             self.leases[lease.id] = lease.model_copy(update={"state": LeaseState.FROZEN, "epoch": epoch})
         if self.emit_events:
             await self.bus.emit(MemoryFrozen(owner=cmd.owner, lease_ids=reply.lease_ids, epoch=epoch,
-                                             incident_id=cmd.incident_id))
+                                             incident_id=cmd.incident_id), node=mine[0].node)  # the owner's node
         return reply
 
     async def reclaim(self, cmd: Reclaim) -> ReclaimReply:

@@ -143,8 +143,8 @@ async def test_an_event_describing_another_nodes_engine_or_lease_never_reaches_a
     node2 = bus.settings.model_copy(update={"node": "node-2"})
     agent, gpu_manager = await Bus.connect(node2, "agent:node-2"), await Bus.connect(node2, "gpu_manager:node-2")
     try:  # each on node-2's own subjects (the only ones its identity may publish), describing node-1's records
-        await agent.emit(EngineReady(engine=theirs))
-        await gpu_manager.emit(LeaseChanged(lease=lease, from_state=None))
+        await agent.emit(EngineReady(engine=theirs), node="node-2")
+        await gpu_manager.emit(LeaseChanged(lease=lease, from_state=None), node="node-2")
         await agent.emit(EngineReady(engine=theirs.model_copy(update={"node": "node-2"})))  # node-2's: genuine
         await wait_for(lambda: asyncio.sleep(0, seen), timeout=5, what="the genuine event")
         await asyncio.sleep(0.3)

@@ -43,7 +43,8 @@ async def test_an_early_successor_is_routed_in_when_the_memory_is_frozen_not_bef
         rec = await record()
         assert rec is not None and rec.state is IncidentState.FREEZING
 
-        await bus.emit(MemoryFrozen(owner=victim, lease_ids=[f"L-{victim}"], epoch=2, incident_id=inc_id))
+        await bus.emit(MemoryFrozen(owner=victim, lease_ids=[f"L-{victim}"], epoch=2, incident_id=inc_id),
+                       node="n0000")  # as the victim's node's gpu_manager
 
         async def resolved() -> IncidentRecord | None:
             got = await record()

@@ -60,18 +60,19 @@ class Bus:
     # ------------------------------------------------------------ events out (publish.py)
 
     def envelope(self, payload: Event, *, incident_id: str | None = None, id: str | None = None,
-                 traceparent: str | None = None) -> Envelope:
+                 traceparent: str | None = None, node: str | None = None) -> Envelope:
         """Wrap `payload`. `id`: a chosen id (derived ids make re-publication idempotent); `traceparent`: the
-        trace to file it under (default: the current span's context)."""
-        return self.events.envelope(payload, incident_id=incident_id, id=id, traceparent=traceparent)
+        trace to file it under (default: the current span's context); `node`: the node it is about, where the
+        payload does not say (an operator's or a simulated node's event; default: this connection's)."""
+        return self.events.envelope(payload, incident_id=incident_id, id=id, traceparent=traceparent, node=node)
 
     def wired(self, payload: Event, *, id: str, traceparent: str | None = None,
               incident_id: str | None = None) -> Wired:
         """`envelope(...)` ready for `publish`/`publish_all` without the `Envelope` model (codec.py)."""
         return self.events.wired(payload, id=id, traceparent=traceparent, incident_id=incident_id)
 
-    async def emit(self, payload: Event, *, incident_id: str | None = None) -> Envelope:
-        env = self.envelope(payload, incident_id=incident_id)
+    async def emit(self, payload: Event, *, incident_id: str | None = None, node: str | None = None) -> Envelope:
+        env = self.envelope(payload, incident_id=incident_id, node=node)
         await self.events.publish(env)
         return env
 

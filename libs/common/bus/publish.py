@@ -77,7 +77,16 @@ class Publisher:
         self._subjects: dict[tuple[type, str | None], str] = {}
 
     def node_of(self, payload: Event) -> str | None:
-        return codec.field(payload, "node") or self.link.settings.node
+        """The node an event is about: its own `node`, else that of the engine or lease record it carries, else
+        this connection's (receive.py refuses a node's event that names another node than its subject)."""
+        node = codec.field(payload, "node")
+        if node:
+            return node  # type: ignore[no-any-return]
+        for name in ("engine", "lease"):
+            record = codec.field(payload, name)
+            if record is not None and record.node:
+                return record.node  # type: ignore[no-any-return]
+        return self.link.settings.node
 
     def subject(self, cls: type[Event], node: str | None) -> str:
         key = (cls, node)
@@ -87,14 +96,14 @@ class Publisher:
         return subject
 
     def envelope(self, payload: Event, *, incident_id: str | None = None, id: str | None = None,
-                 traceparent: str | None = None) -> Envelope:
+                 traceparent: str | None = None, node: str | None = None) -> Envelope:
         if traceparent is not None:
             trace = TraceContext(traceparent=traceparent)  # a known parent: no propagator round trip
         else:
             headers = telemetry.inject_headers()
             trace = TraceContext(traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
         extra = {"id": id} if id is not None else {}
-        return Envelope(type=payload.type, source=self.link.source, node=self.node_of(payload),  # type: ignore[attr-defined]
+        return Envelope(type=payload.type, source=self.link.source, node=node or self.node_of(payload),  # type: ignore[attr-defined]
                         incident_id=incident_id or codec.field(payload, "incident_id"), trace=trace,
                         data=payload, **extra)  # type: ignore[arg-type]
 
