@@ -201,7 +201,7 @@ async def run_bench(nodes: int, gpus_per_node: int, incidents: int, workdir: Pat
             now = time.time()
             data = json.loads(msg.data).get("data") or {}
             eid, inc = data.get("engine_id"), data.get("incident_id")
-            if eid in died and inc not in ends:
+            if isinstance(inc, str) and eid in died and inc not in ends:
                 ends[inc] = now - died[eid]
 
         await bus.nc.subscribe(event_subject(bus.prefix, EndpointAdded), cb=on_added)
