@@ -22,12 +22,14 @@ _RNG = random.Random()  # its own, seeded from the OS: a seeded run (chaos) must
 
 def _port_range() -> tuple[int, int]:
     """Where free ports are drawn: below the kernel's ephemeral range (net.ipv4.ip_local_port_range), so that no
-    outgoing connection and no bind to port 0 takes one of them meanwhile; above it if it starts too low."""
+    outgoing connection and no bind to port 0 takes one of them meanwhile; above it if it starts too low. From
+    20000 up: the stack's fixed default ports (config.py: 12379, 14222, 18000, 18080, ...) lie below, and a
+    controller started with its default API port must not find it handed to a test's nats-server."""
     try:
         lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         lo, hi = 32768, 60999
-    return (10000, lo) if lo > 12000 else (hi + 1, 65536)
+    return (20000, lo) if lo > 22000 else (hi + 1, 65536)
 
 
 PORT_RANGE = _port_range()

@@ -53,13 +53,16 @@ class RouteIn(NamedTuple):
 
 class RouteOut(NamedTuple):
     """A dispatch prepared: the record's working copy and the events to publish (route out, the intent,
-    incident.opened); `lost`: the memory is gone, `cold`: the successor starts cold; `model`: the route's model."""
+    incident.opened); `lost`: the memory is gone, `cold`: the successor starts cold; `model`: the route's model;
+    `at`: when the intent was made, before it is published: the freeze's start (a dc_manager may freeze and report
+    `frozen_at` before the publish returns here, and a freeze cannot end before it starts: moves.py `frozen_at`)."""
 
     work: IncidentRecord
     events: list[Wired]
     lost: bool
     cold: bool
     model: str
+    at: float
 
 
 def endpoint_key(model: str, engine_id: str) -> str:
@@ -80,7 +83,8 @@ class IncidentEvents:
         work = rec.model_copy(update={"steps": dict(rec.steps)})  # steps are replaced, never mutated
         if work.trace_parent is None:
             self.tracing.open(work)
-        start_step(work, Step.ROUTE_OUT, time.time())
+        at = time.time()
+        start_step(work, Step.ROUTE_OUT, at)
         hit = self.view.endpoint_of(work.engine_id)
         model, url = hit if hit is not None else (work.model, work.endpoint)
         # Route out beside the freeze: routers hold requests while the memory is frozen.
@@ -97,7 +101,7 @@ class IncidentEvents:
                                                            url=url, reason=str(work.kind or work.reason),
                                                            incident_id=work.id),
                                            f"{work.id}-removed", work))
-        return RouteOut(work, events, lost, cold, model or work.model)
+        return RouteOut(work, events, lost, cold, model or work.model, at)
 
     def routed_out(self, out: RouteOut) -> IncidentRecord:
         """The route-out's events are published: its endpoint key goes, and the record moves to waiting."""
@@ -108,7 +112,7 @@ class IncidentEvents:
             self.writer.delete_nowait(endpoint_key(out.model, work.engine_id))
             end_step(work, Step.ROUTE_OUT, "done", time.time())
         trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
-        return apply(work, trig, time.time(), self.deadlines, memory_lost=out.lost)
+        return apply(work, trig, out.at, self.deadlines, memory_lost=out.lost)
 
     def route_in(self, rec: IncidentRecord) -> RouteIn:
         """Route-in's endpoint key (written behind) and events for `rec`, and the record once they are out."""
