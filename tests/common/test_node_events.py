@@ -36,7 +36,7 @@ from libs.common.events import (
 from libs.common.security.policy import nats_permissions
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, incident_id_for
-from tests.controller.helpers import control_plane, wait_for
+from tests.controller.helpers import control_plane, service_env, wait_for
 
 
 @asynccontextmanager
@@ -67,7 +67,7 @@ async def test_another_nodes_agent_cannot_fault_an_engine_it_does_not_run(
     await sim.populate()
     await sim.serve()
     victim, witness = sim.engine_id("n0000", 0), sim.engine_id("n0000", 1)
-    async with control_plane(bus, store, settings_env, tmp_path), _agent_of(settings, "node-2") as forger:
+    async with control_plane(bus, store, service_env(settings_env), tmp_path), _agent_of(settings, "node-2") as forger:
         # A fault for the victim's node: the server refuses node-2's identity that subject (no stream ack).
         with pytest.raises(Exception):  # noqa: B017 - nats-py's timeout or no-responders error
             await forger.emit(_forged(victim, node="n0000"))
@@ -180,7 +180,7 @@ async def test_another_nodes_agent_can_neither_reroute_nor_unroute_an_engine_it_
     genuine = await store.get(f"endpoints/m/{victim}")
     assert genuine is not None
     forged = sim.engines[victim].model_copy(update={"node": "node-2", "endpoint": "http://127.0.0.1:9/evil"})
-    async with control_plane(bus, store, settings_env, tmp_path), _agent_of(settings, "node-2") as forger:
+    async with control_plane(bus, store, service_env(settings_env), tmp_path), _agent_of(settings, "node-2") as forger:
         await forger.emit(EngineStopped(engine_id=victim))
         await forger.emit(EngineReady(engine=forged))
         await sim.fail(witness)  # a genuine incident after both: once it is over, the forged ones have been read

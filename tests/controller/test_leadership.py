@@ -37,7 +37,7 @@ async def test_a_wedged_loop_lets_its_lease_expire_so_another_leader_can_take_ov
     await asyncio.sleep(0.5)
     time.sleep(2.0)  # silent past the stall limit: the thread stops refreshing
     try:
-        assert await _gone(store, "leader/wedged", within_s=5.0)
+        assert await _gone(store, "leader/wedged", within_s=15.0)  # etcd's expiry runs late under load
         await asyncio.wait_for(ka.lost.wait(), 5.0)
     finally:
         task.cancel()
@@ -53,4 +53,6 @@ async def test_a_stopped_keep_alive_lets_the_lease_expire(store: Store) -> None:
     assert await store.get("leader/stopped") == b"me"
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert await _gone(store, "leader/stopped", within_s=5.0)
+    # 1 s ttl (etcd raises it to its minimum, ~2 s), a refresh maybe in flight at the cancel, and etcd's expiry
+    # checks run late on a loaded 2-core CI machine (5 s was missed once there): well within 15 s.
+    assert await _gone(store, "leader/stopped", within_s=15.0)
