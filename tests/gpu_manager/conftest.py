@@ -40,6 +40,15 @@ def manager_factory(settings_env: dict[str, str], tmp_path: Path) -> Iterator:
         m.stop()
 
 
+GRACE_S = 120.0  # far beyond a test's waits: a reclaim seen there is not a deadline's
+
+
+@pytest.fixture
+def two_gpu_manager(manager_factory) -> ManagerProc:  # noqa: ANN001
+    """A started manager with two simulated GPUs (0 and 1) and a grace of GRACE_S."""
+    return manager_factory(HF_GPUS='["0","1"]', HF_GRACE_S=str(GRACE_S)).start()
+
+
 @pytest.fixture
 def manager(manager_factory) -> ManagerProc:  # noqa: ANN001
     return manager_factory().start()

@@ -24,7 +24,6 @@ from tests.gpu_manager.harness import ManagerProc, until
 from tests.gpu_manager.test_gang_restart import no_gang
 
 RANKS = ["g-r0", "g-r1"]
-GRACE_S = 120.0  # far beyond the test's waits: any reclaim seen here is not a deadline's
 
 
 def gang_on_two_gpus(engines, manager: ManagerProc) -> list:  # noqa: ANN001
@@ -49,10 +48,6 @@ async def lose_gpu_1(bus: Bus, settings: CommonSettings) -> list[str]:
     assert len(hit.lost_leases) == 2  # rank 1's two leases, memory lost
     return hit.lost_leases
 
-
-@pytest.fixture
-def two_gpu_manager(manager_factory) -> ManagerProc:  # noqa: ANN001
-    return manager_factory(HF_GPUS='["0","1"]', HF_GRACE_S=str(GRACE_S)).start()
 
 
 async def test_the_rest_of_a_gang_that_lost_a_ranks_gpu_is_reclaimed_once_its_ranks_are_gone_not_at_the_deadline(

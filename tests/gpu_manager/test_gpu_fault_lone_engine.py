@@ -15,12 +15,7 @@ from libs.common.events import LeaseState, ListLeases, ListLeasesReply, SetGpuHe
 from tests.gpu_manager.harness import ManagerProc, until
 
 MIB = 1 << 20
-GRACE_S = 120.0  # far beyond the test's waits: a reclaim seen here is not a deadline's
 
-
-@pytest.fixture
-def two_gpu_manager(manager_factory) -> ManagerProc:  # noqa: ANN001
-    return manager_factory(HF_GPUS='["0","1"]', HF_GRACE_S=str(GRACE_S)).start()
 
 
 async def states(bus: Bus, settings: CommonSettings) -> dict[str, LeaseState]:

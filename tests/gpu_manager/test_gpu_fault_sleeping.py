@@ -19,10 +19,6 @@ from tests.gpu_manager.harness import ManagerProc
 MIB = 1 << 20
 
 
-@pytest.fixture
-def two_gpu_manager(manager_factory) -> ManagerProc:  # noqa: ANN001
-    return manager_factory(HF_GPUS='["0","1"]').start()
-
 
 def _sleeper(manager: ManagerProc) -> tuple[MemoryClient, str]:
     c = MemoryClient.connect("sleeper", socket_path=manager.socket, engine_class="sleepy")
