@@ -79,6 +79,13 @@ def field(model: BaseModel, name: str) -> Any:
     return getattr(model, name) if name in names else None
 
 
+def carried_nodes(payload: BaseModel) -> list[str]:
+    """The nodes of the records an event carries (an engine's, a lease's): the nodes it describes besides its own
+    `node` field. Publishing sends an event as that node; receiving refuses one whose subject is another node's."""
+    records = (field(payload, "engine"), field(payload, "lease"))
+    return [r.node for r in records if r is not None]
+
+
 def event_body(payload: Event, *, id: str, source: str, node: str | None, incident_id: str | None,
                traceparent: str | None, tracestate: str | None) -> bytes:
     return _encode(EnvelopeOut(id, payload.type, SCHEMA_VERSION, time.time(), source, node,  # type: ignore[attr-defined]

@@ -82,11 +82,7 @@ class Publisher:
         node = codec.field(payload, "node")
         if node:
             return node  # type: ignore[no-any-return]
-        for name in ("engine", "lease"):
-            record = codec.field(payload, name)
-            if record is not None and record.node:
-                return record.node  # type: ignore[no-any-return]
-        return self.link.settings.node
+        return next((n for n in codec.carried_nodes(payload) if n), self.link.settings.node)
 
     def subject(self, cls: type[Event], node: str | None) -> str:
         key = (cls, node)

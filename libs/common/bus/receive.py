@@ -29,10 +29,8 @@ EventHandler = Callable[[Envelope], Awaitable[None]]
 Vet = Callable[[Envelope], None]
 
 
-# The fields by which an event names an engine (by id, or by the record it carries), and those that carry a
-# record of their own with a `node` (an engine's, a lease's).
+# The fields by which an event names an engine by id (the record it may carry names one too: `vet` below).
 _ENGINE_ID_FIELDS = ("engine_id", "predecessor_id", "owner")
-_RECORD_FIELDS = ("engine", "lease")
 
 
 def engines_on_their_nodes(engines: Mapping[str, EngineInfo]) -> Vet:
@@ -62,7 +60,7 @@ def decode(link: Link, msg: Msg, vet: Vet | None = None) -> Envelope:
     env = decode_event(msg.data)
     node = subject_node(link.prefix, msg.subject)
     if node is not None and (env.node != node or codec.field(env.data, "node") not in (None, "", node)
-                             or any(getattr(codec.field(env.data, f), "node", node) != node for f in _RECORD_FIELDS)):
+                             or any(n != node for n in codec.carried_nodes(env.data))):
         raise WrongNode(f"{msg.subject} is node {node!r}'s; its event says node {env.node!r} or describes "
                         f"another node's record")
     if vet is not None:
