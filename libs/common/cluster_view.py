@@ -104,7 +104,6 @@ class ClusterView:
         self.gpus_of: dict[str, set[int]] = {}  # node -> its gpus listed under gpus/ (placement asks per node)
         self.engines: dict[str, EngineInfo] = {}
         self.engine_raw: dict[str, dict[str, Any]] = {}
-        self.engine_node: dict[str, str] = {}  # engine id -> the node whose key holds its record
         self.leases: dict[str, LeaseInfo] = {}
         # Indexes kept beside the maps so that per-incident queries cost O(1), not O(cluster).
         self.leases_by_owner: dict[str, set[str]] = {}
@@ -169,13 +168,11 @@ class ClusterView:
         node, _, eid = rest.partition("/")
         if not node or not eid or "/" in eid:
             raise ValueError(f"not an engines/<node>/<id> key: engines/{rest}")
-        held_by = self.engine_node.get(eid)
-        if held_by is not None and held_by != node:
-            raise ValueError(f"engine {eid} is recorded under node {held_by}, not {node}")
         old = self.engines.get(eid)
+        if old is not None and old.node != node:  # a record is kept only under its own node's key (below)
+            raise ValueError(f"engine {eid} is recorded under node {old.node}, not {node}")
         if kind == "delete":
             self._unindex_engine(eid, old)
-            self.engine_node.pop(eid, None)
             self.engine_raw.pop(eid, None)
             return self.engines.pop(eid, None)
         raw = _json(value) or {}
@@ -184,7 +181,6 @@ class ClusterView:
         if new.node != node or new.engine_id != eid:
             raise ValueError(f"record of {new.engine_id} on {new.node} under the key of {eid} on {node}")
         self._unindex_engine(eid, old)
-        self.engine_node[eid] = node
         self.engine_raw[eid] = raw
         self.engines[eid] = new
         if new.state not in ("failed", "stopped"):
