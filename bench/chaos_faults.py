@@ -1,7 +1,7 @@
 """The chaos run's harder faults, each a function the run calls (bench/chaos.py decides when and keeps count).
 
 - `catch_allocating`: the next engine process to start is stepped (SIGCONT/SIGSTOP slices of ~1 ms) until it
-  maps a lease the gpu_manager reports uncommitted, then SIGKILLed there: a death during start-up allocation.
+  holds a lease the gpu_manager reports uncommitted, then SIGKILLed there: a death during start-up allocation.
 - `send_xid`: a GPU fault injected where NVML reports it (bench/chaos_nvml/pynvml.py on the agent's path).
 - `pressure`: bench/chaos_pressure.py, a hostile same-uid client of the gpu_manager, as a process of its own.
 - `api_load`: large bodies POSTed to the controller's admin endpoints, with and without the token.
@@ -123,16 +123,29 @@ def memfd_leases(pid: int) -> tuple[set[str], set[str]]:
     return every, writable
 
 
-def catch_allocating(scan: Callable[[], set[int]], before: set[int], uncommitted: Callable[[str], str | None],
-                     within_s: float = 60.0, slice_s: float = 0.001) -> dict[str, Any]:
-    """Wait for an engine process (of those `scan()` finds) not in `before`; let it run (its maps polled) until it maps its first lease,
-    then step it (SIGCONT/SIGSTOP slices of ~1 ms) until it maps writable a lease that `uncommitted` names
-    (its tag; None when committed or unknown), and SIGKILL it there. Blocking: run it in a thread. Stepping
-    only from the first mapping on keeps its heartbeats flowing through the rest of its start-up.
+def engine_id_of(pid: int) -> str | None:
+    """The engine id a process was started as (HF_ENGINE_ID in its environment), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"HF_ENGINE_ID=")), None)
 
-    Returns {"result": "hit", "tag": ...} or {"result": "missed"} (every lease it mapped writable was
-    committed before a stop landed between allocate and commit: it is SIGKILLed anyway, a death early in its
-    life) or {"result": "no start-up"}."""
+
+def catch_allocating(scan: Callable[[], set[int]], before: set[int], leases_of: Callable[[int], dict[str, str | None]],
+                     within_s: float = 60.0, slice_s: float = 0.001) -> dict[str, Any]:
+    """Wait for an engine process (of those `scan()` finds) not in `before`; let it run until the gpu_manager
+    grants it its first lease, then step it (SIGCONT/SIGSTOP slices of ~1 ms) until it holds a lease the
+    gpu_manager reports uncommitted, and SIGKILL it there. `leases_of(pid)`: the leases the gpu_manager has
+    granted that process's engine, each with its tag while uncommitted (None once committed). Asked of the
+    gpu_manager, not read from /proc/<pid>/maps: a CUDA lease is mapped in device memory, where the process's
+    maps do not show it. Blocking: run it in a thread. Stepping only from the first grant on keeps its
+    heartbeats flowing through the rest of its start-up.
+
+    Returns {"result": "hit", "tag": ...} or {"result": "missed"} (every lease it was granted was committed
+    before a stop landed between grant and commit: it is SIGKILLed anyway, a death early in its life) or
+    {"result": "no start-up"}."""
     deadline = time.monotonic() + within_s
     pid = None
     while pid is None and time.monotonic() < deadline:
@@ -141,7 +154,7 @@ def catch_allocating(scan: Callable[[], set[int]], before: set[int], uncommitted
         time.sleep(0.002)
     if pid is None:
         return {"result": "no start-up"}
-    while time.monotonic() < deadline and not memfd_leases(pid)[0]:
+    while time.monotonic() < deadline and not leases_of(pid):
         if proc_state(pid) in ("X", "Z"):
             return {"result": "no start-up", "pid": pid}
         time.sleep(0.001)
@@ -150,13 +163,13 @@ def catch_allocating(scan: Callable[[], set[int]], before: set[int], uncommitted
     while time.monotonic() < deadline:
         if not _stop(pid):
             return {"result": "no start-up", "pid": pid}
-        fresh = memfd_leases(pid)[1] - checked
-        for lease in sorted(fresh):
-            tag = uncommitted(lease)
+        held = leases_of(pid)
+        for lease, tag in sorted(held.items()):
             if tag is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 return {"result": "hit", "tag": tag, "pid": pid, "lease": lease}
+        fresh = set(held) - checked
         checked |= fresh
         if checked and not fresh:
             quiet_since = quiet_since or time.monotonic()

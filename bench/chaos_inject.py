@@ -235,20 +235,22 @@ class Injectors:
         SIGKILL the first new one while it holds an uncommitted lease."""
         loop = asyncio.get_running_loop()
 
-        def uncommitted(lease_id: str) -> str | None:
+        def leases_of(pid: int) -> dict[str, str | None]:
+            engine = cf.engine_id_of(pid)
+            if engine is None:
+                return {}
             try:
                 reply = asyncio.run_coroutine_threadsafe(self.sc.leases(), loop).result(10)
-            except Exception:  # noqa: BLE001 - the gpu_manager is down (a fault beside this one): not caught here
-                return None
-            for lease in reply.leases:
-                if lease.id == lease_id and lease.state is LeaseState.ACTIVE and lease.layout_hash is None:
-                    return str(lease.tag)
-            return None
+            except Exception:  # noqa: BLE001 - the gpu_manager is down (a fault beside this one): none seen now
+                return {}
+            return {lease.id: (str(lease.tag) if lease.state is LeaseState.ACTIVE and lease.layout_hash is None
+                               else None)
+                    for lease in reply.leases if lease.owner == engine}
 
         scan = cf.EngineScan(self.state_dir)
         before = await asyncio.to_thread(scan.scan, model)
         catch = asyncio.create_task(asyncio.to_thread(cf.catch_allocating, lambda: scan.scan(model), before,
-                                                      uncommitted))
+                                                      leases_of))
         standby = None if via_xid else await self._engine("standby", model)
         if standby is not None and standby.pid:
             os.kill(standby.pid, signal.SIGKILL)
