@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from holdfast.certs import certs_app
 from libs.common.config import DEFAULT_API_PORT, DEFAULT_ETCD_PORT, DEFAULT_NATS_PORT, DEFAULT_ROUTER_PORT
 
 app = typer.Typer(help="Holdfast: keep LLM inference engines' memory alive through failures.",
@@ -21,6 +22,7 @@ bench_app = typer.Typer(help="Benchmarks (figures go to docs/benchmarks.md).", n
 app.add_typer(bench_app, name="bench")
 engine_app = typer.Typer(help="One engine: sleep and wake (issue 21; docs/restore.md).", no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
+app.add_typer(certs_app, name="certs")
 console = Console()
 
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}

@@ -25,7 +25,7 @@ from libs.common import telemetry
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import HealthReply
-from libs.common.security import CredentialsMissing
+from libs.common.security import CredentialsError
 from libs.common.store import Store
 
 log = logging.getLogger("holdfast.service")
@@ -151,7 +151,7 @@ def run_service(service: str, instance: str, settings: CommonSettings,
     rt = Runtime(service, instance, settings)
     try:
         code = run_loop(serve_until_stopped(rt, setup, use_store=use_store))
-    except CredentialsMissing as e:  # said plainly, no traceback: the operator's fix is in the message
+    except CredentialsError as e:  # missing or expired, said plainly, no traceback: the operator's fix is in the message
         log.error("%s cannot start: %s", service, e.message)
         code = 2
     sys.exit(code)

@@ -116,33 +116,57 @@ class _EtcdClient(aetcd.Client):
     unchanged. With etcd's auth on, the certificate's CN is the user whose role's key ranges every request is
     checked against."""
 
-    def __init__(self, *args: Any, target: str, tls: grpc.ChannelCredentials | None, **kw: Any) -> None:
+    def __init__(self, *args: Any, target: str, tls: security.GrpcTls | None, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._target = target
         self._tls = tls
+        self._retired: list[Any] = []  # channels left by a certificate renewal, closed with the client
 
     async def connect(self) -> None:
         if self._connected.is_set():
+            # Rotated certificate files: the next calls go over a new channel that presents them (gRPC keeps a
+            # channel's credentials for good, reconnects included; security/renewal.py).
+            fresh = None if self._tls is None else self._tls.renewed()
+            if fresh is not None:
+                self._open(fresh)
             return
-        options = list(self._options.items())
-        self.channel = (rpc.insecure_channel(self._target, options=options) if self._tls is None
-                        else rpc.secure_channel(self._target, self._tls, options=options))
-        self.kvstub = rpc.KVStub(self.channel)
-        self.clusterstub = rpc.ClusterStub(self.channel)
-        self.leasestub = rpc.LeaseStub(self.channel)
-        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._open(None if self._tls is None else self._tls.credentials())
         # Our Watcher: aetcd's, with a creation that a cancellation always reaches (etcd_watch.py).
         self._watcher = Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
         self._connected.set()
 
+    def _open(self, tls: grpc.ChannelCredentials | None) -> None:
+        """Stubs over a new channel. On a renewal the old channel stays open: calls under way finish on it, and
+        so does the watch stream (etcd does not re-check an established connection); the watcher's next stream,
+        after a break, opens on the new one."""
+        if self.channel is not None:
+            self._retired.append(self.channel)
+        options = list(self._options.items())
+        self.channel = (rpc.insecure_channel(self._target, options=options) if tls is None
+                        else rpc.secure_channel(self._target, tls, options=options))
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        if self._watcher is not None:
+            self._watcher._watchstub = rpc.WatchStub(self.channel)
 
-def etcd_tls(settings: CommonSettings, source: str) -> grpc.ChannelCredentials | None:
+    async def close(self) -> None:
+        await super().close()
+        retired, self._retired = self._retired, []
+        for channel in retired:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+
+def etcd_tls(settings: CommonSettings, source: str) -> security.GrpcTls | None:
     """The channel credentials of the identity of `source` (as the bus's: '<service>:<instance>'; any other
-    source is an operator, `admin`), None when `insecure`."""
+    source is an operator, `admin`), from its files, renewed when they change; None when `insecure`."""
     if settings.insecure:
         return None
-    creds = security.credentials_for(settings.credentials(), source, settings.node, nats=False)
-    return grpc.ssl_channel_credentials(*creds.grpc_parts())
+    tls = security.GrpcTls(security.credentials_for(settings.credentials(), source, settings.node, nats=False))
+    tls.credentials()  # read now: unusable files fail the start, not a later call
+    return tls
 
 
 class Store:
@@ -398,12 +422,20 @@ class ThreadKeepAlive:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(self.lost.set)
 
+    def _channel(self, tls: grpc.ChannelCredentials | None) -> grpc.Channel:
+        return (grpc.insecure_channel(self.target, options=self.options) if tls is None
+                else grpc.secure_channel(self.target, tls, options=self.options))
+
     def _refresh_forever(self) -> None:
-        channel = (grpc.insecure_channel(self.target, options=self.options) if self.tls is None
-                   else grpc.secure_channel(self.target, self.tls, options=self.options))
+        channel = self._channel(None if self.tls is None else self.tls.credentials())
         stub = rpc.LeaseStub(channel)
         try:
             while not self._stop.wait(self.interval):
+                fresh = None if self.tls is None else self.tls.renewed()
+                if fresh is not None:  # rotated certificates: a new channel (nothing else runs on the old one)
+                    channel.close()
+                    channel = self._channel(fresh)
+                    stub = rpc.LeaseStub(channel)
                 stalled = time.monotonic() - self._beat
                 if stalled > self.stall_limit_s:
                     log.error("event loop silent for %.0f s: letting etcd lease %x expire", stalled, self.lease.id)

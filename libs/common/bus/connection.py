@@ -61,7 +61,9 @@ class JoinedWrites(TcpTransport):
 
 
 async def open_connection(settings: CommonSettings, source: str) -> NATS:
-    nc = NATS()
+    # TLS built from the credentials' files at each (re)connect that finds them rotated (security/renewal.py).
+    nc = security.RenewingNATS(None if settings.insecure else
+                               security.credentials_for(settings.credentials(), source, settings.node))
 
     async def error_cb(e: Exception) -> None:
         log.warning("nats error: %s", e)

@@ -5,7 +5,9 @@ NATS with the identity's nkey (nats-py signs the server's nonce; the seed never 
 the identity's client certificate (its CN is the etcd user). What an identity may touch is decided by the
 servers (nats-server's subject permissions, etcd's RBAC), not by the clients, so a stolen or forged client
 gets only what its credential allows. `holdfast up` and the test fixtures mint dev credentials once per
-state directory (pki.mint); production mounts the same files (docs/security.md).
+state directory (pki.mint); production mounts the same files (docs/security.md). Certificates are rotated in
+place with nothing stopped (rotation.py, `holdfast certs`); clients take them up at their next connection
+(renewal.py), and a process refuses to start on an expired one (certs.py, `CredentialsExpired`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from libs.common.security.certs import CredentialsError, CredentialsExpired
 from libs.common.security.pki import Credentials, CredentialsMissing, mint
 from libs.common.security.policy import ADMIN, identities, identity_for
+from libs.common.security.renewal import GrpcTls, RenewingNATS
 
 
 class _TlsEofNoise(logging.Filter):
@@ -27,7 +31,8 @@ class _TlsEofNoise(logging.Filter):
 
 logging.getLogger("asyncio").addFilter(_TlsEofNoise())
 
-__all__ = ["ADMIN", "Credentials", "CredentialsMissing", "credentials_for", "identities", "identity_for", "mint"]
+__all__ = ["ADMIN", "Credentials", "CredentialsError", "CredentialsExpired", "CredentialsMissing", "GrpcTls",
+           "RenewingNATS", "credentials_for", "identities", "identity_for", "mint"]
 
 
 def credentials_for(credentials_dir: Path, source: str, node: str, *, nats: bool = True) -> Credentials:
