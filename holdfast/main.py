@@ -201,7 +201,7 @@ def _bench(name: str, module: str) -> None:
     bench_app.command(name)(fn)
 
 
-for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload", "serve", "restore"):
+for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload", "serve", "restore", "sleep"):
     _bench(_bench_name, f"bench.{_bench_name}")
 
 
