@@ -11,8 +11,12 @@ restore_cuda.py), without a stack:
 - `safetensors`: the peer a user would pick instead (safetensors.numpy / safetensors.torch load_file, to
   host memory or to the GPU); fastsafetensors is measured where installed;
 - `artifact-buffered` and `artifact-direct`: the artifact restore without and with O_DIRECT, hashes checked;
-- `host`: the host tier (the artifact's bytes in memfds, read on the same pool, no hash).
-Every restored lease is compared with the weights file's bytes once, outside the timed region.
+- `host`: the host tier (the artifact's bytes in memfds, no hash); on cuda DMA'd from the memfds' own pages,
+  registered in place once (`host_register_s`, apart), as the gpu_manager does (host_tier_cuda.py), and
+  `host-bounce` beside it: the same memfds read on the pool through pinned bounce buffers (the fallback);
+  on the host backend read on the pool straight into the lease's pages.
+`--sources` times only some of them (the speed-of-light figures are always measured). Every restored lease is
+compared with the weights file's bytes once, outside the timed region.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from services.gpu_manager import blockio
 from services.gpu_manager.app import make_backend
 from services.gpu_manager.artifact import file_names, plan_blocks
 from services.gpu_manager.blockio import HostWindow, OpenFiles
+
+SOURCES = ("file", "safetensors", "fastsafetensors", "artifact-buffered", "artifact-direct", "host", "host-bounce")
 
 GIB = 1024**3
 TENSOR_BYTES = 256 * 1024 * 1024
@@ -188,6 +194,17 @@ class Bench:
         w.close()
         return seconds, chunks
 
+    def read_registered(self, copy: Any) -> tuple[float, list[Any]]:
+        """One host tier restore on cuda: DMA from the memfds' registered pages (host_tier_cuda.dma_blocks)."""
+        from services.gpu_manager.host_tier_cuda import dma_blocks
+
+        chunks = self.lease()
+        w = self.window(chunks, to_device=True)
+        try:
+            return dma_blocks(w, copy, plan_blocks(self.size, BLOCK, FILE)), chunks
+        finally:
+            w.close()
+
     def free(self, chunks: list[Any]) -> None:
         self.backend.free(chunks)
 
@@ -196,12 +213,25 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def run(backend: str, weights_gib: float, directory: Path | None, trials: int, workers: int) -> dict[str, Any]:
+def parse_sources(text: str) -> tuple[str, ...]:
+    """`--sources`: a comma-separated subset of SOURCES, or `all` (pure)."""
+    if text.strip() == "all":
+        return SOURCES
+    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in picked if x not in SOURCES]
+    if unknown or not picked:
+        raise ValueError(f"unknown sources {unknown or text!r}; known: all, {', '.join(SOURCES)}")
+    return picked
+
+
+def run(backend: str, weights_gib: float, directory: Path | None, trials: int, workers: int,
+        sources: tuple[str, ...] = SOURCES) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="hf-bench-restore-", dir=directory))
     bench = Bench(backend, base, int(weights_gib * GIB), workers)
     gib = bench.size / GIB
     out: dict[str, Any] = {"backend": bench.backend.name, "gib": round(gib, 3), "workers": workers,
-                           "trials": trials, "dir": str(base), "block_mib": BLOCK >> 20, "gib_s": {}, "seconds": {}}
+                           "trials": trials, "dir": str(base), "block_mib": BLOCK >> 20, "sources": list(sources),
+                           "gib_s": {}, "seconds": {}}
     secs: dict[str, list[float]] = {}
     seconds, reference_chunks = bench.cold_file()
     reference = bench.lease_bytes(reference_chunks)
@@ -210,14 +240,31 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
     bench.free(reference_chunks)
     secs["file"] = [seconds]
     host_fds = HostWindowCopy.make(paths)
+    registered = None
+    cuda = bench.backend.name == "cuda"
+    if cuda and "host" in sources:
+        from services.gpu_manager.host_tier_cuda import RegisteredCopy
+
+        registered = RegisteredCopy(host_fds, [e.bytes for e in file_names(bench.size, FILE)], bench.gpu)
+        out["host_register_s"] = round(registered.register_s, 4)
+        out["host_register_gib_s"] = round(gib / registered.register_s, 3)
     verified: dict[str, bool] = {}
+
+    def timed(name: str, result: tuple[float, list[Any]]) -> None:
+        s, c = result
+        secs.setdefault(name, []).append(s)
+        if name not in verified:
+            verified[name] = bool(np.array_equal(bench.lease_bytes(c), reference))
+        bench.free(c)
+
     for trial in range(trials):
-        if trial:
+        if trial and "file" in sources:
             s, c = bench.cold_file()
             secs["file"].append(s)
             bench.free(c)
-        secs.setdefault("safetensors", []).append(bench.peer_safetensors())
-        fast = bench.peer_fastsafetensors()
+        if "safetensors" in sources:
+            secs.setdefault("safetensors", []).append(bench.peer_safetensors())
+        fast = bench.peer_fastsafetensors() if "fastsafetensors" in sources else None
         if fast is not None:
             secs.setdefault("fastsafetensors", []).append(fast)
         drop_cache(paths)
@@ -228,24 +275,33 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
         for x in c:  # host memfds, whatever the backend
             os.close(x.fd)
         for name, direct in (("artifact-buffered", False), ("artifact-direct", True)):
+            if name not in sources:
+                continue
             drop_cache(paths)
             files = blockio.open_files(paths, write=False, direct=direct)
-            s, c = bench.read(files, digests, into_device=True)
             out.setdefault("direct_io", {})[name] = files.direct
+            timed(name, bench.read(files, digests, into_device=True))
             files.close()
-            secs.setdefault(name, []).append(s)
-            if trial == 0:
-                verified[name] = bool(np.array_equal(bench.lease_bytes(c), reference))
-            bench.free(c)
-        s, c = bench.read(OpenFiles(host_fds, direct=False, owned=False), None, into_device=True)
-        secs.setdefault("host", []).append(s)
-        if trial == 0:
-            verified["host"] = bool(np.array_equal(bench.lease_bytes(c), reference))
-        bench.free(c)
-    if bench.backend.name == "cuda":
+        if registered is not None:
+            timed("host", bench.read_registered(registered))
+        elif "host" in sources:
+            timed("host", bench.read(OpenFiles(host_fds, direct=False, owned=False), None, into_device=True))
+        if cuda and "host-bounce" in sources:
+            timed("host-bounce", bench.read(OpenFiles(host_fds, direct=False, owned=False), None, into_device=True))
+    if "host" in sources:
+        out["host_path"] = "registered" if registered is not None else ("bounce" if cuda else "in place")
+    if registered is not None:
+        registered.close()
+    if cuda:
         from services.gpu_manager.restore_cuda import pinned_h2d_gib_s
 
         out["gib_s"]["sol_pinned_h2d"] = round(pinned_h2d_gib_s(0, min(bench.size, 8 * GIB)), 3)
+        for name in ("host", "host-bounce"):
+            if name in secs:
+                out.setdefault("share_of_pinned_h2d", {})[name] = round(
+                    gib / p50(secs[name]) / out["gib_s"]["sol_pinned_h2d"], 3)
+    if "file" not in sources:
+        del secs["file"]  # the reference load, not a timed source here
     for name, xs in secs.items():
         out["seconds"][name] = round(p50(xs), 4)
         out["gib_s"][name] = round(gib / p50(xs), 3)
@@ -278,9 +334,14 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         dir: Path | None = typer.Option(None, help="where the weights file and the artifact go (the disk measured)"),
         trials: int = typer.Option(3, help="timed trials of each source (p50 reported)"),
         workers: int = typer.Option(0, help="blocks in flight (0: the cores, 2..16)"),
+        sources: str = typer.Option("all", help=f"sources timed, comma-separated: all or some of {', '.join(SOURCES)}"),
         json_out: bool = typer.Option(False, "--json")) -> None:
     """GiB/s of the cold file load, safetensors, the artifact (buffered vs direct) and the host tier."""
-    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers())
+    try:
+        picked = parse_sources(sources)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--sources") from None
+    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked)
     if json_out:
         print(json.dumps(result, indent=2))
         return

@@ -5,6 +5,10 @@ PCIe (restore), or copies block n+1 to the host while block n is written (snapsh
 No pageable memory on the way: disk -> pinned buffer (O_DIRECT DMA where allowed) -> device (cuMemcpyHtoDAsync).
 Every thread that touches the device makes the manager's primary context current first.
 
+The host tier's copies skip the staging buffers where they can: registered in place, their blocks go
+host-to-device on this window's streams (host_tier_cuda.py); so a worker's pinned buffers are allocated only when
+it first asks for one.
+
 Invariants:
 1. A staging buffer is reused only after the event recorded behind its last copy completed.
 2. `finish` returns only when every copy of every stream is complete; `close` unmaps the range and frees the
@@ -32,6 +36,7 @@ class CudaWindow:
         self.ctx = cd.primary_context(ordinal)
         self.size = sum(c.size for c in chunks)
         self.to_device = to_device  # restore: host -> device; snapshot: device -> host
+        self.block_bytes = block_bytes
         self.base = int(cd.check(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
         self.mapped = 0
         self.pinned: list[list[int]] = []
@@ -44,9 +49,8 @@ class CudaWindow:
                 cd.check(cu.cuMemMap(self.base + self.mapped, c.size, 0, c.handle, 0))
                 self.mapped += c.size
             cd.check(cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(ordinal)], 1))
-            flags = int(getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 1))
             for _ in range(workers):
-                self.pinned.append([int(cd.check(cu.cuMemHostAlloc(block_bytes, flags))) for _ in range(2)])
+                self.pinned.append([])  # allocated at the worker's first `buffer`
                 self.streams.append(cd.check(cu.cuStreamCreate(NON_BLOCKING)))
                 self.events.append([cd.check(cu.cuEventCreate(NO_TIMING))
                                     for _ in range(2)])
@@ -56,14 +60,19 @@ class CudaWindow:
             self.close()
             raise
 
-    def _current(self) -> None:
+    def current(self) -> None:
+        """Make the manager's primary context current on this thread (once per thread)."""
         if getattr(self._local, "ctx", None) is None:
             cd.check(cu.cuCtxSetCurrent(self.ctx))
             self._local.ctx = self.ctx
 
     def buffer(self, worker: int, block: Block) -> memoryview:
         """The worker's next staging buffer, free (invariant 1); on snapshot, already holding the block."""
-        self._current()
+        self.current()
+        if not self.pinned[worker]:
+            flags = int(getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 1))
+            for _ in range(2):
+                self.pinned[worker].append(int(cd.check(cu.cuMemHostAlloc(self.block_bytes, flags))))
         slot = self.turn[worker]
         if self.used[worker][slot]:
             cd.check(cu.cuEventSynchronize(self.events[worker][slot]))
@@ -84,12 +93,12 @@ class CudaWindow:
         buf.release()
 
     def finish(self) -> None:
-        self._current()
+        self.current()
         for s in self.streams:
             cd.check(cu.cuStreamSynchronize(s))
 
     def close(self) -> None:
-        self._current()
+        self.current()
         for s in self.streams:
             cd.check(cu.cuStreamSynchronize(s))
             cd.check(cu.cuStreamDestroy(s))
