@@ -50,8 +50,9 @@ class RegisteredCopy:
         self.registered: list[int] = []
         t0 = time.perf_counter()
         self.mapping = HostMapping(list(fds), list(sizes))  # the mapping keeps the pages; the fds may close
+        self.ctx = None
         try:
-            cd.primary_context(ordinal)
+            self.ctx = cd.primary_context(ordinal)
             for start, size in zip(self.starts, self.sizes, strict=True):
                 cd.check(cu.cuMemHostRegister(self.mapping.base + start, size, REGISTER_FLAGS))
                 self.registered.append(self.mapping.base + start)
@@ -64,6 +65,9 @@ class RegisteredCopy:
         return self.mapping.base + self.starts[block.file] + block.file_offset
 
     def close(self) -> None:
+        """From any thread (a prune runs on one of its own): the context is made current first."""
+        if self.registered:
+            cd.check(cu.cuCtxSetCurrent(self.ctx))
         for ptr in self.registered:
             try:
                 cd.check(cu.cuMemHostUnregister(ptr))
