@@ -16,8 +16,10 @@ from libs.common.security.policy import ROOT, KeyRange, etcd_ranges, nats_permis
 
 
 def nats_config(d: Path, identities: list[str], *, prefix: str, stream: str) -> str:
-    """nats-server's config (JSON is valid NATS config): TLS required on every client link, one nkey user per
-    identity with its permissions, replies allowed to what each was asked (`allow_responses`)."""
+    """nats-server's config (JSON is valid NATS config): TLS required on every client link, with a client
+    certificate from the trust bundle (`verify`: as etcd; a retired CA's certificates are refused after a
+    reload, rotation.py), one nkey user per identity with its permissions, replies allowed to what each was
+    asked (`allow_responses`)."""
     users = []
     for ident in identities:
         perms = nats_permissions(ident, prefix, stream)
@@ -29,7 +31,7 @@ def nats_config(d: Path, identities: list[str], *, prefix: str, stream: str) -> 
         users.append(user)
     conf = {
         "tls": {"cert_file": str(d / f"{SERVER}.pem"), "key_file": str(d / f"{SERVER}.key"),
-                "ca_file": str(d / "ca.pem"), "timeout": 2},
+                "ca_file": str(d / "ca.pem"), "verify": True, "timeout": 2},
         "authorization": {"users": users, "timeout": 2},
     }
     return json.dumps(conf, indent=1)
