@@ -24,14 +24,18 @@ def _refused(e: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _reload(pids: list[int]) -> None:
+def _reload(pids: list[int], *, ca_changed: bool) -> None:
     from libs.common.security.rotation import reload_nats
 
     for pid in pids:
         reload_nats(pid)
         console.print(f"nats-server {pid}: reloading its config (SIGHUP)")
     if not pids:
-        console.print("reload each nats-server now (SIGHUP; `--nats-pid`); etcd and our clients need nothing")
+        console.print("reload each nats-server now (SIGHUP; `--nats-pid`)")
+    if ca_changed:  # measured: etcd 3.4 reads --trusted-ca-file at start only (tests/common/test_security_rotation.py)
+        console.print("restart each etcd member now, one at a time: etcd reads its trusted CAs at start only")
+    else:
+        console.print("etcd takes the new files at its next handshake; our clients at their next connection")
 
 
 @certs_app.command("status")
@@ -63,13 +67,13 @@ def status(dir: Path = DIR, warn_days: float = typer.Option(30.0, help="fewer da
         raise typer.Exit(1)
 
 
-def _step(do: Callable[[], str], nats_pids: list[int]) -> None:
+def _step(do: Callable[[], str], nats_pids: list[int], *, ca_changed: bool = False) -> None:
     """Run one rotation step, say what it did, then reload the nats-servers named; a refusal exits 2."""
     from libs.common.errors import HoldfastError
 
     try:
         console.print(do())
-        _reload(nats_pids)
+        _reload(nats_pids, ca_changed=ca_changed)
     except HoldfastError as e:
         raise _refused(e) from None
 
@@ -94,9 +98,9 @@ def rotate_ca(dir: Path = DIR, overlap_days: float = typer.Option(7.0, help="how
     def do() -> str:
         ov = rotation.rotate_ca(dir, overlap_days=overlap_days, days=days)
         return (f"new CA in ca.pem (both trusted until {ov.retire_after:%Y-%m-%d %H:%M} UTC); "
-                "next: `holdfast certs rotate`")
+                "next: reload and restart the servers as below, then `holdfast certs rotate`")
 
-    _step(do, nats_pid)
+    _step(do, nats_pid, ca_changed=True)
 
 
 @certs_app.command("retire-ca")
@@ -106,4 +110,5 @@ def retire_ca(dir: Path = DIR, force: bool = typer.Option(False, help="before th
     """Trust the current CA alone: certificates of the previous one are refused from then on."""
     from libs.common.security import rotation
 
-    _step(lambda: "no longer trusted: CA " + ", ".join(f[:16] for f in rotation.retire_ca(dir, force=force)), nats_pid)
+    _step(lambda: "no longer trusted: CA " + ", ".join(f[:16] for f in rotation.retire_ca(dir, force=force)), nats_pid,
+          ca_changed=True)

@@ -9,9 +9,11 @@ Three steps, each one command, each leaving the directory usable by every server
 3. `retire_ca`: the bundle back to the current CA alone, once the overlap has ended and no leaf in the
    directory still needs the previous CA. From then a certificate of the previous CA is refused by nats-server
    (after its reload) and by etcd (on its next connection).
-Step 2 alone is the routine renewal. Servers pick the files up as follows (tests/common/test_security_rotation.py):
-nats-server on SIGHUP (`reload_nats`), etcd on each new client connection (no signal); our clients build TLS
-from the files on each new connection (renewal.py), established connections carry on.
+Step 2 alone is the routine renewal. Servers pick the files up as follows (measured by
+tests/common/test_security_rotation.py): nats-server all of them on SIGHUP (`reload_nats`); etcd (3.4) its own
+certificate at each new handshake, with no signal, but its trusted CAs at start only, so steps 1 and 3 need each
+etcd member restarted (one at a time in a cluster) before step 2 and after step 3. Our clients build TLS from the
+files at their next connection (renewal.py); established connections carry on through all of it.
 
 Invariants:
 1. every file is replaced atomically, 0600 (pki.write_private); `ca.pem` is written before `ca.key`, so between
