@@ -116,6 +116,8 @@ class _EtcdClient(aetcd.Client):
     unchanged. With etcd's auth on, the certificate's CN is the user whose role's key ranges every request is
     checked against."""
 
+    channel: Any  # aetcd's (untyped): the channel new calls go over
+
     def __init__(self, *args: Any, target: str, tls: security.GrpcTls | None, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._target = target

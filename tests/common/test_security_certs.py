@@ -5,6 +5,7 @@ certs.py). The servers' side of rotation is tests/common/test_security_rotation.
 from __future__ import annotations
 
 import datetime as dt
+import ssl
 import stat
 import subprocess
 import sys
@@ -15,9 +16,9 @@ from cryptography import x509
 from typer.testing import CliRunner
 
 from holdfast.main import app
-from libs.common.security import identities, mint
+from libs.common.security import Credentials, CredentialsError, GrpcTls, identities, mint
 from libs.common.security.certs import CertInfo, CertState, issued_by, read_pem, state_of
-from libs.common.security.pki import SERVER, issue, load_ca
+from libs.common.security.pki import SERVER, issue, load_ca, write_private
 from libs.common.security.rotation import RotationRefused, retire_ca, rotate_ca, rotate_certificates, survey
 
 
@@ -104,3 +105,21 @@ def test_a_service_with_an_expired_certificate_refuses_to_start_and_says_why(cre
     assert r.returncode == 2, r.stderr
     assert "router.pem ('router') expired at" in r.stderr and "holdfast certs rotate" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_key_without_its_certificate_is_not_taken_up_and_the_last_good_tls_is_kept(creds: Path,
+                                                                                      tmp_path: Path) -> None:
+    admin = Credentials(creds, "admin")
+    tls = GrpcTls(admin, check_every_s=0)
+    good = tls.credentials()
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    issue(spare, "admin", load_ca(creds), server=False)
+    write_private(creds / "admin.key", (spare / "admin.key").read_bytes())  # a rotation caught between renames
+    with pytest.raises(CredentialsError, match="is not the key of"):
+        admin.grpc_parts()
+    with pytest.raises(ssl.SSLError):
+        admin.client_tls()
+    assert tls.renewed() is None and tls.credentials() is good  # kept, not a broken pair
+    write_private(creds / "admin.pem", (spare / "admin.pem").read_bytes())  # the second rename lands
+    assert tls.renewed() is not None

@@ -26,7 +26,7 @@ from libs.common.config import CommonSettings
 from libs.common.security import Credentials, RenewingNATS, mint, servers
 from libs.common.security.policy import inbox_prefix
 from libs.common.security.rotation import Overlap, reload_nats, retire_ca, rotate_ca, rotate_certificates
-from libs.common.store import Store
+from libs.common.store import Store, ThreadKeepAlive
 from tests.conftest import TEST_IDENTITIES, start_etcd
 
 
@@ -244,5 +244,35 @@ async def test_an_etcd_client_takes_up_its_rotated_certificate_for_its_next_conn
         await asyncio.sleep(1.1)  # the client looks at its files at most once a second
         await _until_ok(store, "k", "after")
     finally:
+        await store.close()
+        child.stop()
+
+
+async def test_a_lease_keep_alive_thread_takes_up_its_rotated_certificate(
+        creds: Path, etcd_of: tuple[int, procs.Child], tmp_path: Path) -> None:
+    port, child = etcd_of
+    settings = CommonSettings(etcd_endpoints=f"127.0.0.1:{port}", credentials_dir=creds, etcd_prefix="/r/",
+                              state_dir=tmp_path / "state")
+    store = await Store.connect(settings, timeout=10)
+    lease = await store.grant(3)
+    keeper = ThreadKeepAlive(store, lease)
+    task = asyncio.create_task(keeper.run())
+    try:
+        while keeper.refreshes == 0:  # its channel is open, with the certificate of before
+            await asyncio.sleep(0.1)
+        ov = _rotate_all(creds)
+        _retire_after_overlap(creds, ov)  # from here only the new CA's certificates are any good
+        child = _restart_etcd(child, port, tmp_path, creds)  # its channel breaks: a new handshake
+        before = keeper.refreshes
+        for _ in range(50):
+            if keeper.refreshes > before:
+                break
+            await asyncio.sleep(0.2)
+        assert keeper.refreshes > before and not keeper.lost.is_set()
+    finally:
+        keeper.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await store.close()
         child.stop()
