@@ -188,6 +188,19 @@ def _restart_etcd(child: procs.Child, port: int, tmp_path: Path, creds: Path) ->
     return start_etcd(port, procs.free_port(), tmp_path / "etcd", tmp_path / "etcd.log", creds)
 
 
+async def _store_of(creds: Path, port: int, tmp_path: Path) -> Store:
+    settings = CommonSettings(etcd_endpoints=f"127.0.0.1:{port}", credentials_dir=creds, etcd_prefix="/r/",
+                              state_dir=tmp_path / "state")
+    return await Store.connect(settings, timeout=10)
+
+
+def _only_a_new_ca_from_now(creds: Path, child: procs.Child, port: int, tmp_path: Path) -> procs.Child:
+    """A whole CA rotation, retired, and etcd restarted on it: every connection breaks, and a new handshake
+    succeeds only with a certificate of the new CA."""
+    _retire_after_overlap(creds, _rotate_all(creds))
+    return _restart_etcd(child, port, tmp_path, creds)
+
+
 async def _until_ok(store: Store, key: str, value: str) -> None:
     for _ in range(50):  # the store reconnects to a restarted etcd by itself
         with contextlib.suppress(Exception):
@@ -201,9 +214,7 @@ async def test_etcd_renews_certificates_on_new_connections_and_retires_a_ca_at_i
         creds: Path, etcd_of: tuple[int, procs.Child], tmp_path: Path) -> None:
     port, child = etcd_of
     old = _snapshot(creds, tmp_path / "old")
-    settings = CommonSettings(etcd_endpoints=f"127.0.0.1:{port}", credentials_dir=creds, etcd_prefix="/r/",
-                              state_dir=tmp_path / "state")
-    stayed = await Store.connect(settings, timeout=10)
+    stayed = await _store_of(creds, port, tmp_path)
     await stayed.put("k", "before")
     try:
         rotate_certificates(creds)  # the same CA: no signal, no restart (etcd reads its files at each handshake)
@@ -233,13 +244,9 @@ async def test_etcd_renews_certificates_on_new_connections_and_retires_a_ca_at_i
 async def test_an_etcd_client_takes_up_its_rotated_certificate_for_its_next_connections(
         creds: Path, etcd_of: tuple[int, procs.Child], tmp_path: Path) -> None:
     port, child = etcd_of
-    settings = CommonSettings(etcd_endpoints=f"127.0.0.1:{port}", credentials_dir=creds, etcd_prefix="/r/",
-                              state_dir=tmp_path / "state")
-    store = await Store.connect(settings, timeout=10)
+    store = await _store_of(creds, port, tmp_path)
     await store.put("k", "before")
-    ov = _rotate_all(creds)
-    _retire_after_overlap(creds, ov)  # from here only the new CA's certificates are any good
-    child = _restart_etcd(child, port, tmp_path, creds)  # every connection breaks: a new handshake each
+    child = _only_a_new_ca_from_now(creds, child, port, tmp_path)
     try:
         await asyncio.sleep(1.1)  # the client looks at its files at most once a second
         await _until_ok(store, "k", "after")
@@ -251,18 +258,14 @@ async def test_an_etcd_client_takes_up_its_rotated_certificate_for_its_next_conn
 async def test_a_lease_keep_alive_thread_takes_up_its_rotated_certificate(
         creds: Path, etcd_of: tuple[int, procs.Child], tmp_path: Path) -> None:
     port, child = etcd_of
-    settings = CommonSettings(etcd_endpoints=f"127.0.0.1:{port}", credentials_dir=creds, etcd_prefix="/r/",
-                              state_dir=tmp_path / "state")
-    store = await Store.connect(settings, timeout=10)
+    store = await _store_of(creds, port, tmp_path)
     lease = await store.grant(3)
     keeper = ThreadKeepAlive(store, lease)
     task = asyncio.create_task(keeper.run())
     try:
         while keeper.refreshes == 0:  # its channel is open, with the certificate of before
             await asyncio.sleep(0.1)
-        ov = _rotate_all(creds)
-        _retire_after_overlap(creds, ov)  # from here only the new CA's certificates are any good
-        child = _restart_etcd(child, port, tmp_path, creds)  # its channel breaks: a new handshake
+        child = _only_a_new_ca_from_now(creds, child, port, tmp_path)
         before = keeper.refreshes
         for _ in range(50):
             if keeper.refreshes > before:
