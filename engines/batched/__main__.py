@@ -32,7 +32,6 @@ from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout,
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
-from engines.batched.shadow import PreRead, Shadow, wait_assignment
 from engines.batched.sleep import install as install_sleep
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
@@ -63,12 +62,12 @@ def open_memory(cfg: EngineConfig, device: torch.device) -> LocalMemory | Leased
     return LeasedMemory(cfg.id, socket_path=cfg.gpu_manager_socket, gpu=cfg.gpu)
 
 
-def open_agent_link(cfg: EngineConfig, *, can_shadow: bool = False) -> Any:
+def open_agent_link(cfg: EngineConfig) -> Any:
     if cfg.agent == "off" or (cfg.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
     from libs.client.agent_link import AgentLink
 
-    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model, can_shadow=can_shadow)
+    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model)
     if cfg.role == "active":
         link.start_heartbeats(HEARTBEAT_S)
     return link
@@ -90,12 +89,10 @@ def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRun
 
 
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,
-                 capture_now: bool, runner: ModelRunner | None = None,
-                 pre: PreRead | None = None) -> tuple[LLMEngine, dict[str, Any]]:
+                 capture_now: bool, runner: ModelRunner | None = None) -> tuple[LLMEngine, dict[str, Any]]:
     """Runner (`runner`: one built before over the same addresses, its graphs captured), scheduler and journal over
     the loaded tensors; the journal's sequences adopted when the KV lease came from before (and was written for
-    this layout): as `pre` read them through a shadow before the takeover if the journal is unchanged since
-    (shadow.py invariant 2), else read now."""
+    this layout)."""
     runner = runner or new_runner(cfg, mcfg, loaded)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -114,19 +111,12 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
                        capture_graphs_when_idle=not capture_now and runner.use_graphs, async_schedule=cfg.async_schedule)
     info: dict[str, Any] = {"adopted": 0, "journal": "new", "graphs_ms": graphs_ms}
     if loaded.kv_handed_on and journal.matches():
-        t0 = time.perf_counter()
-        fresh = pre is not None and journal.unchanged(pre.read)
-        entries, dropped = journal.take(pre.read) if fresh and pre is not None else journal.recover()
-        t_read = _ms(t0)
+        entries, dropped = journal.recover()
         engine.adopt(entries, dropped)
-        info["phases_ms"] = {"journal_read": t_read, "adopt": round(_ms(t0) - t_read, 3)}
-        if pre is not None:
-            info["pre_read"] = "used" if fresh else "stale"
-            info["phases_ms"]["pre_read"] = pre.read_ms
         bucket = runner.bucket_for(len(entries)) if entries and runner.use_graphs else None
         if bucket is not None:  # the adopted sequences' decode graph (~60-90 ms at 8b) is the step thread's first
             engine.capture_first = [bucket]  # work, while the router's replays come in; the rest when idle
-        info = {**info, "adopted": len(entries), "dropped": dropped, "journal": "adopted",
+        info = {"adopted": len(entries), "dropped": dropped, "journal": "adopted",
                 "positions_kept": sum(e.computed for e in entries)}
     else:
         journal.format()
@@ -185,11 +175,6 @@ def adopt_prepared(prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None,
     return prepared[1], "reused"
 
 
-def _client_ms(memory: LocalMemory | LeasedMemory) -> dict[str, float]:
-    """The memory SDK's own split of the last attach/takeover (the manager's request, mapping the chunks)."""
-    return dict(getattr(getattr(memory, "client", None), "last_timings_ms", None) or {})
-
-
 def report_fatal(link: Any) -> None:
     """Fault injection (chaos runs, SIGUSR1): behave as an engine whose CUDA context hit a fatal error: tell the
     agent through the link, then exit without cleanup. On a thread of its own: the signal handler runs on the
@@ -216,12 +201,10 @@ def run(cfg: EngineConfig) -> int:
     http = HttpThread(build_app(state), cfg.host, cfg.port, warm_routes)
     http.start()
     memory = open_memory(cfg, device)
-    can_shadow = cfg.role == "standby" and cfg.shadow and can_reserve(cfg, memory, device)
-    link = open_agent_link(cfg, can_shadow=can_shadow)
+    link = open_agent_link(cfg)
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
     engine: LLMEngine | None = None
     prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations
-    pre: PreRead | None = None  # a standby's read of its predecessor's journal, before the takeover (shadow.py)
 
     layout_of = layout_fn(cfg, mcfg, device)
     try:
@@ -241,8 +224,7 @@ def run(cfg: EngineConfig) -> int:
             long_lived_gc()
             link.start_heartbeats(HEARTBEAT_S)
             link.ready(None)
-            shadow = Shadow(memory.client, prepared[0].layout) if can_shadow and prepared else None
-            a, pre = wait_assignment(link, shadow)
+            a = link.wait_assignment()
             t_start = time.perf_counter()
             state.role, state.state = "active", "loading"
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
@@ -258,9 +240,6 @@ def run(cfg: EngineConfig) -> int:
         else:
             state.state = "loading"
             loaded = memory.load(mcfg, cfg.weights, layout_of)
-        marks = {"taken_over": _ms(t_start)}  # a recovery's start-up, phase by phase (ms after t_start)
-        if pre is not None:
-            marks["pre_read"] = round((pre.at - t_start) * 1000, 3)  # < 0: read before the assignment came
         memory.start_heartbeats()
         layout = loaded.layout
         t_build = time.perf_counter()
@@ -268,15 +247,11 @@ def run(cfg: EngineConfig) -> int:
         # adopted sequence; it captures them once it is idle (engine.py).
         runner, how = adopt_prepared(prepared, loaded)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
-        marks["runner"] = _ms(t_start)
-        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
-                                       pre=pre)
-        marks["engine_built"] = _ms(t_start)
+        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner)
         if how != "none":
             adopted["prepared_runner"] = how
         engine.flush = state.outbox.flush
         engine.start()
-        marks["step_thread_started"] = _ms(t_start)
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine
         if isinstance(memory, LeasedMemory):  # the control plane's sleep and wake asks (sleep.py)
@@ -286,10 +261,8 @@ def run(cfg: EngineConfig) -> int:
                                 "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}
         if loaded.source != "file":
             state.t_start = t_start
-            marks["ready"] = _ms(t_start)
-            state.info["recovery"] = {"source": loaded.source, "ready_ms": marks["ready"],
-                                      "t0_wall": time.time() - (time.perf_counter() - t_start), **adopted,
-                                      "marks_ms": marks, "memory_ms": {**loaded.timings_ms, **_client_ms(memory)}}
+            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start),
+                                      "t0_wall": time.time() - (time.perf_counter() - t_start), **adopted}
         state.state = "ready"
         if link is not None:
             link.ready(http.endpoint)

@@ -62,8 +62,6 @@ class EngineConfig(BaseSettings):
                                  "long is dropped and its blocks freed")
     adopt_wait_s: float = Field(30.0, gt=0, description="a successor waits this long for its predecessor's death to "
                                 "own its leases")
-    shadow: bool = Field(True, description="a prepared standby shadows the active engine (its leases mapped "
-                         "read-only) and reads its journal as it fails, before the takeover (shadow.py)")
     prepare_standby: bool = Field(True, description="a standby reserves its predecessor's lease addresses and captures "
                                   "its decode graphs there before any failure (__main__.py); false: after the takeover")
 

@@ -55,7 +55,6 @@ class LLMEngine:
         self.capture_first: list[int] = []  # graph buckets captured before the first step (a recovery's own)
         self.graphs_captured_ms: dict[str, float] = {}
         self.fatal: BaseException | None = None
-        self.t_first_step: float | None = None  # perf_counter once the first step ran (a recovery's timeline)
 
     # The pipeline's parts, as the start-up and sleep.py see them. A new scheduler (sleep.py, between steps) is
     # the pipeline's from its next step on.
@@ -135,7 +134,6 @@ class LLMEngine:
                     ran = False if self.claims.ahead() else self.step()
                 self.flush()
                 if ran:
-                    self.t_first_step = self.t_first_step or time.perf_counter()
                     continue
                 # a recovered engine's graphs, once nothing waits: not while adopted sequences await their claims
                 # (capturing every bucket would hold the claims that come in meanwhile)

@@ -94,17 +94,6 @@ class Admission:
     ignore_eos: bool
 
 
-@dataclass(frozen=True)
-class JournalRead:
-    """What `Journal.read` found: the committed entries, the slots to drop (cut off mid-admission or
-    inconsistent), and the rows as read (what `unchanged` compares)."""
-
-    entries: list[Entry]
-    dropped: list[int]
-    rows: list[list[int]]
-    epoch: int
-
-
 class JournalMismatch(ValueError):
     """The journal in a handed-on lease was written for another configuration (or is not a journal)."""
 
@@ -166,46 +155,27 @@ class Journal:
     def recover(self) -> tuple[list[Entry], int]:
         """The committed sequences (and the number of slots dropped as cut off mid-admission or inconsistent).
         The slots they hold stay taken; the rest are free."""
-        return self.take(self.read())
-
-    def read(self) -> JournalRead:
-        """The committed sequences, read without writing anything: a successor may read the journal (through a
-        read-only shadow of the KV lease) while its predecessor may still write it. Such a read holds only once
-        `unchanged` says so after the predecessor is gone and the lease is this engine's."""
         if not self.matches():
             raise JournalMismatch(f"journal header {self.header.cpu().tolist()} != {self.layout.header()}")
         rows = self.rows.cpu().tolist()
         toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
         out: list[Entry] = []
-        dropped: list[int] = []
+        dropped = 0
         for slot, r in enumerate(rows):
             if r[EPOCH] == 0:
                 continue
             e = self._entry(slot, r, toks[slot], blocks[slot], bytes(ids[slot].tolist()))
             if e is None:
-                dropped.append(slot)
-            else:
-                out.append(e)
-        return JournalRead(out, dropped, rows, max((r[EPOCH] for r in rows), default=0))
-
-    def unchanged(self, read: JournalRead) -> bool:
-        """Whether the journal still says what `read` read. The rows decide it: a committed token, block-table
-        entry or admission never changes while its row's epoch, n_blocks and progress stay the same (invariants
-        1-4: a row is emptied or re-admitted with a new epoch before its slot's tokens or blocks are reused;
-        tokens and blocks are written before the progress and n_blocks that vouch for them)."""
-        return self.matches() and self.rows.cpu().tolist() == read.rows
-
-    def take(self, read: JournalRead) -> tuple[list[Entry], int]:
-        """This engine's journal from now on, as `read` found it (unchanged since): the rows cut off mid-admission
-        emptied, the adopted sequences' slots taken, the rest free. Writes: only once the lease is this engine's."""
-        for slot in read.dropped:
-            self._clear(slot)
-        self._epoch = max(self._epoch, read.epoch)
-        taken = {e.slot for e in read.entries}
+                dropped += 1
+                self._clear(slot)
+                continue
+            out.append(e)
+            self._epoch = max(self._epoch, r[EPOCH])
+        taken = {e.slot for e in out}
         self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken]
-        for e in read.entries:
+        for e in out:
             self._n_blocks[e.slot] = len(e.block_table)
-        return list(read.entries), len(read.dropped)
+        return out, dropped
 
     def _entry(self, slot: int, r: list[int], toks: torch.Tensor, blocks: torch.Tensor, rid_raw: bytes) -> Entry | None:
         prompt_len, n_blocks = r[PROMPT_LEN], r[N_BLOCKS]

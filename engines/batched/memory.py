@@ -196,12 +196,8 @@ class LeasedMemory:
         t0 = time.perf_counter()
         # The fault is published as the predecessor begins to exit; the manager hands its memory over only
         # once it is gone (and frozen): retried at a short fixed interval.
-        # A standby that shadowed the predecessor is assigned as the kill is sent: it asks every 2 ms meanwhile.
-        att, tries = retry_until(lambda: self.client.takeover(predecessor, token), (PredecessorAlive, NotFrozenYet),
-                                 wait_s, interval_s=0.002)
-        loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
-        loaded.timings_ms["tries"] = tries
-        return loaded
+        att, _ = retry_until(lambda: self.client.takeover(predecessor, token), (PredecessorAlive, NotFrozenYet), wait_s)
+        return self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
 
     def _rebuild(self, cfg: ModelConfig, leases: list[Any], source: str, layout_of: Any, t0: float) -> Loaded:
         t_attach = _ms(t0)

@@ -176,9 +176,6 @@ def build_app(state: EngineState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         eng = state.engine
-        rec = state.info.get("recovery")
-        if rec is not None and eng is not None and eng.t_first_step is not None and state.t_start is not None:
-            rec.setdefault("first_step_ms", round((eng.t_first_step - state.t_start) * 1000, 3))
         return {"ok": state.state in ("ready", "standby"), "state": state.state, "role": state.role,
                 "engine_id": state.engine_id, "model": state.model, "size": state.size, "in_flight": state.in_flight,
                 "engine": eng.stats() if eng else None, "first_token_phases_ms": state.phase_stats(), **state.info}

@@ -8,10 +8,7 @@ Except for a standby that shadows the predecessor (shadows.py): it already maps 
 read-only and has its own KV cache, so the two never write the same memory. It is assigned as soon as the
 kill is sent and serves at once; it owns the leases (read-write) only once the gpu_manager has seen the
 predecessor dead, which the standby waits for by itself. On a death the agent saw coming (the process was
-already exiting) this saves the ~100 ms a CUDA process takes to be torn down. A batched standby that shadows
-(engines/batched/shadow.py) holds no KV cache of its own: it reads the predecessor's journal through its read-only
-shadow meanwhile and writes nothing until the gpu_manager has handed it the leases (PredecessorAlive until the
-predecessor is gone), then re-validates what it read.
+already exiting) this saves the ~100 ms a CUDA process takes to be torn down.
 
 Then: a ready standby of the model (the named one, or the oldest) gets `assign` over its link, takes the
 leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
