@@ -107,7 +107,10 @@ class IncidentDriver:
         subs.append(await self.bus.durable_batches("fault.detected", "controller-faults", self.on_faults, vet=vet,
                                                    **kw))
         # A result is filed under its incident's recorded trace: its message's context need not be made current.
-        subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results, **kw))
+        # It holds its slot a round trip longer than a fault (its end is written, then announced): more slots, so
+        # that incidents end as fast as they open and none waits long enough for its waiting record to be written.
+        subs.append(await self.bus.durable_batches("intent.result", "controller-intents", self.on_results,
+                                                   **{**kw, "concurrency": self.settings.result_concurrency}))
         subs.append(await self.bus.durable("engine.>", "controller-engines", self.on_event, vet=vet, **kw))
         subs.append(await self.bus.durable("memory.>", "controller-memory", self.on_event, vet=vet, **kw))
 

@@ -42,6 +42,10 @@ class ControllerSettings(CommonSettings):
     record_linger_s: float = Field(0.005, ge=0, description="written-behind etcd writes (later records, endpoint "
                                    "keys) wait up to this for an awaited write to share its transaction (0: none)")
     concurrency: int = Field(256, ge=1, description="events handled at once per durable consumer")
+    result_concurrency: int = Field(1024, ge=1, description="intent results handled at once: a result holds "
+                                    "its slot through route-in, its end's write and the end's announcement, a "
+                                    "round trip more than a fault; with no more slots than the faults, results "
+                                    "queue behind new incidents in a burst (docs/controlplane.md)")
     ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
     tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")
     incident_retention_s: float = Field(7 * 86_400.0, gt=0, description="an ended incident's record is deleted "
