@@ -40,6 +40,13 @@ class OutOfMemory(HoldfastError):
     code = "out_of_memory"
 
 
+class GpuUnhealthy(HoldfastError):
+    """A new lease, or a wake, on a GPU marked unhealthy (its memory may be lost at any moment): nothing was taken;
+    the engine asks for another GPU. Raised by the gpu_manager (services/gpu_manager/gpu_board.py)."""
+
+    code = "gpu_unhealthy"
+
+
 class LimitExceeded(HoldfastError):
     """A request over one of the manager's limits (settings.py); the connection stays usable unless said."""
 

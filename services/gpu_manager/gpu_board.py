@@ -16,17 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from libs.common.errors import HoldfastError
+from libs.client.protocol import GpuUnhealthy  # shared with the SDK, which raises it typed
 from libs.common.events import GpuRecord, LeaseInfo, LeaseState
 from libs.common.gpu import GpuEntry, resolve_gpu
 
 LIVE = (LeaseState.ACTIVE, LeaseState.ORPHANED, LeaseState.FROZEN)
-
-
-class GpuUnhealthy(HoldfastError):
-    """An allocation on a GPU marked unhealthy (its memory may be lost at any moment)."""
-
-    code = "gpu_unhealthy"
 
 
 @dataclass

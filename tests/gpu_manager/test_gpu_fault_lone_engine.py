@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from libs.client.memory import MemoryClient
+from libs.client.protocol import GpuUnhealthy
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.errors import RemoteError
 from libs.common.events import LeaseState, ListLeases, ListLeasesReply, SetGpuHealth, SetGpuHealthReply
 from tests.gpu_manager.harness import ManagerProc, until
 
@@ -41,9 +41,9 @@ async def test_a_lone_engines_leases_on_a_failed_gpu_are_reclaimed_at_once_and_n
     assert again.lost_leases == [] and not again.gpu.healthy  # a repeated mark (an agent's retry) changes nothing
 
     with MemoryClient.connect("newcomer", socket_path=two_gpu_manager.socket) as client:
-        with pytest.raises(RemoteError) as refused:
+        with pytest.raises(GpuUnhealthy) as refused:
             client.allocate(MIB, gpu=1)
-        assert refused.value.remote_code == "gpu_unhealthy" and "XID 79" in refused.value.message
+        assert refused.value.code == "gpu_unhealthy" and "XID 79" in refused.value.message
         assert client.allocate(MIB, gpu=0).info.gpu == 0  # the same connection, the healthy GPU: served
 
 

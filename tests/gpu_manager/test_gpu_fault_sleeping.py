@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from libs.client.memory import MemoryClient
+from libs.client.protocol import GpuUnhealthy
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.errors import RemoteError
 from libs.common.events import LeaseState, ListLeases, ListLeasesReply, SetGpuHealth, SetGpuHealthReply
 from tests.gpu_manager.harness import ManagerProc
 
@@ -40,9 +40,9 @@ async def test_a_sleeping_lease_is_not_woken_on_a_failed_gpu(two_gpu_manager: Ma
     try:
         await bus.request(settings.node, SetGpuHealth(gpu=1, healthy=False, detail="XID 79"), SetGpuHealthReply)
         assert await _state(bus, settings, kv) == LeaseState.SLEEPING  # no memory to lose: left asleep
-        with pytest.raises(RemoteError) as refused:
+        with pytest.raises(GpuUnhealthy) as refused:
             await asyncio.to_thread(client.wake, [kv])
-        assert refused.value.remote_code == "gpu_unhealthy" and "XID 79" in refused.value.message
+        assert refused.value.code == "gpu_unhealthy" and "XID 79" in refused.value.message
         assert await _state(bus, settings, kv) == LeaseState.SLEEPING  # refused: nothing changed
 
         await bus.request(settings.node, SetGpuHealth(gpu=1, healthy=True), SetGpuHealthReply)

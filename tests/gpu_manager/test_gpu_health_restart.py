@@ -14,7 +14,7 @@ import pytest
 from libs.client.memory import MemoryClient
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.errors import RemoteError
+from libs.common.errors import HoldfastError
 from libs.common.events import GpuRecord, ListLeases, ListLeasesReply, SetGpuHealth, SetGpuHealthReply
 from libs.common.gpu import simulated_uuid
 from libs.common.store import Store
@@ -35,8 +35,8 @@ def refusal(manager: ManagerProc, gpu: int) -> str | None:
     with MemoryClient.connect(f"probe-{time.monotonic_ns()}", socket_path=manager.socket) as client:
         try:
             lease = client.allocate(MIB, gpu=gpu)
-        except RemoteError as e:
-            return e.remote_code
+        except HoldfastError as e:  # typed (GpuUnhealthy) or a RemoteError: its code either way
+            return e.to_dict()["code"]
         client.release(lease.id)
         return None
 
