@@ -80,11 +80,26 @@ async def test_a_plaintext_client_is_refused(nats_server: str, credentials: Path
         await Intruder().connect(nats_server, nkeys_seed=seed)  # the right key, no TLS
 
 
-async def test_a_client_with_an_unknown_key_is_refused(nats_server: str, credentials: Path, tmp_path: Path) -> None:
+async def test_a_client_with_an_unknown_key_and_no_certificate_is_refused(nats_server: str, credentials: Path,
+                                                                         tmp_path: Path) -> None:
     seed = tmp_path / "stranger.nk"
     seed.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
     with pytest.raises((nats.errors.Error, NoServersError, OSError)):
         await Intruder().connect(nats_server, tls=_ca_only(credentials), nkeys_seed=str(seed))
+
+
+async def test_a_valid_certificate_does_not_stand_in_for_a_known_key(nats_server: str, credentials: Path,
+                                                                    tmp_path: Path) -> None:
+    """The server asks for a client certificate and an nkey: one stolen certificate (an agent's) with a key of
+    the thief's own is refused, while the same certificate with its own key connects."""
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+    agent = _as(credentials, "agent.node-1")
+    with pytest.raises((nats.errors.Error, NoServersError, OSError)):
+        await Intruder().connect(nats_server, tls=agent["tls"], nkeys_seed=str(stranger))
+    ok = await Intruder().connect(nats_server, **agent)
+    assert ok.nc.is_connected
+    await ok.close()
 
 
 async def _served(settings: CommonSettings, node: str, command: type, calls: list[Any]) -> Bus:
