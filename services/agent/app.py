@@ -67,6 +67,12 @@ async def setup(rt: Runtime) -> None:
         agent.gpus = nvml.entries_of(settings.gpus)  # the real GPUs (else the simulated ones of the config)
     # GPUs that failed before this agent started (the gpu_manager keeps them failed): no engine is placed there.
     agent.unhealthy.update(await records.load_failed_gpus(rt.store, settings.node, agent.gpus))
+    # Health a previous agent wished and the manager never answered: newer than the manager's marks, sent again.
+    for gpu, (healthy, detail) in agent.gpu_reports.resume(agent.gpus).items():
+        if healthy:
+            agent.unhealthy.pop(gpu, None)
+        else:
+            agent.unhealthy[gpu] = detail
     rt.on_close(_async(nvml.stop))
 
     node = NodeInfo(node=settings.node, datacenter=settings.datacenter, agent_pid=os.getpid(),

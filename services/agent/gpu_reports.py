@@ -14,17 +14,21 @@ Invariants:
    permanent refusal (the manager has no such GPU, or may not be told) is logged and not retried.
 3. Each wish's future is resolved once, with the answer to it or to a later wish of the same GPU (None: refused for
    good), never with an exception: nobody has to wait on it.
+4. With `wishes` (gpu_wishes.py), a wish is durable before it is first sent and removed once answered or refused for
+   good, so one the manager never answered outlives the agent; `resume()` sends what a previous agent left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from libs.common.backoff import Backoff
-from libs.common.errors import RemoteError
+from libs.common.errors import NotFound, RemoteError
 from libs.common.events import SetGpuHealthReply
+from libs.common.gpu import GpuEntry, resolve_gpu
+from services.agent.gpu_wishes import GpuWishes
 
 log = logging.getLogger("holdfast.agent.gpu_reports")
 
@@ -42,8 +46,9 @@ def retried(error: Exception) -> bool:
 
 
 class GpuReports:
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, wishes: GpuWishes | None = None) -> None:
         self._send = send
+        self._durable = wishes
         self._seq = 0
         self._wanted: dict[int, Wish] = {}
         self._waiters: dict[int, list[tuple[int, asyncio.Future[SetGpuHealthReply | None]]]] = {}
@@ -54,6 +59,8 @@ class GpuReports:
         loop = asyncio.get_running_loop()
         self._seq += 1
         self._wanted[gpu] = (self._seq, healthy, detail)
+        if self._durable is not None:
+            self._durable.put(gpu, healthy, detail)  # before any send (invariant 4)
         done: asyncio.Future[SetGpuHealthReply | None] = loop.create_future()
         self._waiters.setdefault(gpu, []).append((self._seq, done))
         if gpu not in self._tasks:
@@ -61,6 +68,26 @@ class GpuReports:
             self._tasks[gpu] = task
             task.add_done_callback(self._task_done)
         return done
+
+    def resume(self, gpus: Sequence[GpuEntry]) -> dict[int, tuple[bool, str]]:
+        """Send again what a previous agent wished and the manager never answered (invariant 4); returns it by GPU
+        index, {gpu: (healthy, detail)}, for the caller to hold as its own view. A wish for a GPU not among `gpus`
+        is logged and dropped."""
+        if self._durable is None:
+            return {}
+        resumed: dict[int, tuple[bool, str]] = {}
+        for name, (healthy, detail) in self._durable.load().items():
+            try:
+                gpu = resolve_gpu(name, gpus).index
+            except NotFound as e:
+                log.error("a previous agent's wish that GPU %s be %s is dropped: %s", name, _health(healthy), e)
+                self._durable.forget(name)
+                continue
+            log.warning("telling the gpu_manager again that GPU %d is %s (%s): a previous agent's wish it never "
+                        "answered", gpu, _health(healthy), detail)
+            self.want(gpu, healthy, detail)
+            resumed[gpu] = (healthy, detail)
+        return resumed
 
     def pending(self) -> dict[int, bool]:
         """GPUs whose latest wish the manager has not answered yet, with the health wished."""
@@ -87,6 +114,8 @@ class GpuReports:
             self._settle(gpu, seq, reply)
             if self._wanted[gpu][0] == seq:  # nothing newer wished meanwhile: done (no await from here on)
                 del self._tasks[gpu]
+                if self._durable is not None:
+                    self._durable.drop(gpu)
                 return
             backoff.reset()
 

@@ -39,6 +39,7 @@ from services.agent import gpus, launcher, shadows, supervision
 from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.gpu_reports import GpuReports
+from services.agent.gpu_wishes import WISHES_FILE, GpuWishes
 from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
 from services.agent.records import RecordWriter
 from services.agent.settings import AgentSettings
@@ -72,7 +73,9 @@ class Agent:
         # The node's GPUs (NVML's, or the host backend's simulated list: app.py sets them) and the unhealthy ones.
         self.gpus: list[GpuEntry] = simulated_gpus(settings.gpus, settings.node)
         self.unhealthy: dict[int, str] = {}
-        self.gpu_reports = GpuReports(self._send_gpu_health)  # told to the gpu_manager until it answers
+        # told to the gpu_manager until it answers, even across this agent's death (kept in the state dir by UUID)
+        wishes = GpuWishes(settings.state_dir / WISHES_FILE, lambda gpu: resolve_gpu(gpu, self.gpus).uuid)
+        self.gpu_reports = GpuReports(self._send_gpu_health, wishes)
         self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
                                                max_s=settings.crash_backoff_max_s,
                                                reset_s=settings.crash_backoff_reset_s))
