@@ -15,7 +15,7 @@ from libs.common.retention import Retention, prune_forever
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
 from services.controller.api.server import ApiThread, bind
-from services.controller.incident_log import incident_key
+from services.controller.incident_log import incident_key, ledger_key
 from services.controller.leadership import lead_forever
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
@@ -59,7 +59,11 @@ class LeaderTerm:
         delete = self.driver.writer.delete_nowait
         return {"deadlines": self.driver.run_deadlines(), "rollouts": self.rollouts.run(),
                 "retention": prune_forever(self.view.ended, lambda inc_id: delete(incident_key(inc_id)), policy,
-                                           s.incident_retention_check_s, "ended incident records")}
+                                           s.incident_retention_check_s, "ended incident records"),
+                # A ledger of announced ends goes once retention has deleted every record it names.
+                "ledgers": prune_forever(self.view.announced.spent, lambda ledger_id: delete(ledger_key(ledger_id)),
+                                         Retention(0.0, 0, 0.0), s.incident_retention_check_s,
+                                         "ledgers of announced ends")}
 
     async def stop(self) -> None:
         await self.driver.stop()

@@ -5,17 +5,20 @@ a leader that lost its term in between would have announced an end that the next
 record, cannot see, and might finish the other way (incident.py, invariant 2). The converse holds too: every end
 in etcd is announced. A write can fail at the client and still land (its answer lost or late: a timeout), and a
 publication can fail after the record is in; so an ended record carries `end_unannounced` from the transition that
-ends it until its end is published (then the mark is taken off, written behind), and:
-- `announce`: each end's write awaited, the ends written published together, their marks taken off. An end whose
+ends it, and once its end is published a ledger naming it is written behind (one per batch of ends published:
+announced_ends.py; the record itself is never written again). An end is unannounced while it is marked and no
+ledger names it:
+- `announce`: each end's write awaited, the ends written published together, their ledger written. An end whose
   write failed, or whose publication did, becomes a doubt (its message is redelivered as before);
 - `settle`: a doubt read back from etcd, itself (not this process's queued write), once etcd answers: ended and
-  marked -> announced; ended and not marked -> nothing; not ended (the write did not land) -> handed back to be
+  marked -> announced (a doubt is never in a ledger: none was written for it); ended and not marked (an earlier
+  version's announced record) -> nothing; not ended (the write did not land) -> handed back to be
   resumed from that record; gone -> nothing (retention never offers a marked record: view.py). The leader's
   deadline pass settles the doubts on every tick while there are any: the first tick after a store error clears;
-- `take_over`: a new leader announces every ended record still marked before it consumes anything (what a term
-  that ended between the write and the announcement left).
+- `take_over`: a new leader announces every ended record still unannounced before it consumes anything (what a
+  term that ended between the write and the announcement left).
 Every end event's id is derived from its incident (routes.py, `ended`), so one published twice (a leader gone
-between the publication and the mark's removal) is dropped by JetStream's duplicate window.
+between the publication and its ledger's write) is dropped by JetStream's duplicate window.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import asyncio
 import logging
 
 from libs.common.bus import Bus
-from services.controller.incident import IncidentRecord, announced
+from services.controller.incident import IncidentRecord
 from services.controller.incident_log import IncidentLog
 from services.controller.routes import IncidentEvents
 
@@ -76,7 +79,7 @@ class IncidentEnds:
         return None
 
     async def _publish(self, recs: list[IncidentRecord]) -> None:
-        """The end events of ended records that are in etcd, then their marks taken off (written behind)."""
+        """The end events of ended records that are in etcd, then their ledger (written behind)."""
         if not recs:
             return
         try:
@@ -88,4 +91,4 @@ class IncidentEnds:
             return
         for rec in recs:
             self.doubts.pop(rec.id, None)
-            self.log.save(announced(rec))
+        self.log.announced(recs)

@@ -6,9 +6,9 @@ new leader resumes from it. The machine is a frozen table; `apply()` is the one 
 
 Invariants:
 1. One incident per failed engine generation: the id is derived from (engine id, generation, reason).
-2. States only move along `TRANSITIONS`; terminal states (resolved, failed) never change again. The one thing
-   an ended record still loses is its mark `end_unannounced` (set by the transition that ends it): taken off,
-   once, when its end event is published (`announced`; the leader's `endings.py`).
+2. States only move along `TRANSITIONS`; terminal states (resolved, failed) never change again: an ended record
+   is final. It carries the mark `end_unannounced` (set by the transition that ends it); that its end event was
+   published is recorded beside it, in a ledger (the leader's `endings.py`, `announced_ends.py`).
 3. A record in state S says that the entry action of S (the intent sent, the endpoint added...) is done.
 4. Every step that started has a start time; every step that ended has an end time >= its start.
 5. A successor known while still freezing (a shadow promoted while the freeze runs) is in the record
@@ -179,8 +179,9 @@ class IncidentRecord(BaseModel):
     cold_successor_node: str | None = None
     cold_stopped: bool = False  # a late reattach superseded the cold start and its engine was stopped
     failure: str | None = None
-    # Ended, and its end (incident.resolved / incident.failed) not yet known published: the record is written
-    # first, the end announced after, then this is taken off (invariant 2). A leader finding it set announces it.
+    # Ended, and its end (incident.resolved / incident.failed) announced only if a ledger names it (invariant 2,
+    # announced_ends.py): the record is written first, the end announced after, then the ledger. A leader finding it
+    # set and named by no ledger announces it. (Records of earlier versions had it taken off instead.)
     end_unannounced: bool = False
     trace_parent: str | None = None
     leader: str = ""  # the controller that last wrote the record
@@ -220,13 +221,6 @@ def opened_record(**fields: object) -> IncidentRecord:
     start = rec.died_at if rec.died_at is not None else rec.opened_at
     rec.steps[Step.DETECT] = StepRecord(status="done", started_at=min(start, rec.opened_at), ended_at=rec.opened_at)
     return rec
-
-
-def announced(rec: IncidentRecord) -> IncidentRecord:
-    """The ended record once its end event is published: only its mark is taken off (invariant 2)."""
-    if not rec.terminal:
-        raise InvalidTransition(f"incident {rec.id} is {rec.state}: it has no end to announce")
-    return rec.model_copy(update={"end_unannounced": False})
 
 
 def failed_step(rec: IncidentRecord) -> Step:

@@ -46,7 +46,7 @@ from services.controller.engine_routes import EngineRoutes
 from services.controller.engine_stops import EngineStops
 from services.controller.incident import Deadlines, IncidentRecord, IncidentState, Trigger
 from services.controller.incident_locks import IncidentLocks
-from services.controller.incident_log import IncidentLog
+from services.controller.incident_log import IncidentLog, ledger_key
 from services.controller.incident_trace import IncidentTracer
 from services.controller.intake import Intake, Opening, cold_ready, incident_of
 from services.controller.metrics import ControllerMetrics
@@ -90,8 +90,10 @@ class IncidentDriver:
     async def start(self) -> None:
         """Announce the ends an earlier term recorded but did not announce, resume every open incident from its
         record, then consume events (redelivered ones included)."""
-        open_, unannounced = await self.log.to_take_over()
+        open_, unannounced, spent = await self.log.to_take_over()
         await self.ends.take_over(unannounced)
+        for ledger_id in spent:
+            self.writer.delete_nowait(ledger_key(ledger_id))
         for rec in open_:
             self.open.put(rec)
         log.info("leader resumes %d open incident(s)", len(self.open))

@@ -6,11 +6,13 @@ an incident); the dc_manager's view does not parse them.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from libs.common.cluster_view import ClusterView as BaseClusterView
 from libs.common.cluster_view import GpuSlot
 from libs.common.store import Store
+from services.controller.announced_ends import AnnouncedEnds, Ledger
 from services.controller.incident import IncidentRecord
 from services.controller.rollout import RolloutRecord
 
@@ -31,6 +33,7 @@ class ClusterView(BaseClusterView):
         # Ended incidents (resolved, failed) whose end is announced: id -> when it ended, oldest first
         # (libs/common/retention.py deletes from the front; a record still to announce is never offered).
         self.ended: dict[str, float] = {}
+        self.announced = AnnouncedEnds()  # the leader's ledgers of published ends (`announced/`, announced_ends.py)
 
     def expect_own(self, key: str, value: bytes | None, obj: Any) -> None:
         """A `BatchWriter.on_send` hook: an incident record of ours is on its way to etcd."""
@@ -44,6 +47,7 @@ class ClusterView(BaseClusterView):
         if kind == "delete":
             self._own.pop(rest, None)
             self.ended.pop(rest, None)
+            self.announced.deleted(rest, time.time())
             rec = self.incidents.pop(rest, None)
             if rec is not None and self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
@@ -63,8 +67,8 @@ class ClusterView(BaseClusterView):
         if rec.terminal:
             if self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
-            if rest not in self.ended and not rec.end_unannounced:  # retention waits for its end's announcement
-                self.ended[rest] = rec.updated_at
+            if rest not in self.ended and (not rec.end_unannounced or rest in self.announced):
+                self.ended[rest] = rec.updated_at  # retention waits for its end's announcement
         else:
             self.open_by_engine[rec.engine_id] = rest
         return rec
@@ -73,6 +77,20 @@ class ClusterView(BaseClusterView):
         await super().load(store)
         # The snapshot comes in key order: put the ended records in the order they ended (oldest first).
         self.ended = dict(sorted(self.ended.items(), key=lambda item: item[1]))
+        self.announced.sweep(self.incidents, time.time())  # ledgers naming only deleted records are spent
+
+    def _on_announced(self, kind: str, rest: str, value: bytes | None) -> Any:
+        """A ledger of published ends: the ended records it names become retention's to delete."""
+        if kind == "delete":
+            self.announced.remove(rest)
+            return None
+        ids = Ledger.model_validate_json(value or b"{}").incidents
+        self.announced.add(rest, ids, time.time())
+        for inc_id in ids:
+            rec = self.incidents.get(inc_id)
+            if rec is not None and rec.terminal and inc_id not in self.ended:
+                self.ended[inc_id] = rec.updated_at
+        return ids
 
     def _on_rollouts(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":

@@ -28,10 +28,10 @@ async def test_faults_delivered_together_open_one_incident_each_and_all_resolve(
 
         async def all_resolved() -> list[IncidentRecord] | None:
             recs = [await store.get_model(f"incidents/{i}", IncidentRecord) for i in ids]
-            # Resolved, and its end announced (the mark taken off: the record's last write), so that the records
-            # compared below are final.
-            done = [r for r in recs if r is not None and r.state is IncidentState.RESOLVED and not r.end_unannounced]
-            return done if len(done) == len(ids) else None
+            # Resolved (an ended record is final: its announcement goes in a ledger), and every end heard.
+            done = [r for r in recs if r is not None and r.state is IncidentState.RESOLVED]
+            heard = {e.data.incident_id for e in await bus.replay("incident.>") if isinstance(e.data, IncidentResolved)}
+            return done if len(done) == len(ids) and heard >= set(ids) else None
 
         recs = await wait_for(all_resolved, what="every incident resolved")
         assert sorted(r.engine_id for r in recs) == sorted(victims)

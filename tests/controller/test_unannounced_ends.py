@@ -22,11 +22,11 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import IncidentFailed, IncidentResolved
 from libs.common.store import Store
+from services.controller.announced_ends import Ledger
 from services.controller.incident import (
     IncidentRecord,
     IncidentState,
     Trigger,
-    announced,
     apply,
     opened_record,
 )
@@ -204,10 +204,11 @@ async def test_a_new_leader_announces_an_end_recorded_but_never_announced(
         await second.stop()
 
 
-async def test_an_announced_end_leaves_no_mark_for_the_next_leader(
+async def test_an_announced_end_is_in_a_ledger_and_the_next_leader_has_none_to_announce(
         bus: Bus, store: Store, settings: CommonSettings) -> None:
-    """The mark that an end is still to be announced is taken off once it is: a new leader finds none to announce
-    (a second publication would only be dropped by JetStream's duplicate window while it lasts)."""
+    """That an end is announced is recorded once it is (a ledger naming it; the record is not written again): a new
+    leader finds none to announce (a second publication would only be dropped by JetStream's duplicate window while
+    it lasts)."""
     await store.put(FENCE, "held")
     first = new_driver(bus, store, settings)
     rec, cold = await in_fallback_here(first, store, "e3")
@@ -215,7 +216,10 @@ async def test_an_announced_end_leaves_no_mark_for_the_next_leader(
                         successor_endpoint="http://127.0.0.1:1")
     await first.stop()  # a clean stop writes what it queued
     got = await resolved_in_etcd(store, rec.id)
-    assert got is not None and not got.end_unannounced
+    assert got is not None and got.end_unannounced  # final as written: the ledger says it is announced
+    ledgers = [Ledger.model_validate_json(raw).incidents for raw in (await store.get_prefix("announced/")).values()]
+    assert ledgers == [[rec.id]]
+    assert (await new_driver(bus, store, settings).log.to_take_over()).unannounced == []
     assert len(await resolved_heard(bus, rec.id)) == 1
 
 
@@ -248,14 +252,9 @@ async def test_an_end_whose_write_never_landed_is_resumed_and_ends_once_etcd_ans
         await driver.stop()
 
 
-def test_every_end_is_marked_unannounced_and_announcing_takes_off_only_the_mark() -> None:
+def test_every_end_is_marked_unannounced_by_the_transition_that_ends_it() -> None:
     rec = apply(opened_record(id="i", engine_id="e", opened_at=0.0), Trigger.DISPATCHED_FALLBACK, 0.0, D)
     assert not rec.end_unannounced
     for end in (apply(rec, Trigger.DEADLINE_MISSED, 1.0, D),
                 apply(apply(rec, Trigger.SPAWNED, 1.0, D, successor_id="s"), Trigger.ROUTED_IN, 2.0, D)):
         assert end.terminal and end.end_unannounced
-        done = announced(end)
-        assert not done.end_unannounced and done.model_dump(exclude={"end_unannounced"}) == end.model_dump(
-            exclude={"end_unannounced"})
-    with pytest.raises(Exception, match="no end to announce"):  # noqa: PT011 - InvalidTransition
-        announced(rec)
