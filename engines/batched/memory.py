@@ -49,6 +49,7 @@ class Loaded:
     layout: JournalLayout
     timings_ms: dict[str, float] = field(default_factory=dict)
     fused: dict[str, torch.Tensor] = field(default_factory=dict)  # views over back-to-back parts (fused_layout.py)
+    weights_load: dict[str, Any] | None = None  # a cold load's source (host, artifact, file) and time (WeightsLoad)
 
 
 def _ms(t0: float) -> float:
@@ -101,9 +102,13 @@ class LocalMemory:
         return False
 
     def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
-        t0 = time.perf_counter()
         check_file_matches(path, cfg)
-        weights = load_weights(path, self.device)
+        return self.load_shard(cfg, load_weights(path, self.device), layout_of)
+
+    def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout_of: Any) -> Loaded:
+        """These tensors (the whole file's, or a tensor-parallel rank's part: tp.py) and a new KV cache."""
+        t0 = time.perf_counter()
+        weights = {name: t.to(self.device) for name, t in tensors.items()}
         fused = _fuse_local(weights)
         dtype = weights["tok_embeddings.weight"].dtype
         layout: JournalLayout = layout_of(dtype, None)
@@ -131,16 +136,24 @@ class LeasedMemory:
         from libs.client.memory import MemoryClient, exit_on_lease_lost  # the SDK: only when leases are used
 
         self.gpu = gpu
-        self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class="batched")
+        from engines.reference.startup import engine_class
+
+        self.client: Any = MemoryClient.connect(engine_id, socket_path=socket_path, engine_class=engine_class("batched"))
         self.client.on_lease_lost = exit_on_lease_lost
 
     def pending(self) -> bool:
         return bool(self.client.pending())
 
     def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
+        """A cold start: the node's copy of this class's weights if a sound one of this model's layout is there,
+        else the file, each layer's fused parts back to back (fused_layout.py) either way: the copy was written
+        from a lease of this class (safetensors_io.restore_or_load, the one cold path)."""
+        from libs.client.safetensors_io import copy_name, restore_or_load
+
         t0 = time.perf_counter()
-        check_file_matches(path, cfg)
-        lease, metas = self._load_weights(path)
+        got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
+                              expected=cfg.tensor_shapes(), plan=fused_plan)
+        lease, metas = got.lease, got.metas
         weights = {m.name: lease.view(m, "torch") for m in metas}
         t_load = _ms(t0)
         dtype = weights["tok_embeddings.weight"].dtype
@@ -148,25 +161,7 @@ class LeasedMemory:
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
         return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)},
-                      _fused_views([(lease, m) for m in metas]))
-
-    def _load_weights(self, path: Path) -> tuple[Any, list[Any]]:
-        """The file into one weights lease, each layer's fused parts back to back (fused_layout.py)."""
-        import os
-
-        from libs.client.safetensors_io import _copy_in
-
-        data_start, plan, nbytes, metas = weights_plan(path, "")
-        lease = self.client.allocate(nbytes, tag="weights", name="weights", gpu=self.gpu)
-        metas = [m.model_copy(update={"lease_id": lease.id}) for m in metas]
-        fd = os.open(path, os.O_RDONLY)
-        try:  # the SDK's copy (host: preadv into the shared pages; cuda: a pinned bounce buffer)
-            _copy_in(lease, fd, data_start, [(m, start, nbytes) for m, (_, _, start, nbytes) in zip(metas, plan, strict=True)])
-        finally:
-            os.close(fd)
-        self.client.register(metas)
-        self.client.commit()
-        return lease, metas
+                      _fused_views([(lease, m) for m in metas]), weights_load=got.report())
 
     def reserve(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
         """A standby's tensors where a takeover is expected to map its predecessor's leases (placeholder memory
@@ -248,24 +243,23 @@ class LeasedMemory:
             log.warning("closing the memory client failed: %s", e)
 
 
+def fused_plan(header: dict[str, Any], lease_id: str) -> tuple[list[Any], int]:
+    """safetensors_io's layout with each layer's fused parts back to back (fused_layout.py), every tensor at a
+    multiple of ALIGN."""
+    from libs.client.safetensors_io import plan_layout
+
+    in_file = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    return plan_layout(header, lease_id, write_order(in_file))
+
+
 def weights_plan(path: Path, lease_id: str) -> tuple[int, list[tuple[str, int, int, int]], int, list[Any]]:
     """Where `load` puts a file's tensors in its weights lease: (the file's data start, [(name, lease offset, file
-    offset, bytes)], the lease's bytes, the tensors' metadata naming `lease_id`). Each layer's fused parts back to
-    back (fused_layout.py), every tensor at a multiple of ALIGN. Read from the file's header alone."""
-    from libs.client.protocol import TensorMeta
-    from libs.client.safetensors_io import SAFETENSORS_DTYPES, read_header
+    offset, bytes)], the lease's bytes, the tensors' metadata naming `lease_id`). Read from the file's header alone."""
+    from libs.client.safetensors_io import read_header
 
     data_start, header = read_header(path)
-    in_file = sorted(header, key=lambda n: header[n]["data_offsets"][0])
-    plan: list[tuple[str, int, int, int]] = []
-    off = 0
-    for name in write_order(in_file):
-        start, end = header[name]["data_offsets"]
-        plan.append((name, off, start, end - start))
-        off += -(-(end - start) // ALIGN) * ALIGN
-    metas = [TensorMeta(name=n, lease_id=lease_id, offset=o, shape=list(header[n]["shape"]),
-                        dtype=SAFETENSORS_DTYPES[header[n]["dtype"]]) for n, o, _, _ in plan]
-    return data_start, plan, max(off, ALIGN), metas
+    layout, total = fused_plan(header, lease_id)
+    return data_start, [(m.name, m.offset, start, n) for m, start, n in layout], total, [m for m, _, _ in layout]
 
 
 def placed_alike(a: Loaded, b: Loaded) -> list[str]:

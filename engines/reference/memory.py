@@ -54,6 +54,7 @@ class Loaded:
     read_only: bool = False  # the weights are mapped read-only (a write faults)
     marks: torch.Tensor | None = None  # the cache's marks (leased caches only): kv_reuse.py
     donor: KvDonor | None = None  # a shadowed predecessor's cache, for resumed requests' prefixes
+    weights_load: dict[str, Any] | None = None  # a cold load's source (host, artifact, file) and time (WeightsLoad)
 
 
 def _ms(t0: float) -> float:
@@ -176,16 +177,20 @@ class LeasedMemory:
         return bool(self.client.pending())
 
     def load(self, cfg: ModelConfig, path: Path, slots: int, max_seq: int) -> Loaded:
-        from libs.client.safetensors_io import load_safetensors_into_leases
+        """A cold start: the node's copy of this class's weights if a sound one of this model's layout is there,
+        else the file (safetensors_io.restore_or_load: the one cold path; the file is not read when a copy
+        serves)."""
+        from libs.client.safetensors_io import copy_name, restore_or_load
 
         t0 = time.perf_counter()
-        check_file_matches(path, cfg)
-        weights = load_safetensors_into_leases(self.client, str(path), tag="weights", name="weights", gpu=self.gpu,
-                                               framework="torch")
+        got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
+                              expected=cfg.tensor_shapes())
+        weights = got.tensors
         t_load = _ms(t0)
         kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
         self.client.commit()
-        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks)
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks,
+                      weights_load=got.report())
 
     def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], slots: int, max_seq: int) -> Loaded:
         """A tensor-parallel rank's part of the weights (tp.read_shard) copied into one weights lease of its own,

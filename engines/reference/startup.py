@@ -34,7 +34,13 @@ def open_memory(s: EngineSettings, device: torch.device) -> LocalMemory | Leased
         mode = "leased" if sock.exists() else "local"
     if mode == "local":
         return LocalMemory(device)
-    return LeasedMemory(s.id, socket_path=s.gpu_manager_socket, engine_class="reference", gpu=s.gpu)
+    return LeasedMemory(s.id, socket_path=s.gpu_manager_socket, engine_class=engine_class("reference"), gpu=s.gpu)
+
+
+def engine_class(default: str) -> str:
+    """The class this engine's leases are booked under: its spec's (the agent sets HF_ENGINE_CLASS), so that the
+    node's copy of its weights is named as the dc_manager's placement looks for it (`<class>.weights`)."""
+    return os.environ.get("HF_ENGINE_CLASS") or default
 
 
 def open_agent_link(s: EngineSettings, *, can_shadow: bool = False) -> Any:

@@ -4,6 +4,14 @@
 The file's header is parsed here (8-byte little-endian length, then JSON); tensor bytes are read straight
 into the mapped lease on host (preadv into the shared pages) and through a bounce buffer on cuda. Tensors
 are placed at 256-byte aligned offsets so every dtype view is aligned.
+
+`restore_or_load` is the one cold path of every engine (reference, batched): the node's copy of the class's
+weights (host tier, else artifact, restored by the gpu_manager) when there is a sound one of the expected
+layout, else the file. Invariants:
+1. A copy is used only if its tensors are exactly the expected names and shapes; a refused copy's lease is
+   released before the file is read (no second weights lease is left behind).
+2. When a copy serves, nothing of the weights file is read (not even its header): a node can cold-start from
+   its copy with the file gone.
 """
 
 from __future__ import annotations
@@ -12,6 +20,9 @@ import json
 import logging
 import os
 import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +56,25 @@ def read_header(path: str | Path) -> tuple[int, dict[str, Any]]:
     return 8 + n, header
 
 
-def plan_layout(header: dict[str, Any], lease_id: str) -> tuple[list[tuple[TensorMeta, int, int]], int]:
-    """[(meta, file offset, nbytes)] at aligned lease offsets, and the total bytes needed."""
+def tensor_meta(name: str, entry: dict[str, Any], lease_id: str, offset: int) -> TensorMeta:
+    """A header entry as the tensor registered at `offset` of a lease."""
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise MalformedMessage(f"tensor {name}: unsupported safetensors dtype {entry['dtype']}")
+    return TensorMeta(name=name, lease_id=lease_id, offset=offset, shape=list(entry["shape"]), dtype=dtype)
+
+
+Layout = list[tuple[TensorMeta, int, int]]  # (meta at its lease offset, file offset in the data region, bytes)
+Planner = Callable[[dict[str, Any], str], tuple[Layout, int]]
+
+
+def plan_layout(header: dict[str, Any], lease_id: str, order: Sequence[str] | None = None) -> tuple[Layout, int]:
+    """[(meta, file offset, nbytes)] at aligned lease offsets, in `order` (default: the file's), and the total
+    bytes needed."""
     out, offset = [], 0
-    for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise MalformedMessage(f"tensor {name}: unsupported safetensors dtype {entry['dtype']}")
-        start, end = entry["data_offsets"]
-        meta = TensorMeta(name=name, lease_id=lease_id, offset=offset, shape=list(entry["shape"]), dtype=dtype)
-        out.append((meta, start, end - start))
+    for name in order or sorted(header, key=lambda n: header[n]["data_offsets"][0]):
+        start, end = header[name]["data_offsets"]
+        out.append((tensor_meta(name, header[name], lease_id, offset), start, end - start))
         offset += -(-(end - start) // ALIGN) * ALIGN
     return out, max(offset, ALIGN)
 
@@ -87,10 +107,23 @@ def _copy_in(lease: MappedLease, fd: int, data_start: int, layout: list[tuple[Te
 def load_safetensors_into_leases(client: MemoryClient, path: str | Path, *, tag: str = "weights",
                                  name: str = "weights", gpu: int = 0, framework: str = "torch") -> dict[str, Any]:
     """Allocate one lease for the file, fill it, register and commit every tensor; return the views."""
+    lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu)
+    return {m.name: lease.view(m, framework) for m in metas}
+
+
+def load_file_into_lease(client: MemoryClient, path: str | Path, *, tag: str = "weights", name: str = "weights",
+                         gpu: int = 0, plan: Planner = plan_layout,
+                         expected: Mapping[str, Sequence[int]] | None = None) -> tuple[MappedLease, list[TensorMeta]]:
+    """The file into one lease, its tensors registered and committed: the lease and its tensors. `plan` places
+    the tensors in the lease; `expected` (names -> shapes): the file must hold exactly those."""
     data_start, header = read_header(path)
-    _, total = plan_layout(header, "pending")
+    if expected is not None:
+        why = layout_mismatch({n: e["shape"] for n, e in header.items()}, expected)
+        if why:
+            raise WeightsMismatch(f"{path}: {why}")
+    _, total = plan(header, "pending")
     lease = client.allocate(total, tag=tag, name=name, gpu=gpu)
-    layout, _ = plan_layout(header, lease.id)
+    layout, _ = plan(header, lease.id)
     fd = os.open(path, os.O_RDONLY)
     try:
         _copy_in(lease, fd, data_start, layout)
@@ -99,20 +132,91 @@ def load_safetensors_into_leases(client: MemoryClient, path: str | Path, *, tag:
     metas = [meta for meta, _, _ in layout]
     client.register(metas)
     client.commit()
-    return {m.name: lease.view(m, framework) for m in metas}
+    return lease, metas
+
+
+class WeightsMismatch(ValueError):
+    """The weights file does not hold the tensors (names, shapes) the engine expects."""
+
+
+def layout_mismatch(shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]]) -> str | None:
+    """Why weights of these tensor shapes are not the expected ones (None: they are). Pure."""
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(shapes) if list(shapes[n]) != list(expected[n]))
+    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
+             f"{len(extra)} unexpected (e.g. {extra[0]})" if extra else "",
+             f"{len(wrong)} of another shape (e.g. {wrong[0]}: {list(shapes[wrong[0]])}, "
+             f"expected {list(expected[wrong[0]])})" if wrong else ""]
+    return "; ".join(p for p in parts if p) or None
+
+
+def copy_name(engine_class: str, lease_name: str = "weights") -> str:
+    """The node copy a class's weights lease is kept under: `<class>.<lease name>` (the gpu_manager's
+    artifact.default_name, which also replaces characters a name may not hold)."""
+    return f"{engine_class}.{lease_name}"
+
+
+@dataclass
+class WeightsLoad:
+    """One cold load: the tensors' views, the lease and its tensors, which source served ("host", "artifact"
+    or "file"), how long it took, the gpu_manager's restore figures, and why a copy was not used ("" if none
+    was refused or none existed)."""
+
+    tensors: dict[str, Any]
+    lease: MappedLease
+    metas: list[TensorMeta]
+    source: str
+    load_ms: float
+    restore: dict[str, Any] = field(default_factory=dict)
+    refused: str = ""
+
+    def report(self) -> dict[str, Any]:
+        """What an engine tells about its load (its /health, its ready message to the agent)."""
+        out: dict[str, Any] = {"source": self.source, "load_ms": self.load_ms}
+        if self.refused:
+            out["refused"] = self.refused
+        if self.restore:
+            out["restore"] = {k: v for k, v in self.restore.items() if k != "source"}
+        return out
+
+
+def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
+                    expected: Mapping[str, Sequence[int]] | None = None, plan: Planner = plan_layout,
+                    tag: str = "weights", name: str = "weights", gpu: int = 0,
+                    framework: str = "torch") -> WeightsLoad:
+    """The cold path (invariants 1, 2 above): the node's copy `copy` (host tier, else artifact) if there is a
+    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan`."""
+    t0 = time.perf_counter()
+    refused = ""
+    if copy is not None:
+        try:
+            lease = client.restore(copy, gpu=gpu)
+        except (NotFound, ArtifactInvalid) as e:
+            refused = "" if isinstance(e, NotFound) else f"{e.code}: {e.message}"
+            log.log(logging.WARNING if refused else logging.INFO, "no sound copy %s (%s: %s): loading %s", copy,
+                    e.code, e.message, path)
+        else:
+            metas = list(lease.tensor_metas)
+            why = None if expected is None else layout_mismatch({m.name: m.shape for m in metas}, expected)
+            if why is None:
+                client.commit()
+                return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas,
+                                   str(client.last_restore["source"]), _ms(t0), dict(client.last_restore))
+            refused = f"layout: {why}"
+            log.warning("copy %s refused (%s): releasing it, loading %s", copy, why, path)
+            client.release(lease.id)
+    lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected)
+    return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas, "file", _ms(t0),
+                       refused=refused)
 
 
 def load_weights(client: MemoryClient, path: str | Path, *, artifact: str | None = None, tag: str = "weights",
                  name: str = "weights", gpu: int = 0, framework: str = "torch") -> tuple[dict[str, Any], str]:
-    """The cold path: restore from this node's copy of `artifact` (host tier, else the artifact on disk) when
-    there is a sound one, else read the safetensors file. Returns (tensor views, the source that served:
-    "host", "artifact" or "file"). A missing, truncated or corrupt copy is logged and the file is read."""
-    if artifact is not None:
-        try:
-            lease = client.restore(artifact, gpu=gpu)
-        except (NotFound, ArtifactInvalid) as e:
-            log.warning("no sound copy of %s (%s: %s): loading %s", artifact, e.code, e.message, path)
-        else:
-            client.commit()
-            return {m.name: lease.view(m, framework) for m in lease.tensor_metas}, str(client.last_restore["source"])
-    return load_safetensors_into_leases(client, path, tag=tag, name=name, gpu=gpu, framework=framework), "file"
+    """`restore_or_load` with no layout check: (tensor views, the source that served)."""
+    got = restore_or_load(client, path, copy=artifact, tag=tag, name=name, gpu=gpu, framework=framework)
+    return got.tensors, got.source
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
