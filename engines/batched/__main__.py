@@ -33,6 +33,7 @@ from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
 from engines.batched.sleep import install as install_sleep
+from engines.batched.tp_group import RankGroup
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
 from libs.common.gc_tuning import long_lived_gc
@@ -193,6 +194,9 @@ def run(cfg: EngineConfig) -> int:
     mcfg = get_config(cfg.size)
     max_len = cfg.max_model_len or mcfg.max_seq
     device = pick_device(cfg.device)
+    group = RankGroup(cfg, device) if cfg.tp > 1 else None  # ranks 1.. started, the communicator up (tp_group.py)
+    if group is not None:
+        mcfg, device = group.mcfg, group.device  # this rank's shard of the model, on its GPU
     state = EngineState(cfg.id, cfg.model, cfg.size, max_len, cfg.max_waiting)
     state.role = cfg.role
     stop = threading.Event()
@@ -229,6 +233,10 @@ def run(cfg: EngineConfig) -> int:
             state.role, state.state = "active", "loading"
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
             loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s)
+        elif group is not None:
+            state.state = "loading"
+            loaded = group.load(memory, layout_of)
+            state.info["tp"] = group.commit(memory, loaded)
         elif cfg.takeover_from:
             state.state = "loading"
             if not cfg.transfer_token:
@@ -246,6 +254,8 @@ def run(cfg: EngineConfig) -> int:
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
         # adopted sequence; it captures them once it is idle (engine.py).
         runner, how = adopt_prepared(prepared, loaded)
+        if group is not None:
+            runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner)
         if how != "none":
@@ -254,18 +264,20 @@ def run(cfg: EngineConfig) -> int:
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine
-        if isinstance(memory, LeasedMemory):  # the control plane's sleep and wake asks (sleep.py)
+        if isinstance(memory, LeasedMemory) and group is None:  # the control plane's sleep and wake asks (sleep.py)
             install_sleep(state, engine, memory.client)
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
                                 "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,
                                 "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}
+        if loaded.weights_load is not None:
+            state.info["memory"]["weights"] = loaded.weights_load
         if loaded.source != "file":
             state.t_start = t_start
             state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start), **adopted}
         state.state = "ready"
         if link is not None:
-            link.ready(http.endpoint)
+            link.ready(http.endpoint, weights=loaded.weights_load)
         if cfg.ready_file:
             write_ready_file(cfg.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": cfg.id,
                                               "state": "ready", **state.info})
@@ -277,8 +289,9 @@ def run(cfg: EngineConfig) -> int:
         state.state = "stopping"
         return 0
     finally:
-        if engine is not None:
-            engine.stop()
+        stopped = engine.stop() if engine is not None else True
+        if group is not None:
+            group.stop(engine.runner if engine is not None else None, stopped)
         http.stop()
         if link is not None:
             link.close()

@@ -141,7 +141,7 @@ def run(s: EngineSettings) -> int:
         long_lived_gc(collect=loaded is not None and loaded.source == "file")  # a recovery skips the full pass
         state.state = "ready"
         if link is not None:
-            link.ready(http.endpoint)
+            link.ready(http.endpoint, weights=loaded.weights_load if loaded is not None else None)
         if s.ready_file:
             write_ready_file(s.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": s.id,
                                             "state": "ready", **state.info})
@@ -165,6 +165,8 @@ def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_st
     build_ms = _ms(t0)
     state.info["memory"] = {"kind": state.info["memory"]["kind"], "source": loaded.source,
                             "timings_ms": loaded.timings_ms, "build_ms": build_ms}
+    if loaded.weights_load is not None:
+        state.info["memory"]["weights"] = loaded.weights_load
     if loaded.source == "file":
         state.info["warmup_ms"] = core.warm()
         return core

@@ -149,20 +149,26 @@ class AgentLink:
         except (OSError, HoldfastError):
             pass  # reconnecting: the re-registration says heartbeats are on
 
-    def ready(self, endpoint: str | None = None, *, timeout: float = 5.0) -> None:
+    def ready(self, endpoint: str | None = None, *, weights: dict[str, Any] | None = None,
+              timeout: float = 5.0) -> None:
         """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration.
 
         A standby's warm-up ends here: its garbage is collected, and what is left (imports, warm-up state:
         it lives as long as the process) is moved out of the collector's sight (`long_lived_gc`: `gc.freeze`), so that a full
         collection of a large heap (torch) does not land inside the takeover that follows. Before the agent
-        hears "ready", so that no assignment waits for it."""
+        hears "ready", so that no assignment waits for it.
+
+        `weights`: how a cold start loaded its weights (safetensors_io.WeightsLoad.report: source, load_ms), for
+        the engine's record and its incident's timeline."""
         if self.role == "standby" and not self._heap_frozen:
             self._heap_frozen = True
             long_lived_gc()
         self.endpoint = endpoint
         self.state = "standby" if self.role == "standby" else "ready"
-        self._request({"op": "ready", "endpoint": endpoint, "state": self.state,
-                       "heartbeats": self._hb_interval is not None}, timeout)
+        msg: dict[str, Any] = {"op": "ready", "endpoint": endpoint, "state": self.state, "heartbeats": self._hb_interval is not None}
+        if weights is not None:
+            msg["weights"] = weights
+        self._request(msg, timeout)
 
     def report_fatal(self, kind: str = "cuda_error", detail: str = "", *, timeout: float = 2.0) -> None:
         """Tell the agent this engine is failing; returns once the agent has it (or after `timeout`)."""

@@ -133,6 +133,19 @@ def group_of_rank(engine_id: str) -> str | None:
     return group if sep and group and rank.isdigit() and int(rank) > 0 else None
 
 
+class WeightsLoaded(Model):
+    """How a cold-started engine got its weights (issue 21): the node's host tier copy, its artifact, or the file."""
+
+    source: Literal["host", "artifact", "file"]
+    load_ms: float = Field(ge=0)
+    refused: str = ""  # why a copy there was not used (corrupt, another layout); "" when none was refused
+
+    def describe(self) -> str:
+        """One line for an incident's timeline."""
+        why = f" (copy refused: {self.refused})" if self.refused else ""
+        return f"weights from {self.source} in {self.load_ms:.1f} ms{why}"
+
+
 class EngineInfo(Model):
     engine_id: str
     node: str
@@ -159,6 +172,7 @@ class EngineInfo(Model):
     tp: int = 1
     ranks: list[str] = Field(default_factory=list)
     gang: str | None = None
+    weights: WeightsLoaded | None = None  # a cold start's load, as the engine reported it when ready
 
 
 def engine_record_key(node: str, engine_id: str) -> str:

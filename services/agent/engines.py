@@ -11,9 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
-from libs.common.errors import InvalidTransition
-from libs.common.events import EngineInfo, EngineRole, rank_engine_id
+from pydantic import ValidationError
+
+from libs.common.errors import InvalidTransition, MalformedMessage
+from libs.common.events import EngineInfo, EngineRole, WeightsLoaded, rank_engine_id
 
 
 class State(StrEnum):
@@ -91,6 +94,7 @@ class EngineRecord:
     shadow_refused: set[str] = field(default_factory=set)  # engines it could not shadow (not offered again)
     tp: int = 1  # tensor-parallel ranks: this is rank 0's record, the group's (its process starts the others)
     gang: str | None = None  # a TP group's gang id (the first group's engine id, kept by its successor groups)
+    weights: WeightsLoaded | None = None  # a cold start's load, as the engine said when ready (issue 21)
 
     def transition(self, ev: Ev) -> State:
         nxt = TRANSITIONS.get((self.state, ev))
@@ -123,7 +127,7 @@ class EngineRecord:
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
             heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
-            tp=self.tp, gang=self.gang,
+            tp=self.tp, gang=self.gang, weights=self.weights,
             ranks=[rank_engine_id(self.engine_id, r) for r in range(self.tp)] if self.tp > 1 else [],
         )
 
@@ -135,7 +139,19 @@ class EngineRecord:
             gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
-            tp=info.tp, gang=info.gang,
+            tp=info.tp, gang=info.gang, weights=info.weights,
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )
+
+
+
+def weights_loaded(raw: Any) -> WeightsLoaded | None:
+    """The `weights` of an engine's ready message (how its cold start loaded: source, load_ms, refused) as
+    recorded; None when absent. Raises `MalformedMessage` for anything else."""
+    if raw is None:
+        return None
+    try:
+        return WeightsLoaded(source=raw["source"], load_ms=raw["load_ms"], refused=str(raw.get("refused", ""))[:500])
+    except (ValidationError, KeyError, TypeError, AttributeError) as e:
+        raise MalformedMessage(f"weights report {raw!r:.200}: {e}") from None

@@ -15,7 +15,14 @@ from collections.abc import Coroutine
 from typing import Any
 
 from libs.common.bus import Bus
-from libs.common.errors import Conflict, HoldfastError, NotFound, PermissionDenied, Unavailable
+from libs.common.errors import (
+    Conflict,
+    HoldfastError,
+    MalformedMessage,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from libs.common.events import (
     EngineInfo,
     EngineReady,
@@ -37,7 +44,7 @@ from libs.common.ids import new_id, subject_token
 from libs.common.wire import FrameStream
 from services.agent import gpus, launcher, shadows, supervision
 from services.agent.backoff import BackoffPolicy, Backoffs
-from services.agent.engines import EngineRecord, Ev, State
+from services.agent.engines import EngineRecord, Ev, State, weights_loaded
 from services.agent.gpu_reports import GpuReports
 from services.agent.gpu_wishes import WISHES_FILE, GpuWishes
 from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
@@ -430,6 +437,10 @@ class Agent:
             if msg.get("heartbeats") and rec.last_heartbeat is None:
                 rec.last_heartbeat = time.monotonic()  # heartbeats are on: a hang from now on is detected
             rec.endpoint = msg.get("endpoint")
+            try:
+                rec.weights = weights_loaded(msg.get("weights"))
+            except MalformedMessage as e:  # the engine serves all the same; its timeline lacks the source
+                log.warning("engine %s: %s", rec.engine_id, e)
             if rec.state in (State.STARTING, State.ASSIGNED, State.READY, State.STANDBY):
                 rec.ready_perf = time.perf_counter()
                 rec.transition(Ev.READY)

@@ -26,6 +26,7 @@ from libs.common.events import (
     LeaseChanged,
     LeaseState,
     MemoryFrozen,
+    WeightsLoaded,
     group_of_rank,
 )
 from libs.common.ids import cold_parent_of
@@ -95,7 +96,7 @@ class Intake:
         elif isinstance(e, EngineReady):
             cold_of = self.open.incident_of_cold(e.engine.engine_id)
             if cold_of is not None:
-                return cold_ready(cold_of, e.engine.engine_id, e.engine.endpoint)
+                return cold_ready(cold_of, e.engine.engine_id, e.engine.endpoint, weights=e.engine.weights)
         elif isinstance(e, MemoryFrozen) and e.incident_id:
             return Move(0, e.incident_id, Trigger.FROZEN, frozenset({S.FREEZING}))
         elif isinstance(e, LeaseChanged) and e.lease.state is LeaseState.RECLAIMED:
@@ -142,7 +143,9 @@ class Intake:
         return False
 
 
-def cold_ready(inc_id: str, engine_id: str, endpoint: str | None, at: int = 0) -> Move:
-    """The fallback's cold-started engine reports ready: routed in (if it is still the incident's)."""
-    return Move(at, inc_id, Trigger.SPAWNED, frozenset({S.FALLBACK}),
+def cold_ready(inc_id: str, engine_id: str, endpoint: str | None, at: int = 0,
+               weights: WeightsLoaded | None = None) -> Move:
+    """The fallback's cold-started engine reports ready: routed in (if it is still the incident's). `weights`: how
+    it loaded them (the engine's report): the fallback step's detail in the timeline."""
+    return Move(at, inc_id, Trigger.SPAWNED, frozenset({S.FALLBACK}), weights.describe() if weights else "",
                 changes={"successor_id": engine_id, "successor_endpoint": endpoint})

@@ -100,6 +100,10 @@ def next_record(rec: IncidentRecord, m: Move, now: float, deadlines: Deadlines, 
     if m.trigger is Trigger.SPAWNED:
         changes = {**changes, "successor_endpoint": changes.get("successor_endpoint") or cur.cold_successor_endpoint}
     new = apply(cur, m.trigger, now, deadlines, detail=m.detail, **changes)
+    if m.trigger is Trigger.SPAWNED and m.detail and Step.FALLBACK in new.steps:
+        # The cold start's own account (which copy of the weights served, how long the load took): on its step's
+        # end in the timeline. `apply` keeps a detail only on failed steps.
+        new.steps[Step.FALLBACK] = new.steps[Step.FALLBACK].model_copy(update={"detail": m.detail})
     if rec.state is S.FALLBACK and m.trigger is Trigger.REATTACHED and rec.cold_successor_id:
         new.cold_stopped = True  # the late reattach won: its cold engine is stopped
         return Next(new, (rec.cold_successor_id, rec.cold_successor_node))
