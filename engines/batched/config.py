@@ -39,6 +39,19 @@ class EngineConfig(BaseSettings):
     transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
 
+    # tensor parallelism (tp.py, tp_group.py; the agent sets HF_ENGINE_TP and, for a successor group,
+    # HF_TAKEOVER_GANG + HF_GANG_GENERATION + HF_TRANSFER_TOKEN)
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks: one process per rank (rank r on GPU gpu + r; "
+                    "NCCL on CUDA, gloo on the CPU), weights and KV heads sharded Megatron-style, the ranks' leases "
+                    "one gang (docs/multi_gpu.md)")
+    tp_rank: int = Field(0, ge=0, description="set by rank 0 for the ranks it starts")
+    tp_port: int = Field(0, ge=0, description="the ranks' rendezvous port on 127.0.0.1 (set by rank 0)")
+    gang: str | None = Field(None, description="the gang id of this engine's ranks' leases (default: the engine id)")
+    takeover_gang: str | None = Field(None, validation_alias=AliasChoices("takeover_gang", "HF_TAKEOVER_GANG"),
+                                      description="a successor group: take this frozen gang over (with "
+                                      "HF_TRANSFER_TOKEN and HF_GANG_GENERATION)")
+    gang_generation: int | None = Field(None, validation_alias=AliasChoices("gang_generation", "HF_GANG_GENERATION"))
+
     # KV cache and scheduling
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks (default: kv_cache_gib, or enough for "

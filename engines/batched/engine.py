@@ -94,11 +94,13 @@ class LLMEngine:
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Whether the step thread ended (within 10 s)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        return self._thread is None or not self._thread.is_alive()
 
     # ------------------------------------------------------------------ recovery
     def adopt(self, entries: list[Entry], dropped: int) -> None:

@@ -153,7 +153,29 @@ class LeasedMemory:
         t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
                               expected=cfg.tensor_shapes(), plan=fused_plan)
-        lease, metas = got.lease, got.metas
+        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
+        loaded.weights_load = got.report()
+        return loaded
+
+    def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout_of: Any) -> Loaded:
+        """A tensor-parallel rank's part of the weights (tp.py: read from the file by safetensors slices, already in
+        memory) copied into one weights lease of its own, laid out as `load` lays out a file (each layer's fused
+        parts back to back), registered, with a KV lease of its own (its kv heads), and committed."""
+        t0 = time.perf_counter()
+        placed, off = [], 0
+        for name in write_order(list(tensors)):
+            t = tensors[name]
+            placed.append((name, t, off))
+            off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        lease = self.client.allocate(max(off, ALIGN), tag="weights", name="weights", gpu=self.gpu)
+        for _, t, at in placed:
+            lease.torch(t.dtype, tuple(t.shape), at).copy_(t)
+        metas = [lease.meta(name, t.dtype, tuple(t.shape), at) for name, t, at in placed]
+        self.client.register(metas)
+        return self._with_new_kv(cfg, lease, metas, layout_of, t0)
+
+    def _with_new_kv(self, cfg: ModelConfig, lease: Any, metas: list[Any], layout_of: Any, t0: float) -> Loaded:
+        """A cold start's tensors: the weights registered in `lease` and a new KV lease, committed."""
         weights = {m.name: lease.view(m, "torch") for m in metas}
         t_load = _ms(t0)
         dtype = weights["tok_embeddings.weight"].dtype
@@ -161,7 +183,22 @@ class LeasedMemory:
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
         return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)},
-                      _fused_views([(lease, m) for m in metas]), weights_load=got.report())
+                      _fused_views([(lease, m) for m in metas]))
+
+    def register_gang(self, gang_id: str, owners: list[str]) -> dict[str, Any]:
+        """A tensor-parallel engine's ranks' leases become one gang (rank 0, once every rank committed)."""
+        return dict(self.client.register_gang(gang_id, owners).model_dump())
+
+    def gang_takeover(self, cfg: ModelConfig, gang_id: str, rank: int, successors: list[str], generation: int,
+                      token: str, layout_of: Any, wait_s: float) -> Loaded:
+        """Rank `rank` of a successor group: its rank's leases of the frozen gang (weights, KV cache and journal),
+        once the whole group asked (the manager moves every rank's leases in one commit, or none)."""
+        from libs.client.protocol import PredecessorAlive
+
+        t0 = time.perf_counter()
+        att, _ = retry_until(lambda: self.client.gang_takeover(gang_id, rank, successors, generation, token),
+                             (PredecessorAlive,), wait_s)
+        return self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
 
     def reserve(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
         """A standby's tensors where a takeover is expected to map its predecessor's leases (placeholder memory

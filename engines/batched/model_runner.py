@@ -377,11 +377,15 @@ class ModelRunner:
             p = f"layers.{i}."
             q, k, v = self._qkv(self._norm(h, p + "attention_norm.weight"), p, cos, sin)
             write_kv(self.kv[i], k, v, slots)
-            h = h + self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight")
-            h = h + self._mlp(self._norm(h, p + "ffn_norm.weight"), p)
+            h = h + self._reduce(self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight"))
+            h = h + self._reduce(self._mlp(self._norm(h, p + "ffn_norm.weight"), p))
         if head_rows is not None:
             h = h[head_rows]
         return self._linear(self._norm(h, "norm.weight", head=True), "output.weight", head=True).float()
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output made whole: one rank holds all of it (tp.py sums the ranks' parts)."""
+        return x
 
     def _sample(self, items: Sequence[RunItem], logits: torch.Tensor) -> list[int | None]:
         """engine.py's `sample` per sampling row; greedy rows' argmax taken in one call (the same argmax)."""

@@ -1,0 +1,171 @@
+"""A tensor-parallel batched engine's processes (`--tp N`): rank 0 is the engine (__main__.py's start-up, scheduler,
+journal, HTTP, the agent's link); it starts ranks 1..N-1 (`python -m engines.batched.tp_group`), which load their
+shards and follow rank 0's plans (tp.py).
+
+- Engine ids: rank 0 is the engine's id, rank r > 0 `<id>-r<r>` (libs/common/events.py `rank_engine_id`): each
+  rank is a gpu_manager client of its own, on GPU `gpu + r`, with its own weights lease (its shard, read from the
+  file by safetensors slices) and its own KV lease (its kv heads; the journal tensors in it are rank 0's only to
+  write).
+- Start-up: cold, each rank reads its shard; a successor group (`HF_TAKEOVER_GANG` + `HF_TRANSFER_TOKEN` +
+  `HF_GANG_GENERATION`) takes each rank's leases of the frozen gang over (`gang_takeover`: all ranks' or none) and
+  reads nothing; rank 0 then adopts its journal as one engine does, and every rank's KV holds those positions
+  (tp.py invariants 1-2). Every rank then meets at a barrier and checks that the ranks' caches agree (blocks,
+  block size, handed on or new); cold, rank 0 registers the gang.
+- One unit: ranks 1..N-1 die with rank 0 (PR_SET_PDEATHSIG); rank 0 exits 70 within ~50 ms when any of them exits
+  (`Followers`); a rank whose peer died fails its next collective. So a SIGKILL of any rank ends the group, and
+  the agent sees rank 0's exit: one incident for the group (docs/multi_gpu.md).
+Not yet: standby groups (a `--role standby` group is refused), a TP engine taken over by `HF_TAKEOVER_FROM` (a
+group is taken over through its gang), sleep and wake (the asks are refused), CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engines.batched.config import EngineConfig
+from engines.batched.journal import Journal
+from engines.batched.memory import Loaded
+from engines.batched.tp import PlanChannel, ShardedRunner, follow
+from engines.reference import tp_runner as reference_tp
+from engines.reference.config import get_config
+from engines.reference.tp import read_shard, shard_config
+from engines.reference.tp_runner import IDLE_FOREVER, _die_with_parent, free_port
+from engines.reference.weights import check_file_matches
+from libs.common.events import rank_engine_id
+
+log = logging.getLogger("holdfast.engine.batched.tp")
+SETTINGS_ENV = "HF_ENGINE_BATCHED_TP_SETTINGS"
+
+
+class Followers(reference_tp.Followers):
+    """Ranks 1..N-1, started by rank 0 on its main thread (PR_SET_PDEATHSIG follows the thread that forked), and
+    watched as the reference engine's are: one's exit ends rank 0 (GROUP_DIED, within ~50 ms) unless rank 0 is
+    stopping them (`wait`)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:  # noqa: D107 - not the reference's: these ranks run this engine
+        self.stopping = False
+        self.procs = []
+        for rank in range(1, cfg.tp):
+            conf = cfg.model_copy(update={"tp_rank": rank, "ready_file": None, "agent": "off"})
+            env = {**os.environ, SETTINGS_ENV: conf.model_dump_json()}
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "engines.batched.tp_group"], env=env,
+                                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
+
+
+class RankGroup:
+    """This process's rank of the group: its shard config, device and engine id, the communicator, and (rank 0)
+    the followers it started."""
+
+    def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
+        if cfg.role != "active":
+            raise ValueError("--tp > 1 runs active engines only: standby groups are not built yet (docs/multi_gpu.md)")
+        if cfg.takeover_from:
+            raise ValueError("a tensor-parallel engine is taken over through its gang (HF_TAKEOVER_GANG), "
+                             "not HF_TAKEOVER_FROM")
+        if device.type == "cuda" and cfg.num_blocks is None and cfg.kv_cache_gib is None:
+            raise ValueError("--tp > 1 on CUDA needs --num-blocks or --kv-cache-gib: every rank's cache must have "
+                             "as many blocks, and each GPU's free memory differs")
+        self.rank = cfg.tp_rank
+        self.cfg = cfg if self.rank or cfg.tp_port else cfg.model_copy(update={"tp_port": free_port()})
+        self.mcfg = shard_config(get_config(cfg.size), cfg.tp)
+        if device.type == "cuda":
+            device = torch.device("cuda", cfg.gpu + self.rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        self.owners = [rank_engine_id(cfg.id, r) for r in range(cfg.tp)]
+        # this rank as a gpu_manager client: its own id, its own GPU
+        self.me = self.cfg.model_copy(update={"id": self.owners[self.rank], "gpu": cfg.gpu + self.rank})
+        self.followers = Followers(self.cfg) if self.rank == 0 else None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{self.cfg.tp_port}", rank=self.rank,
+                                world_size=cfg.tp, timeout=IDLE_FOREVER)  # a follower waits however idle rank 0 is
+        self.channel = PlanChannel(device)
+
+    def load(self, memory: Any, layout_of: Any) -> Loaded:
+        cfg = self.cfg
+        if cfg.takeover_gang:
+            if memory.kind != "leased" or not cfg.transfer_token or cfg.gang_generation is None:
+                raise RuntimeError("HF_TAKEOVER_GANG needs leased memory, HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
+            return memory.gang_takeover(self.mcfg, cfg.takeover_gang, self.rank, self.owners, cfg.gang_generation,
+                                        cfg.transfer_token, layout_of, cfg.adopt_wait_s)
+        whole = get_config(cfg.size)
+        check_file_matches(cfg.weights, whole)
+        return memory.load_shard(self.mcfg, read_shard(cfg.weights, whole, cfg.tp, self.rank), layout_of)
+
+    def commit(self, memory: Any, loaded: Loaded) -> dict[str, Any]:
+        """Every rank loaded (or took over) and committed: their caches must agree (a block id means the same
+        positions on every rank; a handed-on cache is continued on every rank or on none); rank 0 of a cold group
+        registers the gang. Rank 0's `tp` info."""
+        mine = torch.tensor([loaded.layout.num_blocks, loaded.layout.block_size, int(loaded.kv_handed_on)],
+                            dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.cfg.tp)]
+        dist.all_gather(every, mine)  # also the barrier: every rank committed its leases before it got here
+        seen = [tuple(t.tolist()) for t in every]
+        if len(set(seen)) != 1:
+            raise RuntimeError(f"the ranks' KV caches disagree (blocks, block size, handed on): {seen}")
+        gang = None
+        if memory.kind == "leased" and self.cfg.takeover_gang and memory.client.last_gang is not None:
+            gang = memory.client.last_gang.model_dump()  # the manager moved the gang on with the takeover
+        elif memory.kind == "leased" and self.rank == 0:
+            gang = memory.register_gang(self.cfg.gang or self.cfg.id, self.owners)
+        return {"ranks": self.cfg.tp, "engine_ids": self.owners, "backend": dist.get_backend(), "gang": gang,
+                "head": "replicated"}
+
+    def runner(self, loaded: Loaded) -> ShardedRunner:
+        return ShardedRunner(self.mcfg, loaded.weights, loaded.kv, loaded.layout.block_size,
+                             deterministic=self.cfg.deterministic, cuda_graphs=False,
+                             max_num_seqs=self.cfg.max_num_seqs, fused=loaded.fused,
+                             channel=self.channel if self.rank == 0 else None)
+
+    def stop(self, runner: Any, step_thread_done: bool) -> None:
+        """Rank 0, on its way out: the followers told to end after the last plan, and waited for. No stop is sent
+        while a step may still be issuing collectives (the followers then die with this process)."""
+        assert self.followers is not None
+        self.followers.stopping = True
+        if isinstance(runner, ShardedRunner) and step_thread_done:
+            try:
+                runner.stop_followers()
+            except Exception as e:  # noqa: BLE001 - a broken communicator: the followers die with this process
+                log.warning("could not tell the followers to stop: %r", e)
+                return
+            self.followers.wait()
+
+
+def follower_main() -> int:
+    """Rank r > 0: load (or take over) its shard, meet the group, follow rank 0's plans until it says stop. A signal
+    to the process group is rank 0's to handle; rank 0's death ends this process (PR_SET_PDEATHSIG)."""
+    from engines.batched.__main__ import layout_fn, open_memory, pick_device  # the start-up's own (no cycle)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = EngineConfig(**json.loads(os.environ[SETTINGS_ENV]))
+    logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s %(name)s[r{cfg.tp_rank}]: %(message)s")
+    torch.set_num_threads(cfg.threads)
+    group = RankGroup(cfg, pick_device(cfg.device))
+    memory = open_memory(group.me, group.device)
+    try:
+        loaded = group.load(memory, layout_fn(cfg, group.mcfg, group.device))
+        group.commit(memory, loaded)
+        if not loaded.kv_handed_on:
+            Journal(loaded.layout, loaded.journal).format()  # an empty journal: rank 0's is the group's
+        memory.start_heartbeats()
+        ran = follow(group.runner(loaded), group.channel)
+        log.info("rank %d stopped after %d forwards", cfg.tp_rank, ran)
+        return 0
+    finally:
+        memory.close()
+
+
+if __name__ == "__main__":
+    sys.exit(follower_main())
