@@ -14,8 +14,13 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
+from engines.reference.settings import TensorParallelSettings
 
-class EngineConfig(BaseSettings):
+
+class EngineConfig(TensorParallelSettings, BaseSettings):
+    """With `tp`, `tp_rank`, `tp_port`, `gang`, `takeover_gang`, `gang_generation` (engines/reference/settings.py,
+    shared with the reference engine; tp.py and tp_group.py use them)."""
+
     model_config = SettingsConfigDict(env_prefix="HF_ENGINE_", extra="ignore", cli_prog_name="holdfast engine batched",
                                       cli_kebab_case=True, cli_implicit_flags=True)
 
@@ -38,19 +43,6 @@ class EngineConfig(BaseSettings):
     takeover_from: str | None = Field(None, validation_alias=AliasChoices("takeover_from", "HF_TAKEOVER_FROM"))
     transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
-
-    # tensor parallelism (tp.py, tp_group.py; the agent sets HF_ENGINE_TP and, for a successor group,
-    # HF_TAKEOVER_GANG + HF_GANG_GENERATION + HF_TRANSFER_TOKEN)
-    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks: one process per rank (rank r on GPU gpu + r; "
-                    "NCCL on CUDA, gloo on the CPU), weights and KV heads sharded Megatron-style, the ranks' leases "
-                    "one gang (docs/multi_gpu.md)")
-    tp_rank: int = Field(0, ge=0, description="set by rank 0 for the ranks it starts")
-    tp_port: int = Field(0, ge=0, description="the ranks' rendezvous port on 127.0.0.1 (set by rank 0)")
-    gang: str | None = Field(None, description="the gang id of this engine's ranks' leases (default: the engine id)")
-    takeover_gang: str | None = Field(None, validation_alias=AliasChoices("takeover_gang", "HF_TAKEOVER_GANG"),
-                                      description="a successor group: take this frozen gang over (with "
-                                      "HF_TRANSFER_TOKEN and HF_GANG_GENERATION)")
-    gang_generation: int | None = Field(None, validation_alias=AliasChoices("gang_generation", "HF_GANG_GENERATION"))
 
     # KV cache and scheduling
     block_size: int = Field(16, ge=1, description="tokens per KV block")

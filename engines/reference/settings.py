@@ -10,11 +10,27 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 
-class EngineSettings(BaseSettings):
+class TensorParallelSettings(BaseModel):
+    """What a tensor-parallel engine of either kind reads (the agent sets HF_ENGINE_TP, and for a successor group
+    HF_TAKEOVER_GANG + HF_GANG_GENERATION + HF_TRANSFER_TOKEN): one definition, so both engines answer the same names."""
+
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks: one process per rank (rank r on GPU gpu + r; "
+                    "NCCL on CUDA, gloo on the CPU), weights sharded Megatron-style, the ranks' leases one gang "
+                    "(docs/multi_gpu.md)")
+    tp_rank: int = Field(0, ge=0, description="set by rank 0 for the ranks it starts")
+    tp_port: int = Field(0, ge=0, description="the ranks' rendezvous port on 127.0.0.1 (set by rank 0)")
+    gang: str | None = Field(None, description="the gang id of this engine's ranks' leases (default: the engine id)")
+    takeover_gang: str | None = Field(None, validation_alias=AliasChoices("takeover_gang", "HF_TAKEOVER_GANG"),
+                                      description="a successor group: take this frozen gang over (with "
+                                      "HF_TRANSFER_TOKEN and HF_GANG_GENERATION)")
+    gang_generation: int | None = Field(None, validation_alias=AliasChoices("gang_generation", "HF_GANG_GENERATION"))
+
+
+class EngineSettings(TensorParallelSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HF_ENGINE_", extra="ignore", cli_prog_name="holdfast engine serve",
                                       cli_kebab_case=True, cli_implicit_flags=True)
 
@@ -51,16 +67,6 @@ class EngineSettings(BaseSettings):
                               "prefixes of resumed requests this long, then gives it back; an engine handed its "
                               "predecessor's KV lease (reattach, takeover) holds the slots of its requests this long "
                               "(engines/reference/kv_reuse.py); 0: neither")
-    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks: one process per rank (rank r on GPU gpu + r; "
-                    "NCCL on CUDA, gloo on the CPU), weights sharded Megatron-style, the ranks' leases one gang "
-                    "(engines/reference/tp.py, docs/multi_gpu.md)")
-    tp_rank: int = Field(0, ge=0, description="set by rank 0 for the ranks it starts")
-    tp_port: int = Field(0, ge=0, description="the ranks' rendezvous port on 127.0.0.1 (set by rank 0)")
-    gang: str | None = Field(None, description="the gang id of this engine's ranks' leases (default: the engine id)")
-    takeover_gang: str | None = Field(None, validation_alias=AliasChoices("takeover_gang", "HF_TAKEOVER_GANG"),
-                                      description="a successor group: take this frozen gang over (with "
-                                      "HF_TRANSFER_TOKEN and HF_GANG_GENERATION)")
-    gang_generation: int | None = Field(None, validation_alias=AliasChoices("gang_generation", "HF_GANG_GENERATION"))
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
     log_level: str = "INFO"
 
