@@ -15,6 +15,8 @@ A straight line, as in nano-vllm (config -> model runner -> scheduler -> server)
 | `memory.py` | where weights, KV and journal come from (leases through the SDK, or local tensors) | SDK |
 | `engine.py` | `LLMEngine`: the step loop (schedule -> run -> sample -> journal commit -> outputs) | all above |
 | `server.py` | HTTP API (`/generate`, `/health`), the agent link | engine |
+| `tp.py` | tensor parallelism: `ShardedRunner` (one rank's shards, all-reduces), `PlanChannel` (rank 0's step plans), `follow` | torch |
+| `tp_group.py` | `--tp N`: the rank processes, each rank's leases, the gang, the group dying whole | torch, SDK via memory.py |
 
 Shared contracts (the pure modules never import torch):
 - KV cache tensor: `[n_layers, 2 (k|v), num_blocks, block_size, n_kv_heads, head_dim]`. A token at position
