@@ -9,8 +9,11 @@ open incidents the deadline pass scans each tick piled up (docs/controlplane.md)
 
 from __future__ import annotations
 
+from nats.js.api import AckPolicy, ConsumerConfig
+
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
+from libs.common.events import subscription_subject
 from libs.common.store import Store
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
@@ -22,6 +25,20 @@ FENCE = "test/fence"
 
 async def test_the_results_consumer_takes_more_events_at_once_than_the_faults_consumer(
         bus: Bus, store: Store, settings: CommonSettings) -> None:
+    await _slots_after_start(bus, store, settings)
+
+
+async def test_a_results_consumer_made_by_an_earlier_version_gets_the_new_slots(
+        bus: Bus, store: Store, settings: CommonSettings) -> None:
+    """The durable outlives the controller: one made with the faults' 256 slots is updated in place at start."""
+    await bus.js.add_consumer(settings.stream_name, config=ConsumerConfig(
+        durable_name="controller-intents", name="controller-intents", ack_policy=AckPolicy.EXPLICIT,
+        max_ack_pending=256, ack_wait=3.0, max_deliver=5,
+        filter_subject=subscription_subject(bus.prefix, "intent.result")))
+    await _slots_after_start(bus, store, settings)
+
+
+async def _slots_after_start(bus: Bus, store: Store, settings: CommonSettings) -> None:
     await store.put(FENCE, "held")
     view = ClusterView()
     conf = ControllerSettings(**settings.model_dump(), instance="c-test", api_enabled=False)

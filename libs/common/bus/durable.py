@@ -136,7 +136,15 @@ class Consumer:
         config.filter_subject = subscription_subject(link.prefix, subject)
         config.name = self.name
         try:
-            await link.js.consumer_info(stream, self.name)
+            info = await link.js.consumer_info(stream, self.name)
+            if info.config.max_ack_pending != config.max_ack_pending:
+                # Made by an earlier version with other slots: updated in place (an editable field), or the new
+                # slots would never apply to a durable that already exists.
+                try:
+                    await link.js.add_consumer(stream, config=config)
+                except Exception as e:  # noqa: BLE001 - refused (another field differs): consumed as it is
+                    log.warning("durable %s keeps %d slots, not %d: %s", self.name, info.config.max_ack_pending,
+                                config.max_ack_pending, e)
         except NotFoundError:
             await link.js.add_consumer(stream, config=config)
         inbox = link.nc.new_inbox()
