@@ -88,6 +88,11 @@ async def range_snapshot(store: Store, prefix: str, *,
         start = reply.kvs[-1].key + b"\0"  # the next key after the last one read
 
 
+# Read once: pydantic's class-level `model_fields` is a property that builds its answer on each access (~1 us),
+# and an engine record has a dozen keys.
+_ENGINE_FIELDS = frozenset(EngineInfo.model_fields)
+
+
 def _json(value: bytes | None) -> Any:
     if value is None:
         return None
@@ -116,6 +121,8 @@ class ClusterView:
         self.specs: dict[str, dict[str, Any]] = {}
         self.agent_specs: dict[str, dict[str, Any]] = {}  # agents/<node>/specs/<key>: what each agent runs
         self.revision = 0
+        # head -> its `_on_<head>` handler (`apply`), for the heads seen so far.
+        self._handlers: dict[str, Any] = {}
         # Every key of a kept head that the view has applied (snapshot or watch), with its mod revision: what a
         # resync compares a fresh snapshot with (gone: deleted; other mod revision: changed).
         self._mods: dict[str, int] = {}
@@ -131,7 +138,11 @@ class ClusterView:
 
     def apply(self, kind: str, key: str, value: bytes | None) -> None:
         head, _, rest = key.partition("/")
-        handler = getattr(self, f"_on_{head}", None)
+        handler = self._handlers.get(head)
+        if handler is None:  # looked up (and formatted) once per kept head, not per watch event
+            handler = getattr(self, f"_on_{head}", None)
+            if handler is not None:  # only this class's own heads are kept: the table stays bounded
+                self._handlers[head] = handler
         if handler is None or not rest or head in self.skip_heads:
             return
         try:
@@ -176,7 +187,7 @@ class ClusterView:
             self.engine_raw.pop(eid, None)
             return self.engines.pop(eid, None)
         raw = _json(value) or {}
-        fields = {k: v for k, v in raw.items() if k in EngineInfo.model_fields}
+        fields = {k: v for k, v in raw.items() if k in _ENGINE_FIELDS}
         new = EngineInfo.model_validate(fields)
         if new.node != node or new.engine_id != eid:
             raise ValueError(f"record of {new.engine_id} on {new.node} under the key of {eid} on {node}")

@@ -79,10 +79,22 @@ def field(model: BaseModel, name: str) -> Any:
     return getattr(model, name) if name in names else None
 
 
+_RECORD_FIELDS = ("engine", "lease")
+_CARRIES: dict[type, tuple[str, ...]] = {}
+
+
 def carried_nodes(payload: BaseModel) -> list[str]:
     """The nodes of the records an event carries (an engine's, a lease's): the nodes it describes besides its own
-    `node` field. Publishing sends an event as that node; receiving refuses one whose subject is another node's."""
-    records = (field(payload, "engine"), field(payload, "lease"))
+    `node` field. Publishing sends an event as that node; receiving refuses one whose subject is another node's.
+    Which record fields a class has is read once per class: most events carry none, and then this is one lookup
+    (it runs for every event published and every node's event received)."""
+    cls = type(payload)
+    names = _CARRIES.get(cls)
+    if names is None:
+        names = _CARRIES[cls] = tuple(n for n in _RECORD_FIELDS if n in cls.model_fields)
+    if not names:
+        return []
+    records = [getattr(payload, n) for n in names]
     return [r.node for r in records if r is not None]
 
 
