@@ -19,8 +19,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +26,7 @@ import torch
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
-from engines.batched.memory import LeasedMemory, Loaded, LocalMemory, kv_layout, kv_shape, placed_alike
+from engines.batched.memory import LeasedMemory, Loaded, kv_shape, layout_fn, open_memory, placed_alike
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
@@ -36,6 +34,7 @@ from engines.batched.sleep import install as install_sleep
 from engines.batched.tp_group import RankGroup
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
+from engines.reference.startup import pick_device
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.tokenizer import BOS
 
@@ -47,22 +46,6 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def open_memory(cfg: EngineConfig, device: torch.device) -> LocalMemory | LeasedMemory:
-    mode = cfg.memory
-    if mode == "auto":
-        sock = cfg.gpu_manager_socket or os.environ.get("HF_GPU_MANAGER_SOCKET")
-        mode = "leased" if sock and Path(sock).exists() else "local"
-    if mode == "local":
-        return LocalMemory(device)
-    return LeasedMemory(cfg.id, socket_path=cfg.gpu_manager_socket, gpu=cfg.gpu)
-
-
 def open_agent_link(cfg: EngineConfig) -> Any:
     if cfg.agent == "off" or (cfg.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
@@ -72,16 +55,6 @@ def open_agent_link(cfg: EngineConfig) -> Any:
     if cfg.role == "active":
         link.start_heartbeats(HEARTBEAT_S)
     return link
-
-
-def layout_fn(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device) -> Callable[..., JournalLayout]:
-    def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:
-        """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
-        return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                         max_len=cfg.max_model_len or mcfg.max_seq, num_blocks=num_blocks or cfg.num_blocks,
-                         kv_cache_gib=cfg.kv_cache_gib)
-
-    return layout_of
 
 
 def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRunner:

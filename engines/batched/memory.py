@@ -16,13 +16,16 @@ Invariant: the engine never sees the SDK, only `Loaded`.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engines.batched.config import EngineConfig
 from engines.batched.fused_layout import FUSED, Placed, fused_runs, write_order
 from engines.batched.journal import JournalLayout
 from engines.reference.config import ModelConfig
@@ -339,3 +342,27 @@ def _fuse_local(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 at += rows
             fused[p + name] = buf
     return fused
+
+
+def open_memory(cfg: EngineConfig, device: torch.device) -> LocalMemory | LeasedMemory:
+    """The engine's memory as its configuration says: leased from the gpu_manager, or local tensors (`auto`: leased
+    when a gpu_manager socket exists)."""
+    mode = cfg.memory
+    if mode == "auto":
+        sock = cfg.gpu_manager_socket or os.environ.get("HF_GPU_MANAGER_SOCKET")
+        mode = "leased" if sock and Path(sock).exists() else "local"
+    if mode == "local":
+        return LocalMemory(device)
+    return LeasedMemory(cfg.id, socket_path=cfg.gpu_manager_socket, gpu=cfg.gpu)
+
+
+def layout_fn(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device) -> Callable[..., JournalLayout]:
+    """The KV cache and journal layout of this configuration, as a function of the weights' dtype and of a handed-on
+    cache's block count."""
+    def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:
+        """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
+        return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                         max_len=cfg.max_model_len or mcfg.max_seq, num_blocks=num_blocks or cfg.num_blocks,
+                         kv_cache_gib=cfg.kv_cache_gib)
+
+    return layout_of

@@ -34,10 +34,11 @@ import torch.distributed as dist
 
 from engines.batched.config import EngineConfig
 from engines.batched.journal import Journal
-from engines.batched.memory import Loaded
+from engines.batched.memory import Loaded, layout_fn, open_memory
 from engines.batched.tp import PlanChannel, ShardedRunner, follow
 from engines.reference import tp_runner as reference_tp
 from engines.reference.config import get_config
+from engines.reference.startup import pick_device
 from engines.reference.tp import read_shard, shard_config
 from engines.reference.tp_runner import IDLE_FOREVER, _die_with_parent, free_port
 from engines.reference.weights import check_file_matches
@@ -145,8 +146,6 @@ class RankGroup:
 def follower_main() -> int:
     """Rank r > 0: load (or take over) its shard, meet the group, follow rank 0's plans until it says stop. A signal
     to the process group is rank 0's to handle; rank 0's death ends this process (PR_SET_PDEATHSIG)."""
-    from engines.batched.__main__ import layout_fn, open_memory, pick_device  # the start-up's own (no cycle)
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = EngineConfig(**json.loads(os.environ[SETTINGS_ENV]))

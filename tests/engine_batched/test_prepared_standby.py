@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
-from engines.batched.__main__ import adopt_prepared, can_reserve, layout_fn, new_runner, prepare_runner
+from engines.batched.__main__ import adopt_prepared, can_reserve, new_runner, prepare_runner
 from engines.batched.config import parse_config
-from engines.batched.memory import LeasedMemory, Loaded
+from engines.batched.memory import LeasedMemory, Loaded, layout_fn
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.reference.config import get_config
 from libs.common import tokenizer
