@@ -1,4 +1,4 @@
-"""A tensor-parallel engine (TP=2, gloo, the host backend with two simulated GPUs) on the real stack (nats, etcd,
+"""A tensor-parallel engine, reference or batched (TP=2, gloo, the host backend with two simulated GPUs) on the real stack (nats, etcd,
 gpu_manager, agent, controller, dc_manager, router): SIGKILL of rank 1 gives exactly one fault and one incident, for
 the group; the dc_manager freezes the gang (`FreezeGang`) and a successor group takes every rank's leases over with
 the weights file renamed away (no reload); the router serves the same greedy output from one endpoint throughout."""
@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -25,17 +26,32 @@ PROMPTS = ["Ranks hold shards.", "One group, one incident."]
 
 
 class TensorParallelScenario(Scenario):
-    """The demo scenario with one TP=2 engine and no standby (standby groups are not built)."""
+    """The demo scenario with one TP=2 reference engine and no standby (standby groups are not built)."""
+
+    engine_class = "reference"
+
+    def command(self) -> list[str]:
+        return engine_command(self.weights, self.size)
 
     def start(self) -> Stack:
         make_tiny_weights(self.weights)
-        spec = EngineSpec(engine_class="reference", model=MODEL, command=engine_command(self.weights, self.size),
-                          replicas=1, standbys=0, tp=2, cold_start_s=30.0, env={"HF_ENGINE_MEMORY": "leased"})
+        spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1, standbys=0,
+                          tp=2, cold_start_s=30.0, env={"HF_ENGINE_MEMORY": "leased"})
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
                                                  extra_env={"HF_GPUS": json.dumps(["0", "1"])}))
         self.stack.start(timeout=120)
         return self.stack
+
+
+class BatchedGroupScenario(TensorParallelScenario):
+    """The same with the batched engine (engines/batched) in deterministic mode."""
+
+    engine_class = "batched"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "engines.batched", "--weights", str(self.weights), "--size", self.size,
+                "--deterministic", "--max-num-seqs", "16", "--num-blocks", "256"]
 
 
 def follower_pids(rank0: int) -> list[int]:
@@ -65,8 +81,10 @@ async def greedy(sc: Scenario, client: httpx.AsyncClient) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_without_reload(tmp_path: Path) -> None:
-    sc = TensorParallelScenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
+@pytest.mark.parametrize("scenario", [TensorParallelScenario, BatchedGroupScenario], ids=["reference", "batched"])
+async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_without_reload(
+        scenario: type[TensorParallelScenario], tmp_path: Path) -> None:
+    sc = scenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
     try:
         await asyncio.to_thread(sc.start)
         await sc.connect()
