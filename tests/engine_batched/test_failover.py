@@ -87,16 +87,23 @@ def resume(url: str, i: int, seen: list[int]) -> list[int]:
     return seen + r.json()["tokens"]
 
 
-def run_kill_and_resume(first: BatchedEngine, start_successor) -> tuple[dict, dict[int, list[int]], dict[int, list[int]]]:
-    expected = {i: alone(first.url, i) for i in range(STREAMS)}
-    seen: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
-    events = [threading.Event() for _ in range(STREAMS)]
-    threads = [threading.Thread(target=stream_until_killed, args=(first.url, i, seen[i], events[i]), daemon=True)
-               for i in range(STREAMS)]
+def streams_started(engine: BatchedEngine, streams: int) -> tuple[dict[int, list[int]], list[threading.Thread]]:
+    """`streams` streams under way on `engine`, each past its first token: the tokens each client sees, and the
+    threads reading them (they end when the engine dies)."""
+    seen: dict[int, list[int]] = {i: [] for i in range(streams)}
+    events = [threading.Event() for _ in range(streams)]
+    threads = [threading.Thread(target=stream_until_killed, args=(engine.url, i, seen[i], events[i]), daemon=True)
+               for i in range(streams)]
     for t in threads:
         t.start()
     for e in events:
-        assert e.wait(60)
+        assert e.wait(60), engine.log()
+    return seen, threads
+
+
+def run_kill_and_resume(first: BatchedEngine, start_successor) -> tuple[dict, dict[int, list[int]], dict[int, list[int]]]:
+    expected = {i: alone(first.url, i) for i in range(STREAMS)}
+    seen, threads = streams_started(first, STREAMS)
     time.sleep(0.05)
     first.kill()
     for t in threads:

@@ -6,7 +6,6 @@ with no prefill recomputed (deterministic mode)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ from libs.common.config import CommonSettings
 from libs.common.events import FreezeGang, FreezeGangReply, LeaseState, ListLeases, ListLeasesReply
 from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
 from tests.engine.test_tp import two_gpus  # noqa: F401 - fixture
-from tests.engine_batched.test_failover import BatchedEngine, alone, resume, stream_until_killed
+from tests.engine_batched.test_failover import BatchedEngine, alone, resume, streams_started
 from tests.engine_batched.test_tp import follower_pids
 
 STREAMS = 4
@@ -28,14 +27,7 @@ GROUP = ("--tp", "2", "--num-blocks", "256")
 
 def kill_mid_generation(first: BatchedEngine) -> dict[int, list[int]]:
     """Every stream started, then rank 0 SIGKILLed (rank 1 dies with it); the tokens each client saw."""
-    seen: dict[int, list[int]] = {i: [] for i in range(STREAMS)}
-    events = [threading.Event() for _ in range(STREAMS)]
-    threads = [threading.Thread(target=stream_until_killed, args=(first.url, i, seen[i], events[i]), daemon=True)
-               for i in range(STREAMS)]
-    for t in threads:
-        t.start()
-    for e in events:
-        assert e.wait(60), first.log()
+    seen, threads = streams_started(first, STREAMS)
     followers = follower_pids(first.child.pid)
     first.kill()
     for t in threads:
