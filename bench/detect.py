@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import typer
 
+from bench.stats import pct
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
@@ -34,14 +34,8 @@ from libs.common.security.infra import SecureInfra
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
-def summarize(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 3), "p99": round(_pct(values, 99), 3),
-            "min": round(min(values), 3), "max": round(max(values), 3), "mean": round(statistics.fmean(values), 3),
-            "n": len(values)}
+def summarize(values: list[float]) -> dict[str, float | int | None]:
+    return pct(values, digits=3, keys=("p50", "p99", "min", "max", "mean", "n"))
 
 
 async def _measure(settings: CommonSettings, kills: int) -> dict[str, Any]:

@@ -18,7 +18,6 @@ no failure runs first in the same run, as the control. Reported, side by side:
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from bench import stats
 from bench.load_client import ClientPool, Job, default_client_procs
 from devstack.scenario import MODEL, Scenario, StreamResult, make_weights, router_marks
 from devstack.stack import Stack, StackConfig
@@ -90,10 +90,7 @@ def prompts(n: int, prefix: str) -> list[str]:
 
 
 def pct(values: list[float]) -> dict[str, float | int | None]:
-    if not values:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
-    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
-    return {"n": len(values), "p50": round(q[49], 2), "p99": round(q[98], 2), "max": round(max(values), 2)}
+    return stats.pct(values, digits=2, keys=("n", "p50", "p99", "max"))
 
 
 async def standby_gpu_mib(sc: LoadScenario) -> dict[str, int] | None:

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench.stats import pct
 from devstack.scenario import Scenario, Trial, detect_backend, make_weights
 
 console = Console(stderr=True)
@@ -52,15 +53,8 @@ def size_for(backend: str, weights_gib: float) -> str:
     return f"{base.name}@{layers}"
 
 
-def _pct(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
-def summarize(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 2), "p99": round(_pct(values, 99), 2),
-            "min": round(min(values), 2), "n": len(values)}
+def summarize(values: list[float]) -> dict[str, float | int | None]:
+    return pct(values, digits=2, keys=("p50", "p99", "min", "n"))
 
 
 def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress: Progress, label: str,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,18 +30,10 @@ from typing import Any
 import typer
 
 from bench.load_client import ClientPool, Job, default_client_procs
+from bench.stats import pct
 from devstack.scenario import make_weights
 
 ENGINE_PATH = "/generate"  # the engine's own route: no router, no model name in the body
-
-
-def pct(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p99": None, "max": None}
-    if len(values) == 1:
-        return {"p50": round(values[0], 3), "p99": round(values[0], 3), "max": round(values[0], 3)}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": round(q[49], 3), "p99": round(q[98], 3), "max": round(max(values), 3)}
 
 
 def measure_bandwidth(device: str) -> float:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import httpx
 import typer
 
+from bench.stats import pct
 from devstack.scenario import detect_backend, make_weights
 from devstack.stack import Stack, StackConfig
 from libs.common import procs
@@ -41,15 +41,6 @@ GIB = 1024**3
 ENGINE_ID = "sleep-bench"
 PROMPTS = ["The engine sleeps and", "Its cache goes back to the device", "After the wake the tokens"]
 LIVE_STATES = ("ACTIVE", "ORPHANED", "FROZEN")
-
-
-def pct(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p99": None, "max": None}
-    if len(values) == 1:
-        return {"p50": values[0], "p99": values[0], "max": values[0]}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": round(q[49], 4), "p99": round(q[98], 4), "max": round(max(values), 4)}
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
