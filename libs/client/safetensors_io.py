@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -152,9 +153,10 @@ def layout_mismatch(shapes: Mapping[str, Sequence[int]], expected: Mapping[str, 
 
 
 def copy_name(engine_class: str, lease_name: str = "weights") -> str:
-    """The node copy a class's weights lease is kept under: `<class>.<lease name>` (the gpu_manager's
-    artifact.default_name, which also replaces characters a name may not hold)."""
-    return f"{engine_class}.{lease_name}"
+    """The node copy a class's weights lease is kept under, `<class>.<lease name>` made a valid artifact name (the
+    one rule: the gpu_manager writes its copies under it, artifact.default_name, and an engine asks for it)."""
+    raw = f"{engine_class}.{lease_name or 'weights'}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", raw).lstrip("._-")[:200] or "weights"
 
 
 @dataclass

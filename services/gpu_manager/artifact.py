@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from libs.client.protocol import ArtifactInvalid, TensorMeta
+from libs.client.safetensors_io import copy_name
 from libs.common.errors import MalformedMessage, NotFound
 
 FORMAT_VERSION = 1
@@ -81,10 +82,9 @@ def check_name(name: str) -> str:
     return name
 
 
-def default_name(engine_class: str, lease_name: str) -> str:
-    """The artifact a class's weights lease is written to by default: `<class>.<lease name>`."""
-    raw = f"{engine_class}.{lease_name or 'weights'}"
-    return re.sub(r"[^A-Za-z0-9._-]", "_", raw).lstrip("._-")[:200] or "weights"
+# The artifact a class's weights lease is written to by default (policy, `snapshot`): the very name its engines
+# ask to restore, by one rule.
+default_name = copy_name
 
 
 def plan_blocks(size: int, block_bytes: int = BLOCK_BYTES, file_bytes: int = FILE_BYTES) -> list[Block]:
