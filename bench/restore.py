@@ -15,30 +15,43 @@ restore_cuda.py), without a stack:
   registered in place once (`host_register_s`, apart), as the gpu_manager does (host_tier_cuda.py), and
   `host-bounce` beside it: the same memfds read on the pool through pinned bounce buffers (the fallback);
   on the host backend read on the pool straight into the lease's pages.
-`--sources` times only some of them (the speed-of-light figures are always measured). Every restored lease is
-compared with the weights file's bytes once, outside the timed region.
+`--sources` (or `--from`; `artifact` is artifact-direct) times only some of them (the speed-of-light figures are
+always measured). Every restored lease is compared with the weights file's bytes once, outside the timed region.
+The report says what it could not measure: `errors` (a source that failed, with its exception; the others go on),
+`skipped` (a peer library not installed, host-bounce on the host backend), `error` and `complete: false` (a run
+that failed before any source); `peers` (which libraries are there), `goals` (issue 21's shares and ratios, and
+the 120 GiB host-tier restore extrapolated from this run's rate) and `steps` (when each finished). `--out` is
+rewritten after every step, so a run cut off by a time limit still leaves what it measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
+import shutil
+import struct
+import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import typer
 
+from bench.stats import quantile
 from services.gpu_manager import blockio
 from services.gpu_manager.app import make_backend
 from services.gpu_manager.artifact import file_names, plan_blocks
 from services.gpu_manager.blockio import HostWindow, OpenFiles
 
+GDS_NODE = "/dev/nvidia-fs0"  # GPUDirect Storage's device: fastsafetensors reads disk to GPU with it
 SOURCES = ("file", "safetensors", "fastsafetensors", "artifact-buffered", "artifact-direct", "host", "host-bounce")
+ALIASES = {"artifact": "artifact-direct"}  # the issue's `--from host,artifact,file`: the restore path as it runs
+GOAL_SHARE = 0.8  # issue 21: host tier >= 80% of pinned H2D, artifact >= 80% of the disk's direct reads
+TARGET_GIB, TARGET_S = 120, 5.0  # issue 21: the 120 GiB fallback under 5 s where a host copy exists
 
 GIB = 1024**3
 TENSOR_BYTES = 256 * 1024 * 1024
@@ -46,17 +59,29 @@ BLOCK = 64 * 1024 * 1024
 FILE = 4 * GIB
 
 
-def make_weights(path: Path, nbytes: int) -> None:
-    """A safetensors file of `nbytes` in 256 MiB float16 tensors, each a different cheap pattern."""
-    from safetensors.numpy import save_file
-
-    tensors, left, i = {}, nbytes, 0
+def tensor_sizes(nbytes: int) -> list[int]:
+    """The file's tensors: 256 MiB each, the last the rest (even: float16) (pure)."""
+    sizes, left = [], nbytes - nbytes % 2
     while left > 0:
-        n = min(TENSOR_BYTES, left)
-        tensors[f"layer{i}.w"] = (np.arange(n // 2, dtype=np.uint16) * (i + 1)).view(np.float16)
-        left -= n
-        i += 1
-    save_file(tensors, str(path))
+        sizes.append(min(TENSOR_BYTES, left))
+        left -= sizes[-1]
+    return sizes
+
+
+def make_weights(path: Path, nbytes: int) -> None:
+    """A safetensors file of `nbytes` in float16 tensors, each a different cheap pattern, written one tensor at a
+    time (the format's header, then the data): memory of one tensor, not of the whole file (16 GiB and more)."""
+    sizes = tensor_sizes(nbytes)
+    header, at = {}, 0
+    for i, n in enumerate(sizes):
+        header[f"layer{i}.w"] = {"dtype": "F16", "shape": [n // 2], "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data region 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for i, n in enumerate(sizes):
+            f.write((np.arange(n // 2, dtype=np.uint16) * (i + 1)).tobytes())
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -83,6 +108,15 @@ class Bench:
         self.layout, total = plan_layout(header, "bench")
         self.size = -(-max(total, BLOCK) // max(gran, 4096)) * max(gran, 4096)
         self.chunk = -(-GIB // gran) * gran
+        self.host_fds: list[int] = []  # the host tier's memfds, once copied
+        self.registered: Any = None  # their registration on cuda (host_tier_cuda.RegisteredCopy)
+
+    def close(self) -> None:
+        if self.registered is not None:
+            self.registered.close()
+        for fd in self.host_fds:
+            os.close(fd)
+        self.host_fds = []
 
     # ---------------------------------------------------------------- leases
 
@@ -148,21 +182,25 @@ class Bench:
         del out
         return seconds
 
-    def peer_fastsafetensors(self) -> float | None:
-        try:
-            import fastsafetensors  # noqa: F401
-        except ImportError:
-            return None
+    def peer_fastsafetensors(self) -> float:
+        """fastsafetensors' loader, the whole file to the GPU (or host memory), GDS where the machine has it
+        (/dev/nvidia-fs0), else its own fallback (`nogds`: threads of preads into pinned bounce buffers)."""
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
         drop_cache([self.path])
         t0 = time.perf_counter()
-        loader = SafeTensorsFileLoader(SingleGroup(), "cuda:0" if self.backend.name == "cuda" else "cpu")
+        loader = SafeTensorsFileLoader(SingleGroup(), "cuda:0" if self.backend.name == "cuda" else "cpu",
+                                       nogds=not Path(GDS_NODE).exists())
         loader.add_filenames({0: [str(self.path)]})
         fb = loader.copy_files_to_device()
+        if self.backend.name == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
         fb.close()
         loader.close()
-        return time.perf_counter() - t0
+        return seconds
 
     def write_artifact(self, chunks: list[Any]) -> tuple[list[Path], list[str], float]:
         entries = file_names(self.size, FILE)
@@ -194,6 +232,18 @@ class Bench:
         w.close()
         return seconds, chunks
 
+    def sol_read(self, paths: list[Path]) -> float:
+        """The disk's speed of light: O_DIRECT reads on the pool into host memory, no hash, no copy on."""
+        drop_cache(paths)
+        files = blockio.open_files(paths, write=False, direct=True)
+        try:
+            seconds, chunks = self.read(files, None, into_device=False)
+        finally:
+            files.close()
+        for x in chunks:  # host memfds, whatever the backend
+            os.close(x.fd)
+        return seconds
+
     def read_registered(self, copy: Any) -> tuple[float, list[Any]]:
         """One host tier restore on cuda: DMA from the memfds' registered pages (host_tier_cuda.dma_blocks)."""
         from services.gpu_manager.host_tier_cuda import dma_blocks
@@ -210,108 +260,189 @@ class Bench:
 
 
 def p50(xs: list[float]) -> float:
-    return statistics.median(xs)
+    return quantile(xs, 50)
 
 
 def parse_sources(text: str) -> tuple[str, ...]:
-    """`--sources`: a comma-separated subset of SOURCES, or `all` (pure)."""
+    """`--sources` / `--from`: a comma-separated subset of SOURCES (or ALIASES), or `all` (pure)."""
     if text.strip() == "all":
         return SOURCES
-    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+    picked = tuple(dict.fromkeys(ALIASES.get(x.strip(), x.strip()) for x in text.split(",") if x.strip()))
     unknown = [x for x in picked if x not in SOURCES]
     if unknown or not picked:
-        raise ValueError(f"unknown sources {unknown or text!r}; known: all, {', '.join(SOURCES)}")
+        raise ValueError(f"unknown sources {unknown or text!r}; known: all, {', '.join([*SOURCES, *ALIASES])}")
     return picked
 
 
+def peer_status() -> dict[str, Any]:
+    """Whether each peer library can run here, and what it is: a missing one is said in the report, not skipped
+    silently."""
+    out: dict[str, Any] = {}
+    for name in ("safetensors", "fastsafetensors"):
+        try:
+            mod = __import__(name)
+            out[name] = {"installed": True, "version": getattr(mod, "__version__", "?")}
+        except ImportError as e:
+            out[name] = {"installed": False, "why": str(e)}
+    out["fastsafetensors"]["gds"] = Path(GDS_NODE).exists()
+    return out
+
+
+def goals(out: dict[str, Any]) -> dict[str, Any]:
+    """Issue 21's goals from a report's figures (pure): each share or ratio, and whether it is met. A figure not
+    measured (its source not asked for, failed, or not on this backend) is left out."""
+    rate, g = out["gib_s"], {}
+    sol_h2d, sol_disk = rate.get("sol_pinned_h2d"), rate.get("sol_direct_read")
+    if sol_h2d and rate.get("host"):
+        g["host_share_of_pinned_h2d"] = {"share": round(rate["host"] / sol_h2d, 3), "goal": GOAL_SHARE,
+                                         "met": rate["host"] / sol_h2d >= GOAL_SHARE}
+    if sol_disk and rate.get("artifact-direct"):
+        g["artifact_share_of_direct_read"] = {"share": round(rate["artifact-direct"] / sol_disk, 3),
+                                              "goal": GOAL_SHARE, "met": rate["artifact-direct"] / sol_disk >= GOAL_SHARE}
+    if rate.get("fastsafetensors"):
+        for name in ("artifact-direct", "host", "file"):
+            if rate.get(name):
+                g[f"{name}_vs_fastsafetensors"] = {"speedup": round(rate[name] / rate["fastsafetensors"], 3),
+                                                   "met": rate[name] > rate["fastsafetensors"]}
+    if rate.get("host"):
+        # The weights' copy alone, at this run's host-tier rate; the new engine's start is on top (cold_starts).
+        s = TARGET_GIB / rate["host"]
+        g["host_120gib_extrapolated"] = {"restore_s": round(s, 2), "from_gib": out["gib"], "goal_s": TARGET_S,
+                                         "met": s < TARGET_S}
+    return g
+
+
 def run(backend: str, weights_gib: float, directory: Path | None, trials: int, workers: int,
-        sources: tuple[str, ...] = SOURCES) -> dict[str, Any]:
+        sources: tuple[str, ...] = SOURCES, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The report. `progress(report)` is called after every step (the report so far: a run cut off still leaves its
+    figures); a source that fails is in `errors` and the others go on; a failure before any source could run (the
+    file, the reference load, the artifact) ends the run with `error` set."""
     base = Path(tempfile.mkdtemp(prefix="hf-bench-restore-", dir=directory))
-    bench = Bench(backend, base, int(weights_gib * GIB), workers)
-    gib = bench.size / GIB
-    out: dict[str, Any] = {"backend": bench.backend.name, "gib": round(gib, 3), "workers": workers,
-                           "trials": trials, "dir": str(base), "block_mib": BLOCK >> 20, "sources": list(sources),
-                           "gib_s": {}, "seconds": {}}
+    out: dict[str, Any] = {"backend": backend, "workers": workers, "trials": trials, "dir": str(base),
+                           "block_mib": BLOCK >> 20, "sources": list(sources), "peers": peer_status(), "gib_s": {},
+                           "seconds": {}, "verified": {}, "errors": {}, "skipped": {}, "steps": [], "complete": False}
+    t_run = time.perf_counter()
+
+    def step(name: str) -> None:
+        out["steps"].append([name, round(time.perf_counter() - t_run, 2)])
+        if progress is not None:
+            progress(out)
+
+    bench: Bench | None = None
+    try:
+        bench = Bench(backend, base, int(weights_gib * GIB), workers)
+        out["backend"], out["gib"] = bench.backend.name, round(bench.size / GIB, 3)
+        step("weights file written")
+        _measure(bench, out, sources, trials, step)
+        out["goals"] = goals(out)
+        out["complete"] = True
+    except Exception as e:  # noqa: BLE001 - said in the report, which is printed either way
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        step("done")
+        if bench is not None:
+            bench.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
+def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials: int,
+             step: Callable[[str], None]) -> None:
+    gib, cuda = bench.size / GIB, bench.backend.name == "cuda"
     secs: dict[str, list[float]] = {}
-    seconds, reference_chunks = bench.cold_file()
-    reference = bench.lease_bytes(reference_chunks)
-    paths, digests, write_s = bench.write_artifact(reference_chunks)
-    out["artifact_write_gib_s"] = round(gib / write_s, 3)
-    bench.free(reference_chunks)
-    secs["file"] = [seconds]
-    host_fds = HostWindowCopy.make(paths)
-    registered = None
-    cuda = bench.backend.name == "cuda"
-    if cuda and "host" in sources:
-        from services.gpu_manager.host_tier_cuda import RegisteredCopy
-
-        registered = RegisteredCopy(host_fds, [e.bytes for e in file_names(bench.size, FILE)], bench.gpu)
-        out["host_register_s"] = round(registered.register_s, 4)
-        out["host_register_gib_s"] = round(gib / registered.register_s, 3)
-    verified: dict[str, bool] = {}
-
-    def timed(name: str, result: tuple[float, list[Any]]) -> None:
-        s, c = result
-        secs.setdefault(name, []).append(s)
-        if name not in verified:
-            verified[name] = bool(np.array_equal(bench.lease_bytes(c), reference))
-        bench.free(c)
-
-    for trial in range(trials):
-        if trial and "file" in sources:
-            s, c = bench.cold_file()
-            secs["file"].append(s)
-            bench.free(c)
-        if "safetensors" in sources:
-            secs.setdefault("safetensors", []).append(bench.peer_safetensors())
-        fast = bench.peer_fastsafetensors() if "fastsafetensors" in sources else None
-        if fast is not None:
-            secs.setdefault("fastsafetensors", []).append(fast)
-        drop_cache(paths)
-        sol_files = blockio.open_files(paths, write=False, direct=True)
-        s, c = bench.read(sol_files, None, into_device=False)
-        sol_files.close()
-        secs.setdefault("sol_direct_read", []).append(s)
-        for x in c:  # host memfds, whatever the backend
-            os.close(x.fd)
-        for name, direct in (("artifact-buffered", False), ("artifact-direct", True)):
-            if name not in sources:
-                continue
-            drop_cache(paths)
-            files = blockio.open_files(paths, write=False, direct=direct)
-            out.setdefault("direct_io", {})[name] = files.direct
-            timed(name, bench.read(files, digests, into_device=True))
-            files.close()
-        if registered is not None:
-            timed("host", bench.read_registered(registered))
-        elif "host" in sources:
-            timed("host", bench.read(OpenFiles(host_fds, direct=False, owned=False), None, into_device=True))
-        if cuda and "host-bounce" in sources:
-            timed("host-bounce", bench.read(OpenFiles(host_fds, direct=False, owned=False), None, into_device=True))
-    if "host" in sources:
-        out["host_path"] = "registered" if registered is not None else ("bounce" if cuda else "in place")
-    if registered is not None:
-        registered.close()
     if cuda:
         from services.gpu_manager.restore_cuda import pinned_h2d_gib_s
 
         out["gib_s"]["sol_pinned_h2d"] = round(pinned_h2d_gib_s(0, min(bench.size, 8 * GIB)), 3)
+        step("pinned host-to-device")
+    seconds, reference_chunks = bench.cold_file()
+    reference = bench.lease_bytes(reference_chunks)
+    if "file" in sources:
+        secs["file"] = [seconds]
+        out["seconds"]["file"], out["gib_s"]["file"] = round(seconds, 4), round(gib / seconds, 3)
+    step("reference load (file)")
+    paths, digests, write_s = bench.write_artifact(reference_chunks)
+    out["artifact_write_gib_s"] = round(gib / write_s, 3)
+    bench.free(reference_chunks)
+    step("artifact written")
+    bench.host_fds = HostWindowCopy.make(paths)
+    registered = None
+    if cuda and "host" in sources:
+        try:
+            from services.gpu_manager.host_tier_cuda import RegisteredCopy
+
+            registered = RegisteredCopy(bench.host_fds, [e.bytes for e in file_names(bench.size, FILE)], bench.gpu)
+            bench.registered = registered
+            out["host_register_s"] = round(registered.register_s, 4)
+            out["host_register_gib_s"] = round(gib / registered.register_s, 3)
+        except Exception as e:  # noqa: BLE001 - the host tier then goes through the bounce buffers, as in the manager
+            out["errors"]["host_register"] = f"{type(e).__name__}: {e}"
+    step("host tier copied")
+
+    def timed(name: str, fn: Callable[[], Any]) -> None:
+        """One trial of a source: its seconds, its bytes checked once (restores), a failure in `errors`."""
+        if name in out["errors"]:
+            return  # failed once: not again
+        try:
+            got = fn()
+        except Exception as e:  # noqa: BLE001 - one source failing leaves the others' figures
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            step(f"{name} failed")
+            return
+        s, chunks = got if isinstance(got, tuple) else (got, None)
+        secs.setdefault(name, []).append(s)
+        if chunks is not None:
+            if name not in out["verified"]:
+                out["verified"][name] = bool(np.array_equal(bench.lease_bytes(chunks), reference))
+            bench.free(chunks)
+        out["seconds"][name], out["gib_s"][name] = round(p50(secs[name]), 4), round(gib / p50(secs[name]), 3)
+        step(name)
+
+    def host(path: str) -> Callable[[], tuple[float, list[Any]]]:
+        if path == "registered":
+            return lambda: bench.read_registered(registered)
+        return lambda: bench.read(OpenFiles(bench.host_fds, direct=False, owned=False), None, into_device=True)
+
+    def artifact(direct: bool) -> Callable[[], tuple[float, list[Any]]]:
+        def restore() -> tuple[float, list[Any]]:
+            drop_cache(paths)
+            files = blockio.open_files(paths, write=False, direct=direct)
+            out.setdefault("direct_io", {})[f"artifact-{'direct' if direct else 'buffered'}"] = files.direct
+            try:
+                return bench.read(files, digests, into_device=True)
+            finally:
+                files.close()
+        return restore
+
+    for peer in ("safetensors", "fastsafetensors"):
+        if peer in sources and not out["peers"][peer]["installed"]:  # said, and not a failure of the run
+            out["skipped"][peer] = f"not installed: {out['peers'][peer]['why']}"
+            sources = tuple(x for x in sources if x != peer)
+    if not cuda and "host-bounce" in sources:
+        out["skipped"]["host-bounce"] = "cuda only: on the host backend the tier is read straight into the lease"
+    for trial in range(trials):
+        if trial and "file" in sources:
+            timed("file", bench.cold_file)
+        if "safetensors" in sources:
+            timed("safetensors", bench.peer_safetensors)
+        if "fastsafetensors" in sources:
+            timed("fastsafetensors", bench.peer_fastsafetensors)
+        timed("sol_direct_read", lambda: bench.sol_read(paths))
+        if "artifact-buffered" in sources:
+            timed("artifact-buffered", artifact(False))
+        if "artifact-direct" in sources:
+            timed("artifact-direct", artifact(True))
+        if "host" in sources:
+            timed("host", host("registered" if registered is not None else "bounce"))
+        if cuda and "host-bounce" in sources:
+            timed("host-bounce", host("bounce"))
+    if "host" in sources:
+        out["host_path"] = "registered" if registered is not None else ("bounce" if cuda else "in place")
+    if cuda:
         for name in ("host", "host-bounce"):
-            if name in secs:
+            if name in out["gib_s"]:
                 out.setdefault("share_of_pinned_h2d", {})[name] = round(
-                    gib / p50(secs[name]) / out["gib_s"]["sol_pinned_h2d"], 3)
-    if "file" not in sources:
-        del secs["file"]  # the reference load, not a timed source here
-    for name, xs in secs.items():
-        out["seconds"][name] = round(p50(xs), 4)
-        out["gib_s"][name] = round(gib / p50(xs), 3)
-    out["verified"] = verified
-    for fd in host_fds:
-        os.close(fd)
-    for p in [*paths, bench.path]:
-        p.unlink()
-    os.rmdir(base)
-    return out
+                    out["gib_s"][name] / out["gib_s"]["sol_pinned_h2d"], 3)
 
 
 class HostWindowCopy:
@@ -329,25 +460,48 @@ class HostWindowCopy:
         return fds
 
 
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """The report so far, replaced whole (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
+
+
 def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         weights_gib: float = typer.Option(1.0, help="size of the weights"),
         dir: Path | None = typer.Option(None, help="where the weights file and the artifact go (the disk measured)"),
-        trials: int = typer.Option(3, help="timed trials of each source (p50 reported)"),
+        trials: int = typer.Option(3, min=1, help="timed trials of each source (p50 reported)"),
         workers: int = typer.Option(0, help="blocks in flight (0: the cores, 2..16)"),
-        sources: str = typer.Option("all", help=f"sources timed, comma-separated: all or some of {', '.join(SOURCES)}"),
+        sources: str = typer.Option("all", "--sources", "--from",
+                                    help=f"sources timed, comma-separated: all or some of {', '.join(SOURCES)} "
+                                         "(artifact: artifact-direct)"),
+        out_path: Path | None = typer.Option(None, "--out", help="the JSON report, rewritten after every step"),
         json_out: bool = typer.Option(False, "--json")) -> None:
-    """GiB/s of the cold file load, safetensors, the artifact (buffered vs direct) and the host tier."""
+    """GiB/s of the cold file load, safetensors, fastsafetensors, the artifact (buffered vs direct) and the host
+    tier, beside the machine's speeds of light; exits 1 when the run failed or a source did."""
     try:
         picked = parse_sources(sources)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sources") from None
-    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked)
+
+    def progress(report: dict[str, Any]) -> None:
+        print(f"bench restore: {report['steps'][-1][0]} at {report['steps'][-1][1]} s", file=sys.stderr, flush=True)
+        if out_path is not None:
+            write_report(out_path, report)
+
+    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked, progress)
     if json_out:
         print(json.dumps(result, indent=2))
-        return
-    print(f"restore {result['gib']} GiB on {result['backend']}, {result['workers']} workers, p50 of {trials} "
-          f"trials, in {result['dir']} (artifact written at {result['artifact_write_gib_s']} GiB/s)")
-    for name, rate in result["gib_s"].items():
-        s = result["seconds"].get(name)
-        print(f"  {name:20s} {rate:8.2f} GiB/s" + (f"  {s:.3f} s" if s is not None else ""))
-    print(f"  restored bytes identical to the file: {result['verified']}")
+    else:
+        print(f"restore {result.get('gib')} GiB on {result['backend']}, {result['workers']} workers, p50 of {trials} "
+              f"trials, in {result['dir']} (artifact written at {result.get('artifact_write_gib_s')} GiB/s)")
+        for name, rate in result["gib_s"].items():
+            s = result["seconds"].get(name)
+            print(f"  {name:20s} {rate:8.2f} GiB/s" + (f"  {s:.3f} s" if s is not None else ""))
+        print(f"  restored bytes identical to the file: {result['verified']}")
+        for name, why in result["errors"].items():
+            print(f"  {name}: FAILED {why}")
+        if "error" in result:
+            print(f"  run FAILED: {result['error']}")
+    if "error" in result or result["errors"]:
+        raise typer.Exit(1)
