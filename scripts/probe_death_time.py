@@ -16,6 +16,8 @@ Configurations, comma-separated features (each run `--trials` times):
   busy            kernels queued when the kill lands (a 20 ms backlog)
   writer          (with map:G) the child keeps ~2,000 tiny kernels queued, each adding 1 to a counter in the
                   shared memory: this process watches through its own mapping when the counter stops moving
+  deep            (with writer) each add follows a 0.5 ms GPU spin (torch.cuda._sleep): hundreds of adds are
+                  queued when the kill lands, ~100 ms of work: does the GPU run them after the process died?
   remap           (with map:G) right after the kill this process imports and maps every chunk afresh (what a
                   successor's takeover does) and times it: does it wait behind the dying context's teardown?
   python3 scripts/probe_teardown.py [--trials 3] ctx 'ctx,map:29' 'ctx,map:29,shadow' ...
@@ -82,7 +84,11 @@ if writer:
     torch.cuda.synchronize()
 s.send(b"r")
 while True:
-    if writer:
+    if writer and "deep" in feats:
+        for _ in range(400):
+            torch.cuda._sleep(1_000_000)
+            c.add_(1)
+    elif writer:
         for _ in range(2000):
             c.add_(1)
         ev = torch.cuda.Event()
