@@ -321,13 +321,7 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
     out: dict[str, Any] = {"backend": backend, "workers": workers, "trials": trials, "dir": str(base),
                            "block_mib": BLOCK >> 20, "sources": list(sources), "peers": peer_status(), "gib_s": {},
                            "seconds": {}, "verified": {}, "errors": {}, "skipped": {}, "steps": [], "complete": False}
-    t_run = time.perf_counter()
-
-    def step(name: str) -> None:
-        out["steps"].append([name, round(time.perf_counter() - t_run, 2)])
-        if progress is not None:
-            progress(out)
-
+    step = stepper(out, progress)
     bench: Bench | None = None
     try:
         bench = Bench(backend, base, int(weights_gib * GIB), workers)
@@ -460,6 +454,26 @@ class HostWindowCopy:
         return fds
 
 
+def stepper(out: dict[str, Any], progress: Callable[[dict[str, Any]], None] | None) -> Callable[[str], None]:
+    """`step(name)`: a step done, at seconds since now, added to `out["steps"]`, then `progress(out)`."""
+    t_run = time.perf_counter()
+
+    def step(name: str) -> None:
+        out["steps"].append([name, round(time.perf_counter() - t_run, 2)])
+        if progress is not None:
+            progress(out)
+    return step
+
+
+def reporter(label: str, out_path: Path | None) -> Callable[[dict[str, Any]], None]:
+    """A bench's `progress`: each step on stderr (stdout is the report alone) and the report so far to `out_path`."""
+    def progress(report: dict[str, Any]) -> None:
+        print(f"{label}: {report['steps'][-1][0]} at {report['steps'][-1][1]} s", file=sys.stderr, flush=True)
+        if out_path is not None:
+            write_report(out_path, report)
+    return progress
+
+
 def write_report(path: Path, report: dict[str, Any]) -> None:
     """The report so far, replaced whole (a reader never sees half a file)."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -484,12 +498,8 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sources") from None
 
-    def progress(report: dict[str, Any]) -> None:
-        print(f"bench restore: {report['steps'][-1][0]} at {report['steps'][-1][1]} s", file=sys.stderr, flush=True)
-        if out_path is not None:
-            write_report(out_path, report)
-
-    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked, progress)
+    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked,
+                 reporter("bench restore", out_path))
     if json_out:
         print(json.dumps(result, indent=2))
     else:

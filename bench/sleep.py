@@ -24,12 +24,14 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import typer
 
+from bench.restore import reporter, stepper
 from bench.stats import pct
 from devstack.scenario import detect_backend, make_weights
 from devstack.stack import Stack, StackConfig
@@ -47,10 +49,12 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     """Per level: p50/p99/max of each timed or counted figure, and identity over all its trials (pure)."""
     out: dict[str, Any] = {}
     for level in sorted({t["level"] for t in trials}):
-        ts = [t for t in trials if t["level"] == level]
-        row: dict[str, Any] = {"trials": len(ts), "identical": all(t["identical"] for t in ts)}
+        ts = [t for t in trials if t["level"] == level and "error" not in t]
+        failed = sum(1 for t in trials if t["level"] == level and "error" in t)
+        row: dict[str, Any] = {"trials": len(ts), "failed": failed,
+                               "identical": bool(ts) and all(t["identical"] for t in ts)}
         for key in ("sleep_s", "wake_s", "engine_sleep_ms", "engine_wake_ms", "bytes_released", "measured_released"):
-            row[key] = pct([float(t[key]) for t in ts if t.get(key) is not None])
+            row[key] = pct([float(t[key]) for t in ts if t.get(key) is not None], digits=4)
         out[str(level)] = row
     return out
 
@@ -234,35 +238,61 @@ async def trial(b: SleepBench, bus: Bus, meter: Any, level: int, reference: list
             "identical": outputs == reference}
 
 
-async def run_trials(b: SleepBench, levels: list[int], trials: int, max_tokens: int,
-                     timeout_s: float) -> dict[str, Any]:
+async def run_trials(b: SleepBench, out: dict[str, Any], levels: list[int], trials: int, max_tokens: int,
+                     timeout_s: float, step: Callable[[str], None]) -> None:
+    """The trials into `out` as they go; one that fails is a row with its `error` (the engine is then in an unknown
+    state: the trials left are not run)."""
     bus = await Bus.connect(b.stack.settings(), "bench-sleep", stream=False)
     try:
         meter = await asyncio.to_thread(b.meter)
+        out["meter"] = meter.kind
         reference = await asyncio.to_thread(b.outputs, max_tokens)
-        rows = [await trial(b, bus, meter, level, reference, max_tokens, timeout_s)
-                for level in levels for _ in range(trials)]
-        return {"meter": meter.kind, "trials": rows, "summary": summarize(rows)}
+        for level in levels:
+            for i in range(trials):
+                try:
+                    out["trials"].append(await trial(b, bus, meter, level, reference, max_tokens, timeout_s))
+                except Exception as e:  # noqa: BLE001 - in the report
+                    out["trials"].append({"level": level, "error": f"{type(e).__name__}: {e}"})
+                    out["summary"] = summarize(out["trials"])
+                    step(f"level {level} trial {i + 1} failed")
+                    return
+                out["summary"] = summarize(out["trials"])
+                step(f"level {level} trial {i + 1}")
     finally:
         await bus.close()
 
 
 def run(backend: str, weights_gib: float, kv_cache_gib: float, levels: list[int], trials: int, *,
-        max_tokens: int = 16, work_dir: Path | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
+        max_tokens: int = 16, work_dir: Path | None = None, timeout_s: float = 300.0,
+        progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The report; `progress(report)` after every step (a run cut off still leaves its figures). A failure is in
+    the report (`error`, `complete: false`; a trial's own in its row), never only in a traceback."""
     backend = detect_backend() if backend == "auto" else backend
     work = Path(tempfile.mkdtemp(prefix="hf-bench-sleep-", dir=work_dir))
-    b = SleepBench(backend, weights_gib, kv_cache_gib, work, levels)
+    out: dict[str, Any] = {"bench": "sleep", "backend": backend, "levels": levels, "max_tokens": max_tokens,
+                           "trials": [], "summary": {}, "steps": [], "complete": False}
+    step = stepper(out, progress)
+    b: SleepBench | None = None
     try:
+        b = SleepBench(backend, weights_gib, kv_cache_gib, work, levels)
+        out["size"], out["weights_file_gib"] = b.size, round(b.weights.stat().st_size / GIB, 3)
+        step("weights file written")
         b.start()
-        health = httpx.get(b.url + "/health", timeout=10).json()
-        memory = health.get("memory") or {}
-        out = {"bench": "sleep", "backend": backend, "size": b.size, "weights_file_gib": round(b.weights.stat().st_size / GIB, 3),
-               "kv_bytes": memory.get("kv_bytes"), "levels": levels, "max_tokens": max_tokens}
-        out.update(asyncio.run(run_trials(b, levels, trials, max_tokens, timeout_s)))
-        return out
+        memory = httpx.get(b.url + "/health", timeout=10).json().get("memory") or {}
+        out["kv_bytes"], out["weights_load"] = memory.get("kv_bytes"), memory.get("weights")
+        step("engine serving")
+        asyncio.run(run_trials(b, out, levels, trials, max_tokens, timeout_s, step))
+        out["complete"] = len(out["trials"]) == len(levels) * trials and not any("error" in t for t in out["trials"])
+    except Exception as e:  # noqa: BLE001 - in the report, printed either way
+        out["error"] = f"{type(e).__name__}: {e}"
+        if b is not None and b.engine is not None:
+            out["engine_log_tail"] = b.stack.tail("engine", 20)
     finally:
-        b.stop()
-        b.weights.unlink(missing_ok=True)
+        if b is not None:
+            b.stop()
+            b.weights.unlink(missing_ok=True)
+        step("done")
+    return out
 
 
 def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
@@ -272,19 +302,33 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         trials: int = typer.Option(3, min=1, help="sleep/wake trials per level"),
         max_tokens: int = typer.Option(16, min=1, help="tokens of each greedy output compared"),
         dir: Path | None = typer.Option(None, help="where the weights file and the stack go"),
+        out_path: Path | None = typer.Option(None, "--out", help="the JSON report, rewritten after every step"),
         json_out: bool = typer.Option(False, "--json")) -> None:
     """Sleep then wake of a batched engine: memory freed, sleep and wake time, outputs identical after the wake."""
     try:
         levels = parse_levels(level)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--level") from None
-    result = run(backend, weights_gib, kv_cache_gib, levels, trials, max_tokens=max_tokens, work_dir=dir)
+
+    result = run(backend, weights_gib, kv_cache_gib, levels, trials, max_tokens=max_tokens, work_dir=dir,
+                 progress=reporter("bench sleep", out_path))
     if json_out:
         print(json.dumps(result, indent=2))
-        return
-    print(f"sleep/wake on {result['backend']}, model {result['size']} ({result['weights_file_gib']} GiB file), "
-          f"KV {result['kv_bytes']} bytes, meter {result['meter']}")
+    else:
+        show(result)
+    if not result["complete"]:
+        raise typer.Exit(1)
+
+
+def show(result: dict[str, Any]) -> None:
+    if "error" in result:
+        print(f"sleep/wake FAILED: {result['error']}")
+    print(f"sleep/wake on {result['backend']}, model {result.get('size')} ({result.get('weights_file_gib')} GiB "
+          f"file), KV {result.get('kv_bytes')} bytes, meter {result.get('meter')}")
     for t in result["trials"]:
+        if "error" in t:
+            print(f"  level {t['level']}: FAILED {t['error']}")
+            continue
         f = t["free_bytes"]
         print(f"  level {t['level']}: sleep {t['sleep_s']:.3f} s, wake {t['wake_s']:.3f} s, released "
               f"{t['bytes_released'] / GIB:.2f} GiB (meter {t['measured_released'] / GIB:.2f}), free "
