@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engines.batched.backup import BackupWriter, backed_journal, open_backup
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
@@ -63,7 +64,8 @@ def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRun
 
 
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,
-                 capture_now: bool, runner: ModelRunner | None = None) -> tuple[LLMEngine, dict[str, Any]]:
+                 capture_now: bool, runner: ModelRunner | None = None,
+                 backup: BackupWriter | None = None) -> tuple[LLMEngine, dict[str, Any]]:
     """Runner (`runner`: one built before over the same addresses, its graphs captured), scheduler and journal over
     the loaded tensors; the journal's sequences adopted when the KV lease came from before (and was written for
     this layout)."""
@@ -74,7 +76,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
                                           max_waiting=cfg.max_waiting, deterministic=cfg.deterministic,
                                           block_size=layout.block_size, num_blocks=layout.num_blocks,
                                           prefix_caching=cfg.prefix_caching))
-    journal = Journal(layout, loaded.journal)
+    journal = Journal(layout, loaded.journal) if backup is None else backed_journal(backup, layout, loaded.journal)
     if capture_now and runner.use_graphs:
         t0 = time.perf_counter()
         runner.warmup()  # a cold start captures its decode graphs before serving
@@ -222,6 +224,7 @@ def run(cfg: EngineConfig) -> int:
             state.state = "loading"
             loaded = memory.load(mcfg, cfg.weights, layout_of)
         memory.start_heartbeats()
+        kv_backup = open_backup(cfg, memory, loaded)  # a lost cache restored from its host backup (backup.py)
         layout = loaded.layout
         t_build = time.perf_counter()
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
@@ -230,7 +233,11 @@ def run(cfg: EngineConfig) -> int:
         if group is not None:
             runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
-        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner)
+        engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
+                                       backup=kv_backup[0] if kv_backup else None)
+        if kv_backup:
+            adopted["kv_backup"] = kv_backup[1]
+            state.info["kv_backup"] = kv_backup[0].stats
         if how != "none":
             adopted["prepared_runner"] = how
         engine.flush = state.outbox.flush

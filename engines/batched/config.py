@@ -67,6 +67,9 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
                                  "long is dropped and its blocks freed")
     adopt_wait_s: float = Field(30.0, gt=0, description="a successor waits this long for its predecessor's death to "
                                 "own its leases")
+    kv_backup: bool = Field(False, description="copy each step's new KV blocks to a host-memory lease at a bounded lag "
+                            "(backup.py): a successor whose KV lease was lost restores from it instead of recomputing")
+    kv_backup_lag_ms: float = Field(100.0, gt=0, description="the backup's lag bound: a round every half of it")
     prepare_standby: bool = Field(True, description="a standby reserves its predecessor's lease addresses and captures "
                                   "its decode graphs there before any failure (__main__.py); false: after the takeover")
 

@@ -28,6 +28,7 @@ import torch
 from engines.batched.config import EngineConfig
 from engines.batched.fused_layout import FUSED, Placed, fused_runs, write_order
 from engines.batched.journal import JournalLayout
+from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
 from engines.reference.weights import check_file_matches, load_weights
@@ -53,6 +54,7 @@ class Loaded:
     timings_ms: dict[str, float] = field(default_factory=dict)
     fused: dict[str, torch.Tensor] = field(default_factory=dict)  # views over back-to-back parts (fused_layout.py)
     weights_load: dict[str, Any] | None = None  # a cold load's source (host, artifact, file) and time (WeightsLoad)
+    backup: dict[str, torch.Tensor] | None = None  # a handed-on KV backup lease's tensors (backup.py), if any
 
 
 def _ms(t0: float) -> float:
@@ -238,14 +240,19 @@ class LeasedMemory:
         t_attach = _ms(t0)
         caches = sorted((lease for lease in leases if any(m.name == KV_NAME for m in lease.tensor_metas)),
                         key=lambda lease: lease.info.created_at, reverse=True)
-        tensors = {m.name: lease.view(m, "torch") for lease in leases if lease not in caches for m in lease.tensor_metas}
+        # a KV backup lease (backup.py, host memory): handed on beside the cache, or instead of a cache that was lost
+        backups = [lease for lease in leases if any(m.name == BACKUP_NAME for m in lease.tensor_metas)]
+        backup = {m.name: backups[0].view(m, "torch") for m in backups[0].tensor_metas} if backups else None
+        tensors = {m.name: lease.view(m, "torch") for lease in leases if lease not in caches and lease not in backups
+                   for m in lease.tensor_metas}
         missing = [n for n in cfg.tensor_shapes() if n not in tensors]
         if missing:
             raise MissingWeights(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
         weights = {n: tensors[n] for n in cfg.tensor_shapes()}
-        fused = _fused_views([(lease, m) for lease in leases if lease not in caches for m in lease.tensor_metas])
+        fused = _fused_views([(lease, m) for lease in leases if lease not in caches and lease not in backups
+                              for m in lease.tensor_metas])
         dtype = weights["tok_embeddings.weight"].dtype
-        for extra in caches[1:]:
+        for extra in caches[1:] + backups[1:]:
             self.client.release(extra.id)
         if caches:
             own = {m.name: caches[0].view(m, "torch") for m in caches[0].tensor_metas}
@@ -257,13 +264,15 @@ class LeasedMemory:
             if all(n in own and tuple(own[n].shape) == s for n, s in want.items()):
                 journal = {n: own[n] for n in layout.tensors()}
                 return Loaded(weights, own[KV_NAME], journal, source, True, layout,
-                              {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused)
+                              {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused, backup=backup)
             log.info("the handed-on KV lease does not fit this configuration; leasing a new one")
             self.client.release(caches[0].id)
-        layout = layout_of(dtype, None)
+        # A lost cache restored from its backup (backup.py) needs the backup's block count: its block ids are kept.
+        layout = layout_of(dtype, backup[BACKUP_NAME].shape[0] if backup is not None else None)
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused)
+        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused,
+                      backup=backup)
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         packed = _packed(cfg, dtype, layout)

@@ -1,0 +1,336 @@
+"""KV backup to host, the adapter (kv_backup.py has the rules and the argument): the backup lease's tensors, the
+journal that mirrors its committed rows for the writer, the writer thread, and a successor's restore.
+
+- `BackedJournal`: the engine's journal (journal.py, unchanged on its tensors) that also keeps each committed row in
+  Python (`RowMirror`) under a lock: the step thread pays for list appends, nothing else. The writer starts with
+  the first commit (after the start-up adopted or restored whatever it had).
+- `BackupWriter`: one thread. Every `lag_ms / 2` (when something was committed since its last round) it snapshots
+  the mirror, releases the backup rows of sequences that left, copies the new blocks (copier.py: a side CUDA
+  stream into registered host memory, or a plain copy on the CPU), drops the rows whose sequence left meanwhile,
+  then writes the rows and their progress. Never on the step's critical path: on CUDA the copy waits for an event
+  recorded on the step's stream and runs on its own stream; on the CPU it is one more thread.
+- `restore`: a successor whose KV lease was lost but whose backup lease was handed on (memory.py `_rebuild` sized
+  the new cache as the backup's) copies every vouched-for block back into the new cache and writes the main
+  journal from the backup's rows at their durable point, so that start-up adopts them as a handed-on cache
+  (`Loaded.kv_handed_on`); the positions past it are recomputed (counted) from the backed tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engines.batched.copier import BlockCopier
+from engines.batched.journal import EPOCH, Admission, Journal, JournalLayout
+from engines.batched.kv_backup import (
+    BACKUP_NAME,
+    PREFIX,
+    Backed,
+    LagClock,
+    RowMirror,
+    blocks_between,
+    durable_point,
+    plan_round,
+    snap_rows,
+)
+
+log = logging.getLogger("holdfast.engine.batched.backup")
+ALIGN = 256
+
+
+def backup_kv_shape(kv_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`[layers, 2, blocks, block_size, heads, dim]` -> block-major `[blocks, layers, 2, block_size, heads, dim]`."""
+    n_layers, two, blocks, bs, heads, dim = kv_shape
+    return (blocks, n_layers, two, bs, heads, dim)
+
+
+def packed(kv_shape: tuple[int, ...], dtype: torch.dtype, layout: JournalLayout) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """(name, dtype, shape, byte offset) of the backup lease's tensors: the block-major cache, then its journal."""
+    items = [(BACKUP_NAME, dtype, backup_kv_shape(kv_shape))]
+    items += [(PREFIX + n[3:], dt, shape) for n, (dt, shape) in layout.tensors().items()]
+    out, off = [], 0
+    for name, dt, shape in items:
+        out.append((name, dt, shape, off))
+        off = -(-(off + torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()) // ALIGN) * ALIGN
+    return out
+
+
+def lease_bytes(kv_shape: tuple[int, ...], dtype: torch.dtype, layout: JournalLayout) -> int:
+    _, dt, shape, off = packed(kv_shape, dtype, layout)[-1]
+    return off + torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+
+
+def backup_journal(layout: JournalLayout, tensors: dict[str, torch.Tensor]) -> Journal:
+    return Journal(layout, {"jr_" + n[len(PREFIX):]: t for n, t in tensors.items() if n != BACKUP_NAME})
+
+
+class BackedJournal(Journal):
+    """The main journal, each committed row also mirrored in Python for the backup writer (step thread only writes)."""
+
+    def __init__(self, layout: JournalLayout, tensors: dict[str, torch.Tensor], writer: BackupWriter) -> None:
+        super().__init__(layout, tensors)
+        self.writer = writer
+        self.lock = threading.Lock()
+        self.mirror: dict[int, RowMirror] = {}
+        self.version = 0  # bumped by every change: the writer skips a round when nothing changed
+        self.released: set[int] = set()  # slots released since the writer's last snapshot
+
+    def format(self) -> None:
+        super().format()
+        with self.lock:
+            self.released.update(self.mirror)
+            self.mirror.clear()
+            self.version += 1
+
+    def recover(self) -> tuple[list[Any], int]:
+        entries, dropped = super().recover()
+        epochs = self.rows[:, EPOCH].cpu().tolist()
+        with self.lock:
+            for e in entries:
+                self.mirror[e.slot] = RowMirror(int(epochs[e.slot]), _admission_of(e), e.prompt_len, list(e.tokens),
+                                                list(e.block_table), len(e.tokens), e.computed)
+            self.version += 1
+        return entries, dropped
+
+    def admit(self, a: Admission, block_table: Any) -> int | None:
+        slot = super().admit(a, block_table)
+        if slot is not None:
+            with self.lock:
+                self.mirror[slot] = RowMirror(self._epoch, a, a.prompt_len, list(a.tokens), list(block_table),
+                                              len(a.tokens), 0)
+                self.version += 1
+        return slot
+
+    def grow(self, slot: int, block_table: Any) -> None:
+        super().grow(slot, block_table)
+        m = self.mirror.get(slot)
+        if m is not None and len(block_table) > len(m.blocks):
+            with self.lock:
+                m.blocks = list(block_table)
+
+    def commit(self, updates: Any) -> None:
+        super().commit(updates)
+        with self.lock:
+            for slot, n, c, t in updates:
+                m = self.mirror.get(slot)
+                if m is None:
+                    continue
+                if t is not None:
+                    if len(m.tokens) == n - 1:
+                        m.tokens.append(t)
+                    elif len(m.tokens) >= n:
+                        m.tokens[n - 1] = t
+                if len(m.tokens) < n:
+                    m.gap = True  # tokens fed past the journal (a claim's): this row is not backed up
+                m.length, m.computed = n, c
+            self.version += 1
+        self.writer.start()
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        with self.lock:
+            self.mirror.pop(slot, None)
+            self.released.add(slot)
+            self.version += 1
+
+
+def _admission_of(e: Any) -> Admission:
+    return Admission(e.seq_id, e.request_id, e.tokens, e.prompt_len, e.max_tokens, e.temperature, e.seed, e.ignore_eos)
+
+
+class BackupWriter:
+    """The writer thread and its book (main slot -> `Backed`); `stats` is a dict updated in place (health reads it)."""
+
+    def __init__(self, kv: torch.Tensor, tensors: dict[str, torch.Tensor], layout: JournalLayout, *, lag_ms: float,
+                 chunk: int | None) -> None:
+        self.copier = BlockCopier(kv, tensors[BACKUP_NAME])
+        self.bj = backup_journal(layout, tensors)
+        self.block_size = layout.block_size
+        self.interval_s = lag_ms / 2000.0
+        self.lag_ms = lag_ms
+        self.chunk = chunk
+        self.book: dict[int, Backed] = {}
+        self.journal: BackedJournal | None = None
+        self.lag = LagClock()
+        self._seen = -1
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.stats: dict[str, Any] = {"lag_ms_bound": lag_ms, "rounds": 0, "blocks_copied": 0, "bytes_copied": 0,
+                                      "rows": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
+                                      "left_out_released": 0, "error": None}
+
+    # ------------------------------------------------------------------ set-up
+    def fresh(self) -> None:
+        """A backup that vouches for nothing yet (a new lease, or one whose rows this engine does not take on)."""
+        self.bj.format()
+        self.book.clear()
+
+    def adopt(self, book: dict[int, Backed]) -> None:
+        """Rows restored from this backup: they stay vouched for, and are only grown from here."""
+        self.book = dict(book)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kv-backup", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                self.round()
+        except Exception as e:  # noqa: BLE001 - the backup stops; serving goes on (a lost GPU then replays)
+            log.exception("the KV backup failed; it vouches for nothing newer from here")
+            self.stats["error"] = repr(e)
+
+    def round(self) -> bool:
+        """One round (module docstring of kv_backup.py, 1-3); False: nothing was committed since the last."""
+        j = self.journal
+        assert j is not None
+        with j.lock:
+            if j.version == self._seen:
+                return False
+            self._seen = j.version
+            snaps = snap_rows(j.mirror, self.book)
+            j.released.clear()
+            after = self.copier.mark()  # every committed step's KV writes are before it in the step's stream
+        t0 = time.perf_counter()
+        plan = plan_round(snaps, self.book, self.block_size)
+        for slot in plan.releases:  # 1: no row vouches for a block this round may overwrite
+            self.bj.release(self.book.pop(slot).bslot)
+        self.copier.copy(plan.blocks, after)  # 2
+        with j.lock:
+            gone = set(j.released)  # left while the copy ran: their blocks may hold another sequence's KV now
+        for s in plan.rows:  # 3
+            if s.slot in gone:
+                self.stats["left_out_released"] += 1
+                continue
+            self._write_row(s)
+        done = time.perf_counter()
+        self.lag.round_done(t0, done)
+        ms = (done - t0) * 1000
+        self.stats.update(rounds=self.stats["rounds"] + 1, blocks_copied=self.stats["blocks_copied"] + len(plan.blocks),
+                          bytes_copied=self.stats["bytes_copied"] + len(plan.blocks) * self.copier.block_bytes,
+                          rows=len(self.book), round_ms_last=round(ms, 2), round_ms_max=round(max(ms, self.stats["round_ms_max"]), 2),
+                          lag_ms=self.lag.stats())
+        return True
+
+    def _write_row(self, s: Any) -> None:
+        b = self.book.get(s.slot)
+        durable = durable_point(s.computed, s.prompt_len, self.chunk)
+        if b is None or b.epoch != s.epoch:
+            a: Admission = s.admission  # type: ignore[assignment]
+            tokens = list(s.new_tokens)
+            bslot = self.bj.admit(Admission(a.seq_id, a.request_id, tokens, s.prompt_len, a.max_tokens,
+                                            a.temperature, a.seed, a.ignore_eos), s.blocks)
+            if bslot is None:
+                return
+            b = self.book[s.slot] = Backed(s.epoch, bslot, s.length, 0, 0, len(s.blocks))
+        else:
+            self.bj.grow(b.bslot, s.blocks)
+            if s.new_tokens:
+                self.bj.tokens[b.bslot, b.length:s.length] = torch.tensor(s.new_tokens, dtype=torch.int32)
+        self.bj.commit([(b.bslot, s.length, durable, None)])  # progress last, one store
+        b.length, b.copied, b.durable, b.n_blocks = s.length, s.computed, durable, len(s.blocks)
+
+
+def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal,
+            layout: JournalLayout) -> tuple[dict[str, Any], dict[int, Backed]]:
+    """The backup's vouched-for rows and blocks into a new cache and a formatted main journal; the book of the rows
+    restored (main slot -> Backed) for the writer. `tensors`: the handed-on backup lease's."""
+    t0 = time.perf_counter()
+    bj = backup_journal(layout, tensors)
+    if not bj.matches():
+        return {"restored": 0, "why": "the backup was written for another layout"}, {}
+    entries, dropped = bj.recover()
+    bs = layout.block_size
+    blocks = sorted({b for e in entries for b in blocks_between(e.block_table, 0, e.computed, bs)})
+    copier = BlockCopier(kv, tensors[BACKUP_NAME])
+    copier.restore(blocks)
+    journal.format()
+    book: dict[int, Backed] = {}
+    for e in entries:
+        slot = journal.admit(_admission_of(e), e.block_table)
+        if slot is None:
+            continue
+        journal.commit([(slot, len(e.tokens), e.computed, None)])
+        book[slot] = Backed(journal._epoch, e.slot, len(e.tokens), e.computed, e.computed, len(e.block_table))
+    if kv.device.type == "cuda":
+        torch.cuda.synchronize(kv.device)
+    info = {"restored": len(book), "dropped": dropped, "blocks": len(blocks), "bytes": len(blocks) * copier.block_bytes,
+            "recomputed_tokens": sum(len(e.tokens) - 1 - e.computed for e in entries),
+            "ms": round((time.perf_counter() - t0) * 1000, 3)}
+    return info, book
+
+
+class BackupUnavailable(RuntimeError):
+    """This engine's memory cannot hold a KV backup in host memory."""
+
+
+def allocate(memory: Any, kv: torch.Tensor, layout: JournalLayout) -> dict[str, torch.Tensor]:
+    """A new backup: a host-memory lease (tag `other`, named `kv_backup`, registered and committed: frozen and handed
+    on with the engine's other leases), or pinned tensors with local memory (nothing survives the process then)."""
+    items = packed(tuple(kv.shape), kv.dtype, layout)
+    if getattr(memory, "kind", "") != "leased":
+        pin = kv.device.type == "cuda"
+        return {n: torch.zeros(shape, dtype=dt, pin_memory=pin) for n, dt, shape, _ in items}
+    client = memory.client
+    if client.backend != "host":
+        raise BackupUnavailable("--kv-backup needs a host-memory lease; this gpu_manager's backend is "
+                                f"{client.backend!r}, which leases device memory only")
+    lease = client.allocate(lease_bytes(tuple(kv.shape), kv.dtype, layout), tag="other", name=BACKUP_NAME,
+                            gpu=memory.gpu)
+    client.register([lease.meta(n, dt, shape, off) for n, dt, shape, off in items])
+    client.commit()
+    return {n: lease.torch(dt, shape, off) for n, dt, shape, off in items}
+
+
+def fits(tensors: dict[str, torch.Tensor], kv: torch.Tensor, layout: JournalLayout) -> bool:
+    want = {n: (dt, shape) for n, dt, shape, _ in packed(tuple(kv.shape), kv.dtype, layout)}
+    return all(n in tensors and (tensors[n].dtype, tuple(tensors[n].shape)) == w for n, w in want.items())
+
+
+def open_backup(cfg: Any, memory: Any, loaded: Any) -> tuple[BackupWriter, dict[str, Any]] | None:
+    """With `cfg.kv_backup`: the backup this engine writes, and what start-up did with it. A handed-on backup whose
+    cache was lost (`loaded.kv_handed_on` false) is restored into the new cache first (the journal then adopted as a
+    handed-on one); beside a handed-on cache it is started afresh (the cache is the better copy)."""
+    if not cfg.kv_backup:
+        return None
+    if cfg.tp > 1:
+        raise BackupUnavailable("--kv-backup is not built for --tp yet (each rank would back up its own shard)")
+    kv, layout = loaded.kv, loaded.layout
+    tensors, info, book = loaded.backup, {"restored": 0, "source": "new"}, {}
+    if tensors is not None and not fits(tensors, kv, layout):
+        log.warning("the handed-on KV backup does not fit this configuration; starting a new one")
+        tensors = None
+    if tensors is not None and not loaded.kv_handed_on:
+        info, book = restore(tensors, kv, Journal(layout, loaded.journal), layout)
+        info["source"] = "restored"
+        loaded.kv_handed_on = bool(book)
+    elif tensors is not None:
+        info["source"] = "kept beside the handed-on cache"
+    else:
+        tensors = allocate(memory, kv, layout)
+    writer = BackupWriter(kv, tensors, layout, lag_ms=cfg.kv_backup_lag_ms,
+                          chunk=cfg.prefill_chunk if cfg.deterministic else None)
+    if book:
+        writer.adopt(book)
+    else:
+        writer.fresh()
+    writer.stats["registered"] = writer.copier.registered
+    return writer, info
+
+
+def backed_journal(writer: BackupWriter, layout: JournalLayout, tensors: dict[str, torch.Tensor]) -> BackedJournal:
+    journal = BackedJournal(layout, tensors, writer)
+    writer.journal = journal
+    return journal
