@@ -23,11 +23,19 @@ from typing import Any
 
 import torch
 
-from engines.batched.backup import BackupWriter, backed_journal, open_backup
+from engines.batched.backup import BackupWriter, backed_journal, describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
-from engines.batched.memory import LeasedMemory, Loaded, kv_shape, layout_fn, open_memory, placed_alike
+from engines.batched.memory import (
+    LeasedMemory,
+    Loaded,
+    kv_shape,
+    layout_fn,
+    open_memory,
+    placed_alike,
+    wait_fence,
+)
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
@@ -52,7 +60,8 @@ def open_agent_link(cfg: EngineConfig) -> Any:
         return None
     from libs.client.agent_link import AgentLink
 
-    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model)
+    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model,
+                             fences=cfg.role == "standby" and cfg.fenced_takeover and cfg.tp == 1)
     if cfg.role == "active":
         link.start_heartbeats(HEARTBEAT_S)
     return link
@@ -207,7 +216,8 @@ def run(cfg: EngineConfig) -> int:
             t_start = time.perf_counter()
             state.role, state.state = "active", "loading"
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
-            loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s)
+            loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
+                                     fenced=cfg.fenced_takeover)
         elif group is not None:
             state.state = "loading"
             loaded = group.load(memory, layout_of)
@@ -230,6 +240,8 @@ def run(cfg: EngineConfig) -> int:
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
         # adopted sequence; it captures them once it is idle (engine.py).
         runner, how = adopt_prepared(prepared, loaded)
+        t_fence = time.perf_counter()
+        fence_ms = wait_fence(loaded, cfg.adopt_wait_s)  # a fenced takeover: nothing read or written before
         if group is not None:
             runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
@@ -255,9 +267,11 @@ def run(cfg: EngineConfig) -> int:
             state.t_start = t_start
             state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start), **adopted}
+            if fence_ms is not None:  # granted before the predecessor's exit: what waited for it, and when
+                state.info["recovery"]["fence"] = {"waited_ms": fence_ms, "from_ms": round((t_fence - t_start) * 1000, 3)}
         state.state = "ready"
         if link is not None:
-            link.ready(http.endpoint, weights=loaded.weights_load)
+            link.ready(http.endpoint, weights=loaded.weights_load, kv=describe_restore(kv_backup[1]) if kv_backup else None)
         if cfg.ready_file:
             write_ready_file(cfg.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": cfg.id,
                                               "state": "ready", **state.info})

@@ -334,3 +334,11 @@ def backed_journal(writer: BackupWriter, layout: JournalLayout, tensors: dict[st
     journal = BackedJournal(layout, tensors, writer)
     writer.journal = journal
     return journal
+
+
+def describe_restore(info: dict[str, Any]) -> str | None:
+    """One line for the incident's timeline when this engine's KV came from a host backup (None otherwise)."""
+    if info.get("source") != "restored" or not info.get("restored"):
+        return None
+    return (f"KV from host backup: {info['restored']} sequences, {info['blocks']} blocks in {info['ms']:.1f} ms, "
+            f"{info['recomputed_tokens']} tokens past its durable point recomputed")

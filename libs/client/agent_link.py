@@ -86,9 +86,10 @@ def default_socket_path() -> str:
 
 class AgentLink:
     def __init__(self, engine_id: str, socket_path: str, role: str, model: str, *, engine_class: str,
-                 gpu: int, version: str, can_shadow: bool = False) -> None:
+                 gpu: int, version: str, can_shadow: bool = False, fences: bool = False) -> None:
         self.engine_id = engine_id
         self.can_shadow = can_shadow
+        self.fences = fences  # a standby that takes over through a fenced grant: assign it with the kill
         self.shadows: str | None = None
         self.shadow_read_only = False
         self.socket_path = socket_path
@@ -114,8 +115,11 @@ class AgentLink:
 
     @classmethod
     def connect(cls, engine_id: str | None = None, *, socket_path: str | None = None, role: str | None = None,
-                model: str | None = None, timeout: float = 10.0, can_shadow: bool = False) -> AgentLink:
-        """Connect and register (retrying up to `timeout` while the agent's socket is not there yet)."""
+                model: str | None = None, timeout: float = 10.0, can_shadow: bool = False,
+                fences: bool = False) -> AgentLink:
+        """Connect and register (retrying up to `timeout` while the agent's socket is not there yet). `fences`: a
+        standby that, assigned, asks the gpu_manager for a fenced takeover (protocol.TakeoverReq) and touches the
+        leases only after its predecessor's exit, so the agent may assign it without waiting for that exit."""
         env = os.environ
         link = cls(
             engine_id or env.get("HF_ENGINE_ID") or new_id("eng"),
@@ -126,6 +130,7 @@ class AgentLink:
             gpu=int(env.get("HF_GPU", "0")),
             version=env.get("HF_ENGINE_VERSION", "1"),
             can_shadow=can_shadow,
+            fences=fences,
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -149,7 +154,7 @@ class AgentLink:
         except (OSError, HoldfastError):
             pass  # reconnecting: the re-registration says heartbeats are on
 
-    def ready(self, endpoint: str | None = None, *, weights: dict[str, Any] | None = None,
+    def ready(self, endpoint: str | None = None, *, weights: dict[str, Any] | None = None, kv: str | None = None,
               timeout: float = 5.0) -> None:
         """Serving (active) or warmed up (standby). Remembered: re-sent on every re-registration.
 
@@ -159,7 +164,8 @@ class AgentLink:
         hears "ready", so that no assignment waits for it.
 
         `weights`: how a cold start loaded its weights (safetensors_io.WeightsLoad.report: source, load_ms), for
-        the engine's record and its incident's timeline."""
+        the engine's record and its incident's timeline. `kv`: where a successor's KV came from when not the
+        handed-on cache (a host backup's restore), likewise."""
         if self.role == "standby" and not self._heap_frozen:
             self._heap_frozen = True
             long_lived_gc()
@@ -168,6 +174,8 @@ class AgentLink:
         msg: dict[str, Any] = {"op": "ready", "endpoint": endpoint, "state": self.state, "heartbeats": self._hb_interval is not None}
         if weights is not None:
             msg["weights"] = weights
+        if kv is not None:
+            msg["kv"] = kv
         self._request(msg, timeout)
 
     def report_fatal(self, kind: str = "cuda_error", detail: str = "", *, timeout: float = 2.0) -> None:
@@ -225,7 +233,8 @@ class AgentLink:
         return {"op": "register", "protocol": PROTOCOL, "engine_id": self.engine_id, "pid": os.getpid(),
                 "role": self.role, "model": self.model, "engine_class": self.engine_class, "gpu": self.gpu,
                 "version": self.version, "state": self.state, "endpoint": self.endpoint,
-                "heartbeats": self._hb_interval is not None, "can_shadow": self.can_shadow, "shadows": self.shadows}
+                "heartbeats": self._hb_interval is not None, "can_shadow": self.can_shadow, "shadows": self.shadows,
+                "fences": self.fences}
 
     def _register(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

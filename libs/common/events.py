@@ -48,6 +48,11 @@ class FaultKind(StrEnum):
 _LOSES_MEMORY = frozenset({FaultKind.GPU_FAULT})
 
 
+# The lease an engine keeps its KV cache's host backup in (engines/batched/backup.py: tag `other`, host memory): its
+# cache's loss is not its recovery's while it and the weights live (services/controller/intake.py).
+KV_BACKUP_LEASE = "kv_backup"
+
+
 class LeaseState(StrEnum):
     ACTIVE = "ACTIVE"
     ORPHANED = "ORPHANED"
@@ -173,6 +178,7 @@ class EngineInfo(Model):
     ranks: list[str] = Field(default_factory=list)
     gang: str | None = None
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine reported it when ready
+    kv: str | None = None  # where a successor's KV came from when not the handed-on cache ("KV from host backup: ...")
 
 
 def engine_record_key(node: str, engine_id: str) -> str:
@@ -312,6 +318,7 @@ class IntentResult(Event):
     # When the freeze this result follows was answered (epoch seconds): a prompt takeover's result is the
     # intent's only one, and the controller ends the freeze step at this time (not at the result's arrival).
     frozen_at: float | None = None
+    kv: str = ""  # a reattach: where its successor's KV came from when not the handed-on cache (EngineInfo.kv)
 
 
 class MemoryFrozen(Event):

@@ -90,11 +90,13 @@ class EngineRecord:
     signal: int | None = None
     can_shadow: bool = False  # a standby that can map an active engine's weights read-only ahead of a takeover
     shadows: str | None = None  # the active engine it shadows (it said so over its link)
+    fences: bool = False  # a standby that waits for its predecessor's exit itself (fenced takeover): assigned with the kill
     shadow_offered: str | None = None  # a shadow instruction sent, not answered yet
     shadow_refused: set[str] = field(default_factory=set)  # engines it could not shadow (not offered again)
     tp: int = 1  # tensor-parallel ranks: this is rank 0's record, the group's (its process starts the others)
     gang: str | None = None  # a TP group's gang id (the first group's engine id, kept by its successor groups)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine said when ready (issue 21)
+    kv: str | None = None  # where its KV came from when not the handed-on cache, as it said when ready (issue 22)
 
     def transition(self, ev: Ev) -> State:
         nxt = TRANSITIONS.get((self.state, ev))
@@ -127,7 +129,7 @@ class EngineRecord:
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
             heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
-            tp=self.tp, gang=self.gang, weights=self.weights,
+            tp=self.tp, gang=self.gang, weights=self.weights, kv=self.kv,
             ranks=[rank_engine_id(self.engine_id, r) for r in range(self.tp)] if self.tp > 1 else [],
         )
 
@@ -139,7 +141,7 @@ class EngineRecord:
             gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
-            tp=info.tp, gang=info.gang, weights=info.weights,
+            tp=info.tp, gang=info.gang, weights=info.weights, kv=info.kv,
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )

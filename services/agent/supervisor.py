@@ -400,6 +400,7 @@ class Agent:
         if msg.get("heartbeats") and rec.last_heartbeat is None:
             rec.last_heartbeat = time.monotonic()  # re-registration of a heartbeating engine: keep watching
         rec.can_shadow = bool(msg.get("can_shadow"))
+        rec.fences = bool(msg.get("fences"))
         if msg.get("shadows"):
             rec.shadows = str(msg["shadows"])  # re-registration: it still shadows that engine
         state = msg.get("state")
@@ -437,6 +438,8 @@ class Agent:
             if msg.get("heartbeats") and rec.last_heartbeat is None:
                 rec.last_heartbeat = time.monotonic()  # heartbeats are on: a hang from now on is detected
             rec.endpoint = msg.get("endpoint")
+            kv = msg.get("kv")
+            rec.kv = kv[:500] if isinstance(kv, str) else None
             try:
                 rec.weights = weights_loaded(msg.get("weights"))
             except MalformedMessage as e:  # the engine serves all the same; its timeline lacks the source

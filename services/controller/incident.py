@@ -178,6 +178,7 @@ class IncidentRecord(BaseModel):
     cold_successor_endpoint: str | None = None
     cold_successor_node: str | None = None
     cold_stopped: bool = False  # a late reattach superseded the cold start and its engine was stopped
+    kv_source: str | None = None  # the reattach's successor's KV, when not the handed-on cache ("KV from host backup")
     failure: str | None = None
     # Ended, and its end (incident.resolved / incident.failed) announced only if a ledger names it (invariant 2,
     # announced_ends.py): the record is written first, the end announced after, then the ledger. A leader finding it
@@ -276,6 +277,10 @@ def apply(rec: IncidentRecord, trigger: Trigger, now: float, deadlines: Deadline
                                                                    "detail": "succeeded after its deadline"})
             out.steps[Step.FALLBACK] = out.steps[Step.FALLBACK].model_copy(
                 update={"status": "skipped", "detail": "superseded by a late reattach"})
+    if trigger is T.REATTACHED and out.kv_source:  # the timeline says where the successor's KV came from
+        done = out.steps.get(Step.REATTACH)
+        if done is not None and done.status == "done" and not done.detail:
+            out.steps[Step.REATTACH] = done.model_copy(update={"detail": out.kv_source})
     if trigger is T.SPAWNED:
         end_step(out, Step.FALLBACK, "done", now)
     new_step = STEP_OF.get(new_state)

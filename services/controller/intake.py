@@ -6,7 +6,9 @@ Reads the cluster view and the leader's open table; no I/O, no state of its own.
   a fault of an engine already in another incident (replaced on purpose) that loses memory says that memory is
   gone (`memory_lost`); a fault of a fallback's own cold-started engine fails that fallback (`step_failed`).
 - An engine reattached, a fallback's cold engine ready, a freeze reported, a lease of an incident's engine (or of
-  any rank of its group) reclaimed: one move each.
+  any rank of its group) reclaimed: one move each. Not a memory loss: the KV cache's lease reclaimed while the
+  engine's host backup of it (`KV_BACKUP_LEASE`) and its weights live (the successor restores the cache from the
+  backup: engines/batched/backup.py), nor the backup's while the cache and the weights live (`recoverable_without`).
 Standbys' faults open nothing (a standby holds no leased memory; the agent replaces it on its own), and a fault
 naming another node's group is refused (the bus vets `engine_id`, this vets `group`).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from libs.common.events import (
+    KV_BACKUP_LEASE,
     EngineReady,
     EngineReattached,
     EngineRole,
@@ -24,8 +27,10 @@ from libs.common.events import (
     FaultDetected,
     IncidentReason,
     LeaseChanged,
+    LeaseInfo,
     LeaseState,
     MemoryFrozen,
+    Tag,
     WeightsLoaded,
     group_of_rank,
 )
@@ -44,6 +49,18 @@ from services.controller.view import ClusterView
 log = logging.getLogger("holdfast.controller.intake")
 S = IncidentState
 Opening = tuple[int, FaultDetected, Envelope]  # a fault that opens its incident: its message, the fault, the envelope
+
+
+def recoverable_without(lost: LeaseInfo, leases: list[LeaseInfo]) -> bool:
+    """Whether an engine's memory is still enough for a reattach without `lost`: its KV cache lost while its host
+    backup of the cache and its weights live, or the backup lost while the cache and the weights live."""
+    live = [lease for lease in leases if lease.id != lost.id and lease.state is not LeaseState.RECLAIMED]
+    weights = any(lease.tag is Tag.WEIGHTS for lease in live)
+    if lost.tag is Tag.KV_CACHE:
+        return weights and any(lease.name == KV_BACKUP_LEASE for lease in live)
+    if lost.name == KV_BACKUP_LEASE:
+        return weights and any(lease.tag is Tag.KV_CACHE for lease in live)
+    return False
 
 
 def incident_of(f: FaultDetected) -> str:
@@ -92,7 +109,8 @@ class Intake:
             reattached = e.incident_id or (self.view.open_by_engine.get(e.predecessor_id) or "")
             if reattached:
                 return Move(0, reattached, Trigger.REATTACHED, frozenset({S.FREEZING, S.REATTACHING, S.FALLBACK}),
-                            changes={"successor_id": e.engine.engine_id, "successor_endpoint": e.engine.endpoint})
+                            changes={"successor_id": e.engine.engine_id, "successor_endpoint": e.engine.endpoint,
+                                     **({"kv_source": e.engine.kv} if e.engine.kv else {})})
         elif isinstance(e, EngineReady):
             cold_of = self.open.incident_of_cold(e.engine.engine_id)
             if cold_of is not None:
@@ -101,7 +119,10 @@ class Intake:
             return Move(0, e.incident_id, Trigger.FROZEN, frozenset({S.FREEZING}))
         elif isinstance(e, LeaseChanged) and e.lease.state is LeaseState.RECLAIMED:
             inc = self.view.open_incident_for(e.lease.owner) or self._group_incident_of(e.lease.owner)
-            if inc is not None:
+            if inc is not None and recoverable_without(e.lease, self.view.leases_of(e.lease.owner)):
+                log.info("incident %s: lease %s (%s) reclaimed; its engine's memory is still recoverable", inc.id,
+                         e.lease.id, e.lease.name or e.lease.tag)
+            elif inc is not None:
                 return Move(0, inc.id, Trigger.MEMORY_LOST, frozenset({S.FREEZING, S.REATTACHING}),
                             detail=f"lease {e.lease.id} reclaimed", changes={"memory_lost": True})
         return None

@@ -71,6 +71,8 @@ def result_moves(envs: list[Envelope]) -> list[Move]:
                        "cold_successor_node": r.node}
         elif r.successor_id:
             changes = {"successor_id": r.successor_id, "successor_endpoint": r.endpoint}
+            if r.kv:
+                changes["kv_source"] = r.kv
         moves.append(Move(i, r.incident_id, trigger, states, r.detail, r.frozen_at, changes))
     return moves
 

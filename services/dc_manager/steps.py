@@ -412,14 +412,14 @@ class IntentSteps:
                                  timings={**prog.takeover.timings_ms, "reattach": prog.takeover_ms or 0.0,
                                           "freeze": prog.freeze_ms or 0.0, **overlap},
                                  detail="standby" if prog.takeover.used_standby else "cold-spawned",
-                                 frozen_at=prog.frozen_at, trace=trace)
+                                 frozen_at=prog.frozen_at, trace=trace, kv=engine.kv or "")
 
     def result_event(self, intent: RecoverIntent, step: Step, *, ok: bool, detail: str = "",
                       successor: str | None = None, endpoint: str | None = None,
                       timings: dict[str, float] | None = None, node: str | None = None,
-                      frozen_at: float | None = None, trace: str | None = None) -> Wired:
+                      frozen_at: float | None = None, trace: str | None = None, kv: str = "") -> Wired:
         result = IntentResult(incident_id=intent.incident_id, step=step, ok=ok, detail=detail, successor_id=successor,
-                              endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at)
+                              endpoint=endpoint, timings_ms=timings or {}, node=node, frozen_at=frozen_at, kv=kv)
         return self.bus.wired(result, id=f"{self.key_of(intent)}-{step}-result", traceparent=trace)
 
     async def incident_ended(self) -> str | None:
