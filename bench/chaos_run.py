@@ -19,6 +19,7 @@ from bench.chaos_checks import IncidentTracker, excess
 from bench.chaos_inject import Injectors, Tally, console, serving
 from bench.chaos_lanes import SERVICE_OF, Claims, resources
 from devstack.scenario import PROMPTS, Scenario
+from libs.common import procs
 from libs.common.events import Envelope
 
 FAULTS = ("engine_sigkill", "engine_sigstop", "engine_cuda_error", "engine_sigkill_allocating", "gpu_xid",
@@ -34,8 +35,8 @@ def lease_writers(scan: cf.EngineScan) -> dict[str, set[int]]:
     """Which live, running engine processes of this stack map each lease writable (from /proc/<pid>/maps)."""
     holders: dict[str, set[int]] = {}
     for pid in scan.scan():
-        if cf.proc_state(pid) in "TtZX":
-            continue  # stopped or dead: cannot write
+        if cf.proc_state(pid) in "TtZX" or procs.stopped(pid, None):
+            continue  # stopped, dead, or every thread exiting (a fenced takeover's predecessor): cannot write
         for lease in cf.writable_leases(pid):
             holders.setdefault(lease, set()).add(pid)
     return holders

@@ -70,6 +70,10 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     kv_backup: bool = Field(False, description="copy each step's new KV blocks to a host-memory lease at a bounded lag "
                             "(backup.py): a successor whose KV lease was lost restores from it instead of recomputing")
     kv_backup_lag_ms: float = Field(100.0, gt=0, description="the backup's lag bound: a round every half of it")
+    fenced_takeover: bool = Field(True, description="a standby is granted its predecessor's leases once the "
+                                  "predecessor is stopped (can run no code), maps them during its teardown and reads "
+                                  "or writes them only after its exit (the pidfd): the ~75-95 ms of a CUDA context's "
+                                  "teardown overlap the takeover instead of preceding it")
     prepare_standby: bool = Field(True, description="a standby reserves its predecessor's lease addresses and captures "
                                   "its decode graphs there before any failure (__main__.py); false: after the takeover")
 

@@ -55,6 +55,7 @@ class Loaded:
     fused: dict[str, torch.Tensor] = field(default_factory=dict)  # views over back-to-back parts (fused_layout.py)
     weights_load: dict[str, Any] | None = None  # a cold load's source (host, artifact, file) and time (WeightsLoad)
     backup: dict[str, torch.Tensor] | None = None  # a handed-on KV backup lease's tensors (backup.py), if any
+    fence: list[Any] = field(default_factory=list)  # a fenced takeover's predecessors (FencePid) to see exit first
 
 
 def _ms(t0: float) -> float:
@@ -124,7 +125,8 @@ class LocalMemory:
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         raise RuntimeError("local memory has nothing to reattach")
 
-    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float) -> Loaded:
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float, *,
+                 fenced: bool = False) -> Loaded:
         raise RuntimeError("local memory cannot take over a predecessor's leases: run with --memory leased")
 
     def start_heartbeats(self) -> None:
@@ -227,14 +229,20 @@ class LeasedMemory:
         att = self.client.attach()
         return self._rebuild(cfg, att.leases, "reattached", layout_of, t0)
 
-    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float) -> Loaded:
+    def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float, *,
+                 fenced: bool = False) -> Loaded:
+        """The predecessor's leases. `fenced`: granted once it is stopped, its exit still to come: the caller reads
+        and writes them only after `wait_fence` (nothing here reads their content)."""
         from libs.client.protocol import NotFrozenYet, PredecessorAlive
 
         t0 = time.perf_counter()
         # The fault is published as the predecessor begins to exit; the manager hands its memory over only
-        # once it is gone (and frozen): retried at a short fixed interval.
-        att, _ = retry_until(lambda: self.client.takeover(predecessor, token), (PredecessorAlive, NotFrozenYet), wait_s)
-        return self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
+        # once it is stopped (fenced) or gone, and frozen: retried at a short fixed interval.
+        att, _ = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced),
+                             (PredecessorAlive, NotFrozenYet), wait_s)
+        loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
+        loaded.fence = att.fence
+        return loaded
 
     def _rebuild(self, cfg: ModelConfig, leases: list[Any], source: str, layout_of: Any, t0: float) -> Loaded:
         t_attach = _ms(t0)
@@ -309,6 +317,22 @@ def weights_plan(path: Path, lease_id: str) -> tuple[int, list[tuple[str, int, i
     data_start, header = read_header(path)
     layout, total = fused_plan(header, lease_id)
     return data_start, [(m.name, m.offset, start, n) for m, start, n in layout], total, [m for m, _, _ in layout]
+
+
+def wait_fence(loaded: Loaded, wait_s: float) -> float | None:
+    """Wait until every predecessor of a fenced takeover has exited (its GPU work finished or killed, its CUDA
+    context gone): only then may the journal be read (on CUDA the dead engine's queued steps may still write it,
+    ~10-25 ms after a SIGKILL on an H200: scripts/probe_death_time.py) or anything be written. The ms waited
+    (None: nothing to wait for). Raises TimeoutError after `wait_s`."""
+    from libs.common.procs import wait_gone
+
+    if not loaded.fence:
+        return None
+    t0 = time.perf_counter()
+    for f in loaded.fence:
+        if not wait_gone(f.pid, f.pid_start, wait_s - (time.perf_counter() - t0)):
+            raise TimeoutError(f"predecessor pid {f.pid} has not exited in {wait_s} s: its leases stay untouched")
+    return _ms(t0)
 
 
 def placed_alike(a: Loaded, b: Loaded) -> list[str]:

@@ -192,8 +192,9 @@ class Reservation(MappedRange):
 class Attachment:
     """Leases received back (attach or takeover), with the tensor metadata committed for them."""
 
-    def __init__(self, leases: list[MappedLease]) -> None:
+    def __init__(self, leases: list[MappedLease], fence: Sequence[p.FencePid] = ()) -> None:
         self.leases = leases
+        self.fence = list(fence)  # a fenced takeover: processes to see exit (procs.wait_gone) before any write
 
     def tensors(self, framework: str = "numpy") -> dict[str, Any]:
         return {m.name: lease.view(m, framework) for lease in self.leases for m in lease.tensor_metas}
@@ -502,12 +503,15 @@ class MemoryClient:
     def attach(self) -> Attachment:
         return self._timed(p.Attach())
 
-    def takeover(self, predecessor: str, transfer_token: str) -> Attachment:
+    def takeover(self, predecessor: str, transfer_token: str, *, fenced: bool = False) -> Attachment:
         """The predecessor's leases, mapped here: each into the reservation made for it where one fits
         (`reserve`: views made over it stay valid, now over the lease), the rest at new addresses. Reservations
-        no lease used are freed. `last_timings_ms["reserved"]`: how many leases went into reservations."""
+        no lease used are freed. `last_timings_ms["reserved"]`: how many leases went into reservations.
+        `fenced`: granted once the predecessor is stopped rather than gone; the caller then writes nothing
+        through these leases before every process of `Attachment.fence` has exited (`procs.wait_gone`)."""
         before = len(self.reservations)
-        att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token), into_reserved=True)
+        att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token, fenced=fenced),
+                          into_reserved=True)
         self.last_timings_ms["reserved"] = before - len(self.reservations)
         self.free_reservations()
         return att
@@ -550,7 +554,7 @@ class MemoryClient:
         t0 = time.perf_counter()
         body, fds = self._call(req)
         t1 = time.perf_counter()
-        att = Attachment(self._map(body, fds, into_reserved=into_reserved))
+        att = Attachment(self._map(body, fds, into_reserved=into_reserved), p.GrantReply.model_validate(body).fence)
         t2 = time.perf_counter()
         self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3)}
         log.info("%s: %d leases, %d chunks: request %.2f ms, map %.2f ms", req.op, len(att.leases), len(fds),  # type: ignore[attr-defined]

@@ -142,9 +142,21 @@ class Attach(Msg):
 
 
 class TakeoverReq(Msg):
+    """`fenced`: the successor writes nothing through the leases until every predecessor named in the reply's
+    `fence` has exited (its pidfd), so the manager may grant them as soon as the predecessor is stopped (can run
+    no code of its own) instead of gone: the ~75-95 ms of a CUDA context's teardown overlap the mapping."""
+
     op: Literal["takeover"] = "takeover"
     predecessor: str
     transfer_token: str
+    fenced: bool = False
+
+
+class FencePid(Msg):
+    """A process a fenced successor must see exit (`procs.wait_gone`) before its first write."""
+
+    pid: int
+    pid_start: int | None = None
 
 
 class ShareReq(Msg):
@@ -287,6 +299,7 @@ class GrantReply(Msg):
     gang: GangView | None = None  # gang_takeover: the gang the successor group holds now
     source: str | None = None  # restore: which copy served ("host" or "artifact")
     restore: dict[str, float] | None = None  # restore: bytes, seconds, GiB/s, as measured by the manager
+    fence: list[FencePid] = []  # a fenced takeover: the stopped predecessors not yet gone at the grant
 
 
 class Ask(Msg):

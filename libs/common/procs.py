@@ -206,6 +206,50 @@ def pid_alive(pid: int) -> bool:
     return rest is not None and rest[0] != b"Z"
 
 
+PF_EXITING = 0x4  # include/linux/sched.h: set by exit_signals() at the start of a thread's do_exit()
+
+
+def start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot, /proc field 22) of `pid`; None once it is gone."""
+    rest = stat_fields(pid)
+    return int(rest[19]) if rest is not None and len(rest) > 19 else None
+
+
+def stopped(pid: int, start: int | None) -> bool:
+    """`pid` (started at `start`) can run no more code of its own: gone, replaced by another process, or every
+    thread of it exiting (PF_EXITING) or a zombie. A SIGKILLed process is stopped within ~1 ms; its death (the
+    pidfd) comes only after the kernel closed its files, with a CUDA context's teardown ~75-95 ms on an H200
+    (scripts/probe_death_time.py). Whatever it queued before may still run meanwhile: see `wait_gone`."""
+    if start is not None and start_time(pid) != start:
+        return True
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        rest = stat_fields(pid, tid=tid)
+        if rest is not None and rest[0] not in (b"Z", b"X") and not int(rest[6]) & PF_EXITING:  # field 9: flags
+            return False
+    return True
+
+
+def wait_gone(pid: int, start: int | None, timeout_s: float) -> bool:
+    """Wait until `pid` (started at `start`) has exited: its pidfd readable (every thread gone, its files closed,
+    so a CUDA context of it torn down and no GPU work of it left), or the pid gone or reused. False on timeout."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        if start is not None and start_time(pid) != start:
+            return True  # the pid names another process now: ours is long gone
+        import select
+
+        return bool(select.select([fd], [], [], max(timeout_s, 0.0))[0])
+    finally:
+        os.close(fd)
+
+
 def pids_with_env(key: str, value: str, *, having: tuple[str, ...] = ()) -> list[int]:
     """Processes other than this one whose environment holds `key=value` (and every name in `having`).
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from libs.common.procs import stat_fields
+from libs.common.procs import PF_EXITING, stat_fields
 
 log = logging.getLogger("holdfast.agent.pidfd")
 
@@ -59,7 +59,6 @@ def proc_state(pid: int) -> str | None:
     return None if rest is None else rest[0].decode()
 
 
-PF_EXITING = 0x4  # include/linux/sched.h: set by exit_signals() at the start of do_exit()
 
 
 def proc_exiting(pid: int, stat_fd: int | None = None) -> int | None:

@@ -4,11 +4,14 @@ Order matters for safety (DESIGN.md section 3, fencing): a predecessor that is s
 healthy in a manual failover or hot upgrade) may still have the memory mapped, so it is SIGKILLed and its
 death confirmed through its pidfd before the successor receives the assignment.
 
-Except for a standby that shadows the predecessor (shadows.py): it already maps the predecessor's weights
-read-only and has its own KV cache, so the two never write the same memory. It is assigned as soon as the
-kill is sent and serves at once; it owns the leases (read-write) only once the gpu_manager has seen the
-predecessor dead, which the standby waits for by itself. On a death the agent saw coming (the process was
-already exiting) this saves the ~100 ms a CUDA process takes to be torn down.
+Except for two kinds of standby, assigned as soon as the kill is sent, their predecessor's death confirmed later,
+off the serving path (on a death the agent saw coming this saves the ~75-95 ms of a CUDA process's teardown):
+- one that fences itself (the batched engine): it asks the gpu_manager for a fenced takeover, granted once the
+  predecessor can run no code, maps the leases during the predecessor's teardown and reads or writes them only
+  after its exit (its pidfd);
+- one that shadows the predecessor (shadows.py): it already maps the predecessor's weights read-only and has
+  its own KV cache, so the two never write the same memory; it serves at once and owns the leases (read-write)
+  only once the gpu_manager has seen the predecessor dead, which the standby waits for by itself.
 
 Then: a ready standby of the model (the named one, or the oldest) gets `assign` over its link, takes the
 leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
@@ -73,6 +76,9 @@ class Takeovers:
         # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
         agent.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
         shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == owner
+        # A standby that fences itself (a fenced takeover: granted once the predecessor is stopped, touching nothing
+        # before its exit) needs no confirmed death either: the gpu_manager and the standby hold the fence.
+        fenced = standby is not None and standby.state is State.STANDBY and standby.fences
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
         t = time.perf_counter()
@@ -80,7 +86,7 @@ class Takeovers:
         if agent.watcher.watching(pred.engine_id):
             if pred.state is not State.FAILED:
                 pred.transition(Ev.STOP)  # a planned replacement, not a fault
-            if shadowed:
+            if shadowed or fenced:
                 agent.watcher.signal(pred.engine_id, signal.SIGKILL)  # confirmed later, off the serving path
             else:
                 await agent.kill_confirmed(pred)
@@ -106,6 +112,7 @@ class Takeovers:
             timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
         timings["total_ms"] = _ms(t0)
         timings["shadowed"] = float(shadowed and used_standby)
+        timings["fenced"] = float(fenced and used_standby)
         info = agent.info(successor)
         # The event first, the bookkeeping after: the etcd writes queued below then run behind the publish.
         agent.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,

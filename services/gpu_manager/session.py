@@ -37,6 +37,7 @@ from libs.client.protocol import (
     Attach,
     Commit,
     CommitReply,
+    FencePid,
     GangRegister,
     GangTakeover,
     GrantReply,
@@ -74,6 +75,7 @@ from libs.common.errors import (
     StaleEpoch,
 )
 from libs.common.events import LeaseState
+from libs.common.procs import stopped
 from libs.common.wire import FrameStream, PeerClosed, close_fds
 from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import LIVE, LeaseEvent
@@ -229,11 +231,11 @@ class EngineSession:
             return self._grant(await self.attach(peer))
         if isinstance(req, TakeoverReq):
             t0 = time.perf_counter()
-            recs = await self.takeover(req, peer)
-            granted = self._grant(recs)
-            log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit)",
+            recs, fence = await self.takeover(req, peer)
+            granted = self._grant(recs, fence=fence)
+            log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit)%s",
                      req.predecessor, len(recs), len(granted[1]), peer.engine_id, peer.pid,
-                     (time.perf_counter() - t0) * 1000)
+                     (time.perf_counter() - t0) * 1000, f", fenced on pids {[f.pid for f in fence]}" if fence else "")
             return granted
         if isinstance(req, ShareReq):
             return self._grant(self.share(req, peer), read_only=True)
@@ -393,9 +395,11 @@ class EngineSession:
             log.warning("resume by %s (pid %d): %d leases lost: %s", peer.engine_id, peer.pid, len(lost), lost)
         return ResumeReply(held=[r.info for r in held], lost=lost)
 
-    async def takeover(self, req: TakeoverReq, peer: Peer) -> list[LeaseRecord]:
-        """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor)."""
+    async def takeover(self, req: TakeoverReq, peer: Peer) -> tuple[list[LeaseRecord], list[FencePid]]:
+        """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor); and,
+        for a fenced request, the stopped predecessors it must see exit before it writes."""
         frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token)
+        fence: dict[int, FencePid] = {}
         for rec in frozen:
             gang = self.gangs.member_of(rec.id)
             if gang is not None:  # rule 8
@@ -406,13 +410,16 @@ class EngineSession:
             if rec.owner_uid != peer.uid:
                 raise PermissionDenied(f"lease {rec.id} belongs to another user")
             if rec.owner_pid != peer.pid and self.book.owner_alive(rec):
-                raise PredecessorAlive(f"{req.predecessor} (pid {rec.owner_pid}) still runs: kill it first")
+                if not (req.fenced and rec.owner_pid is not None and stopped(rec.owner_pid, rec.owner_pid_start)):
+                    raise PredecessorAlive(f"{req.predecessor} (pid {rec.owner_pid}) still runs: kill it first")
+                # stopped, its teardown under way: the successor waits for its exit before writing (TakeoverReq)
+                fence[rec.owner_pid] = FencePid(pid=rec.owner_pid, pid_start=rec.owner_pid_start)
         await self.book.apply_all([  # every lease's new epoch in one commit, before any fd goes out
             Move(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
                  {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
                   "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None})
             for rec in frozen])
-        return frozen
+        return frozen, list(fence.values())
 
     async def gang_takeover(self, req: GangTakeover, peer: Peer) -> tuple[dict[str, Any], list[int]]:
         """This rank's leases of a frozen gang, once its whole group has asked (gangs.py invariant 2)."""
@@ -475,14 +482,15 @@ class EngineSession:
         reply.update(source=source)
         return reply, fds
 
-    def _grant(self, records: list[LeaseRecord], *, read_only: bool = False) -> tuple[dict[str, Any], list[int]]:
+    def _grant(self, records: list[LeaseRecord], *, read_only: bool = False,
+               fence: list[FencePid] | None = None) -> tuple[dict[str, Any], list[int]]:
         grants, fds = [], []
         for rec in records:
             rec_fds = self.book.fds_of(rec.id)
             fds.extend(rec_fds)
             grants.append(LeaseGrant(lease=rec.info, nfds=len(rec_fds), gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),
                                      tensors=list(rec.tensors.values()), read_only=read_only))
-        return ok(GrantReply(leases=grants)), fds
+        return ok(GrantReply(leases=grants, fence=fence or [])), fds
 
 
 async def _within(recv: Any, seconds: float, why: str) -> Any:

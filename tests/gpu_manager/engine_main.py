@@ -5,6 +5,7 @@
     pending                 lease ids waiting for this engine id
     attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
     takeover PRED TOKEN     take over a frozen predecessor's leases
+    takeover_fenced PRED TOKEN   the same, fenced (granted once the predecessor is stopped; `fence`: whom to await)
     gang_takeover GANG RANK SUCC1,SUCC2.. GENERATION TOKEN   rank RANK of a successor group takes its gang's leases
     share OWNER TOKEN       map an owner's weight leases read-only (a standby's shadow)
     poke                    write one byte into the first tensor (a shadow: the process should fault)
@@ -68,7 +69,8 @@ class TestEngine:
 
     def grant(self, att: Attachment) -> dict:
         self.views = att.tensors(self.framework)
-        return {"leases": {lease.id: lease.epoch for lease in att.leases}, "layout": att.layout_hash, **self.hashes()}
+        return {"leases": {lease.id: lease.epoch for lease in att.leases}, "layout": att.layout_hash,
+                "fence": [f.pid for f in att.fence], **self.hashes()}
 
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
@@ -82,6 +84,8 @@ class TestEngine:
             return self.grant(self.client.attach())
         if cmd == "takeover":
             return self.grant(self.client.takeover(words[1], words[2]))
+        if cmd == "takeover_fenced":
+            return self.grant(self.client.takeover(words[1], words[2], fenced=True))
         if cmd == "gang_takeover":
             att = self.client.gang_takeover(words[1], int(words[2]), words[3].split(","), int(words[4]), words[5])
             return {**self.grant(att), "gang": self.client.last_gang.model_dump(mode="json")}

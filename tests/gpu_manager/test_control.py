@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
+from libs.common import procs
 from libs.common.errors import RemoteError
 from libs.common.events import (
     Freeze,
@@ -116,3 +120,24 @@ async def test_a_freeze_takes_the_token_its_caller_chose_unless_the_leases_are_f
     assert standby.ask(f"takeover eng-chosen {chosen}")["leases"] == {wrote["lease"]: 2}
     with pytest.raises(ValueError, match="at least 16"):
         Freeze(owner="eng-chosen-standby", transfer_token="short")  # a guessable token is not a token
+
+
+async def test_a_fenced_takeover_waits_until_the_predecessor_can_run_no_code(manager, engines, bus):
+    """Fenced (protocol.TakeoverReq): refused while the predecessor runs or is merely SIGSTOPped (it may be
+    continued); granted once it is killed, naming it in `fence` if it had not exited yet; the memory intact."""
+    node = "node-1"
+    old = engines(manager, "eng-old")
+    wrote = old.ask(f"write {N} 13")
+    standby = engines(manager, "eng-standby")
+    frozen = await bus.request(node, Freeze(owner="eng-old", incident_id="inc-f"), FreezeReply)
+    await bus.request(node, Transfer(owner="eng-old", successor="eng-standby", transfer_token=frozen.transfer_token),
+                      TransferReply)
+    assert standby.ask(f"takeover_fenced eng-old {frozen.transfer_token}")["code"] == "predecessor_alive"
+    os.kill(old.proc.pid, signal.SIGSTOP)
+    assert standby.ask(f"takeover_fenced eng-old {frozen.transfer_token}")["code"] == "predecessor_alive"
+    os.kill(old.proc.pid, signal.SIGKILL)
+    got = standby.ask(f"takeover_fenced eng-old {frozen.transfer_token}")
+    assert got["leases"] == {wrote["lease"]: 2}
+    assert got["fence"] in ([], [old.proc.pid])
+    assert procs.wait_gone(old.proc.pid, None, 10.0)
+    assert got["data"] == wrote["expected"]
