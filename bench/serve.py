@@ -7,7 +7,9 @@ each stream's largest gap (p50/p99/max), and beside them the decode roofline of 
 step must read (all weights + the KV of every running sequence) over the memory bandwidth measured in the same
 run (a device-to-device copy on CUDA; on the CPU a large tensor copy), as tokens/s and as the share reached.
 With --plain, a plain torch batched decode of the same model (contiguous KV, SDPA, no paging, no scheduler,
-bench/plain_decode.py) runs at the same batch sizes in the same run, for the ratio.
+bench/plain_decode.py) runs at the same batch sizes in the same run, for the ratio. With --kv-backup each mode runs
+again with the engine's KV backup to host on (`<mode>+kv_backup`, the same levels, one after the other in one run),
+with the backup's own figures (rounds, bytes, the lag) from the engine's /health.
 
 The streams are read by the serving benches' one client (bench/load_client.py): worker processes whose readers
 stamp each token with the kernel's receive time, so the figures are the engine's, not a busy client loop's (one
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import typer
 
 from bench.load_client import ClientPool, Job, default_client_procs
@@ -164,6 +167,8 @@ def cli(
     deterministic: bool = typer.Option(False, help="the engine's batch-invariant mode"),
     both_modes: bool = typer.Option(False, help="run default and deterministic mode side by side"),
     plain: bool = typer.Option(False, help="also a plain torch batched decode at the same batch sizes"),
+    kv_backup: bool = typer.Option(False, help="each mode also with the engine's KV backup to host (--kv-backup), "
+                                   "side by side: `<mode>+kv_backup`, with the backup's own figures"),
     engine_args: str = typer.Option("", help="extra engine flags, space-separated"),
     weights_dir: Path | None = typer.Option(None, help="make/reuse the weights file here"),
     client_procs: int = typer.Option(0, min=0, help="client processes reading the streams (0: a quarter of the "
@@ -189,16 +194,18 @@ def cli(
     report: dict[str, Any] = {"bench": "serve", "size": size, "device": device, "prompt_len": prompt_len,
                               "max_tokens": max_tokens, "bandwidth_gb_s": round(bandwidth / 1e9, 1), "modes": {}}
     modes = [False, True] if both_modes else [deterministic]
-    for det in modes:
+    for det, backup in [(d, b) for d in modes for b in ([False, True] if kv_backup else [False])]:
         extra = ["--max-num-seqs", str(max(levels)), "--max-num-batched-tokens", str(max(2048, max(levels))),
-                 *(["--deterministic"] if det else []), *engine_args.split()]
-        mode = "deterministic" if det else "default"
+                 *(["--deterministic"] if det else []), *(["--kv-backup"] if backup else []), *engine_args.split()]
+        mode = ("deterministic" if det else "default") + ("+kv_backup" if backup else "")
         eng = EngineProcess(weights, size, work, extra)
         try:
             url = eng.wait()["endpoint"]
             report["modes"][mode] = asyncio.run(run_levels(url, levels, prompt_len, max_tokens,
                                                            client_procs or default_client_procs(), size, bandwidth,
                                                            mode))
+            if backup:  # rounds, bytes copied, the lag each round bounded (engines/batched/backup.py)
+                report.setdefault("kv_backup", {})[mode] = httpx.get(url + "/health", timeout=30).json().get("kv_backup")
         finally:
             eng.stop()
     if plain:

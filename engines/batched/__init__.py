@@ -15,6 +15,8 @@ A straight line, as in nano-vllm (config -> model runner -> scheduler -> server)
 | `memory.py` | where weights, KV and journal come from (leases through the SDK, or local tensors) | SDK |
 | `engine.py` | `LLMEngine`: the step loop (schedule -> run -> sample -> journal commit -> outputs) | all above |
 | `server.py` | HTTP API (`/generate`, `/health`), the agent link | engine |
+| `kv_backup.py` | the KV backup to host: what a round copies and vouches for (durable point, order of writes) | pure |
+| `backup.py`, `copier.py` | the backup's writer thread, the journal mirror it reads, a successor's restore; the block copies | torch |
 | `tp.py` | tensor parallelism: `ShardedRunner` (one rank's shards, all-reduces), `PlanChannel` (rank 0's step plans), `follow` | torch |
 | `tp_group.py` | `--tp N`: the rank processes, each rank's leases, the gang, the group dying whole | torch, SDK via memory.py |
 
