@@ -234,7 +234,6 @@ def run(cfg: EngineConfig) -> int:
             state.state = "loading"
             loaded = memory.load(mcfg, cfg.weights, layout_of)
         memory.start_heartbeats()
-        kv_backup = open_backup(cfg, memory, loaded)  # a lost cache restored from its host backup (backup.py)
         layout = loaded.layout
         t_build = time.perf_counter()
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
@@ -242,6 +241,7 @@ def run(cfg: EngineConfig) -> int:
         runner, how = adopt_prepared(prepared, loaded)
         t_fence = time.perf_counter()
         fence_ms = wait_fence(loaded, cfg.adopt_wait_s)  # a fenced takeover: nothing read or written before
+        kv_backup = open_backup(cfg, memory, loaded)  # a lost cache restored from its host backup (backup.py)
         if group is not None:
             runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
