@@ -146,7 +146,8 @@ class BackupWriter:
     """The writer thread and its book (main slot -> `Backed`); `stats` is a dict updated in place (health reads it)."""
 
     def __init__(self, kv: torch.Tensor, tensors: dict[str, torch.Tensor], layout: JournalLayout, *, lag_ms: float,
-                 chunk: int | None) -> None:
+                 chunk: int | None, thread: bool = True) -> None:
+        """`thread` False: no thread of its own; rounds run only when `round()` is called (tests)."""
         self.copier = BlockCopier(kv, tensors[BACKUP_NAME])
         self.bj = backup_journal(layout, tensors)
         self.block_size = layout.block_size
@@ -158,6 +159,8 @@ class BackupWriter:
         self.lag = LagClock()
         self._seen = -1
         self._thread: threading.Thread | None = None
+        self._threaded = thread
+        self._round = threading.Lock()  # one round at a time
         self._stop = threading.Event()
         self.stats: dict[str, Any] = {"lag_ms_bound": lag_ms, "rounds": 0, "blocks_copied": 0, "bytes_copied": 0,
                                       "rows": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
@@ -174,7 +177,7 @@ class BackupWriter:
         self.book = dict(book)
 
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self._threaded:
             self._thread = threading.Thread(target=self._loop, name="kv-backup", daemon=True)
             self._thread.start()
 
@@ -194,6 +197,10 @@ class BackupWriter:
 
     def round(self) -> bool:
         """One round (module docstring of kv_backup.py, 1-3); False: nothing was committed since the last."""
+        with self._round:
+            return self._round_locked()
+
+    def _round_locked(self) -> bool:
         j = self.journal
         assert j is not None
         with j.lock:
@@ -308,7 +315,8 @@ def open_backup(cfg: Any, memory: Any, loaded: Any) -> tuple[BackupWriter, dict[
     if cfg.tp > 1:
         raise BackupUnavailable("--kv-backup is not built for --tp yet (each rank would back up its own shard)")
     kv, layout = loaded.kv, loaded.layout
-    tensors, info, book = loaded.backup, {"restored": 0, "source": "new"}, {}
+    tensors, info = loaded.backup, {"restored": 0, "source": "new"}
+    book: dict[int, Backed] = {}
     if tensors is not None and not fits(tensors, kv, layout):
         log.warning("the handed-on KV backup does not fit this configuration; starting a new one")
         tensors = None

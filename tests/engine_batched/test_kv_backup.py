@@ -77,7 +77,7 @@ class Engine:
     def __init__(self, chunk: int | None = None) -> None:
         self.kv = torch.zeros(KV_SHAPE)
         self.backup = backup_tensors()
-        self.writer = BackupWriter(self.kv, self.backup, LAYOUT, lag_ms=100, chunk=chunk)
+        self.writer = BackupWriter(self.kv, self.backup, LAYOUT, lag_ms=100, chunk=chunk, thread=False)
         self.writer.fresh()
         self.journal: BackedJournal = backed_journal(self.writer, LAYOUT, journal_tensors())
         self.journal.format()

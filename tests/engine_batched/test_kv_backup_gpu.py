@@ -48,7 +48,7 @@ def test_cuda_rounds_copy_from_a_side_stream_into_registered_memfd_pages_and_res
     kv = torch.randn(KV_SHAPE, device="cuda", dtype=torch.bfloat16)
     tensors, _keep = host_lease_tensors()
     assert not tensors[BACKUP_NAME].is_pinned()
-    writer = BackupWriter(kv, tensors, LAYOUT, lag_ms=100, chunk=None)
+    writer = BackupWriter(kv, tensors, LAYOUT, lag_ms=100, chunk=None, thread=False)
     writer.fresh()
     journal = backed_journal(writer, LAYOUT, new_journal_tensors())
     journal.format()
@@ -85,7 +85,7 @@ def test_the_copy_stream_does_not_wait_for_the_steps_stream() -> None:
     stream has ~0.5 s of queued work ends long before that work does."""
     kv = torch.randn(KV_SHAPE, device="cuda", dtype=torch.bfloat16)
     tensors, _keep = host_lease_tensors()
-    writer = BackupWriter(kv, tensors, LAYOUT, lag_ms=100, chunk=None)
+    writer = BackupWriter(kv, tensors, LAYOUT, lag_ms=100, chunk=None, thread=False)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
