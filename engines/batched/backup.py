@@ -79,6 +79,11 @@ class BackedJournal(Journal):
         self.version = 0  # bumped by every change: the writer skips a round when nothing changed
         self.released: set[int] = set()  # slots released since the writer's last snapshot
 
+    def quiet(self) -> Any:
+        """No backup round runs meanwhile: a round's CUDA calls from another thread would break a graph capture
+        (global capture mode)."""
+        return self.writer.paused()
+
     def format(self) -> None:
         super().format()
         with self.lock:
@@ -180,6 +185,9 @@ class BackupWriter:
         if self._thread is None and self._threaded:
             self._thread = threading.Thread(target=self._loop, name="kv-backup", daemon=True)
             self._thread.start()
+
+    def paused(self) -> threading.Lock:
+        return self._round
 
     def stop(self) -> None:
         self._stop.set()

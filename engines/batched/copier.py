@@ -48,17 +48,22 @@ class BlockCopier:
             self.device = kv.device
             self.main = torch.cuda.current_stream(kv.device)  # the step's (start-up runs on the main thread)
             self.stream = torch.cuda.Stream(kv.device)
+            self.event = torch.cuda.Event()  # one round at a time (backup.py): reused
             self.stage = torch.empty((min(STAGE_BLOCKS, self.src.shape[0]), *self.src.shape[1:]), dtype=kv.dtype,
                                      device=kv.device)
             self.registered = register_host(backup_kv)
+            # a round's block ids, uploaded once (no allocation during a round: a graph capture on another thread
+            # forbids it); reused only after the round's synchronize
+            n = self.src.shape[0]
+            self.idx_host = torch.empty(n, dtype=torch.long).pin_memory()
+            self.idx_dev = torch.empty(n, dtype=torch.long, device=kv.device)
 
     def mark(self) -> torch.cuda.Event | None:
         """An event after every write the step's stream has queued so far (None on the CPU: writes are done)."""
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
-        ev.record(self.main)
-        return ev
+        self.event.record(self.main)
+        return self.event
 
     def copy(self, blocks: Sequence[int], after: torch.cuda.Event | None) -> None:
         """`blocks` of the cache into the backup; returns once they are there."""
@@ -72,10 +77,11 @@ class BlockCopier:
             if after is not None:
                 self.stream.wait_event(after)
             cap = self.stage.shape[0]
+            self.idx_host[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            self.idx_dev[:len(blocks)].copy_(self.idx_host[:len(blocks)], non_blocking=True)
             for at in range(0, len(blocks), cap):
                 chunk = list(blocks[at:at + cap])
-                idx = torch.tensor(chunk, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-                torch.index_select(self.src, 0, idx, out=self.stage[:len(chunk)])
+                torch.index_select(self.src, 0, self.idx_dev[at:at + len(chunk)], out=self.stage[:len(chunk)])
                 i = 0
                 for b0, n in block_runs(chunk):  # chunk is ascending: its runs are in its order
                     self.dst[b0:b0 + n].copy_(self.stage[i:i + n], non_blocking=True)

@@ -118,7 +118,8 @@ class LLMEngine:
 
     def _capture(self, label: str, buckets: list[int] | None) -> None:
         t0 = time.perf_counter()
-        self.runner.capture_graphs(buckets)
+        with self.journal.quiet():  # no other thread's CUDA work beside a capture (the KV backup's rounds wait)
+            self.runner.capture_graphs(buckets)
         self.graphs_captured_ms[label] = round((time.perf_counter() - t0) * 1000, 1)
 
     def _loop(self) -> None:

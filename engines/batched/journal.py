@@ -28,6 +28,7 @@ stream), so a write that is visible implies every write queued before it is done
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import zlib
 from collections.abc import Sequence as Seq
@@ -142,6 +143,10 @@ class Journal:
         self._free = list(range(layout.slots - 1, -1, -1))
         self._epoch = 0
         self._n_blocks: dict[int, int] = {}  # slot -> block-table entries written
+
+    def quiet(self) -> contextlib.AbstractContextManager[object]:
+        """Held while CUDA graphs are captured: a journal with a thread of its own (backup.py) pauses it."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ creation and recovery
     def format(self) -> None:
