@@ -254,6 +254,32 @@ async def test_events_delivered_together_reach_a_batch_handler_together_and_only
     assert bus.rejected == 1
 
 
+async def test_a_stored_backlog_larger_than_one_socket_read_reaches_a_batch_handler_as_one_batch(bus: Bus) -> None:
+    # 240 events of ~2 KB: the answer to the first pull request is ~0.5 MB, more than one socket read (256 KiB),
+    # so it lands over several loop passes; it is still one batch, and a lone later event is not held back.
+    n = 240
+    await bus.publish_all([bus.wired(FaultDetected(engine_id=f"e{i}", kind=FaultKind.KILLED, model="m" * 2000),
+                                     id=f"f-{i}") for i in range(n)])
+    batches: list[int] = []
+    every, late = asyncio.Event(), asyncio.Event()
+
+    async def handler(envs: list[Envelope]) -> list[BaseException | None]:
+        batches.append(len(envs))
+        if sum(batches) == n:
+            every.set()
+        if any(env.data.engine_id == "late" for env in envs):  # type: ignore[union-attr]
+            late.set()
+        return [None] * len(envs)
+
+    await bus.durable_batches("fault.>", "backlog", handler, concurrency=256)
+    await asyncio.wait_for(every.wait(), 10)
+    assert batches == [n]
+    sent = asyncio.get_running_loop().time()
+    await bus.publish_all([bus.wired(FaultDetected(engine_id="late", kind=FaultKind.KILLED), id="f-late")])
+    await asyncio.wait_for(late.wait(), 2)
+    assert asyncio.get_running_loop().time() - sent < 1.0  # handed over as it came: nothing more was pending
+
+
 async def test_batch_handlers_read_each_events_delivery_count_and_a_failed_one_comes_again_counted_twice(
         bus: Bus) -> None:
     from libs.common.bus import delivery_attempts

@@ -3,8 +3,10 @@
 A consumer asks JetStream (`$JS.API.CONSUMER.MSG.NEXT`) for as many messages as it has free slots
 (`concurrency`); the server sends what it has at once and the rest as it comes, until the request is filled or
 expires (`FETCH_WAIT_S`), then the consumer asks again. Messages land on one callback subscription and are handed
-over once per event-loop pass. Not nats-py's `fetch`: it takes each message with `next_msg`, a task and a timer per
-message, ~2x the CPU per message of this (docs/bus.md, `holdfast bench controlplane --floor`). Invariants
+over at the end of the event-loop pass they land in, unless the rest of the same answer is on its way (the server
+said it has more for this consumer): then the whole answer goes as one batch (held `HOLD_S` at most). Not
+nats-py's `fetch`: it takes each message with `next_msg`, a task and a timer per message, ~2x the CPU per message
+of this (docs/bus.md, `holdfast bench controlplane --floor`). Invariants
 (libs/common README 3): a message is acked only after its handler succeeded; a failed handler's message is nak'd and
 comes again (at most `MAX_DELIVER` deliveries); a malformed message is terminated (never redelivered); a refused one
 (receive.py) is acked, never acted on; at most `concurrency` messages are unacked at once (`max_ack_pending`, and
@@ -35,6 +37,11 @@ log = logging.getLogger("holdfast.bus")
 
 MAX_DELIVER = 5
 FETCH_WAIT_S = 5.0  # how long one fetch waits for a first message before asking again
+# The longest a landed message waits for the rest of its request's answer. An answer of a few hundred messages
+# lands over several loop passes (one socket read each); handed over pass by pass, its pieces finished, and were
+# asked for again, at different times, so a busy consumer's slots stayed split into ever smaller batches: 2x the
+# batches, flushes and etcd transactions per incident (docs/controlplane.md, "Batches split by loop passes").
+HOLD_S = 0.05
 # Many events at once -> for each, in order: None (handled) or the exception that failed it.
 BatchHandler = Callable[[list[Envelope]], Awaitable[list[BaseException | None]]]
 
@@ -68,6 +75,16 @@ def num_delivered(msg: Msg) -> int:
     if len(tokens) >= 11:  # $JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>...
         return int(tokens[6]) or 1
     return msg.metadata.num_delivered or 1
+
+
+def num_pending(msg: Msg) -> int:
+    """How many messages the stream still holds for this consumer after `msg`, read from its ack subject."""
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9:
+        return int(tokens[8])
+    if len(tokens) >= 11:
+        return int(tokens[10])
+    return msg.metadata.num_pending or 0
 
 
 async def beside(together: Awaitable[None], alone: dict[int, Awaitable[None]],
@@ -126,7 +143,11 @@ class Consumer:
         self.asked = 0  # messages the open pull request may still bring
         self.answered = asyncio.Event()  # the open request is filled, expired or refused
         self.status: str | None = None  # how the server ended the last request, if it did (408, 409...)
-        self.arrived: list[Msg] = []  # landed in this loop pass, not yet handed over
+        self.arrived: list[Msg] = []  # landed, not yet handed over
+        self.due = False  # a hand-over is scheduled for the end of this loop pass
+        self.coming = False  # the last message landed said the server has more for this consumer
+        self.hold_until = 0.0  # the first of `arrived` waits no longer than this for the rest of its answer
+        self.timer: asyncio.TimerHandle | None = None
         self.sub: Any = None
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -168,7 +189,19 @@ class Consumer:
     def _landed(self, dispatch: Callable[[list[Msg]], None]) -> Callable[[Msg], Awaitable[None]]:
         loop = asyncio.get_running_loop()
 
-        def hand_over() -> None:  # once per loop pass: what landed in it goes to `dispatch` as one batch
+        def hand_over() -> None:  # at the end of a loop pass: what landed goes to `dispatch` as one batch
+            self.due = False
+            if not self.arrived:
+                return
+            if self.asked > 0 and self.coming and loop.time() < self.hold_until:
+                # The rest of the request's answer is on its way (the server has more for this consumer): the
+                # whole answer goes as one batch, not split by the loop passes it lands in.
+                if self.timer is None:
+                    self.timer = loop.call_at(self.hold_until, hand_over)
+                return
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
             msgs, self.arrived = self.arrived, []
             now = loop.time()
             for msg in msgs:
@@ -181,14 +214,22 @@ class Consumer:
                 if headers["Status"] != "100":  # 100: an idle heartbeat, the request is still open
                     self.status = headers["Status"]
                     self.answered.set()
+                    self.coming = False
+                    if self.arrived and not self.due:
+                        self.due = True
+                        loop.call_soon(hand_over)
                 return
             self.free -= 1
             self.asked -= 1
             if self.asked <= 0:
                 self.answered.set()
+            self.coming = num_pending(msg) > 0
             if not self.arrived:
-                loop.call_soon(hand_over)
+                self.hold_until = loop.time() + HOLD_S
             self.arrived.append(msg)
+            if not self.due:
+                self.due = True
+                loop.call_soon(hand_over)
 
         return cb
 
