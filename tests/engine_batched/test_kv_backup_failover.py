@@ -25,15 +25,22 @@ from libs.common.events import Freeze, FreezeReply, ListLeases, ListLeasesReply,
 from tests.engine.conftest import gpu_manager, tiny_weights  # noqa: F401 - fixtures
 from tests.engine_batched.test_failover import STREAMS, BatchedEngine, alone, resume, streams_started
 
-LAG_MS = 100
+
+def backup_rounds(url: str) -> int:
+    return int(httpx.get(url + "/health", timeout=10).json()["kv_backup"]["rounds"])
 
 
 async def lose_kv_and_take_over(first: BatchedEngine, tmp_path: Path, tiny_weights: Path,  # noqa: F811
-                                settings_env: dict[str, str], settings: CommonSettings,
-                                bus: Bus) -> tuple[dict, dict, dict[int, list[int]], dict[int, list[int]], list]:
+                                settings_env: dict[str, str], settings: CommonSettings, bus: Bus,
+                                after_s: float) -> tuple[dict, dict, dict[int, list[int]], dict[int, list[int]], list]:
     expected = {i: await asyncio.to_thread(alone, first.url, i) for i in range(STREAMS)}
     seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
-    await asyncio.sleep(3 * LAG_MS / 1000)  # decode under way, the backup rounds behind it
+    if after_s > 0.5:  # just after a round, then `after_s`: the decode since that round is past the durable point
+        rounds = first_rounds = await asyncio.to_thread(backup_rounds, first.url)
+        while rounds == first_rounds:
+            await asyncio.sleep(0.01)
+            rounds = await asyncio.to_thread(backup_rounds, first.url)
+    await asyncio.sleep(after_s)  # decode under way, the backup rounds behind it
     leases = (await bus.request(settings.node, ListLeases(owner="bat-a"), ListLeasesReply)).leases
     (kv,) = [lease for lease in leases if lease.tag is Tag.KV_CACHE]
     await bus.request(settings.node, Reclaim(lease_id=kv.id, force=True), ReclaimReply)
@@ -55,16 +62,20 @@ async def lose_kv_and_take_over(first: BatchedEngine, tmp_path: Path, tiny_weigh
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("lag_ms", [100, 3000], ids=["lag-100ms", "lag-3s"])
 async def test_sixteen_streams_continue_exactly_from_the_host_backup_after_the_kv_lease_is_lost(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],  # noqa: F811
-        settings: CommonSettings, bus: Bus) -> None:
+        settings: CommonSettings, bus: Bus, lag_ms: int) -> None:
+    """With a 3 s lag (a round every 1.5 s) the loss lands 0.7 s after a round: the decode since then is past the
+    durable point, recomputed from the backed tokens and the tokens the clients saw (and still exact)."""
     first = BatchedEngine(tmp_path, tiny_weights, "bat-a", settings_env, "--kv-backup", "--kv-backup-lag-ms",
-                          str(LAG_MS))
+                          str(lag_ms))
     before = first.wait_ready()
     assert before["kv_backup"]["rounds"] == 0
     t0 = time.monotonic()
+    after_s = 0.3 if lag_ms == 100 else 0.7
     info, health, expected, got, handed = await lose_kv_and_take_over(first, tmp_path, tiny_weights, settings_env,
-                                                                       settings, bus)
+                                                                       settings, bus, after_s)
     assert {lease.name for lease in handed} == {"weights", "kv_backup"}  # the cache's lease is gone
     rec, stats, restore = info["recovery"], health["engine"], info["recovery"]["kv_backup"]
     assert rec["source"] == "takeover" and rec["journal"] == "adopted"
@@ -78,6 +89,8 @@ async def test_sixteen_streams_continue_exactly_from_the_host_backup_after_the_k
     assert stats["prefill_tokens"] == recomputed
     lag_tokens = max(len(s) for s in got.values())  # a loose bound: the exact one is the lag over a step's time
     assert 0 <= recomputed < lag_tokens
+    if lag_ms > 1000:
+        assert recomputed > 0  # the loss came between two rounds: the tokens since the last were recomputed
     print(f"restored {restore['restored']} sequences, {restore['blocks']} blocks in {restore['ms']} ms; "
           f"recomputed {restore['recomputed_tokens']} + {stats['claim_extra_tokens']} claimed tokens; "
           f"{time.monotonic() - t0:.1f} s")
