@@ -51,12 +51,15 @@ class Stream(StreamResult):
 
 
 def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None,
-                    step_tokens: int = 2048, prefill_chunk: int = 256) -> list[str]:
+                    step_tokens: int = 2048, prefill_chunk: int = 256, fenced: bool = True) -> list[str]:
     """The engine in deterministic mode (outputs comparable with the control's); `step_tokens` bounds a step's
-    prefill, hence how long one step can hold every stream's next token."""
+    prefill, hence how long one step can hold every stream's next token. `fenced`: its standby's fenced takeover
+    (config.py `fenced_takeover`); off, the standby is assigned once the predecessor's death is confirmed."""
     argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--deterministic",
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
             "--prefill-chunk", str(prefill_chunk)]
+    if not fenced:
+        argv.append("--no-fenced-takeover")
     if kv_cache_gib:
         argv += ["--kv-cache-gib", str(kv_cache_gib)]
     return argv
@@ -66,17 +69,17 @@ class LoadScenario(Scenario):
     """The demo's scenario with the batched engine (its standby adopts; it does not shadow)."""
 
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
-                 prefill_chunk: int = 256, **kw: Any) -> None:
+                 prefill_chunk: int = 256, fenced: bool = True, **kw: Any) -> None:
         super().__init__(shadow=False, **kw)
         self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
-        self.step_tokens, self.prefill_chunk = step_tokens, prefill_chunk
+        self.step_tokens, self.prefill_chunk, self.fenced = step_tokens, prefill_chunk, fenced
 
     def start(self) -> Stack:
         make_weights(self.size, self.weights)
         spec = EngineSpec(engine_class="batched", model=MODEL,
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
-                                                  prefill_chunk=self.prefill_chunk),
+                                                  prefill_chunk=self.prefill_chunk, fenced=self.fenced),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
         specs_file = self.write_specs(spec)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
@@ -130,8 +133,9 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
         await sc.wait_event("incident.resolved", 120, after=seen)
         successor = await sc.wait_serving(standbys=0, timeout=120)
         out["successor"] = await sc.engine_health(successor.endpoint or "")
-        # the successor's tokens: after its assignment (the predecessor's last tokens still come just after the kill)
-        t_from = _assigned(out)
+        # the successor's tokens: after it was ready (the predecessor's last tokens still come after the kill, and
+        # a fenced standby is assigned with it)
+        t_from = _ready(out)
         after = [t for s in streams for t in s.arrivals if t > t_from]
         resumed = [min((t for t in s.arrivals if t > t_from), default=None) for s in streams]
         rec = out["successor"].get("recovery") or {}
@@ -169,10 +173,12 @@ def client_report(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "parse_after_arrival_ms": pct(delay), "largest_gap_ms_if_stamped_at_parse": pct(gaps)}
 
 
-def _assigned(r: dict[str, Any]) -> float:
-    """When the successor was assigned (the kill's time where its health does not say)."""
-    t0 = (r["successor"].get("recovery") or {}).get("t0_wall")
-    return t0 if isinstance(t0, (int, float)) else r["t_kill"]
+def _ready(r: dict[str, Any]) -> float:
+    """When the successor was ready: no token of it can come before (the kill's time where its health does not
+    say)."""
+    rec = r["successor"].get("recovery") or {}
+    t0, ready = rec.get("t0_wall"), rec.get("ready_ms")
+    return t0 + ready / 1000 if isinstance(t0, (int, float)) and isinstance(ready, (int, float)) else r["t_kill"]
 
 
 def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
@@ -183,10 +189,10 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
     lost = sum(1 for s in streams + lates if s.error or not s.done)
     ref = {s.prompt: s.tokens for s in (control["streams"] + control["late"])} if control else {}
     mismatched = sum(1 for s in streams + lates if s.done and ref.get(s.prompt) is not None and s.tokens != ref[s.prompt])
-    # per stream of a failover round: its first token from the successor (after its assignment: the
-    # predecessor's last tokens may still arrive just after the kill), in ms after the kill
+    # per stream of a failover round: its first token from the successor (after it was ready: the predecessor's
+    # last tokens may still arrive after the kill), in ms after the kill
     resumed = [(t - r["t_kill"]) * 1000 for r in rounds if "successor" in r for s in r["streams"]
-               if (t := min((a for a in s.arrivals if a > _assigned(r)), default=None)) is not None]
+               if (t := min((a for a in s.arrivals if a > _ready(r)), default=None)) is not None]
     out: dict[str, Any] = {"largest_gap_ms": pct(gaps), "late_first_token_ms": pct(ttft),
                            "stream_resumed_after_kill_ms": pct(resumed),
                            "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
@@ -200,7 +206,10 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
             "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
             "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],
             "graphs_captured_ms": [e.get("graphs_captured_ms") for e in eng],
-            "recovery": [h.get("recovery") for h in succ]}
+            "recovery": [h.get("recovery") for h in succ],
+            # where its time went: the slowest steps with their make-up, and its first tokens' phases
+            "step_times": [e.get("step_times") for e in eng],
+            "first_token_phases_ms": [h.get("first_token_phases_ms") for h in succ]}
         out["timeline_ms"] = [dict(sorted(((k, round(v, 1)) for k, v in r["timeline_ms"].items() if v is not None),
                                           key=lambda kv: kv[1]))
                               for r in rounds if "timeline_ms" in r]
@@ -209,10 +218,10 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
 
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
-              prefill_chunk: int = 256, client_procs: int = 0) -> dict[str, Any]:
+              prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, fenced=fenced)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
     pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs())
@@ -224,7 +233,7 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
             rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm)
                       for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
-                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "no_failure": summarize([control], control),
+                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "fenced": fenced, "no_failure": summarize([control], control),
                 "sigkill": summarize(rounds, control)}
     finally:
         pool.close()
