@@ -299,11 +299,8 @@ def allocate(memory: Any, kv: torch.Tensor, layout: JournalLayout) -> dict[str, 
         pin = kv.device.type == "cuda"
         return {n: torch.zeros(shape, dtype=dt, pin_memory=pin) for n, dt, shape, _ in items}
     client = memory.client
-    if client.backend != "host":
-        raise BackupUnavailable("--kv-backup needs a host-memory lease; this gpu_manager's backend is "
-                                f"{client.backend!r}, which leases device memory only")
     lease = client.allocate(lease_bytes(tuple(kv.shape), kv.dtype, layout), tag="other", name=BACKUP_NAME,
-                            gpu=memory.gpu)
+                            gpu=memory.gpu, host=True)  # a memfd on any backend, not taken by a fault of the GPU
     client.register([lease.meta(n, dt, shape, off) for n, dt, shape, off in items])
     client.commit()
     return {n: lease.torch(dt, shape, off) for n, dt, shape, off in items}

@@ -433,7 +433,7 @@ class MemoryClient:
         if res is not None:
             res.mapping.adopt(fds, sizes)
             return res.mapping
-        if self.backend == "cuda":
+        if self.backend == "cuda" and not g.lease.host:
             return CudaMapping(fds, sizes, g.gpu_uuid, g.lease.gpu, read_only=g.read_only)
         return HostMapping(fds, sizes, read_only=g.read_only)
 
@@ -477,8 +477,10 @@ class MemoryClient:
         return p.PendingReply.model_validate(body).leases
 
     def allocate(self, nbytes: int, *, tag: str = "weights", name: str = "", gpu: int = 0,
-                 chunk_size: int | None = None) -> MappedLease:
-        body, fds = self._call(p.Allocate(gpu=gpu, size=nbytes, tag=tag, name=name, chunk_size=chunk_size))  # type: ignore[arg-type]
+                 chunk_size: int | None = None, host: bool = False) -> MappedLease:
+        """`host`: host memory (a memfd) on any backend, mapped here as the host backend's leases are."""
+        body, fds = self._call(p.Allocate(gpu=gpu, size=nbytes, tag=tag, name=name, chunk_size=chunk_size,  # type: ignore[arg-type]
+                                          host=host))
         return self._map(body, fds)[0]
 
     def register(self, metas: Sequence[TensorMeta]) -> None:

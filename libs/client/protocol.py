@@ -121,6 +121,7 @@ class Allocate(Msg):
     tag: Tag = Tag.WEIGHTS
     name: str = ""
     chunk_size: int | None = Field(None, gt=0)  # None: the manager's configured chunk size
+    host: bool = False  # host memory (a memfd) on any backend (LeaseInfo.host)
 
 
 class Register(Msg):

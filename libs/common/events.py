@@ -105,6 +105,9 @@ class LeaseInfo(Model):
     last_seen: float
     deadline: float | None = None
     layout_hash: str | None = None
+    # Host memory (a memfd) whatever the node's backend: not on the GPU it names, whose fault does not take it (a
+    # KV cache's host backup, engines/batched/backup.py).
+    host: bool = False
 
 
 class EngineSpec(Model):

@@ -41,7 +41,7 @@ from libs.common.errors import HoldfastError, InvariantBroken, NotFound, Permiss
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from libs.common.ids import new_id
 from services.gpu_manager import reconciler
-from services.gpu_manager.backends import Backend, Chunk, round_up
+from services.gpu_manager.backends import Backend, Chunk, HostBackend, round_up
 from services.gpu_manager.db import LeaseDb
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 from services.gpu_manager.gang import Gang, ended
@@ -109,6 +109,8 @@ class LeaseBook:
                  mirror: Mirror) -> None:
         self.settings = settings
         self.backend = backend
+        # host leases (LeaseInfo.host): memfds on any backend; the host backend's own on the host backend
+        self.host_backend: Backend = backend if backend.name == "host" else HostBackend()
         self.db = db
         self.keeper = keeper
         self.mirror = mirror
@@ -160,7 +162,7 @@ class LeaseBook:
                 self.chunks[rec.id] = []
                 await self.apply(rec, LeaseEvent.FORCE_RECLAIM, "memory_lost")
                 continue
-            self.chunks[rec.id] = await self.backend_call(self.backend.adopt, rec.info.gpu, fds, sizes)
+            self.chunks[rec.id] = await self.backend_call(self.backend_of(rec.info).adopt, rec.info.gpu, fds, sizes)
             self.records[rec.id] = rec
             if rec.info.state == LeaseState.ACTIVE and rec.owner_pid is not None:
                 self.watch_pid(rec.owner_pid)
@@ -202,8 +204,9 @@ class LeaseBook:
             os.close(fd)
         self._pidfds.clear()
         # Closing our fds does not free memory: the keeper still holds every live lease.
-        for chunks in self.chunks.values():
-            await self.backend_call(self.backend.free, chunks)
+        for lease_id, chunks in self.chunks.items():
+            rec = self.records.get(lease_id)
+            await self.backend_call((self.backend_of(rec.info) if rec else self.backend).free, chunks)
         self._backend_pool.shutdown(wait=True)
 
     # ------------------------------------------------------------ owners
@@ -328,38 +331,39 @@ class LeaseBook:
     async def _free(self, rec: LeaseRecord) -> None:
         self.records.pop(rec.id, None)
         chunks = self.chunks.pop(rec.id, [])
-        await self.backend_call(self.backend.free, chunks)
+        await self.backend_call(self.backend_of(rec.info).free, chunks)
         with contextlib.suppress(Exception):  # the keeper may be restarting; load() drops unknown entries
             await self.keeper.drop(rec.id)
         log.info("lease %s reclaimed: %d bytes freed", rec.id, rec.info.size)
 
     async def create(self, *, owner: str, engine_class: str, uid: int, pid: int, pid_start: int | None,
-                     gpu: int, size: int, tag: Tag, name: str, chunk_size: int | None) -> LeaseRecord:
+                     gpu: int, size: int, tag: Tag, name: str, chunk_size: int | None, host: bool = False) -> LeaseRecord:
         self.backend.check_gpu(gpu)
-        if self.board is not None:
+        backend = self.host_backend if host else self.backend
+        if self.board is not None and not (host and self.backend.name != "host"):
             self._check_board(gpu, size)
-        gran = self.backend.granularity(gpu)
+        gran = backend.granularity(gpu)
         chunk = round_up(chunk_size or self.settings.chunk_mib * 1024 * 1024, gran)
         size = round_up(size, gran)
         cap = self.settings.host_capacity_bytes
-        if cap is not None and self.backend.name == "host":
+        if cap is not None and backend.name == "host":
             from libs.client.protocol import OutOfMemory
 
             used = sum(r.info.size for r in self.records.values() if r.info.state in LIVE)  # sleeping: no memory
             if used + size > cap:
                 raise OutOfMemory(f"{size} bytes asked, {cap - used} of {cap} free")
         lease_id = new_id("lease")
-        chunks = await self.backend_call(self.backend.allocate, gpu, chunk_sizes(size, chunk), lease_id)
+        chunks = await self.backend_call(backend.allocate, gpu, chunk_sizes(size, chunk), lease_id)
         now = time.time()
         info = LeaseInfo(id=lease_id, node=self.settings.node, gpu=gpu, size=size, chunk_size=chunk, tag=tag,
                          name=name, owner=owner, engine_class=engine_class, epoch=1, state=LeaseState.ACTIVE,
-                         created_at=now, last_seen=now)
+                         created_at=now, last_seen=now, host=host)
         rec = LeaseRecord(info=info, owner_uid=uid, owner_pid=pid, owner_pid_start=pid_start)
         try:
             await self.persist([rec])  # durable first: a crash now leaves a row, no orphan memory
             await self.keeper.put(lease_id, [c.fd for c in chunks], {"gpu": gpu})
         except BaseException:
-            await self.backend_call(self.backend.free, chunks)
+            await self.backend_call(backend.free, chunks)
             raise
         self.records[lease_id] = rec
         self.chunks[lease_id] = chunks
@@ -383,11 +387,15 @@ class LeaseBook:
         """Every live lease on a failed GPU is reclaimed: its memory is lost (a successor must cold-start from the
         weights file; the controller routes an open incident of their owner to the fallback on the reclaim)."""
         async with self.lock:
-            hit = [r for r in self.records.values() if r.info.gpu == gpu and r.info.state in LIVE]
+            # a host lease names the GPU it serves, but its memory is the host's: the fault does not take it
+            hit = [r for r in self.records.values() if r.info.gpu == gpu and r.info.state in LIVE and not r.info.host]
             await self.apply_all([Move(r, LeaseEvent.FORCE_RECLAIM, cause) for r in hit])
         if hit:
             log.warning("GPU %d failed (%s): %d leases lost %s", gpu, cause, len(hit), [r.id for r in hit])
         return [r.id for r in hit]
+
+    def backend_of(self, info: LeaseInfo) -> Backend:
+        return self.host_backend if info.host else self.backend
 
     def fds_of(self, lease_id: str) -> list[int]:
         chunks = self.chunks.get(lease_id)

@@ -218,7 +218,7 @@ class EngineSession:
             self._admit_allocate(req, peer)
             rec = await self.book.create(owner=peer.engine_id, engine_class=peer.engine_class, uid=peer.uid,
                                          pid=peer.pid, pid_start=peer.pid_start, gpu=req.gpu, size=req.size,
-                                         tag=req.tag, name=req.name, chunk_size=req.chunk_size)
+                                         tag=req.tag, name=req.name, chunk_size=req.chunk_size, host=req.host)
             return self._grant([rec])
         if isinstance(req, Register):
             await self.register(req, peer)

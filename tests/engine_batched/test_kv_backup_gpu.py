@@ -15,6 +15,8 @@ import torch
 from engines.batched.backup import BackupWriter, backed_journal, packed, restore
 from engines.batched.journal import Admission, Journal, JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
+from libs.client.memory import MemoryClient
+from tests.gpu_manager.conftest import manager_factory  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.gpu
 
@@ -101,3 +103,29 @@ def test_the_copy_stream_does_not_wait_for_the_steps_stream() -> None:
     torch.cuda.synchronize()
     print(f"\n64 blocks copied in {copy_ms:.1f} ms while the step's stream had {busy_ms:.0f} ms of work queued")
     assert copy_ms < busy_ms / 4
+
+
+def test_a_cuda_managers_host_lease_is_host_memory_the_backup_copies_into(manager_factory) -> None:  # noqa: ANN001, F811
+    """The cuda backend leases the backup as a memfd (`host=True`), mapped here as host memory; the cache's lease is
+    device memory; a round copies from one into the other."""
+    manager = manager_factory(HF_BACKEND="cuda", HF_CHUNK_MIB="64").start()
+    with MemoryClient.connect("bk", socket_path=manager.socket) as client:
+        items = packed(KV_SHAPE, torch.bfloat16, LAYOUT)
+        _, dt, shape, off = items[-1]
+        backup = client.allocate(off + torch.Size(shape).numel(), tag="other", name=BACKUP_NAME, host=True)
+        cache = client.allocate(torch.Size(KV_SHAPE).numel() * 2, tag="kv_cache", name="kv_cache")
+        assert backup.info.host and not cache.info.host
+        tensors = {n: backup.torch(dt, shape, off) for n, dt, shape, off in items}
+        kv = cache.torch(torch.bfloat16, KV_SHAPE)
+        assert tensors[BACKUP_NAME].device.type == "cpu" and kv.device.type == "cuda"
+        kv.normal_()
+        writer = BackupWriter(kv, tensors, LAYOUT, lag_ms=100, chunk=None, thread=False)
+        writer.fresh()
+        journal = backed_journal(writer, LAYOUT, new_journal_tensors())
+        journal.format()
+        slot = journal.admit(Admission(1, "req-1", [256] * 40, 40, 64, 0.0, 0, True), [5, 9, 11])
+        journal.commit([(slot, 41, 40, 3)])
+        writer.round()
+        assert writer.copier.registered
+        src = kv.permute(2, 0, 1, 3, 4, 5)
+        assert all(torch.equal(tensors[BACKUP_NAME][b], src[b].cpu()) for b in (5, 9, 11))
