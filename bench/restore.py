@@ -114,6 +114,7 @@ class Bench:
     def close(self) -> None:
         if self.registered is not None:
             self.registered.close()
+            self.registered = None
         for fd in self.host_fds:
             os.close(fd)
         self.host_fds = []
@@ -313,10 +314,14 @@ def goals(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(backend: str, weights_gib: float, directory: Path | None, trials: int, workers: int,
-        sources: tuple[str, ...] = SOURCES, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        sources: tuple[str, ...] = SOURCES, progress: Callable[[dict[str, Any]], None] | None = None,
+        first_token: bool = False) -> dict[str, Any]:
     """The report. `progress(report)` is called after every step (the report so far: a run cut off still leaves its
     figures); a source that fails is in `errors` and the others go on; a failure before any source could run (the
-    file, the reference load, the artifact) ends the run with `error` set."""
+    file, the reference load, the artifact) ends the run with `error` set. With `first_token`, then a new engine's
+    time to its first token from each source (bench/first_token.py), once the lease fills' files are gone."""
+    if first_token and "file" not in sources:  # the engines' baseline, beside its lease fill (the reference load)
+        sources = ("file", *sources)
     base = Path(tempfile.mkdtemp(prefix="hf-bench-restore-", dir=directory))
     out: dict[str, Any] = {"backend": backend, "workers": workers, "trials": trials, "dir": str(base),
                            "block_mib": BLOCK >> 20, "sources": list(sources), "peers": peer_status(), "gib_s": {},
@@ -329,6 +334,12 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
         step("weights file written")
         _measure(bench, out, sources, trials, step)
         out["goals"] = goals(out)
+        if first_token:
+            from bench import first_token as ft
+
+            bench.close()
+            clear(base)  # the disk then holds the engine's weights file and one copy at a time, not these too
+            ft.run(out, out["backend"], weights_gib, base / "first-token", trials, sources, step)
         out["complete"] = True
     except Exception as e:  # noqa: BLE001 - said in the report, which is printed either way
         out["error"] = f"{type(e).__name__}: {e}"
@@ -439,6 +450,11 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
                     out["gib_s"][name] / out["gib_s"]["sol_pinned_h2d"], 3)
 
 
+def clear(directory: Path) -> None:
+    for p in directory.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 class HostWindowCopy:
     """The host tier as the gpu_manager keeps it: the artifact's files as memfds."""
 
@@ -489,17 +505,21 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         sources: str = typer.Option("all", "--sources", "--from",
                                     help=f"sources timed, comma-separated: all or some of {', '.join(SOURCES)} "
                                          "(artifact: artifact-direct)"),
+        first_token: bool = typer.Option(True, "--first-token/--no-first-token",
+                                         help="then a new batched engine's time to its first token from the file, "
+                                              "the artifact and the host tier (those asked for; the file always)"),
         out_path: Path | None = typer.Option(None, "--out", help="the JSON report, rewritten after every step"),
         json_out: bool = typer.Option(False, "--json")) -> None:
     """GiB/s of the cold file load, safetensors, fastsafetensors, the artifact (buffered vs direct) and the host
-    tier, beside the machine's speeds of light; exits 1 when the run failed or a source did."""
+    tier, beside the machine's speeds of light, then a new engine's time to its first token from each source; exits 1
+    when the run failed or a source did."""
     try:
         picked = parse_sources(sources)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sources") from None
 
     result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked,
-                 reporter("bench restore", out_path))
+                 reporter("bench restore", out_path), first_token)
     if json_out:
         print(json.dumps(result, indent=2))
     else:
@@ -509,6 +529,9 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
             s = result["seconds"].get(name)
             print(f"  {name:20s} {rate:8.2f} GiB/s" + (f"  {s:.3f} s" if s is not None else ""))
         print(f"  restored bytes identical to the file: {result['verified']}")
+        for name, row in result.get("side_by_side", {}).items():
+            print(f"  new engine from {name:8s} ready {row['to_ready_s']} s, first token {row['to_first_token_s']} s "
+                  f"(its load {row['engine_load_ms']} ms; lease fill {row['fill_s']} s)")
         for name, why in result["errors"].items():
             print(f"  {name}: FAILED {why}")
         if "error" in result:

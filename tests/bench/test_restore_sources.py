@@ -43,7 +43,7 @@ def test_source_lists_are_parsed_and_an_unknown_one_is_refused():
 def test_the_cli_prints_one_complete_report_with_every_figure_and_writes_it_as_it_goes(tmp_path: Path):
     report = tmp_path / "restore.json"
     result = CliRunner().invoke(app(), ["--backend", "host", "--weights-gib", "0.0625", "--dir", str(tmp_path),
-                                        "--trials", "2", "--workers", "2", "--from", "all", "--json",
+                                        "--trials", "2", "--workers", "2", "--from", "all", "--no-first-token", "--json",
                                         "--out", str(report)])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)  # stdout is the report and nothing else
