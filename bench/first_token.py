@@ -7,12 +7,13 @@ An engine reaches a source only through its one cold path (libs/client/safetenso
 the node for its class's copy `<class>.weights` (the host tier's, else the artifact) and reads the file where
 there is none. So each source is an engine class of its own, and the node holds exactly one copy for each:
 - `file`: class `ft-file`, of which the node never has a copy (the cold path as it is);
-- `host`: class `ft-host`, a host tier copy written from the first file engine's weights lease (`SnapshotLease`
+- `host`: class `ft-host`, a host tier copy written from the last file engine's weights lease (`SnapshotLease`
   with `host_tier`, as the policy does after a first load); the artifact that command writes beside it is deleted,
   so only the tier can serve (a fallback would read the file, and the report would say so);
 - `artifact`: class `ft-artifact`, an artifact written from the same lease.
-The copies are written once the file trials are done (the first file engine is kept until then; the host copy
-first and its artifact deleted before the next is written: the disk holds the weights file and one artifact).
+The copies are written once the file trials are done (the last file engine is kept until then; the host copy
+first and its artifact deleted before the next is written: the disk holds the weights file and one artifact). The
+weights file is the model's (`model_file`), written once: the restore bench's lease fills read it too.
 
 Per trial: `spawn_to_ready_s` (process start to its ready file, polled every 10 ms), `ready_to_first_token_s`
 (a streamed /generate request's first token line), `total_s`, and the engine's own word: the source that served
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,16 @@ CLASS = {"file": "ft-file", "artifact": "ft-artifact", "host": "ft-host"}
 PROMPT = "The first token of a new engine"
 POLL_S = 0.01
 FIGURES = ("spawn_to_ready_s", "ready_to_first_token_s", "total_s", "load_ms")
+WORK = "first-token"  # its folder in the restore bench's
+
+
+def model_file(backend: str, weights_gib: float, work: Path) -> Path:
+    """The engine's weights file, about `weights_gib` GiB (written once: the lease fills read it too)."""
+    from bench.recovery import size_for
+
+    work.mkdir(parents=True, exist_ok=True)
+    size = size_for(backend, weights_gib)
+    return make_weights(size, work / f"model-{size}.safetensors")
 
 
 def engine_sources(sources: tuple[str, ...]) -> list[str]:
@@ -102,11 +114,9 @@ class FirstTokenBench:
     """The stack, the model's weights file and the engines started on it (blocking: call off the event loop)."""
 
     def __init__(self, backend: str, weights_gib: float, work: Path, kv_cache_gib: float) -> None:
-        from bench.recovery import size_for
-
         self.backend, self.work, self.kv_cache_gib = backend, work, kv_cache_gib
-        self.size = size_for(backend, weights_gib)
-        self.weights = make_weights(self.size, work / f"model-{self.size}.safetensors")
+        self.weights = model_file(backend, weights_gib, work)
+        self.size = self.weights.stem.removeprefix("model-")
         self.artifacts = work / "artifacts"
         tier = int(self.weights.stat().st_size * 1.1) + GIB  # one copy of the weights, with room for its alignment
         self.stack = Stack(StackConfig.ephemeral(backend=backend, services=("gpu_manager",),
@@ -250,7 +260,7 @@ async def measure(b: FirstTokenBench, ft: dict[str, Any], sources: list[str], tr
             await trial("file", i, keep_running=last)
             if last and f"ft-file-{i}" in b.running:
                 keep = f"ft-file-{i}"
-        for source in sources[1:]:
+        for source in sorted(sources[1:], key=lambda x: x != "host"):  # the host tier's first: its artifact goes
             if not keep:
                 ft["errors"][source] = "no file engine to write its copy from"
                 continue
@@ -292,13 +302,13 @@ def run(report: dict[str, Any], backend: str, weights_gib: float, work: Path, tr
     report["first_token"] = ft
     b: FirstTokenBench | None = None
     try:
-        work.mkdir(parents=True, exist_ok=True)
         b = FirstTokenBench(backend, weights_gib, work, kv)
         ft["size"], ft["weights_file_gib"] = b.size, round(b.weights.stat().st_size / GIB, 3)
         ft["in_memory_fs"] = in_memory_fs(b.weights)
-        step("first token: model weights written")
-        b.stack.start(timeout=120)
-        ft["warmup_s"] = round(b.warm_up(), 3)
+        with ThreadPoolExecutor(1) as pool:  # both take seconds, and neither needs the other
+            warm = pool.submit(b.warm_up)
+            b.stack.start(timeout=120)
+            ft["warmup_s"] = round(warm.result(), 3)
         step("first token: stack up, libraries warm")
         asyncio.run(measure(b, ft, picked, trials, timeout_s, step))
         report["side_by_side"] = side_by_side(report)

@@ -11,12 +11,18 @@ restore_cuda.py), without a stack:
 - `safetensors`: the peer a user would pick instead (safetensors.numpy / safetensors.torch load_file, to
   host memory or to the GPU); fastsafetensors is measured where installed;
 - `artifact-buffered` and `artifact-direct`: the artifact restore without and with O_DIRECT, hashes checked;
-- `host`: the host tier (the artifact's bytes in memfds, no hash); on cuda DMA'd from the memfds' own pages,
+- `host`: the host tier (the lease's bytes in memfds of the artifact's file sizes, written from the lease as the
+  gpu_manager writes its tier; read with no hash); on cuda DMA'd from the memfds' own pages,
   registered in place once (`host_register_s`, apart), as the gpu_manager does (host_tier_cuda.py), and
   `host-bounce` beside it: the same memfds read on the pool through pinned bounce buffers (the fallback);
   on the host backend read on the pool straight into the lease's pages.
 `--sources` (or `--from`; `artifact` is artifact-direct) times only some of them (the speed-of-light figures are
-always measured). Every restored lease is compared with the weights file's bytes once, outside the timed region.
+always measured). Every restored lease is compared with the weights file's bytes once, outside the timed region (on
+cuda on the device: a reference copy of the file's lease is kept there).
+`--first-token` (the CLI's default): then a new batched engine's time from process start to its first token from
+the file, the artifact and the host tier, each as the engine reports it served (bench/first_token.py): its weights
+file is then the model's, read by the lease fills too (written once), and `side_by_side` puts each source's lease
+fill beside its engine's load and first token.
 The report says what it could not measure: `errors` (a source that failed, with its exception; the others go on),
 `skipped` (a peer library not installed, host-bounce on the host backend), `error` and `complete: false` (a run
 that failed before any source); `peers` (which libraries are there), `goals` (issue 21's shares and ratios, and
@@ -94,7 +100,8 @@ def drop_cache(paths: list[Path]) -> None:
 
 
 class Bench:
-    def __init__(self, backend: str, directory: Path, nbytes: int, workers: int) -> None:
+    def __init__(self, backend: str, directory: Path, nbytes: int, workers: int,
+                 weights: Callable[[str], Path] | None = None) -> None:
         self.backend = make_backend(backend, [])
         self.gpu = 0
         gran = self.backend.granularity(0)
@@ -103,7 +110,10 @@ class Bench:
         self.path = directory / "weights.safetensors"
         from libs.client.safetensors_io import plan_layout, read_header
 
-        make_weights(self.path, nbytes)
+        if weights is None:
+            make_weights(self.path, nbytes)
+        else:  # the file `weights(backend)` gives (the first-token part's model, written once for both parts)
+            self.path = weights(self.backend.name)
         self.data_start, header = read_header(self.path)
         self.layout, total = plan_layout(header, "bench")
         self.size = -(-max(total, BLOCK) // max(gran, 4096)) * max(gran, 4096)
@@ -118,6 +128,8 @@ class Bench:
         for fd in self.host_fds:
             os.close(fd)
         self.host_fds = []
+        if self.backend.name == "cuda" and "torch" in sys.modules:
+            sys.modules["torch"].cuda.empty_cache()  # the reference copy's device memory, for what runs next
 
     # ---------------------------------------------------------------- leases
 
@@ -141,12 +153,30 @@ class Bench:
             return CudaMapping(fds, sizes, self.backend.gpu_uuid(self.gpu), self.gpu)
         return HostMapping(fds, sizes)
 
-    def lease_bytes(self, chunks: list[Any]) -> np.ndarray:
+    def lease_bytes(self, chunks: list[Any]) -> Any:
+        """A copy of the lease's bytes, on cuda kept on the device: read back to numpy, 16 GiB took ~25 s on the
+        H200, once for the reference and again for every source checked."""
         m = self.mapping(chunks)
         try:
             if m.kind == "cuda":
-                return m.torch_bytes(0, self.size).cpu().numpy().copy()
+                import torch
+
+                copy = m.torch_bytes(0, self.size).clone()
+                torch.cuda.synchronize()  # the clone is done before the pages are unmapped
+                return copy
             return np.frombuffer(m.buffer(0, self.size), dtype=np.uint8).copy()
+        finally:
+            m.unmap()
+
+    def same_bytes(self, chunks: list[Any], reference: Any) -> bool:
+        """Whether the lease holds `reference`'s bytes (lease_bytes), compared where they are."""
+        m = self.mapping(chunks)
+        try:
+            if m.kind == "cuda":
+                import torch
+
+                return bool(torch.equal(m.torch_bytes(0, self.size), reference))  # a bool: synchronized
+            return bool(np.array_equal(np.frombuffer(m.buffer(0, self.size), dtype=np.uint8), reference))
         finally:
             m.unmap()
 
@@ -216,6 +246,21 @@ class Bench:
         files.close()
         w.close()
         return paths, digests, seconds
+
+    def copy_to_tier(self, chunks: list[Any]) -> float:
+        """The host tier as the gpu_manager writes it (restore.py `_write_tier`): memfds of the artifact's file sizes
+        in `host_fds`, written from the lease block by block on the pool; its seconds."""
+        for i, e in enumerate(file_names(self.size, FILE)):
+            self.host_fds.append(os.memfd_create(f"bench-tier-{i}", os.MFD_CLOEXEC))
+            os.ftruncate(self.host_fds[-1], e.bytes)
+        w = self.window(chunks, to_device=False)
+        t0 = time.perf_counter()
+        try:
+            blockio.write_blocks(OpenFiles(self.host_fds, direct=False, owned=False), plan_blocks(self.size, BLOCK, FILE),
+                                 w, workers=self.workers)
+        finally:
+            w.close()
+        return time.perf_counter() - t0
 
     def read(self, files: OpenFiles, digests: list[str] | None, *, into_device: bool) -> tuple[float, list[Any]]:
         """One restore: a new lease, filled from `files`. `into_device` False: host memfds (the disk's SOL)."""
@@ -328,18 +373,21 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
                            "seconds": {}, "verified": {}, "errors": {}, "skipped": {}, "steps": [], "complete": False}
     step = stepper(out, progress)
     bench: Bench | None = None
+    model: Callable[[str], Path] | None = None
+    if first_token:
+        from bench import first_token as ft
+
+        model = lambda name: ft.model_file(name, weights_gib, base / ft.WORK)  # noqa: E731
     try:
-        bench = Bench(backend, base, int(weights_gib * GIB), workers)
+        bench = Bench(backend, base, int(weights_gib * GIB), workers, model)
         out["backend"], out["gib"] = bench.backend.name, round(bench.size / GIB, 3)
         step("weights file written")
         _measure(bench, out, sources, trials, step)
         out["goals"] = goals(out)
         if first_token:
-            from bench import first_token as ft
-
             bench.close()
-            clear(base)  # the disk then holds the engine's weights file and one copy at a time, not these too
-            ft.run(out, out["backend"], weights_gib, base / "first-token", trials, sources, step)
+            clear(base, keep=ft.WORK)  # the disk then holds the model and one copy at a time, not this artifact too
+            ft.run(out, out["backend"], weights_gib, base / ft.WORK, trials, sources, step)
         out["complete"] = True
     except Exception as e:  # noqa: BLE001 - said in the report, which is printed either way
         out["error"] = f"{type(e).__name__}: {e}"
@@ -368,9 +416,9 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
     step("reference load (file)")
     paths, digests, write_s = bench.write_artifact(reference_chunks)
     out["artifact_write_gib_s"] = round(gib / write_s, 3)
-    bench.free(reference_chunks)
     step("artifact written")
-    bench.host_fds = HostWindowCopy.make(paths)
+    out["host_copy_gib_s"] = round(gib / bench.copy_to_tier(reference_chunks), 3)
+    bench.free(reference_chunks)
     registered = None
     if cuda and "host" in sources:
         try:
@@ -398,7 +446,7 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
         secs.setdefault(name, []).append(s)
         if chunks is not None:
             if name not in out["verified"]:
-                out["verified"][name] = bool(np.array_equal(bench.lease_bytes(chunks), reference))
+                out["verified"][name] = bench.same_bytes(chunks, reference)
             bench.free(chunks)
         out["seconds"][name], out["gib_s"][name] = round(p50(secs[name]), 4), round(gib / p50(secs[name]), 3)
         step(name)
@@ -450,24 +498,10 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
                     out["gib_s"][name] / out["gib_s"]["sol_pinned_h2d"], 3)
 
 
-def clear(directory: Path) -> None:
+def clear(directory: Path, keep: str) -> None:
     for p in directory.iterdir():
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-
-class HostWindowCopy:
-    """The host tier as the gpu_manager keeps it: the artifact's files as memfds."""
-
-    @staticmethod
-    def make(paths: list[Path]) -> list[int]:
-        fds = []
-        for i, p in enumerate(paths):
-            fd = os.memfd_create(f"bench-tier-{i}", os.MFD_CLOEXEC)
-            with open(p, "rb") as f:
-                while chunk := f.read(BLOCK):
-                    os.write(fd, chunk)
-            fds.append(fd)
-        return fds
+        if p.name != keep:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def stepper(out: dict[str, Any], progress: Callable[[dict[str, Any]], None] | None) -> Callable[[str], None]:
