@@ -12,7 +12,8 @@ there is none. So each source is an engine class of its own, and the node holds 
   so only the tier can serve (a fallback would read the file, and the report would say so);
 - `artifact`: class `ft-artifact`, an artifact written from the same lease.
 The copies are written once the file trials are done (the last file engine is kept until then; the host copy
-first and its artifact deleted before the next is written: the disk holds the weights file and one artifact). The
+first and its artifact deleted before the next is written: the disk holds the weights file and one artifact), and
+the host tier's trials come before the artifact's (a run cut off by a time limit has the fastest source). The
 weights file is the model's (`model_file`), written once: the restore bench's lease fills read it too.
 
 Per trial: `spawn_to_ready_s` (process start to its ready file, polled every 10 ms), `ready_to_first_token_s`
@@ -260,7 +261,8 @@ async def measure(b: FirstTokenBench, ft: dict[str, Any], sources: list[str], tr
             await trial("file", i, keep_running=last)
             if last and f"ft-file-{i}" in b.running:
                 keep = f"ft-file-{i}"
-        for source in sorted(sources[1:], key=lambda x: x != "host"):  # the host tier's first: its artifact goes
+        copies = sorted(sources[1:], key=lambda x: x != "host")  # the host tier's first (its artifact goes first)
+        for source in copies:
             if not keep:
                 ft["errors"][source] = "no file engine to write its copy from"
                 continue
@@ -272,7 +274,7 @@ async def measure(b: FirstTokenBench, ft: dict[str, Any], sources: list[str], tr
         if keep:
             await asyncio.to_thread(b.stop, keep)
             await node.reclaim_all(keep)
-        for source in sources[1:]:
+        for source in copies:
             if source in ft["copies"]:
                 for i in range(trials):
                     await trial(source, i)

@@ -31,7 +31,7 @@ def test_every_source_has_its_first_token_time_from_the_source_asked_for(tmp_pat
     assert out["complete"] and out["errors"] == {} and json.loads(report.read_text()) == out
     ft = out["first_token"]
     assert ft["sources"] == ["file", "artifact", "host"] and ft["errors"] == {} and ft["warmup_s"] > 0
-    assert [t["source"] for t in ft["trials"]] == ["file", "artifact", "host"]
+    assert [t["source"] for t in ft["trials"]] == ["file", "host", "artifact"]
     for t in ft["trials"]:
         assert t["engine_source"] == t["source"], t  # the engine's own word on what served it
         assert t["spawn_to_ready_s"] > 0 and t["ready_to_first_token_s"] > 0 and t["load_ms"] > 0
