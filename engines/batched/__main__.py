@@ -9,6 +9,8 @@ CPU), it first reserves their addresses (memory.py `reserve`: placeholder memory
 captures every decode graph: after the takeover maps the leases at those addresses that runner serves at once. A
 lease that lands elsewhere (other sizes, another placement) falls back to a runner built after the takeover, its
 graphs captured then.
+A standby group (`--tp N`, tp_group.py) warms every rank and the communicator, prepares no runner, and once assigned
+starts as a cold successor group does (`load_memory`).
 """
 
 from __future__ import annotations
@@ -160,6 +162,23 @@ def adopt_prepared(prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None,
     return prepared[1], "reused"
 
 
+def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGroup | None, layout_of: Any,
+                state: EngineState) -> Loaded:
+    """Every start but a single standby's: a group's ranks (cold, a successor group, or a standby group once
+    assigned: one path, tp_group.py), a cold successor's takeover, a restarted engine's reattach, or a cold load."""
+    if group is not None:
+        loaded = group.load(memory, layout_of)
+        state.info["tp"] = group.commit(memory, loaded)
+        return loaded
+    if cfg.takeover_from:
+        if not cfg.transfer_token:
+            raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
+        return memory.takeover(mcfg, cfg.takeover_from, cfg.transfer_token, layout_of, cfg.adopt_wait_s)
+    if memory.pending():
+        return memory.attach(mcfg, layout_of)
+    return memory.load(mcfg, cfg.weights, layout_of)
+
+
 def report_fatal(link: Any) -> None:
     """Fault injection (chaos runs, SIGUSR1): behave as an engine whose CUDA context hit a fatal error: tell the
     agent through the link, then exit without cleanup. On a thread of its own: the signal handler runs on the
@@ -195,14 +214,20 @@ def run(cfg: EngineConfig) -> int:
     prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations
 
     layout_of = layout_fn(cfg, mcfg, device)
+    loaded: Loaded | None = None
     try:
         t_start = t_process
         if cfg.role == "standby":
             state.state = "standby"
-            state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
+            if group is not None:  # every rank's kernels and the communicator (tp_group.py)
+                t_warm = time.perf_counter()
+                group.stand_by(warm_kernels)
+                state.info["warmup_ms"] = _ms(t_warm)
+            else:
+                state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
             if link is None:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
-            if can_reserve(cfg, memory, device):
+            if group is None and can_reserve(cfg, memory, device):
                 assert isinstance(memory, LeasedMemory)
                 prepared = prepare_runner(cfg, mcfg, memory, layout_of)
                 state.info["prepared"] = prepared[2]
@@ -215,24 +240,15 @@ def run(cfg: EngineConfig) -> int:
             a = link.wait_assignment()
             t_start = time.perf_counter()
             state.role, state.state = "active", "loading"
-            state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id}
-            loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
-                                     fenced=cfg.fenced_takeover)
-        elif group is not None:
+            state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang}
+            if group is not None:  # every rank told the gang: from here on a cold successor group's path, below
+                group.assigned(a.gang, a.gang_generation, a.transfer_token)
+            else:
+                loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
+                                         fenced=cfg.fenced_takeover)
+        if loaded is None:
             state.state = "loading"
-            loaded = group.load(memory, layout_of)
-            state.info["tp"] = group.commit(memory, loaded)
-        elif cfg.takeover_from:
-            state.state = "loading"
-            if not cfg.transfer_token:
-                raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
-            loaded = memory.takeover(mcfg, cfg.takeover_from, cfg.transfer_token, layout_of, cfg.adopt_wait_s)
-        elif memory.pending():
-            state.state = "loading"
-            loaded = memory.attach(mcfg, layout_of)
-        else:
-            state.state = "loading"
-            loaded = memory.load(mcfg, cfg.weights, layout_of)
+            loaded = load_memory(cfg, mcfg, memory, group, layout_of, state)
         memory.start_heartbeats()
         layout = loaded.layout
         t_build = time.perf_counter()

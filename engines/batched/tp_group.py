@@ -14,8 +14,14 @@ shards and follow rank 0's plans (tp.py).
 - One unit: ranks 1..N-1 die with rank 0 (PR_SET_PDEATHSIG); rank 0 exits 70 within ~50 ms when any of them exits
   (`Followers`); a rank whose peer died fails its next collective. So a SIGKILL of any rank ends the group, and
   the agent sees rank 0's exit: one incident for the group (docs/multi_gpu.md).
-Not yet: standby groups (a `--role standby` group is refused), a TP engine taken over by `HF_TAKEOVER_FROM` (a
-group is taken over through its gang), sleep and wake (the asks are refused), CUDA graphs.
+- A standby group (`--role standby`): every rank starts, joins the communicator, warms its kernels and one
+  all-reduce (`stand_by`), and holds no lease; rank 0 registers with the agent as the standby. Assigned a gang (the
+  agent's `assign` names it, its generation and the token), rank 0 tells every rank (`assigned`: one broadcast, which
+  the others wait in), and from there each rank runs a cold successor group's code (`load`, `commit`): one path.
+  No runner is prepared over reservations (memory.py `reserve` lays out a whole model, not a shard; and CUDA graphs,
+  what a prepared runner saves most, are off with tp > 1).
+Not yet: a TP engine taken over by `HF_TAKEOVER_FROM` (a group is taken over through its gang), sleep and wake (the
+asks are refused), CUDA graphs.
 """
 
 from __future__ import annotations
@@ -69,8 +75,6 @@ class RankGroup:
     the followers it started."""
 
     def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
-        if cfg.role != "active":
-            raise ValueError("--tp > 1 runs active engines only: standby groups are not built yet (docs/multi_gpu.md)")
         if cfg.takeover_from:
             raise ValueError("a tensor-parallel engine is taken over through its gang (HF_TAKEOVER_GANG), "
                              "not HF_TAKEOVER_FROM")
@@ -92,6 +96,39 @@ class RankGroup:
                                 init_method=f"tcp://127.0.0.1:{self.cfg.tp_port}", rank=self.rank,
                                 world_size=cfg.tp, timeout=IDLE_FOREVER)  # a follower waits however idle rank 0 is
         self.channel = PlanChannel(device)
+        self.standing_by = False  # rank 0 of a standby group, not assigned yet: the followers wait for its word
+
+    def stand_by(self, warm_kernels: Any) -> bool:
+        """A standby group's rank, before any lease: its kernels (`warm_kernels(mcfg, cfg, device)`, the single
+        standby's warm-up) and the communicator warmed. Rank 0 returns at once (the agent's assignment comes to it:
+        `assigned`); any other rank waits for rank 0's word: True, the group's config then names the gang to take
+        over; False, the group is stopping unassigned."""
+        warm_kernels(self.mcfg, self.cfg, self.device)
+        dtype = torch.float32 if self.mcfg.dtype == "float32" else torch.bfloat16
+        dist.all_reduce(torch.zeros(1, self.mcfg.dim, dtype=dtype, device=self.device))
+        if self.rank == 0:
+            self.standing_by = True
+            return True
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, 0)  # waits however long the group stands by (IDLE_FOREVER)
+        if box[0] is None:
+            return False
+        self._take_orders(box[0])
+        return True
+
+    def assigned(self, gang: str | None, generation: int | None, token: str) -> None:
+        """Rank 0 of a standby group, assigned by the agent: every rank is told the gang, and each then takes its own
+        rank's leases over as a cold successor group's does (`load`)."""
+        if gang is None or generation is None:
+            raise RuntimeError("a standby group's assignment must name a gang and its generation (the agent's takeover "
+                               "of a TP group); got a single engine's")
+        orders = {"takeover_gang": gang, "gang_generation": generation, "transfer_token": token}
+        dist.broadcast_object_list([orders], 0)
+        self.standing_by = False
+        self._take_orders(orders)
+
+    def _take_orders(self, orders: dict[str, Any]) -> None:
+        self.cfg = self.cfg.model_copy(update=orders)
 
     def load(self, memory: Any, layout_of: Any) -> Loaded:
         cfg = self.cfg
@@ -134,6 +171,14 @@ class RankGroup:
         while a step may still be issuing collectives (the followers then die with this process)."""
         assert self.followers is not None
         self.followers.stopping = True
+        if self.standing_by:  # a standby group stopping unassigned: its followers end cleanly
+            try:
+                dist.broadcast_object_list([None], 0)
+            except Exception as e:  # noqa: BLE001 - a broken communicator: the followers die with this process
+                log.warning("could not tell the standing-by followers to stop: %r", e)
+                return
+            self.followers.wait()
+            return
         if isinstance(runner, ShardedRunner) and step_thread_done:
             try:
                 runner.stop_followers()
@@ -154,6 +199,13 @@ def follower_main() -> int:
     group = RankGroup(cfg, pick_device(cfg.device))
     memory = open_memory(group.me, group.device)
     try:
+        if cfg.role == "standby":
+            # the single standby's warm-up; imported here: engines.batched.__main__ imports this module
+            from engines.batched.__main__ import warm_kernels
+
+            if not group.stand_by(warm_kernels):
+                log.info("rank %d of a standby group stopped unassigned", cfg.tp_rank)
+                return 0
         loaded = group.load(memory, layout_fn(cfg, group.mcfg, group.device))
         group.commit(memory, loaded)
         if not loaded.kv_handed_on:

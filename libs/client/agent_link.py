@@ -51,6 +51,8 @@ class Assignment:
     transfer_token: str
     incident_id: str | None
     model: str
+    gang: str | None = None  # a standby group's: the frozen gang its ranks take over, and the gang's generation
+    gang_generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,9 @@ class AgentLink:
         elif op == "assign":
             self._assignments.put(Assignment(
                 predecessor=str(msg["predecessor"]), transfer_token=str(msg["transfer_token"]),
-                incident_id=msg.get("incident_id"), model=str(msg.get("model") or self.model)))
+                incident_id=msg.get("incident_id"), model=str(msg.get("model") or self.model),
+                gang=msg.get("gang"),
+                gang_generation=None if msg.get("gang_generation") is None else int(msg["gang_generation"])))
         elif op == "shadow" and self.can_shadow:
             self._assignments.put(Shadow(owner=str(msg["owner"]), share_token=str(msg["share_token"])))
         elif op == "unshadow" and self.can_shadow:

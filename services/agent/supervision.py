@@ -69,9 +69,15 @@ def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, 
     return out
 
 
+# Engine classes whose tensor-parallel groups stand by: rank 0 registers as the standby, its ranks warm up and
+# wait for the assignment together, then take the frozen gang over as a cold successor group does
+# (engines/batched/tp_group.py). The reference engine's groups do not (engines/reference/tp_runner.py).
+STANDBY_GROUP_CLASSES = frozenset({"batched"})
+
+
 def standbys_of(spec: EngineSpec) -> int:
-    """The standbys a spec runs: none for a tensor-parallel group (standby groups are not built: docs/multi_gpu.md)."""
-    return spec.standbys if spec.tp == 1 else 0
+    """The standbys a spec runs: for a tensor-parallel spec, standby groups if its engine class builds them."""
+    return spec.standbys if spec.tp == 1 or spec.engine_class in STANDBY_GROUP_CLASSES else 0
 
 
 def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str, *,
@@ -108,12 +114,16 @@ def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSp
 
 
 def pick_standby(records: list[EngineRecord], model: str, *, version: str | None = None,
-                 named: str | None = None, predecessor: str | None = None) -> EngineRecord | None:
+                 named: str | None = None, predecessor: str | None = None, tp: int = 1,
+                 gpu: int | None = None) -> EngineRecord | None:
     """A warmed standby for `model` (and `version` for a hot upgrade); the named one if given and fit.
-    Among several, one that shadows `predecessor` first (it serves at once), then the oldest."""
+    Among several, one that shadows `predecessor` first (it serves at once), then the oldest.
+    Only one of the predecessor's shape: as many ranks (`tp`; a single engine cannot take a gang over, nor a group
+    one engine's leases), and a group on the same GPUs (`gpu`: its rank r maps rank r's leases on GPU gpu + r)."""
     def fit(r: EngineRecord) -> bool:
         return (r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.model == model
-                and (version is None or r.version == version))
+                and (version is None or r.version == version) and r.tp == tp
+                and (tp == 1 or gpu is None or r.gpu == gpu))
 
     if named is not None:
         return next((r for r in records if r.engine_id == named and fit(r)), None)

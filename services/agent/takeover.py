@@ -17,9 +17,12 @@ Then: a ready standby of the model (the named one, or the oldest) gets `assign` 
 leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
 process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
 
-A tensor-parallel group (`gang`): its rank 0 is killed (the other ranks die with it) and a new group is
-cold-spawned that takes the frozen gang over whole (HF_TAKEOVER_GANG, HF_GANG_GENERATION, HF_TRANSFER_TOKEN);
-standby groups are not built.
+A tensor-parallel group (`gang`): its rank 0 is killed and its death confirmed (the other ranks die with it; the
+gpu_manager moves nothing while any rank of the old group runs); then a ready standby group of the same shape (as
+many ranks, on the same GPUs) is assigned the gang, or, none ready (or it fails), a new group is cold-spawned. Either
+way the successor group is told the same orders (`_orders`: the assignment's fields, or HF_TAKEOVER_GANG,
+HF_GANG_GENERATION, HF_TRANSFER_TOKEN), and each of its ranks takes its own rank's leases of the frozen gang over,
+all or none (engines/batched/tp_group.py `RankGroup.load`).
 
 `memory_of`: the leases taken over are that engine's, not the predecessor's (a shadow promoted early that died
 before it owned its own predecessor's leases: they are still frozen, and the dc_manager hands them on).
@@ -41,6 +44,9 @@ from services.agent.engines import EngineRecord, Ev, State
 from services.agent.supervisor import Agent
 
 log = logging.getLogger("holdfast.agent.takeover")
+# a successor's orders (`Takeovers._orders`) as a cold successor's environment
+ORDER_ENV = {"transfer_token": "HF_TRANSFER_TOKEN", "incident_id": "HF_INCIDENT_ID", "takeover_from": "HF_TAKEOVER_FROM",
+             "gang": "HF_TAKEOVER_GANG", "gang_generation": "HF_GANG_GENERATION"}
 
 
 def _ms(t0: float) -> float:
@@ -70,8 +76,8 @@ class Takeovers:
         # The memory's owner: the predecessor, or (memory_of) its own predecessor, whose frozen leases it died
         # before owning. A shadow of the predecessor maps those only if it is the owner.
         owner = cmd.memory_of or pred.engine_id
-        # A TP group's successor is a new group taking the frozen gang over (no standby groups yet).
-        standby = None if cmd.gang is not None else self._choose(cmd, pred, owner)
+        orders = self._orders(cmd, owner)  # a gang takeover without its generation is refused before any fencing
+        standby = self._choose(cmd, pred, owner)  # a TP group's: a standby group of its shape
         # Refused before anyone is fenced when the spec already runs its count without the predecessor (another
         # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
         agent.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
@@ -96,7 +102,7 @@ class Takeovers:
         used_standby = False
         try:
             if standby is not None and standby.state is State.STANDBY:
-                successor = await self._via_standby(cmd, pred, owner, standby, timings, shadowed)
+                successor = await self._via_standby(cmd, pred, owner, standby, timings, shadowed, orders)
                 used_standby = successor is not None
             if successor is None:
                 await agent.kill_confirmed(pred)  # a cold successor maps the memory read-write
@@ -108,6 +114,8 @@ class Takeovers:
             raise
 
         successor.successor_of = owner
+        if cmd.gang is not None:
+            successor.gang = cmd.gang  # the gang keeps its id across groups
         if successor.ready_perf is not None and successor.ready_perf >= t0:
             timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
         timings["total_ms"] = _ms(t0)
@@ -157,18 +165,19 @@ class Takeovers:
 
     def _choose(self, cmd: Takeover, pred: EngineRecord, owner: str) -> EngineRecord | None:
         records = self.agent.records()
+        shape = {"tp": pred.tp, "gpu": pred.gpu}  # a group's successor is a group on the same GPUs
         if cmd.successor is None:
-            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=owner)
+            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=owner, **shape)
         named = self.agent.engines.get(cmd.successor)
         if named is None:
             raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
-        fit = supervision.pick_standby(records, pred.model, version=cmd.version, named=cmd.successor)
+        fit = supervision.pick_standby(records, pred.model, version=cmd.version, named=cmd.successor, **shape)
         if fit is None:
             raise Conflict(f"engine {cmd.successor} is not a ready standby for {pred.model} ({named.state.value})")
         return fit
 
     async def _via_standby(self, cmd: Takeover, pred: EngineRecord, owner: str, sb: EngineRecord,
-                           timings: dict[str, float], shadowed: bool) -> EngineRecord | None:
+                           timings: dict[str, float], shadowed: bool, orders: dict[str, str]) -> EngineRecord | None:
         agent = self.agent
         t = time.perf_counter()
         agent.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
@@ -177,9 +186,8 @@ class Takeovers:
         sb.role = EngineRole.ACTIVE
         sb.generation = pred.generation + 1
         try:
-            await agent.assign(sb, {"op": "assign", "predecessor": owner,
-                                    "transfer_token": cmd.transfer_token, "incident_id": cmd.incident_id,
-                                    "model": pred.model, "shadowed": shadowed})
+            await agent.assign(sb, {"op": "assign", "predecessor": owner, "model": pred.model, "shadowed": shadowed,
+                                    **orders})
             timings["assign_ms"] = _ms(t)
             t = time.perf_counter()
             await agent.wait_ready(sb.engine_id, agent.settings.takeover_timeout_s)
@@ -197,15 +205,21 @@ class Takeovers:
             return None
 
     @staticmethod
-    def _takeover_env(cmd: Takeover, owner: str) -> dict[str, str]:
-        """What a cold successor reads: the owner's frozen leases, or (a TP group) the whole frozen gang, each rank
-        its own rank's leases (engines/reference/tp_runner.py)."""
-        env = {"HF_TRANSFER_TOKEN": cmd.transfer_token, "HF_INCIDENT_ID": cmd.incident_id}
+    def _orders(cmd: Takeover, owner: str) -> dict[str, str]:
+        """What a successor is told, standby (its `assign`) or cold (its environment, `_takeover_env`): the owner's
+        frozen leases, or (a TP group) the whole frozen gang, each rank its own rank's leases
+        (engines/batched/tp_group.py, engines/reference/tp_runner.py)."""
+        orders = {"transfer_token": cmd.transfer_token, "incident_id": cmd.incident_id}
         if cmd.gang is None:
-            return {**env, "HF_TAKEOVER_FROM": owner}
+            return {**orders, "takeover_from": owner}
         if cmd.gang_generation is None:
             raise Conflict(f"takeover of gang {cmd.gang} without its generation (FreezeGang's reply names it)")
-        return {**env, "HF_TAKEOVER_GANG": cmd.gang, "HF_GANG_GENERATION": str(cmd.gang_generation)}
+        return {**orders, "gang": cmd.gang, "gang_generation": str(cmd.gang_generation)}
+
+    @staticmethod
+    def _takeover_env(cmd: Takeover, owner: str) -> dict[str, str]:
+        """A cold successor's orders, as the environment it reads."""
+        return {ORDER_ENV[k]: v for k, v in Takeovers._orders(cmd, owner).items()}
 
     async def _cold(self, cmd: Takeover, pred: EngineRecord, owner: str, timings: dict[str, float]) -> EngineRecord:
         agent = self.agent

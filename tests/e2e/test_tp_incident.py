@@ -1,7 +1,9 @@
 """A tensor-parallel engine, reference or batched (TP=2, gloo, the host backend with two simulated GPUs) on the real stack (nats, etcd,
 gpu_manager, agent, controller, dc_manager, router): SIGKILL of rank 1 gives exactly one fault and one incident, for
 the group; the dc_manager freezes the gang (`FreezeGang`) and a successor group takes every rank's leases over with
-the weights file renamed away (no reload); the router serves the same greedy output from one endpoint throughout."""
+the weights file renamed away (no reload); the router serves the same greedy output from one endpoint throughout.
+With a standby group (the batched engine, `standbys: 1`), that group takes the gang over instead, every stream in
+flight continuing from the journal on every rank, and a new standby group is started after."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ PROMPTS = ["Ranks hold shards.", "One group, one incident."]
 
 
 class TensorParallelScenario(Scenario):
-    """The demo scenario with one TP=2 reference engine and no standby (standby groups are not built)."""
+    """The demo scenario with one TP=2 reference engine (the reference engine's groups have no standby groups)."""
 
     engine_class = "reference"
 
@@ -35,7 +37,8 @@ class TensorParallelScenario(Scenario):
 
     def start(self) -> Stack:
         make_tiny_weights(self.weights)
-        spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1, standbys=0,
+        spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1,
+                          standbys=self.standbys,
                           tp=2, cold_start_s=30.0, env={"HF_ENGINE_MEMORY": "leased"})
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
@@ -52,6 +55,20 @@ class BatchedGroupScenario(TensorParallelScenario):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "engines.batched", "--weights", str(self.weights), "--size", self.size,
                 "--deterministic", "--max-num-seqs", "16", "--num-blocks", "256"]
+
+
+async def started(sc: Scenario) -> list[FaultDetected]:
+    """The stack up and connected; the list fills with every `fault.detected` from then on."""
+    await asyncio.to_thread(sc.start)
+    await sc.connect()
+    assert sc.bus is not None
+    faults: list[FaultDetected] = []
+
+    async def on_fault(env: object) -> None:
+        faults.append(env.data)  # type: ignore[attr-defined]
+
+    await sc.bus.subscribe("fault.detected", on_fault)
+    return faults
 
 
 def follower_pids(rank0: int) -> list[int]:
@@ -86,15 +103,7 @@ async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_with
         scenario: type[TensorParallelScenario], tmp_path: Path) -> None:
     sc = scenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
     try:
-        await asyncio.to_thread(sc.start)
-        await sc.connect()
-        assert sc.bus is not None
-        faults: list[FaultDetected] = []
-
-        async def on_fault(env: object) -> None:
-            faults.append(env.data)  # type: ignore[attr-defined]
-
-        await sc.bus.subscribe("fault.detected", on_fault)
+        faults = await started(sc)
         group = await sc.wait_serving(standbys=0, timeout=180)
         assert group.tp == 2 and group.ranks == [group.engine_id, f"{group.engine_id}-r1"]
         assert group.gang == group.engine_id
@@ -145,3 +154,65 @@ async def wait_successor(sc: Scenario, group: EngineInfo, timeout: float = 60.0)
             return ready[0]
         assert time.monotonic() < deadline, [(e.engine_id, e.state) for e in await sc.engines()]
         await asyncio.sleep(0.1)
+
+
+STREAM_PROMPTS = ["Ranks hold shards.", "One group, one incident.", "A standby group waits.", "Every rank resumes."]
+
+
+async def streams(sc: Scenario, client: httpx.AsyncClient, *, kill: int | None = None) -> list[list[int]]:
+    """Every prompt of STREAM_PROMPTS streamed at once (greedy, 64 tokens); `kill`: that pid SIGKILLed once the
+    streams are under way. Every stream must complete."""
+    tasks = [asyncio.create_task(sc.generate(client, p, max_tokens=64)) for p in STREAM_PROMPTS]
+    if kill is not None:
+        await sc._until_tokens(tasks, want=8)
+        os.kill(kill, signal.SIGKILL)
+    out = await asyncio.gather(*tasks)
+    assert [(r.done, r.error) for r in out] == [(True, None)] * len(out)  # no stream lost
+    return [r.tokens for r in out]
+
+
+async def standby_groups(sc: Scenario) -> list[EngineInfo]:
+    return [e for e in await sc.engines() if e.role == "standby" and e.state == "standby"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+async def test_a_standby_group_takes_a_killed_ranks_gang_over_and_every_stream_continues(tmp_path: Path) -> None:
+    sc = BatchedGroupScenario(size="tiny", backend="host", standbys=1, work_dir=tmp_path, shadow=False)
+    try:
+        faults = await started(sc)
+        group = await sc.wait_serving(standbys=1, timeout=180)
+        [standby] = await standby_groups(sc)
+        assert standby.tp == 2 and standby.ranks == [standby.engine_id, f"{standby.engine_id}-r1"]
+        async with httpx.AsyncClient() as client:
+            before = await streams(sc, client)  # the uninterrupted run
+            assert group.pid is not None
+            [rank1] = follower_pids(group.pid)
+            sc.weights.rename(sc.weights.with_suffix(".gone"))  # no group can reload: leases only
+            seen = len(sc.events)
+            after = await streams(sc, client, kill=rank1)
+            resolved = await sc.wait_event("incident.resolved", 120, after=seen)
+            reattached = await sc.wait_event("engine.reattached", 10, after=seen)
+            health = await sc.engine_health(reattached.data.engine.endpoint or "")  # type: ignore[attr-defined]
+        assert after == before
+        took = reattached.data  # type: ignore[attr-defined]
+        assert took.used_standby and took.engine.engine_id == standby.engine_id, took
+        assert took.engine.gang == group.engine_id and took.engine.ranks == standby.ranks
+        assert health["memory"]["source"] == "takeover" and health["recovery"]["journal"] == "adopted"
+        assert health["tp"]["gang"]["owners"] == standby.ranks and health["tp"]["gang"]["generation"] == 2
+        assert health["recovery"]["adopted"] >= 1  # sequences in flight continued from the journal
+        print(f"TP=2 standby group takeover: {took.timings_ms}, successor {health.get('recovery')}")  # noqa: T201
+        deadline = time.monotonic() + 120  # a new standby group, started after the takeover
+        while not (fresh := [e for e in await standby_groups(sc) if e.engine_id != standby.engine_id]):
+            assert time.monotonic() < deadline, [(e.engine_id, e.role, e.state) for e in await sc.engines()]
+            await asyncio.sleep(0.2)
+        assert fresh[0].tp == 2 and len(fresh[0].ranks) == 2
+        assert [(f.engine_id, f.group) for f in faults] == [(group.engine_id, group.engine_id)]
+        incs = await incidents(sc)
+        assert len(incs) == 1, [(i.id, i.engine_id, i.state) for i in incs]
+        assert incs[0].id == resolved.data.incident_id  # type: ignore[attr-defined]
+        assert incs[0].successor_id == standby.engine_id and not incs[0].fallback
+        assert list((await routed(sc)).values()) == [took.engine.endpoint]
+    finally:
+        await sc.close()
+        await asyncio.to_thread(sc.stop)
