@@ -11,6 +11,8 @@ Invariants (tests/gpu_manager/test_gang_socket.py, tests/engine/test_tp.py):
 4. Gangs are durable (the book's `gangs`, saved with the leases: manager.py invariant 6): a gpu_manager SIGKILLed
    and restarted freezes, hands over and reclaims a gang as before; a registration, a takeover's new owners and
    generation, and a reclaim's end are each written in the commit of the lease rows they go with.
+5. A successor group whose every asking rank died (a standby group lost mid-takeover) holds nothing: the next group's
+   first request ends it (its waiters refused `partial_gang`) and gathers anew.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from libs.common.events import LeaseState
 from services.gpu_manager.fsm import LeaseEvent
 from services.gpu_manager.gang import Gang, PartialGang, after_takeover, form, plan, plan_reclaim
 from services.gpu_manager.manager import LeaseBook, Move, check_complete
-from services.gpu_manager.records import LeaseRecord
+from services.gpu_manager.records import LeaseRecord, process_alive
 
 log = logging.getLogger("holdfast.gpu_manager.gangs")
 
@@ -119,6 +121,12 @@ class GangBook:
         async with self.book.lock:
             gang = self._check_takeover(req, peer)
             gathering = self._gathering.get(req.gang_id)
+            if gathering is not None and not any(_alive(p) for p, _ in gathering.ranks.values()):
+                # every rank that asked died (a standby group lost mid-takeover): the group it gathered can never
+                # complete, and the group replacing it must not wait out its `wait_s`
+                self._fail(req.gang_id, gathering, PartialGang(
+                    f"gang {req.gang_id}: the ranks of {gathering.successors} that asked died; nothing moved"))
+                gathering = None
             if gathering is None:
                 gathering = self._gathering[req.gang_id] = _Gathering(list(req.successors), req.generation,
                                                                       req.transfer_token)
@@ -130,6 +138,8 @@ class GangBook:
                 raise Conflict(f"gang {req.gang_id}: rank {req.rank} asked twice")
             done: asyncio.Future[list[LeaseRecord]] = asyncio.get_running_loop().create_future()
             gathering.ranks[req.rank] = (peer, done)
+            log.info("gang %s: rank %d of %s asked (%d of %d)", req.gang_id, req.rank, gathering.successors,
+                     len(gathering.ranks), gang.size)
             if len(gathering.ranks) == gang.size:
                 await self._move(gang, gathering)
         try:
@@ -192,6 +202,10 @@ class GangBook:
         for _, done in gathering.ranks.values():
             if not done.done():
                 done.set_exception(why)
+
+
+def _alive(peer: Any) -> bool:
+    return process_alive(peer.pid, peer.pid_start)
 
 
 def _holder(peer: Any) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """Gangs over the real engine socket and NATS commands (host backend): two rank processes' leases registered as one
 gang, frozen whole; a successor group that names too few ranks, asks at a stale generation, or lacks a rank that
 never asks is refused with nothing moved; one rank's leases are never taken over alone; the whole group's takeover
-moves every lease in one step; a gang is reclaimed whole."""
+moves every lease in one step; a gang is reclaimed whole; a group whose asking ranks died does not block the next."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
@@ -38,6 +40,21 @@ def takeover_req(successors: list[str], rank: int, token: str, generation: int =
     body = {"gang_id": "g", "rank": rank, "successors": successors, "generation": generation,
             "transfer_token": token, "wait_s": wait_s}
     return f"call gang_takeover {json.dumps(body)}"
+
+
+def group_asks(group: list, token: str, wait_s: float = 10.0) -> dict[int, dict]:
+    """Every rank of the group `s-r0`, `s-r1` asks for its leases at once (each on its own connection): the answers."""
+    answers: dict[int, dict] = {}
+
+    def ask(rank: int, e) -> None:  # noqa: ANN001
+        answers[rank] = e.ask(takeover_req(["s-r0", "s-r1"], rank, token, wait_s=wait_s))
+
+    threads = [threading.Thread(target=ask, args=(r, e)) for r, e in enumerate(group)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return answers
 
 
 async def rows(bus: Bus, settings: CommonSettings) -> list[tuple[str, str, int, str]]:
@@ -73,17 +90,7 @@ async def test_a_partial_or_stale_successor_group_is_refused_and_nothing_moves(
 async def test_the_whole_group_takes_the_gang_over_in_one_step_and_a_gang_is_reclaimed_whole(
         manager: ManagerProc, engines, bus: Bus, settings: CommonSettings) -> None:  # noqa: ANN001
     frozen = await frozen_gang(engines, manager, bus, settings)
-    s0, s1 = engines(manager, "s-r0"), engines(manager, "s-r1")
-    answers: dict[int, dict] = {}
-
-    def ask(rank: int, e) -> None:  # noqa: ANN001
-        answers[rank] = e.ask(takeover_req(["s-r0", "s-r1"], rank, frozen.transfer_token))
-
-    threads = [threading.Thread(target=ask, args=(r, e)) for r, e in enumerate((s0, s1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    answers = group_asks([engines(manager, "s-r0"), engines(manager, "s-r1")], frozen.transfer_token)
     assert answers == {0: {"code": "ok"}, 1: {"code": "ok"}}
     moved = {i.id: i for i in (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases}
     for old in frozen.leases:
@@ -95,3 +102,26 @@ async def test_the_whole_group_takes_the_gang_over_in_one_step_and_a_gang_is_rec
     reclaimed = await bus.request(settings.node, ReclaimGang(gang_id="g"), ReclaimGangReply)
     assert sorted(reclaimed.lease_ids) == sorted(i.id for i in frozen.leases)
     assert await rows(bus, settings) == []
+
+
+async def test_a_group_whose_asking_ranks_died_does_not_block_the_next_group(
+        manager: ManagerProc, engines, bus: Bus, settings: CommonSettings) -> None:  # noqa: ANN001
+    """A standby group that dies mid-takeover (rank 0 asked, rank 1 never will) must not hold the gang until rank 0's
+    wait runs out: the cold group that replaces it takes the gang over at once."""
+    frozen = await frozen_gang(engines, manager, bus, settings)
+    token = frozen.transfer_token
+    dead = engines(manager, "d-r0")
+
+    def ask_and_die() -> None:
+        with contextlib.suppress(RuntimeError):  # killed while it waits: no answer ever comes
+            dead.ask(takeover_req(["d-r0", "d-r1"], 0, token, wait_s=60.0))
+
+    threading.Thread(target=ask_and_die, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while "rank 0 of ['d-r0', 'd-r1'] asked" not in manager.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dead.kill()
+    answers = group_asks([engines(manager, "s-r0"), engines(manager, "s-r1")], token, wait_s=5.0)
+    assert answers == {0: {"code": "ok"}, 1: {"code": "ok"}}
+    assert {i.owner for i in (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases} == set(
+        ["s-r0", "s-r1"])
