@@ -88,8 +88,13 @@ def attend(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, *, reference
             prefill.append(i)
         else:
             keys, vals = gather(layer_kv, meta.block_tables[i], meta.context_lens[i])
-            attn = sdpa_one if fast else reference_one
-            out[lo:hi] = attn(q[lo:hi], keys, vals).flatten(1)
+            if not fast:
+                out[lo:hi] = reference_one(q[lo:hi], keys, vals).flatten(1)
+                continue
+            n, ctx = hi - lo, meta.context_lens[i]
+            if n != ctx and ("mask", n, ctx) not in meta.cache:  # built once a step, not once a layer
+                meta.cache["mask", n, ctx] = ~causal_mask(n, ctx, q.device)
+            out[lo:hi] = sdpa_one(q[lo:hi], keys, vals, meta.cache.get(("mask", n, ctx))).flatten(1)
     if prefill:
         padded_prefill(q, layer_kv, meta, prefill, out)
     if decode_rows:
@@ -177,15 +182,17 @@ def reference_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> to
     return out.view(heads, n, hd).transpose(0, 1).to(q.dtype)
 
 
-def sdpa_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+def sdpa_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """One prefill chunk through torch's fused attention (CUDA): the same contract as `reference_one`. Inputs
     are 4-D ([1, heads, rows, hd]): with 3-D ones SDPA fell back to its math kernel, 10x slower on an H200
-    (2.0 ms against 0.2 ms for 512 rows over 4,096 positions, bf16, 32/8 heads)."""
+    (2.0 ms against 0.2 ms for 512 rows over 4,096 positions, bf16, 32/8 heads). `allowed`: the chunk's
+    `~causal_mask` when the caller keeps it (one per step and shape, not one per layer)."""
     n, ctx = q.shape[0], keys.shape[0]
     qh = q.transpose(0, 1)[None]
     k, v = keys.transpose(0, 1).to(q.dtype)[None], vals.transpose(0, 1).to(q.dtype)[None]
     if n == ctx:  # a chunk from position 0: plain causal, which the flash kernel takes
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=~causal_mask(n, ctx, q.device), enable_gqa=True)
+        mask = ~causal_mask(n, ctx, q.device) if allowed is None else allowed
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
