@@ -168,8 +168,11 @@ class BackupWriter:
         self._round = threading.Lock()  # one round at a time
         self._stop = threading.Event()
         self.stats: dict[str, Any] = {"lag_ms_bound": lag_ms, "rounds": 0, "blocks_copied": 0, "bytes_copied": 0,
-                                      "rows": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
-                                      "left_out_released": 0, "error": None}
+                                      "rows": 0, "durable_tokens": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
+                                      "left_out_released": 0, "error": None,
+                                      # wall clock of the last done round's snapshot (what the backup is current
+                                      # as of), and of the running round's (None between rounds)
+                                      "durable_as_of": None, "in_round_since": None}
 
     # ------------------------------------------------------------------ set-up
     def fresh(self) -> None:
@@ -218,7 +221,8 @@ class BackupWriter:
             snaps = snap_rows(j.mirror, self.book)
             j.released.clear()
             after = self.copier.mark()  # every committed step's KV writes are before it in the step's stream
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
+        self.stats["in_round_since"] = wall
         plan = plan_round(snaps, self.book, self.block_size)
         for slot in plan.releases:  # 1: no row vouches for a block this round may overwrite
             self.bj.release(self.book.pop(slot).bslot)
@@ -235,8 +239,9 @@ class BackupWriter:
         ms = (done - t0) * 1000
         self.stats.update(rounds=self.stats["rounds"] + 1, blocks_copied=self.stats["blocks_copied"] + len(plan.blocks),
                           bytes_copied=self.stats["bytes_copied"] + len(plan.blocks) * self.copier.block_bytes,
-                          rows=len(self.book), round_ms_last=round(ms, 2), round_ms_max=round(max(ms, self.stats["round_ms_max"]), 2),
-                          lag_ms=self.lag.stats())
+                          rows=len(self.book), durable_tokens=sum(b.length - b.prompt_len for b in self.book.values()),
+                          round_ms_last=round(ms, 2), round_ms_max=round(max(ms, self.stats["round_ms_max"]), 2),
+                          lag_ms=self.lag.stats(), durable_as_of=wall, in_round_since=None)
         return True
 
     def _write_row(self, s: Any) -> None:
@@ -249,7 +254,7 @@ class BackupWriter:
                                             a.temperature, a.seed, a.ignore_eos), s.blocks)
             if bslot is None:
                 return
-            b = self.book[s.slot] = Backed(s.epoch, bslot, s.length, 0, 0, len(s.blocks))
+            b = self.book[s.slot] = Backed(s.epoch, bslot, s.length, 0, 0, len(s.blocks), s.prompt_len)
         else:
             self.bj.grow(b.bslot, s.blocks)
             if s.new_tokens:
@@ -278,7 +283,8 @@ def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal
         if slot is None:
             continue
         journal.commit([(slot, len(e.tokens), e.computed, None)])
-        book[slot] = Backed(journal._epoch, e.slot, len(e.tokens), e.computed, e.computed, len(e.block_table))
+        book[slot] = Backed(journal._epoch, e.slot, len(e.tokens), e.computed, e.computed, len(e.block_table),
+                            e.prompt_len)
     if kv.device.type == "cuda":
         torch.cuda.synchronize(kv.device)
     info = {"restored": len(book), "dropped": dropped, "blocks": len(blocks), "bytes": len(blocks) * copier.block_bytes,

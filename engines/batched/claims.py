@@ -82,6 +82,7 @@ class Claims:
         if live is None or len(req.context) < live.seq.prompt_len or not _prefix_related(live.seq.tokens, req.context):
             return None
         seq = live.seq
+        self.counters.claim_past_adopted_tokens += max(0, len(req.context) - live.adopted_len)
         extra = req.context[len(seq.tokens):]
         if extra and seq.status == SeqStatus.FINISHED:
             return None  # the client saw more than this sequence ever made: not the same generation

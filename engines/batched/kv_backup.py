@@ -95,6 +95,7 @@ class Backed:
     copied: int  # positions whose KV is copied (the committed computed of its last round)
     durable: int  # what its progress vouches for
     n_blocks: int
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,9 @@ class Counters:
     adopted_dropped: int = 0
     claimed: int = 0
     claim_extra_tokens: int = 0  # tokens the client saw past the journal (fed, not recomputed)
+    # tokens a resumed client had seen past what its adopted sequence held at adoption: 0 from a journal (a token is
+    # streamed after its commit); from a KV backup (backup.py), the lag's tokens, made again (decoded ahead, or fed)
+    claim_past_adopted_tokens: int = 0
     recomputed_tokens: int = 0  # context of replayed requests this engine did not hold: prefilled again
     journal_dropped: int = 0
     unjournaled: int = 0

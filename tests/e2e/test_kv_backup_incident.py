@@ -89,4 +89,5 @@ async def test_a_lost_kv_cache_is_restored_from_its_host_backup_through_the_whol
     assert restore["source"] == "restored" and restore["restored"] >= 1
     assert stats["recomputed_tokens"] == 0  # no request prefilled again
     assert stats["prefill_tokens"] == restore["recomputed_tokens"] + stats["claim_extra_tokens"]
-    print(f"{reattach['detail']}; claimed extra {stats['claim_extra_tokens']}")
+    print(f"{reattach['detail']}; the clients had seen {stats['claim_past_adopted_tokens']} tokens past the backup "
+          f"({stats['claim_extra_tokens']} of them fed, the rest decoded again before the claims)")
