@@ -360,4 +360,4 @@ def describe_restore(info: dict[str, Any]) -> str | None:
     if info.get("source") != "restored" or not info.get("restored"):
         return None
     return (f"KV from host backup: {info['restored']} sequences, {info['blocks']} blocks in {info['ms']:.1f} ms, "
-            f"{info['recomputed_tokens']} tokens past its durable point recomputed")
+            f"{info['recomputed_tokens']} positions recomputed; the tokens since its last round made again")
