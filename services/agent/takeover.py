@@ -165,13 +165,15 @@ class Takeovers:
 
     def _choose(self, cmd: Takeover, pred: EngineRecord, owner: str) -> EngineRecord | None:
         records = self.agent.records()
-        shape = {"tp": pred.tp, "gpu": pred.gpu}  # a group's successor is a group on the same GPUs
+        # a group's successor is a group on the same GPUs
         if cmd.successor is None:
-            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=owner, **shape)
+            return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=owner, tp=pred.tp,
+                                            gpu=pred.gpu)
         named = self.agent.engines.get(cmd.successor)
         if named is None:
             raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
-        fit = supervision.pick_standby(records, pred.model, version=cmd.version, named=cmd.successor, **shape)
+        fit = supervision.pick_standby(records, pred.model, version=cmd.version, named=cmd.successor, tp=pred.tp,
+                                       gpu=pred.gpu)
         if fit is None:
             raise Conflict(f"engine {cmd.successor} is not a ready standby for {pred.model} ({named.state.value})")
         return fit
