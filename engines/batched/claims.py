@@ -87,6 +87,8 @@ class Claims:
         if extra and seq.status == SeqStatus.FINISHED:
             return None  # the client saw more than this sequence ever made: not the same generation
         if extra:  # the client saw tokens the journal had not committed: they are the sequence's, as given
+            if live.slot is not None:  # and its row's, before a commit's progress covers them (a later successor)
+                self.table.journal.write_tokens(live.slot, len(seq.tokens), extra)
             seq.tokens.extend(extra)
             self.counters.claim_extra_tokens += len(extra)
         del orphans[seq.seq_id]

@@ -245,6 +245,12 @@ class Journal:
         self.rows[slot, N_BLOCKS] = len(block_table)
         self._n_blocks[slot] = len(block_table)
 
+    def write_tokens(self, slot: int, start: int, tokens: Seq[int]) -> None:
+        """Tokens a sequence took from elsewhere than its own steps (a claim's tokens past the journal) at positions
+        `start..`: written before any progress that covers them (invariant 2), like a step's sampled token."""
+        if tokens:
+            self.tokens[slot, start:start + len(tokens)] = _on(self.device, list(tokens), torch.int32)
+
     def commit(self, updates: Seq[tuple[int, int, int, int | None]]) -> None:
         """After a step's forward: (slot, length, computed, token sampled at position length - 1 or None) per
         sequence. Tokens first, then each row's progress in one store (invariant 2)."""

@@ -160,3 +160,39 @@ def test_a_claims_tokens_made_ahead_are_handed_out_before_the_next_step(tmp_path
     after = events[mark:]
     handed = next(i for i, e in enumerate(after) if e.startswith("flush:") and e != "flush:0")
     assert after[handed] == f"flush:{ADOPTED_AHEAD}" and "step" not in after[:handed]
+
+
+def test_tokens_a_claim_brings_past_the_journal_are_journaled_for_a_later_successor(tmp_path) -> None:
+    """A client that saw tokens the journal never committed gives them in its claim (`claim_extra_tokens`); they
+    are the sequence's from then on, so they must be in its journal row too: a second successor reads them back,
+    not whatever that row held at those positions."""
+    weights, kv, jr = memory(tmp_path)
+    prompt = [3, 7, 11, 15]
+    alone = ListSink()  # the uninterrupted run: what the client would have seen
+    ref = engine(weights, torch.zeros_like(kv), {n: torch.zeros_like(t) for n, t in jr.items()})
+    ref.journal.format()
+    ref.submit(Request("r0", prompt, 30, 0.0, 0, True, alone))
+    ref._drain()
+    while not alone.done.is_set():
+        ref.step()
+
+    first = engine(weights, kv, jr)
+    first.journal.format()
+    first.submit(Request("r1", prompt, 30, 0.0, 0, True, ListSink()))
+    first._drain()
+    for _ in range(4):
+        first.step()
+    succ = engine(weights, kv, jr)
+    entries, dropped = succ.journal.recover()
+    succ.adopt(entries, dropped)
+    made = len(entries[0].tokens) - len(prompt)
+    seen = alone.tokens[:made + 3]  # three tokens past the journal, as the client got them
+    succ.submit(Request("r1", prompt + seen, 30 - len(seen), 0.0, 0, True, ListSink(), resumed=len(seen)))
+    succ._drain()
+    assert succ.counters.claim_extra_tokens == 3
+    succ.step()
+
+    later = engine(weights, kv, jr)
+    again, _ = later.journal.recover()
+    assert len(again) == 1 and len(again[0].tokens) >= len(prompt) + len(seen)
+    assert list(again[0].tokens[:len(prompt) + len(seen)]) == prompt + seen
