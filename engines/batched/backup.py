@@ -117,6 +117,14 @@ class BackedJournal(Journal):
             with self.lock:
                 m.blocks = list(block_table)
 
+    def write_tokens(self, slot: int, start: int, tokens: Any) -> None:
+        super().write_tokens(slot, start, tokens)
+        m = self.mirror.get(slot)
+        if m is not None and tokens and len(m.tokens) >= start:
+            with self.lock:
+                m.tokens[start:] = list(tokens)  # a claim's tokens past the journal: the row stays whole
+                self.version += 1
+
     def commit(self, updates: Any) -> None:
         super().commit(updates)
         with self.lock:
@@ -130,7 +138,7 @@ class BackedJournal(Journal):
                     elif len(m.tokens) >= n:
                         m.tokens[n - 1] = t
                 if len(m.tokens) < n:
-                    m.gap = True  # tokens fed past the journal (a claim's): this row is not backed up
+                    m.gap = True  # tokens this mirror never saw (none since write_tokens): not backed up
                 m.length, m.computed = n, c
             self.version += 1
         self.writer.start()

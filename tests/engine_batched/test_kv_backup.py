@@ -206,3 +206,22 @@ def test_the_backup_rows_follow_a_sequence_that_left_and_a_slot_reused() -> None
     assert entry.request_id == "req-2" and info["restored"] == 1
     assert vouched_kv_equal(kv, e.kv, [1], 4) and float(kv[0, 0, 1, 0, 0, 0]) == 2000.0
     assert BACKUP_NAME in e.backup
+
+
+def test_a_claims_tokens_past_the_journal_are_backed_up_with_their_row() -> None:
+    """A claim's tokens past the journal go into the row (journal.write_tokens) and into its mirror: the row stays
+    whole, so the backup keeps it (it skipped such rows while the main journal did not write them)."""
+    e = Engine()
+    e.admit(1, 4, [2, 3])
+    e.run(1, 4, sample=True)  # prefill, first token: 5 tokens
+    slot, tokens, blocks, computed = e.seqs[1]
+    extra = [41, 42]
+    e.journal.write_tokens(slot, len(tokens), extra)  # the claim (claims.py), before the next step
+    tokens += extra
+    e.seqs[1] = (slot, tokens, blocks, computed)
+    e.run(1, 3, sample=True)  # the extra tokens fed, one more sampled
+    assert not e.journal.mirror[slot].gap
+    assert e.writer.round()
+    _, _, _, journal = e.restored()
+    (entry,), _ = journal.recover()
+    assert entry.tokens == tokens and entry.computed == 7
