@@ -109,12 +109,14 @@ class LocalMemory:
 
     def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
         check_file_matches(path, cfg)
-        return self.load_shard(cfg, load_weights(path, self.device), layout_of)
+        return self.load_shard(cfg, lambda: load_weights(path, self.device), layout_of)
 
-    def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout_of: Any) -> Loaded:
-        """These tensors (the whole file's, or a tensor-parallel rank's part: tp.py) and a new KV cache."""
+    def load_shard(self, cfg: ModelConfig, read: Callable[[], dict[str, torch.Tensor]], layout_of: Any,
+                   **_: Any) -> Loaded:
+        """The tensors `read` gives (the whole file's, or a tensor-parallel rank's part: tp.py) and a new KV cache.
+        Nothing outlives the process here: no node copy to restore from."""
         t0 = time.perf_counter()
-        weights = {name: t.to(self.device) for name, t in tensors.items()}
+        weights = {name: t.to(self.device) for name, t in read().items()}
         fused = _fuse_local(weights)
         dtype = weights["tok_embeddings.weight"].dtype
         layout: JournalLayout = layout_of(dtype, None)
@@ -164,22 +166,40 @@ class LeasedMemory:
         loaded.weights_load = got.report()
         return loaded
 
-    def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout_of: Any) -> Loaded:
-        """A tensor-parallel rank's part of the weights (tp.py: read from the file by safetensors slices, already in
-        memory) copied into one weights lease of its own, laid out as `load` lays out a file (each layer's fused
-        parts back to back), registered, with a KV lease of its own (its kv heads), and committed."""
+    def load_shard(self, cfg: ModelConfig, read: Callable[[], dict[str, torch.Tensor]], layout_of: Any, *,
+                   path: Path, tp: int, rank: int) -> Loaded:
+        """A tensor-parallel rank's part of the weights, cold: the node's copy of this rank's shard (host tier, else
+        artifact: restore_or_load, the one cold path; the copy named for the rank, safetensors_io invariant 3, and
+        of this shard's shapes) if a sound one is there, else `read` (tp.py: the file by safetensors slices) copied
+        into one weights lease named for the rank, laid out as `load` lays out a file (each layer's fused parts back
+        to back). Either way a KV lease of its own (its kv heads), committed. A peer GPU's copy of the same shard
+        (NVLink/P2P) would come first; it is not built (docs/engine-batched.md)."""
+        from libs.client.safetensors_io import copy_name, restore_or_load, shard_lease_name
+
         t0 = time.perf_counter()
+        name = shard_lease_name("weights", tp, rank)
+        got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class, tp=tp, rank=rank),
+                              gpu=self.gpu, expected=cfg.tensor_shapes(),
+                              load_file=lambda: self._shard_into_lease(read(), name))
+        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
+        loaded.weights_load = got.report()
+        return loaded
+
+    def _shard_into_lease(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[Any, list[Any]]:
+        """These tensors in one new weights lease named `name`, in `write_order`, registered and committed (the
+        commit is what the gpu_manager's copy policy waits for)."""
         placed, off = [], 0
-        for name in write_order(list(tensors)):
-            t = tensors[name]
-            placed.append((name, t, off))
+        for tname in write_order(list(tensors)):
+            t = tensors[tname]
+            placed.append((tname, t, off))
             off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        lease = self.client.allocate(max(off, ALIGN), tag="weights", name="weights", gpu=self.gpu)
+        lease = self.client.allocate(max(off, ALIGN), tag="weights", name=name, gpu=self.gpu)
         for _, t, at in placed:
             lease.torch(t.dtype, tuple(t.shape), at).copy_(t)
-        metas = [lease.meta(name, t.dtype, tuple(t.shape), at) for name, t, at in placed]
+        metas = [lease.meta(tname, t.dtype, tuple(t.shape), at) for tname, t, at in placed]
         self.client.register(metas)
-        return self._with_new_kv(cfg, lease, metas, layout_of, t0)
+        self.client.commit()
+        return lease, metas
 
     def _with_new_kv(self, cfg: ModelConfig, lease: Any, metas: list[Any], layout_of: Any, t0: float) -> Loaded:
         """A cold start's tensors: the weights registered in `lease` and a new KV lease, committed."""

@@ -138,8 +138,11 @@ class RankGroup:
             return memory.gang_takeover(self.mcfg, cfg.takeover_gang, self.rank, self.owners, cfg.gang_generation,
                                         cfg.transfer_token, layout_of, cfg.adopt_wait_s)
         whole = get_config(cfg.size)
-        check_file_matches(cfg.weights, whole)
-        return memory.load_shard(self.mcfg, read_shard(cfg.weights, whole, cfg.tp, self.rank), layout_of)
+
+        def read() -> dict[str, torch.Tensor]:  # only when no node copy of this rank's shard serves
+            check_file_matches(cfg.weights, whole)
+            return read_shard(cfg.weights, whole, cfg.tp, self.rank)
+        return memory.load_shard(self.mcfg, read, layout_of, path=cfg.weights, tp=cfg.tp, rank=self.rank)
 
     def commit(self, memory: Any, loaded: Loaded) -> dict[str, Any]:
         """Every rank loaded (or took over) and committed: their caches must agree (a block id means the same
@@ -152,6 +155,9 @@ class RankGroup:
         seen = [tuple(t.tolist()) for t in every]
         if len(set(seen)) != 1:
             raise RuntimeError(f"the ranks' KV caches disagree (blocks, block size, handed on): {seen}")
+        reports: list[Any] = [None] * self.cfg.tp
+        dist.all_gather_object(reports, loaded.weights_load)  # each rank's cold load: which copy served it
+        loaded.weights_load = group_weights_load(reports)  # rank 0's goes to the agent with its ready report
         gang = None
         if memory.kind == "leased" and self.cfg.takeover_gang and memory.client.last_gang is not None:
             gang = memory.client.last_gang.model_dump()  # the manager moved the gang on with the takeover
@@ -186,6 +192,25 @@ class RankGroup:
                 log.warning("could not tell the followers to stop: %r", e)
                 return
             self.followers.wait()
+
+
+SLOWER = {"host": 0, "artifact": 1, "file": 2}  # a group is ready once its slowest rank's source has served
+
+
+def group_weights_load(reports: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The ranks' cold loads (`WeightsLoad.report()`, rank order) as one report: the slowest source among them and
+    the longest load (the ranks load at once), `ranks` each rank's source, `per_rank` their reports, and each
+    refused copy's reason prefixed by its rank. None when a rank loaded nothing cold (a takeover). Pure."""
+    if not reports or any(r is None for r in reports):
+        return None
+    got = [r for r in reports if r is not None]
+    sources = [str(r["source"]) for r in got]
+    refused = "; ".join(f"rank {i}: {r['refused']}" for i, r in enumerate(got) if r.get("refused"))
+    out: dict[str, Any] = {"source": max(sources, key=lambda s: SLOWER.get(s, len(SLOWER))),
+                           "load_ms": max(float(r["load_ms"]) for r in got), "ranks": sources, "per_rank": got}
+    if refused:
+        out["refused"] = refused
+    return out
 
 
 def follower_main() -> int:

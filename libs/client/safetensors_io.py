@@ -12,6 +12,10 @@ layout, else the file. Invariants:
    released before the file is read (no second weights lease is left behind).
 2. When a copy serves, nothing of the weights file is read (not even its header): a node can cold-start from
    its copy with the file gone.
+3. A tensor-parallel rank's weights lease and its copy are named for its rank and group size (`shard_lease_name`,
+   `copy_name(..., tp=, rank=)`): a rank never restores another rank's copy nor the whole model's, and a single
+   engine never a rank's. (Ranks of one group have equal shapes, so the layout check of 1 cannot tell them apart:
+   the name does; the shapes still refuse a whole model's or another group size's copy.)
 """
 
 from __future__ import annotations
@@ -152,10 +156,21 @@ def layout_mismatch(shapes: Mapping[str, Sequence[int]], expected: Mapping[str, 
     return "; ".join(p for p in parts if p) or None
 
 
-def copy_name(engine_class: str, lease_name: str = "weights") -> str:
+def shard_lease_name(lease_name: str, tp: int, rank: int) -> str:
+    """The name of rank `rank`'s lease of `lease_name` in a group of `tp` ranks (`weights.tp2-r1`); tp 1: unchanged.
+    The gpu_manager names a lease's copy after the lease (`copy_name`), so each rank's copy is its own."""
+    if tp <= 1:
+        return lease_name
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} of a group of {tp}")
+    return f"{lease_name}.tp{tp}-r{rank}"
+
+
+def copy_name(engine_class: str, lease_name: str = "weights", *, tp: int = 1, rank: int = 0) -> str:
     """The node copy a class's weights lease is kept under, `<class>.<lease name>` made a valid artifact name (the
-    one rule: the gpu_manager writes its copies under it, artifact.default_name, and an engine asks for it)."""
-    raw = f"{engine_class}.{lease_name or 'weights'}"
+    one rule: the gpu_manager writes its copies under it, artifact.default_name, and an engine asks for it); a
+    tensor-parallel rank's under its rank's lease name (invariant 3)."""
+    raw = f"{engine_class}.{shard_lease_name(lease_name or 'weights', tp, rank)}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", raw).lstrip("._-")[:200] or "weights"
 
 
@@ -185,10 +200,11 @@ class WeightsLoad:
 
 def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
                     expected: Mapping[str, Sequence[int]] | None = None, plan: Planner = plan_layout,
-                    tag: str = "weights", name: str = "weights", gpu: int = 0,
-                    framework: str = "torch") -> WeightsLoad:
+                    tag: str = "weights", name: str = "weights", gpu: int = 0, framework: str = "torch",
+                    load_file: Callable[[], tuple[MappedLease, list[TensorMeta]]] | None = None) -> WeightsLoad:
     """The cold path (invariants 1, 2 above): the node's copy `copy` (host tier, else artifact) if there is a
-    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan`."""
+    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan`, or `load_file`
+    (a tensor-parallel rank's part of the file, in a lease registered and committed) when given."""
     t0 = time.perf_counter()
     refused = ""
     if copy is not None:
@@ -208,7 +224,10 @@ def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
             refused = f"layout: {why}"
             log.warning("copy %s refused (%s): releasing it, loading %s", copy, why, path)
             client.release(lease.id)
-    lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected)
+    if load_file is not None:
+        lease, metas = load_file()
+    else:
+        lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected)
     return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas, "file", _ms(t0),
                        refused=refused)
 

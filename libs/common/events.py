@@ -147,11 +147,18 @@ class WeightsLoaded(Model):
     source: Literal["host", "artifact", "file"]
     load_ms: float = Field(ge=0)
     refused: str = ""  # why a copy there was not used (corrupt, another layout); "" when none was refused
+    # a tensor-parallel group: each rank's source, in rank order (`source` is then the slowest, `load_ms` the longest)
+    ranks: list[Literal["host", "artifact", "file"]] = Field(default_factory=list)
 
     def describe(self) -> str:
         """One line for an incident's timeline."""
         why = f" (copy refused: {self.refused})" if self.refused else ""
-        return f"weights from {self.source} in {self.load_ms:.1f} ms{why}"
+        where: str = self.source
+        if self.ranks and len(set(self.ranks)) == 1:
+            where = f"{self.source} ({len(self.ranks)} ranks)"
+        elif self.ranks:
+            where = ", ".join(f"{s} (rank {i})" for i, s in enumerate(self.ranks))
+        return f"weights from {where} in {self.load_ms:.1f} ms{why}"
 
 
 class EngineInfo(Model):

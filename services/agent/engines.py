@@ -154,6 +154,7 @@ def weights_loaded(raw: Any) -> WeightsLoaded | None:
     if raw is None:
         return None
     try:
-        return WeightsLoaded(source=raw["source"], load_ms=raw["load_ms"], refused=str(raw.get("refused", ""))[:500])
+        return WeightsLoaded(source=raw["source"], load_ms=raw["load_ms"], refused=str(raw.get("refused", ""))[:500],
+                             ranks=raw.get("ranks") or [])
     except (ValidationError, KeyError, TypeError, AttributeError) as e:
         raise MalformedMessage(f"weights report {raw!r:.200}: {e}") from None
