@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from bench.pagecache import drop_cache
 from bench.stats import pct
 from devstack.scenario import in_memory_fs, make_weights
 from devstack.stack import Stack, StackConfig
@@ -142,8 +143,6 @@ class FirstTokenBench:
 
     def cached_out(self, source: str) -> None:
         """What this source's start reads from disk is not in the page cache (the host tier is memory by design)."""
-        from bench.restore import drop_cache
-
         if source == "file":
             drop_cache([self.weights])
         elif source == "artifact":

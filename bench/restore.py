@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import typer
 
+from bench.pagecache import drop_cache
 from bench.stats import quantile
 from services.gpu_manager import blockio
 from services.gpu_manager.app import make_backend
@@ -88,15 +89,6 @@ def make_weights(path: Path, nbytes: int) -> None:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for i, n in enumerate(sizes):
             f.write((np.arange(n // 2, dtype=np.uint16) * (i + 1)).tobytes())
-
-
-def drop_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class Bench:

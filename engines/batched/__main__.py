@@ -32,22 +32,21 @@ from engines.batched.journal import Journal, JournalLayout
 from engines.batched.memory import (
     LeasedMemory,
     Loaded,
-    kv_shape,
     layout_fn,
     open_memory,
     placed_alike,
     wait_fence,
 )
-from engines.batched.model_runner import ModelRunner, RunItem
+from engines.batched.model_runner import ModelRunner
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
 from engines.batched.sleep import install as install_sleep
 from engines.batched.tp_group import RankGroup
+from engines.batched.warmup import warm_kernels
 from engines.http_thread import HttpThread, write_ready_file
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
 from libs.common.gc_tuning import long_lived_gc
-from libs.common.tokenizer import BOS
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2
@@ -108,24 +107,6 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     else:
         journal.format()
     return engine, info
-
-
-def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> float:
-    """A standby's warm-up: the runner's kernels on a scratch one-layer model (no lease), so its first step
-    after a takeover compiles and loads nothing."""
-    t0 = time.perf_counter()
-    small = mcfg.with_layers(1)
-    dtype = torch.float32 if mcfg.dtype == "float32" else torch.bfloat16
-    w = {n: torch.empty(s, device=device, dtype=dtype).normal_(0.0, 0.02) for n, s in small.tensor_shapes().items()}
-    kv = torch.zeros(kv_shape(small, 8, cfg.block_size), dtype=dtype, device=device)
-    runner = ModelRunner(small, w, kv, cfg.block_size, deterministic=cfg.deterministic, cuda_graphs=False,
-                         max_num_seqs=4)
-    runner.run([RunItem(token_ids=[BOS, 1, 2], start=0, block_table=[0], sample=True, temperature=0.0, seed=0),
-                RunItem(token_ids=[BOS], start=0, block_table=[1], sample=True, temperature=0.7, seed=1)])
-    runner.run([RunItem(token_ids=[3], start=3, block_table=[0], sample=True, temperature=0.0, seed=0)])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return _ms(t0)
 
 
 def can_reserve(cfg: EngineConfig, memory: Any, device: torch.device) -> bool:

@@ -42,6 +42,7 @@ from engines.batched.config import EngineConfig
 from engines.batched.journal import Journal
 from engines.batched.memory import Loaded, layout_fn, open_memory
 from engines.batched.tp import PlanChannel, ShardedRunner, follow
+from engines.batched.warmup import warm_kernels
 from engines.reference import tp_runner as reference_tp
 from engines.reference.config import get_config
 from engines.reference.startup import pick_device
@@ -225,9 +226,6 @@ def follower_main() -> int:
     memory = open_memory(group.me, group.device)
     try:
         if cfg.role == "standby":
-            # the single standby's warm-up; imported here: engines.batched.__main__ imports this module
-            from engines.batched.__main__ import warm_kernels
-
             if not group.stand_by(warm_kernels):
                 log.info("rank %d of a standby group stopped unassigned", cfg.tp_rank)
                 return 0

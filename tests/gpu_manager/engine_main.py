@@ -67,10 +67,10 @@ class TestEngine:
         return {"lease": lease.id, "epoch": lease.epoch, "layout": digest, "expected": hashlib.sha256(pattern.tobytes()).hexdigest(),
                 **self.hashes()}
 
-    def grant(self, att: Attachment) -> dict:
+    def grant(self, att: Attachment, *, fenced: bool = False) -> dict:
         self.views = att.tensors(self.framework)
-        return {"leases": {lease.id: lease.epoch for lease in att.leases}, "layout": att.layout_hash,
-                "fence": [f.pid for f in att.fence], **self.hashes()}
+        out = {"leases": {lease.id: lease.epoch for lease in att.leases}, "layout": att.layout_hash, **self.hashes()}
+        return {**out, "fence": [f.pid for f in att.fence]} if fenced else out
 
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
@@ -85,7 +85,7 @@ class TestEngine:
         if cmd == "takeover":
             return self.grant(self.client.takeover(words[1], words[2]))
         if cmd == "takeover_fenced":
-            return self.grant(self.client.takeover(words[1], words[2], fenced=True))
+            return self.grant(self.client.takeover(words[1], words[2], fenced=True), fenced=True)
         if cmd == "gang_takeover":
             att = self.client.gang_takeover(words[1], int(words[2]), words[3].split(","), int(words[4]), words[5])
             return {**self.grant(att), "gang": self.client.last_gang.model_dump(mode="json")}
