@@ -121,6 +121,7 @@ async def test_nats_rotation_keeps_a_client_connected_and_refuses_the_old_ca_aft
     await (await _nats(url, admin)).close()
 
     sub = await new.subscribe("after.rotation")
+    await new.flush()  # the subscription is at the server before anything is published to it
     await stayed.publish("after.rotation", b"x")  # the connection made before it all: never cut
     assert (await sub.next_msg(timeout=2)).data == b"x"
     assert stayed.stats["reconnects"] == reconnects and stayed.is_connected
