@@ -30,9 +30,7 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
 from typing import Any
 
 import torch
@@ -47,7 +45,7 @@ from engines.reference import tp_runner as reference_tp
 from engines.reference.config import get_config
 from engines.reference.startup import pick_device
 from engines.reference.tp import read_shard, shard_config
-from engines.reference.tp_runner import IDLE_FOREVER, _die_with_parent, free_port
+from engines.reference.tp_runner import IDLE_FOREVER, free_port
 from engines.reference.weights import check_file_matches
 from libs.common.events import rank_engine_id
 
@@ -56,19 +54,11 @@ SETTINGS_ENV = "HF_ENGINE_BATCHED_TP_SETTINGS"
 
 
 class Followers(reference_tp.Followers):
-    """Ranks 1..N-1, started by rank 0 on its main thread (PR_SET_PDEATHSIG follows the thread that forked), and
-    watched as the reference engine's are: one's exit ends rank 0 (GROUP_DIED, within ~50 ms) unless rank 0 is
-    stopping them (`wait`)."""
+    """Ranks 1..N-1, started by rank 0 on its main thread and watched as the reference engine's are (one's exit
+    ends rank 0, GROUP_DIED, within ~50 ms, unless rank 0 is stopping them: `wait`); they run this engine."""
 
-    def __init__(self, cfg: EngineConfig) -> None:  # noqa: D107 - not the reference's: these ranks run this engine
-        self.stopping = False
-        self.procs = []
-        for rank in range(1, cfg.tp):
-            conf = cfg.model_copy(update={"tp_rank": rank, "ready_file": None, "agent": "off"})
-            env = {**os.environ, SETTINGS_ENV: conf.model_dump_json()}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "engines.batched.tp_group"], env=env,
-                                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
-        threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
+    MODULE = "engines.batched.tp_group"
+    SETTINGS_ENV = SETTINGS_ENV
 
 
 class RankGroup:

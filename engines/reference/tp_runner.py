@@ -68,15 +68,19 @@ def free_port() -> int:
 
 
 class Followers:
-    """Ranks 1..N-1, started by rank 0 (main thread: PR_SET_PDEATHSIG follows the thread that forked)."""
+    """Ranks 1..N-1, started by rank 0 (main thread: PR_SET_PDEATHSIG follows the thread that forked): each runs
+    `MODULE` with its settings (rank 0's, its own rank, no agent) as JSON in `SETTINGS_ENV`."""
 
-    def __init__(self, s: EngineSettings) -> None:
+    MODULE = "engines.reference.tp_runner"
+    SETTINGS_ENV = SETTINGS_ENV
+
+    def __init__(self, s: Any) -> None:  # EngineSettings here, the batched engine's EngineConfig in its subclass
         self.stopping = False
         self.procs = []
         for rank in range(1, s.tp):
             conf = s.model_copy(update={"tp_rank": rank, "ready_file": None, "agent": "off"})
-            env = {**os.environ, SETTINGS_ENV: conf.model_dump_json()}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "engines.reference.tp_runner"], env=env,
+            env = {**os.environ, self.SETTINGS_ENV: conf.model_dump_json()}
+            self.procs.append(subprocess.Popen([sys.executable, "-m", self.MODULE], env=env,
                                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
         threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
 
