@@ -48,6 +48,19 @@ def memory(tmp_path) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, t
     return weights, kv, {n: torch.zeros(shape, dtype=dt) for n, (dt, shape) in LAYOUT.tensors().items()}
 
 
+def uninterrupted(weights: dict[str, torch.Tensor], kv: torch.Tensor, jr: dict[str, torch.Tensor], prompt: list[int],
+                  max_tokens: int) -> list[int]:
+    """The tokens of `prompt` run alone to its end, on a cache and journal of its own shaped like `kv` and `jr`."""
+    alone = ListSink()
+    ref = engine(weights, torch.zeros_like(kv), {n: torch.zeros_like(t) for n, t in jr.items()})
+    ref.journal.format()
+    ref.submit(Request("ref", prompt, max_tokens, 0.0, 0, True, alone))
+    ref._drain()
+    while not alone.done.is_set():
+        ref.step()
+    return alone.tokens
+
+
 def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_their_tokens(tmp_path) -> None:
     weights, kv, jr = memory(tmp_path)
     first = engine(weights, kv, jr)
@@ -76,14 +89,7 @@ def test_unclaimed_adopted_sequences_wait_after_running_ahead_and_a_claim_gets_t
     finally:
         succ.stop()
     assert succ.counters.claimed == 1 and succ.counters.recomputed_tokens == 0
-    alone = ListSink()  # an uninterrupted run of the same request
-    ref = engine(weights, torch.zeros_like(kv), {n: torch.zeros_like(t) for n, t in jr.items()})
-    ref.journal.format()
-    ref.submit(Request("r2", prompt, 40, 0.0, 0, True, alone))
-    ref._drain()
-    while not alone.done.is_set():
-        ref.step()
-    assert seen + claim.tokens == alone.tokens
+    assert seen + claim.tokens == uninterrupted(weights, kv, jr, prompt, 40)
 
 
 def test_a_new_request_joins_the_steps_only_once_every_claimed_stream_has_its_first_token(tmp_path) -> None:
@@ -168,13 +174,7 @@ def test_tokens_a_claim_brings_past_the_journal_are_journaled_for_a_later_succes
     not whatever that row held at those positions."""
     weights, kv, jr = memory(tmp_path)
     prompt = [3, 7, 11, 15]
-    alone = ListSink()  # the uninterrupted run: what the client would have seen
-    ref = engine(weights, torch.zeros_like(kv), {n: torch.zeros_like(t) for n, t in jr.items()})
-    ref.journal.format()
-    ref.submit(Request("r0", prompt, 30, 0.0, 0, True, alone))
-    ref._drain()
-    while not alone.done.is_set():
-        ref.step()
+    alone = uninterrupted(weights, kv, jr, prompt, 30)  # what the client would have seen
 
     first = engine(weights, kv, jr)
     first.journal.format()
@@ -186,7 +186,7 @@ def test_tokens_a_claim_brings_past_the_journal_are_journaled_for_a_later_succes
     entries, dropped = succ.journal.recover()
     succ.adopt(entries, dropped)
     made = len(entries[0].tokens) - len(prompt)
-    seen = alone.tokens[:made + 3]  # three tokens past the journal, as the client got them
+    seen = alone[:made + 3]  # three tokens past the journal, as the client got them
     succ.submit(Request("r1", prompt + seen, 30 - len(seen), 0.0, 0, True, ListSink(), resumed=len(seen)))
     succ._drain()
     assert succ.counters.claim_extra_tokens == 3
