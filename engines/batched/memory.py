@@ -32,6 +32,7 @@ from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
 from engines.reference.weights import check_file_matches, load_weights
+from libs.common.procs import wait_gone
 
 log = logging.getLogger("holdfast.engine.batched.memory")
 
@@ -344,8 +345,6 @@ def wait_fence(loaded: Loaded, wait_s: float) -> float | None:
     context gone): only then may the journal be read (on CUDA the dead engine's queued steps may still write it,
     ~10-25 ms after a SIGKILL on an H200: scripts/probe_death_time.py) or anything be written. The ms waited
     (None: nothing to wait for). Raises TimeoutError after `wait_s`."""
-    from libs.common.procs import wait_gone
-
     if not loaded.fence:
         return None
     t0 = time.perf_counter()

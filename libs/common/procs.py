@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import select
 import shutil
 import signal
 import socket
@@ -222,15 +223,16 @@ def stopped(pid: int, start: int | None) -> bool:
     (scripts/probe_death_time.py). Whatever it queued before may still run meanwhile: see `wait_gone`."""
     if start is not None and start_time(pid) != start:
         return True
+    return all(t[0] in (b"Z", b"X") or int(t[6]) & PF_EXITING for t in threads(pid))  # field 9: flags
+
+
+def threads(pid: int) -> list[list[bytes]]:
+    """`stat_fields` of every thread of `pid` still listed (none once it is gone)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return True
-    for tid in tids:
-        rest = stat_fields(pid, tid=tid)
-        if rest is not None and rest[0] not in (b"Z", b"X") and not int(rest[6]) & PF_EXITING:  # field 9: flags
-            return False
-    return True
+        return []
+    return [rest for tid in tids if (rest := stat_fields(pid, tid=tid)) is not None]
 
 
 def wait_gone(pid: int, start: int | None, timeout_s: float) -> bool:
@@ -243,8 +245,6 @@ def wait_gone(pid: int, start: int | None, timeout_s: float) -> bool:
     try:
         if start is not None and start_time(pid) != start:
             return True  # the pid names another process now: ours is long gone
-        import select
-
         return bool(select.select([fd], [], [], max(timeout_s, 0.0))[0])
     finally:
         os.close(fd)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from libs.client.protocol import TensorMeta
 from libs.common.events import LeaseInfo
-from libs.common.procs import stat_fields
+from libs.common.procs import stat_fields, threads
 from services.gpu_manager.gang import Gang
 
 T = TypeVar("T")
@@ -151,8 +151,8 @@ def layout_hash(metas: list[TensorMeta]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
-def _state_and_start(pid: int, tid: str | None = None) -> tuple[bytes, int] | None:
-    rest = stat_fields(pid, tid=tid)
+def _state_and_start(pid: int) -> tuple[bytes, int] | None:
+    rest = stat_fields(pid)
     return (rest[0], int(rest[19])) if rest is not None and len(rest) > 19 else None
 
 
@@ -167,16 +167,8 @@ def pid_start_time(pid: int) -> int | None:
     if got is None:
         return None
     state, start = got
-    if state not in (b"Z", b"X"):
+    if state not in (b"Z", b"X") or any(t[0] not in (b"Z", b"X") for t in threads(pid)):
         return start
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        thread = _state_and_start(pid, tid)
-        if thread is not None and thread[0] not in (b"Z", b"X"):
-            return start
     return None
 
 
