@@ -313,12 +313,16 @@ class ModelRunner:
         if not self.deterministic or x.shape[0] == 0:
             return fn(x)
         M = x.shape[0]
-        split = M if head or self._split is None else min(self._split, M)
+        split = self._small_rows(M, head)
         head_rows, rest = self._tiled(fn, x[:split], self.tile), self._tiled(fn, x[split:], self.prefill_tile)
         if rest is None:
             assert head_rows is not None  # M > 0 rows: the head has at least one
             return head_rows
         return rest if head_rows is None else torch.cat([head_rows, rest])
+
+    def _small_rows(self, M: int, head: bool) -> int:
+        """How many of a step's first rows go in small tiles (the rest in prefill tiles): all of the head's."""
+        return M if head or self._split is None else min(self._split, M)
 
     @staticmethod
     def _tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: int) -> torch.Tensor | None:
@@ -342,7 +346,7 @@ class ModelRunner:
         if not self.deterministic or x.shape[0] == 0:
             return F.linear(x, w)
         M = x.shape[0]
-        split = M if head or self._split is None else min(self._split, M)
+        split = self._small_rows(M, head)
         small, big = self.tile, self.prefill_tile
         front, back = -split % small, -(M - split) % big
         xp = F.pad(x, (0, 0, front, back)) if front or back else x
