@@ -7,18 +7,22 @@ positions `context_lens[i] - n ..` (a prefill chunk is causal from that offset; 
 Two paths, chosen per sequence by its own shape and never by the batch's:
 - reference (CPU, and on CUDA on request): per sequence, gather its blocks up to its context length, scores
   and softmax in float32, a causal mask offset for a chunk;
-- CUDA: one query row (decode) -> the Triton paged-decode kernel (paged_kernels.py); several rows (a prefill
-  chunk) -> gather + SDPA, one sequence at a time.
+- CUDA: one query row (decode) -> the Triton paged-decode kernel; several rows (prefill chunks) -> the Triton
+  paged-prefill kernel, every chunk of the step in one launch (paged_kernels.py). A mixed step's attention is
+  two launches a layer whatever its sequences: before, one gather + SDPA per chunk (deterministic mode) or one
+  padded SDPA over gathered and repeated heads (default mode) made a mixed step launch-bound (~1,100-2,000
+  kernels; docs/engine-batched.md).
 Chosen by scripts/bench_paged_attention.py on an H200 (8b shape, bf16, block 16): decode of 64 sequences at
 4,096 positions in 0.31 ms (3.4 TB/s of KV), 256 at 2,048 in 0.59 ms, against 4.5-21 ms for gathering the
-blocks and running SDPA; prefill chunks of 512 rows over 4,096 positions in ~0.26 ms a sequence with gather +
-SDPA, against 1.6 ms on the reference path (at 128 rows over 512 the two are even: the per-sequence launches
-dominate; a Triton varlen prefill kernel is the next step if chunked prefill shows in the step time).
+blocks and running SDPA.
 
 Invariants:
 1. Batch invariance by construction: every reduction of sequence `i` runs over its own rows and context only,
    in an order fixed by its own (rows, context length), so its output is bit-identical whatever else the batch
-   holds. The decode kernel runs one program per (sequence, kv head), walking the context in order.
+   holds. The decode kernel runs one program per (sequence, kv head), the prefill kernel one per (tile of
+   PREFILL_ROWS rows of one sequence, kv head), each walking the context from position 0 in fixed steps; a
+   key past a row's causal limit adds an exact zero, so a row's result does not depend on its tile's other rows
+   or on where its tile's walk ends.
 2. A row outside every sequence (graph padding) is written nowhere (`slot < 0` is skipped) and its output is 0.
 3. `write_kv` runs before `attend` in each layer: a chunk's own keys are read back from the cache.
 """
@@ -29,12 +33,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of torch only; the CPU path needs none of it.
     from engines.batched import paged_kernels
 except ImportError:  # pragma: no cover - depends on the install
     paged_kernels = None  # type: ignore[assignment]
+
+
+PREFILL_ROWS = 16  # query rows of one sequence that one program of the prefill kernel takes
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,6 @@ class AttnMeta:
     block_tables: torch.Tensor  # [B, W] int64 on the KV's device; entries past a sequence's blocks are unread
     context_lens_t: torch.Tensor  # [B] int64 on the KV's device
     decode_only: bool  # every sequence has exactly one row (rows == sequences, in order)
-    batched_prefill: bool = False  # CUDA, default mode: every prefill chunk of the step in one padded SDPA call
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # index tensors built at the first layer
 
     @property
@@ -73,81 +78,54 @@ def attend(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, *, reference
     fast = q.is_cuda and paged_kernels is not None and not reference
     if fast and meta.decode_only:
         return paged_kernels.paged_decode(q, layer_kv, meta.block_tables, meta.context_lens_t).flatten(1)
-    out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-    decode_rows: list[int] = []
-    decode_seqs: list[int] = []
-    prefill: list[int] = []
-    for i in range(meta.num_seqs):
-        lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-        if hi == lo:
-            continue
-        if fast and hi - lo == 1:
-            decode_rows.append(lo)
-            decode_seqs.append(i)
-        elif fast and meta.batched_prefill:
-            prefill.append(i)
-        else:
-            keys, vals = gather(layer_kv, meta.block_tables[i], meta.context_lens[i])
-            if not fast:
+    if not fast:
+        out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for i in range(meta.num_seqs):
+            lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
+            if hi > lo:
+                keys, vals = gather(layer_kv, meta.block_tables[i], meta.context_lens[i])
                 out[lo:hi] = reference_one(q[lo:hi], keys, vals).flatten(1)
-                continue
-            n, ctx = hi - lo, meta.context_lens[i]
-            if n != ctx and ("mask", n, ctx) not in meta.cache:  # built once a step, not once a layer
-                meta.cache["mask", n, ctx] = ~causal_mask(n, ctx, q.device)
-            out[lo:hi] = sdpa_one(q[lo:hi], keys, vals, meta.cache.get(("mask", n, ctx))).flatten(1)
-    if prefill:
-        padded_prefill(q, layer_kv, meta, prefill, out)
-    if decode_rows:
-        if "decode" not in meta.cache:  # built once a step, not once a layer
-            meta.cache["decode"] = (torch.tensor(decode_rows, device=q.device), torch.tensor(decode_seqs, device=q.device))
-        rows, seqs = meta.cache["decode"]
-        got = paged_kernels.paged_decode(q[rows], layer_kv, meta.block_tables[seqs], meta.context_lens_t[seqs])
-        out[rows] = got.flatten(1)
+        return out
+    if "rows" not in meta.cache:  # built once a step, not once a layer
+        meta.cache["rows"] = _split_rows(meta, q.device)
+    decode_rows, decode_tables, decode_lens, tiles = meta.cache["rows"]
+    out = torch.zeros_like(q)
+    paged_kernels.paged_prefill(q, out, layer_kv, meta.block_tables, tiles, PREFILL_ROWS)
+    if decode_rows.numel():
+        out[decode_rows] = paged_kernels.paged_decode(q[decode_rows], layer_kv, decode_tables, decode_lens)
+    return out.flatten(1)
+
+
+def _split_rows(meta: AttnMeta, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A mixed step's rows by their sequence's shape: one-row sequences' rows, block tables and context lengths
+    (the decode kernel), and the prefill kernel's tiles of every longer chunk ([n, 4])."""
+    rows: list[int] = []
+    seqs: list[int] = []
+    chunks: list[int] = []
+    for i in range(meta.num_seqs):
+        n = meta.query_starts[i + 1] - meta.query_starts[i]
+        if n == 1:
+            rows.append(meta.query_starts[i])
+            seqs.append(i)
+        elif n > 1:
+            chunks.append(i)
+    tiles = torch.tensor(prefill_tiles(meta.query_starts, meta.context_lens, chunks), dtype=torch.int64)
+    index = torch.tensor(seqs, dtype=torch.int64).to(device, non_blocking=True)
+    return (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True), meta.block_tables[index],
+            meta.context_lens_t[index], tiles.view(-1, 4).to(device, non_blocking=True))
+
+
+def prefill_tiles(query_starts: list[int], context_lens: list[int], seqs: list[int]) -> list[int]:
+    """The prefill kernel's work, flat (sequence, first row, rows, first position) quadruples: each of `seqs`'
+    rows cut into tiles of PREFILL_ROWS from its own first row, so a tile holds one sequence and a row's tile
+    depends on its own sequence alone."""
+    out: list[int] = []
+    for i in seqs:
+        lo, n = query_starts[i], query_starts[i + 1] - query_starts[i]
+        first = context_lens[i] - n
+        for off in range(0, n, PREFILL_ROWS):
+            out += (i, lo + off, min(PREFILL_ROWS, n - off), first + off)
     return out
-
-
-def _padded_index(meta: AttnMeta, seqs: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """For the step's prefill chunks as one padded batch: each chunk's flat rows [S, N] (pads: row 0), the
-    padded positions of real rows and their flat rows, the block tables [S, nb], the mask [S, 1, N, C] (True: may
-    attend)."""
-    n = [meta.query_starts[i + 1] - meta.query_starts[i] for i in seqs]
-    ctx = [meta.context_lens[i] for i in seqs]
-    N, nb = max(n), max(-(-c // block_size) for c in ctx)
-    r = torch.arange(N)
-    starts = torch.tensor([meta.query_starts[i] for i in seqs])[:, None]
-    real = r[None, :] < torch.tensor(n)[:, None]
-    rows = torch.where(real, starts + r[None, :], torch.zeros_like(starts))
-    q_pos = torch.tensor(ctx)[:, None] - torch.tensor(n)[:, None] + r[None, :]  # [S, N]
-    k_pos = torch.arange(nb * block_size)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]
-    mask[~real] = False
-    mask[..., 0] = True  # a padded row attends one key (an all-masked row is NaN); its output is dropped
-    tables = meta.block_tables[torch.tensor(seqs, device=meta.block_tables.device), :nb]
-    keep = real.flatten().nonzero().flatten()  # positions of real rows in the padded batch; on the host, once
-    dest = rows.flatten()[keep]
-    return rows.to(device), keep.to(device), dest.to(device), tables, mask[:, None].to(device)
-
-
-def padded_prefill(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, seqs: list[int], out: torch.Tensor) -> None:
-    """Every prefill chunk of the step in one SDPA call (CUDA, default mode): the per-sequence calls were
-    ~6 launches a sequence a layer, most of a prefill step's time. Not batch-invariant (the padded shapes depend
-    on the batch): the deterministic mode keeps `sdpa_one`."""
-    bs, kvh, hd = layer_kv.shape[2:]
-    if "prefill" not in meta.cache:
-        meta.cache["prefill"] = _padded_index(meta, seqs, bs, q.device)
-    rows, keep, dest, tables, mask = meta.cache["prefill"]
-    S, N = rows.shape
-    heads = q.shape[1]
-    qp = q[rows.flatten()].view(S, N, heads, hd).transpose(1, 2)  # [S, H, N, hd]
-    flat = tables.flatten()
-    k = layer_kv[0].index_select(0, flat).view(S, -1, kvh, hd).transpose(1, 2).to(q.dtype)
-    v = layer_kv[1].index_select(0, flat).view(S, -1, kvh, hd).transpose(1, 2).to(q.dtype)
-    rep = heads // kvh
-    if rep > 1:  # full heads: the memory-efficient kernel takes an arbitrary mask, not grouped heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask)  # [S, H, N, hd]
-    o = o.transpose(1, 2).reshape(S * N, heads * hd)
-    out.index_copy_(0, dest, o.index_select(0, keep))
 
 
 def gather(layer_kv: torch.Tensor, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,19 +158,3 @@ def reference_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> to
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vals.float().transpose(0, 1))  # [kvh, rep * n, hd]
     return out.view(heads, n, hd).transpose(0, 1).to(q.dtype)
-
-
-def sdpa_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """One prefill chunk through torch's fused attention (CUDA): the same contract as `reference_one`. Inputs
-    are 4-D ([1, heads, rows, hd]): with 3-D ones SDPA fell back to its math kernel, 10x slower on an H200
-    (2.0 ms against 0.2 ms for 512 rows over 4,096 positions, bf16, 32/8 heads). `allowed`: the chunk's
-    `~causal_mask` when the caller keeps it (one per step and shape, not one per layer)."""
-    n, ctx = q.shape[0], keys.shape[0]
-    qh = q.transpose(0, 1)[None]
-    k, v = keys.transpose(0, 1).to(q.dtype)[None], vals.transpose(0, 1).to(q.dtype)[None]
-    if n == ctx:  # a chunk from position 0: plain causal, which the flash kernel takes
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
-    else:
-        mask = ~causal_mask(n, ctx, q.device) if allowed is None else allowed
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
-    return out[0].transpose(0, 1)

@@ -298,7 +298,7 @@ class ModelRunner:
         self._stage.upload(sum(sizes))
         tok, pos, slot, ctx, head, table = _sections(self._stage.dev, sizes)
         self._feed(items, starts[:-1], tok, prev)
-        meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B, batched_prefill=not self.deterministic)
+        meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B)
         self._split = split
         try:
             return self._forward(tok, pos, slot, meta, head)

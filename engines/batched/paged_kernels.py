@@ -6,6 +6,9 @@
   fixed steps of BLOCK_N tokens: the order of every reduction depends on that sequence's context length alone,
   so the result is the same whatever else the batch holds (attention.py invariant 1). The rep query heads
   that share a kv head are one tile (padded to 16 rows for `tl.dot`): each key block is read once per kv head.
+- `paged_prefill`: causal attention of every prefill chunk of a step in one launch: one program per (tile of
+  one sequence's rows, kv head), the tile's rows x the kv head's query heads one `tl.dot` operand, walking the
+  context from position 0 in fixed steps of BLOCK_N like the decode kernel (batch-invariant the same way).
 - `rms_norm`, `silu_mul`: RMSNorm and SwiGLU's silu(gate) * up, one kernel each instead of ~8 and 3 small torch
   kernels (a decode step of the 8b shape ran ~40 kernels a layer). One program a row (or a row's block): a row's
   result depends on that row alone, so both are batch-invariant without tiles.
@@ -106,6 +109,76 @@ def paged_decode(q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Te
         REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BS=layer_kv.shape[2], BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32)
     return out
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, o_stride_t, o_stride_h, kc_ptr, vc_ptr,
+                          slot_stride, bt_ptr, bt_stride, tiles_ptr, scale, REP: tl.constexpr,
+                          REP_PAD: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    seq = tl.load(tiles_ptr + tile * 4)  # the sequence's row in the block tables
+    row0 = tl.load(tiles_ptr + tile * 4 + 1)  # flat row of the tile's first query
+    nrows = tl.load(tiles_ptr + tile * 4 + 2)  # its rows (<= BLOCK_M; 0: a padding tile, which stores nothing)
+    pos0 = tl.load(tiles_ptr + tile * 4 + 3)  # the position of its first row
+    m_idx = tl.arange(0, BLOCK_M * REP_PAD)  # the tile's query rows x the kv head's query heads, row-major
+    r = m_idx // REP_PAD
+    h = m_idx % REP_PAD
+    valid = (r < nrows) & (h < REP)
+    heads = g * REP + h
+    dims = tl.arange(0, HD)
+    q = tl.load(q_ptr + (row0 + r)[:, None] * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
+                mask=valid[:, None], other=0.0)
+    q_pos = pos0 + tl.minimum(r, tl.maximum(nrows - 1, 0))  # a padding row sees what the tile's last row sees
+    kv_end = pos0 + nrows
+    m = tl.full((BLOCK_M * REP_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M * REP_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_M * REP_PAD, HD), tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        tmask = t < kv_end
+        blk = tl.load(bt_ptr + seq * bt_stride + t // BS, mask=tmask, other=0)
+        slot = blk * BS + t % BS
+        offs = slot[:, None] * slot_stride + g * HD + dims[None, :]
+        k = tl.load(kc_ptr + offs, mask=tmask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=tmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tmask[None, :] & (t[None, :] <= q_pos[:, None]), s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(o_ptr + (row0 + r)[:, None] * o_stride_t + heads[:, None] * o_stride_h + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def paged_prefill(q: torch.Tensor, out: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
+                  tiles: torch.Tensor, tile_rows: int, block_n: int = 64) -> None:
+    """Causal attention of prefill chunks, every chunk of the step in one launch: q [T, H, hd] (flat rows), out
+    [T, H, hd] written at the tiles' rows only, tiles [n, 4] int64 on q's device (attention.prefill_tiles: each
+    one sequence's row, first flat row, rows <= tile_rows, first position)."""
+    T, heads, hd = q.shape
+    kvh = layer_kv.shape[-2]
+    rep = heads // kvh
+    if tiles.shape[0] == 0:
+        return
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    _paged_prefill_kernel[(tiles.shape[0], kvh)](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), layer_kv[0], layer_kv[1], kvh * hd,
+        block_tables, block_tables.stride(0), tiles, 1.0 / hd ** 0.5, REP=rep,
+        REP_PAD=triton.next_power_of_2(rep), HD=hd, BS=layer_kv.shape[2], BLOCK_M=tile_rows, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from engines.batched.model_runner import ModelRunner
 log = logging.getLogger("holdfast.engine.batched.tp")
 
 FORWARD, STOP = 1, 2
-HEADER = 8  # op, rows, sequences, table width, head rows (-1: all), tile split (-1: none), decode_only, batched_prefill
+HEADER = 7  # op, rows, sequences, table width, head rows (-1: all), tile split (-1: none), decode_only
 
 
 class PlanChannel:
@@ -64,8 +64,7 @@ class PlanChannel:
         table = meta.block_tables[:B]
         W = table.shape[1] if B else 0
         H = -1 if head_rows is None else head_rows.shape[0]
-        header = [FORWARD, T, B, W, H, -1 if split is None else split, int(meta.decode_only),
-                  int(meta.batched_prefill)]
+        header = [FORWARD, T, B, W, H, -1 if split is None else split, int(meta.decode_only)]
         self._bcast(torch.tensor(header, dtype=torch.int64, device=self.device))
         lists = torch.tensor([*meta.query_starts, *meta.context_lens], dtype=torch.int64).to(self.device)
         parts = [tokens, positions, slots, lists, table.reshape(-1)]
@@ -80,7 +79,7 @@ class PlanChannel:
         """The next plan as `_forward`'s arguments plus the split; None: rank 0 said stop."""
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
         self._bcast(header)
-        op, T, B, W, H, split, decode_only, batched = (int(v) for v in header.tolist())
+        op, T, B, W, H, split, decode_only = (int(v) for v in header.tolist())
         if op == STOP:
             return None
         if op != FORWARD:
@@ -96,8 +95,7 @@ class PlanChannel:
         at += 2 * B + 1
         table = payload[at:at + B * W].view(B, W)
         head = payload[at + B * W:] if H >= 0 else None
-        meta = AttnMeta(host[:B + 1], host[B + 1:], table, ctx, decode_only=bool(decode_only),
-                        batched_prefill=bool(batched))
+        meta = AttnMeta(host[:B + 1], host[B + 1:], table, ctx, decode_only=bool(decode_only))
         return tokens, positions, slots, meta, head, None if split < 0 else split
 
 

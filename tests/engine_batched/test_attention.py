@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from engines.batched import attention as A
 from engines.batched.attention import AttnMeta, attend, write_kv
 
 KVH, HD, HEADS, BS, BLOCKS = 2, 16, 4, 4, 64
@@ -77,3 +80,23 @@ def test_write_kv_skips_padding_rows_and_touches_only_named_slots() -> None:
     written = flat.abs().sum(dim=(2, 3)).nonzero()[:, 1].unique().tolist()
     assert written == [5, 9]
     assert torch.equal(flat[0, 9], torch.ones(KVH, HD)) and torch.equal(flat[1, 5], 2 * torch.ones(KVH, HD))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.integers(0, 70), min_size=1, max_size=8), before=st.integers(0, 40))
+def test_prefill_tiles_cover_each_chunk_once_one_sequence_a_tile(rows: list[int], before: int) -> None:
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + n)
+    ctx = [n + before for n in rows]
+    chunks = [i for i, n in enumerate(rows) if n > 1]
+    flat = A.prefill_tiles(starts, ctx, chunks)
+    tiles = [tuple(flat[j:j + 4]) for j in range(0, len(flat), 4)]
+    covered: dict[int, int] = {}
+    for seq, row0, n, pos0 in tiles:
+        assert seq in chunks and 1 <= n <= A.PREFILL_ROWS
+        assert starts[seq] <= row0 and row0 + n <= starts[seq + 1]  # one sequence a tile
+        assert pos0 == ctx[seq] - rows[seq] + (row0 - starts[seq])  # the row's own position
+        for r in range(row0, row0 + n):
+            covered[r] = covered.get(r, 0) + 1
+    assert covered == {r: 1 for i in chunks for r in range(starts[i], starts[i + 1])}

@@ -1,5 +1,5 @@
-"""The CUDA paths of paged attention (Triton store and decode kernels, gather + SDPA chunks) against the
-reference path, on Llama-8B's attention shape (32 query heads over 8 kv heads of 128)."""
+"""The CUDA paths of paged attention (Triton store, decode and prefill kernels) against the reference path, on
+Llama-8B's attention shape (32 query heads over 8 kv heads of 128), and their batch invariance."""
 
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def test_mixed_chunks_and_decode_rows_equal_the_reference_path() -> None:
     q, layer_kv, meta = case([(64, 64), (40, 1), (700, 100), (5, 1), (33, 7)], torch.bfloat16, seed=1)
     torch.testing.assert_close(attend(q, layer_kv, meta), attend(q, layer_kv, meta, reference=True),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_triton_prefill_equals_the_reference_path(dtype: torch.dtype, tol: float) -> None:
+    q, layer_kv, meta = case([(2, 2), (16, 16), (17, 17), (40, 33), (700, 128), (2049, 512), (90, 2)], dtype, seed=5)
+    torch.testing.assert_close(attend(q, layer_kv, meta), attend(q, layer_kv, meta, reference=True),
+                               atol=tol, rtol=tol)
+
+
+def test_a_prefill_chunk_is_bit_identical_alone_and_among_other_chunks_and_decode_rows() -> None:
+    spans = [(300, 128), (37, 1), (64, 64), (900, 1), (129, 3), (5, 5), (2000, 77)]
+    q, layer_kv, meta = case(spans, torch.bfloat16, seed=6)
+    batched = attend(q, layer_kv, meta)
+    for i in (0, 2, 4, 5, 6):
+        lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
+        alone = AttnMeta([0, hi - lo], [meta.context_lens[i]], meta.block_tables[i:i + 1],
+                         meta.context_lens_t[i:i + 1], decode_only=False)
+        assert torch.equal(attend(q[lo:hi], layer_kv, alone), batched[lo:hi])
 
 
 def test_triton_decode_of_a_sequence_is_bit_identical_alone_and_batched() -> None:
