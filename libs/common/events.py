@@ -53,6 +53,12 @@ _LOSES_MEMORY = frozenset({FaultKind.GPU_FAULT})
 KV_BACKUP_LEASE = "kv_backup"
 
 
+def is_kv_backup(name: str) -> bool:
+    """A KV backup lease's name: `kv_backup`, or a tensor-parallel rank's (`kv_backup.tp2-r1`: each rank backs up
+    its own shard, its lease named as libs/client/safetensors_io.py `shard_lease_name` names a rank's weights)."""
+    return name == KV_BACKUP_LEASE or name.startswith(KV_BACKUP_LEASE + ".tp")
+
+
 class LeaseState(StrEnum):
     ACTIVE = "ACTIVE"
     ORPHANED = "ORPHANED"
@@ -587,6 +593,8 @@ class SnapshotReply(Model):
     root_hash: str
     direct_io: bool
     host_tier: bool = False  # a host-tier copy is held too
+    tier_registered: bool = False  # cuda: that copy page-locked in place now, so its restores are DMA only
+    tier_register_s: float = 0.0  # the registering's seconds, apart from `seconds` (the copy's)
 
 
 class SleepEngine(Command):

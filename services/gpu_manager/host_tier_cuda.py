@@ -4,14 +4,20 @@ registered with cuMemHostRegister, and each 64 MiB block goes host-to-device wit
 on the window's streams. No CPU copy through a pinned bounce buffer (the path that reached 47% of the pinned
 host-to-device speed of light on an H200), and no thread per block.
 
-A registration is made on a copy's first restore (timed apart: `register_s`) and kept while that copy is the
-tier's, so later restores (a cold start, a level-2 wake) are DMA only; registering pins the pages, which the
-tier's memory is meant to be anyway (resident, capped by `host_tier_bytes`).
+A copy is registered when it is written (restore.py `snapshot`) or adopted after a manager restart (`pin`, the
+seconds it took in the write's figures), and kept while that copy is the tier's, so every restore (a cold start, a
+level-2 wake) is DMA only; registering took 1.5-3.1 s for 16 GiB on the H200 host (0.1-0.2 s a GiB), which a cold start
+must not pay. A copy whose registration failed then is registered by its first restore (`acquire`, timed apart:
+its `register_s`), or read through bounce buffers where that fails too. Registering pins the copy's pages, which
+the tier's memory is meant to be anyway (resident); it pins no other memory: the registered bytes are the tier's
+own, capped by `host_tier_bytes` (`bytes`).
 
 Invariants:
 1. A registration is unregistered and unmapped only once no restore uses it (`acquire`/`release` count users).
 2. A registration serves only the copy it was made from (its key: name, root hash, size, creation time); a
-   replaced or dropped copy's registration is retired at the next `acquire` or `prune`.
+   replaced or dropped copy's registration is retired at the next `acquire` or `prune` (the write of a copy
+   prunes before it registers), so the registered bytes pass the tier's only while a restore still reads a
+   replaced copy.
 3. A failed registration leaves nothing mapped or registered; the caller falls back to the bounce path.
 """
 
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from libs.client import cuda_driver as cd
+from libs.common.errors import HoldfastError
 from services.gpu_manager.artifact import Block, Manifest
 
 log = logging.getLogger("holdfast.gpu_manager.host_tier_cuda")
@@ -143,6 +150,24 @@ class PinnedTier:
     def held(self) -> list[str]:
         with self._lock:
             return sorted(self._entries)
+
+    def bytes(self) -> int:
+        """Host memory page-locked now: every registration's, the retired ones still read by a restore included."""
+        with self._lock:
+            return sum(sum(e.copy.sizes) for e in [*self._entries.values(), *self._limbo])
+
+    def pin(self, man: Manifest, fds: Sequence[int], ordinal: int) -> float | None:
+        """Register a copy ahead of its restores (at its write or adoption; blocking): the seconds it took (0: it was
+        registered), or None where it could not be (logged; its restores try again, else take the bounce path).
+        `fds` are the caller's to close; the registration's mapping keeps the pages."""
+        try:
+            copy, took = self.acquire(man, fds, ordinal)
+        except (cd.CudaError, OSError, HoldfastError) as e:
+            log.warning("host tier copy %s could not be page-locked at its write (%s): its restores will try again, "
+                        "else go through bounce buffers", man.name, e)
+            return None
+        self.release(copy)
+        return took
 
 
 def dma_blocks(window: Any, copy: RegisteredCopy, blocks: Sequence[Block]) -> float:

@@ -10,9 +10,11 @@ committed lease and restored into a new lease for a cold-starting engine (issue 
 - Policy (settings): once an engine of a class in `snapshot_classes` commits its weights, they are written to
   their artifact if none is there yet; of a class in `host_tier_classes`, copied into the host tier.
 
-On cuda a host tier copy is registered in place (cuMemHostRegister) on its first restore and DMA'd from there on
-every restore (host_tier_cuda.py); where registering fails it goes through pinned bounce buffers as before. The
-restore's figures say which: `registered_dma` 1 or 0, and `register_s` (the registering this restore did).
+On cuda a host tier copy is registered in place (cuMemHostRegister) when it is written, or adopted after a restart,
+and DMA'd from there on every restore (host_tier_cuda.py): the write's reply says so (`tier_registered`,
+`tier_register_s`), and a restore's `register_s` is 0. Where registering failed at the write, the first restore
+tries again (its `register_s` then says what it cost), and where that fails too the copy goes through pinned
+bounce buffers (`registered_dma` 0). `host_tier_pin` false: never registered, always the bounce buffers.
 
 Invariant: a restored lease is handed out only after every block was read whole (and, from disk, matched its
 hash); a restore that fails leaves no lease behind.
@@ -95,11 +97,15 @@ class WeightCopies:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.policy_done: set[tuple[str, str]] = set()  # (what, name) the policy started already
+        self.cuda = book.backend.name == "cuda"
         self.pinned: Any = None  # cuda: the tier's copies registered in place (host_tier_cuda.PinnedTier)
-        if book.backend.name == "cuda":
+        if self.cuda and self.settings.host_tier_pin:
             from services.gpu_manager.host_tier_cuda import PinnedTier
 
             self.pinned = PinnedTier()
+            tier.pinned_bytes = self.pinned.bytes
+            if tier.entries:  # kept by the keeper through a restart: registered again before a cold start needs them
+                self._spawn(self._pin_adopted(getattr(book.backend, "ordinals", [0])[0]), "pin-adopted")
 
     # ------------------------------------------------------------ windows
 
@@ -133,21 +139,31 @@ class WeightCopies:
             self.tier.room_for(name, size)  # refused before any byte is written (tier.py, invariant 1)
         rec, window = await self._map_live(lease_id, committed=True, block_bytes=self.block_bytes)
         lock = self._locks.setdefault(name, asyncio.Lock())
+        pinned: float | None = None
         try:
             async with lock:
                 man, path, direct = None, "", False
-                if artifact:
-                    man, path, direct = await asyncio.to_thread(self._write_artifact, window, rec, name)
+                try:
+                    if artifact:
+                        man, path, direct = await asyncio.to_thread(self._write_artifact, window, rec, name)
+                    if host_tier:
+                        man = await self._write_tier(window, rec, name)
+                finally:
+                    await asyncio.to_thread(window.close)  # the lease is not held while the copy is registered
+                    window = None
                 if host_tier:
-                    man = await self._write_tier(window, rec, name)
+                    pinned = await self._pin(name, rec.info.gpu)
         finally:
-            await asyncio.to_thread(window.close)
+            if window is not None:
+                await asyncio.to_thread(window.close)
         assert man is not None
-        log.info("lease %s -> %s (%s%s): %d bytes in %.2f s (%.2f GiB/s, direct I/O %s)", lease_id, name, path or "",
-                 " + host tier" if host_tier else "", man.size, man.write_s, gib_s(man.size, man.write_s), direct)
+        log.info("lease %s -> %s (%s%s): %d bytes in %.2f s (%.2f GiB/s, direct I/O %s)%s", lease_id, name,
+                 path or "", " + host tier" if host_tier else "", man.size, man.write_s, gib_s(man.size, man.write_s),
+                 direct, "" if pinned is None else f", registered in {pinned:.2f} s")
         return SnapshotReply(artifact=name, path=path, bytes=man.size, seconds=round(man.write_s, 4),
                              gib_s=gib_s(man.size, man.write_s), root_hash=man.root, direct_io=direct,
-                             host_tier=host_tier)
+                             host_tier=host_tier, tier_registered=pinned is not None,
+                             tier_register_s=round(pinned or 0.0, 4))
 
     def _class_and_name(self, lease_id: str) -> tuple[str, str]:
         info = self.book.get(lease_id).info
@@ -242,7 +258,7 @@ class WeightCopies:
                                   what=f"{source} copy of {man.name}")
         finally:
             files.close()
-        return Fill(seconds, files.direct, "bounce" if self.pinned is not None else "in place")
+        return Fill(seconds, files.direct, "bounce" if self.cuda else "in place")
 
     def _dma_from_tier(self, window: Any, man: Manifest, fds: list[int], blocks: list[Any]) -> Fill | None:
         """The host tier's copy DMA'd from its own pages (registered now, or since an earlier restore); None where it
@@ -266,6 +282,25 @@ class WeightCopies:
         if self.pinned is not None:
             live = {name: c.manifest for name, c in self.tier.entries.items()}
             await asyncio.to_thread(self.pinned.prune, live)
+
+    async def _pin(self, name: str, ordinal: int) -> float | None:
+        """Register the tier's copy `name` now (caller holds its name lock): the seconds it took, None where not (no
+        registering on this backend or by the settings, the copy gone, or refused: its restores try again)."""
+        copy = self.tier.get(name)
+        if self.pinned is None or copy is None:
+            return None
+        fds = [os.dup(fd) for fd in copy.fds]  # on the loop: a replacing `put` closes the tier's own, not these
+        try:
+            return await asyncio.to_thread(self.pinned.pin, copy.manifest, fds, ordinal)
+        finally:
+            OpenFiles(fds, direct=False).close()
+
+    async def _pin_adopted(self, ordinal: int) -> None:
+        for name in sorted(self.tier.entries):
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                took = await self._pin(name, ordinal)
+            if took is not None:
+                log.info("host tier copy %s (adopted) registered in %.2f s", name, took)
 
     async def restore(self, name: str, sources: list[str], allocate: Allocator) -> tuple[LeaseRecord, str, dict[str, float]]:
         t0 = time.perf_counter()

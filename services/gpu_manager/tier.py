@@ -10,6 +10,9 @@ Invariants (tests/gpu_manager/test_tier.py):
 1. The tier never holds more than `cap` bytes: a copy that would pass it is refused (OutOfMemory), nothing
    evicted behind the operator's back.
 2. A copy is in `entries` exactly while the keeper holds its fds; replacing or dropping one closes the old fds.
+3. On cuda the copies are page-locked in place (host_tier_cuda.py): that pins the copies' own pages, no other
+   memory, so the registered bytes (`registered_bytes` in health) stay within the cap (but while a restore still
+   reads a replaced copy).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +54,7 @@ class HostTier:
         self.cap = cap_bytes
         self.keeper = keeper
         self.entries: dict[str, TierCopy] = {}
+        self.pinned_bytes: Callable[[], int] = lambda: 0  # cuda: host_tier_cuda.PinnedTier.bytes
 
     @property
     def used(self) -> int:
@@ -111,7 +116,8 @@ class HostTier:
         return self.entries.get(name)
 
     def health(self) -> dict[str, Any]:
-        return {"copies": sorted(self.entries), "bytes": self.used, "cap": self.cap}
+        return {"copies": sorted(self.entries), "bytes": self.used, "cap": self.cap,
+                "registered_bytes": self.pinned_bytes()}
 
     def close(self) -> None:
         """Our fds only: the keeper still holds every copy."""
