@@ -12,13 +12,20 @@ restore_cuda.py), without a stack:
   host memory or to the GPU); fastsafetensors is measured where installed;
 - `artifact-buffered` and `artifact-direct`: the artifact restore without and with O_DIRECT, hashes checked;
 - `host`: the host tier (the lease's bytes in memfds of the artifact's file sizes, written from the lease as the
-  gpu_manager writes its tier; read with no hash); on cuda DMA'd from the memfds' own pages,
-  registered in place once (`host_register_s`, apart), as the gpu_manager does (host_tier_cuda.py), and
-  `host-bounce` beside it: the same memfds read on the pool through pinned bounce buffers (the fallback);
-  on the host backend read on the pool straight into the lease's pages.
+  gpu_manager writes its tier; read with no hash); on cuda DMA'd from the memfds' own pages, registered in place
+  right after the copy is written (`host_registered_at`: write; `host_register_s` apart, and in `host_write_s`),
+  as the gpu_manager does (host_tier_cuda.py), and `host-bounce` beside it: the same memfds read on the pool
+  through pinned bounce buffers (the fallback); on the host backend read on the pool straight into the lease's
+  pages. `to_ready_s`: each restore from nothing on the device (a new lease allocated and mapped) to the lease
+  filled and ready (every copy complete, the manager's mapping gone), beside its fill alone in `seconds`.
 `--sources` (or `--from`; `artifact` is artifact-direct) times only some of them (the speed-of-light figures are
 always measured). Every restored lease is compared with the weights file's bytes once, outside the timed region (on
 cuda on the device: a reference copy of the file's lease is kept there).
+A host-tier-only run (`--from host[,host-bounce] --no-first-token`: nothing reads a file) writes no weights file
+and no artifact: the weights are made in a lease on the device (bench/restore_synth.py) and every restore is
+checked against that pattern a slice at a time, so the run needs one copy of the weights in RAM (the tier's) and
+one lease on the device; `--weights-gib 0` then takes the largest that fits (`host_only_room` says what bounds
+it); `sol_direct_read` is skipped (no artifact).
 `--first-token` (the CLI's default): then a new batched engine's time from process start to its first token from
 the file, the artifact and the host tier, each as the engine reports it served (bench/first_token.py): its weights
 file is then the model's, read by the lease fills too (written once), and `side_by_side` puts each source's lease
@@ -47,6 +54,7 @@ from typing import Any
 import numpy as np
 import typer
 
+from bench import restore_synth
 from bench.pagecache import drop_cache
 from bench.stats import quantile
 from services.gpu_manager import blockio
@@ -56,6 +64,7 @@ from services.gpu_manager.blockio import HostWindow, OpenFiles
 
 GDS_NODE = "/dev/nvidia-fs0"  # GPUDirect Storage's device: fastsafetensors reads disk to GPU with it
 SOURCES = ("file", "safetensors", "fastsafetensors", "artifact-buffered", "artifact-direct", "host", "host-bounce")
+FILE_SOURCES = ("file", "safetensors", "fastsafetensors", "artifact-buffered", "artifact-direct")  # read the file
 ALIASES = {"artifact": "artifact-direct"}  # the issue's `--from host,artifact,file`: the restore path as it runs
 GOAL_SHARE = 0.8  # issue 21: host tier >= 80% of pinned H2D, artifact >= 80% of the disk's direct reads
 TARGET_GIB, TARGET_S = 120, 5.0  # issue 21: the 120 GiB fallback under 5 s where a host copy exists
@@ -92,22 +101,37 @@ def make_weights(path: Path, nbytes: int) -> None:
 
 
 class Bench:
+    """`synthetic`: no weights file; `generate` makes the weights in a lease (bench/restore_synth.py), `nbytes` 0:
+    the largest this machine holds (`room`)."""
+
     def __init__(self, backend: str, directory: Path, nbytes: int, workers: int,
-                 weights: Callable[[str], Path] | None = None) -> None:
+                 weights: Callable[[str], Path] | None = None, *, synthetic: bool = False) -> None:
         self.backend = make_backend(backend, [])
         self.gpu = 0
         gran = self.backend.granularity(0)
         self.dir = directory
         self.workers = workers
+        self.synthetic = synthetic
         self.path = directory / "weights.safetensors"
-        from libs.client.safetensors_io import plan_layout, read_header
+        self.room: dict[str, Any] | None = None
+        if synthetic:
+            self.room = restore_synth.host_only_room(self.backend, self.gpu)
+            total = nbytes if nbytes > 0 else self.room["max_bytes"] - self.room["max_bytes"] % GIB
+            if total > self.room["max_bytes"]:
+                raise ValueError(f"{total / GIB:.2f} GiB does not fit here: at most {self.room['max_gib']} GiB "
+                                 f"(bound by {self.room['bound']} memory: {self.room})")
+        else:
+            from libs.client.safetensors_io import plan_layout, read_header
 
-        if weights is None:
-            make_weights(self.path, nbytes)
-        else:  # the file `weights(backend)` gives (the first-token part's model, written once for both parts)
-            self.path = weights(self.backend.name)
-        self.data_start, header = read_header(self.path)
-        self.layout, total = plan_layout(header, "bench")
+            if nbytes <= 0:
+                raise ValueError("--weights-gib 0 (the largest that fits) is for a host-tier-only run "
+                                 "(--from host[,host-bounce] --no-first-token)")
+            if weights is None:
+                make_weights(self.path, nbytes)
+            else:  # the file `weights(backend)` gives (the first-token part's model, written once for both parts)
+                self.path = weights(self.backend.name)
+            self.data_start, header = read_header(self.path)
+            self.layout, total = plan_layout(header, "bench")
         self.size = -(-max(total, BLOCK) // max(gran, 4096)) * max(gran, 4096)
         self.chunk = -(-GIB // gran) * gran
         self.host_fds: list[int] = []  # the host tier's memfds, once copied
@@ -160,10 +184,23 @@ class Bench:
         finally:
             m.unmap()
 
-    def same_bytes(self, chunks: list[Any], reference: Any) -> bool:
-        """Whether the lease holds `reference`'s bytes (lease_bytes), compared where they are."""
+    def generate(self) -> list[Any]:
+        """A new lease holding the synthetic weights (restore_synth.pattern), written where it is."""
+        chunks = self.lease()
         m = self.mapping(chunks)
         try:
+            restore_synth.fill(m, self.size)
+        finally:
+            m.unmap()
+        return chunks
+
+    def same_bytes(self, chunks: list[Any], reference: Any) -> bool:
+        """Whether the lease holds `reference`'s bytes (lease_bytes), compared where they are; `reference` None: the
+        synthetic weights, checked a slice at a time."""
+        m = self.mapping(chunks)
+        try:
+            if reference is None:
+                return restore_synth.matches(m, self.size)
             if m.kind == "cuda":
                 import torch
 
@@ -254,8 +291,10 @@ class Bench:
             w.close()
         return time.perf_counter() - t0
 
-    def read(self, files: OpenFiles, digests: list[str] | None, *, into_device: bool) -> tuple[float, list[Any]]:
-        """One restore: a new lease, filled from `files`. `into_device` False: host memfds (the disk's SOL)."""
+    def read(self, files: OpenFiles, digests: list[str] | None, *, into_device: bool) -> tuple[float, list[Any], float]:
+        """One restore: a new lease, filled from `files`: (the fill's seconds, the lease, seconds from nothing to the
+        lease ready). `into_device` False: host memfds (the disk's SOL)."""
+        t0 = time.perf_counter()
         if into_device:
             chunks = self.lease()
             w = self.window(chunks, to_device=True)
@@ -268,30 +307,33 @@ class Bench:
         seconds = blockio.read_blocks(files, plan_blocks(self.size, BLOCK, FILE), w, workers=self.workers, digests=digests,
                               what="bench")
         w.close()
-        return seconds, chunks
+        return seconds, chunks, time.perf_counter() - t0
 
     def sol_read(self, paths: list[Path]) -> float:
         """The disk's speed of light: O_DIRECT reads on the pool into host memory, no hash, no copy on."""
         drop_cache(paths)
         files = blockio.open_files(paths, write=False, direct=True)
         try:
-            seconds, chunks = self.read(files, None, into_device=False)
+            seconds, chunks, _ = self.read(files, None, into_device=False)
         finally:
             files.close()
         for x in chunks:  # host memfds, whatever the backend
             os.close(x.fd)
         return seconds
 
-    def read_registered(self, copy: Any) -> tuple[float, list[Any]]:
-        """One host tier restore on cuda: DMA from the memfds' registered pages (host_tier_cuda.dma_blocks)."""
+    def read_registered(self, copy: Any) -> tuple[float, list[Any], float]:
+        """One host tier restore on cuda: DMA from the memfds' registered pages (host_tier_cuda.dma_blocks), as `read`:
+        (the DMA's seconds, the lease, seconds from nothing on the device to the lease ready)."""
         from services.gpu_manager.host_tier_cuda import dma_blocks
 
+        t0 = time.perf_counter()
         chunks = self.lease()
         w = self.window(chunks, to_device=True)
         try:
-            return dma_blocks(w, copy, plan_blocks(self.size, BLOCK, FILE)), chunks
+            seconds = dma_blocks(w, copy, plan_blocks(self.size, BLOCK, FILE))
         finally:
             w.close()
+        return seconds, chunks, time.perf_counter() - t0
 
     def free(self, chunks: list[Any]) -> None:
         self.backend.free(chunks)
@@ -347,22 +389,35 @@ def goals(out: dict[str, Any]) -> dict[str, Any]:
         s = TARGET_GIB / rate["host"]
         g["host_120gib_extrapolated"] = {"restore_s": round(s, 2), "from_gib": out["gib"], "goal_s": TARGET_S,
                                          "met": s < TARGET_S}
+        ready = out.get("to_ready_s", {}).get("host")
+        if ready:  # nothing on the device to the lease ready (allocate, map, fill), scaled in proportion: its
+            # fixed costs scaled too, so this errs long
+            r = ready * TARGET_GIB / out["gib"]
+            g["host_120gib_extrapolated"].update(to_ready_s=round(r, 2), to_ready_met=r < TARGET_S)
+        through = out.get("manager", {}).get("to_ready_s", {}).get("p50")
+        if through:  # the same through the gpu_manager and the SDK, as an engine's cold start gets it
+            r = through * TARGET_GIB / out["gib"]
+            g["host_120gib_extrapolated"].update(manager_to_ready_s=round(r, 2), manager_to_ready_met=r < TARGET_S)
     return g
 
 
 def run(backend: str, weights_gib: float, directory: Path | None, trials: int, workers: int,
         sources: tuple[str, ...] = SOURCES, progress: Callable[[dict[str, Any]], None] | None = None,
-        first_token: bool = False) -> dict[str, Any]:
+        first_token: bool = False, manager: bool = False) -> dict[str, Any]:
     """The report. `progress(report)` is called after every step (the report so far: a run cut off still leaves its
     figures); a source that fails is in `errors` and the others go on; a failure before any source could run (the
     file, the reference load, the artifact) ends the run with `error` set. With `first_token`, then a new engine's
-    time to its first token from each source (bench/first_token.py), once the lease fills' files are gone."""
+    time to its first token from each source (bench/first_token.py), once the lease fills' files are gone. With
+    `manager` (a host-tier-only run), then the host tier restore through a real gpu_manager (bench/restore_manager.py),
+    once this part's tier copy is gone."""
     if first_token and "file" not in sources:  # the engines' baseline, beside its lease fill (the reference load)
         sources = ("file", *sources)
+    synthetic = not first_token and not any(s in FILE_SOURCES for s in sources)  # nothing reads a file
     base = Path(tempfile.mkdtemp(prefix="hf-bench-restore-", dir=directory))
     out: dict[str, Any] = {"backend": backend, "workers": workers, "trials": trials, "dir": str(base),
                            "block_mib": BLOCK >> 20, "sources": list(sources), "peers": peer_status(), "gib_s": {},
-                           "seconds": {}, "verified": {}, "errors": {}, "skipped": {}, "steps": [], "complete": False}
+                           "seconds": {}, "to_ready_s": {}, "verified": {}, "errors": {}, "skipped": {}, "steps": [],
+                           "complete": False, "weights": "generated in a lease" if synthetic else "file"}
     step = stepper(out, progress)
     bench: Bench | None = None
     model: Callable[[str], Path] | None = None
@@ -371,11 +426,21 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
 
         model = lambda name: ft.model_file(name, weights_gib, base / ft.WORK)  # noqa: E731
     try:
-        bench = Bench(backend, base, int(weights_gib * GIB), workers, model)
+        bench = Bench(backend, base, int(weights_gib * GIB), workers, model, synthetic=synthetic)
         out["backend"], out["gib"] = bench.backend.name, round(bench.size / GIB, 3)
-        step("weights file written")
+        if bench.room is not None:
+            out["host_only_room"] = bench.room
+        step("weights generated in a lease" if synthetic else "weights file written")
+        if manager and not synthetic:
+            raise ValueError("--manager is for a host-tier-only run (--from host[,host-bounce] --no-first-token)")
         _measure(bench, out, sources, trials, step)
         out["goals"] = goals(out)
+        if manager:
+            from bench import restore_manager
+
+            bench.close()  # one copy of the weights in RAM at a time
+            restore_manager.run(out, out["backend"], bench.size, trials, step)
+            out["goals"] = goals(out)
         if first_token:
             bench.close()
             clear(base, keep=ft.WORK)  # the disk then holds the model and one copy at a time, not this artifact too
@@ -395,33 +460,33 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
              step: Callable[[str], None]) -> None:
     gib, cuda = bench.size / GIB, bench.backend.name == "cuda"
     secs: dict[str, list[float]] = {}
+    readies: dict[str, list[float]] = {}
     if cuda:
         from services.gpu_manager.restore_cuda import pinned_h2d_gib_s
 
         out["gib_s"]["sol_pinned_h2d"] = round(pinned_h2d_gib_s(0, min(bench.size, 8 * GIB)), 3)
         step("pinned host-to-device")
-    seconds, reference_chunks = bench.cold_file()
-    reference = bench.lease_bytes(reference_chunks)
-    if "file" in sources:
-        secs["file"] = [seconds]
-        out["seconds"]["file"], out["gib_s"]["file"] = round(seconds, 4), round(gib / seconds, 3)
-    step("reference load (file)")
-    paths, digests, write_s = bench.write_artifact(reference_chunks)
-    out["artifact_write_gib_s"] = round(gib / write_s, 3)
-    step("artifact written")
-    out["host_copy_gib_s"] = round(gib / bench.copy_to_tier(reference_chunks), 3)
+    paths: list[Path] = []
+    digests: list[str] = []
+    if bench.synthetic:  # no file, no artifact: checked against the pattern, no reference copy
+        t0 = time.perf_counter()
+        reference_chunks, reference = bench.generate(), None
+        out["generate_s"] = round(time.perf_counter() - t0, 3)
+        step("weights made in a lease")
+    else:
+        seconds, reference_chunks = bench.cold_file()
+        reference = bench.lease_bytes(reference_chunks)
+        if "file" in sources:
+            secs["file"] = [seconds]
+            out["seconds"]["file"], out["gib_s"]["file"] = round(seconds, 4), round(gib / seconds, 3)
+        step("reference load (file)")
+        paths, digests, write_s = bench.write_artifact(reference_chunks)
+        out["artifact_write_gib_s"] = round(gib / write_s, 3)
+        step("artifact written")
+    copy_s = bench.copy_to_tier(reference_chunks)
+    out["host_copy_gib_s"], out["host_write_s"] = round(gib / copy_s, 3), round(copy_s, 4)
     bench.free(reference_chunks)
-    registered = None
-    if cuda and "host" in sources:
-        try:
-            from services.gpu_manager.host_tier_cuda import RegisteredCopy
-
-            registered = RegisteredCopy(bench.host_fds, [e.bytes for e in file_names(bench.size, FILE)], bench.gpu)
-            bench.registered = registered
-            out["host_register_s"] = round(registered.register_s, 4)
-            out["host_register_gib_s"] = round(gib / registered.register_s, 3)
-        except Exception as e:  # noqa: BLE001 - the host tier then goes through the bounce buffers, as in the manager
-            out["errors"]["host_register"] = f"{type(e).__name__}: {e}"
+    registered = register_at_write(bench, out) if cuda and "host" in sources else None
     step("host tier copied")
 
     def timed(name: str, fn: Callable[[], Any]) -> None:
@@ -434,8 +499,11 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
             out["errors"][name] = f"{type(e).__name__}: {e}"
             step(f"{name} failed")
             return
-        s, chunks = got if isinstance(got, tuple) else (got, None)
+        s, chunks, ready = (*got, None)[:3] if isinstance(got, tuple) else (got, None, None)  # ready: restores only
         secs.setdefault(name, []).append(s)
+        if ready is not None:
+            readies.setdefault(name, []).append(ready)
+            out["to_ready_s"][name] = round(p50(readies[name]), 4)
         if chunks is not None:
             if name not in out["verified"]:
                 out["verified"][name] = bench.same_bytes(chunks, reference)
@@ -443,13 +511,13 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
         out["seconds"][name], out["gib_s"][name] = round(p50(secs[name]), 4), round(gib / p50(secs[name]), 3)
         step(name)
 
-    def host(path: str) -> Callable[[], tuple[float, list[Any]]]:
+    def host(path: str) -> Callable[[], tuple[float, list[Any], float]]:
         if path == "registered":
             return lambda: bench.read_registered(registered)
         return lambda: bench.read(OpenFiles(bench.host_fds, direct=False, owned=False), None, into_device=True)
 
-    def artifact(direct: bool) -> Callable[[], tuple[float, list[Any]]]:
-        def restore() -> tuple[float, list[Any]]:
+    def artifact(direct: bool) -> Callable[[], tuple[float, list[Any], float]]:
+        def restore() -> tuple[float, list[Any], float]:
             drop_cache(paths)
             files = blockio.open_files(paths, write=False, direct=direct)
             out.setdefault("direct_io", {})[f"artifact-{'direct' if direct else 'buffered'}"] = files.direct
@@ -465,6 +533,8 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
             sources = tuple(x for x in sources if x != peer)
     if not cuda and "host-bounce" in sources:
         out["skipped"]["host-bounce"] = "cuda only: on the host backend the tier is read straight into the lease"
+    if not paths:
+        out["skipped"]["sol_direct_read"] = "no artifact: a host-tier-only run writes none"
     for trial in range(trials):
         if trial and "file" in sources:
             timed("file", bench.cold_file)
@@ -472,7 +542,8 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
             timed("safetensors", bench.peer_safetensors)
         if "fastsafetensors" in sources:
             timed("fastsafetensors", bench.peer_fastsafetensors)
-        timed("sol_direct_read", lambda: bench.sol_read(paths))
+        if paths:
+            timed("sol_direct_read", lambda: bench.sol_read(paths))
         if "artifact-buffered" in sources:
             timed("artifact-buffered", artifact(False))
         if "artifact-direct" in sources:
@@ -488,6 +559,25 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
             if name in out["gib_s"]:
                 out.setdefault("share_of_pinned_h2d", {})[name] = round(
                     out["gib_s"][name] / out["gib_s"]["sol_pinned_h2d"], 3)
+
+
+def register_at_write(bench: Bench, out: dict[str, Any]) -> Any:
+    """The tier's copy page-locked in place right after its write, as the gpu_manager does (restore.py `snapshot`),
+    so no restore pays for it; None where it is refused (then the bounce buffers, as in the manager)."""
+    from services.gpu_manager.host_tier_cuda import RegisteredCopy
+
+    try:
+        registered = RegisteredCopy(bench.host_fds, [e.bytes for e in file_names(bench.size, FILE)], bench.gpu)
+    except Exception as e:  # noqa: BLE001 - said in the report; the host tier then goes through the bounce buffers
+        out["errors"]["host_register"] = f"{type(e).__name__}: {e}"
+        out["host_registered_at"] = None
+        return None
+    bench.registered = registered
+    out["host_registered_at"] = "write"
+    out["host_register_s"] = round(registered.register_s, 4)
+    out["host_register_gib_s"] = round(bench.size / GIB / registered.register_s, 3)
+    out["host_write_s"] = round(out["host_write_s"] + registered.register_s, 4)  # the copy and its registering
+    return registered
 
 
 def clear(directory: Path, keep: str) -> None:
@@ -524,7 +614,8 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
 
 
 def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
-        weights_gib: float = typer.Option(1.0, help="size of the weights"),
+        weights_gib: float = typer.Option(1.0, help="size of the weights (0: the largest that fits, in a "
+                                                    "host-tier-only run: --from host[,host-bounce] --no-first-token)"),
         dir: Path | None = typer.Option(None, help="where the weights file and the artifact go (the disk measured)"),
         trials: int = typer.Option(3, min=1, help="timed trials of each source (p50 reported)"),
         workers: int = typer.Option(0, help="blocks in flight (0: the cores, 2..16)"),
@@ -534,6 +625,9 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         first_token: bool = typer.Option(True, "--first-token/--no-first-token",
                                          help="then a new batched engine's time to its first token from the file, "
                                               "the artifact and the host tier (those asked for; the file always)"),
+        manager: bool = typer.Option(False, "--manager/--no-manager",
+                                     help="host-tier-only runs: then the host tier restore through a real "
+                                          "gpu_manager (a cold-starting engine's path), p50 over the trials"),
         out_path: Path | None = typer.Option(None, "--out", help="the JSON report, rewritten after every step"),
         json_out: bool = typer.Option(False, "--json")) -> None:
     """GiB/s of the cold file load, safetensors, fastsafetensors, the artifact (buffered vs direct) and the host
@@ -545,19 +639,32 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         raise typer.BadParameter(str(e), param_hint="--sources") from None
 
     result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked,
-                 reporter("bench restore", out_path), first_token)
+                 reporter("bench restore", out_path), first_token, manager)
     if json_out:
         print(json.dumps(result, indent=2))
     else:
         print(f"restore {result.get('gib')} GiB on {result['backend']}, {result['workers']} workers, p50 of {trials} "
-              f"trials, in {result['dir']} (artifact written at {result.get('artifact_write_gib_s')} GiB/s)")
+              f"trials, in {result['dir']} " + (f"(artifact written at {result.get('artifact_write_gib_s')} GiB/s)"
+                                                 if result["weights"] == "file" else "(weights made in a lease, no file)"))
         for name, rate in result["gib_s"].items():
-            s = result["seconds"].get(name)
-            print(f"  {name:20s} {rate:8.2f} GiB/s" + (f"  {s:.3f} s" if s is not None else ""))
-        print(f"  restored bytes identical to the file: {result['verified']}")
+            s, ready = result["seconds"].get(name), result["to_ready_s"].get(name)
+            print(f"  {name:20s} {rate:8.2f} GiB/s" + (f"  {s:.3f} s" if s is not None else "")
+                  + (f"  (nothing on the device to the lease ready: {ready:.3f} s)" if ready is not None else ""))
+        if "host_registered_at" in result:
+            print(f"  host tier copy registered at: {result['host_registered_at']} "
+                  f"({result.get('host_register_s')} s; the copy and its registering {result.get('host_write_s')} s)")
+        if "host_only_room" in result:
+            print(f"  a host-tier-only run here holds at most {result['host_only_room']['max_gib']} GiB of weights "
+                  f"(bound by {result['host_only_room']['bound']} memory)")
+        print(f"  restored bytes identical to the weights: {result['verified']}")
         for name, row in result.get("side_by_side", {}).items():
             print(f"  new engine from {name:8s} ready {row['to_ready_s']} s, first token {row['to_first_token_s']} s "
                   f"(its load {row['engine_load_ms']} ms; lease fill {row['fill_s']} s)")
+        m = result.get("manager", {})
+        if "to_ready_s" in m:
+            print(f"  through the gpu_manager: nothing on the device to the lease ready {m['to_ready_s']['p50']} s "
+                  f"(fill {m['fill_s']['p50']} s, registering at restore {m['register_s']['p50']} s; the copy "
+                  f"{'registered' if m['registered_at_write'] else 'not registered'} at its write, {m['write_s']} s)")
         for name, why in result["errors"].items():
             print(f"  {name}: FAILED {why}")
         if "error" in result:
