@@ -7,8 +7,9 @@ Reads the cluster view and the leader's open table; no I/O, no state of its own.
   gone (`memory_lost`); a fault of a fallback's own cold-started engine fails that fallback (`step_failed`).
 - An engine reattached, a fallback's cold engine ready, a freeze reported, a lease of an incident's engine (or of
   any rank of its group) reclaimed: one move each. Not a memory loss: the KV cache's lease reclaimed while the
-  engine's host backup of it (`KV_BACKUP_LEASE`) and its weights live (the successor restores the cache from the
-  backup: engines/batched/backup.py), nor the backup's while the cache and the weights live (`recoverable_without`).
+  engine's host backup of it (`is_kv_backup`; a TP rank's own) and its weights live (the successor restores the
+  cache from the backup: engines/batched/backup.py), nor the backup's while the cache and the weights live
+  (`recoverable_without`).
 Standbys' faults open nothing (a standby holds no leased memory; the agent replaces it on its own), and a fault
 naming another node's group is refused (the bus vets `engine_id`, this vets `group`).
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import logging
 
 from libs.common.events import (
-    KV_BACKUP_LEASE,
     EngineReady,
     EngineReattached,
     EngineRole,
@@ -33,6 +33,7 @@ from libs.common.events import (
     Tag,
     WeightsLoaded,
     group_of_rank,
+    is_kv_backup,
 )
 from libs.common.ids import cold_parent_of
 from services.controller.incident import (
@@ -57,8 +58,8 @@ def recoverable_without(lost: LeaseInfo, leases: list[LeaseInfo]) -> bool:
     live = [lease for lease in leases if lease.id != lost.id and lease.state is not LeaseState.RECLAIMED]
     weights = any(lease.tag is Tag.WEIGHTS for lease in live)
     if lost.tag is Tag.KV_CACHE:
-        return weights and any(lease.name == KV_BACKUP_LEASE for lease in live)
-    if lost.name == KV_BACKUP_LEASE:
+        return weights and any(is_kv_backup(lease.name) for lease in live)
+    if is_kv_backup(lost.name):
         return weights and any(lease.tag is Tag.KV_CACHE for lease in live)
     return False
 

@@ -23,6 +23,10 @@ Invariants (tests/gpu_manager/test_gang.py):
 8. A reclaim needs no whole gang (`plan_reclaim`): every lease of it still held goes, whole, partial or stale (a
    rank's memory lost on a GPU fault leaves the others nothing to serve); only a refused move refuses it. A gang
    that lost a committed lease is `broken`: no successor group can ever take it over.
+9. Except a KV cache backed up to host: committed leases gone are not a loss (the gang stays whole and takeable,
+   not broken) while as many ranks hold their weights and a KV backup (`is_kv_backup`) but no KV cache
+   (`restorable`). Each rank commits one KV cache, so those are the caches gone; the successor group restores them
+   from the backups (engines/batched/backup.py) and registers the gang anew with its new caches.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from libs.client.protocol import GangView, PartialGang, StaleGang
-from libs.common.events import LeaseInfo, LeaseState, Tag
+from libs.common.events import LeaseInfo, LeaseState, Tag, is_kv_backup
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 
 __all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "belongs", "broken", "ended", "form",
-           "plan", "plan_reclaim"]
+           "plan", "plan_reclaim",
+           "restorable"]
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,17 @@ def ended(gangs: Iterable[Gang], leases: Iterable[LeaseInfo]) -> list[str]:
 
 
 def broken(gang: Gang, leases: Iterable[LeaseInfo]) -> bool:
-    """A lease the gang committed is no longer held (reclaimed: its memory lost, released, or its deadline): the
-    gang is partial for good (invariant 8)."""
-    held = {i.id for i in leases if i.state != LeaseState.RECLAIMED}
-    return any(lease_id not in held for lease_id in gang.epochs)
+    """A lease the gang committed is no longer held (reclaimed: its memory lost, released, or its deadline) and no
+    rank's KV backup stands for it: the gang is partial for good (invariants 8 and 9)."""
+    held = [i for i in leases if i.state != LeaseState.RECLAIMED]
+    ids = {i.id for i in held}
+    return sum(lease_id not in ids for lease_id in gang.epochs) > restorable(members(gang, held))
+
+
+def restorable(by_rank: Mapping[int, list[LeaseInfo]]) -> int:
+    """How many ranks lost their KV cache but hold its host backup and their weights (invariant 9)."""
+    return sum(1 for infos in by_rank.values() if any(i.tag == Tag.WEIGHTS for i in infos)
+               and any(is_kv_backup(i.name) for i in infos) and not any(i.tag == Tag.KV_CACHE for i in infos))
 
 
 def plan_reclaim(gang: Gang, leases: Sequence[LeaseInfo], event: LeaseEvent) -> list[GangMove]:
@@ -136,7 +148,7 @@ def check_whole(gang: Gang, by_rank: Mapping[int, list[LeaseInfo]]) -> None:
                 raise StaleGang(f"gang {gang.gang_id}: lease {info.id} of rank {rank} is at epoch {info.epoch}, "
                                 f"the gang committed it at {want}")
     missing = set(gang.epochs) - {i.id for infos in by_rank.values() for i in infos}
-    if missing:
+    if len(missing) > restorable(by_rank):  # invariant 9: a cache backed up to host is not missed
         raise PartialGang(f"gang {gang.gang_id}: committed leases {sorted(missing)} are gone")
 
 
