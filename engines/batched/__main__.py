@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from engines.batched.backup import BackupWriter, backed_journal, describe_restore, open_backup
+from engines.batched.backup import SOLO, BackupWriter, backed_journal
+from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
@@ -143,14 +144,11 @@ def adopt_prepared(prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None,
     return prepared[1], "reused"
 
 
-def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGroup | None, layout_of: Any,
-                state: EngineState) -> Loaded:
+def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGroup | None, layout_of: Any) -> Loaded:
     """Every start but a single standby's: a group's ranks (cold, a successor group, or a standby group once
     assigned: one path, tp_group.py), a cold successor's takeover, a restarted engine's reattach, or a cold load."""
     if group is not None:
-        loaded = group.load(memory, layout_of)
-        state.info["tp"] = group.commit(memory, loaded)
-        return loaded
+        return group.load(memory, layout_of)  # committed as a group once every rank's backup is open (run)
     if cfg.takeover_from:
         if not cfg.transfer_token:
             raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
@@ -196,6 +194,7 @@ def run(cfg: EngineConfig) -> int:
 
     layout_of = layout_fn(cfg, mcfg, device)
     loaded: Loaded | None = None
+    kv_backup: tuple[BackupWriter, dict[str, Any]] | None = None
     try:
         t_start = t_process
         if cfg.role == "standby":
@@ -229,7 +228,7 @@ def run(cfg: EngineConfig) -> int:
                                          fenced=cfg.fenced_takeover)
         if loaded is None:
             state.state = "loading"
-            loaded = load_memory(cfg, mcfg, memory, group, layout_of, state)
+            loaded = load_memory(cfg, mcfg, memory, group, layout_of)
         memory.start_heartbeats()
         layout = loaded.layout
         t_build = time.perf_counter()
@@ -238,8 +237,10 @@ def run(cfg: EngineConfig) -> int:
         runner, how = adopt_prepared(prepared, loaded)
         t_fence = time.perf_counter()
         fence_ms = wait_fence(loaded, cfg.adopt_wait_s)  # a fenced takeover: nothing read or written before
-        kv_backup = open_backup(cfg, memory, loaded)  # a lost cache restored from its host backup (backup.py)
+        # a lost cache restored from its host backup (backup.py); a group's ranks all at once, before the gang
+        kv_backup = open_backup(cfg, memory, loaded, group.backup if group is not None else SOLO)
         if group is not None:
+            state.info["tp"] = group.commit(memory, loaded)  # the ranks' caches agree; the gang registered
             runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
@@ -263,7 +264,8 @@ def run(cfg: EngineConfig) -> int:
         if loaded.source != "file":
             state.t_start = t_start
             state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start),
-                                      "t0_wall": time.time() - (time.perf_counter() - t_start), **adopted}
+                                      "t0_wall": time.time() - (time.perf_counter() - t_start),
+                                      "memory_ms": loaded.timings_ms, **adopted}
             if fence_ms is not None:  # granted before the predecessor's exit: what waited for it, and when
                 state.info["recovery"]["fence"] = {"waited_ms": fence_ms, "from_ms": round((t_fence - t_start) * 1000, 3)}
         state.state = "ready"
@@ -281,6 +283,8 @@ def run(cfg: EngineConfig) -> int:
         return 0
     finally:
         stopped = engine.stop() if engine is not None else True
+        if kv_backup is not None:
+            kv_backup[0].stop()  # and the other ranks' writers (a group), before the forwards' followers
         if group is not None:
             group.stop(engine.runner if engine is not None else None, stopped)
         http.stop()

@@ -259,9 +259,11 @@ class LeasedMemory:
         t0 = time.perf_counter()
         # The fault is published as the predecessor begins to exit; the manager hands its memory over only
         # once it is stopped (fenced) or gone, and frozen: retried at a short fixed interval.
-        att, _ = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced),
-                             (PredecessorAlive, NotFrozenYet), wait_s)
+        att, tries = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced),
+                                 (PredecessorAlive, NotFrozenYet), wait_s)
+        granted = {**self.client.last_timings_ms, "tries": tries}  # the granting try's request and map
         loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
+        loaded.timings_ms.update(granted)
         loaded.fence = att.fence
         return loaded
 
