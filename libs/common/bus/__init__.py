@@ -1,6 +1,6 @@
 """The NATS bus (docs/bus.md): typed events (durable through JetStream), durable consumers, typed commands.
 
-One seam per concern: `connection` (transport, auth, the stream), `codec` (wire form, msgspec), `publish`
+One seam per concern: `connection` (transport, auth, the stream), `codec` (wire form, msgspec), `frames` (the hot path's NATS frames), `publish`
 (events out), `receive` (events in, checked for where they come from), `durable` (JetStream pull consumers),
 `commands` (request/reply); `client.Bus` composes them. Handlers run one at a time per core subscription
 (nats-py's rule): keep them short or hand work to a task.

@@ -22,7 +22,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from pydantic import BaseModel
 
 from libs.common import telemetry
-from libs.common.bus import codec
+from libs.common.bus import codec, frames
 from libs.common.bus.connection import Link
 from libs.common.errors import (
     CommandTimeout,
@@ -59,7 +59,7 @@ class Commands:
         headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
         body = codec.command_body(command, source=self.link.source, to=node, traceparent=headers.get("traceparent"),
                                   tracestate=headers.get("tracestate"))
-        return f"{self.link.prefix}.node.{node}.{kind}", body, headers
+        return self.link.subjects.check(f"{self.link.prefix}.node.{node}.{kind}"), body, headers
 
     async def request(self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None,
                       traceparent: str | None = None) -> R:
@@ -87,13 +87,14 @@ class Commands:
         tokens: list[str] = []
         subjects: list[str] = []
         timer = loop.call_later(limit, replies.expire)
+        nc, fast = self.link.nc, self.link.fast
         try:
             for i, (node, command, traceparent) in enumerate(calls):
                 subject, body, headers = self.out(node, command, traceparent)
                 token = inbox.expect(replies.put, i)
                 tokens.append(token)
                 subjects.append(subject)
-                await self.link.nc.publish(subject, body, reply=prefix + token, headers=headers or None)
+                await frames.send(nc, subject, body, prefix + token, frames.header_block(headers), fast=fast)
             answered = [False] * len(calls)
             while replies.left > 0 and not replies.expired or replies.arrived:
                 if not replies.arrived:

@@ -17,6 +17,7 @@ from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
 from libs.common import security
+from libs.common.bus import frames
 from libs.common.config import CommonSettings
 
 log = logging.getLogger("holdfast.bus")
@@ -105,7 +106,7 @@ class Inbox:
         """The subject prefix to reply to (`prefix + token`), subscribed on first use."""
         if self.prefix is not None:
             return self.prefix
-        prefix = f"{self.link.nc.new_inbox()}."
+        prefix = self.link.subjects.check(f"{self.link.nc.new_inbox()}.")  # replies: this prefix and digits
 
         async def on_message(msg: Msg) -> None:
             waiting = self._waiting.pop(msg.subject[len(prefix):], None)
@@ -147,6 +148,8 @@ class Link:
         self.subs: list[Any] = []
         self.tasks: set[asyncio.Task[None]] = set()
         self.inbox = Inbox(self)
+        self.subjects = frames.Subjects()  # the subjects the hot path sends to, checked once each
+        self.fast = frames.supported(nc)  # frames queued by the bus itself (frames.py), else by nats-py's publish
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A task kept referenced until it ends (and cancelled by `close`)."""

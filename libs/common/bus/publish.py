@@ -15,7 +15,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NoStreamResponseError
 
 from libs.common import telemetry
-from libs.common.bus import codec
+from libs.common.bus import codec, frames
 from libs.common.bus.connection import Link
 from libs.common.events import Envelope, Event, TraceContext, event_subject
 
@@ -87,8 +87,8 @@ class Publisher:
     def subject(self, cls: type[Event], node: str | None) -> str:
         key = (cls, node)
         subject = self._subjects.get(key)
-        if subject is None:  # pydantic's class-level field lookup, once per (class, node)
-            subject = self._subjects[key] = event_subject(self.link.prefix, cls, node or "")
+        if subject is None:  # pydantic's class-level field lookup, once per (class, node); nats-py's check too
+            subject = self._subjects[key] = self.link.subjects.check(event_subject(self.link.prefix, cls, node or ""))
         return subject
 
     def envelope(self, payload: Event, *, incident_id: str | None = None, id: str | None = None,
@@ -134,8 +134,10 @@ class Publisher:
                           timeout: float = 2.0) -> None:
         tokens: list[str] = []
         # The stream acks come to the link's inbox (not js.publish_async: its pending-ack semaphore scans its
-        # waiters on every acquire; docs/bus.md).
+        # waiters on every acquire; docs/bus.md). Frames queued by `frames.send`: the subjects are checked once
+        # each (`subject`), the reply is the inbox's (checked when opened) and a token of digits.
         inbox = self.link.inbox
+        nc, fast = self.link.nc, self.link.fast
         prefix = await inbox.open()
         loop = asyncio.get_running_loop()
         batch = _AckBatch(loop.create_future())
@@ -143,13 +145,14 @@ class Publisher:
         try:
             for env in envs:
                 subject, body, headers, durable = self.out(env)
+                head = frames.header_block(headers)
                 if durable:
                     token = inbox.expect(_settle, batch)
                     tokens.append(token)
                     batch.left += 1
-                    await self.link.nc.publish(subject, body, reply=prefix + token, headers=headers)
+                    await frames.send(nc, subject, body, prefix + token, head, fast=fast)
                 else:
-                    await self.link.nc.publish(subject, body, headers=headers)
+                    await frames.send(nc, subject, body, "", head, fast=fast)
             if not tokens:
                 return
             batch.seal()
