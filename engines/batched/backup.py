@@ -13,6 +13,14 @@ journal that mirrors its committed rows for the writer, the writer thread, and a
   the new cache as the backup's) copies every vouched-for block back into the new cache and writes the main
   journal from the backup's rows at their durable point, so that start-up adopts them as a handed-on cache
   (`Loaded.kv_handed_on`); the positions past it are recomputed (counted) from the backed tokens.
+- Tensor parallel (`--tp N`): every rank backs up its own shard of the cache to a host lease of its own
+  (`kv_backup.tp<N>-r<r>`), allocated before the group registers its gang, so the backups move with the gang. A
+  rank is a rank: each runs this module over a `channel` (`SoloChannel` alone; tp_group.py `BackupChannel`, a gloo
+  group of the backups' own, for a group). Rank 0's writer plans each round and shares its blocks; every other
+  rank's writer copies the same blocks of its own shard (`_follow`); the rows are written only after every rank
+  copied them (`channel.done()`), so rank 0's backup rows vouch for every rank's copy, as its journal vouches for
+  every rank's cache (tp.py invariant 2); the other ranks' backup journals stay empty. At start-up the ranks decide
+  together (kv_backup.py `group_restores`) and restore the blocks rank 0's rows vouch for, each from its own backup.
 """
 
 from __future__ import annotations
@@ -66,6 +74,24 @@ def lease_bytes(kv_shape: tuple[int, ...], dtype: torch.dtype, layout: JournalLa
 
 def backup_journal(layout: JournalLayout, tensors: dict[str, torch.Tensor]) -> Journal:
     return Journal(layout, {"jr_" + n[len(PREFIX):]: t for n, t in tensors.items() if n != BACKUP_NAME})
+
+
+class SoloChannel:
+    """An engine of one rank: its backup's rounds and start-up decide alone (tp_group.py `BackupChannel`: a group)."""
+
+    rank = 0
+
+    def gather(self, mine: Any) -> list[Any]:
+        return [mine]
+
+    def share(self, value: Any) -> Any:
+        return value
+
+    def done(self) -> None:
+        pass
+
+
+SOLO = SoloChannel()
 
 
 class BackedJournal(Journal):
@@ -159,9 +185,11 @@ class BackupWriter:
     """The writer thread and its book (main slot -> `Backed`); `stats` is a dict updated in place (health reads it)."""
 
     def __init__(self, kv: torch.Tensor, tensors: dict[str, torch.Tensor], layout: JournalLayout, *, lag_ms: float,
-                 chunk: int | None, thread: bool = True) -> None:
-        """`thread` False: no thread of its own; rounds run only when `round()` is called (tests)."""
+                 chunk: int | None, thread: bool = True, channel: Any = SOLO) -> None:
+        """`thread` False: no thread of its own; rounds run only when `round()` is called (tests). `channel`: this
+        rank's (module docstring); a rank other than 0 only copies the blocks rank 0 shares (`start` it)."""
         self.copier = BlockCopier(kv, tensors[BACKUP_NAME])
+        self.channel = channel
         self.bj = backup_journal(layout, tensors)
         self.block_size = layout.block_size
         self.interval_s = lag_ms / 2000.0
@@ -194,16 +222,27 @@ class BackupWriter:
 
     def start(self) -> None:
         if self._thread is None and self._threaded:
-            self._thread = threading.Thread(target=self._loop, name="kv-backup", daemon=True)
+            loop = self._loop if self.channel.rank == 0 else self._follow
+            self._thread = threading.Thread(target=loop, name="kv-backup", daemon=True)
             self._thread.start()
 
     def paused(self) -> threading.Lock:
         return self._round
 
     def stop(self) -> None:
+        """Rank 0: no round after this one, and the other ranks' writers told to end (`share(None)`), unless a
+        round failed half way (its peers may wait in another collective: they end with their processes)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.channel is not SOLO and self.channel.rank == 0 and self.stats["error"] is None and \
+                (self._thread is None or not self._thread.is_alive()):
+            self.channel.share(None)
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        """A rank other than 0: wait for its writer to end (rank 0's `stop`)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -212,6 +251,19 @@ class BackupWriter:
                 self.round()
         except Exception as e:  # noqa: BLE001 - the backup stops; serving goes on (a lost GPU then replays)
             log.exception("the KV backup failed; it vouches for nothing newer from here")
+            self.stats["error"] = repr(e)
+
+    def _follow(self) -> None:
+        """A rank other than 0: each round, the blocks rank 0 shares copied from this rank's shard, then the barrier
+        after which rank 0 writes the rows that vouch for them; until rank 0 shares None."""
+        try:
+            while (blocks := self.channel.share(None)) is not None:
+                self.copier.copy(blocks, self.copier.mark())
+                self.channel.done()
+                self.stats.update(rounds=self.stats["rounds"] + 1,
+                                  blocks_copied=self.stats["blocks_copied"] + len(blocks))
+        except Exception as e:  # noqa: BLE001 - rank 0's round fails on the barrier; the group serves on
+            log.exception("the KV backup's copy of this rank's shard failed")
             self.stats["error"] = repr(e)
 
     def round(self) -> bool:
@@ -234,7 +286,9 @@ class BackupWriter:
         plan = plan_round(snaps, self.book, self.block_size)
         for slot in plan.releases:  # 1: no row vouches for a block this round may overwrite
             self.bj.release(self.book.pop(slot).bslot)
+        self.channel.share(list(plan.blocks))  # every other rank copies the same blocks of its shard
         self.copier.copy(plan.blocks, after)  # 2
+        self.channel.done()  # every rank's copy is done: from here a row may vouch for it
         with j.lock:
             gone = set(j.released)  # left while the copy ran: their blocks may hold another sequence's KV now
         for s in plan.rows:  # 3
@@ -271,17 +325,19 @@ class BackupWriter:
         b.length, b.copied, b.durable, b.n_blocks = s.length, s.computed, durable, len(s.blocks)
 
 
-def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal,
-            layout: JournalLayout) -> tuple[dict[str, Any], dict[int, Backed]]:
+def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal, layout: JournalLayout,
+            channel: Any = SOLO) -> tuple[dict[str, Any], dict[int, Backed]]:
     """The backup's vouched-for rows and blocks into a new cache and a formatted main journal; the book of the rows
-    restored (main slot -> Backed) for the writer. `tensors`: the handed-on backup lease's."""
+    restored (main slot -> Backed) for the writer. `tensors`: the handed-on backup lease's. In a group every rank
+    restores the blocks rank 0's rows vouch for (shared), each from its own backup; only rank 0's rows are written."""
     t0 = time.perf_counter()
     bj = backup_journal(layout, tensors)
-    if not bj.matches():
-        return {"restored": 0, "why": "the backup was written for another layout"}, {}
-    entries, dropped = bj.recover()
+    entries, dropped = bj.recover() if bj.matches() else ([], 0)
     bs = layout.block_size
-    blocks = sorted({b for e in entries for b in blocks_between(e.block_table, 0, e.computed, bs)})
+    mine = (bj.matches(), len(entries), sorted({b for e in entries for b in blocks_between(e.block_table, 0, e.computed, bs)}))
+    matches, restored, blocks = channel.share(mine)
+    if not matches:
+        return {"restored": 0, "why": "the backup was written for another layout"}, {}
     copier = BlockCopier(kv, tensors[BACKUP_NAME])
     copier.restore(blocks)
     journal.format()
@@ -295,77 +351,13 @@ def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal
                             e.prompt_len)
     if kv.device.type == "cuda":
         torch.cuda.synchronize(kv.device)
-    info = {"restored": len(book), "dropped": dropped, "blocks": len(blocks), "bytes": len(blocks) * copier.block_bytes,
+    info = {"restored": restored, "dropped": dropped, "blocks": len(blocks), "bytes": len(blocks) * copier.block_bytes,
             "recomputed_tokens": sum(len(e.tokens) - 1 - e.computed for e in entries),
             "ms": round((time.perf_counter() - t0) * 1000, 3)}
     return info, book
-
-
-class BackupUnavailable(RuntimeError):
-    """This engine's memory cannot hold a KV backup in host memory."""
-
-
-def allocate(memory: Any, kv: torch.Tensor, layout: JournalLayout) -> dict[str, torch.Tensor]:
-    """A new backup: a host-memory lease (tag `other`, named `kv_backup`, registered and committed: frozen and handed
-    on with the engine's other leases), or pinned tensors with local memory (nothing survives the process then)."""
-    items = packed(tuple(kv.shape), kv.dtype, layout)
-    if getattr(memory, "kind", "") != "leased":
-        pin = kv.device.type == "cuda"
-        return {n: torch.zeros(shape, dtype=dt, pin_memory=pin) for n, dt, shape, _ in items}
-    client = memory.client
-    lease = client.allocate(lease_bytes(tuple(kv.shape), kv.dtype, layout), tag="other", name=BACKUP_NAME,
-                            gpu=memory.gpu, host=True)  # a memfd on any backend, not taken by a fault of the GPU
-    client.register([lease.meta(n, dt, shape, off) for n, dt, shape, off in items])
-    client.commit()
-    return {n: lease.torch(dt, shape, off) for n, dt, shape, off in items}
-
-
-def fits(tensors: dict[str, torch.Tensor], kv: torch.Tensor, layout: JournalLayout) -> bool:
-    want = {n: (dt, shape) for n, dt, shape, _ in packed(tuple(kv.shape), kv.dtype, layout)}
-    return all(n in tensors and (tensors[n].dtype, tuple(tensors[n].shape)) == w for n, w in want.items())
-
-
-def open_backup(cfg: Any, memory: Any, loaded: Any) -> tuple[BackupWriter, dict[str, Any]] | None:
-    """With `cfg.kv_backup`: the backup this engine writes, and what start-up did with it. A handed-on backup whose
-    cache was lost (`loaded.kv_handed_on` false) is restored into the new cache first (the journal then adopted as a
-    handed-on one); beside a handed-on cache it is started afresh (the cache is the better copy)."""
-    if not cfg.kv_backup:
-        return None
-    if cfg.tp > 1:
-        raise BackupUnavailable("--kv-backup is not built for --tp yet (each rank would back up its own shard)")
-    kv, layout = loaded.kv, loaded.layout
-    tensors, info = loaded.backup, {"restored": 0, "source": "new"}
-    book: dict[int, Backed] = {}
-    if tensors is not None and not fits(tensors, kv, layout):
-        log.warning("the handed-on KV backup does not fit this configuration; starting a new one")
-        tensors = None
-    if tensors is not None and not loaded.kv_handed_on:
-        info, book = restore(tensors, kv, Journal(layout, loaded.journal), layout)
-        info["source"] = "restored"
-        loaded.kv_handed_on = bool(book)
-    elif tensors is not None:
-        info["source"] = "kept beside the handed-on cache"
-    else:
-        tensors = allocate(memory, kv, layout)
-    writer = BackupWriter(kv, tensors, layout, lag_ms=cfg.kv_backup_lag_ms,
-                          chunk=cfg.prefill_chunk if cfg.deterministic else None)
-    if book:
-        writer.adopt(book)
-    else:
-        writer.fresh()
-    writer.stats["registered"] = writer.copier.registered
-    return writer, info
 
 
 def backed_journal(writer: BackupWriter, layout: JournalLayout, tensors: dict[str, torch.Tensor]) -> BackedJournal:
     journal = BackedJournal(layout, tensors, writer)
     writer.journal = journal
     return journal
-
-
-def describe_restore(info: dict[str, Any]) -> str | None:
-    """One line for the incident's timeline when this engine's KV came from a host backup (None otherwise)."""
-    if info.get("source") != "restored" or not info.get("restored"):
-        return None
-    return (f"KV from host backup: {info['restored']} sequences, {info['blocks']} blocks in {info['ms']:.1f} ms, "
-            f"{info['recomputed_tokens']} positions recomputed; the tokens since its last round made again")

@@ -57,6 +57,15 @@ def block_runs(blocks: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def group_restores(ranks: Sequence[tuple[bool, bool]]) -> bool:
+    """Whether the ranks restore their caches from their backups at start-up, from each rank's (cache handed on,
+    backup handed on and fitting), in rank order: when some rank's cache was lost and every rank holds a backup.
+    Then every rank restores, a handed-on cache too: rank 0's backup rows say which positions every rank's cache
+    holds (the ranks' caches must hold the same ones: tp.py invariant 1), and rank 0's journal is rewritten from
+    them. One rank alone: its cache lost and its backup there."""
+    return any(not handed_on for handed_on, _ in ranks) and all(backed for _, backed in ranks)
+
+
 @dataclass
 class RowMirror:
     """One main-journal row as committed, kept in Python by the step thread (backup.BackedJournal)."""

@@ -11,6 +11,11 @@ shards and follow rank 0's plans (tp.py).
   reads nothing; rank 0 then adopts its journal as one engine does, and every rank's KV holds those positions
   (tp.py invariants 1-2). Every rank then meets at a barrier and checks that the ranks' caches agree (blocks,
   block size, handed on or new); cold, rank 0 registers the gang.
+- KV backup (`--kv-backup`, backup.py): every rank opens its own backup (a host lease named for its rank; restored
+  from when the group's caches were lost) before that barrier, so each backup lease is in the gang's commit;
+  rank 0's writer and the others' talk over `BackupChannel`, a gloo group of their own. A successor group that
+  leased new caches (restored from the backups: the lost caches are not in the gang it took over, gpu_manager
+  gang.py invariant 9) registers the gang anew, its generation kept.
 - One unit: ranks 1..N-1 die with rank 0 (PR_SET_PDEATHSIG); rank 0 exits 70 within ~50 ms when any of them exits
   (`Followers`); a rank whose peer died fails its next collective. So a SIGKILL of any rank ends the group, and
   the agent sees rank 0's exit: one incident for the group (docs/multi_gpu.md).
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines.batched.backup_start import open_backup
 from engines.batched.config import EngineConfig
 from engines.batched.journal import Journal
 from engines.batched.memory import Loaded, layout_fn, open_memory
@@ -59,6 +65,29 @@ class Followers(reference_tp.Followers):
 
     MODULE = "engines.batched.tp_group"
     SETTINGS_ENV = SETTINGS_ENV
+
+
+class BackupChannel:
+    """The ranks' KV backups (backup.py: `SoloChannel`'s calls, for a group) over a gloo group of their own: rank 0's
+    writer thread never issues a collective on the communicator its step thread's forwards use."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.group = dist.new_group(backend="gloo")  # collective: every rank makes it at the same point (RankGroup)
+
+    def gather(self, mine: Any) -> list[Any]:
+        every: list[Any] = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group)
+        return every
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, 0, group=self.group)
+        return box[0]
+
+    def done(self) -> None:
+        dist.barrier(group=self.group)
 
 
 class RankGroup:
@@ -87,6 +116,7 @@ class RankGroup:
                                 init_method=f"tcp://127.0.0.1:{self.cfg.tp_port}", rank=self.rank,
                                 world_size=cfg.tp, timeout=IDLE_FOREVER)  # a follower waits however idle rank 0 is
         self.channel = PlanChannel(device)
+        self.backup = BackupChannel(self.rank, cfg.tp) if cfg.kv_backup else None
         self.standing_by = False  # rank 0 of a standby group, not assigned yet: the followers wait for its word
 
     def stand_by(self, warm_kernels: Any) -> bool:
@@ -147,13 +177,14 @@ class RankGroup:
         if len(set(seen)) != 1:
             raise RuntimeError(f"the ranks' KV caches disagree (blocks, block size, handed on): {seen}")
         reports: list[Any] = [None] * self.cfg.tp
-        dist.all_gather_object(reports, loaded.weights_load)  # each rank's cold load: which copy served it
-        loaded.weights_load = group_weights_load(reports)  # rank 0's goes to the agent with its ready report
+        # each rank's cold load (which copy served it), and whether it holds a lease the gang it took over lacks
+        dist.all_gather_object(reports, (loaded.weights_load, memory.kind == "leased" and outside_gang(memory.client)))
+        loaded.weights_load = group_weights_load([r[0] for r in reports])  # rank 0's goes to the agent
         gang = None
-        if memory.kind == "leased" and self.cfg.takeover_gang and memory.client.last_gang is not None:
+        if memory.kind == "leased" and self.cfg.takeover_gang and not any(r[1] for r in reports):
             gang = memory.client.last_gang.model_dump()  # the manager moved the gang on with the takeover
-        elif memory.kind == "leased" and self.rank == 0:
-            gang = memory.register_gang(self.cfg.gang or self.cfg.id, self.owners)
+        elif memory.kind == "leased" and self.rank == 0:  # cold, or new caches (restored from the ranks' backups)
+            gang = memory.register_gang(self.cfg.takeover_gang or self.cfg.gang or self.cfg.id, self.owners)
         return {"ranks": self.cfg.tp, "engine_ids": self.owners, "backend": dist.get_backend(), "gang": gang,
                 "head": "replicated"}
 
@@ -183,6 +214,13 @@ class RankGroup:
                 log.warning("could not tell the followers to stop: %r", e)
                 return
             self.followers.wait()
+
+
+def outside_gang(client: Any) -> bool:
+    """A successor rank holds a lease the gang it took over did not commit (a cache leased anew); False when it took
+    no gang over (cold: the gang is registered anyway)."""
+    gang = client.last_gang
+    return gang is not None and any(lease_id not in gang.epochs for lease_id in client.leases)
 
 
 SLOWER = {"host": 0, "artifact": 1, "file": 2}  # a group is ready once its slowest rank's source has served
@@ -220,12 +258,17 @@ def follower_main() -> int:
                 log.info("rank %d of a standby group stopped unassigned", cfg.tp_rank)
                 return 0
         loaded = group.load(memory, layout_fn(cfg, group.mcfg, group.device))
+        backup = open_backup(group.cfg, memory, loaded, group.backup)  # before the gang: its lease is the gang's
         group.commit(memory, loaded)
         if not loaded.kv_handed_on:
             Journal(loaded.layout, loaded.journal).format()  # an empty journal: rank 0's is the group's
         memory.start_heartbeats()
+        if backup is not None:
+            backup[0].start()  # copies the blocks rank 0's writer shares, round by round
         ran = follow(group.runner(loaded), group.channel)
         log.info("rank %d stopped after %d forwards", cfg.tp_rank, ran)
+        if backup is not None:
+            backup[0].join()  # rank 0 ended it before the forwards
         return 0
     finally:
         memory.close()

@@ -1,0 +1,97 @@
+"""A tensor-parallel batched engine (TP=2, gloo, the host backend with two simulated GPUs) with its KV backed up to
+host (`--kv-backup`), on the whole stack (nats, etcd, gpu_manager, agent, controller, dc_manager, router; real
+signals): greedy streams through the router; every rank's KV lease is reclaimed by force (the group's GPU memory
+declared lost: each rank exits as the lease goes, the group with it), and rank 0 SIGKILLed for good measure. Each
+rank backed its own shard up to a host lease of its own (`kv_backup.tp2-r<r>`), part of the gang; the controller
+keeps the incident on the reattach path (every rank's weights and backup live), the dc_manager freezes the gang
+(whole without its caches: gpu_manager gang.py invariant 9), and a successor group takes it over with the weights
+file gone, every rank restoring its cache from its own backup. Every stream ends with the uninterrupted run's tokens,
+none lost or twice, no prompt prefilled again, and the successor group registers the gang with its new caches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.common.events import Reclaim, ReclaimReply, Tag
+from tests.e2e.test_tp_incident import BatchedGroupScenario, incidents, started, wait_successor
+
+STREAMS = 4
+MAX_TOKENS = 64
+
+
+class BackedGroupScenario(BatchedGroupScenario):
+    def command(self) -> list[str]:
+        return [*super().command(), "--kv-backup", "--kv-backup-lag-ms", "100"]
+
+
+def prompts() -> list[str]:
+    return [f"rank {i} keeps a copy of its shard in host memory {'k' * (3 * i)}" for i in range(STREAMS)]
+
+
+async def lose_every_ranks_kv(sc: BackedGroupScenario, ranks: list[str]) -> None:
+    """Every rank's KV lease reclaimed by force at once (each rank exits as it goes: `exit_on_lease_lost`)."""
+    assert sc.bus is not None and sc.stack is not None
+    caches = [lease for lease in (await sc.leases()).leases if lease.owner in ranks and lease.tag is Tag.KV_CACHE]
+    assert len(caches) == len(ranks)
+    await asyncio.gather(*(sc.bus.request(sc.stack.config.node, Reclaim(lease_id=kv.id, force=True), ReclaimReply,
+                                          timeout=5) for kv in caches))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_backup(tmp_path: Path) -> None:
+    sc = BackedGroupScenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
+    try:
+        faults = await started(sc)
+        group = await sc.wait_serving(standbys=0, timeout=180)
+        before = [lease for lease in (await sc.leases()).leases if lease.owner in group.ranks]
+        async with httpx.AsyncClient() as client:
+            control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
+            assert all(r.done and not r.error for r in control)
+            sc.weights.rename(sc.weights.with_suffix(".gone"))  # no group can reload: leases only
+            seen = len(sc.events)
+            streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
+            await sc._until_tokens(streams, want=4 * STREAMS)
+            await asyncio.sleep(0.3)  # a few backup rounds behind the decode
+            await lose_every_ranks_kv(sc, group.ranks)
+            try:
+                sc.kill_engine(group)
+            except ProcessLookupError:
+                pass  # gone already, with its lease
+            results = await asyncio.gather(*streams)
+            resolved = await sc.wait_event("incident.resolved", 120, after=seen)
+            successor = await wait_successor(sc, group)
+            health = await sc.engine_health(successor.endpoint or "")
+        assert sc.store is not None
+        raw = await sc.store.get(f"incidents/{resolved.incident_id}")  # type: ignore[attr-defined]
+        assert raw is not None
+        record = json.loads(raw)
+        after = (await sc.leases()).leases
+        incs = await incidents(sc)
+    finally:
+        await sc.close()
+        await asyncio.to_thread(sc.stop)
+    # each rank backed its own shard up to a host lease named for it, in the gang with its weights and cache
+    backups = sorted((i.owner, i.name, i.host) for i in before if i.tag is Tag.OTHER)
+    assert backups == [(owner, f"kv_backup.tp2-r{r}", True) for r, owner in enumerate(group.ranks)]
+    assert [r.error for r in results] == [None] * STREAMS and all(r.done for r in results)
+    assert [r.tokens for r in results] == [r.tokens for r in control]  # none lost, none twice, the same tokens
+    assert faults and {f.group for f in faults} == {group.engine_id}  # whichever rank went first: the group's
+    assert [i.id for i in incs] == [record["id"]] and record["engine_id"] == group.engine_id  # one incident
+    assert not record["fallback"] and record["state"] == "resolved"
+    reattach = record["steps"]["reattach"]
+    assert reattach["status"] == "done" and reattach["detail"].startswith("KV from host backup: ")
+    restore, stats = health["recovery"]["kv_backup"], health["engine"]
+    assert health["memory"]["source"] == "takeover" and restore["source"] == "restored" and restore["restored"] >= 1
+    assert stats["recomputed_tokens"] == 0  # no request prefilled again
+    assert stats["prefill_tokens"] == restore["recomputed_tokens"] + stats["claim_extra_tokens"]
+    gang = health["tp"]["gang"]  # registered anew with the successor's caches, its generation kept
+    assert gang["owners"] == successor.ranks and gang["generation"] == 2 and len(gang["epochs"]) == 3 * len(successor.ranks)
+    moved = {i.id for i in after if i.owner in successor.ranks and i.tag is not Tag.KV_CACHE}
+    assert moved == {i.id for i in before if i.tag is not Tag.KV_CACHE}  # weights and backups handed on, none reloaded
+    print(f"TP=2 KV from the ranks' host backups: {reattach['detail']}")  # noqa: T201
