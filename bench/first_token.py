@@ -8,8 +8,9 @@ the node for its class's copy `<class>.weights` (the host tier's, else the artif
 there is none. So each source is an engine class of its own, and the node holds exactly one copy for each:
 - `file`: class `ft-file`, of which the node never has a copy (the cold path as it is);
 - `host`: class `ft-host`, a host tier copy written from the last file engine's weights lease (`SnapshotLease`
-  with `host_tier`, as the policy does after a first load); the artifact that command writes beside it is deleted,
-  so only the tier can serve (a fallback would read the file, and the report would say so);
+  with `host_tier`, as the policy does after a first load; on cuda registered as written, its `register_s` in
+  `copies`); the artifact that command writes beside it is deleted, so only the tier can serve (a fallback would
+  read the file, and the report would say so);
 - `artifact`: class `ft-artifact`, an artifact written from the same lease.
 The copies are written once the file trials are done (the last file engine is kept until then; the host copy
 first and its artifact deleted before the next is written: the disk holds the weights file and one artifact), and
@@ -290,6 +291,8 @@ async def write_copy(b: FirstTokenBench, node: Node, ft: dict[str, Any], engine_
         await asyncio.to_thread(shutil.rmtree, b.artifacts / name)
     ft["copies"][source] = {"name": name, "bytes": reply.bytes, "write_s": reply.seconds, "gib_s": reply.gib_s,
                             "direct_io": reply.direct_io}
+    if source == "host":  # cuda: page-locked as written, so the engines' restores register nothing
+        ft["copies"][source].update(registered_at_write=reply.tier_registered, register_s=reply.tier_register_s)
 
 
 def run(report: dict[str, Any], backend: str, weights_gib: float, work: Path, trials: int, sources: tuple[str, ...],

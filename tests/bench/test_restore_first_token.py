@@ -38,6 +38,7 @@ def test_every_source_has_its_first_token_time_from_the_source_asked_for(tmp_pat
         assert t["total_s"] == pytest.approx(t["spawn_to_ready_s"] + t["ready_to_first_token_s"], abs=2e-4)
     by = {t["source"]: t for t in ft["trials"]}
     assert by["file"]["restore"] is None and by["host"]["restore"]["bytes"] == ft["copies"]["host"]["bytes"] > 0
+    assert ft["copies"]["host"]["registered_at_write"] is False and by["host"]["restore"]["register_s"] == 0.0  # host
     assert by["artifact"]["restore"]["direct_io"] in (0.0, 1.0) and set(ft["copies"]) == {"artifact", "host"}
     s = ft["summary"]
     assert all(s[x]["matches"] and s[x]["trials"] == 1 for x in ("file", "artifact", "host"))
