@@ -96,6 +96,18 @@ def main() -> None:
         print(json.dumps({"size": size, "deterministic": det, "decode_rows": n_decode, "chunks": chunks,
                           "chunk": chunk, "mixed_step_ms": timed(r, mixed), "decode_step_eager_ms": timed(r, decode)}),
               flush=True)
+    if DEV == "cuda":  # the same steps replayed from CUDA graphs (decode: its bucket; mixed: a mixed graph)
+        for det in (True, False):
+            r = ModelRunner(cfg, w, kv, BS, deterministic=det, cuda_graphs=True, max_num_seqs=256, fused=fused,
+                            max_step_tokens=512)
+            t = time.perf_counter()
+            r.warmup()
+            print(json.dumps({"size": size, "deterministic": det, "graphs": True, "mixed_graphs": len(r._mixed),
+                              "capture_ms": round((time.perf_counter() - t) * 1000, 1),
+                              "mixed_step_ms": timed(r, mixed), "decode_step_ms": timed(r, decode),
+                              "graph_pool_mib": round(torch.cuda.memory_reserved() / 2**20)}), flush=True)
+            del r
+            torch.cuda.empty_cache()
     from torch.profiler import ProfilerActivity, profile
 
     for det in (True, False):

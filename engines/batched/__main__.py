@@ -71,7 +71,8 @@ def open_agent_link(cfg: EngineConfig) -> Any:
 
 def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRunner:
     return ModelRunner(mcfg, loaded.weights, loaded.kv, loaded.layout.block_size, deterministic=cfg.deterministic,
-                       cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs, fused=loaded.fused)
+                       cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs, fused=loaded.fused,
+                       max_step_tokens=cfg.max_num_batched_tokens)
 
 
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,

@@ -86,33 +86,27 @@ def attend(q: torch.Tensor, layer_kv: torch.Tensor, meta: AttnMeta, *, reference
                 keys, vals = gather(layer_kv, meta.block_tables[i], meta.context_lens[i])
                 out[lo:hi] = reference_one(q[lo:hi], keys, vals).flatten(1)
         return out
-    if "rows" not in meta.cache:  # built once a step, not once a layer
-        meta.cache["rows"] = _split_rows(meta, q.device)
-    decode_rows, decode_tables, decode_lens, tiles = meta.cache["rows"]
-    out = torch.zeros_like(q)
+    if "mixed" not in meta.cache:  # built once a step, not once a layer (a mixed graph's: at its capture)
+        meta.cache["mixed"] = mixed_layout(meta, q.device)
+    d, tiles = meta.cache["mixed"]
+    out = torch.zeros_like(q)  # a row of no sequence (graph padding) stays 0
+    if d:
+        paged_kernels.paged_decode(q[:d], layer_kv, meta.block_tables[:d], meta.context_lens_t[:d], out=out[:d])
     paged_kernels.paged_prefill(q, out, layer_kv, meta.block_tables, tiles, PREFILL_ROWS)
-    if decode_rows.numel():
-        out[decode_rows] = paged_kernels.paged_decode(q[decode_rows], layer_kv, decode_tables, decode_lens)
     return out.flatten(1)
 
 
-def _split_rows(meta: AttnMeta, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A mixed step's rows by their sequence's shape: one-row sequences' rows, block tables and context lengths
-    (the decode kernel), and the prefill kernel's tiles of every longer chunk ([n, 4])."""
-    rows: list[int] = []
-    seqs: list[int] = []
-    chunks: list[int] = []
-    for i in range(meta.num_seqs):
-        n = meta.query_starts[i + 1] - meta.query_starts[i]
-        if n == 1:
-            rows.append(meta.query_starts[i])
-            seqs.append(i)
-        elif n > 1:
-            chunks.append(i)
-    tiles = torch.tensor(prefill_tiles(meta.query_starts, meta.context_lens, chunks), dtype=torch.int64)
-    index = torch.tensor(seqs, dtype=torch.int64).to(device, non_blocking=True)
-    return (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True), meta.block_tables[index],
-            meta.context_lens_t[index], tiles.view(-1, 4).to(device, non_blocking=True))
+def mixed_layout(meta: AttnMeta, device: torch.device) -> tuple[int, torch.Tensor]:
+    """A mixed step's attention work: its leading one-row sequences (the step's first rows, the decode kernel's)
+    and the prefill kernel's tiles ([n, 4], on `device`) of every sequence after them. The model runner puts a
+    step's one-token works first; a one-row sequence after a chunk (none in a runner's steps) would go through
+    the prefill kernel, which computes it alike."""
+    d = 0
+    while d < meta.num_seqs and meta.query_starts[d + 1] - meta.query_starts[d] == 1:
+        d += 1
+    rest = [i for i in range(d, meta.num_seqs) if meta.query_starts[i + 1] > meta.query_starts[i]]
+    tiles = torch.tensor(prefill_tiles(meta.query_starts, meta.context_lens, rest), dtype=torch.int64)
+    return d, tiles.view(-1, 4).to(device, non_blocking=True)
 
 
 def prefill_tiles(query_starts: list[int], context_lens: list[int], seqs: list[int]) -> list[int]:

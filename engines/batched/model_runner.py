@@ -1,11 +1,15 @@
 """The model over a paged KV cache: one forward over a step's flat batch of works, then sampling.
 
 A step is a list of `RunItem`s (one per scheduled work: tokens fed at positions `start..`, the sequence's block
-table). Their rows are concatenated; the embeddings, the decoder layers (attention.py's paged attention per
-sequence) run once over all rows, the head only over the rows that sample. Step inputs are built once on the
-host into one pinned buffer and copied to the device in one non-blocking copy. A decode-only step on CUDA
-replays a CUDA graph captured at the smallest batch-size bucket that holds it (padding rows: slot -1, context
-0, so they write nothing and read nothing); any other step, and every step on the CPU, runs eagerly.
+table). Their rows are concatenated, one-token works first; the embeddings, the decoder layers (attention.py's
+paged attention) run once over all rows, the head only over the rows that sample. Step inputs are built once on
+the host into one pinned buffer and copied to the device in one non-blocking copy. On CUDA a decode-only step
+replays a CUDA graph captured at the smallest batch-size bucket that holds it, and a mixed step (one-token rows
+beside up to MIXED_CHUNKS prefill chunks, within the step budget `max_step_tokens`) the smallest mixed graph
+that holds it, keyed (one-token rows, chunk rows), each padded (padding rows: slot -1; padding sequences:
+context 0; padding tiles: no rows; so they write nothing and read nothing). A mixed step ran eagerly before:
+~1,300 kernel launches at 8b, 43-78 ms of interpreter time against ~20 ms of GPU work. Any other step, and every
+step on the CPU, runs eagerly.
 
 Deterministic (batch-invariant) mode: each row's logits are bit-identical whatever else the batch holds.
 - Linear layers and RMSNorm run over fixed tiles of rows (`tile` rows: 64 on CUDA, 16 on the CPU; the last
@@ -56,13 +60,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engines.batched.attention import AttnMeta, attend, paged_kernels, write_kv
+from engines.batched.attention import PREFILL_ROWS, AttnMeta, attend, paged_kernels, prefill_tiles, write_kv
 from engines.batched.fused_layout import FUSED
 from engines.reference.config import ModelConfig
 from engines.reference.engine import sample
 from engines.reference.model import Transformer, apply_rope, rms_norm
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIXED_DECODE = (0, 64, 128, 256)  # a mixed graph's one-token rows (multiples of the CUDA small tile)
+MIXED_PREFILL = (256, 512, 1024, 2048)  # its prefill chunks' rows (multiples of the prefill tile)
+MIXED_CHUNKS = 32  # prefill chunks a mixed graph takes at most (a step with more runs eagerly)
 
 
 class RunItemError(ValueError):
@@ -142,7 +149,7 @@ def _sections(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor, block_size: int, *,
                  deterministic: bool = False, cuda_graphs: bool = True, max_num_seqs: int = 256,
-                 fused: dict[str, torch.Tensor] | None = None) -> None:
+                 fused: dict[str, torch.Tensor] | None = None, max_step_tokens: int = 0) -> None:
         self.model = Transformer(cfg, weights)  # checks the weights; its rope tables, in the weights' dtype
         self.cfg, self.w, self.device = cfg, weights, self.model.device
         self.fused = check_fused(cfg, weights, fused or {})
@@ -167,6 +174,11 @@ class ModelRunner:
         self.buckets = [b for b in GRAPH_BUCKETS if b <= max_num_seqs]
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and paged_kernels is not None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Mixed steps' graphs, keyed (decode rows, prefill rows), both padded: decode rows to multiples of the small
+        # tile, prefill rows to the prefill tile's multiples up to the step's token budget (none where it is 0).
+        self.mixed_keys = [(d, p) for d in MIXED_DECODE if d <= max(max_num_seqs, 1) + self.tile - 1
+                           for p in MIXED_PREFILL if p < max_step_tokens + self.prefill_tile]
+        self._mixed: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._stage = _Staging(self.device, 1 << 12)
         self._feed_stage = _Staging(self.device, 2 * max(max_num_seqs, 1))
 
@@ -221,14 +233,18 @@ class ModelRunner:
         if self._graph_for(B) is not None and all(len(it.token_ids) == 1 for it in items):
             self._gstage.ready()
             return self._replay(items, prev)[:B], [i if it.sample else None for i, it in enumerate(items)]
-        if not self.deterministic:
-            return self._eager(items, prev=prev), _sample_rows(items)
-        # single-token works first (small tiles), chunks after (prefill tiles); the logits back in item order
+        # one-token works first (the decode kernel's rows; deterministic: the small tiles), chunks after; each
+        # item's logits row mapped back to item order
         order = sorted(range(B), key=lambda i: len(items[i].token_ids) > 1)
-        logits = self._eager([items[i] for i in order], split=sum(len(items[i].token_ids) == 1 for i in order),
-                             prev=prev)
-        at = {i: j for j, i in enumerate(i for i in order if items[i].sample)}
-        return logits, [at.get(i) for i in range(B)]
+        work = [items[i] for i in order]
+        d = sum(len(it.token_ids) == 1 for it in work)
+        key = self._mixed_for(work, d)
+        if key is not None:
+            logits, rows = self._replay_mixed(work, d, key, prev)
+        else:
+            logits, rows = self._eager(work, split=d, prev=prev), _sample_rows(work)
+        at = dict(zip(order, rows, strict=True))
+        return logits, [at[i] for i in range(B)]
 
     def _feed(self, items: Sequence[RunItem], first_rows: Sequence[int], tokens: torch.Tensor,
               prev: torch.Tensor | None) -> None:
@@ -270,14 +286,15 @@ class ModelRunner:
             slots.extend(bt[p // bs] * bs + p % bs for p in range(it.start, it.end))
         return tokens, positions, slots
 
-    def _fill_tables(self, table: torch.Tensor, items: Sequence[RunItem]) -> None:
-        """Write each item's used blocks at the start of its row of `table` ([>= B, W] host); the rest unread."""
+    def _fill_tables(self, table: torch.Tensor, items: Sequence[RunItem], rows_of: Sequence[int] | None = None) -> None:
+        """Write each item's used blocks at the start of its row of `table` ([>= B, W] host; item i's row
+        `rows_of[i]`, default i); the rest unread."""
         used = [-(-it.end // self.block_size) for it in items]
         blocks = itertools.chain.from_iterable(it.block_table[:n] for it, n in zip(items, used, strict=True))
         flat = torch.tensor(list(blocks), dtype=torch.int64)
         lens = torch.tensor(used)
         firsts = torch.cumsum(lens, 0) - lens
-        rows = torch.arange(len(items)) * table.shape[1]
+        rows = (torch.arange(len(items)) if rows_of is None else torch.tensor(list(rows_of))) * table.shape[1]
         index = torch.arange(flat.numel()) + torch.repeat_interleave(rows - firsts, lens)
         table.view(-1).index_copy_(0, index, flat)
 
@@ -470,6 +487,8 @@ class ModelRunner:
                 logits = self._forward(tok[:b], pos[:b], slot[:b], meta, None)
             self._gpool = graph.pool()
             self._graphs[b] = (graph, logits)
+        if buckets is None:
+            self._capture_mixed()
         torch.cuda.synchronize()
 
     def _graph_for(self, n: int) -> int | None:
@@ -494,6 +513,97 @@ class ModelRunner:
         graph, logits = self._graphs[b]
         graph.replay()
         return logits
+
+
+    # ---- CUDA graphs of mixed steps (one-token rows, then prefill chunks)
+
+    def _mixed_inputs(self) -> list[int]:
+        d = max((k[0] for k in self.mixed_keys), default=0)
+        p = max((k[1] for k in self.mixed_keys), default=0)
+        seqs = d + MIXED_CHUNKS
+        # tokens, positions, slots (rows) | context lengths (sequences) | block tables | prefill tiles | head rows
+        return [d + p, d + p, d + p, seqs, seqs * self.table_width, 4 * (p // PREFILL_ROWS + MIXED_CHUNKS), seqs]
+
+    def _mixed_for(self, work: Sequence[RunItem], d: int) -> tuple[int, int] | None:
+        """The smallest captured mixed graph that holds this step (decode rows first), None: run it eagerly."""
+        chunks = len(work) - d
+        if not self._mixed or not 0 < chunks <= MIXED_CHUNKS:
+            return None
+        p = sum(len(it.token_ids) for it in work[d:])
+        return min((k for k in self._mixed if k[0] >= d and k[1] >= p), default=None)
+
+    def _mixed_meta(self, key: tuple[int, int]) -> tuple[list[torch.Tensor], AttnMeta]:
+        """A mixed graph's inputs (device views of its staging) and attention metadata: decode rows [0, D) are
+        sequences [0, D); chunk j's rows start at D, its sequence is D + j; tiles past the step's have no rows."""
+        d, p = key
+        tok, pos, slot, ctx, table, tiles, head = _sections(self._mstage.dev, self._mixed_inputs())
+        seqs = d + MIXED_CHUNKS
+        table = table.view(-1, self.table_width)[:seqs]
+        meta = AttnMeta([], [], table, ctx[:seqs], decode_only=False)
+        meta.cache["mixed"] = (d, tiles.view(-1, 4)[:p // PREFILL_ROWS + MIXED_CHUNKS])
+        return [tok[:d + p], pos[:d + p], slot[:d + p], head[:seqs]], meta
+
+    def _capture_mixed(self) -> None:
+        """Capture every mixed graph not captured yet (CUDA graphs on, a step budget given). Each writes its logits
+        into one buffer they share (`_mixed_out`): a graph's own output would hold ~100 MB of logits apiece."""
+        if not self.use_graphs or not self.mixed_keys:
+            return
+        if getattr(self, "_mstage", None) is None:
+            self._mstage = _Staging(self.device, sum(self._mixed_inputs()))
+            rows = max(k[0] for k in self.mixed_keys) + MIXED_CHUNKS
+            self._mixed_out = torch.empty(rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self._mixed_blank()
+        self._mstage.upload(self._mstage.host.numel())
+        for key in sorted(set(self.mixed_keys) - set(self._mixed), reverse=True):
+            (tok, pos, slot, head), meta = self._mixed_meta(key)
+            self._split = key[0]
+            try:
+                self._forward(tok, pos, slot, meta, head)  # compiles, tunes, allocates outside the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._gpool):
+                    logits = self._forward(tok, pos, slot, meta, head)
+                    self._mixed_out[:logits.shape[0]].copy_(logits)
+            finally:
+                self._split = None
+            self._gpool = graph.pool()
+            self._mixed[key] = graph
+
+    def _mixed_blank(self) -> None:
+        """Every mixed input padding (host): no row writes KV, no sequence has context, no tile has rows."""
+        tok, pos, slot, ctx, table, tiles, head = _sections(self._mstage.host, self._mixed_inputs())
+        for view in (tok, pos, ctx, table, tiles, head):
+            view.zero_()
+        slot.fill_(-1)
+
+    def _replay_mixed(self, work: Sequence[RunItem], d: int, key: tuple[int, int],
+                      prev: torch.Tensor | None) -> tuple[torch.Tensor, list[int | None]]:
+        """One mixed step through its graph: `work`'s first `d` items one token each, the rest prefill chunks;
+        the logits rows (D + MIXED_CHUNKS of them) and each item's row among them (None: it does not sample)."""
+        D, P = key
+        chunks = work[d:]
+        self._mstage.ready()
+        self._mixed_blank()
+        tok, pos, slot, ctx, table, tiles, head = _sections(self._mstage.host, self._mixed_inputs())
+        tokens, positions, slots = self._host_rows(work)
+        n = len(tokens) - d  # chunk rows
+        for view, values in ((tok, tokens), (pos, positions), (slot, slots)):
+            view[:d].copy_(torch.tensor(values[:d], dtype=torch.int64))
+            view[D:D + n].copy_(torch.tensor(values[d:], dtype=torch.int64))
+        starts = [D, *(D + o for o in itertools.accumulate(len(it.token_ids) for it in chunks))]
+        seq_rows = list(range(d)) + [D + j for j in range(len(chunks))]
+        ctx[torch.tensor(seq_rows, dtype=torch.int64)] = torch.tensor([it.end for it in work], dtype=torch.int64)
+        self._fill_tables(table.view(-1, self.table_width), work, seq_rows)
+        flat = prefill_tiles([0] * D + starts, [0] * D + [it.end for it in chunks], list(range(D, D + len(chunks))))
+        tiles[:len(flat)].copy_(torch.tensor(flat, dtype=torch.int64))
+        head[:D].copy_(torch.arange(D))
+        head[D:D + len(chunks)].copy_(torch.tensor(starts[1:], dtype=torch.int64) - 1)
+        self._mstage.upload(self._mstage.host.numel())
+        first_rows = list(range(d)) + starts[:-1]
+        self._feed(work, first_rows, self._mstage.dev[:D + P], prev)
+        self._mixed[key].replay()
+        rows = [r if it.sample else None for r, it in zip(seq_rows, work, strict=True)]
+        return self._mixed_out[:D + MIXED_CHUNKS], rows
 
 
 def _sample_rows(items: Sequence[RunItem]) -> list[int | None]:

@@ -93,12 +93,12 @@ def _paged_decode_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, o_stride_t, o_str
 
 
 def paged_decode(q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 block_n: int = 64) -> torch.Tensor:
-    """q [B, H, hd] (one row per sequence) -> [B, H, hd]."""
+                 block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, hd] (one row per sequence) -> [B, H, hd] (`out`, given: written in place)."""
     B, heads, hd = q.shape
     kvh = layer_kv.shape[-2]
     rep = heads // kvh
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
     if q.stride(2) != 1:

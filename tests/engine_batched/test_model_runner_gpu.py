@@ -78,9 +78,37 @@ def test_graph_steps_equal_eager_steps(gpu_weights, deterministic: bool) -> None
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_deterministic_logits_on_cuda_are_bit_identical_alone_and_batched(gpu_weights) -> None:
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mixed_graph_steps_equal_eager_steps(gpu_weights, deterministic: bool) -> None:
+    """Steps of prefill chunks beside decode rows replayed from the mixed graphs give the eager steps' logits
+    (bit for bit in deterministic mode), padding rows and sequences writing and reading nothing."""
+    graphed = runner(gpu_weights, deterministic=deterministic, max_step_tokens=512)
+    eager = runner(gpu_weights, deterministic=deterministic, cuda_graphs=False)
+    assert graphed._mixed, "no mixed graphs captured"
+    for seed in range(3):
+        outs = []
+        for r in (graphed, eager):
+            rng = random.Random(10 + seed)
+            r.kv.zero_()
+            items = mixed_items(r, rng, 3 + 6 * seed)
+            replays = []
+            if r is graphed:
+                original = r._replay_mixed
+                r._replay_mixed = lambda *a, o=original, seen=replays: (seen.append(a[2]), o(*a))[1]  # type: ignore[method-assign]
+            outs.append((r.logits(items), replays))
+            r.__dict__.pop("_replay_mixed", None)
+        (a, used), (b, _) = outs
+        assert used, "the step ran eagerly"
+        if deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_deterministic_logits_on_cuda_are_bit_identical_alone_and_batched(gpu_weights, graphs: bool) -> None:
     rng = random.Random(2)
-    r = runner(gpu_weights, deterministic=True, cuda_graphs=False)
+    r = runner(gpu_weights, deterministic=True, cuda_graphs=graphs, max_step_tokens=2048)
     for k in (1, 3, 8, 16, 20):  # 21 sequences of up to 90 rows: several 64-row tiles
         items = mixed_items(r, rng, k + 1)
         target = items[0]
