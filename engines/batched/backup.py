@@ -235,14 +235,18 @@ class BackupWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self.channel is not SOLO and self.channel.rank == 0 and self.stats["error"] is None and \
-                (self._thread is None or not self._thread.is_alive()):
+        ended = self._thread is None or not self._thread.is_alive()
+        if self.channel is not SOLO and self.channel.rank == 0 and self.stats["error"] is None and ended:
             self.channel.share(None)
+        if ended:
+            self.copier.close()
 
     def join(self, timeout_s: float = 10.0) -> None:
         """A rank other than 0: wait for its writer to end (rank 0's `stop`)."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._thread is None or not self._thread.is_alive():
+            self.copier.close()
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:

@@ -58,6 +58,14 @@ class BlockCopier:
             self.idx_host = torch.empty(n, dtype=torch.long).pin_memory()
             self.idx_dev = torch.empty(n, dtype=torch.long, device=kv.device)
 
+    def close(self) -> None:
+        """Unregister the backup's pages (page-locked by this copier): a registration outliving the mapping would
+        make a later mapping at the same address look pinned already while DMA still targets the old pages."""
+        if self.registered:
+            self.stream.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.dst.data_ptr())
+            self.registered = False
+
     def mark(self) -> torch.cuda.Event | None:
         """An event after every write the step's stream has queued so far (None on the CPU: writes are done)."""
         if not self.cuda:

@@ -80,6 +80,8 @@ def test_cuda_rounds_copy_from_a_side_stream_into_registered_memfd_pages_and_res
     print(f"\nkv backup on CUDA: a round of {7 * seqs} blocks ({first_bytes / 2**20:.0f} MiB) in {first_ms} ms "
           f"({first_bytes / 2**30 / (first_ms / 1000):.1f} GiB/s), a decode round of {seqs} blocks in {decode_ms} ms; "
           f"restore of {info['bytes'] / 2**20:.0f} MiB in {info['ms']} ms")
+    writer.stop()  # unregisters the pages before the mapping goes
+    assert not tensors[BACKUP_NAME].is_pinned()
 
 
 def test_the_copy_stream_does_not_wait_for_the_steps_stream() -> None:
@@ -102,6 +104,7 @@ def test_the_copy_stream_does_not_wait_for_the_steps_stream() -> None:
     copy_ms = (time.perf_counter() - t1) * 1000
     torch.cuda.synchronize()
     print(f"\n64 blocks copied in {copy_ms:.1f} ms while the step's stream had {busy_ms:.0f} ms of work queued")
+    writer.stop()
     assert copy_ms < busy_ms / 4
 
 
@@ -129,3 +132,4 @@ def test_a_cuda_managers_host_lease_is_host_memory_the_backup_copies_into(manage
         assert writer.copier.registered
         src = kv.permute(2, 0, 1, 3, 4, 5)
         assert all(torch.equal(tensors[BACKUP_NAME][b], src[b].cpu()) for b in (5, 9, 11))
+        writer.stop()
