@@ -48,58 +48,88 @@ class _Entry:
     retired: bool = False
 
 
+def _close(entries: list[_Entry]) -> None:
+    """Unregister and unmap, out of the table's lock (seconds for a large copy)."""
+    for entry in entries:
+        entry.copy.close()
+
+
 class TierPins:
-    """Thread-safe: restores run on worker threads, the health reply reads `bytes` on the event loop."""
+    """Thread-safe: restores and the tier's writes register on worker threads, and the health reply reads `bytes`
+    on the event loop. The table's lock is held for dict work only, never across a registration or a close (each
+    takes seconds for a large copy: 17 s to register 96 GiB on an H200), so whatever reads the table (health, a
+    restore of another copy) never waits behind one; one registration per copy name runs at a time (its gate)."""
 
     def __init__(self, register: Register) -> None:
         self._register = register
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._limbo: list[_Entry] = []  # retired while in use: closed by their last release (invariant 1)
+        self._gates: dict[str, threading.Lock] = {}
 
     def acquire(self, man: Manifest, fds: Sequence[int], ordinal: int) -> tuple[Any, float]:
         """The copy's registration (made now if needed) and the seconds registering took now (0: it was there).
         Raises what `register` raises when it cannot be made: the caller takes the bounce path."""
         key = copy_key(man)
         with self._lock:
-            entry = self._entries.get(man.name)
-            if entry is not None and entry.key != key:
-                self._retire(man.name, entry)  # invariant 2
-                entry = None
-            took = 0.0
-            if entry is None:
-                entry = _Entry(key, self._register(fds, [f.bytes for f in man.files], ordinal))
-                self._entries[man.name] = entry
-                took = entry.copy.register_s
-                log.info("host tier copy %s page-locked in place: %d bytes in %.3f s", man.name, man.size, took)
+            entry, done = self._use(man.name, key)
+            gate = self._gates.setdefault(man.name, threading.Lock())
+        _close(done)
+        if entry is not None:
+            return entry.copy, 0.0
+        with gate:
+            with self._lock:  # another caller may have registered it while this one waited at the gate
+                entry, done = self._use(man.name, key)
+            _close(done)
+            if entry is not None:
+                return entry.copy, 0.0
+            copy = self._register(fds, [f.bytes for f in man.files], ordinal)  # the table is free meanwhile
+            with self._lock:
+                self._entries[man.name] = _Entry(key, copy, users=1)  # only this gate's holder adds `name`
+        log.info("host tier copy %s page-locked in place: %d bytes in %.3f s", man.name, man.size, copy.register_s)
+        return copy, copy.register_s
+
+    def _use(self, name: str, key: tuple[str, str, int, float]) -> tuple[_Entry | None, list[_Entry]]:
+        """(Under the lock.) The current registration of `name` with one more user, or None; and a stale one's
+        entry to close (invariant 2) once the lock is let go."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.key != key:
+            return None, self._retire(name, entry)
+        if entry is not None:
             entry.users += 1
-            return entry.copy, took
+        return entry, []
 
     def release(self, copy: Any) -> None:
+        done: list[_Entry] = []
         with self._lock:
             for entry in [*self._entries.values(), *self._limbo]:
                 if entry.copy is copy:
                     entry.users -= 1
                     if entry.retired and entry.users == 0:
                         self._limbo.remove(entry)
-                        entry.copy.close()
-                    return
+                        done.append(entry)
+                    break
+        _close(done)
 
-    def _retire(self, name: str, entry: _Entry) -> None:
+    def _retire(self, name: str, entry: _Entry) -> list[_Entry]:
+        """(Under the lock.) Out of the table; to close now (returned) if nobody reads it, else at its last
+        release."""
         del self._entries[name]
         entry.retired = True
         if entry.users == 0:
-            entry.copy.close()
-        else:
-            self._limbo.append(entry)
+            return [entry]
+        self._limbo.append(entry)
+        return []
 
     def prune(self, live: dict[str, Manifest]) -> None:
         """Retire the registrations of copies the tier no longer holds as they were (invariant 2)."""
+        done: list[_Entry] = []
         with self._lock:
             for name, entry in list(self._entries.items()):
                 man = live.get(name)
                 if man is None or copy_key(man) != entry.key:
-                    self._retire(name, entry)
+                    done += self._retire(name, entry)
+        _close(done)
 
     def close(self) -> None:
         self.prune({})
@@ -109,7 +139,8 @@ class TierPins:
             return sorted(self._entries)
 
     def bytes(self) -> int:
-        """Host memory page-locked now: every registration's, the retired ones still read by a restore included."""
+        """Host memory page-locked: every registration's, the retired ones still read by a restore included (not one
+        being made, nor one being unregistered: each leaves the table before its close begins)."""
         with self._lock:
             return sum(sum(e.copy.sizes) for e in [*self._entries.values(), *self._limbo])
 
