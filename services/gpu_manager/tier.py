@@ -13,10 +13,14 @@ Invariants (tests/gpu_manager/test_tier.py):
 3. On cuda the copies are page-locked in place (host_tier_cuda.py): that pins the copies' own pages, no other
    memory, so the registered bytes (`registered_bytes` in health) stay within the cap (but while a restore still
    reads a replaced copy).
+4. A replaced or dropped copy's fds are closed off the event loop: the last close of a memfd frees its pages
+   in the call (0.17 s a GiB measured: 16 s for a 96 GiB copy, during which the manager would answer nothing),
+   and the keeper lets go of its own first, so ours is often the last (tests/gpu_manager/test_tier_loop.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -99,16 +103,16 @@ class HostTier:
         self.room_for(name, man.size)
         await self.keeper.put(TIER_PREFIX + name, fds, {"manifest": man.model_dump(mode="json")})
         old = self.entries.pop(name, None)
-        if old is not None:
-            _close(old.fds)
         self.entries[name] = TierCopy(man, fds)
+        if old is not None:
+            await asyncio.to_thread(_close, old.fds)  # invariant 4
         log.info("host tier: %s held (%d bytes; %d of %d used)", name, man.size, self.used, self.cap)
 
     async def drop(self, name: str) -> bool:
         old = self.entries.pop(name, None)
         if old is None:
             return False
-        _close(old.fds)
+        await asyncio.to_thread(_close, old.fds)  # invariant 4
         await self.keeper.drop(TIER_PREFIX + name)
         return True
 
