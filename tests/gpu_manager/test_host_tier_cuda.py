@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from nats.errors import NoRespondersError
 
 from libs.client.memory import MemoryClient
 from libs.common.events import SnapshotLease, SnapshotReply
@@ -79,7 +80,13 @@ async def test_cuda_a_copy_kept_through_a_manager_restart_is_registered_again_at
     m.start()
 
     async def registered() -> bool:
-        return (await _health(bus, settings))["host_tier"]["registered_bytes"] == SIZE
+        # The socket listens before setup ends and health is subscribed after it: "no responders" is a manager not
+        # up yet. A timeout is not excused: once subscribed, health answers even while a copy registers
+        # (tier_pins.py), and a stall is what this must catch.
+        try:
+            return (await _health(bus, settings))["host_tier"]["registered_bytes"] == SIZE
+        except NoRespondersError:
+            return False
 
     assert await until(registered, timeout=60)
     c, got = await asyncio.to_thread(_restore, m, "eng-after")
