@@ -664,7 +664,8 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         if "to_ready_s" in m:
             print(f"  through the gpu_manager: nothing on the device to the lease ready {m['to_ready_s']['p50']} s "
                   f"(fill {m['fill_s']['p50']} s, registering at restore {m['register_s']['p50']} s; the copy "
-                  f"{'registered' if m['registered_at_write'] else 'not registered'} at its write, {m['write_s']} s)")
+                  f"{'registered' if m['registered_at_write'] else 'not registered'} at its write, {m['write_s']} s; "
+                  f"health answered within {m['health_max_ms']} ms meanwhile, {m['health_timeouts']} polls unanswered)")
         for name, why in result["errors"].items():
             print(f"  {name}: FAILED {why}")
         if "error" in result:

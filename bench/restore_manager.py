@@ -8,7 +8,9 @@ on disk), as a node keeps a class's weights. Here, through the SDK (libs/client/
 1. a writer allocates a weights lease, fills it with the synthetic weights (bench/restore_synth.py), registers one
    tensor and commits; the policy copies it to the host tier and, on cuda, page-locks the copy there; `write_s` is
    commit to the copy held and registered (health's `host_tier`: the copy listed, `registered_bytes` its size),
-   polled every 50 ms; then the writer releases its lease (nothing of it left on the device);
+   polled every 50 ms, each answer timed (`health_max_ms`: the longest, the manager's event loop busy that long while
+   it wrote; `health_timeouts`: polls unanswered within 10 s, retried until the write's own bound); then the writer
+   releases its lease (nothing of it left on the device);
 2. per trial a new client asks `restore("bench-host.weights", sources=["host"])`: `to_ready_s` is the request to
    the new lease granted and mapped in this process (the gpu_manager allocated it, filled it, registered its
    tensors; the client imported and mapped its chunks): from nothing on the device to the weights lease ready.
@@ -32,23 +34,39 @@ CLASS = "bench-host"
 NAME = f"{CLASS}.weights"
 GIB = 1024**3
 POLL_S = 0.05
+HEALTH_TIMEOUT_S = 10.0  # one health poll; a slower answer is a stall, counted and reported, not a crash
 
 
 async def _wait_copy(stack: Any, size: int, cuda: bool, t0: float, timeout_s: float) -> dict[str, Any]:
     """Health's `host_tier` polled until the copy is held and (cuda) registered: the policy writes it, then registers
-    it; a registration refused leaves `registered_bytes` short, so that wait ends after its own bound."""
+    it; a registration refused leaves `registered_bytes` short, so that wait ends after its own bound. Each poll's
+    answer time is kept: the manager must answer while it writes (`health_max_ms`, the longest; a poll unanswered
+    within HEALTH_TIMEOUT_S counts as that long, in `health_timeouts`, and the next poll goes on)."""
+    from nats.errors import TimeoutError as NatsTimeout
+
     from libs.common.bus import Bus
 
     settings = stack.settings()
     bus = await Bus.connect(settings, "bench-restore-manager", stream=False)
+    longest, timeouts, polls = 0.0, 0, 0
+    tier: dict[str, Any] | None = None  # the last answer's (a copy listed stays listed)
     try:
         while True:
-            msg = await bus.nc.request(f"{settings.subject_prefix}.health.gpu_manager", b"", timeout=10)
-            tier = json.loads(msg.data)["detail"]["host_tier"]
-            held, registered = NAME in tier["copies"], tier["registered_bytes"] >= size
+            asked = time.perf_counter()
+            try:
+                msg = await bus.nc.request(f"{settings.subject_prefix}.health.gpu_manager", b"",
+                                           timeout=HEALTH_TIMEOUT_S)
+                tier = json.loads(msg.data)["detail"]["host_tier"]
+            except NatsTimeout:
+                timeouts += 1
+            polls += 1
+            longest = max(longest, time.perf_counter() - asked)
+            held = tier is not None and NAME in tier["copies"]
+            registered = tier is not None and tier["registered_bytes"] >= size
             waited = time.perf_counter() - t0
             if (held and (registered or not cuda)) or waited > timeout_s:
-                return {"write_s": round(waited, 3), "tier": tier, "held": held, "registered_at_write": registered}
+                return {"write_s": round(waited, 3), "tier": tier, "held": held, "registered_at_write": registered,
+                        "health_max_ms": round(longest * 1e3, 1), "health_timeouts": timeouts, "health_polls": polls}
             await asyncio.sleep(POLL_S)
     finally:
         await bus.close()

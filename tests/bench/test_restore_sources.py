@@ -62,6 +62,7 @@ def test_a_host_only_run_through_the_manager_restores_the_copy_its_policy_wrote(
     assert m["verified"] and [t["source"] for t in m["trials"]] == ["host", "host"]
     assert all(t["registered_dma"] == 0.0 and t["register_s"] == 0.0 for t in m["trials"])
     assert m["to_ready_s"]["p50"] >= m["fill_s"]["p50"] > 0 and m["write_s"] > 0
+    assert m["health_polls"] > 0 and m["health_timeouts"] == 0 and 0 < m["health_max_ms"] < 10_000
     assert out["goals"]["host_120gib_extrapolated"]["manager_to_ready_s"] > 0
     refused = run("host", 0.0625, tmp_path, trials=1, workers=2, sources=("file", "host"), manager=True)
     assert not refused["complete"] and "host-tier-only" in refused["error"]
