@@ -142,11 +142,18 @@ class Launched:
 
 
 def _sections(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive views of `sizes` int64s, each starting 16-byte aligned: Triton compiles a kernel variant per
+    pointer alignment it is given, so a section at an odd offset would cost a compile (~1 s) mid-serving."""
     out, at = [], 0
     for n in sizes:
         out.append(buf[at:at + n])
-        at += n
+        at += n + (n & 1)
     return out
+
+
+def _span(sizes: Sequence[int]) -> int:
+    """The int64s `_sections` spans over `sizes`."""
+    return sum(n + (n & 1) for n in sizes)
 
 
 class ModelRunner:
@@ -309,13 +316,13 @@ class ModelRunner:
         heads = [starts[i + 1] - 1 for i, it in enumerate(items) if it.sample]
         W = max(-(-e // self.block_size) for e in ends)
         sizes = [T, T, T, B, len(heads), B * W]
-        if sum(sizes) > self._stage.host.numel():
-            self._stage = _Staging(self.device, 2 * sum(sizes))
+        if _span(sizes) > self._stage.host.numel():
+            self._stage = _Staging(self.device, 2 * _span(sizes))
         host = _sections(self._stage.host, sizes)
         for view, values in zip(host, (tokens, positions, slots, ends, heads), strict=False):
             view.copy_(torch.tensor(values, dtype=torch.int64))
         self._fill_tables(host[5].view(B, W), items)
-        self._stage.upload(sum(sizes))
+        self._stage.upload(_span(sizes))
         tok, pos, slot, ctx, head, table = _sections(self._stage.dev, sizes)
         self._feed(items, starts[:-1], tok, prev)
         meta = AttnMeta(starts, ends, table.view(B, W), ctx, decode_only=T == B)
@@ -468,7 +475,7 @@ class ModelRunner:
         sizes = self._graph_inputs()
         n = self.buckets[-1]
         if getattr(self, "_gstage", None) is None:
-            self._gstage = _Staging(self.device, sum(sizes))
+            self._gstage = _Staging(self.device, _span(sizes))
             self._gpool: Any = None
         tok, pos, slot, ctx, table = _sections(self._gstage.dev, sizes)
         slot.fill_(-1)  # padding everywhere while capturing: nothing written, nothing read
@@ -552,7 +559,7 @@ class ModelRunner:
         if not self.use_graphs or not self.mixed_keys:
             return
         if getattr(self, "_mstage", None) is None:
-            self._mstage = _Staging(self.device, sum(self._mixed_inputs()))
+            self._mstage = _Staging(self.device, _span(self._mixed_inputs()))
             rows = max(k[0] for k in self.mixed_keys) + MIXED_CHUNKS
             self._mixed_out = torch.empty(rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
         self._mixed_blank()
