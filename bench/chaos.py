@@ -53,6 +53,8 @@ from libs.common.events import LeaseState
 console = Console(stderr=True)
 REDRAWS = 4  # a random run's draws of another kind when the one drawn would wait (the last one drawn waits)
 
+CUDA_KV_GIB = 2.0  # each batched engine's KV cache on cuda (4 models: 8 engines, 16 GiB)
+
 
 def weights_file_hash(path: Path) -> str:
     """What a serving engine's /checksum must equal: the same hash over the file's tensors."""
@@ -229,7 +231,10 @@ def cli(
     if engine == "batched":
         from bench.load_recovery import LoadScenario
 
-        sc: Scenario = LoadScenario(size=size, backend=backend, max_num_seqs=64, kv_cache_gib=None, models=models)
+        # cuda: a cache of its own size for each engine; by default each would take 85% of the memory free at its
+        # start, so the first active left no room for the standbys (an H200 run: a standby "starting" for 180 s)
+        kv = None if backend == "host" else CUDA_KV_GIB
+        sc: Scenario = LoadScenario(size=size, backend=backend, max_num_seqs=64, kv_cache_gib=kv, models=models)
     elif engine == "reference":
         sc = Scenario(size=size, backend=backend, models=models)
     else:
