@@ -524,7 +524,6 @@ class ModelRunner:
         graph.replay()
         return logits
 
-
     # ---- CUDA graphs of mixed steps (one-token rows, then prefill chunks)
 
     def _mixed_inputs(self) -> list[int]:

@@ -91,9 +91,10 @@ class PlanChannel:
         at = 3 * T
         lists = payload[at:at + 2 * B + 1]
         host = lists.tolist()
-        ctx = lists[B + 1:]
+        # copies of their own, 16-byte aligned: a Triton kernel compiles a variant per pointer alignment (~1 s)
+        ctx = lists[B + 1:].clone()
         at += 2 * B + 1
-        table = payload[at:at + B * W].view(B, W)
+        table = payload[at:at + B * W].view(B, W).clone()
         head = payload[at + B * W:] if H >= 0 else None
         meta = AttnMeta(host[:B + 1], host[B + 1:], table, ctx, decode_only=bool(decode_only))
         return tokens, positions, slots, meta, head, None if split < 0 else split
