@@ -373,7 +373,7 @@ class ClusterView:
         A head whose watch falls behind etcd's compaction (`WatchCompacted`) stops all of them: the view
         resyncs from a fresh snapshot (`load`) and every head watches again from its revision + 1."""
         if self._snapshot_rev is None:
-            await self.load(store)
+            await self._load_until_done(store)
         while True:
             assert self._snapshot_rev is not None
             start, self._snapshot_rev = self._snapshot_rev + 1, None  # from here on heads move on separately
@@ -385,13 +385,18 @@ class ClusterView:
             await self._resync(store)
 
     async def _resync(self, store: Store) -> None:
+        await self._load_until_done(store)
+        self.resyncs += 1
+
+    async def _load_until_done(self, store: Store) -> None:
+        """`load`, again every 0.5 s while etcd is unreachable or restarting: a snapshot cut by an etcd restart
+        ("No status received") stopped a whole controller once (a CPU chaos run, 2026-12-02)."""
         while True:
             try:
                 await self.load(store)
-                self.resyncs += 1
                 return
             except (grpc.RpcError, aetcd.exceptions.ClientError) as e:  # etcd briefly unreachable: retry
-                log.warning("resync snapshot failed (%s); retrying", e)
+                log.warning("view snapshot failed (%s); retrying", e)
                 await asyncio.sleep(0.5)
 
     async def _follow_heads(self, store: Store, start: int) -> None:
