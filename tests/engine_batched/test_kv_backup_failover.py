@@ -78,19 +78,20 @@ async def lose_kv_and_take_over(first: BatchedEngine, tmp_path: Path, tiny_weigh
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lag_ms", [100, 3000], ids=["lag-100ms", "lag-3s"])
+@pytest.mark.parametrize("lag_ms", [100, 1000], ids=["lag-100ms", "lag-1s"])
 async def test_sixteen_streams_continue_exactly_from_the_host_backup_after_the_kv_lease_is_lost(
         tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],  # noqa: F811
         settings: CommonSettings, bus: Bus, lag_ms: int) -> None:
-    """With a 3 s lag (a round every 1.5 s) the loss lands two steps after a round: the decode since then is past the
-    durable point, made again from the backed tokens and the tokens the clients saw (and still exact)."""
+    """With a 1 s lag (a round every 0.5 s) the loss lands two steps after a round: the decode since then is past the
+    durable point, made again from the backed tokens and the tokens the clients saw (and still exact). (A 3 s lag
+    let a quiet machine finish every stream before the first round, 1.5 s in.)"""
     first = BatchedEngine(tmp_path, tiny_weights, "bat-a", settings_env, "--kv-backup", "--kv-backup-lag-ms",
                           str(lag_ms))
     before = first.wait_ready()
     assert before["kv_backup"]["rounds"] == 0
     t0 = time.monotonic()
     info, health, expected, got, handed = await lose_kv_and_take_over(first, tmp_path, tiny_weights, settings_env,
-                                                                       settings, bus, lag_ms > 1000)
+                                                                       settings, bus, lag_ms >= 1000)
     assert {lease.name for lease in handed} == {"weights", "kv_backup"}  # the cache's lease is gone
     rec, stats, restore = info["recovery"], health["engine"], info["recovery"]["kv_backup"]
     assert rec["source"] == "takeover" and rec["journal"] == "adopted"
@@ -105,7 +106,7 @@ async def test_sixteen_streams_continue_exactly_from_the_host_backup_after_the_k
     # past the durable point: positions recomputed inside a backed row, and the tokens the clients had seen past the
     # backup (made again: decoded ahead before the claims came, or fed as the clients saw them)
     past = restore["recomputed_tokens"] + stats["claim_past_adopted_tokens"]
-    if lag_ms > 1000:
+    if lag_ms >= 1000:
         assert past > 0  # the loss came two steps after a round: the tokens since it were made again
     print(f"restored {restore['restored']} sequences, {restore['blocks']} blocks in {restore['ms']} ms; past the "
           f"durable point {past} tokens ({restore['recomputed_tokens']} in rows, {stats['claim_past_adopted_tokens']} "
