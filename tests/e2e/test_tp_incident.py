@@ -31,6 +31,7 @@ class TensorParallelScenario(Scenario):
     """The demo scenario with one TP=2 reference engine (the reference engine's groups have no standby groups)."""
 
     engine_class = "reference"
+    stack_env: dict[str, str] = {}  # noqa: RUF012 - read only: more of the services' environment
 
     def command(self) -> list[str]:
         return engine_command(self.weights, self.size)
@@ -42,7 +43,7 @@ class TensorParallelScenario(Scenario):
                           tp=2, cold_start_s=30.0, env={"HF_ENGINE_MEMORY": "leased"})
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
-                                                 extra_env={"HF_GPUS": json.dumps(["0", "1"])}))
+                                                 extra_env={"HF_GPUS": json.dumps(["0", "1"]), **self.stack_env}))
         self.stack.start(timeout=120)
         return self.stack
 
