@@ -217,13 +217,34 @@ def start_time(pid: int) -> int | None:
 
 
 def stopped(pid: int, start: int | None) -> bool:
-    """`pid` (started at `start`) can run no more code of its own: gone, replaced by another process, or every
-    thread of it exiting (PF_EXITING) or a zombie. A SIGKILLed process is stopped within ~1 ms; its death (the
-    pidfd) comes only after the kernel closed its files, with a CUDA context's teardown ~75-95 ms on an H200
+    """`pid` (started at `start`) can run no more code of its own: gone, replaced by another process, a SIGKILL
+    queued to it (`kill_pending`), or every thread of it exiting (PF_EXITING) or a zombie. Its death (the pidfd)
+    comes only after the kernel closed its files, with a CUDA context's teardown ~75-95 ms on an H200
     (scripts/probe_death_time.py). Whatever it queued before may still run meanwhile: see `wait_gone`."""
     if start is not None and start_time(pid) != start:
         return True
+    if kill_pending(pid):
+        return True
     return all(t[0] in (b"Z", b"X") or int(t[6]) & PF_EXITING for t in threads(pid))  # field 9: flags
+
+
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def kill_pending(pid: int) -> bool:
+    """A SIGKILL is queued to `pid` and not yet acted on: the kernel never returns such a process to its own code
+    (a fatal signal wakes even a SIGSTOPped one, and nothing may continue it). kill() returns once the signal is
+    queued; each thread then runs to its exit, which on a loaded machine can take a while: until then its threads
+    show neither PF_EXITING nor a zombie state, and this is what tells it apart from a process merely stopped."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        if line.startswith((b"ShdPnd:", b"SigPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
+            return True
+    return False
 
 
 def threads(pid: int) -> list[list[bytes]]:

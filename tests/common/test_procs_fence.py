@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from libs.common import procs
 
 SLEEPER = "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); time.sleep(60)"
@@ -62,3 +64,23 @@ def test_a_pid_naming_another_process_or_none_is_gone() -> None:
     child.wait()  # reaped: the pid names nothing (or, later, another process)
     assert procs.stopped(child.pid, 0 if procs.start_time(child.pid) is None else -1)
     assert procs.wait_gone(child.pid, -1, 0.0)
+
+
+
+@pytest.mark.parametrize("stop_first", [False, True])
+def test_a_process_is_stopped_from_the_moment_a_kill_is_queued(stop_first: bool) -> None:
+    """kill() returns once SIGKILL is queued; the threads may not have run to their exit yet (a loaded machine, a
+    SIGSTOPped process): the queued kill alone says it can run no code of its own (a fenced takeover right after)."""
+    child = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    try:
+        _wait(lambda: len(os.listdir(f"/proc/{child.pid}/task")) >= 2)
+        start = procs.start_time(child.pid)
+        if stop_first:
+            os.kill(child.pid, signal.SIGSTOP)
+            _wait(lambda: (procs.stat_fields(child.pid) or [b""])[0] == b"T")
+            assert not procs.kill_pending(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        assert procs.stopped(child.pid, start)  # at once: no wait
+    finally:
+        child.kill()
+        child.wait()
