@@ -213,14 +213,14 @@ class Journal:
         then runs unjournaled and a failure replays it through the router)."""
         if not self._free or len(a.tokens) > self.layout.max_len:
             return None
-        slot = self._free.pop()
-        self._epoch += 1
         rid = a.request_id.encode()[:ID_BYTES]
         rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
         prompt = list(a.tokens[: a.prompt_len])
-        fields = [self._epoch, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
+        fields = [self._epoch + 1, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
                   FLAG_IGNORE_EOS if a.ignore_eos else 0]
         check = _check(fields, rid_raw, prompt)  # n_blocks grows after admission: not covered
+        slot = self._free.pop()  # only once the row is known to encode: a refusal above takes no slot
+        self._epoch += 1
         fields.append(len(block_table))
         dev = self.device
         self.ids[slot].copy_(_on(dev, rid_raw, torch.uint8))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from engines.batched.sequence import SamplingParams, Sequence
+from libs.common.generate import SAMPLING_EPS
 from libs.common.tokenizer import EOS
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ def request_params(max_tokens: int, temperature: float, seed: int, ignore_eos: b
     """A request's sampling and stop rule: EOS ends it unless it asked `ignore_eos`. A stop token ends a sequence
     whatever `ignore_eos` says (scheduler.py `_stop_reason`), so EOS is one only for a request that stops at it
     (issue 17: with EOS always a stop token, an `ignore_eos` request ended at its first EOS)."""
+    temperature = 0.0 if temperature < SAMPLING_EPS else temperature  # greedy, on the greedy path
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                           stop_token_ids=frozenset() if ignore_eos else STOP, ignore_eos=ignore_eos)
 

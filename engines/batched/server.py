@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import httpx
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -39,7 +40,7 @@ from engines.batched.engine import LLMEngine
 from engines.batched.live import Request
 from engines.reference.weights import served_checksum
 from libs.common import tokenizer
-from libs.common.generate import GenerateRequest
+from libs.common.generate import GenerateRequest, invalid_body
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid"}
@@ -172,6 +173,10 @@ def _serving(state: EngineState) -> LLMEngine | JSONResponse:
 
 def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="Holdfast batched engine")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: object, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

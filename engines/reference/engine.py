@@ -36,6 +36,7 @@ from engines.reference.kv_reuse import InheritedSlots, KvDonor, SlotMarks
 from engines.reference.model import Transformer
 from engines.reference.static_forward import StaticForward
 from libs.common import gc_tuning
+from libs.common.generate import SAMPLING_EPS
 from libs.common.tokenizer import EOS, TextStream
 
 log = logging.getLogger("holdfast.engine")
@@ -74,7 +75,7 @@ class BadRequest(ValueError):
 def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
     """One token from the last row of `logits`; depends only on (logits, temperature, seed, position)."""
     row = logits[-1].float()
-    if temperature <= 0:
+    if temperature < SAMPLING_EPS:
         return int(torch.argmax(row).item())
     probs = torch.softmax(row.cpu() / temperature, dim=-1)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63))

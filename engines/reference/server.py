@@ -19,12 +19,13 @@ from typing import Any
 
 import anyio
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.weights import served_checksum
-from libs.common.generate import GenerateRequest
+from libs.common.generate import GenerateRequest, invalid_body
 
 
 def _generation(body: GenerateRequest) -> GenerationRequest:
@@ -138,6 +139,10 @@ def build_app(state: EngineState) -> FastAPI:
     preload_streaming()
     app = FastAPI(title="Holdfast reference engine")
     app.add_middleware(ArrivalMark, state=state)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -11,15 +11,43 @@ Invariants:
    this request are fed after the prompt, so the continuation is the one the uninterrupted run would make.
 3. `request_id` is the same in every attempt of one client request (the router's), so a successor that already
    holds the sequence (the batched engine) continues it instead of starting it again.
+4. Whatever passes validation can be served: text is valid Unicode (no lone surrogate: it must encode to
+   UTF-8), a temperature is finite, a seed and max_tokens fit the journal's signed 64 bits. A body outside these
+   is refused here, at the door, never by an engine's step loop (one bad request must not end an engine, and
+   the router would replay it on the successor: it would end that one too).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from libs.common import tokenizer
 
 REQUEST_ID_MAX = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a journal row keeps a seed and max_tokens in 64 signed bits
+# A temperature below this samples as greedy, in every engine: logits / 1e-320 overflow to inf, softmax gives NaN
+# and multinomial raises in the step loop (as vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+T = TypeVar("T")
+
+
+def encodable(value: T) -> T:
+    """`value` (a string, or a list of them and other values) unchanged, if every string in it encodes to UTF-8;
+    else ValueError. For a pydantic validator: of a field (`Text`) or, where the field is a union, of the model."""
+    for text in (value if isinstance(value, list) else [value]):
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"not valid Unicode text (a lone surrogate at position {e.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(encodable)]  # a string that encodes to UTF-8 (invariant 4)
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class Sampling(BaseModel):
@@ -27,10 +55,10 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(None, description="text; encoded with a leading BOS")
+    prompt: Text | None = Field(None, description="text; encoded with a leading BOS")
     tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt if both are given")
-    max_tokens: int = Field(64, ge=0)
-    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+    max_tokens: int = Field(64, ge=0, le=INT64_MAX)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0: greedy")
     greedy: bool | None = Field(None, description="true forces temperature 0")
     stream: bool = False
     ignore_eos: bool = False
@@ -50,11 +78,20 @@ class GenerateRequest(Sampling):
 
     resume: list[int] | None = Field(None, description="tokens this request already generated elsewhere (a router "
                                      "resuming it): fed after the prompt, so the continuation is exact")
-    seed: int = Field(0, description="sampling seed; with (seed, position) it fixes each sampled token")
-    request_id: str | None = Field(None, max_length=REQUEST_ID_MAX, description="the router's id of the client "
+    seed: Seed = Field(0, description="sampling seed; with (seed, position) it fixes each sampled token")
+    request_id: Text | None = Field(None, max_length=REQUEST_ID_MAX, description="the router's id of the client "
                                    "request, the same in all its attempts")
 
     def prefix(self) -> list[int]:
         """The context before any resumed token: the encoded prompt, then the tokens."""
         ctx = tokenizer.encode(self.prompt) if self.prompt is not None else []
         return ctx + list(self.tokens or [])
+
+
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The typed refusal (422 `invalid_body`) of a body that fails this contract, from pydantic's or FastAPI's
+    `errors()`: each field and what is wrong with it, never the value sent (a NaN in it cannot be written as
+    JSON, and a client's own text does not belong in an error either)."""
+    parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg', 'invalid')}"
+             for e in errors[:5]]
+    return {"error": {"code": "invalid_body", "message": "; ".join(parts) or "invalid body"}}

@@ -7,9 +7,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from libs.common.generate import invalid_body
 from services.router.openai_api import openai_routes
 from services.router.relay import ClientRequest, Relay, RelayError
 from services.router.table import EndpointTable
@@ -19,6 +21,10 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
               sync: Callable[[], dict[str, Any]] = dict) -> FastAPI:
     app = FastAPI(title="Holdfast reference router")
     app.include_router(openai_routes(relay, table))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
 
     @app.post("/v1/generate", response_model=None)
     async def generate(req: ClientRequest) -> Any:

@@ -90,6 +90,8 @@ async def _json(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {e}") from None
+    except RecursionError:
+        raise OpenAIError(400, "We could not parse the JSON body of your request: nested too deeply") from None
 
 
 def _from_relay(e: RelayError) -> OpenAIError:

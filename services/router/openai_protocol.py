@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from libs.common import tokenizer
+from libs.common.generate import INT64_MAX, Seed, encodable
 from services.router.relay import ClientRequest
 
 # No max_tokens on a chat request means "until the context ends": the engine stops at its max_seq first
@@ -59,13 +60,18 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="none: 1.0, as OpenAI")
-    seed: int | None = None
+    seed: Seed | None = None
     n: int | None = Field(None, ge=1, le=1, description="only 1")
     top_p: float | None = Field(None, ge=1.0, le=1.0, description="only 1 (no nucleus sampling in the engines)")
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
     user: str | None = None  # an end-user id: accepted, not used
     ignore_eos: bool = False  # an extension (as vLLM's): generate past the model's end of text
+
+    @field_validator("stop", "user")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return encodable(v)
 
     @field_validator("stop")
     @classmethod
@@ -86,17 +92,27 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=0, description="16 by default, as OpenAI")
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, description="16 by default, as OpenAI")
     logprobs: None = None
     echo: Literal[False] = False
     suffix: None = None
     best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _text_prompt(cls, v: Any) -> Any:
+        return encodable(v)
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        return encodable(v)
 
 
 class Message(BaseModel):
@@ -105,14 +121,20 @@ class Message(BaseModel):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content", "name")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return encodable(v)
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, description="deprecated by OpenAI for max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX, description="deprecated by OpenAI for "
+                                   "max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     logprobs: Literal[False] | None = None
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from pydantic import Field
 
-from libs.common.generate import GenerateRequest, Sampling
+from libs.common.generate import GenerateRequest, Sampling, Seed
 from services.router.resume_batch import BatchUnsupported, ResumeBatcher
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
@@ -42,7 +42,7 @@ class ClientRequest(Sampling):
     attempt sends an engine the shared `GenerateRequest` (libs/common/generate.py) built from it."""
 
     model: str
-    seed: int | None = Field(None, description="none with temperature > 0: the router picks one, so a replay "
+    seed: Seed | None = Field(None, description="none with temperature > 0: the router picks one, so a replay "
                              "continues the same sampled text")
 
 

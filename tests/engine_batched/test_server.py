@@ -71,6 +71,31 @@ def test_bad_input_gets_a_clear_status_and_the_engine_keeps_serving(engine: Engi
     assert gen(engine.url, prompt="still serving").status_code == 200
 
 
+
+@pytest.mark.parametrize("engine", [("--deterministic",)], indirect=True)
+def test_requests_that_once_ended_the_engine_are_served_or_refused_and_it_serves_on(engine: Engine) -> None:
+    """Each of these ended the engine's step loop (exit 70) before, and the router replayed it on the standby,
+    which it ended too: a temperature so small that logits / t overflow (multinomial on NaN), a seed or
+    max_tokens past the journal's 64 bits, text with a lone surrogate (prompt, request id: encoded in the step
+    loop). A NaN temperature's refusal was a 500 (the error echoed the NaN, which JSON cannot hold)."""
+    greedy = gen(engine.url, prompt="tiny t", max_tokens=8).json()["tokens"]
+    tiny = httpx.post(engine.url + "/generate", content=b'{"prompt": "tiny t", "max_tokens": 8, "temperature": 1e-320}',
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert tiny.status_code == 200 and tiny.json()["tokens"] == greedy  # below SAMPLING_EPS: greedy
+    for raw, field in ((b'{"prompt": "x", "seed": 9223372036854775808}', "seed"),
+                       (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+                       (b'{"prompt": "x", "max_tokens": 9223372036854775808}', "max_tokens"),
+                       (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+                       (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+                       (b'{"prompt": "\\ud800"}', "prompt"),
+                       (b'{"prompt": "x", "request_id": "r-\\udc00"}', "request_id")):
+        r = httpx.post(engine.url + "/generate", content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_body", (raw, r.text)
+        assert field in r.json()["error"]["message"], (raw, r.text)
+    assert engine.child.alive()
+    assert gen(engine.url, prompt="tiny t", max_tokens=8, seed=2**63 - 1, temperature=0.5).status_code == 200
+    assert gen(engine.url, prompt="tiny t", max_tokens=8).json()["tokens"] == greedy
+
 def test_a_client_that_goes_away_frees_its_blocks_at_once(engine: Engine) -> None:
     total = engine.health()["engine"]["scheduler"]["num_blocks"]
     with httpx.stream("POST", engine.url + "/generate", json={"prompt": "a long one " * 40, "max_tokens": 1500,

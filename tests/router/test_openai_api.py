@@ -168,6 +168,43 @@ async def test_errors_have_openais_shape_and_status_unknown_model_404_bad_body_4
     assert openai_stack.router.stats()["in_flight"] == 0
 
 
+
+# Bodies the router once sent on to engines, where each ended the batched engine or failed in the router's own
+# encoding (a lone surrogate: retried on every engine as if each had failed, and each marked suspect).
+POISON = [
+    ("/v1/completions", b'{"model": "demo", "prompt": "\\ud800", "max_tokens": 2}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "demo", "prompt": "x", "max_tokens": 2, "seed": 1208925819614629174706176}', 400,
+     "seed"),
+    ("/v1/completions", b'{"model": "demo", "prompt": "x", "stop": ["\\udfff"]}', 400, "stop"),
+    ("/v1/chat/completions", b'{"model": "demo", "messages": [{"role": "user", "content": "a\\udc00"}]}', 400,
+     "messages.0.content"),
+    ("/v1/completions", b'{"model": "demo", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("/v1/generate", b'{"model": "demo", "prompt": "\\ud800", "max_tokens": 2}', 422, None),
+    ("/v1/generate", b'{"model": "demo", "prompt": "x", "max_tokens": 2, "temperature": NaN}', 422, None),
+    ("/v1/generate", b'{"model": "demo", "prompt": "x", "max_tokens": 2, "seed": 9223372036854775808}', 422, None),
+]
+
+
+async def test_bodies_that_reached_engines_before_are_refused_at_the_router(openai_stack: OpenAIStack) -> None:
+    served_before = health(openai_stack)["tokens_generated"]
+    async with httpx.AsyncClient(timeout=30) as h:
+        for path, raw, status, param in POISON:
+            raw = raw.replace(b'"demo"', json.dumps(MODEL).encode())
+            r = await h.post(openai_stack.router.url + path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == status, (path, raw[:80], r.text)
+            err = r.json()["error"]
+            if path == "/v1/generate":
+                assert err["code"] == "invalid_body", r.text
+            else:
+                assert err["type"] == "invalid_request_error" and err["param"] == param, r.text
+    stats = openai_stack.router.stats()
+    assert (stats["replayed"], stats["failed"], stats["in_flight"]) == (0, 0, 0)
+    assert not any(e["suspect"] for eps in stats["endpoints"].values() for e in eps), stats  # no engine blamed
+    assert health(openai_stack)["tokens_generated"] == served_before  # none reached the engine
+    c = client(openai_stack.router.url)
+    done = await c.completions.create(model=MODEL, prompt="still served", max_tokens=3, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop")
+
 async def test_a_client_that_goes_away_frees_the_engine_slot_at_once_streamed_or_not(
         openai_stack: OpenAIStack) -> None:
     c = client(openai_stack.router.url)
