@@ -6,7 +6,7 @@ caller and sends them as one transaction of up to `max_ops` operations (etcd's d
 
 - `create(key, value)` (put only if absent) and `put(key, value)` wait until their transaction is
   committed: use them for what safety needs before acting (an incident's opening, a command's progress);
-  `create_soon` queues a create and returns its future (a caller with many awaits them together).
+  `create_soon` and `put_soon` queue one and return its future (a caller with many awaits them together).
 - `put_nowait` / `delete_nowait` return at once (DESIGN.md section 4: record the other steps without
   waiting); a later write to the same key replaces a pending one, so only the latest value is sent.
 - `put_after(key, value, delay_s)` queues a put only after `delay_s`, and drops it when a newer write of
@@ -98,6 +98,12 @@ class BatchWriter:
 
     async def put(self, key: str, value: Any) -> None:
         await self._wait(self._add(_Op(PUT, key, value)))
+
+    def put_soon(self, key: str, value: Any) -> asyncio.Future[bool]:
+        """`put` queued now, its confirmation awaited later (no task per write); `value` as for `put_nowait`."""
+        fut = self._add(_Op(PUT, key, value))
+        assert fut is not None
+        return fut
 
     def put_nowait(self, key: str, value: Any) -> None:
         """Queue a put; `value` is encoded when it is sent, so it must not be changed after this call."""

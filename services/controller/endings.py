@@ -43,7 +43,7 @@ class IncidentEnds:
         # publication failed. By id: the ended record.
         self.doubts: dict[str, IncidentRecord] = {}
 
-    async def announce(self, ends: list[tuple[int, IncidentRecord, asyncio.Future[None]]],
+    async def announce(self, ends: list[tuple[int, IncidentRecord, asyncio.Future[bool]]],
                        out: list[BaseException | None]) -> None:
         """Publish each end (`ends`: its message, its ended record, that record's write) once its write is
         confirmed; `out[at]` is what failed an end's write (its message is redelivered)."""

@@ -65,9 +65,10 @@ class IncidentLog:
         """Queue `rec` (written behind, fenced)."""
         self.writer.put_nowait(incident_key(rec.id), rec)
 
-    def write_soon(self, rec: IncidentRecord) -> asyncio.Future[None]:
-        """Queue `rec` now (fenced, hastened) and return the write's confirmation, to be awaited later."""
-        return asyncio.ensure_future(self.writer.put(incident_key(rec.id), rec))
+    def write_soon(self, rec: IncidentRecord) -> asyncio.Future[bool]:
+        """Queue `rec` now (fenced, hastened) and return the write's confirmation, to be awaited later (a future:
+        no task for each closing incident)."""
+        return self.writer.put_soon(incident_key(rec.id), rec)
 
     def announced(self, recs: list[IncidentRecord]) -> None:
         """The ends of `recs` are published: one ledger naming them all, written behind (fenced)."""

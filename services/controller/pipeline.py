@@ -343,7 +343,7 @@ class IncidentDriver:
                 out[at] = e
         await self.ends.announce(ends, out)
 
-    def _end(self, old: IncidentRecord, new: IncidentRecord) -> asyncio.Future[None]:
+    def _end(self, old: IncidentRecord, new: IncidentRecord) -> asyncio.Future[bool]:
         """An incident ends (`new` is terminal): closed here at once, and its record's write started; the end is
         announced only once that write is confirmed (endings.py)."""
         self._commit(old, new, write=False)

@@ -64,3 +64,12 @@ async def test_a_flush_sends_lingering_writes_at_once_and_a_linger_ends_on_its_o
         await asyncio.sleep(0.01)
     assert await store.get("k/b") == b'{"v":1}' and writer.lingered >= 1
     await writer.close()
+
+
+async def test_a_put_soon_is_queued_at_once_and_its_future_resolves_once_etcd_has_it(store: Store) -> None:
+    writer = BatchWriter(store)
+    done = writer.put_soon("k/soon", {"v": 1})
+    assert writer.pending("k/soon")[0]  # queued before the caller yields (no task to run first)
+    assert await done is True
+    assert await store.get("k/soon") == b'{"v":1}'
+    await writer.close()
