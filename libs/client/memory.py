@@ -563,10 +563,13 @@ class MemoryClient:
                  self.last_timings_ms["request_ms"], self.last_timings_ms["map_ms"])
         return att
 
-    def restore(self, artifact: str, *, gpu: int = 0, sources: Sequence[str] = ("host", "artifact")) -> MappedLease:
-        """A new weights lease filled by the gpu_manager from this node's copy of `artifact` (the host tier's,
-        else the artifact on disk, its hash checked), with the tensors it was written with registered. Commit
-        as after a load. `last_restore` says which copy served and how fast. Raises `NotFound` (no copy) or
+    def restore(self, artifact: str, *, gpu: int = 0,
+                sources: Sequence[str] = ("peer", "host", "artifact")) -> MappedLease:
+        """A new weights lease filled by the gpu_manager from this node's copy of `artifact` (a peer: another
+        engine's live lease of the same content, copied GPU to GPU; else the host tier's, else the artifact on disk,
+        its hash checked), with the tensors it was written with registered. Commit as after a load.
+        `last_restore` says which copy served (`peer`: the lease and GPU), how fast, and why faster ones were
+        passed. Raises `NotFound` (no copy) or
         `ArtifactInvalid` (truncated, corrupt, unfinished): then load from the original file."""
         t0 = time.perf_counter()
         body, fds = self._call(p.RestoreReq(artifact=artifact, gpu=gpu, sources=list(sources)))  # type: ignore[arg-type]
@@ -574,6 +577,10 @@ class MemoryClient:
         lease = self._map(body, fds)[0]
         self.last_restore = {"source": reply.source, **(reply.restore or {}),
                              "request_s": round(time.perf_counter() - t0, 4)}
+        if reply.peer is not None:
+            self.last_restore["peer"] = reply.peer.model_dump()
+        if reply.passed:
+            self.last_restore["passed"] = list(reply.passed)
         return lease
 
     def heartbeat(self) -> None:

@@ -186,18 +186,20 @@ class Resume(Msg):
     epochs: dict[str, int]  # lease id -> the epoch the sender holds
 
 
-CopySource = Literal["host", "artifact"]
+CopySource = Literal["peer", "host", "artifact"]  # the fastest first (docs/restore.md)
 
 
 class RestoreReq(Msg):
-    """A new weights lease for the caller, filled from a node copy of a model's weights: the host tier's copy if
-    the node keeps one, else the artifact on disk (hash verified). The reply is a grant with the tensors the
+    """A new weights lease for the caller, filled from a node copy of a model's weights: a live lease of another
+    engine holding the same content (`peer`, issue 22), else the host tier's copy if the node keeps one, else the
+    artifact on disk (hash verified). The reply is a grant with the tensors the
     artifact was written with (registered, not yet committed: the engine commits its set as after a load)."""
 
     op: Literal["restore"] = "restore"
     artifact: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     gpu: int = Field(0, ge=0)
-    sources: list[CopySource] = Field(default_factory=lambda: list[CopySource](["host", "artifact"]), min_length=1)
+    sources: list[CopySource] = Field(default_factory=lambda: list[CopySource](["peer", "host", "artifact"]),
+                                      min_length=1)
 
 
 class SleepReq(Msg):
@@ -295,11 +297,21 @@ class GangView(Msg):
     generation: int
 
 
+class PeerServed(Msg):
+    """The live lease a restore was copied from (services/gpu_manager/peer.py)."""
+
+    lease: str
+    gpu: int
+    owner: str
+
+
 class GrantReply(Msg):
     leases: list[LeaseGrant]
     gang: GangView | None = None  # gang_takeover: the gang the successor group holds now
-    source: str | None = None  # restore: which copy served ("host" or "artifact")
+    source: str | None = None  # restore: which copy served ("peer", "host" or "artifact")
     restore: dict[str, float] | None = None  # restore: bytes, seconds, GiB/s, as measured by the manager
+    peer: PeerServed | None = None  # restore from a peer: the lease it was copied from
+    passed: list[str] = []  # restore: why a faster source was not used (a peer refused or lost mid-copy)
     fence: list[FencePid] = []  # a fenced takeover: the stopped predecessors not yet gone at the grant
 
 

@@ -148,18 +148,20 @@ def group_of_rank(engine_id: str) -> str | None:
 
 
 class WeightsLoaded(Model):
-    """How a cold-started engine got its weights (issue 21): the node's host tier copy, its artifact, or the file."""
+    """How a cold-started engine got its weights (issues 21, 22): a peer lease on the node (another engine's live
+    copy of the same content), the node's host tier copy, its artifact, or the file."""
 
-    source: Literal["host", "artifact", "file"]
+    source: Literal["peer", "host", "artifact", "file"]
     load_ms: float = Field(ge=0)
     refused: str = ""  # why a copy there was not used (corrupt, another layout); "" when none was refused
     # a tensor-parallel group: each rank's source, in rank order (`source` is then the slowest, `load_ms` the longest)
-    ranks: list[Literal["host", "artifact", "file"]] = Field(default_factory=list)
+    ranks: list[Literal["peer", "host", "artifact", "file"]] = Field(default_factory=list)
+    peer: str = ""  # source peer: which lease on which GPU ("lease-x on GPU 1"), as the gpu_manager's reply said
 
     def describe(self) -> str:
         """One line for an incident's timeline."""
         why = f" (copy refused: {self.refused})" if self.refused else ""
-        where: str = self.source
+        where: str = self.source + (f" ({self.peer})" if self.peer else "")
         if self.ranks and len(set(self.ranks)) == 1:
             where = f"{self.source} ({len(self.ranks)} ranks)"
         elif self.ranks:
@@ -228,8 +230,9 @@ class GpuRecord(Model):
     detail: str = ""  # why it is unhealthy (XID 79, ECC, fallen off the bus, marked by an operator)
     simulated: bool = False  # the host backend's stand-in for a GPU (a share of host memory)
     updated_at: float = 0.0
-    # weight copies on this node (the same for each of its GPUs): artifact or host-tier name -> "host" (a host tier
-    # copy, restored at PCIe speed) or "artifact" (on disk); placement prefers a node holding one (issue 21)
+    # weight copies on this node (the same for each of its GPUs): name -> "peer" (a live lease of another engine with
+    # the same content: a copy GPU to GPU, issue 22), "host" (a host tier copy, restored at PCIe speed) or
+    # "artifact" (on disk); placement prefers a node holding one, the closest first (issue 21)
     copies: dict[str, str] = Field(default_factory=dict)
 
 

@@ -154,7 +154,9 @@ def weights_loaded(raw: Any) -> WeightsLoaded | None:
     if raw is None:
         return None
     try:
+        peer = (raw.get("restore") or {}).get("peer") or {}
         return WeightsLoaded(source=raw["source"], load_ms=raw["load_ms"], refused=str(raw.get("refused", ""))[:500],
-                             ranks=raw.get("ranks") or [])
+                             ranks=raw.get("ranks") or [],
+                             peer=f"{peer['lease']} on GPU {peer['gpu']}" if peer else "")
     except (ValidationError, KeyError, TypeError, AttributeError) as e:
         raise MalformedMessage(f"weights report {raw!r:.200}: {e}") from None

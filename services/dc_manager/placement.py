@@ -2,8 +2,9 @@
 
 1. Memory alive, its node present and its GPU healthy: reattach in place (the memory cannot move).
 2. Otherwise (memory lost, GPU unhealthy, node gone): cold start on a healthy GPU with room, preferring
-   a node holding a copy of the model's weights (`copies`: its host tier first, restored at PCIe speed, then an
-   artifact on its disk, then none: the original file; issue 21), then the same node, then a GPU whose capacity
+   a node holding a copy of the model's weights (`copies`, closest first: a peer, another engine's live lease of
+   the same content copied GPU to GPU (issue 22); its host tier, restored at PCIe speed; an artifact on its disk;
+   none: the original file; issue 21), then the same node, then a GPU whose capacity
    its gpu_manager reported (`gpus/<node>/<gpu>`) over one of unknown capacity (its room is a guess), then the
    most free memory, then the fewest engines.
 3. No such GPU: nothing (the intent fails; the controller records the incident as failed).
@@ -34,17 +35,18 @@ class Placement:
     reason: str = ""
 
 
-COPY_RANK = {"host": 0, "artifact": 1}  # closer first; a node without a copy reads the original file (rank 2)
+COPY_RANK = {"peer": 0, "host": 1, "artifact": 2}  # closer first
+FILE_RANK = len(COPY_RANK)  # a node without a copy reads the original file
 
 
 def node_copies(gpu_records: Mapping[tuple[str, int], Mapping[str, Any]], engine_class: str) -> dict[str, str]:
-    """node -> the closest copy of `engine_class`'s weights it holds ("host" or "artifact"), from the copies each
-    gpu_manager publishes in its GPU records (name `<engine class>.<lease name>` -> kind, restore.py)."""
+    """node -> the closest copy of `engine_class`'s weights it holds ("peer", "host" or "artifact"), from the
+    copies each gpu_manager publishes in its GPU records (name `<engine class>.<lease name>` -> kind, restore.py)."""
     out: dict[str, str] = {}
     for (node, _), rec in gpu_records.items():
         for name, kind in (rec.get("copies") or {}).items():
             if name.startswith(f"{engine_class}.") and kind in COPY_RANK and \
-                    COPY_RANK[kind] < COPY_RANK.get(out.get(node, ""), 2):
+                    COPY_RANK[kind] < COPY_RANK.get(out.get(node, ""), FILE_RANK):
                 out[node] = kind
     return out
 
@@ -78,7 +80,7 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
     if not room:
         return Placement(Action.NONE, reason=f"{why}; no healthy gpu with {needed_bytes} bytes free")
     copies = copies or {}
-    best = min(room, key=lambda s: (COPY_RANK.get(copies.get(s.node, ""), 2), s.node != node, s.free_bytes is None,
+    best = min(room, key=lambda s: (COPY_RANK.get(copies.get(s.node, ""), FILE_RANK), s.node != node, s.free_bytes is None,
                                     -(s.free_bytes or 0), s.engines, s.node, s.gpu))
     source = copies.get(best.node or "", "file")
     return Placement(Action.COLD_START, best.node, best.gpu,

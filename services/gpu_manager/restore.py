@@ -4,9 +4,11 @@ committed lease and restored into a new lease for a cold-starting engine (issue 
 - `snapshot(lease)`: the lease is mapped into this process under the book's lock (a reclaim after that cannot
   pull the pages away), then written block by block on many threads without the lock (engines keep being
   served); the artifact appears under its name only once whole (artifact.py, invariant 2).
-- `restore(name)`: a new lease for the caller (the allocate path, with its limits), filled from the host tier's
-  copy if this node keeps one, else from the artifact with every block's hash checked; then the tensors the
-  artifact was written with are registered on it. A failed fill reclaims the new lease and says why.
+- `restore(name)`: a new lease for the caller (the allocate path, with its limits), filled from the fastest
+  source: a peer (a live lease of another engine on this node with the same content, copied GPU to GPU: peer.py,
+  restore_peer.py), else the host tier's copy if this node keeps one, else the artifact with every block's hash
+  checked; then the tensors the copy was written with are registered on it. A failed fill reclaims the new lease
+  and says why; a failed peer copy falls back to the next source (the reply's `passed` says why).
 - Policy (settings): once an engine of a class in `snapshot_classes` commits its weights, they are written to
   their artifact if none is there yet; of a class in `host_tier_classes`, copied into the host tier.
 
@@ -16,8 +18,8 @@ and DMA'd from there on every restore (host_tier_cuda.py): the write's reply say
 tries again (its `register_s` then says what it cost), and where that fails too the copy goes through pinned
 bounce buffers (`registered_dma` 0). `host_tier_pin` false: never registered, always the bounce buffers.
 
-Invariant: a restored lease is handed out only after every block was read whole (and, from disk, matched its
-hash); a restore that fails leaves no lease behind.
+Invariant: a restored lease is handed out only after every block was read whole (and, from disk or a host-backend
+peer, matched its hash); a restore that fails leaves no lease behind.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ from services.gpu_manager.blockio import (
 )
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.manager import LeaseBook
+from services.gpu_manager.peer import Candidate, hash_lease
 from services.gpu_manager.records import LeaseRecord
+from services.gpu_manager.restore_peer import PeerCopies
 from services.gpu_manager.tier import HostTier
 
 log = logging.getLogger("holdfast.gpu_manager.restore")
@@ -82,6 +86,18 @@ class Fill:
     register_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Restored:
+    """A restore's outcome: the new lease, the source that served, its figures, the peer it was copied from (a
+    peer restore) and why faster sources were passed."""
+
+    rec: LeaseRecord
+    source: str
+    stats: dict[str, float]
+    peer: Candidate | None = None
+    passed: tuple[str, ...] = ()
+
+
 class WeightCopies:
     def __init__(self, book: LeaseBook, tier: HostTier) -> None:
         self.book = book
@@ -97,6 +113,8 @@ class WeightCopies:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.policy_done: set[tuple[str, str]] = set()  # (what, name) the policy started already
+        # live leases' digests and the peer source (restore_peer.py): it maps and discards as a restore here does
+        self.peers = PeerCopies(book, self.workers, self.settings.peer_gate, self._map_live, self._discard)
         self.cuda = book.backend.name == "cuda"
         self.pinned: Any = None  # cuda: the tier's copies registered in place (host_tier_cuda.PinnedTier)
         if self.cuda and self.settings.host_tier_pin:
@@ -157,6 +175,7 @@ class WeightCopies:
             if window is not None:
                 await asyncio.to_thread(window.close)
         assert man is not None
+        self.peers.record(lease_id, man)  # its bytes were hashed: a peer from now on (peer.py, "Identity")
         log.info("lease %s -> %s (%s%s): %d bytes in %.2f s (%.2f GiB/s, direct I/O %s)%s", lease_id, name,
                  path or "", " + host tier" if host_tier else "", man.size, man.write_s, gib_s(man.size, man.write_s),
                  direct, "" if pinned is None else f", registered in {pinned:.2f} s")
@@ -302,10 +321,25 @@ class WeightCopies:
             if took is not None:
                 log.info("host tier copy %s (adopted) registered in %.2f s", name, took)
 
-    async def restore(self, name: str, sources: list[str], allocate: Allocator) -> tuple[LeaseRecord, str, dict[str, float]]:
+    async def restore(self, name: str, sources: list[str], allocate: Allocator, *, requester: str = "",
+                      gpu: int = 0) -> Restored:
+        """A new lease filled from the first source that serves, in the order peer, host, artifact (of those in
+        `sources`): a peer that fails or changes under its copy is passed (`passed` says why), the next one tried."""
         t0 = time.perf_counter()
+        name = check_name(name)
+        passed: list[str] = []
+        if "peer" in sources:
+            reference = await asyncio.to_thread(self._reference, name)
+            got = await self.peers.restore(name, reference, requester, gpu, allocate, passed)
+            if got is not None:
+                rec, c, seconds = got
+                assert c.digest is not None
+                return await self._finish(rec, name, "peer", c.digest.manifest, Fill(seconds, False, "peer"), t0,
+                                          passed, peer=c)
+            if not {"host", "artifact"} & set(sources):
+                raise NotFound(f"no peer holds {name} on {self.settings.node}: {'; '.join(passed) or 'none'}")
         await self._prune_pinned()
-        source, man, where = await asyncio.to_thread(self._source, check_name(name), sources)
+        source, man, where = await asyncio.to_thread(self._source, name, sources)
         try:
             rec = await allocate(man.size, Tag(man.tag), man.lease_name)
         except BaseException:
@@ -324,19 +358,53 @@ class WeightCopies:
         finally:
             if window is not None:
                 await asyncio.to_thread(window.close)
+        return await self._finish(rec, name, source, man, fill, t0, passed)
+
+    async def _finish(self, rec: LeaseRecord, name: str, source: str, man: Manifest, fill: Fill, t0: float,
+                      passed: list[str], peer: Candidate | None = None) -> Restored:
+        """The copy's tensors registered on the filled lease (its owner commits them), its digest recorded."""
         async with self.book.lock:
             if rec.info.state != LeaseState.ACTIVE or rec.id not in self.book.records:
                 raise Conflict(f"restored lease {rec.id} is {rec.info.state.value}: its engine went away")
             for meta in rebase(man.tensors, rec.id):
                 rec.set_tensor(meta)
             await self.book.persist([rec])
+            self.peers.record(rec.id, man)  # it holds the copy's bytes: every block read whole (and checked)
         stats = {"bytes": float(man.size), "fill_s": round(fill.seconds, 4),
                  "fill_gib_s": gib_s(man.size, fill.seconds), "total_s": round(time.perf_counter() - t0, 4),
                  "direct_io": float(fill.direct), "registered_dma": float(fill.path == "registered"),
                  "register_s": round(fill.register_s, 4)}
-        log.info("restored %s from %s into %s (%s): %d bytes in %.3f s (%.2f GiB/s)", name, source, rec.id, fill.path,
-                 man.size, fill.seconds, stats["fill_gib_s"])
-        return rec, source, stats
+        if peer is not None:
+            stats["peer_gpu"] = float(peer.gpu)
+        log.info("restored %s from %s%s into %s (%s): %d bytes in %.3f s (%.2f GiB/s)", name, source,
+                 f" (lease {peer.lease_id} on GPU {peer.gpu})" if peer else "", rec.id, fill.path, man.size,
+                 fill.seconds, stats["fill_gib_s"])
+        return Restored(rec, source, stats, peer, tuple(passed))
+
+    def _reference(self, name: str) -> Manifest | None:
+        """The node's own copy of `name` a peer must match (the host tier's, else the artifact's), or None
+        (blocking: reads a manifest). An unreadable artifact is no reference: it is refused on its own later."""
+        copy = self.tier.get(name)
+        if copy is not None:
+            return copy.manifest
+        try:
+            return read_manifest(artifact_path(self.root, name))
+        except (HoldfastError, OSError):
+            return None
+
+    async def digest(self, lease_id: str) -> None:
+        """Hash a committed weights lease's blocks, so it can serve as a peer (`peer_classes`)."""
+        rec, window = await self._map_live(lease_id, committed=True, block_bytes=self.block_bytes)
+        try:
+            t0 = time.perf_counter()
+            digests = await asyncio.to_thread(hash_lease, window, rec.info.size, self.block_bytes, self.file_bytes,
+                                              workers=self.workers)
+        finally:
+            await asyncio.to_thread(window.close)
+        man = self._manifest(rec, default_name(rec.info.engine_class, rec.info.name), digests,
+                             time.perf_counter() - t0)
+        self.peers.record(lease_id, man)
+        log.info("lease %s hashed for peer restores in %.3f s", lease_id, man.write_s)
 
     async def _discard(self, rec: LeaseRecord, why: BaseException) -> None:
         log.warning("restore into %s failed (%r): reclaiming it", rec.id, why)
@@ -345,14 +413,20 @@ class WeightCopies:
                 await self.book.apply(rec, LeaseEvent.FORCE_RECLAIM, "restore failed")
 
     def listing(self) -> dict[str, str]:
-        """This node's copies, name -> "host" or "artifact" (the host tier's win: the faster restore), as published
-        in each GPU record for placement (blocking: a directory listing)."""
+        """This node's copies, name -> "peer", "host" or "artifact" (the closest wins: the faster restore), as
+        published in each GPU record for placement (blocking: a directory listing). A peer is judged against the
+        host tier's copy where there is one (the artifact's manifest is not read here)."""
         out = {}
         if self.root.is_dir():
             out = {d.name: "artifact" for d in self.root.iterdir()
                    if not d.name.startswith(".") and (d / "manifest.json").is_file()}
         out.update({name: "host" for name in self.tier.entries})
+        out.update({name: "peer" for name in self.peers.names(self._tier_manifest)})
         return out
+
+    def _tier_manifest(self, name: str) -> Manifest | None:
+        copy = self.tier.get(name)
+        return None if copy is None else copy.manifest
 
     # ------------------------------------------------------------ sleep/wake of a weights lease (sleep.py)
 
@@ -425,6 +499,14 @@ class WeightCopies:
                 self.policy_done.add(("host", name))
             if disk or host:
                 self._spawn(self._policy_copy(rec.id, name, disk, host), f"copy:{name}")
+            elif rec.info.engine_class in self.settings.peer_classes:  # a copy's write hashes it anyway
+                self._spawn(self._policy_digest(rec.id), f"digest:{rec.id}")
+
+    async def _policy_digest(self, lease_id: str) -> None:
+        try:
+            await self.digest(lease_id)
+        except Exception as e:  # noqa: BLE001 - a lease not hashed is not a peer: restores go on as before
+            log.warning("hashing lease %s for peer restores failed: %r", lease_id, e)
 
     async def _policy_copy(self, lease_id: str, name: str, disk: bool, host: bool) -> None:
         try:

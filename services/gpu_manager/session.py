@@ -49,6 +49,7 @@ from libs.client.protocol import (
     LeaseGrant,
     OutOfOrder,
     PartialGang,
+    PeerServed,
     Pending,
     PendingReply,
     PredecessorAlive,
@@ -470,10 +471,13 @@ class EngineSession:
                                               pid=peer.pid, pid_start=peer.pid_start, gpu=req.gpu, size=size,
                                               tag=tag, name=name, chunk_size=None)
 
-        rec, source, stats = await self.copies.restore(req.artifact, list(req.sources), allocate)
+        got = await self.copies.restore(req.artifact, list(req.sources), allocate, requester=peer.engine_id,
+                                        gpu=req.gpu)
         async with self.book.lock:
-            reply, fds = self._grant([rec])
-        reply.update(source=source, restore=stats)
+            reply, fds = self._grant([got.rec])
+        served = None if got.peer is None else PeerServed(lease=got.peer.lease_id, gpu=got.peer.gpu,
+                                                          owner=got.peer.owner).model_dump()
+        reply.update(source=got.source, restore=got.stats, peer=served, passed=list(got.passed))
         return reply, fds
 
     async def sleep_wake(self, req: SleepReq | WakeReq | AnswerReq, peer: Peer) -> tuple[dict[str, Any], list[int]]:

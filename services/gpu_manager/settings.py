@@ -57,6 +57,11 @@ class GpuManagerSettings(CommonSettings):
     host_tier_bytes: int = Field(0, ge=0, description="most bytes the host tier may hold (0: no host tier)")
     host_tier_pin: bool = Field(True, description="cuda: page-lock each host tier copy in place when written "
                                 "(restores DMA from it); false: restores go through pinned bounce buffers")
+    peer_classes: list[str] = Field(default_factory=list, description="engine classes whose committed weights "
+                                    "leases are hashed once after their commit, so another engine's restore may copy "
+                                    "them GPU to GPU (a lease copied to an artifact or the host tier is hashed then)")
+    peer_gate: str = Field("", description="tests only: a FIFO a peer restore waits on (opened for reading) after "
+                           "its peer is held and before its blocks are copied")
     io_workers: int = Field(0, ge=0, description="blocks in flight when writing or restoring an artifact "
                                                  "(0: the cores, 2..16)")
     artifact_block_bytes: int = Field(64 * 1024 * 1024, ge=4096, multiple_of=4096,

@@ -1,6 +1,6 @@
-"""A lost engine's cold start goes to the node that holds a copy of its class's weights (host tier first, then an
-artifact), read from the GPU records the gpu_managers publish: the dc_manager's real intent path against the
-simulated nodes (real NATS, real etcd)."""
+"""A lost engine's cold start goes to the node that holds a copy of its class's weights (a peer lease first, then the
+host tier, then an artifact), read from the GPU records the gpu_managers publish: the dc_manager's real intent path
+against the simulated nodes (real NATS, real etcd)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,10 @@ async def test_with_no_copy_anywhere_the_cold_start_stays_on_the_engines_own_nod
         bus: Bus, store: Store, settings: CommonSettings) -> None:
     node = await _cold_start_node(bus, store, settings, {"n0002": {"other.weights": "host"}}, "inc-copies-none")
     assert node == "n0000"  # another class's copy does not count; the home node has room
+
+
+async def test_a_peer_copy_on_a_node_wins_over_a_host_copy_on_another(
+        bus: Bus, store: Store, settings: CommonSettings) -> None:
+    node = await _cold_start_node(bus, store, settings, {"n0001": {"sim.weights": "peer"},
+                                                         "n0002": {"sim.weights": "host"}}, "inc-copies-peer")
+    assert node == "n0001"  # another engine's live lease of the same weights: copied GPU to GPU (issue 22)

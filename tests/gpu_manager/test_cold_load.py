@@ -12,6 +12,7 @@ import numpy as np
 
 from libs.client.memory import MemoryClient
 from libs.client.safetensors_io import WeightsLoad, restore_or_load
+from libs.common.errors import NotFound
 from tests.gpu_manager.harness import until
 
 MIB = 1024 * 1024
@@ -26,12 +27,41 @@ def weights_file(path: Path, tensors: dict[str, np.ndarray] = TENSORS) -> Path:
     return path
 
 
-def cold_load(manager, engine_id: str, path: Path, expected=EXPECTED) -> tuple[WeightsLoad, dict, list[str]]:  # noqa: ANN001
-    """(the load, its tensors copied out, the ids of the leases the engine holds afterwards)."""
+def cold_load(manager, engine_id: str, path: Path, expected=EXPECTED,  # noqa: ANN001
+              keep: list | None = None) -> tuple[WeightsLoad, dict, list[str]]:
+    """(the load, its tensors copied out, the ids of the leases the engine holds afterwards). The engine's leases
+    are released at the end, as its exit would leave them: no live engine of the class is left to serve another's
+    restore as a peer (test_peer_restore.py), so the node's copies are what serve here. `keep`: the client is
+    appended there instead, its leases held (until `gone`)."""
     c = MemoryClient.connect(engine_id, socket_path=manager.socket, engine_class="cls")
     try:
         got = restore_or_load(c, path, copy="cls.weights", expected=expected, framework="numpy")
-        return got, {k: np.array(v) for k, v in got.tensors.items()}, sorted(c.leases)
+        out = got, {k: np.array(v) for k, v in got.tensors.items()}, sorted(c.leases)
+    except BaseException:
+        c.close()
+        raise
+    if keep is not None:
+        keep.append(c)
+    else:
+        gone(c)
+    return out
+
+
+def gone(c: MemoryClient) -> None:
+    for lease_id in list(c.leases):
+        c.release(lease_id)
+    c.close()
+
+
+def host_copy_held(manager) -> bool:  # noqa: ANN001
+    """Whether the node's host tier holds the class's copy (a restore from it alone, released at once)."""
+    c = MemoryClient.connect("eng-probe", socket_path=manager.socket, engine_class="cls")
+    try:
+        lease = c.restore("cls.weights", sources=["host"])
+        c.release(lease.id)
+        return True
+    except NotFound:
+        return False
     finally:
         c.close()
 
@@ -45,14 +75,13 @@ async def test_a_host_copy_serves_with_the_file_gone_and_another_layout_is_refus
                         HF_HOST_TIER_BYTES=str(4 * MIB), HF_ARTIFACT_BLOCK_BYTES=str(MIB),
                         HF_ARTIFACT_FILE_BYTES=str(2 * MIB)).start()
     path = weights_file(tmp_path / "w.safetensors")
-    first, tensors, _ = await asyncio.to_thread(cold_load, m, "eng-1", path)
+    kept: list[MemoryClient] = []
+    first, tensors, _ = await asyncio.to_thread(cold_load, m, "eng-1", path, EXPECTED, kept)
     assert first.source == "file" and first.refused == "" and same(tensors, TENSORS)  # no copy yet: the file
+    await until(lambda: asyncio.to_thread(host_copy_held, m))  # the policy copies the committed lease to the tier
+    await asyncio.to_thread(gone, kept[0])  # the engine exits: its lease is no peer
 
-    async def tiered() -> bool:  # the policy copies the committed lease into the host tier
-        return (await asyncio.to_thread(cold_load, m, "eng-probe", path))[0].source == "host"
-    await until(tiered)
-
-    gone = path.rename(tmp_path / "elsewhere")  # from here on, any read of the file fails
+    moved = path.rename(tmp_path / "elsewhere")  # from here on, any read of the file fails
     got, tensors, held = await asyncio.to_thread(cold_load, m, "eng-2", path)
     assert got.source == "host" and same(tensors, TENSORS) and len(held) == 1
     assert got.restore["bytes"] > 0 and got.load_ms > 0 and got.report()["source"] == "host"
@@ -63,7 +92,7 @@ async def test_a_host_copy_serves_with_the_file_gone_and_another_layout_is_refus
     assert got.source == "file" and got.refused.startswith("layout:") and "unexpected (e.g. b)" in got.refused
     assert np.array_equal(tensors["a"], np.zeros((3, 4), dtype=np.float32))
     assert len(held) == 1  # the refused copy's lease went back; only the file's lease is held
-    gone.unlink()
+    moved.unlink()
 
 
 async def test_a_corrupt_artifact_is_refused_and_the_file_read(manager_factory, tmp_path):
@@ -71,8 +100,10 @@ async def test_a_corrupt_artifact_is_refused_and_the_file_read(manager_factory, 
     m = manager_factory(HF_ARTIFACT_DIR=str(artifacts), HF_SNAPSHOT_CLASSES='["cls"]',
                         HF_ARTIFACT_BLOCK_BYTES=str(MIB), HF_ARTIFACT_FILE_BYTES=str(2 * MIB)).start()
     path = weights_file(tmp_path / "w.safetensors")
-    await asyncio.to_thread(cold_load, m, "eng-1", path)
+    kept: list[MemoryClient] = []
+    await asyncio.to_thread(cold_load, m, "eng-1", path, EXPECTED, kept)
     await until(lambda: (artifacts / "cls.weights" / "manifest.json").exists())
+    await asyncio.to_thread(gone, kept[0])  # the engine exits: its lease is no peer
     got, tensors, _ = await asyncio.to_thread(cold_load, m, "eng-2", path)
     assert got.source == "artifact" and same(tensors, TENSORS)
 

@@ -1,6 +1,6 @@
-"""A node's weight copies reach placement (issue 21): the gpu_manager publishes its host tier and artifact copies in
-its GPU records in etcd, and a cold start of that class is placed on the node holding one, over a node with more
-free memory and none."""
+"""A node's weight copies reach placement (issues 21, 22): the gpu_manager publishes its peer leases, host tier and
+artifact copies in its GPU records in etcd, and a cold start of that class is placed on the node holding one, over
+a node with more free memory and none."""
 
 from __future__ import annotations
 
@@ -20,17 +20,23 @@ async def test_a_cold_start_goes_to_the_node_whose_gpu_manager_published_a_host_
     m = manager_factory(HF_ARTIFACT_DIR=str(tmp_path / "a"), HF_HOST_TIER_CLASSES='["tiered"]',
                         HF_HOST_TIER_BYTES=str(4 * MIB), HF_ARTIFACT_BLOCK_BYTES=str(MIB),
                         HF_ARTIFACT_FILE_BYTES=str(2 * MIB)).start()
-    client, _, _ = await asyncio.to_thread(load, m, "eng-c1", "tiered", 5)  # the policy copies it to the host tier
+    client, lease_id, _ = await asyncio.to_thread(load, m, "eng-c1", "tiered", 5)  # the policy copies it to the tier
 
-    async def record() -> dict | None:
+    async def record(kind: str) -> dict | None:
         raw = await store.get("gpus/node-1/0")
         rec = json.loads(raw) if raw else None
-        return rec if rec and rec.get("copies", {}).get("tiered.w") == "host" else None
+        return rec if rec and rec.get("copies", {}).get("tiered.w") == kind else None
 
-    assert await until(record)
-    published = await record()
-    records = {("node-1", 0): published, ("node-2", 0): {"copies": {}}}
     slots = [GpuSlot("node-1", 0, True, 80 * G, 60 * G, 1), GpuSlot("node-2", 0, True, 80 * G, 0, 0)]
+    # While its engine runs, the lease the copy was written from (hashed by that write) is a peer: the closest copy.
+    peer = await until(lambda: record("peer"))
+    p = place("node-3", 0, memory_lost=True, needed_bytes=10 * G, slots=slots, alive={"node-1", "node-2"},
+              copies=node_copies({("node-1", 0): peer, ("node-2", 0): {"copies": {}}}, "tiered"))
+    assert p.node == "node-1" and "weights from peer" in p.reason
+    await asyncio.to_thread(client.release, lease_id)  # the engine gone: the host tier's copy is the closest
+
+    published = await until(lambda: record("host"))
+    records = {("node-1", 0): published, ("node-2", 0): {"copies": {}}}
     copies = node_copies(records, "tiered")
     assert copies == {"node-1": "host"}
     p = place("node-3", 0, memory_lost=True, needed_bytes=10 * G, slots=slots, alive={"node-1", "node-2"},
