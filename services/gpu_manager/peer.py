@@ -86,11 +86,12 @@ class Candidate:
     digest: Digest | None
 
 
-def candidate(rec: LeaseRecord, *, healthy: bool, digest: Digest | None, gpu_backend: bool) -> Candidate:
+def candidate(rec: LeaseRecord, *, healthy: bool, digest: Digest | None, gpu_backend: bool,
+              layout: str | None) -> Candidate:
+    """`layout`: `neutral_layout` of its tensors when committed, else None (the caller caches it per commit)."""
     info = rec.info
     return Candidate(info.id, info.owner, info.gpu, info.epoch, info.state, info.tag,
-                     default_name(info.engine_class, info.name), info.size,
-                     neutral_layout(rec.tensors.values()) if info.layout_hash is not None else None, healthy,
+                     default_name(info.engine_class, info.name), info.size, layout, healthy,
                      not (info.host and gpu_backend), digest)
 
 

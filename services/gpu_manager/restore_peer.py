@@ -21,6 +21,7 @@ from services.gpu_manager.peer import (
     PeerLost,
     candidate,
     copy_host,
+    neutral_layout,
     pick,
     still_same,
     wait_at_gate,
@@ -43,6 +44,9 @@ class PeerCopies:
         self.discard = discard
         self.cuda = book.backend.name == "cuda"
         self.digests: dict[str, Digest] = {}  # lease id -> its content as hashed (peer.py, "Identity")
+        # lease id -> (its commit's layout hash, its neutral layout): hashed again only after another commit (the
+        # records are listed every gpu_publish_interval_s for the GPU records' `copies`)
+        self._layouts: dict[str, tuple[str, str]] = {}
 
     def record(self, lease_id: str, man: Manifest) -> None:
         """`lease_id` holds `man`'s bytes (written from it, or filled from a copy of it): its digest."""
@@ -56,8 +60,18 @@ class PeerCopies:
         """Every live lease as the pick sees it (on the loop; digests of leases gone are forgotten here)."""
         recs = self.book.records
         self.digests = {k: d for k, d in self.digests.items() if k in recs}
-        return [candidate(r, healthy=self.healthy(r.info.gpu), digest=self.digests.get(r.id), gpu_backend=self.cuda)
-                for r in recs.values()]
+        self._layouts = {k: v for k, v in self._layouts.items() if k in recs}
+        return [candidate(r, healthy=self.healthy(r.info.gpu), digest=self.digests.get(r.id), gpu_backend=self.cuda,
+                          layout=self._layout(r)) for r in recs.values()]
+
+    def _layout(self, rec: LeaseRecord) -> str | None:
+        committed = rec.info.layout_hash
+        if committed is None:
+            return None
+        got = self._layouts.get(rec.id)
+        if got is None or got[0] != committed:
+            got = self._layouts[rec.id] = (committed, neutral_layout(rec.tensors.values()))
+        return got[1]
 
     def names(self, reference: Callable[[str], Manifest | None]) -> set[str]:
         """The copy names a peer could serve now (for the GPU records' `copies`): no requester, any GPU."""
