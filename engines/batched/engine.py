@@ -150,6 +150,10 @@ class LLMEngine:
         except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
             log.exception("the engine's step loop failed")
             self.fatal = e
+            try:  # journal.py invariant 5; a CUDA error may leave the device unable to take these writes
+                self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
+            except Exception:  # noqa: BLE001 - the process ends either way
+                log.exception("the journal could not be emptied after the failure")
             for live in list(self.table.live.values()):
                 if live.sink is not None:
                     live.sink.finish("error", 0, 0)

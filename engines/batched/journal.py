@@ -24,6 +24,10 @@ stream), so a write that is visible implies every write queued before it is done
    left at most KV past `computed` (half written, never read: the successor writes those positions again) and
    tokens past `length` (ignored). The successor redoes that step from the committed state; nothing else.
 4. A finished, aborted or preempted sequence's row is emptied (epoch 0) before its blocks can be reused.
+5. A journal vouches for a state that can go on, not one that failed: when the step loop fails (an exception, not
+   a death from outside), the engine empties every row before it exits (`forget`), and its requests come back
+   through the router's replay instead of being adopted (a request that ends the step loop would otherwise end
+   every successor that adopts it).
 """
 
 from __future__ import annotations
@@ -268,6 +272,14 @@ class Journal:
         """The sequence left (finished, aborted, preempted): its row emptied before its blocks are reused."""
         self._clear(slot)
         self._free.append(slot)
+
+    def forget(self, slots: Seq[int]) -> None:
+        """After a failed step: these rows emptied, and (CUDA) the writes done before the process exits, so that no
+        successor adopts the state that failed (engine.py `_loop`)."""
+        for slot in slots:
+            self.release(slot)
+        if self.rows.is_cuda:
+            torch.cuda.synchronize(self.rows.device)
 
     def _clear(self, slot: int) -> None:
         self.rows[slot, EPOCH] = 0

@@ -10,7 +10,9 @@ It serves HTTP on 127.0.0.1 (an ephemeral port; the endpoint it reports, server.
 contract, deterministic tokens from tokens.py, no torch), GET /health, GET /checksum -> the sha256 of its leased
 memory and whether it still holds the pattern; GET /healthz. With --bytes 0 it holds no memory (the detection
 benchmark's engine); --no-http imports no HTTP stack at all. --fatal-after S reports a fatal CUDA error after
-S seconds, then exits 1.
+S seconds, then exits 1. --fatal-prompt TEXT plays a request that ends the engine (a "query of death"): a prompt
+containing TEXT fails in-band with `engine_error` after its first token, and the process exits 70, as the batched
+engine does when its step loop fails.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--exit-after", type=float, default=_float(env.get("HF_PATTERN_EXIT_AFTER_S")),
                    help="exit on its own after this many seconds")
     p.add_argument("--exit-code", type=int, default=int(env.get("HF_PATTERN_EXIT_CODE", "0")))
+    p.add_argument("--fatal-prompt", default=env.get("HF_PATTERN_FATAL_PROMPT") or None,
+                   help="a prompt containing this ends the engine: engine_error in-band, then exit 70")
     p.add_argument("--crash-on-assign", action="store_true", default=bool(env.get("HF_PATTERN_CRASH_ON_ASSIGN")),
                    help="standby: die (exit 9) when assigned, as a standby that fails mid-takeover would")
     p.add_argument("--no-http", action="store_true", default=bool(env.get("HF_PATTERN_NO_HTTP")))
@@ -120,7 +124,7 @@ def serve_alone(args: argparse.Namespace, stop: threading.Event) -> int:
 
     engine_id = args.id or new_id("pattern")
     state = PatternState(engine_id, model=args.model, slots=args.slots, max_seq=args.max_seq,
-                         token_interval_s=args.token_interval_s, seed=args.seed)
+                         token_interval_s=args.token_interval_s, seed=args.seed, fatal_prompt=args.fatal_prompt)
     http = serve_http(state, args.port)
     state.state = "ready"
     if args.ready_file:
@@ -143,7 +147,7 @@ def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
 
         state = PatternState(link.engine_id, model=os.environ.get("HF_MODEL", args.model), slots=args.slots,
                              max_seq=args.max_seq, token_interval_s=args.token_interval_s, seed=args.seed,
-                             role=link.role, state="standby" if link.role == "standby" else "starting")
+                             fatal_prompt=args.fatal_prompt, role=link.role, state="standby" if link.role == "standby" else "starting")
         endpoint = serve_http(state, args.port).endpoint
 
     if link.role == "standby":

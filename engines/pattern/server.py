@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class PatternState:
     max_seq: int = 2048
     token_interval_s: float = 0.002
     seed: int = 7  # the memory pattern's
+    fatal_prompt: str | None = None  # a prompt containing it ends the engine (__main__.py --fatal-prompt)
     state: str = "starting"  # starting, standby, ready
     role: str = "active"
     view: np.ndarray | None = None  # the leased memory (agent mode), None without
@@ -114,10 +116,16 @@ async def generation(state: PatternState, body: GenerateRequest,
         try:
             run = tokens.run(prefix, seed=body.seed, sampled=body.sampling_temperature() > 0, resumed=resumed,
                              count=count)
+            fatal = bool(state.fatal_prompt and body.prompt and state.fatal_prompt in body.prompt)
             for index, tok in enumerate(run):
                 await asyncio.sleep(state.token_interval_s)  # the engine's "forward pass"
                 if index == 0:
                     first_ms = (time.perf_counter() - t0) * 1000
+                elif fatal:  # the batched engine's failed step loop: in-band error, then the process ends (70)
+                    asyncio.get_running_loop().call_later(0.05, os._exit, 70)
+                    yield {"done": True, "error": {"code": "engine_error", "message": "simulated: the step loop "
+                                                   "failed on this request"}, "engine_id": state.engine_id}
+                    return
                 state.tokens_generated += 1
                 yield {"index": index, "token": tok, "text": text.push(tok)}
             state.requests_done += 1

@@ -14,6 +14,9 @@ identical to the uninterrupted generation, so the client sees one stream. Invari
 5. When the relay stops early (the client went away, or the caller closed it after `enough`), the engine
    request is closed at once: its connection is dropped, which makes the engine stop generating and free
    the slot.
+6. A request that engines failed while running (`engine_error` in-band) `max_engine_errors` times is not replayed
+   again (502 `engine_error_repeated`): a request that ends the engine's step loop would otherwise end every
+   engine of its model in turn. Deaths from outside (a SIGKILL: a cut connection) do not count.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class RelayError(Exception):
 
 class UpstreamFailed(Exception):
     pass
+
+
+class EngineErrored(UpstreamFailed):
+    """The engine ended the stream with its own `engine_error`: its step loop (or generation) failed while
+    running this request. Not told apart from a fault of the engine's own, so replayed, but only so often
+    (`max_engine_errors`, invariant 6)."""
 
 
 @dataclass
@@ -153,7 +162,7 @@ class Relay:
         seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 and not req.greedy else 0)
         generated: list[int] = []
         engines: list[str] = []
-        attempts = 0
+        attempts = errored = 0
         outcome = "cancelled"
         try:
             while True:
@@ -180,6 +189,10 @@ class Relay:
                 except UpstreamFailed as e:
                     self.table.suspect(ep, s.suspect_s)
                     attempts += 1
+                    errored += isinstance(e, EngineErrored)
+                    if errored >= s.max_engine_errors:  # invariant 6
+                        raise RelayError(502, "engine_error_repeated", f"{errored} engines failed while running this "
+                                         f"request ({', '.join(engines)}): not replayed again; last: {e}") from None
                     if attempts > s.max_replays:
                         raise RelayError(502, "replays_exhausted", f"engines failed {attempts} times; last: {e}") from None
                     self.stats.replayed += 1
@@ -258,6 +271,8 @@ class Relay:
                     status = obj.get("status")
                     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
                         raise RelayError(status, "engine_refused", json.dumps(obj["error"])[:2000])
+                    if isinstance(obj["error"], dict) and obj["error"].get("code") == "engine_error":
+                        raise EngineErrored(f"engine error: {obj['error']}")
                     raise UpstreamFailed(f"engine error: {obj['error']}")
                 yield obj
                 return

@@ -18,6 +18,8 @@ class RouterSettings(CommonSettings):
     hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")
+    max_engine_errors: int = Field(2, ge=1, description="engines that may fail in-band (engine_error) while running "
+                                   "one request before it is failed instead of replayed (relay.py invariant 6)")
     token_timeout_s: float = Field(30.0, description="an engine silent this long mid-stream counts as failed")
     resume_batch_s: float = Field(0.005, ge=0, description="replays that pick one engine within this window go as one "
                                   "POST /generate_many (services/router/resume_batch.py); 0: each alone")

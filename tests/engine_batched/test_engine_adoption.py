@@ -196,3 +196,32 @@ def test_tokens_a_claim_brings_past_the_journal_are_journaled_for_a_later_succes
     again, _ = later.journal.recover()
     assert len(again) == 1 and len(again[0].tokens) >= len(prompt) + len(seen)
     assert list(again[0].tokens[:len(prompt) + len(seen)]) == prompt + seen
+
+
+def test_a_failed_step_loop_leaves_no_sequence_for_a_successor_to_adopt(tmp_path) -> None:
+    """journal.py invariant 5: the state the journal vouches for is one that can go on. When the step loop fails
+    (an exception, not a kill from outside), every row is emptied before the process exits: a request that ends
+    the step loop is not adopted by each successor in turn (it comes back through the router's bounded replay)."""
+    weights, kv, jr = memory(tmp_path)
+    first = engine(weights, kv, jr)
+    first.journal.format()
+    sinks = {rid: ListSink() for rid in ("r1", "r2")}
+    for i, (rid, sink) in enumerate(sinks.items()):
+        first.submit(Request(rid, [1 + i, 5, 9, 13], 40, 0.0, 0, True, sink))
+    first._drain()
+    for _ in range(3):
+        first.step()
+    assert len(engine(weights, kv, jr).journal.recover()[0]) == 2  # what a successor would adopt after a kill
+
+    def fail() -> bool:
+        raise RuntimeError("simulated: a step that fails")
+
+    first.step = first.step_overlapped = fail  # type: ignore[method-assign]
+    first.start()
+    deadline = time.monotonic() + 30
+    while first.fatal is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert all(s.done.is_set() for s in sinks.values())  # each stream told (in-band engine_error)
+    entries, _ = engine(weights, kv, jr).journal.recover()
+    assert entries == []
