@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.generate import invalid_body
 from services.router.openai_api import openai_routes
@@ -25,6 +26,13 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {400: "bad_json", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code,
+                                                                                                  "error")
+        return JSONResponse(status_code=exc.status_code, content={"error": {"code": code, "message": str(exc.detail)}},
+                            headers=getattr(exc, "headers", None))
 
     @app.post("/v1/generate", response_model=None)
     async def generate(req: ClientRequest) -> Any:

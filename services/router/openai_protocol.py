@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from libs.common import tokenizer
 from libs.common.generate import INT64_MAX, Seed, encodable
-from services.router.relay import ClientRequest
+from services.router.relay import MODEL_MAX, ClientRequest
 
 # No max_tokens on a chat request means "until the context ends": the engine stops at its max_seq first
 # (finish_reason "length"); the router does not know each engine's context length.
@@ -55,7 +55,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str = Field(min_length=1, max_length=MODEL_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -39,12 +39,14 @@ from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
+MODEL_MAX = 256  # a model name's characters at most
+
 
 class ClientRequest(Sampling):
     """What a client asks the router to generate (`POST /v1/generate`; the OpenAI routes build one too). Each
     attempt sends an engine the shared `GenerateRequest` (libs/common/generate.py) built from it."""
 
-    model: str
+    model: str = Field(min_length=1, max_length=MODEL_MAX)
     seed: Seed | None = Field(None, description="none with temperature > 0: the router picks one, so a replay "
                              "continues the same sampled text")
 
