@@ -17,6 +17,10 @@ async def test_every_admin_action_is_audited_with_its_outcome_and_a_read_token_g
         assert (await admin.post(f"/v1/leases/{lease}/reclaim")).status_code == 200
         assert (await admin.post("/v1/leases/L-nope/reclaim")).status_code == 404
         assert (await admin.post("/v1/nodes/n0002/drain")).status_code == 202
+        sleeper = sim.engine_id("n0003", 0)
+        bad = await admin.post(f"/v1/engines/{sleeper}/sleep", content=b'{"level": NaN}',
+                               headers={"content-type": "application/json"})
+        assert bad.status_code == 422  # the client's error: audited as such, not as the service's
         for path in (f"/v1/leases/{lease}/reclaim", "/v1/nodes/n0001/drain",
                      f"/v1/engines/{sim.engine_id('n0001', 0)}/failover"):
             assert (await ro.post(path)).status_code == 403
@@ -29,6 +33,7 @@ async def test_every_admin_action_is_audited_with_its_outcome_and_a_read_token_g
         (f"POST /v1/leases/{lease}/reclaim", "ok", "admin"),
         ("POST /v1/leases/L-nope/reclaim", "not_found", "admin"),
         ("POST /v1/nodes/n0002/drain", "ok", "admin"),
+        (f"POST /v1/engines/{sleeper}/sleep", "422", "admin"),
         (f"POST /v1/leases/{lease}/reclaim", "403", "read"),
         ("POST /v1/nodes/n0001/drain", "403", "read"),
         (f"POST /v1/engines/{sim.engine_id('n0001', 0)}/failover", "403", "read"),

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from libs.common.errors import HoldfastError
@@ -59,6 +60,9 @@ def audited(needed: str) -> Callable[..., Any]:
             raise
         except HoldfastError as e:
             c.audit.record(who, what, e.code)
+            raise
+        except RequestValidationError:  # a bad body or query: the client's error, not the service's
+            c.audit.record(who, what, "422")
             raise
         except Exception as e:
             c.audit.record(who, what, f"internal: {type(e).__name__}")
