@@ -223,7 +223,7 @@ def outside_gang(client: Any) -> bool:
     return gang is not None and any(lease_id not in gang.epochs for lease_id in client.leases)
 
 
-SLOWER = {"host": 0, "artifact": 1, "file": 2}  # a group is ready once its slowest rank's source has served
+SLOWER = {"peer": 0, "host": 1, "artifact": 2, "file": 3}  # a group is ready once its slowest rank's source served
 
 
 def group_weights_load(reports: list[dict[str, Any] | None]) -> dict[str, Any] | None:

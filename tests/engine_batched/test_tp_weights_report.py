@@ -35,4 +35,4 @@ def test_a_group_that_took_its_leases_over_reports_no_cold_load() -> None:
 
 def test_a_rank_source_the_agent_does_not_know_is_refused_as_malformed() -> None:
     with pytest.raises(MalformedMessage):
-        weights_loaded({"source": "host", "load_ms": 1.0, "ranks": ["host", "peer"]})
+        weights_loaded({"source": "host", "load_ms": 1.0, "ranks": ["host", "nvme"]})  # no such source

@@ -104,3 +104,12 @@ def test_an_engines_report_of_a_peer_load_reaches_the_timeline_line():
     assert got is not None and got.describe() == "weights from peer (lease-x on GPU 1) in 12.5 ms"
     host = weights_loaded({"source": "host", "load_ms": 3.0, "restore": {"bytes": 3.0}})
     assert host is not None and host.describe() == "weights from host in 3.0 ms"
+
+
+def test_a_group_whose_ranks_loaded_from_a_peer_and_the_host_tier_is_at_the_host_tiers_pace():
+    from engines.batched.tp_group import group_weights_load
+
+    got = group_weights_load([{"source": "peer", "load_ms": 4.0}, {"source": "host", "load_ms": 9.0}])
+    assert got is not None and got["source"] == "host" and got["ranks"] == ["peer", "host"]
+    both = group_weights_load([{"source": "peer", "load_ms": 4.0}, {"source": "peer", "load_ms": 3.0}])
+    assert both is not None and both["source"] == "peer"
