@@ -3,7 +3,7 @@ on the host backend with two simulated GPUs, real rank processes): each rank's c
 gpu_manager's policy under that rank's own copy name; a new group then cold-starts with every rank restored from the
 host tier (the weights file gone) and serves the tokens of a file load; a rank whose copy is corrupt or missing
 reads the file and says so, the other rank still restores; a single engine of the same class never takes a rank's
-copy. (A peer GPU's copy of a shard is not built: docs/engine-batched.md.)"""
+copy. (A peer's copy of a shard: tests/gpu_manager/test_peer_restore.py; here each group is stopped first.)"""
 
 from __future__ import annotations
 
