@@ -145,6 +145,10 @@ class PeerCopies:
             log.warning("restore of %s from peer %s failed (%s): trying the next source", name, c.lease_id, e)
             await self.discard(rec, e)
             return None
+        except BaseException as e:  # cancelled: no lease left behind either (restore.py's invariant)
+            if rec is not None:
+                await self.discard(rec, e)
+            raise
         finally:
             if window is not None:
                 await asyncio.to_thread(window.close)
