@@ -38,7 +38,7 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop to run on: the stock asyncio loop (None), or uvloop's with `HF_UVLOOP=1` when it is
     installed. Not the default: in the control-plane benchmark (2 cores, a microVM) uvloop measured no better
     than the stock loop (docs/history/controlplane-2026-11.md, fourth pass): the CPU goes to pydantic, nats-py's Python
-    protocol code and gRPC, not to the loop's own I/O."""
+    protocol code and gRPC, not to the loop's own I/O. Nor with TLS (its SSL protocol in Cython): docs/security.md."""
     if os.environ.get("HF_UVLOOP", "0") not in ("1", "true", "yes"):
         return None
     try:
