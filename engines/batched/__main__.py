@@ -96,7 +96,8 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     else:
         graphs_ms = None
     engine = LLMEngine(runner, scheduler, journal, adopt_claim_s=cfg.adopt_claim_s,
-                       capture_graphs_when_idle=not capture_now and runner.use_graphs, async_schedule=cfg.async_schedule)
+                       capture_graphs_when_idle=not capture_now and runner.use_graphs, async_schedule=cfg.async_schedule,
+                       forget_on_failure=cfg.tp == 1)
     info: dict[str, Any] = {"adopted": 0, "journal": "new", "graphs_ms": graphs_ms}
     if loaded.kv_handed_on and journal.matches():
         entries, dropped = journal.recover()

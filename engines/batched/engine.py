@@ -38,8 +38,12 @@ log = logging.getLogger("holdfast.engine.batched")
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, journal: Journal, *, adopt_claim_s: float,
-                 capture_graphs_when_idle: bool = False, async_schedule: bool = True) -> None:
+                 capture_graphs_when_idle: bool = False, async_schedule: bool = True,
+                 forget_on_failure: bool = True) -> None:
         self.async_schedule = async_schedule
+        # journal.py invariant 5; False for a rank of a tensor-parallel group, whose step loop most often fails
+        # because a peer rank died (a collective's error): its successor group adopts the journal as ever
+        self.forget_on_failure = forget_on_failure
         self.counters = Counters()
         self.table = LiveSet(journal)
         self.pipeline = StepPipeline(runner, scheduler, journal, self.table, self.counters)
@@ -151,7 +155,8 @@ class LLMEngine:
             log.exception("the engine's step loop failed")
             self.fatal = e
             try:  # journal.py invariant 5; a CUDA error may leave the device unable to take these writes
-                self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
+                if self.forget_on_failure:
+                    self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
             except Exception:  # noqa: BLE001 - the process ends either way
                 log.exception("the journal could not be emptied after the failure")
             for live in list(self.table.live.values()):

@@ -27,7 +27,8 @@ stream), so a write that is visible implies every write queued before it is done
 5. A journal vouches for a state that can go on, not one that failed: when the step loop fails (an exception, not
    a death from outside), the engine empties every row before it exits (`forget`), and its requests come back
    through the router's replay instead of being adopted (a request that ends the step loop would otherwise end
-   every successor that adopts it).
+   every successor that adopts it). Not in a tensor-parallel group: there a rank's step loop most often fails
+   because a peer rank died (its collective's error), and the successor group adopts the journal as ever.
 """
 
 from __future__ import annotations
