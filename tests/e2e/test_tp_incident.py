@@ -40,7 +40,7 @@ class TensorParallelScenario(Scenario):
         make_tiny_weights(self.weights)
         spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1,
                           standbys=self.standbys,
-                          tp=2, cold_start_s=30.0, env={"HF_ENGINE_MEMORY": "leased"})
+                          tp=2, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"})
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
                                                  extra_env={"HF_GPUS": json.dumps(["0", "1"]), **self.stack_env}))
@@ -118,7 +118,7 @@ async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_with
             sc.weights.rename(sc.weights.with_suffix(".gone"))  # the successor group cannot reload: leases only
             seen = len(sc.events)
             os.kill(followers[0], signal.SIGKILL)  # rank 1
-            resolved = await sc.wait_event("incident.resolved", 120, after=seen)
+            resolved = await sc.wait_event("incident.resolved", 180, after=seen)
             successor = await wait_successor(sc, group)
             after = await greedy(sc, client)
             health = await sc.engine_health(successor.endpoint or "")
@@ -146,7 +146,7 @@ async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_with
         await asyncio.to_thread(sc.stop)
 
 
-async def wait_successor(sc: Scenario, group: EngineInfo, timeout: float = 60.0) -> EngineInfo:
+async def wait_successor(sc: Scenario, group: EngineInfo, timeout: float = 150.0) -> EngineInfo:
     deadline = time.monotonic() + timeout
     while True:
         ready = [e for e in await sc.engines() if e.engine_id != group.engine_id and e.state == "ready"
@@ -192,7 +192,7 @@ async def test_a_standby_group_takes_a_killed_ranks_gang_over_and_every_stream_c
             sc.weights.rename(sc.weights.with_suffix(".gone"))  # no group can reload: leases only
             seen = len(sc.events)
             after = await streams(sc, client, kill=rank1)
-            resolved = await sc.wait_event("incident.resolved", 120, after=seen)
+            resolved = await sc.wait_event("incident.resolved", 180, after=seen)
             reattached = await sc.wait_event("engine.reattached", 10, after=seen)
             health = await sc.engine_health(reattached.data.engine.endpoint or "")  # type: ignore[attr-defined]
         assert after == before

@@ -68,7 +68,7 @@ async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_back
             except ProcessLookupError:
                 pass  # gone already, with its lease
             results = await asyncio.gather(*streams)
-            resolved = await sc.wait_event("incident.resolved", 120, after=seen)
+            resolved = await sc.wait_event("incident.resolved", 180, after=seen)
             successor = await wait_successor(sc, group)
             health = await sc.engine_health(successor.endpoint or "")
         assert sc.store is not None
