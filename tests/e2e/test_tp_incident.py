@@ -25,6 +25,10 @@ from services.controller.incident import IncidentRecord, IncidentState
 from tests.engine.support import make_tiny_weights
 
 PROMPTS = ["Ranks hold shards.", "One group, one incident."]
+# A successor group is two processes importing torch; beside the other test workers' stacks on a slow 2-core VM
+# they took 43 s to take the gang over, past the default 30 s to confirm a takeover: these tests check one incident
+# and a group takeover, not how fast a group starts.
+SLOW_START = {"HF_REATTACH_DEADLINE_S": "120", "HF_TAKEOVER_TIMEOUT_S": "120"}
 
 
 class TensorParallelScenario(Scenario):
@@ -43,7 +47,8 @@ class TensorParallelScenario(Scenario):
                           tp=2, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"})
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
-                                                 extra_env={"HF_GPUS": json.dumps(["0", "1"]), **self.stack_env}))
+                                                 extra_env={"HF_GPUS": json.dumps(["0", "1"]), **SLOW_START,
+                                                            **self.stack_env}))
         self.stack.start(timeout=120)
         return self.stack
 
