@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engines.pattern import pattern, tokens
-from libs.common.generate import GenerateRequest
+from libs.common.generate import GenerateRequest, invalid_body
 from libs.common.tokenizer import EOS, TextStream
 
 VOCAB = EOS + 1  # the byte tokenizer's ids: 256 bytes, BOS, EOS
@@ -96,8 +96,7 @@ async def parse(request: Request) -> GenerateRequest:
     try:
         return GenerateRequest.model_validate(data)
     except ValidationError as e:
-        fields = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        raise Refused(422, "invalid_body", fields) from None
+        raise Refused(422, "invalid_body", invalid_body(e.errors())["error"]["message"]) from None
 
 
 async def generation(state: PatternState, body: GenerateRequest,
