@@ -55,6 +55,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="a prompt containing this ends the engine: engine_error in-band, then exit 70")
     p.add_argument("--crash-on-assign", action="store_true", default=bool(env.get("HF_PATTERN_CRASH_ON_ASSIGN")),
                    help="standby: die (exit 9) when assigned, as a standby that fails mid-takeover would")
+    p.add_argument("--load-s", type=float, default=float(env.get("HF_PATTERN_LOAD_S", "0")),
+                   help="seconds an active engine spends starting (registered, heartbeating) before ready: a load")
     p.add_argument("--no-http", action="store_true", default=bool(env.get("HF_PATTERN_NO_HTTP")))
     p.add_argument("--agent", choices=("on", "off"), default=env.get("HF_PATTERN_AGENT", "on"),
                    help="off: serve alone (no agent, no leased memory), as the router tests use it")
@@ -164,6 +166,8 @@ def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
             mem.takeover(os.environ["HF_TAKEOVER_FROM"], os.environ.get("HF_TRANSFER_TOKEN", ""))
     elif mem is not None:
         mem.allocate_or_reattach(args.seed)
+    if link.role != "standby" and args.load_s > 0:
+        time.sleep(args.load_s)  # the weight load it stands for
     if state is not None:
         state.view = None if mem is None else mem.view
         state.state = "ready"

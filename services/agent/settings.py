@@ -22,6 +22,9 @@ class AgentSettings(CommonSettings):
                                     "socket (SO_PEERCRED); empty: the agent's own uid only")
     gpu_manager_socket: Path | None = Field(None, description="passed to engines; default <state_dir>/gpu_manager.sock")
     heartbeat_timeout_s: float = Field(1.0, description="heartbeats missing this long: the engine is hung")
+    start_heartbeat_timeout_s: float = Field(10.0, description="the same while an engine starts (not yet ready or "
+                                             "standing by): imports and weight loads hold its interpreter for "
+                                             "seconds on a loaded machine, and it serves nobody yet")
     node_ttl_s: int = Field(3, description="etcd lease of nodes/<node>: a dead agent's node key vanishes after this")
     stop_timeout_s: float = Field(5.0, description="SIGTERM, then SIGKILL after this long")
     takeover_timeout_s: float = Field(15.0, description="a standby must be ready this long after its assignment")

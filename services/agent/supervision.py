@@ -166,10 +166,14 @@ def shadow_plan(records: list[EngineRecord]) -> ShadowPlan:
     return out
 
 
-def overdue(records: list[EngineRecord], now: float, timeout_s: float) -> list[EngineRecord]:
-    """Live engines whose heartbeats stopped for longer than the timeout (armed by the first heartbeat)."""
+def overdue(records: list[EngineRecord], now: float, timeout_s: float,
+            start_timeout_s: float | None = None) -> list[EngineRecord]:
+    """Live engines whose heartbeats stopped for longer than the timeout (armed by the first heartbeat); an engine
+    still starting gets `start_timeout_s` if longer (its start-up holds its interpreter; it serves nobody yet)."""
+    def limit(r: EngineRecord) -> float:
+        return max(timeout_s, start_timeout_s or 0.0) if r.state is State.STARTING else timeout_s
     return [r for r in records if r.live and not r.faulted and r.last_heartbeat is not None
-            and now - r.last_heartbeat > timeout_s]
+            and now - r.last_heartbeat > limit(r)]
 
 
 def never_linked(records: list[EngineRecord], now: float, specs: dict[str, EngineSpec]) -> list[EngineRecord]:

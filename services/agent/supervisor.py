@@ -276,7 +276,8 @@ class Agent:
         self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} exited"))
 
     def check_heartbeats(self, now: float) -> None:
-        for rec in supervision.overdue(self.records(), now, self.settings.heartbeat_timeout_s):
+        for rec in supervision.overdue(self.records(), now, self.settings.heartbeat_timeout_s,
+                                       self.settings.start_heartbeat_timeout_s):
             late = now - (rec.last_heartbeat or now)
             self.fault(rec, FaultKind.HUNG, detail=f"no heartbeat for {late:.3f}s", died_at=time.time())
         for rec in supervision.never_linked(self.records(), now, self.specs):
@@ -390,6 +391,10 @@ class Agent:
         rec = self.engines.get(engine_id)
         if rec is not None and rec.pid not in (None, pid) and self.watcher.watching(engine_id):
             raise Conflict(f"engine {engine_id} is already registered by pid {rec.pid}")
+        if rec is not None and rec.state is State.FAILED and rec.pid == pid:
+            # Declared failed (hung, say, slow to connect): its fault is published and its slot is a successor's;
+            # adopting it again would run one engine more than the spec wants. It is killed when retired.
+            raise Conflict(f"engine {engine_id} (pid {pid}) was declared failed: it is replaced, not registered")
         if rec is None or not rec.live:
             rec = self._adopt(msg, pid)
         old = self.links.pop(engine_id, None)

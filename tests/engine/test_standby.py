@@ -38,7 +38,7 @@ KV_REUSE_S = 2.0  # how long a promoted shadow reads its predecessor's cache
 
 
 def reference_spec(weights: Path, *, shadow: bool = True) -> EngineSpec:
-    return EngineSpec(engine_class="reference", model="tiny-ref", replicas=1, standbys=1, cold_start_s=10.0,
+    return EngineSpec(engine_class="reference", model="tiny-ref", replicas=1, standbys=1, cold_start_s=30.0,
                       command=[sys.executable, "-m", "engines.reference", "serve", "--size", "tiny",
                                "--weights", str(weights), "--memory", "leased"],
                       env={"HF_ENGINE_SHADOW": "true" if shadow else "false", "HF_ENGINE_KV_REUSE_S": str(KV_REUSE_S)})
