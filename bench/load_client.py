@@ -53,6 +53,7 @@ class Target:
     model: str | None
     path: str = ROUTER_PATH
     timeout_s: float = 300.0  # a whole stream's, from its request to its last line
+    api_key: str = ""  # the router's (an engine asks for none)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _kernel_time(ancdata: list[tuple[int, int, bytes]]) -> float | None:
 
 
 async def read_generation(host: str, port: int, body: dict, out: Result, timeout: float,
-                          path: str = ROUTER_PATH) -> None:
+                          path: str = ROUTER_PATH, api_key: str = "") -> None:
     """One generate stream (POST `path`) into `out`, within `timeout` seconds in all; never raises: a failure is
     `out.response.error` (a lost request)."""
     loop = asyncio.get_running_loop()
@@ -112,7 +113,7 @@ async def read_generation(host: str, port: int, body: dict, out: Result, timeout
     out.sent_at = time.time()
     try:
         await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
-        await loop.sock_sendall(sock, request_bytes(host, port, path, body))
+        await loop.sock_sendall(sock, request_bytes(host, port, path, body, api_key))
         loop.add_reader(sock.fileno(), readable)
         try:
             await asyncio.wait_for(ended, timeout)
@@ -142,7 +143,8 @@ class Worker:
             if self.target.model is not None:
                 body["model"] = self.target.model
             self.tasks.append(asyncio.create_task(read_generation(self.host, self.port, body, r,
-                                                                  self.target.timeout_s, self.target.path)))
+                                                                  self.target.timeout_s, self.target.path,
+                                                                  self.target.api_key)))
         self.results += new
         return new
 
@@ -209,8 +211,8 @@ class ClientPool:
     `model` None and `path="/generate"`: streams straight to an engine rather than through the router."""
 
     def __init__(self, url: str, model: str | None, procs: int, *, path: str = ROUTER_PATH,
-                 timeout_s: float = 300.0) -> None:
-        target = Target(url, model, path, timeout_s)
+                 timeout_s: float = 300.0, api_key: str = "") -> None:
+        target = Target(url, model, path, timeout_s, api_key)
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[Any] = []

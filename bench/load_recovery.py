@@ -224,7 +224,8 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
                       prefill_chunk=prefill_chunk, fenced=fenced)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
-    pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs())
+    pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
+                      api_key=sc.stack.router_key())
     try:
         await sc.connect()
         async with httpx.AsyncClient() as client:  # the bench's own calls (router stats, health), not the streams

@@ -19,10 +19,12 @@ class ResponseError(ValueError):
     """The bytes are not an HTTP/1.1 response this reader understands (a broken invariant of the router)."""
 
 
-def request_bytes(host: str, port: int, path: str, body: dict) -> bytes:
-    """One POST with a JSON body; `Connection: close` so the end of the response is the end of the stream."""
+def request_bytes(host: str, port: int, path: str, body: dict, api_key: str = "") -> bytes:
+    """One POST with a JSON body (and the router's API key, if any); `Connection: close` so the end of the
+    response is the end of the stream."""
     payload = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}Content-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nAccept: application/x-ndjson\r\nConnection: close\r\n\r\n")
     return head.encode() + payload
 

@@ -157,7 +157,8 @@ R = TypeVar("R", bound=StreamResult)
 
 
 async def read_generation(client: httpx.AsyncClient, router_url: str, result: R, *, model: str, max_tokens: int,
-                          timeout: float, on_token: Callable[[], None] | None = None) -> R:
+                          timeout: float, on_token: Callable[[], None] | None = None,
+                          headers: dict[str, str] | None = None) -> R:
     """Stream `result.prompt` through the router's `/v1/generate` (greedy, EOS ignored: outputs comparable run to
     run) and read its NDJSON lines into `result`: each token with its arrival time, then the closing line's
     verdict. Never raises: an HTTP error, a stream that breaks or ends without its closing line is `result.error`
@@ -165,7 +166,8 @@ async def read_generation(client: httpx.AsyncClient, router_url: str, result: R,
     body = {"model": model, "prompt": result.prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True}
     try:
-        async with client.stream("POST", f"{router_url}/v1/generate", json=body, timeout=timeout) as r:
+        async with client.stream("POST", f"{router_url}/v1/generate", json=body, timeout=timeout,
+                                 headers=headers) as r:
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return result
@@ -311,11 +313,12 @@ class Scenario:
             self.tokens_streamed += 1
 
         return await read_generation(client, self.stack.router_url, StreamResult(prompt), model=model,
-                                     max_tokens=max_tokens or self.max_tokens, timeout=120, on_token=counted)
+                                     max_tokens=max_tokens or self.max_tokens, timeout=120, on_token=counted,
+                                     headers=self.stack.router_headers())
 
     async def router_stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
         assert self.stack is not None
-        r = await client.get(f"{self.stack.router_url}/stats", timeout=10)
+        r = await client.get(f"{self.stack.router_url}/stats", timeout=10, headers=self.stack.router_headers())
         r.raise_for_status()
         return dict(r.json())
 

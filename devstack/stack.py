@@ -167,6 +167,13 @@ class Stack:
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.config.router_port}"
 
+    def router_key(self) -> str:
+        """The router's API key: the one it made into the state dir (it is started with none configured)."""
+        return (self.base_dir / "state" / "router-api-key").read_text().strip()
+
+    def router_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.router_key()}"}
+
     def env(self) -> dict[str, str]:
         c = self.config
         env = {

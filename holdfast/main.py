@@ -93,6 +93,7 @@ def up(
             table.add_row(name, str(pid), where.get(name, ""))
         console.print(table)
         console.print(f"logs: {stack.logs}")
+        console.print(f"router API key (Authorization: Bearer ...): {stack.base_dir / 'state' / 'router-api-key'}")
         print("holdfast: ready", flush=True)
         while not stopping:
             stack.supervise_once(lambda line: console.print(f"[yellow]{line}[/yellow]"))  # restart what died
@@ -178,9 +179,10 @@ def engine_wake(
 
 
 @app.command("api-token")
-def api_token(scope: str = typer.Argument(..., help="read, operate or admin")) -> None:
-    """A new admin API token: the token (give it to its holder) and its hashed entry for HF_API_TOKENS."""
-    from services.controller.api.tokens import TokenConfigError, new_token
+def api_token(scope: str = typer.Argument(..., help="read, operate or admin (the admin API); infer (the router)")) -> None:
+    """A new token: the token (give it to its holder) and its hashed entry, for HF_API_TOKENS (the admin API) or,
+    with scope infer, for the router's HF_API_KEYS / HF_API_KEYS_FILE (its OpenAI API's keys)."""
+    from libs.common.web.tokens import TokenConfigError, new_token
 
     try:
         token, entry = new_token(scope)

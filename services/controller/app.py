@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 from collections.abc import Coroutine
 from typing import Any
 
@@ -14,6 +12,7 @@ from libs.common.gc_tuning import count_pauses, paused_ms, service_gc
 from libs.common.retention import Retention, prune_forever
 from libs.common.service import Runtime
 from libs.common.store import LeaderElection
+from libs.common.web.keyfile import token_file
 from services.controller.api.server import ApiThread, bind
 from services.controller.incident_log import incident_key, ledger_key
 from services.controller.leadership import lead_forever
@@ -32,13 +31,7 @@ def admin_token(settings: ControllerSettings) -> str:
         return settings.admin_token
     if settings.api_tokens:
         return ""  # hashed tokens configured: no plain token is made (api/tokens.py)
-    path = settings.ensure_state_dir() / "controller-admin-token"
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(24))
-        log.info("generated the admin API token into %s", path)
-    return path.read_text().strip()
+    return token_file(settings.ensure_state_dir() / "controller-admin-token", "the admin API token")
 
 
 class LeaderTerm:

@@ -8,7 +8,7 @@ import socket
 from pydantic import Field, field_validator
 
 from libs.common.config import DEFAULT_API_PORT, CommonSettings
-from services.controller.api.tokens import TokenTable
+from libs.common.web.tokens import TokenTable
 
 
 def default_instance() -> str:

@@ -1,5 +1,5 @@
 """The router's HTTP API: POST /v1/generate (JSON or NDJSON stream), GET /stats, GET /healthz, and the
-OpenAI-compatible routes (openai_api.py)."""
+OpenAI-compatible routes (openai_api.py). Every route but `PUBLIC` needs an API key (the guard, app.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ from libs.common.generate import invalid_body
 from services.router.openai_api import openai_routes
 from services.router.relay import ClientRequest, Relay, RelayError
 from services.router.table import EndpointTable
+
+PUBLIC = frozenset({"/healthz"})  # probes: no key
+
+
+def refusal(status: int, code: str, message: str) -> dict[str, Any]:
+    """The guard's refusals (401, 413, 400) in OpenAI's error shape, which the official clients read."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_api_key" if status == 401 else code}}
 
 
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],

@@ -1,9 +1,14 @@
-"""Wiring: endpoint events and the etcd level into the table, the relay, the HTTP server.
+"""Wiring: endpoint events and the etcd level into the table, the relay, the HTTP server behind its guard.
 
 Start-up order matters: subscribe first (buffering), then read the snapshot of `endpoints/<model>/<engine>`,
 apply it, then apply the buffered events in order. An event that raced the snapshot is therefore applied
 after it, never lost or undone. Then `keep_in_sync` re-reads that level on every NATS reconnect and every
 `reconcile_s` (sync.py), so events missed while NATS was away are made up for.
+
+The HTTP API is behind the guard every Holdfast API shares (libs/common/web/guard.py): a client without one of the
+router's API keys (settings `api_keys`, `api_keys_file`, `api_key`; one generated into the state dir when none is
+set) gets 401 and a body over `max_body_bytes` 413, from the headers, before a byte of the body is read; only
+`/healthz` is public. `allow_anonymous` turns the key check off (and says so in the log).
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import uvicorn
 
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
-from services.router.api import build_app
+from libs.common.web.guard import RequestGuard
+from libs.common.web.keyfile import token_file
+from libs.common.web.linger import LingerStats, lingering_h11
+from libs.common.web.tokens import ROUTER_SCOPES, TokenTable
+from services.router.api import PUBLIC, build_app, refusal
 from services.router.metrics import MeteredRelay, RouterMetrics
 from services.router.settings import RouterSettings
 from services.router.sync import EndpointFeed, keep_in_sync
@@ -35,7 +44,25 @@ class QuietServer(uvicorn.Server):
         yield
 
 
+def api_keys(settings: RouterSettings) -> TokenTable | None:
+    """The keys clients must present, or None when anonymous clients are allowed."""
+    spec = settings.api_keys
+    if settings.api_keys_file is not None:
+        spec += "\n" + settings.api_keys_file.read_text()
+    keys = TokenTable.parse(spec, ROUTER_SCOPES).with_token(settings.api_key, "infer")
+    if settings.allow_anonymous:
+        if keys.entries:
+            raise ValueError("allow_anonymous and API keys are both set: say which (keys, or no key asked for)")
+        log.warning("router: allow_anonymous: anyone who reaches its port may send requests")
+        return None
+    if not keys.entries:
+        keys = keys.with_token(token_file(settings.ensure_state_dir() / "router-api-key", "the router's API key"),
+                               "infer")
+    return keys
+
+
 async def setup(rt: Runtime, settings: RouterSettings) -> None:
+    keys = api_keys(settings)  # before anything is started: a bad key file ends the start
     table = EndpointTable(settings.queue_max, forget_s=settings.model_forget_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
@@ -59,11 +86,15 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.router_host, settings.router_port))
     port = sock.getsockname()[1]
-    server = QuietServer(uvicorn.Config(build_app(relay, table, lambda: feed.ready, feed.stats.as_dict), log_level="warning",
-                                        access_log=False, timeout_keep_alive=30))
+    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict)
+    guard = RequestGuard(app, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
+    linger = LingerStats()
+    server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,
+                                        http=lingering_h11(settings.linger_max_bytes, settings.linger_max_s, linger)))
     metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {"url": f"http://{settings.router_host}:{port}", **relay.stats.as_dict(),
-                                "metrics_port": metrics_port,
+                                "metrics_port": metrics_port, "auth": keys is not None,
+                                "refused": dict(guard.refused), "lingered": vars(linger),
                                 "endpoints": table.describe(), "sync": feed.stats.as_dict()}
 
     async def serve_http() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, field_validator
 
 from libs.common.config import DEFAULT_ROUTER_PORT, CommonSettings
 from libs.common.ids import new_id
+from libs.common.web.tokens import ROUTER_SCOPES, TokenTable
 
 
 class RouterSettings(CommonSettings):
@@ -15,6 +18,18 @@ class RouterSettings(CommonSettings):
     metrics_host: str = Field("127.0.0.1", description="address of the Prometheus /metrics server")
     metrics_port: int | None = Field(None, ge=0, description="port of the Prometheus /metrics server (0: a free "
                                      "one, in health's metrics_port); none: not served")
+    api_keys: str = Field("", description="the API keys clients send (Authorization: Bearer), as hashes: "
+                          "'infer:sha256:<hex>' entries, comma-separated (`holdfast api-token infer` prints one)")
+    api_keys_file: Path | None = Field(None, description="a file of such entries, one a line (a mounted Secret); "
+                                       "read at start")
+    api_key: str = Field("", description="one plain key (development). With no key at all (and anonymous not "
+                         "allowed) one is generated into <state_dir>/router-api-key (0600)")
+    allow_anonymous: bool = Field(False, description="serve clients without a key (no key is asked for)")
+    max_body_bytes: int = Field(16 << 20, gt=0, description="a request body over this is refused (413) before "
+                                "it is read")
+    linger_max_bytes: int = Field(64 << 20, ge=0, description="after a refusal, what a client still sends is "
+                                  "read and dropped up to this much, so that it reads its answer")
+    linger_max_s: float = Field(5.0, ge=0, description="... and for at most this long")
     hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")
@@ -33,3 +48,9 @@ class RouterSettings(CommonSettings):
     model_forget_s: float = Field(60.0, ge=0, description="a model stays known (held, listed in /v1/models) this "
                                   "long after its last endpoint went; then the OpenAI API answers 404 for it")
     reconcile_read_timeout_s: float = Field(5.0, gt=0, description="one read of etcd's endpoints/ gives up after this")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_parse(cls, v: str) -> str:
+        TokenTable.parse(v, ROUTER_SCOPES)  # a bad entry stops the start with a clear error, not the first request
+        return v

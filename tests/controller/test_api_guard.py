@@ -16,7 +16,7 @@ import pytest
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.store import Store
-from services.controller.api.guard import verdict
+from libs.common.web.guard import verdict
 from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
 
 ADMIN = "admin-secret"

@@ -16,10 +16,10 @@ from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.store import Store
-from services.controller.api import tokens
+from libs.common.web import tokens
+from libs.common.web.tokens import TokenConfigError, TokenTable, new_token
 from services.controller.api.app import create_app
 from services.controller.api.context import ApiContext
-from services.controller.api.tokens import TokenConfigError, TokenTable, new_token
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
 from tests.controller.helpers import control_plane, service_env, wait_for

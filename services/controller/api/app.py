@@ -22,8 +22,8 @@ from libs.common.errors import (
     StaleEpoch,
     Unavailable,
 )
+from libs.common.web.guard import RequestGuard
 from services.controller.api.context import ApiContext
-from services.controller.api.guard import RequestGuard
 from services.controller.api.routers import engines, gpus, incidents, leases, nodes, system
 
 STATUS_OF: dict[type[HoldfastError], int] = {NotFound: 404, Conflict: 409, InvalidTransition: 409,

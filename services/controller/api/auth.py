@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from libs.common.errors import HoldfastError
+from libs.common.web.tokens import allows
 from services.controller.api.audit import fingerprint
 from services.controller.api.context import ctx
-from services.controller.api.tokens import allows
 
 bearer = HTTPBearer(auto_error=False, description="a token of scope read (GET routes), operate or admin")
 

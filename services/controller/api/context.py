@@ -9,8 +9,8 @@ from fastapi import Request
 
 from libs.common.bus import Bus
 from libs.common.store import Store
+from libs.common.web.tokens import TokenTable
 from services.controller.api.audit import AuditLog
-from services.controller.api.tokens import TokenTable
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView

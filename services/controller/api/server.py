@@ -35,10 +35,10 @@ import uvicorn
 from libs.common.bus import Bus
 from libs.common.service import run_loop
 from libs.common.store import Store
+from libs.common.web.linger import LingerStats, lingering_h11
+from libs.common.web.tokens import TokenTable
 from services.controller.api.app import create_app
 from services.controller.api.context import ApiContext
-from services.controller.api.linger import LingerStats, lingering_h11
-from services.controller.api.tokens import TokenTable
 from services.controller.metrics import ControllerMetrics
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView

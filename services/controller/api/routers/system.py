@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 
+from libs.common.web.tokens import allows
 from services.controller.api.auth import require_read
 from services.controller.api.context import ApiContext, ctx
 from services.controller.api.schemas import HealthOut
-from services.controller.api.tokens import allows
 
 router = APIRouter(tags=["system"])
 

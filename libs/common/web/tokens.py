@@ -1,7 +1,10 @@
-"""The admin API's tokens: kept as hashes, matched in constant time, each with a scope. Pure (no I/O).
+"""Bearer tokens (the admin API's, the router's API keys): kept as hashes, matched in constant time, each with a
+scope. Pure (no I/O).
 
-Scopes are ordered: `read` (GET routes) < `operate` (failover, drain, snapshot) < `admin` (upgrade, reclaim,
-the audit record, everything). A token may do what its scope and every lower scope may.
+The admin API's scopes are ordered: `read` (GET routes) < `operate` (failover, drain, snapshot) < `admin`
+(upgrade, reclaim, the audit record, everything). A token may do what its scope and every lower scope may. The
+router's keys have one scope, `infer` (`ROUTER_SCOPES`): a table is parsed for the scopes of its API, so an admin
+entry is refused as a router key and the other way round.
 
 Hash: SHA-256 of the token, not a password hash (scrypt, argon2). The tokens we issue are 256 random bits
 (`new_token`), so a preimage search is out of reach without key stretching; a slow hash would instead cost
@@ -23,9 +26,13 @@ import secrets
 from dataclasses import dataclass
 
 SCOPES = ("read", "operate", "admin")
+ROUTER_SCOPES = ("infer",)
 RANK = {s: i for i, s in enumerate(SCOPES)}
 TOKEN_BYTES = 32  # 256 bits: see the docstring on why SHA-256 is then enough
-ENTRY = re.compile(r"(read|operate|admin):sha256:([0-9a-f]{64})")
+
+
+def _entry(scopes: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(rf"({'|'.join(map(re.escape, scopes))}):sha256:([0-9a-f]{{64}})")
 
 
 class TokenConfigError(ValueError):
@@ -43,8 +50,8 @@ def same_digest(a: bytes, b: bytes) -> bool:
 
 def entry_for(scope: str, token: str) -> str:
     """The settings entry (`<scope>:sha256:<hex>`) that admits `token` with `scope`."""
-    if scope not in RANK:
-        raise TokenConfigError(f"unknown scope {scope!r} (one of {', '.join(SCOPES)})")
+    if scope not in SCOPES + ROUTER_SCOPES:
+        raise TokenConfigError(f"unknown scope {scope!r} (one of {', '.join(SCOPES + ROUTER_SCOPES)})")
     return f"{scope}:sha256:{digest(token).hex()}"
 
 
@@ -61,26 +68,33 @@ def allows(scope: str, needed: str) -> bool:
 @dataclass(frozen=True)
 class TokenTable:
     entries: tuple[tuple[bytes, str], ...] = ()  # (SHA-256 digest, scope)
+    scopes: tuple[str, ...] = SCOPES  # this API's, lowest first
 
     @classmethod
-    def parse(cls, spec: str) -> TokenTable:
-        """Comma-separated `<scope>:sha256:<64 hex>` entries; raises `TokenConfigError` on any other."""
+    def parse(cls, spec: str, scopes: tuple[str, ...] = SCOPES) -> TokenTable:
+        """`<scope>:sha256:<64 hex>` entries separated by commas or new lines (a file of them, as a Kubernetes Secret
+        mounts it); raises `TokenConfigError` on any other, or on a scope not of `scopes`."""
         entries = []
-        for raw in (p.strip() for p in spec.split(",")):
+        pattern = _entry(scopes)
+        for raw in (p.strip() for p in spec.replace("\n", ",").split(",")):
             if not raw:
                 continue
-            m = ENTRY.fullmatch(raw)
+            m = pattern.fullmatch(raw)
             if m is None:
                 shown = raw.split(":", 1)[0]  # never echo what may be a token pasted by mistake
-                raise TokenConfigError(f"api_tokens entry starting {shown!r}:... is not '<scope>:sha256:<64 hex>' "
-                                       f"(scope one of {', '.join(SCOPES)}; `holdfast api-token` prints one)")
+                raise TokenConfigError(f"a token entry starting {shown!r}:... is not '<scope>:sha256:<64 hex>' "
+                                       f"(scope one of {', '.join(scopes)}; `holdfast api-token` prints one)")
             entries.append((bytes.fromhex(m.group(2)), m.group(1)))
-        return cls(tuple(entries))
+        return cls(tuple(entries), scopes)
 
     def with_plain(self, admin_token: str = "", read_token: str = "") -> TokenTable:
         """The dev stack's plain tokens (settings `admin_token`, `read_token`), hashed at once."""
         extra = tuple((digest(t), s) for t, s in ((admin_token, "admin"), (read_token, "read")) if t)
-        return TokenTable(self.entries + extra)
+        return TokenTable(self.entries + extra, self.scopes)
+
+    def with_token(self, token: str, scope: str) -> TokenTable:
+        """One plain token more (a dev stack's), hashed at once."""
+        return TokenTable(self.entries + ((digest(token), scope),), self.scopes) if token else self
 
     def scope_of(self, token: str) -> str | None:
         """The highest scope `token` holds, or None (no token, or an unknown one)."""
@@ -89,6 +103,6 @@ class TokenTable:
         d = digest(token)
         found: str | None = None
         for stored, scope in self.entries:  # every entry compared: no early exit on a match
-            if same_digest(d, stored) and (found is None or RANK[scope] > RANK[found]):
+            if same_digest(d, stored) and (found is None or self.scopes.index(scope) > self.scopes.index(found)):
                 found = scope
         return found

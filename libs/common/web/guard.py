@@ -1,14 +1,17 @@
-"""`RequestGuard`: the ASGI layer in front of the admin API that decides from the headers alone.
+"""`RequestGuard`: the ASGI layer in front of an HTTP API (the admin API, the router) that decides from the
+headers alone.
 
 Before any byte of a body is read (and so before FastAPI parses anything):
-1. a route that needs a token, asked without a known one: 401 (`WWW-Authenticate: Bearer`);
+1. a route that needs a token (any but the API's `public` ones, where it has a token table), asked without a known
+   one: 401 (`WWW-Authenticate: Bearer`);
 2. a declared `Content-Length` above `max_body_bytes`: 413.
 Both answers carry `Connection: close`: the body is never read into the app, so a 50 MB body from an
-unauthenticated client costs the controller its headers, not its memory or its loop. The connection then closes
+unauthenticated client costs the service its headers, not its memory or its loop. The connection then closes
 by lingering (linger.py): what the client still sends is dropped, bounded, so that it reads its answer.
 A body without a declared length (chunked) is counted as it is read; past the limit the client gets 413 and
-the app sees a disconnect. Which routes need no token (probes, scrapers, the docs) is the table `PUBLIC`;
-which scope may do what (read, operate, admin) is still decided per route (`auth.py`, 403).
+the app sees a disconnect. Which routes need no token is each API's (the admin API's: `PUBLIC`); which scope
+may do what is still decided per route (the admin API's `auth.py`, 403). The error body is each API's too
+(`Refusal`: the admin API's `{"error", "message"}`, the router's OpenAI-shaped one).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from services.controller.api.tokens import TokenTable
+from libs.common.web.tokens import TokenTable
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -25,18 +28,25 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+Refusal = Callable[[int, str, str], dict[str, Any]]  # (status, code, message) -> the JSON body answered
+
+
+def admin_refusal(_status: int, code: str, message: str) -> dict[str, Any]:
+    """The admin API's error body."""
+    return {"error": code, "message": message, "detail": None}
 
 
 def verdict(path: str, headers: dict[bytes, bytes], admin_token: str, read_token: str,
             max_body_bytes: int) -> tuple[int, str, str] | None:
-    """`decide` with the dev stack's plain tokens."""
+    """`decide` with the dev stack's plain tokens and the admin API's public routes."""
     return decide(path, headers, TokenTable().with_plain(admin_token, read_token), max_body_bytes)
 
 
-def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable,
-           max_body_bytes: int) -> tuple[int, str, str] | None:
-    """(status, error code, message) to answer at once, or None to let the request in. Pure."""
-    if path not in PUBLIC:
+def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable | None, max_body_bytes: int,
+           public: frozenset[str] = PUBLIC) -> tuple[int, str, str] | None:
+    """(status, error code, message) to answer at once, or None to let the request in; `tokens` None: no token is
+    asked for. Pure."""
+    if tokens is not None and path not in public:
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or tokens.scope_of(token.strip()) is None:
             return 401, "unauthorized", "missing or unknown bearer token"
@@ -51,8 +61,8 @@ def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable,
     return None
 
 
-async def answer(send: Send, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": code, "message": message, "detail": None}).encode()
+async def answer(send: Send, status: int, code: str, message: str, refusal: Refusal = admin_refusal) -> None:
+    body = json.dumps(refusal(status, code, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
     if status == 401:
@@ -62,11 +72,13 @@ async def answer(send: Send, status: int, code: str, message: str) -> None:
 
 
 class RequestGuard:
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, tokens: TokenTable,
-                 max_body_bytes: int) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, tokens: TokenTable | None,
+                 max_body_bytes: int, public: frozenset[str] = PUBLIC, refusal: Refusal = admin_refusal) -> None:
         self.app = app
         self.tokens = tokens
         self.max_body_bytes = max_body_bytes
+        self.public = public
+        self.refusal = refusal
         self.refused = {401: 0, 413: 0, 400: 0}  # answered here, body unread (health, tests)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -74,10 +86,10 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        bad = decide(scope["path"], headers, self.tokens, self.max_body_bytes)
+        bad = decide(scope["path"], headers, self.tokens, self.max_body_bytes, self.public)
         if bad is not None:
             self.refused[bad[0]] = self.refused.get(bad[0], 0) + 1
-            await answer(send, *bad)
+            await answer(send, *bad, refusal=self.refusal)
             return
         if b"content-length" in headers:
             await self.app(scope, receive, send)  # at most the declared length arrives (HTTP framing)
@@ -99,7 +111,8 @@ class RequestGuard:
                 if read > self.max_body_bytes and not state["started"]:
                     state["refused"] = True
                     self.refused[413] += 1
-                    await answer(send, 413, "payload_too_large", f"the body is over the limit of {self.max_body_bytes} bytes")
+                    await answer(send, 413, "payload_too_large", f"the body is over the limit of {self.max_body_bytes} bytes",
+                                 refusal=self.refusal)
                     return {"type": "http.disconnect"}
             return msg
 

@@ -1,4 +1,4 @@
-"""Lingering close for the admin API's connections (what nginx's `lingering_close` does), so that a client still
+"""Lingering close for the connections of an API behind the guard (the admin API, the router) (what nginx's `lingering_close` does), so that a client still
 sending a refused body reads its 401 or 413 instead of a reset.
 
 Why: the guard (guard.py) answers a request without a token, or with a body over the limit, from its headers, and
@@ -12,7 +12,8 @@ sends what is buffered and a FIN (`write_eof`: the answer is complete and readab
 what arrives, without parsing or keeping it, until the client closes its side, `max_bytes` have been dropped, or
 `max_s` have passed; then it closes. So the decision is still made before any byte of a body is read, and the
 answer leaves at once (a client that reads while it sends stops early); only the discarding reads what the
-client insists on sending, bounded, on the API's own loop (server.py), never the incident pipeline's.
+client insists on sending, bounded, on the API's own loop (the controller's API runs on one of its own, never
+the incident pipeline's).
 
 Invariants: a connection lingers at most once and at most `max_s`; what it drops is never buffered (no memory
 grows with the body); a transport that cannot half-close is closed at once, as before.
@@ -26,7 +27,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-log = logging.getLogger("holdfast.controller.api")
+log = logging.getLogger("holdfast.web")
 
 
 class LingerStats:

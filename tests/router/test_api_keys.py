@@ -1,0 +1,124 @@
+"""The router's API keys, through the official `openai` client and raw HTTP against a real router and engine: a
+client without a key, or with a wrong one, gets OpenAI's 401 (`AuthenticationError`) and nothing reaches an engine;
+a hashed key from settings or a file serves; a 50 MB body is refused from its headers (413) before it is read,
+authenticated or not; `/healthz` stays public; a router given no key makes one into its state dir (0600)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from libs.common.store import Store
+from libs.common.web.tokens import new_token
+from tests.router.conftest import EngineProc, RouterProc
+from tests.router.test_router import MODEL
+
+BIG = 50 << 20
+
+
+def client(url: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+async def test_only_a_known_key_is_served_and_nothing_else_reaches_an_engine(
+        tmp_path: Path, engines: Callable[[str], EngineProc], start_router: Callable[..., RouterProc],
+        store: Store) -> None:
+    engine = engines("keys-a")
+    await asyncio.to_thread(engine.wait_ready)
+    await store.put(f"endpoints/{MODEL}/keys-a", engine.url)
+    key, entry = new_token("infer")
+    file_key, file_entry = new_token("infer")
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"{file_entry}\n")
+    router = await asyncio.to_thread(start_router, hold_timeout_s=2, api_keys=entry, api_keys_file=keys_file)
+
+    for good in (key, file_key):
+        r = await client(router.url, good).completions.create(model=MODEL, prompt="Once", max_tokens=4)
+        assert r.choices[0].text
+    before = httpx.get(engine.url + "/health", timeout=5).json()
+    for bad in ("wrong", entry, key[:-1]):  # and none at all: the raw requests below
+        with pytest.raises(openai.AuthenticationError) as err:
+            await client(router.url, bad).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+    for path in ("/v1/generate", "/stats", "/v1/models"):
+        r = httpx.request("POST" if path == "/v1/generate" else "GET", router.url + path,
+                          json={"model": MODEL, "prompt": "x"}, timeout=10)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (path, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(engine.url + "/health", timeout=5).json() == before  # nothing reached the engine
+    assert httpx.get(router.url + "/healthz", timeout=5).status_code == 200  # the probe needs no key
+    ok = httpx.get(router.url + "/stats", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    assert ok.status_code == 200 and ok.json()["requests"] >= 2
+
+
+def _status_line_after_sending(port: int, headers: str, body_bytes: int) -> bytes:
+    """Send the headers and as much of a body as the router reads, then the status line it answered."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(headers.encode())
+        chunk = b"x" * (1 << 20)
+        try:
+            for _ in range(body_bytes // len(chunk)):
+                s.sendall(chunk)
+        except OSError:
+            pass  # the router closed its side: the answer is already there to read
+        return s.recv(4096).split(b"\r\n", 1)[0]
+
+
+async def test_a_huge_body_is_refused_from_its_headers_with_or_without_a_key(
+        start_router: Callable[..., RouterProc]) -> None:
+    key, entry = new_token("infer")
+    router = await asyncio.to_thread(start_router, api_keys=entry, max_body_bytes=1 << 20)
+    rss0 = _rss_kib(router.child.pid)
+    for auth in ("", f"Authorization: Bearer {key}\r\n"):
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                f"Content-Length: {BIG}\r\n\r\n")
+        line = await asyncio.to_thread(_status_line_after_sending, int(router.url.rsplit(":", 1)[1]), head, BIG)
+        assert line.split()[1] == (b"401" if not auth else b"413"), line
+    # chunked (no declared length), with a key: counted as read, refused past the limit
+    r = httpx.post(router.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   content=iter([b"x" * (1 << 18)] * 16), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert _rss_kib(router.child.pid) - rss0 < 40 * 1024  # the 50 MB bodies were never held
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_router_given_no_key_makes_one_readable_by_its_user_only(
+        tmp_path: Path, settings_env: dict[str, str], start_router: Callable[..., RouterProc]) -> None:
+    state = tmp_path / "state"
+    router = await asyncio.to_thread(start_router, state_dir=state, allow_anonymous=False)
+    path = state / "router-api-key"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    key = path.read_text().strip()
+    assert len(key) >= 40
+    assert httpx.get(router.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+    assert key not in (tmp_path / "router.log").read_text()  # never logged
+
+
+def test_a_bad_key_entry_or_keys_beside_anonymous_stop_the_start(tmp_path: Path,
+                                                                  settings_env: dict[str, str]) -> None:
+    _, admin_entry = new_token("admin")  # an admin API entry is not a router key
+    for extra in (["--api-keys", admin_entry], ["--api-key", "k", "--allow-anonymous"]):
+        r = subprocess.run([sys.executable, "-m", "services.router", "--router-port", "0", *extra],
+                           env={**settings_env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        said = r.stdout + r.stderr
+        assert "token entry starting 'admin'" in said or "allow_anonymous and API keys" in said, said[-2000:]
+        assert admin_entry.split(":")[-1] not in said  # the hash is not echoed either
