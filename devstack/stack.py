@@ -168,11 +168,14 @@ class Stack:
         return f"http://127.0.0.1:{self.config.router_port}"
 
     def router_key(self) -> str:
-        """The router's API key: the one it made into the state dir (it is started with none configured)."""
-        return (self.base_dir / "state" / "router-api-key").read_text().strip()
+        """The router's API key: the one it made into the state dir, if it asks for one (on loopback it asks for
+        none unless configured: services/router/README.md)."""
+        path = self.base_dir / "state" / "router-api-key"
+        return path.read_text().strip() if path.exists() else ""
 
     def router_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.router_key()}"}
+        key = self.router_key()
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def env(self) -> dict[str, str]:
         c = self.config

@@ -93,7 +93,8 @@ def up(
             table.add_row(name, str(pid), where.get(name, ""))
         console.print(table)
         console.print(f"logs: {stack.logs}")
-        console.print(f"router API key (Authorization: Bearer ...): {stack.base_dir / 'state' / 'router-api-key'}")
+        if stack.router_key():
+            console.print(f"router API key (Authorization: Bearer ...): {stack.base_dir / 'state' / 'router-api-key'}")
         print("holdfast: ready", flush=True)
         while not stopping:
             stack.supervise_once(lambda line: console.print(f"[yellow]{line}[/yellow]"))  # restart what died

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 
@@ -45,20 +46,30 @@ class QuietServer(uvicorn.Server):
 
 
 def api_keys(settings: RouterSettings) -> TokenTable | None:
-    """The keys clients must present, or None when anonymous clients are allowed."""
+    """The keys clients must present, or None when anonymous clients are allowed: configured keys are always asked
+    for; with none, a router on loopback serves anonymous clients unless told otherwise (there the node's users
+    reach the engines' own ports anyway: docs/security.md), one on any other address makes a key into its state dir
+    unless `allow_anonymous` says to serve anyone."""
     spec = settings.api_keys
     if settings.api_keys_file is not None:
         spec += "\n" + settings.api_keys_file.read_text()
     keys = TokenTable.parse(spec, ROUTER_SCOPES).with_token(settings.api_key, "infer")
-    if settings.allow_anonymous:
-        if keys.entries:
+    if keys.entries:
+        if settings.allow_anonymous:
             raise ValueError("allow_anonymous and API keys are both set: say which (keys, or no key asked for)")
-        log.warning("router: allow_anonymous: anyone who reaches its port may send requests")
+        return keys
+    anonymous = settings.allow_anonymous if settings.allow_anonymous is not None else loopback(settings.router_host)
+    if anonymous:
+        log.warning("router: no API key asked for: anyone who reaches %s may send requests", settings.router_host)
         return None
-    if not keys.entries:
-        keys = keys.with_token(token_file(settings.ensure_state_dir() / "router-api-key", "the router's API key"),
-                               "infer")
-    return keys
+    return keys.with_token(token_file(settings.ensure_state_dir() / "router-api-key", "the router's API key"), "infer")
+
+
+def loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def setup(rt: Runtime, settings: RouterSettings) -> None:

@@ -22,9 +22,11 @@ class RouterSettings(CommonSettings):
                           "'infer:sha256:<hex>' entries, comma-separated (`holdfast api-token infer` prints one)")
     api_keys_file: Path | None = Field(None, description="a file of such entries, one a line (a mounted Secret); "
                                        "read at start")
-    api_key: str = Field("", description="one plain key (development). With no key at all (and anonymous not "
-                         "allowed) one is generated into <state_dir>/router-api-key (0600)")
-    allow_anonymous: bool = Field(False, description="serve clients without a key (no key is asked for)")
+    api_key: str = Field("", description="one plain key (development). With no key at all and anonymous clients "
+                         "not allowed, one is generated into <state_dir>/router-api-key (0600)")
+    allow_anonymous: bool | None = Field(None, description="serve clients without a key; unset: only where no key is "
+                                         "configured and the router listens on loopback alone (where the node's "
+                                         "users reach the engines' own ports anyway)")
     max_body_bytes: int = Field(16 << 20, gt=0, description="a request body over this is refused (413) before "
                                 "it is read")
     linger_max_bytes: int = Field(64 << 20, ge=0, description="after a refusal, what a client still sends is "

@@ -52,11 +52,12 @@ def start_router(tmp_path: Path, settings_env: dict[str, str]) -> Iterator[Calla
         """A router; anonymous clients allowed unless keys are given (tests/router/test_api_keys.py asks for one)."""
         if not any(k in flags for k in ("api_key", "api_keys", "api_keys_file")):
             flags.setdefault("allow_anonymous", True)
+        flags = {k: v for k, v in flags.items() if v is not None}  # None: the setting's own default
         port = procs.free_port()
         argv = ["-m", "services.router", "--router-port", str(port)]
         for k, v in flags.items():
             flag = f"--{k.replace('_', '-')}"
-            argv += [flag] if v is True else [f"--no-{flag[2:]}"] if v is False else [flag, str(v)]
+            argv += [flag, str(v).lower() if isinstance(v, bool) else str(v)]
         import sys
 
         child = procs.Child("router", [sys.executable, *argv], env={**settings_env, "PYTHONUNBUFFERED": "1"},

@@ -115,10 +115,26 @@ async def test_a_router_given_no_key_makes_one_readable_by_its_user_only(
 def test_a_bad_key_entry_or_keys_beside_anonymous_stop_the_start(tmp_path: Path,
                                                                   settings_env: dict[str, str]) -> None:
     _, admin_entry = new_token("admin")  # an admin API entry is not a router key
-    for extra in (["--api-keys", admin_entry], ["--api-key", "k", "--allow-anonymous"]):
+    for extra in (["--api-keys", admin_entry], ["--api-key", "k", "--allow-anonymous", "true"]):
         r = subprocess.run([sys.executable, "-m", "services.router", "--router-port", "0", *extra],
                            env={**settings_env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0
         said = r.stdout + r.stderr
         assert "token entry starting 'admin'" in said or "allow_anonymous and API keys" in said, said[-2000:]
         assert admin_entry.split(":")[-1] not in said  # the hash is not echoed either
+
+
+async def test_a_router_on_loopback_with_no_key_configured_serves_anonymous_clients(
+        tmp_path: Path, engines: Callable[[str], EngineProc], start_router: Callable[..., RouterProc],
+        store: Store) -> None:
+    engine = engines("anon-a")
+    await asyncio.to_thread(engine.wait_ready)
+    await store.put(f"endpoints/{MODEL}/anon-a", engine.url)
+    state = tmp_path / "anon-state"
+    # allow_anonymous unset (None): the start_router fixture's default is replaced by the setting's own
+    router = await asyncio.to_thread(start_router, hold_timeout_s=2, state_dir=state, allow_anonymous=None)
+    r = await client(router.url, "anything").completions.create(model=MODEL, prompt="Once", max_tokens=4)
+    assert r.choices[0].text
+    assert not (state / "router-api-key").exists()
+    big = httpx.post(router.url + "/v1/completions", content=b"x" * (17 << 20), timeout=30)
+    assert big.status_code == 413  # the body limit holds without keys
