@@ -30,12 +30,18 @@ def client(url: str, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
+async def _serving(engines: Callable[[str], EngineProc], store: Store, engine_id: str) -> EngineProc:
+    """A pattern engine serving MODEL, in etcd's endpoints for a router to find at start."""
+    engine = engines(engine_id)
+    await asyncio.to_thread(engine.wait_ready)
+    await store.put(f"endpoints/{MODEL}/{engine_id}", engine.url)
+    return engine
+
+
 async def test_only_a_known_key_is_served_and_nothing_else_reaches_an_engine(
         tmp_path: Path, engines: Callable[[str], EngineProc], start_router: Callable[..., RouterProc],
         store: Store) -> None:
-    engine = engines("keys-a")
-    await asyncio.to_thread(engine.wait_ready)
-    await store.put(f"endpoints/{MODEL}/keys-a", engine.url)
+    engine = await _serving(engines, store, "keys-a")
     key, entry = new_token("infer")
     file_key, file_entry = new_token("infer")
     keys_file = tmp_path / "keys"
@@ -127,9 +133,7 @@ def test_a_bad_key_entry_or_keys_beside_anonymous_stop_the_start(tmp_path: Path,
 async def test_a_router_on_loopback_with_no_key_configured_serves_anonymous_clients(
         tmp_path: Path, engines: Callable[[str], EngineProc], start_router: Callable[..., RouterProc],
         store: Store) -> None:
-    engine = engines("anon-a")
-    await asyncio.to_thread(engine.wait_ready)
-    await store.put(f"endpoints/{MODEL}/anon-a", engine.url)
+    await _serving(engines, store, "anon-a")
     state = tmp_path / "anon-state"
     # allow_anonymous unset (None): the start_router fixture's default is replaced by the setting's own
     router = await asyncio.to_thread(start_router, hold_timeout_s=2, state_dir=state, allow_anonymous=None)
