@@ -34,6 +34,8 @@ class ControllerSettings(CommonSettings):
                                       "still sends (a refused body) first reads and drops up to this many bytes, "
                                       "so the client reads its 401/413 instead of a reset (api/linger.py)")
     api_linger_max_s: float = Field(10.0, ge=0, description="and lingers at most this long (0: close at once)")
+    api_header_timeout_s: float = Field(10.0, ge=0, description="a request's headers must be complete this long "
+                                        "after its connection opened or its first byte came, or it is closed")
     freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
     reattach_deadline_s: float = Field(30.0, gt=0, description="takeover must be confirmed within this after freeze")
     fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")

@@ -32,6 +32,8 @@ class RouterSettings(CommonSettings):
     linger_max_bytes: int = Field(64 << 20, ge=0, description="after a refusal, what a client still sends is "
                                   "read and dropped up to this much, so that it reads its answer")
     linger_max_s: float = Field(5.0, ge=0, description="... and for at most this long")
+    header_timeout_s: float = Field(10.0, ge=0, description="a request's headers must be complete this long after "
+                                    "its connection opened or its first byte came, or the connection is closed")
     hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")

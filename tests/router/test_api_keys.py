@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from libs.common.store import Store
 from libs.common.web.tokens import new_token
 from tests.router.conftest import EngineProc, RouterProc
 from tests.router.test_router import MODEL
+from tests.support import wait_until
 
 BIG = 50 << 20
 
@@ -142,3 +144,44 @@ async def test_a_router_on_loopback_with_no_key_configured_serves_anonymous_clie
     assert not (state / "router-api-key").exists()
     big = httpx.post(router.url + "/v1/completions", content=b"x" * (17 << 20), timeout=30)
     assert big.status_code == 413  # the body limit holds without keys
+
+
+async def test_connections_whose_headers_never_complete_are_closed(start_router: Callable[..., RouterProc]) -> None:
+    # "slowloris": a header line now and then, or nothing at all; each such connection held an fd forever
+    router = await asyncio.to_thread(start_router, header_timeout_s=1.0)
+    port = int(router.url.rsplit(":", 1)[1])
+    fds0 = len(os.listdir(f"/proc/{router.child.pid}/fd"))
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    for i, s in enumerate(socks):
+        if i % 2:
+            s.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n")  # the rest never comes
+    await asyncio.sleep(0.5)
+    assert len(os.listdir(f"/proc/{router.child.pid}/fd")) >= fds0 + 250  # held while within the bound
+    for s in socks[1::2]:
+        s.sendall(b"X-Slow: 1\r\n")  # a line now and then does not extend it
+    assert httpx.get(router.url + "/healthz", timeout=10).status_code == 200  # others are served meanwhile
+
+    def closed(s: socket.socket) -> bool:
+        """The router closes it within 10 s (what it still had to send read first)."""
+        s.settimeout(10)
+        try:
+            while s.recv(4096):
+                pass
+        except TimeoutError:
+            return False
+        except OSError:
+            pass
+        return True
+
+    assert all(await asyncio.to_thread(lambda: [closed(s) for s in socks]))
+    for s in socks:
+        s.close()
+    await wait_until(lambda: len(os.listdir(f"/proc/{router.child.pid}/fd")) < fds0 + 20, within_s=15,
+                     what="the router's fds back")
+    # a kept-alive connection: the next request's headers have the same bound
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        assert closed(s) and time.monotonic() - t0 < 5  # its header bound, not the keep-alive's 30 s

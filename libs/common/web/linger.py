@@ -17,6 +17,13 @@ the incident pipeline's).
 
 Invariants: a connection lingers at most once and at most `max_s`; what it drops is never buffered (no memory
 grows with the body); a transport that cannot half-close is closed at once, as before.
+
+The same protocol also bounds how long a request's headers may take (`header_timeout_s`, what nginx's
+`client_header_timeout` does): from a connection's start, or from the first byte of the next request on a kept-alive
+one, its headers must be complete within that time, or the connection is closed. uvicorn has no such bound: a
+client sending a header line now and then ("slowloris"), or nothing at all, held its connection, an fd and memory
+forever, and enough of them took every fd of the process (tests/router/test_api_keys.py: 3,000 such connections
+still open after 40 s before this).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import asyncio
 import logging
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("holdfast.web")
@@ -37,6 +45,7 @@ class LingerStats:
         self.lingered = 0  # connections closed through a linger
         self.dropped_bytes = 0  # bytes read and dropped while lingering
         self.cut = 0  # lingers ended by a bound (bytes or time) with the client still sending: a reset may follow
+        self.slow_headers = 0  # connections closed because a request's headers took over `header_timeout_s`
 
 
 class _LingeringTransport:
@@ -95,19 +104,27 @@ class _LingeringTransport:
         self.finish()
 
 
-def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (Config `http=`) whose connections close by lingering."""
+def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats,
+                  header_timeout_s: float = 10.0) -> type[H11Protocol]:
+    """uvicorn's h11 protocol (Config `http=`) whose connections close by lingering, and whose requests' headers
+    must be complete within `header_timeout_s` (0: no bound)."""
 
     class LingeringH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(_LingeringTransport(transport, max_bytes, max_s, stats))  # type: ignore[arg-type]
+            self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
             t = self.transport
             if isinstance(t, _LingeringTransport) and t.lingering:
                 t.drop(len(data))  # never parsed, never kept
                 return
+            self._arm_header_timer()  # the next request's first bytes on a kept-alive connection
             super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm_header_timer()  # its headers are in
 
         def eof_received(self) -> bool | None:  # type: ignore[override]
             t = self.transport
@@ -117,9 +134,26 @@ def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats) -> type[H11P
             return super().eof_received()  # type: ignore[func-returns-value]
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
             t = self.transport
             if isinstance(t, _LingeringTransport):
                 t.finish()
             super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if header_timeout_s > 0 and self._header_timer is None and self.conn.their_state is h11.IDLE:
+                self._header_timer = asyncio.get_running_loop().call_later(header_timeout_s, self._headers_late)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            idle = self.cycle is None or self.cycle.response_complete  # no request of this connection running
+            if self.conn.their_state is h11.IDLE and idle and not self.transport.is_closing():
+                stats.slow_headers += 1
+                self.transport.close()  # nothing was asked (no headers yet): nothing to answer
 
     return LingeringH11

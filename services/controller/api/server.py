@@ -137,7 +137,8 @@ class ApiThread:
                              is_leader=self.is_leader, tokens=self.tokens)
             config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=STOP_DEADLINE_S,
-                                    http=lingering_h11(s.api_linger_max_bytes, s.api_linger_max_s, self.linger))
+                                    http=lingering_h11(s.api_linger_max_bytes, s.api_linger_max_s, self.linger,
+                                                      s.api_header_timeout_s))
             self._server = server = ApiServer(config)
             if self._stop.is_set():
                 return
