@@ -176,6 +176,18 @@ def overdue(records: list[EngineRecord], now: float, timeout_s: float,
             and now - r.last_heartbeat > limit(r)]
 
 
+def credit_absence(records: list[EngineRecord], absent_s: float, now: float) -> None:
+    """The agent itself did not run for `absent_s` (stopped, its loop blocked, its machine paused): what engines sent
+    meanwhile waits unread in its sockets, so silence it could not hear is not held against them. Each armed
+    heartbeat deadline moves on by that long (never past now); a hang is still seen once the engine is silent for
+    the timeout while the agent listens."""
+    if absent_s <= 0:
+        return
+    for r in records:
+        if r.last_heartbeat is not None:
+            r.last_heartbeat = min(now, r.last_heartbeat + absent_s)
+
+
 def never_linked(records: list[EngineRecord], now: float, specs: dict[str, EngineSpec]) -> list[EngineRecord]:
     """Engines that never connected within twice their spec's cold-start time: hung during startup."""
     out = []

@@ -76,6 +76,7 @@ class Agent:
         self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.faults_published = 0
+        self._listened_at: float | None = None  # the heartbeat monitor's last pass (monotonic)
         self._reconcile_now = asyncio.Event()
         # The node's GPUs (NVML's, or the host backend's simulated list: app.py sets them) and the unhealthy ones.
         self.gpus: list[GpuEntry] = simulated_gpus(settings.gpus, settings.node)
@@ -275,7 +276,17 @@ class Agent:
                 self.writer.delete_engine(self.node, rec.engine_id)
         self._resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} exited"))
 
-    def check_heartbeats(self, now: float) -> None:
+    def check_heartbeats(self, now: float, period: float) -> None:
+        """Every `period`: the engines silent past their timeout are hung, the agent's own absence not counted
+        (a 12 s SIGSTOP of the agent once declared every engine of the node hung the moment it ran again, their
+        heartbeats of those 12 s still unread in its sockets)."""
+        absent = 0.0 if self._listened_at is None else now - self._listened_at - period
+        self._listened_at = now
+        if absent > period:  # more than a pass late: this agent was not running
+            supervision.credit_absence(self.records(), absent, now)
+            if absent > self.settings.heartbeat_timeout_s / 2:
+                log.warning("the agent did not run for %.3f s: engines' heartbeat deadlines moved on by as much",
+                            absent)
         for rec in supervision.overdue(self.records(), now, self.settings.heartbeat_timeout_s,
                                        self.settings.start_heartbeat_timeout_s):
             late = now - (rec.last_heartbeat or now)
@@ -559,7 +570,7 @@ class Agent:
         period = max(0.01, min(0.1, self.settings.heartbeat_timeout_s / 10))
         while True:
             await asyncio.sleep(period)
-            self.check_heartbeats(time.monotonic())
+            self.check_heartbeats(time.monotonic(), period)
 
     async def close(self) -> None:
         for link in list(self.links.values()):

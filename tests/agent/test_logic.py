@@ -83,3 +83,15 @@ def test_an_engine_that_never_connects_within_twice_its_cold_start_is_flagged() 
     slow = rec("slow", state=State.STARTING, spawned_mono=0.0)
     assert never_linked([slow], 9.0, {KEY: SPEC}) == []
     assert never_linked([slow], 11.0, {KEY: SPEC}) == [slow]
+
+
+def test_an_agents_own_absence_is_not_an_engines_silence() -> None:
+    from services.agent.supervision import credit_absence
+
+    quiet = rec("quiet", last_heartbeat=10.0)  # last heard at 10.0; the agent then stopped until 22.0
+    recent = rec("recent", last_heartbeat=21.9)
+    unarmed = rec("unarmed")
+    credit_absence([quiet, recent, unarmed], 11.9, 22.0)
+    assert overdue([quiet, recent, unarmed], 22.0, 1.0) == []
+    assert quiet.last_heartbeat == 21.9 and recent.last_heartbeat == 22.0 and unarmed.last_heartbeat is None
+    assert [r.engine_id for r in overdue([quiet, recent], 23.0, 1.0)] == ["quiet"]  # silent while listened to
