@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +121,37 @@ def demo(
     sys.exit(demo_mod.run(json_only=json_only, size=size))
 
 
+@contextlib.contextmanager
+def admin_api(api_url: str) -> Iterator[None]:
+    """A call of the admin API: no answer, or a refusal, is said in one line and exits 1 (not a traceback)."""
+    import httpx
+
+    try:
+        yield
+    except httpx.HTTPStatusError as e:
+        r = e.response
+        try:
+            body = r.json()
+            said = body.get("message") or body.get("error") or r.text
+        except ValueError:
+            said = r.text[:300]
+        hint = " (the token: --token or HF_ADMIN_TOKEN)" if r.status_code in (401, 403) else ""
+        console.print(f"[red]the admin API at {api_url} answered {r.status_code}: {said}{hint}[/red]")
+        raise typer.Exit(1) from None
+    except httpx.HTTPError as e:
+        console.print(f"[red]no answer from the admin API at {api_url}: {e or type(e).__name__} (is the controller "
+                      f"running there? --api-url or HF_API_URL)[/red]")
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def status(
     api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
     token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin or read token"),
 ) -> None:
     """Nodes, engines, leases and incidents as tables (from the controller's REST API)."""
-    importlib.import_module("services.controller.status_cli").status(api_url, token)
+    with admin_api(api_url):
+        importlib.import_module("services.controller.status_cli").status(api_url, token)
 
 
 @app.command()
@@ -139,21 +165,21 @@ def snapshot(
     """Write a lease's weights to a weight artifact on its node (POST /v1/leases/{id}/snapshot; docs/restore.md)."""
     import httpx
 
-    r = httpx.post(f"{api_url}/v1/leases/{lease_id}/snapshot", json={"artifact": artifact, "host_tier": host_tier},
-                   headers={"Authorization": f"Bearer {token}"}, timeout=900)
+    with admin_api(api_url):
+        r = httpx.post(f"{api_url}/v1/leases/{lease_id}/snapshot", json={"artifact": artifact, "host_tier": host_tier},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=900)
+        r.raise_for_status()
     console.print_json(r.text)
-    if r.status_code != 200:
-        raise typer.Exit(1)
 
 
 def _engine_call(engine_id: str, what: str, level: int, timeout_s: float, api_url: str, token: str) -> None:
     import httpx
 
-    r = httpx.post(f"{api_url}/v1/engines/{engine_id}/{what}", json={"level": level, "timeout_s": timeout_s},
-                   headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s + 15)
+    with admin_api(api_url):
+        r = httpx.post(f"{api_url}/v1/engines/{engine_id}/{what}", json={"level": level, "timeout_s": timeout_s},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s + 15)
+        r.raise_for_status()
     console.print_json(r.text)
-    if r.status_code != 200:
-        raise typer.Exit(1)
 
 
 @engine_app.command("sleep")

@@ -30,6 +30,16 @@ def test_each_service_explains_its_flags(service: str) -> None:
     assert "--nats-url" in r.stdout and "--node" in r.stdout
 
 
+@pytest.mark.parametrize("argv", [["status"], ["snapshot", "lease-x"], ["engine", "sleep", "eng-x"]])
+def test_an_admin_command_without_a_controller_says_so_in_one_line(argv: list[str]) -> None:
+    port = procs.free_port()  # nothing listens there
+    r = subprocess.run([*HOLDFAST, *argv, "--api-url", f"http://127.0.0.1:{port}"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"no answer from the admin API at http://127.0.0.1:{port}" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr and len(r.stdout.strip().splitlines()) <= 3
+
+
 def test_up_starts_every_service_healthy_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
     ports = [procs.free_port() for _ in range(4)]
     argv = [*HOLDFAST, "up", "--nats-port", str(ports[0]), "--etcd-port", str(ports[1]), "--api-port", str(ports[2]),
@@ -54,6 +64,9 @@ def test_up_starts_every_service_healthy_and_sigterm_leaves_no_process(tmp_path:
                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert status.returncode == 0, status.stdout + status.stderr
     assert "node-1" in status.stdout
+    refused = subprocess.run([*HOLDFAST, "status", "--api-url", f"http://127.0.0.1:{ports[2]}", "--token", "wrong"],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert refused.returncode == 1 and "answered 401" in refused.stdout and "Traceback" not in refused.stdout + refused.stderr
     up.send_signal(signal.SIGTERM)
     up.wait(60)
     assert up.returncode == 0
