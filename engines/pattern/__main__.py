@@ -53,6 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--exit-code", type=int, default=int(env.get("HF_PATTERN_EXIT_CODE", "0")))
     p.add_argument("--fatal-prompt", default=env.get("HF_PATTERN_FATAL_PROMPT") or None,
                    help="a prompt containing this ends the engine: engine_error in-band, then exit 70")
+    p.add_argument("--hang-prompt", default=env.get("HF_PATTERN_HANG_PROMPT") or None,
+                   help="a prompt containing this blocks the HTTP server for good (heartbeats go on): a gray failure")
     p.add_argument("--crash-on-assign", action="store_true", default=bool(env.get("HF_PATTERN_CRASH_ON_ASSIGN")),
                    help="standby: die (exit 9) when assigned, as a standby that fails mid-takeover would")
     p.add_argument("--load-s", type=float, default=float(env.get("HF_PATTERN_LOAD_S", "0")),
@@ -126,7 +128,8 @@ def serve_alone(args: argparse.Namespace, stop: threading.Event) -> int:
 
     engine_id = args.id or new_id("pattern")
     state = PatternState(engine_id, model=args.model, slots=args.slots, max_seq=args.max_seq,
-                         token_interval_s=args.token_interval_s, seed=args.seed, fatal_prompt=args.fatal_prompt)
+                         token_interval_s=args.token_interval_s, seed=args.seed, fatal_prompt=args.fatal_prompt,
+                         hang_prompt=args.hang_prompt)
     http = serve_http(state, args.port)
     state.state = "ready"
     if args.ready_file:
@@ -149,7 +152,7 @@ def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
 
         state = PatternState(link.engine_id, model=os.environ.get("HF_MODEL", args.model), slots=args.slots,
                              max_seq=args.max_seq, token_interval_s=args.token_interval_s, seed=args.seed,
-                             fatal_prompt=args.fatal_prompt, role=link.role, state="standby" if link.role == "standby" else "starting")
+                             fatal_prompt=args.fatal_prompt, hang_prompt=args.hang_prompt, role=link.role, state="standby" if link.role == "standby" else "starting")
         endpoint = serve_http(state, args.port).endpoint
 
     if link.role == "standby":

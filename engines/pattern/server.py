@@ -54,6 +54,7 @@ class PatternState:
     token_interval_s: float = 0.002
     seed: int = 7  # the memory pattern's
     fatal_prompt: str | None = None  # a prompt containing it ends the engine (__main__.py --fatal-prompt)
+    hang_prompt: str | None = None  # a prompt containing it blocks the HTTP server for good (--hang-prompt)
     state: str = "starting"  # starting, standby, ready
     role: str = "active"
     view: np.ndarray | None = None  # the leased memory (agent mode), None without
@@ -163,6 +164,8 @@ def build_app(state: PatternState) -> Starlette:
             context = check(state, body)
         except Refused as e:
             return e.response()
+        if state.hang_prompt and body.prompt and state.hang_prompt in body.prompt:
+            time.sleep(1e9)  # noqa: ASYNC251 - on purpose: a deadlocked server; the link thread heartbeats on
         lines = generation(state, body, context)
         if body.stream:
             return StreamingResponse(_ndjson(lines), media_type="application/x-ndjson")

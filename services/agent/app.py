@@ -90,6 +90,7 @@ async def setup(rt: Runtime) -> None:
     rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
 
     rt.spawn("monitor", agent.monitor_loop())
+    rt.spawn("probes", agent.probe_loop())
     rt.spawn("exiting", agent.exiting_loop())
     rt.spawn("reconcile", agent.reconcile_loop())
     rt.spawn("incident-ends", follow_incident_ends(agent, rt.store, settings.reconcile_interval_s))

@@ -25,6 +25,11 @@ class AgentSettings(CommonSettings):
     start_heartbeat_timeout_s: float = Field(10.0, description="the same while an engine starts (not yet ready or "
                                              "standing by): imports and weight loads hold its interpreter for "
                                              "seconds on a loaded machine, and it serves nobody yet")
+    probe_interval_s: float = Field(5.0, ge=0, description="how often a serving engine's HTTP server is asked "
+                                    "GET /health (0: never): heartbeats come from a thread of their own, so an "
+                                    "engine whose server is stuck still heartbeats")
+    probe_timeout_s: float = Field(5.0, gt=0, description="a probe not answered within this has failed")
+    probe_failures: int = Field(3, ge=1, description="probes failed in a row before the engine is declared hung")
     node_ttl_s: int = Field(3, description="etcd lease of nodes/<node>: a dead agent's node key vanishes after this")
     stop_timeout_s: float = Field(5.0, description="SIGTERM, then SIGKILL after this long")
     takeover_timeout_s: float = Field(15.0, description="a standby must be ready this long after its assignment")

@@ -176,6 +176,25 @@ def overdue(records: list[EngineRecord], now: float, timeout_s: float,
             and now - r.last_heartbeat > limit(r)]
 
 
+def probe_targets(records: list[EngineRecord]) -> list[EngineRecord]:
+    """The engines whose HTTP server is probed: active, serving, reachable at an endpoint, not failed."""
+    return [r for r in records if r.role is EngineRole.ACTIVE and r.state is State.READY and r.endpoint
+            and not r.faulted]
+
+
+def count_probes(failures: dict[str, int], answered: dict[str, bool], limit: int) -> list[str]:
+    """One round of probes: `failures` (consecutive, per engine) updated in place from `answered`; engines not
+    probed this round are forgotten. Returns the engines whose failures reached `limit` this round."""
+    for engine_id in [e for e in failures if e not in answered]:
+        del failures[engine_id]
+    out = []
+    for engine_id, ok in answered.items():
+        failures[engine_id] = 0 if ok else failures.get(engine_id, 0) + 1
+        if failures[engine_id] == limit:
+            out.append(engine_id)
+    return out
+
+
 def credit_absence(records: list[EngineRecord], absent_s: float, now: float) -> None:
     """The agent itself did not run for `absent_s` (stopped, its loop blocked, its machine paused): what engines sent
     meanwhile waits unread in its sockets, so silence it could not hear is not held against them. Each armed

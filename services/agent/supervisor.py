@@ -565,6 +565,46 @@ class Agent:
                 log.error("cannot start a %s engine of %s: %s", role.value, key, e)
         await shadows.reconcile(self)
 
+    async def probe_loop(self) -> None:
+        """Every `probe_interval_s`, GET /health of each serving engine: `probe_failures` rounds in a row without an
+        answer within `probe_timeout_s` is a hang of its server (a gray failure: its heartbeats, from a thread of
+        their own, go on; the router meanwhile waits `token_timeout_s` per request on it). A round in which the
+        agent itself was not running (its sleep or its probes far later than asked) counts for nobody."""
+        import httpx
+
+        s = self.settings
+        if s.probe_interval_s <= 0:
+            return
+        failures: dict[str, int] = {}
+        async with httpx.AsyncClient(timeout=s.probe_timeout_s, trust_env=False) as client:
+            while True:
+                t0 = time.monotonic()
+                await asyncio.sleep(s.probe_interval_s)
+                targets = supervision.probe_targets(self.records())
+                t1 = time.monotonic()
+                results = await asyncio.gather(*(self._answers(client, r.endpoint or "") for r in targets))
+                late = (t1 - t0 - s.probe_interval_s) + max(0.0, time.monotonic() - t1 - s.probe_timeout_s)
+                if late > min(s.probe_interval_s, s.probe_timeout_s) / 2:
+                    continue  # the agent was away: a timeout this round may be its own
+                answered = {r.engine_id: ok for r, ok in zip(targets, results, strict=True)}
+                for engine_id in supervision.count_probes(failures, answered, s.probe_failures):
+                    rec = self.engines.get(engine_id)
+                    if rec is not None and rec in targets and not rec.faulted:
+                        self.fault(rec, FaultKind.HUNG, died_at=time.time(),
+                                   detail=f"its HTTP server answered no GET /health in {s.probe_failures} probes "
+                                          f"({s.probe_timeout_s:g} s each); heartbeats went on")
+
+    @staticmethod
+    async def _answers(client: Any, endpoint: str) -> bool:
+        """Whether the server at `endpoint` answers at all (any status: its loop runs)."""
+        import httpx
+
+        try:
+            await client.get(f"{endpoint}/health")
+        except httpx.HTTPError:
+            return False
+        return True
+
     async def monitor_loop(self) -> None:
         """Heartbeat deadlines, checked often enough that a hang is seen within timeout + 1/10 of it."""
         period = max(0.01, min(0.1, self.settings.heartbeat_timeout_s / 10))

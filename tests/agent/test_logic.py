@@ -95,3 +95,13 @@ def test_an_agents_own_absence_is_not_an_engines_silence() -> None:
     assert overdue([quiet, recent, unarmed], 22.0, 1.0) == []
     assert quiet.last_heartbeat == 21.9 and recent.last_heartbeat == 22.0 and unarmed.last_heartbeat is None
     assert [r.engine_id for r in overdue([quiet, recent], 23.0, 1.0)] == ["quiet"]  # silent while listened to
+
+
+def test_probes_count_failures_in_a_row_and_forget_engines_no_longer_probed() -> None:
+    from services.agent.supervision import count_probes
+
+    failures: dict[str, int] = {}
+    assert count_probes(failures, {"a": False, "b": False}, 2) == []
+    assert count_probes(failures, {"a": False, "b": True}, 2) == ["a"]  # b answered: its count starts over
+    assert count_probes(failures, {"a": False, "b": False}, 2) == []  # a is reported once, at the limit
+    assert count_probes(failures, {"b": False}, 2) == ["b"] and "a" not in failures

@@ -1,13 +1,17 @@
-"""Engines slow to start on a loaded machine: a start-up that misses heartbeats is not a hang, and an engine declared
-hung because it connected too late is replaced, never taken back (one engine more than the spec wants)."""
+"""What is a hang and what is not: a start-up that misses heartbeats on a loaded machine is not; an engine declared
+hung because it connected too late is replaced, never taken back (one engine more than the spec wants); an engine
+whose HTTP server is stuck is, though its heartbeats go on."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 from pathlib import Path
+
+import httpx
 
 from libs.common.bus import Bus
 from libs.common.events import EngineRole, EngineSpec, FaultKind, ListEngines, ListEnginesReply
@@ -71,3 +75,22 @@ async def test_heartbeats_missed_while_starting_are_not_a_hang(agent: AgentProce
     fault = await recorder.wait("fault.detected", within_s=10)
     assert fault.engine_id == started.engine_id and fault.kind is FaultKind.HUNG
     os.kill(started.pid, signal.SIGKILL)
+
+
+async def test_an_engine_whose_http_server_is_stuck_is_hung_though_it_heartbeats(agent: AgentProcess,
+                                                                                  recorder: Recorder) -> None:
+    # A gray failure: the engine's server loop blocks for good on one request (a deadlock), while its agent link's
+    # thread heartbeats on. Probes of GET /health (every 0.5 s here) find it; a healthy engine is left alone.
+    agent.start([pattern_spec(env={"HF_PATTERN_HANG_PROMPT": "HANG"})], probe_interval_s=0.5, probe_timeout_s=0.5,
+                probe_failures=3)
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE, within_s=30)).engine
+    assert active.endpoint
+    await asyncio.sleep(3.0)  # six rounds of probes answered
+    assert not recorder.of("fault.detected")
+
+    def stuck_request() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{active.endpoint}/generate", json={"prompt": "HANG", "max_tokens": 4}, timeout=2)
+    await asyncio.to_thread(stuck_request)
+    fault = await recorder.wait("fault.detected", lambda f: f.engine_id == active.engine_id, within_s=30)
+    assert fault.kind is FaultKind.HUNG and "HTTP server" in fault.detail and "heartbeats went on" in fault.detail
