@@ -54,10 +54,20 @@ def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
     api = APIRouter()
     started = int(time.time())
 
+    def model(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "holdfast"}
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": started, "owned_by": "holdfast"}
-                                           for m in table.known()]}
+        return {"object": "list", "data": [model(m) for m in table.known()]}
+
+    @api.get("/v1/models/{name:path}", response_model=None)
+    async def one_model(name: str) -> Any:
+        """What `client.models.retrieve(name)` asks: the model, or OpenAI's 404."""
+        if name not in table.known():
+            e = OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            return JSONResponse(status_code=404, content=e.body())
+        return model(name)
 
     @api.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response | dict[str, Any]:

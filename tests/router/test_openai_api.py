@@ -148,6 +148,10 @@ async def test_errors_have_openais_shape_and_status_unknown_model_404_bad_body_4
     c = client(openai_stack.router.url)
     models = await c.models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
+    assert (await c.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as gone:
+        await c.models.retrieve("no-such-model")
+    assert gone.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError) as nf:
         await c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert nf.value.code == "model_not_found" and nf.value.param == "model" and nf.value.type == "invalid_request_error"
