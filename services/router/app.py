@@ -5,10 +5,9 @@ apply it, then apply the buffered events in order. An event that raced the snaps
 after it, never lost or undone. Then `keep_in_sync` re-reads that level on every NATS reconnect and every
 `reconcile_s` (sync.py), so events missed while NATS was away are made up for.
 
-The HTTP API is behind the guard every Holdfast API shares (libs/common/web/guard.py): a client without one of the
-router's API keys (settings `api_keys`, `api_keys_file`, `api_key`; one generated into the state dir when none is
-set) gets 401 and a body over `max_body_bytes` 413, from the headers, before a byte of the body is read; only
-`/healthz` is public. `allow_anonymous` turns the key check off (and says so in the log).
+The HTTP API is behind the guard every Holdfast API shares (libs/common/web/guard.py): where keys are asked for
+(`api_keys`), a client without one gets 401, and any body over `max_body_bytes` 413, from the headers, before a
+byte of the body is read; only `/healthz` is public.
 """
 
 from __future__ import annotations
