@@ -156,9 +156,12 @@ class Commands:
     async def transfer(self, cmd: Transfer) -> TransferReply:
         async with self.book.lock:
             recs = self.book.frozen_for_transfer(cmd.owner, cmd.transfer_token)
-            for rec in recs:
-                rec.successor = cmd.successor
-            await self.book.persist(recs)
+
+            def name_successor() -> None:
+                for rec in recs:
+                    rec.successor = cmd.successor
+
+            await self.book.update(recs, name_successor)
             return TransferReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs))
 
     async def share(self, cmd: ShareWeights) -> ShareWeightsReply:

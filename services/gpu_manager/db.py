@@ -7,11 +7,15 @@ rows its change goes with (a takeover's new owners, epochs and generation; a rec
 manager killed at any point restarts with a gang that matches its leases. A row that cannot be read back is set
 aside into `quarantine` (quarantine.py), each row on its own: the others load. A failed GPU's row in `gpu_health` is
 written before its leases are reclaimed and deleted only when it is marked healthy (gpu_board.py invariant 4).
+A write the database refuses (its disk full, an I/O error, the database locked or away) rolls back whole and raises
+`TableUnwritable`, a typed `unavailable` reply: nothing changed, and the same write works once the condition ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -28,7 +32,9 @@ from sqlalchemy import (
     event,
     select,
 )
+from sqlalchemy.exc import OperationalError
 
+from libs.common.errors import Unavailable
 from services.gpu_manager.gang import Gang
 from services.gpu_manager.quarantine import BadRow, LeaseRow, gang_defects
 from services.gpu_manager.records import LeaseRecord, RowDefect, gang_from_row, gang_to_row
@@ -85,6 +91,20 @@ quarantine = Table(
 )
 
 
+class TableUnwritable(Unavailable):
+    """The database refused a write (SQLite: its disk full, an I/O error, locked); the transaction rolled back, so
+    the table is as it was. Code `unavailable`: the caller may ask again once the condition ends."""
+
+
+@contextlib.contextmanager
+def _writing(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OperationalError as e:
+        raise TableUnwritable(f"the lease table cannot be written ({what}): {e.orig}; nothing changed, "
+                              "ask again once the database can be written (its disk has room)") from e
+
+
 class LeaseDb:
     def __init__(self, url: str) -> None:
         self.engine = create_engine(url, future=True)
@@ -137,14 +157,14 @@ class LeaseDb:
     def save_gpu_health(self, node: str, uuid: str, index: int, failed: str | None, at: float) -> None:
         """GPU `uuid` failed (`failed`: why) or healthy (None: its row goes). Idempotent."""
         key = (gpu_health.c.node == node) & (gpu_health.c.uuid == uuid)
-        with self.engine.begin() as conn:
+        with _writing(f"GPU {uuid}'s health"), self.engine.begin() as conn:
             conn.execute(gpu_health.delete().where(key))
             if failed is not None:
                 conn.execute(gpu_health.insert().values(node=node, uuid=uuid, gpu=index, detail=failed, at=at))
 
     def set_aside(self, node: str, bad: list[BadRow], at: float) -> None:
         """Move rows to `quarantine`, in one transaction: each leaves its table as its copy lands there."""
-        with self.engine.begin() as conn:
+        with _writing("quarantine"), self.engine.begin() as conn:
             for item in bad:
                 conn.execute(quarantine.insert().values(node=node, kind=item.kind, key=item.key, reason=item.reason,
                                                         row=item.row, at=at))
@@ -158,7 +178,7 @@ class LeaseDb:
         """Upsert lease rows, upsert and delete gang rows, all in one transaction (portable: update, then insert
         what did not exist). The tensor list is written only where it changed (`tensors_dirty`); the caller
         clears the flag once committed."""
-        with self.engine.begin() as conn:
+        with _writing("lease and gang rows"), self.engine.begin() as conn:
             for rec in records:
                 row = rec.to_row(with_tensors=rec.tensors_dirty)
                 res = conn.execute(leases.update().where(leases.c.id == rec.id).values(**row))

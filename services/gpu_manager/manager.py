@@ -21,6 +21,9 @@ Invariants (numbered as in the service README):
    them out of `records` all at once, before any memory is freed: no reader sees part of such a commit.
 7. `load` reads each row on its own: a lease or gang row that cannot be read back is set aside (quarantine.py),
    logged with its reason, and every other row is loaded; the manager starts and serves.
+8. A write the database refuses (`TableUnwritable`: its disk full) changes nothing: the request that needed it gets
+   the typed `unavailable` reply, the records stay as the table has them (`apply_all` stages on copies, `update`
+   puts edits back), the reconciler retries on its next pass, and everyone else is served as before.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from libs.common.events import LeaseInfo, LeaseState, Tag
 from libs.common.ids import new_id
 from services.gpu_manager import reconciler
 from services.gpu_manager.backends import Backend, Chunk, HostBackend, round_up
-from services.gpu_manager.db import LeaseDb
+from services.gpu_manager.db import LeaseDb, TableUnwritable
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 from services.gpu_manager.gang import Gang, ended
 from services.gpu_manager.gpu_board import GpuBoard
@@ -231,9 +234,13 @@ class LeaseBook:
 
     async def owner_exited(self, pid: int) -> None:
         async with self.lock:
-            await self.apply_all([Move(rec, LeaseEvent.OWNER_LOST, "owner_exited") for rec in self.records.values()
-                                  if rec.owner_pid == pid and rec.info.state in (LeaseState.ACTIVE, LeaseState.SLEEPING)
-                                  and not self.owner_alive(rec)])
+            try:
+                await self.apply_all([Move(rec, LeaseEvent.OWNER_LOST, "owner_exited") for rec in self.records.values()
+                                      if rec.owner_pid == pid
+                                      and rec.info.state in (LeaseState.ACTIVE, LeaseState.SLEEPING)
+                                      and not self.owner_alive(rec)])
+            except TableUnwritable as e:  # the reconciler's pass sees the dead owner again (invariant 8)
+                log.warning("pid %d exited; its leases stay as they are for now: %s", pid, e)
 
     @staticmethod
     def owner_alive(rec: LeaseRecord) -> bool:
@@ -328,6 +335,19 @@ class LeaseBook:
         for rec in records:
             rec.tensors_dirty = False
 
+    async def update(self, records: Sequence[LeaseRecord], change: Callable[[], None]) -> None:
+        """`change()` edits `records` in place, then their rows are written; a refused write puts every record
+        back as it was (invariant 8). Caller holds `self.lock`."""
+        before = [(rec, dataclasses.replace(rec, tensors=dict(rec.tensors))) for rec in records]
+        change()
+        try:
+            await self.persist(list(records))
+        except Exception:
+            for rec, old in before:
+                for f in dataclasses.fields(old):
+                    setattr(rec, f.name, getattr(old, f.name))
+            raise
+
     async def _free(self, rec: LeaseRecord) -> None:
         self.records.pop(rec.id, None)
         chunks = self.chunks.pop(rec.id, [])
@@ -414,6 +434,16 @@ class LeaseBook:
             return len(actions)
 
     async def reconcile_forever(self) -> None:
+        failing: TableUnwritable | None = None
         while True:
             await asyncio.sleep(self.settings.reconcile_interval_s)
-            await self.reconcile_once()
+            try:
+                await self.reconcile_once()
+            except TableUnwritable as e:  # nothing moved: the next pass plans it again (invariant 8)
+                if failing is None:
+                    log.warning("reconciler: %s; retrying every pass", e)
+                failing = e
+                continue
+            if failing is not None:
+                log.info("reconciler: the lease table is written again")
+                failing = None

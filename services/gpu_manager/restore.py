@@ -25,6 +25,7 @@ peer, matched its hash); a restore that fails leaves no lease behind.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import secrets
@@ -34,7 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from libs.common.errors import Conflict, HoldfastError, NotFound
+from libs.common.errors import Conflict, HoldfastError, NotFound, Unavailable
 from libs.common.events import LeaseState, SnapshotReply, Tag
 from services.gpu_manager.artifact import (
     FORMAT_VERSION,
@@ -163,7 +164,7 @@ class WeightCopies:
                 man, path, direct = None, "", False
                 try:
                     if artifact:
-                        man, path, direct = await asyncio.to_thread(self._write_artifact, window, rec, name)
+                        man, path, direct = await self._artifact(window, rec, name)
                     if host_tier:
                         man = await self._write_tier(window, rec, name)
                 finally:
@@ -198,6 +199,16 @@ class WeightCopies:
                         layout_hash=rec.info.layout_hash, tensors=list(rec.tensors.values()), block_bytes=self.block_bytes,
                         file_bytes=self.file_bytes, files=file_names(size, self.file_bytes), hash=HASH, blocks=digests,
                         root=root_digest(digests), node=self.settings.node, created_at=time.time(), write_s=seconds)
+
+    async def _artifact(self, window: Any, rec: LeaseRecord, name: str) -> tuple[Manifest, str, bool]:
+        """The artifact written whole; a full disk is `unavailable` (the partial files removed, an older copy kept)."""
+        try:
+            return await asyncio.to_thread(self._write_artifact, window, rec, name)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise Unavailable(f"no room for artifact {name} in {self.root} ({e.strerror}): nothing written, "
+                              "ask again once its disk has room") from e
 
     def _write_artifact(self, window: Any, rec: LeaseRecord, name: str) -> tuple[Manifest, str, bool]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -366,9 +377,12 @@ class WeightCopies:
         async with self.book.lock:
             if rec.info.state != LeaseState.ACTIVE or rec.id not in self.book.records:
                 raise Conflict(f"restored lease {rec.id} is {rec.info.state.value}: its engine went away")
-            for meta in rebase(man.tensors, rec.id):
-                rec.set_tensor(meta)
-            await self.book.persist([rec])
+
+            def register() -> None:
+                for meta in rebase(man.tensors, rec.id):
+                    rec.set_tensor(meta)
+
+            await self.book.update([rec], register)
             self.peers.record(rec.id, man)  # it holds the copy's bytes: every block read whole (and checked)
         stats = {"bytes": float(man.size), "fill_s": round(fill.seconds, 4),
                  "fill_gib_s": gib_s(man.size, fill.seconds), "total_s": round(time.perf_counter() - t0, 4),

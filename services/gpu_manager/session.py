@@ -319,18 +319,25 @@ class EngineSession:
             if meta.offset + tensor_extent(meta) > rec.info.size:
                 raise MalformedMessage(f"tensor {meta.name} ends past lease {rec.id} ({rec.info.size} bytes)")
             touched.append((rec, meta))
-        for rec, meta in touched:  # validated all before changing any
-            rec.set_tensor(meta)
-            rec.update(layout_hash=None)
-        await self.book.persist(list({id(r): r for r, _ in touched}.values()))
+
+        def change() -> None:  # validated all before changing any
+            for rec, meta in touched:
+                rec.set_tensor(meta)
+                rec.update(layout_hash=None)
+
+        await self.book.update(list({id(r): r for r, _ in touched}.values()), change)
 
     async def commit(self, peer: Peer) -> CommitReply:
         mine = self._mine(peer)
         digest = layout_hash([t for r in mine for t in r.tensors.values()])
-        for rec in mine:
-            rec.update(layout_hash=digest)
+
+        def change() -> None:
+            for rec in mine:
+                rec.update(layout_hash=digest)
+
+        await self.book.update(mine, change)
+        for rec in mine:  # announced once durable
             self.book.mirror.lease_changed(rec.info, rec.info.state, "committed")
-        await self.book.persist(mine)
         if self.copies is not None:
             self.copies.after_commit(mine)  # the artifact and host tier copies the settings ask for
         return CommitReply(layout_hash=digest)
