@@ -121,6 +121,11 @@ def demo(
     sys.exit(demo_mod.run(json_only=json_only, size=size))
 
 
+def say(line: str) -> None:
+    """One line of error, whole (a script greps it) and as written (brackets in it are not markup)."""
+    console.print(line, style="red", markup=False, soft_wrap=True, highlight=False)
+
+
 @contextlib.contextmanager
 def admin_api(api_url: str) -> Iterator[None]:
     """A call of the admin API: no answer, or a refusal, is said in one line and exits 1 (not a traceback)."""
@@ -136,11 +141,11 @@ def admin_api(api_url: str) -> Iterator[None]:
         except ValueError:
             said = r.text[:300]
         hint = " (the token: --token or HF_ADMIN_TOKEN)" if r.status_code in (401, 403) else ""
-        console.print(f"[red]the admin API at {api_url} answered {r.status_code}: {said}{hint}[/red]")
+        say(f"the admin API at {api_url} answered {r.status_code}: {said}{hint}")
         raise typer.Exit(1) from None
     except httpx.HTTPError as e:
-        console.print(f"[red]no answer from the admin API at {api_url}: {e or type(e).__name__} (is the controller "
-                      f"running there? --api-url or HF_API_URL)[/red]")
+        say(f"no answer from the admin API at {api_url}: {e or type(e).__name__} (is the controller running there? "
+            "--api-url or HF_API_URL)")
         raise typer.Exit(1) from None
 
 
