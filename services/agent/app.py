@@ -8,6 +8,7 @@ import os
 import time
 
 from libs.common import wire
+from libs.common.backoff import Backoff
 from libs.common.events import (
     EngineRole,
     ListEngines,
@@ -117,9 +118,23 @@ def _async(fn):  # noqa: ANN001, ANN202 - adapts a plain closer to Runtime.on_cl
 
 
 async def _keep_node_key(rt: Runtime, node: NodeInfo, ttl: int) -> None:
-    """nodes/<node> bound to our etcd lease; a lost lease (etcd partition) is re-granted and re-written."""
+    """nodes/<node> bound to our etcd lease; a lost lease (etcd partition) is re-granted and re-written, and while
+    etcd does not answer that is tried again with backoff: an etcd outage never ends the agent (a chaos run's etcd
+    kill once did, at the grant, and the engines it had just started, not yet registered, came back as strangers
+    beside their replacements)."""
+    backoff = Backoff(first_s=0.2, max_s=5.0, jitter=0.2)
     while True:
-        lease, keepalive = await records.register_node(rt.store, node, ttl)
+        try:
+            lease, keepalive = await records.register_node(rt.store, node, ttl)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - etcd unreachable or slow: temporary, try again
+            delay = backoff.next_delay()
+            log.warning("cannot register node %s in etcd (%s: %s); again in %.1f s", node.node, type(e).__name__, e,
+                        delay)
+            await asyncio.sleep(delay)
+            continue
+        backoff.reset()
         task = asyncio.create_task(keepalive.run(), name="node-lease-keepalive")
         try:
             await keepalive.lost.wait()
