@@ -51,26 +51,33 @@ class Stream(StreamResult):
 
 
 def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None,
-                    step_tokens: int = 2048, prefill_chunk: int = 256, fenced: bool = True) -> list[str]:
+                    step_tokens: int = 2048, prefill_chunk: int = 256, fenced: bool = True,
+                    shadow: bool = True) -> list[str]:
     """The engine in deterministic mode (outputs comparable with the control's); `step_tokens` bounds a step's
     prefill, hence how long one step can hold every stream's next token. `fenced`: its standby's fenced takeover
-    (config.py `fenced_takeover`); off, the standby is assigned once the predecessor's death is confirmed."""
+    (config.py `fenced_takeover`); off, the standby is assigned once the predecessor's death is confirmed.
+    `shadow`: a prepared standby maps the active engine's leases into its reservations before the failure."""
     argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--deterministic",
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
             "--prefill-chunk", str(prefill_chunk)]
     if not fenced:
         argv.append("--no-fenced-takeover")
+    if not shadow:
+        argv.append("--no-shadow")
     if kv_cache_gib:
         argv += ["--kv-cache-gib", str(kv_cache_gib)]
     return argv
 
 
 class LoadScenario(Scenario):
-    """The demo's scenario with the batched engine (its standby adopts; it does not shadow)."""
+    """The demo's scenario with the batched engine. Its standby shadows the active engine (engines/batched/standby.py)
+    where it can prepare (a KV cache of a configured size, or the CPU), unless `shadow` is False."""
 
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
-                 prefill_chunk: int = 256, fenced: bool = True, **kw: Any) -> None:
-        super().__init__(shadow=False, **kw)
+                 prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, **kw: Any) -> None:
+        if shadow is None:
+            shadow = kv_cache_gib is not None or kw.get("backend") == "host"
+        super().__init__(shadow=shadow, **kw)
         self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
         self.step_tokens, self.prefill_chunk, self.fenced = step_tokens, prefill_chunk, fenced
 
@@ -79,7 +86,8 @@ class LoadScenario(Scenario):
         spec = EngineSpec(engine_class="batched", model=MODEL,
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
-                                                  prefill_chunk=self.prefill_chunk, fenced=self.fenced),
+                                                  prefill_chunk=self.prefill_chunk, fenced=self.fenced,
+                                                  shadow=self.shadow),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
         specs_file = self.write_specs(spec)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
@@ -218,10 +226,11 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
 
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
-              prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True) -> dict[str, Any]:
+              prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
+              shadow: bool = True) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
-                      prefill_chunk=prefill_chunk, fenced=fenced)
+                      prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
     pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
@@ -234,7 +243,7 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
             rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm)
                       for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
-                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "fenced": fenced, "no_failure": summarize([control], control),
+                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "fenced": fenced, "shadow": sc.shadow, "no_failure": summarize([control], control),
                 "sigkill": summarize(rounds, control)}
     finally:
         pool.close()

@@ -201,6 +201,8 @@ def cli(
                                      "quarter of the cores, 1 to 8); each reports its loop lag and CPU share"),
     fenced: bool = typer.Option(True, help="with --streams: the standby's fenced takeover (assigned with the kill, "
                                 "mapping during the predecessor's teardown); --no-fenced: assigned after its death"),
+    shadow: bool = typer.Option(True, help="with --streams: the standby maps the active engine's leases into its "
+                                "reservations before the kill (engines/batched/standby.py); --no-shadow: at the takeover"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -218,7 +220,7 @@ def cli(
                                       late=late, trials=trials, max_tokens=max_tokens,
                                       kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
                                       step_tokens=step_tokens, prefill_chunk=prefill_chunk,
-                                      client_procs=client_procs, fenced=fenced))
+                                      client_procs=client_procs, fenced=fenced, shadow=shadow))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}

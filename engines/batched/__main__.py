@@ -42,6 +42,7 @@ from engines.batched.model_runner import ModelRunner
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.server import EngineState, build_app, warm_routes
 from engines.batched.sleep import install as install_sleep
+from engines.batched.standby import await_assignment
 from engines.batched.tp_group import RankGroup
 from engines.batched.warmup import warm_kernels
 from engines.http_thread import HttpThread, write_ready_file
@@ -57,12 +58,12 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
-def open_agent_link(cfg: EngineConfig) -> Any:
+def open_agent_link(cfg: EngineConfig, *, can_shadow: bool) -> Any:
     if cfg.agent == "off" or (cfg.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
     from libs.client.agent_link import AgentLink
 
-    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model,
+    link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model, can_shadow=can_shadow,
                              fences=cfg.role == "standby" and cfg.fenced_takeover and cfg.tp == 1)
     if cfg.role == "active":
         link.start_heartbeats(HEARTBEAT_S)
@@ -189,7 +190,8 @@ def run(cfg: EngineConfig) -> int:
     http = HttpThread(build_app(state), cfg.host, cfg.port, warm_routes)
     http.start()
     memory = open_memory(cfg, device)
-    link = open_agent_link(cfg)
+    prepares = cfg.role == "standby" and group is None and can_reserve(cfg, memory, device)
+    link = open_agent_link(cfg, can_shadow=prepares and cfg.shadow)
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
     engine: LLMEngine | None = None
     prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations
@@ -209,7 +211,7 @@ def run(cfg: EngineConfig) -> int:
                 state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
             if link is None:
                 raise RuntimeError("standby mode needs an agent (HF_AGENT_SOCKET) to receive its assignment")
-            if group is None and can_reserve(cfg, memory, device):
+            if prepares:
                 assert isinstance(memory, LeasedMemory)
                 prepared = prepare_runner(cfg, mcfg, memory, layout_of)
                 state.info["prepared"] = prepared[2]
@@ -219,10 +221,11 @@ def run(cfg: EngineConfig) -> int:
             long_lived_gc()
             link.start_heartbeats(HEARTBEAT_S)
             link.ready(None)
-            a = link.wait_assignment()
+            a = await_assignment(link, memory, state.info) if link.can_shadow else link.wait_assignment()
             t_start = time.perf_counter()
             state.role, state.state = "active", "loading"
-            state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang}
+            state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang,
+                                        "shadowed": state.info.pop("shadow", None)}  # mapped before the kill
             if group is not None:  # every rank told the gang: from here on a cold successor group's path, below
                 group.assigned(a.gang, a.gang_generation, a.transfer_token)
             else:
@@ -265,7 +268,8 @@ def run(cfg: EngineConfig) -> int:
             state.info["memory"]["weights"] = loaded.weights_load
         if loaded.source != "file":
             state.t_start = t_start
-            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start),
+            shadowed = (state.info.get("assignment") or {}).get("shadowed")  # its leases mapped before the kill
+            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start), "shadowed": bool(shadowed),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start),
                                       "memory_ms": loaded.timings_ms, **adopted}
             if fence_ms is not None:  # granted before the predecessor's exit: what waited for it, and when

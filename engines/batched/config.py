@@ -76,6 +76,8 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
                                   "teardown overlap the takeover instead of preceding it")
     prepare_standby: bool = Field(True, description="a standby reserves its predecessor's lease addresses and captures "
                                   "its decode graphs there before any failure (__main__.py); false: after the takeover")
+    shadow: bool = Field(True, description="a prepared standby maps the engine the agent names (its weights and KV "
+                         "cache) into its reservations before any failure (standby.py): the takeover maps nothing")
 
     # HTTP
     host: str = "127.0.0.1"

@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -70,6 +72,8 @@ class RangeMapping(ABC):
     base: int
     read_only: bool
     placeheld: bool  # backed by a placeholder (`placeholder`), not by a lease's chunks
+    placeholder_bytes: int  # a placeholder's: the size of its memory mapped again and again
+    adopt_ms: tuple[float, float] | None = None  # the last `adopt`: (placeholder dropped, chunks mapped), until read
 
     def __init__(self, fds: list[int], sizes: list[int], *, read_only: bool = False) -> None:
         self._open(sum(sizes), read_only, placeheld=False, fill=lambda: self.map_pages(fds, sizes))
@@ -84,15 +88,19 @@ class RangeMapping(ABC):
             self.unmap()
             raise
 
-    def adopt(self, fds: list[int], sizes: list[int]) -> None:
-        """The placeholder gives way to a lease's chunks at the same addresses (invariant 2)."""
+    def adopt(self, fds: list[int], sizes: list[int], *, read_only: bool = False) -> None:
+        """The placeholder gives way to a lease's chunks at the same addresses (invariant 2); `read_only`: a
+        shadow of another engine's lease (`writable` once it is this process's)."""
         if not self.placeheld:
             raise HoldfastError("only a placeholder's range can adopt a lease's chunks")
         if sum(sizes) != self.size:
             raise HoldfastError(f"chunks of {sum(sizes)} bytes cannot replace a placeholder of {self.size}")
+        t0 = time.perf_counter()
         self._drop_placeholder()
-        self.placeheld = False
+        self.placeheld, self.read_only = False, read_only
+        t1 = time.perf_counter()
         self.map_pages(fds, sizes)
+        self.adopt_ms = ((t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)  # (placeholder dropped, chunks mapped)
 
     def map_pages(self, fds: list[int], sizes: list[int]) -> None:
         """Map chunks back to back at this mapping's addresses (at creation, on adopt, and on wake after a sleep:
@@ -102,6 +110,20 @@ class RangeMapping(ABC):
             self._map_chunk(fd, offset, size)
             offset += size
         self._chunks_mapped()
+
+    def writable(self) -> None:
+        """A read-only mapping of chunks (a shadow taken over) becomes read-write, at the same addresses."""
+        if self.read_only and not self.placeheld:
+            self._grant_write()
+        self.read_only = False
+
+    def to_placeholder(self) -> None:
+        """The chunks leave this range and the placeholder memory backs it again (a shadow dropped: the addresses
+        stay reserved for the next one, and views over them read garbage again)."""
+        if self.placeheld:
+            return
+        self._refill_placeholder()
+        self.placeheld, self.read_only = True, False
 
     @property
     def ptr(self) -> int:
@@ -141,6 +163,14 @@ class RangeMapping(ABC):
         """Sleep: the pages leave this process, the range stays reserved (`map_pages` fills it again)."""
 
     @abstractmethod
+    def _grant_write(self) -> None:
+        """Read-write access over the whole range."""
+
+    @abstractmethod
+    def _refill_placeholder(self) -> None:
+        """Unmap the chunks and map the placeholder memory over the range again."""
+
+    @abstractmethod
     def _free_range(self) -> None:
         """Unmap whatever backs the range and give the addresses back."""
 
@@ -158,6 +188,7 @@ class HostMapping(RangeMapping):
         """`size` bytes reserved, every page backed by one memfd of `placeholder_bytes` mapped again and again.
         `gpu` is not used: host memory belongs to no device (the parameter keeps one call for both backends)."""
         self = cls.__new__(cls)
+        self.placeholder_bytes = placeholder_bytes
         self._open(size, False, placeheld=True, fill=lambda: self._fill_placeholder(placeholder_bytes))
         return self
 
@@ -184,6 +215,14 @@ class HostMapping(RangeMapping):
 
     def _drop_placeholder(self) -> None:
         return None  # the chunks are mapped over it: MAP_FIXED replaces it page for page
+
+    def _grant_write(self) -> None:
+        if _libc.mprotect(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size), mmap.PROT_READ | mmap.PROT_WRITE):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mprotect of {self.size} bytes failed: {os.strerror(err)}")
+
+    def _refill_placeholder(self) -> None:
+        self._fill_placeholder(self.placeholder_bytes)  # MAP_FIXED over the chunks, page for page
 
     def release_pages(self) -> None:
         """Sleep: the chunks' pages leave this process (their memory is freed once the manager and keeper let go
@@ -237,6 +276,7 @@ class CudaMapping(RangeMapping):
         if size % gran:
             raise HoldfastError(f"a reservation of {size} bytes is not a multiple of the granularity ({gran})")
         big = max(gran, min(size, placeholder_bytes) // gran * gran)
+        self.placeholder_bytes = big
         self._open(size, False, placeheld=True, fill=lambda: self._fill_placeholder(big, gran))
         return self
 
@@ -283,6 +323,17 @@ class CudaMapping(RangeMapping):
 
     def _drop_placeholder(self) -> None:
         self.release_pages()  # unmapped (after every kernel that may read it finished) and released
+
+    def _grant_write(self) -> None:
+        from libs.client import cuda_driver as cd
+
+        cd.check(cd.cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
+
+    def _refill_placeholder(self) -> None:
+        from libs.client import cuda_driver as cd
+
+        self.release_pages()
+        self._fill_placeholder(self.placeholder_bytes, cd.granularity(self.ordinal))
 
     def release_pages(self) -> None:
         """Sleep: cuMemUnmap of the range and cuMemRelease of this process's handles, the VA reservation kept

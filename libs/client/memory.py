@@ -182,8 +182,8 @@ class Reservation(MappedRange):
         return self.mapping.size
 
     def fits(self, g: p.LeaseGrant, ordinal: int) -> bool:
-        return (not g.read_only and str(g.lease.tag) == self.tag and g.lease.name == self.name
-                and g.lease.size == self.size and ordinal == self.gpu)
+        return (str(g.lease.tag) == self.tag and g.lease.name == self.name and g.lease.size == self.size
+                and ordinal == self.gpu)
 
     def free(self) -> None:
         self.mapping.unmap()
@@ -228,6 +228,7 @@ class MemoryClient:
         self.leases: dict[str, MappedLease] = {}
         self.shared: dict[str, MappedLease] = {}  # another engine's weights, mapped read-only (`share`)
         self.reservations: list[Reservation] = []  # addresses kept for the next takeover's leases (`reserve`)
+        self.shadow_reservations: dict[str, Reservation] = {}  # shared leases mapped into reservations, by lease id
         self.lost_leases: dict[str, str] = {}
         self.on_lease_lost: Callable[[str, str], None] | None = None
         self.reconnects = 0
@@ -409,6 +410,8 @@ class MemoryClient:
                     # A lease this process already maps (a shadow it now takes over, or its own lease granted
                     # again): the same memory, and every view of it (a model built over it) stays valid.
                     held.info, held.tensor_metas = g.lease, list(g.tensors)
+                    held.mapping.writable()
+                    self.shadow_reservations.pop(held.id, None)  # its range is the lease's now, not a reservation's
                     lease = held
                 else:
                     if shadow is not None:
@@ -431,7 +434,9 @@ class MemoryClient:
         sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
         res = self._take_reservation(g) if into_reserved else None
         if res is not None:
-            res.mapping.adopt(fds, sizes)
+            res.mapping.adopt(fds, sizes, read_only=g.read_only)
+            if g.read_only:  # a shadow: `unshare` gives the range its placeholder back
+                self.shadow_reservations[g.lease.id] = res
             return res.mapping
         if self.backend == "cuda" and not g.lease.host:
             return CudaMapping(fds, sizes, g.gpu_uuid, g.lease.gpu, read_only=g.read_only)
@@ -518,11 +523,14 @@ class MemoryClient:
         self.free_reservations()
         return att
 
-    def share(self, owner: str, share_token: str) -> Attachment:
-        """Map `owner`'s committed weight leases read-only (a warm standby's shadow; the token comes from the
-        control plane's `share` command). They stay the owner's: no heartbeats, no epoch, kept apart in
-        `shared`. A later `takeover` of the same owner reuses these mappings, so views built now stay valid."""
-        return self._timed(p.ShareReq(owner=owner, share_token=share_token))
+    def share(self, owner: str, share_token: str, *, into_reserved: bool = False) -> Attachment:
+        """Map `owner`'s committed weight and KV cache leases read-only (a warm standby's shadow; the token comes
+        from the control plane's `share` command). They stay the owner's: no heartbeats, no epoch, kept apart in
+        `shared`. A later `takeover` of the same owner reuses these mappings (made writable), so views built now
+        stay valid. `into_reserved`: each lease into the reservation made for it where one fits (`reserve`: views
+        and CUDA graphs built over the reservation now read the owner's memory; the takeover maps nothing);
+        `unshare` gives those reservations their placeholders back."""
+        return self._timed(p.ShareReq(owner=owner, share_token=share_token), into_reserved=into_reserved)
 
     def register_gang(self, gang_id: str, owners: Sequence[str]) -> p.GangView:
         """Rank 0 of a tensor-parallel engine, once every rank committed: rank r's leases (engine `owners[r]`) form
@@ -545,9 +553,15 @@ class MemoryClient:
         return att
 
     def unshare(self) -> None:
-        """Unmap every shadowed lease. Every view of them must be gone first (they become invalid)."""
+        """Unmap every shadowed lease. Every view of them must be gone first (they become invalid), except views of
+        a shadow mapped into a reservation: that range goes back to its placeholder and stays reserved."""
         for lease in self.shared.values():
-            lease.unmap()
+            res = self.shadow_reservations.pop(lease.id, None)
+            if res is None:
+                lease.unmap()
+            else:
+                res.mapping.to_placeholder()
+                self.reservations.append(res)
         self.shared.clear()
 
     def _timed(self, req: p.Msg, *, into_reserved: bool = False) -> Attachment:
@@ -559,6 +573,12 @@ class MemoryClient:
         att = Attachment(self._map(body, fds, into_reserved=into_reserved), p.GrantReply.model_validate(body).fence)
         t2 = time.perf_counter()
         self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3)}
+        adopted = [a for a in (lease.mapping.adopt_ms for lease in att.leases) if a is not None]
+        for lease in att.leases:
+            lease.mapping.adopt_ms = None
+        if adopted:  # of map_ms: the reservations' placeholders unmapped, the chunks mapped in their place
+            self.last_timings_ms["placeholders_dropped_ms"] = round(sum(a[0] for a in adopted), 3)
+            self.last_timings_ms["chunks_mapped_ms"] = round(sum(a[1] for a in adopted), 3)
         log.info("%s: %d leases, %d chunks: request %.2f ms, map %.2f ms", req.op, len(att.leases), len(fds),  # type: ignore[attr-defined]
                  self.last_timings_ms["request_ms"], self.last_timings_ms["map_ms"])
         return att

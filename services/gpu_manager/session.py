@@ -129,6 +129,7 @@ class EngineSession:
         creds = stream.peer_credentials()
         self.pid, self.uid = creds.pid, creds.uid
         self.peer: Peer | None = None
+        self.lock_wait_ms = 0.0  # how long the last request under the lease table's lock waited for it
         self.hello_by = asyncio.get_running_loop().time() + book.settings.hello_timeout_s
 
     async def serve(self) -> None:
@@ -210,7 +211,9 @@ class EngineSession:
                 return await self.sleep_wake(req, self.peer)
             if isinstance(req, GangTakeover):  # waits for the group's other ranks: the lock only around its checks
                 return await self.gang_takeover(req, self.peer)
+            t_lock = time.perf_counter()
             async with self.book.lock:
+                self.lock_wait_ms = (time.perf_counter() - t_lock) * 1000  # for the takeover's log line
                 return await self._dispatch(req, self.peer)
         except HoldfastError as e:
             if isinstance(e, MalformedMessage):
@@ -243,9 +246,10 @@ class EngineSession:
             t0 = time.perf_counter()
             recs, fence = await self.takeover(req, peer)
             granted = self._grant(recs, fence=fence)
-            log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit)%s",
-                     req.predecessor, len(recs), len(granted[1]), peer.engine_id, peer.pid,
-                     (time.perf_counter() - t0) * 1000, f", fenced on pids {[f.pid for f in fence]}" if fence else "")
+            log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit) after %.2f ms "
+                     "waiting for the lease table%s", req.predecessor, len(recs), len(granted[1]), peer.engine_id,
+                     peer.pid, (time.perf_counter() - t0) * 1000, self.lock_wait_ms,
+                     f", fenced on pids {[f.pid for f in fence]}" if fence else "")
             return granted
         if isinstance(req, ShareReq):
             return self._grant(self.share(req, peer), read_only=True)

@@ -10,7 +10,7 @@ import os
 import torch
 
 from libs.client.memory import MemoryClient
-from libs.common.events import Freeze, FreezeReply
+from libs.common.events import Freeze, FreezeReply, ShareWeights, ShareWeightsReply
 from tests.gpu_manager.conftest import engines  # noqa: F401 - fixture
 
 N = 3 * 1024 * 1024 + 7  # 4 chunks of the fixture's 1 MiB
@@ -61,3 +61,42 @@ async def test_a_lease_of_another_size_is_mapped_elsewhere_and_the_reservation_f
         view = att.tensors("torch")["data"]
         assert hashlib.sha256(view.numpy().tobytes()).hexdigest() == wrote["expected"]
         assert isinstance(view, torch.Tensor)
+
+
+def _perms(lease_id: str) -> set[str]:
+    """The permission strings of this process's mappings of the lease's memfds (e.g. {'r--s'})."""
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return {line.split()[1] for line in f if f"hf-{lease_id}-" in line}
+
+
+async def test_a_shadow_into_a_reservation_is_read_only_given_back_and_taken_over_in_place(manager, engines, bus):  # noqa: F811
+    """A prepared standby's shadow (engines/batched/standby.py): the owner's lease mapped into the reservation, read
+    only, while the owner serves; dropped, the placeholder comes back at the same addresses; shadowed again and taken
+    over, nothing is mapped at the takeover and the range becomes writable."""
+    with MemoryClient.connect("eng-sb3", socket_path=manager.socket) as client:
+        res = client.reserve(N, tag="weights", name="data", placeholder_bytes=PLACEHOLDER)
+        early = res.torch("uint8", (N,))
+        owner = engines(manager, "eng-owner")
+        wrote = owner.ask(f"write {N} 6")
+        grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb3"), ShareWeightsReply)
+
+        att = client.share("eng-owner", grant.share_token, into_reserved=True)
+        assert att.leases[0].ptr == res.ptr and client.reservations == []
+        assert hashlib.sha256(early.numpy().tobytes()).hexdigest() == wrote["expected"]  # the owner's bytes
+        assert _perms(wrote["lease"]) == {"r--s"} and _placeholder_mappings() == 0
+
+        client.unshare()  # the owner went away, say: the placeholder is back, the addresses kept
+        assert client.reservations == [res] and _perms(wrote["lease"]) == set()
+        assert _placeholder_mappings() == -(-res.size // PLACEHOLDER)
+        early[0] = 9  # the placeholder's memory again (aliased everywhere), not the owner's
+        assert int(early[PLACEHOLDER]) == 9 and owner.ask("hash")["data"] == wrote["expected"]
+
+        client.share("eng-owner", grant.share_token, into_reserved=True)
+        frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id="inc-shadow"), FreezeReply)
+        owner.kill()
+        taken = client.takeover("eng-owner", frozen.transfer_token)
+        assert taken.leases[0].ptr == res.ptr and client.last_timings_ms["reserved"] == 0  # mapped before
+        assert "w" in "".join(_perms(wrote["lease"])) and not taken.leases[0].mapping.read_only
+        assert hashlib.sha256(early.numpy().tobytes()).hexdigest() == wrote["expected"]
+        early[0] = 1  # writable now: this process owns the lease
+        assert int(early[0]) == 1

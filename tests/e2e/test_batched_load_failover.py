@@ -1,7 +1,8 @@
 """The whole stack with the batched engine under 16 concurrent streams (real nats, etcd, gpu_manager, agent with
 a warm standby, controller, dc_manager, router; a real SIGKILL): every stream and every request sent during the
-outage completes with the tokens of the no-failure run, the standby adopts all 16 sequences from the journal and
-claims each resumed request, and no prefill token is recomputed."""
+outage completes with the tokens of the no-failure run, the standby (shadowing the active engine's leases in its
+reservations) adopts all 16 sequences from the journal and claims each resumed request, and no prefill token is
+recomputed."""
 
 from __future__ import annotations
 
@@ -23,3 +24,7 @@ async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_
     assert succ["adopted"] == [16] and succ["claimed"] == [16]
     assert succ["recomputed_prefill_tokens"] == 0
     assert succ["recovery"][0]["source"] == "takeover" and succ["recovery"][0]["journal"] == "adopted"
+    # the standby shadowed the active engine: its leases were in the reservations before the kill, nothing mapped
+    # at the takeover, and the runner built over the reservations served (engines/batched/standby.py)
+    assert report["shadow"] and succ["recovery"][0]["shadowed"]
+    assert succ["recovery"][0]["memory_ms"]["reserved"] == 0 and succ["recovery"][0]["prepared_runner"] == "reused"
