@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.generate import invalid_body
 from services.router.openai_api import openai_routes
+from services.router.openai_protocol import OpenAIError
 from services.router.relay import ClientRequest, Relay, RelayError
 from services.router.table import EndpointTable
 
@@ -21,9 +22,9 @@ PUBLIC = frozenset({"/healthz"})  # probes: no key
 
 
 def refusal(status: int, code: str, message: str) -> dict[str, Any]:
-    """The guard's refusals (401, 413, 400) in OpenAI's error shape, which the official clients read."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": "invalid_api_key" if status == 401 else code}}
+    """The guard's refusals (401, 413, 400) and the protocol's 408 in OpenAI's error shape (`OpenAIError`'s, which
+    the official clients read)."""
+    return OpenAIError(status, message, code="invalid_api_key" if status == 401 else code).body()
 
 
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],

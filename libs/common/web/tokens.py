@@ -88,12 +88,11 @@ class TokenTable:
         return cls(tuple(entries), scopes)
 
     def with_plain(self, admin_token: str = "", read_token: str = "") -> TokenTable:
-        """The dev stack's plain tokens (settings `admin_token`, `read_token`), hashed at once."""
-        extra = tuple((digest(t), s) for t, s in ((admin_token, "admin"), (read_token, "read")) if t)
-        return TokenTable(self.entries + extra, self.scopes)
+        """The admin API's dev tokens (settings `admin_token`, `read_token`): `with_token` of each."""
+        return self.with_token(admin_token, "admin").with_token(read_token, "read")
 
     def with_token(self, token: str, scope: str) -> TokenTable:
-        """One plain token more (a dev stack's), hashed at once."""
+        """One plain token more (a dev stack's), hashed at once; an empty one adds nothing."""
         return TokenTable(self.entries + ((digest(token), scope),), self.scopes) if token else self
 
     def scope_of(self, token: str) -> str | None:
