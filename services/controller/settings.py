@@ -36,6 +36,8 @@ class ControllerSettings(CommonSettings):
     api_linger_max_s: float = Field(10.0, ge=0, description="and lingers at most this long (0: close at once)")
     api_header_timeout_s: float = Field(10.0, ge=0, description="a request's headers must be complete this long "
                                         "after its connection opened or its first byte came, or it is closed")
+    api_body_timeout_s: float = Field(30.0, ge=0, description="a request's body must be complete this long after "
+                                      "its headers, or it is answered 408 and its connection closed (0: no bound)")
     freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
     reattach_deadline_s: float = Field(30.0, gt=0, description="takeover must be confirmed within this after freeze")
     fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")

@@ -101,7 +101,8 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     linger = LingerStats()
     server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,
                                         http=lingering_h11(settings.linger_max_bytes, settings.linger_max_s, linger,
-                                                           settings.header_timeout_s)))
+                                                           settings.header_timeout_s, settings.body_timeout_s,
+                                                           refusal)))
     metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {"url": f"http://{settings.router_host}:{port}", **relay.stats.as_dict(),
                                 "metrics_port": metrics_port, "auth": keys is not None,

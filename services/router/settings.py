@@ -34,6 +34,8 @@ class RouterSettings(CommonSettings):
     linger_max_s: float = Field(5.0, ge=0, description="... and for at most this long")
     header_timeout_s: float = Field(10.0, ge=0, description="a request's headers must be complete this long after "
                                     "its connection opened or its first byte came, or the connection is closed")
+    body_timeout_s: float = Field(30.0, ge=0, description="a request's body must be complete this long after its "
+                                  "headers, or it is answered 408 and its connection closed (0: no bound)")
     hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")

@@ -4,6 +4,7 @@ chunked); ordinary requests are served as before. A real controller process over
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -35,10 +36,19 @@ def test_the_verdict_comes_from_the_headers_alone() -> None:
 
 @pytest.fixture
 async def api(bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> AsyncIterator[tuple[str, int, str]]:
+    async with serving_api(bus, store, settings_env, tmp_path) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def serving_api(bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path,
+                      **env: str) -> AsyncIterator[tuple[str, int, str]]:
+    """A controller serving its API (admin token `ADMIN`, body limit `LIMIT`, more settings `env`) over a simulated
+    node: (its URL, the controller's pid, an engine's id)."""
     sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=1)
     port = procs.free_port()
     env = service_env(settings_env, HF_API_ENABLED="true", HF_API_PORT=str(port), HF_ADMIN_TOKEN=ADMIN,
-                      HF_API_MAX_BODY_BYTES=str(LIMIT))
+                      HF_API_MAX_BODY_BYTES=str(LIMIT), **env)
     async with control_plane(bus, store, env, tmp_path, dc_manager=False) as children:
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:

@@ -5,11 +5,17 @@ API answers from the headers at once, then reads and drops what the client still
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
+from pathlib import Path
 
 import pytest
 
-from tests.controller.test_api_guard import ADMIN, api  # noqa: F401 - the fixture
+from libs.common.bus import Bus
+from libs.common.store import Store
+from tests.controller.test_api_guard import ADMIN, api, serving_api  # noqa: F401 - the fixture
+from tests.router.test_api_keys import trickle_until_answered
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,3 +40,17 @@ async def test_a_refused_body_sent_in_full_still_gets_its_status_line(api: tuple
     assert send_all_then_read(port, "", total) == b"HTTP/1.1 401 Unauthorized"
     assert send_all_then_read(port, "Authorization: Bearer wrong\r\n", total) == b"HTTP/1.1 401 Unauthorized"
     assert send_all_then_read(port, f"Authorization: Bearer {ADMIN}\r\n", total) == b"HTTP/1.1 413 Request Entity Too Large"
+
+
+async def test_a_body_trickled_a_byte_at_a_time_is_answered_408_in_the_admin_shape(
+        bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
+    # the body's slowloris: whole headers, then a byte now and then held the connection and the request's task
+    async with serving_api(bus, store, settings_env, tmp_path, HF_API_BODY_TIMEOUT_S="1") as (url, _, _):
+        head = (f"POST /v1/engines/e/failover HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+                "Content-Type: application/json\r\n")
+        declared = 100  # a byte every 0.1 s: 10 s to complete, ten times the bound
+        sent, got = await asyncio.to_thread(trickle_until_answered, int(url.rsplit(":", 1)[1]), head, declared, 0.1)
+    assert sent < declared, "the body was read to its end: no bound"
+    status, _, body = got.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), got[:200]
+    assert json.loads(body)["error"] == "request_timeout"

@@ -6,7 +6,10 @@ authenticated or not; `/healthz` stays public; a router given no key makes one i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import select
 import socket
 import stat
 import subprocess
@@ -185,3 +188,49 @@ async def test_connections_whose_headers_never_complete_are_closed(start_router:
         s.sendall(b"GET /healthz HTTP/1.1\r\n")
         t0 = time.monotonic()
         assert closed(s) and time.monotonic() - t0 < 5  # its header bound, not the keep-alive's 30 s
+
+
+def trickle_until_answered(port: int, head: str, declared: int, gap_s: float) -> tuple[int, bytes]:
+    """`head` (a POST's request line and headers, each ending CRLF) and `Content-Length: declared`, then the body a
+    byte every `gap_s` until the server answers or closes: (bytes of the body sent, all it sent until it closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"{head}Content-Length: {declared}\r\n\r\n".encode())
+        sent = 0
+        while sent < declared:
+            if select.select([s], [], [], gap_s)[0]:
+                break  # answered (or closed) before the body was complete
+            try:
+                s.sendall(b" ")
+            except OSError:
+                break
+            sent += 1
+        got = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(4096):
+                got += chunk
+        return sent, got
+
+
+async def test_a_body_trickled_a_byte_at_a_time_is_answered_408_and_others_are_served_meanwhile(
+        start_router: Callable[..., RouterProc]) -> None:
+    # slowloris on the body: whole headers, then a byte now and then held the connection and a request's task forever
+    router = await asyncio.to_thread(start_router, body_timeout_s=1.0)
+    port = int(router.url.rsplit(":", 1)[1])
+    declared = 100  # a byte every 0.1 s: 10 s to complete, ten times the bound
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    trickles = [asyncio.create_task(asyncio.to_thread(trickle_until_answered, port, head, declared, 0.1))
+                for _ in range(4)]
+    async with httpx.AsyncClient(base_url=router.url, timeout=10) as c:
+        served = 0
+        while not served or not all(t.done() for t in trickles):  # others are served during the trickles
+            served += 1
+            r = await c.post("/v1/completions", json={"model": "nobody-serves-this", "prompt": "x"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            await asyncio.sleep(0.05)
+    for sent, got in [t.result() for t in trickles]:
+        assert sent < declared, "the body was read to its end: no bound"
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), got[:200]
+        assert b"connection: close" in head.lower()
+        error = json.loads(body)["error"]  # OpenAI's shape, as the guard's refusals
+        assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"

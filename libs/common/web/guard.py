@@ -9,7 +9,8 @@ Both answers carry `Connection: close`: the body is never read into the app, so 
 unauthenticated client costs the service its headers, not its memory or its loop. The connection then closes
 by lingering (linger.py): what the client still sends is dropped, bounded, so that it reads its answer.
 A body without a declared length (chunked) is counted as it is read; past the limit the client gets 413 and
-the app sees a disconnect. Which routes need no token is each API's (the admin API's: `PUBLIC`); which scope
+the app sees a disconnect. A body that is not complete within `body_timeout_s` of its headers is the protocol's
+to refuse (408, linger.py), in the same error shape. Which routes need no token is each API's (the admin API's: `PUBLIC`); which scope
 may do what is still decided per route (the admin API's `auth.py`, 403). The error body is each API's too
 (`Refusal`: the admin API's `{"error", "message"}`, the router's OpenAI-shaped one).
 """
@@ -17,10 +18,15 @@ may do what is still decided per route (the admin API's `auth.py`, 403). The err
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 from libs.common.web.tokens import TokenTable
+
+log = logging.getLogger("holdfast.web")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -61,12 +67,20 @@ def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable | None, ma
     return None
 
 
-async def answer(send: Send, status: int, code: str, message: str, refusal: Refusal = admin_refusal) -> None:
+def refusal_response(status: int, code: str, message: str,
+                     refusal: Refusal = admin_refusal) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The headers and body of a refusal that ends its connection: the guard's (401, 413, 400) and the protocol's
+    408 for a body too slow (linger.py). Pure."""
     body = json.dumps(refusal(status, code, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    return headers, body
+
+
+async def answer(send: Send, status: int, code: str, message: str, refusal: Refusal = admin_refusal) -> None:
+    headers, body = refusal_response(status, code, message, refusal)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -91,10 +105,15 @@ class RequestGuard:
             self.refused[bad[0]] = self.refused.get(bad[0], 0) + 1
             await answer(send, *bad, refusal=self.refusal)
             return
-        if b"content-length" in headers:
-            await self.app(scope, receive, send)  # at most the declared length arrives (HTTP framing)
-            return
-        await self._counted(scope, receive, send)
+        try:
+            if b"content-length" in headers:
+                await self.app(scope, receive, send)  # at most the declared length arrives (HTTP framing)
+            else:
+                await self._counted(scope, receive, send)
+        except ClientDisconnect:
+            # The body never came whole: the client left, or the protocol refused it as too slow (408, linger.py).
+            # Expected; uvicorn would log each as a traceback, a log to flood for anyone who can open connections.
+            log.debug("%s %s: the client's body ended early", scope.get("method"), scope["path"])
 
     async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A body of unknown length: counted chunk by chunk; past the limit, 413 and a disconnect for the app."""

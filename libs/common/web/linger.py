@@ -24,6 +24,17 @@ one, its headers must be complete within that time, or the connection is closed.
 client sending a header line now and then ("slowloris"), or nothing at all, held its connection, an fd and memory
 forever, and enough of them took every fd of the process (tests/router/test_api_keys.py: 3,000 such connections
 still open after 40 s before this).
+
+And how long its body may take (`body_timeout_s`): from the moment a request's headers are complete, its body must
+be complete within that time. A client that sent whole headers and then its body a byte a second held the
+connection, and the request's task waiting in the app's `receive`, for as long as it liked. Past the bound, a request
+not yet answered gets a 408 in the API's error shape (`refusal`, the guard's `refusal_response`) with
+`Connection: close` and the app sees a disconnect; one already answered (or answering) is closed. The connection
+then closes by lingering, as for any refusal. The bound is a total, not a rate: a deadline between reads (nginx's
+`client_body_timeout`) does not stop one byte a second. It holds from the headers whatever the app does, which is
+fair because both APIs read a body as soon as its request starts (FastAPI, the guard's count); it implies a
+rate (`max_body_bytes / body_timeout_s`: 16 MiB in 30 s is 0.56 MB/s for the router's largest body), which a
+deployment with slow clients and large bodies raises with the bound.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from libs.common.web.guard import Refusal, admin_refusal, refusal_response
 
 log = logging.getLogger("holdfast.web")
 
@@ -46,6 +59,7 @@ class LingerStats:
         self.dropped_bytes = 0  # bytes read and dropped while lingering
         self.cut = 0  # lingers ended by a bound (bytes or time) with the client still sending: a reset may follow
         self.slow_headers = 0  # connections closed because a request's headers took over `header_timeout_s`
+        self.slow_bodies = 0  # requests refused (408) or cut because a body took over `body_timeout_s`
 
 
 class _LingeringTransport:
@@ -104,13 +118,15 @@ class _LingeringTransport:
         self.finish()
 
 
-def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats,
-                  header_timeout_s: float = 10.0) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (Config `http=`) whose connections close by lingering, and whose requests' headers
-    must be complete within `header_timeout_s` (0: no bound)."""
+def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float = 10.0,
+                  body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal) -> type[H11Protocol]:
+    """uvicorn's h11 protocol (Config `http=`) whose connections close by lingering, whose requests' headers must be
+    complete within `header_timeout_s` and bodies within `body_timeout_s` of their headers (0: no bound); a late
+    body's 408 carries `refusal`'s error body."""
 
     class LingeringH11(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _body_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(_LingeringTransport(transport, max_bytes, max_s, stats))  # type: ignore[arg-type]
@@ -126,6 +142,16 @@ def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats,
             if self.conn.their_state is not h11.IDLE:
                 self._disarm_header_timer()  # its headers are in
 
+        def handle_events(self) -> None:
+            super().handle_events()
+            # Called on new bytes and when a response completes (a pipelined request's turn): the body's clock runs
+            # while the request being read has its headers and not yet its whole body.
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                if body_timeout_s > 0 and self._body_timer is None:
+                    self._body_timer = asyncio.get_running_loop().call_later(body_timeout_s, self._body_late)
+            else:
+                self._disarm_body_timer()
+
         def eof_received(self) -> bool | None:  # type: ignore[override]
             t = self.transport
             if isinstance(t, _LingeringTransport) and t.lingering:
@@ -135,6 +161,7 @@ def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats,
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            self._disarm_body_timer()
             t = self.transport
             if isinstance(t, _LingeringTransport):
                 t.finish()
@@ -155,5 +182,31 @@ def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats,
             if self.conn.their_state is h11.IDLE and idle and not self.transport.is_closing():
                 stats.slow_headers += 1
                 self.transport.close()  # nothing was asked (no headers yet): nothing to answer
+
+        def _disarm_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_late(self) -> None:
+            self._body_timer = None
+            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+                return
+            stats.slow_bodies += 1
+            cycle = self.cycle
+            answered = cycle is not None and cycle.response_started
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # the app's `receive` says so now; what it still sends is dropped
+                cycle.message_event.set()
+            if cycle is not None and not answered and self.conn.our_state is h11.SEND_RESPONSE:
+                headers, body = refusal_response(408, "request_timeout", "the request body was not complete "
+                                                 f"within {body_timeout_s:g} s", refusal)
+                cycle.response_started = cycle.response_complete = True
+                for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+                              h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            log.debug("a request's body not complete %g s after its headers: %s", body_timeout_s,
+                     "closed" if answered else "answered 408, closed")
+            self.transport.close()  # lingers: the 408 is read, what the client still trickles is dropped
 
     return LingeringH11

@@ -138,7 +138,7 @@ class ApiThread:
             config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=STOP_DEADLINE_S,
                                     http=lingering_h11(s.api_linger_max_bytes, s.api_linger_max_s, self.linger,
-                                                      s.api_header_timeout_s))
+                                                      s.api_header_timeout_s, s.api_body_timeout_s))
             self._server = server = ApiServer(config)
             if self._stop.is_set():
                 return
