@@ -28,6 +28,7 @@ import torch
 from engines.batched.backup import SOLO, BackupWriter, backed_journal
 from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
+from engines.batched.drain import open_drain
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
 from engines.batched.memory import (
@@ -241,7 +242,7 @@ def run(cfg: EngineConfig) -> int:
         # adopted sequence; it captures them once it is idle (engine.py).
         runner, how = adopt_prepared(prepared, loaded)
         t_fence = time.perf_counter()
-        fence_ms = wait_fence(loaded, cfg.adopt_wait_s)  # a fenced takeover: nothing read or written before
+        fence = wait_fence(loaded, cfg.adopt_wait_s)  # a fenced takeover: nothing read or written before
         # a lost cache restored from its host backup (backup.py); a group's ranks all at once, before the gang
         kv_backup = open_backup(cfg, memory, loaded, group.backup if group is not None else SOLO)
         if group is not None:
@@ -255,6 +256,9 @@ def run(cfg: EngineConfig) -> int:
             state.info["kv_backup"] = kv_backup[0].stats
         if how != "none":
             adopted["prepared_runner"] = how
+        if (cfg.drain_mark and device.type == "cuda" and group is None and kv_backup is None
+                and isinstance(memory, LeasedMemory)):
+            engine.drain = open_drain(memory.client, loaded.drain, device)  # drain.py invariant 1
         engine.flush = state.outbox.flush
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
@@ -272,8 +276,8 @@ def run(cfg: EngineConfig) -> int:
             state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start), "shadowed": bool(shadowed),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start),
                                       "memory_ms": loaded.timings_ms, **adopted}
-            if fence_ms is not None:  # granted before the predecessor's exit: what waited for it, and when
-                state.info["recovery"]["fence"] = {"waited_ms": fence_ms, "from_ms": round((t_fence - t_start) * 1000, 3)}
+            if fence is not None:  # granted before the predecessor's exit: what waited for it, how, and when
+                state.info["recovery"]["fence"] = {**fence, "from_ms": round((t_fence - t_start) * 1000, 3)}
         state.state = "ready"
         if link is not None:
             link.ready(http.endpoint, weights=loaded.weights_load, kv=describe_restore(kv_backup[1]) if kv_backup else None)
@@ -289,6 +293,8 @@ def run(cfg: EngineConfig) -> int:
         return 0
     finally:
         stopped = engine.stop() if engine is not None else True
+        if engine is not None and engine.drain is not None and stopped:
+            engine.drain.stop()
         if kv_backup is not None:
             kv_backup[0].stop()  # and the other ranks' writers (a group), before the forwards' followers
         if group is not None:

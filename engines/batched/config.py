@@ -76,6 +76,9 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
                                   "teardown overlap the takeover instead of preceding it")
     prepare_standby: bool = Field(True, description="a standby reserves its predecessor's lease addresses and captures "
                                   "its decode graphs there before any failure (__main__.py); false: after the takeover")
+    drain_mark: bool = Field(True, description="on CUDA, each step-thread pass's GPU work is bracketed in a host page "
+                             "handed on with the cache (drain.py), so that a fenced successor need not wait for this "
+                             "engine's exit once its queue is proven run")
     shadow: bool = Field(True, description="a prepared standby maps the engine the agent names (its weights and KV "
                          "cache) into its reservations before any failure (standby.py): the takeover maps nothing")
 

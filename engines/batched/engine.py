@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines.batched.claims import Claims
+from engines.batched.drain import DrainMark
 from engines.batched.journal import Entry, Journal
 from engines.batched.live import REFUSED_BAD, REFUSED_FULL, Counters, Live, LiveSet, Request, request_params
 from engines.batched.model_runner import ModelRunner
@@ -55,6 +56,7 @@ class LLMEngine:
         # called on the step thread after each pass (new requests taken, a step run): the HTTP side hands the
         # pass's tokens to their requests at once (one wake-up of its loop a pass, not one a token)
         self.flush: Callable[[], None] = lambda: None
+        self.drain: DrainMark | None = None  # drain.py: each pass's GPU work bracketed, for a successor's fence
         self._capture_when_idle = capture_graphs_when_idle
         self.capture_first: list[int] = []  # graph buckets captured before the first step (a recovery's own)
         self.graphs_captured_ms: dict[str, float] = {}
@@ -127,33 +129,35 @@ class LLMEngine:
         self.graphs_captured_ms[label] = round((time.perf_counter() - t0) * 1000, 1)
 
     def _loop(self) -> None:
+        mark = self.drain  # drain.py: each pass's GPU work bracketed by open() and close(), for a successor's fence
         try:
+            if mark is not None:
+                mark.open()
             if self.capture_first:
                 self._capture("first", self.capture_first)
+            if mark is not None:
+                mark.close()
             while not self._stop.is_set():
-                self._drain()
-                # what intake produced (a claim's tokens made ahead, a refusal) goes out now, not after this
-                # pass's step: a successor's claims would otherwise wait a whole step for their first tokens
-                self.flush()
-                if self._overlap():
-                    ran = self.step_overlapped()
-                else:
-                    ran = False if self.claims.ahead() else self.step()
-                self.flush()
-                if ran:
-                    continue
-                # a recovered engine's graphs, once nothing waits: not while adopted sequences await their claims
-                # (capturing every bucket would hold the claims that come in meanwhile)
-                if self._capture_when_idle and not self.table.orphans:
-                    self._capture_when_idle = False
-                    self._capture("when_idle", None)
-                    continue
-                self._wake.wait(0.05)
-                self._wake.clear()
+                if mark is not None:
+                    mark.open()
+                try:
+                    idle = self._pass()
+                finally:
+                    if mark is not None:
+                        mark.close()
+                if idle:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+            if mark is not None:
+                mark.open()
             self.pipeline.resolve_inflight()
+            if mark is not None:
+                mark.close()
         except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
             log.exception("the engine's step loop failed")
             self.fatal = e
+            if mark is not None:
+                mark.open()  # the writes below are queued after it, and no close follows: a successor waits the exit
             try:  # journal.py invariant 5; a CUDA error may leave the device unable to take these writes
                 if self.forget_on_failure:
                     self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
@@ -163,6 +167,27 @@ class LLMEngine:
                 if live.sink is not None:
                     live.sink.finish("error", 0, 0)
             self.flush()
+
+    def _pass(self) -> bool:
+        """One pass of the step thread: intake, then a step (or an idle capture). True: nothing ran, wait."""
+        self._drain()
+        # what intake produced (a claim's tokens made ahead, a refusal) goes out now, not after this
+        # pass's step: a successor's claims would otherwise wait a whole step for their first tokens
+        self.flush()
+        if self._overlap():
+            ran = self.step_overlapped()
+        else:
+            ran = False if self.claims.ahead() else self.step()
+        self.flush()
+        if ran:
+            return False
+        # a recovered engine's graphs, once nothing waits: not while adopted sequences await their claims
+        # (capturing every bucket would hold the claims that come in meanwhile)
+        if self._capture_when_idle and not self.table.orphans:
+            self._capture_when_idle = False
+            self._capture("when_idle", None)
+            return False
+        return True
 
     def _overlap(self) -> bool:
         """Step with overlap now: on, no adopted sequence awaiting its claim, every live sequence greedy."""

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from engines.batched.config import EngineConfig
+from engines.batched.drain import DRAIN_NAME, await_fence
 from engines.batched.fused_layout import FUSED, Placed, fused_runs, write_order
 from engines.batched.journal import JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
 from engines.reference.weights import check_file_matches, load_weights
-from libs.common.procs import wait_gone
 
 log = logging.getLogger("holdfast.engine.batched.memory")
 
@@ -57,6 +57,7 @@ class Loaded:
     weights_load: dict[str, Any] | None = None  # a cold load's source (host, artifact, file) and time (WeightsLoad)
     backup: dict[str, torch.Tensor] | None = None  # a handed-on KV backup lease's tensors (backup.py), if any
     fence: list[Any] = field(default_factory=list)  # a fenced takeover's predecessors (FencePid) to see exit first
+    drain: torch.Tensor | None = None  # a handed-on drain mark's page (drain.py), if the predecessor kept one
 
 
 def _ms(t0: float) -> float:
@@ -274,6 +275,12 @@ class LeasedMemory:
         # a KV backup lease (backup.py, host memory): handed on beside the cache, or instead of a cache that was lost
         backups = [lease for lease in leases if any(m.name == BACKUP_NAME for m in lease.tensor_metas)]
         backup = {m.name: backups[0].view(m, "torch") for m in backups[0].tensor_metas} if backups else None
+        # the predecessor's drain mark (drain.py): read by the fence, then this engine's own
+        drains = [lease for lease in leases if any(m.name == DRAIN_NAME for m in lease.tensor_metas)]
+        drain = next((lease.view(m, "torch") for lease in drains[:1] for m in lease.tensor_metas), None)
+        leases = [lease for lease in leases if lease not in drains]
+        for extra in drains[1:]:
+            self.client.release(extra.id)
         tensors = {m.name: lease.view(m, "torch") for lease in leases if lease not in caches and lease not in backups
                    for m in lease.tensor_metas}
         missing = [n for n in cfg.tensor_shapes() if n not in tensors]
@@ -295,7 +302,7 @@ class LeasedMemory:
             if all(n in own and tuple(own[n].shape) == s for n, s in want.items()):
                 journal = {n: own[n] for n in layout.tensors()}
                 return Loaded(weights, own[KV_NAME], journal, source, True, layout,
-                              {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused, backup=backup)
+                              {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused, backup=backup, drain=drain)
             log.info("the handed-on KV lease does not fit this configuration; leasing a new one")
             self.client.release(caches[0].id)
         # A lost cache restored from its backup (backup.py) needs the backup's block count: its block ids are kept.
@@ -303,7 +310,7 @@ class LeasedMemory:
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
         return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, "total_ms": _ms(t0)}, fused,
-                      backup=backup)
+                      backup=backup, drain=drain)
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         packed = _packed(cfg, dtype, layout)
@@ -342,18 +349,18 @@ def weights_plan(path: Path, lease_id: str) -> tuple[int, list[tuple[str, int, i
     return data_start, [(m.name, m.offset, start, n) for m, start, n in layout], total, [m for m, _, _ in layout]
 
 
-def wait_fence(loaded: Loaded, wait_s: float) -> float | None:
-    """Wait until every predecessor of a fenced takeover has exited (its GPU work finished or killed, its CUDA
-    context gone): only then may the journal be read (on CUDA the dead engine's queued steps may still write it,
-    ~10-25 ms after a SIGKILL on an H200: scripts/probe_death_time.py) or anything be written. The ms waited
+def wait_fence(loaded: Loaded, wait_s: float) -> dict[str, Any] | None:
+    """Wait until no predecessor of a fenced takeover can write the leases any more: only then may the journal be
+    read (on CUDA the dead engine's queued steps may still write it ~10-25 ms after a SIGKILL on an H200:
+    scripts/probe_death_time.py) or anything be written. On the CPU its threads' exit ends it; on CUDA its drain
+    mark proving its queue ran (drain.py), else its exit (the pidfd: its context torn down). {"waited_ms", "how"}
     (None: nothing to wait for). Raises TimeoutError after `wait_s`."""
     if not loaded.fence:
         return None
     t0 = time.perf_counter()
-    for f in loaded.fence:
-        if not wait_gone(f.pid, f.pid_start, wait_s - (time.perf_counter() - t0)):
-            raise TimeoutError(f"predecessor pid {f.pid} has not exited in {wait_s} s: its leases stay untouched")
-    return _ms(t0)
+    hows = [await_fence(f.pid, f.pid_start, loaded.drain, cpu=loaded.kv.device.type == "cpu",
+                        timeout_s=wait_s - (time.perf_counter() - t0)) for f in loaded.fence]
+    return {"waited_ms": _ms(t0), "how": ",".join(sorted(set(hows)))}
 
 
 def placed_alike(a: Loaded, b: Loaded) -> list[str]:

@@ -410,7 +410,8 @@ class MemoryClient:
                     # A lease this process already maps (a shadow it now takes over, or its own lease granted
                     # again): the same memory, and every view of it (a model built over it) stays valid.
                     held.info, held.tensor_metas = g.lease, list(g.tensors)
-                    held.mapping.writable()
+                    if str(g.lease.tag) != "weights":  # weights a shadow mapped read-only stay so (never written)
+                        held.mapping.writable()
                     self.shadow_reservations.pop(held.id, None)  # its range is the lease's now, not a reservation's
                     lease = held
                 else:
@@ -434,7 +435,10 @@ class MemoryClient:
         sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
         res = self._take_reservation(g) if into_reserved else None
         if res is not None:
-            res.mapping.adopt(fds, sizes, read_only=g.read_only)
+            # A shadow's weights read-only; its other leases (the KV cache) read-write at once: the successor writes
+            # them from its first step, and granting write access at the takeover (cuMemSetAccess over 16 GiB) took
+            # 8+ ms of the outage on an H200. The standby runs nothing over them before it owns them.
+            res.mapping.adopt(fds, sizes, read_only=g.read_only and str(g.lease.tag) == "weights")
             if g.read_only:  # a shadow: `unshare` gives the range its placeholder back
                 self.shadow_reservations[g.lease.id] = res
             return res.mapping

@@ -228,6 +228,16 @@ def stopped(pid: int, start: int | None) -> bool:
     return all(t[0] in (b"Z", b"X") or int(t[6]) & PF_EXITING for t in threads(pid))  # field 9: flags
 
 
+def exiting(pid: int, start: int | None) -> bool:
+    """`pid` (started at `start`) runs no user code any more and never will: gone, replaced by another process, or
+    every thread of it exiting (PF_EXITING) or a zombie. Stricter than `stopped` (a SIGKILL merely queued may leave a
+    thread running on another CPU until its next entry to the kernel): nothing it does in user space, a store to
+    shared memory or a launch on a GPU, can follow this."""
+    if start is not None and start_time(pid) != start:
+        return True
+    return all(t[0] in (b"Z", b"X") or int(t[6]) & PF_EXITING for t in threads(pid))
+
+
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
 

@@ -69,34 +69,40 @@ def _perms(lease_id: str) -> set[str]:
         return {line.split()[1] for line in f if f"hf-{lease_id}-" in line}
 
 
-async def test_a_shadow_into_a_reservation_is_read_only_given_back_and_taken_over_in_place(manager, engines, bus):  # noqa: F811
-    """A prepared standby's shadow (engines/batched/standby.py): the owner's lease mapped into the reservation, read
-    only, while the owner serves; dropped, the placeholder comes back at the same addresses; shadowed again and taken
-    over, nothing is mapped at the takeover and the range becomes writable."""
+async def test_a_shadow_into_a_reservation_is_given_back_and_taken_over_in_place(manager, engines, bus):  # noqa: F811
+    """A prepared standby's shadow (engines/batched/standby.py): the owner's weights (read-only) and KV cache
+    (read-write: the successor writes it from its first step) mapped into the reservations while the owner serves;
+    dropped, the placeholders come back at the same addresses; shadowed again and taken over, nothing is mapped at
+    the takeover, the weights stay read-only and the cache is this process's to write."""
     with MemoryClient.connect("eng-sb3", socket_path=manager.socket) as client:
-        res = client.reserve(N, tag="weights", name="data", placeholder_bytes=PLACEHOLDER)
-        early = res.torch("uint8", (N,))
+        wres = client.reserve(N, tag="weights", name="weights", placeholder_bytes=PLACEHOLDER)
+        kres = client.reserve(N, tag="kv_cache", name="kv_cache", placeholder_bytes=PLACEHOLDER)
+        weights, cache = wres.torch("uint8", (N,)), kres.torch("uint8", (N,))
         owner = engines(manager, "eng-owner")
-        wrote = owner.ask(f"write {N} 6")
+        w = owner.ask(f"write {N} 6 weights")
+        k = owner.ask(f"write {N} 7 kv_cache")
         grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb3"), ShareWeightsReply)
 
         att = client.share("eng-owner", grant.share_token, into_reserved=True)
-        assert att.leases[0].ptr == res.ptr and client.reservations == []
-        assert hashlib.sha256(early.numpy().tobytes()).hexdigest() == wrote["expected"]  # the owner's bytes
-        assert _perms(wrote["lease"]) == {"r--s"} and _placeholder_mappings() == 0
+        assert {lease.ptr for lease in att.leases} == {wres.ptr, kres.ptr} and client.reservations == []
+        assert hashlib.sha256(weights.numpy().tobytes()).hexdigest() == w["expected"]  # the owner's bytes
+        assert hashlib.sha256(cache.numpy().tobytes()).hexdigest() == k["expected"]
+        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"} and _placeholder_mappings() == 0
 
-        client.unshare()  # the owner went away, say: the placeholder is back, the addresses kept
-        assert client.reservations == [res] and _perms(wrote["lease"]) == set()
-        assert _placeholder_mappings() == -(-res.size // PLACEHOLDER)
-        early[0] = 9  # the placeholder's memory again (aliased everywhere), not the owner's
-        assert int(early[PLACEHOLDER]) == 9 and owner.ask("hash")["data"] == wrote["expected"]
+        client.unshare()  # the owner went away, say: the placeholders are back, the addresses kept
+        assert sorted(r.ptr for r in client.reservations) == sorted([wres.ptr, kres.ptr])
+        assert _perms(w["lease"]) == set() and _perms(k["lease"]) == set()
+        assert _placeholder_mappings() == 2 * -(-wres.size // PLACEHOLDER)
+        cache[0] = 9  # the placeholder's memory again (aliased everywhere), not the owner's
+        assert int(cache[PLACEHOLDER]) == 9 and owner.ask("hash")["kv_cache"] == k["expected"]
 
         client.share("eng-owner", grant.share_token, into_reserved=True)
         frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id="inc-shadow"), FreezeReply)
         owner.kill()
         taken = client.takeover("eng-owner", frozen.transfer_token)
-        assert taken.leases[0].ptr == res.ptr and client.last_timings_ms["reserved"] == 0  # mapped before
-        assert "w" in "".join(_perms(wrote["lease"])) and not taken.leases[0].mapping.read_only
-        assert hashlib.sha256(early.numpy().tobytes()).hexdigest() == wrote["expected"]
-        early[0] = 1  # writable now: this process owns the lease
-        assert int(early[0]) == 1
+        assert {lease.ptr for lease in taken.leases} == {wres.ptr, kres.ptr}
+        assert client.last_timings_ms["reserved"] == 0 and client.reservations == []  # nothing mapped now
+        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"}
+        assert hashlib.sha256(cache.numpy().tobytes()).hexdigest() == k["expected"]
+        cache[0] = 1  # this process's cache now
+        assert int(cache[0]) == 1
