@@ -208,3 +208,35 @@ def signal_pid(pid: int, sig: int, start_time: int | None) -> bool:
         finally:
             os.close(fd)
     return False
+
+
+async def end_process(fd: int, term_wait_s: float) -> bool:
+    """SIGTERM the process behind pidfd `fd` (our child or not), SIGKILL it if it has not exited `term_wait_s` later;
+    closes `fd`. True once it exited (the pidfd turned readable), False if it outlived the SIGKILL's wait too or may
+    not be signalled by us (another uid's, `allowed_uids`)."""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                signal.pidfd_send_signal(fd, sig)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            try:
+                async with asyncio.timeout(term_wait_s):
+                    await asyncio.shield(gone)
+                return True
+            except TimeoutError:
+                continue
+        return False
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)

@@ -84,7 +84,8 @@ def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key:
                  replacing: EngineRecord | None = None, candidate: str | None = None) -> str | None:
     """Whether one more engine may become active for spec `key`: None if so, else why not. The one rule behind
     "never more running actives than `replicas`" (README invariant 11), asked wherever an engine becomes active:
-    a start (the reconciler, a Spawn, a takeover's cold successor) and a standby's promotion.
+    a start (the reconciler, a Spawn, a takeover's cold successor), a standby's promotion and the adoption of an
+    engine the agent did not know (`admit_stranger`).
 
     Counted: the spec's engines that run with the active role (starting, ready, or a standby being assigned).
     A failed, stopping or stopped engine is not running for the count (its fencing is the takeover's business).
@@ -100,6 +101,33 @@ def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key:
         return None
     whose = f" to replace {replacing.engine_id}" if replacing is not None else ""
     return f"{slot} wants {spec.replicas} active, and {len(running)} run already {running}: no new one{whose}"
+
+
+def stranger_key(specs: dict[str, EngineSpec], model: str, engine_class: str, version: str) -> str | None:
+    """The spec an engine this agent does not know belongs to, from what it registers with (the HF_MODEL,
+    HF_ENGINE_CLASS and HF_ENGINE_VERSION an agent put in its environment: the parts of `spec_key`); None when no
+    spec of this agent is that one (an engine nobody configured here)."""
+    key = "_".join(subject_token(p) for p in (model, engine_class, version))
+    return key if key in specs else None
+
+
+def admit_stranger(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str | None,
+                   role: EngineRole) -> str | None:
+    """Whether an engine that registers unknown (started by a previous agent that died before recording it, or by
+    someone else) may be adopted into spec `key`: None if so, else why not. An active one is held to `admit_active`
+    (README invariant 11); a standby to its spec's standby count (`standbys_of`). Whichever comes first, the
+    stranger or a replacement the reconciler starts, the other is the one too many: an adopted stranger counts
+    for its spec (`plan` starts nothing for its slot), a refused one must exit."""
+    spec = specs.get(key or "")
+    if key is None or spec is None:
+        return None  # no desired count to hold it to
+    if role is EngineRole.ACTIVE:
+        return admit_active(specs, records, key)
+    standbys = [r.engine_id for r in records if r.spec_key == key and r.role is EngineRole.STANDBY
+                and r.state in LIVE]
+    if len(standbys) < standbys_of(spec):
+        return None
+    return f"{key} wants {standbys_of(spec)} standby, and {len(standbys)} run already {standbys}: no new one"
 
 
 def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSpec]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Coroutine
@@ -47,7 +48,7 @@ from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State, weights_loaded
 from services.agent.gpu_reports import GpuReports
 from services.agent.gpu_wishes import WISHES_FILE, GpuWishes
-from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
+from services.agent.pidfd import ExitStatus, PidWatcher, end_process, proc_start_time
 from services.agent.records import RecordWriter
 from services.agent.settings import AgentSettings
 
@@ -75,6 +76,7 @@ class Agent:
         self.watcher = PidWatcher(self._on_exit)
         self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._ending: set[int] = set()  # pids of refused strangers being ended (_end_refused)
         self.faults_published = 0
         self._listened_at: float | None = None  # the heartbeat monitor's last pass (monotonic)
         self._reconcile_now = asyncio.Event()
@@ -427,18 +429,51 @@ class Agent:
         return rec
 
     def _adopt(self, msg: dict[str, Any], pid: int) -> EngineRecord:
+        """An engine this agent does not know (a previous agent's child whose record it never wrote, or one started
+        by someone else): adopted into its spec, if that spec has room for it (supervision.admit_stranger), else
+        refused with a `conflict` and ended, so that it never runs beside the replacement that took its slot."""
         role = EngineRole(msg.get("role") or "active")
+        model, engine_class = str(msg.get("model") or "unknown"), str(msg.get("engine_class") or "default")
+        version = str(msg.get("version") or "1")
+        key = supervision.stranger_key(self.specs, model, engine_class, version)
+        why = supervision.admit_stranger(self.specs, self.records(), key, role)
+        if why is not None:
+            self._end_refused(pid)
+            raise Conflict(f"engine {msg['engine_id']} (pid {pid}) is one too many: {why}")
         start = proc_start_time(pid)
-        rec = EngineRecord(engine_id=str(msg["engine_id"]), model=str(msg.get("model") or "unknown"),
-                           engine_class=str(msg.get("engine_class") or "default"), role=role,
-                           gpu=int(msg.get("gpu") or 0), version=str(msg.get("version") or "1"), pid=pid,
+        rec = EngineRecord(engine_id=str(msg["engine_id"]), model=model, engine_class=engine_class, role=role,
+                           gpu=int(msg.get("gpu") or 0), version=version, spec_key=key, pid=pid,
                            pid_start=start, child=False)
         self.watcher.watch(rec.engine_id, pid, child=False, start_time=start)
         self.engines[rec.engine_id] = rec
-        log.info("adopted engine %s (pid %d) started by someone else", rec.engine_id, pid)
+        log.info("adopted engine %s (pid %d) started by someone else%s", rec.engine_id, pid,
+                 f", into {key}" if key is not None else "")
         self.publish(EngineStarted(engine=self.info(rec)))
         self.save(rec)
         return rec
+
+    def _end_refused(self, pid: int) -> None:
+        """End a refused stranger (not our child, so nobody else will): SIGTERM through a pidfd opened now, while
+        its registration is in hand (SO_PEERCRED's pid), SIGKILL after `stop_timeout_s`. An engine exits on a
+        refused first registration by itself; one refused when it registers again (its link reconnecting after
+        our restart, libs/client/agent_link.py) would retry for ever."""
+        if pid in self._ending:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        self._ending.add(pid)
+        self.background(self._ended(pid, fd), f"end-refused:{pid}")
+
+    async def _ended(self, pid: int, fd: int) -> None:
+        try:
+            if await end_process(fd, self.settings.stop_timeout_s):
+                log.info("refused engine (pid %d) exited", pid)
+            else:
+                log.error("refused engine (pid %d) could not be ended (another uid's, or it outlived a SIGKILL)", pid)
+        finally:
+            self._ending.discard(pid)
 
     def on_message(self, rec: EngineRecord, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Handle one frame from an engine; returns the reply (an ack) if the frame wants one."""

@@ -7,7 +7,15 @@ import pytest
 from libs.common.errors import InvalidTransition
 from libs.common.events import EngineRole, EngineSpec
 from services.agent.engines import EngineRecord, Ev, State
-from services.agent.supervision import never_linked, overdue, pick_standby, plan, spec_key
+from services.agent.supervision import (
+    admit_stranger,
+    never_linked,
+    overdue,
+    pick_standby,
+    plan,
+    spec_key,
+    stranger_key,
+)
 
 SPEC = EngineSpec(model="m", command=["x"], replicas=2, standbys=1, cold_start_s=5)
 KEY = spec_key(SPEC)
@@ -105,3 +113,35 @@ def test_probes_count_failures_in_a_row_and_forget_engines_no_longer_probed() ->
     assert count_probes(failures, {"a": False, "b": True}, 2) == ["a"]  # b answered: its count starts over
     assert count_probes(failures, {"a": False, "b": False}, 2) == []  # a is reported once, at the limit
     assert count_probes(failures, {"b": False}, 2) == ["b"] and "a" not in failures
+
+
+def test_a_stranger_is_matched_to_its_spec_by_model_class_and_version_or_to_none() -> None:
+    assert stranger_key({KEY: SPEC}, SPEC.model, SPEC.engine_class, SPEC.version) == KEY
+    assert stranger_key({KEY: SPEC}, SPEC.model, SPEC.engine_class, "2") is None  # another version: not this spec
+    assert stranger_key({KEY: SPEC}, "other", SPEC.engine_class, SPEC.version) is None
+
+
+def test_a_stranger_is_admitted_only_while_its_spec_has_room_for_its_role() -> None:
+    specs = {KEY: SPEC}  # 2 active, 1 standby
+    one = [rec("a", state=State.STARTING)]
+    assert admit_stranger(specs, one, KEY, EngineRole.ACTIVE) is None
+    full = [rec("a", state=State.STARTING), rec("b")]
+    why = admit_stranger(specs, full, KEY, EngineRole.ACTIVE)
+    assert why is not None and "wants 2 active" in why
+    # a failed or stopping engine runs no more: its slot is not a stranger's to be refused for
+    assert admit_stranger(specs, [rec("a"), rec("b", state=State.FAILED, failed_mono=1.0)], KEY,
+                          EngineRole.ACTIVE) is None
+    assert admit_stranger(specs, full, KEY, EngineRole.STANDBY) is None
+    why = admit_stranger(specs, [*full, rec("s", EngineRole.STANDBY, State.STANDBY)], KEY, EngineRole.STANDBY)
+    assert why is not None and "standby" in why
+    assert admit_stranger(specs, full, None, EngineRole.ACTIVE) is None  # nobody configured it: no count to keep
+
+
+def test_an_adopted_stranger_counts_for_its_spec_so_nothing_more_starts() -> None:
+    # The reverse order: the stranger registered before the reconciler's pass; adopted with its spec key, it
+    # fills the slot the plan would otherwise have started an engine for.
+    spec = SPEC.model_copy(update={"replicas": 1, "standbys": 0})
+    adopted = rec("stranger", state=State.STARTING)
+    assert adopted.spec_key == KEY
+    assert plan({KEY: spec}, [adopted], now=100.0, takeover_wait_s=10).start == []
+    assert admit_stranger({KEY: spec}, [adopted], KEY, EngineRole.ACTIVE) is not None
