@@ -435,10 +435,9 @@ class MemoryClient:
         sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
         res = self._take_reservation(g) if into_reserved else None
         if res is not None:
-            # A shadow's weights read-only; its other leases (the KV cache) read-write at once: the successor writes
-            # them from its first step, and granting write access at the takeover (cuMemSetAccess over 16 GiB) took
-            # 8+ ms of the outage on an H200. The standby runs nothing over them before it owns them.
-            res.mapping.adopt(fds, sizes, read_only=g.read_only and str(g.lease.tag) == "weights")
+            # A shadow is read-only (one writer per lease: its owner), the KV cache too, though the takeover must
+            # then grant write access to it (cuMemSetAccess over the cache: 13-18 ms for 29 GiB on an H200).
+            res.mapping.adopt(fds, sizes, read_only=g.read_only)
             if g.read_only:  # a shadow: `unshare` gives the range its placeholder back
                 self.shadow_reservations[g.lease.id] = res
             return res.mapping

@@ -70,10 +70,10 @@ def _perms(lease_id: str) -> set[str]:
 
 
 async def test_a_shadow_into_a_reservation_is_given_back_and_taken_over_in_place(manager, engines, bus):  # noqa: F811
-    """A prepared standby's shadow (engines/batched/standby.py): the owner's weights (read-only) and KV cache
-    (read-write: the successor writes it from its first step) mapped into the reservations while the owner serves;
-    dropped, the placeholders come back at the same addresses; shadowed again and taken over, nothing is mapped at
-    the takeover, the weights stay read-only and the cache is this process's to write."""
+    """A prepared standby's shadow (engines/batched/standby.py): the owner's weights and KV cache mapped read-only
+    into the reservations while the owner serves (it stays their one writer); dropped, the placeholders come back
+    at the same addresses; shadowed again and taken over, nothing is mapped at the takeover, the weights stay
+    read-only and the cache becomes this process's to write."""
     with MemoryClient.connect("eng-sb3", socket_path=manager.socket) as client:
         wres = client.reserve(N, tag="weights", name="weights", placeholder_bytes=PLACEHOLDER)
         kres = client.reserve(N, tag="kv_cache", name="kv_cache", placeholder_bytes=PLACEHOLDER)
@@ -87,7 +87,7 @@ async def test_a_shadow_into_a_reservation_is_given_back_and_taken_over_in_place
         assert {lease.ptr for lease in att.leases} == {wres.ptr, kres.ptr} and client.reservations == []
         assert hashlib.sha256(weights.numpy().tobytes()).hexdigest() == w["expected"]  # the owner's bytes
         assert hashlib.sha256(cache.numpy().tobytes()).hexdigest() == k["expected"]
-        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"} and _placeholder_mappings() == 0
+        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"r--s"} and _placeholder_mappings() == 0
 
         client.unshare()  # the owner went away, say: the placeholders are back, the addresses kept
         assert sorted(r.ptr for r in client.reservations) == sorted([wres.ptr, kres.ptr])
