@@ -8,10 +8,14 @@ already mapped (a shadowing standby), waited 74-91 ms of it (2026-12-02).
 
 How: two int64 counters, `launched` and `done`, in a small host-memory lease of the engine (a memfd held by the
 gpu_manager like every lease, so it is frozen and handed on with the KV cache; registered with CUDA as a DMA target).
-The step thread brackets each pass of its loop (engine.py):
-  `open()`:  launched += 1, stored by the CPU before the pass queues any GPU work;
-  `close()`: after the pass's last queued work, a stream-ordered write of `launched` into `done` (a device fill and a
-             copy into the registered page, on the step's stream).
+The step thread brackets each phase of its loop that queues GPU work (a step's launch, its resolve's journal
+writes, intake, a capture: pipeline.py, engine.py):
+  `open()`:  launched += 1, stored by the CPU before the phase queues any GPU work;
+  `close()`: right after the phase's last queued work, a stream-ordered write of `launched` into `done` (a device
+             fill and a copy into the registered page, on the step's stream).
+A bracket is as short as the queuing itself: the step thread blocks on the GPU (a launched step's tokens) and does
+its host work (streaming tokens) outside any, where a kill most often finds it. (Bracketing whole passes of the
+loop, the thread blocked inside one, a kill found `done < launched` in 3 of 3 trials on an H200, 2026-12-02.)
 Invariants:
 1. It is used only where the step thread is the only thread whose GPU work writes the leases, on one stream: a
    single engine (not a TP group: other processes) without the KV backup (its copies run on a side stream of
@@ -22,7 +26,8 @@ Invariants:
    queued. From then on `done == launched` proves that every queued operation has run: nothing of the dead engine
    writes the leases any more, though its context is still being torn down. `done < launched` (killed mid-pass, or
    the teardown cut its queue short) proves nothing: the successor waits for the exit, as before (`await_fence`).
-4. A successor resets both counters (after its fence, before its first pass): the page is its own from then on.
+4. A successor resets both counters after its fence and opens a bracket at once (its start-up's journal writes),
+   closed by its step thread's first act: the page is its own from then on.
 On the CPU nothing runs after the threads: `exiting` alone ends the fence there (no page).
 """
 
@@ -31,7 +36,7 @@ from __future__ import annotations
 import os
 import select
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +47,25 @@ PAGE_BYTES = 4096
 POLL_S = 0.0005
 
 
+class Mark(Protocol):
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoMark:
+    """Where no successor reads a mark (the CPU, a TP group, the KV backup on): nothing."""
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_MARK = NoMark()
+
+
 class DrainMark:
     def __init__(self, page: torch.Tensor, device: torch.device) -> None:
         from engines.batched.copier import register_host
@@ -49,16 +73,24 @@ class DrainMark:
         self.page, self.device = page, device
         page.zero_()  # invariant 4
         self.n = 0
+        self.depth = 0
         self.registered = register_host(page)
         self.dev = torch.zeros(1, dtype=torch.int64, device=device)
+        self.open()  # what start-up queued (the journal formatted or adopted): closed by the step thread's first act
 
     def open(self) -> None:
-        self.n += 1
-        self.page[0] = self.n
+        """Before queuing GPU work. Brackets nest: only the outermost counts."""
+        self.depth += 1
+        if self.depth == 1:
+            self.n += 1
+            self.page[0] = self.n
 
     def close(self) -> None:
-        self.dev.fill_(self.n)
-        self.page[1:2].copy_(self.dev, non_blocking=True)
+        """After queuing it: at the outermost, `done` follows in stream order."""
+        self.depth -= 1
+        if self.depth == 0:
+            self.dev.fill_(self.n)
+            self.page[1:2].copy_(self.dev, non_blocking=True)
 
     def stop(self) -> None:
         """Unregister the page (a registration outliving the mapping would make a later mapping at that address look

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines.batched.claims import Claims
-from engines.batched.drain import DrainMark
+from engines.batched.drain import NO_MARK, DrainMark
 from engines.batched.journal import Entry, Journal
 from engines.batched.live import REFUSED_BAD, REFUSED_FULL, Counters, Live, LiveSet, Request, request_params
 from engines.batched.model_runner import ModelRunner
@@ -124,40 +124,29 @@ class LLMEngine:
 
     def _capture(self, label: str, buckets: list[int] | None) -> None:
         t0 = time.perf_counter()
+        self.pipeline.mark.open()
         with self.journal.quiet():  # no other thread's CUDA work beside a capture (the KV backup's rounds wait)
             self.runner.capture_graphs(buckets)
+        self.pipeline.mark.close()
         self.graphs_captured_ms[label] = round((time.perf_counter() - t0) * 1000, 1)
 
     def _loop(self) -> None:
-        mark = self.drain  # drain.py: each pass's GPU work bracketed by open() and close(), for a successor's fence
+        mark = self.drain or NO_MARK  # drain.py: every phase that queues GPU work bracketed, for a successor's fence
+        self.pipeline.mark = mark
+        if self.drain is not None:
+            self.drain.close()  # the bracket its start-up opened (drain.py invariant 4)
         try:
-            if mark is not None:
-                mark.open()
             if self.capture_first:
                 self._capture("first", self.capture_first)
-            if mark is not None:
-                mark.close()
             while not self._stop.is_set():
-                if mark is not None:
-                    mark.open()
-                try:
-                    idle = self._pass()
-                finally:
-                    if mark is not None:
-                        mark.close()
-                if idle:
+                if self._pass():
                     self._wake.wait(0.05)
                     self._wake.clear()
-            if mark is not None:
-                mark.open()
             self.pipeline.resolve_inflight()
-            if mark is not None:
-                mark.close()
         except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
             log.exception("the engine's step loop failed")
             self.fatal = e
-            if mark is not None:
-                mark.open()  # the writes below are queued after it, and no close follows: a successor waits the exit
+            mark.open()  # the writes below are queued in it, and no close follows: a successor waits for the exit
             try:  # journal.py invariant 5; a CUDA error may leave the device unable to take these writes
                 if self.forget_on_failure:
                     self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
@@ -195,6 +184,13 @@ class LLMEngine:
                 and all(live.seq.params.temperature <= 0 for live in self.table.live.values()))
 
     def _drain(self) -> None:
+        self.pipeline.mark.open()  # an abort's or an expiry's rows released, a sleep's writes: queued in it
+        try:
+            self._intake()
+        finally:
+            self.pipeline.mark.close()
+
+    def _intake(self) -> None:
         while True:
             try:
                 op, arg = self._inbox.get_nowait()

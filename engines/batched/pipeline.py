@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engines.batched.drain import NO_MARK, Mark
 from engines.batched.journal import Admission, Journal
 from engines.batched.live import Counters, Live, LiveSet, finish_reason
 from engines.batched.model_runner import Launched, ModelRunner, RunItem
@@ -88,6 +89,7 @@ class StepPipeline:
         self.times = StepTimes()
         self.inflight: InFlight | None = None  # the launched step not resolved yet (async scheduling)
         self._last_resolved = 0.0
+        self.mark: Mark = NO_MARK  # drain.py: each phase that queues GPU work bracketed (engine.py sets it)
 
     def step(self) -> bool:
         """One whole step (the one in flight first, if any): its tokens are handed to their sinks on return."""
@@ -121,6 +123,13 @@ class StepPipeline:
             self.resolve(prev)
 
     def launch(self, *, overlap: bool) -> InFlight | None:
+        self.mark.open()  # rows released and admitted in the journal, the forward: closed once queued
+        try:
+            return self._launch(overlap=overlap)
+        finally:
+            self.mark.close()
+
+    def _launch(self, *, overlap: bool) -> InFlight | None:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(admit=self.table.admitting())
         live_seqs = self.table.live
@@ -170,6 +179,7 @@ class StepPipeline:
         t0 = time.perf_counter()
         out = f.launched.tokens() if f.launched is not None else f.tokens or []
         t1 = self.times.add("wait", t0)
+        self.mark.open()  # the journal's writes below (commit, rows released)
         batch = f.batch
         sampled = {w.seq.seq_id: tok for w, tok in zip(batch.works, out, strict=True) if tok is not None}
         self.counters.dropped_rows += sum(1 for w in batch.works if w.seq.status == SeqStatus.FINISHED)
@@ -188,6 +198,7 @@ class StepPipeline:
                 self.table.leave(done)
             else:  # an adopted sequence that finished unclaimed waits (its tokens) for its claim, or its expiry
                 self.table.release(done)
+        self.mark.close()
         now = self.times.add("resolve", t1)
         # the gap a decoding stream saw: since the previous step's tokens were handed out (or this one's launch)
         gap = now - max(self._last_resolved, f.t0)

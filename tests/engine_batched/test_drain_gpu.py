@@ -28,6 +28,7 @@ fd, closes = int(sys.argv[1]), sys.argv[2] == "close"
 m = mmap.mmap(fd, 4096)
 page = torch.frombuffer(m, dtype=torch.int64, count=2)
 mark = DrainMark(page, torch.device("cuda"))
+mark.close()  # start-up's bracket
 x = torch.ones(1 << 20, device="cuda")
 mark.open()
 x.mul_(2)  # the pass's work
@@ -50,12 +51,19 @@ def test_done_follows_launched_only_after_the_queued_work_ran() -> None:
     _, _m, page = _page()
     mark = DrainMark(page, torch.device("cuda"))
     try:
+        assert int(page[0]) == 1 and not drained(page)  # start-up's bracket, open
+        mark.close()
+        torch.cuda.synchronize()
+        assert drained(page)
         mark.open()
+        mark.open()  # nested: one bracket
         torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued before the close
         mark.close()
-        assert int(page[0]) == 1 and not drained(page)  # queued, not run
+        assert int(page[0]) == 2 and int(page[1]) == 1  # the inner close queues nothing
+        mark.close()
+        assert not drained(page)  # queued, not run
         torch.cuda.synchronize()
-        assert drained(page) and int(page[1]) == 1
+        assert drained(page) and int(page[1]) == 2
     finally:
         mark.stop()
 
@@ -72,9 +80,9 @@ def test_a_killed_engines_fence_ends_when_its_queue_is_proven_drained(closes: bo
         os.kill(child.pid, signal.SIGKILL)
         assert await_fence(child.pid, start, page, cpu=False, timeout_s=30) == how
         if closes:  # proven before the CUDA context's teardown ended: the process is not reaped yet
-            assert int(page[0]) == int(page[1]) == 1
+            assert int(page[0]) == int(page[1]) == 2
         else:
-            assert int(page[0]) == 1 and int(page[1]) == 0
+            assert int(page[0]) == 2 and int(page[1]) == 1
     finally:
         child.kill()
         child.wait()
