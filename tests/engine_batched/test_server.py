@@ -139,16 +139,24 @@ def test_past_the_queue_new_requests_get_503_and_none_is_lost_silently(engine: E
 @pytest.mark.parametrize("engine", [("--deterministic", "--prefill-chunk", "32")], indirect=True)
 def test_a_replayed_request_the_engine_does_not_hold_continues_exactly_and_resends_nothing(engine: Engine) -> None:
     """A router's replay to an engine without the sequence (its KV lost): the tokens already generated are fed as
-    output, one per step as decode first made them, so the continuation equals the uninterrupted run's."""
+    output, one per step as decode first made them, so the continuation equals the uninterrupted run's. Every cut
+    point of a prompt is replayed at once, as a router replays a dead engine's streams together (deterministic
+    mode: a batch computes what each request computes alone; the 64-request test above checks that)."""
     from devstack.scenario import PROMPTS
+
+    async def resumed_at_every_cut(body: dict, full: list[int]) -> list[list[int]]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=300) as c:
+            rs = await asyncio.gather(*(c.post(engine.url + "/generate", json={**body, "resume": full[:k],
+                                                                               "max_tokens": 48 - k})
+                                        for k in range(1, 48)))
+        return [r.json()["tokens"] for r in rs]
 
     differ = []
     for prompt in PROMPTS:
         body = {"prompt": prompt, "max_tokens": 48, "ignore_eos": True}
         full = gen(engine.url, **body).json()["tokens"]
-        for k in range(1, 48):
-            resumed = gen(engine.url, **{**body, "resume": full[:k], "max_tokens": 48 - k}).json()
-            if resumed["tokens"] != full[k:]:
+        for k, tokens in enumerate(asyncio.run(resumed_at_every_cut(body, full)), start=1):
+            if tokens != full[k:]:
                 differ.append((prompt, k))
     assert not differ
 
