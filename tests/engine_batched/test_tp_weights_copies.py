@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -65,11 +66,13 @@ def wait_copies(settings: CommonSettings, where: str, timeout: float = 60.0) -> 
 
 
 def cold_group(tmp: Path, weights: Path, engine_id: str, env: dict[str, str]) -> tuple[dict, list[list[int]]]:
-    """A TP=2 group cold-started: (its ready info, the greedy tokens of three prompts), then stopped."""
+    """A TP=2 group cold-started: (its ready info, the greedy tokens of three prompts, sent at once: every group
+    is asked the same way, and deterministic mode makes a batch compute what each alone would), then stopped."""
     e = BatchedEngine(tmp, weights, engine_id, env, *GROUP)
     try:
         info = e.wait_ready(180)
-        return info, [alone(e.url, i) for i in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            return info, list(pool.map(lambda i: alone(e.url, i), range(3)))
     finally:
         assert e.child.stop(30) == 0, e.log()
 
