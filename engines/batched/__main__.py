@@ -264,7 +264,7 @@ def run(cfg: EngineConfig) -> int:
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         state.engine = engine
         if isinstance(memory, LeasedMemory) and group is None:  # the control plane's sleep and wake asks (sleep.py)
-            install_sleep(state, engine, memory.client)
+            install_sleep(state, engine, memory.client, link)
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
                                 "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,
                                 "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}

@@ -33,8 +33,8 @@ log = logging.getLogger("holdfast.engine.batched.sleep")
 
 
 class EngineSleeper:
-    def __init__(self, state: Any, engine: LLMEngine, client: Any, *, drain_s: float = 30.0) -> None:
-        self.state, self.engine, self.client = state, engine, client
+    def __init__(self, state: Any, engine: LLMEngine, client: Any, link: Any = None, *, drain_s: float = 30.0) -> None:
+        self.state, self.engine, self.client, self.link = state, engine, client, link
         self.drain_s = drain_s
         self.level = 0  # 0: awake
         self._resume: threading.Event | None = None
@@ -82,6 +82,7 @@ class EngineSleeper:
             self.state.state = was
             raise
         self.level = level
+        self._tell_agent(True)  # a shadowing standby's mapping would keep the memory alive
         info = {"state": "sleeping", "level": level, "bytes": reply.bytes, "sleep_ms": _ms(t0)}
         log.info("asleep (level %d): %d bytes released in %.1f ms", level, reply.bytes, info["sleep_ms"])
         return info
@@ -98,9 +99,18 @@ class EngineSleeper:
         self._resume.set()
         self._resume, level, self.level = None, self.level, 0
         self.state.state = "ready"
+        self._tell_agent(False)
         info = {"state": "awake", "level": level, "weights_source": source, "wake_ms": _ms(t0)}
         log.info("awake (level %d) in %.1f ms%s", level, info["wake_ms"], f", weights from {source}" if source else "")
         return info
+
+    def _tell_agent(self, sleeping: bool) -> None:
+        if self.link is None:
+            return
+        try:
+            self.link.asleep(sleeping)
+        except Exception as e:  # noqa: BLE001 - the sleep itself stands; a shadow then lasts until its next pass
+            log.warning("could not tell the agent the engine %s: %s", "sleeps" if sleeping else "woke", e)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_s
@@ -110,9 +120,9 @@ class EngineSleeper:
             time.sleep(0.01)
 
 
-def install(state: Any, engine: LLMEngine, client: Any) -> EngineSleeper:
-    """Take the control plane's sleep and wake asks on this engine's memory client."""
-    sleeper = EngineSleeper(state, engine, client)
+def install(state: Any, engine: LLMEngine, client: Any, link: Any = None) -> EngineSleeper:
+    """Take the control plane's sleep and wake asks on this engine's memory client (and tell its agent, `link`)."""
+    sleeper = EngineSleeper(state, engine, client, link)
     client.on_ask = sleeper.on_ask
     return sleeper
 

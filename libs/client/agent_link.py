@@ -16,7 +16,7 @@ The link survives an agent restart: its thread reconnects and registers again wi
 
 Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
 engine -> agent: register (first frame; answered by registered or error; `shadows`: it can shadow, and whom it
-shadows now), heartbeat, ready, fatal, shadowing {owner, read_only}, bye;
+shadows now), heartbeat, ready, fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
 agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model, shadowed},
 shadow {owner, share_token}, unshadow, owner_down {owner} (the shadowed engine failed: an assignment may follow),
 error {code, message}.
@@ -179,6 +179,11 @@ class AgentLink:
         if kv is not None:
             msg["kv"] = kv
         self._request(msg, timeout)
+
+    def asleep(self, sleeping: bool, *, timeout: float = 5.0) -> None:
+        """Tell the agent this engine's memory is given back (sleep) or back (wake): a standby shadowing it drops
+        its mapping, which would keep the memory alive."""
+        self._request({"op": "asleep", "sleeping": sleeping}, timeout)
 
     def report_fatal(self, kind: str = "cuda_error", detail: str = "", *, timeout: float = 2.0) -> None:
         """Tell the agent this engine is failing; returns once the agent has it (or after `timeout`)."""

@@ -93,6 +93,7 @@ class EngineRecord:
     fences: bool = False  # a standby that waits for its predecessor's exit itself (fenced takeover): assigned with the kill
     shadow_offered: str | None = None  # a shadow instruction sent, not answered yet
     shadow_refused: set[str] = field(default_factory=set)  # engines it could not shadow (not offered again)
+    asleep: bool = False  # its memory is given back (sleep/wake, as it said over its link): nobody shadows it
     tp: int = 1  # tensor-parallel ranks: this is rank 0's record, the group's (its process starts the others)
     gang: str | None = None  # a TP group's gang id (the first group's engine id, kept by its successor groups)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine said when ready (issue 21)

@@ -170,11 +170,11 @@ def shadow_plan(records: list[EngineRecord]) -> ShadowPlan:
     """Which idle standby should shadow which serving engine (same model and GPU: it maps that memory).
 
     A standby shadows one engine at a time; an engine with fewer shadows is served first. A shadow of an
-    engine that left the node (stopped, retired, not taken over by this standby) is dropped: its mapping
-    would keep the freed memory alive."""
+    engine that left the node (stopped, retired, not taken over by this standby) or that sleeps (its memory
+    given back) is dropped: its mapping would keep the freed memory alive."""
     out = ShadowPlan()
-    present = {r.engine_id for r in records}
-    serving = [r for r in records if r.role is EngineRole.ACTIVE and r.state is State.READY]
+    present = {r.engine_id for r in records if not r.asleep}
+    serving = [r for r in records if r.role is EngineRole.ACTIVE and r.state is State.READY and not r.asleep]
     standbys = [r for r in records if r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.can_shadow
                 and r.linked and r.shadow_offered is None]
     load = {r.engine_id: 0 for r in serving}

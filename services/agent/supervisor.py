@@ -509,6 +509,9 @@ class Agent:
             self.fault(rec, kind, detail=str(msg.get("detail", "")), died_at=time.time())
         elif op == "shadowing":
             shadows.shadowing(self, rec, msg.get("owner") or None)
+        elif op == "asleep":  # its memory goes (or came back): its shadows are dropped (or offered again)
+            rec.asleep = bool(msg.get("sleeping"))
+            self.background(shadows.reconcile(self), f"shadows:{rec.engine_id}")
         elif op == "bye":
             rec.said_bye = True
         else:

@@ -13,6 +13,7 @@ from services.agent.supervision import (
     overdue,
     pick_standby,
     plan,
+    shadow_plan,
     spec_key,
     stranger_key,
 )
@@ -145,3 +146,18 @@ def test_an_adopted_stranger_counts_for_its_spec_so_nothing_more_starts() -> Non
     assert adopted.spec_key == KEY
     assert plan({KEY: spec}, [adopted], now=100.0, takeover_wait_s=10).start == []
     assert admit_stranger({KEY: spec}, [adopted], KEY, EngineRole.ACTIVE) is not None
+
+
+def test_a_sleeping_engine_is_not_shadowed_and_its_shadows_are_dropped_until_it_wakes() -> None:
+    """A shadow's mapping would keep a sleeping engine's memory alive (docs/restore.md)."""
+    active = rec("a")
+    standby = rec("s", EngineRole.STANDBY, State.STANDBY, can_shadow=True, linked=True)
+    idle = rec("t", EngineRole.STANDBY, State.STANDBY, can_shadow=True, linked=True)
+    assert [(sb.engine_id, t.engine_id) for sb, t in shadow_plan([active, standby, idle]).offer] == [("s", "a"),
+                                                                                                    ("t", "a")]
+    standby.shadows = "a"
+    active.asleep = True
+    sleeping = shadow_plan([active, standby, idle])
+    assert sleeping.drop == [standby] and sleeping.offer == []  # dropped, and nobody offered the sleeper
+    standby.shadows, active.asleep = None, False
+    assert [sb.engine_id for sb, _ in shadow_plan([active, standby, idle]).offer] == ["s", "t"]  # awake: again
