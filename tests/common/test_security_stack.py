@@ -47,15 +47,17 @@ async def _intrude(url: str, creds: Path, who: str | None, node: str) -> list[st
         nc = await nats.connect(url, error_cb=error_cb, allow_reconnect=False, connect_timeout=2, **auth)
     except (nats.errors.Error, NoServersError, OSError) as e:
         return [f"refused at connect: {e}"]
-    try:
-        for command in (ListLeases, Freeze, Reclaim, Takeover, StopEngine):
-            subject = command_subject("hf", node, command)
-            try:
-                await nc.request(subject, b'{"source":"dc_manager","data":{"owner":"x","lease_id":"x","force":true}}',
-                                 timeout=0.5)
-                errors.append(f"ANSWERED {subject}")
-            except NatsTimeout:
-                pass
+    async def forge(command: type) -> None:
+        subject = command_subject("hf", node, command)
+        try:
+            await nc.request(subject, b'{"source":"dc_manager","data":{"owner":"x","lease_id":"x","force":true}}',
+                             timeout=0.5)
+            errors.append(f"ANSWERED {subject}")
+        except NatsTimeout:
+            pass
+
+    try:  # every command at once: each waits its 0.5 s for an answer that must not come
+        await asyncio.gather(*(forge(c) for c in (ListLeases, Freeze, Reclaim, Takeover, StopEngine)))
         await nc.publish(event_subject("hf", FaultDetected, node), b"{}")
         await nc.flush()
         await asyncio.sleep(0.3)
@@ -92,8 +94,9 @@ async def _check(sc: Scenario, stack: Stack) -> None:
         active = await sc.wait_serving(standbys=0)
         before = sorted((lease.id, lease.state, lease.epoch) for lease in (await sc.leases()).leases)
         creds = stack.credentials_dir
-        for who in (None, "router", "agent.node-2", "gpu_manager.node-2", "gpu_manager.node-1"):
-            said = await _intrude(stack.nats_url, creds, who, "node-1")
+        intruders = (None, "router", "agent.node-2", "gpu_manager.node-2", "gpu_manager.node-1")
+        complaints = await asyncio.gather(*(_intrude(stack.nats_url, creds, who, "node-1") for who in intruders))
+        for who, said in zip(intruders, complaints, strict=True):
             assert not any(s.startswith("ANSWERED") for s in said), (who, said)
             if who is None:
                 assert said and said[0].startswith("refused at connect"), said
