@@ -62,7 +62,7 @@ async def test_a_lost_kv_cache_is_restored_from_its_host_backup_through_the_whol
         await sc.connect()
         async with httpx.AsyncClient() as client:
             await sc.wait_serving(timeout=300)
-            control = [await sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()]
+            control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
             assert all(r.done and not r.error for r in control)
             seen = len(sc.events)
             streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
