@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -80,6 +81,13 @@ def stream_until_killed(url: str, i: int, seen: list[int], started: threading.Ev
         pass  # the engine died under the stream
 
 
+def uninterrupted(url: str) -> dict[int, list[int]]:
+    """Every stream's tokens of an uninterrupted run, the requests sent together (deterministic mode: together as
+    alone; tests/engine_batched/test_server.py checks it)."""
+    with ThreadPoolExecutor(STREAMS) as ex:
+        return dict(enumerate(ex.map(lambda i: alone(url, i), range(STREAMS))))
+
+
 def resume(url: str, i: int, seen: list[int]) -> list[int]:
     """What the router sends after a failure: the prompt, the tokens the client has, what is left."""
     r = httpx.post(url + "/generate", json=body(i, resume=seen, max_tokens=MAX_TOKENS - len(seen)), timeout=60)
@@ -102,7 +110,7 @@ def streams_started(engine: BatchedEngine, streams: int) -> tuple[dict[int, list
 
 
 def run_kill_and_resume(first: BatchedEngine, start_successor) -> tuple[dict, dict[int, list[int]], dict[int, list[int]]]:
-    expected = {i: alone(first.url, i) for i in range(STREAMS)}
+    expected = uninterrupted(first.url)
     seen, threads = streams_started(first, STREAMS)
     time.sleep(0.05)
     first.kill()

@@ -27,9 +27,9 @@ from tests.engine_batched.test_failover import (
     MAX_TOKENS,
     STREAMS,
     BatchedEngine,
-    alone,
     resume,
     streams_started,
+    uninterrupted,
 )
 
 
@@ -51,7 +51,7 @@ async def just_past_a_round(url: str, seen: dict[int, list[int]]) -> None:
 async def lose_kv_and_take_over(first: BatchedEngine, tmp_path: Path, tiny_weights: Path,  # noqa: F811
                                 settings_env: dict[str, str], settings: CommonSettings, bus: Bus,
                                 between_rounds: bool) -> tuple[dict, dict, dict[int, list[int]], dict[int, list[int]], list]:
-    expected = {i: await asyncio.to_thread(alone, first.url, i) for i in range(STREAMS)}
+    expected = await asyncio.to_thread(uninterrupted, first.url)
     seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
     if between_rounds:
         await just_past_a_round(first.url, seen)
