@@ -10,6 +10,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +27,18 @@ ARGS = ("--deterministic", "--prefill-chunk", "32")
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
-    """A serving engine and its successor-to-be (batched, tiny, deterministic)."""
-    engines: list[Engine] = []
+    """A serving engine and its successor-to-be (batched, tiny, deterministic), started side by side."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    with ThreadPoolExecutor(2) as ex:
+        starts = [ex.submit(Engine, tmp_path / name, *ARGS) for name in ("a", "b")]
     try:
-        for name in ("a", "b"):
-            (tmp_path / name).mkdir()
-            engines.append(Engine(tmp_path / name, *ARGS))
-        yield engines[0], engines[1]
+        a, b = (s.result() for s in starts)
+        yield a, b
     finally:
-        for e in engines:
-            e.child.stop()
+        for s in starts:
+            if s.exception() is None:
+                s.result().child.stop()
 
 
 async def leave_after(client: httpx.AsyncClient, url: str, body: dict[str, Any], seen: asyncio.Event,
