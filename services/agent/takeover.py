@@ -88,6 +88,9 @@ class Takeovers:
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
         t = time.perf_counter()
+        mem_owner = agent.engines.get(owner) if owner != pred.engine_id else None
+        if mem_owner is not None:  # memory_of: the memory's owner died first; its exit is confirmed too (the
+            await agent.kill_confirmed(mem_owner)  # gpu_manager refuses a takeover while its process still exits)
         pred.handing_over = True
         if agent.watcher.watching(pred.engine_id):
             if pred.state is not State.FAILED:
