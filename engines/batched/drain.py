@@ -17,11 +17,12 @@ A bracket is as short as the queuing itself: the step thread blocks on the GPU (
 its host work (streaming tokens) outside any, where a kill most often finds it. (Bracketing whole passes of the
 loop, the thread blocked inside one, a kill found `done < launched` in 3 of 3 trials on an H200, 2026-12-02.)
 Invariants:
-1. It is used only where the step thread is the only thread whose GPU work writes the leases, on one stream: a
-   single engine (not a TP group: other processes) without the KV backup (its copies run on a side stream of
-   another thread). The lease exists only then: its presence is the predecessor's promise.
-2. Every GPU operation the engine queued is covered: queued after the CPU stored a `launched` of its pass (program
-   order on one thread), and `done = n` is written only after everything queued before it on the stream ran.
+1. It is used only where the step thread queues every GPU write to the leases, on one stream: a single engine (not
+   a TP group: other processes) without the KV backup (its copies run on a side stream of another thread). A wake's
+   journal format runs on the ask's thread while the step thread is parked inside an open bracket (sleep.py), so it
+   is covered too. The lease exists only then: its presence is the predecessor's promise.
+2. Every GPU operation the engine queued is covered: queued after the CPU stored the `launched` of its phase
+   (program order), and `done = n` is written only after everything queued before it on the stream ran.
 3. Once every thread of the engine is exiting (`procs.exiting`), `launched` never changes and nothing more can be
    queued. From then on `done == launched` proves that every queued operation has run: nothing of the dead engine
    writes the leases any more, though its context is still being torn down. `done < launched` (killed mid-pass, or
