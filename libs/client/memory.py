@@ -532,7 +532,10 @@ class MemoryClient:
         `shared`. A later `takeover` of the same owner reuses these mappings (made writable), so views built now
         stay valid. `into_reserved`: each lease into the reservation made for it where one fits (`reserve`: views
         and CUDA graphs built over the reservation now read the owner's memory; the takeover maps nothing);
-        `unshare` gives those reservations their placeholders back."""
+        `unshare` gives those reservations their placeholders back (and a new share into them drops the last one
+        first: unmapping a shadow in place would free its reservation's addresses)."""
+        if into_reserved:
+            self.unshare()
         return self._timed(p.ShareReq(owner=owner, share_token=share_token), into_reserved=into_reserved)
 
     def register_gang(self, gang_id: str, owners: Sequence[str]) -> p.GangView:

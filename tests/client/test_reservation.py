@@ -97,6 +97,8 @@ async def test_a_shadow_into_a_reservation_is_given_back_and_taken_over_in_place
         assert int(cache[PLACEHOLDER]) == 9 and owner.ask("hash")["kv_cache"] == k["expected"]
 
         client.share("eng-owner", grant.share_token, into_reserved=True)
+        client.share("eng-owner", grant.share_token, into_reserved=True)  # again: the last one dropped first
+        assert client.reservations == [] and len(client.shadow_reservations) == 2
         frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id="inc-shadow"), FreezeReply)
         owner.kill()
         taken = client.takeover("eng-owner", frozen.transfer_token)
