@@ -52,11 +52,12 @@ class Stream(StreamResult):
 
 def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None,
                     step_tokens: int = 2048, prefill_chunk: int = 256, fenced: bool = True,
-                    shadow: bool = True) -> list[str]:
+                    shadow: bool = True, isolated: bool = True) -> list[str]:
     """The engine in deterministic mode (outputs comparable with the control's); `step_tokens` bounds a step's
     prefill, hence how long one step can hold every stream's next token. `fenced`: its standby's fenced takeover
     (config.py `fenced_takeover`); off, the standby is assigned once the predecessor's death is confirmed.
-    `shadow`: a prepared standby maps the active engine's leases into its reservations before the failure."""
+    `shadow`: a prepared standby maps the active engine's leases into its reservations before the failure.
+    `isolated`: a fenced standby adopts while the dead engine's queue may still run (engines/batched/isolation.py)."""
     argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--deterministic",
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
             "--prefill-chunk", str(prefill_chunk)]
@@ -64,6 +65,8 @@ def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib
         argv.append("--no-fenced-takeover")
     if not shadow:
         argv.append("--no-shadow")
+    if not isolated:
+        argv.append("--no-isolated-takeover")
     if kv_cache_gib:
         argv += ["--kv-cache-gib", str(kv_cache_gib)]
     return argv
@@ -74,12 +77,14 @@ class LoadScenario(Scenario):
     where it can prepare (a KV cache of a configured size, or the CPU), unless `shadow` is False."""
 
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
-                 prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, **kw: Any) -> None:
+                 prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, isolated: bool = True,
+                 **kw: Any) -> None:
         if shadow is None:
             shadow = kv_cache_gib is not None or kw.get("backend") == "host"
         super().__init__(shadow=shadow, **kw)
         self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
         self.step_tokens, self.prefill_chunk, self.fenced = step_tokens, prefill_chunk, fenced
+        self.isolated = isolated
 
     def start(self) -> Stack:
         make_weights(self.size, self.weights)
@@ -87,7 +92,7 @@ class LoadScenario(Scenario):
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
                                                   prefill_chunk=self.prefill_chunk, fenced=self.fenced,
-                                                  shadow=self.shadow),
+                                                  shadow=self.shadow, isolated=self.isolated),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
         specs_file = self.write_specs(spec)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
@@ -214,6 +219,7 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
             "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
             "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],
             "graphs_captured_ms": [e.get("graphs_captured_ms") for e in eng],
+            "held_back_ms": [e.get("held_back_ms") for e in eng],  # isolation.py: slots and blocks given back
             "recovery": [h.get("recovery") for h in succ],
             # where its time went: the slowest steps with their make-up, and its first tokens' phases
             "step_times": [e.get("step_times") for e in eng],
@@ -227,10 +233,10 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
               prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
-              shadow: bool = True) -> dict[str, Any]:
+              shadow: bool = True, isolated: bool = True) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
-                      prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False)
+                      prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
     pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
@@ -243,7 +249,7 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
             rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm)
                       for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
-                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "fenced": fenced, "shadow": sc.shadow, "no_failure": summarize([control], control),
+                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "no_failure": summarize([control], control),
                 "sigkill": summarize(rounds, control)}
     finally:
         pool.close()

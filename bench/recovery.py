@@ -203,6 +203,9 @@ def cli(
                                 "mapping during the predecessor's teardown); --no-fenced: assigned after its death"),
     shadow: bool = typer.Option(True, help="with --streams: the standby maps the active engine's leases into its "
                                 "reservations before the kill (engines/batched/standby.py); --no-shadow: at the takeover"),
+    isolated: bool = typer.Option(True, help="with --streams: the fenced standby adopts once the predecessor's threads "
+                                  "are exiting, clear of what its queue may still write (engines/batched/isolation.py); "
+                                  "--no-isolated: it waits for the queue proven run or the exit"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -220,7 +223,8 @@ def cli(
                                       late=late, trials=trials, max_tokens=max_tokens,
                                       kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
                                       step_tokens=step_tokens, prefill_chunk=prefill_chunk,
-                                      client_procs=client_procs, fenced=fenced, shadow=shadow))
+                                      client_procs=client_procs, fenced=fenced, shadow=shadow,
+                                      isolated=isolated))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}

@@ -25,15 +25,17 @@ from typing import Any
 
 import torch
 
+from engines.batched import isolation
 from engines.batched.backup import SOLO, BackupWriter, backed_journal
 from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
-from engines.batched.drain import open_drain
+from engines.batched.drain import NO_MARK, DrainMark, PageLayout, Pending, open_drain
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
 from engines.batched.memory import (
     LeasedMemory,
     Loaded,
+    journal_generation,
     layout_fn,
     open_memory,
     placed_alike,
@@ -78,11 +80,12 @@ def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRun
 
 
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,
-                 capture_now: bool, runner: ModelRunner | None = None,
-                 backup: BackupWriter | None = None) -> tuple[LLMEngine, dict[str, Any]]:
+                 capture_now: bool, runner: ModelRunner | None = None, backup: BackupWriter | None = None,
+                 mark: DrainMark | None = None, pend: Pending | None = None) -> tuple[LLMEngine, dict[str, Any]]:
     """Runner (`runner`: one built before over the same addresses, its graphs captured), scheduler and journal over
     the loaded tensors; the journal's sequences adopted when the KV lease came from before (and was written for
-    this layout)."""
+    this layout): clear of what a predecessor's queue may still write, `pend` (isolation.py). Every journal write is
+    stamped in `mark` (drain.py), the engine's from then on."""
     runner = runner or new_runner(cfg, mcfg, loaded)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -91,6 +94,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
                                           block_size=layout.block_size, num_blocks=layout.num_blocks,
                                           prefix_caching=cfg.prefix_caching))
     journal = Journal(layout, loaded.journal) if backup is None else backed_journal(backup, layout, loaded.journal)
+    journal.mark = mark or NO_MARK
     if capture_now and runner.use_graphs:
         t0 = time.perf_counter()
         runner.warmup()  # a cold start captures its decode graphs before serving
@@ -100,10 +104,21 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     engine = LLMEngine(runner, scheduler, journal, adopt_claim_s=cfg.adopt_claim_s,
                        capture_graphs_when_idle=not capture_now and runner.use_graphs, async_schedule=cfg.async_schedule,
                        forget_on_failure=cfg.tp == 1)
+    engine.drain = mark
     info: dict[str, Any] = {"adopted": 0, "journal": "new", "graphs_ms": graphs_ms}
     if loaded.kv_handed_on and journal.matches():
-        entries, dropped = journal.recover()
-        engine.adopt(entries, dropped)
+        entries, dropped = journal.recover(pend.slots if pend is not None else frozenset())
+        hold: frozenset[int] = frozenset()
+        if pend is not None:  # isolation.py: the predecessor's queue may still run
+            p = isolation.plan(entries, pend, free_slots=journal.free_slot_ids(), num_blocks=layout.num_blocks,
+                               block_size=layout.block_size)
+            isolation.apply(p, loaded.kv, journal, journal.gen + 1, journal.mark)
+            entries, dropped, hold = p.entries, dropped + len(p.dropped), p.hold_blocks
+            assert loaded.fence, "an isolated takeover has a predecessor to watch"
+            engine.held = isolation.Held(loaded.fence[0].pid, p.hold_slots)
+            info["isolated"] = {"moved": p.moved, "copied_blocks": len(p.copies), "dropped": len(p.dropped),
+                                "held_slots": len(p.hold_slots), "held_blocks": len(p.hold_blocks)}
+        engine.adopt(entries, dropped, hold)
         bucket = runner.bucket_for(len(entries)) if entries and runner.use_graphs else None
         if bucket is not None:  # the adopted sequences' decode graph (~60-90 ms at 8b) is the step thread's first
             engine.capture_first = [bucket]  # work, while the router's replays come in; the rest when idle
@@ -242,23 +257,28 @@ def run(cfg: EngineConfig) -> int:
         # adopted sequence; it captures them once it is idle (engine.py).
         runner, how = adopt_prepared(prepared, loaded)
         t_fence = time.perf_counter()
-        fence = wait_fence(loaded, cfg.adopt_wait_s)  # a fenced takeover: nothing read or written before
+        # a fenced takeover: nothing read or written before (isolated: nothing its predecessor may still write)
+        isolate = cfg.isolated_takeover and cfg.drain_mark and group is None and not cfg.kv_backup
+        fence, pend = wait_fence(loaded, cfg.adopt_wait_s, isolate=isolate)
         # a lost cache restored from its host backup (backup.py); a group's ranks all at once, before the gang
         kv_backup = open_backup(cfg, memory, loaded, group.backup if group is not None else SOLO)
         if group is not None:
             state.info["tp"] = group.commit(memory, loaded)  # the ranks' caches agree; the gang registered
             runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
+        mark = None
+        if (cfg.drain_mark and device.type == "cuda" and group is None and kv_backup is None
+                and isinstance(memory, LeasedMemory)):  # drain.py invariant 1; its bank: this engine's generation
+            prior = journal_generation(loaded)
+            gen = 0 if prior is None else prior + (pend is not None)
+            mark = open_drain(memory.client, loaded.drain, device, PageLayout(layout.slots, layout.num_blocks), gen)
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
-                                       backup=kv_backup[0] if kv_backup else None)
+                                       backup=kv_backup[0] if kv_backup else None, mark=mark, pend=pend)
         if kv_backup:
             adopted["kv_backup"] = kv_backup[1]
             state.info["kv_backup"] = kv_backup[0].stats
         if how != "none":
             adopted["prepared_runner"] = how
-        if (cfg.drain_mark and device.type == "cuda" and group is None and kv_backup is None
-                and isinstance(memory, LeasedMemory)):
-            engine.drain = open_drain(memory.client, loaded.drain, device)  # drain.py invariant 1
         engine.flush = state.outbox.flush
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from engines.batched.copier import BlockCopier
-from engines.batched.journal import EPOCH, Admission, Journal, JournalLayout
+from engines.batched.journal import COUNT_MASK, EPOCH, Admission, Journal, JournalLayout
 from engines.batched.kv_backup import (
     BACKUP_NAME,
     PREFIX,
@@ -110,19 +110,19 @@ class BackedJournal(Journal):
         (global capture mode)."""
         return self.writer.paused()
 
-    def format(self) -> None:
-        super().format()
+    def format(self, gen: int | None = None) -> None:
+        super().format(gen)
         with self.lock:
             self.released.update(self.mirror)
             self.mirror.clear()
             self.version += 1
 
-    def recover(self) -> tuple[list[Any], int]:
-        entries, dropped = super().recover()
+    def recover(self, busy: frozenset[int] = frozenset()) -> tuple[list[Any], int]:
+        entries, dropped = super().recover(busy)
         epochs = self.rows[:, EPOCH].cpu().tolist()
         with self.lock:
             for e in entries:
-                self.mirror[e.slot] = RowMirror(int(epochs[e.slot]), _admission_of(e), e.prompt_len, list(e.tokens),
+                self.mirror[e.slot] = RowMirror(int(epochs[e.slot]) & COUNT_MASK, _admission_of(e), e.prompt_len, list(e.tokens),
                                                 list(e.block_table), len(e.tokens), e.computed)
             self.version += 1
         return entries, dropped

@@ -1,7 +1,8 @@
 """Paged KV blocks: a free pool, reference counts, per-sequence block tables, prefix sharing by block hash.
 Pure: no torch, no I/O. The KV tensor itself belongs to the model runner; this module only hands out ids.
 
-A block is in exactly one of three places:
+A block is in exactly one of three places (four while a successor holds back blocks a dead engine may still write:
+`adopt`'s `hold`, outside everything until `give_back`):
 - held: reference count >= 1, listed in the block tables of that many live sequences;
 - cached-free: reference count 0 but its content is registered under its hash, so a later sequence with the
   same prefix can take it back; evicted least recently freed first when a new block is needed;
@@ -74,6 +75,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._empty: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first: the eviction order
+        self._held: set[int] = set()  # out of the pool until given back (adopt's `hold`)
         self.evictions = 0
 
     # -- views -------------------------------------------------------------------------------------------
@@ -215,13 +217,15 @@ class BlockManager:
         seq.num_computed = 0
 
     # -- adoption ----------------------------------------------------------------------------------------
-    def adopt(self, seqs: Iterable[Sequence]) -> None:
+    def adopt(self, seqs: Iterable[Sequence], hold: Iterable[int] = ()) -> None:
         """Rebuild reference counts, pool and hashes from sequences whose block tables come from a journal
         (a successor taking over a dead engine's KV). Everything is checked before anything changes; a table
-        that breaks the invariants raises `AdoptionError` naming the sequence and block."""
+        that breaks the invariants raises `AdoptionError` naming the sequence and block. `hold`: blocks a dead
+        engine may still write (isolation.py), in no table and out of the pool until `give_back`."""
         if self.num_free_blocks != self.num_blocks:
             raise AdoptionError("adopt needs a block manager that holds no blocks")
         seqs = list(seqs)
+        held = set(hold)
         owner: dict[int, tuple[Sequence, int]] = {}
         refs: Counter[int] = Counter()
         for seq in seqs:
@@ -232,11 +236,20 @@ class BlockManager:
                 else:
                     owner[b] = (seq, j)
                 refs[b] += 1
+        if held & refs.keys():
+            raise AdoptionError(f"blocks {sorted(held & refs.keys())[:8]} are both held back and in a table")
         for b, n in refs.items():
             self._ref[b] = n
-        self._empty = deque(b for b in range(self.num_blocks) if b not in refs)
+        self._empty = deque(b for b in range(self.num_blocks) if b not in refs and b not in held)
+        self._held = held
         if self.prefix_caching:
             self._register_adopted(seqs, refs)
+
+    def give_back(self) -> list[int]:
+        """The blocks `adopt` held back, into the pool (their writer is gone); returns them."""
+        back, self._held = sorted(self._held), set()
+        self._empty.extend(back)
+        return back
 
     def _register_adopted(self, seqs: list[Sequence], refs: Counter[int]) -> None:
         """Hash every full computed block; where two blocks hold the same content (computed side by side),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable
 
 from engines.batched.journal import Entry
 from engines.batched.live import Counters, Live, LiveSet, Request, finish_reason, request_params
@@ -46,7 +47,7 @@ class Claims:
         self.adopt_claim_s = adopt_claim_s
         self._switch_interval: float | None = None  # the interpreter's, while a recovery's claims are awaited
 
-    def adopt(self, scheduler: Scheduler, entries: list[Entry], dropped: int) -> None:
+    def adopt(self, scheduler: Scheduler, entries: list[Entry], dropped: int, hold: Iterable[int] = ()) -> None:
         """Sequences a predecessor committed to the journal: running again at once (before the loop starts)."""
         now = time.perf_counter()
         seqs: list[Sequence] = []
@@ -60,7 +61,7 @@ class Claims:
             live = Live(seq, None, e.slot, sent=len(e.tokens) - e.prompt_len, adopted_at=now, adopted_len=len(e.tokens))
             self.table.live[seq.seq_id] = live
             self.table.orphans[seq.seq_id] = live
-        scheduler.adopt(seqs)
+        scheduler.adopt(seqs, hold)
         self.table.resuming = {seq.seq_id for seq in seqs}
         self.table.resume_until = now + RESUME_FIRST_S
         if seqs and self._switch_interval is None:

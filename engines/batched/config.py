@@ -79,6 +79,10 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     drain_mark: bool = Field(True, description="on CUDA, each step-thread pass's GPU work is bracketed in a host page "
                              "handed on with the cache (drain.py), so that a fenced successor need not wait for this "
                              "engine's exit once its queue is proven run")
+    isolated_takeover: bool = Field(True, description="on CUDA, a fenced successor whose predecessor kept a drain mark "
+                                    "adopts the journal once the predecessor's threads are exiting, while its queued "
+                                    "GPU work may still run, writing none of what that work may write (isolation.py); "
+                                    "false: it waits for the predecessor's queue to be proven run or for its exit")
     shadow: bool = Field(True, description="a prepared standby maps the engine the agent names (its weights and KV "
                          "cache) into its reservations before any failure (standby.py): the takeover maps nothing")
 

@@ -22,11 +22,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from engines.batched.claims import Claims
 from engines.batched.drain import NO_MARK, DrainMark
+from engines.batched.isolation import Held
 from engines.batched.journal import Entry, Journal
 from engines.batched.live import REFUSED_BAD, REFUSED_FULL, Counters, Live, LiveSet, Request, request_params
 from engines.batched.model_runner import ModelRunner
@@ -57,6 +58,9 @@ class LLMEngine:
         # pass's tokens to their requests at once (one wake-up of its loop a pass, not one a token)
         self.flush: Callable[[], None] = lambda: None
         self.drain: DrainMark | None = None  # drain.py: each pass's GPU work bracketed, for a successor's fence
+        self.held: Held | None = None  # isolation.py: slots and blocks a dead predecessor may still write
+        self.held_back_ms: float | None = None  # when they came back, after the adoption
+        self._adopted_at = 0.0
         self._capture_when_idle = capture_graphs_when_idle
         self.capture_first: list[int] = []  # graph buckets captured before the first step (a recovery's own)
         self.graphs_captured_ms: dict[str, float] = {}
@@ -109,9 +113,22 @@ class LLMEngine:
         return self._thread is None or not self._thread.is_alive()
 
     # ------------------------------------------------------------------ recovery
-    def adopt(self, entries: list[Entry], dropped: int) -> None:
-        """Sequences a predecessor committed to the journal: running again at once (before `start`)."""
-        self.claims.adopt(self.scheduler, entries, dropped)
+    def adopt(self, entries: list[Entry], dropped: int, hold: Iterable[int] = ()) -> None:
+        """Sequences a predecessor committed to the journal: running again at once (before `start`); `hold`: blocks
+        it may still write, out of the pool until `held` is over."""
+        self._adopted_at = time.perf_counter()
+        self.claims.adopt(self.scheduler, entries, dropped, hold)
+
+    def _give_back(self) -> None:
+        """The predecessor is gone: what was held back from it is this engine's (isolation.py rule 4)."""
+        if self.held is None or not self.held.over():
+            return
+        self.pipeline.mark.open()
+        self.journal.give_back(sorted(self.held.slots))
+        self.pipeline.mark.close()
+        self.scheduler.bm.give_back()
+        self.held = None
+        self.held_back_ms = round((time.perf_counter() - self._adopted_at) * 1000, 1)
 
     # ------------------------------------------------------------------ the step thread
     def step(self) -> bool:
@@ -159,6 +176,7 @@ class LLMEngine:
 
     def _pass(self) -> bool:
         """One pass of the step thread: intake, then a step (or an idle capture). True: nothing ran, wait."""
+        self._give_back()
         self._drain()
         # what intake produced (a claim's tokens made ahead, a refusal) goes out now, not after this
         # pass's step: a successor's claims would otherwise wait a whole step for their first tokens
@@ -245,4 +263,5 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         return {**self.counters.__dict__, "live": len(self.table.live), "unclaimed": len(self.table.orphans),
                 "graphs_captured_ms": self.graphs_captured_ms, "step_times": self.pipeline.times.stats(),
+                "holding_back": self.held is not None, "held_back_ms": self.held_back_ms,
                 "scheduler": self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}}

@@ -2,10 +2,10 @@
 the paged cache, so it outlives the engine process exactly as the cache does.
 
 Layout (tensors registered in the KV lease, after `kv_cache`):
-- `jr_header` int64[8]: magic, version, block_size, num_blocks, slots, max_len, max_blocks, 0. A successor
-  whose configuration gives another header cannot read the cache and leases a new one.
+- `jr_header` int64[8]: magic, version, block_size, num_blocks, slots, max_len, max_blocks, generation. A
+  successor whose configuration gives another header (the first seven) cannot read the cache and leases a new one.
 - `jr_rows` int64[slots, 10], one row per journal slot (a running sequence holds one):
-  epoch (0: empty), seq_id, prompt_len, max_tokens, temperature (float64 bits), seed, flags (1: ignore_eos),
+  epoch (0: empty; `generation << 32 | admission count`), seq_id, prompt_len, max_tokens, temperature (float64 bits), seed, flags (1: ignore_eos),
   n_blocks, check (crc32 of the admission: the fields before n_blocks, the request id and the prompt tokens),
   progress (`length << 32 | computed`: tokens known, positions whose KV is written).
 - `jr_tokens` int32[slots, max_len]: the sequence's tokens (prompt, then each sampled one).
@@ -29,6 +29,12 @@ stream), so a write that is visible implies every write queued before it is done
    through the router's replay instead of being adopted (a request that ends the step loop would otherwise end
    every successor that adopts it). Not in a tensor-parallel group: there a rank's step loop most often fails
    because a peer rank died (its collective's error), and the successor group adopts the journal as ever.
+6. Generations (isolation.py): a successor that does not wait for its predecessor's exit moves the rows that the
+   dead engine may still write to other slots, stamps every row it keeps with the next generation, then writes that
+   generation into the header. A reader adopts only rows of the header's generation: the dead engine's late writes
+   land in rows of the one before (and in slots and blocks the successor holds back until the exit).
+7. Every write is stamped in the engine's drain mark (`mark`, drain.py) before it is queued: its slot, or the
+   header.
 """
 
 from __future__ import annotations
@@ -41,9 +47,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.batched.drain import NO_MARK, Mark
+
 MAGIC = 0x484F4C444A524E4C  # "HOLDJRNL"
 VERSION = 1
 ID_BYTES = 64
+GEN_SHIFT = 32
+COUNT_MASK = (1 << GEN_SHIFT) - 1
 (EPOCH, SEQ_ID, PROMPT_LEN, MAX_TOKENS, TEMP, SEED, FLAGS, N_BLOCKS, CHECK, PROGRESS) = range(10)
 N_FIELDS = 10
 FLAG_IGNORE_EOS = 1
@@ -60,8 +70,8 @@ class JournalLayout:
     def max_blocks(self) -> int:
         return -(-self.max_len // self.block_size)
 
-    def header(self) -> list[int]:
-        return [MAGIC, VERSION, self.block_size, self.num_blocks, self.slots, self.max_len, self.max_blocks, 0]
+    def header(self, gen: int = 0) -> list[int]:
+        return [MAGIC, VERSION, self.block_size, self.num_blocks, self.slots, self.max_len, self.max_blocks, gen]
 
     def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Name -> (dtype, shape) of every journal tensor, in their order in the lease."""
@@ -146,28 +156,44 @@ class Journal:
         self.tokens, self.blocks, self.ids = tensors["jr_tokens"], tensors["jr_blocks"], tensors["jr_ids"]
         self.device = self.rows.device
         self._free = list(range(layout.slots - 1, -1, -1))
-        self._epoch = 0
+        self._epoch = 0  # admissions counted (a row's epoch below its generation)
+        self.gen = 0  # the generation this journal's rows are written in (invariant 6)
         self._n_blocks: dict[int, int] = {}  # slot -> block-table entries written
+        self.mark: Mark = NO_MARK  # invariant 7
 
     def quiet(self) -> contextlib.AbstractContextManager[object]:
         """Held while CUDA graphs are captured: a journal with a thread of its own (backup.py) pauses it."""
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ creation and recovery
-    def format(self) -> None:
-        """A new journal: every slot empty, then the header (a successor trusts nothing without it)."""
+    def format(self, gen: int | None = None) -> None:
+        """A new journal: every slot empty, then the header (a successor trusts nothing without it), in generation
+        `gen` (None: this journal's, as after a wake: the drain mark's bank follows it)."""
+        gen = self.gen if gen is None else gen
+        self.mark.touch_header()
+        self.mark.touch_slots(range(self.layout.slots))
         self.rows.zero_()
-        self.header.copy_(torch.tensor(self.layout.header(), dtype=torch.int64))
+        self.header.copy_(torch.tensor(self.layout.header(gen), dtype=torch.int64))
+        self.gen, self._epoch, self._n_blocks = gen, 0, {}
+        self._free = list(range(self.layout.slots - 1, -1, -1))
 
     def matches(self) -> bool:
-        return [int(x) for x in self.header.cpu().tolist()] == self.layout.header()
+        return self.generation() is not None
 
-    def recover(self) -> tuple[list[Entry], int]:
-        """The committed sequences (and the number of slots dropped as cut off mid-admission or inconsistent).
-        The slots they hold stay taken; the rest are free."""
-        if not self.matches():
+    def generation(self) -> int | None:
+        """The header's generation, None when the header is not this layout's (no journal to read)."""
+        h = [int(x) for x in self.header.cpu().tolist()]
+        return h[7] if h[:7] == self.layout.header()[:7] else None
+
+    def recover(self, busy: frozenset[int] = frozenset()) -> tuple[list[Entry], int]:
+        """The committed sequences of the header's generation (and the number of slots dropped as cut off
+        mid-admission or inconsistent). The slots they hold stay taken; the rest are free, but for `busy` slots (a
+        dead engine may still write them: drain.py `Pending`), which are neither written nor handed out."""
+        gen = self.generation()
+        if gen is None:
             raise JournalMismatch(f"journal header {self.header.cpu().tolist()} != {self.layout.header()}")
-        rows = self.rows.cpu().tolist()
+        self.gen = gen
+        rows = self.rows.cpu().tolist()  # rows first: a later read of the rest is at least as new (invariant 2)
         toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
         out: list[Entry] = []
         dropped = 0
@@ -175,17 +201,44 @@ class Journal:
             if r[EPOCH] == 0:
                 continue
             e = self._entry(slot, r, toks[slot], blocks[slot], bytes(ids[slot].tolist()))
-            if e is None:
-                dropped += 1
-                self._clear(slot)
+            if e is None or r[EPOCH] >> GEN_SHIFT != gen:  # cut off, or a dead engine's late row (invariant 6)
+                dropped += e is None
+                if slot not in busy:
+                    self._clear(slot)
                 continue
             out.append(e)
-            self._epoch = max(self._epoch, r[EPOCH])
+            self._epoch = max(self._epoch, r[EPOCH] & COUNT_MASK)
         taken = {e.slot for e in out}
-        self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken]
+        self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken and s not in busy]
         for e in out:
             self._n_blocks[e.slot] = len(e.block_table)
         return out, dropped
+
+    def free_slot_ids(self) -> list[int]:
+        """The free slots, in the order `admit` takes them."""
+        return self._free[::-1]
+
+    def rehome(self, entries: Seq[Entry], gen: int) -> None:
+        """Invariant 6: every entry written again in generation `gen` at its (possibly new) slot with its (possibly
+        new) block table, then the header. The slots the entries left stay out of the free list (the dead engine
+        may still write them): `give_back` returns them."""
+        taken = {e.slot for e in entries}
+        self._free = [s for s in self._free if s not in taken]
+        self._n_blocks = {}  # the rows left behind are no longer this journal's
+        for e in entries:
+            self._write_row(e.slot, Admission(e.seq_id, e.request_id, e.tokens, e.prompt_len, e.max_tokens,
+                                              e.temperature, e.seed, e.ignore_eos),
+                            e.block_table, gen << GEN_SHIFT | (self._epoch + 1), _progress(len(e.tokens), e.computed))
+            self._epoch += 1
+        self.mark.touch_header()
+        self.header[7] = gen
+        self.gen = gen
+
+    def give_back(self, slots: Seq[int]) -> None:
+        """Slots held back from a dead engine (`recover`'s `busy`), once it can write them no more: emptied, free."""
+        for slot in slots:
+            if slot not in self._free and slot not in self._n_blocks:
+                self.release(slot)
 
     def _entry(self, slot: int, r: list[int], toks: torch.Tensor, blocks: torch.Tensor, rid_raw: bytes) -> Entry | None:
         prompt_len, n_blocks = r[PROMPT_LEN], r[N_BLOCKS]
@@ -218,27 +271,31 @@ class Journal:
         then runs unjournaled and a failure replays it through the router)."""
         if not self._free or len(a.tokens) > self.layout.max_len:
             return None
+        slot = self._free.pop()  # only once the row is known to encode: a refusal above takes no slot
+        self._epoch += 1
+        self._write_row(slot, a, block_table, self.gen << GEN_SHIFT | self._epoch, _progress(len(a.tokens), 0))
+        return slot
+
+    def _write_row(self, slot: int, a: Admission, block_table: Seq[int], epoch: int, progress: int) -> None:
         rid = a.request_id.encode()[:ID_BYTES]
         rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
         prompt = list(a.tokens[: a.prompt_len])
-        fields = [self._epoch + 1, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
+        fields = [epoch, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
                   FLAG_IGNORE_EOS if a.ignore_eos else 0]
         check = _check(fields, rid_raw, prompt)  # n_blocks grows after admission: not covered
-        slot = self._free.pop()  # only once the row is known to encode: a refusal above takes no slot
-        self._epoch += 1
         fields.append(len(block_table))
         dev = self.device
+        self.mark.touch_slots((slot,))
         self.ids[slot].copy_(_on(dev, rid_raw, torch.uint8))
         self.tokens[slot, : len(a.tokens)] = _on(dev, list(a.tokens), torch.int32)
         if block_table:
             self.blocks[slot, : len(block_table)] = _on(dev, list(block_table), torch.int32)
         self._n_blocks[slot] = len(block_table)
-        # progress (the whole context known, nothing computed), then the fields, the check last (invariant 1)
-        row = fields + [check, _progress(len(a.tokens), 0)]
+        # progress, then the fields, the check last (invariant 1)
+        row = fields + [check, progress]
         self.rows[slot, :CHECK] = _on(dev, row[:CHECK], torch.int64)
         self.rows[slot, PROGRESS] = row[PROGRESS]
         self.rows[slot, CHECK] = check
-        return slot
 
     def grow(self, slot: int, block_table: Seq[int]) -> None:
         """New block-table entries, before the forward that writes into them."""
@@ -246,6 +303,7 @@ class Journal:
         if len(block_table) <= n:
             return
         new = _on(self.device, list(block_table[n:]), torch.int32)
+        self.mark.touch_slots((slot,))
         self.blocks[slot, n: len(block_table)] = new
         self.rows[slot, N_BLOCKS] = len(block_table)
         self._n_blocks[slot] = len(block_table)
@@ -254,6 +312,7 @@ class Journal:
         """Tokens a sequence took from elsewhere than its own steps (a claim's tokens past the journal) at positions
         `start..`: written before any progress that covers them (invariant 2), like a step's sampled token."""
         if tokens:
+            self.mark.touch_slots((slot,))
             self.tokens[slot, start:start + len(tokens)] = _on(self.device, list(tokens), torch.int32)
 
     def commit(self, updates: Seq[tuple[int, int, int, int | None]]) -> None:
@@ -262,6 +321,7 @@ class Journal:
         if not updates:
             return
         dev = self.device
+        self.mark.touch_slots(u[0] for u in updates)
         sampled = [(s, n - 1, t) for s, n, _, t in updates if t is not None]
         if sampled:
             cols = _on(dev, [s for s, _, _ in sampled] + [p for _, p, _ in sampled], torch.int64).view(2, -1)
@@ -283,6 +343,7 @@ class Journal:
             torch.cuda.synchronize(self.rows.device)
 
     def _clear(self, slot: int) -> None:
+        self.mark.touch_slots((slot,))
         self.rows[slot, EPOCH] = 0
         self.rows[slot, CHECK] = 0
         self._n_blocks.pop(slot, None)

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from engines.batched.config import EngineConfig
-from engines.batched.drain import DRAIN_NAME, await_fence
+from engines.batched.drain import DRAIN_NAME, PageLayout, Pending, await_fence, pending
 from engines.batched.fused_layout import FUSED, Placed, fused_runs, write_order
-from engines.batched.journal import JournalLayout
+from engines.batched.journal import Journal, JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
@@ -349,18 +349,43 @@ def weights_plan(path: Path, lease_id: str) -> tuple[int, list[tuple[str, int, i
     return data_start, [(m.name, m.offset, start, n) for m, start, n in layout], total, [m for m, _, _ in layout]
 
 
-def wait_fence(loaded: Loaded, wait_s: float) -> dict[str, Any] | None:
-    """Wait until no predecessor of a fenced takeover can write the leases any more: only then may the journal be
-    read (on CUDA the dead engine's queued steps may still write it ~10-25 ms after a SIGKILL on an H200:
-    scripts/probe_death_time.py) or anything be written. On the CPU its threads' exit ends it; on CUDA its drain
-    mark proving its queue ran (drain.py), else its exit (the pidfd: its context torn down). {"waited_ms", "how"}
-    (None: nothing to wait for). Raises TimeoutError after `wait_s`."""
+def wait_fence(loaded: Loaded, wait_s: float, *, isolate: bool) -> tuple[dict[str, Any] | None, Pending | None]:
+    """Wait until no predecessor of a fenced takeover can write the leases any more, or (`isolate`) until what it
+    may still write is known: only then may the journal be read (on CUDA the dead engine's queued steps may still
+    write it ~10-25 ms after a SIGKILL on an H200: scripts/probe_death_time.py) or anything be written. On the CPU
+    its threads' exit ends it; on CUDA its drain mark (drain.py), once its threads are exiting: its queue proven
+    ran ("drained"), or what it may still write, to stay clear of (isolation.py: "isolated", with that `Pending`);
+    else its exit (the pidfd: its context torn down). ({"waited_ms", "how"}, the pending writes of an isolated
+    takeover) (None: nothing to wait for). Raises TimeoutError after `wait_s`."""
     if not loaded.fence:
-        return None
+        return None, None
     t0 = time.perf_counter()
-    hows = [await_fence(f.pid, f.pid_start, loaded.drain, cpu=loaded.kv.device.type == "cpu",
+    cpu = loaded.kv.device.type == "cpu"
+    pages = PageLayout(loaded.layout.slots, loaded.layout.num_blocks)
+    gen = journal_generation(loaded)
+    page = loaded.drain if gen is not None and pages.fits(loaded.drain) else None
+    found: list[Pending] = []
+
+    def proven() -> str | None:
+        if cpu:
+            return "stopped"
+        assert page is not None and gen is not None
+        p = pending(page, pages, gen)
+        if p.drained:
+            return "drained"
+        if isolate and len(loaded.fence) == 1 and not p.header:
+            found.append(p)
+            return "isolated"
+        return None
+
+    hows = [await_fence(f.pid, f.pid_start, proven if cpu or page is not None else None,
                         timeout_s=wait_s - (time.perf_counter() - t0)) for f in loaded.fence]
-    return {"waited_ms": _ms(t0), "how": ",".join(sorted(set(hows)))}
+    return {"waited_ms": _ms(t0), "how": ",".join(sorted(set(hows)))}, found[-1] if hows == ["isolated"] else None
+
+
+def journal_generation(loaded: Loaded) -> int | None:
+    """The handed-on journal's generation (journal.py invariant 6); None: no journal of this layout to read."""
+    return Journal(loaded.layout, loaded.journal).generation() if loaded.kv_handed_on else None
 
 
 def placed_alike(a: Loaded, b: Loaded) -> list[str]:

@@ -142,6 +142,8 @@ class StepPipeline:
             return None
         prev = self.inflight if overlap else None
         items: list[RunItem] = []
+        written: list[int] = []  # the KV blocks this forward writes (drain.py invariant 2)
+        bs = self.scheduler.config.block_size
         prefill = 0
         for w in batch.works:
             seq = w.seq
@@ -150,6 +152,7 @@ class StepPipeline:
                 live.req.t_scheduled = t0
             self._journal_admit(live)
             end = w.start + w.num_tokens
+            written += seq.block_table[w.start // bs:(end - 1) // bs + 1]
             feed = -1
             if end > seq.num_known:  # its token is the step in flight's sample, still on the device
                 assert prev is not None and w.num_tokens == 1, "only a decode work feeds a pending token"
@@ -161,6 +164,7 @@ class StepPipeline:
             if not w.samples or w.num_tokens > 1:
                 prefill += w.num_tokens
         self.counters.prefill_tokens += prefill
+        self.mark.touch_blocks(written)
         t1 = self.times.add("schedule", t0)
         launched: Launched | None = None
         tokens: list[int | None] | None = None

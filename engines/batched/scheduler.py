@@ -38,6 +38,7 @@ Invariants (tests/engine_batched/test_scheduler*.py):
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -397,7 +398,7 @@ class Scheduler:
         self._by_request[seq.request_id] = seq
 
     # -- adoption ----------------------------------------------------------------------------------------
-    def adopt(self, seqs: list[Sequence]) -> None:
+    def adopt(self, seqs: list[Sequence], hold: Iterable[int] = ()) -> None:
         """Take over sequences from a journal as running: each keeps its block table and continues from its
         num_computed (decode, or the rest of its prefill), with no recompute. Only into a scheduler with no
         live sequences; everything is checked first, and an inconsistent set raises `AdoptionError` with
@@ -407,7 +408,7 @@ class Scheduler:
         if len(seqs) > self.config.max_num_seqs:
             raise AdoptionError(f"{len(seqs)} sequences > max_num_seqs {self.config.max_num_seqs}")
         self._check_adoptable(seqs)
-        self.bm.adopt(seqs)
+        self.bm.adopt(seqs, hold)
         unordered = all(s.arrival < 0 for s in seqs)
         for k, s in enumerate(seqs):
             if s.status is SeqStatus.WAITING:  # as built from a journal entry
