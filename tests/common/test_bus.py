@@ -360,3 +360,30 @@ async def test_commands_sent_together_answer_each_in_its_place_with_typed_errors
     assert isinstance(got[2], Unavailable)
     assert isinstance(got[3], CommandTimeout)
     assert not bus.nc._resp_map and not bus.link.inbox.waiting  # nothing left waiting for a reply
+
+
+async def test_an_inline_subscription_takes_its_messages_in_order_and_outlives_a_failing_handler(bus: Bus) -> None:
+    # The link's reply inbox and pull consumers' inboxes are handled as each message is parsed (connection.py,
+    # `Connection`), not through a queue and a task: the same messages, in the order the server sent them.
+    link = bus.link
+    got: list[bytes] = []
+    every = asyncio.Event()
+
+    def handler(msg: Msg) -> None:
+        if msg.data == b"bad":
+            raise RuntimeError("a handler's bug")
+        got.append(msg.data)
+        if len(got) == 50:
+            every.set()
+
+    sub = await link.subscribe_inline("inline.test", handler)
+    assert sub._id in link.nc.inline  # type: ignore[attr-defined]
+    for i in range(50):
+        await bus.nc.publish("inline.test", b"bad" if i == 10 else str(i).encode())
+        if i == 10:
+            await bus.nc.publish("inline.test", b"10")
+    await asyncio.wait_for(every.wait(), 5)
+    assert got == [str(i).encode() for i in range(50)]
+    assert bus.nc.is_connected  # the raise was logged; the read loop went on
+    await link.unsubscribe(sub)
+    assert sub._id not in link.nc.inline  # type: ignore[attr-defined]

@@ -61,10 +61,41 @@ class JoinedWrites(TcpTransport):
         return ours
 
 
+class Connection(security.RenewingNATS):
+    """nats-py's client (its TLS built from the credentials' files: security/renewal.py) whose bus-owned
+    subscriptions may be handled inline.
+
+    nats-py hands each message of a subscription to a queue read by a task of the subscription's own, which awaits
+    the callback: a put, a get, a task switch and a coroutine per message. The link's reply inbox and its pull
+    consumers' inboxes get most of a service's messages (every stream ack, command reply and fetched event), and
+    their handlers only file the message and wake a waiter: those run here, as the message is parsed, in the
+    order the server sent them (docs/bus.md, "Costs"). An inline handler never waits and never raises (a raise is
+    logged; the read loop goes on)."""
+
+    def __init__(self, creds: security.Credentials | None) -> None:
+        super().__init__(creds)
+        self.inline: dict[int, Callable[[Msg], None]] = {}  # by subscription id
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        handler = self.inline.get(sid)
+        sub = self._subs.get(sid)
+        if handler is None or sub is None:
+            await super()._process_msg(sid, subject, reply, data, headers)
+            return
+        self.stats["in_msgs"] += 1
+        self.stats["in_bytes"] += len(data)
+        sub._received += 1
+        msg = self._build_message(sid, subject, reply, data, await self._process_headers(headers))
+        try:
+            handler(msg)
+        except Exception:  # noqa: BLE001 - a handler's bug must not end the connection's read loop
+            log.exception("inline handler of %s failed", msg.subject)
+
+
 async def open_connection(settings: CommonSettings, source: str) -> NATS:
     # TLS built from the credentials' files at each (re)connect that finds them rotated (security/renewal.py).
-    nc = security.RenewingNATS(None if settings.insecure else
-                               security.credentials_for(settings.credentials(), source, settings.node))
+    nc = Connection(None if settings.insecure else
+                    security.credentials_for(settings.credentials(), source, settings.node))
 
     async def error_cb(e: Exception) -> None:
         log.warning("nats error: %s", e)
@@ -108,12 +139,12 @@ class Inbox:
             return self.prefix
         prefix = self.link.subjects.check(f"{self.link.nc.new_inbox()}.")  # replies: this prefix and digits
 
-        async def on_message(msg: Msg) -> None:
+        def on_message(msg: Msg) -> None:
             waiting = self._waiting.pop(msg.subject[len(prefix):], None)
             if waiting is not None:
                 waiting[0](waiting[1], msg)
 
-        sub = await self.link.nc.subscribe(prefix + "*", cb=on_message)
+        sub = await self.link.subscribe_inline(prefix + "*", on_message)
         if self.prefix is not None:  # another caller opened it while we subscribed: keep one
             await sub.unsubscribe()
             return self.prefix
@@ -150,6 +181,27 @@ class Link:
         self.inbox = Inbox(self)
         self.subjects = frames.Subjects()  # the subjects the hot path sends to, checked once each
         self.fast = frames.supported(nc)  # frames queued by the bus itself (frames.py), else by nats-py's publish
+
+    async def subscribe_inline(self, subject: str, handler: Callable[[Msg], None]) -> Any:
+        """A subscription whose `handler` runs as each message is parsed (`Connection`), not in a task of its own.
+        For a subject on which messages come only in answer to requests sent after this returns (a reply inbox, a
+        pull consumer's inbox): before it returns the handler is inline, so every message goes that one way, in
+        order. On a client that is not a `Connection`: the same handler through nats-py's queue."""
+        async def queued(msg: Msg) -> None:
+            handler(msg)
+
+        sub = await self.nc.subscribe(subject, cb=queued)
+        inline = getattr(self.nc, "inline", None)
+        if inline is not None:
+            inline[sub._id] = handler
+        return sub
+
+    async def unsubscribe(self, sub: Any) -> None:
+        """Undo `subscribe_inline` (or nats-py's `subscribe`)."""
+        inline = getattr(self.nc, "inline", None)
+        if inline is not None:
+            inline.pop(sub._id, None)
+        await sub.unsubscribe()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A task kept referenced until it ends (and cancelled by `close`)."""

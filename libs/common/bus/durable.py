@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from libs.common.bus import frames
 from libs.common.bus.connection import Link
 from libs.common.bus.receive import EventHandler, Vet, decode, event_callback, refused
 from libs.common.errors import HoldfastError, MalformedMessage
@@ -128,6 +129,22 @@ async def settle(msg: Msg, error: BaseException | None) -> None:
         log.warning("could not settle a message on %s", msg.subject)
 
 
+async def settle_all(link: Link, msgs: list[Msg], outcomes: list[BaseException | None]) -> None:
+    """Each message settled as `settle` does; the acks queued as frames (frames.py: an empty message to the ack
+    subject, which is what `msg.ack()` sends), without nats-py's per-publish checks. The ack subject is the reply
+    subject of a message the server sent, one token of its MSG line: no whitespace can be in it."""
+    nc, fast = link.nc, link.fast
+    for msg, error in zip(msgs, outcomes, strict=True):
+        if error is not None or not fast or not msg.reply:
+            await settle(msg, error)
+            continue
+        try:
+            await frames.send(nc, msg.reply, b"", "", b"", fast=True)
+            msg._ackd = True
+        except Exception:  # noqa: BLE001 - not sent (connection lost): JetStream redelivers
+            log.warning("could not settle a message on %s", msg.subject)
+
+
 class Consumer:
     """One durable's pull requests, its message inbox and its in-progress ticker; `unsubscribe` ends them (the
     durable stays on the server). Invariant: `asked` (messages the open pull request may still bring) <= `free`
@@ -169,7 +186,7 @@ class Consumer:
         except NotFoundError:
             await link.js.add_consumer(stream, config=config)
         inbox = link.nc.new_inbox()
-        self.sub = await link.nc.subscribe(inbox, cb=self._landed(dispatch))
+        self.sub = await link.subscribe_inline(inbox, self._landed(dispatch))
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{self.name}"
         self.tasks = [link.spawn(self._pull(next_subject, inbox), f"pull:{self.name}"),
                       link.spawn(self._keep_in_progress(), f"in-progress:{self.name}")]
@@ -179,14 +196,14 @@ class Consumer:
         for task in self.tasks:
             task.cancel()
         with contextlib.suppress(Exception):
-            await self.sub.unsubscribe()
+            await self.link.unsubscribe(self.sub)
 
     def done(self, msg: Msg) -> None:
         self.running.pop(id(msg), None)
         self.free += 1
         self.room.set()
 
-    def _landed(self, dispatch: Callable[[list[Msg]], None]) -> Callable[[Msg], Awaitable[None]]:
+    def _landed(self, dispatch: Callable[[list[Msg]], None]) -> Callable[[Msg], None]:
         loop = asyncio.get_running_loop()
 
         def hand_over() -> None:  # at the end of a loop pass: what landed goes to `dispatch` as one batch
@@ -208,7 +225,7 @@ class Consumer:
                 self.running[id(msg)] = (msg, now)
             dispatch(msgs)
 
-        async def cb(msg: Msg) -> None:
+        def landed(msg: Msg) -> None:  # inline (Link.subscribe_inline): bookkeeping only, no wait
             headers = msg.headers
             if headers and "Status" in headers:  # 408: expired; 409: refused (a limit, the consumer gone)
                 if headers["Status"] != "100":  # 100: an idle heartbeat, the request is still open
@@ -231,7 +248,7 @@ class Consumer:
                 self.due = True
                 loop.call_soon(hand_over)
 
-        return cb
+        return landed
 
     async def _pull(self, next_subject: str, inbox: str) -> None:
         expires = int(FETCH_WAIT_S * 1e9)
@@ -323,8 +340,7 @@ async def durable_batches(link: Link, subject: str, name: str, handler: BatchHan
                 outcomes = await handler(envs) if envs else []
             except Exception as e:  # noqa: BLE001 - every event of the batch is redelivered
                 outcomes = [e] * len(envs)
-            for msg, error in zip(handed, outcomes, strict=True):
-                await settle(msg, error)
+            await settle_all(link, handed, outcomes)
         finally:
             for msg in msgs:
                 consumer.done(msg)
