@@ -54,7 +54,7 @@ class _Op:
 
 
 class BatchWriter:
-    def __init__(self, store: Store, *, guard: Callable[[Any], list[Any]] | None = None, max_ops: int = 100,
+    def __init__(self, store: Store, *, guard: Callable[[Any], list[Any]] | None = None, max_ops: int = 127,
                  parallel: int = 4, behind_linger_s: float = 0.0) -> None:
         self.store = store
         # Written-behind writes with nothing awaited beside them wait up to this long for company: an awaited
@@ -63,6 +63,9 @@ class BatchWriter:
         self._urgent = False  # an awaited write (or a flush) is pending: no lingering
         self._hurry: asyncio.Future[None] | None = None  # the linger's wait, ended early by an urgent write
         self.guard = guard  # (transactions helper) -> comparisons added to every transaction
+        # 127: etcd refuses a transaction with more than 128 (--max-txn-ops) operations or comparisons; its
+        # comparisons are the guard's one and one per create. In a burst most transactions are full: 100 made
+        # ~15% more of them (docs/controlplane.md), each a gRPC request, a raft entry and a watch response.
         self.max_ops = max_ops
         self.parallel = parallel
         self.lost = asyncio.Event()

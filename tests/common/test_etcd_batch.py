@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from libs.common.etcd_batch import BatchWriter
-from libs.common.store import Store
+from libs.common.store import Store, encode_value
 
 
 async def test_writes_behind_a_pending_create_land_in_order_and_the_last_one_stays(store: Store) -> None:
@@ -72,4 +72,14 @@ async def test_a_put_soon_is_queued_at_once_and_its_future_resolves_once_etcd_ha
     assert writer.pending("k/soon")[0]  # queued before the caller yields (no task to run first)
     assert await done is True
     assert await store.get("k/soon") == b'{"v":1}'
+    await writer.close()
+
+
+async def test_a_full_transaction_of_creates_under_a_guard_is_within_etcds_limits(store: Store) -> None:
+    # max_ops creates and the guard's comparison: 128 comparisons and 127 operations, etcd's most (--max-txn-ops).
+    await store.put("guard/k", "term")
+    writer = BatchWriter(store, guard=lambda t: [t.value(store.full("guard/k")) == encode_value("term")])
+    created = [asyncio.ensure_future(writer.create(f"full/{i}", {"v": i})) for i in range(writer.max_ops)]
+    assert all(await asyncio.gather(*created))
+    assert writer.transactions == 1 and not writer.lost.is_set()
     await writer.close()
