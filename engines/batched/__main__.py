@@ -107,23 +107,31 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     engine.drain = mark
     info: dict[str, Any] = {"adopted": 0, "journal": "new", "graphs_ms": graphs_ms}
     if loaded.kv_handed_on and journal.matches():
+        t0 = time.perf_counter()
         entries, dropped = journal.recover(pend.slots if pend is not None else frozenset())
+        timings = {"recover": _ms(t0)}
         hold: frozenset[int] = frozenset()
         if pend is not None:  # isolation.py: the predecessor's queue may still run
             p = isolation.plan(entries, pend, free_slots=journal.free_slot_ids(), num_blocks=layout.num_blocks,
                                block_size=layout.block_size)
+            t1 = time.perf_counter()
             isolation.apply(p, loaded.kv, journal, journal.gen + 1, journal.mark)
+            timings["apply"] = _ms(t1)
             entries, dropped, hold = p.entries, dropped + len(p.dropped), p.hold_blocks
             assert loaded.fence, "an isolated takeover has a predecessor to watch"
             engine.held = isolation.Held(loaded.fence[0].pid, p.hold_slots)
-            info["isolated"] = {"moved": p.moved, "copied_blocks": len(p.copies), "dropped": len(p.dropped),
-                                "held_slots": len(p.hold_slots), "held_blocks": len(p.hold_blocks)}
+            isolated = {"moved": p.moved, "copied_blocks": len(p.copies), "dropped": len(p.dropped),
+                        "held_slots": len(p.hold_slots), "held_blocks": len(p.hold_blocks)}
+        t2 = time.perf_counter()
         engine.adopt(entries, dropped, hold)
+        timings["adopt"] = _ms(t2)
         bucket = runner.bucket_for(len(entries)) if entries and runner.use_graphs else None
         if bucket is not None:  # the adopted sequences' decode graph (~60-90 ms at 8b) is the step thread's first
             engine.capture_first = [bucket]  # work, while the router's replays come in; the rest when idle
         info = {"adopted": len(entries), "dropped": dropped, "journal": "adopted",
-                "positions_kept": sum(e.computed for e in entries)}
+                "positions_kept": sum(e.computed for e in entries), "adopt_ms": timings}
+        if pend is not None:
+            info["isolated"] = isolated
     else:
         journal.format()
     return engine, info
@@ -266,12 +274,14 @@ def run(cfg: EngineConfig) -> int:
             state.info["tp"] = group.commit(memory, loaded)  # the ranks' caches agree; the gang registered
             runner = group.runner(loaded)  # broadcasts each forward's plan to the other ranks first (tp.py)
         prepared = None  # a runner that did not fit is dropped (its reservations were freed by the takeover)
-        mark = None
+        mark, mark_ms = None, None
         if (cfg.drain_mark and device.type == "cuda" and group is None and kv_backup is None
                 and isinstance(memory, LeasedMemory)):  # drain.py invariant 1; its bank: this engine's generation
             prior = journal_generation(loaded)
             gen = 0 if prior is None else prior + (pend is not None)
+            t_mark = time.perf_counter()
             mark = open_drain(memory.client, loaded.drain, device, PageLayout(layout.slots, layout.num_blocks), gen)
+            mark_ms = _ms(t_mark)
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
                                        backup=kv_backup[0] if kv_backup else None, mark=mark, pend=pend)
         if kv_backup:
@@ -279,6 +289,8 @@ def run(cfg: EngineConfig) -> int:
             state.info["kv_backup"] = kv_backup[0].stats
         if how != "none":
             adopted["prepared_runner"] = how
+        if mark_ms is not None:
+            adopted["drain_mark_ms"] = mark_ms
         engine.flush = state.outbox.flush
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats

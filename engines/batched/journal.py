@@ -220,16 +220,45 @@ class Journal:
 
     def rehome(self, entries: Seq[Entry], gen: int) -> None:
         """Invariant 6: every entry written again in generation `gen` at its (possibly new) slot with its (possibly
-        new) block table, then the header. The slots the entries left stay out of the free list (the dead engine
-        may still write them): `give_back` returns them."""
+        new) block table, then the header: a few batched copies whatever the count (their order among themselves does
+        not matter, as no reader takes a row of `gen` before the header says `gen`). The slots the entries left stay
+        out of the free list (the dead engine may still write them): `give_back` returns them."""
         taken = {e.slot for e in entries}
         self._free = [s for s in self._free if s not in taken]
         self._n_blocks = {}  # the rows left behind are no longer this journal's
+        self.mark.touch_slots(taken)
+        rows: list[list[int]] = []
+        ids = bytearray()
+        at: list[int] = []  # (slot, position) pairs of tokens, then of block-table entries, flattened
+        vals: list[int] = []
+        b_at: list[int] = []
+        b_vals: list[int] = []
         for e in entries:
-            self._write_row(e.slot, Admission(e.seq_id, e.request_id, e.tokens, e.prompt_len, e.max_tokens,
-                                              e.temperature, e.seed, e.ignore_eos),
-                            e.block_table, gen << GEN_SHIFT | (self._epoch + 1), _progress(len(e.tokens), e.computed))
             self._epoch += 1
+            rid = e.request_id.encode()[:ID_BYTES]
+            rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
+            fields = [gen << GEN_SHIFT | self._epoch, e.seq_id, e.prompt_len, e.max_tokens, _f64_bits(e.temperature),
+                      e.seed, FLAG_IGNORE_EOS if e.ignore_eos else 0]
+            rows.append(fields + [len(e.block_table), _check(fields, rid_raw, e.tokens[:e.prompt_len]),
+                                  _progress(len(e.tokens), e.computed)])
+            ids += rid_raw
+            for k, tok in enumerate(e.tokens):
+                at += (e.slot, k)
+                vals.append(tok)
+            for j, b in enumerate(e.block_table):
+                b_at += (e.slot, j)
+                b_vals.append(b)
+            self._n_blocks[e.slot] = len(e.block_table)
+        if entries:
+            dev = self.device
+            slots = _on(dev, [e.slot for e in entries], torch.int64)
+            self.ids[slots] = _on(dev, bytes(ids), torch.uint8).view(len(entries), ID_BYTES)
+            pos = _on(dev, at, torch.int64).view(-1, 2)
+            self.tokens[pos[:, 0], pos[:, 1]] = _on(dev, vals, torch.int32)
+            if b_vals:
+                pos_b = _on(dev, b_at, torch.int64).view(-1, 2)
+                self.blocks[pos_b[:, 0], pos_b[:, 1]] = _on(dev, b_vals, torch.int32)
+            self.rows[slots] = _on(dev, [x for r in rows for x in r], torch.int64).view(len(entries), N_FIELDS)
         self.mark.touch_header()
         self.header[7] = gen
         self.gen = gen
