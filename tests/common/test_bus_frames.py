@@ -53,3 +53,19 @@ async def test_a_frame_on_a_closed_connection_raises(bus: Bus) -> None:
     await nc.close()
     with pytest.raises(ConnectionClosedError):
         await frames.send(nc, "frames.test.closed", b"x", "", b"", fast=True)
+
+
+@pytest.mark.parametrize("raw", [
+    b"Nats-Msg-Id: inc-1-opened\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n\r\n",
+    b"a:b\r\nc:\td \r\n\r\n",  # no space after the colon, a tab
+    b"bad name: x\r\nbad\x1cname: y\r\n\x1cedge: z\r\nok: 1\r\n",  # whitespace in or around a name (\x1c is one)
+    b"caf\xc3\xa9: x\r\nv: caf\xc3\xa9 \xff\r\n",  # a non-ASCII name is skipped; a bad UTF-8 value is replaced
+    b"no colon\r\n\r\n: empty name\r\n",
+    b"",
+])
+def test_the_connections_header_parse_is_nats_pys_for_every_kind_of_line(raw: bytes) -> None:
+    from nats.aio.client import Client
+
+    from libs.common.bus.connection import Connection
+
+    assert Connection._parse_header_lines(raw) == Client._parse_header_lines(raw)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -21,6 +22,7 @@ from libs.common.bus import frames
 from libs.common.config import CommonSettings
 
 log = logging.getLogger("holdfast.bus")
+_SPACE = re.compile(r"\s")  # str.isspace()'s characters, every one of them (tests/common/test_bus_frames.py)
 
 # Subject heads kept in the stream (durable events); the rest (commands, health, core events) is not stored.
 STREAM_KINDS = ("fault", "incident", "intent", "memory", "engine", "router", "node.gpu")
@@ -90,6 +92,25 @@ class Connection(security.RenewingNATS):
             handler(msg)
         except Exception:  # noqa: BLE001 - a handler's bug must not end the connection's read loop
             log.exception("inline handler of %s failed", msg.subject)
+
+    @staticmethod
+    def _parse_header_lines(raw: bytes) -> dict[str, str]:
+        """nats-py's parse of a message's header lines, the same result for every input, without its scan of
+        each name character by character in Python (`any(c.isspace() for c in key)`: ~1 us of ~2.7 a message
+        with two headers; every stream message and command reply has them)."""
+        out: dict[str, str] = {}
+        for line in raw.split(b"\r\n"):
+            name, sep, value = line.partition(b":")
+            if not sep:
+                continue  # an empty line too
+            try:
+                key = name.strip().decode("ascii")
+            except UnicodeDecodeError:
+                continue
+            if _SPACE.search(key):
+                continue
+            out[key] = value.strip().decode("utf-8", "replace")
+        return out
 
 
 async def open_connection(settings: CommonSettings, source: str) -> NATS:
