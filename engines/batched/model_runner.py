@@ -450,7 +450,8 @@ class ModelRunner:
         greedy = [j for j, i in enumerate(idx) if items[i].temperature <= 0]
         if greedy:
             picked = logits if len(greedy) == len(idx) else logits[greedy]
-            for j, tok in zip(greedy, torch.argmax(picked, dim=-1).tolist(), strict=True):
+            # .cpu() waits for the step with the interpreter released (tolist() on a device tensor would hold it)
+            for j, tok in zip(greedy, torch.argmax(picked, dim=-1).cpu().tolist(), strict=True):
                 out[idx[j]] = tok
         hot = [j for j, i in enumerate(idx) if items[i].temperature > 0]
         rows = logits[hot].cpu() if hot else None
