@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -84,6 +85,10 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
         for name in names:
             t = _init_tensor(cfg, name, shapes[name], seed, device).to(dt).contiguous().cpu()
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        # on the disk before it is used: the rename is durable only then, and a 13 GiB file left to the kernel's
+        # writeback (~30 s later) stalled etcd's fsyncs on the same disk by 100-200 ms mid-benchmark (H200, 2026-12-03)
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(out)  # a reader never sees half a file
     return out
 
