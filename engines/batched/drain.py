@@ -53,6 +53,7 @@ from libs.common import procs
 DRAIN_NAME = "drain_mark"  # the lease's one tensor: int64[2 * PageLayout.bank_len], two banks
 LAUNCHED, DONE, HEADER, SLOT0 = 0, 1, 2, 3  # a bank: launched, done, the header's stamp, the slots', the blocks'
 POLL_S = 0.0005
+HELD = np.iinfo(np.int64).max  # a stamp `done` never reaches: held back from a predecessor (`DrainMark.hold`)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class Mark(Protocol):
 
     def touch_header(self) -> None: ...
 
+    def hold(self, slots: Iterable[int], blocks: Iterable[int]) -> None: ...
+
 
 class NoMark:
     """Where no successor reads a mark (the CPU, a TP group, the KV backup on): nothing."""
@@ -110,6 +113,9 @@ class NoMark:
         pass
 
     def touch_header(self) -> None:
+        pass
+
+    def hold(self, slots: Iterable[int], blocks: Iterable[int]) -> None:
         pass
 
 
@@ -160,6 +166,12 @@ class DrainMark:
     def touch_header(self) -> None:
         self.stamps[HEADER] = self.n
 
+    def hold(self, slots: Iterable[int], blocks: Iterable[int]) -> None:
+        """Slots and blocks this engine holds back from its dead predecessor (isolation.py), stamped pending until
+        it gives them back (touching them then): should this engine die first, its successor holds them back too."""
+        self.stamps[SLOT0 + np.fromiter(slots, dtype=np.int64)] = HELD
+        self.stamps[SLOT0 + self.layout.slots + np.fromiter(blocks, dtype=np.int64)] = HELD
+
     def stop(self) -> None:
         """Unregister the page (a registration outliving the mapping would make a later mapping at that address look
         pinned while DMA still targets the old page)."""
@@ -185,12 +197,11 @@ def pending(page: torch.Tensor, layout: PageLayout, gen: int) -> Pending:
     bank = layout.bank(page, gen).numpy()
     done = int(bank[DONE])
     stamps = bank.copy()
-    if int(stamps[LAUNCHED]) == done:
-        return Pending(True, False, frozenset(), frozenset())
-    slots = stamps[SLOT0:SLOT0 + layout.slots]
-    blocks = stamps[SLOT0 + layout.slots:]
-    return Pending(False, int(stamps[HEADER]) > done, frozenset(int(s) for s in np.nonzero(slots > done)[0]),
-                   frozenset(int(b) for b in np.nonzero(blocks > done)[0]))
+    slots = frozenset(int(s) for s in np.nonzero(stamps[SLOT0:SLOT0 + layout.slots] > done)[0])
+    blocks = frozenset(int(b) for b in np.nonzero(stamps[SLOT0 + layout.slots:] > done)[0])
+    # drained: its queue ran, and it held nothing back from a predecessor of its own (`DrainMark.hold`)
+    return Pending(int(stamps[LAUNCHED]) == done and not slots and not blocks, int(stamps[HEADER]) > done, slots,
+                   blocks)
 
 
 def await_fence(pid: int, start: int | None, proven: Callable[[], str | None] | None, *, timeout_s: float) -> str:

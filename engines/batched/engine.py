@@ -123,10 +123,12 @@ class LLMEngine:
         """The predecessor is gone: what was held back from it is this engine's (isolation.py rule 4)."""
         if self.held is None or not self.held.over():
             return
-        self.pipeline.mark.open()
+        mark = self.pipeline.mark
+        mark.open()
         self.journal.give_back(sorted(self.held.slots))
-        self.pipeline.mark.close()
-        self.scheduler.bm.give_back()
+        mark.touch_slots(self.held.slots)  # drain.py `hold`: no longer pending once this bracket's close ran
+        mark.touch_blocks(self.scheduler.bm.give_back())
+        mark.close()
         self.held = None
         self.held_back_ms = round((time.perf_counter() - self._adopted_at) * 1000, 1)
 

@@ -17,7 +17,8 @@ Rules (journal.py invariants 2, 3 and 6; block_manager.py invariant 4):
    `computed`). A pending block past `computed` is replaced by a free one (nothing in it is vouched for).
 3. An entry in a pending slot moves to a free slot; with none left it is dropped.
 4. Pending slots and blocks are held back, neither written nor handed out, until the dead engine's exit
-   (`Held.over`): then the slots are emptied and both go back to the pools.
+   (`Held.over`): then the slots are emptied and both go back to the pools. Meanwhile they stay pending in the
+   successor's own drain mark (`DrainMark.hold`), so that its own successor, should it die first, holds them too.
 5. Every kept entry is written again in the next generation, the header last (journal.py invariant 6): a later
    reader ignores the dead engine's rows, whatever its queue still writes into them.
 """
@@ -89,6 +90,7 @@ def plan(entries: Iterable[Entry], pend: Pending, *, free_slots: Iterable[int], 
 def apply(p: Plan, kv: torch.Tensor, journal: Journal, gen: int, mark: Mark) -> None:
     """The copies (one gather and one scatter over every layer), then the journal's rows of generation `gen` and
     its header (rule 5). Queued in stream order after nothing the dead engine writes."""
+    mark.hold(p.hold_slots, p.hold_blocks)
     if p.copies:
         mark.touch_blocks(d for _, d in p.copies)
         src = torch.tensor([s for s, _ in p.copies], dtype=torch.long, device=kv.device)

@@ -13,7 +13,7 @@ import torch
 
 from engines.batched import isolation
 from engines.batched.block_manager import AdoptionError, BlockManager
-from engines.batched.drain import HEADER, SLOT0, PageLayout, Pending, pending
+from engines.batched.drain import HEADER, HELD, SLOT0, PageLayout, Pending, pending
 from engines.batched.journal import Entry, Journal, JournalLayout
 from engines.batched.sequence import Sequence
 from tests.engine_batched.test_journal import admission
@@ -44,6 +44,10 @@ class StampingMark:
 
     def touch_header(self) -> None:
         self.bank[HEADER] = self.n
+
+    def hold(self, slots: object, blocks: object) -> None:
+        self.bank[SLOT0 + np.fromiter(slots, dtype=np.int64)] = HELD  # type: ignore[call-overload]
+        self.bank[SLOT0 + PAGES.slots + np.fromiter(blocks, dtype=np.int64)] = HELD  # type: ignore[call-overload]
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -110,6 +114,9 @@ def test_the_dead_engines_late_rows_are_ignored_after_the_next_generation() -> N
     p = isolation.plan(entries, pend, free_slots=succ.free_slot_ids(), num_blocks=LAYOUT.num_blocks,
                        block_size=LAYOUT.block_size)
     isolation.apply(p, kv, succ, succ.gen + 1, succ.mark)
+    succ.mark.close()
+    mine = pending(page, PAGES, 1)  # what it holds back stays pending in its own bank, should it die too
+    assert mine.slots == {b} and mine.blocks == {2} and not mine.header
     moved = next(e for e in p.entries if e.request_id == "req-2")
     assert moved.slot not in (a, b) and moved.block_table != [2] and p.copies == [(2, moved.block_table[0])]
     assert torch.equal(kv[:, :, moved.block_table[0]], kv[:, :, 1] * 0 + 2)  # block 2's content, copied
