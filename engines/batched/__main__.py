@@ -31,7 +31,7 @@ from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.drain import NO_MARK, DrainMark, PageLayout, Pending, open_drain
 from engines.batched.engine import LLMEngine
-from engines.batched.journal import Journal, JournalLayout
+from engines.batched.journal import Journal, JournalLayout, counted
 from engines.batched.memory import (
     LeasedMemory,
     Loaded,
@@ -111,6 +111,14 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
         entries, dropped = journal.recover(pend.slots if pend is not None else frozenset())
         timings = {"recover": _ms(t0)}
         hold: frozenset[int] = frozenset()
+        if pend is None:
+            entries, spent = journal.adopt(entries)  # journal.py invariant 8: adoptions counted
+        else:  # counted in the rows rehome writes again; a spent row is emptied unless its slot is pending
+            entries, spent = counted(entries)
+            for e in spent:
+                if e.slot not in pend.slots:
+                    journal.release(e.slot)
+        dropped += len(spent)
         if pend is not None:  # isolation.py: the predecessor's queue may still run
             p = isolation.plan(entries, pend, free_slots=journal.free_slot_ids(), num_blocks=layout.num_blocks,
                                block_size=layout.block_size)

@@ -5,7 +5,7 @@ Layout (tensors registered in the KV lease, after `kv_cache`):
 - `jr_header` int64[8]: magic, version, block_size, num_blocks, slots, max_len, max_blocks, generation. A
   successor whose configuration gives another header (the first seven) cannot read the cache and leases a new one.
 - `jr_rows` int64[slots, 10], one row per journal slot (a running sequence holds one):
-  epoch (0: empty; `generation << 32 | admission count`), seq_id, prompt_len, max_tokens, temperature (float64 bits), seed, flags (1: ignore_eos),
+  epoch (0: empty; `generation << 32 | admission count`), seq_id, prompt_len, max_tokens, temperature (float64 bits), seed, flags (bit 0: ignore_eos; bits 8-15: adoptions, invariant 8),
   n_blocks, check (crc32 of the admission: the fields before n_blocks, the request id and the prompt tokens),
   progress (`length << 32 | computed`: tokens known, positions whose KV is written).
 - `jr_tokens` int32[slots, max_len]: the sequence's tokens (prompt, then each sampled one).
@@ -35,6 +35,11 @@ stream), so a write that is visible implies every write queued before it is done
    land in rows of the one before (and in slots and blocks the successor holds back until the exit).
 7. Every write is stamped in the engine's drain mark (`mark`, drain.py) before it is queued: its slot, or the
    header.
+8. A row counts the successors that adopted it since it last made progress (`adopt`: written with the row's check
+   before the adopter's first step; back to 0 by the first commit past the length it was adopted at). A row adopted
+   MAX_ADOPTIONS times without progress is not adopted again: its request comes back through the router's replay.
+   A request whose step kills the engine (in a tensor-parallel group, where invariant 5 does not empty the rows)
+   thus ends at most MAX_ADOPTIONS successors, not every one.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import contextlib
 import struct
 import zlib
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +62,8 @@ COUNT_MASK = (1 << GEN_SHIFT) - 1
 (EPOCH, SEQ_ID, PROMPT_LEN, MAX_TOKENS, TEMP, SEED, FLAGS, N_BLOCKS, CHECK, PROGRESS) = range(10)
 N_FIELDS = 10
 FLAG_IGNORE_EOS = 1
+ADOPT_SHIFT = 8  # flags bits 8-15: adoptions without progress (invariant 8)
+MAX_ADOPTIONS = 2
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class Entry:
     temperature: float
     seed: int
     ignore_eos: bool
+    adoptions: int = 0  # successors that adopted it without progress since (invariant 8)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,11 @@ class Admission:
     temperature: float
     seed: int
     ignore_eos: bool
+    adoptions: int = 0
+
+
+def _flags(ignore_eos: bool, adoptions: int) -> int:
+    return (FLAG_IGNORE_EOS if ignore_eos else 0) | (min(adoptions, 0xFF) << ADOPT_SHIFT)
 
 
 class JournalMismatch(ValueError):
@@ -160,6 +173,8 @@ class Journal:
         self.gen = 0  # the generation this journal's rows are written in (invariant 6)
         self._n_blocks: dict[int, int] = {}  # slot -> block-table entries written
         self.mark: Mark = NO_MARK  # invariant 7
+        # invariant 8: slot -> (length when adopted, row fields, request id, prompt) of adopted rows not advanced yet
+        self._adopted: dict[int, tuple[int, list[int], bytes, list[int]]] = {}
 
     def quiet(self) -> contextlib.AbstractContextManager[object]:
         """Held while CUDA graphs are captured: a journal with a thread of its own (backup.py) pauses it."""
@@ -193,6 +208,7 @@ class Journal:
         if gen is None:
             raise JournalMismatch(f"journal header {self.header.cpu().tolist()} != {self.layout.header()}")
         self.gen = gen
+        self._fields: dict[int, list[int]] = {}  # a recovered row's fields before N_BLOCKS (`adopt`)
         rows = self.rows.cpu().tolist()  # rows first: a later read of the rest is at least as new (invariant 2)
         toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
         out: list[Entry] = []
@@ -207,6 +223,7 @@ class Journal:
                     self._clear(slot)
                 continue
             out.append(e)
+            self._fields[slot] = r[:N_BLOCKS]
             self._epoch = max(self._epoch, r[EPOCH] & COUNT_MASK)
         taken = {e.slot for e in out}
         self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken and s not in busy]
@@ -238,7 +255,8 @@ class Journal:
             rid = e.request_id.encode()[:ID_BYTES]
             rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
             fields = [gen << GEN_SHIFT | self._epoch, e.seq_id, e.prompt_len, e.max_tokens, _f64_bits(e.temperature),
-                      e.seed, FLAG_IGNORE_EOS if e.ignore_eos else 0]
+                      e.seed, _flags(e.ignore_eos, e.adoptions)]
+            self._adopted[e.slot] = (len(e.tokens), fields, rid_raw, list(e.tokens[:e.prompt_len]))
             rows.append(fields + [len(e.block_table), _check(fields, rid_raw, e.tokens[:e.prompt_len]),
                                   _progress(len(e.tokens), e.computed)])
             ids += rid_raw
@@ -289,7 +307,7 @@ class Journal:
         return Entry(slot=slot, seq_id=r[SEQ_ID], request_id=rid_raw.rstrip(b"\0").decode(errors="replace"),
                      tokens=toks[:length].tolist(), prompt_len=prompt_len, computed=computed, block_table=table,
                      max_tokens=r[MAX_TOKENS], temperature=_bits_f64(r[TEMP]), seed=r[SEED],
-                     ignore_eos=bool(r[FLAGS] & FLAG_IGNORE_EOS))
+                     ignore_eos=bool(r[FLAGS] & FLAG_IGNORE_EOS), adoptions=(r[FLAGS] >> ADOPT_SHIFT) & 0xFF)
 
     # ------------------------------------------------------------------ the engine's writes
     def free_slots(self) -> int:
@@ -310,7 +328,7 @@ class Journal:
         rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
         prompt = list(a.tokens[: a.prompt_len])
         fields = [epoch, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
-                  FLAG_IGNORE_EOS if a.ignore_eos else 0]
+                  _flags(a.ignore_eos, a.adoptions)]
         check = _check(fields, rid_raw, prompt)  # n_blocks grows after admission: not covered
         fields.append(len(block_table))
         dev = self.device
@@ -357,6 +375,47 @@ class Journal:
             self.tokens[cols[0], cols[1]] = _on(dev, [t for _, _, t in sampled], torch.int32)
         cols = _on(dev, [u[0] for u in updates] + [_progress(n, c) for _, n, c, _ in updates], torch.int64).view(2, -1)
         self.rows[cols[0], PROGRESS] = cols[1]
+        if self._adopted:
+            self._progressed([(s, n) for s, n, _, _ in updates if s in self._adopted and n > self._adopted[s][0]])
+
+    def adopt(self, entries: Seq[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """Invariant 8, in place (a successor that waited for its predecessor: nothing else writes these rows): the
+        entries to adopt, their count raised in their rows, and those adopted MAX_ADOPTIONS times already, emptied.
+        (An isolated successor raises the count in the rows it writes again: `counted`, then `rehome`.)"""
+        kept, spent = counted(entries)
+        for e in spent:
+            self.release(e.slot)
+        if kept:
+            self.mark.touch_slots(e.slot for e in kept)
+            rows = []
+            for e in kept:
+                rid = e.request_id.encode()[:ID_BYTES]
+                rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
+                fields = [int(x) for x in self._fields[e.slot]]
+                fields[FLAGS] = _flags(e.ignore_eos, e.adoptions)
+                rows.append((e.slot, fields[FLAGS], _check(fields, rid_raw, e.tokens[:e.prompt_len])))
+                self._adopted[e.slot] = (len(e.tokens), fields, rid_raw, list(e.tokens[:e.prompt_len]))
+            self._rewrite_flags(rows)
+        return kept, spent
+
+    def _progressed(self, advanced: list[tuple[int, int]]) -> None:
+        """Adopted rows past the length they were adopted at: their count back to 0 (invariant 8)."""
+        rows = []
+        for slot, _ in advanced:
+            _, fields, rid_raw, prompt = self._adopted.pop(slot)
+            fields = list(fields)
+            fields[FLAGS] &= (1 << ADOPT_SHIFT) - 1
+            rows.append((slot, fields[FLAGS], _check(fields, rid_raw, prompt)))
+        if rows:
+            self._rewrite_flags(rows)
+
+    def _rewrite_flags(self, rows: list[tuple[int, int, int]]) -> None:
+        """(slot, flags, check) per row: the flags, then the check (a reader between the two drops the row: its
+        request replays, nothing wrong is adopted)."""
+        dev = self.device
+        slots = _on(dev, [r[0] for r in rows], torch.int64)
+        self.rows[slots, FLAGS] = _on(dev, [r[1] for r in rows], torch.int64)
+        self.rows[slots, CHECK] = _on(dev, [r[2] for r in rows], torch.int64)
 
     def release(self, slot: int) -> None:
         """The sequence left (finished, aborted, preempted): its row emptied before its blocks are reused."""
@@ -372,7 +431,15 @@ class Journal:
             torch.cuda.synchronize(self.rows.device)
 
     def _clear(self, slot: int) -> None:
+        self._adopted.pop(slot, None)
         self.mark.touch_slots((slot,))
         self.rows[slot, EPOCH] = 0
         self.rows[slot, CHECK] = 0
         self._n_blocks.pop(slot, None)
+
+
+def counted(entries: Seq[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """Invariant 8 (pure): each entry with its adoption counted, and apart those adopted MAX_ADOPTIONS times
+    already without progress."""
+    kept = [replace(e, adoptions=e.adoptions + 1) for e in entries if e.adoptions < MAX_ADOPTIONS]
+    return kept, [e for e in entries if e.adoptions >= MAX_ADOPTIONS]

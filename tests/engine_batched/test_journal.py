@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.batched.journal import Admission, Journal, JournalLayout, JournalMismatch
+from engines.batched.journal import MAX_ADOPTIONS, Admission, Journal, JournalLayout, JournalMismatch
 
 LAYOUT = JournalLayout(block_size=4, num_blocks=64, slots=8, max_len=64)
 
@@ -124,3 +124,35 @@ def test_a_successor_reads_exactly_the_state_committed_when_the_writer_died(step
     assert dropped == 0
     # computed is capped at length - 1 (a prompt just admitted has 0; a decoded one length - 1)
     assert {e.request_id: (e.tokens, e.computed) for e in entries} == expected
+
+
+def test_a_row_adopted_twice_without_progress_is_not_adopted_a_third_time() -> None:
+    """Invariant 8: a request whose step kills every engine that runs it (a TP group's rows are not emptied on a
+    failed step) ends at most MAX_ADOPTIONS successors."""
+    j = new_journal()
+    s = j.admit(admission(1, [256, 5, 6]), [3])
+    assert s is not None
+    j.commit([(s, 4, 3, 70)])
+    counts = []
+    for _ in range(MAX_ADOPTIONS + 1):
+        succ = reopen(j)
+        entries, dropped = succ.recover()
+        kept, spent = succ.adopt(entries)
+        counts.append((len(kept), len(spent), dropped, [e.adoptions for e in entries]))
+    assert counts == [(1, 0, 0, [0]), (1, 0, 0, [1]), (0, 1, 0, [2])]
+    assert reopen(j).recover() == ([], 0)  # the spent row was emptied
+
+
+def test_a_row_that_made_progress_after_its_adoption_counts_from_zero_again() -> None:
+    j = new_journal()
+    s = j.admit(admission(1, [256, 5, 6]), [3])
+    assert s is not None
+    j.commit([(s, 4, 3, 70)])
+    succ = reopen(j)
+    kept, _ = succ.adopt(succ.recover()[0])
+    assert [e.adoptions for e in kept] == [1] and [e.adoptions for e in reopen(j).recover()[0]] == [1]
+    succ.commit([(s, 4, 3, None)])  # no new token: still the length it was adopted at
+    assert [e.adoptions for e in reopen(j).recover()[0]] == [1]
+    succ.commit([(s, 5, 4, 71)])
+    (e,), dropped = reopen(j).recover()
+    assert e.adoptions == 0 and dropped == 0 and e.tokens[-2:] == [70, 71]
