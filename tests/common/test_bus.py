@@ -254,9 +254,15 @@ async def test_events_delivered_together_reach_a_batch_handler_together_and_only
     assert bus.rejected == 1
 
 
-async def test_a_stored_backlog_larger_than_one_socket_read_reaches_a_batch_handler_as_one_batch(bus: Bus) -> None:
+async def test_a_stored_backlog_larger_than_one_socket_read_reaches_a_batch_handler_as_one_batch(
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
     # 240 events of ~2 KB: the answer to the first pull request is ~0.5 MB, more than one socket read (256 KiB),
     # so it lands over several loop passes; it is still one batch, and a lone later event is not held back.
+    # The hold's cap (50 ms) is raised: on 2 loaded cores (CI) the rest of the answer took longer than 50 ms to
+    # land once, and the mechanism, not the machine's speed, is what is tested here.
+    from libs.common.bus import durable
+
+    monkeypatch.setattr(durable, "HOLD_S", 5.0)
     n = 240
     await bus.publish_all([bus.wired(FaultDetected(engine_id=f"e{i}", kind=FaultKind.KILLED, model="m" * 2000),
                                      id=f"f-{i}") for i in range(n)])
