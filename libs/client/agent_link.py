@@ -247,7 +247,8 @@ class AgentLink:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(5.0)
-            sock.connect(self.socket_path)
+            with wire.unix_address(self.socket_path) as address:
+                sock.connect(address)
             wire.send_frame(sock, self._hello())
             reply, fds = wire.recv_frame(sock)
             wire.close_fds(fds)

@@ -12,7 +12,7 @@ import socket
 from typing import Any
 
 from libs.client import protocol as p
-from libs.common.wire import TruncatedFrame, close_fds, recv_frame, send_frame
+from libs.common.wire import TruncatedFrame, close_fds, recv_frame, send_frame, unix_address
 
 # A connection is broken when the socket fails or the manager's side ends (even mid-frame): the manager was
 # killed or restarted. Anything else (an error reply) is the manager speaking and is not a broken connection.
@@ -35,7 +35,8 @@ def open_session(path: str, engine_id: str, engine_class: str, timeout: float) -
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(path)
+        with unix_address(path) as address:
+            sock.connect(address)
         send_frame(sock, p.Hello(engine_id=engine_id, engine_class=engine_class).model_dump(mode="json"))
         reply, fds = recv_frame(sock)
         close_fds(fds)

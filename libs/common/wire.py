@@ -36,7 +36,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -237,7 +237,8 @@ class FrameStream:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, path)
+            with unix_address(path) as address:
+                await asyncio.get_running_loop().sock_connect(sock, address)
         except BaseException:
             sock.close()
             raise
@@ -403,6 +404,28 @@ def _errno_text(e: OSError) -> str:
     return f"{name} ({e.strerror})" if name else repr(e)
 
 
+SUN_PATH_MAX = 107  # bytes of a unix socket's path the kernel takes (sun_path, NUL-terminated)
+
+
+@contextlib.contextmanager
+def unix_address(path: str) -> Iterator[str]:
+    """An address for bind/connect of the unix socket at `path`. A path longer than the kernel takes (a state
+    directory deep in a home or a CI workspace: `OSError: AF_UNIX path too long`) is reached through its directory,
+    held open for the call: `/proc/self/fd/<fd>/<name>` (Linux). The socket's file is the same either way."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        yield path
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    fd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        short = f"/proc/self/fd/{fd}/{name}"
+        if len(os.fsencode(short)) > SUN_PATH_MAX:
+            raise OSError(errno.ENAMETOOLONG, f"the socket's name {name!r} is too long for a unix socket")
+        yield short
+    finally:
+        os.close(fd)
+
+
 def listen_unix(path: str, *, mode: int = 0o600, group: str | int | None = None, backlog: int = 128
                 ) -> socket.socket:
     """Bind a listening unix socket at `path` (replacing a stale one), with `mode` and optional group."""
@@ -414,7 +437,8 @@ def listen_unix(path: str, *, mode: int = 0o600, group: str | int | None = None,
         # umask so the socket never exists with wider permissions, even for an instant
         old = os.umask(0o777 & ~mode)
         try:
-            sock.bind(path)
+            with unix_address(path) as address:
+                sock.bind(address)
         finally:
             os.umask(old)
         os.chmod(path, mode)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -23,6 +24,7 @@ from libs.common.wire import (
     recv_frame,
     send_frame,
     serve_frames,
+    unix_address,
 )
 
 
@@ -241,3 +243,30 @@ async def test_async_server_reports_a_malformed_frame_and_keeps_serving_others(t
         assert errors == ["frame_too_large"]
     finally:
         await server.close()
+
+
+async def test_a_socket_deeper_than_the_kernels_path_limit_is_served_and_reached(tmp_path):
+    """A state directory whose socket path passes sun_path's 107 bytes (`OSError: AF_UNIX path too long` before) is
+    bound and connected through its directory; the socket's file and mode are the same."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    path = str(deep / "agent.sock")
+    assert len(os.fsencode(path)) > 107
+
+    async def echo(stream: FrameStream) -> None:
+        with contextlib.suppress(PeerClosed):
+            obj, _ = await stream.recv()
+            await stream.send({"echo": obj, "pid": stream.peer_credentials().pid})
+
+    server = await serve_frames(path, echo)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        client = await FrameStream.connect(path)
+        await client.send({"op": "ping"})
+        assert (await client.recv())[0] == {"echo": {"op": "ping"}, "pid": os.getpid()}
+        client.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, unix_address(path) as address:
+            s.connect(address)  # the blocking clients' way (libs/client)
+    finally:
+        await server.close()
+    with pytest.raises(OSError, match="too long"), unix_address(str(tmp_path / ("n" * 120))):
+        pass
