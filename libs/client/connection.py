@@ -37,7 +37,10 @@ def open_session(path: str, engine_id: str, engine_class: str, timeout: float) -
     try:
         with unix_address(path) as address:
             sock.connect(address)
-        send_frame(sock, p.Hello(engine_id=engine_id, engine_class=engine_class).model_dump(mode="json"))
+        try:
+            send_frame(sock, p.Hello(engine_id=engine_id, engine_class=engine_class).model_dump(mode="json"))
+        except BrokenPipeError:
+            pass  # refused at accept (a limit): the manager's typed reply is already here, read below
         reply, fds = recv_frame(sock)
         close_fds(fds)
     except BaseException:

@@ -8,10 +8,9 @@ import socket
 
 import pytest
 
+from libs.client.connection import open_session
 from libs.client.memory import MemoryClient
-from libs.client.protocol import Hello
 from libs.common.errors import HoldfastError
-from libs.common.wire import recv_frame, send_frame
 from tests.gpu_manager.harness import wait_for
 
 MIB = 1 << 20
@@ -64,12 +63,9 @@ def test_chunk_fds_held_by_one_client_are_capped(manager_factory):
 
 
 def _hello(path: str, engine_id: str) -> tuple[socket.socket, dict]:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(5)
-    s.connect(path)
-    send_frame(s, Hello(engine_id=engine_id).model_dump(mode="json"))
-    reply, _ = recv_frame(s)
-    return s, reply
+    """The SDK's hello (a refusal sent at accept may close the socket before the hello is sent: the typed reply
+    is read all the same)."""
+    return open_session(path, engine_id, "default", 5.0)
 
 
 def _accepted(path: str, engine_id: str) -> socket.socket | None:
