@@ -85,8 +85,10 @@ async def test_a_replicated_stream_keeps_delivering_when_the_server_in_use_is_ki
             except Exception:
                 assert time.monotonic() - t0 < 15, "no publish accepted 15 s after the kill"
                 await asyncio.sleep(0.2)
+        # The consumer's new leader is elected by the two left: seconds on a quiet machine, up to ~30 s on 2 cores
+        # under three busy processes (measured 2026-12-03); the property is that it comes, and nothing is lost.
         while "after" not in got:
-            assert time.monotonic() - t0 < 20, f"delivered so far: {got}"
+            assert time.monotonic() - t0 < 60, f"delivered so far: {got}"
             await asyncio.sleep(0.05)
         assert bus.nc.connected_url.port != port  # type: ignore[union-attr]
         assert got[0] == "before" and set(got) == {"before", "after"}  # nothing lost (redelivery allowed)

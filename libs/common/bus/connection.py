@@ -77,6 +77,7 @@ class Connection(security.RenewingNATS):
     def __init__(self, creds: security.Credentials | None) -> None:
         super().__init__(creds)
         self.inline: dict[int, Callable[[Msg], None]] = {}  # by subscription id
+        self.on_reconnect: list[Callable[[], None]] = []  # called once connected again (durable.py: ask again)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
         handler = self.inline.get(sid)
@@ -127,6 +128,8 @@ async def open_connection(settings: CommonSettings, source: str) -> NATS:
 
     async def reconnected_cb() -> None:
         log.info("nats reconnected")
+        for call in list(nc.on_reconnect):
+            call()
 
     await nc.connect(
         servers=[s.strip() for s in settings.nats_url.split(",")],

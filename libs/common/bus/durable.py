@@ -187,12 +187,25 @@ class Consumer:
             await link.js.add_consumer(stream, config=config)
         inbox = link.nc.new_inbox()
         self.sub = await link.subscribe_inline(inbox, self._landed(dispatch))
+        hooks = getattr(link.nc, "on_reconnect", None)
+        if hooks is not None:
+            hooks.append(self._ask_again)
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{self.name}"
         self.tasks = [link.spawn(self._pull(next_subject, inbox), f"pull:{self.name}"),
                       link.spawn(self._keep_in_progress(), f"in-progress:{self.name}")]
         return self
 
+    def _ask_again(self) -> None:
+        """Connected again (to another server of a cluster, maybe): the open pull request may have died with the
+        old connection, and waiting for its expiry would hold every event FETCH_WAIT_S + 1 s; ask again now (the
+        server's max_ack_pending still bounds what two open requests can bring)."""
+        self.status = None
+        self.answered.set()
+
     async def unsubscribe(self) -> None:
+        hooks = getattr(self.link.nc, "on_reconnect", None)
+        if hooks is not None and self._ask_again in hooks:
+            hooks.remove(self._ask_again)
         for task in self.tasks:
             task.cancel()
         with contextlib.suppress(Exception):
