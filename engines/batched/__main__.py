@@ -113,13 +113,14 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
         hold: frozenset[int] = frozenset()
         if pend is None:
             entries, spent = journal.adopt(entries)  # journal.py invariant 8: adoptions counted
-        else:  # counted in the rows rehome writes again; a spent row is emptied unless its slot is pending
+            dropped += len(spent)
+        else:  # isolation.py: the predecessor's queue may still run
+            # counted in the rows rehome writes again; a spent row is emptied unless its slot is pending
             entries, spent = counted(entries)
             for e in spent:
                 if e.slot not in pend.slots:
                     journal.release(e.slot)
-        dropped += len(spent)
-        if pend is not None:  # isolation.py: the predecessor's queue may still run
+            dropped += len(spent)
             p = isolation.plan(entries, pend, free_slots=journal.free_slot_ids(), num_blocks=layout.num_blocks,
                                block_size=layout.block_size)
             t1 = time.perf_counter()
@@ -127,7 +128,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
             timings["apply"] = _ms(t1)
             entries, dropped, hold = p.entries, dropped + len(p.dropped), p.hold_blocks
             assert loaded.fence, "an isolated takeover has a predecessor to watch"
-            engine.held = isolation.Held(loaded.fence[0].pid, p.hold_slots)
+            engine.held = isolation.Held(loaded.fence[0].pid, loaded.fence[0].pid_start, p.hold_slots)
             isolated = {"moved": p.moved, "copied_blocks": len(p.copies), "dropped": len(p.dropped),
                         "held_slots": len(p.hold_slots), "held_blocks": len(p.hold_blocks)}
         t2 = time.perf_counter()

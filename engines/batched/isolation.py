@@ -25,8 +25,6 @@ Rules (journal.py invariants 2, 3 and 6; block_manager.py invariant 4):
 
 from __future__ import annotations
 
-import os
-import select
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -35,6 +33,7 @@ import torch
 
 from engines.batched.drain import Mark, Pending
 from engines.batched.journal import Entry, Journal
+from libs.common import procs
 
 
 @dataclass(frozen=True)
@@ -99,22 +98,14 @@ def apply(p: Plan, kv: torch.Tensor, journal: Journal, gen: int, mark: Mark) -> 
     journal.rehome(p.entries, gen)
 
 
+@dataclass(frozen=True)
 class Held:
-    """Slots and blocks held back from a dead engine until its exit (rule 4), watched through its pidfd."""
+    """Slots and blocks held back from a dead engine (`pid`, started at `start`) until its exit (rule 4)."""
 
-    def __init__(self, pid: int, slots: frozenset[int]) -> None:
-        self.slots = slots
-        try:
-            self._fd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._fd = None
+    pid: int
+    start: int | None
+    slots: frozenset[int]
 
     def over(self) -> bool:
         """Whether the dead engine is gone (its context torn down): polled between steps, never blocks."""
-        if self._fd is None:
-            return True
-        if select.select([self._fd], [], [], 0)[0]:
-            os.close(self._fd)
-            self._fd = None
-            return True
-        return False
+        return procs.wait_gone(self.pid, self.start, 0.0)

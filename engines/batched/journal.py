@@ -123,6 +123,18 @@ def _flags(ignore_eos: bool, adoptions: int) -> int:
     return (FLAG_IGNORE_EOS if ignore_eos else 0) | (min(adoptions, 0xFF) << ADOPT_SHIFT)
 
 
+def _rid_raw(request_id: str) -> bytes:
+    """A request id as its row holds it: UTF-8, cut to ID_BYTES, NUL-padded."""
+    rid = request_id.encode()[:ID_BYTES]
+    return rid + b"\0" * (ID_BYTES - len(rid))
+
+
+def _fields(epoch: int, a: Admission | Entry) -> list[int]:
+    """A row's fields before N_BLOCKS (those its check covers)."""
+    return [epoch, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
+            _flags(a.ignore_eos, a.adoptions)]
+
+
 class JournalMismatch(ValueError):
     """The journal in a handed-on lease was written for another configuration (or is not a journal)."""
 
@@ -175,6 +187,7 @@ class Journal:
         self.mark: Mark = NO_MARK  # invariant 7
         # invariant 8: slot -> (length when adopted, row fields, request id, prompt) of adopted rows not advanced yet
         self._adopted: dict[int, tuple[int, list[int], bytes, list[int]]] = {}
+        self._epochs: dict[int, int] = {}  # a recovered row's epoch, by slot (`adopt` writes its fields again)
 
     def quiet(self) -> contextlib.AbstractContextManager[object]:
         """Held while CUDA graphs are captured: a journal with a thread of its own (backup.py) pauses it."""
@@ -208,7 +221,7 @@ class Journal:
         if gen is None:
             raise JournalMismatch(f"journal header {self.header.cpu().tolist()} != {self.layout.header()}")
         self.gen = gen
-        self._fields: dict[int, list[int]] = {}  # a recovered row's fields before N_BLOCKS (`adopt`)
+        self._epochs = {}
         rows = self.rows.cpu().tolist()  # rows first: a later read of the rest is at least as new (invariant 2)
         toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
         out: list[Entry] = []
@@ -223,7 +236,7 @@ class Journal:
                     self._clear(slot)
                 continue
             out.append(e)
-            self._fields[slot] = r[:N_BLOCKS]
+            self._epochs[slot] = r[EPOCH]
             self._epoch = max(self._epoch, r[EPOCH] & COUNT_MASK)
         taken = {e.slot for e in out}
         self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken and s not in busy]
@@ -252,10 +265,8 @@ class Journal:
         b_vals: list[int] = []
         for e in entries:
             self._epoch += 1
-            rid = e.request_id.encode()[:ID_BYTES]
-            rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
-            fields = [gen << GEN_SHIFT | self._epoch, e.seq_id, e.prompt_len, e.max_tokens, _f64_bits(e.temperature),
-                      e.seed, _flags(e.ignore_eos, e.adoptions)]
+            rid_raw = _rid_raw(e.request_id)
+            fields = _fields(gen << GEN_SHIFT | self._epoch, e)
             self._adopted[e.slot] = (len(e.tokens), fields, rid_raw, list(e.tokens[:e.prompt_len]))
             rows.append(fields + [len(e.block_table), _check(fields, rid_raw, e.tokens[:e.prompt_len]),
                                   _progress(len(e.tokens), e.computed)])
@@ -324,11 +335,9 @@ class Journal:
         return slot
 
     def _write_row(self, slot: int, a: Admission, block_table: Seq[int], epoch: int, progress: int) -> None:
-        rid = a.request_id.encode()[:ID_BYTES]
-        rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
+        rid_raw = _rid_raw(a.request_id)
         prompt = list(a.tokens[: a.prompt_len])
-        fields = [epoch, a.seq_id, a.prompt_len, a.max_tokens, _f64_bits(a.temperature), a.seed,
-                  _flags(a.ignore_eos, a.adoptions)]
+        fields = _fields(epoch, a)
         check = _check(fields, rid_raw, prompt)  # n_blocks grows after admission: not covered
         fields.append(len(block_table))
         dev = self.device
@@ -389,10 +398,8 @@ class Journal:
             self.mark.touch_slots(e.slot for e in kept)
             rows = []
             for e in kept:
-                rid = e.request_id.encode()[:ID_BYTES]
-                rid_raw = rid + b"\0" * (ID_BYTES - len(rid))
-                fields = [int(x) for x in self._fields[e.slot]]
-                fields[FLAGS] = _flags(e.ignore_eos, e.adoptions)
+                rid_raw = _rid_raw(e.request_id)
+                fields = _fields(self._epochs[e.slot], e)
                 rows.append((e.slot, fields[FLAGS], _check(fields, rid_raw, e.tokens[:e.prompt_len])))
                 self._adopted[e.slot] = (len(e.tokens), fields, rid_raw, list(e.tokens[:e.prompt_len]))
             self._rewrite_flags(rows)
