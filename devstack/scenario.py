@@ -88,7 +88,7 @@ def successor_marks(recovery: dict[str, Any], t_kill: float) -> dict[str, float]
     return out
 
 
-ROUTE_IN_MARKS = {"received": "router received", "first_sent": "router first request",
+ROUTE_IN_MARKS = {"promised": "router promised", "received": "router received", "first_sent": "router first request",
                   "first_answered": "router first answer"}
 
 

@@ -217,6 +217,7 @@ def run(cfg: EngineConfig) -> int:
         mcfg, device = group.mcfg, group.device  # this rank's shard of the model, on its GPU
     state = EngineState(cfg.id, cfg.model, cfg.size, max_len, cfg.max_waiting)
     state.role = cfg.role
+    state.hold_s = cfg.hold_s
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -235,7 +236,7 @@ def run(cfg: EngineConfig) -> int:
     try:
         t_start = t_process
         if cfg.role == "standby":
-            state.state = "standby"
+            state.become("standby")
             if group is not None:  # every rank's kernels and the communicator (tp_group.py)
                 t_warm = time.perf_counter()
                 group.stand_by(warm_kernels)
@@ -253,10 +254,11 @@ def run(cfg: EngineConfig) -> int:
             # pause for a hung engine. ready() then finds nothing left to collect.
             long_lived_gc()
             link.start_heartbeats(HEARTBEAT_S)
-            link.ready(None)
+            link.ready(http.endpoint)  # known to the controller: routers may send it requests while it takes over
             a = await_assignment(link, memory, state.info) if link.can_shadow else link.wait_assignment()
             t_start = time.perf_counter()
-            state.role, state.state = "active", "loading"
+            state.role = "active"
+            state.become("loading")
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang,
                                         "shadowed": state.info.pop("shadow", None)}  # mapped before the kill
             if group is not None:  # every rank told the gang: from here on a cold successor group's path, below
@@ -265,7 +267,7 @@ def run(cfg: EngineConfig) -> int:
                 loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
                                          fenced=cfg.fenced_takeover)
         if loaded is None:
-            state.state = "loading"
+            state.become("loading")
             loaded = load_memory(cfg, mcfg, memory, group, layout_of)
         memory.start_heartbeats()
         layout = loaded.layout
@@ -319,7 +321,7 @@ def run(cfg: EngineConfig) -> int:
                                       "memory_ms": loaded.timings_ms, **adopted}
             if fence is not None:  # granted before the predecessor's exit: what waited for it, how, and when
                 state.info["recovery"]["fence"] = {**fence, "from_ms": round((t_fence - t_start) * 1000, 3)}
-        state.state = "ready"
+        state.become("ready")
         if link is not None:
             link.ready(http.endpoint, weights=loaded.weights_load, kv=describe_restore(kv_backup[1]) if kv_backup else None)
         if cfg.ready_file:
@@ -330,7 +332,7 @@ def run(cfg: EngineConfig) -> int:
         while not stop.wait(0.5):
             if engine.fatal is not None:
                 return 70
-        state.state = "stopping"
+        state.become("stopping")
         return 0
     finally:
         stopped = engine.stop() if engine is not None else True

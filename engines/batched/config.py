@@ -65,6 +65,8 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     # recovery
     adopt_claim_s: float = Field(30.0, gt=0, description="an adopted sequence that no resumed request claims in this "
                                  "long is dropped and its blocks freed")
+    hold_s: float = Field(10.0, ge=0, description="a request that comes before the engine serves (a standby that "
+                          "routers were told will take over) waits this long for it, then gets 503; 0: 503 at once")
     adopt_wait_s: float = Field(30.0, gt=0, description="a successor waits this long for its predecessor's death to "
                                 "own its leases")
     kv_backup: bool = Field(False, description="copy each step's new KV blocks to a host-memory lease at a bounded lag "

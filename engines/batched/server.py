@@ -42,6 +42,8 @@ from engines.reference.weights import served_checksum
 from libs.common import tokenizer
 from libs.common.generate import GenerateRequest, invalid_body
 
+HOLDING = frozenset({"standby", "loading"})  # states a request is held in (EngineState.until_serving); not
+# "starting": warm_routes's request (its 503 is the point) comes then
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid"}
 
@@ -60,6 +62,50 @@ class EngineState:
         self.t_start: float | None = None  # perf_counter of a recovery's start (its assignment, or the process's)
         self.batched_sinks: dict[str, _Sink] = {}  # request id -> sink, of requests streamed by /generate_many
         self.phases: collections.deque[dict[str, float]] = collections.deque(maxlen=256)  # recent first tokens'
+        # A request that comes before the engine serves (a standby the router was told will take over:
+        # EndpointRemoved.successor_id) waits up to `hold_s` for it, `held` at a time at most `max_waiting`.
+        self.hold_s = 0.0
+        self.held = 0
+        self.first_held: float | None = None  # perf_counter of the first request held
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+
+    def become(self, new: str) -> None:
+        """Any thread: the engine's state changes; held requests look again. The state is written before the loop
+        is read, and `until_serving` sets the loop before it reads the state: a change is never missed."""
+        self.state = new
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def until_serving(self) -> None:
+        """Hold a request while the engine is not serving yet (HOLDING), at most `hold_s`."""
+        if self.state not in HOLDING or self.hold_s <= 0 or self.held >= self.max_waiting:
+            return
+        loop = self._loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.hold_s
+        self.held += 1
+        if self.first_held is None:
+            self.first_held = time.perf_counter()
+        try:
+            while True:
+                if self._changed is None:
+                    self._changed = asyncio.Event()
+                changed = self._changed
+                left = deadline - loop.time()
+                if self.state not in HOLDING or left <= 0:
+                    return
+                try:
+                    await asyncio.wait_for(changed.wait(), left)
+                except TimeoutError:
+                    return
+        finally:
+            self.held -= 1
 
     def phase_stats(self) -> dict[str, dict[str, float]]:
         """Where recent requests' first-token time went (ms, p50 / max per phase: `PHASES`), for /health."""
@@ -160,14 +206,18 @@ def _prepare(state: EngineState, eng: LLMEngine, body: GenerateRequest) -> tuple
     return req, sink
 
 
-def _serving(state: EngineState) -> LLMEngine | JSONResponse:
-    """The engine, if it serves now (a recovery's first request marked on its timeline); else the 503."""
+async def _serving(state: EngineState) -> LLMEngine | JSONResponse:
+    """The engine once it serves (held while it gets ready: `until_serving`; a recovery's first request marked on
+    its timeline, and when the first one held came); else the 503."""
+    await state.until_serving()
     eng = state.engine
     if eng is None or state.state != "ready":
         return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
     rec = state.info.get("recovery")
     if rec is not None and state.t_start is not None and "first_request_ms" not in rec:
         rec["first_request_ms"] = round((time.perf_counter() - state.t_start) * 1000, 3)
+        if state.first_held is not None:  # before its assignment: negative
+            rec["first_held_ms"] = round((state.first_held - state.t_start) * 1000, 3)
     return eng
 
 
@@ -195,7 +245,7 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest) -> Any:
-        eng = _serving(state)
+        eng = await _serving(state)
         if isinstance(eng, JSONResponse):
             return eng
         try:
@@ -211,7 +261,7 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.post("/generate_many", response_model=None)
     async def generate_many(body: GenerateMany) -> Any:
-        eng = _serving(state)
+        eng = await _serving(state)
         if isinstance(eng, JSONResponse):
             return eng
         return StreamingResponse(_many(state, eng, body.requests), media_type="application/x-ndjson")

@@ -115,6 +115,7 @@ class ClusterView:
         self.leased_bytes: dict[tuple[str, int], int] = {}
         self.engines_on: dict[tuple[str, int], int] = {}
         self.shadowed_by: dict[str, set[str]] = {}  # engine -> the standbys that shadow it (EngineInfo.shadows)
+        self.standbys_on: dict[str, set[str]] = {}  # node -> its standbys waiting for an assignment (state standby)
         self.endpoint_by_engine: dict[str, tuple[str, str]] = {}
         self.endpoints: dict[tuple[str, str], str] = {}
         self.drained: set[str] = set()
@@ -198,6 +199,8 @@ class ClusterView:
             self.engines_on[(new.node, new.gpu)] = self.engines_on.get((new.node, new.gpu), 0) + 1
         if new.shadows is not None:
             self.shadowed_by.setdefault(new.shadows, set()).add(eid)
+        if new.state == "standby":
+            self.standbys_on.setdefault(new.node, set()).add(eid)
         return new
 
     def _unindex_engine(self, eid: str, old: EngineInfo | None) -> None:
@@ -205,6 +208,12 @@ class ClusterView:
             self.engines_on[(old.node, old.gpu)] -= 1
         if old is not None and old.shadows is not None:
             self._unshadow(old.shadows, eid)
+        if old is not None and old.state == "standby":
+            waiting = self.standbys_on.get(old.node)
+            if waiting is not None:
+                waiting.discard(eid)
+                if not waiting:
+                    del self.standbys_on[old.node]
 
     def _unshadow(self, target: str, standby: str) -> None:
         ids = self.shadowed_by.get(target)
@@ -220,6 +229,12 @@ class ClusterView:
             if e is not None and e.shadows == engine_id and e.node == node and e.state == "standby":
                 return e
         return None
+
+    def sole_standby(self, model: str, node: str | None, version: str | None) -> EngineInfo | None:
+        """The one standby on `node` waiting for an assignment of `model` (and `version`), if exactly one is."""
+        fit = [e for sid in self.standbys_on.get(node or "", ()) if (e := self.engines.get(sid)) is not None
+               and e.model == model and e.tp == 1 and (version is None or e.version == version)]
+        return fit[0] if len(fit) == 1 else None
 
     def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:
         lease_id = rest.rpartition("/")[2]

@@ -399,6 +399,11 @@ class EndpointRemoved(Event):
     url: str | None = None
     reason: str = ""
     incident_id: str | None = None
+    # The warm standby that will most likely take over (one that shadows this engine: its agent picks it first):
+    # routers may send it this engine's resumed and new requests at once; it holds them until it serves, so the
+    # requests' way to it overlaps the takeover. Its `endpoint.added` confirms it; another successor's revokes it.
+    successor_id: str | None = None
+    successor_url: str | None = None
 
 
 class GpuHealth(Event):

@@ -20,6 +20,7 @@ from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
     EndpointRemoved,
+    EngineInfo,
     Event,
     IncidentFailed,
     IncidentOpened,
@@ -69,6 +70,25 @@ def endpoint_key(model: str, engine_id: str) -> str:
     return f"endpoints/{model}/{engine_id}"
 
 
+def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | None:
+    """The standby the node's agent will assign (services/agent/supervision.py `pick_standby`: the named one,
+    else the one that shadows the engine, else the oldest: here only when it is the only one), if it is a ready
+    standby with an endpoint: routers may send it the engine's requests before its takeover ends
+    (EndpointRemoved.successor_id). None for a group (a gang's successor is a group) or when no such standby
+    is known."""
+    if rec.gang is not None:
+        return None
+    if rec.successor_hint is not None:
+        named = view.engines.get(rec.successor_hint)
+        cand = named if named is not None and named.node == rec.node and named.state == "standby" else None
+    else:
+        cand = (view.shadow_of(rec.engine_id, rec.node)
+                or view.sole_standby(rec.model, rec.node, rec.version))
+    if cand is None or not cand.endpoint or cand.model != rec.model:
+        return None
+    return cand if rec.version is None or cand.version == rec.version else None
+
+
 class IncidentEvents:
     def __init__(self, bus: Bus, view: ClusterView, writer: BatchWriter, tracing: IncidentTracer,
                  deadlines: Deadlines) -> None:
@@ -97,9 +117,12 @@ class IncidentEvents:
                           f"{work.id}-opened", work),
         ]
         if not work.move_off:
+            succ = None if cold else likely_successor(self.view, work)
             events.insert(0, self.envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id,
                                                            url=url, reason=str(work.kind or work.reason),
-                                                           incident_id=work.id),
+                                                           incident_id=work.id,
+                                                           successor_id=succ.engine_id if succ else None,
+                                                           successor_url=succ.endpoint if succ else None),
                                            f"{work.id}-removed", work))
         return RouteOut(work, events, lost, cold, model or work.model, at)
 

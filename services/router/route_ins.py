@@ -22,10 +22,22 @@ class RouteIns:
         self._by_engine: OrderedDict[str, dict[str, float]] = OrderedDict()
 
     def added(self, engine_id: str, published: float | None) -> None:
-        """An event added `engine_id` (published at `published`, its envelope's time; None: not by an event)."""
+        """An event added `engine_id` (published at `published`, its envelope's time; None: not by an event). After
+        its promise (below) the entry goes on: its first request may have gone before it was added."""
+        now = self.clock()
+        entry = self._by_engine.pop(engine_id, None)
+        entry = entry if entry is not None and "promised" in entry and "published" not in entry else {}
+        self._by_engine[engine_id] = {**entry, "published": now if published is None else published, "received": now}
+        self._trim()
+
+    def promised(self, engine_id: str, published: float | None) -> None:
+        """An endpoint.removed event named `engine_id` its likely successor (sync.py `_promise`)."""
         now = self.clock()
         self._by_engine.pop(engine_id, None)
-        self._by_engine[engine_id] = {"published": now if published is None else published, "received": now}
+        self._by_engine[engine_id] = {"promised_published": now if published is None else published, "promised": now}
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._by_engine) > self.keep:
             self._by_engine.popitem(last=False)
 

@@ -108,6 +108,7 @@ class EndpointFeed:
         self.ready = False
         self.stats = SyncStats()
         self.last_event: dict[Key, float] = {}
+        self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
         self._buffer: list[Envelope] = []
         self._lock = asyncio.Lock()  # one reconcile at a time (reconnect and period may coincide)
 
@@ -129,10 +130,31 @@ class EndpointFeed:
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
                 self.last_event[(ev.model, ev.predecessor_id)] = now
                 self._gone(ev.model, ev.predecessor_id)
+                promise = self.promised.pop(ev.predecessor_id, None)
+                if promise is not None and promise[1] != ev.engine_id:  # another successor: the promise is void
+                    log.info("endpoint %s was promised for %s, %s took over: its requests resume there",
+                             promise[1], ev.predecessor_id, ev.engine_id)
+                    self.last_event[promise] = now
+                    self._gone(*promise)
         elif isinstance(ev, EndpointRemoved):
             log.info("endpoint removed: %s %s (%s)", ev.model, ev.engine_id, ev.reason)
             self.last_event[(ev.model, ev.engine_id)] = now
             self._gone(ev.model, ev.engine_id)
+            if ev.successor_id and ev.successor_url and self.table.find(ev.successor_id) is None:
+                self._promise(ev, now, published)
+
+    def _promise(self, ev: EndpointRemoved, now: float, published: float | None) -> None:
+        """The standby that will most likely take over (EndpointRemoved.successor_id) is added now, marked
+        promised: requests reach it during its takeover (it holds them until it serves). Its `endpoint.added`
+        makes it a plain endpoint; another successor's, or a reconcile after `grace_s` that does not find it
+        in etcd, removes it (its streams resume elsewhere)."""
+        assert ev.successor_id is not None and ev.successor_url is not None
+        key = (ev.model, ev.successor_id)
+        self.last_event[key] = now
+        self.table.add(ev.model, ev.successor_id, ev.successor_url, promised=True)
+        self.promised[ev.engine_id] = key
+        self.relay.route_ins.promised(ev.successor_id, published)
+        log.info("endpoint promised: %s %s %s (for %s)", ev.model, ev.successor_id, ev.successor_url, ev.engine_id)
 
     def _gone(self, model: str, engine_id: str) -> None:
         self.table.remove(model, engine_id)
@@ -182,6 +204,7 @@ class EndpointFeed:
             # Forget events older than any future read's horizon: the map stays as small as the churn.
             horizon = started - self.grace_s
             self.last_event = {k: t for k, t in self.last_event.items() if t >= horizon}
+            self.promised = {pred: key for pred, key in self.promised.items() if key in self.last_event}
             return True
 
 

@@ -46,6 +46,7 @@ class Endpoint:
     inflight: int = 0
     suspect_until: float = 0.0
     served: int = 0
+    promised: bool = False  # a standby told to be taking over (sync.py `_promise`): it holds requests till it serves
 
 
 @dataclass
@@ -73,12 +74,13 @@ class EndpointTable:
 
     # ------------------------------------------------------------ changes from events
 
-    def add(self, model: str, engine_id: str, url: str) -> Endpoint:
+    def add(self, model: str, engine_id: str, url: str, *, promised: bool = False) -> Endpoint:
         routes = self._routes(model)
         ep = routes.endpoints.get(engine_id)
-        if ep is None or ep.url != url:
+        if ep is None or ep.url != url.rstrip("/"):
             ep = Endpoint(model, engine_id, url.rstrip("/"), inflight=ep.inflight if ep else 0)
             routes.endpoints[engine_id] = ep
+        ep.promised = promised
         ep.suspect_until = 0.0  # an event saying it serves outranks what we observed before
         routes.gone_since = None
         self._wake(routes)
@@ -179,5 +181,5 @@ class EndpointTable:
     def describe(self) -> dict[str, list[dict[str, object]]]:
         now = self.clock()
         return {model: [{"engine_id": ep.engine_id, "url": ep.url, "inflight": ep.inflight, "served": ep.served,
-                         "suspect": ep.suspect_until > now} for ep in routes.endpoints.values()]
+                         "suspect": ep.suspect_until > now, "promised": ep.promised} for ep in routes.endpoints.values()]
                 for model, routes in self.models.items() if routes.endpoints}

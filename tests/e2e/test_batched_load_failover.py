@@ -1,6 +1,7 @@
 """The whole stack with the batched engine under 16 concurrent streams (real nats, etcd, gpu_manager, agent with
 a warm standby, controller, dc_manager, router; a real SIGKILL): every stream and every request sent during the
-outage completes with the tokens of the no-failure run, the standby (shadowing the active engine's leases in its
+outage completes with the tokens of the no-failure run, the router sends them to the standby named by the
+route-out before its takeover ends, the standby (shadowing the active engine's leases in its
 reservations) adopts all 16 sequences from the journal and claims each resumed request, and no prefill token is
 recomputed."""
 
@@ -28,3 +29,6 @@ async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_
     # at the takeover, and the runner built over the reservations served (engines/batched/standby.py)
     assert report["shadow"] and succ["recovery"][0]["shadowed"]
     assert succ["recovery"][0]["memory_ms"]["reserved"] == 0 and succ["recovery"][0]["prepared_runner"] == "reused"
+    # the route-out named the shadow the likely successor, and the router sent it requests before it was added
+    # (services/router/sync.py `_promise`; the standby held them until it served: engines/batched/server.py)
+    assert "router promised" in failed["timeline_ms"][0]

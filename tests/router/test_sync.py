@@ -106,3 +106,58 @@ async def test_a_failed_read_keeps_the_table_and_is_counted() -> None:
     assert not await feed.reconcile(broken, "periodic")
     assert set(table.models["m"].endpoints) == {"a"}
     assert feed.stats.errors == 1 and feed.stats.reconciles == 0
+
+
+def removed_with_successor(engine_id: str, successor: str, url: str) -> EndpointRemoved:
+    return EndpointRemoved(model="m", engine_id=engine_id, reason="sigkill", successor_id=successor, successor_url=url)
+
+
+async def test_a_likely_successor_named_by_the_removal_is_routed_to_at_once_and_its_addition_keeps_its_streams() -> None:
+    feed, table, relay, clock = make_feed()
+    feed.load_snapshot(records(dead="http://d"))
+    feed.apply(removed_with_successor("dead", "sb", "http://sb/"))
+    ep = table.pick("m")  # a resumed request goes to the standby while it takes over
+    assert ep is not None and ep.engine_id == "sb" and ep.url == "http://sb" and ep.promised
+    stream = relay.inflight.add("sb")
+
+    clock.now += 0.05
+    feed.apply(EndpointAdded(model="m", engine_id="sb", url="http://sb", predecessor_id="dead"))
+    assert not stream.is_set()  # the promise kept: the stream already on its way goes on
+    same = table.models["m"].endpoints["sb"]
+    assert same is ep and not same.promised and same.inflight == 1
+    assert feed.promised == {}
+    route_in = relay.route_ins.recent()[-1]
+    assert route_in["engine_id"] == "sb" and route_in["promised"] <= route_in["received"]
+
+
+async def test_another_successors_addition_voids_the_promise_and_its_streams_resume_there() -> None:
+    feed, table, relay, clock = make_feed()
+    feed.load_snapshot(records(dead="http://d"))
+    feed.apply(removed_with_successor("dead", "sb", "http://sb"))
+    stream = relay.inflight.add("sb")
+    feed.apply(EndpointAdded(model="m", engine_id="cold", url="http://c", predecessor_id="dead"))
+    assert stream.is_set()  # cut: it resumes on the successor that did take over
+    assert set(table.models["m"].endpoints) == {"cold"}
+
+
+async def test_a_promise_that_etcd_never_confirms_is_removed_after_the_grace() -> None:
+    feed, table, relay, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(records(dead="http://d"))
+    feed.apply(removed_with_successor("dead", "sb", "http://sb"))
+    stream = relay.inflight.add("sb")
+    clock.now += 1
+    await feed.reconcile(reader({}), "periodic")
+    assert "sb" in table.models["m"].endpoints and not stream.is_set()  # within the grace: the takeover may yet end
+    clock.now += 10
+    await feed.reconcile(reader({}), "periodic")
+    assert table.models["m"].endpoints == {} and stream.is_set() and feed.promised == {}
+
+
+async def test_a_removal_naming_an_endpoint_already_serving_changes_nothing_of_it() -> None:
+    feed, table, _, _ = make_feed()
+    feed.load_snapshot(records(dead="http://d", live="http://l"))
+    live = table.models["m"].endpoints["live"]
+    live.inflight = 3
+    feed.apply(removed_with_successor("dead", "live", "http://elsewhere"))
+    assert table.models["m"].endpoints == {"live": live} and live.url == "http://l" and not live.promised
+    assert feed.promised == {}

@@ -1,0 +1,48 @@
+"""A request that reaches the engine before it serves (a standby that routers were told will take over) is held
+until it serves, and answered 503 `not_ready` if it does not within `hold_s` or it stops instead. The state is
+changed from another thread, as the engine's main thread does."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from fastapi.responses import JSONResponse
+
+from engines.batched.server import EngineState, _serving
+
+
+def _state(hold_s: float, max_waiting: int = 8) -> EngineState:
+    state = EngineState("sb", "m", "tiny", 64, max_waiting)
+    state.become("standby")
+    state.hold_s = hold_s
+    return state
+
+
+def _later(delay_s: float, fn: object, *args: object) -> None:
+    threading.Timer(delay_s, fn, args).start()  # type: ignore[arg-type]
+
+
+async def test_a_request_held_by_a_standby_goes_on_the_moment_it_serves() -> None:
+    state = _state(hold_s=60)
+    state.engine = object()  # type: ignore[assignment]  # what _serving hands on once the state is ready
+    _later(0.05, state.become, "loading")  # assigned: still held
+    _later(0.15, state.become, "ready")
+    got = await asyncio.wait_for(_serving(state), 10)  # long before hold_s: woken by the change
+    assert got is state.engine and state.held == 0 and state.first_held is not None
+
+
+async def test_a_request_held_past_hold_s_or_when_the_engine_stops_gets_not_ready() -> None:
+    state = _state(hold_s=0.2)
+    got = await asyncio.wait_for(_serving(state), 10)
+    assert isinstance(got, JSONResponse) and got.status_code == 503 and b"not_ready" in got.body
+    state = _state(hold_s=60)
+    _later(0.05, state.become, "stopping")
+    got = await asyncio.wait_for(_serving(state), 10)
+    assert isinstance(got, JSONResponse) and b"stopping" in got.body and state.held == 0
+
+
+async def test_no_hold_when_it_is_off_or_as_many_are_held_as_the_queue_takes() -> None:
+    for state in (_state(hold_s=0), _state(hold_s=60, max_waiting=0)):
+        got = await asyncio.wait_for(_serving(state), 10)  # at once: nothing wakes a held one here
+        assert isinstance(got, JSONResponse) and got.status_code == 503 and state.first_held is None
