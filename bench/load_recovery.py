@@ -95,8 +95,10 @@ class LoadScenario(Scenario):
                                                   shadow=self.shadow, isolated=self.isolated),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
         specs_file = self.write_specs(spec)
+        # the router's loop watched (its late wake-ups on the timeline: `loop_late_near`)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
-                                                 engines_file=specs_file))
+                                                 engines_file=specs_file,
+                                                 extra_env={"HF_ROUTER_LOOP_WATCH_MS": "2"}))
         self.stack.start(timeout=180)
         return self.stack
 
@@ -158,11 +160,21 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
             for key, label in (("ready_ms", "successor ready"), ("first_request_ms", "successor first request")):
                 if isinstance(rec.get(key), (int, float)):
                     marks[label] = marks["successor assigned"] + rec[key]
-        route_ins = (await sc.router_stats(client)).get("route_ins") or []
-        marks.update(router_marks(route_ins, successor.engine_id, t_kill))
+        rstats = await sc.router_stats(client)
+        marks.update(router_marks(rstats.get("route_ins") or [], successor.engine_id, t_kill))
+        out["router_loop_late"] = loop_late_near(rstats.get("loop_late") or [], t_kill)
         out["timeline_ms"] = {**sc.timeline(t_kill, min(after) if after else None, after=seen), **marks,
                               "last stream resumed": (max(r for r in resumed if r) - t_kill) * 1000 if any(resumed) else None}
     return out
+
+
+def loop_late_near(late: list[list[float]], t_kill: float, span_s: float = 0.25) -> dict[str, Any]:
+    """The router's late wake-ups (services/router `loop_late`: wall time, ms late) in the `span_s` after the kill:
+    how long its loop was held in all, the longest hold, and the five longest as (ms after the kill, ms late)."""
+    near = [((at - t_kill) * 1000, ms) for at, ms in late if t_kill <= at <= t_kill + span_s]
+    worst = sorted(near, key=lambda x: -x[1])[:5]
+    return {"sum_ms": round(sum(ms for _, ms in near), 1), "max_ms": max((ms for _, ms in near), default=0.0),
+            "worst": [(round(at, 1), ms) for at, ms in sorted(worst)]}
 
 
 def _stream(job: Job, sent_at: float, r: Any) -> Stream:
@@ -224,6 +236,7 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
             # where its time went: the slowest steps with their make-up, and its first tokens' phases
             "step_times": [e.get("step_times") for e in eng],
             "first_token_phases_ms": [h.get("first_token_phases_ms") for h in succ]}
+        out["router_loop_late"] = [r.get("router_loop_late") for r in rounds]
         out["timeline_ms"] = [dict(sorted(((k, round(v, 1)) for k, v in r["timeline_ms"].items() if v is not None),
                                           key=lambda kv: kv[1]))
                               for r in rounds if "timeline_ms" in r]

@@ -67,6 +67,7 @@ class EngineState:
         self.hold_s = 0.0
         self.held = 0
         self.first_held: float | None = None  # perf_counter of the first request held
+        self.first_arrival: float | None = None  # perf_counter of the first POST's headers once not starting
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
 
@@ -216,13 +217,32 @@ async def _serving(state: EngineState) -> LLMEngine | JSONResponse:
     rec = state.info.get("recovery")
     if rec is not None and state.t_start is not None and "first_request_ms" not in rec:
         rec["first_request_ms"] = round((time.perf_counter() - state.t_start) * 1000, 3)
-        if state.first_held is not None:  # before its assignment: negative
-            rec["first_held_ms"] = round((state.first_held - state.t_start) * 1000, 3)
+        for key, at in (("first_arrival_ms", state.first_arrival), ("first_held_ms", state.first_held)):
+            if at is not None:  # before its assignment: negative
+                rec[key] = round((at - state.t_start) * 1000, 3)
     return eng
+
+
+class FirstArrival:
+    """Marks when the first POST came once the engine stood by or took over (its headers, before FastAPI reads and
+    parses its body): a recovery's timeline tells the way to the engine from the engine's own parsing. A plain ASGI
+    wrapper: nothing added to a streamed response's path."""
+
+    def __init__(self, app: Any, state: EngineState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        state = self.state
+        if state.first_arrival is None and scope["type"] == "http" and scope["method"] == "POST" \
+                and state.state != "starting":
+            state.first_arrival = time.perf_counter()
+        await self.app(scope, receive, send)
 
 
 def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="Holdfast batched engine")
+
+    app.add_middleware(FirstArrival, state=state)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: object, exc: RequestValidationError) -> JSONResponse:
@@ -412,13 +432,16 @@ def warm_routes(endpoint: str) -> None:
     """The first-use costs of the HTTP path paid before anything is served, not by the first requests after a
     takeover: anyio's asyncio backend (imported by the first streamed response: ~45 ms on the CPU machine),
     FastAPI's first request to a route (it reads the endpoint's source for its error messages), the body
-    model's first validation. /generate answers 503 or 422 here: nothing is served."""
+    model's first validation; /generate_many's too (without it, a takeover's first batched resume paid them:
+11-55 ms from the router's send to the handler, H200). Both answer 503 or 422 here: nothing is served."""
     t = threading.Thread(target=anyio.run, args=(anyio.sleep, 0), name="anyio-preload")
     t.start()
     t.join()
     with httpx.Client(timeout=10) as client:
         client.get(f"{endpoint}/health")
-        client.post(f"{endpoint}/generate", json={"prompt": "", "max_tokens": 1, "stream": True})
+        body = {"prompt": "", "max_tokens": 1, "stream": True}
+        client.post(f"{endpoint}/generate", json=body)
+        client.post(f"{endpoint}/generate_many", json={"requests": [body]})  # the router's resumes come this way
         client.post(f"{endpoint}/generate", json={"max_tokens": -1})
         client.post(f"{endpoint}/generate_many", json={"requests": [{"prompt": "", "max_tokens": 1, "stream": True}]})
         client.post(f"{endpoint}/abort", json={"request_id": ""})

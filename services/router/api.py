@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.generate import invalid_body
+from libs.common.loop_watch import LoopWatch
 from services.router.openai_api import openai_routes
 from services.router.openai_protocol import OpenAIError
 from services.router.relay import ClientRequest, Relay, RelayError
@@ -28,7 +29,7 @@ def refusal(status: int, code: str, message: str) -> dict[str, Any]:
 
 
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
-              sync: Callable[[], dict[str, Any]] = dict) -> FastAPI:
+              sync: Callable[[], dict[str, Any]] = dict, watch: LoopWatch | None = None) -> FastAPI:
     app = FastAPI(title="Holdfast reference router")
     app.include_router(openai_routes(relay, table))
 
@@ -59,7 +60,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
-                "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats()}
+                "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats(),
+                "loop_late": watch.recent() if watch is not None else None}
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:

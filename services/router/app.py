@@ -21,6 +21,7 @@ import socket
 import httpx
 import uvicorn
 
+from libs.common.loop_watch import LoopWatch
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from libs.common.web.guard import RequestGuard
@@ -96,7 +97,10 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.router_host, settings.router_port))
     port = sock.getsockname()[1]
-    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict)
+    watch = LoopWatch(settings.router_loop_watch_ms / 1000) if settings.router_loop_watch_ms > 0 else None
+    if watch is not None:
+        rt.spawn("loop-watch", watch.run())
+    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict, watch)
     guard = RequestGuard(app, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
     linger = LingerStats()
     server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,

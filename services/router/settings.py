@@ -53,6 +53,8 @@ class RouterSettings(CommonSettings):
                                      "(the controller's etcd write may land just after its event)")
     model_forget_s: float = Field(60.0, ge=0, description="a model stays known (held, listed in /v1/models) this "
                                   "long after its last endpoint went; then the OpenAI API answers 404 for it")
+    router_loop_watch_ms: float = Field(0.0, ge=0, description="record wake-ups of the router's event loop later than 1 ms, "
+                                 "ticking this often (GET /stats `loop_late`: a benchmark's view of the router); 0: off")
     reconcile_read_timeout_s: float = Field(5.0, gt=0, description="one read of etcd's endpoints/ gives up after this")
 
     @field_validator("api_keys")
