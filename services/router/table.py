@@ -12,6 +12,9 @@ connection makes an engine *suspect* for a while, it is never probed). Invariant
 4. A model is *known* while an endpoint serves it and for `forget_s` after its last endpoint went (a
    failover's gap between `removed` and the successor's `added`); a model no endpoint ever served since
    start is not known. The OpenAI API answers 404 for a model that is not known, and holds the others.
+5. A *promised* endpoint (a standby taking over, which holds requests until it serves: sync.py `_promise`) gets a
+   new request only when no other healthy endpoint serves its model; replays (their streams' KV is most likely
+   the promised successor's) choose among all, least loaded first.
 """
 
 from __future__ import annotations
@@ -125,8 +128,10 @@ class EndpointTable:
         now = self.clock()
         return [ep for ep in routes.endpoints.values() if ep.suspect_until <= now]
 
-    def pick(self, model: str) -> Endpoint | None:
+    def pick(self, model: str, *, fresh: bool = False) -> Endpoint | None:
         candidates = self.healthy(model)
+        if fresh and any(not ep.promised for ep in candidates):  # invariant 5
+            candidates = [ep for ep in candidates if not ep.promised]
         if not candidates:
             return None
         routes = self._routes(model)
@@ -145,7 +150,7 @@ class EndpointTable:
         return min(pending) if pending else None
 
     async def acquire(self, model: str, wait_s: float, *, admitted: bool = False) -> Endpoint:
-        ep = self.pick(model)
+        ep = self.pick(model, fresh=not admitted)
         if ep is not None:
             return ep
         routes = self._routes(model)
@@ -165,7 +170,7 @@ class EndpointTable:
                     await asyncio.wait_for(routes.changed.wait(), timeout=wait)
                 except TimeoutError:
                     pass
-                ep = self.pick(model)
+                ep = self.pick(model, fresh=not admitted)
                 if ep is not None:
                     return ep
         finally:

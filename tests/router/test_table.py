@@ -79,3 +79,14 @@ async def test_a_model_is_known_while_served_and_for_the_forget_window_after_its
     t.remove("m", "c")
     clock.now += 60.0
     assert not t.is_known("m") and t.known() == []
+
+
+def test_a_new_request_goes_to_a_serving_endpoint_before_a_promised_one_and_a_replay_to_the_least_loaded() -> None:
+    table = EndpointTable(8)
+    live = table.add("m", "live", "http://l")
+    live.inflight = 5
+    table.add("m", "sb", "http://sb", promised=True)
+    assert table.pick("m", fresh=True).engine_id == "live"  # type: ignore[union-attr]
+    assert table.pick("m").engine_id == "sb"  # type: ignore[union-attr]  # a replay: the successor holds its KV
+    table.remove("m", "live")
+    assert table.pick("m", fresh=True).engine_id == "sb"  # type: ignore[union-attr]  # none else: it waits there
