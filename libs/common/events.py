@@ -6,7 +6,9 @@ services publish (`NODE_EVENTS`) also names the node: `<prefix>.fault.detected.<
 Commands travel on `<prefix>.node.<node>.<service>.<op>` as request/reply; each has its reply model.
 
 Decoding validates the whole message; anything unknown or malformed raises `MalformedMessage` with a
-message that says what was wrong, so a subscriber can log it and keep serving.
+message that says what was wrong, so a subscriber can log it and keep serving. On the wire (libs/common/bus/codec.py)
+a field a model fills in by itself may be absent: a null, a payload's field at its default; an event's payload
+always names its `type`. The models read that form and the one with every field written out alike.
 """
 
 from __future__ import annotations
@@ -751,6 +753,9 @@ class TraceContext(Model):
 
 
 class Envelope(Model):
+    # The W3C trace context travels here, not in a NATS header too (libs/common/bus: a subscriber's handler runs
+    # under it). `node` and `incident_id` are sent even where the payload repeats them: readers take them from here
+    # (the node is checked against the subject), and a reader of an older tree could only.
     id: str = Field(default_factory=new_id)
     type: str
     version: int = SCHEMA_VERSION

@@ -1,10 +1,11 @@
-"""The wire form of envelopes and replies, encoded by msgspec (compiled) around the payload's own JSON.
+"""The wire form of envelopes and replies, encoded by msgspec (compiled); the payload dumped by pydantic.
 
-An outgoing envelope is a msgspec `Struct` whose `data` is the payload's JSON as pydantic (Rust) writes it
-(`msgspec.Raw`): no `Envelope` model is built to send an event or a command. The bytes are those of the
-pydantic `Envelope`/`CommandEnvelope`/`Reply` with the same values, field for field and in the same order
-(tests/common/test_bus.py), so receivers validate them with the pydantic models in libs/common/events.py.
-Measured: docs/bus.md.
+An outgoing envelope is a msgspec `Struct` (no `Envelope` model is built to send an event or a command). What a
+reader's pydantic model fills in by itself is left out (docs/bus.md, "Wire format"): an envelope's or a trace's
+fields that are null, and a payload's fields at their defaults, except an event's `type` (the discriminator that
+names its model). The trace context travels in the envelope only, not again in a NATS header. Receivers validate
+with the pydantic models in libs/common/events.py, which read this form and the earlier one (every field written
+out, the trace in a header too) alike (tests/common/test_bus_wire.py).
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel, create_model
 
-from libs.common.events import SCHEMA_VERSION, Command, Event, Reply
+from libs.common.events import SCHEMA_VERSION, Command, Envelope, Event, Reply, TraceContext
 from libs.common.ids import new_id
 
 _encode = msgspec.json.Encoder().encode
 
 
-class TraceOut(msgspec.Struct):
-    traceparent: str | None
-    tracestate: str | None
+class TraceOut(msgspec.Struct, omit_defaults=True):
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
-class EnvelopeOut(msgspec.Struct):
+class EnvelopeOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     """`events.Envelope` as sent."""
 
     id: str
@@ -35,21 +36,21 @@ class EnvelopeOut(msgspec.Struct):
     version: int
     time: float
     source: str
-    node: str | None
-    incident_id: str | None
-    trace: TraceOut
-    data: msgspec.Raw
+    node: str | None = None
+    incident_id: str | None = None
+    trace: TraceOut | None = None
+    data: dict[str, Any]
 
 
-class CommandOut(msgspec.Struct):
+class CommandOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     """`events.CommandEnvelope` as sent."""
 
     id: str
     version: int
     time: float
     source: str
-    trace: TraceOut
-    to: str | None
+    trace: TraceOut | None = None
+    to: str | None = None
     data: msgspec.Raw
 
 
@@ -58,12 +59,12 @@ class ErrorOut(msgspec.Struct):
     message: str
 
 
-class ReplyOut(msgspec.Struct):
+class ReplyOut(msgspec.Struct, omit_defaults=True):
     """`events.Reply` as sent."""
 
     ok: bool
-    data: msgspec.Raw | None
-    error: ErrorOut | None
+    data: msgspec.Raw | None = None
+    error: ErrorOut | None = None
 
 
 _FIELDS: dict[type, frozenset[str]] = {}
@@ -98,24 +99,54 @@ def carried_nodes(payload: BaseModel) -> list[str]:
     return [r.node for r in records if r is not None]
 
 
+def trace_out(traceparent: str | None, tracestate: str | None) -> TraceOut | None:
+    return TraceOut(traceparent, tracestate) if traceparent or tracestate else None
+
+
+def payload_fields(payload: Event) -> dict[str, Any]:
+    """The payload's JSON fields without those at their defaults (its model fills them in), `type` kept: the
+    envelope's union of events tells them apart by it (and a reader of the earlier form requires it)."""
+    return {"type": payload.type, **payload.model_dump(mode="json", exclude_defaults=True)}  # type: ignore[attr-defined]
+
+
 def event_body(payload: Event, *, id: str, source: str, node: str | None, incident_id: str | None,
                traceparent: str | None, tracestate: str | None) -> bytes:
-    return _encode(EnvelopeOut(id, payload.type, SCHEMA_VERSION, time.time(), source, node,  # type: ignore[attr-defined]
-                               incident_id, TraceOut(traceparent, tracestate), msgspec.Raw(payload.model_dump_json())))
+    return _encode(EnvelopeOut(id=id, type=payload.type, version=SCHEMA_VERSION,  # type: ignore[attr-defined]
+                               time=time.time(), source=source, node=node,
+                               incident_id=incident_id, trace=trace_out(traceparent, tracestate),
+                               data=payload_fields(payload)))
+
+
+def envelope_body(env: Envelope) -> bytes:
+    """An `Envelope` model in the same wire form as `event_body`."""
+    return _encode(EnvelopeOut(id=env.id, type=env.type, version=env.version, time=env.time, source=env.source,
+                               node=env.node, incident_id=env.incident_id,
+                               trace=trace_out(env.trace.traceparent, env.trace.tracestate),
+                               data=payload_fields(env.data)))
 
 
 def command_body(command: Command, *, source: str, to: str, traceparent: str | None, tracestate: str | None) -> bytes:
-    return _encode(CommandOut(new_id(), SCHEMA_VERSION, time.time(), source, TraceOut(traceparent, tracestate), to,
-                              msgspec.Raw(command.model_dump_json())))
+    # A command's `op` may be left out with its other defaults: it is read as the model its subject names.
+    return _encode(CommandOut(id=new_id(), version=SCHEMA_VERSION, time=time.time(), source=source,
+                              trace=trace_out(traceparent, tracestate), to=to,
+                              data=msgspec.Raw(command.model_dump_json(exclude_defaults=True))))
 
 
 def ok_reply(result: BaseModel) -> bytes:
     """`Reply(ok=True, data=result)` as sent."""
-    return _encode(ReplyOut(True, msgspec.Raw(result.model_dump_json()), None))
+    return _encode(ReplyOut(True, msgspec.Raw(result.model_dump_json(exclude_defaults=True))))
 
 
 def error_reply(code: str, message: str) -> bytes:
     return _encode(ReplyOut(False, None, ErrorOut(code, message)))
+
+
+def trace_headers(trace: TraceContext) -> dict[str, str]:
+    """The W3C carrier of an envelope's trace context (empty: none), for the propagator."""
+    carrier = {"traceparent": trace.traceparent} if trace.traceparent else {}
+    if trace.tracestate:
+        carrier["tracestate"] = trace.tracestate
+    return carrier
 
 
 @functools.cache

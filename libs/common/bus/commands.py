@@ -52,21 +52,22 @@ class Commands:
         self.link = link
         self._kinds: dict[type, str] = {}  # command class -> '<service>.<op>' (pydantic's class fields, once)
 
-    def out(self, node: str, command: Command, traceparent: str | None) -> tuple[str, bytes, dict[str, str]]:
+    def out(self, node: str, command: Command, traceparent: str | None) -> tuple[str, bytes]:
+        """Its subject and body; the trace context travels in the body only (codec.py: no header)."""
         kind = self._kinds.get(type(command))
         if kind is None:
             kind = self._kinds[type(command)] = command_kind(type(command))
-        headers = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
-        body = codec.command_body(command, source=self.link.source, to=node, traceparent=headers.get("traceparent"),
-                                  tracestate=headers.get("tracestate"))
-        return self.link.subjects.check(f"{self.link.prefix}.node.{node}.{kind}"), body, headers
+        carrier = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
+        body = codec.command_body(command, source=self.link.source, to=node, traceparent=carrier.get("traceparent"),
+                                  tracestate=carrier.get("tracestate"))
+        return self.link.subjects.check(f"{self.link.prefix}.node.{node}.{kind}"), body
 
     async def request(self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None,
                       traceparent: str | None = None) -> R:
-        subject, body, headers = self.out(node, command, traceparent)
+        subject, body = self.out(node, command, traceparent)
         limit = timeout or self.link.settings.request_timeout_s
         try:
-            msg = await self.link.nc.request(subject, body, timeout=limit, headers=headers or None)
+            msg = await self.link.nc.request(subject, body, timeout=limit)
         except NoRespondersError:
             raise Unavailable(f"no service answers {subject}") from None
         except NatsTimeout:
@@ -90,11 +91,11 @@ class Commands:
         nc, fast = self.link.nc, self.link.fast
         try:
             for i, (node, command, traceparent) in enumerate(calls):
-                subject, body, headers = self.out(node, command, traceparent)
+                subject, body = self.out(node, command, traceparent)
                 token = inbox.expect(replies.put, i)
                 tokens.append(token)
                 subjects.append(subject)
-                await frames.send(nc, subject, body, prefix + token, frames.header_block(headers), fast=fast)
+                await frames.send(nc, subject, body, prefix + token, b"", fast=fast)
             answered = [False] * len(calls)
             while replies.left > 0 and not replies.expired or replies.arrived:
                 if not replies.arrived:
@@ -136,8 +137,8 @@ class Commands:
                 env = decode_model(typed, msg.data)  # envelope and command validated in one pass
                 if env.to is not None and env.to != (node if exact else msg.subject.split(".")[node_at]):
                     raise WrongNode(f"{msg.subject} is node {node!r}'s; this command is addressed to {env.to!r}")
-                if attach_trace:
-                    with telemetry.attach_headers(msg.headers or {}):
+                if attach_trace and (carrier := codec.trace_headers(env.trace)):
+                    with telemetry.attach_headers(carrier):
                         result = await handler(env.data)
                 else:
                     result = await handler(env.data)

@@ -30,15 +30,11 @@ class Wired:
         self.subject, self.body, self.headers, self.durable, self.id = subject, body, headers, durable, id
 
 
-def event_headers(id: str, durable: bool, traceparent: str | None, tracestate: str | None) -> dict[str, str]:
+def event_headers(id: str, durable: bool) -> dict[str, str]:
     # A durable event carries its id as Nats-Msg-Id (the stream's deduplication key: a retried publish is
-    # idempotent), a core one as hf-id; not both (each header costs a check and an encode in nats-py).
-    headers = {"Nats-Msg-Id": id} if durable else {"hf-id": id}
-    if traceparent:
-        headers["traceparent"] = traceparent
-    if tracestate:
-        headers["tracestate"] = tracestate
-    return headers
+    # idempotent). Nothing else: the id and the trace context are in the envelope (codec.py), so a core event
+    # needs no header, and a header costs bytes on every delivery (docs/bus.md, "Wire format").
+    return {"Nats-Msg-Id": id} if durable else {}
 
 
 class _AckBatch:
@@ -115,20 +111,20 @@ class Publisher:
                                 incident_id=incident_id or codec.field(payload, "incident_id"),
                                 traceparent=traceparent, tracestate=state)
         durable = payload.durable
-        return Wired(self.subject(type(payload), node), body, event_headers(id, durable, traceparent, state), durable, id)
+        return Wired(self.subject(type(payload), node), body, event_headers(id, durable), durable, id)
 
     def out(self, env: Envelope | Wired) -> tuple[str, bytes, dict[str, str], bool]:
         if isinstance(env, Wired):
             return env.subject, env.body, env.headers, env.durable
-        headers = event_headers(env.id, env.data.durable, env.trace.traceparent, env.trace.tracestate)
-        return self.subject(type(env.data), env.node), env.model_dump_json().encode(), headers, env.data.durable
+        durable = env.data.durable
+        return self.subject(type(env.data), env.node), codec.envelope_body(env), event_headers(env.id, durable), durable
 
     async def publish(self, env: Envelope | Wired) -> None:
         subject, body, headers, durable = self.out(env)
         if durable:
             await self.link.js.publish(subject, body, headers=headers, timeout=2)
         else:
-            await self.link.nc.publish(subject, body, headers=headers)
+            await self.link.nc.publish(subject, body, headers=headers or None)
 
     async def publish_all(self, envs: list[Envelope] | list[Wired] | list[Envelope | Wired], *,
                           timeout: float = 2.0) -> None:

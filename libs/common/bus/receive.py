@@ -90,10 +90,9 @@ def event_callback(link: Link, handler: EventHandler, *, raise_errors: bool = Fa
         except HoldfastError as e:
             refused(link, msg, e)
             return
-        headers = msg.headers
         try:
-            if attach_trace and headers and "traceparent" in headers:
-                with telemetry.attach_headers(headers):
+            if attach_trace and (carrier := codec.trace_headers(env.trace)):
+                with telemetry.attach_headers(carrier):
                     await handler(env)
             else:  # nothing to propagate: skip the propagator
                 await handler(env)
