@@ -31,6 +31,7 @@ from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.drain import NO_MARK, DrainMark, PageLayout, Pending, open_drain
 from engines.batched.engine import LLMEngine
+from engines.batched.http_state import EngineState
 from engines.batched.journal import Journal, JournalLayout, counted
 from engines.batched.memory import (
     LeasedMemory,
@@ -43,7 +44,7 @@ from engines.batched.memory import (
 )
 from engines.batched.model_runner import ModelRunner
 from engines.batched.scheduler import Scheduler, SchedulerConfig
-from engines.batched.server import EngineState, build_app, warm_routes
+from engines.batched.server import build_app, warm_routes
 from engines.batched.sleep import install as install_sleep
 from engines.batched.standby import await_assignment
 from engines.batched.tp_group import RankGroup

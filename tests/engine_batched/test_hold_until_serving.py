@@ -9,7 +9,8 @@ import threading
 
 from fastapi.responses import JSONResponse
 
-from engines.batched.server import EngineState, _serving
+from engines.batched.http_state import EngineState
+from engines.batched.server import _serving
 
 
 def _state(hold_s: float, max_waiting: int = 8) -> EngineState:
