@@ -162,7 +162,8 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
                     marks[label] = marks["successor assigned"] + rec[key]
         rstats = await sc.router_stats(client)
         marks.update(router_marks(rstats.get("route_ins") or [], successor.engine_id, t_kill))
-        out["router_loop_late"] = loop_late_near(rstats.get("loop_late") or [], t_kill)
+        out["router_loop_late"] = {**loop_late_near(rstats.get("loop_late") or [], t_kill),
+                                   "gc_paused_ms_since_start": rstats.get("gc_paused_ms")}
         out["timeline_ms"] = {**sc.timeline(t_kill, min(after) if after else None, after=seen), **marks,
                               "last stream resumed": (max(r for r in resumed if r) - t_kill) * 1000 if any(resumed) else None}
     return out

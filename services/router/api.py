@@ -3,6 +3,7 @@ OpenAI-compatible routes (openai_api.py). Every route but `PUBLIC` needs an API 
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from libs.common.gc_tuning import paused_ms
 from libs.common.generate import invalid_body
 from libs.common.loop_watch import LoopWatch
 from services.router.openai_api import openai_routes
@@ -61,7 +63,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     async def stats() -> dict[str, Any]:
         return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
                 "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats(),
-                "loop_late": watch.recent() if watch is not None else None}
+                "loop_late": watch.recent() if watch is not None else None, "gc_paused_ms": round(paused_ms(), 1),
+                "gc_frozen": gc.get_freeze_count()}
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:
