@@ -1,4 +1,5 @@
-"""The loop watch records a wake-up its loop was kept from (a blocking call in a task), and none while it idles."""
+"""The loop watch records a wake-up its loop was kept from (a blocking call in a task) and how much of it the
+thread ran."""
 
 from __future__ import annotations
 
@@ -13,8 +14,23 @@ async def test_a_loop_held_by_a_blocking_call_is_recorded_with_how_late_it_woke(
     task = asyncio.create_task(watch.run())
     await asyncio.sleep(0.05)
     t_block = time.time()
-    time.sleep(0.06)  # the loop held 60 ms
+    time.sleep(0.06)  # the loop held 60 ms, the thread asleep
     await asyncio.sleep(0.02)
     task.cancel()
-    held = [(at, ms) for at, ms in watch.recent() if at >= t_block]
-    assert held and max(ms for _, ms in held) >= 40
+    held = [(at, ms, cpu) for at, ms, cpu in watch.recent() if at >= t_block]
+    assert held and max(ms for _, ms, _ in held) >= 40
+    assert max(cpu for _, _, cpu in held) < 30  # asleep, not busy: the thread ran little of it
+
+async def test_a_loop_held_by_work_shows_the_cpu_it_ran() -> None:
+    watch = LoopWatch(0.002, late_ms=5.0)
+    task = asyncio.create_task(watch.run())
+    await asyncio.sleep(0.05)
+    t_busy = time.time()
+    end = time.perf_counter() + 0.06
+    while time.perf_counter() < end:  # the loop held 60 ms by work
+        pass
+    await asyncio.sleep(0.02)
+    task.cancel()
+    held = [(ms, cpu) for at, ms, cpu in watch.recent() if at >= t_busy]
+    ms, cpu = max(held)
+    assert ms >= 40 and cpu >= ms / 2
