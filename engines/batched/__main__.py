@@ -266,7 +266,7 @@ def run(cfg: EngineConfig) -> int:
                 group.assigned(a.gang, a.gang_generation, a.transfer_token)
             else:
                 loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
-                                         fenced=cfg.fenced_takeover)
+                                         fenced=cfg.fenced_takeover, known=prepared[0] if prepared else None)
         if loaded is None:
             state.become("loading")
             loaded = load_memory(cfg, mcfg, memory, group, layout_of)

@@ -33,6 +33,7 @@ from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
 from engines.reference.weights import check_file_matches, load_weights
+from libs.client.protocol import contiguous_stride
 
 log = logging.getLogger("holdfast.engine.batched.memory")
 
@@ -130,7 +131,7 @@ class LocalMemory:
         raise RuntimeError("local memory has nothing to reattach")
 
     def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float, *,
-                 fenced: bool = False) -> Loaded:
+                 fenced: bool = False, known: Loaded | None = None) -> Loaded:
         raise RuntimeError("local memory cannot take over a predecessor's leases: run with --memory leased")
 
     def start_heartbeats(self) -> None:
@@ -252,9 +253,11 @@ class LeasedMemory:
         return self._rebuild(cfg, att.leases, "reattached", layout_of, t0)
 
     def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float, *,
-                 fenced: bool = False) -> Loaded:
+                 fenced: bool = False, known: Loaded | None = None) -> Loaded:
         """The predecessor's leases. `fenced`: granted once it is stopped, its exit still to come: the caller reads
-        and writes them only after `wait_fence` (nothing here reads their content)."""
+        and writes them only after `wait_fence` (nothing here reads their content). `known`: tensors built before
+        over the addresses the leases are mapped at (a prepared standby's), reused where they are the very view a
+        lease's tensor would get (`_view`)."""
         from libs.client.protocol import NotFrozenYet, PredecessorAlive
 
         t0 = time.perf_counter()
@@ -263,13 +266,15 @@ class LeasedMemory:
         att, tries = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced),
                                  (PredecessorAlive, NotFrozenYet), wait_s)
         granted = {**self.client.last_timings_ms, "tries": tries}  # the granting try's request and map
-        loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0)
+        loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0, known)
         loaded.timings_ms.update(granted)
         loaded.fence = att.fence
         return loaded
 
-    def _rebuild(self, cfg: ModelConfig, leases: list[Any], source: str, layout_of: Any, t0: float) -> Loaded:
+    def _rebuild(self, cfg: ModelConfig, leases: list[Any], source: str, layout_of: Any, t0: float,
+                 known: Loaded | None = None) -> Loaded:
         t_attach = _ms(t0)
+        have = {**known.weights, **known.fused} if known is not None else {}
         caches = sorted((lease for lease in leases if any(m.name == KV_NAME for m in lease.tensor_metas)),
                         key=lambda lease: lease.info.created_at, reverse=True)
         # a KV backup lease (backup.py, host memory): handed on beside the cache, or instead of a cache that was lost
@@ -281,15 +286,15 @@ class LeasedMemory:
         leases = [lease for lease in leases if lease not in drains]
         for extra in drains[1:]:
             self.client.release(extra.id)
-        tensors = {m.name: lease.view(m, "torch") for lease in leases if lease not in caches and lease not in backups
-                   for m in lease.tensor_metas}
+        tensors = {m.name: _view(lease, m.name, m.offset, m.shape, m.dtype, m.stride, have.get(m.name))
+                   for lease in leases if lease not in caches and lease not in backups for m in lease.tensor_metas}
         missing = [n for n in cfg.tensor_shapes() if n not in tensors]
         if missing:
             raise MissingWeights(f"the leases lack {len(missing)} weight tensors, e.g. {missing[:3]}")
         weights = {n: tensors[n] for n in cfg.tensor_shapes()}
         t_views = time.perf_counter()
         fused = _fused_views([(lease, m) for lease in leases if lease not in caches and lease not in backups
-                              for m in lease.tensor_metas])
+                              for m in lease.tensor_metas], have)
         # where a takeover's rebuild goes (views of every weight, then of the fused groups; the rest is the cache's)
         split = {"views_ms": round((t_views - t0) * 1000 - t_attach, 3), "fused_ms": _ms(t_views)}
         dtype = weights["tok_embeddings.weight"].dtype
@@ -404,14 +409,28 @@ def placed_alike(a: Loaded, b: Loaded) -> list[str]:
     return [n for n, x, y in pairs if sig(x) != sig(y)]
 
 
-def _fused_views(registered: list[tuple[Any, Any]]) -> dict[str, torch.Tensor]:
-    """One zero-copy view over each fused group the weights lease holds back to back (fused_layout.py)."""
+def _fused_views(registered: list[tuple[Any, Any]], have: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """One zero-copy view over each fused group the weights lease holds back to back (fused_layout.py); a tensor in
+    `have` by the group's name where it is that very view."""
     from libs.client.protocol import DTYPE_SIZES
 
     placed = [Placed(m.name, lease, m.offset, tuple(m.shape), m.dtype, DTYPE_SIZES.get(m.dtype, 0), m.stride is None)
               for lease, m in registered]
-    return {name: first.lease.torch(first.dtype, shape, first.offset)  # type: ignore[attr-defined]
+    have = have or {}
+    return {name: _view(first.lease, name, first.offset, shape, first.dtype, None, have.get(name))
             for name, (first, shape) in fused_runs(placed).items()}
+
+
+def _view(lease: Any, name: str, offset: int, shape: Any, dtype: str, stride: Any, have: torch.Tensor | None) -> torch.Tensor:
+    """`have` if it is exactly the view of `lease` this tensor gets (address, shape, strides, dtype, device: a
+    prepared standby's, built over the reservation the lease now fills), else a new view. A takeover of 8b built
+    ~400 views again (7-12 ms of a shadow's 45-80 ms to ready, H200) that its prepared runner already held."""
+    shape = tuple(shape)
+    if (have is not None and have.data_ptr() == lease.mapping.ptr + offset and tuple(have.shape) == shape
+            and str(have.dtype).removeprefix("torch.") == dtype and str(have.device) == lease.mapping.device
+            and have.stride() == tuple(stride if stride is not None else contiguous_stride(list(shape)))):
+        return have
+    return lease.torch(dtype, shape, offset, stride)  # type: ignore[no-any-return]
 
 
 def _fuse_local(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -77,9 +77,12 @@ async def test_the_runner_built_before_the_takeover_serves_the_predecessors_toke
         before = greedy(runner, prompt, TOKENS)  # over the placeholder: not the model's answer
 
         expected, token = await _served_then_frozen(tmp_path, tiny_weights, settings_env, bus, settings.node)
-        loaded: Loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0)
+        loaded: Loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0, known=reserved)
         assert memory.client.last_timings_ms["reserved"] == 2  # weights and KV cache, into their reservations
         assert loaded.kv.data_ptr() == reserved.kv.data_ptr() and loaded.kv_handed_on
+        # the views the standby built over the reservations are the takeover's own: none built again
+        assert all(loaded.weights[n] is t for n, t in reserved.weights.items())
+        assert reserved.fused and all(loaded.fused[n] is t for n, t in reserved.fused.items())
         reused, how = adopt_prepared(prepared, loaded)
         assert reused is runner and how == "reused"
 
@@ -98,7 +101,7 @@ async def test_a_kv_lease_of_another_size_is_not_served_by_the_prepared_runner(
     try:
         prepared = prepare_runner(cfg, mcfg, memory, layout_of)
         expected, token = await _served_then_frozen(tmp_path, tiny_weights, settings_env, bus, settings.node)
-        loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0)
+        loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0, known=prepared[0])
         assert memory.client.last_timings_ms["reserved"] == 1  # the weights only
         assert memory.client.reservations == []  # the KV cache's was freed
         assert loaded.kv.shape[2] == 64 and loaded.kv_handed_on  # the predecessor's cache, kept at its size
