@@ -87,48 +87,63 @@ class Stats:
         return dict(self.__dict__)
 
 
+class Cut:
+    """One attempt's stream, cut when its endpoint is removed (`fire`): the read it is waiting in ends at once.
+
+    The read waits under an `asyncio.timeout` (the silence bound) that `fire` moves to now, so a line costs one
+    timer, not the two tasks and the `asyncio.wait` of racing the read against an event: at 64 streams the
+    router spent ~100 us a line there (its loop then held 20-36 ms at a time after a kill, H200)."""
+
+    def __init__(self) -> None:
+        self._fired = False
+        self._cm: asyncio.Timeout | None = None
+
+    def is_set(self) -> bool:
+        return self._fired
+
+    def fire(self) -> None:
+        self._fired = True
+        if self._cm is not None:
+            self._cm.reschedule(asyncio.get_running_loop().time())
+
+    async def next_line(self, lines: AsyncIterator[str], silence_s: float) -> str:
+        """The next line of the upstream stream, unless the endpoint is removed or stays silent too long."""
+        if self._fired:
+            raise UpstreamFailed("endpoint removed")
+        try:
+            async with asyncio.timeout(silence_s) as cm:
+                self._cm = cm
+                try:
+                    return await lines.__anext__()  # StopAsyncIteration when the stream ends
+                finally:
+                    self._cm = None
+        except TimeoutError:
+            raise UpstreamFailed("endpoint removed" if self._fired else f"no token for {silence_s:g}s") from None
+
+
 @dataclass
 class InFlight:
     """Streams open per engine, so an `endpoint.removed` event can cut them and have them resumed."""
 
-    aborts: dict[str, set[asyncio.Event]] = field(default_factory=dict)
+    aborts: dict[str, set[Cut]] = field(default_factory=dict)
 
-    def add(self, engine_id: str) -> asyncio.Event:
-        ev = asyncio.Event()
-        self.aborts.setdefault(engine_id, set()).add(ev)
-        return ev
+    def add(self, engine_id: str) -> Cut:
+        cut = Cut()
+        self.aborts.setdefault(engine_id, set()).add(cut)
+        return cut
 
-    def discard(self, engine_id: str, ev: asyncio.Event) -> None:
-        evs = self.aborts.get(engine_id)
-        if evs is not None:
-            evs.discard(ev)
-            if not evs:
+    def discard(self, engine_id: str, cut: Cut) -> None:
+        cuts = self.aborts.get(engine_id)
+        if cuts is not None:
+            cuts.discard(cut)
+            if not cuts:
                 del self.aborts[engine_id]
 
     def abort(self, engine_id: str) -> int:
-        evs = self.aborts.get(engine_id, set())
-        for ev in evs:
-            ev.set()
-        return len(evs)
-
-
-async def _next_line(lines: AsyncIterator[str], abort: asyncio.Event, silence_s: float) -> str:
-    """The next line of an upstream stream, unless the endpoint is removed or stays silent too long."""
-    read = asyncio.ensure_future(lines.__anext__())
-    stop = asyncio.ensure_future(abort.wait())
-    try:
-        done, _ = await asyncio.wait({read, stop}, timeout=silence_s, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled (the client went away): no read may outlive the stream it reads
-        read.cancel()
-        raise
-    finally:
-        stop.cancel()
-    if read in done:
-        return read.result()  # StopAsyncIteration when the stream ends
-    read.cancel()
-    with contextlib.suppress(BaseException):
-        await read
-    raise UpstreamFailed("endpoint removed" if abort.is_set() else f"no token for {silence_s:g}s")
+        cuts = self.aborts.get(engine_id, set())
+        for cut in list(cuts):
+            cut.fire()
+        return len(cuts)
 
 
 class Relay:
@@ -229,7 +244,7 @@ class Relay:
                                max_tokens=req.max_tokens - len(generated), temperature=req.temperature,
                                greedy=req.greedy, seed=seed, stream=True, ignore_eos=req.ignore_eos)
         payload = body.model_dump(exclude_none=True)
-        abort = self.inflight.add(ep.engine_id)
+        cut = self.inflight.add(ep.engine_id)
         timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)
         self.route_ins.sent(ep.engine_id)
         try:
@@ -239,7 +254,7 @@ class Relay:
                         self.route_ins.answered(ep.engine_id)
                         if status != 200:
                             raise UpstreamFailed(f"engine answered {status} to a batched resume")
-                        async for item in self._lines(lines, abort, generated):
+                        async for item in self._lines(lines, cut, generated):
                             yield item
                     return
                 except BatchUnsupported:
@@ -250,19 +265,19 @@ class Relay:
                     raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
                 if resp.status_code != 200:
                     raise UpstreamFailed(f"engine answered {resp.status_code}")
-                async for item in self._lines(resp.aiter_lines(), abort, generated):
+                async for item in self._lines(resp.aiter_lines(), cut, generated):
                     yield item
         except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, ConnectionError) as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from None
         finally:
-            self.inflight.discard(ep.engine_id, abort)
+            self.inflight.discard(ep.engine_id, cut)
 
-    async def _lines(self, lines: AsyncIterator[str], abort: asyncio.Event,
+    async def _lines(self, lines: AsyncIterator[str], cut: Cut,
                      generated: list[int]) -> AsyncGenerator[dict[str, Any], None]:
         """One engine stream's lines as the relay's items: tokens appended to `generated`, then the final line."""
         while True:
             try:
-                line = await _next_line(lines, abort, self.settings.token_timeout_s)
+                line = await cut.next_line(lines, self.settings.token_timeout_s)
             except StopAsyncIteration:
                 return
             if not line.strip():
