@@ -1,10 +1,11 @@
-"""Pooled ratios over the b (5-way) and c (3-way) rounds: HEAD plain / a1bd35f, HEAD secure / HEAD plain, per round;
+"""Pooled ratios over the b (5-way), c and d (3-way) rounds (d9 on left out: another engineer's tests started, load 7-11): HEAD plain / a1bd35f, HEAD secure / HEAD plain, per round;
 medians and a bootstrap 95% interval of the median (2,000 resamples)."""
 import json, os, random, statistics as st, sys
 D = sys.argv[1] if len(sys.argv) > 1 else '/tmp/s19/out'
 def L(n): return json.load(open(os.path.join(D, n + '.json')))
 pb, sp, cpb, csp = [], [], [], []
-for tag, R, p, s in (('b', range(1, 9), 'h1-plain', 'h1-sec'), ('c', range(1, 21), 'head-plain', 'head-sec')):
+for tag, R, p, s in (('b', range(1, 9), 'h1-plain', 'h1-sec'), ('c', range(1, 21), 'head-plain', 'head-sec'),
+                     ('d', range(1, 9), 'head-plain', 'head-sec')):
     for r in R:
         b, pl, se = L(f'{tag}{r}-base'), L(f'{tag}{r}-{p}'), L(f'{tag}{r}-{s}')
         pb.append(pl['incidents_per_s'] / b['incidents_per_s']); sp.append(se['incidents_per_s'] / pl['incidents_per_s'])
