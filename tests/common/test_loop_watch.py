@@ -26,11 +26,11 @@ async def test_a_loop_held_by_work_shows_the_cpu_it_ran() -> None:
     task = asyncio.create_task(watch.run())
     await asyncio.sleep(0.05)
     t_busy = time.time()
-    end = time.perf_counter() + 0.06
-    while time.perf_counter() < end:  # the loop held 60 ms by work
+    end = time.thread_time() + 0.04
+    while time.thread_time() < end:  # the loop held by 40 ms of work (CPU time: a loaded machine stretches the wall)
         pass
     await asyncio.sleep(0.02)
     task.cancel()
     held = [(ms, cpu) for at, ms, cpu in watch.recent() if at >= t_busy]
-    ms, cpu = max(held)
-    assert ms >= 40 and cpu >= ms / 2
+    ms, cpu = max(held, key=lambda h: h[1])
+    assert cpu >= 35 and ms >= 35
