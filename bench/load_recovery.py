@@ -40,6 +40,9 @@ class Stream(StreamResult):
 
     sent_at: float = 0.0
     parsed: list[float] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # the engine's first-token phases (its closing line)
+    router: dict[str, float] = field(default_factory=dict)  # the router's marks (relay.py `router_ms`)
+    router_at: float | None = None  # when the router's relay had it (unix time: one machine, one clock)
 
     def largest_gap_ms(self) -> float | None:
         if len(self.arrivals) < 2:
@@ -144,6 +147,7 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
     streams, lates = ([_stream(j, *got[j.key]) for j in js] for js in (jobs, late_jobs))
     out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib,
                            "workers": workers}
+    out["router_spares"] = (await sc.router_stats(client)).get("spare_connections")
     if kill:
         await sc.wait_event("incident.resolved", 120, after=seen)
         successor = await sc.wait_serving(standbys=0, timeout=120)
@@ -182,7 +186,8 @@ def loop_late_near(late: list[list[float]], t_kill: float, span_s: float = 0.25)
 
 def _stream(job: Job, sent_at: float, r: Any) -> Stream:
     return Stream(job.prompt, text=r.text, tokens=r.tokens, arrivals=r.arrivals, error=r.error, done=r.done,
-                  sent_at=sent_at, parsed=r.parsed)
+                  sent_at=sent_at, parsed=r.parsed, phases=r.final.get("first_token_phases_ms") or {},
+                  router=r.final.get("router_ms") or {}, router_at=r.final.get("router_received_at"))
 
 
 def client_report(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -209,6 +214,30 @@ def _ready(r: dict[str, Any]) -> float:
     return t0 + ready / 1000 if isinstance(t0, (int, float)) and isinstance(ready, (int, float)) else r["t_kill"]
 
 
+def token_phases(streams: list[Stream]) -> dict[str, Any]:
+    """Where the streams' first-token time went: each engine phase (engines/batched/http_state.py `PHASES`, as
+    its closing line gives them), and around them, from the router's marks (services/router/relay.py
+    `router_ms`): `router_to_send` (its relay to its request to the engine: a hold, the table's pick),
+    `router_connected` (a connection opened on the way, where one was; `router_connect` the connect itself: ~0
+    where a spare one was taken), `router_head` (to the response's head),
+    `router_engine_links` (the request to the first line read back, less the engine's phases: the connection,
+    the engine's HTTP server, the line's way back), `client_edges` (the rest: the client's request to the
+    router's relay and the line on to the client), `client_to_router` (its first part)."""
+    names = dict.fromkeys(name for s in streams for name in s.phases)  # in the engine's order
+    out: dict[str, Any] = {name: pct([s.phases[name] for s in streams if name in s.phases]) for name in names}
+    both = [(s, t) for s in streams if s.phases and {"sent", "first_line"} <= s.router.keys()
+            and (t := s.first_token_ms()) is not None]
+    out["router_to_send"] = pct([s.router["sent"] for s, _ in both])
+    out["router_connected"] = pct([s.router["connected"] - s.router["sent"] for s, _ in both if "connected" in s.router])
+    out["router_connect"] = pct([s.router["connected"] - s.router["connect"] for s, _ in both
+                                 if {"connect", "connected"} <= s.router.keys()])  # ~0: a spare was taken
+    out["router_head"] = pct([s.router["answered"] - s.router["sent"] for s, _ in both if "answered" in s.router])
+    out["router_engine_links"] = pct([s.router["first_line"] - s.router["sent"] - sum(s.phases.values()) for s, _ in both])
+    out["client_edges"] = pct([t - s.router["first_line"] for s, t in both])
+    out["client_to_router"] = pct([(s.router_at - s.sent_at) * 1000 for s, _ in both if s.router_at])
+    return out
+
+
 def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
     streams = [s for r in rounds for s in r["streams"]]
     lates = [s for r in rounds for s in r["late"]]
@@ -222,10 +251,12 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
     resumed = [(t - r["t_kill"]) * 1000 for r in rounds if "successor" in r for s in r["streams"]
                if (t := min((a for a in s.arrivals if a > _ready(r)), default=None)) is not None]
     out: dict[str, Any] = {"largest_gap_ms": pct(gaps), "late_first_token_ms": pct(ttft),
+                           "late_first_token_phases_ms": token_phases(lates),
                            "stream_resumed_after_kill_ms": pct(resumed),
                            "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
                            "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates),
-                           "client": client_report(rounds)}
+                           "client": client_report(rounds),
+                           "router_spare_connections": [r.get("router_spares") for r in rounds]}
     succ = [r["successor"] for r in rounds if "successor" in r]
     if succ:
         eng = [h.get("engine") or {} for h in succ]

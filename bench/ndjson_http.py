@@ -39,6 +39,7 @@ class NdjsonResponse:
     error: str | None = None
     done: bool = False
     finished: bool = False
+    final: dict = field(default_factory=dict)  # the closing line (the engine's first-token phases, its usage)
     _buf: bytes = b""  # bytes not yet framed (head, chunk size line, or chunk data)
     _lines: bytes = b""  # body bytes not yet ending in a newline
     _chunked: bool = False
@@ -120,6 +121,7 @@ class NdjsonResponse:
 
     def _line(self, obj: dict, arrival: float, parsed: float) -> None:
         if obj.get("done"):
+            self.final = obj
             self.done = not obj.get("error")
             if obj.get("error"):
                 self.error = json.dumps(obj["error"])

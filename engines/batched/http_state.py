@@ -87,13 +87,13 @@ class EngineState:
 
 
 # A request's way to its first token (ms each, from engine.Request's timestamps and the first line's write):
-# received -> submitted (the response started, the request handed to the step thread) -> taken in by the step
+# its head at the ASGI app -> the handler had its parsed body -> submitted (the response started, the request handed to the step thread) -> taken in by the step
 # thread -> first launched in a step -> first token handed to its sink -> first token line yielded for writing.
-PHASES = ("to_submit", "queued", "to_scheduled", "to_token", "to_write")
+PHASES = ("to_handler", "to_submit", "queued", "to_scheduled", "to_token", "to_write")
 
 
 def first_token_phases(req: Request, t_written: float) -> dict[str, float]:
-    marks = (req.t_received, req.t_submit, req.t_intake, req.t_scheduled, req.t_first_token, t_written)
+    marks = (req.t_arrival, req.t_received, req.t_submit, req.t_intake, req.t_scheduled, req.t_first_token, t_written)
     return {name: round((b - a) * 1000, 2) for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True) if a and b}
 
 
@@ -146,6 +146,8 @@ class FirstArrival:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         state = self.state
+        if scope["type"] == "http":  # every request's arrival (its `to_handler` phase): request.state.t_arrival
+            scope.setdefault("state", {})["t_arrival"] = time.perf_counter()
         if state.first_arrival is None and scope["type"] == "http" and scope["method"] == "POST" \
                 and state.state != "starting":
             state.first_arrival = time.perf_counter()

@@ -51,6 +51,7 @@ class Request:
     # Where its first token's time went (perf_counter; 0: not yet): received, handed in (`submit`), taken by the step
     # thread (intake), first in a launched step, first token handed to its sink. Written by the step thread
     # before the sink's items that follow them; read by the HTTP side after its final item.
+    t_arrival: float = 0.0  # its head came to the ASGI app (http_state.FirstArrival), before its body was parsed
     t_received: float = 0.0  # the HTTP handler had it (set there)
     t_submit: float = 0.0
     t_intake: float = 0.0

@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 import httpx
 from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -126,12 +127,13 @@ def build_app(state: EngineState) -> FastAPI:
         return await served_checksum(state.engine_id, eng.runner.w)
 
     @app.post("/generate", response_model=None)
-    async def generate(body: GenerateRequest) -> Any:
+    async def generate(body: GenerateRequest, http: HTTPRequest) -> Any:
         eng = await _serving(state)
         if isinstance(eng, JSONResponse):
             return eng
         try:
             req, sink = _prepare(state, eng, body)
+            req.t_arrival = getattr(http.state, "t_arrival", 0.0)
         except Refused as e:
             return _error(e.status, e.code, e.message)
         if body.max_tokens == 0:

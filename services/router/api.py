@@ -64,7 +64,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
         return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
                 "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats(),
                 "loop_late": watch.recent() if watch is not None else None, "gc_paused_ms": round(paused_ms(), 1),
-                "gc_frozen": gc.get_freeze_count()}
+                "gc_frozen": gc.get_freeze_count(),
+                "spare_connections": relay.spares.stats() if relay.spares is not None else None}
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:

@@ -17,7 +17,9 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import ssl
 
+import httpcore
 import httpx
 import uvicorn
 
@@ -32,6 +34,7 @@ from libs.common.web.tokens import ROUTER_SCOPES, TokenTable
 from services.router.api import PUBLIC, build_app, refusal
 from services.router.metrics import MeteredRelay, RouterMetrics
 from services.router.settings import RouterSettings
+from services.router.spare import SpareBackend
 from services.router.sync import EndpointFeed, keep_in_sync
 from services.router.table import EndpointTable
 
@@ -76,11 +79,23 @@ def loopback(host: str) -> bool:
 async def setup(rt: Runtime, settings: RouterSettings) -> None:
     keys = api_keys(settings)  # before anything is started: a bad key file ends the start
     table = EndpointTable(settings.queue_max, forget_s=settings.model_forget_s)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=settings.engine_keepalive_connections,
+                          keepalive_expiry=settings.engine_keepalive_s)
+    # connections to engines opened ahead of need (spare.py): the pool's network backend, which httpx takes no
+    # argument for, so the transport's pool is built here with it
+    spares = SpareBackend(settings.engine_spare_connections, max_age_s=settings.engine_keepalive_s,
+                          connect_timeout_s=settings.connect_timeout_s)
+    transport = httpx.AsyncHTTPTransport(limits=limits)
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=ssl.create_default_context(), max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
+        network_backend=spares)
+    client = httpx.AsyncClient(transport=transport,
+                               timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
     rt.on_close(client.aclose)
+    rt.on_close(spares.close)
     metrics = RouterMetrics()
-    relay = MeteredRelay(table, client, settings, ttft=metrics.ttft)
+    relay = MeteredRelay(table, client, settings, ttft=metrics.ttft, spares=spares)
     metrics.watch(relay.stats)
     feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s)
 
@@ -93,6 +108,7 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     feed.go_live()
     log.info("router %s: %d endpoints from the snapshot", settings.instance, n)
     rt.spawn("endpoint-sync", keep_in_sync(feed, read_endpoints, rt.bus.nc, period_s=settings.reconcile_s))
+    rt.spawn("spare-connections", spares.keep(table.urls, period_s=1.0))
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,7 +128,8 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     rt.health_detail = lambda: {"url": f"http://{settings.router_host}:{port}", **relay.stats.as_dict(),
                                 "metrics_port": metrics_port, "auth": keys is not None,
                                 "refused": dict(guard.refused), "lingered": vars(linger),
-                                "endpoints": table.describe(), "sync": feed.stats.as_dict()}
+                                "endpoints": table.describe(), "sync": feed.stats.as_dict(),
+                                "spare_connections": spares.stats()}
 
     async def serve_http() -> None:
         await server.serve(sockets=[sock])

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from libs.common.generate import GenerateRequest, Sampling, Seed
 from services.router.resume_batch import BatchUnsupported, ResumeBatcher
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
+from services.router.spare import SpareBackend
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
 MODEL_MAX = 256  # a model name's characters at most
@@ -146,10 +148,23 @@ class InFlight:
         return len(cuts)
 
 
+ROUTER_MARKS = ("sent", "connect", "connected", "answered", "first_line")
+CONNECT_EVENTS = {"connection.connect_tcp.started": "connect", "connection.connect_tcp.complete": "connected"}
+
+
+def router_ms(marks: dict[str, float]) -> dict[str, float]:
+    """The last attempt's way to its first token in this router, ms after the request came in: sent to the
+    engine (the table's pick, a wait for an endpoint), a new connection's connect begun and done (none where an
+    idle one was taken: spare.py), its response's head, its first token line read."""
+    return {name: round((marks[name] - marks["in"]) * 1000, 2) for name in ROUTER_MARKS if name in marks}
+
+
 class Relay:
-    def __init__(self, table: EndpointTable, client: httpx.AsyncClient, settings: RouterSettings) -> None:
+    def __init__(self, table: EndpointTable, client: httpx.AsyncClient, settings: RouterSettings,
+                 spares: SpareBackend | None = None) -> None:
         self.table = table
         self.client = client
+        self.spares = spares  # connections to engines opened ahead of need (spare.py)
         self.settings = settings
         self.stats = Stats()
         self.inflight = InFlight()
@@ -174,6 +189,8 @@ class Relay:
         is a final `{"done": true, "error": ...}` line."""
         s = self.settings
         rid = request_id or f"gen-{uuid.uuid4().hex}"  # the same in every attempt (invariant 4)
+        received_at = time.time()
+        marks: dict[str, float] = {"in": time.perf_counter()}  # where the first token's time went in this router
         self.stats.requests += 1
         self.stats.in_flight += 1
         seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 and not req.greedy else 0)
@@ -191,13 +208,15 @@ class Relay:
                 offset = len(generated)
                 try:
                     # aclosing: an early stop (enough, the client gone) closes the engine stream now, not at GC
-                    async with contextlib.aclosing(self._attempt(ep, req, seed, generated, rid, replay=attempts > 0)) as attempt:
+                    attempt_lines = self._attempt(ep, req, seed, generated, rid, marks, replay=attempts > 0)
+                    async with contextlib.aclosing(attempt_lines) as attempt:
                         async for item in attempt:
                             if item.get("done"):
                                 prompt_tokens = item.get("prompt_tokens")
                                 item = {**item, "model": req.model, "completion_tokens": len(generated),
                                         "prompt_tokens": None if prompt_tokens is None else prompt_tokens - offset,
-                                        "replays": attempts, "engines": engines, "request_id": rid}
+                                        "replays": attempts, "engines": engines, "request_id": rid,
+                                        "router_received_at": received_at, "router_ms": router_ms(marks)}
                                 outcome = "completed"
                             yield item
                     if outcome == "completed":
@@ -238,7 +257,7 @@ class Relay:
                 self.stats.cancelled += 1
 
     async def _attempt(self, ep: Endpoint, req: ClientRequest, seed: int, generated: list[int],
-                       request_id: str, *, replay: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+                       request_id: str, marks: dict[str, float], *, replay: bool = False) -> AsyncGenerator[dict[str, Any], None]:
         s = self.settings
         body = GenerateRequest(request_id=request_id, prompt=req.prompt, tokens=req.tokens, resume=generated,
                                max_tokens=req.max_tokens - len(generated), temperature=req.temperature,
@@ -247,33 +266,43 @@ class Relay:
         cut = self.inflight.add(ep.engine_id)
         timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)
         self.route_ins.sent(ep.engine_id)
+        marks["sent"] = time.perf_counter()
+        for name in ROUTER_MARKS[1:]:
+            marks.pop(name, None)
         try:
             if replay and s.resume_batch_s > 0 and self.resumes.supports(ep.url):
                 try:
                     async with self.resumes.stream(ep.url, payload) as (status, lines):
                         self.route_ins.answered(ep.engine_id)
+                        marks["answered"] = time.perf_counter()
                         if status != 200:
                             raise UpstreamFailed(f"engine answered {status} to a batched resume")
-                        async for item in self._lines(lines, cut, generated):
+                        async for item in self._lines(lines, cut, generated, marks):
                             yield item
                     return
                 except BatchUnsupported:
                     pass  # this engine takes requests one by one (resume_batch.py invariant 3)
-            async with self.client.stream("POST", ep.url + "/generate", json=payload, timeout=timeout) as resp:
+            async def trace(name: str, info: dict[str, Any]) -> None:  # httpcore's events: a new connection's
+                if name in CONNECT_EVENTS:
+                    marks[CONNECT_EVENTS[name]] = time.perf_counter()
+
+            async with self.client.stream("POST", ep.url + "/generate", json=payload, timeout=timeout,
+                                          extensions={"trace": trace}) as resp:
                 self.route_ins.answered(ep.engine_id)
+                marks["answered"] = time.perf_counter()
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
                 if resp.status_code != 200:
                     raise UpstreamFailed(f"engine answered {resp.status_code}")
-                async for item in self._lines(resp.aiter_lines(), cut, generated):
+                async for item in self._lines(resp.aiter_lines(), cut, generated, marks):
                     yield item
         except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, ConnectionError) as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from None
         finally:
             self.inflight.discard(ep.engine_id, cut)
 
-    async def _lines(self, lines: AsyncIterator[str], cut: Cut,
-                     generated: list[int]) -> AsyncGenerator[dict[str, Any], None]:
+    async def _lines(self, lines: AsyncIterator[str], cut: Cut, generated: list[int],
+                     marks: dict[str, float]) -> AsyncGenerator[dict[str, Any], None]:
         """One engine stream's lines as the relay's items: tokens appended to `generated`, then the final line."""
         while True:
             try:
@@ -294,4 +323,5 @@ class Relay:
                 yield obj
                 return
             generated.append(int(obj["token"]))
+            marks.setdefault("first_line", time.perf_counter())
             yield {"index": len(generated) - 1, "token": obj["token"], "text": obj.get("text", "")}

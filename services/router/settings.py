@@ -45,6 +45,14 @@ class RouterSettings(CommonSettings):
     resume_batch_s: float = Field(0.005, ge=0, description="replays that pick one engine within this window go as one "
                                   "POST /generate_many (services/router/resume_batch.py); 0: each alone")
     connect_timeout_s: float = Field(2.0, description="connecting to an engine")
+    engine_spare_connections: int = Field(16, ge=0, description="connections opened to each engine ahead of need, so "
+                                          "that a new request does not connect on its way (services/router/spare.py); "
+                                          "0: none")
+    engine_keepalive_connections: int = Field(1024, ge=0, description="idle connections to engines kept at most (all "
+                                              "engines together)")
+    engine_keepalive_s: float = Field(20.0, gt=0, description="an idle or spare connection to an engine is closed "
+                                      "after this long (below the engines' own 30 s, so the router never reuses one "
+                                      "the engine is closing)")
     suspect_s: float = Field(5.0, description="an engine whose connection failed gets no new requests this long "
                              "(or until an endpoint event says otherwise)")
     reconcile_s: float = Field(3.0, gt=0, description="re-read etcd's endpoints/ this often (and on every NATS "

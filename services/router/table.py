@@ -183,6 +183,9 @@ class EndpointTable:
     def held(self) -> int:
         return sum(r.waiting for r in self.models.values())
 
+    def urls(self) -> list[str]:
+        return [ep.url for routes in self.models.values() for ep in routes.endpoints.values()]
+
     def describe(self) -> dict[str, list[dict[str, object]]]:
         now = self.clock()
         return {model: [{"engine_id": ep.engine_id, "url": ep.url, "inflight": ep.inflight, "served": ep.served,
