@@ -119,3 +119,38 @@ def test_a_new_requests_first_token_is_handed_out_before_the_next_step_is_launch
     while eng.step_overlapped():
         pass
     assert late.done.is_set() and len(late.tokens) == 4
+
+
+def test_a_request_waiting_to_be_admitted_is_launched_before_the_first_token_step_is_resolved(tmp_path) -> None:
+    """A request taken in while a step that samples another's first token is in flight is not held behind that
+    step: the next step (its prefill) is launched first, then the first token is handed out."""
+    weights, kv, jr = memory(tmp_path)
+    eng = engine(weights, kv, jr)
+    eng.journal.format()
+    submit_all(eng)
+    for _ in range(3):
+        eng.step_overlapped()
+    order = _Order(eng)
+
+    class Marking(ListSink):
+        def token(self, token: int) -> None:
+            order.events.append("token")
+            super().token(token)
+
+    first, second = Marking(), ListSink()
+    eng.submit(Request("first", [5, 6, 7, 8, 9], 4, 0.0, 0, True, first))
+    eng._drain()
+    while eng.pipeline.inflight is None or not eng.pipeline.inflight.first_tokens:
+        assert eng.step_overlapped()  # until the step sampling its first token is the one in flight
+    assert not first.tokens
+    waiting = Request("second", [9, 8, 7, 6], 4, 0.0, 0, True, second)
+    eng.submit(waiting)
+    eng._drain()
+    assert eng.scheduler.waiting
+    order.events.clear()
+    assert eng.step_overlapped()
+    assert order.events[:2] == ["launch", "token"]  # the waiting one's step went first, then the first token
+    assert waiting.t_scheduled > 0 and first.tokens
+    while eng.step_overlapped():
+        pass
+    assert len(first.tokens) == 4 and len(second.tokens) == 4
