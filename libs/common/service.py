@@ -34,12 +34,18 @@ SHUTDOWN_DEADLINE_S = 5.0
 T = TypeVar("T")
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The event loop to run on: the stock asyncio loop (None), or uvloop's with `HF_UVLOOP=1` when it is
-    installed. Not the default: in the control-plane benchmark (2 cores, a microVM) uvloop measured no better
-    than the stock loop (docs/history/controlplane-2026-11.md, fourth pass): the CPU goes to pydantic, nats-py's Python
-    protocol code and gRPC, not to the loop's own I/O. Nor with TLS (its SSL protocol in Cython): docs/security.md."""
-    if os.environ.get("HF_UVLOOP", "0") not in ("1", "true", "yes"):
+def loop_factory(service: str | None = None) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop to run on: the stock asyncio loop (None), or uvloop's when it is installed and `HF_UVLOOP`
+    is `1` (every service) or names this one (comma-separated: `HF_UVLOOP=router`). Not the default: in the
+    control-plane benchmark (2 cores, a microVM) uvloop measured no better than the stock loop
+    (docs/history/controlplane-2026-11.md, fourth pass): the CPU goes to pydantic, nats-py's Python protocol code and
+    gRPC, not to the loop's own I/O. Nor with TLS (its SSL protocol in Cython): docs/security.md.
+    The router alone on uvloop (H200, 64 + 16 streams, 5 kills, one call beside the stock loop, 2026-12-03): the
+    kill rounds' largest gap p99 117 against 128 ms, late first token p99 208 against 233; the no-failure round's
+    late first token p50 226 against 164 (new clients reached its relay later): mixed, so not the default there
+    either (docs/benchmarks.md)."""
+    chosen = os.environ.get("HF_UVLOOP", "0").strip()
+    if chosen not in ("1", "true", "yes") and (service is None or service not in chosen.split(",")):
         return None
     try:
         import uvloop
@@ -48,9 +54,9 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
+def run_loop(main: Coroutine[Any, Any, T], service: str | None = None) -> T:
     """`asyncio.run(main)` on the loop `loop_factory` picks (every service process and the control-plane bench)."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(service)) as runner:
         return runner.run(main)
 
 
@@ -150,7 +156,7 @@ def run_service(service: str, instance: str, settings: CommonSettings,
                     log_level=settings.log_level, log_json=settings.log_json)
     rt = Runtime(service, instance, settings)
     try:
-        code = run_loop(serve_until_stopped(rt, setup, use_store=use_store))
+        code = run_loop(serve_until_stopped(rt, setup, use_store=use_store), service)
     except CredentialsError as e:  # missing or expired, said plainly, no traceback: the operator's fix is in the message
         log.error("%s cannot start: %s", service, e.message)
         code = 2
