@@ -139,6 +139,7 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
     seen = len(sc.events)
     jobs = [Job(i, p, max_tokens) for i, p in enumerate(prompts(n, "stream"))]
     late_jobs = [Job(n + i, p, max_tokens // 2) for i, p in enumerate(prompts(late, "late"))]
+    router_before = await sc.router_stats(client)
     await pool.start(jobs, warm_tokens)
     standby_mib = await standby_gpu_mib(sc) if kill else None
     t_kill = sc.kill_engine(active) if kill else time.time()
@@ -147,7 +148,9 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
     streams, lates = ([_stream(j, *got[j.key]) for j in js] for js in (jobs, late_jobs))
     out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib,
                            "workers": workers}
-    out["router_spares"] = (await sc.router_stats(client)).get("spare_connections")
+    router_after = await sc.router_stats(client)
+    out["router_spares"] = router_after.get("spare_connections")
+    out["router_cpu_us_a_line"] = cpu_a_line(router_before, router_after)
     if kill:
         await sc.wait_event("incident.resolved", 120, after=seen)
         successor = await sc.wait_serving(standbys=0, timeout=120)
@@ -171,6 +174,15 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
         out["timeline_ms"] = {**sc.timeline(t_kill, min(after) if after else None, after=seen), **marks,
                               "last stream resumed": (max(r for r in resumed if r) - t_kill) * 1000 if any(resumed) else None}
     return out
+
+
+def cpu_a_line(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """The router's CPU (all its threads) per token line relayed over a round: from its /stats `cpu_s` and `lines`
+    (a round's other work, its requests' starts and the route-in, counted in)."""
+    lines = after.get("lines", 0) - before.get("lines", 0)
+    if lines <= 0 or "cpu_s" not in after or "cpu_s" not in before:
+        return None
+    return round((after["cpu_s"] - before["cpu_s"]) / lines * 1e6, 1)
 
 
 def loop_late_near(late: list[list[float]], t_kill: float, span_s: float = 0.25) -> dict[str, Any]:
@@ -256,7 +268,8 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
                            "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
                            "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates),
                            "client": client_report(rounds),
-                           "router_spare_connections": [r.get("router_spares") for r in rounds]}
+                           "router_spare_connections": [r.get("router_spares") for r in rounds],
+                           "router_cpu_us_a_line": [r.get("router_cpu_us_a_line") for r in rounds]}
     succ = [r["successor"] for r in rounds if "successor" in r]
     if succ:
         eng = [h.get("engine") or {} for h in succ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -61,7 +62,7 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        return {**relay.stats.as_dict(), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
+        return {**relay.stats.as_dict(), "cpu_s": round(time.process_time(), 4), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
                 "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats(),
                 "loop_late": watch.recent() if watch is not None else None, "gc_paused_ms": round(paused_ms(), 1),
                 "gc_frozen": gc.get_freeze_count(),

@@ -84,6 +84,7 @@ class Stats:
     cancelled: int = 0  # the client went away
     replayed: int = 0  # resumptions on another engine
     in_flight: int = 0
+    lines: int = 0  # token lines relayed (with /stats `cpu_s`: the router's CPU a line)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -323,5 +324,6 @@ class Relay:
                 yield obj
                 return
             generated.append(int(obj["token"]))
+            self.stats.lines += 1
             marks.setdefault("first_line", time.perf_counter())
             yield {"index": len(generated) - 1, "token": obj["token"], "text": obj.get("text", "")}
