@@ -123,7 +123,7 @@ async def test_nats_rotation_keeps_a_client_connected_and_refuses_the_old_ca_aft
     sub = await new.subscribe("after.rotation")
     await new.flush()  # the subscription is at the server before anything is published to it
     await stayed.publish("after.rotation", b"x")  # the connection made before it all: never cut
-    assert (await sub.next_msg(timeout=2)).data == b"x"
+    assert (await sub.next_msg(timeout=10)).data == b"x"  # a bound for a loaded CI machine, not a latency
     assert stayed.stats["reconnects"] == reconnects and stayed.is_connected
     await stayed.close()
     await new.close()
