@@ -109,15 +109,14 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
     async def _fill(self, addr: Address) -> None:
         # rounds until `spare` are open: connections taken while a round connects are made up by the next
         try:
-            stash = self._stash.setdefault(addr, collections.deque())
-            while (need := self.spare - len(stash)) > 0:
+            while (need := self.spare - len(self._stash.setdefault(addr, collections.deque()))) > 0:
                 got = await asyncio.gather(*(self.inner.connect_tcp(*addr, timeout=self.connect_timeout_s)
                                              for _ in range(need)), return_exceptions=True)
                 now = self.clock()
                 ok = [g for g in got if not isinstance(g, BaseException)]
                 self.opened += len(ok)
                 self.failed += len(got) - len(ok)
-                stash.extend((now, g) for g in ok)
+                self._stash.setdefault(addr, collections.deque()).extend((now, g) for g in ok)
                 if len(ok) < len(got):  # the engine refuses or is gone: the next take or pass tries again
                     log.debug("spare connections to %s:%d: %d of %d opened", *addr, len(ok), len(got))
                     return
@@ -125,20 +124,21 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
             self._filling.pop(addr, None)
 
     async def prune(self, keep: Iterable[str]) -> None:
-        """Close spares that aged out or were closed, and every spare of an engine not in `keep` (urls)."""
+        """Close spares that aged out or were closed, and every spare of an engine not in `keep` (urls). Each
+        engine's deque is emptied and refilled in place, never replaced: a top-up connecting meanwhile appends to
+        the same one (replacing it lost that top-up's connections, open and never closed, and opened as many again)."""
         wanted = {a for u in keep if (a := address(u)) is not None}
         now = self.clock()
         for addr in list(self._stash):
             stash = self._stash[addr]
-            live: collections.deque[tuple[float, httpcore.AsyncNetworkStream]] = collections.deque()
-            for opened, stream in stash:
+            entries = list(stash)
+            stash.clear()
+            for opened, stream in entries:
                 if addr in wanted and now - opened <= self.max_age_s and not stream.get_extra_info("is_readable"):
-                    live.append((opened, stream))
+                    stash.append((opened, stream))
                 else:
-                    await self._drop(stream)
-            if live:
-                self._stash[addr] = live
-            else:
+                    await self._drop(stream)  # a take or a top-up may run meanwhile: on the same deque
+            if not stash and addr not in self._filling:
                 del self._stash[addr]
 
     async def keep(self, urls: Callable[[], Iterable[str]], period_s: float, settle_s: float = 2.0) -> None:

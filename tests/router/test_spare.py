@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpcore
 import httpx
@@ -171,3 +172,35 @@ async def test_the_keeper_tops_an_engine_up_only_once_it_settled_and_closes_a_go
         keeper.cancel()
         await asyncio.gather(keeper, return_exceptions=True)
         await spares.close()
+
+
+class Gated(httpcore.AnyIOBackend):
+    """Connects once `gate` is set: a top-up held mid-connect."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+
+    async def connect_tcp(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+        await self.gate.wait()
+        return await super().connect_tcp(*args, **kw)
+
+
+async def test_a_prune_while_a_top_up_connects_keeps_its_connections(srv: Server) -> None:
+    """Found by CI: a prune that replaced an engine's deque while a top-up connected lost the top-up's connections
+    (open, never closed) and the next pass opened as many again."""
+    url = srv.url
+    inner = Gated()
+    spares = SpareBackend(3, inner=inner)
+    try:
+        spares.top_up(url)
+        await asyncio.sleep(0.01)
+        await spares.prune([url])  # the top-up is connecting
+        inner.gate.set()
+        await filled(spares, url, 3, top_up=False)
+        spares.top_up(url)
+        await spares.prune([url])
+        await asyncio.sleep(0.05)
+        assert spares.stats()["opened"] == 3 and spares.stats()["open"] == 3 and srv.accepted == 3
+    finally:
+        await spares.close()
+    assert spares.stats()["open"] == 0 and spares.stats()["dropped"] == 3
