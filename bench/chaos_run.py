@@ -31,15 +31,23 @@ TRANSPORT_ERRORS = ("ConnectError", "ReadError", "RemoteProtocolError", "WriteEr
 __all__ = ["FAULTS", "Chaos", "Tally"]
 
 
+def _can_write(pid: int) -> bool:
+    return not (cf.proc_state(pid) in "TtZX" or procs.stopped(pid, None))  # stopped, dead, or every thread exiting
+
+
 def lease_writers(scan: cf.EngineScan) -> dict[str, set[int]]:
-    """Which live, running engine processes of this stack map each lease writable (from /proc/<pid>/maps)."""
+    """Which live, running engine processes of this stack map each lease writable (from /proc/<pid>/maps), at
+    the scan's end: a process is counted only if it can still write once every process's maps were read. (Read
+    one after another, a predecessor read alive, then killed, and its successor mapping the lease a millisecond
+    later, read next, looked like two writers at once: an isolated takeover maps that soon after the kill.)"""
     holders: dict[str, set[int]] = {}
     for pid in scan.scan():
-        if cf.proc_state(pid) in "TtZX" or procs.stopped(pid, None):
-            continue  # stopped, dead, or every thread exiting (a fenced takeover's predecessor): cannot write
+        if not _can_write(pid):
+            continue  # a fenced takeover's predecessor among them
         for lease in cf.writable_leases(pid):
             holders.setdefault(lease, set()).add(pid)
-    return holders
+    still = {pid for pids in holders.values() for pid in pids if _can_write(pid)}
+    return {lease: pids & still for lease, pids in holders.items()}
 
 
 class Chaos(Injectors):
