@@ -3,12 +3,16 @@ OpenAI-compatible routes (openai_api.py). Every route but `PUBLIC` needs an API 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,7 +24,9 @@ from libs.common.loop_watch import LoopWatch
 from services.router.openai_api import openai_routes
 from services.router.openai_protocol import OpenAIError
 from services.router.relay import ClientRequest, Relay, RelayError
+from services.router.spare import SpareBackend
 from services.router.table import EndpointTable
+from services.router.workers import merge_stats
 
 PUBLIC = frozenset({"/healthz"})  # probes: no key
 
@@ -31,8 +37,41 @@ def refusal(status: int, code: str, message: str) -> dict[str, Any]:
     return OpenAIError(status, message, code="invalid_api_key" if status == 401 else code).body()
 
 
+@dataclass
+class Workers:
+    """This worker's place among the router's workers (workers.py): its index, every worker's own `/stats` URL (none
+    with one worker), and the client that asks the others."""
+
+    index: int = 0
+    stats_urls: list[str] = field(default_factory=list)
+    client: httpx.AsyncClient | None = None
+
+    async def others(self, authorization: str | None) -> list[dict[str, Any]]:
+        """The other workers' own `/stats` (the caller's key passed on), each with its index; one that does not
+        answer is listed with its error."""
+        if self.client is None:
+            return []
+        headers = {"authorization": authorization} if authorization else {}
+
+        async def one(i: int, url: str) -> dict[str, Any]:
+            try:
+                assert self.client is not None
+                r = await self.client.get(url, params={"scope": "worker"}, headers=headers, timeout=STATS_TIMEOUT_S)
+                r.raise_for_status()
+                return dict(r.json())
+            except (httpx.HTTPError, ValueError) as e:
+                return {"worker": i, "error": f"{type(e).__name__}: {e}"}
+
+        return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.stats_urls) if i != self.index)))
+
+
+STATS_TIMEOUT_S = 2.0
+
+
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
-              sync: Callable[[], dict[str, Any]] = dict, watch: LoopWatch | None = None) -> FastAPI:
+              sync: Callable[[], dict[str, Any]] = dict, watch: LoopWatch | None = None, *,
+              spares: SpareBackend | None = None, workers: Workers | None = None) -> FastAPI:
+    workers = workers or Workers()
     app = FastAPI(title="Holdfast reference router")
     app.include_router(openai_routes(relay, table))
 
@@ -60,13 +99,28 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
             return StreamingResponse(_ndjson(first, items), media_type="application/x-ndjson")
         return await _collect(first, items)
 
+    def own_stats() -> dict[str, Any]:
+        return {**relay.stats.as_dict(), "cpu_s": round(time.process_time(), 4), "held": table.held(),
+                "endpoints": table.describe(), "sync": sync(), "route_ins": relay.route_ins.recent(),
+                "resume_batches": relay.resumes.stats(), "loop_late": watch.recent() if watch is not None else None,
+                "gc_paused_ms": round(paused_ms(), 1), "gc_frozen": gc.get_freeze_count(),
+                "spare_connections": spares.stats() if spares is not None else None, "worker": workers.index,
+                "pid": os.getpid()}
+
     @app.get("/stats")
-    async def stats() -> dict[str, Any]:
-        return {**relay.stats.as_dict(), "cpu_s": round(time.process_time(), 4), "held": table.held(), "endpoints": table.describe(), "sync": sync(),
-                "route_ins": relay.route_ins.recent(), "resume_batches": relay.resumes.stats(),
-                "loop_late": watch.recent() if watch is not None else None, "gc_paused_ms": round(paused_ms(), 1),
-                "gc_frozen": gc.get_freeze_count(),
-                "spare_connections": relay.spares.stats() if relay.spares is not None else None}
+    async def stats(request: Request, scope: Literal["router", "worker"] = "router") -> dict[str, Any]:
+        """The whole router's (every worker's merged: workers.py `merge_stats`), or with `scope=worker` this
+        worker's alone."""
+        own = own_stats()
+        if scope == "worker" or not workers.stats_urls:
+            return own
+        others = await workers.others(request.headers.get("authorization"))
+        merged = merge_stats([own, *(o for o in others if "error" not in o)])
+        merged["workers"] = [{"worker": w.get("worker"), "url": workers.stats_urls[w["worker"]],
+                              **({"error": w["error"]} if "error" in w else
+                                 {k: w.get(k) for k in ("pid", "requests", "in_flight", "lines", "cpu_s")})}
+                             for w in sorted([own, *others], key=lambda w: w.get("worker", 0))]
+        return merged
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> Any:

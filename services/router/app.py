@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import socket
 import ssl
 
 import httpcore
@@ -31,12 +30,13 @@ from libs.common.web.guard import RequestGuard
 from libs.common.web.keyfile import token_file
 from libs.common.web.linger import LingerStats, lingering_h11
 from libs.common.web.tokens import ROUTER_SCOPES, TokenTable
-from services.router.api import PUBLIC, build_app, refusal
+from services.router.api import PUBLIC, Workers, build_app, refusal
 from services.router.metrics import MeteredRelay, RouterMetrics
 from services.router.settings import RouterSettings
 from services.router.spare import SpareBackend
 from services.router.sync import EndpointFeed, keep_in_sync
 from services.router.table import EndpointTable
+from services.router.workers import WorkerPool, listen
 
 log = logging.getLogger("holdfast.router")
 
@@ -76,7 +76,8 @@ def loopback(host: str) -> bool:
         return host == "localhost"
 
 
-async def setup(rt: Runtime, settings: RouterSettings) -> None:
+async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = None) -> None:
+    """`argv`: the router's own flags, which workers 1..N-1 are started with too (workers.py)."""
     keys = api_keys(settings)  # before anything is started: a bad key file ends the start
     table = EndpointTable(settings.queue_max, forget_s=settings.model_forget_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=settings.engine_keepalive_connections,
@@ -95,7 +96,7 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     rt.on_close(client.aclose)
     rt.on_close(spares.close)
     metrics = RouterMetrics()
-    relay = MeteredRelay(table, client, settings, ttft=metrics.ttft, spares=spares)
+    relay = MeteredRelay(table, client, settings, ttft=metrics.ttft)
     metrics.watch(relay.stats)
     feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s)
 
@@ -110,29 +111,40 @@ async def setup(rt: Runtime, settings: RouterSettings) -> None:
     rt.spawn("endpoint-sync", keep_in_sync(feed, read_endpoints, rt.bus.nc, period_s=settings.reconcile_s))
     rt.spawn("spare-connections", spares.keep(table.urls, period_s=1.0))
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.router_host, settings.router_port))
-    port = sock.getsockname()[1]
+    listeners = listen(settings)  # the public socket (shared by every worker) and this worker's own
+    pool: WorkerPool | None = None
+    if settings.router_worker_index == 0 and settings.router_workers > 1:
+        pool = WorkerPool(settings, listeners, argv or [])
+        for i in range(1, settings.router_workers):
+            rt.spawn(f"router-worker-{i}", pool.keep(i))
+        rt.on_close(pool.stop)
+    port = listeners.port
     watch = LoopWatch(settings.router_loop_watch_ms / 1000) if settings.router_loop_watch_ms > 0 else None
     if watch is not None:
         rt.spawn("loop-watch", watch.run())
-    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict, watch)
+    workers = Workers(listeners.index, listeners.stats_urls(settings.router_host))
+    if settings.router_workers > 1:  # /stats asks the other workers (not through the engines' pool)
+        workers.client = httpx.AsyncClient()
+        rt.on_close(workers.client.aclose)
+    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict, watch, spares=spares, workers=workers)
     guard = RequestGuard(app, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
     linger = LingerStats()
     server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,
                                         http=lingering_h11(settings.linger_max_bytes, settings.linger_max_s, linger,
                                                            settings.header_timeout_s, settings.body_timeout_s,
                                                            refusal)))
-    metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
+    # workers 1..N-1 serve their metrics on a free port of their own (in their health's metrics_port)
+    metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host,
+                                 0 if settings.router_worker_index and settings.metrics_port else settings.metrics_port)
     rt.health_detail = lambda: {"url": f"http://{settings.router_host}:{port}", **relay.stats.as_dict(),
                                 "metrics_port": metrics_port, "auth": keys is not None,
                                 "refused": dict(guard.refused), "lingered": vars(linger),
                                 "endpoints": table.describe(), "sync": feed.stats.as_dict(),
-                                "spare_connections": spares.stats()}
+                                "spare_connections": spares.stats(), "worker": listeners.index,
+                                "workers": pool.describe() if pool is not None else None}
 
     async def serve_http() -> None:
-        await server.serve(sockets=[sock])
+        await server.serve(sockets=listeners.sockets())
         if not rt.stopping.is_set():
             raise RuntimeError("the router's HTTP server stopped")
 

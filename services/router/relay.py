@@ -38,7 +38,6 @@ from libs.common.generate import GenerateRequest, Sampling, Seed
 from services.router.resume_batch import BatchUnsupported, ResumeBatcher
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
-from services.router.spare import SpareBackend
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
 MODEL_MAX = 256  # a model name's characters at most
@@ -161,11 +160,9 @@ def router_ms(marks: dict[str, float]) -> dict[str, float]:
 
 
 class Relay:
-    def __init__(self, table: EndpointTable, client: httpx.AsyncClient, settings: RouterSettings,
-                 spares: SpareBackend | None = None) -> None:
+    def __init__(self, table: EndpointTable, client: httpx.AsyncClient, settings: RouterSettings) -> None:
         self.table = table
         self.client = client
-        self.spares = spares  # connections to engines opened ahead of need (spare.py)
         self.settings = settings
         self.stats = Stats()
         self.inflight = InFlight()

@@ -15,6 +15,13 @@ class RouterSettings(CommonSettings):
     instance: str = Field(default_factory=lambda: new_id("router"), description="this router's id")
     router_host: str = Field("127.0.0.1", description="HTTP listen address")
     router_port: int = Field(DEFAULT_ROUTER_PORT, description="HTTP port (0: a free one)")
+    router_workers: int = Field(1, ge=1, le=64, description="router processes behind the one port, each with its own "
+                                "event loop (services/router/workers.py); more spread the relaying of many streams "
+                                "over as many cores")
+    router_worker_index: int = Field(0, ge=0, description="set by worker 0 for the workers it starts: which this is")
+    router_worker_fds: str = Field("", description="set by worker 0: the inherited public and own socket descriptors")
+    router_worker_ports: str = Field("", description="set by worker 0: every worker's own /stats port, in order")
+    router_parent_pid: int = Field(0, ge=0, description="set by worker 0: its pid (a worker dies with it)")
     metrics_host: str = Field("127.0.0.1", description="address of the Prometheus /metrics server")
     metrics_port: int | None = Field(None, ge=0, description="port of the Prometheus /metrics server (0: a free "
                                      "one, in health's metrics_port); none: not served")

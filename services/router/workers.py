@@ -1,0 +1,189 @@
+"""Several router processes behind one port (`router_workers` N > 1): each a whole router, each its own event loop.
+
+One router process relays every token line of every stream on one Python event loop; at 64 streams of a batched
+engine that loop is busy most of the time, and a new request waits for it (docs/benchmarks.md, "where a late
+request's first token goes"). N workers split the streams.
+
+- Worker 0 is the process the supervisor started. It binds the public socket, and one private loopback socket a
+  worker (port 0: each worker's own address, for its own `/stats`), then starts workers 1..N-1
+  (`python -m services.router`, its own flags and environment, plus `HF_ROUTER_WORKER_*`), handing each the public
+  socket and its private one as inherited descriptors: no port is bound twice, none raced for.
+- Every worker accepts on the one public socket (the kernel hands each new connection to one worker waiting in
+  accept, so an idle loop tends to take it); a client's kept-alive connection stays with the worker that accepted
+  it. Each worker is a full router: its own bus and store connections, endpoint table, relay, spare connections
+  (`engine_spare_connections` is per worker), held-request queue (`queue_max` per worker). Its bus instance is
+  `<instance>-w<i>` (worker 0 keeps `<instance>`).
+- One unit: workers 1..N-1 die with worker 0 (PR_SET_PDEATHSIG, checked against the parent's pid at start); worker
+  0 starts again a worker that exits while the router runs (after `RESTART_DELAY_S`; its streams were cut with it,
+  the others' go on), and stops them all (SIGTERM, then SIGKILL after the deadline) when it stops.
+- `GET /stats` on any worker answers for the whole router (`merge_stats`: counters summed, recent lists joined) and
+  lists each worker's own `/stats` address; `?scope=worker` answers for the worker alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from services.router.settings import RouterSettings
+
+log = logging.getLogger("holdfast.router.workers")
+
+RESTART_DELAY_S = 1.0
+STOP_DEADLINE_S = 5.0
+PR_SET_PDEATHSIG = 1
+
+# /stats keys kept from the answering worker (each worker's view of the same thing), not summed or joined
+OWN_KEYS = frozenset({"endpoints", "sync", "gc_frozen", "workers", "worker", "pid"})
+
+
+@dataclass
+class Listeners:
+    """The sockets this worker serves on: the public one (shared by every worker) and its own private one (None
+    with one worker), and every worker's private port, in worker order."""
+
+    public: socket.socket
+    own: socket.socket | None
+    ports: list[int]
+    index: int
+    siblings: list[socket.socket]  # worker 0's: workers 1..N-1's private sockets, to hand on
+
+    @property
+    def port(self) -> int:
+        return int(self.public.getsockname()[1])
+
+    def stats_urls(self, host: str) -> list[str]:
+        return [f"http://{_url_host(host)}:{p}/stats" for p in self.ports]
+
+    def sockets(self) -> list[socket.socket]:
+        return [self.public] if self.own is None else [self.public, self.own]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def listen(settings: RouterSettings) -> Listeners:
+    """Worker 0 binds the public socket and (N > 1) one private socket a worker; worker i > 0 takes its two from the
+    descriptors worker 0 handed it."""
+    if settings.router_worker_index > 0:
+        public_fd, own_fd = (int(x) for x in settings.router_worker_fds.split(","))
+        ports = [int(p) for p in settings.router_worker_ports.split(",")]
+        return Listeners(socket.socket(fileno=public_fd), socket.socket(fileno=own_fd), ports,
+                         settings.router_worker_index, [])
+    public = _bind(settings.router_host, settings.router_port)
+    if settings.router_workers == 1:
+        return Listeners(public, None, [], 0, [])
+    own = [_bind(settings.router_host, 0) for _ in range(settings.router_workers)]
+    return Listeners(public, own[0], [int(s.getsockname()[1]) for s in own], 0, own[1:])
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A worker i > 0, at its start: killed when worker 0 dies; and gone at once if it already has."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"router worker: its parent {parent_pid} is gone")
+
+
+def worker_instance(instance: str, index: int) -> str:
+    return instance if index == 0 else f"{instance}-w{index}"
+
+
+class WorkerPool:
+    """Worker 0's workers 1..N-1: started, started again when one exits, stopped with worker 0."""
+
+    def __init__(self, settings: RouterSettings, listeners: Listeners, argv: list[str]) -> None:
+        self.settings = settings
+        self.public = listeners.public
+        self.own = listeners.siblings
+        self.ports = listeners.ports
+        self.argv = argv
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.restarts = 0
+        self._stopping = False
+
+    async def _start(self, index: int) -> asyncio.subprocess.Process:
+        own = self.own[index - 1]
+        env = {**os.environ, "HF_ROUTER_WORKER_INDEX": str(index), "HF_INSTANCE": self.settings.instance,
+               "HF_ROUTER_WORKER_FDS": f"{self.public.fileno()},{own.fileno()}",
+               "HF_ROUTER_WORKER_PORTS": ",".join(map(str, self.ports)),
+               "HF_ROUTER_PARENT_PID": str(os.getpid())}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.router", *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+            pass_fds=(self.public.fileno(), own.fileno()))
+        self.procs[index] = proc
+        log.info("router worker %d started (pid %d)", index, proc.pid)
+        return proc
+
+    async def keep(self, index: int) -> None:
+        """Worker `index` runs while the router does: started again after it exits."""
+        while not self._stopping:
+            proc = await self._start(index)
+            code = await proc.wait()
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.error("router worker %d (pid %d) exited %s; starting it again in %.1f s", index, proc.pid, code,
+                      RESTART_DELAY_S)
+            await asyncio.sleep(RESTART_DELAY_S)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        live = [p for p in self.procs.values() if p.returncode is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        if live:
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=STOP_DEADLINE_S)
+            for p in live:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            for t in pending:
+                with contextlib.suppress(Exception):
+                    await t
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"worker": i, "pid": p.pid, "alive": p.returncode is None} for i, p in sorted(self.procs.items())]
+
+
+def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole router's `/stats` from its workers' (the answering worker's first): numbers summed, lists joined,
+    dicts merged the same way key by key, `OWN_KEYS` and anything else kept from the first."""
+    if not parts:
+        return {}
+    out: dict[str, Any] = {}
+    for key, mine in parts[0].items():
+        others = [p[key] for p in parts[1:] if key in p]
+        out[key] = mine if key in OWN_KEYS else _merge(mine, others)
+    return out
+
+
+def _merge(mine: Any, others: list[Any]) -> Any:
+    if isinstance(mine, bool) or mine is None:
+        return mine
+    if isinstance(mine, int | float):
+        total = mine + sum(o for o in others if isinstance(o, int | float) and not isinstance(o, bool))
+        return round(total, 4) if isinstance(total, float) else total
+    if isinstance(mine, list):
+        return mine + [x for o in others if isinstance(o, list) for x in o]
+    if isinstance(mine, dict):
+        return {k: _merge(v, [o[k] for o in others if isinstance(o, dict) and k in o]) for k, v in mine.items()}
+    return mine
+
