@@ -1,4 +1,5 @@
-"""Several router processes behind one port (`router_workers` N > 1): each a whole router, each its own event loop.
+"""Several router processes behind one port (`router_workers` N > 1; by default one per 4 cores): each a whole
+router, each its own event loop.
 
 One router process relays every token line of every stream on one Python event loop; at 64 streams of a batched
 engine that loop is busy most of the time, and a new request waits for it (docs/benchmarks.md, "where a late
@@ -120,7 +121,8 @@ class WorkerPool:
 
     async def _start(self, index: int) -> asyncio.subprocess.Process:
         own = self.own[index - 1]
-        env = {**os.environ, "HF_ROUTER_WORKER_INDEX": str(index), "HF_INSTANCE": self.settings.instance,
+        env = {**os.environ, "HF_ROUTER_WORKER_INDEX": str(index),
+               "HF_ROUTER_WORKERS": str(self.settings.router_workers), "HF_INSTANCE": self.settings.instance,
                "HF_ROUTER_WORKER_FDS": f"{self.public.fileno()},{own.fileno()}",
                "HF_ROUTER_WORKER_PORTS": ",".join(map(str, self.ports)),
                "HF_ROUTER_PARENT_PID": str(os.getpid())}
