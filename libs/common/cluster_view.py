@@ -230,10 +230,12 @@ class ClusterView:
                 return e
         return None
 
-    def sole_standby(self, model: str, node: str | None, version: str | None) -> EngineInfo | None:
-        """The one standby on `node` waiting for an assignment of `model` (and `version`), if exactly one is."""
+    def sole_standby(self, model: str, node: str | None, version: str | None, gpu: int | None = None) -> EngineInfo | None:
+        """The one standby on `node` (and GPU `gpu`) waiting for an assignment of `model` (and `version`), if
+        exactly one is."""
         fit = [e for sid in self.standbys_on.get(node or "", ()) if (e := self.engines.get(sid)) is not None
-               and e.model == model and e.tp == 1 and (version is None or e.version == version)]
+               and e.model == model and e.tp == 1 and (version is None or e.version == version)
+               and (gpu is None or e.gpu == gpu)]
         return fit[0] if len(fit) == 1 else None
 
     def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:

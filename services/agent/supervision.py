@@ -147,11 +147,13 @@ def pick_standby(records: list[EngineRecord], model: str, *, version: str | None
     """A warmed standby for `model` (and `version` for a hot upgrade); the named one if given and fit.
     Among several, one that shadows `predecessor` first (it serves at once), then the oldest.
     Only one of the predecessor's shape: as many ranks (`tp`; a single engine cannot take a gang over, nor a group
-    one engine's leases), and a group on the same GPUs (`gpu`: its rank r maps rank r's leases on GPU gpu + r)."""
+    one engine's leases), and on the predecessor's GPU (`gpu`: the leases' memory is that device's; a standby on
+    another GPU would compute there over memory read across the interconnect; a group's rank r maps rank r's leases
+    on GPU gpu + r)."""
     def fit(r: EngineRecord) -> bool:
         return (r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.model == model
                 and (version is None or r.version == version) and r.tp == tp
-                and (tp == 1 or gpu is None or r.gpu == gpu))
+                and (gpu is None or r.gpu == gpu))
 
     if named is not None:
         return next((r for r in records if r.engine_id == named and fit(r)), None)

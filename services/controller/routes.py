@@ -71,8 +71,8 @@ def endpoint_key(model: str, engine_id: str) -> str:
 
 
 def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | None:
-    """The standby the node's agent will assign (services/agent/supervision.py `pick_standby`: the named one,
-    else the one that shadows the engine, else the oldest: here only when it is the only one), if it is a ready
+    """The standby the node's agent will assign (services/agent/supervision.py `pick_standby`: on the engine's GPU,
+    the named one, else the one that shadows the engine, else the oldest: here only when it is the only one), if it is a ready
     standby with an endpoint: routers may send it the engine's requests before its takeover ends
     (EndpointRemoved.successor_id). None for a group (a gang's successor is a group) or when no such standby
     is known."""
@@ -83,8 +83,8 @@ def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | Non
         cand = named if named is not None and named.node == rec.node and named.state == "standby" else None
     else:
         cand = (view.shadow_of(rec.engine_id, rec.node)
-                or view.sole_standby(rec.model, rec.node, rec.version))
-    if cand is None or not cand.endpoint or cand.model != rec.model:
+                or view.sole_standby(rec.model, rec.node, rec.version, rec.gpu))
+    if cand is None or not cand.endpoint or cand.model != rec.model or cand.gpu != rec.gpu:
         return None
     return cand if rec.version is None or cand.version == rec.version else None
 

@@ -67,6 +67,17 @@ def test_a_failed_standby_is_retired_at_once() -> None:
     assert p.retire == ["s"] and p.start == [(KEY, EngineRole.STANDBY)]
 
 
+def test_a_standby_is_picked_only_on_the_predecessors_gpu() -> None:
+    """The leases' memory is the predecessor's GPU's: a standby on another GPU is never given them (a cold
+    successor on that GPU reattaches them instead)."""
+    on_1 = rec("on-1", EngineRole.STANDBY, State.STANDBY, spawned_mono=1.0, gpu=1)
+    on_0 = rec("on-0", EngineRole.STANDBY, State.STANDBY, spawned_mono=2.0, gpu=0)
+    assert pick_standby([on_1, on_0], "m", gpu=0) is on_0  # not the older one on GPU 1
+    assert pick_standby([on_1], "m", gpu=0) is None
+    assert pick_standby([on_1], "m", gpu=0, named="on-1") is None
+    assert pick_standby([on_1, on_0], "m") is on_1  # GPU unknown: the oldest
+
+
 def test_the_oldest_ready_standby_of_the_model_and_version_is_picked() -> None:
     young = rec("young", EngineRole.STANDBY, State.STANDBY, spawned_mono=5.0)
     old = rec("old", EngineRole.STANDBY, State.STANDBY, spawned_mono=1.0)

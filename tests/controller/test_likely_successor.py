@@ -11,10 +11,11 @@ from services.controller.routes import likely_successor
 
 
 def _put(view: ClusterView, eid: str, *, node: str = "n1", state: str = "standby", shadows: str | None = None,
-         endpoint: str | None = "http://127.0.0.1:9", model: str = "m", version: str = "1", tp: int = 1) -> None:
+         endpoint: str | None = "http://127.0.0.1:9", model: str = "m", version: str = "1", tp: int = 1,
+         gpu: int = 0) -> None:
     view.apply("put", f"engines/{node}/{eid}", json.dumps(
         {"engine_id": eid, "node": node, "model": model, "engine_class": "c", "role": "standby", "state": state,
-         "shadows": shadows, "endpoint": endpoint, "version": version, "tp": tp}).encode())
+         "shadows": shadows, "endpoint": endpoint, "version": version, "tp": tp, "gpu": gpu}).encode())
 
 
 def _rec(**kw: object) -> IncidentRecord:
@@ -58,3 +59,14 @@ def test_a_named_standby_is_named_and_nothing_without_an_endpoint_a_version_or_f
     assert _named(view, _rec(gang="g1")) is None  # a group's successor is a group
     _put(view, "sb", shadows="e1", endpoint=None)  # an engine that does not say where it listens while standing by
     assert _named(view, _rec()) is None
+
+
+def test_only_a_standby_on_the_failed_engines_gpu_is_named() -> None:
+    """The agent assigns a standby on the predecessor's GPU only (its leases are that device's memory)."""
+    view = ClusterView()
+    _put(view, "on-1", gpu=1)
+    assert _named(view, _rec(gpu=1)) == "on-1"
+    assert _named(view, _rec(gpu=0)) is None  # the sole standby is on another GPU: the agent will not assign it
+    assert _named(view, _rec(gpu=0, successor_hint="on-1")) is None
+    _put(view, "on-0", gpu=0)
+    assert _named(view, _rec(gpu=0)) == "on-0" and _named(view, _rec(gpu=1)) == "on-1"  # one each: sole per GPU
