@@ -6,8 +6,10 @@ die with worker 0."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.store import Store
-from services.router.workers import merge_stats
+from services.router.workers import _bind_public, merge_stats
 from tests.engine.support import EngineProc, generate, pattern_engine
 from tests.router.conftest import TOKEN_INTERVAL_S
 from tests.router.test_router import (
@@ -145,3 +147,23 @@ async def test_the_workers_die_with_worker_0_and_stop_with_it(start_router) -> N
             await asyncio.sleep(0.1)
         assert router.child.proc is not None
         await asyncio.to_thread(router.child.proc.wait, 10)
+
+
+async def test_the_public_port_is_bound_once_a_predecessors_workers_let_it_go_and_refused_if_they_never_do() -> None:
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    asyncio.get_running_loop().call_later(0.3, held.close)  # the predecessor's last worker dies
+    sock = await _bind_public("127.0.0.1", port, wait_s=10)
+    sock.close()
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    try:
+        with pytest.raises(OSError) as e:
+            await _bind_public("127.0.0.1", other.getsockname()[1], wait_s=0.3)
+        assert e.value.errno == errno.EADDRINUSE
+    finally:
+        other.close()
