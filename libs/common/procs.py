@@ -4,6 +4,7 @@ the demo and the test fixtures, so that all three run the same real servers the 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import select
@@ -312,3 +313,37 @@ def kill_pids_with_env(key: str, value: str) -> list[int]:
             killed.append(pid)
     return killed
 
+
+def usable_cpus(root: Path = Path("/")) -> int:
+    """CPUs this process may use: those it may run on (affinity), fewer where its cgroup's CPU quota allows less
+    (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`; a container's limit): a quota of 1.5 CPUs is 2."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota(root)
+    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
+
+
+def _cgroup_cpu_quota(root: Path) -> float | None:
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    fs = root / "sys/fs/cgroup"
+    for line in lines:
+        hid, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if hid == "0" and controllers == "":  # v2: "max 100000" or "<quota> <period>"
+            for d in (fs / rel, fs):
+                try:
+                    quota, period = (d / "cpu.max").read_text().split()[:2]
+                except (OSError, ValueError):
+                    continue
+                return None if quota == "max" else int(quota) / int(period)
+        if "cpu" in controllers.split(","):  # v1: a quota of -1 is none
+            for d in (fs / controllers / rel, fs / "cpu" / rel, fs / controllers, fs / "cpu"):
+                try:
+                    quota_us = int((d / "cpu.cfs_quota_us").read_text())
+                    period_us = int((d / "cpu.cfs_period_us").read_text())
+                except (OSError, ValueError):
+                    continue
+                return None if quota_us <= 0 else quota_us / period_us
+    return None

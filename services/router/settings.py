@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from libs.common.config import DEFAULT_ROUTER_PORT, CommonSettings
 from libs.common.ids import new_id
+from libs.common.procs import usable_cpus
 from libs.common.web.tokens import ROUTER_SCOPES, TokenTable
 
 
@@ -16,9 +16,11 @@ class RouterSettings(CommonSettings):
     instance: str = Field(default_factory=lambda: new_id("router"), description="this router's id")
     router_host: str = Field("127.0.0.1", description="HTTP listen address")
     router_port: int = Field(DEFAULT_ROUTER_PORT, description="HTTP port (0: a free one)")
-    router_workers: int = Field(0, ge=0, le=64, validate_default=True, description="router processes behind the one port, each with its own "
-                                "event loop (services/router/workers.py), so that relaying many streams spreads over "
-                                "as many cores; 0: one per 4 CPU cores this process may run on, 1 to 8")
+    router_workers: int = Field(0, ge=0, le=64, validate_default=True,
+                                description="router processes behind the one port, each with its own event loop "
+                                "(services/router/workers.py), so that relaying many streams spreads over as many "
+                                "cores; 0: one per 4 CPUs this process may use (its affinity, and its cgroup's CPU "
+                                "quota: a container's limit), 1 to 8")
     router_worker_index: int = Field(0, ge=0, description="set by worker 0 for the workers it starts: which this is")
     router_worker_fds: str = Field("", description="set by worker 0: the inherited public and own socket descriptors")
     router_worker_ports: str = Field("", description="set by worker 0: every worker's own /stats port, in order")
@@ -76,7 +78,7 @@ class RouterSettings(CommonSettings):
     @field_validator("router_workers")
     @classmethod
     def _auto_workers(cls, v: int) -> int:
-        return v or min(8, max(1, len(os.sched_getaffinity(0)) // 4))
+        return v or min(8, max(1, usable_cpus() // 4))
 
     @field_validator("api_keys")
     @classmethod
