@@ -49,9 +49,12 @@ def start_router(tmp_path: Path, settings_env: dict[str, str]) -> Iterator[Calla
     children: list[procs.Child] = []
 
     def start(**flags: object) -> RouterProc:
-        """A router; anonymous clients allowed unless keys are given (tests/router/test_api_keys.py asks for one)."""
+        """A router; anonymous clients allowed unless keys are given (tests/router/test_api_keys.py asks for one);
+        one process unless `router_workers` is given (test_workers.py): the tests that watch its table through
+        /stats see the one table that serves, whatever the machine's core count would make the default."""
         if not any(k in flags for k in ("api_key", "api_keys", "api_keys_file")):
             flags.setdefault("allow_anonymous", True)
+        flags.setdefault("router_workers", 1)
         flags = {k: v for k, v in flags.items() if v is not None}  # None: the setting's own default
         port = procs.free_port()
         argv = ["-m", "services.router", "--router-port", str(port)]
