@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import socket
 import ssl
 
 import httpcore
@@ -42,11 +43,21 @@ log = logging.getLogger("holdfast.router")
 
 
 class QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handlers: the service runner owns SIGTERM/SIGINT."""
+    """uvicorn without its own signal handlers: the service runner owns SIGTERM/SIGINT; `serving` is set once it
+    listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.serving = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self):  # type: ignore[no-untyped-def]
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.serving.set()
 
 
 def api_keys(settings: RouterSettings) -> TokenTable | None:
@@ -115,8 +126,6 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     pool: WorkerPool | None = None
     if settings.router_worker_index == 0 and settings.router_workers > 1:
         pool = WorkerPool(settings, listeners, argv or [])
-        for i in range(1, settings.router_workers):
-            rt.spawn(f"router-worker-{i}", pool.keep(i))
         rt.on_close(pool.stop)
     port = listeners.port
     watch = LoopWatch(settings.router_loop_watch_ms / 1000) if settings.router_loop_watch_ms > 0 else None
@@ -158,5 +167,8 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     long_lived_gc()
     count_pauses()
     rt.spawn("http", serve_http())
+    if pool is not None:  # once this worker serves: a router started again serves as soon as one process can
+        for i in range(1, settings.router_workers):
+            rt.spawn(f"router-worker-{i}", pool.keep(i, after=server.serving))
     rt.on_close(stop_http)
     log.info("router listening on http://%s:%d", settings.router_host, port)

@@ -7,7 +7,8 @@ request's first token goes"). N workers split the streams.
 
 - Worker 0 is the process the supervisor started. It binds the public port, and one private loopback socket a
   worker (port 0: each worker's own address, for its own `/stats`), then starts workers 1..N-1
-  (`python -m services.router`, its own flags and environment, plus `HF_ROUTER_WORKER_*`), handing each a socket of
+  (`python -m services.router`, its own flags and environment, plus `HF_ROUTER_WORKER_*`) once it serves itself (a
+  router started again after a crash serves as soon as one process can), handing each a socket of
   its own bound to the public port (SO_REUSEPORT) and its private one, as inherited descriptors: no worker binds
   anything, none races for a port.
 - The kernel spreads new connections over the workers' public sockets by their addresses' hash: a burst is not
@@ -172,9 +173,11 @@ class WorkerPool:
         log.info("router worker %d started (pid %d)", index, proc.pid)
         return proc
 
-    async def keep(self, index: int) -> None:
-        """Worker `index` runs while the router does: started again after it exits, after a delay that grows while
-        it keeps exiting soon after its start."""
+    async def keep(self, index: int, after: asyncio.Event | None = None) -> None:
+        """Worker `index` runs while the router does, first started once `after` is set (worker 0 serves), then
+        again after it exits, after a delay that grows while it keeps exiting soon after its start."""
+        if after is not None:
+            await after.wait()
         backoff = Backoff(first_s=RESTART_DELAY_S, max_s=RESTART_MAX_DELAY_S)
         while not self._stopping:
             started = time.monotonic()
