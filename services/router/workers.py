@@ -59,8 +59,8 @@ OWN_KEYS = frozenset({"endpoints", "sync", "gc_frozen", "workers", "worker", "pi
 
 @dataclass
 class Listeners:
-    """The sockets this worker serves on: the public one (shared by every worker) and its own private one (None
-    with one worker), and every worker's private port, in worker order."""
+    """The sockets this worker serves on: its own on the public port and its private one on loopback (None with
+    one worker), and every worker's private port, in worker order."""
 
     public: socket.socket
     own: socket.socket | None
@@ -73,7 +73,7 @@ class Listeners:
         return int(self.public.getsockname()[1])
 
     def stats_urls(self, host: str) -> list[str]:
-        return [f"http://{_url_host(host)}:{p}/stats" for p in self.ports]
+        return [f"http://{_url_host(loopback_of(host))}:{p}/stats" for p in self.ports]
 
     def sockets(self) -> list[socket.socket]:
         return [self.public] if self.own is None else [self.public, self.own]
@@ -81,6 +81,12 @@ class Listeners:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def loopback_of(host: str) -> str:
+    """The loopback address of `host`'s family: where the workers' private ports listen, whatever the public
+    address (a router serving on every interface shows no worker's own port beyond the machine)."""
+    return "::1" if ":" in host else "127.0.0.1"
 
 
 def _bind(host: str, port: int, *, shared: bool = False) -> socket.socket:
@@ -124,7 +130,7 @@ async def listen(settings: RouterSettings) -> Listeners:
     public = await _bind_public(settings.router_host, settings.router_port, shared=several)
     if not several:
         return Listeners(public, None, [], 0, [])
-    own = [_bind(settings.router_host, 0) for _ in range(settings.router_workers)]
+    own = [_bind(loopback_of(settings.router_host), 0) for _ in range(settings.router_workers)]
     return Listeners(public, own[0], [int(s.getsockname()[1]) for s in own], 0, own[1:])
 
 

@@ -21,7 +21,7 @@ import pytest
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.store import Store
-from services.router.workers import _bind_public, merge_stats
+from services.router.workers import _bind_public, loopback_of, merge_stats
 from tests.engine.support import EngineProc, generate, pattern_engine
 from tests.router.conftest import TOKEN_INTERVAL_S
 from tests.router.test_router import (
@@ -47,6 +47,8 @@ def test_merged_stats_sum_counters_join_recent_lists_and_keep_the_answering_work
     assert merged["endpoints"] == own["endpoints"]  # each worker's view of one table: not added up
     assert (merged["worker"], merged["pid"], merged["ok"], merged["loop_late"]) == (0, 10, True, None)
     assert merge_stats([own]) == own and merge_stats([]) == {}
+    # the workers' own ports listen on loopback whatever the public address
+    assert (loopback_of("0.0.0.0"), loopback_of("::"), loopback_of("10.1.2.3")) == ("127.0.0.1", "::1", "127.0.0.1")
 
 
 def worker_pids(router: Any) -> dict[int, int]:
