@@ -49,14 +49,14 @@ class Workers:
     async def others(self, authorization: str | None) -> list[dict[str, Any]]:
         """The other workers' own `/stats` (the caller's key passed on), each with its index; one that does not
         answer is listed with its error."""
-        if self.client is None:
+        client = self.client
+        if client is None:
             return []
         headers = {"authorization": authorization} if authorization else {}
 
         async def one(i: int, url: str) -> dict[str, Any]:
             try:
-                assert self.client is not None
-                r = await self.client.get(url, params={"scope": "worker"}, headers=headers, timeout=STATS_TIMEOUT_S)
+                r = await client.get(url, params={"scope": "worker"}, headers=headers, timeout=STATS_TIMEOUT_S)
                 r.raise_for_status()
                 return dict(r.json())
             except (httpx.HTTPError, ValueError) as e:

@@ -122,7 +122,7 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     rt.spawn("endpoint-sync", keep_in_sync(feed, read_endpoints, rt.bus.nc, period_s=settings.reconcile_s))
     rt.spawn("spare-connections", spares.keep(table.urls, period_s=1.0))
 
-    listeners = await listen(settings)  # the public socket (shared by every worker) and this worker's own
+    listeners = await listen(settings)  # this worker's socket on the public port, and its own stats port
     pool: WorkerPool | None = None
     if settings.router_worker_index == 0 and settings.router_workers > 1:
         pool = WorkerPool(settings, listeners, argv or [])

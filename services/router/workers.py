@@ -54,7 +54,7 @@ STOP_DEADLINE_S = 5.0
 PR_SET_PDEATHSIG = 1
 
 # /stats keys kept from the answering worker (each worker's view of the same thing), not summed or joined
-OWN_KEYS = frozenset({"endpoints", "sync", "gc_frozen", "workers", "worker", "pid"})
+OWN_KEYS = frozenset({"endpoints", "sync", "gc_frozen", "worker", "pid"})
 
 
 @dataclass
@@ -155,7 +155,6 @@ class WorkerPool:
         self.ports = listeners.ports
         self.argv = argv
         self.procs: dict[int, asyncio.subprocess.Process] = {}
-        self.restarts = 0
         self._stopping = False
 
     async def _start(self, index: int) -> asyncio.subprocess.Process:
@@ -191,7 +190,6 @@ class WorkerPool:
             code = await proc.wait()
             if self._stopping:
                 return
-            self.restarts += 1
             if time.monotonic() - started > RESTART_MAX_DELAY_S:
                 backoff.reset()
             delay = backoff.next_delay()
