@@ -6,8 +6,10 @@ SIGKILLed once every stream has tokens, and M new requests are sent right after 
 no failure runs first in the same run, as the control. Reported, side by side:
 - per stream, the largest gap between two consecutive tokens (p50 / p99 / max over streams and trials);
 - the M late requests' time to first token (p50 / p99 / max);
-- lost requests (an error or no end), mismatched outputs (tokens unlike the control's: the engine runs in
-  deterministic mode, so a stream's tokens do not depend on what ran beside it);
+- lost requests (an error, no end, or not exactly the tokens asked for: EOS is ignored, so a token lost or
+  repeated at the failover shows there), mismatched outputs (tokens unlike the control's: by default the engine
+  runs in deterministic mode, so a stream's tokens do not depend on what ran beside it; `deterministic=False`
+  measures the default fast mode, whose outputs depend on the batch, so `mismatched` is not compared there);
 - prefill tokens the successor recomputed (requests replayed that it did not hold; goal 0), the sequences it
   adopted from the journal, and its memory (the standby holds no KV of its own before the failure);
 - the client's own health (`client`): the streams are read by worker processes (bench/load_client.py) that stamp
@@ -39,6 +41,7 @@ class Stream(StreamResult):
     client parsed each token; `sent_at` times its first token."""
 
     sent_at: float = 0.0
+    want: int = 0  # tokens asked for (EOS ignored: a done stream has exactly these)
     parsed: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # the engine's first-token phases (its closing line)
     router: dict[str, float] = field(default_factory=dict)  # the router's marks (relay.py `router_ms`)
@@ -55,14 +58,15 @@ class Stream(StreamResult):
 
 def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib: float | None,
                     step_tokens: int = 2048, prefill_chunk: int = 256, fenced: bool = True,
-                    shadow: bool = True, isolated: bool = True) -> list[str]:
-    """The engine in deterministic mode (outputs comparable with the control's); `step_tokens` bounds a step's
+                    shadow: bool = True, isolated: bool = True, deterministic: bool = True) -> list[str]:
+    """The engine, by default in deterministic mode (outputs comparable with the control's; `deterministic=False`:
+    the default fast mode, the mode a deployment serves in); `step_tokens` bounds a step's
     prefill, hence how long one step can hold every stream's next token. `fenced`: its standby's fenced takeover
     (config.py `fenced_takeover`); off, the standby is assigned once the predecessor's death is confirmed.
     `shadow`: a prepared standby maps the active engine's leases into its reservations before the failure.
     `isolated`: a fenced standby adopts while the dead engine's queue may still run (engines/batched/isolation.py)."""
-    argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size, "--deterministic",
-            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
+    argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size,
+            *(["--deterministic"] if deterministic else []), "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
             "--prefill-chunk", str(prefill_chunk)]
     if not fenced:
         argv.append("--no-fenced-takeover")
@@ -81,13 +85,13 @@ class LoadScenario(Scenario):
 
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
                  prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, isolated: bool = True,
-                 **kw: Any) -> None:
+                 deterministic: bool = True, **kw: Any) -> None:
         if shadow is None:
             shadow = kv_cache_gib is not None or kw.get("backend") == "host"
         super().__init__(shadow=shadow, **kw)
         self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
         self.step_tokens, self.prefill_chunk, self.fenced = step_tokens, prefill_chunk, fenced
-        self.isolated = isolated
+        self.isolated, self.deterministic = isolated, deterministic
 
     def start(self) -> Stack:
         make_weights(self.size, self.weights)
@@ -95,7 +99,8 @@ class LoadScenario(Scenario):
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
                                                   prefill_chunk=self.prefill_chunk, fenced=self.fenced,
-                                                  shadow=self.shadow, isolated=self.isolated),
+                                                  shadow=self.shadow, isolated=self.isolated,
+                                                  deterministic=self.deterministic),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0)
         specs_file = self.write_specs(spec)
         # the router's loop watched (its late wake-ups on the timeline: `loop_late_near`)
@@ -198,7 +203,7 @@ def loop_late_near(late: list[list[float]], t_kill: float, span_s: float = 0.25)
 
 def _stream(job: Job, sent_at: float, r: Any) -> Stream:
     return Stream(job.prompt, text=r.text, tokens=r.tokens, arrivals=r.arrivals, error=r.error, done=r.done,
-                  sent_at=sent_at, parsed=r.parsed, phases=r.final.get("first_token_phases_ms") or {},
+                  sent_at=sent_at, want=job.max_tokens, parsed=r.parsed, phases=r.final.get("first_token_phases_ms") or {},
                   router=r.final.get("router_ms") or {}, router_at=r.final.get("router_received_at"))
 
 
@@ -250,14 +255,20 @@ def token_phases(streams: list[Stream]) -> dict[str, Any]:
     return out
 
 
-def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
+              deterministic: bool = True) -> dict[str, Any]:
+    """`mismatched` (outputs unlike the control's) only in deterministic mode (None otherwise: a fast mode's
+    tokens depend on the batch); `lost` counts errors, streams with no end and ended ones with a token missing or
+    repeated (`wrong_length`)."""
     streams = [s for r in rounds for s in r["streams"]]
     lates = [s for r in rounds for s in r["late"]]
     gaps = [g for s in streams if (g := s.largest_gap_ms()) is not None]
     ttft = [t for s in lates if (t := s.first_token_ms()) is not None]
-    lost = sum(1 for s in streams + lates if s.error or not s.done)
+    wrong_length = sum(1 for s in streams + lates if s.done and not s.error and s.want and len(s.tokens) != s.want)
+    lost = sum(1 for s in streams + lates if s.error or not s.done) + wrong_length
     ref = {s.prompt: s.tokens for s in (control["streams"] + control["late"])} if control else {}
-    mismatched = sum(1 for s in streams + lates if s.done and ref.get(s.prompt) is not None and s.tokens != ref[s.prompt])
+    mismatched = (sum(1 for s in streams + lates if s.done and ref.get(s.prompt) is not None
+                      and s.tokens != ref[s.prompt]) if deterministic else None)
     # per stream of a failover round: its first token from the successor (after it was ready: the predecessor's
     # last tokens may still arrive after the kill), in ms after the kill
     resumed = [(t - r["t_kill"]) * 1000 for r in rounds if "successor" in r for s in r["streams"]
@@ -266,7 +277,8 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
                            "late_first_token_phases_ms": token_phases(lates),
                            "stream_resumed_after_kill_ms": pct(resumed),
                            "stream_first_token_ms": pct([t for s in streams if (t := s.first_token_ms()) is not None]),
-                           "lost": lost, "mismatched": mismatched, "requests": len(streams) + len(lates),
+                           "lost": lost, "wrong_length": wrong_length, "mismatched": mismatched,
+                           "requests": len(streams) + len(lates),
                            "client": client_report(rounds),
                            "router_spare_connections": [r.get("router_spares") for r in rounds],
                            "router_cpu_us_a_line": [r.get("router_cpu_us_a_line") for r in rounds]}
@@ -293,10 +305,11 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None) -> d
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
               prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
-              shadow: bool = True, isolated: bool = True) -> dict[str, Any]:
+              shadow: bool = True, isolated: bool = True, deterministic: bool = True) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
-                      prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated)
+                      prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
+                      deterministic=deterministic)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
     pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
@@ -309,8 +322,10 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
             rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm)
                       for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
-                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk, "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "no_failure": summarize([control], control),
-                "sigkill": summarize(rounds, control)}
+                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
+                "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
+                "no_failure": summarize([control], control, deterministic=deterministic),
+                "sigkill": summarize(rounds, control, deterministic=deterministic)}
     finally:
         pool.close()
         await sc.close()

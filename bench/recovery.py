@@ -206,6 +206,9 @@ def cli(
     isolated: bool = typer.Option(True, help="with --streams: the fenced standby adopts once the predecessor's threads "
                                   "are exiting, clear of what its queue may still write (engines/batched/isolation.py); "
                                   "--no-isolated: it waits for the queue proven run or the exit"),
+    deterministic: bool = typer.Option(True, help="with --streams: the engine in deterministic mode (outputs compared "
+                                       "with the control's); --no-deterministic: the default fast mode, where only "
+                                       "lost, missing and repeated tokens are checked"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -224,7 +227,7 @@ def cli(
                                       kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
                                       step_tokens=step_tokens, prefill_chunk=prefill_chunk,
                                       client_procs=client_procs, fenced=fenced, shadow=shadow,
-                                      isolated=isolated))
+                                      isolated=isolated, deterministic=deterministic))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}
