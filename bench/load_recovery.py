@@ -101,7 +101,8 @@ class LoadScenario(Scenario):
                                                   prefill_chunk=self.prefill_chunk, fenced=self.fenced,
                                                   shadow=self.shadow, isolated=self.isolated,
                                                   deterministic=self.deterministic),
-                          replicas=1, standbys=self.standbys, cold_start_s=120.0)
+                          replicas=1, standbys=self.standbys, cold_start_s=120.0,
+                          env={"HF_ENGINE_LOOP_WATCH_S": "0.5"})  # the successor's HTTP loop watched (`loop_late`)
         specs_file = self.write_specs(spec)
         # the router's loop watched (its late wake-ups on the timeline: `loop_late_near`)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,

@@ -218,7 +218,7 @@ def run(cfg: EngineConfig) -> int:
         mcfg, device = group.mcfg, group.device  # this rank's shard of the model, on its GPU
     state = EngineState(cfg.id, cfg.model, cfg.size, max_len, cfg.max_waiting)
     state.role = cfg.role
-    state.hold_s = cfg.hold_s
+    state.hold_s, state.loop_watch_s = cfg.hold_s, cfg.loop_watch_s
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

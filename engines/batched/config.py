@@ -67,6 +67,9 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
                                  "long is dropped and its blocks freed")
     hold_s: float = Field(10.0, ge=0, description="a request that comes before the engine serves (a standby that "
                           "routers were told will take over) waits this long for it, then gets 503; 0: 503 at once")
+    loop_watch_s: float = Field(0.0, ge=0, description="> 0: a request held while the engine takes over starts a watch "
+                                "of the HTTP loop for this long; its late wake-ups (ms after the assignment, ms late, "
+                                "CPU ms of the loop's thread meanwhile) are the recovery's `loop_late` in /health")
     adopt_wait_s: float = Field(30.0, gt=0, description="a successor waits this long for its predecessor's death to "
                                 "own its leases")
     kv_backup: bool = Field(False, description="copy each step's new KV blocks to a host-memory lease at a bounded lag "

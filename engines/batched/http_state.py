@@ -13,6 +13,7 @@ from typing import Any
 
 from engines.batched.engine import LLMEngine
 from engines.batched.live import Request
+from libs.common.loop_watch import LoopWatch
 
 HOLDING = frozenset({"standby", "loading"})  # states a request is held in (EngineState.until_serving); not
 # "starting": warm_routes's request (its 503 is the point) comes then
@@ -36,6 +37,11 @@ class EngineState:
         self.held = 0
         self.first_held: float | None = None  # perf_counter of the first request held
         self.first_arrival: float | None = None  # perf_counter of the first POST's headers once not starting
+        self.woken: float | None = None  # perf_counter when the loop first saw the engine ready (held requests go)
+        # > 0: the first held request watches the HTTP loop this long (`loop_late`: where a recovery's requests
+        # waited on the loop or on the interpreter)
+        self.loop_watch_s = 0.0
+        self._watch: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
 
@@ -48,6 +54,8 @@ class EngineState:
             loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
+        if self.woken is None and self.state == "ready":
+            self.woken = time.perf_counter()
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -61,6 +69,8 @@ class EngineState:
         self.held += 1
         if self.first_held is None:
             self.first_held = time.perf_counter()
+            if self.loop_watch_s > 0 and self._watch is None:
+                self._watch = loop.create_task(self._watch_loop(self.loop_watch_s))
         try:
             while True:
                 if self._changed is None:
@@ -75,6 +85,20 @@ class EngineState:
                     return
         finally:
             self.held -= 1
+
+    async def _watch_loop(self, span_s: float) -> None:
+        """The loop's late wake-ups (1 ms ticks, > 2 ms late) for `span_s`, then written into the recovery's record
+        as (ms after its assignment, ms late, CPU ms the loop's thread ran meanwhile): close to the lateness, the
+        loop was busy; far below, its thread waited for the interpreter (or the kernel)."""
+        watch = LoopWatch(0.001, late_ms=2.0)
+        try:
+            await asyncio.wait_for(watch.run(), span_s)
+        except TimeoutError:
+            pass
+        rec = self.info.get("recovery")
+        t0 = rec.get("t0_wall") if isinstance(rec, dict) else None
+        if isinstance(rec, dict) and isinstance(t0, (int, float)):
+            rec["loop_late"] = [(round((at - t0) * 1000, 1), ms, cpu) for at, ms, cpu in watch.recent()]
 
     def phase_stats(self) -> dict[str, dict[str, float]]:
         """Where recent requests' first-token time went (ms, p50 / max per phase: `PHASES`), for /health."""

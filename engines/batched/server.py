@@ -96,7 +96,8 @@ async def _serving(state: EngineState) -> LLMEngine | JSONResponse:
     rec = state.info.get("recovery")
     if rec is not None and state.t_start is not None and "first_request_ms" not in rec:
         rec["first_request_ms"] = round((time.perf_counter() - state.t_start) * 1000, 3)
-        for key, at in (("first_arrival_ms", state.first_arrival), ("first_held_ms", state.first_held)):
+        for key, at in (("first_arrival_ms", state.first_arrival), ("first_held_ms", state.first_held),
+                        ("woken_ms", state.woken)):
             if at is not None:  # before its assignment: negative
                 rec[key] = round((at - state.t_start) * 1000, 3)
     return eng

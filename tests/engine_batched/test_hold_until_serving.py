@@ -47,3 +47,28 @@ async def test_no_hold_when_it_is_off_or_as_many_are_held_as_the_queue_takes() -
     for state in (_state(hold_s=0), _state(hold_s=60, max_waiting=0)):
         got = await asyncio.wait_for(_serving(state), 10)  # at once: nothing wakes a held one here
         assert isinstance(got, JSONResponse) and got.status_code == 503 and state.first_held is None
+
+
+async def test_a_watched_hold_records_the_wake_and_the_loops_late_wake_ups_on_the_recovery() -> None:
+    import time
+
+    state = _state(hold_s=60)
+    state.loop_watch_s = 0.4
+    state.engine = object()  # type: ignore[assignment]
+    t0 = time.perf_counter()
+    state.t_start = t0
+    state.info["recovery"] = {"t0_wall": time.time()}
+
+    def ready() -> None:
+        state.become("ready")
+
+    _later(0.1, ready)
+    got = await asyncio.wait_for(_serving(state), 10)
+    rec = state.info["recovery"]
+    assert got is state.engine and 90 <= rec["woken_ms"] <= rec["first_request_ms"]
+    busy_until = time.perf_counter() + 0.03
+    while time.perf_counter() < busy_until:  # the loop busy 30 ms: its watch sees it late, its thread on the CPU
+        pass
+    await asyncio.sleep(0.5)  # the watch's span ends; its findings are on the record
+    late = rec["loop_late"]
+    assert any(ms >= 20 and cpu >= 15 for _, ms, cpu in late), late
