@@ -8,6 +8,9 @@ Invariants (README "Several GPUs"):
    `replicas` = number of GPUs puts one on each), and standbys where the spec's actives have the fewest standbys
    (a standby shadows an engine of its own GPU: supervision.shadow_plan); ties go to the GPU with fewer
    engines, then to the spec's order.
+4. A tensor-parallel spec's GPUs are its groups' bases: a group runs on base..base+tp-1 (rank r on base + r), so a
+   base is a candidate only when each of those GPUs is on the node and healthy, and the engines counted on a base
+   are those on any of its GPUs.
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ def pick_gpu(spec: EngineSpec, key: str, role: EngineRole, gpus: Sequence[GpuEnt
     if replacing is not None:
         return next((g for g in gpus if g.index == replacing.gpu), GpuEntry(replacing.gpu, ""))
     mine = spec_gpus(spec, gpus)
-    healthy = [g for g in mine if g.index not in unhealthy]
+    present = {g.index for g in gpus}
+    span = {g.index: range(g.index, g.index + spec.tp) for g in mine}  # a group's GPUs from its base
+    healthy = [g for g in mine if all(i in present and i not in unhealthy for i in span[g.index])]
     if not healthy:
-        why = "; ".join(f"{g.index}: {unhealthy[g.index]}" for g in mine)
-        raise Conflict(f"every GPU of {key} is unhealthy ({why})")
+        why = "; ".join(f"{i}: {unhealthy.get(i, 'not on this node')}" for g in mine for i in span[g.index]
+                        if i not in present or i in unhealthy)
+        what = "GPU" if spec.tp == 1 else f"group of {spec.tp} GPUs"
+        raise Conflict(f"every {what} of {key} is unhealthy ({why})")
     live = [r for r in records if r.live]
-    on = {g.index: [r for r in live if r.gpu == g.index] for g in healthy}
+    on = {g.index: [r for r in live if set(r.gpus) & set(span[g.index])] for g in healthy}
 
     def count(g: GpuEntry, r_role: EngineRole) -> int:
         return sum(1 for r in on[g.index] if r.spec_key == key and r.role is r_role)

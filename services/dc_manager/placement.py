@@ -8,6 +8,11 @@
    its gpu_manager reported (`gpus/<node>/<gpu>`) over one of unknown capacity (its room is a guess), then the
    most free memory, then the fewest engines.
 3. No such GPU: nothing (the intent fails; the controller records the incident as failed).
+
+A tensor-parallel group of `tp` ranks runs on GPUs g..g+tp-1 of one node (rank r on g + r, the agent's and the
+engines' layout): it is reattached in place only while every one of its GPUs is healthy, and cold-started only
+where all `tp` GPUs from a base exist, are healthy and each has room for a rank (`needed_bytes`: the largest
+rank's); candidates are ranked as above by their base GPU, with the least free of their GPUs as their room.
 """
 
 from __future__ import annotations
@@ -63,25 +68,40 @@ def released(slots: Iterable[GpuSlot], freed: Iterable[LeaseInfo]) -> list[GpuSl
 
 def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, slots: Iterable[GpuSlot],
           alive: frozenset[str] | set[str], allowed: frozenset[str] | None = None,
-          copies: Mapping[str, str] | None = None) -> Placement:
+          copies: Mapping[str, str] | None = None, tp: int = 1) -> Placement:
     slots = list(slots)
-    home = next((s for s in slots if s.node == node and s.gpu == gpu), None)
+    by_gpu = {(s.node, s.gpu): s for s in slots}
+    home = [by_gpu.get((node or "", gpu + r)) for r in range(tp)]
     if not memory_lost:
+        sick = [s.gpu for s in home if s is not None and not s.healthy]
         if node is None or node not in alive:
             why = f"node {node} is gone"
-        elif home is not None and not home.healthy:
-            why = f"gpu {gpu} on {node} is unhealthy or drained"
+        elif sick:
+            why = f"gpu {', '.join(map(str, sick))} on {node} is unhealthy or drained"
         else:
-            return Placement(Action.REATTACH, node, gpu, "memory alive on a healthy gpu")
+            return Placement(Action.REATTACH, node, gpu, "memory alive on a healthy gpu" if tp == 1 else
+                             f"memory alive on healthy gpus {gpu}..{gpu + tp - 1}")
     else:
         why = "memory lost"
-    room = [s for s in slots if s.healthy and s.node in alive and (allowed is None or s.node in allowed)
-            and (s.free_bytes is None or s.free_bytes >= needed_bytes)]
-    if not room:
-        return Placement(Action.NONE, reason=f"{why}; no healthy gpu with {needed_bytes} bytes free")
+
+    def fits(s: GpuSlot | None) -> bool:
+        return s is not None and s.healthy and (s.free_bytes is None or s.free_bytes >= needed_bytes)
+
+    groups = []  # (base slot, its group's least free bytes, None where one's capacity is unknown)
+    for base in slots:
+        if base.node not in alive or (allowed is not None and base.node not in allowed):
+            continue
+        group = [by_gpu.get((base.node, base.gpu + r)) for r in range(tp)]
+        if all(fits(s) for s in group):
+            free = [s.free_bytes for s in group if s is not None]
+            groups.append((base, None if None in free else min(f for f in free if f is not None)))
+    if not groups:
+        what = "gpu" if tp == 1 else f"{tp} consecutive healthy gpus"
+        return Placement(Action.NONE, reason=f"{why}; no healthy {what} with {needed_bytes} bytes free"
+                         if tp == 1 else f"{why}; no node with {what} of {needed_bytes} bytes free each")
     copies = copies or {}
-    best = min(room, key=lambda s: (COPY_RANK.get(copies.get(s.node, ""), FILE_RANK), s.node != node, s.free_bytes is None,
-                                    -(s.free_bytes or 0), s.engines, s.node, s.gpu))
+    best, _ = min(groups, key=lambda g: (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node,
+                                         g[1] is None, -(g[1] or 0), g[0].engines, g[0].node, g[0].gpu))
     source = copies.get(best.node or "", "file")
-    return Placement(Action.COLD_START, best.node, best.gpu,
-                     f"{why}: cold start on {best.node}/{best.gpu} (weights from {source})")
+    where = f"{best.node}/{best.gpu}" if tp == 1 else f"{best.node}/{best.gpu}..{best.gpu + tp - 1}"
+    return Placement(Action.COLD_START, best.node, best.gpu, f"{why}: cold start on {where} (weights from {source})")

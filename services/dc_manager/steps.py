@@ -58,6 +58,7 @@ from libs.common.events import (
     Tag,
     Takeover,
     TakeoverReply,
+    rank_engine_id,
 )
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
@@ -178,13 +179,13 @@ class IntentSteps:
 
     # ------------------------------------------------------------ the two paths
 
-    def in_place(self, intent: RecoverIntent) -> Placement:
-        """Where a reattach goes: in place, on the engine's own GPU. Only that GPU is looked at (no scan of the
-        cluster per incident)."""
+    def in_place(self, intent: RecoverIntent, tp: int = 1) -> Placement:
+        """Where a reattach goes: in place, on the engine's own GPU (a TP group's: its `tp` GPUs from it). Only
+        those GPUs are looked at (no scan of the cluster per incident)."""
         home = {intent.node} if intent.node else set()
-        slot = self.view.gpu_slot(intent.node, intent.gpu) if intent.node else None
-        return place(intent.node, intent.gpu, memory_lost=False, needed_bytes=0, slots=[slot] if slot else [],
-                     alive=home & self.view.nodes.keys(), allowed=self.allowed)
+        slots = [self.view.gpu_slot(intent.node, intent.gpu + r) for r in range(tp)] if intent.node else []
+        return place(intent.node, intent.gpu, memory_lost=False, needed_bytes=0, slots=[s for s in slots if s],
+                     alive=home & self.view.nodes.keys(), allowed=self.allowed, tp=tp)
 
     async def _reattach(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         where = self.in_place(intent)
@@ -246,7 +247,8 @@ class IntentSteps:
         partial gang refused), then a successor group started on the node takes the whole gang over (no standby
         groups yet). In place only: the gang's leases are on this node's GPUs."""
         assert intent.gang is not None
-        where = self.in_place(intent)
+        tp = (self.view.engine_raw.get(intent.engine_id) or {}).get("tp")
+        where = self.in_place(intent, tp if isinstance(tp, int) and tp > 1 else 1)
         if where.action is not Action.REATTACH:
             raise StepFailed(Step.FREEZE, f"cannot reattach group {intent.engine_id} in place: {where.reason}")
         node = where.node or ""
@@ -307,18 +309,20 @@ class IntentSteps:
 
     async def _cold_start(self, intent: RecoverIntent, prog: IntentProgress) -> None:
         if prog.spawn is None:
-            needed = sum(lease.size for lease in self.view.leases_of(intent.engine_id))
+            spec = self.spec_for(intent)
+            if spec is None:
+                raise StepFailed(Step.FALLBACK, f"no engine spec for {intent.engine_id} (class {intent.engine_class})")
+            # a TP group's ranks each need room for their own leases, on GPUs base..base+tp-1
+            needed = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r)))
+                         for r in range(spec.tp))
             freed = await self._reclaim_lost_gang(intent)
             # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
             # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
             where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
                           slots=released(self.view.gpu_slots(), freed), alive=set(self.view.nodes),
-                          allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class))
+                          allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
             if where.action is Action.NONE:
                 raise StepFailed(Step.FALLBACK, where.reason)
-            spec = self.spec_for(intent)
-            if spec is None:
-                raise StepFailed(Step.FALLBACK, f"no engine spec for {intent.engine_id} (class {intent.engine_class})")
             spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
             cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
             prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,

@@ -63,3 +63,17 @@ def test_an_unhealthy_gpu_takes_no_engine_and_a_spec_with_only_unhealthy_gpus_is
 def test_a_successor_starts_on_its_predecessors_gpu_where_the_memory_is() -> None:
     pred = rec(0, 2)
     assert pick_gpu(spec(0, 1), "k", ACTIVE, GPUS, [pred], {}, replacing=pred).index == 2
+
+
+def test_a_tensor_parallel_group_starts_only_where_every_gpu_of_its_span_is_present_and_healthy() -> None:
+    four = [*GPUS, GpuEntry(3, "GPU-dddd0000-4444")]
+    tp2 = EngineSpec(model="m", command=["x"], gpus=[0, 2], tp=2)
+    assert pick_gpu(tp2, "k", ACTIVE, four, [], {}).index == 0  # ranks on 0 and 1
+    assert pick_gpu(tp2, "k", ACTIVE, four, [], {1: "XID 79"}).index == 2  # 0's span holds the failed GPU 1
+    # a group on 0..1 already: the next goes to the base none of whose GPUs runs one
+    assert pick_gpu(tp2, "k", ACTIVE, four, [EngineRecord(engine_id="g0", model="m", engine_class="c", role=ACTIVE,
+                                                          gpu=0, spec_key="k", state=State.READY, tp=2)], {}).index == 2
+    with pytest.raises(Conflict, match="group of 2 GPUs.*1: XID 79.*3: XID 48"):
+        pick_gpu(tp2, "k", ACTIVE, four, [], {1: "XID 79", 3: "XID 48"})
+    with pytest.raises(Conflict, match="3: not on this node"):  # 2..3 needs a GPU 3 this node lacks
+        pick_gpu(EngineSpec(model="m", command=["x"], gpus=[2], tp=2), "k", ACTIVE, GPUS, [], {})

@@ -61,3 +61,24 @@ def test_a_gpu_of_unknown_capacity_comes_after_every_gpu_known_to_have_room() ->
     assert (p.node, p.gpu) == ("a", 0)
     p = place("a", 0, memory_lost=True, needed_bytes=95 * M, slots=slots, alive={"a"})
     assert (p.node, p.gpu) == ("a", 1)  # none known to have room: the unknown one is still tried
+
+
+def test_a_tensor_parallel_group_is_placed_on_consecutive_healthy_gpus_each_with_room_for_a_rank() -> None:
+    recs = [GpuRecord(node="a", gpu=g, total_bytes=100 * M) for g in range(4)]
+    view = view_of(*recs, GpuRecord(node="b", gpu=0, total_bytes=100 * M))
+    alive = set(view.nodes)
+    # node b has one GPU: no room for two ranks there whatever its memory
+    p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=alive, tp=2)
+    assert (p.action, p.node, p.gpu) == (Action.COLD_START, "a", 0) and "a/0..1" in p.reason
+    view.apply("put", "gpus/a/1", GpuRecord(node="a", gpu=1, total_bytes=100 * M, healthy=False).model_dump_json()
+               .encode())
+    p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=alive, tp=2)
+    assert (p.node, p.gpu) == ("a", 2)  # 0..1 and 1..2 hold the failed GPU
+    view.apply("put", "allocations/a/l-x", lease("a", 3, 60 * M).model_dump_json().encode())
+    p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=alive, tp=2)
+    assert p.action is Action.NONE and "2 consecutive healthy gpus" in p.reason  # GPU 3 has 40 MiB left
+    # live memory is reattached in place only while every GPU of the group is healthy
+    p = place("a", 0, memory_lost=False, needed_bytes=0, slots=view.gpu_slots(), alive=alive, tp=2)
+    assert p.action is Action.COLD_START and p.reason.startswith("gpu 1 on a is unhealthy")
+    p = place("a", 2, memory_lost=False, needed_bytes=0, slots=view.gpu_slots(), alive=alive, tp=2)
+    assert (p.action, p.gpu) == (Action.REATTACH, 2)
