@@ -20,6 +20,7 @@ no failure runs first in the same run, as the control. Reported, side by side:
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,8 @@ class LoadScenario(Scenario):
                                                   shadow=self.shadow, isolated=self.isolated,
                                                   deterministic=self.deterministic),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0,
-                          env={"HF_ENGINE_LOOP_WATCH_S": "0.5"})  # the successor's HTTP loop watched (`loop_late`)
+                          # the successor's HTTP loop watched (`loop_late`; HF_ENGINE_LOOP_WATCH_S=0: not)
+                          env={"HF_ENGINE_LOOP_WATCH_S": os.environ.get("HF_ENGINE_LOOP_WATCH_S", "0.5")})
         specs_file = self.write_specs(spec)
         # the router's loop watched (its late wake-ups on the timeline: `loop_late_near`)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
