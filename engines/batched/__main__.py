@@ -62,13 +62,16 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
-def open_agent_link(cfg: EngineConfig, *, can_shadow: bool) -> Any:
+def open_agent_link(cfg: EngineConfig, *, can_shadow: bool, group: RankGroup | None = None) -> Any:
+    """`group`: rank 0 of a tensor-parallel group names its followers' processes, which the agent then watches."""
     if cfg.agent == "off" or (cfg.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
     from libs.client.agent_link import AgentLink
 
+    followers = group.followers.report() if group is not None and group.followers is not None else []
     link = AgentLink.connect(cfg.id, role=cfg.role, model=cfg.model, can_shadow=can_shadow,
-                             fences=cfg.role == "standby" and cfg.fenced_takeover and cfg.tp == 1)
+                             fences=cfg.role == "standby" and cfg.fenced_takeover and cfg.tp == 1,
+                             followers=followers)
     if cfg.role == "active":
         link.start_heartbeats(HEARTBEAT_S)
     return link
@@ -226,7 +229,7 @@ def run(cfg: EngineConfig) -> int:
     http.start()
     memory = open_memory(cfg, device)
     prepares = cfg.role == "standby" and group is None and can_reserve(cfg, memory, device)
-    link = open_agent_link(cfg, can_shadow=prepares and cfg.shadow)
+    link = open_agent_link(cfg, can_shadow=prepares and cfg.shadow, group=group)
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
     engine: LLMEngine | None = None
     prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations

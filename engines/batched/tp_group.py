@@ -17,8 +17,10 @@ shards and follow rank 0's plans (tp.py).
   leased new caches (restored from the backups: the lost caches are not in the gang it took over, gpu_manager
   gang.py invariant 9) registers the gang anew, its generation kept.
 - One unit: ranks 1..N-1 die with rank 0 (PR_SET_PDEATHSIG); rank 0 exits 70 within ~50 ms when any of them exits
-  (`Followers`); a rank whose peer died fails its next collective. So a SIGKILL of any rank ends the group, and
-  the agent sees rank 0's exit: one incident for the group (docs/multi_gpu.md).
+  (`Followers`); a rank whose peer died fails its next collective. So a SIGKILL of any rank ends the group. Rank 0
+  names its followers' processes to the agent as it registers (`Followers.report`, the link's `followers`), and the
+  agent watches each through a pidfd of its own: a follower's death is the group's one fault at once, rank 0's
+  exit after it adding none; one incident for the group (docs/multi_gpu.md). `tp.pids`: every rank's pid.
 - A standby group (`--role standby`): every rank starts, joins the communicator, warms its kernels and one
   all-reduce (`stand_by`), and holds no lease; rank 0 registers with the agent as the standby. Assigned a gang (the
   agent's `assign` names it, its generation and the token), rank 0 tells every rank (`assigned`: one broadcast, which
@@ -186,7 +188,7 @@ class RankGroup:
         elif memory.kind == "leased" and self.rank == 0:  # cold, or new caches (restored from the ranks' backups)
             gang = memory.register_gang(self.cfg.takeover_gang or self.cfg.gang or self.cfg.id, self.owners)
         return {"ranks": self.cfg.tp, "engine_ids": self.owners, "backend": dist.get_backend(), "gang": gang,
-                "head": "replicated"}
+                "head": "replicated", "pids": self.followers.pids() if self.followers is not None else {}}
 
     def runner(self, loaded: Loaded) -> ShardedRunner:
         return ShardedRunner(self.mcfg, loaded.weights, loaded.kv, loaded.layout.block_size,

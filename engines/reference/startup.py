@@ -5,6 +5,7 @@ the first real forward that proves the memory serves."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from engines.reference.engine import EngineCore, sample
 from engines.reference.memory import LeasedMemory, LocalMemory
 from engines.reference.settings import EngineSettings
+from libs.common.events import RankProcess
 from libs.common.tokenizer import BOS
 
 
@@ -43,12 +45,13 @@ def engine_class(default: str) -> str:
     return os.environ.get("HF_ENGINE_CLASS") or default
 
 
-def open_agent_link(s: EngineSettings, *, can_shadow: bool = False) -> Any:
+def open_agent_link(s: EngineSettings, *, can_shadow: bool = False, followers: Sequence[RankProcess] = ()) -> Any:
+    """`followers`: a tensor-parallel group's rank 0 names its other ranks' processes (tp_runner.py `Followers`)."""
     if s.agent == "off" or (s.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
     from libs.client.agent_link import AgentLink
 
-    link = AgentLink.connect(s.id, role=s.role, model=s.model, can_shadow=can_shadow)
+    link = AgentLink.connect(s.id, role=s.role, model=s.model, can_shadow=can_shadow, followers=followers)
     link.start_heartbeats(0.2)
     return link
 

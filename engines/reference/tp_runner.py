@@ -9,7 +9,10 @@ ranks follow rank 0's forwards (tp.py).
   leases of the frozen gang over (`gang_takeover`: all ranks' leases move together or none) and nothing is read
   from disk. Every rank then meets at a barrier, and (cold) rank 0 registers the gang.
 - One unit: ranks 1..N-1 die with rank 0 (PR_SET_PDEATHSIG); rank 0 exits (70) when any of them exits, and a rank
-  whose peer died fails its next collective. So the group lives and dies whole.
+  whose peer died fails its next collective. So the group lives and dies whole. Rank 0 names its followers'
+  processes to the agent when it registers (`Followers.report`: pids and start times), and the agent watches each
+  through a pidfd of its own: a follower's death is the group's fault at once, not ~50 ms later through rank 0's 70
+  (nor later still while rank 0 is stuck in a collective). The ready file's `tp` has every rank's pid (`pids`).
 Not yet: standby groups, a rank's reattach alone (its new epoch makes the gang stale: the group is replaced).
 """
 
@@ -46,7 +49,8 @@ from engines.reference.tp import (
     read_shard,
     shard_config,
 )
-from libs.common.events import rank_engine_id
+from libs.common.events import RankProcess, rank_engine_id
+from libs.common.procs import start_time
 
 log = logging.getLogger("holdfast.engine.tp")
 SETTINGS_ENV = "HF_ENGINE_TP_SETTINGS"
@@ -77,12 +81,25 @@ class Followers:
     def __init__(self, s: Any) -> None:  # EngineSettings here, the batched engine's EngineConfig in its subclass
         self.stopping = False
         self.procs = []
+        self.started: list[int | None] = []  # each one's start time, read while it is our unreaped child
         for rank in range(1, s.tp):
             conf = s.model_copy(update={"tp_rank": rank, "ready_file": None, "agent": "off"})
             env = {**os.environ, self.SETTINGS_ENV: conf.model_dump_json()}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", self.MODULE], env=env,
-                                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+            proc = subprocess.Popen([sys.executable, "-m", self.MODULE], env=env, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent)
+            self.procs.append(proc)
+            self.started.append(start_time(proc.pid))
         threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
+
+    def report(self) -> list[RankProcess]:
+        """Ranks 1..N-1 as the agent watches them (AgentLink `followers`): pid and start time, so that a pid recycled
+        after a follower's death is never taken for it."""
+        return [RankProcess(rank=rank, pid=proc.pid, pid_start=started)
+                for rank, (proc, started) in enumerate(zip(self.procs, self.started, strict=True), start=1)]
+
+    def pids(self) -> dict[str, int]:
+        """Every rank's pid by rank (rank 0: this process), for the ready file's and /health's `tp`."""
+        return {"0": os.getpid(), **{str(rank): proc.pid for rank, proc in enumerate(self.procs, start=1)}}
 
     def _watch(self) -> None:
         while True:
@@ -150,8 +167,10 @@ def run_tp(s: EngineSettings) -> int:
             log.info("rank %d stopped after %d forwards", rank, ran)
             return 0
         core = _serve(s, state, model, loaded, channel, t0)
-        state.info["tp"] = {"ranks": s.tp, "engine_ids": owners, "backend": dist.get_backend(), "gang": gang}
-        link = open_agent_link(s)
+        assert followers is not None
+        state.info["tp"] = {"ranks": s.tp, "engine_ids": owners, "backend": dist.get_backend(), "gang": gang,
+                            "pids": followers.pids()}
+        link = open_agent_link(s, followers=followers.report())
         state.state = "ready"
         if link is not None:
             link.ready(http.endpoint)  # type: ignore[union-attr]
@@ -162,7 +181,6 @@ def run_tp(s: EngineSettings) -> int:
                  loaded.source)
         stop.wait()
         state.state = "stopping"
-        assert followers is not None
         followers.stopping = True
         core.stop()
         followers.wait()

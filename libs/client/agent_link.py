@@ -16,7 +16,8 @@ The link survives an agent restart: its thread reconnects and registers again wi
 
 Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
 engine -> agent: register (first frame; answered by registered or error; `shadows`: it can shadow, and whom it
-shadows now), heartbeat, ready, fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
+shadows now; `followers`: a tensor-parallel group's rank 0 names its other ranks' processes, [{rank, pid, pid_start}],
+which the agent then watches itself), heartbeat, ready, fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
 agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model, shadowed},
 shadow {owner, share_token}, unshadow, owner_down {owner} (the shadowed engine failed: an assignment may follow),
 error {code, message}.
@@ -31,12 +32,14 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from libs.common import wire
 from libs.common.errors import HoldfastError, RemoteError, Unavailable
+from libs.common.events import RankProcess
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.ids import new_id
 
@@ -88,8 +91,10 @@ def default_socket_path() -> str:
 
 class AgentLink:
     def __init__(self, engine_id: str, socket_path: str, role: str, model: str, *, engine_class: str,
-                 gpu: int, version: str, can_shadow: bool = False, fences: bool = False) -> None:
+                 gpu: int, version: str, can_shadow: bool = False, fences: bool = False,
+                 followers: Sequence[RankProcess] = ()) -> None:
         self.engine_id = engine_id
+        self.followers = list(followers)  # a TP group's rank 0: its other ranks, told on every registration
         self.can_shadow = can_shadow
         self.fences = fences  # a standby that takes over through a fenced grant: assign it with the kill
         self.shadows: str | None = None
@@ -118,10 +123,13 @@ class AgentLink:
     @classmethod
     def connect(cls, engine_id: str | None = None, *, socket_path: str | None = None, role: str | None = None,
                 model: str | None = None, timeout: float = 10.0, can_shadow: bool = False,
-                fences: bool = False) -> AgentLink:
+                fences: bool = False, followers: Sequence[RankProcess] = ()) -> AgentLink:
         """Connect and register (retrying up to `timeout` while the agent's socket is not there yet). `fences`: a
         standby that, assigned, asks the gpu_manager for a fenced takeover (protocol.TakeoverReq) and touches the
-        leases only after its predecessor's exit, so the agent may assign it without waiting for that exit."""
+        leases only after its predecessor's exit, so the agent may assign it without waiting for that exit.
+        `followers`: a tensor-parallel group's rank 0 names the processes of its ranks 1..N-1 (their pids and start
+        times), so that the agent sees a follower's death through a pidfd of its own; re-sent on every
+        re-registration, so an agent restarted meanwhile watches them again."""
         env = os.environ
         link = cls(
             engine_id or env.get("HF_ENGINE_ID") or new_id("eng"),
@@ -133,6 +141,7 @@ class AgentLink:
             version=env.get("HF_ENGINE_VERSION", "1"),
             can_shadow=can_shadow,
             fences=fences,
+            followers=followers,
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -237,11 +246,14 @@ class AgentLink:
     # ------------------------------------------------------------ internals
 
     def _hello(self) -> dict[str, Any]:
-        return {"op": "register", "protocol": PROTOCOL, "engine_id": self.engine_id, "pid": os.getpid(),
-                "role": self.role, "model": self.model, "engine_class": self.engine_class, "gpu": self.gpu,
-                "version": self.version, "state": self.state, "endpoint": self.endpoint,
-                "heartbeats": self._hb_interval is not None, "can_shadow": self.can_shadow, "shadows": self.shadows,
-                "fences": self.fences}
+        hello = {"op": "register", "protocol": PROTOCOL, "engine_id": self.engine_id, "pid": os.getpid(),
+                 "role": self.role, "model": self.model, "engine_class": self.engine_class, "gpu": self.gpu,
+                 "version": self.version, "state": self.state, "endpoint": self.endpoint,
+                 "heartbeats": self._hb_interval is not None, "can_shadow": self.can_shadow, "shadows": self.shadows,
+                 "fences": self.fences}
+        if self.followers:  # only a group's rank 0 sends it (an agent that predates it ignores the key)
+            hello["followers"] = [f.model_dump() for f in self.followers]
+        return hello
 
     def _register(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

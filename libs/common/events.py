@@ -149,6 +149,17 @@ def group_of_rank(engine_id: str) -> str | None:
     return group if sep and group and rank.isdigit() and int(rank) > 0 else None
 
 
+class RankProcess(Model):
+    """A follower rank's process (rank r > 0) of a tensor-parallel group, as its rank 0 reports it to the node's agent
+    (the link's `register`, libs/client/agent_link.py): the agent watches it through a pidfd of its own, so that its
+    death is the group's fault at once (services/agent/rank_watch.py). A pid with its start time (/proc/<pid>/stat
+    field 22, clock ticks since boot) names one process forever: a recycled pid has another start time."""
+
+    rank: int = Field(ge=1)
+    pid: int = Field(gt=0)
+    pid_start: int | None = None  # None: unknown (the agent then reads it as it opens its pidfd)
+
+
 class WeightsLoaded(Model):
     """How a cold-started engine got its weights (issues 21, 22): a peer lease on the node (another engine's live
     copy of the same content), the node's host tier copy, its artifact, or the file."""
@@ -197,6 +208,8 @@ class EngineInfo(Model):
     tp: int = 1
     ranks: list[str] = Field(default_factory=list)
     gang: str | None = None
+    # its follower ranks' processes (rank 0 reports them): a restarted agent watches them again from here
+    followers: list[RankProcess] = Field(default_factory=list)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine reported it when ready
     kv: str | None = None  # where a successor's KV came from when not the handed-on cache ("KV from host backup: ...")
 

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from libs.common.errors import InvalidTransition, MalformedMessage
-from libs.common.events import EngineInfo, EngineRole, WeightsLoaded, rank_engine_id
+from libs.common.events import EngineInfo, EngineRole, RankProcess, WeightsLoaded, rank_engine_id
 
 
 class State(StrEnum):
@@ -96,6 +96,7 @@ class EngineRecord:
     asleep: bool = False  # its memory is given back (sleep/wake, as it said over its link): nobody shadows it
     tp: int = 1  # tensor-parallel ranks: this is rank 0's record, the group's (its process starts the others)
     gang: str | None = None  # a TP group's gang id (the first group's engine id, kept by its successor groups)
+    followers: list[RankProcess] = field(default_factory=list)  # a TP group's ranks 1.., as rank 0 named them (rank_watch.py)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine said when ready (issue 21)
     kv: str | None = None  # where its KV came from when not the handed-on cache, as it said when ready (issue 22)
 
@@ -130,7 +131,7 @@ class EngineRecord:
             pid=self.pid, gpu=self.gpu, endpoint=self.endpoint, generation=self.generation, version=self.version,
             state=self.state.value, pid_start=self.pid_start, spec_key=self.spec_key, started_at=self.started_at,
             heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
-            tp=self.tp, gang=self.gang, weights=self.weights, kv=self.kv,
+            tp=self.tp, gang=self.gang, weights=self.weights, kv=self.kv, followers=list(self.followers),
             ranks=[rank_engine_id(self.engine_id, r) for r in range(self.tp)] if self.tp > 1 else [],
         )
 
@@ -142,7 +143,7 @@ class EngineRecord:
             gpu=info.gpu, version=info.version, spec_key=info.spec_key, pid=info.pid, pid_start=info.pid_start,
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
-            tp=info.tp, gang=info.gang, weights=info.weights, kv=info.kv,
+            tp=info.tp, gang=info.gang, weights=info.weights, kv=info.kv, followers=list(info.followers),
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )

@@ -80,8 +80,11 @@ def decode_wait_status(code: int) -> tuple[int | None, int | None]:
 class PidWatcher:
     """Watch processes by key (engine id); `on_exit(key, status)` runs on the loop when one dies."""
 
-    def __init__(self, on_exit: Callable[[str, ExitStatus], None]) -> None:
+    def __init__(self, on_exit: Callable[[str, ExitStatus], None], *, zombie_status: bool = False) -> None:
+        """`zombie_status`: a process that is not our child gets the status its zombie still holds in /proc when the
+        pidfd says dead (its parent has not reaped it yet; otherwise unknown, as ever)."""
         self._on_exit = on_exit
+        self._zombie_status = zombie_status
         self._fds: dict[str, tuple[int, int, bool]] = {}  # key -> (pidfd, pid, child)
         self._waiters: dict[str, list[asyncio.Future[ExitStatus]]] = {}
         self._dead: dict[str, ExitStatus] = {}
@@ -170,8 +173,16 @@ class PidWatcher:
         if entry is None:
             return
         fd, pid, child = entry
+        stat_fd = self._stat.pop(key, None)  # of no use after the death: closed below
         asyncio.get_running_loop().remove_reader(fd)
         status = ExitStatus(pid=pid, at=at, known=False)
+        if not child and self._zombie_status and stat_fd is not None:
+            code = proc_exiting(pid, stat_fd)  # a zombie's exit code is final (None: reaped, the file reads nothing)
+            if code is not None:
+                exit_code, sig = decode_wait_status(code)
+                status = ExitStatus(pid=pid, at=at, known=True, exit_code=exit_code, signal=sig)
+        if stat_fd is not None:
+            os.close(stat_fd)
         if child:
             try:
                 res = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)

@@ -1,7 +1,8 @@
 """The agent's core: engine records, process watching, the link with engines, and fault publication.
 
-Every observation (a pidfd turning readable, a heartbeat deadline, a fatal report, an NVML event) goes
-through `fault()`, which publishes at most one `FaultDetected` per engine generation (`latch_fault`).
+Every observation (a pidfd turning readable, an engine's or a TP group follower's (rank_watch.py), a heartbeat
+deadline, a fatal report, an NVML event) goes through `fault()`, which publishes at most one `FaultDetected` per
+engine generation (`latch_fault`).
 Publication happens before any etcd write: the detection path is one JetStream publish.
 """
 
@@ -36,6 +37,7 @@ from libs.common.events import (
     FaultKind,
     MarkGpu,
     MarkGpuReply,
+    RankProcess,
     RestartBackoff,
     SetGpuHealth,
     SetGpuHealthReply,
@@ -43,12 +45,13 @@ from libs.common.events import (
 from libs.common.gpu import GpuEntry, resolve_gpu, simulated_gpus
 from libs.common.ids import new_id, subject_token
 from libs.common.wire import FrameStream
-from services.agent import gpus, launcher, shadows, supervision
+from services.agent import gpus, launcher, rank_watch, shadows, supervision
 from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State, weights_loaded
 from services.agent.gpu_reports import GpuReports
 from services.agent.gpu_wishes import WISHES_FILE, GpuWishes
 from services.agent.pidfd import ExitStatus, PidWatcher, end_process, proc_start_time
+from services.agent.rank_watch import RankWatch
 from services.agent.records import RecordWriter
 from services.agent.settings import AgentSettings
 
@@ -74,6 +77,7 @@ class Agent:
         self.specs: dict[str, EngineSpec] = {}
         self.links: dict[str, FrameStream] = {}
         self.watcher = PidWatcher(self._on_exit)
+        self.ranks = RankWatch(self._rank_died)  # TP groups' followers (rank 0 is in `watcher`)
         self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ending: set[int] = set()  # pids of refused strangers being ended (_end_refused)
@@ -204,8 +208,9 @@ class Agent:
         if not rec.latch_fault():
             return False
         if rec.tp > 1:
-            # A TP group is one engine to the outside: any rank's death ends rank 0 (a follower's with GROUP_DIED,
-            # tp_runner.py), the others die with rank 0, so this is the group's one fault; its incident is the group's.
+            # A TP group is one engine to the outside: a follower's death is seen through its own pidfd where rank 0
+            # named it (rank_watch.py) and ends rank 0 anyway (GROUP_DIED, tp_runner.py); the others die with rank 0.
+            # So this is the group's one fault, whichever death came first; its incident is the group's.
             detail = f"{detail}; a rank of the group died" if exit_code == GROUP_DIED else detail
         self.publish(FaultDetected(
             engine_id=rec.engine_id, model=rec.model, engine_class=rec.engine_class, generation=rec.generation,
@@ -264,9 +269,12 @@ class Agent:
             await asyncio.sleep(period)
             for engine_id, st in self.watcher.poll_exiting():
                 self.exiting(engine_id, st)
+            for group, rank, st in self.ranks.poll_exiting():
+                self._rank_died(group, rank, st, "seen exiting")
 
     def _gone(self, rec: EngineRecord) -> None:
         """The process no longer exists: drop its link; a stopped engine's record goes away."""
+        self.ranks.forget(rec.engine_id)  # a group's rank 0: its followers die with it (PR_SET_PDEATHSIG)
         link = self.links.pop(rec.engine_id, None)
         if link is not None:
             link.close()
@@ -352,6 +360,33 @@ class Agent:
         return await self.bus.request(self.node, SetGpuHealth(gpu=gpu, healthy=healthy, detail=detail),
                                       SetGpuHealthReply, timeout=REPORT_WAIT_S)
 
+    # ------------------------------------------------------------ a TP group's followers
+
+    def watch_followers(self, rec: EngineRecord, followers: list[RankProcess]) -> None:
+        """Watch a live group's followers through pidfds of the agent's own (rank_watch.py); one already gone is the
+        group's fault now. Kept in its record, so that a restarted agent watches them again."""
+        if rec.tp <= 1 or not rec.live or not followers:
+            return
+        watched, gone = self.ranks.watch(rec.engine_id, followers)
+        known = {r.rank: r for r in [*followers, *watched]}  # with the start times read as they were watched
+        named = [known[r] for r in sorted(known)]
+        if named != rec.followers:
+            rec.followers = named
+            self.save(rec)
+        if gone:
+            self._rank_died(rec.engine_id, gone[0], None, "gone when the agent came to watch it")
+
+    def _rank_died(self, group: str, rank: RankProcess, st: ExitStatus | None, how: str) -> None:
+        """A follower of `group` died: the group's one fault, published now, as for rank 0's death. Rank 0 still runs
+        (it exits 70 ~50 ms later, or dies at the takeover's kill); its exit then adds no fault (the latch), and the
+        fault's `exit_code` and `signal` stay None (they are rank 0's; the detail names the follower's)."""
+        self.ranks.forget(group)  # the first death ends the group's watches (rank_watch.py invariant 3)
+        rec = self.engines.get(group)
+        if rec is None or not rec.live or rec.said_bye:
+            return  # stopping, or a goodbye said: rank 0's own exit is reported by its pidfd as usual
+        kind, detail = rank_watch.death_fault(group, rank, st, how)
+        self.fault(rec, kind, detail=detail, died_at=st.at if st is not None else time.time())
+
     # ------------------------------------------------------------ stopping and killing
 
     async def kill_confirmed(self, rec: EngineRecord, within_s: float = 5.0) -> ExitStatus | None:
@@ -389,6 +424,7 @@ class Agent:
             return  # still alive (hung): kill_confirmed first
         self.engines.pop(rec.engine_id, None)
         self.watcher.forget(rec.engine_id)
+        self.ranks.forget(rec.engine_id)
         self.writer.delete_engine(self.node, rec.engine_id)
 
     # ------------------------------------------------------------ the link with engines
@@ -419,6 +455,11 @@ class Agent:
             rec.last_heartbeat = time.monotonic()  # re-registration of a heartbeating engine: keep watching
         rec.can_shadow = bool(msg.get("can_shadow"))
         rec.fences = bool(msg.get("fences"))
+        if msg.get("followers") and rec.tp > 1:  # a TP group's rank 0 names its other ranks: watched from now on
+            try:
+                self.watch_followers(rec, rank_watch.parse_followers(msg["followers"], rec.tp))
+            except MalformedMessage as e:
+                log.warning("engine %s: %s; its followers' deaths are seen through its exit", rec.engine_id, e)
         if msg.get("shadows"):
             rec.shadows = str(msg["shadows"])  # re-registration: it still shadows that engine
         state = msg.get("state")
@@ -558,6 +599,10 @@ class Agent:
             return
         if rec.state is State.FAILED:
             rec.failed_mono = time.monotonic()  # restart the takeover wait: nobody counted it while we were down
+        # A group's followers, from its record (and again from rank 0's registration when its link reconnects). A
+        # record without them (written by an older agent, or rank 0 never named them) leaves a follower's death to
+        # rank 0's exit 70, as before this was built.
+        self.watch_followers(rec, rec.followers)
         log.info("re-adopted engine %s (pid %d, %s)", rec.engine_id, rec.pid, rec.state.value)
 
     # ------------------------------------------------------------ desired state
@@ -654,6 +699,7 @@ class Agent:
         for link in list(self.links.values()):
             link.close()
         self.watcher.close()
+        self.ranks.close()
         self.gpu_reports.close()
         for task in list(self._tasks):
             task.cancel()

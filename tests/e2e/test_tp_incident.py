@@ -1,6 +1,7 @@
 """A tensor-parallel engine, reference or batched (TP=2, gloo, the host backend with two simulated GPUs) on the real stack (nats, etcd,
 gpu_manager, agent, controller, dc_manager, router): SIGKILL of rank 1 gives exactly one fault and one incident, for
-the group; the dc_manager freezes the gang (`FreezeGang`) and a successor group takes every rank's leases over with
+the group, the fault seen by the agent's own watch of rank 1 (its pidfd, or its /proc exit poll: the detail names rank
+1 and its pid), not through rank 0's exit 70 after it; the dc_manager freezes the gang (`FreezeGang`) and a successor group takes every rank's leases over with
 the weights file renamed away (no reload); the router serves the same greedy output from one endpoint throughout.
 With a standby group (the batched engine, `standbys: 1`), that group takes the gang over instead, every stream in
 flight continuing from the journal on every rank, and a new standby group is started after."""
@@ -82,6 +83,13 @@ def follower_pids(rank0: int) -> list[int]:
     return [int(p) for p in children.read_text().split()] if children.exists() else []
 
 
+def assert_seen_through_the_follower(faults: list[FaultDetected], group: EngineInfo, rank1: int) -> None:
+    """One fault, the group's, from the agent's watch of rank 1 itself (rank 0 named it: the group's record lists it)."""
+    assert [(f.engine_id, f.group) for f in faults] == [(group.engine_id, group.engine_id)]
+    assert [(r.rank, r.pid) for r in group.followers] == [(1, rank1)]
+    assert f"rank 1 ({group.engine_id}-r1, pid {rank1}) of the group died" in faults[0].detail, faults[0].detail
+
+
 async def incidents(sc: Scenario) -> list[IncidentRecord]:
     assert sc.store is not None
     return [IncidentRecord.model_validate_json(v) for v in (await sc.store.get_prefix("incidents/")).values()]
@@ -132,7 +140,7 @@ async def test_a_rank_sigkill_is_one_incident_recovered_by_a_group_takeover_with
         assert health["tp"]["gang"]["owners"] == successor.ranks and health["tp"]["gang"]["generation"] == 2
         assert successor.gang == group.engine_id  # the gang keeps its id across groups
         await asyncio.sleep(1.0)  # a second fault or incident would show by now
-        assert [(f.engine_id, f.group) for f in faults] == [(group.engine_id, group.engine_id)]
+        assert_seen_through_the_follower(faults, group, followers[0])
         incs = await incidents(sc)
         assert len(incs) == 1, [(i.id, i.engine_id, i.state) for i in incs]
         inc = incs[0]
@@ -213,7 +221,7 @@ async def test_a_standby_group_takes_a_killed_ranks_gang_over_and_every_stream_c
             assert time.monotonic() < deadline, [(e.engine_id, e.role, e.state) for e in await sc.engines()]
             await asyncio.sleep(0.2)
         assert fresh[0].tp == 2 and len(fresh[0].ranks) == 2
-        assert [(f.engine_id, f.group) for f in faults] == [(group.engine_id, group.engine_id)]
+        assert_seen_through_the_follower(faults, group, rank1)
         incs = await incidents(sc)
         assert len(incs) == 1, [(i.id, i.engine_id, i.state) for i in incs]
         assert incs[0].id == resolved.data.incident_id  # type: ignore[attr-defined]

@@ -64,6 +64,9 @@ def test_two_ranks_serve_the_same_greedy_output_as_one_through_http(tmp_path: Pa
         info = two.wait_ready()
         assert info["tp"]["ranks"] == 2 and info["tp"]["backend"] == "gloo"
         assert info["tp"]["engine_ids"] == ["tp-two", "tp-two-r1"]
+        # every rank's pid by rank (rank 1: rank 0's one child), as rank 0 names them to its agent too
+        rank1 = Path(f"/proc/{info['pid']}/task/{info['pid']}/children").read_text().split()
+        assert info["tp"]["pids"] == {"0": info["pid"], "1": int(rank1[0])} and len(rank1) == 1
         want = generate(one.url, **PROMPT)["tokens"]
         assert generate(two.url, **PROMPT)["tokens"] == want
         resumed = generate(two.url, **{**PROMPT, "max_tokens": 30}, resume=want[:10])  # a router's replay

@@ -58,6 +58,9 @@ def test_two_ranks_give_each_prompt_of_a_batch_the_greedy_tokens_of_one_rank(tmp
         info = two.wait_ready(180)
         assert info["tp"]["ranks"] == 2 and info["tp"]["backend"] == "gloo"
         assert info["tp"]["engine_ids"] == ["btp-two", "btp-two-r1"]
+        # every rank's pid by rank (rank 1: rank 0's one child), as rank 0 names them to its agent too
+        rank1 = Path(f"/proc/{info['pid']}/task/{info['pid']}/children").read_text().split()
+        assert info["tp"]["pids"] == {"0": info["pid"], "1": int(rank1[0])} and len(rank1) == 1
         assert info["memory"]["kv_bytes"] * 2 == one.info["memory"]["kv_bytes"]  # rank 0 holds half the kv heads
         want = batch_of_prompts(one.url)
         assert len({tuple(t) for t in want}) == PROMPTS and all(len(t) == 40 for t in want)
