@@ -50,6 +50,7 @@ from engines.batched.standby import await_assignment
 from engines.batched.tp_group import RankGroup
 from engines.batched.warmup import warm_kernels
 from engines.http_thread import HttpThread, write_ready_file
+from engines.reference import stall_watch
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
 from libs.common.gc_tuning import long_lived_gc
@@ -233,6 +234,7 @@ def run(cfg: EngineConfig) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
     engine: LLMEngine | None = None
     prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations
+    stalls: list[dict[str, Any]] = []  # late wake-ups of a sleeper during a takeover, with every thread's frame
 
     layout_of = layout_fn(cfg, mcfg, device)
     loaded: Loaded | None = None
@@ -261,6 +263,8 @@ def run(cfg: EngineConfig) -> int:
             link.ready(http.endpoint)  # known to the controller: routers may send it requests while it takes over
             a = await_assignment(link, memory, state.info) if link.can_shadow else link.wait_assignment()
             t_start = time.perf_counter()
+            if cfg.loop_watch_s > 0:  # who holds the interpreter while the takeover runs (the recovery's `stalls`)
+                stall_watch.watch(stalls, cfg.loop_watch_s, late_ms=10.0, keep=16)
             state.role = "active"
             state.become("loading")
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang,
@@ -323,6 +327,8 @@ def run(cfg: EngineConfig) -> int:
             state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start), "shadowed": bool(shadowed),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start),
                                       "memory_ms": loaded.timings_ms, **adopted}
+            if cfg.loop_watch_s > 0:
+                state.info["recovery"]["stalls"] = stalls  # filled on while its watch runs
             if fence is not None:  # granted before the predecessor's exit: what waited for it, how, and when
                 state.info["recovery"]["fence"] = {**fence, "from_ms": round((t_fence - t_start) * 1000, 3)}
         state.become("ready")
