@@ -128,8 +128,7 @@ class Takeovers:
         # The event first, the bookkeeping after: the etcd writes queued below then run behind the publish.
         agent.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
                                        used_standby=used_standby, timings_ms=timings))
-        if used_standby:
-            agent.save(successor)
+        agent.save(successor)  # its record names whose memory it holds (`successor_of`), cold or warm
         if pred.engine_id in agent.engines:
             if agent.watcher.watching(pred.engine_id):
                 agent.background(self._retire_when_dead(pred), f"retire:{pred.engine_id}")

@@ -11,7 +11,8 @@ from libs.common.bus import Bus
 from libs.common.errors import RemoteError
 from libs.common.events import EngineRole, FaultKind, Takeover, TakeoverReply
 from libs.common.store import Store
-from tests.agent.conftest import AgentProcess, Recorder, alive, pattern_spec
+from tests.agent.conftest import AgentProcess, Recorder, alive, engine_records, pattern_spec
+from tests.support import wait_until
 
 
 async def _ready_pair(agent: AgentProcess, recorder: Recorder, **env: str) -> tuple:
@@ -67,7 +68,7 @@ async def test_a_takeover_of_an_unknown_engine_is_a_typed_not_found(agent: Agent
 
 
 async def test_without_a_standby_a_new_process_is_cold_spawned(agent: AgentProcess, recorder: Recorder,
-                                                               bus: Bus) -> None:
+                                                               bus: Bus, store: Store) -> None:
     agent.start([pattern_spec(standbys=0)])
     active = (await recorder.wait("engine.ready")).engine
     os.kill(active.pid, signal.SIGKILL)
@@ -78,6 +79,9 @@ async def test_without_a_standby_a_new_process_is_cold_spawned(agent: AgentProce
     assert reply.engine.state == "ready" and "spawn_ms" in reply.timings_ms
     environ = open(f"/proc/{reply.engine.pid}/environ", "rb").read().split(b"\0")
     assert f"HF_TAKEOVER_FROM={active.engine_id}".encode() in environ and b"HF_TRANSFER_TOKEN=tok" in environ
+    assert reply.engine.successor_of == active.engine_id
+    # its etcd record says whose memory it holds too (the dc_manager's freeze hands it on if it dies unowned)
+    await wait_until(lambda: _successor_recorded(store, reply.engine.engine_id, active.engine_id))
 
 
 async def test_a_standby_that_dies_during_takeover_falls_back_to_a_cold_spawn(agent: AgentProcess, recorder: Recorder,
@@ -89,3 +93,8 @@ async def test_a_standby_that_dies_during_takeover_falls_back_to_a_cold_spawn(ag
     assert reply.engine.engine_id not in (active.engine_id, standby.engine_id)
     assert "standby_failed_ms" in reply.timings_ms
     assert not alive(standby.pid)
+
+
+async def _successor_recorded(store: Store, engine_id: str, predecessor: str) -> bool:
+    rec = (await engine_records(store)).get(engine_id)
+    return rec is not None and rec.successor_of == predecessor
