@@ -164,17 +164,19 @@ class LLMEngine:
             self.pipeline.resolve_inflight()
         except BaseException as e:  # noqa: BLE001 - a broken step is fatal: reported, and the process ends
             log.exception("the engine's step loop failed")
-            self.fatal = e
-            mark.open()  # the writes below are queued in it, and no close follows: a successor waits for the exit
-            try:  # journal.py invariant 5; a CUDA error may leave the device unable to take these writes
-                if self.forget_on_failure:
-                    self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
-            except Exception:  # noqa: BLE001 - the process ends either way
-                log.exception("the journal could not be emptied after the failure")
-            for live in list(self.table.live.values()):
-                if live.sink is not None:
-                    live.sink.finish("error", 0, 0)
-            self.flush()
+            try:
+                mark.open()  # the writes below are queued in it, and no close follows: a successor waits for the exit
+                try:  # journal.py invariant 5; a CUDA error may leave the device unable to take these writes
+                    if self.forget_on_failure:
+                        self.journal.forget([live.slot for live in self.table.live.values() if live.slot is not None])
+                except Exception:  # noqa: BLE001 - the process ends either way
+                    log.exception("the journal could not be emptied after the failure")
+                for live in list(self.table.live.values()):
+                    if live.sink is not None:
+                        live.sink.finish("error", 0, 0)
+                self.flush()
+            finally:  # set once the journal is emptied and every stream told: the main thread then ends the process
+                self.fatal = e
 
     def _pass(self) -> bool:
         """One pass of the step thread: intake, then a step (or an idle capture). True: nothing ran, wait."""
