@@ -15,12 +15,17 @@ from bench.load_recovery import run
 
 
 @pytest.mark.timeout(600)
-async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_the_router(tmp_path: Path) -> None:
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_the_router(
+        tmp_path: Path, deterministic: bool) -> None:
+    """In deterministic mode every output equals the no-failure run's; in the default mode (outputs depend on the
+    batch) every stream still ends with exactly the tokens it asked for: none lost or repeated at the failover."""
     report = await run(backend="host", size="tiny", streams=16, late=4, trials=1, max_tokens=96,
-                       kv_cache_gib=None, work_dir=tmp_path)
+                       kv_cache_gib=None, work_dir=tmp_path, deterministic=deterministic)
     control, failed = report["no_failure"], report["sigkill"]
     assert control["lost"] == 0 and control["requests"] == 20
-    assert failed["lost"] == 0 and failed["mismatched"] == 0 and failed["requests"] == 20
+    assert failed["lost"] == 0 and failed["wrong_length"] == 0 and failed["requests"] == 20
+    assert failed["mismatched"] == (0 if deterministic else None)
     succ = failed["successor"]
     assert succ["adopted"] == [16] and succ["claimed"] == [16]
     assert succ["recomputed_prefill_tokens"] == 0
