@@ -227,6 +227,13 @@ def client_report(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "parse_after_arrival_ms": pct(delay), "largest_gap_ms_if_stamped_at_parse": pct(gaps)}
 
 
+def released_after_ready(rec: dict[str, Any]) -> float | None:
+    """ms from the successor's ready to its HTTP loop seeing it (`woken_ms`: the held requests go on then); None
+    where no request was held. Tens of ms: the loop did not run meanwhile (docs/engine-batched.md, `loop_late`)."""
+    woken, ready = rec.get("woken_ms"), rec.get("ready_ms")
+    return round(woken - ready, 1) if isinstance(woken, (int, float)) and isinstance(ready, (int, float)) else None
+
+
 def _ready(r: dict[str, Any]) -> float:
     """When the successor was ready: no token of it can come before (the kill's time where its health does not
     say)."""
@@ -296,6 +303,8 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
             "graphs_captured_ms": [e.get("graphs_captured_ms") for e in eng],
             "held_back_ms": [e.get("held_back_ms") for e in eng],  # isolation.py: slots and blocks given back
             "recovery": [h.get("recovery") for h in succ],
+            # per kill, how long after the successor was ready the requests held for it went on (None: none held)
+            "held_released_after_ready_ms": [released_after_ready(h.get("recovery") or {}) for h in succ],
             # where its time went: the slowest steps with their make-up, and its first tokens' phases
             "step_times": [e.get("step_times") for e in eng],
             "first_token_phases_ms": [h.get("first_token_phases_ms") for h in succ]}

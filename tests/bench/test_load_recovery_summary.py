@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.load_recovery import Stream, summarize
+from bench.load_recovery import Stream, released_after_ready, summarize
 
 
 def _stream(prompt: str, tokens: list[int], *, want: int, done: bool = True, error: str | None = None) -> Stream:
@@ -37,3 +37,8 @@ def test_an_error_or_no_end_is_lost_once() -> None:
     kill = _round([_stream("a", [1], want=2, done=False), _stream("b", [1, 2], want=2, error="reset")], [])
     out = summarize([kill], control)
     assert (out["lost"], out["wrong_length"], out["mismatched"]) == (2, 0, 0)
+
+
+def test_the_held_requests_release_is_read_from_the_successors_record() -> None:
+    assert released_after_ready({"ready_ms": 43.1, "woken_ms": 87.8}) == 44.7
+    assert released_after_ready({"ready_ms": 43.1}) is None  # nothing was held: the loop was never woken for it
