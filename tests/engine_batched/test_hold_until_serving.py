@@ -66,9 +66,9 @@ async def test_a_watched_hold_records_the_wake_and_the_loops_late_wake_ups_on_th
     got = await asyncio.wait_for(_serving(state), 10)
     rec = state.info["recovery"]
     assert got is state.engine and 90 <= rec["woken_ms"] <= rec["first_request_ms"]
-    busy_until = time.perf_counter() + 0.03
-    while time.perf_counter() < busy_until:  # the loop busy 30 ms: its watch sees it late, its thread on the CPU
+    busy_until = time.thread_time() + 0.03
+    while time.thread_time() < busy_until:  # the loop busy for 30 ms of CPU: its watch sees it late, its thread on it
         pass
     await asyncio.sleep(0.5)  # the watch's span ends; its findings are on the record
     late = rec["loop_late"]
-    assert any(ms >= 20 and cpu >= 15 for _, ms, cpu in late), late
+    assert any(ms >= 25 and cpu >= 25 for _, ms, cpu in late), late
