@@ -104,8 +104,7 @@ class LoadScenario(Scenario):
                                                   deterministic=self.deterministic),
                           replicas=1, standbys=self.standbys, cold_start_s=120.0,
                           # the successor's HTTP loop watched (`loop_late`; HF_ENGINE_LOOP_WATCH_S=0: not)
-                          env={"HF_ENGINE_LOOP_WATCH_S": os.environ.get("HF_ENGINE_LOOP_WATCH_S", "0.5"),
-                               "HF_ENGINE_STALL_DUMP_DIR": str(self.work_dir / "stack" / "logs")})
+                          env={"HF_ENGINE_LOOP_WATCH_S": os.environ.get("HF_ENGINE_LOOP_WATCH_S", "0.5")})
         specs_file = self.write_specs(spec)
         # the router's loop watched (its late wake-ups on the timeline: `loop_late_near`)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,

@@ -265,9 +265,6 @@ def run(cfg: EngineConfig) -> int:
             t_start = time.perf_counter()
             if cfg.loop_watch_s > 0:  # who holds the interpreter while the takeover runs (the recovery's `stalls`)
                 stall_watch.watch(stalls, cfg.loop_watch_s, late_ms=10.0, keep=16)
-                if cfg.stall_dump_dir is not None:  # and where each thread stands, GIL or not
-                    stall_watch.dump_stacks(cfg.stall_dump_dir / f"stacks-{cfg.id}.txt", 0.005,
-                                            min(cfg.loop_watch_s, 0.25))
             state.role = "active"
             state.become("loading")
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang,

@@ -70,8 +70,6 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     loop_watch_s: float = Field(0.0, ge=0, description="> 0: a request held while the engine takes over starts a watch "
                                 "of the HTTP loop for this long; its late wake-ups (ms after the assignment, ms late, "
                                 "CPU ms of the loop's thread meanwhile) are the recovery's `loop_late` in /health")
-    stall_dump_dir: Path | None = Field(None, description="with loop_watch_s: every thread's stack written here "
-                                         "every 5 ms through the takeover's first 250 ms (stacks-<id>.txt)")
     adopt_wait_s: float = Field(30.0, gt=0, description="a successor waits this long for its predecessor's death to "
                                 "own its leases")
     kv_backup: bool = Field(False, description="copy each step's new KV blocks to a host-memory lease at a bounded lag "

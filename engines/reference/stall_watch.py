@@ -8,11 +8,9 @@ the GIL (or the CPU) taken by someone else; the other threads' frames say who.
 
 from __future__ import annotations
 
-import faulthandler
 import sys
 import threading
 import time
-from pathlib import Path
 
 
 def _where(frame) -> str:  # noqa: ANN001 - a frame object
@@ -40,22 +38,3 @@ def watch(into: list[dict], seconds: float, *, late_ms: float = 3.0, keep: int =
     thread = threading.Thread(target=run, name="stall-watch", daemon=True)
     thread.start()
     return thread
-
-
-def dump_stacks(path: Path, every_s: float, seconds: float) -> None:
-    """Write every thread's Python stack into `path` every `every_s` for `seconds` (faulthandler's watchdog: a C
-    thread that needs no interpreter, so a thread holding it inside a C call is caught on the line that made the
-    call, which `watch`, itself waiting for the interpreter, cannot see). One such dump per process at a time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out = path.open("w")
-    out.write(f"stacks every {every_s * 1000:.0f} ms for {seconds * 1000:.0f} ms from {time.time():.6f} (unix)\n")
-    out.flush()
-    faulthandler.dump_traceback_later(every_s, repeat=True, file=out)
-
-    def stop() -> None:
-        faulthandler.cancel_dump_traceback_later()
-        out.close()
-
-    timer = threading.Timer(seconds, stop)
-    timer.daemon = True
-    timer.start()
