@@ -67,7 +67,8 @@ def batched_command(weights: Path, size: str, *, max_num_seqs: int, kv_cache_gib
     `shadow`: a prepared standby maps the active engine's leases into its reservations before the failure.
     `isolated`: a fenced standby adopts while the dead engine's queue may still run (engines/batched/isolation.py)."""
     argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size,
-            *(["--deterministic"] if deterministic else []), "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
+            *(["--deterministic"] if deterministic else []),
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(step_tokens, max_num_seqs)),
             "--prefill-chunk", str(prefill_chunk)]
     if not fenced:
         argv.append("--no-fenced-takeover")

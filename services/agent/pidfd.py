@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.common.events import FaultKind
 from libs.common.procs import PF_EXITING, stat_fields
 
 log = logging.getLogger("holdfast.agent.pidfd")
@@ -36,6 +37,18 @@ class ExitStatus:
     known: bool  # False: not our child, the exit code/signal is unknowable
     exit_code: int | None = None
     signal: int | None = None
+
+
+def known_fault(st: ExitStatus) -> tuple[FaultKind, str]:
+    """The fault of a death whose signal or exit code the kernel gave (`st.known`): its kind and what killed it
+    ("signal SIGKILL", "exit code 1"; a signal with no name, a real-time one, by its number)."""
+    if st.signal is not None:
+        try:
+            name = signal.Signals(st.signal).name
+        except ValueError:
+            name = str(st.signal)
+        return FaultKind.KILLED, f"signal {name}"
+    return FaultKind.EXITED, f"exit code {st.exit_code}"
 
 
 def open_stat(pid: int) -> int | None:

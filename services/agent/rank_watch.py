@@ -24,7 +24,6 @@ follower's death is seen as before: through rank 0's exit 70.
 from __future__ import annotations
 
 import logging
-import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ from pydantic import ValidationError
 
 from libs.common.errors import MalformedMessage
 from libs.common.events import FaultKind, RankProcess, rank_engine_id
-from services.agent.pidfd import ExitStatus, PidWatcher, proc_start_time
+from services.agent.pidfd import ExitStatus, PidWatcher, known_fault, proc_start_time
 
 log = logging.getLogger("holdfast.agent.ranks")
 
@@ -57,17 +56,12 @@ def parse_followers(raw: Any, tp: int) -> list[RankProcess]:
 def death_fault(group: str, rank: RankProcess, st: ExitStatus | None, how: str) -> tuple[FaultKind, str]:
     """The group's fault for a follower's death, its detail naming the rank, its engine id and its pid (pure)."""
     who = f"rank {rank.rank} ({rank_engine_id(group, rank.rank)}, pid {rank.pid})"
-    if st is not None and st.signal is not None:
-        try:
-            name = signal.Signals(st.signal).name
-        except ValueError:
-            name = str(st.signal)
-        return FaultKind.KILLED, f"{who} of the group died: signal {name} ({how})"
-    if st is not None and st.exit_code is not None:
-        return FaultKind.EXITED, f"{who} of the group exited: exit code {st.exit_code} ({how})"
     if st is None:
         return FaultKind.KILLED, f"{who} of the group was gone ({how})"
-    return FaultKind.KILLED, f"{who} of the group died ({how}; not the agent's child: its status unknown)"
+    if st.signal is None and st.exit_code is None:
+        return FaultKind.KILLED, f"{who} of the group died ({how}; not the agent's child: its status unknown)"
+    kind, what = known_fault(st)
+    return kind, f"{who} of the group {'died' if kind is FaultKind.KILLED else 'exited'}: {what} ({how})"
 
 
 class RankWatch:

@@ -50,7 +50,7 @@ from services.agent.backoff import BackoffPolicy, Backoffs
 from services.agent.engines import EngineRecord, Ev, State, weights_loaded
 from services.agent.gpu_reports import GpuReports
 from services.agent.gpu_wishes import WISHES_FILE, GpuWishes
-from services.agent.pidfd import ExitStatus, PidWatcher, end_process, proc_start_time
+from services.agent.pidfd import ExitStatus, PidWatcher, end_process, known_fault, proc_start_time
 from services.agent.rank_watch import RankWatch
 from services.agent.records import RecordWriter
 from services.agent.settings import AgentSettings
@@ -58,13 +58,6 @@ from services.agent.settings import AgentSettings
 log = logging.getLogger("holdfast.agent")
 REPORT_WAIT_S = 5.0  # how long a MarkGpu waits for the gpu_manager's answer (the report goes on after)
 GROUP_DIED = 70  # a TP group's rank 0 exits so when another rank died (engines/reference/tp_runner.py)
-
-
-def _known_fault(st: ExitStatus) -> tuple[FaultKind, str]:
-    """The fault of a death whose signal or exit code the kernel gave us."""
-    if st.signal is not None:
-        return FaultKind.KILLED, f"signal {signal.Signals(st.signal).name}"
-    return FaultKind.EXITED, f"exit code {st.exit_code}"
 
 
 class Agent:
@@ -246,7 +239,7 @@ class Agent:
             return
         rec.exit_code, rec.signal = st.exit_code, st.signal
         if st.known:
-            kind, detail = _known_fault(st)
+            kind, detail = known_fault(st)
         elif rec.said_bye:
             kind, detail = FaultKind.EXITED, "exited after saying goodbye (adopted: exit code unknown)"
         else:
@@ -260,7 +253,7 @@ class Agent:
         rec = self.engines.get(engine_id)
         if rec is None or not rec.live or rec.said_bye:
             return  # a goodbye before the exit: its own clean stop, reported by the pidfd as usual
-        kind, detail = _known_fault(st)
+        kind, detail = known_fault(st)
         self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)", died_at=st.at)
 
     async def exiting_loop(self) -> None:

@@ -93,12 +93,14 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
             continue
         group = [by_gpu.get((base.node, base.gpu + r)) for r in range(tp)]
         if all(fits(s) for s in group):
-            free = [s.free_bytes for s in group if s is not None]
-            groups.append((base, None if None in free else min(f for f in free if f is not None)))
+            free = [s.free_bytes for s in group if s is not None]  # all of them: each fits
+            known = [f for f in free if f is not None]
+            groups.append((base, min(known) if len(known) == len(free) else None))
     if not groups:
-        what = "gpu" if tp == 1 else f"{tp} consecutive healthy gpus"
-        return Placement(Action.NONE, reason=f"{why}; no healthy {what} with {needed_bytes} bytes free"
-                         if tp == 1 else f"{why}; no node with {what} of {needed_bytes} bytes free each")
+        if tp == 1:
+            return Placement(Action.NONE, reason=f"{why}; no healthy gpu with {needed_bytes} bytes free")
+        return Placement(Action.NONE, reason=f"{why}; no node with {tp} consecutive healthy gpus of {needed_bytes} "
+                         "bytes free each")
     copies = copies or {}
     best, _ = min(groups, key=lambda g: (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node,
                                          g[1] is None, -(g[1] or 0), g[0].engines, g[0].node, g[0].gpu))
