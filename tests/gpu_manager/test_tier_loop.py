@@ -1,14 +1,20 @@
 """The manager keeps answering while its policy writes a multi-GiB host tier copy and while a snapshot replaces it
-(issue 21): health over NATS and another engine's heartbeats over the socket are timed every few ms from the commit
+(issue 21): health over NATS and another engine's heartbeats over the socket are sent every few ms from the commit
 until the copy is held, then through the replacing write (the old copy's memory freed: 0.17 s a GiB here, which
-the event loop must not pay), and none may take long. A real gpu_manager on the host backend (the cuda path
-differs by the device copies and the registration: tests/gpu_manager/test_tier_pins.py,
-test_host_tier_cuda.py)."""
+the event loop must not pay). A real gpu_manager on the host backend (the cuda path differs by the device copies
+and the registration: tests/gpu_manager/test_tier_pins.py, test_host_tier_cuda.py).
+
+What is checked does not race the machine: while each answer was awaited, the manager's event-loop thread may
+have spent little CPU time (a copy or a free run on the loop costs the loop's thread that CPU, however loaded the
+machine is; a preempted process costs it none), and no answer may have waited for as long as half the copy (a loop
+that awaited the copy itself spends no CPU, but holds every answer for the whole copy). The wall times are printed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -20,9 +26,17 @@ from tests.gpu_manager.harness import until
 
 GIB = 1024**3
 SIZE = 2 * GIB
-# The most one answer may take meanwhile: 3x the slowest seen on 2 shared cores (20-80 ms), below the 0.35 s that
-# freeing the replaced 2 GiB copy took when its fds were closed on the event loop.
-BOUND_S = 0.25
+# The most CPU time the event loop's thread may spend while one answer is awaited: far above an answer's own work
+# (< 10 ms), below the 0.35 s that freeing the replaced 2 GiB copy took when its fds were closed on the loop.
+CPU_BOUND_S = 0.2
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _loop_cpu(pid: int) -> float:
+    """CPU time (user + system) the process's main thread, the manager's event loop, has spent so far."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime: fields 14 and 15 of the line
 
 
 def _commit(m, size: int):  # noqa: ANN001, ANN202
@@ -35,14 +49,14 @@ def _commit(m, size: int):  # noqa: ANN001, ANN202
     return c, lease.id
 
 
-def _beats(m, stop: threading.Event, out: list[float]) -> None:  # noqa: ANN001
-    """Another engine's heartbeats, back to back, each one's round trip recorded."""
+def _beats(m, stop: threading.Event, out: list[tuple[float, float]]) -> None:  # noqa: ANN001
+    """Another engine's heartbeats, back to back, each one's round trip and the loop's CPU time meanwhile recorded."""
     c = MemoryClient.connect("eng-beat", socket_path=m.socket, engine_class="other")
     try:
         while not stop.is_set():
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _loop_cpu(m.child.pid)
             c.heartbeat()
-            out.append(time.perf_counter() - t0)
+            out.append((time.perf_counter() - t0, _loop_cpu(m.child.pid) - cpu0))
             time.sleep(0.01)
     finally:
         c.close()
@@ -57,13 +71,13 @@ async def test_health_and_heartbeats_are_answered_while_a_large_tier_copy_is_wri
     beater = threading.Thread(target=_beats, args=(m, stop, beats), daemon=True)
     beater.start()
     await until(lambda: len(beats) > 3)
-    health: list[float] = []
+    health: list[tuple[float, float]] = []  # each answer's wait and the loop's CPU time meanwhile
 
     async def poll(done) -> None:  # noqa: ANN001
         while not await done():
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), _loop_cpu(m.child.pid)
             msg = await bus.nc.request(subject, b"", timeout=60)  # a stall shows as a figure, not a timeout
-            health.append(time.perf_counter() - t)
+            health.append((time.perf_counter() - t, _loop_cpu(m.child.pid) - cpu))
             tiers.append(json.loads(msg.data)["detail"]["host_tier"])
             await asyncio.sleep(0.01)
 
@@ -89,10 +103,16 @@ async def test_health_and_heartbeats_are_answered_while_a_large_tier_copy_is_wri
     await asyncio.to_thread(beater.join, 30)
     engine.close()
     during = beats[4:]
+    waits, beat_waits = [w for w, _ in health], [w for w, _ in during]
     print(f"copy of {SIZE / GIB:.0f} GiB held in {write_s:.2f} s, replaced in {reply.seconds:.2f} s; health: "
-          f"{len(health)} answers, max {max(health[:writes]) * 1e3:.1f} ms in the write, "
-          f"{max(health[writes:]) * 1e3:.1f} ms in the replacing, p50 {np.median(health) * 1e3:.1f} ms; heartbeats: "
-          f"{len(during)}, max {max(during) * 1e3:.1f} ms")
+          f"{len(health)} answers, max {max(waits[:writes]) * 1e3:.1f} ms in the write, "
+          f"{max(waits[writes:]) * 1e3:.1f} ms in the replacing, p50 {np.median(waits) * 1e3:.1f} ms, the loop's CPU "
+          f"meanwhile max {max(c for _, c in health) * 1e3:.0f} ms; heartbeats: {len(during)}, max "
+          f"{max(beat_waits) * 1e3:.1f} ms, the loop's CPU meanwhile max {max(c for _, c in during) * 1e3:.0f} ms")
     assert "tiered.w" in tiers[-1]["copies"] and reply.host_tier
-    assert max(health) < BOUND_S, f"health waited {max(health):.2f} s while the copy was written or replaced"
-    assert max(during) < BOUND_S, f"a heartbeat waited {max(during):.2f} s while the copy was written or replaced"
+    for name, answers in (("health", health), ("a heartbeat", during)):
+        wait, cpu = max(answers, key=lambda a: a[1])
+        assert cpu < CPU_BOUND_S, f"while {name} waited {wait:.2f} s, the event loop ran {cpu:.2f} s of CPU"
+    longest = min(write_s, reply.seconds) / 2
+    assert max(waits + beat_waits) < max(longest, CPU_BOUND_S), (
+        f"an answer waited {max(waits + beat_waits):.2f} s, as long as half the copy ({longest:.2f} s)")
