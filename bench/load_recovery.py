@@ -303,6 +303,7 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
             "graphs_captured_ms": [e.get("graphs_captured_ms") for e in eng],
             "held_back_ms": [e.get("held_back_ms") for e in eng],  # isolation.py: slots and blocks given back
             "recovery": [h.get("recovery") for h in succ],
+            "t_kill": [r["t_kill"] for r in rounds if "successor" in r],  # wall time: to read beside outside samples
             # per kill, how long after the successor was ready the requests held for it went on (None: none held)
             "held_released_after_ready_ms": [released_after_ready(h.get("recovery") or {}) for h in succ],
             # where its time went: the slowest steps with their make-up, and its first tokens' phases

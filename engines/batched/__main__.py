@@ -329,6 +329,8 @@ def run(cfg: EngineConfig) -> int:
                                       "memory_ms": loaded.timings_ms, **adopted}
             if cfg.loop_watch_s > 0:
                 state.info["recovery"]["stalls"] = stalls  # filled on while its watch runs
+                # the kernel's ids of its threads: what a sampler of /proc/<pid>/task reads them by
+                state.info["recovery"]["threads"] = {t.name: t.native_id for t in threading.enumerate()}
             if fence is not None:  # granted before the predecessor's exit: what waited for it, how, and when
                 state.info["recovery"]["fence"] = {**fence, "from_ms": round((t_fence - t_start) * 1000, 3)}
         state.become("ready")

@@ -31,3 +31,21 @@ def test_a_thread_holding_the_interpreter_is_named_in_the_late_wake_ups() -> Non
     assert stalls, "no late wake-up seen while a thread held the interpreter"
     assert any("busy" in s["threads"].get("hog", "") for s in stalls)
     assert all(s["late_ms"] >= 5.0 for s in stalls) and len(stalls) <= 8
+
+
+def nap(seconds: float) -> None:
+    time.sleep(seconds)  # in the kernel (state S), the interpreter let go: nobody wakes late
+
+
+def test_a_thread_held_in_the_kernel_is_noted_with_the_call_it_made() -> None:
+    stalls: list[dict] = []
+    napper = threading.Thread(target=nap, args=(0.15,), name="napper")
+    # S stands in for D here (the engine watches D: a kernel wait no signal ends); the same reading of /proc
+    watcher = stall_watch.watch(stalls, 0.3, late_ms=20.0, keep=8, blocked_states=("S",))
+    napper.start()  # a thread started after the watch: found at its next look at the threads (50 ms)
+    napper.join()
+    watcher.join()
+    naps = [s for s in stalls if s.get("blocked") == "napper"]
+    assert len(naps) == 1, stalls
+    assert any("nap" in f for f in naps[0]["frames"]), naps[0]
+    assert naps[0]["for_ms"] >= 50.0 and naps[0]["wchan"] is not None
