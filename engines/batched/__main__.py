@@ -53,6 +53,7 @@ from engines.http_thread import HttpThread, write_ready_file
 from engines.reference import stall_watch
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
+from libs.common import procs
 from libs.common.gc_tuning import long_lived_gc
 
 log = logging.getLogger("holdfast.engine.batched")
@@ -211,6 +212,7 @@ def report_fatal(link: Any) -> None:
 
 
 def run(cfg: EngineConfig) -> int:
+    procs.reserve_fds()  # the burst of resumed streams' connections after a takeover never waits to grow the table
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.threads)
     t_process = time.perf_counter()

@@ -35,7 +35,7 @@ from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
 from engines.reference.startup import first_token, open_agent_link, open_memory, pick_device
 from libs.common.gc_tuning import long_lived_gc
-from libs.common.procs import wall_time_of
+from libs.common.procs import reserve_fds, wall_time_of
 
 log = logging.getLogger("holdfast.engine")
 T_PROCESS = time.perf_counter()
@@ -60,6 +60,7 @@ def warm_standby(s: EngineSettings, device: torch.device) -> float:
 
 
 def run(s: EngineSettings) -> int:
+    reserve_fds()  # a takeover's burst of connections never waits for the kernel to grow the table (procs.py)
     if s.tp > 1:  # a tensor-parallel group: its own start-up (tp_runner.py)
         from engines.reference.tp_runner import run_tp
 

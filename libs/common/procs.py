@@ -1,12 +1,15 @@
 """Start and stop the infrastructure binaries (nats-server, etcd) on loopback: used by `holdfast up`,
-the demo and the test fixtures, so that all three run the same real servers the same way."""
+the demo and the test fixtures, so that all three run the same real servers the same way. And what every
+process of ours reads of itself or another from /proc, and sets up for itself at start (`reserve_fds`)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import random
+import resource
 import select
 import shutil
 import signal
@@ -178,6 +181,51 @@ def etcd_server(port: int, peer_port: int, data_dir: Path, log_path: Path | None
         *(tls_flags or []),
     ]
     return Child("etcd" if initial_cluster is None else name, argv, log_path=log_path)
+
+
+FD_RESERVE = 4096  # descriptors a process's table is sized for at start (its soft RLIMIT_NOFILE if lower)
+
+
+def reserve_fds(count: int | None = None) -> int:
+    """Size this process's descriptor table now for `count` descriptors (default: HF_FD_RESERVE, else FD_RESERVE;
+    0 turns it off) or its soft RLIMIT_NOFILE if lower, so that no later open, accept or fd passing has to grow it;
+    returns the size asked for (0 if none).
+
+    Why: the kernel grows a table by doubling it, and in a process with several threads it then waits for an RCU
+    grace period (expand_files -> synchronize_rcu) in whichever thread needed the one more descriptor. On the H200
+    machine that wait took 13-45 ms: a successor engine's HTTP thread, accepting the router's burst of resumed
+    streams right after a takeover, sat in accept4 that long with every held request behind it (docs/engine-batched.md).
+    A table never shrinks, so one descriptor duplicated to the top of the range at start (F_DUPFD takes the lowest
+    free number at or above it: nothing open is replaced) and closed again leaves it that size for good."""
+    if count is None:
+        count = int(os.environ.get("HF_FD_RESERVE", FD_RESERVE))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = count if soft == resource.RLIM_INFINITY else min(count, soft)
+    if top <= 0:
+        return 0
+    try:
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top - 1)
+        os.close(high)
+    except OSError:  # top - 1 and above all taken: the table is that large already
+        pass
+    finally:
+        os.close(fd)
+    return top
+
+
+def fd_table_size(pid: int | str = "self") -> int | None:
+    """The size of a process's descriptor table (`FDSize` in /proc/<pid>/status), None if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("FDSize:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def wall_time_of(perf: float) -> float:

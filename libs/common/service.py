@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from libs.common import telemetry
+from libs.common import procs, telemetry
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import HealthReply
@@ -55,7 +55,10 @@ def loop_factory(service: str | None = None) -> Callable[[], asyncio.AbstractEve
 
 
 def run_loop(main: Coroutine[Any, Any, T], service: str | None = None) -> T:
-    """`asyncio.run(main)` on the loop `loop_factory` picks (every service process and the control-plane bench)."""
+    """`asyncio.run(main)` on the loop `loop_factory` picks (every service process and the control-plane bench), in
+    a process whose descriptor table is sized up front (procs.reserve_fds: a burst of connections or passed fds
+    never waits for the kernel to grow it)."""
+    procs.reserve_fds()
     with asyncio.Runner(loop_factory=loop_factory(service)) as runner:
         return runner.run(main)
 
