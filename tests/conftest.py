@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _pytest.nodeid import coerce_node_id  # the type of a node's id (`_join_group`)
 
 from libs.common import procs, security
 from libs.common.bus import Bus
@@ -52,14 +53,49 @@ if _WORKER.startswith("gw") and _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Minutes a slow test takes in a full run on 2 cores (December 2026; one not named here counts as 1): what
+# `_slow_lanes` balances. The rest of the slow tests take a half to one and a half minutes each.
+_SLOW_MINUTES = {"test_chaos.py": 4.0, "test_demo.py": 4.0, "test_stall_stack.py": 3.0,
+                 "test_kv_backup_incident.py": 1.5}
+SLOW_LANES = 2
+
+
+def _slow_lanes(slow: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
+    """The slow tests dealt into SLOW_LANES xdist groups of about equal minutes, the longest first, each to the
+    lane with the fewest minutes so far (ties to the first lane: the same lanes every run)."""
+    lanes: dict[str, list[pytest.Item]] = {f"slow-{n}": [] for n in range(SLOW_LANES)}
+    minutes = dict.fromkeys(lanes, 0.0)
+    weight = {item.nodeid: _SLOW_MINUTES.get(item.path.name, 1.0) for item in slow}
+    for item in sorted(slow, key=lambda item: -weight[item.nodeid]):  # stable: equal ones in collection order
+        lane = min(lanes, key=lambda name: minutes[name])
+        lanes[lane].append(item)
+        minutes[lane] += weight[item.nodeid]
+    return lanes
+
+
+def _join_group(config: pytest.Config, item: pytest.Item, group: str) -> None:
+    """Mark `item` for the xdist group `group`, and give it the node id `<id>@<group>` that `--dist loadgroup`
+    schedules by. pytest-xdist 3.8 sets that id on `item._nodeid`, which pytest 9 no longer reads (a node's id is
+    `item._id`): the markers alone were ignored, and every worker took slow tests, three stacks at once."""
+    item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "loadgroup", False) and not item.nodeid.endswith(f"@{group}"):  # an xdist worker's
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The `slow` tests (each a whole stack, a minute or more) are one xdist group, collected first: under
-    # `--dist loadgroup` one worker runs them one after another from the start while the other workers share the
-    # rest. Two of them at once on 2 cores starved each other's engines past their readiness timeouts.
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("slow"))
+    # The `slow` tests (each a whole stack, half a minute or more) run in two xdist groups (lanes), collected
+    # first: under `--dist loadgroup` two workers each run one lane's tests one after another from the start while
+    # the third shares the rest with them. So at most two whole stacks run at once on 2 cores (stacks side by side
+    # starved each other's engines past their readiness timeouts in one clean-clone run), and neither lane is the
+    # run's critical path: the slow tests one after another take ~20 minutes in a full run, more than the rest
+    # of the suite takes on the other workers.
+    slow = [item for item in items if "slow" in item.keywords]
+    lanes = _slow_lanes(slow)
+    for name, lane in lanes.items():
+        for item in lane:
+            _join_group(config, item, name)
+    order = {item.nodeid: n for n, item in enumerate(item for lane in lanes.values() for item in lane)}
+    items.sort(key=lambda item: order.get(item.nodeid, len(order)))  # stable: the rest keep their order
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no NVIDIA GPU here (run on the device: scripts/device_run.sh)")
