@@ -475,9 +475,14 @@ class Agent:
             self._end_refused(pid)
             raise Conflict(f"engine {msg['engine_id']} (pid {pid}) is one too many: {why}")
         start = proc_start_time(pid)
+        # a TP group's rank 0 names its followers: the group's size is its spec's, else theirs and its own (checked
+        # against each other as they are watched, register below)
+        followers = msg.get("followers")
+        spec = self.specs.get(key) if key is not None else None
+        tp = spec.tp if spec is not None else (len(followers) + 1 if isinstance(followers, list) and followers else 1)
         rec = EngineRecord(engine_id=str(msg["engine_id"]), model=model, engine_class=engine_class, role=role,
                            gpu=int(msg.get("gpu") or 0), version=version, spec_key=key, pid=pid,
-                           pid_start=start, child=False)
+                           pid_start=start, child=False, tp=tp)
         self.watcher.watch(rec.engine_id, pid, child=False, start_time=start)
         self.engines[rec.engine_id] = rec
         log.info("adopted engine %s (pid %d) started by someone else%s", rec.engine_id, pid,

@@ -102,3 +102,27 @@ async def test_a_restarted_agent_watches_a_groups_follower_again_through_its_pid
     await wait_until(lambda: ended(group.pid), within_s=30)
     await asyncio.sleep(0.5)
     assert len(recorder.of("fault.detected", lambda f: f.engine_id == group.engine_id)) == 1
+
+
+async def test_a_group_adopted_as_a_stranger_is_recorded_as_a_group_and_its_follower_watched(
+        agent: AgentProcess, recorder: Recorder, store: Store, tmp_path: Path) -> None:
+    """An agent that finds a group it has no record of (its predecessor's record lost, no spec of its own for it)
+    adopts rank 0 as a stranger: the group's size comes from the followers rank 0 names, so the record is a group's
+    and the follower's death is the group's fault, as for a group the agent started."""
+    spec = tp_spec(make_tiny_weights(tmp_path / "tiny.safetensors"))
+    agent.start([spec], **PATIENT)
+    group, rank1 = await serving_group(recorder, store)
+    agent.kill(signal.SIGKILL)
+    assert await store.delete_prefix("engines/") >= 1  # what a restarted agent would read of it: gone
+
+    agent.start([], **PATIENT, exit_poll_ms=600_000)  # no spec: nothing started in its place; the pidfd alone
+
+    async def adopted() -> bool:
+        rec = (await engine_records(store)).get(group.engine_id)
+        return rec is not None and rec.tp == 2 and rec.followers == group.followers
+
+    await wait_until(adopted, within_s=60)  # rank 0's link registered again, with its follower
+    os.kill(rank1, signal.SIGKILL)
+    fault = await recorder.wait("fault.detected", lambda f: f.engine_id == group.engine_id)
+    assert_the_followers_fault(fault, group, rank1)
+    await wait_until(lambda: ended(group.pid), within_s=30)
