@@ -20,6 +20,7 @@ no failure runs first in the same run, as the control. Reported, side by side:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -142,8 +143,34 @@ async def standby_gpu_mib(sc: LoadScenario) -> dict[str, int] | None:
     return out
 
 
+async def kill_when_ready(sc: LoadScenario, standby: Any, timeout: float = 120.0) -> dict[str, Any]:
+    """A second failure during the recovery: the standby that takes the first kill over SIGKILLed as soon as its
+    /health says it serves (the streams it adopted in flight, resuming). Its engine id, pid and the kill's wall time."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as c:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await c.get(f"{standby.endpoint}/health", timeout=5)
+                if r.json().get("state") == "ready":
+                    return {"engine_id": standby.engine_id, "pid": standby.pid, "t_kill": sc.kill_engine(standby)}
+            await asyncio.sleep(0.002)
+    raise TimeoutError(f"standby {standby.engine_id} did not serve within {timeout:.0f} s")
+
+
+async def serving_besides(sc: LoadScenario, gone: set[str], timeout: float = 180.0) -> Any:
+    """The active engine serving once neither of `gone` is it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        active = await sc.wait_serving(standbys=0, timeout=max(1.0, deadline - time.monotonic()))
+        if active.engine_id not in gone:
+            return active
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still {active.engine_id} serving after {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+
+
 async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPool, n: int, late: int,
-                    max_tokens: int, *, kill: bool, warm_tokens: int) -> dict[str, Any]:
+                    max_tokens: int, *, kill: bool, warm_tokens: int, kill_successor: bool = False) -> dict[str, Any]:
     active = await sc.wait_serving(timeout=300)
     seen = len(sc.events)
     jobs = [Job(i, p, max_tokens) for i, p in enumerate(prompts(n, "stream"))]
@@ -151,18 +178,30 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
     router_before = await sc.router_stats(client)
     await pool.start(jobs, warm_tokens)
     standby_mib = await standby_gpu_mib(sc) if kill else None
+    standby = None
+    if kill and kill_successor:  # the warm standby that will take over (with one standby, the only one)
+        standby = next(e for e in await sc.engines() if e.role == "standby" and e.state == "standby" and e.endpoint)
     t_kill = sc.kill_engine(active) if kill else time.time()
     pool.send_late(late_jobs)
+    second = asyncio.create_task(kill_when_ready(sc, standby)) if standby is not None else None
     got, workers = await pool.results()
     streams, lates = ([_stream(j, *got[j.key]) for j in js] for js in (jobs, late_jobs))
     out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib,
                            "workers": workers}
+    if second is not None:
+        killed = await second
+        # the streams still open at the second kill: what it tested (tokens of theirs came after it)
+        killed["streams_after_kill"] = sum(any(t > killed["t_kill"] for t in s.arrivals) for s in streams + lates)
+        out["second_kill"] = killed
     router_after = await sc.router_stats(client)
     out["router_spares"] = router_after.get("spare_connections")
     out["router_cpu_us_a_line"] = cpu_a_line(router_before, router_after)
     if kill:
-        await sc.wait_event("incident.resolved", 120, after=seen)
-        successor = await sc.wait_serving(standbys=0, timeout=120)
+        if second is not None:  # the second incident's successor: neither engine killed
+            successor = await serving_besides(sc, {active.engine_id, out["second_kill"]["engine_id"]})
+        else:
+            await sc.wait_event("incident.resolved", 120, after=seen)
+            successor = await sc.wait_serving(standbys=0, timeout=120)
         out["successor"] = await sc.engine_health(successor.endpoint or "")
         # the successor's tokens: after it was ready (the predecessor's last tokens still come after the kill, and
         # a fenced standby is assigned with it)
@@ -304,6 +343,9 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
             "held_back_ms": [e.get("held_back_ms") for e in eng],  # isolation.py: slots and blocks given back
             "recovery": [h.get("recovery") for h in succ],
             "t_kill": [r["t_kill"] for r in rounds if "successor" in r],  # wall time: to read beside outside samples
+            # --kill-successor: the first successor killed once it served (engine id, pid, wall time, and how many
+            # streams were still open then); `successor` is then the second incident's
+            "second_kill": [r.get("second_kill") for r in rounds if "successor" in r],
             # per kill, how long after the successor was ready the requests held for it went on (None: none held)
             "held_released_after_ready_ms": [released_after_ready(h.get("recovery") or {}) for h in succ],
             # where its time went: the slowest steps with their make-up, and its first tokens' phases
@@ -319,7 +361,8 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
               prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
-              shadow: bool = True, isolated: bool = True, deterministic: bool = True) -> dict[str, Any]:
+              shadow: bool = True, isolated: bool = True, deterministic: bool = True,
+              kill_successor: bool = False) -> dict[str, Any]:
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
@@ -333,11 +376,12 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
         async with httpx.AsyncClient() as client:  # the bench's own calls (router stats, health), not the streams
             warm = 4
             control = await one_round(sc, client, pool, streams, late, max_tokens, kill=False, warm_tokens=warm)
-            rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm)
-                      for _ in range(trials)]
+            rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm,
+                                      kill_successor=kill_successor) for _ in range(trials)]
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
                 "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
                 "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
+                "kill_successor": kill_successor,
                 "no_failure": summarize([control], control, deterministic=deterministic),
                 "sigkill": summarize(rounds, control, deterministic=deterministic)}
     finally:

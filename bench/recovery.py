@@ -209,6 +209,8 @@ def cli(
     deterministic: bool = typer.Option(True, help="with --streams: the engine in deterministic mode (outputs compared "
                                        "with the control's); --no-deterministic: the default fast mode, where only "
                                        "lost, missing and repeated tokens are checked"),
+    kill_successor: bool = typer.Option(False, help="with --streams: a second failure during the recovery: each "
+                                        "kill's successor SIGKILLed too, as soon as it serves (its streams in flight)"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -227,7 +229,8 @@ def cli(
                                       kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
                                       step_tokens=step_tokens, prefill_chunk=prefill_chunk,
                                       client_procs=client_procs, fenced=fenced, shadow=shadow,
-                                      isolated=isolated, deterministic=deterministic))
+                                      isolated=isolated, deterministic=deterministic,
+                                      kill_successor=kill_successor))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}
