@@ -39,7 +39,7 @@ def _state(tid: int) -> str | None:
 
 
 def _frames(frame, depth: int = 4) -> list[str]:  # noqa: ANN001 - a frame object
-    out = []
+    out: list[str] = []
     while frame is not None and len(out) < depth:
         out.append(_where(frame))
         frame = frame.f_back
@@ -68,7 +68,7 @@ class _Blocked:
                 continue
             if ep is None:  # where it stands now: the call it is blocked in
                 frames = frames if frames is not None else sys._current_frames()
-                f = frames.get(t.ident)
+                f = frames.get(t.ident) if t.ident is not None else None
                 ep = self.open[tid] = {"at_ms": round(now_ms, 1), "blocked": t.name, "for_ms": 0.0,
                                        "frames": _frames(f) if f is not None else [],
                                        "wchan": _read(f"/proc/self/task/{tid}/wchan", 128),
