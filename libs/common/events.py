@@ -280,6 +280,9 @@ class FaultDetected(Event):
     # and generation, whichever rank faults) and its gang. None: a single engine.
     group: str | None = None
     gang: str | None = None
+    # Which rank of the group died first, when the agent saw a follower (1..N-1) die before rank 0 (its watch of the
+    # follower's own process); None: rank 0, a single engine, or a fault not of one rank (a hang, a CUDA error).
+    rank: int | None = None
 
 
 class IncidentOpened(Event):

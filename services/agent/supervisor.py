@@ -196,7 +196,7 @@ class Agent:
     # ------------------------------------------------------------ detection
 
     def fault(self, rec: EngineRecord, kind: FaultKind, *, exit_code: int | None = None, sig: int | None = None,
-              detail: str = "", died_at: float | None = None) -> bool:
+              detail: str = "", died_at: float | None = None, rank: int | None = None) -> bool:
         """Publish this generation's one FaultDetected; False when it was already published (or a stop)."""
         if not rec.latch_fault():
             return False
@@ -209,7 +209,7 @@ class Agent:
             engine_id=rec.engine_id, model=rec.model, engine_class=rec.engine_class, generation=rec.generation,
             pid=rec.pid, kind=kind, exit_code=exit_code, signal=sig, gpu=rec.gpu, gpu_uuid=self.uuid_of(rec.gpu),
             died_at=died_at, detail=detail, role=rec.role, node=self.node,
-            group=rec.engine_id if rec.tp > 1 else None, gang=rec.gang))
+            group=rec.engine_id if rec.tp > 1 else None, gang=rec.gang, rank=rank))
         self.faults_published += 1
         self._tell_shadows(rec)
         rec.transition(Ev.FAULT)
@@ -378,7 +378,7 @@ class Agent:
         if rec is None or not rec.live or rec.said_bye:
             return  # stopping, or a goodbye said: rank 0's own exit is reported by its pidfd as usual
         kind, detail = rank_watch.death_fault(group, rank, st, how)
-        self.fault(rec, kind, detail=detail, died_at=st.at if st is not None else time.time())
+        self.fault(rec, kind, detail=detail, died_at=st.at if st is not None else time.time(), rank=rank.rank)
 
     # ------------------------------------------------------------ stopping and killing
 

@@ -64,6 +64,7 @@ def assert_the_followers_fault(fault: object, group: EngineInfo, rank1: int) -> 
     # named by the follower's own watch: its rank, engine id and pid; not rank 0's exit 70 (then "exit code 70")
     assert f"rank 1 ({group.engine_id}-r1, pid {rank1}) of the group died" in f.detail, f.detail  # type: ignore[attr-defined]
     assert f.exit_code is None and "exit code 70" not in f.detail  # type: ignore[attr-defined]
+    assert f.rank == 1  # type: ignore[attr-defined]  # the rank itself, not only in the detail
 
 
 async def test_a_followers_sigkill_is_the_groups_one_fault_seen_by_the_agents_own_watch_and_the_group_is_replaced(
