@@ -19,7 +19,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _pytest.nodeid import coerce_node_id  # the type of a node's id (`_join_group`)
+
+try:  # pytest 9: the type of a node's id (`_join_group`)
+    from _pytest.nodeid import coerce_node_id
+except ImportError:  # an older pytest (the GPU machine's image) reads the `_nodeid` xdist sets: nothing to mend
+    coerce_node_id = None
 
 from libs.common import procs, security
 from libs.common.bus import Bus
@@ -78,7 +82,8 @@ def _join_group(config: pytest.Config, item: pytest.Item, group: str) -> None:
     schedules by. pytest-xdist 3.8 sets that id on `item._nodeid`, which pytest 9 no longer reads (a node's id is
     `item._id`): the markers alone were ignored, and every worker took slow tests, three stacks at once."""
     item.add_marker(pytest.mark.xdist_group(group))
-    if getattr(config.option, "loadgroup", False) and not item.nodeid.endswith(f"@{group}"):  # an xdist worker's
+    if coerce_node_id is not None and getattr(config.option, "loadgroup", False) and not item.nodeid.endswith(
+            f"@{group}"):  # an xdist worker's
         item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
