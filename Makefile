@@ -40,8 +40,10 @@ up: setup
 # Most tests wait on real processes (nats-server, etcd, services, engines), so the suite runs on TEST_WORKERS
 # pytest-xdist workers, each with its own nats-server and etcd (tests/conftest.py); `TEST_WORKERS=0` runs it in
 # this process alone. `--dist loadgroup` hands tests out one at a time in collection order and keeps each
-# `xdist_group` on one worker: the `slow` tests (whole stacks, a minute or more each) form one group, handed out
-# first, so they run one after another on one worker while the others share the rest (tests/conftest.py).
+# `xdist_group` on one worker: the `slow` tests (whole stacks, half a minute or more each) form two groups of about
+# equal minutes, handed out first, so at most two stacks run at once while the third worker shares the rest
+# (tests/conftest.py). The whole suite keeps 2 cores ~96% busy for ~21 minutes: its time is CPU, mostly the
+# imports of the hundreds of processes it starts.
 # pytest exits 5 when it collected nothing; that is a failure of the suite here, said plainly.
 TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadgroup
