@@ -198,7 +198,11 @@ def reserve_fds(count: int | None = None) -> int:
     A table never shrinks, so one descriptor duplicated to the top of the range at start (F_DUPFD takes the lowest
     free number at or above it: nothing open is replaced) and closed again leaves it that size for good."""
     if count is None:
-        count = int(os.environ.get("HF_FD_RESERVE", FD_RESERVE))
+        raw = os.environ.get("HF_FD_RESERVE", "").strip()
+        try:
+            count = int(raw) if raw else FD_RESERVE
+        except ValueError:
+            raise ValueError(f"HF_FD_RESERVE must be a number of descriptors (0: off), not {raw!r}") from None
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     top = count if soft == resource.RLIM_INFINITY else min(count, soft)
     if top <= 0:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from libs.common import procs
 
 CHILD = r"""
@@ -61,3 +63,11 @@ def test_the_soft_limit_caps_the_reservation_and_nothing_open_is_replaced() -> N
     finally:
         for fd in (r, w, high):
             os.close(fd)
+
+
+def test_the_size_comes_from_the_environment_and_a_malformed_one_is_named(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("HF_FD_RESERVE", "0")
+    assert procs.reserve_fds() == 0  # off
+    monkeypatch.setenv("HF_FD_RESERVE", "many")
+    with pytest.raises(ValueError, match="HF_FD_RESERVE must be a number of descriptors .*'many'"):
+        procs.reserve_fds()
