@@ -184,7 +184,12 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
     t_kill = sc.kill_engine(active) if kill else time.time()
     pool.send_late(late_jobs)
     second = asyncio.create_task(kill_when_ready(sc, standby)) if standby is not None else None
-    got, workers = await pool.results()
+    try:
+        got, workers = await pool.results()
+    except BaseException:
+        if second is not None:  # the round failed: no kill left pending behind it
+            second.cancel()
+        raise
     streams, lates = ([_stream(j, *got[j.key]) for j in js] for js in (jobs, late_jobs))
     out: dict[str, Any] = {"streams": streams, "late": lates, "t_kill": t_kill, "standby_gpu_mib": standby_mib,
                            "workers": workers}
