@@ -43,8 +43,8 @@ from typing import Any
 
 import httpx
 
-from bench.pagecache import drop_cache
 from bench.stats import pct
+from devstack.pagecache import drop_cache
 from devstack.scenario import in_memory_fs, make_weights
 from devstack.stack import Stack, StackConfig
 from libs.common import procs

@@ -55,8 +55,8 @@ import numpy as np
 import typer
 
 from bench import restore_synth
-from bench.pagecache import drop_cache
 from bench.stats import quantile
+from devstack.pagecache import drop_cache
 from services.gpu_manager import blockio
 from services.gpu_manager.app import make_backend
 from services.gpu_manager.artifact import file_names, plan_blocks
