@@ -199,9 +199,13 @@ def shadow_plan(records: list[EngineRecord]) -> ShadowPlan:
 def overdue(records: list[EngineRecord], now: float, timeout_s: float,
             start_timeout_s: float | None = None) -> list[EngineRecord]:
     """Live engines whose heartbeats stopped for longer than the timeout (armed by the first heartbeat); an engine
-    still starting gets `start_timeout_s` if longer (its start-up holds its interpreter; it serves nobody yet)."""
+    still starting gets `start_timeout_s` if longer (its start-up holds its interpreter; it serves nobody yet), and so
+    does one whose link is not up (re-adopted by a restarted agent, its heartbeats come again only once its link has
+    reconnected and registered: on a loaded node that took over a second, and the timeout's 1 s declared serving
+    engines hung; a hung engine keeps its link, so the short timeout holds again from its registration on)."""
     def limit(r: EngineRecord) -> float:
-        return max(timeout_s, start_timeout_s or 0.0) if r.state is State.STARTING else timeout_s
+        waiting = r.state is State.STARTING or not r.linked
+        return max(timeout_s, start_timeout_s or 0.0) if waiting else timeout_s
     return [r for r in records if r.live and not r.faulted and r.last_heartbeat is not None
             and now - r.last_heartbeat > limit(r)]
 

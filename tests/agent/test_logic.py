@@ -99,6 +99,14 @@ def test_only_armed_live_unfaulted_engines_can_be_overdue() -> None:
     assert [r.engine_id for r in overdue([late, fresh, unarmed, faulted], 11.5, 1.0)] == ["late"]
 
 
+def test_an_engine_whose_link_is_not_up_again_gets_the_start_timeout() -> None:
+    """Re-adopted by a restarted agent, an engine beats again only once its link has registered again."""
+    readopted = rec("readopted", last_heartbeat=10.0)  # linked False: its link not (yet) reconnected
+    linked = rec("linked", last_heartbeat=10.0, linked=True)
+    assert [r.engine_id for r in overdue([readopted, linked], 12.0, 1.0, 10.0)] == ["linked"]
+    assert [r.engine_id for r in overdue([readopted, linked], 20.5, 1.0, 10.0)] == ["readopted", "linked"]
+
+
 def test_an_engine_that_never_connects_within_twice_its_cold_start_is_flagged() -> None:
     slow = rec("slow", state=State.STARTING, spawned_mono=0.0)
     assert never_linked([slow], 9.0, {KEY: SPEC}) == []
