@@ -34,7 +34,7 @@ from bench import stats
 from bench.load_client import ClientPool, Job, default_client_procs
 from devstack.scenario import MODEL, Scenario, StreamResult, make_weights, router_marks
 from devstack.stack import Stack, StackConfig
-from libs.common.events import EngineSpec
+from libs.common.events import EngineInfo, EngineSpec
 
 
 @dataclass
@@ -143,7 +143,7 @@ async def standby_gpu_mib(sc: LoadScenario) -> dict[str, int] | None:
     return out
 
 
-async def kill_when_ready(sc: LoadScenario, standby: Any, timeout: float = 120.0) -> dict[str, Any]:
+async def kill_when_ready(sc: LoadScenario, standby: EngineInfo, timeout: float = 120.0) -> dict[str, Any]:
     """A second failure during the recovery: the standby that takes the first kill over SIGKILLed as soon as its
     /health says it serves (the streams it adopted in flight, resuming). Its engine id, pid and the kill's wall time."""
     deadline = time.monotonic() + timeout
@@ -157,7 +157,7 @@ async def kill_when_ready(sc: LoadScenario, standby: Any, timeout: float = 120.0
     raise TimeoutError(f"standby {standby.engine_id} did not serve within {timeout:.0f} s")
 
 
-async def serving_besides(sc: LoadScenario, gone: set[str], timeout: float = 180.0) -> Any:
+async def serving_besides(sc: LoadScenario, gone: set[str], timeout: float = 180.0) -> EngineInfo:
     """The active engine serving once neither of `gone` is it."""
     deadline = time.monotonic() + timeout
     while True:

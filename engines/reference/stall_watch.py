@@ -13,10 +13,13 @@ kernel's wait channel, system call and (where readable) kernel stack, and how lo
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from typing import Any
+
+from libs.common import procs
 
 
 def _where(frame) -> str:  # noqa: ANN001 - a frame object
@@ -34,8 +37,8 @@ def _read(path: str, limit: int = 2048) -> str | None:
 
 def _state(tid: int) -> str | None:
     """A thread of this process's scheduler state (R, S, D, ...) from /proc, None once it is gone."""
-    stat = _read(f"/proc/self/task/{tid}/stat", 512)
-    return stat[stat.rfind(")") + 2] if stat else None
+    rest = procs.stat_fields(os.getpid(), tid=tid)
+    return rest[0].decode() if rest else None
 
 
 def _frames(frame, depth: int = 4) -> list[str]:  # noqa: ANN001 - a frame object

@@ -221,17 +221,6 @@ def reserve_fds(count: int | None = None) -> int:
     return top
 
 
-def fd_table_size(pid: int | str = "self") -> int | None:
-    """The size of a process's descriptor table (`FDSize` in /proc/<pid>/status), None if unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("FDSize:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def wall_time_of(perf: float) -> float:
     """The wall-clock time (time.time) of a `time.perf_counter()` reading taken in this process: timings kept on
     the monotonic clock, placed on the clock that other processes of the host share."""

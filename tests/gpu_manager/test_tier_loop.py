@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from libs.client.memory import MemoryClient
+from libs.common import procs
 from libs.common.events import SnapshotLease, SnapshotReply
 from tests.gpu_manager.harness import until
 
@@ -34,9 +35,9 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 def _loop_cpu(pid: int) -> float:
     """CPU time (user + system) the process's main thread, the manager's event loop, has spent so far."""
-    with open(f"/proc/{pid}/task/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime: fields 14 and 15 of the line
+    rest = procs.stat_fields(pid, tid=pid)
+    assert rest is not None, f"the manager (pid {pid}) is gone"
+    return (int(rest[11]) + int(rest[12])) * TICK_S  # utime, stime: fields 14 and 15 of the line
 
 
 def _commit(m, size: int):  # noqa: ANN001, ANN202
