@@ -56,50 +56,47 @@ async def setup(rt: Runtime) -> None:
 
     # Engines still running from a previous agent on this node, before anyone can register.
     for info in await records.load_engines(rt.store, settings.node):
-        agent.readopt(info)
+        agent.adoption.readopt(info)
 
-    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent, settings.peer_uids()),
+    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent.links, settings.peer_uids()),
                                      mode=settings.socket_mode)
     rt.on_close(server.close)
 
-    nvml = NvmlWatcher(agent.nvml_fault)
+    health = agent.gpu_health  # the node's GPUs: NVML's, or the configured simulated ones
+    nvml = NvmlWatcher(health.nvml_fault)
     has_nvml = settings.nvml and nvml.start(asyncio.get_running_loop())
     if has_nvml:
-        agent.gpus = nvml.entries_of(settings.gpus)  # the real GPUs (else the simulated ones of the config)
+        health.gpus = nvml.entries_of(settings.gpus)  # the real GPUs (else the simulated ones of the config)
     # GPUs that failed before this agent started (the gpu_manager keeps them failed): no engine is placed there.
-    agent.unhealthy.update(await records.load_failed_gpus(rt.store, settings.node, agent.gpus))
+    health.unhealthy.update(await records.load_failed_gpus(rt.store, settings.node, health.gpus))
     # Health a previous agent wished and the manager never answered: newer than the manager's marks, sent again.
-    for gpu, (healthy, detail) in agent.gpu_reports.resume(agent.gpus).items():
-        if healthy:
-            agent.unhealthy.pop(gpu, None)
-        else:
-            agent.unhealthy[gpu] = detail
+    health.resume()
     rt.on_close(_async(nvml.stop))
 
     node = NodeInfo(node=settings.node, datacenter=settings.datacenter, agent_pid=os.getpid(),
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
-                    gpus=[g.index for g in agent.gpus], nvml=bool(has_nvml))
+                    gpus=[g.index for g in health.gpus], nvml=bool(has_nvml))
     takeovers = Takeovers(agent)
     await rt.bus.serve(settings.node, Spawn, lambda cmd: _spawn(agent, cmd))
     await rt.bus.serve(settings.node, StopEngine, lambda cmd: _stop(agent, cmd))
     await rt.bus.serve(settings.node, ListEngines, lambda cmd: _list(agent))
     await rt.bus.serve(settings.node, Takeover, takeovers.handle)
-    await rt.bus.serve(settings.node, MarkGpu, agent.mark_gpu)
+    await rt.bus.serve(settings.node, MarkGpu, health.mark_gpu)
     # The node key says "up": whoever sees it may send commands at once, so it is written after every command
     # is served (serve returns once the server routes to it), never beside them.
     rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
 
-    rt.spawn("monitor", agent.monitor_loop())
-    rt.spawn("probes", agent.probe_loop())
-    rt.spawn("exiting", agent.exiting_loop())
+    rt.spawn("monitor", agent.detection.monitor_loop())
+    rt.spawn("probes", agent.probes.loop())
+    rt.spawn("exiting", agent.detection.exiting_loop())
     rt.spawn("reconcile", agent.reconcile_loop())
     rt.spawn("incident-ends", follow_incident_ends(agent, rt.store, settings.reconcile_interval_s))
     metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {
         "metrics_port": metrics_port,
         "engines": {r.engine_id: r.state.value for r in agent.records()},
-        "faults_published": agent.faults_published,
+        "faults_published": agent.detection.faults_published,
         "backoff": {b.spec_key: b.model_dump() for b in agent.backoff_report()},
         "nvml": bool(has_nvml),
         "socket": str(settings.socket_path()),
@@ -155,7 +152,7 @@ async def _spawn(agent: Agent, cmd: Spawn) -> SpawnReply:
                                  replacing=agent.engines.get(cmd.reattach_from))
         return SpawnReply(engine=agent.info(rec))
     if cmd.engine_id is None or cmd.engine_id not in agent.engines:
-        agent.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
+        agent.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
     spec, old = cmd.spec, agent.specs.get(key)
     if old is not None:  # a cold start names the one GPU placement chose: the spec keeps its others for later
         spec = spec.model_copy(update={"gpus": list(dict.fromkeys([*spec.gpus, *old.gpus]))})

@@ -17,7 +17,7 @@ import logging
 
 from libs.common import wire
 from libs.common.errors import HoldfastError, MalformedMessage, PermissionDenied
-from services.agent.supervisor import Agent
+from services.agent.links import Links
 
 log = logging.getLogger("holdfast.agent.link")
 
@@ -42,7 +42,7 @@ async def _refuse(stream: wire.FrameStream, err: HoldfastError) -> None:
             wire.close_fds(fds)
 
 
-def make_handler(agent: Agent, allowed_uids: frozenset[int]):  # noqa: ANN201 - returns the FrameServer's handler
+def make_handler(links: Links, allowed_uids: frozenset[int]):  # noqa: ANN201 - returns the FrameServer's handler
     async def handle(stream: wire.FrameStream) -> None:
         creds = stream.peer_credentials()
         why = uid_refusal(creds.uid, allowed_uids)
@@ -58,7 +58,7 @@ def make_handler(agent: Agent, allowed_uids: frozenset[int]):  # noqa: ANN201 - 
         try:
             if msg.get("op") != "register":
                 raise MalformedMessage(f"the first frame must be register, not {msg.get('op')!r}")
-            rec = agent.on_register(msg, stream)
+            rec = links.on_register(msg, stream)
         except (HoldfastError, ValueError, KeyError) as e:
             code = e.code if isinstance(e, HoldfastError) else "malformed"
             log.warning("refused a registration: %s", e)
@@ -69,12 +69,12 @@ def make_handler(agent: Agent, allowed_uids: frozenset[int]):  # noqa: ANN201 - 
             while True:
                 msg, fds = await stream.recv()
                 wire.close_fds(fds)
-                reply = agent.on_message(rec, msg)
+                reply = links.on_message(rec, msg)
                 if reply is not None:
                     await stream.send(reply)
         except (ConnectionError, OSError, HoldfastError):
             pass  # the engine went away or spoke garbage: its pidfd says whether it died
         finally:
-            agent.on_link_closed(rec, stream)
+            links.on_link_closed(rec, stream)
 
     return handle

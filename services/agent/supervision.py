@@ -111,6 +111,14 @@ def stranger_key(specs: dict[str, EngineSpec], model: str, engine_class: str, ve
     return key if key in specs else None
 
 
+def stranger_tp(spec: EngineSpec | None, followers: object) -> int:
+    """A stranger's group size: its spec's, else (no spec) the followers its rank 0 names and itself (checked against
+    each other as they are watched), else one engine."""
+    if spec is not None:
+        return spec.tp
+    return len(followers) + 1 if isinstance(followers, list) and followers else 1
+
+
 def admit_stranger(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str | None,
                    role: EngineRole) -> str | None:
     """Whether an engine that registers unknown (started by a previous agent that died before recording it, or by
@@ -227,6 +235,14 @@ def count_probes(failures: dict[str, int], answered: dict[str, bool], limit: int
         if failures[engine_id] == limit:
             out.append(engine_id)
     return out
+
+
+def probe_round_void(slept_s: float, probed_s: float, interval_s: float, timeout_s: float) -> bool:
+    """Whether a probe round says nothing of the engines: the agent itself was away, its sleep of `interval_s`
+    having taken `slept_s` and its probes (of `timeout_s` at most) `probed_s`, late in all by more than half the
+    shorter of the two (a timeout that round may be its own)."""
+    late = (slept_s - interval_s) + max(0.0, probed_s - timeout_s)
+    return late > min(interval_s, timeout_s) / 2
 
 
 def credit_absence(records: list[EngineRecord], absent_s: float, now: float) -> None:

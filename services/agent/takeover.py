@@ -80,7 +80,7 @@ class Takeovers:
         standby = self._choose(cmd, pred, owner)  # a TP group's: a standby group of its shape
         # Refused before anyone is fenced when the spec already runs its count without the predecessor (another
         # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
-        agent.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
+        agent.starts.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
         shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == owner
         # A standby that fences itself (a fenced takeover: granted once the predecessor is stopped, touching nothing
         # before its exit) needs no confirmed death either: the gpu_manager and the standby hold the fence.
@@ -184,7 +184,7 @@ class Takeovers:
                            timings: dict[str, float], shadowed: bool, orders: dict[str, str]) -> EngineRecord | None:
         agent = self.agent
         t = time.perf_counter()
-        agent.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
+        agent.starts.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
         sb.transition(Ev.ASSIGN)
         sb.taking_over = owner
         sb.role = EngineRole.ACTIVE

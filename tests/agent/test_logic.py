@@ -135,6 +135,24 @@ def test_probes_count_failures_in_a_row_and_forget_engines_no_longer_probed() ->
     assert count_probes(failures, {"b": False}, 2) == ["b"] and "a" not in failures
 
 
+def test_a_probe_round_counts_for_nobody_when_the_agent_itself_was_away() -> None:
+    from services.agent.supervision import probe_round_void
+
+    assert not probe_round_void(5.0, 5.0, 5.0, 5.0)  # on time, every probe timing out: counts
+    assert not probe_round_void(6.0, 6.0, 5.0, 5.0)  # 2 s late in all: under half of 5 s
+    assert probe_round_void(8.0, 1.0, 5.0, 5.0)  # its sleep 3 s late
+    assert probe_round_void(5.0, 8.0, 5.0, 5.0)  # its probes 3 s past their timeout
+    assert probe_round_void(5.5, 0.0, 5.0, 0.5)  # the shorter of the two sets the bar: 0.5 s late > 0.25 s
+
+
+def test_a_strangers_group_size_is_its_specs_else_its_named_followers_and_itself() -> None:
+    from services.agent.supervision import stranger_tp
+
+    assert stranger_tp(SPEC.model_copy(update={"tp": 4}), [{"rank": 1}]) == 4
+    assert stranger_tp(None, [{"rank": 1}, {"rank": 2}]) == 3
+    assert stranger_tp(None, []) == 1 and stranger_tp(None, None) == 1 and stranger_tp(None, "junk") == 1
+
+
 def test_a_stranger_is_matched_to_its_spec_by_model_class_and_version_or_to_none() -> None:
     assert stranger_key({KEY: SPEC}, SPEC.model, SPEC.engine_class, SPEC.version) == KEY
     assert stranger_key({KEY: SPEC}, SPEC.model, SPEC.engine_class, "2") is None  # another version: not this spec

@@ -1,0 +1,161 @@
+"""The engines' links: one stream per registered engine (libs/client/agent_link.py, over link_server.py's socket),
+what an engine's registration and frames do to its record, and what the agent sends it (a standby's assignment,
+a shadow's offer, a shadow's `owner_down`).
+
+A registration's pid is the kernel's (SO_PEERCRED); an engine id held by a live process cannot be claimed by
+another (invariant 5), and an engine declared failed is refused, never adopted again: its slot is its
+successor's. An engine this agent does not know is adoption.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from libs.common.errors import Conflict, MalformedMessage, PermissionDenied
+from libs.common.events import EngineReady, FaultKind, RankProcess
+from libs.common.wire import FrameStream
+from services.agent import rank_watch, shadows
+from services.agent.adoption import Adoption
+from services.agent.engines import EngineRecord, Ev, State, weights_loaded
+from services.agent.table import EngineTable, FaultReporter
+
+log = logging.getLogger("holdfast.agent")
+
+
+class Host(EngineTable, FaultReporter, shadows.Agent, Protocol):
+    """What the links need of the agent beyond its engine table and what shadows.py needs: adoption, faulting, a
+    group's followers watched, the ready waiters and a reconcile pass."""
+
+    adoption: Adoption
+
+    def watch_followers(self, rec: EngineRecord, followers: list[RankProcess]) -> None: ...
+
+    def resolve_ready(self, rec: EngineRecord, exc: BaseException | None = None) -> None: ...
+
+    def reconcile_soon(self) -> None: ...
+
+
+class Links:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.streams: dict[str, FrameStream] = {}  # engine id -> its registered link
+
+    def on_register(self, msg: dict[str, Any], stream: FrameStream) -> EngineRecord:
+        host = self.host
+        creds = stream.peer_credentials()
+        pid = int(msg.get("pid") or 0)
+        if pid != creds.pid:
+            raise PermissionDenied(f"claimed pid {pid} but the socket says {creds.pid}")
+        engine_id = str(msg.get("engine_id") or "")
+        if not engine_id:
+            raise PermissionDenied("register needs an engine_id")
+        rec = host.engines.get(engine_id)
+        if rec is not None and rec.pid not in (None, pid) and host.watcher.watching(engine_id):
+            raise Conflict(f"engine {engine_id} is already registered by pid {rec.pid}")
+        if rec is not None and rec.state is State.FAILED and rec.pid == pid:
+            # Declared failed (hung, say, slow to connect): its fault is published and its slot is a successor's;
+            # adopting it again would run one engine more than the spec wants. It is killed when retired.
+            raise Conflict(f"engine {engine_id} (pid {pid}) was declared failed: it is replaced, not registered")
+        if rec is None or not rec.live:
+            rec = host.adoption.adopt(msg, pid)
+        old = self.streams.pop(engine_id, None)
+        if old is not None and old is not stream:
+            old.close()  # the same engine registering again: its newer connection wins
+        self.streams[engine_id] = stream
+        rec.linked = True
+        if msg.get("heartbeats") and rec.last_heartbeat is None:
+            rec.last_heartbeat = time.monotonic()  # re-registration of a heartbeating engine: keep watching
+        rec.can_shadow = bool(msg.get("can_shadow"))
+        rec.fences = bool(msg.get("fences"))
+        if msg.get("followers") and rec.tp > 1:  # a TP group's rank 0 names its other ranks: watched from now on
+            try:
+                host.watch_followers(rec, rank_watch.parse_followers(msg["followers"], rec.tp))
+            except MalformedMessage as e:
+                log.warning("engine %s: %s; its followers' deaths are seen through its exit", rec.engine_id, e)
+        if msg.get("shadows"):
+            rec.shadows = str(msg["shadows"])  # re-registration: it still shadows that engine
+        state = msg.get("state")
+        if state in ("ready", "standby") and rec.state is State.STARTING:
+            rec.endpoint = msg.get("endpoint")
+            rec.transition(Ev.READY)
+            host.save(rec)
+        return rec
+
+    def on_message(self, rec: EngineRecord, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Handle one frame from an engine; returns the reply (an ack) if the frame wants one."""
+        host = self.host
+        op = msg.get("op")
+        if op == "heartbeat":
+            armed = rec.last_heartbeat is not None
+            rec.last_heartbeat = time.monotonic()
+            if not armed:
+                host.save(rec)  # recorded, so that a restarted agent keeps watching it for hangs
+            return None
+        ack = {"op": "ack", "seq": msg.get("seq")} if "seq" in msg else None
+        if op == "ready":
+            self._ready(rec, msg)
+        elif op == "fatal":
+            kind = FaultKind.CUDA_ERROR if msg.get("kind", "cuda_error") == "cuda_error" else FaultKind(msg["kind"])
+            host.fault(rec, kind, detail=str(msg.get("detail", "")), died_at=time.time())
+        elif op == "shadowing":
+            shadows.shadowing(host, rec, msg.get("owner") or None)
+        elif op == "asleep":  # its memory goes (or came back): its shadows are dropped (or offered again)
+            rec.asleep = bool(msg.get("sleeping"))
+            host.background(shadows.reconcile(host), f"shadows:{rec.engine_id}")
+        elif op == "bye":
+            rec.said_bye = True
+        else:
+            return {"op": "error", "code": "malformed", "message": f"unknown op {op!r}"}
+        return ack
+
+    def _ready(self, rec: EngineRecord, msg: dict[str, Any]) -> None:
+        host = self.host
+        if msg.get("heartbeats") and rec.last_heartbeat is None:
+            rec.last_heartbeat = time.monotonic()  # heartbeats are on: a hang from now on is detected
+        rec.endpoint = msg.get("endpoint")
+        kv = msg.get("kv")
+        rec.kv = kv[:500] if isinstance(kv, str) else None
+        try:
+            rec.weights = weights_loaded(msg.get("weights"))
+        except MalformedMessage as e:  # the engine serves all the same; its timeline lacks the source
+            log.warning("engine %s: %s", rec.engine_id, e)
+        if rec.state in (State.STARTING, State.ASSIGNED, State.READY, State.STANDBY):
+            rec.ready_perf = time.perf_counter()
+            rec.transition(Ev.READY)
+            # The waiter (a takeover's reply) first: it runs before the publish and the etcd write
+            # queued below (the event loop runs callbacks in the order they were scheduled).
+            host.resolve_ready(rec)
+            host.publish(EngineReady(engine=host.info(rec), takeover_of=rec.taking_over))
+            host.save(rec)
+            host.reconcile_soon()  # a new standby, or a new engine to shadow
+
+    def on_link_closed(self, rec: EngineRecord, stream: FrameStream) -> None:
+        if self.streams.get(rec.engine_id) is stream:
+            self.streams.pop(rec.engine_id, None)
+            rec.linked = False
+
+    async def assign(self, rec: EngineRecord, msg: dict[str, Any]) -> None:
+        link = self.streams.get(rec.engine_id)
+        if link is None:
+            raise ConnectionError(f"standby {rec.engine_id} has no link")
+        await link.send(msg)
+
+    def owner_down(self, rec: EngineRecord) -> None:
+        """A standby shadowing the failed engine hears of it now, not only when assigned (~6 ms later on an H200):
+        it can start on the generations the engine had in flight (engines/reference/continuation.py)."""
+        for sb in self.host.engines.values():
+            if sb.shadows == rec.engine_id and sb.engine_id in self.streams:
+                self.host.background(self.assign(sb, {"op": "owner_down", "owner": rec.engine_id}),
+                                     f"owner-down:{sb.engine_id}")
+
+    def drop(self, engine_id: str) -> None:
+        """The engine's process is gone: its link is closed."""
+        link = self.streams.pop(engine_id, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for link in list(self.streams.values()):
+            link.close()
