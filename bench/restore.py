@@ -6,8 +6,9 @@ In this process, with the gpu_manager's own backend (memfd or cuMemCreate chunks
 restore_cuda.py), without a stack:
 - speed of light: direct reads of the artifact's files on `workers` threads into host memory (no hash, no
   copy on), and on cuda pinned host-to-device copies on 4 streams;
-- `file`: the cold path as it is (safetensors_io._copy_in: preadv into the memfd on host, a 64 MiB pinned
-  bounce buffer on cuda);
+- `file`: the engines' cold path as it is (safetensors_io.fill_lease: aligned reads of the weights file on
+  `workers` threads, O_DIRECT where allowed, each into a buffer of its own, then to the lease: into the memfd's
+  pages on host, through pinned buffers on cuda);
 - `safetensors`: the peer a user would pick instead (safetensors.numpy / safetensors.torch load_file, to
   host memory or to the GPU); fastsafetensors is measured where installed;
 - `artifact-buffered` and `artifact-direct`: the artifact restore without and with O_DIRECT, hashes checked;
@@ -46,7 +47,6 @@ import struct
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,10 +57,12 @@ import typer
 from bench import restore_synth
 from bench.stats import quantile
 from devstack.pagecache import drop_cache
+from libs.client import direct_io
+from libs.client.direct_io import OpenFiles
 from services.gpu_manager import blockio
 from services.gpu_manager.app import make_backend
 from services.gpu_manager.artifact import file_names, plan_blocks
-from services.gpu_manager.blockio import HostWindow, OpenFiles
+from services.gpu_manager.blockio import HostWindow
 
 GDS_NODE = "/dev/nvidia-fs0"  # GPUDirect Storage's device: fastsafetensors reads disk to GPU with it
 SOURCES = ("file", "safetensors", "fastsafetensors", "artifact-buffered", "artifact-direct", "host", "host-bounce")
@@ -134,6 +136,7 @@ class Bench:
             self.layout, total = plan_layout(header, "bench")
         self.size = -(-max(total, BLOCK) // max(gran, 4096)) * max(gran, 4096)
         self.chunk = -(-GIB // gran) * gran
+        self.file_direct = False  # the file path's reads were O_DIRECT (the last `cold_file`)
         self.host_fds: list[int] = []  # the host tier's memfds, once copied
         self.registered: Any = None  # their registration on cuda (host_tier_cuda.RegisteredCopy)
 
@@ -212,18 +215,36 @@ class Bench:
     # ---------------------------------------------------------------- sources
 
     def cold_file(self) -> tuple[float, list[Any]]:
-        from libs.client.safetensors_io import _copy_in
+        from libs.client.safetensors_io import fill_lease
 
         chunks = self.lease()
         m = self.mapping(chunks)
         drop_cache([self.path])
-        fd = os.open(self.path, os.O_RDONLY)
         t0 = time.perf_counter()
-        _copy_in(types.SimpleNamespace(mapping=m), fd, self.data_start, self.layout)  # type: ignore[arg-type]
+        self.file_direct = fill_lease(m, self.path, self.data_start, self.layout, workers=self.workers)
         seconds = time.perf_counter() - t0
-        os.close(fd)
         m.unmap()
         return seconds, chunks
+
+    def file_bytes_match(self, chunks: list[Any], edge: int = 64 * 1024) -> bool:
+        """Whether the lease filled by `cold_file` holds each tensor's first and last `edge` bytes as the file
+        has them (read here with plain buffered preads: a check of the reads' plan independent of it)."""
+        m = self.mapping(chunks)
+        try:
+            with open(self.path, "rb") as f:
+                for meta, start, nbytes in self.layout:
+                    for at in sorted({0, max(0, nbytes - edge)}):
+                        n = min(edge, nbytes - at)
+                        want = os.pread(f.fileno(), n, self.data_start + start + at)
+                        if m.kind == "cuda":
+                            got = m.torch_bytes(meta.offset + at, n).cpu().numpy().tobytes()
+                        else:
+                            got = bytes(m.buffer(meta.offset + at, n))
+                        if got != want:
+                            return False
+            return True
+        finally:
+            m.unmap()
 
     def peer_safetensors(self) -> float:
         drop_cache([self.path])
@@ -265,7 +286,7 @@ class Bench:
     def write_artifact(self, chunks: list[Any]) -> tuple[list[Path], list[str], float]:
         entries = file_names(self.size, FILE)
         paths = [self.dir / e.name for e in entries]
-        files = blockio.open_files(paths, write=True, direct=True, sizes=[e.bytes for e in entries])
+        files = direct_io.open_files(paths, write=True, direct=True, sizes=[e.bytes for e in entries])
         w = self.window(chunks, to_device=False)
         t0 = time.perf_counter()
         digests = blockio.write_blocks(files, plan_blocks(self.size, BLOCK, FILE), w, workers=self.workers)
@@ -312,7 +333,7 @@ class Bench:
     def sol_read(self, paths: list[Path]) -> float:
         """The disk's speed of light: O_DIRECT reads on the pool into host memory, no hash, no copy on."""
         drop_cache(paths)
-        files = blockio.open_files(paths, write=False, direct=True)
+        files = direct_io.open_files(paths, write=False, direct=True)
         try:
             seconds, chunks, _ = self.read(files, None, into_device=False)
         finally:
@@ -384,6 +405,10 @@ def goals(out: dict[str, Any]) -> dict[str, Any]:
             if rate.get(name):
                 g[f"{name}_vs_fastsafetensors"] = {"speedup": round(rate[name] / rate["fastsafetensors"], 3),
                                                    "met": rate[name] > rate["fastsafetensors"]}
+                trials = out.get("trials_s", {})
+                ours, theirs = trials.get(name, []), trials.get("fastsafetensors", [])
+                if ours and len(ours) == len(theirs):  # each trial's pair, run back to back
+                    g[f"{name}_vs_fastsafetensors"]["per_trial"] = [round(t / o, 3) for o, t in zip(ours, theirs, strict=True)]
     if rate.get("host"):
         # The weights' copy alone, at this run's host-tier rate; the new engine's start is on top (cold_starts).
         s = TARGET_GIB / rate["host"]
@@ -417,6 +442,7 @@ def run(backend: str, weights_gib: float, directory: Path | None, trials: int, w
     out: dict[str, Any] = {"backend": backend, "workers": workers, "trials": trials, "dir": str(base),
                            "block_mib": BLOCK >> 20, "sources": list(sources), "peers": peer_status(), "gib_s": {},
                            "seconds": {}, "to_ready_s": {}, "verified": {}, "errors": {}, "skipped": {}, "steps": [],
+                           "direct_io": {},
                            "complete": False, "weights": "generated in a lease" if synthetic else "file"}
     step = stepper(out, progress)
     bench: Bench | None = None
@@ -476,6 +502,7 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
     else:
         seconds, reference_chunks = bench.cold_file()
         reference = bench.lease_bytes(reference_chunks)
+        out["verified"]["file"] = bench.file_bytes_match(reference_chunks)
         if "file" in sources:
             secs["file"] = [seconds]
             out["seconds"]["file"], out["gib_s"]["file"] = round(seconds, 4), round(gib / seconds, 3)
@@ -519,8 +546,8 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
     def artifact(direct: bool) -> Callable[[], tuple[float, list[Any], float]]:
         def restore() -> tuple[float, list[Any], float]:
             drop_cache(paths)
-            files = blockio.open_files(paths, write=False, direct=direct)
-            out.setdefault("direct_io", {})[f"artifact-{'direct' if direct else 'buffered'}"] = files.direct
+            files = direct_io.open_files(paths, write=False, direct=direct)
+            out["direct_io"][f"artifact-{'direct' if direct else 'buffered'}"] = files.direct
             try:
                 return bench.read(files, digests, into_device=True)
             finally:
@@ -536,12 +563,13 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
     if not paths:
         out["skipped"]["sol_direct_read"] = "no artifact: a host-tier-only run writes none"
     for trial in range(trials):
-        if trial and "file" in sources:
-            timed("file", bench.cold_file)
-        if "safetensors" in sources:
-            timed("safetensors", bench.peer_safetensors)
-        if "fastsafetensors" in sources:
-            timed("fastsafetensors", bench.peer_fastsafetensors)
+        # The file's readers take turns going first (every other trial in reverse), so that none is always the
+        # one that runs right after the artifact's or the tier's work.
+        readers = [(name, fn) for name, fn in (("file", bench.cold_file), ("safetensors", bench.peer_safetensors),
+                                               ("fastsafetensors", bench.peer_fastsafetensors))
+                   if name in sources and (trial or name != "file")]  # trial 0's file load is the reference's
+        for name, fn in readers[::-1] if trial % 2 else readers:
+            timed(name, fn)
         if paths:
             timed("sol_direct_read", lambda: bench.sol_read(paths))
         if "artifact-buffered" in sources:
@@ -552,6 +580,8 @@ def _measure(bench: Bench, out: dict[str, Any], sources: tuple[str, ...], trials
             timed("host", host("registered" if registered is not None else "bounce"))
         if cuda and "host-bounce" in sources:
             timed("host-bounce", host("bounce"))
+    out["trials_s"] = {name: [round(x, 4) for x in xs] for name, xs in secs.items()}
+    out["direct_io"]["file"] = bench.file_direct
     if "host" in sources:
         out["host_path"] = "registered" if registered is not None else ("bounce" if cuda else "in place")
     if cuda:
@@ -638,7 +668,7 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sources") from None
 
-    result = run(backend, weights_gib, dir, trials, workers or blockio.default_workers(), picked,
+    result = run(backend, weights_gib, dir, trials, workers or direct_io.default_workers(), picked,
                  reporter("bench restore", out_path), first_token, manager)
     if json_out:
         print(json.dumps(result, indent=2))

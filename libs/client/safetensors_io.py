@@ -1,9 +1,10 @@
 """Load a safetensors file into one leased allocation: one lease for the whole file, every tensor registered
 (name, offset, shape, dtype) and the layout committed, so a successor gets them back without reading disk.
 
-The file's header is parsed here (8-byte little-endian length, then JSON); tensor bytes are read straight
-into the mapped lease on host (preadv into the shared pages) and through a bounce buffer on cuda. Tensors
-are placed at 256-byte aligned offsets so every dtype view is aligned.
+The file's header is parsed here (8-byte little-endian length, then JSON); tensor bytes are read by many aligned
+reads in flight (O_DIRECT where the filesystem takes it) and copied to their places in the lease: into its pages on
+host, through pinned buffers on cuda (file_fill.py). Tensors are placed at 256-byte aligned offsets so every dtype
+view is aligned.
 
 `restore_or_load` is the one cold path of every engine (reference, batched): the node's copy of the class's
 weights (host tier, else artifact, restored by the gpu_manager) when there is a sound one of the expected
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import struct
 import time
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from libs.client.direct_io import default_workers
+from libs.client.file_fill import fill_from_file
 from libs.client.memory import MappedLease, MemoryClient
 from libs.client.protocol import ArtifactInvalid, TensorMeta
 from libs.common.errors import MalformedMessage, NotFound
@@ -38,7 +40,6 @@ from libs.common.errors import MalformedMessage, NotFound
 log = logging.getLogger("holdfast.client.safetensors")
 
 ALIGN = 256
-BOUNCE_BYTES = 64 * 1024 * 1024
 
 SAFETENSORS_DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
@@ -84,29 +85,12 @@ def plan_layout(header: dict[str, Any], lease_id: str, order: Sequence[str] | No
     return out, max(offset, ALIGN)
 
 
-def _copy_in(lease: MappedLease, fd: int, data_start: int, layout: list[tuple[TensorMeta, int, int]]) -> None:
-    if lease.mapping.kind == "host":
-        for meta, start, nbytes in layout:
-            if nbytes:
-                view = memoryview(lease.mapping.buffer(meta.offset, nbytes)).cast("B")
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [view[done:]], data_start + start + done)
-                    if got <= 0:
-                        raise MalformedMessage("safetensors file is shorter than its header says")
-                    done += got
-        return
-    import torch
-
-    bounce = torch.empty(BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
-    for meta, start, nbytes in layout:
-        for pos in range(0, nbytes, BOUNCE_BYTES):
-            n = min(BOUNCE_BYTES, nbytes - pos)
-            chunk = bounce[:n]
-            if os.preadv(fd, [chunk.numpy().data], data_start + start + pos) != n:
-                raise MalformedMessage("safetensors file is shorter than its header says")
-            lease.mapping.torch_bytes(meta.offset + pos, n).copy_(chunk)
-    torch.cuda.synchronize()
+def fill_lease(mapping: Any, path: str | Path, data_start: int, layout: Layout, *,
+               workers: int | None = None) -> bool:
+    """The layout's tensors read from the file into the mapped lease (file_fill.py: parallel aligned reads, O_DIRECT
+    where the filesystem takes it, pieces copied to their lease offsets); returns whether the reads were direct."""
+    ranges = [(data_start + start, meta.offset, nbytes) for meta, start, nbytes in layout]
+    return fill_from_file(mapping, path, ranges, workers=workers or default_workers())
 
 
 def load_safetensors_into_leases(client: MemoryClient, path: str | Path, *, tag: str = "weights",
@@ -129,11 +113,7 @@ def load_file_into_lease(client: MemoryClient, path: str | Path, *, tag: str = "
     _, total = plan(header, "pending")
     lease = client.allocate(total, tag=tag, name=name, gpu=gpu)
     layout, _ = plan(header, lease.id)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _copy_in(lease, fd, data_start, layout)
-    finally:
-        os.close(fd)
+    fill_lease(lease.mapping, path, data_start, layout)
     metas = [meta for meta, _, _ in layout]
     client.register(metas)
     client.commit()

@@ -37,11 +37,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from libs.client.direct_io import read_exact, run_blocks
 from libs.client.protocol import ArtifactInvalid, TensorMeta
 from libs.common.errors import HoldfastError
 from libs.common.events import LeaseState, Tag
 from services.gpu_manager.artifact import Block, Manifest, block_digest, default_name, plan_blocks, rebase
-from services.gpu_manager.blockio import read_exact, run_blocks
 from services.gpu_manager.records import LeaseRecord, layout_hash
 
 

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from libs.client.direct_io import OpenFiles, default_workers, open_files
 from libs.common.errors import Conflict, HoldfastError, NotFound, Unavailable
 from libs.common.events import LeaseState, SnapshotReply, Tag
 from services.gpu_manager.artifact import (
@@ -51,14 +52,7 @@ from services.gpu_manager.artifact import (
     root_digest,
     write_manifest,
 )
-from services.gpu_manager.blockio import (
-    HostWindow,
-    OpenFiles,
-    default_workers,
-    open_files,
-    read_blocks,
-    write_blocks,
-)
+from services.gpu_manager.blockio import HostWindow, read_blocks, write_blocks
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.manager import LeaseBook
 from services.gpu_manager.peer import Candidate, hash_lease

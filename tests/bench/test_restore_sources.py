@@ -29,7 +29,7 @@ def app() -> typer.Typer:
 
 def test_only_the_sources_named_are_timed_and_each_restores_the_files_bytes(tmp_path: Path):
     out = run("host", 0.0625, tmp_path, trials=1, workers=2, sources=("artifact-direct", "host"))
-    assert out["verified"] == {"artifact-direct": True, "host": True} and out["host_path"] == "in place"
+    assert out["verified"] == {"file": True, "artifact-direct": True, "host": True} and out["host_path"] == "in place"
     assert set(out["gib_s"]) == {"sol_direct_read", "artifact-direct", "host"}
     assert all(v > 0 for v in out["gib_s"].values()) and out["weights"] == "file"
     assert out["complete"] and out["errors"] == {} and "error" not in out
@@ -141,7 +141,7 @@ def test_a_source_that_fails_is_reported_and_the_others_are_measured(tmp_path: P
 
     out = run("host", 0.0625, tmp_path, trials=2, workers=2, sources=("artifact-direct", "host"), progress=corrupt)
     assert set(out["errors"]) == {"artifact-direct"} and "ArtifactInvalid" in out["errors"]["artifact-direct"]
-    assert out["verified"] == {"host": True} and out["gib_s"]["host"] > 0 and out["complete"]
+    assert out["verified"] == {"file": True, "host": True} and out["gib_s"]["host"] > 0 and out["complete"]
     assert "artifact-direct" not in out["gib_s"] and "artifact_share_of_direct_read" not in out["goals"]
     result = CliRunner().invoke(app(), ["--backend", "nope", "--weights-gib", "0.0625", "--dir", str(tmp_path),
                                         "--json"])

@@ -10,7 +10,7 @@ def test_the_restore_bench_measures_every_source_and_each_restores_the_files_byt
     from bench.restore import run
 
     out = run("host", 0.0625, tmp_path, trials=1, workers=2)
-    assert out["verified"] == {"artifact-buffered": True, "artifact-direct": True, "host": True}
+    assert out["verified"] == {"file": True, "artifact-buffered": True, "artifact-direct": True, "host": True}
     assert set(out["gib_s"]) >= {"file", "safetensors", "sol_direct_read", "artifact-buffered", "artifact-direct",
                                  "host"}
     assert all(v > 0 for v in out["gib_s"].values())

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from libs.client.direct_io import open_files
 from libs.client.protocol import ArtifactInvalid
 from services.gpu_manager.artifact import ALIGN, Block, file_names, plan_blocks
-from services.gpu_manager.blockio import HostWindow, open_files, read_blocks, write_blocks
+from services.gpu_manager.blockio import HostWindow, read_blocks, write_blocks
 
 MIB = 1024 * 1024
 
@@ -73,7 +74,7 @@ def test_an_o_direct_read_the_kernel_refuses_falls_back_to_buffered_io(tmp_path:
     of a misaligned buffer stands in for it: the read turns O_DIRECT off on that fd and completes."""
     import fcntl
 
-    from services.gpu_manager.blockio import O_DIRECT, read_exact
+    from libs.client.direct_io import O_DIRECT, read_exact
 
     (tmp_path / "f").write_bytes(bytes(range(256)) * 64)
     files = open_files([tmp_path / "f"], write=False, direct=True)

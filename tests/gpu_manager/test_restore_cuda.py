@@ -63,5 +63,6 @@ def test_cuda_restore_bench_sources_agree_on_the_bytes(tmp_path: Path):
     from bench.restore import run
 
     out = run("cuda", 0.5, tmp_path, trials=1, workers=4)
-    assert out["verified"] == {"artifact-buffered": True, "artifact-direct": True, "host": True, "host-bounce": True}
+    assert out["verified"] == {"file": True, "artifact-buffered": True, "artifact-direct": True, "host": True,
+                               "host-bounce": True}
     assert out["gib_s"]["sol_pinned_h2d"] > 0
