@@ -2,7 +2,7 @@
 
 GPU faults are injected where the driver reports them: a datagram `{"gpu": 0, "xid": 79}` (or `"ecc": true`)
 sent to the unix socket `$HF_CHAOS_NVML_SOCKET` comes out of `nvmlEventSetWait_v2` as an XID (or double-bit
-ECC) event, so the agent's own `NvmlWatcher` -> `Agent.gpu_fault` -> `FaultDetected` path runs unchanged.
+ECC) event, so the agent's own `NvmlWatcher` -> `GpuHealth.gpu_fault` -> `FaultDetected` path runs unchanged.
 Where the real package is installed (a GPU machine) every other call goes to it and its events still come
 through; without it there is one device, index 0 (the host backend's one memory pool).
 """
