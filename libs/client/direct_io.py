@@ -11,8 +11,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +28,39 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096  # the largest logical block size of common devices: O_DIRECT offsets, lengths and buffers
 
 T = TypeVar("T")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_share(path: Path, offset: int = 0, nbytes: int | None = None) -> float:
+    """The share of the file's pages in [offset, offset + nbytes) that sit in the page cache now: mincore over a
+    mapping of the file that is never touched (no page is read). 0.0 where it cannot be told."""
+    size = os.stat(path).st_size
+    end = size if nbytes is None else min(size, offset + nbytes)
+    start = offset - offset % mmap.PAGESIZE
+    length = end - start
+    if length <= 0:
+        return 0.0
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr in (None, _MAP_FAILED):
+            return 0.0
+        try:
+            pages = -(-length // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, length, vec) != 0:
+                return 0.0
+            return 1.0 - bytes(vec).count(0) / pages  # a byte per page, its low bit set where the page is resident
+        finally:
+            _libc.munmap(addr, length)
+    finally:
+        os.close(fd)
 
 
 @dataclass

@@ -14,6 +14,7 @@ Invariants (tests/client/test_file_fill.py):
    every block's file offset and length are multiples of ALIGN; blocks are in file order and do not overlap.
 2. A file that ends before a block's `need` is refused (`MalformedMessage`), whatever the block's padding.
 3. A pinned buffer is read into again only after the copies out of it completed (its worker's event).
+4. Reads are O_DIRECT (where the filesystem takes it) unless CACHED_SHARE of the span read is in the page cache.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.client.direct_io import ALIGN, open_files, read_upto, run_blocks
+from libs.client.direct_io import ALIGN, open_files, read_upto, resident_share, run_blocks
 from libs.common.errors import MalformedMessage
 
 BLOCK_BYTES = 64 * 1024 * 1024
+# A file at least this much in the page cache is read buffered: its cached pages come at memory speed (a node that
+# starts an engine again soon after, or whose file was just written), which O_DIRECT would read from disk again.
+CACHED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,13 @@ def _up(x: int, align: int) -> int:
 def fill_from_file(mapping: Any, path: str | Path, ranges: Sequence[tuple[int, int, int]], *, workers: int = 8,
                    block_bytes: int = BLOCK_BYTES) -> bool:
     """Copy each (file offset, lease offset, bytes) of `path` into the mapped lease (`mapping`: libs.client's host
-    or cuda mapping); returns whether the reads were O_DIRECT. Returns when every byte is in place."""
+    or cuda mapping); returns whether the reads were O_DIRECT (invariant 4). Returns when every byte is in place."""
     blocks = plan_reads(ranges, block_bytes)
     if not blocks:
         return False
-    files = open_files([Path(path)], write=False, direct=True)
+    lo, hi = blocks[0].file_offset, blocks[-1].file_offset + blocks[-1].nbytes
+    direct = resident_share(Path(path), lo, hi - lo) < CACHED_SHARE  # invariant 4
+    files = open_files([Path(path)], write=False, direct=direct)
     size = max(b.nbytes for b in blocks)
     sink: _CudaSink | _HostSink = (_CudaSink(mapping, size, workers) if mapping.kind == "cuda"
                                    else _HostSink(mapping, size, workers))

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from libs.client.direct_io import ALIGN
-from libs.client.file_fill import Piece, fill_from_file, plan_reads
+from devstack.pagecache import drop_cache
+from libs.client.direct_io import ALIGN, resident_share
+from libs.client.file_fill import CACHED_SHARE, Piece, fill_from_file, plan_reads
 from libs.client.mapping import HostMapping
 from libs.common.errors import MalformedMessage
 from libs.common.gpu import has_gpu
@@ -102,7 +103,26 @@ def test_a_file_fills_a_memfd_lease_with_o_direct_reads(tmp_path: Path, workers:
     end = max(f + n for f, _, n in ranges)
     data = np.random.default_rng(1).integers(0, 256, end + 321, dtype=np.uint8).tobytes()  # ends unaligned
     (tmp_path / "w.bin").write_bytes(data)
-    assert fill_and_check(tmp_path / "w.bin", data, ranges, workers=workers, block=block)  # the disk takes O_DIRECT
+    drop_cache([tmp_path / "w.bin"])  # not in the page cache: read from the disk, which takes O_DIRECT
+    assert fill_and_check(tmp_path / "w.bin", data, ranges, workers=workers, block=block)
+
+
+def test_a_file_in_the_page_cache_is_read_buffered_and_one_on_disk_direct(tmp_path: Path):
+    """Cached pages come at memory speed only through the cache: a file mostly cached is read buffered."""
+    rng = random.Random(5)
+    ranges = random_ranges(rng, 30, start=8 + 99)
+    end = max(f + n for f, _, n in ranges)
+    data = np.random.default_rng(3).integers(0, 256, end, dtype=np.uint8).tobytes()
+    path = tmp_path / "w.bin"
+    path.write_bytes(data)
+    os.sync()
+    drop_cache([path])
+    assert resident_share(path) < CACHED_SHARE
+    assert fill_and_check(path, data, ranges, workers=2, block=64 * KIB)  # O_DIRECT: the cache stays cold
+    assert resident_share(path) < CACHED_SHARE
+    assert path.read_bytes() == data  # a buffered read brings it in
+    assert resident_share(path) == 1.0
+    assert not fill_and_check(path, data, ranges, workers=2, block=64 * KIB)
 
 
 def test_a_file_in_memory_fills_a_lease_too():
