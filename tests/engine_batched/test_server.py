@@ -17,12 +17,19 @@ from libs.common import procs
 from tests.engine.support import make_tiny_weights
 
 
+# The KV cache of an engine whose test does not size it (here and tests/router/test_resume_batch.py): 1,024 blocks
+# of 16 tokens, several times what any of their tests holds at once. The CPU default (max_num_seqs sequences of the
+# model's 2,048 tokens: 1 GiB at 256) was zeroed at each start and freed at each exit, on the 2-core test machines.
+KV_BLOCKS = ("--num-blocks", "1024")
+
+
 class Engine:
     def __init__(self, tmp: Path, *args: str) -> None:
         weights = make_tiny_weights(tmp / "tiny.safetensors")
         self.ready = tmp / "ready.json"
+        kv = () if "--num-blocks" in args else KV_BLOCKS
         argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", "tiny", "--memory",
-                "local", "--agent", "off", "--ready-file", str(self.ready), *args]
+                "local", "--agent", "off", "--ready-file", str(self.ready), *kv, *args]
         self.child = procs.Child("batched", argv, env={"PYTHONUNBUFFERED": "1"}, log_path=tmp / "engine.log").start()
         deadline = time.monotonic() + 90
         while not self.ready.exists():
