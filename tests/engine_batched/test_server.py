@@ -16,7 +16,6 @@ import pytest
 from libs.common import procs
 from tests.engine.support import make_tiny_weights
 
-
 # The KV cache of an engine whose test does not size it (here and tests/router/test_resume_batch.py): 1,024 blocks
 # of 16 tokens, several times what any of their tests holds at once. The CPU default (max_num_seqs sequences of the
 # model's 2,048 tokens: 1 GiB at 256) was zeroed at each start and freed at each exit, on the 2-core test machines.
