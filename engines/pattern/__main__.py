@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from engines.http_thread import write_ready_file
 from engines.pattern import pattern
-from libs.client.agent_link import AgentLink
 from libs.common.ids import new_id
 
 if TYPE_CHECKING:  # the HTTP stack is imported only where HTTP is served (--no-http starts without it)
@@ -142,6 +141,9 @@ def serve_alone(args: argparse.Namespace, stop: threading.Event) -> int:
 
 
 def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
+    # Imported here: the link brings the event models (~0.15 CPU-s), which an engine with --agent off never uses.
+    from libs.client.agent_link import AgentLink
+
     link = AgentLink.connect()
     log.info("engine %s registered with the agent (%s)", link.engine_id, link.role)
     link.start_heartbeats(args.heartbeat_s)
