@@ -160,9 +160,7 @@ class Commands:
 
         sub = await link.nc.subscribe(subject, queue=queue, cb=answer if inline else spawn)
         link.subs.append(sub)
-        # One round trip: when serve returns, the server routes the command here. Without it a request sent
-        # at once from another connection can beat the SUB to the server and get "no responders".
-        await link.nc.flush()
+        await settle(link.nc)
         return sub
 
     async def serve_raw(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
@@ -174,7 +172,19 @@ class Commands:
         full = subject if subject.startswith(self.link.prefix + ".") else f"{self.link.prefix}.{subject}"
         sub = await self.link.nc.subscribe(full, cb=cb)
         self.link.subs.append(sub)
+        await settle(self.link.nc)
         return sub
+
+
+async def settle(nc: Any) -> None:
+    """Return once the server has every command this connection queued before the call (a SUB: whoever asks
+    next, from any connection, is answered, not told "no responders"). Two round trips: nats-py's flush writes
+    its PING straight to the socket while earlier commands may still wait in its pending buffer for the flusher
+    task, so one PONG can come back before the server has read them (seen in nats-server's trace: a SUB read
+    after another connection's request); by the first PONG the flusher has written them, and the second PING
+    follows them (tests/common/test_bus_serve_ready.py)."""
+    await nc.flush()
+    await nc.flush()
 
 
 class _Replies:
