@@ -25,6 +25,10 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $SPECS
 
+# bench restore's peer on the same file (not a dependency of ours, not in the device image): fastsafetensors.
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d .whl fastsafetensors==0.5.0
+
 # nkeys (NATS auth) is published as a source archive only: build its pure-Python wheel here.
 $PY -m pip wheel -q --no-deps -w .whl "nkeys==$($PY -c "import importlib.metadata as m; print(m.version('nkeys'))")"
 
