@@ -122,6 +122,7 @@ class Runtime:
         await self.bus.serve_raw(health_subject(prefix, self.service, self.instance), health)
         # Also on the bare service subject: whoever runs one instance can ask without knowing its name.
         await self.bus.serve_raw(f"{prefix}.health.{self.service}", health)
+        await self.bus.settle()  # both subscriptions at the server before the service says it is up
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from libs.common.backoff import Backoff
 from libs.common.bus import durable, receive
-from libs.common.bus.commands import C, Commands, R
+from libs.common.bus.commands import C, Commands, R, settle
 from libs.common.bus.connection import Link, open_connection
 from libs.common.bus.durable import BatchHandler, Consumer
 from libs.common.bus.publish import Publisher, Wired
@@ -155,6 +155,12 @@ class Bus:
                                          inline=inline)
 
     async def serve_raw(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
+        """Answer raw requests on `subject`; unlike `serve`, it returns before the server has the subscription
+        (`settle` waits for that, once for several)."""
         return await self.commands.serve_raw(subject, handler)
+
+    async def settle(self) -> None:
+        """Return once the server has every subscription made before the call (commands.settle)."""
+        await settle(self.nc)
 
 

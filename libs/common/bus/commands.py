@@ -172,7 +172,6 @@ class Commands:
         full = subject if subject.startswith(self.link.prefix + ".") else f"{self.link.prefix}.{subject}"
         sub = await self.link.nc.subscribe(full, cb=cb)
         self.link.subs.append(sub)
-        await settle(self.link.nc)
         return sub
 
 
