@@ -27,7 +27,7 @@ async def test_a_late_health_answer_is_counted_and_reported_not_a_crash(bus, set
         await msg.respond(json.dumps({"detail": {"host_tier": tier}}).encode())
 
     sub = await bus.nc.subscribe(f"{settings.subject_prefix}.health.gpu_manager", cb=answer)
-    await bus.nc.flush()
+    await bus.settle()  # at the server before another connection asks
     stack = types.SimpleNamespace(settings=lambda: settings)
     try:
         out = await restore_manager._wait_copy(stack, 1, False, time.perf_counter(), timeout_s=30)

@@ -22,6 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from libs.common import procs
+from libs.common.bus.commands import settle
 from libs.common.config import CommonSettings
 from libs.common.security import Credentials, RenewingNATS, mint, servers
 from libs.common.security.policy import inbox_prefix
@@ -121,7 +122,7 @@ async def test_nats_rotation_keeps_a_client_connected_and_refuses_the_old_ca_aft
     await (await _nats(url, admin)).close()
 
     sub = await new.subscribe("after.rotation")
-    await new.flush()  # the subscription is at the server before anything is published to it
+    await settle(new)  # the subscription is at the server before anything is published to it (one flush is not)
     await stayed.publish("after.rotation", b"x")  # the connection made before it all: never cut
     assert (await sub.next_msg(timeout=10)).data == b"x"  # a bound for a loaded CI machine, not a latency
     assert stayed.stats["reconnects"] == reconnects and stayed.is_connected
