@@ -22,19 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from libs.client.mapping import _MAP_FAILED, _libc  # libc's mmap family, typed once for the package
 from libs.client.protocol import ArtifactInvalid
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096  # the largest logical block size of common devices: O_DIRECT offsets, lengths and buffers
 
 T = TypeVar("T")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def resident_share(path: Path, offset: int = 0, nbytes: int | None = None) -> float:

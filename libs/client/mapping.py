@@ -48,6 +48,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # direct_io.resident_share
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
