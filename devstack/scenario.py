@@ -328,6 +328,20 @@ class Scenario:
             r = await c.get(f"{endpoint}/health", timeout=10)
             return dict(r.json())
 
+    async def until_backed_up(self, endpoint: str, rows: int, timeout: float = 60) -> dict[str, Any]:
+        """Wait until the engine's KV backup (`--kv-backup`) vouches for `rows` sequences (a done round covers
+        them): a loss from here has something to restore, however slowly a loaded machine runs the rounds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            backup = (await self.engine_health(endpoint)).get("kv_backup") or {}
+            if backup.get("error"):
+                raise RuntimeError(f"the engine's KV backup failed: {backup['error']}")
+            if backup.get("rows", 0) >= rows and backup.get("durable_tokens", 0) > 0:
+                return dict(backup)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the KV backup vouched for {backup.get('rows')} of {rows} sequences in {timeout} s")
+            await asyncio.sleep(0.02)
+
     async def weights_checksum(self, endpoint: str) -> str | None:
         async with httpx.AsyncClient() as c:
             r = await c.get(f"{endpoint}/checksum", timeout=600)

@@ -61,13 +61,13 @@ async def test_a_lost_kv_cache_is_restored_from_its_host_backup_through_the_whol
     try:
         await sc.connect()
         async with httpx.AsyncClient() as client:
-            await sc.wait_serving(timeout=300)
+            active = await sc.wait_serving(timeout=300)
             control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
             assert all(r.done and not r.error for r in control)
             seen = len(sc.events)
             streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
             await sc._until_tokens(streams, want=4 * STREAMS)
-            await asyncio.sleep(0.3)  # a few backup rounds behind the decode
+            await sc.until_backed_up(active.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
             lost = await lose_kv_memory(sc)
             results = await asyncio.gather(*streams)
             resolved = await sc.wait_event("incident.resolved", 120, after=seen)

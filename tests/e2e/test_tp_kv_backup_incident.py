@@ -61,7 +61,7 @@ async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_back
             seen = len(sc.events)
             streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
             await sc._until_tokens(streams, want=4 * STREAMS)
-            await asyncio.sleep(0.3)  # a few backup rounds behind the decode
+            await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
             await lose_every_ranks_kv(sc, group.ranks)
             try:
                 sc.kill_engine(group)
