@@ -422,6 +422,21 @@ class EndpointRemoved(Event):
     # requests' way to it overlaps the takeover. Its `endpoint.added` confirms it; another successor's revokes it.
     successor_id: str | None = None
     successor_url: str | None = None
+    # An incident's route-out: it brings a successor in (routed in by `endpoint.added` with this incident_id) or
+    # ends without one (`endpoint.unrecovered`); meanwhile routers hold the model's requests past their own hold.
+    recovery: bool = False
+
+
+class EndpointNotRecovered(Event):
+    """The incident that removed this engine's endpoint (EndpointRemoved.incident_id) ended without routing a
+    successor in: routers stop holding the model's requests for that recovery (they held them past their own hold
+    while it ran: services/router/table.py, invariant 2)."""
+
+    type: Literal["router.endpoint.unrecovered"] = "router.endpoint.unrecovered"
+    model: str
+    engine_id: str
+    incident_id: str
+    reason: str = ""
 
 
 class GpuHealth(Event):
@@ -455,6 +470,7 @@ AnyEvent = Annotated[
         EngineReattached,
         EndpointAdded,
         EndpointRemoved,
+        EndpointNotRecovered,
         GpuHealth,
     ],
     Field(discriminator="type"),

@@ -83,7 +83,7 @@ class IncidentEnds:
         if not recs:
             return
         try:
-            await self.bus.publish_all([self.events.ended(rec) for rec in recs])
+            await self.bus.publish_all([e for rec in recs for e in self.events.ended(rec)])
         except Exception as e:  # noqa: BLE001 - recorded: announced by a later pass (or the next leader)
             log.warning("%d incident end(s) recorded but not announced (%s): again on the next pass", len(recs), e)
             for rec in recs:

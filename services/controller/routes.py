@@ -19,6 +19,7 @@ from libs.common.errors import InvalidTransition
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EndpointAdded,
+    EndpointNotRecovered,
     EndpointRemoved,
     EngineInfo,
     Event,
@@ -120,7 +121,7 @@ class IncidentEvents:
             succ = None if cold else likely_successor(self.view, work)
             events.insert(0, self.envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id,
                                                            url=url, reason=str(work.kind or work.reason),
-                                                           incident_id=work.id,
+                                                           incident_id=work.id, recovery=True,
                                                            successor_id=succ.engine_id if succ else None,
                                                            successor_url=succ.endpoint if succ else None),
                                            f"{work.id}-removed", work))
@@ -156,17 +157,24 @@ class IncidentEvents:
                                         f"{rec.id}-removed", rec))
         return RouteIn(new, events)
 
-    def ended(self, rec: IncidentRecord) -> Wired:
-        """The end event of an ended record, from the record alone (a next leader rebuilds it the same: one id)."""
+    def ended(self, rec: IncidentRecord) -> list[Wired]:
+        """The end events of an ended record, from the record alone (a next leader rebuilds them the same: one id
+        each). A failed incident that routed its engine out also tells routers no successor comes (they held the
+        model's requests for one)."""
         if rec.state is IncidentState.FAILED:
-            return self.envelope(IncidentFailed(incident_id=rec.id, engine_id=rec.engine_id, step=failed_step(rec),
-                                                reason=rec.failure or ""), f"{rec.id}-failed", rec)
+            failed = [self.envelope(IncidentFailed(incident_id=rec.id, engine_id=rec.engine_id, step=failed_step(rec),
+                                                   reason=rec.failure or ""), f"{rec.id}-failed", rec)]
+            if Step.ROUTE_OUT in rec.steps and not rec.move_off:
+                failed.append(self.envelope(EndpointNotRecovered(model=rec.model, engine_id=rec.engine_id,
+                                                                 incident_id=rec.id, reason=rec.failure or ""),
+                                            f"{rec.id}-unrecovered", rec))
+            return failed
         if rec.state is not IncidentState.RESOLVED:
             raise InvalidTransition(f"incident {rec.id} is {rec.state}: it has not ended")
-        return self.envelope(IncidentResolved(incident_id=rec.id, engine_id=rec.engine_id,
+        return [self.envelope(IncidentResolved(incident_id=rec.id, engine_id=rec.engine_id,
                                               successor_id=rec.successor_id or None, timings_ms=rec.timings_ms(),
                                               total_ms=rec.total_ms() or 0.0, fallback=rec.fallback),
-                             f"{rec.id}-resolved", rec)
+                              f"{rec.id}-resolved", rec)]
 
     def intent(self, rec: IncidentRecord, *, fallback: bool) -> Wired:
         intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,

@@ -109,13 +109,14 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     metrics = RouterMetrics()
     relay = MeteredRelay(table, client, settings, ttft=metrics.ttft)
     metrics.watch(relay.stats)
-    feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s)
+    feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s, recovery_hold_s=settings.recovery_hold_s)
 
     async def read_endpoints() -> dict[str, bytes]:
         return await asyncio.wait_for(rt.store.get_prefix("endpoints/"), timeout=settings.reconcile_read_timeout_s)
 
     await rt.bus.subscribe("router.endpoint.added", feed.on_event)
     await rt.bus.subscribe("router.endpoint.removed", feed.on_event)
+    await rt.bus.subscribe("router.endpoint.unrecovered", feed.on_event)
     n = feed.load_snapshot(await rt.store.get_prefix("endpoints/"))
     feed.go_live()
     log.info("router %s: %d endpoints from the snapshot", settings.instance, n)

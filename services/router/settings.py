@@ -47,6 +47,9 @@ class RouterSettings(CommonSettings):
     body_timeout_s: float = Field(30.0, ge=0, description="a request's body must be complete this long after its "
                                   "headers, or it is answered 408 and its connection closed (0: no bound)")
     hold_timeout_s: float = Field(10.0, description="a request waits this long for an endpoint of its model, then 503")
+    recovery_hold_s: float = Field(300.0, ge=0, description="while an incident brings a successor in for an "
+                                   "endpoint of the model (from its route-out to its route-in or its end), requests "
+                                   "wait for it up to this long from the route-out, beyond hold_timeout_s")
     queue_max: int = Field(256, ge=0, description="new requests held per model at most; more get 503 at once")
     max_replays: int = Field(3, ge=0, description="resumptions of one request on another engine before an error")
     max_engine_errors: int = Field(2, ge=1, description="engines that may fail in-band (engine_error) while running "

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common.events import EndpointAdded, EndpointRemoved, Envelope
+from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemoved, Envelope
 from services.router.relay import Relay
 from services.router.table import EndpointTable
 
@@ -99,11 +99,12 @@ class SyncStats:
 class EndpointFeed:
     """Applies endpoint events and etcd reconciliations to the table (and cuts the streams of removed engines)."""
 
-    def __init__(self, table: EndpointTable, relay: Relay, *, grace_s: float = 5.0,
+    def __init__(self, table: EndpointTable, relay: Relay, *, grace_s: float = 5.0, recovery_hold_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self.relay = relay
         self.grace_s = grace_s
+        self.recovery_hold_s = recovery_hold_s  # requests wait this long at most for an incident's successor
         self.clock = clock
         self.ready = False
         self.stats = SyncStats()
@@ -125,6 +126,8 @@ class EndpointFeed:
         if isinstance(ev, EndpointAdded):
             self.last_event[(ev.model, ev.engine_id)] = now
             self.table.add(ev.model, ev.engine_id, ev.url)
+            if ev.incident_id:
+                self.table.recovered(ev.incident_id)  # its successor serves: nothing is held for it any more
             self.relay.route_ins.added(ev.engine_id, published)
             log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
@@ -139,9 +142,15 @@ class EndpointFeed:
         elif isinstance(ev, EndpointRemoved):
             log.info("endpoint removed: %s %s (%s)", ev.model, ev.engine_id, ev.reason)
             self.last_event[(ev.model, ev.engine_id)] = now
+            if ev.recovery and ev.incident_id:  # before the cut: its streams' replays wait for the successor
+                self.table.recovering(ev.model, ev.incident_id, self.recovery_hold_s)
             self._gone(ev.model, ev.engine_id)
             if ev.successor_id and ev.successor_url and self.table.find(ev.successor_id) is None:
                 self._promise(ev, now, published)
+        elif isinstance(ev, EndpointNotRecovered):
+            log.warning("endpoint %s %s: incident %s ended without a successor (%s); its model's requests are "
+                        "no longer held for it", ev.model, ev.engine_id, ev.incident_id, ev.reason)
+            self.table.recovered(ev.incident_id)
 
     def _promise(self, ev: EndpointRemoved, now: float, published: float | None) -> None:
         """The standby that will most likely take over (EndpointRemoved.successor_id) is added now, marked

@@ -4,13 +4,18 @@ Pure logic (no I/O): fed by endpoint events (app.py) and by the relay's observat
 connection makes an engine *suspect* for a while, it is never probed). Invariants:
 1. An endpoint is chosen only if it is in the table and not suspect; among those, the least loaded
    (fewest requests in flight), ties broken round-robin.
-2. A request that finds no endpoint waits (is *held*) until one is added, or `timeout` passes:
-   then `NoEndpoint`. New requests held per model are bounded by `queue_max`: one more gets `QueueFull`
-   at once. Replays of requests already streaming are not bounded (they were admitted already).
+2. A request that finds no endpoint waits (is *held*) until one is added, or its `wait_s` passes, or, while a
+   *recovery* of its model is under way, until that recovery's `until`, whichever is later: then `NoEndpoint`.
+   A recovery is an incident that routed one of the model's endpoints out to bring a successor in
+   (`recovering`); it ends when that successor is routed in or the incident ends without one (`recovered`: held
+   requests past their own `wait_s` get `NoEndpoint` at once), or at its `until` (a missed end is bounded).
+   New requests held per model are bounded by `queue_max`: one more gets `QueueFull` at once. Replays of
+   requests already streaming are not bounded (they were admitted already).
 3. `release` is called once for every successful `acquire` (the relay's finally), so in-flight counts
    return to zero when the router is idle.
-4. A model is *known* while an endpoint serves it and for `forget_s` after its last endpoint went (a
-   failover's gap between `removed` and the successor's `added`); a model no endpoint ever served since
+4. A model is *known* while an endpoint serves it, while a recovery of it is under way, and for `forget_s`
+   after its last endpoint went (a failover's gap between `removed` and the successor's `added`); a model no
+   endpoint ever served since
    start is not known. The OpenAI API answers 404 for a model that is not known, and holds the others.
 5. A *promised* endpoint (a standby taking over, which holds requests until it serves: sync.py `_promise`) gets a
    new request only when no other healthy endpoint serves its model; replays (their streams' KV is most likely
@@ -59,6 +64,13 @@ class ModelRoutes:
     rr: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     gone_since: float | None = None  # when its last endpoint went; None while one serves it, or never any
+    recoveries: dict[str, float] = field(default_factory=dict)  # incident id -> until (clock): invariant 2
+
+    def recovery_until(self, now: float) -> float | None:
+        """The latest `until` of the recoveries under way (expired ones forgotten), None when there are none."""
+        if self.recoveries:
+            self.recoveries = {inc: until for inc, until in self.recoveries.items() if until > now}
+        return max(self.recoveries.values()) if self.recoveries else None
 
 
 class EndpointTable:
@@ -98,6 +110,27 @@ class EndpointTable:
             routes.gone_since = self.clock()
         return ep
 
+    def recovering(self, model: str, incident_id: str, for_s: float) -> None:
+        """An incident routed one of `model`'s endpoints out to bring a successor in: requests held for the model
+        wait for it up to `for_s` from now (invariant 2)."""
+        self._routes(model).recoveries[incident_id] = self.clock() + for_s
+
+    def recovered(self, incident_id: str) -> None:
+        """The recovery ended (its successor routed in, or the incident ended without one): held requests past
+        their own wait give up now."""
+        for routes in self.models.values():
+            if routes.recoveries.pop(incident_id, None) is not None:
+                self._wake(routes)
+
+    def recoveries(self) -> dict[str, dict[str, float]]:
+        """The recoveries under way: model -> incident id -> seconds its hold has left."""
+        now = self.clock()
+        out = {}
+        for model, routes in self.models.items():
+            if routes.recovery_until(now) is not None:
+                out[model] = {inc: round(until - now, 3) for inc, until in routes.recoveries.items()}
+        return out
+
     def find(self, engine_id: str) -> Endpoint | None:
         for routes in self.models.values():
             if engine_id in routes.endpoints:
@@ -109,7 +142,9 @@ class EndpointTable:
         r = self.models.get(model)
         if r is None:
             return False
-        return bool(r.endpoints) or (r.gone_since is not None and self.clock() - r.gone_since < self.forget_s)
+        now = self.clock()
+        return (bool(r.endpoints) or (r.gone_since is not None and now - r.gone_since < self.forget_s)
+                or r.recovery_until(now) is not None)
 
     def known(self) -> list[str]:
         return sorted(m for m in self.models if self.is_known(m))
@@ -156,14 +191,15 @@ class EndpointTable:
         routes = self._routes(model)
         if not admitted and routes.waiting >= self.queue_max:
             raise QueueFull(f"{routes.waiting} requests for model {model!r} are already held (queue_max {self.queue_max})")
-        deadline = self.clock() + wait_s
+        start = self.clock()
         if not admitted:
             routes.waiting += 1
         try:
             while True:
-                left = deadline - self.clock()
+                now = self.clock()
+                left = max(start + wait_s, routes.recovery_until(now) or 0.0) - now  # invariant 2
                 if left <= 0:
-                    raise NoEndpoint(f"no endpoint serves model {model!r} after waiting {wait_s:g}s")
+                    raise NoEndpoint(f"no endpoint serves model {model!r} after waiting {now - start:.3g}s")
                 expiry = self._next_suspect_expiry(model)
                 wait = min(left, expiry) if expiry is not None else left
                 try:

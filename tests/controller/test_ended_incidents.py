@@ -21,7 +21,15 @@ import pytest
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.errors import InvalidTransition
-from libs.common.events import Envelope, FaultDetected, FaultKind, IncidentFailed, IncidentResolved
+from libs.common.events import (
+    EndpointNotRecovered,
+    Envelope,
+    FaultDetected,
+    FaultKind,
+    IncidentFailed,
+    IncidentResolved,
+    Step,
+)
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
 from services.controller.incident import (
@@ -31,8 +39,10 @@ from services.controller.incident import (
     IncidentState,
     Trigger,
     can,
+    end_step,
     incident_id_for,
     opened_record,
+    start_step,
     transition,
 )
 from services.controller.metrics import ControllerMetrics
@@ -139,3 +149,32 @@ def test_no_trigger_moves_an_ended_incident() -> None:
             with pytest.raises(InvalidTransition, match="never changes again"):
                 transition(ended, trigger)
     assert not any(state in TERMINAL for state, _ in TRANSITIONS)
+
+
+async def test_a_failed_incident_that_routed_its_engine_out_tells_routers_no_successor_comes(
+        driver: IncidentDriver, bus: Bus, store: Store) -> None:
+    """Routers hold a model's requests while an incident brings a successor in (its route-out's `recovery`); one that
+    ends failed says so (`router.endpoint.unrecovered`), so they stop holding them at once. One that never routed
+    its engine out says nothing to routers."""
+    rec = in_fallback("routed-out-e4", None)
+    start_step(rec, Step.ROUTE_OUT, time.time())
+    end_step(rec, Step.ROUTE_OUT, "done", time.time())
+    quiet = in_fallback("not-routed-out-e5", None)  # no route-out step
+    for r in (rec, quiet):
+        await store.put(f"incidents/{r.id}", r)
+        driver.open.put(r)
+        fault = FaultDetected(engine_id=cold_engine_id(r.id), model="m", generation=0, kind=FaultKind.EXITED, node="n1")
+        await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="n1")])
+
+    async def both_failed() -> list[Envelope] | None:
+        got = [await store.get_model(f"incidents/{r.id}", IncidentRecord) for r in (rec, quiet)]
+        if not all(g is not None and g.state is IncidentState.FAILED for g in got):
+            return None
+        ends = await ends_heard(bus)
+        return ends if {e.data.incident_id for e in ends} >= {rec.id, quiet.id} else None
+
+    await wait_for(both_failed, timeout=5.0, what="both incidents failed and announced")
+    told = [e.data for e in await bus.replay("router.>")
+            if isinstance(e.data, EndpointNotRecovered) and e.data.incident_id in (rec.id, quiet.id)]
+    assert [(t.model, t.engine_id, t.incident_id) for t in told] == [("m", "routed-out-e4", rec.id)]
+    assert cold_engine_id(rec.id) in told[0].reason
