@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from libs.common.gc_tuning import paused_ms
 from libs.common.generate import invalid_body
 from libs.common.loop_watch import LoopWatch
-from services.router.openai_api import openai_routes
+from services.router.openai_api import disconnected, openai_routes
 from services.router.openai_protocol import OpenAIError
 from services.router.relay import ClientRequest, Relay, RelayError
 from services.router.spare import SpareBackend
@@ -87,8 +87,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
                             headers=getattr(exc, "headers", None))
 
     @app.post("/v1/generate", response_model=None)
-    async def generate(req: ClientRequest) -> Any:
-        items = relay.run(req)
+    async def generate(req: ClientRequest, request: Request) -> Any:
+        items = relay.run(req, gone=lambda: disconnected(request))
         try:
             first = await items.__anext__()  # held / refused requests get a status, not a broken stream
         except RelayError as e:

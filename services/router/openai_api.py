@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,7 @@ def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
             if not table.is_known(job.model):
                 raise OpenAIError(404, f"The model `{job.model}` does not exist.", param="model",
                                   code="model_not_found")
-            events = _events(relay, job)
+            events = _events(relay, job, gone=lambda: disconnected(request))
             first = await anext(events)  # a refusal or an early failure raises here (invariant 1)
         except OpenAIError as e:
             return JSONResponse(status_code=e.status, content=e.body())
@@ -112,9 +112,9 @@ def _from_relay(e: RelayError) -> OpenAIError:
     return OpenAIError(e.status, message, code=e.code)
 
 
-async def _events(relay: Relay, job: Job) -> AsyncIterator[str | End]:
+async def _events(relay: Relay, job: Job, gone: Callable[[], Awaitable[object]]) -> AsyncIterator[str | End]:
     """Non-empty text pieces, then one End. Raises OpenAIError before the first piece."""
-    items = relay.run(job.generate, job.request_id)
+    items = relay.run(job.generate, job.request_id, gone=gone)
     scan = StopScanner(job.stops)
     count = 0
     try:
@@ -175,7 +175,7 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
     """Run `work`; if the client goes away first, cancel it (which closes the engine request) at once.
     The body is read already, so the next ASGI message can only be the disconnect."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -189,6 +189,7 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
     return task.result()
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone away (its body already read: the next ASGI message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

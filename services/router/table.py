@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 
@@ -44,6 +44,12 @@ class QueueFull(HoldRejected):
 
 class NoEndpoint(HoldRejected):
     code = "no_endpoint"
+
+
+class ClientGone(HoldRejected):
+    """The client closed its connection while its request was held (nobody reads this)."""
+
+    code = "client_gone"
 
 
 @dataclass
@@ -184,7 +190,11 @@ class EndpointTable:
         pending = [ep.suspect_until - now for ep in (routes.endpoints.values() if routes else []) if ep.suspect_until > now]
         return min(pending) if pending else None
 
-    async def acquire(self, model: str, wait_s: float, *, admitted: bool = False) -> Endpoint:
+    async def acquire(self, model: str, wait_s: float, *, admitted: bool = False,
+                      gone: Callable[[], Awaitable[object]] | None = None) -> Endpoint:
+        """An endpoint of `model`, held for one as invariant 2 says. `gone`: returns once the client has gone away;
+        a held request whose client goes gives up (`ClientGone`) and leaves the queue at once, rather than holding
+        a place in it for a recovery's length (watched only while held: a request served at once pays nothing)."""
         ep = self.pick(model, fresh=not admitted)
         if ep is not None:
             return ep
@@ -194,6 +204,7 @@ class EndpointTable:
         start = self.clock()
         if not admitted:
             routes.waiting += 1
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             while True:
                 now = self.clock()
@@ -202,14 +213,18 @@ class EndpointTable:
                     raise NoEndpoint(f"no endpoint serves model {model!r} after waiting {now - start:.3g}s")
                 expiry = self._next_suspect_expiry(model)
                 wait = min(left, expiry) if expiry is not None else left
-                try:
-                    await asyncio.wait_for(routes.changed.wait(), timeout=wait)
-                except TimeoutError:
-                    pass
+                changed = asyncio.ensure_future(routes.changed.wait())
+                await asyncio.wait((changed, watch) if watch is not None else (changed,), timeout=wait,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if watch is not None and watch.done():
+                    raise ClientGone(f"the client went away after {self.clock() - start:.3g}s held for {model!r}")
                 ep = self.pick(model, fresh=not admitted)
                 if ep is not None:
                     return ep
         finally:
+            if watch is not None:
+                watch.cancel()
             if not admitted:
                 routes.waiting -= 1
 

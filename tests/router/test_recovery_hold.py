@@ -13,7 +13,7 @@ from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemo
 from services.router.relay import Relay
 from services.router.settings import RouterSettings
 from services.router.sync import EndpointFeed
-from services.router.table import EndpointTable, NoEndpoint
+from services.router.table import ClientGone, EndpointTable, NoEndpoint
 from tests.support import Clock
 
 OWN_WAIT_S = 0.05  # the request's own hold: far below how long each recovery below takes
@@ -85,6 +85,22 @@ async def test_of_two_recoveries_of_one_model_the_later_bound_holds_until_both_e
     t.recovered("inc-2")
     with pytest.raises(NoEndpoint):
         await asyncio.wait_for(held, 5)
+
+
+async def test_a_held_request_whose_client_goes_leaves_the_queue_at_once() -> None:
+    t = EndpointTable(1)
+    t.recovering("m", "inc-1", 30.0)
+    left = asyncio.Event()
+    held = asyncio.create_task(t.acquire("m", OWN_WAIT_S, gone=left.wait))
+    await started(held, t)
+    left.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(held, 5)
+    assert t.held() == 0
+    again = asyncio.create_task(t.acquire("m", 30.0))  # its place in the queue (queue_max 1) is free again
+    await started(again, t)
+    t.add("m", "succ", "http://succ")
+    assert (await again).engine_id == "succ"
 
 
 def test_a_model_stays_known_while_it_recovers_past_its_forget_time() -> None:

@@ -16,7 +16,7 @@ import httpx
 
 from libs.common import procs
 from libs.common.bus import Bus
-from libs.common.events import EndpointAdded, EndpointRemoved
+from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemoved
 from libs.common.store import Store
 from tests.engine.support import generate
 
@@ -237,3 +237,52 @@ async def test_an_endpoint_changed_in_etcd_without_any_event_is_picked_up_by_the
     assert await routed_to(router, "second") == ["lvl-b"]
     sync = router.stats()["sync"]
     assert sync["reconnects"] == 0 and sync["last_reason"] == "periodic" and sync["errors"] == 0
+
+
+async def test_requests_held_for_a_recovery_outlive_the_hold_and_leave_when_their_client_goes(
+        engines, start_router, bus: Bus, store: Store) -> None:
+    """An incident's route-out (`recovery`) holds the model's requests past `hold_timeout_s` until its successor's
+    route-in; a held request whose client goes away leaves the queue at once; an incident that ends without a
+    successor (`endpoint.unrecovered`) releases what it held (services/router/table.py, invariant 2)."""
+    b = engines("rec-b")
+    router = start_router(hold_timeout_s=0.5)
+    await store.put(f"endpoints/{MODEL}/rec-a", "http://127.0.0.1:9")
+    await bus.emit(EndpointAdded(model=MODEL, engine_id="rec-a", url="http://127.0.0.1:9"))
+    await asyncio.to_thread(wait_for_table, router, {"rec-a"})
+    await store.delete(f"endpoints/{MODEL}/rec-a")
+    await bus.emit(EndpointRemoved(model=MODEL, engine_id="rec-a", reason="killed", incident_id="inc-1", recovery=True))
+    await asyncio.to_thread(wait_for_table, router, set())
+    body = {"model": MODEL, "prompt": "held through a recovery", "max_tokens": 5}
+    async with httpx.AsyncClient(timeout=90) as c, httpx.AsyncClient(timeout=90) as leaver:
+        kept = asyncio.create_task(c.post(router.url + "/v1/generate", json=body))
+        gone = asyncio.create_task(leaver.post(router.url + "/v1/generate", json=body))
+        await asyncio.to_thread(wait_until_held, router, 2)
+        await asyncio.sleep(1.5)  # three times the router's own hold
+        stats = router.stats()
+        assert not kept.done() and list(stats["recoveries"][MODEL]) == ["inc-1"] and stats["held"] == 2
+        gone.cancel()
+        await leaver.aclose()  # the client goes away: its connection closes
+        await asyncio.to_thread(wait_until_held, router, 1)
+        await asyncio.to_thread(b.wait_ready)
+        await store.put(f"endpoints/{MODEL}/rec-b", b.url)
+        await bus.emit(EndpointAdded(model=MODEL, engine_id="rec-b", url=b.url, incident_id="inc-1",
+                                     predecessor_id="rec-a"))
+        r = await kept
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == generate(b.url, prompt=body["prompt"], max_tokens=5)["tokens"]
+        stats = router.stats()
+        assert stats["recoveries"] == {} and stats["held"] == 0 and stats["cancelled"] == 1
+
+        # an incident that fails: what it held gets 503 as soon as the router hears it, not at the bound
+        await store.delete(f"endpoints/{MODEL}/rec-b")
+        await bus.emit(EndpointRemoved(model=MODEL, engine_id="rec-b", reason="killed", incident_id="inc-2",
+                                       recovery=True))
+        await asyncio.to_thread(wait_for_table, router, set())
+        failing = asyncio.create_task(c.post(router.url + "/v1/generate", json=body))
+        await asyncio.to_thread(wait_until_held, router, 1)
+        await asyncio.sleep(1.0)
+        assert not failing.done()
+        await bus.emit(EndpointNotRecovered(model=MODEL, engine_id="rec-b", incident_id="inc-2", reason="test"))
+        r = await asyncio.wait_for(failing, 30)  # the bound is the router's recovery_hold_s, 300 s
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_endpoint", r.text
+    assert router.stats()["recoveries"] == {}
