@@ -9,30 +9,18 @@ import time
 
 from libs.common import wire
 from libs.common.backoff import Backoff
-from libs.common.events import (
-    EngineRole,
-    ListEngines,
-    ListEnginesReply,
-    MarkGpu,
-    NodeInfo,
-    Spawn,
-    SpawnReply,
-    StopEngine,
-    StopReply,
-    Takeover,
-)
+from libs.common.events import ListEngines, MarkGpu, NodeInfo, Spawn, StopEngine, Takeover
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from services.agent import records
-from services.agent.engines import LIVE
+from services.agent.commands import Commands
 from services.agent.incident_ends import follow_incident_ends
 from services.agent.link_server import make_handler
 from services.agent.metrics import AgentMetrics, MeteredAgent
 from services.agent.nvml import NvmlWatcher
 from services.agent.settings import AgentSettings
 from services.agent.supervision import spec_key
-from services.agent.supervisor import Agent
 from services.agent.takeover import Takeovers
 
 log = logging.getLogger("holdfast.agent")
@@ -77,10 +65,10 @@ async def setup(rt: Runtime) -> None:
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
                     gpus=[g.index for g in health.gpus], nvml=bool(has_nvml))
-    takeovers = Takeovers(agent)
-    await rt.bus.serve(settings.node, Spawn, lambda cmd: _spawn(agent, cmd))
-    await rt.bus.serve(settings.node, StopEngine, lambda cmd: _stop(agent, cmd))
-    await rt.bus.serve(settings.node, ListEngines, lambda cmd: _list(agent))
+    commands, takeovers = Commands(agent), Takeovers(agent)
+    await rt.bus.serve(settings.node, Spawn, commands.spawn)
+    await rt.bus.serve(settings.node, StopEngine, commands.stop)
+    await rt.bus.serve(settings.node, ListEngines, commands.list_engines)
     await rt.bus.serve(settings.node, Takeover, takeovers.handle)
     await rt.bus.serve(settings.node, MarkGpu, health.mark_gpu)
     # The node key says "up": whoever sees it may send commands at once, so it is written after every command
@@ -91,7 +79,8 @@ async def setup(rt: Runtime) -> None:
     rt.spawn("probes", agent.probes.loop())
     rt.spawn("exiting", agent.detection.exiting_loop())
     rt.spawn("reconcile", agent.reconcile_loop())
-    rt.spawn("incident-ends", follow_incident_ends(agent, rt.store, settings.reconcile_interval_s))
+    ends = follow_incident_ends(agent, rt.store, settings.reconcile_interval_s, settings.takeover_wait_s)
+    rt.spawn("incident-ends", ends)
     metrics_port = serve_metrics(rt, metrics.registry, settings.metrics_host, settings.metrics_port)
     rt.health_detail = lambda: {
         "metrics_port": metrics_port,
@@ -141,47 +130,3 @@ async def _keep_node_key(rt: Runtime, node: NodeInfo, ttl: int) -> None:
             if rt.stopping.is_set():
                 await rt.store.revoke(lease)  # a clean stop removes the node at once
 
-
-async def _spawn(agent: Agent, cmd: Spawn) -> SpawnReply:
-    key = spec_key(cmd.spec)
-    if cmd.reattach_from is not None:
-        # dc_manager's cold-start fallback: one process that reattaches the named engine's leases.
-        extra = {"HF_TAKEOVER_FROM": cmd.reattach_from, "HF_TRANSFER_TOKEN": cmd.transfer_token or "",
-                 "HF_INCIDENT_ID": cmd.incident_id or ""}
-        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
-                                 replacing=agent.engines.get(cmd.reattach_from))
-        return SpawnReply(engine=agent.info(rec))
-    if cmd.engine_id is None or cmd.engine_id not in agent.engines:
-        agent.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
-    spec, old = cmd.spec, agent.specs.get(key)
-    if old is not None:  # a cold start names the one GPU placement chose: the spec keeps its others for later
-        spec = spec.model_copy(update={"gpus": list(dict.fromkeys([*spec.gpus, *old.gpus]))})
-    agent.specs[key] = spec
-    agent.writer.put_spec(agent.node, key, spec)
-    actives = [r for r in agent.records() if r.spec_key == key and r.role is EngineRole.ACTIVE and r.state in LIVE]
-    if cmd.engine_id is not None and cmd.engine_id in agent.engines:
-        rec = agent.engines[cmd.engine_id]
-    elif cmd.engine_id is not None or len(actives) < cmd.spec.replicas or not actives:
-        # on the spec's GPUs as sent (a cold start's: the one placement chose)
-        rec = agent.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
-    else:
-        rec = actives[0]
-    agent.reconcile_soon()  # standbys and further replicas
-    return SpawnReply(engine=agent.info(rec))
-
-
-async def _stop(agent: Agent, cmd: StopEngine) -> StopReply:
-    rec = agent.get(cmd.engine_id)
-    spec = agent.specs.get(rec.spec_key or "")
-    if spec is not None:
-        # Stopping on purpose means one fewer of that kind: otherwise the reconciler would start it again.
-        field = "replicas" if rec.role is EngineRole.ACTIVE else "standbys"
-        spec = spec.model_copy(update={field: max(0, getattr(spec, field) - 1)})
-        agent.specs[rec.spec_key or ""] = spec
-        agent.writer.put_spec(agent.node, rec.spec_key or "", spec)
-    code = await agent.stop(cmd.engine_id)
-    return StopReply(engine_id=cmd.engine_id, exit_code=code)
-
-
-async def _list(agent: Agent) -> ListEnginesReply:
-    return ListEnginesReply(engines=[agent.info(r) for r in agent.records()], backoff=agent.backoff_report())

@@ -14,14 +14,24 @@ import asyncio
 import json
 import logging
 import time
+from typing import Protocol
 
 from libs.common.ids import incident_id
 from libs.common.store import Store
+from services.agent.engines import EngineRecord
 from services.agent.supervision import awaits_takeover
-from services.agent.supervisor import Agent
 
 log = logging.getLogger("holdfast.agent")
 ENDED = frozenset({"resolved", "failed"})  # the controller's terminal incident states
+
+
+class Host(Protocol):
+    """What following incident ends needs of the agent: its engines' records, and an engine's replacement once no
+    takeover will come for its memory."""
+
+    def records(self) -> list[EngineRecord]: ...
+
+    def memory_gone(self, rec: EngineRecord, why: str) -> None: ...
 
 
 async def ended_state(store: Store, engine_id: str, generation: int) -> str | None:
@@ -35,11 +45,11 @@ async def ended_state(store: Store, engine_id: str, generation: int) -> str | No
     return state if state in ENDED else None
 
 
-async def follow_incident_ends(agent: Agent, store: Store, period_s: float) -> None:
+async def follow_incident_ends(host: Host, store: Store, period_s: float, takeover_wait_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
         now = time.monotonic()
-        for rec in [r for r in agent.records() if awaits_takeover(r, now, agent.settings.takeover_wait_s)]:
+        for rec in [r for r in host.records() if awaits_takeover(r, now, takeover_wait_s)]:
             state = await ended_state(store, rec.engine_id, rec.generation)
             if state is not None:
-                agent.memory_gone(rec, f"its incident ended {state}")
+                host.memory_gone(rec, f"its incident ended {state}")

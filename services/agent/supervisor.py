@@ -12,6 +12,8 @@ imports this module):
 - links.py (`Links`): the engines' links, their registrations and frames;
 - adoption.py (`Adoption`): engines this agent did not start, or started in an earlier life;
 - gpu_health.py (`GpuHealth`): the node's GPUs, and what a GPU's failure does.
+Built beside it in app.py, likewise through a `Host` protocol of their own: takeover.py (`Takeovers`), commands.py
+(`Commands`: spawn, stop, list) and incident_ends.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""What the agent's parts (starts.py, detection.py, links.py, adoption.py, probes.py, gpu_health.py) see of the
-agent: protocols, so that none of them imports supervisor.py, whose `Agent` is each of them. Each part's own `Host`
-adds to these only what that part needs.
+"""What the agent's parts (starts.py, detection.py, links.py, adoption.py, probes.py, gpu_health.py, takeover.py,
+commands.py) see of the agent: protocols, so that none of them imports supervisor.py, whose `Agent` is each of them.
+Each part's own `Host` adds to these only what that part needs.
 """
 
 from __future__ import annotations

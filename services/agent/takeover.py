@@ -36,12 +36,16 @@ import asyncio
 import logging
 import signal
 import time
+from typing import Any, Protocol
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.events import EngineReattached, EngineRole, EngineSpec, FaultKind, Takeover, TakeoverReply
 from services.agent import supervision
 from services.agent.engines import EngineRecord, Ev, State
-from services.agent.supervisor import Agent
+from services.agent.pidfd import ExitStatus
+from services.agent.records import RecordWriter
+from services.agent.starts import Starts
+from services.agent.table import EngineTable, FaultReporter
 
 log = logging.getLogger("holdfast.agent.takeover")
 # a successor's orders (`Takeovers._orders`) as a cold successor's environment
@@ -53,26 +57,51 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
+class Host(EngineTable, FaultReporter, Protocol):
+    """What a takeover needs of the agent beyond its engine table and faulting: admission (`starts`), the record
+    writer (a hot upgrade's specs), an engine by id, its kill confirmed, its retirement, a standby's assignment and
+    an engine's "ready", a cold successor's start, and a reconcile pass (the replacement standby)."""
+
+    starts: Starts
+    writer: RecordWriter
+
+    def get(self, engine_id: str) -> EngineRecord: ...
+
+    async def kill_confirmed(self, rec: EngineRecord, within_s: float = 5.0) -> ExitStatus | None: ...
+
+    def retire(self, rec: EngineRecord) -> None: ...
+
+    async def assign(self, rec: EngineRecord, msg: dict[str, Any]) -> None: ...
+
+    async def wait_ready(self, engine_id: str, within_s: float) -> EngineRecord: ...
+
+    def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
+                     extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
+                     replacing: EngineRecord | None = None, gang: str | None = None) -> EngineRecord: ...
+
+    def reconcile_soon(self) -> None: ...
+
+
 class Takeovers:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, host: Host) -> None:
+        self.host = host
         self._by_incident: dict[str, asyncio.Task[TakeoverReply]] = {}
         self._cold_specs: dict[str, EngineSpec] = {}  # hot upgrades cold-spawned from a version not configured
 
     async def handle(self, cmd: Takeover) -> TakeoverReply:
         task = self._by_incident.get(cmd.incident_id)
         if task is None:
-            self.agent.get(cmd.engine_id)  # NotFound before anything is remembered
+            self.host.get(cmd.engine_id)  # NotFound before anything is remembered
             task = asyncio.get_running_loop().create_task(self._run(cmd), name=f"takeover:{cmd.incident_id}")
             self._by_incident[cmd.incident_id] = task
         # shield: a caller that times out must not cancel the takeover other callers (and the memory) wait on
         return await asyncio.shield(task)
 
     async def _run(self, cmd: Takeover) -> TakeoverReply:
-        agent = self.agent
+        host = self.host
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
-        pred = agent.get(cmd.engine_id)
+        pred = host.get(cmd.engine_id)
         # The memory's owner: the predecessor, or (memory_of) its own predecessor, whose frozen leases it died
         # before owning. A shadow of the predecessor maps those only if it is the owner.
         owner = cmd.memory_of or pred.engine_id
@@ -80,7 +109,7 @@ class Takeovers:
         standby = self._choose(cmd, pred, owner)  # a TP group's: a standby group of its shape
         # Refused before anyone is fenced when the spec already runs its count without the predecessor (another
         # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
-        agent.starts.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
+        host.starts.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
         shadowed = standby is not None and standby.state is State.STANDBY and standby.shadows == owner
         # A standby that fences itself (a fenced takeover: granted once the predecessor is stopped, touching nothing
         # before its exit) needs no confirmed death either: the gpu_manager and the standby hold the fence.
@@ -88,17 +117,17 @@ class Takeovers:
 
         # 1. Fence: a live predecessor dies (confirmed) before anyone else gets its memory read-write.
         t = time.perf_counter()
-        mem_owner = agent.engines.get(owner) if owner != pred.engine_id else None
+        mem_owner = host.engines.get(owner) if owner != pred.engine_id else None
         if mem_owner is not None:  # memory_of: the memory's owner died first; its exit is confirmed too (the
-            await agent.kill_confirmed(mem_owner)  # gpu_manager refuses a takeover while its process still exits)
+            await host.kill_confirmed(mem_owner)  # gpu_manager refuses a takeover while its process still exits)
         pred.handing_over = True
-        if agent.watcher.watching(pred.engine_id):
+        if host.watcher.watching(pred.engine_id):
             if pred.state is not State.FAILED:
                 pred.transition(Ev.STOP)  # a planned replacement, not a fault
             if shadowed or fenced:
-                agent.watcher.signal(pred.engine_id, signal.SIGKILL)  # confirmed later, off the serving path
+                host.watcher.signal(pred.engine_id, signal.SIGKILL)  # confirmed later, off the serving path
             else:
-                await agent.kill_confirmed(pred)
+                await host.kill_confirmed(pred)
         timings["kill_ms"] = _ms(t)
 
         successor: EngineRecord | None = None
@@ -108,12 +137,12 @@ class Takeovers:
                 successor = await self._via_standby(cmd, pred, owner, standby, timings, shadowed, orders)
                 used_standby = successor is not None
             if successor is None:
-                await agent.kill_confirmed(pred)  # a cold successor maps the memory read-write
+                await host.kill_confirmed(pred)  # a cold successor maps the memory read-write
                 successor = await self._cold(cmd, pred, owner, timings)
         except BaseException:
             pred.handing_over = False  # nobody took its slot: the reconciler may replace it
             if pred.state is State.STOPPED:
-                agent.retire(pred)
+                host.retire(pred)
             raise
 
         successor.successor_of = owner
@@ -124,56 +153,56 @@ class Takeovers:
         timings["total_ms"] = _ms(t0)
         timings["shadowed"] = float(shadowed and used_standby)
         timings["fenced"] = float(fenced and used_standby)
-        info = agent.info(successor)
+        info = host.info(successor)
         # The event first, the bookkeeping after: the etcd writes queued below then run behind the publish.
-        agent.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
-                                       used_standby=used_standby, timings_ms=timings))
-        agent.save(successor)  # its record names whose memory it holds (`successor_of`), cold or warm
-        if pred.engine_id in agent.engines:
-            if agent.watcher.watching(pred.engine_id):
-                agent.background(self._retire_when_dead(pred), f"retire:{pred.engine_id}")
+        host.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
+                                      used_standby=used_standby, timings_ms=timings))
+        host.save(successor)  # its record names whose memory it holds (`successor_of`), cold or warm
+        if pred.engine_id in host.engines:
+            if host.watcher.watching(pred.engine_id):
+                host.background(self._retire_when_dead(pred), f"retire:{pred.engine_id}")
             else:
-                agent.retire(pred)
+                host.retire(pred)
         if cmd.version is not None and successor.spec_key not in (None, pred.spec_key):
             self._move_replica(pred, successor)
         log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", cmd.incident_id, pred.engine_id, successor.engine_id,
                  "standby" if used_standby else "cold spawn", timings["total_ms"], timings)
         # A replacement standby, in the background, once the reply is out: spawning it takes the agent's loop
         # for a while and the new process competes for CPU with the successor's first requests.
-        asyncio.get_running_loop().call_later(agent.settings.standby_refill_delay_s, agent.reconcile_soon)
+        asyncio.get_running_loop().call_later(host.settings.standby_refill_delay_s, host.reconcile_soon)
         return TakeoverReply(engine=info, used_standby=used_standby, timings_ms=timings)
 
     async def _retire_when_dead(self, pred: EngineRecord) -> None:
         try:
-            await self.agent.kill_confirmed(pred, within_s=30.0)
+            await self.host.kill_confirmed(pred, within_s=30.0)
         except TimeoutError:
             log.error("predecessor %s (pid %s) survived SIGKILL for 30 s; the reconciler retries", pred.engine_id,
                       pred.pid)
             return
-        self.agent.retire(pred)
+        self.host.retire(pred)
 
     def _move_replica(self, pred: EngineRecord, successor: EngineRecord) -> None:
         """Hot upgrade: the desired replica moves to the new version's spec (else the old one restarts)."""
-        agent = self.agent
-        old = agent.specs.get(pred.spec_key or "")
-        new = agent.specs.get(successor.spec_key or "") or self._cold_specs.get(successor.spec_key or "")
+        host = self.host
+        old = host.specs.get(pred.spec_key or "")
+        new = host.specs.get(successor.spec_key or "") or self._cold_specs.get(successor.spec_key or "")
         if old is None or new is None:
             return  # adopted engines: nobody's desired state to update
         old, new = supervision.move_replica(old, new)
         for key, spec in ((pred.spec_key or "", old), (successor.spec_key or "", new)):
-            agent.specs[key] = spec
-            agent.writer.put_spec(agent.node, key, spec)
+            host.specs[key] = spec
+            host.writer.put_spec(host.node, key, spec)
         log.info("hot upgrade: %s now wants %d, %s %d", pred.spec_key, old.replicas, successor.spec_key, new.replicas)
 
     def _choose(self, cmd: Takeover, pred: EngineRecord, owner: str) -> EngineRecord | None:
-        records = self.agent.records()
+        records = self.host.records()
         # a group's successor is a group on the same GPUs
         if cmd.successor is None:
             return supervision.pick_standby(records, pred.model, version=cmd.version, predecessor=owner, tp=pred.tp,
                                             gpu=pred.gpu)
-        named = self.agent.engines.get(cmd.successor)
+        named = self.host.engines.get(cmd.successor)
         if named is None:
-            raise NotFound(f"no successor engine {cmd.successor!r} on node {self.agent.node}")
+            raise NotFound(f"no successor engine {cmd.successor!r} on node {self.host.node}")
         fit = supervision.pick_standby(records, pred.model, version=cmd.version, named=cmd.successor, tp=pred.tp,
                                        gpu=pred.gpu)
         if fit is None:
@@ -182,19 +211,19 @@ class Takeovers:
 
     async def _via_standby(self, cmd: Takeover, pred: EngineRecord, owner: str, sb: EngineRecord,
                            timings: dict[str, float], shadowed: bool, orders: dict[str, str]) -> EngineRecord | None:
-        agent = self.agent
+        host = self.host
         t = time.perf_counter()
-        agent.starts.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
+        host.starts.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
         sb.transition(Ev.ASSIGN)
         sb.taking_over = owner
         sb.role = EngineRole.ACTIVE
         sb.generation = pred.generation + 1
         try:
-            await agent.assign(sb, {"op": "assign", "predecessor": owner, "model": pred.model, "shadowed": shadowed,
-                                    **orders})
+            await host.assign(sb, {"op": "assign", "predecessor": owner, "model": pred.model, "shadowed": shadowed,
+                                   **orders})
             timings["assign_ms"] = _ms(t)
             t = time.perf_counter()
-            await agent.wait_ready(sb.engine_id, agent.settings.takeover_timeout_s)
+            await host.wait_ready(sb.engine_id, host.settings.takeover_timeout_s)
             timings["attach_ready_ms"] = _ms(t)
             sb.shadows = None  # it serves now; what it shadowed is its own
             return sb
@@ -203,9 +232,9 @@ class Takeovers:
                         sb.engine_id, cmd.incident_id, e)
             timings["standby_failed_ms"] = _ms(t)
             if sb.live:
-                agent.fault(sb, FaultKind.HUNG, detail=f"failed during takeover: {e}", died_at=time.time())
-            await agent.kill_confirmed(sb)
-            agent.retire(sb)
+                host.fault(sb, FaultKind.HUNG, detail=f"failed during takeover: {e}", died_at=time.time())
+            await host.kill_confirmed(sb)
+            host.retire(sb)
             return None
 
     @staticmethod
@@ -226,21 +255,21 @@ class Takeovers:
         return {ORDER_ENV[k]: v for k, v in Takeovers._orders(cmd, owner).items()}
 
     async def _cold(self, cmd: Takeover, pred: EngineRecord, owner: str, timings: dict[str, float]) -> EngineRecord:
-        agent = self.agent
-        spec = agent.specs.get(pred.spec_key or "")
+        host = self.host
+        spec = host.specs.get(pred.spec_key or "")
         if spec is None:
             raise Conflict(f"no ready standby for {pred.model} and no spec to cold-spawn {pred.engine_id} from")
         if cmd.version is not None and cmd.version != spec.version:
             spec = spec.model_copy(update={"version": cmd.version, "replicas": 0})
             self._cold_specs[supervision.spec_key(spec)] = spec
         t = time.perf_counter()
-        rec = agent.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec, replacing=pred,
-                                 generation=pred.generation + 1, extra_env=self._takeover_env(cmd, owner),
-                                 gang=cmd.gang)
+        rec = host.start_engine(supervision.spec_key(spec), EngineRole.ACTIVE, spec=spec, replacing=pred,
+                                generation=pred.generation + 1, extra_env=self._takeover_env(cmd, owner),
+                                gang=cmd.gang)
         rec.taking_over = owner
         timings["spawn_ms"] = _ms(t)
         t = time.perf_counter()
-        await agent.wait_ready(rec.engine_id, 2 * spec.cold_start_s + agent.settings.takeover_timeout_s)
+        await host.wait_ready(rec.engine_id, 2 * spec.cold_start_s + host.settings.takeover_timeout_s)
         timings["attach_ready_ms"] = _ms(t)
         return rec
 

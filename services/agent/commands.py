@@ -1,0 +1,95 @@
+"""The node's plain commands: `spawn` (a spec upserted, an active engine started, or the dc_manager's reattaching
+fallback), `stop` (one fewer of its kind) and `list`. A takeover is takeover.py's, `mark_gpu` gpu_health.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from libs.common.events import (
+    EngineRole,
+    EngineSpec,
+    ListEngines,
+    ListEnginesReply,
+    RestartBackoff,
+    Spawn,
+    SpawnReply,
+    StopEngine,
+    StopReply,
+)
+from services.agent.engines import LIVE, EngineRecord
+from services.agent.records import RecordWriter
+from services.agent.starts import Starts
+from services.agent.supervision import spec_key
+from services.agent.table import EngineTable
+
+
+class Host(EngineTable, Protocol):
+    """What the commands need of the agent beyond its engine table: admission (`starts`), the record writer (the
+    specs), an engine by id, starting and stopping one, a reconcile pass and the crash-loop backoffs' report."""
+
+    starts: Starts
+    writer: RecordWriter
+
+    def get(self, engine_id: str) -> EngineRecord: ...
+
+    def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
+                     extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
+                     replacing: EngineRecord | None = None, gang: str | None = None) -> EngineRecord: ...
+
+    async def stop(self, engine_id: str) -> int | None: ...
+
+    def reconcile_soon(self) -> None: ...
+
+    def backoff_report(self) -> list[RestartBackoff]: ...
+
+
+class Commands:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    async def spawn(self, cmd: Spawn) -> SpawnReply:
+        host = self.host
+        key = spec_key(cmd.spec)
+        if cmd.reattach_from is not None:
+            # dc_manager's cold-start fallback: one process that reattaches the named engine's leases.
+            extra = {"HF_TAKEOVER_FROM": cmd.reattach_from, "HF_TRANSFER_TOKEN": cmd.transfer_token or "",
+                     "HF_INCIDENT_ID": cmd.incident_id or ""}
+            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
+                                    replacing=host.engines.get(cmd.reattach_from))
+            return SpawnReply(engine=host.info(rec))
+        if cmd.engine_id is None or cmd.engine_id not in host.engines:
+            host.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
+        spec, old = cmd.spec, host.specs.get(key)
+        if old is not None:  # a cold start names the one GPU placement chose: the spec keeps its others for later
+            spec = spec.model_copy(update={"gpus": list(dict.fromkeys([*spec.gpus, *old.gpus]))})
+        host.specs[key] = spec
+        host.writer.put_spec(host.node, key, spec)
+        actives = [r for r in host.records()
+                   if r.spec_key == key and r.role is EngineRole.ACTIVE and r.state in LIVE]
+        if cmd.engine_id is not None and cmd.engine_id in host.engines:
+            rec = host.engines[cmd.engine_id]
+        elif cmd.engine_id is not None or len(actives) < cmd.spec.replicas or not actives:
+            # on the spec's GPUs as sent (a cold start's: the one placement chose)
+            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
+        else:
+            rec = actives[0]
+        host.reconcile_soon()  # standbys and further replicas
+        return SpawnReply(engine=host.info(rec))
+
+    async def stop(self, cmd: StopEngine) -> StopReply:
+        host = self.host
+        rec = host.get(cmd.engine_id)
+        spec = host.specs.get(rec.spec_key or "")
+        if spec is not None:
+            # Stopping on purpose means one fewer of that kind: otherwise the reconciler would start it again.
+            field = "replicas" if rec.role is EngineRole.ACTIVE else "standbys"
+            spec = spec.model_copy(update={field: max(0, getattr(spec, field) - 1)})
+            host.specs[rec.spec_key or ""] = spec
+            host.writer.put_spec(host.node, rec.spec_key or "", spec)
+        code = await host.stop(cmd.engine_id)
+        return StopReply(engine_id=cmd.engine_id, exit_code=code)
+
+    async def list_engines(self, cmd: ListEngines) -> ListEnginesReply:
+        host = self.host
+        return ListEnginesReply(engines=[host.info(r) for r in host.records()], backoff=host.backoff_report())
