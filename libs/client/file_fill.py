@@ -100,8 +100,7 @@ def fill_from_file(mapping: Any, path: str | Path, ranges: Sequence[tuple[int, i
     direct = resident_share(Path(path), lo, hi - lo) < CACHED_SHARE  # invariant 4
     files = open_files([Path(path)], write=False, direct=direct)
     size = max(b.nbytes for b in blocks)
-    sink: _CudaSink | _HostSink = (_CudaSink(mapping, size, workers) if mapping.kind == "cuda"
-                                   else _HostSink(mapping, size, workers))
+    sink: _CudaSink | _HostSink = _CudaSink(mapping, size) if mapping.kind == "cuda" else _HostSink(mapping, size)
     try:
         def step(worker: int, block: ReadBlock) -> None:
             with sink.buffer(worker) as buf, buf[:block.nbytes] as view:
@@ -123,7 +122,7 @@ class _HostSink:
     """Page-aligned anonymous buffers (O_DIRECT takes them); pieces copied into the lease's pages (memmove
     releases the GIL)."""
 
-    def __init__(self, mapping: Any, size: int, workers: int) -> None:
+    def __init__(self, mapping: Any, size: int) -> None:
         self.base, self.size = mapping.base, size
         self.bufs: dict[int, mmap.mmap] = {}
         self.addrs: dict[int, int] = {}
@@ -157,7 +156,7 @@ class _CudaSink:
     """Per worker one pinned buffer (page-aligned, from the driver), one stream and one event (invariant 3); the
     lease's own context made current on each worker thread."""
 
-    def __init__(self, mapping: Any, size: int, workers: int) -> None:
+    def __init__(self, mapping: Any, size: int) -> None:
         from libs.client import cuda_driver as cd
 
         self.cd, self.cu = cd, cd.cu

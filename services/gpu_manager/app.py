@@ -114,9 +114,8 @@ async def setup(rt: Runtime) -> None:
     await Commands(book, copies, sleeper, gangs).register(rt.bus, settings.node)
     await rt.bus.serve(settings.node, SetGpuHealth, gpus.set_health)
     rt.spawn("gpus", gpus.run())
-    # The command subscriptions are at the server (a round trip) before any engine can reconnect: whoever saw
-    # an engine back (a test, the control plane) finds the commands answered, not "no responders".
-    await rt.bus.nc.flush()
+    # The command subscriptions are at the server before any engine can reconnect (`serve` settles each one):
+    # whoever saw an engine back (a test, the control plane) finds the commands answered, not "no responders".
     path = str(settings.socket_path())
     conns = ConnectionCount(settings.max_connections_per_uid)
     server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies, sleeper, gangs=gangs),
