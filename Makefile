@@ -44,7 +44,8 @@ up: setup
 # equal minutes, handed out first, so at most two stacks run at once while the third worker shares the rest
 # (tests/conftest.py). The whole suite keeps 2 cores ~96% busy for ~21 minutes: its time is CPU, mostly the
 # imports of the hundreds of processes it starts.
-# pytest exits 5 when it collected nothing; that is a failure of the suite here, said plainly.
+# pytest exits 5 when it collected nothing; that is a failure of the suite here, said plainly. Every run lists its
+# 30 slowest tests (setup and call apart): where the suite's minutes go, from CI's own machine.
 TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadgroup
 
@@ -59,7 +60,7 @@ COMPILE := $(PY) -m compileall -q -j 0 libs services engines devstack bench hold
 test: setup
 	@$(COMPILE)
 	@tmp=$$(mktemp -d /tmp/hft-XXXXXX); \
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --basetemp=$$tmp; rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=30 --basetemp=$$tmp; rc=$$?; \
 	if [ $$rc -eq 0 ]; then rm -rf $$tmp; else echo "the tests' files are kept in $$tmp"; fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
