@@ -218,6 +218,8 @@ class EndpointTable:
                                    return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
                 if watch is not None and watch.done():
+                    if not watch.cancelled():
+                        watch.exception()  # retrieved: a receive that failed is a client gone too
                     raise ClientGone(f"the client went away after {self.clock() - start:.3g}s held for {model!r}")
                 ep = self.pick(model, fresh=not admitted)
                 if ep is not None:
