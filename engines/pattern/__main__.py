@@ -58,6 +58,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="standby: die (exit 9) when assigned, as a standby that fails mid-takeover would")
     p.add_argument("--load-s", type=float, default=float(env.get("HF_PATTERN_LOAD_S", "0")),
                    help="seconds an active engine spends starting (registered, heartbeating) before ready: a load")
+    p.add_argument("--warm-s", type=float, default=float(env.get("HF_PATTERN_WARM_S", "0")),
+                   help="seconds a standby spends warming (registered, heartbeating) before it says ready: a CUDA "
+                   "context and kernels")
     p.add_argument("--no-http", action="store_true", default=bool(env.get("HF_PATTERN_NO_HTTP")))
     p.add_argument("--agent", choices=("on", "off"), default=env.get("HF_PATTERN_AGENT", "on"),
                    help="off: serve alone (no agent, no leased memory), as the router tests use it")
@@ -158,6 +161,8 @@ def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
         endpoint = serve_http(state, args.port).endpoint
 
     if link.role == "standby":
+        if args.warm_s > 0:
+            time.sleep(args.warm_s)  # the warm-up it stands for
         link.ready(None)  # warm: SDK connected, code loaded; no weight memory held
         log.info("standby %s waiting for an assignment", link.engine_id)
         a = link.wait_assignment()

@@ -159,15 +159,28 @@ def pick_standby(records: list[EngineRecord], model: str, *, version: str | None
     another GPU would compute there over memory read across the interconnect; a group's rank r maps rank r's leases
     on GPU gpu + r)."""
     def fit(r: EngineRecord) -> bool:
-        return (r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.model == model
-                and (version is None or r.version == version) and r.tp == tp
-                and (gpu is None or r.gpu == gpu))
+        return r.state is State.STANDBY and _standby_of_shape(r, model, version, tp, gpu)
 
     if named is not None:
         return next((r for r in records if r.engine_id == named and fit(r)), None)
     ready = [r for r in records if fit(r)]
     # the shadow of the predecessor first; then the oldest: most surely warm
     return min(ready, key=lambda r: (predecessor is None or r.shadows != predecessor, r.spawned_mono), default=None)
+
+
+def starting_standby(records: list[EngineRecord], model: str, *, version: str | None = None, tp: int = 1,
+                     gpu: int | None = None) -> EngineRecord | None:
+    """A standby of the predecessor's shape (as `pick_standby`) still starting: spawned, not warm yet. A takeover
+    that finds no warm standby waits for it rather than spawning a second process beside it: its start is under
+    way (a refill after an earlier takeover, say), a fresh process's is not, and two starting at once slow each
+    other. The oldest: the furthest along."""
+    starting = [r for r in records if r.state is State.STARTING and _standby_of_shape(r, model, version, tp, gpu)]
+    return min(starting, key=lambda r: r.spawned_mono, default=None)
+
+
+def _standby_of_shape(r: EngineRecord, model: str, version: str | None, tp: int, gpu: int | None) -> bool:
+    return (r.role is EngineRole.STANDBY and r.model == model and (version is None or r.version == version)
+            and r.tp == tp and (gpu is None or r.gpu == gpu))
 
 
 @dataclass

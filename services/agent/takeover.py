@@ -14,8 +14,11 @@ off the serving path (on a death the agent saw coming this saves the ~75-95 ms o
   only once the gpu_manager has seen the predecessor dead, which the standby waits for by itself.
 
 Then: a ready standby of the model (the named one, or the oldest) gets `assign` over its link, takes the
-leases over and says ready. A standby that dies or does not get ready in time, or no standby at all: a new
-process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
+leases over and says ready. None warm but one still starting (the refill after an earlier takeover, when a second
+failure comes soon after the first): it is waited for, up to its spec's cold start, and then assigned; its start is
+under way, so it is warm no later than a process spawned now, and no second process competes with it meanwhile
+(single engines; a group cold-spawns). A standby that dies or does not get ready in time, or no standby at all: a
+new process is cold-spawned with HF_TAKEOVER_FROM / HF_TRANSFER_TOKEN and reattaches the same way.
 
 A tensor-parallel group (`gang`): its rank 0 is killed and its death confirmed (the other ranks die with it; the
 gpu_manager moves nothing while any rank of the old group runs); then a ready standby group of the same shape (as
@@ -107,6 +110,9 @@ class Takeovers:
         owner = cmd.memory_of or pred.engine_id
         orders = self._orders(cmd, owner)  # a gang takeover without its generation is refused before any fencing
         standby = self._choose(cmd, pred, owner)  # a TP group's: a standby group of its shape
+        # None warm: a standby still starting (a refill after an earlier takeover) is waited for, not doubled
+        starting = (supervision.starting_standby(host.records(), pred.model, version=cmd.version, gpu=pred.gpu)
+                    if standby is None and cmd.successor is None and pred.tp == 1 else None)
         # Refused before anyone is fenced when the spec already runs its count without the predecessor (another
         # incident's successor, or a cold start, took the slot); checked again where the successor becomes active.
         host.starts.admit_active(pred.spec_key or "", replacing=pred, candidate=standby.engine_id if standby else None)
@@ -133,6 +139,8 @@ class Takeovers:
         successor: EngineRecord | None = None
         used_standby = False
         try:
+            if starting is not None:
+                standby = await self._warmed(cmd, pred, starting, timings)
             if standby is not None and standby.state is State.STANDBY:
                 successor = await self._via_standby(cmd, pred, owner, standby, timings, shadowed, orders)
                 used_standby = successor is not None
@@ -208,6 +216,29 @@ class Takeovers:
         if fit is None:
             raise Conflict(f"engine {cmd.successor} is not a ready standby for {pred.model} ({named.state.value})")
         return fit
+
+    async def _warmed(self, cmd: Takeover, pred: EngineRecord, sb: EngineRecord,
+                      timings: dict[str, float]) -> EngineRecord | None:
+        """`sb` (a standby still starting: `supervision.starting_standby`) once it is warm; None when it died, was
+        not warm within its spec's cold start, or another takeover took it meanwhile: the caller cold-spawns. Its
+        start is under way, so it is warm no later than a process spawned now would be (and no second one competes
+        with it for the CPU and the GPU meanwhile)."""
+        host = self.host
+        spec = host.specs.get(pred.spec_key or "")
+        t = time.perf_counter()
+        try:
+            await host.wait_ready(sb.engine_id, spec.cold_start_s if spec else host.settings.takeover_timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            log.warning("takeover %s: standby %s did not get warm (%s); cold-spawning instead", cmd.incident_id,
+                        sb.engine_id, e or "timed out")
+            return None
+        finally:
+            timings["standby_warm_wait_ms"] = _ms(t)
+        if sb.state is not State.STANDBY or sb.role is not EngineRole.STANDBY or sb.taking_over is not None:
+            log.info("takeover %s: standby %s was taken by another takeover while warming; cold-spawning instead",
+                     cmd.incident_id, sb.engine_id)
+            return None
+        return sb
 
     async def _via_standby(self, cmd: Takeover, pred: EngineRecord, owner: str, sb: EngineRecord,
                            timings: dict[str, float], shadowed: bool, orders: dict[str, str]) -> EngineRecord | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -93,6 +94,42 @@ async def test_a_standby_that_dies_during_takeover_falls_back_to_a_cold_spawn(ag
     assert reply.engine.engine_id not in (active.engine_id, standby.engine_id)
     assert "standby_failed_ms" in reply.timings_ms
     assert not alive(standby.pid)
+
+
+async def test_a_takeover_waits_for_a_standby_still_warming_rather_than_spawning_another(
+        agent: AgentProcess, recorder: Recorder, bus: Bus) -> None:
+    """No standby warm yet (a refill after an earlier takeover, say), one starting: the takeover waits for it and
+    assigns it; no second process is spawned beside it."""
+    agent.start([pattern_spec(standbys=1, env={"HF_PATTERN_WARM_S": "5"})])  # a CUDA context and kernels, say
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE)).engine
+    warming = (await recorder.wait("engine.started", lambda e: e.engine.role is EngineRole.STANDBY)).engine
+    os.kill(active.pid, signal.SIGKILL)
+    await recorder.wait("fault.detected", lambda f: f.engine_id == active.engine_id)
+    reply = await bus.request("node-1", Takeover(incident_id="inc-warm", engine_id=active.engine_id,
+                                                 transfer_token="tok"), TakeoverReply, timeout=60)
+    assert reply.used_standby and reply.engine.engine_id == warming.engine_id
+    assert reply.engine.role is EngineRole.ACTIVE and reply.engine.state == "ready"
+    assert "standby_warm_wait_ms" in reply.timings_ms  # it was still starting when the takeover came
+    assert "spawn_ms" not in reply.timings_ms
+    spawned = recorder.of("engine.started", lambda e: e.engine.role is EngineRole.ACTIVE)
+    assert [e.engine.engine_id for e in spawned] == [active.engine_id]  # nothing cold-spawned for the takeover
+
+
+async def test_a_standby_that_dies_while_warming_is_replaced_by_a_cold_spawn(agent: AgentProcess,
+                                                                            recorder: Recorder, bus: Bus) -> None:
+    agent.start([pattern_spec(standbys=1, env={"HF_PATTERN_WARM_S": "30"})])
+    active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE)).engine
+    warming = (await recorder.wait("engine.started", lambda e: e.engine.role is EngineRole.STANDBY)).engine
+    os.kill(active.pid, signal.SIGKILL)
+    await recorder.wait("fault.detected", lambda f: f.engine_id == active.engine_id)
+    takeover = asyncio.create_task(bus.request("node-1", Takeover(incident_id="inc-warm-dies", engine_id=active.engine_id,
+                                                                  transfer_token="tok"), TakeoverReply, timeout=60))
+    await asyncio.sleep(1.0)  # the takeover waits on it
+    assert not takeover.done()
+    os.kill(warming.pid, signal.SIGKILL)
+    reply = await takeover
+    assert not reply.used_standby and reply.engine.engine_id not in (active.engine_id, warming.engine_id)
+    assert "standby_warm_wait_ms" in reply.timings_ms and "spawn_ms" in reply.timings_ms
 
 
 async def _successor_recorded(store: Store, engine_id: str, predecessor: str) -> bool:
