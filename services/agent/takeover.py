@@ -234,7 +234,9 @@ class Takeovers:
             return None
         finally:
             timings["standby_warm_wait_ms"] = _ms(t)
-        if sb.state is not State.STANDBY or sb.role is not EngineRole.STANDBY or sb.taking_over is not None:
+        still = supervision.pick_standby(host.records(), pred.model, version=cmd.version, named=sb.engine_id,
+                                         gpu=pred.gpu)
+        if still is None:  # no longer a warm standby of that shape: assigned by another takeover meanwhile
             log.info("takeover %s: standby %s was taken by another takeover while warming; cold-spawning instead",
                      cmd.incident_id, sb.engine_id)
             return None
