@@ -90,17 +90,21 @@ class LoadScenario(Scenario):
 
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
                  prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, isolated: bool = True,
-                 deterministic: bool = True, router_hold_s: float | None = None, **kw: Any) -> None:
+                 deterministic: bool = True, router_hold_s: float | None = None, drawn: bool = False,
+                 **kw: Any) -> None:
         self.router_hold_s = router_hold_s  # the router's hold for a model with no endpoint (None: its default)
         if shadow is None:
             shadow = kv_cache_gib is not None or kw.get("backend") == "host"
         super().__init__(shadow=shadow, **kw)
+        self.drawn = drawn  # the weights drawn at the cold load, from a header-only file (no file of their size)
+        if drawn and self.weights.parent == self.work_dir:
+            self.weights = self.weights.with_suffix(".drawn.safetensors")
         self.max_num_seqs, self.kv_cache_gib = max_num_seqs, kv_cache_gib
         self.step_tokens, self.prefill_chunk, self.fenced = step_tokens, prefill_chunk, fenced
         self.isolated, self.deterministic = isolated, deterministic
 
     def start(self) -> Stack:
-        make_weights(self.size, self.weights)
+        make_weights(self.size, self.weights, drawn=self.drawn)
         spec = EngineSpec(engine_class="batched", model=MODEL,
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
@@ -372,13 +376,14 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
               prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
               shadow: bool = True, isolated: bool = True, deterministic: bool = True,
-              kill_successor: bool = False, router_hold_s: float | None = None) -> dict[str, Any]:
+              kill_successor: bool = False, router_hold_s: float | None = None,
+              drawn: bool = False) -> dict[str, Any]:
     # `router_hold_s`: the router's own hold for a model with no endpoint (None: its default). A recovery's
     # successor is waited for beyond it (router table.py, invariant 2), a cold one after a second failure included.
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
-                      deterministic=deterministic, router_hold_s=router_hold_s)
+                      deterministic=deterministic, router_hold_s=router_hold_s, drawn=drawn)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
     pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
@@ -393,7 +398,7 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
         return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
                 "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
                 "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
-                "kill_successor": kill_successor,
+                "kill_successor": kill_successor, "weights_drawn": drawn,
                 "no_failure": summarize([control], control, deterministic=deterministic),
                 "sigkill": summarize(rounds, control, deterministic=deterministic)}
     finally:

@@ -211,6 +211,9 @@ def cli(
                                        "lost, missing and repeated tokens are checked"),
     kill_successor: bool = typer.Option(False, help="with --streams: a second failure during the recovery: each "
                                         "kill's successor SIGKILLed too, as soon as it serves (its streams in flight)"),
+    drawn_weights: bool = typer.Option(False, help="with --streams: the weights drawn on the device at the cold load "
+                                       "from a header-only file (make-weights --drawn): weights larger than the "
+                                       "machine's disk and RAM"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -230,7 +233,7 @@ def cli(
                                       step_tokens=step_tokens, prefill_chunk=prefill_chunk,
                                       client_procs=client_procs, fenced=fenced, shadow=shadow,
                                       isolated=isolated, deterministic=deterministic,
-                                      kill_successor=kill_successor))
+                                      kill_successor=kill_successor, drawn=drawn_weights))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}

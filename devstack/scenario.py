@@ -49,10 +49,12 @@ def detect_backend() -> str:
     return "cuda" if has_gpu() else "host"
 
 
-def make_weights(size: str, out: Path) -> Path:
+def make_weights(size: str, out: Path, *, drawn: bool = False) -> Path:
+    """The seeded weights file of `size` at `out` unless one is there; `drawn`: the header alone, its values drawn
+    by each load on its own device (engines/reference/weights.py)."""
     if not out.exists():
         r = subprocess.run([sys.executable, "-m", "engines.reference", "make-weights", "--size", size, "--out",
-                            str(out)], capture_output=True, text=True, timeout=1800)
+                            str(out), *(["--drawn"] if drawn else [])], capture_output=True, text=True, timeout=1800)
         if r.returncode != 0:
             raise RuntimeError(f"make-weights --size {size} exited {r.returncode}: {r.stderr[-3000:]}")
     return out

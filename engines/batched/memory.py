@@ -32,7 +32,7 @@ from engines.batched.journal import Journal, JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.memory import retry_until
-from engines.reference.weights import check_file_matches, load_weights
+from engines.reference.weights import check_file_matches, lease_filler, load_weights
 from libs.client.protocol import contiguous_stride
 
 log = logging.getLogger("holdfast.engine.batched.memory")
@@ -164,7 +164,7 @@ class LeasedMemory:
 
         t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
-                              expected=cfg.tensor_shapes(), plan=fused_plan)
+                              expected=cfg.tensor_shapes(), plan=fused_plan, fill=lease_filler(path))
         loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
         loaded.weights_load = got.report()
         return loaded

@@ -1,4 +1,4 @@
-"""`python -m engines.reference make-weights --size tiny --out w.safetensors [--seed 0] [--dtype float32]`
+"""`python -m engines.reference make-weights --size tiny --out w.safetensors [--seed 0] [--dtype float32] [--drawn]`
 `python -m engines.reference serve --weights w.safetensors [--size tiny] [--port 0] ...` (see settings.py)."""
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ def make_weights_cmd(argv: list[str]) -> int:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the size's)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the values are drawn (auto: cuda when torch sees a GPU; much faster for large files)")
+    p.add_argument("--drawn", action="store_true",
+                   help="write the header alone: a load draws the values on its own device (weights larger than "
+                        "the disk or RAM; the batched engine and single reference engines load it)")
     a = p.parse_args(argv)
     from engines.reference.weights import make_weights
 
@@ -31,7 +34,7 @@ def make_weights_cmd(argv: list[str]) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = make_weights(cfg, a.out, seed=a.seed, dtype=a.dtype, device=device)
+    out = make_weights(cfg, a.out, seed=a.seed, dtype=a.dtype, device=device, drawn=a.drawn)
     print(json.dumps({"out": str(out), "size": cfg.name, "params": cfg.n_params(), "bytes": out.stat().st_size}))
     return 0
 

@@ -34,7 +34,7 @@ import torch
 
 from engines.reference.config import ModelConfig
 from engines.reference.kv_reuse import KvDonor, marks_shape
-from engines.reference.weights import check_file_matches, load_weights, torch_dtype
+from engines.reference.weights import check_file_matches, lease_filler, load_weights, torch_dtype
 
 log = logging.getLogger("holdfast.engine.memory")
 
@@ -184,7 +184,7 @@ class LeasedMemory:
 
         t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
-                              expected=cfg.tensor_shapes())
+                              expected=cfg.tensor_shapes(), fill=lease_filler(path))
         weights = got.tensors
         t_load = _ms(t0)
         kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)

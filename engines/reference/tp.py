@@ -79,6 +79,11 @@ def read_shard(path: Path, cfg: ModelConfig, tp: int, rank: int) -> dict[str, to
     the file; a slice touches only its own bytes)."""
     from safetensors import safe_open
 
+    from engines.reference.weights import is_drawn
+
+    if is_drawn(path):
+        raise ValueError(f"{path} is a drawn weights file (its values made at load): it serves single engines, "
+                         "not tensor-parallel ranks; make a full file with make-weights without --drawn")
     out = {}
     with safe_open(str(path), framework="pt") as f:
         for name, shape in cfg.tensor_shapes().items():

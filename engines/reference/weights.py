@@ -2,6 +2,11 @@
 
 Determinism: each tensor draws from its own generator seeded by (seed, crc32(name)), so the bytes of the
 file depend only on (size, seed, dtype, the generator's device type) and not on the order tensors are made in.
+
+A *drawn* file (`make-weights --drawn`) is the header alone, its metadata saying so: a load draws each tensor's
+values where it lands (a lease on the GPU: the GPU's generator), the same values a full file drawn on that device
+type holds, byte for byte. It stands for weights larger than the machine's disk and RAM can hold as a file (a
+120 GiB model on a machine of 125 GiB RAM and 64 GiB disk): benchmarks only, as any seeded file is.
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engines.reference.config import ModelConfig
+from libs.client.safetensors_io import SAFETENSORS_DTYPES, read_header, read_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +36,7 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
 
 
-def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int,
+def _init_tensor(n_layers: int, name: str, shape: tuple[int, ...], seed: int,
                  device: str = "cpu") -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float32, device=device)
@@ -39,17 +46,17 @@ def _init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int,
     else:
         std = 1.0 / math.sqrt(shape[1])  # fan-in scaling keeps activations O(1) through the layers
         if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            std /= math.sqrt(2 * cfg.n_layers)  # residual branches: the sum over layers stays O(1)
+            std /= math.sqrt(2 * n_layers)  # residual branches: the sum over layers stays O(1)
         if name == "output.weight":
             std *= 4.0  # peaked next-token distributions, so greedy and sampled text differ visibly
-    return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=device).mul_(std)  # one buffer, not two
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | None = None,
-                 device: str = "cpu") -> Path:
+                 device: str = "cpu", drawn: bool = False) -> Path:
     """Write the safetensors file for `cfg` (deterministic for a given size, seed and dtype), one tensor at a
     time, so memory stays at one tensor whatever the model's size: safetensors' `save_file` builds the whole
     file in memory first, and a 32 GiB model did not get written on a 125 GiB machine. The format is the
@@ -58,7 +65,9 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
 
     `device`: where the values are drawn. One CPU generator draws ~100 M values/s (a 120 GiB file: ~10 minutes,
     more than a device call); a GPU's, thousands of times that, so the file's write is what is left. The two
-    draw different values from one seed: the bytes depend on (size, seed, dtype, device type), recorded."""
+    draw different values from one seed: the bytes depend on (size, seed, dtype, device type), recorded.
+
+    `drawn`: the header alone; a load draws the values on its own device (module docstring)."""
     dt = torch_dtype(dtype or cfg.dtype)
     item = torch.empty((), dtype=dt).element_size()
     shapes = cfg.tensor_shapes()
@@ -73,7 +82,8 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
     # One metadata key, the header's keys sorted: the file must be the same bytes each time.
     header["__metadata__"] = {"holdfast": json.dumps({"size": cfg.name, "seed": seed,
                                                       "dtype": str(dt).removeprefix("torch."),
-                                                      **({"drawn_on": "cuda"} if device != "cpu" else {}),
+                                                      **({"drawn": "at load"} if drawn else
+                                                         {"drawn_on": "cuda"} if device != "cpu" else {}),
                                                       "config": cfg.__dict__}, sort_keys=True)}
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -82,8 +92,8 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name in names:
-            t = _init_tensor(cfg, name, shapes[name], seed, device).to(dt).contiguous().cpu()
+        for name in names if not drawn else ():
+            t = _init_tensor(cfg.n_layers, name, shapes[name], seed, device).to(dt).contiguous().cpu()
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
         # on the disk before it is used: the rename is durable only then, and a 13 GiB file left to the kernel's
         # writeback (~30 s later) stalled etcd's fsyncs on the same disk by 100-200 ms mid-benchmark (H200, 2026-12-03)
@@ -93,10 +103,47 @@ def make_weights(cfg: ModelConfig, out: Path, *, seed: int = 0, dtype: str | Non
     return out
 
 
-def file_metadata(path: Path) -> dict[str, object]:
-    with safe_open(str(path), framework="pt") as f:
-        raw = (f.metadata() or {}).get("holdfast")
+def file_metadata(path: Path) -> dict[str, Any]:
+    """The holdfast entry of the file's metadata ({} for a file made elsewhere). From the header alone, so that a
+    drawn file (header only) reads too."""
+    raw = read_metadata(path).get("holdfast")
     return json.loads(raw) if raw else {}
+
+
+def is_drawn(path: Path) -> bool:
+    """Whether the file is the header alone, its values drawn at load."""
+    return file_metadata(path).get("drawn") == "at load"
+
+
+def _drawn(path: Path) -> tuple[int, int, dict[str, Any]]:
+    """(seed, layers, header) of a drawn file."""
+    meta = file_metadata(path)
+    _, header = read_header(path)
+    return int(meta["seed"]), int(meta["config"]["n_layers"]), header
+
+
+def lease_filler(path: Path) -> Callable[[Any, list[Any]], None] | None:
+    """How a cold load writes this file's values into its lease: None (its bytes, read), or `draw_into`'s."""
+    return draw_into(path) if is_drawn(path) else None
+
+
+def draw_into(path: Path) -> Callable[[Any, list[Any]], None]:
+    """A lease filler for a drawn file (libs/client/safetensors_io.py `load_file_into_lease`'s `fill`): each
+    tensor's values drawn on the lease's device, written at its place, one tensor's draw in memory at a time."""
+    seed, layers, header = _drawn(path)
+
+    def fill(lease: Any, layout: list[Any]) -> None:
+        devices = set()
+        for meta, _, _ in layout:
+            view = lease.view(meta, "torch")
+            view.copy_(_init_tensor(layers, meta.name, tuple(header[meta.name]["shape"]), seed, view.device.type))
+            devices.add(view.device)
+        for dev in devices:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the values are in the lease before it is committed
+                torch.cuda.empty_cache()  # the draws' buffers (GBs for an embedding): the KV cache is leased next
+
+    return fill
 
 
 def check_file_matches(path: Path, cfg: ModelConfig) -> None:
@@ -106,8 +153,13 @@ def check_file_matches(path: Path, cfg: ModelConfig) -> None:
 
 
 def load_weights(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """A cold start's read of the file into ordinary (not leased) tensors."""
-    return load_file(str(path), device=str(device))
+    """A cold start's read of the file into ordinary (not leased) tensors (a drawn file's: drawn on `device`)."""
+    if not is_drawn(path):
+        return load_file(str(path), device=str(device))
+    seed, layers, header = _drawn(path)
+    dev = torch.device(device)
+    return {name: _init_tensor(layers, name, tuple(e["shape"]), seed, dev.type).to(dev).to(
+        getattr(torch, SAFETENSORS_DTYPES[e["dtype"]])) for name, e in header.items()}
 
 
 def weights_sha256(tensors: dict[str, torch.Tensor], *, chunk_bytes: int = 1 << 28) -> str:

@@ -50,6 +50,20 @@ SAFETENSORS_DTYPES = {
 
 def read_header(path: str | Path) -> tuple[int, dict[str, Any]]:
     """(offset of the data region, {name: {dtype, shape, data_offsets}}), without the __metadata__ entry."""
+    data_start, header = read_full_header(path)
+    header.pop("__metadata__", None)
+    return data_start, header
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The header's __metadata__ (string keys and values; {} when there is none). Read from the header alone."""
+    meta = read_full_header(path)[1].get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise MalformedMessage(f"{path}: __metadata__ is not a mapping")
+    return meta
+
+
+def read_full_header(path: str | Path) -> tuple[int, dict[str, Any]]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -58,7 +72,8 @@ def read_header(path: str | Path) -> tuple[int, dict[str, Any]]:
         if n > 100 * 1024 * 1024:
             raise MalformedMessage(f"{path}: header of {n} bytes")
         header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
+    if not isinstance(header, dict):
+        raise MalformedMessage(f"{path}: the header is not a mapping")
     return 8 + n, header
 
 
@@ -100,11 +115,16 @@ def load_safetensors_into_leases(client: MemoryClient, path: str | Path, *, tag:
     return {m.name: lease.view(m, framework) for m in metas}
 
 
+Filler = Callable[[MappedLease, Layout], None]
+
+
 def load_file_into_lease(client: MemoryClient, path: str | Path, *, tag: str = "weights", name: str = "weights",
-                         gpu: int = 0, plan: Planner = plan_layout,
-                         expected: Mapping[str, Sequence[int]] | None = None) -> tuple[MappedLease, list[TensorMeta]]:
+                         gpu: int = 0, plan: Planner = plan_layout, expected: Mapping[str, Sequence[int]] | None = None,
+                         fill: Filler | None = None) -> tuple[MappedLease, list[TensorMeta]]:
     """The file into one lease, its tensors registered and committed: the lease and its tensors. `plan` places
-    the tensors in the lease; `expected` (names -> shapes): the file must hold exactly those."""
+    the tensors in the lease; `expected` (names -> shapes): the file must hold exactly those. `fill` writes the
+    tensors' values into the lease (default: read from the file; a header-only file whose values are drawn at
+    load, engines/reference/weights.py, passes its own)."""
     data_start, header = read_header(path)
     if expected is not None:
         why = layout_mismatch({n: e["shape"] for n, e in header.items()}, expected)
@@ -113,7 +133,10 @@ def load_file_into_lease(client: MemoryClient, path: str | Path, *, tag: str = "
     _, total = plan(header, "pending")
     lease = client.allocate(total, tag=tag, name=name, gpu=gpu)
     layout, _ = plan(header, lease.id)
-    fill_lease(lease.mapping, path, data_start, layout)
+    if fill is None:
+        fill_lease(lease.mapping, path, data_start, layout)
+    else:
+        fill(lease, layout)
     metas = [meta for meta, _, _ in layout]
     client.register(metas)
     client.commit()
@@ -181,10 +204,12 @@ class WeightsLoad:
 def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
                     expected: Mapping[str, Sequence[int]] | None = None, plan: Planner = plan_layout,
                     tag: str = "weights", name: str = "weights", gpu: int = 0, framework: str = "torch",
-                    load_file: Callable[[], tuple[MappedLease, list[TensorMeta]]] | None = None) -> WeightsLoad:
+                    load_file: Callable[[], tuple[MappedLease, list[TensorMeta]]] | None = None,
+                    fill: Filler | None = None) -> WeightsLoad:
     """The cold path (invariants 1, 2 above): the node's copy `copy` (host tier, else artifact) if there is a
-    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan`, or `load_file`
-    (a tensor-parallel rank's part of the file, in a lease registered and committed) when given."""
+    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan` and written by
+    `fill` (default: its bytes), or `load_file` (a tensor-parallel rank's part of the file, in a lease registered
+    and committed) when given."""
     t0 = time.perf_counter()
     refused = ""
     if copy is not None:
@@ -207,7 +232,8 @@ def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
     if load_file is not None:
         lease, metas = load_file()
     else:
-        lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected)
+        lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected,
+                                            fill=fill)
     return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas, "file", _ms(t0),
                        refused=refused)
 

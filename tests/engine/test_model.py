@@ -10,7 +10,7 @@ import torch
 from engines.reference.config import SIZES, get_config
 from engines.reference.engine import BadRequest, EngineCore, Finished, GenerationRequest, TokenOut
 from engines.reference.model import Transformer
-from engines.reference.weights import file_metadata, load_weights, make_weights
+from engines.reference.weights import file_metadata, is_drawn, load_weights, make_weights
 from libs.common import tokenizer
 
 CFG = get_config("tiny")
@@ -46,6 +46,34 @@ def test_a_weights_file_drawn_on_the_gpu_is_the_same_bytes_each_time_and_says_wh
         make_weights(cfg, tmp_path / "c.safetensors", seed=1))
     w = load_weights(a)
     assert set(w) == set(cfg.tensor_shapes()) and all(torch.isfinite(t.float()).all() for t in w.values())
+
+
+def test_a_drawn_weights_file_is_its_header_alone_and_loads_the_full_files_values(tmp_path: Path) -> None:
+    full = make_weights(CFG, tmp_path / "full.safetensors", seed=5)
+    drawn = make_weights(CFG, tmp_path / "drawn.safetensors", seed=5, drawn=True)
+    assert drawn.stat().st_size < 64 * 1024 < full.stat().st_size  # no values in it
+    assert is_drawn(drawn) and not is_drawn(full) and file_metadata(drawn)["size"] == CFG.name
+    a, b = load_weights(full), load_weights(drawn)
+    assert set(a) == set(b) == set(CFG.tensor_shapes())
+    assert all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
+    other = load_weights(make_weights(CFG, tmp_path / "other.safetensors", seed=6, drawn=True))
+    assert not torch.equal(other["output.weight"], b["output.weight"])
+
+
+def test_a_drawn_weights_file_is_refused_by_tensor_parallel_ranks_with_a_clear_error(tmp_path: Path) -> None:
+    from engines.reference.tp import read_shard
+
+    drawn = make_weights(CFG, tmp_path / "drawn.safetensors", drawn=True)
+    with pytest.raises(ValueError, match="drawn weights file"):
+        read_shard(drawn, CFG, 2, 0)
+
+
+@pytest.mark.gpu
+def test_weights_drawn_into_a_gpu_tensor_equal_a_file_drawn_on_the_gpu(tmp_path: Path) -> None:
+    cfg = get_config("small@2")
+    full = load_weights(make_weights(cfg, tmp_path / "a.safetensors", seed=2, device="cuda"), "cuda")
+    drawn = load_weights(make_weights(cfg, tmp_path / "b.safetensors", seed=2, drawn=True), "cuda")
+    assert all(torch.equal(full[n], drawn[n]) for n in full)
 
 
 def test_sizes_range_from_a_few_megabytes_to_billions_of_parameters() -> None:
@@ -134,7 +162,7 @@ def test_the_streamed_weights_file_reads_back_through_safetensors_as_the_seeded_
     back = load_weights(path)
     assert set(back) == set(cfg.tensor_shapes())
     for name, shape in cfg.tensor_shapes().items():
-        assert torch.equal(back[name], _init_tensor(cfg, name, shape, 3).to(torch.bfloat16))
+        assert torch.equal(back[name], _init_tensor(cfg.n_layers, name, shape, 3).to(torch.bfloat16))
     assert file_metadata(path)["size"] == cfg.name
 
 

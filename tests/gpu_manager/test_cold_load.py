@@ -112,3 +112,30 @@ async def test_a_corrupt_artifact_is_refused_and_the_file_read(manager_factory, 
     got, tensors, held = await asyncio.to_thread(cold_load, m, "eng-3", path)
     assert got.source == "file" and got.refused.startswith("artifact_invalid") and same(tensors, TENSORS)
     assert len(held) == 1
+
+
+async def test_a_drawn_weights_file_fills_a_leased_load_with_the_full_files_values(manager_factory, tmp_path):
+    """A header-only weights file (make-weights --drawn): the cold path draws each tensor into its place in the new
+    lease; the lease holds what the full file of the same seed holds, at the places the batched engine's plan gives."""
+    import torch
+
+    from engines.batched.memory import fused_plan, weights_plan
+    from engines.reference.config import get_config
+    from engines.reference.weights import lease_filler, load_weights, make_weights
+
+    cfg = get_config("tiny")
+    m = manager_factory().start()
+    full = make_weights(cfg, tmp_path / "full.safetensors", seed=4)
+    drawn = make_weights(cfg, tmp_path / "drawn.safetensors", seed=4, drawn=True)
+    assert lease_filler(full) is None
+    c = MemoryClient.connect("eng-drawn", socket_path=m.socket, engine_class="cls")
+    try:
+        got = await asyncio.to_thread(restore_or_load, c, drawn, copy=None, expected=cfg.tensor_shapes(),
+                                      plan=fused_plan, fill=lease_filler(drawn))
+        want = load_weights(full)
+        assert got.source == "file" and set(got.tensors) == set(want)
+        assert all(torch.equal(got.tensors[n], want[n]) for n in want)
+        _, placed, _, _ = weights_plan(drawn, got.lease.id)  # the batched engine's own placement, kept
+        assert sorted((m.name, m.offset) for m in got.metas) == sorted((n, off) for n, off, _, _ in placed)
+    finally:
+        gone(c)
