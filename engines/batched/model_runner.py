@@ -415,6 +415,10 @@ class ModelRunner:
             k = apply_rope(self._linear(x, p + "attention.wk.weight").view(T, KV, hd), cos, sin)
             return q, k, self._linear(x, p + "attention.wv.weight").view(T, KV, hd)
         qkv = self._linear(x, p + "attention.wqkv.weight")
+        if self.kern is not None and self.kern.rope_fits(hd):  # one kernel, in place, apply_rope's values
+            self.kern.rope_(qkv, H + KV, hd, cos, sin)
+            return (qkv[:, :H * hd].view(T, H, hd), qkv[:, H * hd:(H + KV) * hd].view(T, KV, hd),
+                    qkv[:, (H + KV) * hd:].view(T, KV, hd))
         qk = apply_rope(qkv[:, :(H + KV) * hd].view(T, H + KV, hd), cos, sin)
         return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * hd:].view(T, KV, hd)
 

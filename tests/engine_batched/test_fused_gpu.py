@@ -33,6 +33,27 @@ def test_rms_norm_and_silu_mul_kernels_match_torch(dtype: torch.dtype) -> None:
     assert torch.equal(paged_kernels.rms_norm(x[:5], w, 1e-5), paged_kernels.rms_norm(x, w, 1e-5)[:5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_kernel_gives_apply_ropes_values_bit_for_bit_in_place(dtype: torch.dtype) -> None:
+    """q and k heads of a fused projection's rows (v's columns after them untouched), at positions up to 4096."""
+    from engines.batched import paged_kernels
+    from engines.reference.config import get_config
+    from engines.reference.model import apply_rope, rope_tables
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, H, KV, hd = 37, 8, 2, 128
+    qkv = torch.randn(T, (H + 2 * KV) * hd, device="cuda", generator=g).to(dtype)
+    pos = torch.randint(0, 4096, (T,), device="cuda", generator=g)
+    cos_t, sin_t = rope_tables(get_config("8b"), torch.device("cuda"))  # head_dim 128
+    cos, sin = cos_t[pos].to(dtype), sin_t[pos].to(dtype)
+    want = apply_rope(qkv[:, :(H + KV) * hd].view(T, H + KV, hd), cos, sin)
+    v = qkv[:, (H + KV) * hd:].clone()
+    paged_kernels.rope_(qkv, H + KV, hd, cos, sin)
+    assert torch.equal(qkv[:, :(H + KV) * hd].view(T, H + KV, hd), want)
+    assert torch.equal(qkv[:, (H + KV) * hd:], v)
+    assert paged_kernels.rope_fits(128) and paged_kernels.rope_fits(64) and not paged_kernels.rope_fits(96)
+
+
 @pytest.fixture(scope="module")
 def fused_weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     from engines.reference.weights import load_weights, make_weights
