@@ -1,5 +1,6 @@
 """Probe (device): where a decode step's time goes at a batch size, against its roofline: with the rope kernel
-(paged_kernels.rope_) and without it (torch's apply_rope), and with another BLAS backend (cuBLASLt) if asked.
+(paged_kernels.rope_) or torch's apply_rope, the residual add fused into the next RMSNorm (add_rms_norm_) or
+not, and with another BLAS backend (cuBLASLt) if asked.
 
 Why: issue 17 asks for decode at 64 streams >= 60% of the roofline; the engine serves 0.555-0.603 of it
 (docs/benchmarks.md). This builds the batched engine's ModelRunner over random weights of the engine's layout
@@ -7,7 +8,7 @@ Why: issue 17 asks for decode at 64 streams >= 60% of the roofline; the engine s
 reports the step's time and share of the roofline (bench/serve.py's bandwidth measure), then profiles one eager
 step: CUDA time by kernel family (GEMM, attention, norm and activation, other) and the GEMMs' achieved bandwidth.
 
-    python3 scripts/probe_decode_step.py [SIZE] [BATCHES] [CTX] [WAYS]   e.g. 8b 1,64,256 130 rope,torch-rope,cublaslt
+    python3 scripts/probe_decode_step.py [SIZE] [BATCHES] [CTX] [WAYS]   e.g. 8b 1,64,256 130 fused,unfused-add,torch-rope,cublaslt
 Prints JSON lines. H200, 2026-12-04 (8b, ctx 130, batch 64): cuBLASLt 6.149 ms a graph step against cuBLAS's
 6.118 (no gain); kernel time GEMMs 4.0 ms (84% of the bandwidth), attention 0.50, torch's rope ~0.43, norms 0.19.
 """
@@ -94,11 +95,16 @@ def main() -> None:
                       "weights_gib_read_a_step": round(gemm_bytes / 2**30, 2)}), flush=True)
     from engines.batched import paged_kernels
 
-    fits = paged_kernels.rope_fits
-    ways = (args[3] if len(args) > 3 else "rope,torch-rope").split(",")
+    fits, add_norm = paged_kernels.rope_fits, paged_kernels.add_rms_norm_
+
+    def add_then_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return paged_kernels.rms_norm(h.add_(d), w, eps)  # two kernels, as before add_rms_norm_
+
+    ways = (args[3] if len(args) > 3 else "fused,unfused-add,torch-rope").split(",")
     for lib in ways:
         torch.backends.cuda.preferred_blas_library("cublaslt" if lib == "cublaslt" else "cublas")
         paged_kernels.rope_fits = (lambda hd: False) if lib == "torch-rope" else fits  # type: ignore[assignment]
+        paged_kernels.add_rms_norm_ = add_then_norm if lib in ("unfused-add", "torch-rope") else add_norm  # type: ignore[assignment]
         r = ModelRunner(cfg, w, kv, BS, deterministic=False, cuda_graphs=True, max_num_seqs=max(batches),
                         fused=fused, max_step_tokens=512)
         r.warmup()

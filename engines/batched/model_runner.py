@@ -391,6 +391,14 @@ class ModelRunner:
             return self.kern.rms_norm(x, w, eps)
         return self._rows(lambda rows: rms_norm(rows, w, eps), x, head=head)
 
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its norm): on CUDA one kernel, the sum written over h (the residual stream, never read
+        again as it was); otherwise the add, then `_norm`."""
+        if self.kern is not None and h.stride(1) == 1:
+            return h, self.kern.add_rms_norm_(h, delta, self.w[name], self.cfg.norm_eps)
+        h = h + delta
+        return h, self._norm(h, name)
+
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """SwiGLU. CUDA with w1/w3 fused: one projection, one kernel for silu(gate) * up, then w2. Otherwise tiled
         as a whole: SiLU's exp is not batch-invariant on the CPU (vectorized and scalar paths round differently,
@@ -428,12 +436,18 @@ class ModelRunner:
         cfg = self.cfg
         h = F.embedding(tokens, self.w["tok_embeddings.weight"])
         cos, sin = self.model.cos[positions], self.model.sin[positions]
+        x = self._norm(h, "layers.0.attention_norm.weight")
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            q, k, v = self._qkv(self._norm(h, p + "attention_norm.weight"), p, cos, sin)
+            q, k, v = self._qkv(x, p, cos, sin)
             write_kv(self.kv[i], k, v, slots)
-            h = h + self._reduce(self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight"))
-            h = h + self._reduce(self._mlp(self._norm(h, p + "ffn_norm.weight"), p))
+            h, x = self._add_norm(h, self._reduce(self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight")),
+                                  p + "ffn_norm.weight")
+            delta = self._reduce(self._mlp(x, p))
+            if i + 1 < cfg.n_layers:
+                h, x = self._add_norm(h, delta, f"layers.{i + 1}.attention_norm.weight")
+            else:
+                h = h + delta  # the final norm: the sampled rows' alone
         if head_rows is not None:
             h = h[head_rows]
         return self._linear(self._norm(h, "norm.weight", head=True), "output.weight", head=True).float()

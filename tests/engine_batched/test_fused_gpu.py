@@ -34,6 +34,20 @@ def test_rms_norm_and_silu_mul_kernels_match_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_add_and_norm_kernel_gives_the_add_then_the_norm_kernels_values(dtype: torch.dtype) -> None:
+    from engines.batched import paged_kernels
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(37, 4096, device="cuda", generator=g).to(dtype)
+    d = torch.randn(37, 4096, device="cuda", generator=g).to(dtype)
+    w = torch.randn(4096, device="cuda", generator=g).to(dtype)
+    want_h = h + d
+    want = paged_kernels.rms_norm(want_h, w, 1e-5)
+    got = paged_kernels.add_rms_norm_(h, d, w, 1e-5)
+    assert torch.equal(h, want_h) and torch.equal(got, want)  # h holds the sum now
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rope_kernel_gives_apply_ropes_values_bit_for_bit_in_place(dtype: torch.dtype) -> None:
     """q and k heads of a fused projection's rows (v's columns after them untouched), at positions up to 4096."""
     from engines.batched import paged_kernels
