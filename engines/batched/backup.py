@@ -136,12 +136,13 @@ class BackedJournal(Journal):
                 self.version += 1
         return slot
 
-    def grow(self, slot: int, block_table: Any) -> None:
-        super().grow(slot, block_table)
-        m = self.mirror.get(slot)
-        if m is not None and len(block_table) > len(m.blocks):
-            with self.lock:
-                m.blocks = list(block_table)
+    def grow_many(self, tables: Any) -> None:
+        super().grow_many(tables)
+        for slot, block_table in tables:
+            m = self.mirror.get(slot)
+            if m is not None and len(block_table) > len(m.blocks):
+                with self.lock:
+                    m.blocks = list(block_table)
 
     def write_tokens(self, slot: int, start: int, tokens: Any) -> None:
         super().write_tokens(slot, start, tokens)

@@ -350,19 +350,36 @@ class Journal:
         # progress, then the fields, the check last (invariant 1)
         row = fields + [check, progress]
         self.rows[slot, :CHECK] = _on(dev, row[:CHECK], torch.int64)
-        self.rows[slot, PROGRESS] = row[PROGRESS]
-        self.rows[slot, CHECK] = check
+        tail = _on(dev, [row[PROGRESS], check], torch.int64)  # stores of tensors: a scalar store is one copy each
+        self.rows[slot, PROGRESS] = tail[0]
+        self.rows[slot, CHECK] = tail[1]
 
     def grow(self, slot: int, block_table: Seq[int]) -> None:
         """New block-table entries, before the forward that writes into them."""
-        n = self._n_blocks.get(slot, 0)
-        if len(block_table) <= n:
+        self.grow_many([(slot, block_table)])
+
+    def grow_many(self, tables: Seq[tuple[int, Seq[int]]]) -> None:
+        """`grow` of many rows at once, as one host-to-device copy (a step's rows that crossed into a new block: ~16
+        a step at 256 streams), the entries before the counts (a reader that sees a count finds its entries)."""
+        grown = [(slot, bt, n) for slot, bt in tables if len(bt) > (n := self._n_blocks.get(slot, 0))]
+        if not grown:
             return
-        new = _on(self.device, list(block_table[n:]), torch.int32)
-        self.mark.touch_slots((slot,))
-        self.blocks[slot, n: len(block_table)] = new
-        self.rows[slot, N_BLOCKS] = len(block_table)
-        self._n_blocks[slot] = len(block_table)
+        self.mark.touch_slots(slot for slot, _, _ in grown)
+        at: list[int] = []  # (slot, column) of each new entry
+        entries: list[int] = []
+        counts: list[int] = []  # (slot, count) of each row
+        for slot, bt, n in grown:
+            for j in range(n, len(bt)):
+                at += (slot, j)
+                entries.append(bt[j])
+            counts += (slot, len(bt))
+        k = len(entries)
+        host = _on(self.device, at + entries + counts, torch.int64)  # one copy; scalar stores would be one each
+        pos, rows = host[:2 * k].view(k, 2), host[3 * k:].view(-1, 2)
+        self.blocks[pos[:, 0], pos[:, 1]] = host[2 * k:3 * k].to(torch.int32)
+        self.rows[rows[:, 0], N_BLOCKS] = rows[:, 1]
+        for slot, bt, _ in grown:
+            self._n_blocks[slot] = len(bt)
 
     def write_tokens(self, slot: int, start: int, tokens: Seq[int]) -> None:
         """Tokens a sequence took from elsewhere than its own steps (a claim's tokens past the journal) at positions
@@ -440,8 +457,9 @@ class Journal:
     def _clear(self, slot: int) -> None:
         self._adopted.pop(slot, None)
         self.mark.touch_slots((slot,))
-        self.rows[slot, EPOCH] = 0
-        self.rows[slot, CHECK] = 0
+        zero = self.rows.new_zeros(())
+        self.rows[slot, EPOCH] = zero
+        self.rows[slot, CHECK] = zero
         self._n_blocks.pop(slot, None)
 
 

@@ -147,12 +147,13 @@ class StepPipeline:
         written: list[int] = []  # the KV blocks this forward writes (drain.py invariant 2)
         bs = self.scheduler.config.block_size
         prefill = 0
+        grown: list[tuple[int, list[int]]] = []  # journal rows whose block tables grew: one write for all
         for w in batch.works:
             seq = w.seq
             live = live_seqs[seq.seq_id]
             if live.req is not None and not live.req.t_scheduled:
                 live.req.t_scheduled = t0
-            self._journal_admit(live)
+            self._journal_admit(live, grown)
             end = w.start + w.num_tokens
             written += seq.block_table[w.start // bs:(end - 1) // bs + 1]
             feed = -1
@@ -165,6 +166,7 @@ class StepPipeline:
                                  seed=seq.params.seed or 0, feed=feed))
             if not w.samples or w.num_tokens > 1:
                 prefill += w.num_tokens
+        self.journal.grow_many(grown)  # before the forward that writes into the new blocks
         self.counters.prefill_tokens += prefill
         self.mark.touch_blocks(written)
         t1 = self.times.add("schedule", t0)
@@ -237,7 +239,8 @@ class StepPipeline:
                     live.sent += 1
                     self.table.resuming.discard(seq.seq_id)
 
-    def _journal_admit(self, live: Live) -> None:
+    def _journal_admit(self, live: Live, grown: list[tuple[int, list[int]]]) -> None:
+        """A new sequence's journal row, or (into `grown`) a journaled one's block table, to grow with the step's."""
         seq = live.seq
         if live.slot is None:
             live.slot = self.journal.admit(Admission(seq.seq_id, seq.request_id, seq.tokens[:seq.num_known], seq.prompt_len,
@@ -246,4 +249,4 @@ class StepPipeline:
             if live.slot is None:
                 self.counters.unjournaled += 1
         else:
-            self.journal.grow(live.slot, seq.block_table)
+            grown.append((live.slot, seq.block_table))
