@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from libs.client.mapping import _MAP_FAILED, _libc  # libc's mmap family, typed once for the package
+from libs.client.mapping import MAP_FAILED, libc  # libc's mmap family, typed once for the package
 from libs.client.protocol import ArtifactInvalid
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -42,17 +42,17 @@ def resident_share(path: Path, offset: int = 0, nbytes: int | None = None) -> fl
         return 0.0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        if addr in (None, _MAP_FAILED):
+        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr in (None, MAP_FAILED):
             return 0.0
         try:
             pages = -(-length // mmap.PAGESIZE)
             vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, length, vec) != 0:
+            if libc.mincore(addr, length, vec) != 0:
                 return 0.0
             return 1.0 - bytes(vec).count(0) / pages  # a byte per page, its low bit set where the page is resident
         finally:
-            _libc.munmap(addr, length)
+            libc.munmap(addr, length)
     finally:
         os.close(fd)
 

@@ -43,21 +43,22 @@ from typing import Any
 
 from libs.common.errors import HoldfastError
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # direct_io.resident_share
-_MAP_FAILED = ctypes.c_void_p(-1).value
+# libc's mmap family, typed once for the package (direct_io.py maps and probes files with it too)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # direct_io.resident_share
+MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _RESERVED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE  # PROT_NONE over it: kept, not accessible
 
 
 def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int) -> int:
-    out = _libc.mmap(addr, size, prot, flags, fd, 0)
-    if out == _MAP_FAILED or out is None:
+    out = libc.mmap(addr, size, prot, flags, fd, 0)
+    if out == MAP_FAILED or out is None:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
     return int(out)
@@ -218,7 +219,7 @@ class HostMapping(RangeMapping):
         return None  # the chunks are mapped over it: MAP_FIXED replaces it page for page
 
     def _grant_write(self) -> None:
-        if _libc.mprotect(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size), mmap.PROT_READ | mmap.PROT_WRITE):
+        if libc.mprotect(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size), mmap.PROT_READ | mmap.PROT_WRITE):
             err = ctypes.get_errno()
             raise OSError(err, f"mprotect of {self.size} bytes failed: {os.strerror(err)}")
 
@@ -232,7 +233,7 @@ class HostMapping(RangeMapping):
             _mmap(self.base, self.size, 0, _RESERVED | _MAP_FIXED, -1)
 
     def _free_range(self) -> None:
-        _libc.munmap(self.base, self.size)
+        libc.munmap(self.base, self.size)
 
     def buffer(self, offset: int, nbytes: int) -> Any:
         self.check_range(offset, nbytes)
