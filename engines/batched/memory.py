@@ -164,7 +164,7 @@ class LeasedMemory:
 
         t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
-                              expected=cfg.tensor_shapes(), plan=fused_plan, fill=lease_filler(path))
+                              expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
         loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
         loaded.weights_load = got.report()
         return loaded

@@ -184,7 +184,7 @@ class LeasedMemory:
 
         t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
-                              expected=cfg.tensor_shapes(), fill=lease_filler(path))
+                              expected=cfg.tensor_shapes(), filler=lambda: lease_filler(path))
         weights = got.tensors
         t_load = _ms(t0)
         kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)

@@ -123,7 +123,9 @@ def _drawn(path: Path) -> tuple[int, int, dict[str, Any]]:
 
 
 def lease_filler(path: Path) -> Callable[[Any, list[Any]], None] | None:
-    """How a cold load writes this file's values into its lease: None (its bytes, read), or `draw_into`'s."""
+    """How a cold load writes this file's values into its lease: None (its bytes, read), or `draw_into`'s. It reads
+    the file's header: ask it only once the file is to be loaded (restore_or_load's `filler`), not when a copy of
+    the weights serves and the file may be gone."""
     return draw_into(path) if is_drawn(path) else None
 
 

@@ -205,11 +205,12 @@ def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
                     expected: Mapping[str, Sequence[int]] | None = None, plan: Planner = plan_layout,
                     tag: str = "weights", name: str = "weights", gpu: int = 0, framework: str = "torch",
                     load_file: Callable[[], tuple[MappedLease, list[TensorMeta]]] | None = None,
-                    fill: Filler | None = None) -> WeightsLoad:
+                    filler: Callable[[], Filler | None] | None = None) -> WeightsLoad:
     """The cold path (invariants 1, 2 above): the node's copy `copy` (host tier, else artifact) if there is a
-    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan` and written by
-    `fill` (default: its bytes), or `load_file` (a tensor-parallel rank's part of the file, in a lease registered
-    and committed) when given."""
+    sound one whose tensors are `expected` (names -> shapes), else the file laid out by `plan` and written by what
+    `filler` gives (asked only then: a copy that serves never touches the file, which may be gone; None or its
+    None: the file's bytes), or `load_file` (a tensor-parallel rank's part of the file, in a lease registered and
+    committed) when given."""
     t0 = time.perf_counter()
     refused = ""
     if copy is not None:
@@ -233,7 +234,7 @@ def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
         lease, metas = load_file()
     else:
         lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected,
-                                            fill=fill)
+                                            fill=filler() if filler is not None else None)
     return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas, "file", _ms(t0),
                        refused=refused)
 

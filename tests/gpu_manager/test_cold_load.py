@@ -35,7 +35,11 @@ def cold_load(manager, engine_id: str, path: Path, expected=EXPECTED,  # noqa: A
     appended there instead, its leases held (until `gone`)."""
     c = MemoryClient.connect(engine_id, socket_path=manager.socket, engine_class="cls")
     try:
-        got = restore_or_load(c, path, copy="cls.weights", expected=expected, framework="numpy")
+        from engines.reference.weights import lease_filler
+
+        # the filler as the engines pass it: asked only when the file is read (a copy served: the file may be gone)
+        got = restore_or_load(c, path, copy="cls.weights", expected=expected, framework="numpy",
+                              filler=lambda: lease_filler(path))
         out = got, {k: np.array(v) for k, v in got.tensors.items()}, sorted(c.leases)
     except BaseException:
         c.close()
@@ -131,7 +135,7 @@ async def test_a_drawn_weights_file_fills_a_leased_load_with_the_full_files_valu
     c = MemoryClient.connect("eng-drawn", socket_path=m.socket, engine_class="cls")
     try:
         got = await asyncio.to_thread(restore_or_load, c, drawn, copy=None, expected=cfg.tensor_shapes(),
-                                      plan=fused_plan, fill=lease_filler(drawn))
+                                      plan=fused_plan, filler=lambda: lease_filler(drawn))
         want = load_weights(full)
         assert got.source == "file" and set(got.tensors) == set(want)
         assert all(torch.equal(got.tensors[n], want[n]) for n in want)
