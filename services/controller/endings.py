@@ -91,4 +91,5 @@ class IncidentEnds:
             return
         for rec in recs:
             self.doubts.pop(rec.id, None)
+        self.events.unmark(recs)
         self.log.announced(recs)

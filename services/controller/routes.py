@@ -11,6 +11,7 @@ route is added, in the same publication.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import NamedTuple
 
@@ -69,6 +70,13 @@ class RouteOut(NamedTuple):
 
 def endpoint_key(model: str, engine_id: str) -> str:
     return f"endpoints/{model}/{engine_id}"
+
+
+def recovery_key(incident_id: str) -> str:
+    """An incident's recovery marker: its model's endpoint is routed out and a successor is coming. Written with the
+    route-out, deleted with the route-in or at the incident's end: a router that starts (or reconciles) meanwhile
+    learns the recovery from it, as the others did from `EndpointRemoved.recovery` (router sync.py)."""
+    return f"recoveries/{incident_id}"
 
 
 def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | None:
@@ -134,6 +142,7 @@ class IncidentEvents:
             end_step(work, Step.ROUTE_OUT, "skipped", time.time(), "drain: routed out when its successor is routed in")
         else:
             self.writer.delete_nowait(endpoint_key(out.model, work.engine_id))
+            self.writer.put_nowait(recovery_key(work.id), json.dumps({"model": out.model, "at": out.at}))
             end_step(work, Step.ROUTE_OUT, "done", time.time())
         trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
         return apply(work, trig, out.at, self.deadlines, memory_lost=out.lost)
@@ -145,6 +154,7 @@ class IncidentEvents:
         url = url or (engine.endpoint if engine else None) or ""
         if succ and url:
             self.writer.put_nowait(endpoint_key(rec.model, succ), url)
+        self.writer.delete_nowait(recovery_key(rec.id))  # after the successor's key, in the same batch order
         new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
         events = [self.envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
                                               predecessor_id=rec.engine_id), f"{rec.id}-added", rec)]
@@ -156,6 +166,13 @@ class IncidentEvents:
                                                         reason="drained", incident_id=rec.id),
                                         f"{rec.id}-removed", rec))
         return RouteIn(new, events)
+
+    def unmark(self, recs: list[IncidentRecord]) -> None:
+        """Ended incidents' recovery markers go (announced ends: the routers were told; deleting one that is gone
+        already, or never was, changes nothing)."""
+        for rec in recs:
+            if Step.ROUTE_OUT in rec.steps and not rec.move_off:
+                self.writer.delete_nowait(recovery_key(rec.id))
 
     def ended(self, rec: IncidentRecord) -> list[Wired]:
         """The end events of an ended record, from the record alone (a next leader rebuilds them the same: one id

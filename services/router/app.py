@@ -111,16 +111,20 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     metrics.watch(relay.stats)
     feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s, recovery_hold_s=settings.recovery_hold_s)
 
-    async def read_endpoints() -> dict[str, bytes]:
-        return await asyncio.wait_for(rt.store.get_prefix("endpoints/"), timeout=settings.reconcile_read_timeout_s)
+    async def level() -> dict[str, bytes]:
+        """The endpoints and the recoveries under way (sync.py), one request a prefix."""
+        return {**await rt.store.get_prefix("endpoints/"), **await rt.store.get_prefix("recoveries/")}
+
+    async def read_level() -> dict[str, bytes]:
+        return await asyncio.wait_for(level(), timeout=settings.reconcile_read_timeout_s)
 
     await rt.bus.subscribe("router.endpoint.added", feed.on_event)
     await rt.bus.subscribe("router.endpoint.removed", feed.on_event)
     await rt.bus.subscribe("router.endpoint.unrecovered", feed.on_event)
-    n = feed.load_snapshot(await rt.store.get_prefix("endpoints/"))
+    n = feed.load_snapshot(await level())
     feed.go_live()
     log.info("router %s: %d endpoints from the snapshot", settings.instance, n)
-    rt.spawn("endpoint-sync", keep_in_sync(feed, read_endpoints, rt.bus.nc, period_s=settings.reconcile_s))
+    rt.spawn("endpoint-sync", keep_in_sync(feed, read_level, rt.bus.nc, period_s=settings.reconcile_s))
     rt.spawn("spare-connections", spares.keep(table.urls, period_s=1.0))
 
     listeners = await listen(settings)  # this worker's socket on the public port, and its own stats port

@@ -15,6 +15,14 @@ so a read can lag an event; the event is the newer word until `grace_s` has pass
 Reconcile changes only what differs: an endpoint in both keeps its in-flight count and suspect mark (no
 in-flight stream is touched); one gone from etcd is removed exactly as `endpoint.removed` would remove it
 (its streams are cut and resume elsewhere); one new in etcd is added as `endpoint.added` would add it.
+
+Recoveries the same way: the controller writes `recoveries/<incident>` ({model, at}) with a recovering route-out
+and deletes it with the route-in or at the incident's end (controller routes.py `recovery_key`). The start-up read
+and each reconcile start the recoveries it lists that this router does not hold yet, bounded by `recovery_hold_s`
+from the marker's `at`: a router started (or cut off from NATS) during a recovery holds the model's requests as the
+others do, instead of answering 404 for a model it never saw. A recovery this router saw end is never started
+again by a marker whose deletion has not landed yet (the write is behind the event); one whose marker is gone is
+left to its events and its bound.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ def parse_endpoints(kvs: dict[str, bytes]) -> dict[Key, str]:
     least `url` (and optionally `model`)."""
     out: dict[Key, str] = {}
     for key, raw in kvs.items():
+        if not key.startswith("endpoints/"):
+            continue  # a recovery marker (`parse_recoveries`)
         rest = key.removeprefix("endpoints/")
         model, _, engine_id = rest.rpartition("/")
         text = raw.decode(errors="replace").strip()
@@ -61,6 +71,27 @@ def parse_endpoints(kvs: dict[str, bytes]) -> dict[Key, str]:
             log.warning("ignoring endpoint record %s without model, engine or url", key)
             continue
         out[(model, engine_id)] = url.rstrip("/")
+    return out
+
+
+def parse_recoveries(kvs: dict[str, bytes]) -> dict[str, tuple[str, float]]:
+    """`recoveries/<incident>` records -> {incident: (model, at: the route-out's wall time)}; malformed ones are
+    skipped with a warning."""
+    out: dict[str, tuple[str, float]] = {}
+    for key, raw in kvs.items():
+        if not key.startswith("recoveries/"):
+            continue
+        incident = key.removeprefix("recoveries/")
+        try:
+            value = json.loads(raw)
+            model, at = value["model"], float(value["at"])
+        except (ValueError, TypeError, KeyError):
+            log.warning("ignoring malformed recovery record %s", key)
+            continue
+        if not incident or not isinstance(model, str) or not model:
+            log.warning("ignoring recovery record %s without incident or model", key)
+            continue
+        out[incident] = (model, at)
     return out
 
 
@@ -100,8 +131,10 @@ class EndpointFeed:
     """Applies endpoint events and etcd reconciliations to the table (and cuts the streams of removed engines)."""
 
     def __init__(self, table: EndpointTable, relay: Relay, *, grace_s: float = 5.0, recovery_hold_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.table = table
+        self.wall = wall  # a recovery marker's `at` is the controller's wall time
+        self.ended: dict[str, float] = {}  # recoveries this router saw end (incident -> clock): never restarted
         self.relay = relay
         self.grace_s = grace_s
         self.recovery_hold_s = recovery_hold_s  # requests wait this long at most for an incident's successor
@@ -128,6 +161,7 @@ class EndpointFeed:
             self.table.add(ev.model, ev.engine_id, ev.url)
             if ev.incident_id:
                 self.table.recovered(ev.incident_id)  # its successor serves: nothing is held for it any more
+                self.ended[ev.incident_id] = now
             self.relay.route_ins.added(ev.engine_id, published)
             log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
@@ -151,6 +185,7 @@ class EndpointFeed:
             log.warning("endpoint %s %s: incident %s ended without a successor (%s); its model's requests are "
                         "no longer held for it", ev.model, ev.engine_id, ev.incident_id, ev.reason)
             self.table.recovered(ev.incident_id)
+            self.ended[ev.incident_id] = now
 
     def _promise(self, ev: EndpointRemoved, now: float, published: float | None) -> None:
         """The standby that will most likely take over (EndpointRemoved.successor_id) is added now, marked
@@ -174,11 +209,25 @@ class EndpointFeed:
     # ------------------------------------------------------------ the etcd level
 
     def load_snapshot(self, kvs: dict[str, bytes]) -> int:
-        """Start-up: everything in etcd goes in (events that raced the read are applied after, in go_live)."""
+        """Start-up: everything in etcd goes in, the recoveries under way too (events that raced the read are applied
+        after, in go_live)."""
         endpoints = parse_endpoints(kvs)
         for (model, engine_id), url in endpoints.items():
             self.table.add(model, engine_id, url)
+        self._recoveries(kvs, "start")
         return len(endpoints)
+
+    def _recoveries(self, kvs: dict[str, bytes], reason: str) -> None:
+        """The markers' recoveries this router does not hold and did not see end, each held for what is left of
+        `recovery_hold_s` since its route-out."""
+        held = self.table.recovery_ids()
+        for incident, (model, at) in parse_recoveries(kvs).items():
+            left = self.recovery_hold_s - max(0.0, self.wall() - at)
+            if incident in held or incident in self.ended or left <= 0:
+                continue
+            log.info("%s: incident %s recovers %s (in etcd): its requests are held up to %.1f s more", reason,
+                     incident, model, left)
+            self.table.recovering(model, incident, left)
 
     def go_live(self) -> None:
         for env in self._buffer:  # no await in here: nothing can slip in between
@@ -206,6 +255,7 @@ class EndpointFeed:
             for model, engine_id in p.remove:
                 log.info("reconcile (%s): endpoint %s %s is gone from etcd: removed", reason, model, engine_id)
                 self._gone(model, engine_id)
+            self._recoveries(kvs, f"reconcile ({reason})")
             self.stats.reconciles += 1
             self.stats.added += len(p.add)
             self.stats.removed += len(p.remove)
@@ -214,6 +264,8 @@ class EndpointFeed:
             horizon = started - self.grace_s
             self.last_event = {k: t for k, t in self.last_event.items() if t >= horizon}
             self.promised = {pred: key for pred, key in self.promised.items() if key in self.last_event}
+            # a marker outlives its recovery's end by at most the hold (then `_recoveries` skips it by its age)
+            self.ended = {inc: t for inc, t in self.ended.items() if t >= started - self.recovery_hold_s}
             return True
 
 

@@ -128,6 +128,12 @@ class EndpointTable:
             if routes.recoveries.pop(incident_id, None) is not None:
                 self._wake(routes)
 
+    def recovery_ids(self) -> set[str]:
+        """The incidents whose recoveries are under way (expired ones not)."""
+        now = self.clock()
+        return {inc for routes in self.models.values() if routes.recovery_until(now) is not None
+                for inc in routes.recoveries}
+
     def recoveries(self) -> dict[str, dict[str, float]]:
         """The recoveries under way: model -> incident id -> seconds its hold has left."""
         now = self.clock()

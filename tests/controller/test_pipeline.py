@@ -4,6 +4,7 @@ side simulated in the test by real NATS responders (bench.controlplane.Simulated
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 
@@ -62,6 +63,10 @@ async def test_a_killed_engine_is_routed_out_reattached_and_routed_in_in_one_tra
         assert {"step detect", "step freeze", "step route_out", "step reattach", "step route_in"} <= names
         assert {"dc_manager.freeze", "dc_manager.reattach"} <= names  # the dc_manager's spans join the trace
         assert {s["service"] for s in spans} >= {"holdfast.controller", "holdfast.dc_manager"}
+
+
+async def _absent(store: Store, key: str) -> bool:
+    return await store.get(key) is None
 
 
 async def _resolved(store: Store, inc_id: str) -> IncidentRecord | None:
@@ -139,6 +144,7 @@ async def test_a_missed_freeze_deadline_falls_back_and_fails_without_a_spec(
         rec = await wait_for(failed, what="failed")
         assert rec.fallback and "no engine spec" in (rec.steps["fallback"].detail or "")
         assert rec.steps["freeze"].status == "failed"
+        await wait_for(lambda: _absent(store, f"recoveries/{inc_id}"), what="the record gone at the failed end")
 
 
 async def test_a_cold_started_engine_is_routed_in_only_once_it_reports_ready(
@@ -157,8 +163,12 @@ async def test_a_cold_started_engine_is_routed_in_only_once_it_reports_ready(
         rec = await wait_for(spawned, what="the cold start answered")
         assert rec.state is IncidentState.FALLBACK and rec.successor_id is None
         assert not [e for e in await bus.replay("router.endpoint.added") if e.incident_id == inc_id]
+        # the recovery is in etcd while the successor starts: a router starting now holds the model (router sync.py)
+        marker = await wait_for(lambda: store.get(f"recoveries/{inc_id}"), what="the recovery's record")
+        assert json.loads(marker)["model"] == "m"
         sim.ready_gate.set()
         rec = await wait_for(lambda: _resolved(store, inc_id), what="routed in once ready")
+        await wait_for(lambda: _absent(store, f"recoveries/{inc_id}"), what="the record gone with the route-in")
         assert rec.successor_id == f"cs-{inc_id}"
         assert rec.steps["fallback"].ended_at is not None
         added = [e for e in await bus.replay("router.endpoint.added") if e.incident_id == inc_id]

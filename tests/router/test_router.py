@@ -286,3 +286,31 @@ async def test_requests_held_for_a_recovery_outlive_the_hold_and_leave_when_thei
         r = await asyncio.wait_for(failing, 30)  # the bound is the router's recovery_hold_s, 300 s
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_endpoint", r.text
     assert router.stats()["recoveries"] == {}
+
+
+async def test_a_router_started_during_a_recovery_holds_the_model_instead_of_not_knowing_it(
+        engines, start_router, bus: Bus, store: Store) -> None:
+    """A router that starts while an incident brings a successor in (its `recoveries/` record in etcd, the endpoint
+    gone, the route-out's event long sent) holds the model's requests past `hold_timeout_s` until the route-in,
+    where a router that never saw the model would answer the OpenAI API's 404. A record the router saw end is not
+    taken up again by its reconciles (services/router/sync.py)."""
+    b = engines("mark-b")
+    await store.put("recoveries/inc-9", json.dumps({"model": MODEL, "at": time.time()}))
+    router = start_router(hold_timeout_s=0.5, reconcile_s=0.3)
+    assert list(router.stats()["recoveries"][MODEL]) == ["inc-9"]
+    body = {"model": MODEL, "prompt": "held by a router that started late", "max_tokens": 5}
+    async with httpx.AsyncClient(timeout=90) as c:
+        unknown = await c.post(router.url + "/v1/completions", json={**body, "model": "never-served"})
+        assert unknown.status_code == 404, unknown.text
+        held = asyncio.create_task(c.post(router.url + "/v1/completions", json=body))
+        await asyncio.to_thread(wait_until_held, router, 1)
+        await asyncio.sleep(1.5)  # three times the router's own hold
+        assert not held.done()
+        await asyncio.to_thread(b.wait_ready)
+        await store.put(f"endpoints/{MODEL}/mark-b", b.url)
+        await bus.emit(EndpointAdded(model=MODEL, engine_id="mark-b", url=b.url, incident_id="inc-9"))
+        r = await held
+        assert r.status_code == 200, r.text
+        assert 1 <= r.json()["usage"]["completion_tokens"] <= 5
+    await asyncio.sleep(1.0)  # three reconciles read the record whose deletion never came
+    assert router.stats()["recoveries"] == {}

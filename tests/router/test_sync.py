@@ -9,7 +9,7 @@ import httpx
 from libs.common.events import EndpointAdded, EndpointRemoved
 from services.router.relay import Relay
 from services.router.settings import RouterSettings
-from services.router.sync import EndpointFeed, parse_endpoints, plan
+from services.router.sync import EndpointFeed, parse_endpoints, parse_recoveries, plan
 from services.router.table import EndpointTable
 from tests.support import Clock
 
@@ -23,7 +23,7 @@ def make_feed(grace_s: float = 5.0) -> tuple[EndpointFeed, EndpointTable, Relay,
     clock = Clock()
     table = EndpointTable(8, clock=clock)
     relay = Relay(table, httpx.AsyncClient(), RouterSettings())
-    feed = EndpointFeed(table, relay, grace_s=grace_s, clock=clock)
+    feed = EndpointFeed(table, relay, grace_s=grace_s, clock=clock, wall=lambda: 1_000_000.0)
     feed.go_live()
     return feed, table, relay, clock
 
@@ -161,3 +161,37 @@ async def test_a_removal_naming_an_endpoint_already_serving_changes_nothing_of_i
     feed.apply(removed_with_successor("dead", "live", "http://elsewhere"))
     assert table.models["m"].endpoints == {"live": live} and live.url == "http://l" and not live.promised
     assert feed.promised == {}
+
+
+def marker(model: str, age_s: float) -> bytes:
+    """A recovery record as the controller writes it, its route-out `age_s` before the feed's wall clock."""
+    return json.dumps({"model": model, "at": 1_000_000.0 - age_s}).encode()
+
+
+def test_recovery_records_are_read_apart_from_endpoints_and_malformed_ones_skipped() -> None:
+    kvs = {**records(a="http://a"), "recoveries/inc-1": marker("m", 3), "recoveries/inc-2": b"{not json",
+           "recoveries/inc-3": b'{"model": 5, "at": 1}', "recoveries/": marker("m", 1)}
+    assert parse_endpoints(kvs) == {("m", "a"): "http://a"}
+    assert parse_recoveries(kvs) == {"inc-1": ("m", 999_997.0)}
+
+
+async def test_a_router_starting_during_a_recovery_holds_its_model_for_what_is_left_of_the_bound() -> None:
+    feed, table, _, _ = make_feed()
+    feed.load_snapshot({"recoveries/inc-1": marker("m", 100.0), "recoveries/inc-old": marker("m", 400.0)})
+    assert table.recoveries() == {"m": {"inc-1": 200.0}}  # hold 300 s from the route-out; the old one is past it
+    assert table.is_known("m")  # held, not "model not found"
+    feed.apply(EndpointAdded(model="m", engine_id="b", url="http://b", incident_id="inc-1"))
+    assert table.recoveries() == {}
+
+
+async def test_a_reconcile_starts_a_missed_recovery_but_never_one_this_router_saw_end() -> None:
+    feed, table, _, clock = make_feed()
+    feed.apply(EndpointRemoved(model="m", engine_id="a", reason="killed", incident_id="inc-1", recovery=True))
+    feed.apply(EndpointAdded(model="m", engine_id="b", url="http://b", incident_id="inc-1"))  # ended
+    kvs = {**records(b="http://b"), "recoveries/inc-1": marker("m", 1.0),  # its deletion not landed yet
+           "recoveries/inc-2": marker("m2", 1.0)}  # another incident's route-out this router missed
+    assert await feed.reconcile(reader(kvs), "periodic")
+    assert table.recoveries() == {"m2": {"inc-2": 299.0}}
+    clock.now += 10.0
+    assert await feed.reconcile(reader(kvs), "periodic")  # a renewed read does not extend the bound
+    assert table.recoveries() == {"m2": {"inc-2": 289.0}}

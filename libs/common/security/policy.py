@@ -170,12 +170,13 @@ def etcd_ranges(identity: str, prefix: str) -> list[KeyRange]:
     What each service writes (and why it may): agent: `nodes/<node>`, `agents/<node>/`, `engines/<node>/` (its
     own engines' records); gpu_manager: `allocations/<node>/`, `gpus/<node>/`;
     dc_manager: its progress records `dcm/` and `leader/`; controller: everything (incidents, endpoints, drain,
-    rollouts, leader, and the clean-up of what a dead node left); router: reads `endpoints/` only."""
+    rollouts, leader, and the clean-up of what a dead node left); router: reads `endpoints/` and `recoveries/`
+    (incidents bringing a routed-out model's successor in) only."""
     role, node = split_identity(identity)
     if role in (ADMIN, "controller"):
         return [KeyRange(prefix, write=True)]
     if role == "router":
-        return [KeyRange(prefix + "endpoints/", write=False)]
+        return [KeyRange(prefix + "endpoints/", write=False), KeyRange(prefix + "recoveries/", write=False)]
     read_all = KeyRange(prefix, write=False)
     if role == "dc_manager":
         return [read_all, KeyRange(prefix + "dcm/", write=True), KeyRange(prefix + "leader/", write=True)]
