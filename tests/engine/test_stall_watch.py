@@ -39,11 +39,11 @@ def nap(seconds: float) -> None:
 
 def test_a_thread_held_in_the_kernel_is_noted_with_the_call_it_made() -> None:
     stalls: list[dict] = []
-    # A nap long enough that a watcher slowed by a loaded machine (CI: 47.6 ms noted of a 150 ms nap) still notes
-    # most of it.
-    napper = threading.Thread(target=nap, args=(0.5,), name="napper")
+    # A nap long enough that a watcher slowed by a loaded machine still notes 100 ms of it (CI: 47.6 ms noted of a
+    # 150 ms nap; 20.6 ms of a 500 ms one, the watcher starved ~480 ms by a full test run plus a type check beside it)
+    napper = threading.Thread(target=nap, args=(1.5,), name="napper")
     # S stands in for D here (the engine watches D: a kernel wait no signal ends); the same reading of /proc
-    watcher = stall_watch.watch(stalls, 0.8, late_ms=20.0, keep=8, blocked_states=("S",))
+    watcher = stall_watch.watch(stalls, 1.8, late_ms=20.0, keep=8, blocked_states=("S",))
     napper.start()  # a thread started after the watch: found at its next look at the threads (50 ms)
     napper.join()
     watcher.join()
