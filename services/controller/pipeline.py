@@ -251,6 +251,7 @@ class IncidentDriver:
                              new.engine_id)
                 if new.state is S.FALLBACK and rec.state is not S.FALLBACK:
                     await self.bus.publish(self.events.intent(new, fallback=True))
+                    self.events.mark(new, new.model, time.time())  # its successor starts cold: routers hold
                 if new.state is S.FAILED:  # recorded first, then announced (endings.py)
                     await self.ends.announce([(m.at, new, self._end(rec, new))], out)
                     continue

@@ -73,9 +73,11 @@ def endpoint_key(model: str, engine_id: str) -> str:
 
 
 def recovery_key(incident_id: str) -> str:
-    """An incident's recovery marker: its model's endpoint is routed out and a successor is coming. Written with the
-    route-out, deleted with the route-in or at the incident's end: a router that starts (or reconciles) meanwhile
-    learns the recovery from it, as the others did from `EndpointRemoved.recovery` (router sync.py)."""
+    """A cold recovery's marker: the model's endpoint is routed out and a successor is starting cold (the fallback:
+    seconds to minutes, past a router's own hold). Written when the fallback starts, deleted with the route-in or at
+    the incident's failed end: a router that starts (or reconciles) meanwhile learns the recovery from it, as the
+    others did from `EndpointRemoved.recovery` (router sync.py). A warm takeover (tens of ms) writes none: two etcd
+    operations more an incident cost ~6% of `holdfast bench controlplane`'s burst (2026-12-04)."""
     return f"recoveries/{incident_id}"
 
 
@@ -142,7 +144,8 @@ class IncidentEvents:
             end_step(work, Step.ROUTE_OUT, "skipped", time.time(), "drain: routed out when its successor is routed in")
         else:
             self.writer.delete_nowait(endpoint_key(out.model, work.engine_id))
-            self.writer.put_nowait(recovery_key(work.id), json.dumps({"model": out.model, "at": out.at}))
+            if out.cold:
+                self.mark(work, out.model, out.at)
             end_step(work, Step.ROUTE_OUT, "done", time.time())
         trig = Trigger.DISPATCHED_FALLBACK if out.cold else Trigger.DISPATCHED
         return apply(work, trig, out.at, self.deadlines, memory_lost=out.lost)
@@ -154,7 +157,8 @@ class IncidentEvents:
         url = url or (engine.endpoint if engine else None) or ""
         if succ and url:
             self.writer.put_nowait(endpoint_key(rec.model, succ), url)
-        self.writer.delete_nowait(recovery_key(rec.id))  # after the successor's key, in the same batch order
+        if rec.fallback:
+            self.writer.delete_nowait(recovery_key(rec.id))  # after the successor's key, in the same batch
         new = apply(rec, Trigger.ROUTED_IN, time.time(), self.deadlines)
         events = [self.envelope(EndpointAdded(model=rec.model, engine_id=succ, url=url, incident_id=rec.id,
                                               predecessor_id=rec.engine_id), f"{rec.id}-added", rec)]
@@ -167,11 +171,17 @@ class IncidentEvents:
                                         f"{rec.id}-removed", rec))
         return RouteIn(new, events)
 
+    def mark(self, rec: IncidentRecord, model: str, at: float) -> None:
+        """`rec`'s cold recovery, in etcd (`recovery_key`): at its route-out when its memory is known lost, or when
+        it falls back later (pipeline.py), if it routed its engine out (a drain's move, `move_off`, does not)."""
+        if not rec.move_off and Step.ROUTE_OUT in rec.steps:
+            self.writer.put_nowait(recovery_key(rec.id), json.dumps({"model": model, "at": at}))
+
     def unmark(self, recs: list[IncidentRecord]) -> None:
-        """Ended incidents' recovery markers go (announced ends: the routers were told; deleting one that is gone
-        already, or never was, changes nothing)."""
+        """Failed cold recoveries' markers go once their ends are announced (the routers were told). A resolved
+        one's went with its route-in, in the batch that put its successor's key."""
         for rec in recs:
-            if Step.ROUTE_OUT in rec.steps and not rec.move_off:
+            if rec.state is IncidentState.FAILED and rec.fallback and not rec.move_off:
                 self.writer.delete_nowait(recovery_key(rec.id))
 
     def ended(self, rec: IncidentRecord) -> list[Wired]:
