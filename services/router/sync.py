@@ -16,10 +16,11 @@ Reconcile changes only what differs: an endpoint in both keeps its in-flight cou
 in-flight stream is touched); one gone from etcd is removed exactly as `endpoint.removed` would remove it
 (its streams are cut and resume elsewhere); one new in etcd is added as `endpoint.added` would add it.
 
-Recoveries the same way: the controller writes `recoveries/<incident>` ({model, at}) with a recovering route-out
-and deletes it with the route-in or at the incident's end (controller routes.py `recovery_key`). The start-up read
-and each reconcile start the recoveries it lists that this router does not hold yet, bounded by `recovery_hold_s`
-from the marker's `at`: a router started (or cut off from NATS) during a recovery holds the model's requests as the
+Cold recoveries the same way: the controller writes `recoveries/<incident>` ({model, at}) when a routed-out
+incident's successor starts cold (the fallback: seconds to minutes, past a router's own hold) and deletes it with
+the route-in or at the incident's failed end (controller routes.py `recovery_key`). The start-up read and each
+reconcile start the recoveries it lists that this router does not hold yet, bounded by `recovery_hold_s` from the
+marker's `at`: a router started (or cut off from NATS) during a cold recovery holds the model's requests as the
 others do, instead of answering 404 for a model it never saw. A recovery this router saw end is never started
 again by a marker whose deletion has not landed yet (the write is behind the event); one whose marker is gone is
 left to its events and its bound.
