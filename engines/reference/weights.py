@@ -17,6 +17,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from engines.reference.config import ModelConfig
-from libs.client.safetensors_io import SAFETENSORS_DTYPES, read_header, read_metadata
+from libs.client.safetensors_io import SAFETENSORS_DTYPES, read_full_header, read_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,35 +111,53 @@ def file_metadata(path: Path) -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
+@dataclass(frozen=True)
+class _Recipe:
+    """A drawn file's header: how each tensor's values are made (`_init_tensor`) and the dtype they are stored in."""
+
+    seed: int
+    layers: int
+    header: dict[str, Any]  # name -> {dtype, shape, data_offsets}
+
+    def values(self, name: str, device_type: str) -> torch.Tensor:
+        """`name`'s values in float32, drawn by a generator of `device_type`."""
+        return _init_tensor(self.layers, name, tuple(self.header[name]["shape"]), self.seed, device_type)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch_dtype(SAFETENSORS_DTYPES[self.header[name]["dtype"]])
+
+
+def _recipe(path: Path) -> _Recipe | None:
+    """The recipe of a drawn file, from one read of its header; None for a file that holds its values."""
+    _, header = read_full_header(path)
+    meta = header.pop("__metadata__", None)
+    raw = meta.get("holdfast") if isinstance(meta, dict) else None
+    info = json.loads(raw) if raw else {}
+    if info.get("drawn") != "at load":
+        return None
+    return _Recipe(int(info["seed"]), int(info["config"]["n_layers"]), header)
+
+
 def is_drawn(path: Path) -> bool:
     """Whether the file is the header alone, its values drawn at load."""
-    return file_metadata(path).get("drawn") == "at load"
-
-
-def _drawn(path: Path) -> tuple[int, int, dict[str, Any]]:
-    """(seed, layers, header) of a drawn file."""
-    meta = file_metadata(path)
-    _, header = read_header(path)
-    return int(meta["seed"]), int(meta["config"]["n_layers"]), header
+    return _recipe(path) is not None
 
 
 def lease_filler(path: Path) -> Callable[[Any, list[Any]], None] | None:
-    """How a cold load writes this file's values into its lease: None (its bytes, read), or `draw_into`'s. It reads
-    the file's header: ask it only once the file is to be loaded (restore_or_load's `filler`), not when a copy of
-    the weights serves and the file may be gone."""
-    return draw_into(path) if is_drawn(path) else None
-
-
-def draw_into(path: Path) -> Callable[[Any, list[Any]], None]:
-    """A lease filler for a drawn file (libs/client/safetensors_io.py `load_file_into_lease`'s `fill`): each
-    tensor's values drawn on the lease's device, written at its place, one tensor's draw in memory at a time."""
-    seed, layers, header = _drawn(path)
+    """How a cold load writes this file's values into its lease (libs/client/safetensors_io.py
+    `load_file_into_lease`'s `fill`): None (its bytes, read), or, for a drawn file, each tensor's values drawn on
+    the lease's device and written at its place, one tensor's draw in memory at a time. It reads the file's
+    header: ask it only once the file is to be loaded (restore_or_load's `filler`), not when a copy of the weights
+    serves and the file may be gone."""
+    recipe = _recipe(path)
+    if recipe is None:
+        return None
 
     def fill(lease: Any, layout: list[Any]) -> None:
         devices = set()
         for meta, _, _ in layout:
             view = lease.view(meta, "torch")
-            view.copy_(_init_tensor(layers, meta.name, tuple(header[meta.name]["shape"]), seed, view.device.type))
+            view.copy_(recipe.values(meta.name, view.device.type))
             devices.add(view.device)
         for dev in devices:
             if dev.type == "cuda":
@@ -156,12 +175,11 @@ def check_file_matches(path: Path, cfg: ModelConfig) -> None:
 
 def load_weights(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A cold start's read of the file into ordinary (not leased) tensors (a drawn file's: drawn on `device`)."""
-    if not is_drawn(path):
+    recipe = _recipe(path)
+    if recipe is None:
         return load_file(str(path), device=str(device))
-    seed, layers, header = _drawn(path)
     dev = torch.device(device)
-    return {name: _init_tensor(layers, name, tuple(e["shape"]), seed, dev.type).to(dev).to(
-        getattr(torch, SAFETENSORS_DTYPES[e["dtype"]])) for name, e in header.items()}
+    return {name: recipe.values(name, dev.type).to(dev, recipe.dtype(name)) for name in recipe.header}
 
 
 def weights_sha256(tensors: dict[str, torch.Tensor], *, chunk_bytes: int = 1 << 28) -> str:
