@@ -14,7 +14,7 @@ PY=${PY:-.venv/bin/python}
 # hypothesis, pytest, pytest-timeout, typer, rich, grpcio, protobuf, zipp, cuda-bindings.
 PKGS="pydantic pydantic-core pydantic-settings annotated-types typing-inspection python-dotenv nats-py aetcd
       sqlalchemy typing-extensions opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions pytest-asyncio
-      fastapi starlette uvicorn annotated-doc cryptography cffi pycparser pynacl msgspec"
+      fastapi starlette uvicorn uvloop httptools annotated-doc cryptography cffi pycparser pynacl msgspec"
 SPECS=""
 for p in $PKGS; do
   v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")

@@ -128,11 +128,11 @@ class Outbox:
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._items: collections.deque[tuple[asyncio.Queue[tuple[str, Any]], tuple[str, Any]]] = collections.deque()
+        self._items: collections.deque[tuple[Sink, tuple[str, Any]]] = collections.deque()
         self._scheduled = False
 
-    def put(self, q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:
-        self._items.append((q, item))
+    def put(self, sink: Sink, item: tuple[str, Any]) -> None:
+        self._items.append((sink, item))
 
     def flush(self) -> None:  # step thread
         if self._items and not self._scheduled and self.loop is not None:
@@ -142,22 +142,42 @@ class Outbox:
     def _drain(self) -> None:  # HTTP loop; cleared before taking, so a put after it is taken or flushed again
         self._scheduled = False
         while self._items:
-            q, item = self._items.popleft()
-            q.put_nowait(item)
+            sink, item = self._items.popleft()
+            sink.deliver(item)
 
 
 class Sink:
-    """Hands the step thread's output to one request's coroutine, through the outbox."""
+    """Hands the step thread's output to one request's coroutine, through the outbox. The coroutine takes all
+    that came since it last looked in one wake-up (`take`): at 256 streams a wake-up and a write per token and
+    stream were ~40 us of the interpreter each (CPU machine, bench of the HTTP path alone), beside the step
+    thread's own work."""
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
-        self.q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._items: list[tuple[str, Any]] = []
+        self._waiter: asyncio.Future[None] | None = None
 
-    def token(self, token: int) -> None:
-        self.outbox.put(self.q, ("token", token))
+    def token(self, token: int) -> None:  # step thread
+        self.outbox.put(self, ("token", token))
 
-    def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
-        self.outbox.put(self.q, ("done", (reason, prompt_tokens, completion_tokens)))
+    def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:  # step thread
+        self.outbox.put(self, ("done", (reason, prompt_tokens, completion_tokens)))
+
+    def deliver(self, item: tuple[str, Any]) -> None:  # HTTP loop
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[tuple[str, Any]]:  # HTTP loop: every item delivered since the last take, >= 1
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
 
 
 class FirstArrival:

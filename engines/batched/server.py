@@ -156,7 +156,7 @@ def build_app(state: EngineState) -> FastAPI:
         """End one request of a `/generate_many` stream (its own client went away)."""
         sink = state.batched_sinks.get(body.request_id)
         if sink is not None:
-            sink.q.put_nowait(("done", ("aborted", 0, 0)))
+            sink.deliver(("done", ("aborted", 0, 0)))
         return {"aborted": sink is not None}
 
     return app
@@ -170,8 +170,10 @@ def _final_only(state: EngineState, prompt_tokens: int, stream: bool) -> Any:
     return {"tokens": [], "text": "", **final}
 
 
-async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: Sink, resumed: list[int]) -> AsyncIterator[dict[str, Any]]:
-    """Token lines then the final line; aborts the sequence if the consumer goes away first."""
+async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: Sink,
+                  resumed: list[int]) -> AsyncIterator[list[dict[str, Any]]]:
+    """Token lines then the final line, in batches: every line the step thread handed over since the last batch
+    (one wake-up of this coroutine each); aborts the sequence if the consumer goes away first."""
     t0 = time.perf_counter()
     first_ms: float | None = None
     phases: dict[str, float] = {}
@@ -183,48 +185,51 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: Sink, 
     try:
         index = 0
         while True:
-            kind, val = await sink.q.get()
-            if kind == "token":
-                if first_ms is None:
-                    first_ms = round((time.perf_counter() - t0) * 1000, 3)
-                    phases = first_token_phases(req, time.perf_counter())
-                    state.phases.append(phases)
-                    cb, state.on_first_token = state.on_first_token, None
-                    if cb is not None:
-                        cb(time.perf_counter())
-                yield {"index": index, "token": val, "text": text.push(val)}
-                index += 1
-                continue
-            reason, prompt_tokens, completion_tokens = val
-            if reason == "aborted":  # /abort: the finally aborts the sequence; no final line for nobody
+            batch: list[dict[str, Any]] = []
+            for kind, val in await sink.take():
+                if kind == "token":
+                    if first_ms is None:
+                        first_ms = round((time.perf_counter() - t0) * 1000, 3)
+                        phases = first_token_phases(req, time.perf_counter())
+                        state.phases.append(phases)
+                        cb, state.on_first_token = state.on_first_token, None
+                        if cb is not None:
+                            cb(time.perf_counter())
+                    batch.append({"index": index, "token": val, "text": text.push(val)})
+                    index += 1
+                    continue
+                reason, prompt_tokens, completion_tokens = val
+                if reason == "aborted":  # /abort: the finally aborts the sequence; no final line for nobody
+                    return
+                done = True
+                if reason.startswith("refused:") or reason == "error":
+                    code = reason.removeprefix("refused:") if reason.startswith("refused:") else "engine_error"
+                    batch.append({"done": True, "engine_id": state.engine_id,
+                                  "error": {"code": code, "message": REFUSALS.get(code, "the engine failed")}})
+                else:
+                    batch.append({"done": True, "prompt_tokens": len(req.context), "completion_tokens": index,
+                                  "finish_reason": reason, "first_token_ms": first_ms,
+                                  "total_ms": round((time.perf_counter() - t0) * 1000, 3),
+                                  "first_token_phases_ms": phases, "engine_id": state.engine_id})
+                yield batch
                 return
-            done = True
-            if reason.startswith("refused:") or reason == "error":
-                code = reason.removeprefix("refused:") if reason.startswith("refused:") else "engine_error"
-                yield {"done": True, "error": {"code": code, "message": REFUSALS.get(code, "the engine failed")},
-                       "engine_id": state.engine_id}
-                return
-            yield {"done": True, "prompt_tokens": len(req.context), "completion_tokens": index, "finish_reason": reason,
-                   "first_token_ms": first_ms, "total_ms": round((time.perf_counter() - t0) * 1000, 3),
-                   "first_token_phases_ms": phases, "engine_id": state.engine_id}
-            return
+            yield batch
     finally:
         state.in_flight -= 1
         if not done:
             eng.abort(req.request_id)
 
 
+def _lines(batch: list[dict[str, Any]], tag: dict[str, int] | None = None) -> bytes:
+    """A batch of lines as one write: each write is a send() that gives the interpreter up to the step thread."""
+    if tag is None:
+        return "".join([json.dumps(line) + "\n" for line in batch]).encode()
+    return "".join([json.dumps({**tag, **line}) + "\n" for line in batch]).encode()
+
+
 async def _stream(state: EngineState, eng: LLMEngine, req: Request, sink: Sink, resumed: list[int]) -> AsyncIterator[bytes]:
-    """Lines already queued go out in one write (a claim's tokens made ahead, a pass's tokens): each write is a
-    send() that gives the interpreter up to the step thread, and takes a switch interval to get it back."""
-    out: list[str] = []
-    async for line in _events(state, eng, req, sink, resumed):
-        out.append(json.dumps(line) + "\n")
-        if sink.q.empty():
-            yield "".join(out).encode()
-            out.clear()
-    if out:
-        yield "".join(out).encode()
+    async for batch in _events(state, eng, req, sink, resumed):
+        yield _lines(batch)
 
 
 async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest]) -> AsyncIterator[bytes]:
@@ -234,10 +239,10 @@ async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest
     merged: asyncio.Queue[bytes | None] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
 
-    async def pump(i: int, events: AsyncIterator[dict[str, Any]]) -> None:
+    async def pump(i: int, events: AsyncIterator[list[dict[str, Any]]]) -> None:
         try:
-            async for line in events:
-                merged.put_nowait((json.dumps({"i": i, **line}) + "\n").encode())
+            async for batch in events:
+                merged.put_nowait(_lines(batch, {"i": i}))
         finally:
             merged.put_nowait(None)
 
@@ -259,15 +264,15 @@ async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest
         open_ = len(tasks)
         while open_:
             out = []
-            line = await merged.get()
-            while True:  # every line queued now in one write (see _stream): a claim burst is hundreds of lines
-                if line is None:
+            chunk = await merged.get()
+            while True:  # every batch queued now in one write (see _lines): a claim burst is hundreds of lines
+                if chunk is None:
                     open_ -= 1
                 else:
-                    out.append(line)
+                    out.append(chunk)
                 if merged.empty():
                     break
-                line = merged.get_nowait()
+                chunk = merged.get_nowait()
             if out:
                 yield b"".join(out)
     finally:  # the connection closed (or all done): every request still running is aborted by its _events
@@ -281,15 +286,16 @@ async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest
 async def _collect(state: EngineState, eng: LLMEngine, req: Request, sink: Sink, resumed: list[int]) -> Any:
     tokens: list[int] = []
     text: list[str] = []
-    async for ev in _events(state, eng, req, sink, resumed):
-        if not ev.get("done"):
-            tokens.append(ev["token"])
-            text.append(ev["text"])
-        elif "error" in ev:
-            code = ev["error"]["code"]
-            return _error(400 if code == "bad_request" else 503, code, ev["error"]["message"])
-        else:
-            return {"tokens": tokens, "text": "".join(text), **ev}
+    async for batch in _events(state, eng, req, sink, resumed):
+        for ev in batch:
+            if not ev.get("done"):
+                tokens.append(ev["token"])
+                text.append(ev["text"])
+            elif "error" in ev:
+                code = ev["error"]["code"]
+                return _error(400 if code == "bad_request" else 503, code, ev["error"]["message"])
+            else:
+                return {"tokens": tokens, "text": "".join(text), **ev}
     return _error(500, "engine_error", "generation ended without a result")
 
 
@@ -310,7 +316,3 @@ def warm_routes(endpoint: str) -> None:
         client.post(f"{endpoint}/generate", json={"max_tokens": -1})
         client.post(f"{endpoint}/generate_many", json={"requests": [{"prompt": "", "max_tokens": 1, "stream": True}]})
         client.post(f"{endpoint}/abort", json={"request_id": ""})
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
