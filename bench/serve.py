@@ -126,17 +126,41 @@ def client_health(workers: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_share": [w["cpu_share"] for w in workers]}
 
 
-async def at_concurrency(pool: ClientPool, c: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
-    """`c` streams at once through the pool; a stream that fails fails the run (its error said)."""
+async def step_times(url: str) -> dict[str, Any]:
+    """The engine's step thread so far (engines/batched/pipeline.py `StepTimes`): steps and ms per phase."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        times = (await client.get(url + "/health")).json()["engine"]["step_times"]
+    return {"steps": times["steps"], **times["total_ms"]}
+
+
+def per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The step thread's ms per step between two `step_times`, per phase: schedule + launch + resolve are its
+    own work (the interpreter's), wait is for the device's tokens. Wait near 0 with host work near the step's
+    length: the host bounds the rate, not the GPU."""
+    steps = after["steps"] - before["steps"]
+    out: dict[str, Any] = {"steps": steps}
+    for phase in ("schedule", "launch", "wait", "resolve"):
+        out[phase] = round((after[phase] - before[phase]) / steps, 3) if steps else None
+    return out
+
+
+async def at_concurrency(pool: ClientPool, c: int, prompt_len: int, max_tokens: int,
+                         engine_url: str | None = None) -> dict[str, Any]:
+    """`c` streams at once through the pool; a stream that fails fails the run (its error said). With
+    `engine_url`, the row has the engine's step-thread figures over the level (`engine_step_ms`)."""
     jobs = [Job(i, p, max_tokens) for i, p in enumerate(stream_prompts(c, prompt_len))]
+    before = await step_times(engine_url) if engine_url else None
     await pool.start(jobs, warm_tokens=0)
     pool.send_late([])
     got, workers = await pool.results()
+    after = await step_times(engine_url) if engine_url else None
     failed = sorted((k, r.error or "no closing line") for k, (_, r) in got.items() if r.error or not r.done)
     if failed:
         raise RuntimeError(f"{len(failed)} of {c} streams failed; stream {failed[0][0]}: {failed[0][1]}")
     row = serve_row(c, [(sent, r.arrivals) for sent, r in got.values()])
     row["client"] = client_health(workers)
+    if before is not None and after is not None:
+        row["engine_step_ms"] = per_step(before, after)
     return row
 
 
@@ -145,10 +169,10 @@ async def run_levels(url: str, levels: list[int], prompt_len: int, max_tokens: i
     """A warm-up, then one row per concurrency, each printed to stderr as it comes."""
     pool = ClientPool(url, None, procs, path=ENGINE_PATH, timeout_s=600)
     try:
-        await at_concurrency(pool, min(4, max(levels)), prompt_len, 8)  # warm-up
+        await at_concurrency(pool, min(4, max(levels)), prompt_len, 8, url)  # warm-up
         rows = []
         for c in levels:
-            row = await at_concurrency(pool, c, prompt_len, max_tokens)
+            row = await at_concurrency(pool, c, prompt_len, max_tokens, url)
             roof = roofline_tokens_s(size, c, prompt_len + max_tokens // 2, bandwidth)
             row["roofline_tokens_per_s"] = round(roof, 1)
             row["share_of_roofline"] = round((row["decode_tokens_per_s"] or 0) / roof, 3)
@@ -171,6 +195,8 @@ def cli(
                                    "side by side: `<mode>+kv_backup`, with the backup's own figures"),
     engine_args: str = typer.Option("", help="extra engine flags, space-separated"),
     weights_dir: Path | None = typer.Option(None, help="make/reuse the weights file here"),
+    drawn_weights: bool = typer.Option(False, help="a header-only weights file, its values drawn on the device at "
+                                       "each load (make-weights --drawn): no 16 GiB file to write first"),
     client_procs: int = typer.Option(0, min=0, help="client processes reading the streams (0: a quarter of the "
                                      "cores, 1 to 8)"),
 ) -> None:
@@ -189,7 +215,8 @@ def cli(
         raise typer.BadParameter("give at least one stream count, each at least 1", param_hint="--concurrency")
     work = weights_dir or Path(tempfile.mkdtemp(prefix="holdfast-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    weights = make_weights(size, work / f"weights-{size}.safetensors")
+    weights = make_weights(size, work / f"weights-{size}{'-drawn' if drawn_weights else ''}.safetensors",
+                           drawn=drawn_weights)
     bandwidth = measure_bandwidth(device)
     report: dict[str, Any] = {"bench": "serve", "size": size, "device": device, "prompt_len": prompt_len,
                               "max_tokens": max_tokens, "bandwidth_gb_s": round(bandwidth / 1e9, 1), "modes": {}}

@@ -8,7 +8,7 @@ import typer
 from typer.testing import CliRunner
 
 from bench.load_client import ClientPool
-from bench.serve import ENGINE_PATH, at_concurrency, cli, serve_row
+from bench.serve import ENGINE_PATH, at_concurrency, cli, per_step, serve_row
 from tests.bench.ndjson_server import NdjsonServer
 
 
@@ -20,6 +20,13 @@ def test_a_rows_figures_come_from_each_streams_send_time_and_token_stamps():
     assert row["largest_gap_ms"]["p50"] == pytest.approx(150)
     # decode: the 3 tokens after the last first token (10.15), over the 0.2 s to the last token
     assert row["decode_tokens_per_s"] == pytest.approx(15.0)
+
+
+def test_the_step_threads_figures_are_per_step_between_two_readings():
+    before = {"steps": 10, "schedule": 5.0, "launch": 20.0, "wait": 100.0, "resolve": 8.0}
+    after = {"steps": 30, "schedule": 15.0, "launch": 60.0, "wait": 100.0, "resolve": 28.0}
+    assert per_step(before, after) == {"steps": 20, "schedule": 0.5, "launch": 2.0, "wait": 0.0, "resolve": 1.0}
+    assert per_step(after, after) == {"steps": 0, "schedule": None, "launch": None, "wait": None, "resolve": None}
 
 
 async def test_streams_go_to_the_engines_route_with_no_model_named_and_are_stamped_by_the_client():
