@@ -14,7 +14,8 @@ A straight line, as in nano-vllm (config -> model runner -> scheduler -> server)
 | `journal.py` | `Journal`: per-slot committed state (tokens, lengths, block tables) in shared memory beside the KV | torch |
 | `memory.py` | where weights, KV and journal come from (leases through the SDK, or local tensors) | SDK |
 | `engine.py` | `LLMEngine`: the step loop (schedule -> run -> sample -> journal commit -> outputs) | all above |
-| `server.py` | HTTP API (`/generate`, `/health`), the agent link | engine |
+| `front_link.py` | the link to the HTTP front (a process of its own): frames, the engine's end, the front's end | no torch |
+| `front.py`, `server.py`, `http_state.py` | the HTTP front's process: uvicorn, the API (`/generate`, `/health`, ...), its state | no torch |
 | `kv_backup.py` | the KV backup to host: what a round copies and vouches for (durable point, order of writes) | pure |
 | `backup.py`, `copier.py` | the backup's writer thread, the journal mirror it reads, a successor's restore; the block copies | torch |
 | `tp.py` | tensor parallelism: `ShardedRunner` (one rank's shards, all-reduces), `PlanChannel` (rank 0's step plans), `follow` | torch |

@@ -31,7 +31,7 @@ from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
 from engines.batched.drain import NO_MARK, DrainMark, PageLayout, Pending, open_drain
 from engines.batched.engine import LLMEngine
-from engines.batched.http_state import EngineState
+from engines.batched.front_link import EngineSide, FrontLink
 from engines.batched.journal import Journal, JournalLayout, counted
 from engines.batched.memory import (
     LeasedMemory,
@@ -44,12 +44,11 @@ from engines.batched.memory import (
 )
 from engines.batched.model_runner import ModelRunner
 from engines.batched.scheduler import Scheduler, SchedulerConfig
-from engines.batched.server import build_app, warm_routes
 from engines.batched.sleep import install as install_sleep
 from engines.batched.standby import await_assignment
 from engines.batched.tp_group import RankGroup
 from engines.batched.warmup import warm_kernels
-from engines.http_thread import HttpThread, write_ready_file
+from engines.http_thread import write_ready_file
 from engines.reference import stall_watch
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
@@ -211,6 +210,20 @@ def report_fatal(link: Any) -> None:
         os._exit(70)
 
 
+def front_args(cfg: EngineConfig, max_len: int) -> list[str]:
+    """The HTTP front's settings (front.py)."""
+    return ["--engine-id", cfg.id, "--model", cfg.model, "--size", cfg.size, "--max-model-len", str(max_len),
+            "--max-waiting", str(cfg.max_waiting), "--max-num-seqs", str(cfg.max_num_seqs), "--hold-s", str(cfg.hold_s),
+            "--loop-watch-s", str(cfg.loop_watch_s), "--log-level", cfg.log_level]
+
+
+def front_gone() -> None:
+    """The HTTP front died (front_link.py invariant 2): so does the engine, as a crash (its leases kept for a
+    successor), the way it would if it could not serve."""
+    logging.shutdown()
+    os._exit(70)
+
+
 def run(cfg: EngineConfig) -> int:
     procs.reserve_fds()  # the burst of resumed streams' connections after a takeover never waits to grow the table
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -222,14 +235,13 @@ def run(cfg: EngineConfig) -> int:
     group = RankGroup(cfg, device) if cfg.tp > 1 else None  # ranks 1.. started, the communicator up (tp_group.py)
     if group is not None:
         mcfg, device = group.mcfg, group.device  # this rank's shard of the model, on its GPU
-    state = EngineState(cfg.id, cfg.model, cfg.size, max_len, cfg.max_waiting)
-    state.role = cfg.role
-    state.hold_s, state.loop_watch_s = cfg.hold_s, cfg.loop_watch_s
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    http = HttpThread(build_app(state), cfg.host, cfg.port, warm_routes)
-    http.start()
+    http = FrontLink(cfg.host, cfg.port, front_args(cfg, max_len), on_gone=front_gone)  # the HTTP front's process
+    state = EngineSide(http, cfg.id, cfg.model, cfg.size)
+    state.role = cfg.role
+    state.info["front"] = {"pid": http.proc.pid}
     memory = open_memory(cfg, device)
     prepares = cfg.role == "standby" and group is None and can_reserve(cfg, memory, device)
     link = open_agent_link(cfg, can_shadow=prepares and cfg.shadow, group=group)
@@ -262,6 +274,7 @@ def run(cfg: EngineConfig) -> int:
             # pause for a hung engine. ready() then finds nothing left to collect.
             long_lived_gc()
             link.start_heartbeats(HEARTBEAT_S)
+            http.wait_hello()
             link.ready(http.endpoint)  # known to the controller: routers may send it requests while it takes over
             a = await_assignment(link, memory, state.info) if link.can_shadow else link.wait_assignment()
             t_start = time.perf_counter()
@@ -312,10 +325,9 @@ def run(cfg: EngineConfig) -> int:
             adopted["prepared_runner"] = how
         if mark_ms is not None:
             adopted["drain_mark_ms"] = mark_ms
-        engine.flush = state.outbox.flush
+        state.serve(engine)  # its passes' output goes to the front
         engine.start()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
-        state.engine = engine
         if isinstance(memory, LeasedMemory) and group is None:  # the control plane's sleep and wake asks (sleep.py)
             install_sleep(state, engine, memory.client, link)
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
@@ -336,6 +348,7 @@ def run(cfg: EngineConfig) -> int:
             if fence is not None:  # granted before the predecessor's exit: what waited for it, how, and when
                 state.info["recovery"]["fence"] = {**fence, "from_ms": round((t_fence - t_start) * 1000, 3)}
         state.become("ready")
+        http.wait_hello()
         if link is not None:
             link.ready(http.endpoint, weights=loaded.weights_load, kv=describe_restore(kv_backup[1]) if kv_backup else None)
         if cfg.ready_file:
@@ -356,7 +369,7 @@ def run(cfg: EngineConfig) -> int:
             kv_backup[0].stop()  # and the other ranks' writers (a group), before the forwards' followers
         if group is not None:
             group.stop(engine.runner if engine is not None else None, stopped)
-        http.stop()
+        http.close()
         if link is not None:
             link.close()
         memory.close()

@@ -22,11 +22,11 @@ from engines.batched.sequence import SeqStatus, Sequence
 
 # Tokens an unclaimed adopted sequence makes ahead of its claim. Its claim sends them at once (the client's
 # first token after a failover costs no step); past them, while every live sequence is unclaimed, the step
-# thread waits for claims instead of running on: the router's replay burst is taken by the HTTP thread, which
-# shares the interpreter with the step thread.
+# thread waits for claims instead of running on: the router's replay burst is taken off the HTTP front's link by a
+# thread (front_link.py) that shares the interpreter with the step thread.
 ADOPTED_AHEAD = 4
 # While adopted sequences wait for their claims, the interpreter switches threads every 0.5 ms, not 5 ms: the
-# HTTP thread taking the replay burst (80 requests at 64 + 16 streams) gets its turns while the step thread runs
+# front-link thread taking the replay burst (80 requests at 64 + 16 streams) gets its turns while the step thread runs
 # Python (a graph capture, a step). Only then: serving 256 streams, the shorter interval cost the step thread
 # more than it gave (H200, 8b: ITL p50 33 ms against 25 ms).
 CLAIM_SWITCH_INTERVAL_S = 0.0005

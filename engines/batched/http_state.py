@@ -1,6 +1,6 @@
-"""What the batched engine's HTTP thread and its main and step threads share (server.py serves from it): the
-engine's state and the requests held until it serves, the outbox the step thread hands tokens through, and where
-a first token's time went.
+"""The batched engine's HTTP front's state (front.py; server.py serves from it): the engine's state as its last
+`Status` said, the requests held until it serves, each request's sink, and where a first token's time went. No
+torch here: the front runs in a process of its own (front_link.py says why).
 """
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engines.batched.engine import LLMEngine
-from engines.batched.live import Request
 from libs.common.loop_watch import LoopWatch
+
+if TYPE_CHECKING:
+    from engines.batched.front_link import EngineLink
 
 HOLDING = frozenset({"standby", "loading"})  # states a request is held in (EngineState.until_serving); not
 # "starting": warm_routes's request (its 503 is the point) comes then
@@ -21,14 +21,11 @@ class EngineState:
     def __init__(self, engine_id: str, model: str, size: str, max_model_len: int, max_waiting: int) -> None:
         self.engine_id, self.model, self.size = engine_id, model, size
         self.max_model_len, self.max_waiting = max_model_len, max_waiting
-        self.state = "starting"  # starting, loading, standby, ready, stopping
+        self.state = "starting"  # starting, loading, standby, ready, sleeping, stopping
         self.role = "active"
-        self.engine: LLMEngine | None = None
+        self.link: EngineLink | None = None  # the engine, through the link (set at the front's start)
         self.in_flight = 0
-        self.info: dict[str, Any] = {}
-        self.on_first_token: Callable[[float], None] | None = None
-        self.outbox = Outbox()
-        self.t_start: float | None = None  # perf_counter of a recovery's start (its assignment, or the process's)
+        self.marked = False  # the recovery's marks sent to the engine (once: the first request served)
         self.batched_sinks: dict[str, Sink] = {}  # request id -> sink, of requests streamed by /generate_many
         self.phases: collections.deque[dict[str, float]] = collections.deque(maxlen=256)  # recent first tokens'
         # A request that comes before the engine serves (a standby the router was told will take over:
@@ -45,9 +42,14 @@ class EngineState:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
 
+    def apply_status(self, state: str, role: str) -> None:
+        """The engine's `Status`, from the link."""
+        self.role = role
+        self.become(state)
+
     def become(self, new: str) -> None:
-        """Any thread: the engine's state changes; held requests look again. The state is written before the loop
-        is read, and `until_serving` sets the loop before it reads the state: a change is never missed."""
+        """The engine's state changes (its `Status`); held requests look again. The state is written before the
+        loop is read, and `until_serving` sets the loop before it reads the state: a change is never missed."""
         self.state = new
         loop = self._loop
         if loop is not None:
@@ -87,18 +89,16 @@ class EngineState:
             self.held -= 1
 
     async def _watch_loop(self, span_s: float) -> None:
-        """The loop's late wake-ups (1 ms ticks, > 2 ms late) for `span_s`, then written into the recovery's record
-        as (ms after its assignment, ms late, CPU ms the loop's thread ran meanwhile): close to the lateness, the
-        loop was busy; far below, its thread waited for the interpreter (or the kernel)."""
+        """The loop's late wake-ups (1 ms ticks, > 2 ms late) for `span_s`, then handed to the engine for the
+        recovery's record as (wall time, ms late, CPU ms the loop's thread ran meanwhile): close to the lateness,
+        the loop was busy; far below, its thread waited for the interpreter (or the kernel)."""
         watch = LoopWatch(0.001, late_ms=2.0)
         try:
             await asyncio.wait_for(watch.run(), span_s)
         except TimeoutError:
             pass
-        rec = self.info.get("recovery")
-        t0 = rec.get("t0_wall") if isinstance(rec, dict) else None
-        if isinstance(rec, dict) and isinstance(t0, (int, float)):
-            rec["loop_late"] = [(round((at - t0) * 1000, 1), ms, cpu) for at, ms, cpu in watch.recent()]
+        if self.link is not None:
+            self.link.mark("loop_late", watch.recent())
 
     def phase_stats(self) -> dict[str, dict[str, float]]:
         """Where recent requests' first-token time went (ms, p50 / max per phase: `PHASES`), for /health."""
@@ -110,66 +110,33 @@ class EngineState:
         return out
 
 
-# A request's way to its first token (ms each, from engine.Request's timestamps and the first line's write):
-# its head at the ASGI app -> the handler had its parsed body -> submitted (the response started, the request handed to the step thread) -> taken in by the step
-# thread -> first launched in a step -> first token handed to its sink -> first token line yielded for writing.
+# A request's way to its first token (ms each; perf_counter, one clock for the front and the engine): its head at
+# the ASGI app -> the handler had its parsed body -> the engine took it off the link (submitted) -> taken in by the
+# step thread -> first launched in a step -> first token handed to its sink -> first token line yielded for writing.
 PHASES = ("to_handler", "to_submit", "queued", "to_scheduled", "to_token", "to_write")
 
 
-def first_token_phases(req: Request, t_written: float) -> dict[str, float]:
-    marks = (req.t_arrival, req.t_received, req.t_submit, req.t_intake, req.t_scheduled, req.t_first_token, t_written)
+def first_token_phases(marks: tuple[float, ...]) -> dict[str, float]:
+    """`marks`: t_arrival, t_received, t_submit, t_intake, t_scheduled, t_first_token, t_written (0: not known)."""
     return {name: round((b - a) * 1000, 2) for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True) if a and b}
 
 
-class Outbox:
-    """The step thread's output for every request, handed to the HTTP loop once a pass (`flush`), not once a
-    token: with 64 streams a wake-up per token was 6,400 a second, each taking the interpreter from the step
-    thread. Items keep their order (one deque); `flush` schedules at most one drain at a time."""
+class Sink:
+    """One request's output on the front's loop: the link delivers its items, its coroutine takes all that came
+    since it last looked in one wake-up (`take`)."""
 
     def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._items: collections.deque[tuple[Sink, tuple[str, Any]]] = collections.deque()
-        self._scheduled = False
-
-    def put(self, sink: Sink, item: tuple[str, Any]) -> None:
-        self._items.append((sink, item))
-
-    def flush(self) -> None:  # step thread
-        if self._items and not self._scheduled and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:  # HTTP loop; cleared before taking, so a put after it is taken or flushed again
-        self._scheduled = False
-        while self._items:
-            sink, item = self._items.popleft()
-            sink.deliver(item)
-
-
-class Sink:
-    """Hands the step thread's output to one request's coroutine, through the outbox. The coroutine takes all
-    that came since it last looked in one wake-up (`take`): at 256 streams a wake-up and a write per token and
-    stream were ~40 us of the interpreter each (CPU machine, bench of the HTTP path alone), beside the step
-    thread's own work."""
-
-    def __init__(self, outbox: Outbox) -> None:
-        self.outbox = outbox
         self._items: list[tuple[str, Any]] = []
         self._waiter: asyncio.Future[None] | None = None
 
-    def token(self, token: int) -> None:  # step thread
-        self.outbox.put(self, ("token", token))
-
-    def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:  # step thread
-        self.outbox.put(self, ("done", (reason, prompt_tokens, completion_tokens)))
-
-    def deliver(self, item: tuple[str, Any]) -> None:  # HTTP loop
+    def deliver(self, item: tuple[str, Any]) -> None:
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def take(self) -> list[tuple[str, Any]]:  # HTTP loop: every item delivered since the last take, >= 1
+    async def take(self) -> list[tuple[str, Any]]:
+        """Every item delivered since the last take (at least one)."""
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:

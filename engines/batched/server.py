@@ -1,5 +1,5 @@
-"""The batched engine's HTTP API (FastAPI on a uvicorn thread): POST /generate, POST /generate_many,
-POST /abort, GET /health.
+"""The batched engine's HTTP API, served by its front (front.py, a process of its own; the engine behind the link,
+front_link.py): POST /generate, POST /generate_many, POST /abort, GET /health, GET /checksum.
 
 `/generate` speaks the reference engine's protocol, which the router relays: `{prompt | tokens, resume,
 max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streamed NDJSON lines
@@ -36,15 +36,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from engines.batched.engine import LLMEngine
+from engines.batched.front_link import EngineLink, Submit
 from engines.batched.http_state import EngineState, FirstArrival, Sink, first_token_phases
-from engines.batched.live import Request
-from engines.reference.weights import served_checksum
 from libs.common import tokenizer
 from libs.common.generate import GenerateRequest, invalid_body
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
-            "bad_request": "the engine refused the request as invalid"}
+            "bad_request": "the engine refused the request as invalid",
+            "not_ready": "the engine is not serving"}
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -65,8 +64,8 @@ class Refused(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _prepare(state: EngineState, eng: LLMEngine, body: GenerateRequest) -> tuple[Request, Sink]:
-    """One body checked and made a `Request` (not submitted yet); a refusal raises `Refused`."""
+def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest) -> tuple[Submit, Sink]:
+    """One body checked and made a `Submit` (not sent yet); a refusal raises `Refused`."""
     ctx = tokenizer.encode(body.prompt) if body.prompt is not None else []
     ctx += list(body.tokens or []) + list(body.resume or [])
     if any(not 0 <= t < tokenizer.EOS + 1 for t in ctx):
@@ -74,33 +73,32 @@ def _prepare(state: EngineState, eng: LLMEngine, body: GenerateRequest) -> tuple
     if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
         raise Refused(400, "context_too_long", f"the context ({len(ctx)} tokens) leaves no room in the model's "
                       f"{state.max_model_len}")
-    if state.in_flight >= state.max_waiting + eng.scheduler.config.max_num_seqs:
+    if state.in_flight >= state.max_waiting + link.max_num_seqs:
         raise Refused(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
-    state.outbox.loop = asyncio.get_running_loop()
-    t_received = time.perf_counter()
-    sink = Sink(state.outbox)
     max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
-    req = Request(request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx, max_tokens=max_tokens,
-                  temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
-                  ignore_eos=body.ignore_eos, sink=sink, resumed=len(body.resume or []), t_received=t_received)
-    return req, sink
+    sub = Submit(key=link.next_key(), request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx,
+                 max_tokens=max_tokens, temperature=0.0 if body.greedy else body.temperature, seed=body.seed,
+                 ignore_eos=body.ignore_eos, resumed=len(body.resume or []), t_arrival=0.0,
+                 t_received=time.perf_counter())
+    return sub, Sink()
 
 
-async def _serving(state: EngineState) -> LLMEngine | JSONResponse:
-    """The engine once it serves (held while it gets ready: `until_serving`; a recovery's first request marked on
-    its timeline, and when the first one held came); else the 503."""
+async def _serving(state: EngineState) -> EngineLink | JSONResponse:
+    """The engine once it serves (held while it gets ready: `until_serving`; the first request served hands the
+    engine its marks for a recovery's timeline: when it came, when the first one held came, when the loop saw the
+    engine ready); else the 503."""
     await state.until_serving()
-    eng = state.engine
-    if eng is None or state.state != "ready":
+    link = state.link
+    if link is None or state.state != "ready":
         return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
-    rec = state.info.get("recovery")
-    if rec is not None and state.t_start is not None and "first_request_ms" not in rec:
-        rec["first_request_ms"] = round((time.perf_counter() - state.t_start) * 1000, 3)
-        for key, at in (("first_arrival_ms", state.first_arrival), ("first_held_ms", state.first_held),
-                        ("woken_ms", state.woken)):
-            if at is not None:  # before its assignment: negative
-                rec[key] = round((at - state.t_start) * 1000, 3)
-    return eng
+    if not state.marked:
+        state.marked = True
+        link.mark("first_request", time.perf_counter())
+        for name, at in (("first_arrival", state.first_arrival), ("first_held", state.first_held),
+                         ("woken", state.woken)):
+            if at is not None:
+                link.mark(name, at)
+    return link
 
 
 def build_app(state: EngineState) -> FastAPI:
@@ -112,44 +110,53 @@ def build_app(state: EngineState) -> FastAPI:
     async def invalid(_: object, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        eng = state.engine
-        return {"ok": state.state in ("ready", "standby"), "state": state.state, "role": state.role,
+    @app.get("/health", response_model=None)
+    async def health() -> Any:
+        """The engine's state, its step loop's figures and its info (asked over the link), with the front's own."""
+        link = state.link
+        try:
+            info = dict(await link.call("health", timeout=10) or {}) if link is not None else {}
+        except (TimeoutError, RuntimeError) as e:
+            return JSONResponse(status_code=503, content={"ok": False, "state": state.state, "engine_id": state.engine_id,
+                                                          "error": f"the engine did not answer: {e!r}"})
+        engine_state = info.pop("state", state.state)
+        return {"ok": engine_state in ("ready", "standby"), "state": engine_state, "role": info.pop("role", state.role),
                 "engine_id": state.engine_id, "model": state.model, "size": state.size, "in_flight": state.in_flight,
-                "engine": eng.stats() if eng else None, "first_token_phases_ms": state.phase_stats(), **state.info}
+                "engine": info.pop("engine", None), "first_token_phases_ms": state.phase_stats(), **info}
 
     @app.get("/checksum", response_model=None)
     async def checksum() -> Any:
-        """sha256 of the weights being served (on a thread: a large model takes a while to hash)."""
-        eng = state.engine
-        if eng is None:
+        """sha256 of the weights being served (hashed by the engine on a thread of its own)."""
+        if state.link is None:
             return _error(503, "not_ready", f"engine {state.engine_id} is {state.state}")
-        return await served_checksum(state.engine_id, eng.runner.w)
+        got = await state.link.call("checksum", timeout=600)
+        if "error" in got:
+            return _error(503, got["error"]["code"], got["error"]["message"])
+        return got
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, http: HTTPRequest) -> Any:
-        eng = await _serving(state)
-        if isinstance(eng, JSONResponse):
-            return eng
+        link = await _serving(state)
+        if isinstance(link, JSONResponse):
+            return link
         try:
-            req, sink = _prepare(state, eng, body)
-            req.t_arrival = getattr(http.state, "t_arrival", 0.0)
+            sub, sink = _prepare(state, link, body)
+            sub.t_arrival = getattr(http.state, "t_arrival", 0.0)
         except Refused as e:
             return _error(e.status, e.code, e.message)
         if body.max_tokens == 0:
-            return _final_only(state, len(req.context), body.stream)
+            return _final_only(state, len(sub.context), body.stream)
         resumed = list(body.resume or [])
         if body.stream:
-            return StreamingResponse(_stream(state, eng, req, sink, resumed), media_type="application/x-ndjson")
-        return await _collect(state, eng, req, sink, resumed)
+            return StreamingResponse(_stream(state, link, sub, sink, resumed), media_type="application/x-ndjson")
+        return await _collect(state, link, sub, sink, resumed)
 
     @app.post("/generate_many", response_model=None)
     async def generate_many(body: GenerateMany) -> Any:
-        eng = await _serving(state)
-        if isinstance(eng, JSONResponse):
-            return eng
-        return StreamingResponse(_many(state, eng, body.requests), media_type="application/x-ndjson")
+        link = await _serving(state)
+        if isinstance(link, JSONResponse):
+            return link
+        return StreamingResponse(_many(state, link, body.requests), media_type="application/x-ndjson")
 
     @app.post("/abort")
     async def abort(body: AbortRequest) -> dict[str, Any]:
@@ -170,36 +177,35 @@ def _final_only(state: EngineState, prompt_tokens: int, stream: bool) -> Any:
     return {"tokens": [], "text": "", **final}
 
 
-async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: Sink,
+async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
                   resumed: list[int]) -> AsyncIterator[list[dict[str, Any]]]:
-    """Token lines then the final line, in batches: every line the step thread handed over since the last batch
-    (one wake-up of this coroutine each); aborts the sequence if the consumer goes away first."""
+    """Token lines then the final line, in batches: every line the engine handed over since the last batch (one
+    wake-up of this coroutine each); aborts the request if the consumer goes away first."""
     t0 = time.perf_counter()
     first_ms: float | None = None
     phases: dict[str, float] = {}
     text = tokenizer.TextStream()
     text.prime(resumed)
     state.in_flight += 1
-    eng.submit(req)
+    link.submit(sub, sink)
     done = False
     try:
         index = 0
         while True:
             batch: list[dict[str, Any]] = []
             for kind, val in await sink.take():
+                if kind == "first":  # the first token, with where its time went in the engine
+                    now = time.perf_counter()
+                    first_ms = round((now - t0) * 1000, 3)
+                    phases = first_token_phases((sub.t_arrival, sub.t_received, *val[1:], now))
+                    state.phases.append(phases)
+                    kind, val = "token", val[0]
                 if kind == "token":
-                    if first_ms is None:
-                        first_ms = round((time.perf_counter() - t0) * 1000, 3)
-                        phases = first_token_phases(req, time.perf_counter())
-                        state.phases.append(phases)
-                        cb, state.on_first_token = state.on_first_token, None
-                        if cb is not None:
-                            cb(time.perf_counter())
                     batch.append({"index": index, "token": val, "text": text.push(val)})
                     index += 1
                     continue
                 reason, prompt_tokens, completion_tokens = val
-                if reason == "aborted":  # /abort: the finally aborts the sequence; no final line for nobody
+                if reason == "aborted":  # /abort: the finally aborts the request; no final line for nobody
                     return
                 done = True
                 if reason.startswith("refused:") or reason == "error":
@@ -207,7 +213,7 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: Sink,
                     batch.append({"done": True, "engine_id": state.engine_id,
                                   "error": {"code": code, "message": REFUSALS.get(code, "the engine failed")}})
                 else:
-                    batch.append({"done": True, "prompt_tokens": len(req.context), "completion_tokens": index,
+                    batch.append({"done": True, "prompt_tokens": len(sub.context), "completion_tokens": index,
                                   "finish_reason": reason, "first_token_ms": first_ms,
                                   "total_ms": round((time.perf_counter() - t0) * 1000, 3),
                                   "first_token_phases_ms": phases, "engine_id": state.engine_id})
@@ -217,7 +223,7 @@ async def _events(state: EngineState, eng: LLMEngine, req: Request, sink: Sink,
     finally:
         state.in_flight -= 1
         if not done:
-            eng.abort(req.request_id)
+            link.abort(sub.key, sub.request_id)
 
 
 def _lines(batch: list[dict[str, Any]], tag: dict[str, int] | None = None) -> bytes:
@@ -227,12 +233,12 @@ def _lines(batch: list[dict[str, Any]], tag: dict[str, int] | None = None) -> by
     return "".join([json.dumps({**tag, **line}) + "\n" for line in batch]).encode()
 
 
-async def _stream(state: EngineState, eng: LLMEngine, req: Request, sink: Sink, resumed: list[int]) -> AsyncIterator[bytes]:
-    async for batch in _events(state, eng, req, sink, resumed):
+async def _stream(state: EngineState, link: EngineLink, sub: Submit, sink: Sink, resumed: list[int]) -> AsyncIterator[bytes]:
+    async for batch in _events(state, link, sub, sink, resumed):
         yield _lines(batch)
 
 
-async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest]) -> AsyncIterator[bytes]:
+async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateRequest]) -> AsyncIterator[bytes]:
     """Every request's `/generate` lines in one stream, each tagged with its index `i`, in the order they come.
     Each request is submitted by its own pump task; all of them start in one pass of the event loop, so one pass
     of the step thread takes them all."""
@@ -248,18 +254,18 @@ async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest
 
     for i, body in enumerate(bodies):
         try:
-            req, sink = _prepare(state, eng, body)
+            sub, sink = _prepare(state, link, body)
         except Refused as e:
             yield (json.dumps({"i": i, "done": True, "status": e.status,
                                "error": {"code": e.code, "message": e.message}}) + "\n").encode()
             continue
         if body.max_tokens == 0:
-            yield (json.dumps({"i": i, "done": True, "prompt_tokens": len(req.context), "completion_tokens": 0,
+            yield (json.dumps({"i": i, "done": True, "prompt_tokens": len(sub.context), "completion_tokens": 0,
                                "finish_reason": "length", "first_token_ms": None, "total_ms": 0.0,
                                "engine_id": state.engine_id}) + "\n").encode()
             continue
-        state.batched_sinks[req.request_id] = sink
-        tasks.append(asyncio.create_task(pump(i, _events(state, eng, req, sink, list(body.resume or [])))))
+        state.batched_sinks[sub.request_id] = sink
+        tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or [])))))
     try:
         open_ = len(tasks)
         while open_:
@@ -283,10 +289,10 @@ async def _many(state: EngineState, eng: LLMEngine, bodies: list[GenerateRequest
                 state.batched_sinks.pop(body.request_id, None)
 
 
-async def _collect(state: EngineState, eng: LLMEngine, req: Request, sink: Sink, resumed: list[int]) -> Any:
+async def _collect(state: EngineState, link: EngineLink, sub: Submit, sink: Sink, resumed: list[int]) -> Any:
     tokens: list[int] = []
     text: list[str] = []
-    async for batch in _events(state, eng, req, sink, resumed):
+    async for batch in _events(state, link, sub, sink, resumed):
         for ev in batch:
             if not ev.get("done"):
                 tokens.append(ev["token"])

@@ -44,9 +44,10 @@ def batch_of_prompts(url: str) -> list[list[int]]:
         return list(ex.map(lambda i: generate(url, **body(i))["tokens"], range(PROMPTS)))
 
 
-def follower_pids(rank0: int) -> list[int]:
+def follower_pids(rank0: int, front: int) -> list[int]:
+    """Rank 0's children but its HTTP front (front.py)."""
     children = Path(f"/proc/{rank0}/task/{rank0}/children")
-    return [int(p) for p in children.read_text().split()] if children.exists() else []
+    return [int(p) for p in children.read_text().split() if int(p) != front] if children.exists() else []
 
 
 def test_two_ranks_give_each_prompt_of_a_batch_the_greedy_tokens_of_one_rank(tmp_path: Path,
@@ -58,14 +59,15 @@ def test_two_ranks_give_each_prompt_of_a_batch_the_greedy_tokens_of_one_rank(tmp
         info = two.wait_ready(180)
         assert info["tp"]["ranks"] == 2 and info["tp"]["backend"] == "gloo"
         assert info["tp"]["engine_ids"] == ["btp-two", "btp-two-r1"]
-        # every rank's pid by rank (rank 1: rank 0's one child), as rank 0 names them to its agent too
-        rank1 = Path(f"/proc/{info['pid']}/task/{info['pid']}/children").read_text().split()
-        assert info["tp"]["pids"] == {"0": info["pid"], "1": int(rank1[0])} and len(rank1) == 1
+        # every rank's pid by rank (rank 1: rank 0's one child but its HTTP front), as rank 0 names them to its
+        # agent too
+        rank1 = follower_pids(info["pid"], info["front"]["pid"])
+        assert info["tp"]["pids"] == {"0": info["pid"], "1": rank1[0]} and len(rank1) == 1
         assert info["memory"]["kv_bytes"] * 2 == one.info["memory"]["kv_bytes"]  # rank 0 holds half the kv heads
         want = batch_of_prompts(one.url)
         assert len({tuple(t) for t in want}) == PROMPTS and all(len(t) == 40 for t in want)
         assert batch_of_prompts(two.url) == want
-        followers = follower_pids(two.child.pid)
+        followers = follower_pids(two.child.pid, info["front"]["pid"])
         assert len(followers) == 1
         assert two.child.stop(30) == 0  # SIGTERM: rank 0 tells rank 1 to stop, both exit
         assert not any(procs.pid_alive(p) for p in followers)
@@ -95,7 +97,7 @@ def test_a_killed_rank_ends_the_group_within_a_bound_and_its_port_stops_answerin
     """Serving: rank 0 is in the collectives of a step. Idle: it issues none, and must still see rank 1 go."""
     group = batched(tmp_path, tiny_weights, "btp-die", "--tp", "2")
     try:
-        group.wait_ready(180)
+        front = group.wait_ready(180)["front"]["pid"]
         port = int(group.url.rsplit(":", 1)[1])
         streaming, ended = threading.Event(), []
         threads = [threading.Thread(target=stream_until_cut, args=(group.url, i, streaming, ended), daemon=True)
@@ -103,7 +105,7 @@ def test_a_killed_rank_ends_the_group_within_a_bound_and_its_port_stops_answerin
         for t in threads:
             t.start()
         assert not serving or streaming.wait(60), group.log()
-        (follower,) = follower_pids(group.child.pid)
+        (follower,) = follower_pids(group.child.pid, front)
         t0 = time.monotonic()
         os.kill(follower, signal.SIGKILL)
         assert group.child.proc.wait(DEATH_BOUND_S + 30) == 70, group.log()  # type: ignore[union-attr]
@@ -121,8 +123,8 @@ def test_a_killed_rank_ends_the_group_within_a_bound_and_its_port_stops_answerin
 def test_rank_zeros_death_ends_the_other_rank(tmp_path: Path, tiny_weights: Path) -> None:  # noqa: F811
     group = batched(tmp_path, tiny_weights, "btp-head", "--tp", "2")
     try:
-        group.wait_ready(180)
-        (follower,) = follower_pids(group.child.pid)
+        front = group.wait_ready(180)["front"]["pid"]
+        (follower,) = follower_pids(group.child.pid, front)
         group.child.kill(signal.SIGKILL)
         deadline = time.monotonic() + DEATH_BOUND_S
         while procs.pid_alive(follower):

@@ -26,15 +26,16 @@ GROUP = ("--tp", "2", "--num-blocks", "256")
 
 
 def kill_mid_generation(first: BatchedEngine) -> dict[int, list[int]]:
-    """Every stream started, then rank 0 SIGKILLed (rank 1 dies with it); the tokens each client saw."""
+    """Every stream started, then rank 0 SIGKILLed (rank 1 and its HTTP front die with it); the tokens each client
+    saw."""
     seen, threads = streams_started(first, STREAMS)
-    followers = follower_pids(first.child.pid)
+    followers = follower_pids(first.child.pid, front=0)  # every child
     first.kill()
     for t in threads:
         t.join(10)
     deadline = time.monotonic() + 10
     while any(procs.pid_alive(p) for p in followers):
-        assert time.monotonic() < deadline, "rank 1 outlived rank 0"
+        assert time.monotonic() < deadline, "rank 1 or the front outlived rank 0"
         time.sleep(0.05)
     return seen
 
