@@ -40,6 +40,7 @@ class NdjsonResponse:
     done: bool = False
     finished: bool = False
     final: dict = field(default_factory=dict)  # the closing line (the engine's first-token phases, its usage)
+    ended_at: float = 0.0  # the receive time of the read that finished it (its closing line, its close, an error body)
     _buf: bytes = b""  # bytes not yet framed (head, chunk size line, or chunk data)
     _lines: bytes = b""  # body bytes not yet ending in a newline
     _chunked: bool = False
@@ -52,11 +53,12 @@ class NdjsonResponse:
             return
         if not data:
             self._close()
-            return
-        self._buf += data
-        if self.status is None and not self._head():
-            return
-        self._frame(arrival, parsed)
+        else:
+            self._buf += data
+            if self.status is not None or self._head():
+                self._frame(arrival, parsed)
+        if self.finished:
+            self.ended_at = arrival
 
     def _head(self) -> bool:
         end = self._buf.find(b"\r\n\r\n")

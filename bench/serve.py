@@ -60,6 +60,12 @@ def measure_bandwidth(device: str) -> float:
     return best
 
 
+def max_model_len(size: str) -> int:
+    from engines.reference.config import get_config
+
+    return get_config(size).max_seq
+
+
 def roofline_tokens_s(size: str, batch: int, ctx: int, bandwidth: float) -> float:
     from engines.reference.config import get_config
 
@@ -144,35 +150,50 @@ def per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def burst_row(sent: int, got: list[tuple[float, Any]]) -> dict[str, Any]:
+    """The refused requests of a burst: how many got their 400, how long each took (send to the answer's end)."""
+    refused = [r for _, r in got if (r.error or "").startswith("HTTP 400")]
+    answered = [r.ended_at - at for at, r in got if r.ended_at]
+    return {"sent": sent, "refused_400": len(refused), "other": len(got) - len(refused),
+            "answered_ms": pct([a * 1000 for a in answered], keys=("n", "p50", "p99", "max"))}
+
+
 async def at_concurrency(pool: ClientPool, c: int, prompt_len: int, max_tokens: int,
-                         engine_url: str | None = None) -> dict[str, Any]:
+                         engine_url: str | None = None, *, burst: int = 0,
+                         burst_len: int = 0) -> dict[str, Any]:
     """`c` streams at once through the pool; a stream that fails fails the run (its error said). With
-    `engine_url`, the row has the engine's step-thread figures over the level (`engine_step_ms`)."""
+    `engine_url`, the row has the engine's step-thread figures over the level (`engine_step_ms`). With `burst`,
+    that many requests whose context (`burst_len` bytes) no model takes are sent once every stream has its first
+    tokens: each costs the engine's HTTP side its parse and its 400, and the streams' gaps say what that cost them."""
     jobs = [Job(i, p, max_tokens) for i, p in enumerate(stream_prompts(c, prompt_len))]
     before = await step_times(engine_url) if engine_url else None
-    await pool.start(jobs, warm_tokens=0)
-    pool.send_late([])
+    await pool.start(jobs, warm_tokens=4 if burst else 0)
+    pool.send_late([Job(c + i, "x" * burst_len, 1) for i in range(burst)])
     got, workers = await pool.results()
     after = await step_times(engine_url) if engine_url else None
-    failed = sorted((k, r.error or "no closing line") for k, (_, r) in got.items() if r.error or not r.done)
+    streams = {k: v for k, v in got.items() if k < c}
+    failed = sorted((k, r.error or "no closing line") for k, (_, r) in streams.items() if r.error or not r.done)
     if failed:
         raise RuntimeError(f"{len(failed)} of {c} streams failed; stream {failed[0][0]}: {failed[0][1]}")
-    row = serve_row(c, [(sent, r.arrivals) for sent, r in got.values()])
+    row = serve_row(c, [(sent, r.arrivals) for sent, r in streams.values()])
     row["client"] = client_health(workers)
     if before is not None and after is not None:
         row["engine_step_ms"] = per_step(before, after)
+    if burst:
+        row["burst"] = burst_row(burst, [v for k, v in got.items() if k >= c])
     return row
 
 
 async def run_levels(url: str, levels: list[int], prompt_len: int, max_tokens: int, procs: int, size: str,
-                     bandwidth: float, mode: str) -> list[dict[str, Any]]:
+                     bandwidth: float, mode: str, burst: int = 0) -> list[dict[str, Any]]:
     """A warm-up, then one row per concurrency, each printed to stderr as it comes."""
     pool = ClientPool(url, None, procs, path=ENGINE_PATH, timeout_s=600)
     try:
         await at_concurrency(pool, min(4, max(levels)), prompt_len, 8, url)  # warm-up
         rows = []
         for c in levels:
-            row = await at_concurrency(pool, c, prompt_len, max_tokens, url)
+            row = await at_concurrency(pool, c, prompt_len, max_tokens, url, burst=burst,
+                                       burst_len=max_model_len(size) + 16)
             roof = roofline_tokens_s(size, c, prompt_len + max_tokens // 2, bandwidth)
             row["roofline_tokens_per_s"] = round(roof, 1)
             row["share_of_roofline"] = round((row["decode_tokens_per_s"] or 0) / roof, 3)
@@ -197,6 +218,8 @@ def cli(
     weights_dir: Path | None = typer.Option(None, help="make/reuse the weights file here"),
     drawn_weights: bool = typer.Option(False, help="a header-only weights file, its values drawn on the device at "
                                        "each load (make-weights --drawn): no 16 GiB file to write first"),
+    burst: int = typer.Option(0, min=0, help="at each level, this many requests too long for the model sent while "
+                              "the streams decode (each refused with 400): what a flood of bad requests costs them"),
     client_procs: int = typer.Option(0, min=0, help="client processes reading the streams (0: a quarter of the "
                                      "cores, 1 to 8)"),
 ) -> None:
@@ -230,7 +253,7 @@ def cli(
             url = eng.wait()["endpoint"]
             report["modes"][mode] = asyncio.run(run_levels(url, levels, prompt_len, max_tokens,
                                                            client_procs or default_client_procs(), size, bandwidth,
-                                                           mode))
+                                                           mode, burst))
             if backup:  # rounds, bytes copied, the lag each round bounded (engines/batched/backup.py)
                 report.setdefault("kv_backup", {})[mode] = httpx.get(url + "/health", timeout=30).json().get("kv_backup")
         finally:

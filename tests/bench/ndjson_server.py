@@ -11,8 +11,9 @@ import time
 
 
 class NdjsonServer:
-    def __init__(self, delays_s: list[float], status: int = 200) -> None:
-        self.delays_s, self.status = delays_s, status
+    def __init__(self, delays_s: list[float], status: int = 200, refuse_longer_than: int | None = None) -> None:
+        """`refuse_longer_than`: a prompt longer than this gets 400, as an engine answers a context too long."""
+        self.delays_s, self.status, self.refuse_longer_than = delays_s, status, refuse_longer_than
         self.sent: list[list[float]] = []  # per connection, the wall time each token line was written
         self.requests: list[tuple[str, dict]] = []  # per connection, the request's path and JSON body
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -40,6 +41,11 @@ class NdjsonServer:
         request = json.loads(body)
         self.requests.append((head.split(b" ", 2)[1].decode(), request))
         prompt = request["prompt"]
+        if self.refuse_longer_than is not None and len(prompt) > self.refuse_longer_than:
+            msg = b'{"error": {"code": "context_too_long"}}'
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg))
+            conn.close()
+            return
         if self.status != 200:
             msg = b'{"detail": "no such model"}'
             conn.sendall(b"HTTP/1.1 %d Not Found\r\ncontent-length: %d\r\n\r\n%s" % (self.status, len(msg), msg))

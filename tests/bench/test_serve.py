@@ -44,6 +44,21 @@ async def test_streams_go_to_the_engines_route_with_no_model_named_and_are_stamp
     assert row["itl_ms"]["p50"] is not None and row["wall_s"] > 0
 
 
+async def test_a_burst_of_refused_requests_is_counted_apart_from_the_streams():
+    server = NdjsonServer([0.0] + [0.02] * 7, refuse_longer_than=100)
+    pool = ClientPool(server.url, None, procs=2, path=ENGINE_PATH)
+    try:
+        row = await at_concurrency(pool, 3, 16, 8, burst=5, burst_len=200)
+    finally:
+        pool.close()
+        server.close()
+    assert row["concurrency"] == 3 and row["output_tokens"] == 24  # the streams' alone
+    burst = row["burst"]
+    assert (burst["sent"], burst["refused_400"], burst["other"]) == (5, 5, 0)
+    assert burst["answered_ms"]["n"] == 5 and burst["answered_ms"]["max"] < 10_000
+    assert sum(1 for _, body in server.requests if len(body["prompt"]) == 200) == 5
+
+
 async def test_a_refused_stream_fails_the_run_with_its_error():
     server = NdjsonServer([0.0], status=404)
     pool = ClientPool(server.url, None, procs=1, path=ENGINE_PATH)
