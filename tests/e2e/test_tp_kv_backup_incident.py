@@ -21,7 +21,7 @@ from libs.common.events import Reclaim, ReclaimReply, Tag
 from tests.e2e.test_tp_incident import BatchedGroupScenario, incidents, started, wait_successor
 
 STREAMS = 4
-MAX_TOKENS = 64
+MAX_TOKENS = 128  # the streams outlive the backup's first rounds on a loaded machine (until_backed_up)
 
 
 class BackedGroupScenario(BatchedGroupScenario):
