@@ -49,7 +49,7 @@ def loop_factory(service: str | None = None) -> Callable[[], asyncio.AbstractEve
         return None
     try:
         import uvloop
-    except ImportError:  # optional: not a dependency
+    except ImportError:  # a dependency (the engines' HTTP fronts run on it), absent only from a partial install
         return None
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
