@@ -113,16 +113,6 @@ class LinkError(Exception):
     """A frame that is not one: the link is broken (both ends are ours; nothing else writes it)."""
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
 # ---- the engine's end
 
 
@@ -220,21 +210,24 @@ class FrontLink:
 
     def _read(self) -> None:
         decoder = msgspec.msgpack.Decoder(FrontFrame)
+        frames = self.sock.makefile("rb")  # a buffered read returns all n bytes, or fewer only at the link's end
         try:
             while True:
-                head = _read_exactly(self.sock, HEADER.size)
-                if head is None:
+                head = frames.read(HEADER.size)
+                if len(head) < HEADER.size:
                     break
                 (n,) = HEADER.unpack(head)
                 if n > MAX_FRAME:
                     raise LinkError(f"a frame of {n} bytes")
-                data = _read_exactly(self.sock, n)
-                if data is None:
+                data = frames.read(n)
+                if len(data) < n:
                     break
                 self._take(decoder.decode(data))
         except (OSError, msgspec.DecodeError, LinkError) as e:
             if not self._closing:
                 log.error("the link to the HTTP front broke: %r", e)
+        finally:
+            frames.close()
         if not self._closing:
             log.error("the HTTP front (pid %d) is gone (exit code %s): the engine stops", self.proc.pid, self.proc.poll())
             self._on_gone()
@@ -349,9 +342,9 @@ class EngineSide:
             eng = self.engine
             if eng is None:
                 return {"error": {"code": "not_ready", "message": f"engine {self.engine_id} is {self._state}"}}
-            from engines.reference.weights import weights_sha256
+            from engines.reference.weights import checksum_body
 
-            return {"engine_id": self.engine_id, "weights_sha256": weights_sha256(eng.runner.w)}
+            return checksum_body(self.engine_id, eng.runner.w)
         raise ValueError(f"no call {op!r}")
 
 
@@ -400,9 +393,6 @@ class EngineLink:
     def abort(self, key: int, request_id: str) -> None:
         if self.sinks.pop(key, None) is not None:
             self._send(Abort(key, request_id))
-
-    def done(self, key: int) -> None:
-        self.sinks.pop(key, None)
 
     def mark(self, name: str, value: Any) -> None:
         self._send(Mark(name, value))

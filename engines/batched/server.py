@@ -227,7 +227,7 @@ async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
 
 
 def _lines(batch: list[dict[str, Any]], tag: dict[str, int] | None = None) -> bytes:
-    """A batch of lines as one write: each write is a send() that gives the interpreter up to the step thread."""
+    """A batch of lines as one write: one send() and one pass through uvicorn for all of them."""
     if tag is None:
         return "".join([json.dumps(line) + "\n" for line in batch]).encode()
     return "".join([json.dumps({**tag, **line}) + "\n" for line in batch]).encode()

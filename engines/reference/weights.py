@@ -201,9 +201,14 @@ def weights_sha256(tensors: dict[str, torch.Tensor], *, chunk_bytes: int = 1 << 
     return h.hexdigest()
 
 
+def checksum_body(engine_id: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """An engine's /checksum body: the sha256 of the weights it serves (seconds for a large model: call it off any
+    loop or step thread)."""
+    return {"engine_id": engine_id, "weights_sha256": weights_sha256(weights)}
+
+
 async def served_checksum(engine_id: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
-    """An engine's /checksum body: the sha256 of the weights it serves, hashed on a thread (a large model takes a
-    while)."""
+    """`checksum_body` hashed on a thread, for an engine that serves HTTP on its own loop."""
     import asyncio
 
-    return {"engine_id": engine_id, "weights_sha256": await asyncio.to_thread(weights_sha256, weights)}
+    return await asyncio.to_thread(checksum_body, engine_id, weights)
