@@ -81,7 +81,7 @@ def open_agent_link(cfg: EngineConfig, *, can_shadow: bool, group: RankGroup | N
 def new_runner(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded) -> ModelRunner:
     return ModelRunner(mcfg, loaded.weights, loaded.kv, loaded.layout.block_size, deterministic=cfg.deterministic,
                        cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs, fused=loaded.fused,
-                       max_step_tokens=cfg.max_num_batched_tokens)
+                       max_step_tokens=cfg.max_num_batched_tokens, deterministic_tile=cfg.deterministic_tile)
 
 
 def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: JournalLayout, *,

@@ -58,6 +58,11 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     prefix_caching: bool = Field(True, description="share full KV blocks of equal prefixes")
     deterministic: bool = Field(False, description="batch-invariant kernels: a sequence's tokens do not depend on "
                                 "what runs beside it (exact output through a failover)")
+    deterministic_tile: int | None = Field(
+        None, ge=16, multiple_of=16,
+        description="deterministic mode: one-token rows per GEMM, a multiple of 16 (default 64 on CUDA, 16 on the "
+                    "CPU). Each tile reads every weight: a larger one serves many streams faster and few slower "
+                    "(docs/engine-batched.md); every engine of a spec must use the same")
     cuda_graphs: bool = Field(True, description="decode steps replayed as CUDA graphs at batch-size buckets (CUDA only)")
     async_schedule: bool = Field(True, description="schedule and launch step N+1 while step N runs on the device "
                                  "(engine.py); --no-async-schedule: one step at a time")

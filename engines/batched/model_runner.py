@@ -33,7 +33,9 @@ Deterministic (batch-invariant) mode: each row's logits are bit-identical whatev
   bound by reading the weights, which is the same), at large ones the extra launches and the smaller GEMMs'
   lower efficiency; each tile re-reads every weight, so a decode step past one tile reads the weights
   ceil(M / tile) times. H200, 8b shape, ctx 512, graphs (scripts/bench_paged_attention.py, 2026-12): batch 1
-  9.0 ms against 7.5 ms by default, batch 64 10.1 against 10.2, batch 256 34.9 against 18.0.
+  9.0 ms against 7.5 ms by default, batch 64 10.1 against 10.2, batch 256 34.9 against 18.0. The one-token tile
+  is the engine's `deterministic_tile` (a multiple of 16): 256 makes a 256-row step cost the default mode's and a
+  1-row step ~35% more (docs/engine-batched.md, "Deterministic mode"); the prefill tile stays 4x the default.
 
 Async scheduling (engine.py): `launch` queues a greedy step and returns at once with a `Launched`: the argmax
 is taken on the device, the sampled tokens copied without blocking into pinned host memory and read (one event
@@ -159,7 +161,8 @@ def _span(sizes: Sequence[int]) -> int:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor, block_size: int, *,
                  deterministic: bool = False, cuda_graphs: bool = True, max_num_seqs: int = 256,
-                 fused: dict[str, torch.Tensor] | None = None, max_step_tokens: int = 0) -> None:
+                 fused: dict[str, torch.Tensor] | None = None, max_step_tokens: int = 0,
+                 deterministic_tile: int | None = None) -> None:
         self.model = Transformer(cfg, weights)  # checks the weights; its rope tables, in the weights' dtype
         self.cfg, self.w, self.device = cfg, weights, self.model.device
         self.fused = check_fused(cfg, weights, fused or {})
@@ -173,11 +176,17 @@ class ModelRunner:
             raise ValueError(f"kv cache on {kv.device}, weights on {self.device}")
         self.kv, self.block_size, self.num_blocks = kv, block_size, kv.shape[2]
         self.deterministic = deterministic
-        self.tile = 64 if self.device.type == "cuda" else 16
-        # Deterministic: rows of multi-token works (prefill chunks) go through tiles 4x as tall: a mixed step
-        # re-reads the weights a quarter as often. A row's tile size is fixed by its own work's kind (a chunk or
-        # one token), which the scheduler sets from the sequence alone, so it stays batch-invariant.
-        self.prefill_tile = 4 * self.tile
+        base = 64 if self.device.type == "cuda" else 16
+        # On the CPU a tile must hold a whole number of 16-float vectors: SiLU's and rsqrt's vectorized and scalar
+        # paths round differently, and a tile of 5 rows x 344 put a row's last elements on the scalar tail (seen:
+        # a row's logits differed alone and among others). 16 rows make every tile's size a multiple of 16.
+        if deterministic_tile is not None and (deterministic_tile < 16 or deterministic_tile % 16):
+            raise ValueError(f"deterministic_tile must be a positive multiple of 16, got {deterministic_tile}")
+        self.tile = deterministic_tile or base  # one-token rows (and the head's) per GEMM in deterministic mode
+        # Deterministic: rows of multi-token works (prefill chunks) go through tiles 4x as tall as the default small
+        # tile: a mixed step re-reads the weights a quarter as often. A row's tile size is fixed by its own work's
+        # kind (a chunk or one token), which the scheduler sets from the sequence alone, so it stays batch-invariant.
+        self.prefill_tile = 4 * base
         self._split: int | None = None  # rows [0, split) small tiles, the rest prefill tiles; None: all small
         self.max_num_seqs = max_num_seqs
         self.table_width = -(-cfg.max_seq // block_size)

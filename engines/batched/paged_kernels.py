@@ -190,15 +190,22 @@ def paged_prefill(q: torch.Tensor, out: torch.Tensor, layer_kv: torch.Tensor, bl
 
 
 @triton.jit
+def _scaled_norm(x, w_ptr, offs, mask, N, eps, dt: tl.constexpr):
+    """One row's RMSNorm (x float32, the row's values in `dt`) times the weight, as float32: the reference's values
+    (engines/reference/model.py `rms_norm`: normalized, rounded to the input's dtype, then scaled)."""
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return w * y.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, x_stride, w_ptr, o_ptr, o_stride, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    dt = o_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = y.to(o_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds to the input's dtype, then scales
-    tl.store(o_ptr + row * o_stride + offs, (w * y).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + row * o_stride + offs, _scaled_norm(x, w_ptr, offs, mask, N, eps, dt).to(dt), mask=mask)
 
 
 @triton.jit
@@ -211,11 +218,8 @@ def _add_rms_norm_kernel(h_ptr, h_stride, d_ptr, d_stride, w_ptr, o_ptr, o_strid
     d = tl.load(d_ptr + row * d_stride + offs, mask=mask, other=0.0).to(tl.float32)
     x = (h + d).to(dt)  # torch's `h + d`, rounded to the dtype
     tl.store(h_ptr + row * h_stride + offs, x, mask=mask)
-    x = x.to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = y.to(dt).to(tl.float32)  # as `_rms_norm_kernel`
-    tl.store(o_ptr + row * o_stride + offs, (w * y).to(o_ptr.dtype.element_ty), mask=mask)
+    y = _scaled_norm(x.to(tl.float32), w_ptr, offs, mask, N, eps, dt)
+    tl.store(o_ptr + row * o_stride + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -307,3 +311,4 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
         return
     assert x.stride(1) == 1 and cos.stride(1) == 1 and sin.stride(0) == cos.stride(0) and rope_fits(head_dim)
     _rope_kernel[(T, heads)](x, x.stride(0), cos, sin, cos.stride(0), HALF=head_dim // 2, enable_fp_fusion=False)
+

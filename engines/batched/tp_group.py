@@ -194,6 +194,7 @@ class RankGroup:
         return ShardedRunner(self.mcfg, loaded.weights, loaded.kv, loaded.layout.block_size,
                              deterministic=self.cfg.deterministic, cuda_graphs=False,
                              max_num_seqs=self.cfg.max_num_seqs, fused=loaded.fused,
+                             deterministic_tile=self.cfg.deterministic_tile,
                              channel=self.channel if self.rank == 0 else None)
 
     def stop(self, runner: Any, step_thread_done: bool) -> None:

@@ -28,7 +28,7 @@ def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> 
     w = {n: torch.empty(s, device=device, dtype=dtype).normal_(0.0, 0.02) for n, s in small.tensor_shapes().items()}
     kv = torch.zeros(kv_shape(small, 8, cfg.block_size), dtype=dtype, device=device)
     runner = ModelRunner(small, w, kv, cfg.block_size, deterministic=cfg.deterministic, cuda_graphs=False,
-                         max_num_seqs=4)
+                         max_num_seqs=4, deterministic_tile=cfg.deterministic_tile)
     runner.run([RunItem(token_ids=[BOS, 1, 2], start=0, block_table=[0], sample=True, temperature=0.0, seed=0),
                 RunItem(token_ids=[BOS], start=0, block_table=[1], sample=True, temperature=0.7, seed=1)])
     runner.run([RunItem(token_ids=[3], start=3, block_table=[0], sample=True, temperature=0.0, seed=0)])

@@ -7,7 +7,9 @@ import random
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from engines.batched.config import parse_config
 from engines.batched.model_runner import ModelRunner, RunItem, RunItemError
 from engines.reference.config import get_config
 from engines.reference.engine import sample
@@ -73,9 +75,13 @@ def prefill(runner: ModelRunner, seq: list[int], upto: int, table: list[int]) ->
         runner.logits([RunItem(seq[:upto], 0, table, sample=False)])
 
 
-def test_deterministic_logits_are_bit_identical_alone_and_in_batches_of_1_to_16_others(weights) -> None:
+@pytest.mark.parametrize("tile", [None, 32, 48], ids=["default-tile", "tile-32", "tile-48"])
+def test_deterministic_logits_are_bit_identical_alone_and_in_batches_of_1_to_16_others(weights, tile) -> None:
+    """Whatever the one-token rows' tile (`deterministic_tile`: one that splits a step's rows, one that holds them
+    all), a row's logits are the same alone and among others. (A tile of 5 rows broke it on the CPU: refused.)"""
     rng = random.Random(1)
-    runner = new_runner(weights, deterministic=True)
+    runner = new_runner(weights, deterministic=True, deterministic_tile=tile)
+    assert runner.tile == (tile or 16) and runner.prefill_tile == 64
     for k in range(1, 17):
         lengths = [rng.randrange(2, 90) for _ in range(k + 1)]
         seqs = [random_prompt(rng, n) for n in lengths]
@@ -90,6 +96,15 @@ def test_deterministic_logits_are_bit_identical_alone_and_in_batches_of_1_to_16_
         rng.shuffle(items)
         batched = runner.logits(items)[items.index(target)]
         assert torch.equal(alone, batched), f"with {k} others: max diff {(alone - batched).abs().max()}"
+
+
+def test_a_deterministic_tile_not_a_multiple_of_16_is_refused(weights) -> None:
+    for tile in (5, 0, 24):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            new_runner(weights, deterministic=True, deterministic_tile=tile)
+    assert parse_config(["--weights", "/w", "--deterministic-tile", "256"]).deterministic_tile == 256
+    with pytest.raises(ValidationError, match="multiple of 16"):
+        parse_config(["--weights", "/w", "--deterministic-tile", "24"])
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]], steps: int) -> list[list[int]]:
