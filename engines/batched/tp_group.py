@@ -53,7 +53,7 @@ from engines.reference import tp_runner as reference_tp
 from engines.reference.config import get_config
 from engines.reference.startup import pick_device
 from engines.reference.tp import read_shard, shard_config
-from engines.reference.tp_runner import IDLE_FOREVER, free_port
+from engines.reference.tp_runner import IDLE_FOREVER, free_port, rank_place
 from engines.reference.weights import check_file_matches
 from libs.common.events import rank_engine_id
 
@@ -106,16 +106,15 @@ class RankGroup:
         self.rank = cfg.tp_rank
         self.cfg = cfg if self.rank or cfg.tp_port else cfg.model_copy(update={"tp_port": free_port()})
         self.mcfg = shard_config(get_config(cfg.size), cfg.tp)
+        device, gpu, backend = rank_place(cfg, cfg.gpu, self.rank, device)
         if device.type == "cuda":
-            device = torch.device("cuda", cfg.gpu + self.rank)
             torch.cuda.set_device(device)
         self.device = device
         self.owners = [rank_engine_id(cfg.id, r) for r in range(cfg.tp)]
         # this rank as a gpu_manager client: its own id, its own GPU
-        self.me = self.cfg.model_copy(update={"id": self.owners[self.rank], "gpu": cfg.gpu + self.rank})
+        self.me = self.cfg.model_copy(update={"id": self.owners[self.rank], "gpu": gpu})
         self.followers = Followers(self.cfg) if self.rank == 0 else None
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{self.cfg.tp_port}", rank=self.rank,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{self.cfg.tp_port}", rank=self.rank,
                                 world_size=cfg.tp, timeout=IDLE_FOREVER)  # a follower waits however idle rank 0 is
         self.channel = PlanChannel(device)
         self.backup = BackupChannel(self.rank, cfg.tp) if cfg.kv_backup else None
@@ -171,8 +170,10 @@ class RankGroup:
         """Every rank loaded (or took over) and committed: their caches must agree (a block id means the same
         positions on every rank; a handed-on cache is continued on every rank or on none); rank 0 of a cold group
         registers the gang. Rank 0's `tp` info."""
+        # gloo gathers host tensors only (the ranks on one GPU: `tp_one_gpu`)
+        at = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         mine = torch.tensor([loaded.layout.num_blocks, loaded.layout.block_size, int(loaded.kv_handed_on)],
-                            dtype=torch.int64, device=self.device)
+                            dtype=torch.int64, device=at)
         every = [torch.empty_like(mine) for _ in range(self.cfg.tp)]
         dist.all_gather(every, mine)  # also the barrier: every rank committed its leases before it got here
         seen = [tuple(t.tolist()) for t in every]

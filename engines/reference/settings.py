@@ -21,6 +21,8 @@ class TensorParallelSettings(BaseModel):
     tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks: one process per rank (rank r on GPU gpu + r; "
                     "NCCL on CUDA, gloo on the CPU), weights sharded Megatron-style, the ranks' leases one gang "
                     "(docs/multi_gpu.md)")
+    tp_one_gpu: bool = Field(False, description="every rank on GPU `gpu`, talking over gloo (NCCL refuses two ranks on "
+                             "one GPU): a group's function on a one-GPU machine, not its speed")
     tp_rank: int = Field(0, ge=0, description="set by rank 0 for the ranks it starts")
     tp_port: int = Field(0, ge=0, description="the ranks' rendezvous port on 127.0.0.1 (set by rank 0)")
     gang: str | None = Field(None, description="the gang id of this engine's ranks' leases (default: the engine id)")

@@ -39,7 +39,7 @@ from engines.reference.config import get_config
 from engines.reference.kv_reuse import retire_later
 from engines.reference.memory import LeasedMemory, Loaded
 from engines.reference.server import EngineState, build_app, warm_routes
-from engines.reference.settings import EngineSettings
+from engines.reference.settings import EngineSettings, TensorParallelSettings
 from engines.reference.startup import first_token, open_agent_link, open_memory, pick_device
 from engines.reference.tp import (
     ForwardChannel,
@@ -119,6 +119,17 @@ class Followers:
                 proc.kill()
 
 
+def rank_place(s: TensorParallelSettings, gpu: int, rank: int, device: torch.device) -> tuple[torch.device, int, str]:
+    """Where rank `rank` runs: its device, the GPU its leases are on, and the group's backend. Rank r on GPU
+    `gpu + r` over NCCL (CUDA) or gloo (the CPU); with `tp_one_gpu` every rank on GPU `gpu` over gloo (NCCL refuses
+    two ranks of one communicator on one GPU; gloo moves each collective's CUDA tensors through the host)."""
+    if device.type != "cuda":
+        return device, gpu + rank, "gloo"
+    if s.tp_one_gpu:
+        return torch.device("cuda", gpu), gpu, "gloo"
+    return torch.device("cuda", gpu + rank), gpu + rank, "nccl"
+
+
 def run_tp(s: EngineSettings) -> int:
     """Rank `s.tp_rank` of a tensor-parallel engine; rank 0 starts the others first."""
     logging.basicConfig(level=s.log_level, format=f"%(asctime)s %(levelname)s %(name)s[r{s.tp_rank}]: %(message)s")
@@ -130,14 +141,13 @@ def run_tp(s: EngineSettings) -> int:
         s = s.model_copy(update={"tp_port": s.tp_port or free_port()})
     cfg = shard_config(get_config(s.size), s.tp)
     max_seq = s.max_seq or cfg.max_seq
-    device = pick_device(s.device)
+    device, gpu, backend = rank_place(s, s.gpu, rank, pick_device(s.device))
     if device.type == "cuda":
-        device = torch.device("cuda", s.gpu + rank)
         torch.cuda.set_device(device)
-    me = s.model_copy(update={"id": rank_id(s.id, rank), "gpu": s.gpu + rank})
+    me = s.model_copy(update={"id": rank_id(s.id, rank), "gpu": gpu})
     owners = [rank_id(s.id, r) for r in range(s.tp)]
     followers = Followers(s) if rank == 0 else None
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{s.tp_port}",
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{s.tp_port}",
                             rank=rank, world_size=s.tp, timeout=IDLE_FOREVER)
     state = EngineState(s.id, s.model, s.size)
     stop = threading.Event()

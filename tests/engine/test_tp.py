@@ -141,3 +141,17 @@ def test_two_ranks_over_nccl_serve_the_same_greedy_output_as_one_rank_on_cuda(
     finally:
         one.stop()
         two.stop()
+
+
+def test_where_each_rank_runs() -> None:
+    """Rank r on GPU gpu + r over NCCL; on the CPU over gloo; `tp_one_gpu`: every rank on GPU gpu over gloo."""
+    import torch
+
+    from engines.reference.settings import TensorParallelSettings
+    from engines.reference.tp_runner import rank_place
+
+    plain, one = TensorParallelSettings(tp=4), TensorParallelSettings(tp=4, tp_one_gpu=True)
+    assert rank_place(plain, 2, 3, torch.device("cuda")) == (torch.device("cuda", 5), 5, "nccl")
+    assert rank_place(one, 2, 3, torch.device("cuda")) == (torch.device("cuda", 2), 2, "gloo")
+    assert rank_place(plain, 2, 3, torch.device("cpu")) == (torch.device("cpu"), 5, "gloo")
+    assert rank_place(one, 2, 3, torch.device("cpu")) == (torch.device("cpu"), 5, "gloo")

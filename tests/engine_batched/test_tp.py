@@ -144,3 +144,24 @@ def test_a_group_refuses_what_it_cannot_do_before_starting_a_rank(tmp_path: Path
     cfg = EngineConfig(weights=tmp_path / "w.safetensors", tp=2, takeover_from="e-old")  # a group's is its gang
     with pytest.raises(ValueError, match="tp|gang"):
         RankGroup(cfg, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_one_gpu_over_gloo_give_the_greedy_tokens_of_one_rank(tmp_path: Path,
+                                                                          tiny_weights: Path) -> None:  # noqa: F811
+    """`--tp-one-gpu`: a group's function on a machine of one GPU (NCCL refuses two ranks on one GPU): both ranks on
+    GPU 0, their collectives through gloo, every prompt's greedy tokens those of one rank on the same GPU."""
+    cuda = ("--device", "cuda", "--num-blocks", "256")
+    one = batched(tmp_path, tiny_weights, "btp-cuda-one", *cuda)
+    two = batched(tmp_path, tiny_weights, "btp-cuda-two", *cuda, "--tp", "2", "--tp-one-gpu")
+    try:
+        one.wait_ready(180)
+        info = two.wait_ready(180)
+        assert info["tp"]["ranks"] == 2 and info["tp"]["backend"] == "gloo"
+        want = batch_of_prompts(one.url)
+        assert len({tuple(t) for t in want}) == PROMPTS
+        assert batch_of_prompts(two.url) == want
+        assert two.child.stop(30) == 0
+    finally:
+        one.stop()
+        two.stop()

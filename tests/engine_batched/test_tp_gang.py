@@ -43,13 +43,21 @@ def kill_mid_generation(first: BatchedEngine) -> dict[int, list[int]]:
 async def test_a_frozen_gang_is_taken_over_by_a_new_group_that_continues_every_sequence(
         tmp_path: Path, tiny_weights: Path, two_gpus: Path, settings_env: dict[str, str],  # noqa: F811
         settings: CommonSettings, bus: Bus) -> None:
-    first = BatchedEngine(tmp_path, tiny_weights, "btg-a", settings_env, *GROUP)
+    await gang_taken_over(tmp_path, tiny_weights, settings_env, settings, bus, GROUP, gpus=(0, 1))
+
+
+async def gang_taken_over(tmp_path: Path, tiny_weights: Path, env: dict[str, str],  # noqa: F811
+                          settings: CommonSettings, bus: Bus, group: tuple[str, ...], gpus: tuple[int, int]) -> None:
+    """A group of `group` serving 4 streams is SIGKILLed, its gang frozen and taken over by a new group without the
+    weights file; every stream ends with its uninterrupted tokens. Rank r's leases are on GPU `gpus[r]`."""
+    first = BatchedEngine(tmp_path, tiny_weights, "btg-a", env, *group)
     info = first.wait_ready(180)
     gang = info["tp"]["gang"]
     assert gang["owners"] == ["btg-a", "btg-a-r1"] and gang["generation"] == 1 and len(gang["epochs"]) == 4
     leases = (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases
     assert {(i.owner, i.gpu, i.tag.value) for i in leases} == {
-        ("btg-a", 0, "weights"), ("btg-a", 0, "kv_cache"), ("btg-a-r1", 1, "weights"), ("btg-a-r1", 1, "kv_cache")}
+        ("btg-a", gpus[0], "weights"), ("btg-a", gpus[0], "kv_cache"), ("btg-a-r1", gpus[1], "weights"),
+        ("btg-a-r1", gpus[1], "kv_cache")}
     with ThreadPoolExecutor(STREAMS) as ex:  # deterministic mode: together as alone
         expected = dict(enumerate(ex.map(lambda i: alone(first.url, i), range(STREAMS))))
     seen = kill_mid_generation(first)
@@ -59,8 +67,8 @@ async def test_a_frozen_gang_is_taken_over_by_a_new_group_that_continues_every_s
     tiny_weights.rename(tiny_weights.with_suffix(".gone"))  # the new group has the leases only
 
     second = BatchedEngine(tmp_path, tiny_weights, "btg-b", {
-        **settings_env, "HF_TAKEOVER_GANG": "btg-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
-        "HF_GANG_GENERATION": "1"}, *GROUP)
+        **env, "HF_TAKEOVER_GANG": "btg-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
+        "HF_GANG_GENERATION": "1"}, *group)
     try:
         info = second.wait_ready(180)
         rec = info["recovery"]

@@ -1,0 +1,27 @@
+"""test_tp_gang.py's round on CUDA memory: a TP=2 batched group with both ranks on the one GPU (`--tp-one-gpu`,
+gloo), each rank's shard and KV cache in cuda-backend leases; SIGKILLed with 4 streams in flight, its gang frozen
+and taken over by a new group without the weights file; every stream ends with its uninterrupted tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
+from tests.engine_batched.test_tp_gang import GROUP, gang_taken_over
+from tests.gpu_manager.conftest import manager_factory  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.timeout(300)
+async def test_a_frozen_gang_on_cuda_is_taken_over_by_a_new_group(
+        tmp_path: Path, tiny_weights: Path, manager_factory, settings_env: dict[str, str],  # noqa: F811, ANN001
+        settings: CommonSettings, bus: Bus) -> None:
+    manager = manager_factory(HF_BACKEND="cuda", HF_CHUNK_MIB="2", HF_GRACE_S="120").start()
+    env = {**settings_env, "HF_GPU_MANAGER_SOCKET": manager.socket}
+    await gang_taken_over(tmp_path, tiny_weights, env, settings, bus,
+                          (*GROUP, "--tp-one-gpu", "--device", "cuda"), gpus=(0, 0))
