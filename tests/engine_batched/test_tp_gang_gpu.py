@@ -1,6 +1,7 @@
-"""test_tp_gang.py's round on CUDA memory: a TP=2 batched group with both ranks on the one GPU (`--tp-one-gpu`,
-gloo), each rank's shard and KV cache in cuda-backend leases; SIGKILLed with 4 streams in flight, its gang frozen
-and taken over by a new group without the weights file; every stream ends with its uninterrupted tokens."""
+"""test_tp_gang.py's and test_tp_kv_restore.py's rounds on CUDA memory: a TP=2 batched group with both ranks on the
+one GPU (`--tp-one-gpu`, gloo), each rank's shard and KV cache in cuda-backend leases; SIGKILLed with 4 streams in
+flight (its caches lost first, in the second), its gang frozen and taken over by a new group without the weights
+file; every stream ends with its uninterrupted tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
+from tests.engine_batched import test_failover
 from tests.engine_batched.test_tp_gang import GROUP, gang_taken_over
+from tests.engine_batched.test_tp_kv_restore import BACKED, restored_from_backups
 from tests.gpu_manager.conftest import manager_factory  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.gpu
@@ -25,3 +28,16 @@ async def test_a_frozen_gang_on_cuda_is_taken_over_by_a_new_group(
     env = {**settings_env, "HF_GPU_MANAGER_SOCKET": manager.socket}
     await gang_taken_over(tmp_path, tiny_weights, env, settings, bus,
                           (*GROUP, "--tp-one-gpu", "--device", "cuda"), gpus=(0, 0))
+
+
+@pytest.mark.timeout(300)
+async def test_a_groups_lost_caches_on_cuda_are_restored_from_every_ranks_host_backup(
+        tmp_path: Path, tiny_weights: Path, manager_factory, settings_env: dict[str, str],  # noqa: F811, ANN001
+        settings: CommonSettings, bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_tp_kv_restore.py's round on the GPU: each rank's cache copied to its host lease by DMA (cudaHostRegister)
+    and back into the new group's caches."""
+    manager = manager_factory(HF_BACKEND="cuda", HF_CHUNK_MIB="2", HF_GRACE_S="120").start()
+    env = {**settings_env, "HF_GPU_MANAGER_SOCKET": manager.socket}
+    monkeypatch.setattr(test_failover, "MAX_TOKENS", 2 * test_failover.MAX_TOKENS)
+    await restored_from_backups(tmp_path, tiny_weights, env, settings, bus,
+                                (*BACKED, "--tp-one-gpu", "--device", "cuda"))
