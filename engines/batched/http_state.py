@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from libs.common.loop_watch import LoopWatch
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
 
 HOLDING = frozenset({"standby", "loading"})  # states a request is held in (EngineState.until_serving); not
 # "starting": warm_routes's request (its 503 is the point) comes then
+SUPERSEDED = "superseded"  # a request's end: a newer request under its id replaced it (`EngineState.run`)
+
+
 class EngineState:
     def __init__(self, engine_id: str, model: str, size: str, max_model_len: int, max_waiting: int) -> None:
         self.engine_id, self.model, self.size = engine_id, model, size
@@ -26,7 +30,7 @@ class EngineState:
         self.link: EngineLink | None = None  # the engine, through the link (set at the front's start)
         self.in_flight = 0
         self.marked = False  # the recovery's marks sent to the engine (once: the first request served)
-        self.batched_sinks: dict[str, Sink] = {}  # request id -> sink, of requests streamed by /generate_many
+        self.requests: dict[str, Running] = {}  # request id -> the request this front runs under it (`run`)
         self.phases: collections.deque[dict[str, float]] = collections.deque(maxlen=256)  # recent first tokens'
         # A request that comes before the engine serves (a standby the router was told will take over:
         # EndpointRemoved.successor_id) waits up to `hold_s` for it, `held` at a time at most `max_waiting`.
@@ -41,6 +45,25 @@ class EngineState:
         self._watch: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
+
+    def run(self, request_id: str, running: Running, link: EngineLink) -> None:
+        """`running` is the request under `request_id` from now on (until `ended`). Invariant: one request an id at a
+        time. An older one under the same id (a client's retry, or a router's that gave up on it) ends now with a
+        final `superseded` line and its sequence is aborted, before the newer one is submitted. Without it the
+        engine's "newer wins" dropped the older one's sequence without ending its stream (a `/generate_many`
+        naming one id twice never ended), and the older one's client leaving later aborted the id: by then the
+        newer one's sequence."""
+        older = self.requests.get(request_id)
+        if older is not None:
+            link.abort(older.key, request_id)
+            older.sink.deliver(("done", (SUPERSEDED, 0, 0)))
+        self.requests[request_id] = running
+
+    def ended(self, request_id: str, key: int) -> None:
+        """The request `key` under `request_id` ended (a newer one under the id stays)."""
+        running = self.requests.get(request_id)
+        if running is not None and running.key == key:
+            del self.requests[request_id]
 
     def apply_status(self, state: str, role: str) -> None:
         """The engine's `Status`, from the link."""
@@ -145,6 +168,16 @@ class Sink:
                 self._waiter = None
         items, self._items = self._items, []
         return items
+
+
+@dataclass(frozen=True)
+class Running:
+    """A request the front runs: its key on the link, its sink, and whether `/abort` may end it (one of a
+    `/generate_many`'s: the router cannot close one request of a shared connection)."""
+
+    key: int
+    sink: Sink
+    batched: bool = False
 
 
 class FirstArrival:

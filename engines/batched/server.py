@@ -5,8 +5,11 @@ front_link.py): POST /generate, POST /generate_many, POST /abort, GET /health, G
 max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streamed NDJSON lines
 `{"index", "token", "text"}`, then `{"done": true, "prompt_tokens", "completion_tokens", "finish_reason",
 "first_token_ms", "total_ms", "engine_id"}`. Errors: 400 (a context longer than the model's), 503 (not ready,
-or the queue is full), in-band `{"done": true, "error": ...}` after the stream started. A client that goes away
-aborts its sequence at once: its blocks are free for the next step.
+or the queue is full), in-band `{"done": true, "error": ...}` after the stream started; every one typed
+`{"error": {"code", "message"}}`, Starlette's own too (a body that is not JSON: `bad_json`). A client that goes
+away aborts its sequence at once: its blocks are free for the next step. One request a `request_id` at a time: a
+newer request under an id ends the older one first (its final line's error `superseded`, 409 unstreamed;
+http_state.py `EngineState.run`).
 
 `/generate_many` `{"requests": [body, ...]}` is many `/generate` streams in one HTTP request: the router's
 resume of every stream of a dead engine at once (services/router/resume_batch.py). Why: 80 replays as 80 HTTP
@@ -35,15 +38,28 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.batched.front_link import EngineLink, Submit
-from engines.batched.http_state import EngineState, FirstArrival, Sink, first_token_phases
+from engines.batched.http_state import (
+    SUPERSEDED,
+    EngineState,
+    FirstArrival,
+    Running,
+    Sink,
+    first_token_phases,
+)
 from libs.common import tokenizer
 from libs.common.generate import GenerateRequest, invalid_body
+from libs.common.web.disconnect import until_disconnect
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "bad_request": "the engine refused the request as invalid",
-            "not_ready": "the engine is not serving"}
+            "not_ready": "the engine is not serving",
+            SUPERSEDED: "a newer request with the same request_id replaced this one"}
+STATUS = {"bad_request": 400, SUPERSEDED: 409}  # a whole (not streamed) request's in-band end; else 503
+# Starlette's own refusals (a body that is not JSON or not UTF-8, no such route or method), typed as ours
+HTTP_CODES = {400: "bad_json", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -110,6 +126,13 @@ def build_app(state: EngineState) -> FastAPI:
     async def invalid(_: object, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: object, exc: StarletteHTTPException) -> JSONResponse:
+        """Typed like every other refusal (it was `{"detail"}`: the router passed it on as an unreadable message)."""
+        return JSONResponse(status_code=exc.status_code, headers=getattr(exc, "headers", None),
+                            content={"error": {"code": HTTP_CODES.get(exc.status_code, "error"),
+                                               "message": str(exc.detail)}})
+
     @app.get("/health", response_model=None)
     async def health() -> Any:
         """The engine's state, its step loop's figures and its info (asked over the link), with the front's own."""
@@ -122,7 +145,8 @@ def build_app(state: EngineState) -> FastAPI:
         engine_state = info.pop("state", state.state)
         return {"ok": engine_state in ("ready", "standby"), "state": engine_state, "role": info.pop("role", state.role),
                 "engine_id": state.engine_id, "model": state.model, "size": state.size, "in_flight": state.in_flight,
-                "engine": info.pop("engine", None), "first_token_phases_ms": state.phase_stats(), **info}
+                "engine": info.pop("engine", None), "first_token_phases_ms": state.phase_stats(),
+                "front_requests": len(state.requests), **info}
 
     @app.get("/checksum", response_model=None)
     async def checksum() -> Any:
@@ -149,7 +173,7 @@ def build_app(state: EngineState) -> FastAPI:
         resumed = list(body.resume or [])
         if body.stream:
             return StreamingResponse(_stream(state, link, sub, sink, resumed), media_type="application/x-ndjson")
-        return await _collect(state, link, sub, sink, resumed)
+        return await until_disconnect(http, _collect(state, link, sub, sink, resumed))
 
     @app.post("/generate_many", response_model=None)
     async def generate_many(body: GenerateMany) -> Any:
@@ -161,10 +185,11 @@ def build_app(state: EngineState) -> FastAPI:
     @app.post("/abort")
     async def abort(body: AbortRequest) -> dict[str, Any]:
         """End one request of a `/generate_many` stream (its own client went away)."""
-        sink = state.batched_sinks.get(body.request_id)
-        if sink is not None:
-            sink.deliver(("done", ("aborted", 0, 0)))
-        return {"aborted": sink is not None}
+        running = state.requests.get(body.request_id)
+        if running is None or not running.batched:
+            return {"aborted": False}
+        running.sink.deliver(("done", ("aborted", 0, 0)))
+        return {"aborted": True}
 
     return app
 
@@ -177,16 +202,18 @@ def _final_only(state: EngineState, prompt_tokens: int, stream: bool) -> Any:
     return {"tokens": [], "text": "", **final}
 
 
-async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
-                  resumed: list[int]) -> AsyncIterator[list[dict[str, Any]]]:
+async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink, resumed: list[int],
+                  batched: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
     """Token lines then the final line, in batches: every line the engine handed over since the last batch (one
-    wake-up of this coroutine each); aborts the request if the consumer goes away first."""
+    wake-up of this coroutine each); aborts the request if the consumer goes away first. `batched`: one of a
+    `/generate_many`'s, which `/abort` may end."""
     t0 = time.perf_counter()
     first_ms: float | None = None
     phases: dict[str, float] = {}
     text = tokenizer.TextStream()
     text.prime(resumed)
     state.in_flight += 1
+    state.run(sub.request_id, Running(sub.key, sink, batched), link)  # an older one under its id ends first
     link.submit(sub, sink)
     done = False
     try:
@@ -208,8 +235,8 @@ async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
                 if reason == "aborted":  # /abort: the finally aborts the request; no final line for nobody
                     return
                 done = True
-                if reason.startswith("refused:") or reason == "error":
-                    code = reason.removeprefix("refused:") if reason.startswith("refused:") else "engine_error"
+                code = _error_code(reason)
+                if code is not None:
                     batch.append({"done": True, "engine_id": state.engine_id,
                                   "error": {"code": code, "message": REFUSALS.get(code, "the engine failed")}})
                 else:
@@ -222,8 +249,16 @@ async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
             yield batch
     finally:
         state.in_flight -= 1
+        state.ended(sub.request_id, sub.key)
         if not done:
             link.abort(sub.key, sub.request_id)
+
+
+def _error_code(reason: str) -> str | None:
+    """The error code of a request's end, or None for a generation's own end (eos, length)."""
+    if reason.startswith("refused:"):
+        return reason.removeprefix("refused:")
+    return {"error": "engine_error", SUPERSEDED: SUPERSEDED}.get(reason)
 
 
 def _lines(batch: list[dict[str, Any]], tag: dict[str, int] | None = None) -> bytes:
@@ -264,8 +299,8 @@ async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateReque
                                "finish_reason": "length", "first_token_ms": None, "total_ms": 0.0,
                                "engine_id": state.engine_id}) + "\n").encode()
             continue
-        state.batched_sinks[sub.request_id] = sink
-        tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or [])))))
+        tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or []),
+                                                          batched=True))))
     try:
         open_ = len(tasks)
         while open_:
@@ -284,9 +319,6 @@ async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateReque
     finally:  # the connection closed (or all done): every request still running is aborted by its _events
         for t in tasks:
             t.cancel()
-        for body in bodies:
-            if body.request_id is not None:
-                state.batched_sinks.pop(body.request_id, None)
 
 
 async def _collect(state: EngineState, link: EngineLink, sub: Submit, sink: Sink, resumed: list[int]) -> Any:
@@ -299,7 +331,7 @@ async def _collect(state: EngineState, link: EngineLink, sub: Submit, sink: Sink
                 text.append(ev["text"])
             elif "error" in ev:
                 code = ev["error"]["code"]
-                return _error(400 if code == "bad_request" else 503, code, ev["error"]["message"])
+                return _error(STATUS.get(code, 503), code, ev["error"]["message"])
             else:
                 return {"tokens": tokens, "text": "".join(text), **ev}
     return _error(500, "engine_error", "generation ended without a result")

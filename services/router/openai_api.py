@@ -14,7 +14,6 @@ shapes (openai_format.py). Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -25,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from libs.common.web.disconnect import disconnected, until_disconnect
 from services.router import openai_format as fmt
 from services.router.openai_protocol import FINISH_REASONS, Job, OpenAIError, chat_job, completion_job
 from services.router.relay import Relay, RelayError
@@ -90,7 +90,7 @@ def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
         if job.stream:
             return ClosingStreamingResponse(_sse(job, first, events), media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
-        return await _until_disconnect(request, _whole(job, first, events))
+        return await until_disconnect(request, _whole(job, first, events))
 
     return api
 
@@ -98,7 +98,7 @@ def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
 async def _json(request: Request) -> Any:
     try:
         return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # broken JSON, not UTF-8, or an integer past Python's 4300 digits (it was a 500)
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {e}") from None
     except RecursionError:
         raise OpenAIError(400, "We could not parse the JSON body of your request: nested too deeply") from None
@@ -169,27 +169,3 @@ async def _whole(job: Job, first: str | End, events: AsyncIterator[str | End]) -
     if ev.error is not None:
         return JSONResponse(status_code=ev.error.status, content=ev.error.body())
     return fmt.body(job, int(time.time()), "".join(parts), ev.finish_reason, ev.completion_tokens)
-
-
-async def _until_disconnect(request: Request, work: Any) -> Any:
-    """Run `work`; if the client goes away first, cancel it (which closes the engine request) at once.
-    The body is read already, so the next ASGI message can only be the disconnect."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return Response(status_code=499)  # nobody reads it
-    return task.result()
-
-
-async def disconnected(request: Request) -> None:
-    """Returns once the client has gone away (its body already read: the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -4,7 +4,8 @@ A request body becomes a `Job`: what the relay must generate (`ClientRequest`) p
 does with the text (stop strings, streaming, usage). Invariants:
 1. A body is accepted only if every field in it is one we honour: unknown fields, `n` != 1 and sampling knobs
    the engines do not have (`top_p` != 1, penalties != 0, `logprobs`, `echo`, `suffix`, `best_of` > 1) get a
-   400 naming the field, never a silent no-op.
+   400 naming the field, never a silent no-op. Types are JSON's, strictly (as OpenAI's): `"5"` or `true` is no
+   max_tokens and `"yes"` no stream; they were coerced to 5, 1 and true.
 2. Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; 4xx are
    `invalid_request_error`, 5xx `server_error`.
 3. The chat template is fixed and byte-exact (the reference engines' byte-level tokenizer has no special
@@ -15,9 +16,18 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from libs.common import tokenizer
 from libs.common.generate import INT64_MAX, Seed, encodable
@@ -45,15 +55,19 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Invariant 1's strict types: a JSON string, bool or float is never taken for a number or a bool.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """The fields both endpoints share. Neutral values of knobs we lack are accepted (clients send them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str = Field(min_length=1, max_length=MODEL_MAX)
     stream: bool = False
@@ -90,8 +104,21 @@ class _Common(BaseModel):
         return self
 
 
+def _prompt_kind(v: Any) -> str:
+    """Which of `Prompt`'s forms a value is meant as, from its first element."""
+    if isinstance(v, str):
+        return "str"
+    return "list[str]" if isinstance(v, list) and v and isinstance(v[0], str) else "list[int]"
+
+
+# Validated as the one form its value is meant as: a plain union tried every form in turn, and 8 M token ids (a
+# 16 MiB body) failed as `list[str]` item by item first, 2.8 s of the router's loop (each worker's only one).
+Prompt = Annotated[Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]")] |
+                   Annotated[list[int], Tag("list[int]")], Discriminator(_prompt_kind)]
+
+
 class CompletionBody(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, description="16 by default, as OpenAI")
     logprobs: None = None
     echo: Literal[False] = False
@@ -101,11 +128,11 @@ class CompletionBody(_Common):
     @field_validator("prompt")
     @classmethod
     def _text_prompt(cls, v: Any) -> Any:
-        return encodable(v)
+        return v if _prompt_kind(v) == "list[int]" else encodable(v)
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
@@ -116,7 +143,7 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -189,16 +216,17 @@ def _job(kind: Literal["completion", "chat"], request_id: str, body: _Common, pr
 
 
 def _prompt_of(prompt: str | list[str] | list[int]) -> tuple[str | None, list[int] | None]:
-    """A string, a list of one string, or token ids: one prompt (n = 1, no batches)."""
-    if isinstance(prompt, str):
-        return prompt, None
-    if prompt and all(isinstance(p, str) for p in prompt):
+    """A string, a list of one string, or token ids (validated as one form: `Prompt`): one prompt (n = 1)."""
+    kind = _prompt_kind(prompt)
+    if kind == "str":
+        return str(prompt), None
+    if kind == "list[str]":
         if len(prompt) != 1:
             raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
         return str(prompt[0]), None
     if not prompt:
         raise OpenAIError(400, "the prompt must not be empty", param="prompt")
-    return None, [int(t) for t in prompt]
+    return None, list(prompt)  # type: ignore[arg-type]
 
 
 def _parse(model: type[_Common], raw: Any) -> Any:
@@ -209,9 +237,21 @@ def _parse(model: type[_Common], raw: Any) -> Any:
         return model.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = _param(err["loc"])
         if err["type"] == "extra_forbidden":
             raise OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param) from None
         if err["type"] == "missing":
             raise OpenAIError(400, f"Missing required parameter: '{param}'.", param=param) from None
+        if param is None:  # the body as a whole (a rule across fields, or a key that is not valid Unicode)
+            raise OpenAIError(400, f"Invalid request: {err['msg']}") from None
         raise OpenAIError(400, f"Invalid value for '{param}': {err['msg']}", param=param) from None
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """The field as a client names it (`messages.0.content`): pydantic's location without the union member it
+    tried (`str`, `list[int]`, `function-after[...]`), which is no field of ours."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not (p in _UNION_TAGS or "[" in p)]
+    return ".".join(parts) or None
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool"})

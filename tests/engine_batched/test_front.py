@@ -54,9 +54,14 @@ def wait_gone(pid: int, bound: float) -> float:
 
 
 def long_stream(url: str, lines: list[dict], started: threading.Event, ended: list[str]) -> None:
+    stream_lines(url, {"prompt": "a long one", "max_tokens": 100000, "ignore_eos": True}, lines, started, ended)
+
+
+def stream_lines(url: str, body: dict, lines: list[dict], started: threading.Event, ended: list[str]) -> None:
+    """`body` streamed from /generate: each line into `lines` (`started` at the first), then how it ended into
+    `ended` ("whole", or the client's error's name)."""
     try:
-        body = {"prompt": "a long one", "max_tokens": 100000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=60) as r:
             for line in r.iter_lines():
                 lines.append(json.loads(line))
                 started.set()

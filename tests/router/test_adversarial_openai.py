@@ -1,0 +1,143 @@
+"""The OpenAI-compatible API against clients that send what OpenAI's own API refuses: values of the wrong JSON type,
+routes and methods the router lacks, bodies framed to slip past the body limit. Each gets a 400/404/405/413 in
+OpenAI's error shape, naming the field as a client names it; the bodies as pure logic, the routes and framing
+against a real router (and engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from libs.common.web.guard import framed_by_length
+from services.router.openai_protocol import OpenAIError, chat_job, completion_job
+from tests.router.conftest import OpenAIStack, RouterProc
+from tests.router.test_openai_api import client
+from tests.router.test_router import MODEL
+
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),  # each of these was coerced and served (200)
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 3.0}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream": 1}, "stream"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "x", "seed": "7"}, "seed"),
+    ({"prompt": "x", "n": "1"}, "n"),
+    ({"prompt": "x", "ignore_eos": "true"}, "ignore_eos"),
+    ({"prompt": [65, True]}, "prompt.1"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+])
+def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(body: dict, param: str) -> None:
+    with pytest.raises(OpenAIError) as e:
+        completion_job({"model": "m", **body})
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_a_chat_value_of_the_wrong_json_type_is_refused_naming_its_field() -> None:
+    for body, param in (({"max_completion_tokens": "9"}, "max_completion_tokens"),
+                        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+                        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+                         "messages.0.content")):
+        with pytest.raises(OpenAIError) as e:
+            chat_job({"model": "m", "messages": CHAT, **body})
+        assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_the_field_named_is_the_clients_not_the_union_member_tried_and_a_body_wide_rule_names_none() -> None:
+    with pytest.raises(OpenAIError) as e:
+        completion_job({"model": "m", "prompt": "x", "stop": 5})
+    assert e.value.param == "stop" and "'stop'" in e.value.message  # it said 'stop.str'
+    with pytest.raises(OpenAIError) as e:
+        completion_job({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}})
+    assert e.value.param is None and "None" not in e.value.message, e.value.message  # it said 'None'
+
+
+def test_what_the_api_accepts_is_unchanged_by_strict_types() -> None:
+    job = completion_job({"model": "m", "prompt": [65, 66], "max_tokens": 4, "temperature": 0, "seed": -3,
+                          "stream": True, "stream_options": {"include_usage": True}, "n": 1, "top_p": 1})
+    assert (job.generate.max_tokens, job.generate.temperature, job.generate.seed) == (4, 0.0, -3)
+    assert job.stream and job.include_usage
+    chat = chat_job({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                     "temperature": 1, "max_tokens": 2, "logprobs": False})
+    assert chat.generate.prompt == "<|user|>\nhi\n<|assistant|>\n" and chat.generate.max_tokens == 2
+
+
+async def test_a_route_or_method_the_router_lacks_answers_in_openais_error_shape(openai_stack: OpenAIStack) -> None:
+    url = openai_stack.router.url
+    async with httpx.AsyncClient(timeout=30) as h:
+        for method, path, status, code in (("POST", "/v1/embeddings", 404, "not_found"),
+                                           ("GET", "/v1/completions", 405, "method_not_allowed"),
+                                           ("DELETE", "/v1/chat/completions", 405, "method_not_allowed")):
+            r = await h.request(method, url + path, json={"model": MODEL, "input": "x"})
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert err == {"message": err["message"], "type": "invalid_request_error", "param": None, "code": code}
+    c = client(url)
+    with pytest.raises(openai.NotFoundError) as nf:
+        await c.embeddings.create(model=MODEL, input="x")
+    assert nf.value.code == "not_found" and nf.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as bad:  # the official client passes extra_body through untyped
+        await c.completions.create(model=MODEL, prompt="x", extra_body={"max_tokens": "5"})
+    assert bad.value.param == "max_tokens"
+    done = await c.completions.create(model=MODEL, prompt="still served", max_tokens=3, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_token_id_prompt_is_validated_as_token_ids_and_a_bad_item_is_named() -> None:
+    """The prompt's form is chosen by its first item, then only that form is checked (`Prompt`)."""
+    assert completion_job({"model": "m", "prompt": [1] * 100_000}).generate.tokens == [1] * 100_000
+    for prompt, param in (([65, "a"], "prompt.1"), (["a", 65], "prompt.1"), ([[65]], "prompt.0"), (None, "prompt")):
+        with pytest.raises(OpenAIError) as e:
+            completion_job({"model": "m", "prompt": prompt})
+        assert e.value.status == 400 and e.value.param == param, (prompt, e.value.message)
+
+
+async def test_a_body_json_cannot_hold_as_python_values_is_a_400_not_a_500(openai_stack: OpenAIStack) -> None:
+    huge = b"9" * 5000  # past Python's 4300 digits for an int from a string: json.loads raises ValueError
+    async with httpx.AsyncClient(timeout=30) as h:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = await h.post(openai_stack.router.url + path, headers={"content-type": "application/json"},
+                             content=b'{"model": "%s", "prompt": "x", "max_tokens": %s}' % (MODEL.encode(), huge))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert openai_stack.router.stats()["in_flight"] == 0
+
+
+def test_a_length_beside_chunked_framing_does_not_spare_the_body_its_count() -> None:
+    assert not framed_by_length({b"host": b"x", b"content-length": b"10", b"transfer-encoding": b"chunked"})
+    assert framed_by_length({b"host": b"x", b"content-length": b"10"})
+    assert not framed_by_length({b"host": b"x", b"transfer-encoding": b"chunked"})
+
+
+def _chunked_with_a_small_declared_length(port: int, body: bytes) -> bytes:
+    """Send `body` chunked, declaring `Content-Length: 10` beside it (h11 frames it by its chunks); the status line."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        try:
+            for i in range(0, len(body), 1 << 16):
+                piece = body[i:i + (1 << 16)]
+                s.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+            s.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the router closed its side: its answer is there to read
+        return s.recv(4096).split(b"\r\n", 1)[0]
+
+
+async def test_a_chunked_body_declaring_a_small_length_is_counted_and_refused_past_the_limit(
+        start_router: Callable[..., RouterProc]) -> None:
+    """It went past the limit uncounted (the guard trusted the declared 10 bytes) and was read whole."""
+    router = await asyncio.to_thread(start_router, max_body_bytes=1 << 20)
+    body = b'{"model": "%s", "max_tokens": 2, "prompt": "%s"}' % (MODEL.encode(), b"a" * (4 << 20))
+    line = await asyncio.to_thread(_chunked_with_a_small_declared_length, int(router.url.rsplit(":", 1)[1]), body)
+    assert line.split()[1] == b"413", line
+    assert httpx.get(router.url + "/v1/models", timeout=10).status_code == 200  # serving on
