@@ -3,6 +3,7 @@ invariants, which are logged loudly and crash the process so its supervisor rest
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 
@@ -72,6 +73,28 @@ class RemoteError(HoldfastError):
         return {"code": self.remote_code, "message": self.message}
 
 
+# Failures that say nothing about the work itself: a dependency unreachable or slow, leadership in doubt. A durable
+# consumer retries the message for as long as they last (libs/common/bus/durable.py `retry_after`); any other failure
+# counts towards its limit of deliveries. The adapters add their clients' own (store.py: etcd's; bus: NATS's).
+_TEMPORARY: tuple[type[BaseException], ...] = ()
+_TEMPORARY_IF: list[Callable[[BaseException], bool]] = []
+
+
+def count_as_temporary(*types: type[BaseException]) -> None:
+    global _TEMPORARY
+    _TEMPORARY = (*_TEMPORARY, *(t for t in types if t not in _TEMPORARY))
+
+
+def count_as_temporary_if(test: Callable[[BaseException], bool]) -> None:
+    """For a client whose errors say what they are by a code, not a type (etcd's refusals: a gRPC status)."""
+    if test not in _TEMPORARY_IF:
+        _TEMPORARY_IF.append(test)
+
+
+def temporary(error: BaseException) -> bool:
+    return isinstance(error, _TEMPORARY) or any(test(error) for test in _TEMPORARY_IF)
+
+
 class InvariantBroken(RuntimeError):
     """Not a reply: a bug or corrupted state. Let it crash the process."""
 
@@ -89,3 +112,6 @@ class WatchCompacted(HoldfastError):
         self.prefix = prefix
         self.revision = revision
         self.compacted_revision = compacted_revision
+
+
+count_as_temporary(Unavailable, CommandTimeout, TimeoutError, ConnectionError)

@@ -37,10 +37,24 @@ from pydantic import BaseModel
 
 from libs.common import security
 from libs.common.config import CommonSettings
-from libs.common.errors import Unavailable, WatchCompacted
+from libs.common.errors import Unavailable, WatchCompacted, count_as_temporary, count_as_temporary_if
 from libs.common.etcd_watch import Watcher
 
 log = logging.getLogger("holdfast.store")
+# etcd unreachable, or slow past a call's deadline: a durable event failed by it is retried, not dropped.
+count_as_temporary(aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
+# Nor one failed by an etcd out of space (its NOSPACE alarm: every write refused until an operator compacts,
+# defragments and disarms it, minutes later), or too busy: aetcd raises those as a bare ClientError over the status.
+_ETCD_TEMPORARY_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+                                   grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _etcd_refused_for_now(error: BaseException) -> bool:
+    cause = error.__cause__ if isinstance(error, aetcd.exceptions.ClientError) else error
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() in _ETCD_TEMPORARY_CODES
+
+
+count_as_temporary_if(_etcd_refused_for_now)
 WATCH_CANCEL_S = 5.0
 READ_RETRY_S = 5.0  # longer than an election among the members left (etcd's default election timeout: 1 s)
 M = TypeVar("M", bound=BaseModel)
@@ -374,6 +388,15 @@ class KeepAlive:
                 log.warning("lease keep-alive failed: %s", e)
 
 
+def lease_clock() -> float:
+    """Seconds on a clock that runs on while this process is stopped and while the machine sleeps (Linux's
+    CLOCK_BOOTTIME; elsewhere the monotonic clock): a lease's ttl runs on in etcd through both."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
 class ThreadKeepAlive:
     """Refresh an etcd lease every ttl/3 from a dedicated thread (own synchronous gRPC channel).
 
@@ -386,9 +409,15 @@ class ThreadKeepAlive:
     ttl/3. A loop that shows no sign of life for `stall_limit_s` (wedged, not merely busy) is let go: the
     thread stops refreshing and the lease expires, so a stuck leader still hands over. `lost` is set (on
     the loop) when etcd says the lease expired or refreshing stopped.
+
+    `confirmed_until` (`lease_clock`) is when the lease can expire at the earliest, as far as this process
+    knows: the send time of the last refresh etcd confirmed (or of the grant, `granted_at`) plus its ttl. etcd
+    counts a ttl from when it receives the refresh, never earlier. Past it, another candidate may lead (a
+    process stopped for longer than the ttl learns that its lease is gone only from its next refresh).
     """
 
-    def __init__(self, store: Store, lease: Lease, *, stall_limit_s: float | None = None) -> None:
+    def __init__(self, store: Store, lease: Lease, *, stall_limit_s: float | None = None,
+                 granted_at: float | None = None) -> None:
         self.target = grpc_target(store.settings.etcd_hosts())
         self.options = list(channel_options(store.settings.etcd_hosts()).items())
         self.tls = etcd_tls(store.settings, store.source)
@@ -397,6 +426,8 @@ class ThreadKeepAlive:
         self.stall_limit_s = stall_limit_s if stall_limit_s is not None else max(30.0, 10.0 * lease.ttl)
         self.lost = asyncio.Event()
         self.refreshes = 0  # successful refreshes (tests, health)
+        # Written by the thread (one float: atomic), read by the loop. Unknown grant time: no confirmation yet.
+        self.confirmed_until = (granted_at + lease.ttl) if granted_at is not None else 0.0
         self._stop = threading.Event()
         self._beat = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -443,6 +474,7 @@ class ThreadKeepAlive:
                     log.error("event loop silent for %.0f s: letting etcd lease %x expire", stalled, self.lease.id)
                     self._set_lost()
                     return
+                sent = lease_clock()
                 try:
                     replies = stub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=self.lease.id)]),
                                                   timeout=max(self.interval, 1.0))
@@ -455,6 +487,7 @@ class ThreadKeepAlive:
                     log.error("etcd lease %x expired", self.lease.id)
                     self._set_lost()
                     return
+                self.confirmed_until = sent + min(int(reply.TTL), self.lease.ttl)
                 self.refreshes += 1
         finally:
             channel.close()
@@ -484,9 +517,10 @@ class LeaderElection:
 
     async def campaign(self, *, poll_s: float = 0.2) -> None:
         """Return once this candidate is the leader."""
+        asked = lease_clock()
         self.lease = await self.store.grant(self.ttl)
         # From a thread: a leader busy for longer than the ttl keeps its lease (ThreadKeepAlive).
-        self.keepalive = ThreadKeepAlive(self.store, self.lease)
+        self.keepalive = ThreadKeepAlive(self.store, self.lease, granted_at=asked)
         self._ka_task = asyncio.create_task(self.keepalive.run(), name=f"leader-keepalive:{self.key}")
         while True:
             if await self.store.create(self.key, self.candidate, lease=self.lease):
@@ -514,6 +548,26 @@ class LeaderElection:
 
     async def is_leader(self) -> bool:
         return (await self.leader()) == self.candidate
+
+    def holds(self) -> bool:
+        """Leading right now, as far as this process can tell without asking etcd: in a term, the lease not
+        found lost, and confirmed recently enough that it cannot have expired yet (`confirmed_until`). A process
+        resumed after a stop past the ttl (SIGSTOP, a paused VM) holds no more, before its keep-alive has heard
+        that the lease is gone: it must not act (publish, command) on the term it had."""
+        ka = self.keepalive
+        return (self.term != 0 and ka is not None and not ka.lost.is_set()
+                and lease_clock() < ka.confirmed_until)
+
+    async def confirm(self, within_s: float, *, poll_s: float = 0.02) -> bool:
+        """Wait up to `within_s` for `holds()` (a refresh confirming the lease again, every ttl/3); False when the
+        lease is found lost or no refresh confirmed it in time."""
+        deadline = lease_clock() + within_s
+        while not self.holds():
+            ka = self.keepalive
+            if self.term == 0 or ka is None or ka.lost.is_set() or lease_clock() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
 
     def fence(self, t: Any) -> list[Any]:
         """Transaction comparisons that hold only while this term's leader key exists (`BatchWriter` guard)."""

@@ -15,7 +15,10 @@ Invariants:
 3. Each wish's future is resolved once, with the answer to it or to a later wish of the same GPU (None: refused for
    good), never with an exception: nobody has to wait on it.
 4. With `wishes` (gpu_wishes.py), a wish is durable before it is first sent and removed once answered or refused for
-   good, so one the manager never answered outlives the agent; `resume()` sends what a previous agent left.
+   good, so one the manager never answered outlives the agent; `resume()` sends what a previous agent left. A state
+   dir that refuses the write (disk full, read-only) does not hold the wish back: it is sent anyway (a failed GPU's
+   leases reclaimed now matter more than the wish outliving this agent), and written again at each retry until
+   the disk takes it or the manager answers.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class GpuReports:
         backoff = Backoff(first_s=RETRY_FIRST_S, max_s=RETRY_MAX_S, jitter=0.2)
         while True:
             seq, healthy, detail = self._wanted[gpu]
+            if self._durable is not None and self._durable.unsaved:
+                self._durable.save()  # refused before (invariant 4): again, while the manager is not told
             try:
                 reply: SetGpuHealthReply | None = await self._send(gpu, healthy, detail)
             except Exception as e:  # noqa: BLE001 - every failure is an outcome: retried or given up (invariant 2)

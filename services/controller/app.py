@@ -42,7 +42,8 @@ class LeaderTerm:
                  election: LeaderElection) -> None:
         self.settings = settings
         self.view = view
-        self.driver = IncidentDriver(rt.bus, rt.store, view, settings, metrics, fence=election.fence)
+        self.driver = IncidentDriver(rt.bus, rt.store, view, settings, metrics, fence=election.fence,
+                                     tenure=election)
         self.rollouts = RolloutDriver(rt.store, view, settings.tick_s)
         self.lost = self.driver.writer.lost
 

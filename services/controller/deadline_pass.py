@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from services.controller.endings import IncidentEnds
@@ -43,8 +43,9 @@ class Steps(Protocol):
 
 class DeadlinePass:
     def __init__(self, steps: Steps, open_: OpenIncidents, locks: IncidentLocks, view: ClusterView,
-                 ends: IncidentEnds, tick_s: float) -> None:
+                 ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None) -> None:
         self.steps = steps
+        self.holds = holds  # the term's lease confirmed right now (pipeline.Tenure); None: always
         self.open = open_
         self.locks = locks
         self.view = view
@@ -60,6 +61,10 @@ class DeadlinePass:
             self.tick(time.time())
 
     def tick(self, now: float) -> None:
+        if self.holds is not None and not self.holds():
+            # Not known to lead at this moment (resumed from a stop past the lease, etcd unreachable): a deadline
+            # found missed in this table may be one a successor has long dealt with. Acted on once confirmed.
+            return
         self.locks.forget_ended(self.open)
         if self.ends.doubts and (self._settling is None or self._settling.done()):
             self._settling = self._spawn(self._settle_ends(), "incident-ends:settle")

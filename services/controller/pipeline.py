@@ -34,9 +34,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from libs.common.bus import Bus, engines_on_their_nodes
+from libs.common.errors import Unavailable
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EngineReady, EngineStopped, Envelope
 from libs.common.store import Store
@@ -60,10 +61,24 @@ log = logging.getLogger("holdfast.controller.pipeline")
 S = IncidentState
 
 
+class Tenure(Protocol):
+    """The term's lease as the driver asks about it (`LeaderElection`): does this process still lead right now."""
+
+    def holds(self) -> bool: ...
+
+    async def confirm(self, within_s: float) -> bool: ...
+
+
 class IncidentDriver:
+    """Invariant: nothing is done for an incident (no event published, no command sent) unless the term's lease is
+    confirmed at that moment (`Tenure.holds`), besides the writes' fence. A leader stopped past its lease (SIGSTOP,
+    a paused VM) resumes with a table its successor has moved on from: its writes fail the fence, but its
+    publications would not (a fallback's cold start beside the successor, a second end)."""
+
     def __init__(self, bus: Bus, store: Store, view: ClusterView, settings: ControllerSettings,
-                 metrics: ControllerMetrics, fence: Callable[[Any], list[Any]]) -> None:
+                 metrics: ControllerMetrics, fence: Callable[[Any], list[Any]], tenure: Tenure | None = None) -> None:
         self.bus = bus
+        self.tenure = tenure  # None: always leading (tests that drive the pipeline without an election)
         self.store = store
         self.view = view
         self.settings = settings
@@ -83,7 +98,8 @@ class IncidentDriver:
         self.stops = EngineStops(bus, view)
         self.engine_routes = EngineRoutes(bus, view, self.writer, self.events, self.open)
         self.locks = IncidentLocks()  # not incident state: who is working on an incident right now
-        self.deadline_pass = DeadlinePass(self, self.open, self.locks, view, self.ends, settings.tick_s)
+        self.deadline_pass = DeadlinePass(self, self.open, self.locks, view, self.ends, settings.tick_s,
+                                          holds=tenure.holds if tenure is not None else None)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 
@@ -131,6 +147,14 @@ class IncidentDriver:
         finally:
             await self.writer.close()
 
+    async def leading(self) -> None:
+        """Raise `Unavailable` (the messages concerned are redelivered, to whoever leads) unless the term's lease is
+        confirmed; waits up to a ttl for the next refresh to confirm it (an etcd hiccup, a loop that was busy)."""
+        if self.tenure is None or self.tenure.holds():
+            return
+        if not await self.tenure.confirm(float(self.settings.leader_ttl_s)):
+            raise Unavailable("this controller's leader lease is not confirmed (lost, or etcd unreachable)")
+
     async def run_deadlines(self) -> None:
         """The level-triggered pass (deadline_pass.py), for as long as the term lasts."""
         await self.deadline_pass.run()
@@ -143,6 +167,7 @@ class IncidentDriver:
         out: Outcomes = [None] * len(envs)
         opens, moves = self.intake.faults(envs)
         async with self.locks.holding([*opens, *(m.inc_id for m in moves)]):
+            await self.leading()
             moved = await self._open(list(opens.values()), out)
             moved.update(await self._apply(moves, out))
             await self._advance(moved, out)
@@ -158,7 +183,9 @@ class IncidentDriver:
         move = self.intake.event_move(e)
         if move is not None:
             await self.move_one(move)
-        elif isinstance(e, EngineReady):
+            return
+        await self.leading()
+        if isinstance(e, EngineReady):
             await self.engine_routes.ready(e)
         elif isinstance(e, EngineStopped):
             await self.engine_routes.stopped(e.engine_id)
@@ -178,6 +205,7 @@ class IncidentDriver:
         """Run the controller's own steps for an incident from its latest record (a new term, a stalled step)."""
         out: Outcomes = [None]
         async with self.locks.holding([inc_id]):
+            await self.leading()
             rec = self.open.get(inc_id) or await self.log.load(inc_id)
             if rec is None or rec.terminal:
                 self.open.drop(inc_id)
@@ -192,6 +220,7 @@ class IncidentDriver:
     async def _moved(self, moves: list[Move], n: int) -> Outcomes:
         out: Outcomes = [None] * n
         async with self.locks.holding(m.inc_id for m in moves):
+            await self.leading()
             await self._advance(await self._apply(moves, out), out)
         return out
 

@@ -8,7 +8,9 @@ said it has more for this consumer): then the whole answer goes as one batch (he
 nats-py's `fetch`: it takes each message with `next_msg`, a task and a timer per message, ~2x the CPU per message
 of this (docs/bus.md, `holdfast bench controlplane --floor`). Invariants
 (libs/common README 3): a message is acked only after its handler succeeded; a failed handler's message is nak'd and
-comes again (at most `MAX_DELIVER` deliveries); a malformed message is terminated (never redelivered); a refused one
+comes again: after a temporary failure (`errors.temporary`: etcd or NATS unreachable, leadership in doubt) for as long
+as the outage lasts, later and later (`retry_after`); after any other, at most `MAX_DELIVER` deliveries, then it is
+terminated (a poison message); a malformed message is terminated (never redelivered); a refused one
 (receive.py) is acked, never acted on; at most `concurrency` messages are unacked at once (`max_ack_pending`, and
 no request asks for more than the free slots), each marked in progress while its handler runs, so slow work is not
 redelivered under it.
@@ -24,19 +26,29 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from libs.common.bus import frames
 from libs.common.bus.connection import Link
 from libs.common.bus.receive import EventHandler, Vet, decode, event_callback, refused
-from libs.common.errors import HoldfastError, MalformedMessage
+from libs.common.errors import HoldfastError, MalformedMessage, count_as_temporary, temporary
 from libs.common.events import Envelope, subscription_subject
 
 log = logging.getLogger("holdfast.bus")
 
-MAX_DELIVER = 5
+MAX_DELIVER = 5  # deliveries of a message whose handler keeps failing other than temporarily: then terminated
+# The server's own bound, for a message that is never settled (its consumer's process dies on it each time): far
+# more than MAX_DELIVER, so that a temporary failure (an etcd stalled for minutes) is retried, not dropped. With
+# `retry_after`'s delays, 100 deliveries span over 8 minutes.
+MAX_DELIVER_SERVER = 100
+RETRY_FIRST_S = 0.5  # a failed message comes again after this, then twice as late each time (temporary failures)
+RETRY_MAX_S = 5.0
+NO_CONSUMER = ("503", "404")  # a pull request's answer when the server has no such durable (or stream)
+# NATS unreachable or without its stream for a moment: a handler that published (an intent, a route) failed by it.
+count_as_temporary(nats.errors.ConnectionClosedError, nats.errors.NoRespondersError, NoStreamResponseError)
 FETCH_WAIT_S = 5.0  # how long one fetch waits for a first message before asking again
 # The longest a landed message waits for the rest of its request's answer. An answer of a few hundred messages
 # lands over several loop passes (one socket read each); handed over pass by pass, its pieces finished, and were
@@ -60,7 +72,7 @@ def consumer_config(name: str, new_only: bool, ack_wait: float, concurrency: int
         durable_name=name,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL,
-        max_deliver=MAX_DELIVER,
+        max_deliver=MAX_DELIVER_SERVER,  # MAX_DELIVER is applied here, by failure (`retry_after`)
         ack_wait=ack_wait,
         max_ack_pending=concurrency,  # never more out than we run: a waiting message gets no in-progress mark
     )
@@ -116,6 +128,15 @@ async def holding(locks: list[asyncio.Lock]) -> AsyncIterator[None]:
             lock.release()
 
 
+def retry_after(delivered: int, is_temporary: bool) -> float | None:
+    """When a message whose handler failed comes again (seconds), or None: terminated. A temporary failure is
+    retried however often it recurs, later each time (an outage costs a delivery every RETRY_MAX_S, not the
+    message); any other, until its MAX_DELIVER-th delivery."""
+    if is_temporary:
+        return min(RETRY_FIRST_S * 2 ** min(max(delivered - 1, 0), 16), RETRY_MAX_S)
+    return RETRY_FIRST_S if delivered < MAX_DELIVER else None
+
+
 async def settle(msg: Msg, error: BaseException | None) -> None:
     try:
         if error is None:
@@ -123,8 +144,19 @@ async def settle(msg: Msg, error: BaseException | None) -> None:
         elif isinstance(error, MalformedMessage):
             await msg.term()  # poison: never redeliver
         else:
-            log.error("handler of %s failed; message will be redelivered", msg.subject, exc_info=error)
-            await msg.nak(delay=0.5)
+            delivered, is_temporary = num_delivered(msg), temporary(error)
+            delay = retry_after(delivered, is_temporary)
+            if delay is None:
+                log.error("handler of %s failed on delivery %d; giving the message up", msg.subject, delivered,
+                          exc_info=error)
+                await msg.term()
+            elif is_temporary:
+                log.warning("handler of %s failed (%r); delivery %d comes again in %.1f s", msg.subject, error,
+                            delivered + 1, delay)
+                await msg.nak(delay=delay)
+            else:
+                log.error("handler of %s failed; message will be redelivered", msg.subject, exc_info=error)
+                await msg.nak(delay=delay)
     except Exception:  # noqa: BLE001 - ack/nak failed (connection lost): JetStream redelivers
         log.warning("could not settle a message on %s", msg.subject)
 
@@ -167,24 +199,16 @@ class Consumer:
         self.timer: asyncio.TimerHandle | None = None
         self.sub: Any = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.config: ConsumerConfig | None = None
+        self.remade = 0  # times the durable (and the stream) were found gone and made again
 
     async def start(self, subject: str, config: ConsumerConfig, dispatch: Callable[[list[Msg]], None]) -> Consumer:
         link = self.link
         stream = link.settings.stream_name
         config.filter_subject = subscription_subject(link.prefix, subject)
         config.name = self.name
-        try:
-            info = await link.js.consumer_info(stream, self.name)
-            if info.config.max_ack_pending != config.max_ack_pending:
-                # Made by an earlier version with other slots: updated in place (an editable field), or the new
-                # slots would never apply to a durable that already exists.
-                try:
-                    await link.js.add_consumer(stream, config=config)
-                except Exception as e:  # noqa: BLE001 - refused (another field differs): consumed as it is
-                    log.warning("durable %s keeps %d slots, not %d: %s", self.name, info.config.max_ack_pending,
-                                config.max_ack_pending, e)
-        except NotFoundError:
-            await link.js.add_consumer(stream, config=config)
+        self.config = config
+        await self._make(config)
         inbox = link.nc.new_inbox()
         self.sub = await link.subscribe_inline(inbox, self._landed(dispatch))
         hooks = getattr(link.nc, "on_reconnect", None)
@@ -194,6 +218,38 @@ class Consumer:
         self.tasks = [link.spawn(self._pull(next_subject, inbox), f"pull:{self.name}"),
                       link.spawn(self._keep_in_progress(), f"in-progress:{self.name}")]
         return self
+
+    async def _make(self, config: ConsumerConfig) -> None:
+        """The durable on the server as `config` says: made if missing, its slots and deliveries updated."""
+        link = self.link
+        stream = link.settings.stream_name
+        try:
+            info = await link.js.consumer_info(stream, self.name)
+            if (info.config.max_ack_pending, info.config.max_deliver) != (config.max_ack_pending, config.max_deliver):
+                # Made by an earlier version with other slots or deliveries: updated in place (editable fields), or
+                # the new ones would never apply to a durable that already exists.
+                try:
+                    await link.js.add_consumer(stream, config=config)
+                except Exception as e:  # noqa: BLE001 - refused (another field differs): consumed as it is
+                    log.warning("durable %s keeps %d slots, not %d: %s", self.name, info.config.max_ack_pending,
+                                config.max_ack_pending, e)
+        except NotFoundError:
+            await link.js.add_consumer(stream, config=config)
+
+    async def _make_again(self) -> None:
+        """A pull request answered 503 (no responders: the server knows no such durable): the server lost it, with
+        its stream (one that came back on an empty store: a lost volume), or it was deleted. The stream and the
+        durable are made again, or nothing would ever be consumed again; the events stored before are gone with
+        them (their publishers' own retries, and the level-triggered passes, are what recovers them)."""
+        assert self.config is not None
+        try:
+            await self.link.ensure_stream()
+            await self._make(self.config)
+        except Exception as e:  # noqa: BLE001 - the server busy or going away again: tried on the next refusal
+            log.warning("durable %s not made again yet: %r", self.name, e)
+            return
+        self.remade += 1
+        log.warning("durable %s was gone from the server: made again (with its stream if it was gone too)", self.name)
 
     def _ask_again(self) -> None:
         """Connected again (to another server of a cluster, maybe): the open pull request may have died with the
@@ -283,7 +339,12 @@ class Consumer:
             # connection is given up a second after it would have expired.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.answered.wait(), FETCH_WAIT_S + 1)
-            if self.status not in (None, "408"):  # refused (the consumer deleted, a limit): not in a hot loop
+            if self.status in NO_CONSUMER:
+                log.warning("pull request on %s refused: status %s (no such durable on the server)", self.name,
+                            self.status)
+                await self._make_again()
+                await asyncio.sleep(0.2)
+            elif self.status not in (None, "408"):  # refused (a limit, the consumer deleted): not in a hot loop
                 log.warning("pull request on %s refused: status %s", self.name, self.status)
                 await asyncio.sleep(0.2)
 
