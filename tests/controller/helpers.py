@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import Bus
+from libs.common.events import Envelope
 from libs.common.service import check_health
 from libs.common.store import Store
 
@@ -52,6 +53,18 @@ async def serving_cluster(bus: Bus, store: Store, *, nodes: int, gpus_per_node: 
     await sim.serve()
     await store.put("specs/sim", {"engine_class": "sim", "model": "m", "command": ["engine"]})
     return sim
+
+
+async def collected(bus: Bus, *kinds: str) -> list[Envelope]:
+    """Every event of `kinds` published from now on, in arrival order (a list the subscriptions append to)."""
+    seen: list[Envelope] = []
+
+    async def on_event(env: Envelope) -> None:
+        seen.append(env)
+
+    for kind in kinds:
+        await bus.subscribe(kind, on_event)
+    return seen
 
 
 async def healthy(bus: Bus, service: str, instance: str, timeout: float = 30.0) -> None:

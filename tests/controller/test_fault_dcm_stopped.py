@@ -12,10 +12,9 @@ from pathlib import Path
 
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.events import Envelope
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, incident_id_for
-from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
+from tests.controller.helpers import collected, control_plane, service_env, serving_cluster, wait_for
 
 
 async def _ended(store: Store, inc_id: str) -> IncidentRecord | None:
@@ -27,13 +26,7 @@ async def test_a_dc_manager_stopped_past_the_reattach_deadline_leaves_one_engine
         bus: Bus, store: Store, settings: CommonSettings, tmp_path: Path) -> None:
     gate = asyncio.Event()
     sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=2, takeover_gate=gate)
-    ends: list[Envelope] = []
-
-    async def on_end(env: Envelope) -> None:
-        ends.append(env)
-
-    for kind in ("incident.resolved", "incident.failed"):
-        await bus.subscribe(kind, on_end)
+    ends = await collected(bus, "incident.resolved", "incident.failed")
     env = service_env(settings.to_env(), HF_REATTACH_DEADLINE_S="4")
     async with control_plane(bus, store, env, tmp_path) as children:
         victim = sim.engine_id("n0000", 0)

@@ -17,10 +17,9 @@ import pytest
 from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.events import Envelope
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
-from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
+from tests.controller.helpers import collected, control_plane, service_env, serving_cluster, wait_for
 
 
 class OwnNats:
@@ -78,13 +77,7 @@ async def test_incidents_resolve_once_across_nats_server_restarts(
     bus = own_bus
     gate = asyncio.Event()
     sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=4, takeover_gate=gate)
-    ends: list[Envelope] = []
-
-    async def on_end(env: Envelope) -> None:
-        ends.append(env)
-
-    for kind in ("incident.resolved", "incident.failed"):
-        await bus.subscribe(kind, on_end)
+    ends = await collected(bus, "incident.resolved", "incident.failed")
     env = service_env(nats_settings.to_env())
     async with control_plane(bus, store, env, tmp_path) as children:
         gate.set()

@@ -13,10 +13,9 @@ from pathlib import Path
 
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
-from libs.common.events import Envelope
 from libs.common.store import LeaderElection, Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
-from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
+from tests.controller.helpers import collected, control_plane, service_env, serving_cluster, wait_for
 
 DEADLINE_S = 12  # freeze and reattach: c2 resolves well inside them, c1 resumes well past them
 
@@ -34,13 +33,7 @@ async def test_a_resumed_stale_leader_does_not_drive_the_incident_its_successor_
         bus: Bus, store: Store, settings: CommonSettings, tmp_path: Path) -> None:
     gate = asyncio.Event()
     sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=2, takeover_gate=gate)
-    seen: list[Envelope] = []
-
-    async def on_event(env: Envelope) -> None:
-        seen.append(env)
-
-    for kind in ("incident.resolved", "incident.failed", "intent.recover"):
-        await bus.subscribe(kind, on_event)
+    seen = await collected(bus, "incident.resolved", "incident.failed", "intent.recover")
     env = service_env(settings.to_env(), HF_LEADER_TTL_S="1", HF_REATTACH_DEADLINE_S=str(DEADLINE_S),
                       HF_FREEZE_DEADLINE_S=str(DEADLINE_S), HF_FREEZE_RESULT_AFTER_S="0.2")
     async with control_plane(bus, store, env, tmp_path, controllers=("c1", "c2")) as children:
