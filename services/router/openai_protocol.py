@@ -80,6 +80,12 @@ class _Common(BaseModel):
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
     user: str | None = None  # an end-user id: accepted, not used
+    # Sent by SDKs and their wrappers at these values whatever the server: accepted there, refused where they would
+    # ask for something we do not do (storing the completion, another tier); metadata goes with `store` only.
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    service_tier: Literal["auto", "default"] | None = None
+    parallel_tool_calls: bool | None = None  # no tools: nothing to run in parallel
     ignore_eos: bool = False  # an extension (as vLLM's): generate past the model's end of text
 
     @field_validator("stop", "user")

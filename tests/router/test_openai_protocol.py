@@ -108,3 +108,15 @@ def test_a_chat_stream_begins_with_the_role_and_usage_comes_last_with_no_choices
     last = fmt.usage_chunk(job, 1, 5)
     assert last["choices"] == [] and last["usage"]["total_tokens"] == job.prompt_tokens + 5
     assert fmt.sse({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+def test_what_sdks_send_at_neutral_values_is_accepted_and_what_asks_for_more_is_refused() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    neutral = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "parallel_tool_calls": True}
+    assert chat_job({"model": "m", "messages": msgs, **neutral}).generate.prompt
+    assert completion_job({"model": "m", "prompt": "x", "store": None, "service_tier": "default"}).generate.prompt
+    for body, param in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
+                        ({"metadata": {"k": 1}}, "metadata.k")):
+        with pytest.raises(OpenAIError) as e:
+            chat_job({"model": "m", "messages": msgs, **body})
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
