@@ -137,9 +137,10 @@ def admin_api(api_url: str) -> Iterator[None]:
         r = e.response
         try:
             body = r.json()
-            said = body.get("message") or body.get("error") or r.text
         except ValueError:
-            said = r.text[:300]
+            body = None
+        said = (body.get("message") or body.get("error")) if isinstance(body, dict) else None
+        said = str(said) if said else " ".join(r.text[:300].split())  # one line, whatever a proxy answered
         hint = " (the token: --token or HF_ADMIN_TOKEN)" if r.status_code in (401, 403) else ""
         say(f"the admin API at {api_url} answered {r.status_code}: {said}{hint}")
         raise typer.Exit(1) from None
@@ -171,17 +172,28 @@ def snapshot(
     import httpx
 
     with admin_api(api_url):
-        r = httpx.post(f"{api_url}/v1/leases/{lease_id}/snapshot", json={"artifact": artifact, "host_tier": host_tier},
+        r = httpx.post(f"{api_url}/v1/leases/{segment(lease_id)}/snapshot", json={"artifact": artifact, "host_tier": host_tier},
                        headers={"Authorization": f"Bearer {token}"}, timeout=900)
         r.raise_for_status()
     console.print_json(r.text)
+
+
+def segment(value: str) -> str:
+    """An id as one path segment of an admin API URL: quoted whole, so that `/`, `?`, `#` or `%` in it never reach
+    another route (httpx resolves `..`: `holdfast engine sleep '../../v1/nodes/n1/drain?'` drained node n1)."""
+    import urllib.parse
+
+    if value in (".", ".."):
+        say(f"{value!r} is not an id")
+        raise typer.Exit(2)
+    return urllib.parse.quote(value, safe="")
 
 
 def _engine_call(engine_id: str, what: str, level: int, timeout_s: float, api_url: str, token: str) -> None:
     import httpx
 
     with admin_api(api_url):
-        r = httpx.post(f"{api_url}/v1/engines/{engine_id}/{what}", json={"level": level, "timeout_s": timeout_s},
+        r = httpx.post(f"{api_url}/v1/engines/{segment(engine_id)}/{what}", json={"level": level, "timeout_s": timeout_s},
                        headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s + 15)
         r.raise_for_status()
     console.print_json(r.text)

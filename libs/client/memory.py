@@ -655,7 +655,9 @@ class MemoryClient:
 
     def answer(self, ask_id: str, error: BaseException | None = None) -> None:
         """Tell the manager an ask is done (error None) or why it was not."""
-        err = None if error is None else {"code": getattr(error, "code", "error"), "message": str(error)}
+        err = None  # a long reason is cut to the protocol's bound: the answer is still taken
+        if error is not None:
+            err = {"code": str(getattr(error, "code", "error"))[:64], "message": str(error)[:p.MAX_ERROR_MESSAGE]}
         self._call(p.AnswerReq(ask=ask_id, error=err))
 
     def _own(self, lease_id: str) -> MappedLease:

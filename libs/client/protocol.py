@@ -17,6 +17,21 @@ from libs.common.errors import Conflict, HoldfastError, MalformedMessage
 from libs.common.events import LeaseInfo, Tag
 
 PROTOCOL_VERSION = 1
+# Bounds on what a request may ask for, so that every row it makes fits where the row goes: a lease's sizes stay
+# 64-bit once rounded to any granularity (msgpack, SQL BIGINT), its name within etcd's and NATS's message limits.
+MAX_LEASE_BYTES = 1 << 50
+MAX_LEASE_NAME = 512
+MAX_ID = 256
+# Ids and names go into log lines, tables and terminals: no control characters (a newline forged a log line, an
+# escape sequence rewrote an operator's terminal).
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+# Sizes a request's collections may have. Pydantic reports every bad entry, one error object each: a frame of a million
+# unknown keys (or a map of a million bad epochs) took seconds of the manager's event loop and a gigabyte to list
+# them. Over these a request is refused by its counts alone (`parse_request`), before it is validated.
+MAX_FIELDS = 16  # keys of a request, or of a tensor in one: more than any has
+MAX_ITEMS = 65536  # entries of a request's map or list (epochs, tensors): an engine's leases, a model's tensors
+MAX_DIMS = 64  # a tensor's dimensions
+MAX_ERROR_MESSAGE = 2000  # an engine's reason (AnswerReq): it goes on to the control plane in one NATS message
 
 
 class OutOfOrder(MalformedMessage):
@@ -65,6 +80,13 @@ class TooManyFds(LimitExceeded):
     code = "too_many_fds"
 
 
+class ReplyTooLarge(LimitExceeded):
+    """The answer would pass the frame limit (`max_frame_bytes`; a grant of thousands of registered tensors): this
+    is sent instead of it, the connection stays usable. What the request changed stays changed."""
+
+    code = "reply_too_large"
+
+
 class TooManyConnections(LimitExceeded):
     """This uid holds as many connections as allowed; the manager answers this, then closes the new one."""
 
@@ -102,32 +124,32 @@ class TensorMeta(Msg):
     name: str = Field(min_length=1, max_length=512)
     lease_id: str
     offset: int = Field(ge=0)
-    shape: list[int]
+    shape: list[int] = Field(max_length=MAX_DIMS)
     dtype: str
-    stride: list[int] | None = None  # None: contiguous (C order)
+    stride: list[int] | None = Field(None, max_length=MAX_DIMS)  # None: contiguous (C order)
 
 
 class Hello(Msg):
     op: Literal["hello"] = "hello"
-    engine_id: str = Field(min_length=1, max_length=256)
-    engine_class: str = "default"
+    engine_id: str = Field(min_length=1, max_length=MAX_ID, pattern=PRINTABLE)
+    engine_class: str = Field("default", max_length=MAX_ID, pattern=PRINTABLE)
     version: int = PROTOCOL_VERSION
 
 
 class Allocate(Msg):
     op: Literal["allocate"] = "allocate"
     gpu: int = Field(0, ge=0)
-    size: int = Field(gt=0)
+    size: int = Field(gt=0, le=MAX_LEASE_BYTES)
     tag: Tag = Tag.WEIGHTS
-    name: str = ""
-    chunk_size: int | None = Field(None, gt=0)  # None: the manager's configured chunk size
+    name: str = Field("", max_length=MAX_LEASE_NAME, pattern=PRINTABLE)
+    chunk_size: int | None = Field(None, gt=0, le=MAX_LEASE_BYTES)  # None: the manager's configured chunk size
     host: bool = False  # host memory (a memfd) on any backend (LeaseInfo.host)
 
 
 class Register(Msg):
     op: Literal["register"] = "register"
     epochs: dict[str, int]  # lease id -> the epoch the sender holds (fencing)
-    tensors: list[TensorMeta]
+    tensors: list[TensorMeta] = Field(max_length=MAX_ITEMS)
 
 
 class Commit(Msg):
@@ -226,7 +248,8 @@ class AnswerReq(Msg):
 
     op: Literal["answer"] = "answer"
     ask: str = Field(min_length=1, max_length=64)
-    error: dict[str, str] | None = None  # {code, message}
+    error: dict[Annotated[str, Field(max_length=16)], Annotated[str, Field(max_length=MAX_ERROR_MESSAGE)]] | None = \
+        Field(None, max_length=2)  # {code, message}
 
 
 class GangRegister(Msg):
@@ -261,11 +284,24 @@ Request = Annotated[
 _request_adapter: TypeAdapter[Any] = TypeAdapter(Request)
 
 
+def _check_counts(obj: dict[str, Any]) -> None:
+    """Refuse a request whose counts no valid one has (MAX_FIELDS, MAX_ITEMS), in time linear in its top level and
+    its tensors' keys only: every bad entry past these would cost pydantic an error object."""
+    if len(obj) > MAX_FIELDS:
+        raise MalformedMessage(f"invalid request: {len(obj)} fields, more than any request has")
+    for key, value in obj.items():
+        if isinstance(value, dict | list) and len(value) > MAX_ITEMS:
+            raise MalformedMessage(f"invalid request: {key}: {len(value)} entries, more than {MAX_ITEMS}")
+        if isinstance(value, list) and any(isinstance(item, dict) and len(item) > MAX_FIELDS for item in value):
+            raise MalformedMessage(f"invalid request: {key}: an entry has more fields than any has")
+
+
 def parse_request(obj: dict[str, Any]) -> Any:
+    _check_counts(obj)
     try:
         return _request_adapter.validate_python(obj)
     except ValidationError as e:
-        first = e.errors()[0]
+        first = e.errors(include_url=False, include_context=False, include_input=False)[0]
         loc = ".".join(str(p) for p in first["loc"])
         raise MalformedMessage(f"invalid request: {loc}: {first['msg']}") from None
 

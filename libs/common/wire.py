@@ -131,6 +131,8 @@ class _Assembler:
                 arr = array.array("i")
                 arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
                 self.fds.extend(arr)
+        if len(self.fds) > self.max_fds:  # before the header says how many: not held until the frame ends
+            raise WrongFdCount(f"{len(self.fds)} fds sent with a frame, more than the limit of {self.max_fds}")
         if flags & getattr(socket, "MSG_CTRUNC", 0):
             self.ctrunc = True  # the peer sent more fds in one message than the protocol allows
         self.buf += data
@@ -162,9 +164,15 @@ class _Assembler:
         self.fds = []
 
 
+# Entries a decoded map or list may have: more than any request or reply holds (a lease set's tensors, an engine's
+# leases), far fewer than a frame of tiny entries can carry: a 9 MB frame of a million keys took ~0.6 s to decode.
+MAX_DECODED_ITEMS = 1 << 17
+
+
 def decode_payload(payload: bytes) -> dict[str, Any]:
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_map_len=MAX_DECODED_ITEMS,
+                              max_array_len=MAX_DECODED_ITEMS)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise MalformedMessage(f"undecodable frame: {type(exc).__name__}: {exc}") from None
     if not isinstance(obj, dict):

@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 GIB = 1 << 30
 
@@ -22,7 +23,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
     for c in columns:
         table.add_column(c)
     for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
+        # Text, not markup: an id or a lease name of `[/bold]` (a client's choice) is shown, not parsed (it raised)
+        table.add_row(*(Text("" if v is None else str(v)) for v in row))
     if not rows:
         table.add_row(*(["(none)"] + [""] * (len(columns) - 1)))
     return table

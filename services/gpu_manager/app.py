@@ -25,7 +25,7 @@ from services.gpu_manager.manager import LeaseBook
 from services.gpu_manager.metrics import gpu_manager_registry
 from services.gpu_manager.mirror import Mirror
 from services.gpu_manager.restore import WeightCopies
-from services.gpu_manager.session import fd_usage, serve_connection
+from services.gpu_manager.session import MAX_FDS_IN, fd_usage, serve_connection
 from services.gpu_manager.settings import GpuManagerSettings
 from services.gpu_manager.sleep import Sleeper
 from services.gpu_manager.tier import HostTier
@@ -117,10 +117,10 @@ async def setup(rt: Runtime) -> None:
     # The command subscriptions are at the server before any engine can reconnect (`serve` settles each one):
     # whoever saw an engine back (a test, the control plane) finds the commands answered, not "no responders".
     path = str(settings.socket_path())
-    conns = ConnectionCount(settings.max_connections_per_uid)
+    conns = ConnectionCount(settings.max_connections_per_uid, settings.max_connections_per_pid)
     server = await serve_frames(path, lambda stream: serve_connection(book, conns, stream, copies, sleeper, gangs=gangs),
                                 mode=settings.socket_mode, group=settings.socket_group,
-                                max_size=settings.max_frame_bytes)
+                                max_size=settings.max_frame_bytes, max_fds=MAX_FDS_IN)
     rt.spawn("reconciler", book.reconcile_forever())
     metrics_port = serve_metrics(rt, gpu_manager_registry(book, conns, server, fd_usage), settings.metrics_host,
                                  settings.metrics_port)

@@ -28,7 +28,7 @@ from libs.common.errors import Conflict, NotFound, PermissionDenied
 from libs.common.events import LeaseState
 from services.gpu_manager.fsm import LeaseEvent
 from services.gpu_manager.gang import Gang, PartialGang, after_takeover, form, plan, plan_reclaim
-from services.gpu_manager.manager import LeaseBook, Move, check_complete
+from services.gpu_manager.manager import LeaseBook, Move, check_complete, same_token
 from services.gpu_manager.records import LeaseRecord, process_alive
 
 log = logging.getLogger("holdfast.gpu_manager.gangs")
@@ -131,7 +131,7 @@ class GangBook:
                 gathering = self._gathering[req.gang_id] = _Gathering(list(req.successors), req.generation,
                                                                       req.transfer_token)
             elif (gathering.successors, gathering.generation) != (list(req.successors), req.generation) or \
-                    not secrets.compare_digest(gathering.token, req.transfer_token):
+                    not same_token(gathering.token, req.transfer_token):
                 raise Conflict(f"gang {req.gang_id}: another successor group ({gathering.successors}, generation "
                                f"{gathering.generation}) is gathering")
             if req.rank in gathering.ranks:
@@ -165,7 +165,7 @@ class GangBook:
              generation=req.generation, token_of={r.id: r.transfer_token for r in recs})
         live = [r for r in recs if r.info.id in gang.epochs]
         for rec in live:
-            if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, req.transfer_token):
+            if not same_token(rec.transfer_token, req.transfer_token):
                 raise PermissionDenied("wrong transfer token")
             if rec.owner_uid != peer.uid:
                 raise PermissionDenied(f"lease {rec.id} belongs to another user")

@@ -2,8 +2,10 @@
 (no I/O here). Every refusal is a typed error the client gets as a reply; the connection stays usable.
 
 Invariants (checked by tests/gpu_manager/test_limits_allocate.py):
-1. A uid holds at most `max_connections_per_uid` open connections to the engine socket; one more gets
-   `too_many_connections` and is closed. Slots are counted from accept to close, hello or not.
+1. A uid holds at most `max_connections_per_uid` open connections to the engine socket, and one process at most
+   `max_connections_per_pid` of them; one more gets `too_many_connections` and is closed. Slots are counted from
+   accept to close, hello or not. The per-process cap keeps one process leaking connections from taking its uid's
+   every slot: engines of a node run as one uid, so the others would be refused (no allocate, no takeover).
 2. An allocate is refused before any memory or fd is made when its lease would have more chunks than
    `max_chunks_per_lease` (too_many_chunks), when the chunk fds of the calling process's live leases would pass
    `max_fds_per_client`, or the manager's open fds would come within `fd_reserve` of its RLIMIT_NOFILE
@@ -70,20 +72,26 @@ class ClientLimits:
 
 
 class ConnectionCount:
-    """Open engine connections per uid (invariant 1)."""
+    """Open engine connections per uid and per process (invariant 1)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_pid: int | None = None) -> None:
         self.limit = limit
+        self.per_pid = per_pid  # None: no cap of its own (the uid's only)
         self.by_uid: Counter[int] = Counter()
+        self.by_pid: Counter[int] = Counter()
         self.refused = 0
 
-    def admit(self, uid: int) -> None:
-        """Count a new connection of `uid`, or raise (and count nothing)."""
+    def admit(self, uid: int, pid: int = 0) -> None:
+        """Count a new connection of process `pid` of `uid`, or raise (and count nothing)."""
         if self.by_uid[uid] >= self.limit:
             raise TooManyConnections(f"uid {uid} holds {self.by_uid[uid]} connections, the limit")
+        if self.per_pid is not None and pid > 0 and self.by_pid[pid] >= self.per_pid:  # 0: another pid namespace
+            raise TooManyConnections(f"pid {pid} holds {self.by_pid[pid]} connections, the limit of one process")
         self.by_uid[uid] += 1
+        self.by_pid[pid] += 1
 
-    def release(self, uid: int) -> None:
-        self.by_uid[uid] -= 1
-        if self.by_uid[uid] <= 0:
-            del self.by_uid[uid]
+    def release(self, uid: int, pid: int = 0) -> None:
+        for counts, key in ((self.by_uid, uid), (self.by_pid, pid)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]

@@ -83,6 +83,12 @@ class IncompleteLeaseSet(HoldfastError):
     code = "incomplete_leases"
 
 
+def same_token(held: str | None, given: str) -> bool:
+    """Whether a client's token is the one held, in constant time, over UTF-8 bytes: `secrets.compare_digest` raises
+    TypeError for a str with a non-ASCII character, which the client chooses (its request then went unanswered)."""
+    return held is not None and secrets.compare_digest(held.encode(), given.encode())
+
+
 def committed(rec: LeaseRecord) -> bool:
     """The owner declared the lease's tensors complete (`commit`); a later `register` clears it again."""
     return rec.info.layout_hash is not None
@@ -225,12 +231,23 @@ class LeaseBook:
         asyncio.get_running_loop().add_reader(fd, self._pid_exited, pid)
 
     def _pid_exited(self, pid: int) -> None:
+        self._unwatch(pid)
+        if self.on_owner_exit is not None:
+            self.on_owner_exit(pid)
+
+    def _unwatch(self, pid: int) -> None:
         fd = self._pidfds.pop(pid, None)
         if fd is not None:
             asyncio.get_running_loop().remove_reader(fd)
             os.close(fd)
-        if self.on_owner_exit is not None:
-            self.on_owner_exit(pid)
+
+    def forget_pid(self, pid: int) -> None:
+        """A live process hung up (one of its connections closed) and owns no lease: its pidfd is closed, so the
+        pidfds held are bounded by the open connections and the owners, not by every process that ever said hello.
+        Watched again when it is granted a lease (`create`, the session's grants); the reconciler's pass checks
+        every owner whatever is watched."""
+        if pid in self._pidfds and not any(r.owner_pid == pid for r in self.records.values()):
+            self._unwatch(pid)
 
     async def owner_exited(self, pid: int) -> None:
         async with self.lock:
@@ -262,7 +279,7 @@ class LeaseBook:
                 raise NotFrozenYet(f"{owner}'s leases are not frozen yet")
             raise NotFound(f"{owner} has no frozen leases")
         for rec in recs:
-            if rec.transfer_token is None or not secrets.compare_digest(rec.transfer_token, token):
+            if not same_token(rec.transfer_token, token):
                 raise PermissionDenied("wrong transfer token")
         check_complete(owner, recs)
         return recs

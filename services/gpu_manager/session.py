@@ -8,29 +8,36 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
    fds of the owner's committed weight leases, nothing else; ownership does not move.
 4. Every bad request gets a typed error reply; a frame that breaks the framing closes this connection
    only. Other connections and the lease table are untouched. Running out of fds or memory while serving a
-   request is a typed reply too (too_many_fds, out_of_memory), not a dropped connection.
-5. Limits (limits.py): connections per uid, chunks per lease, chunk fds per client and under the manager's
-   RLIMIT_NOFILE, bytes per gpu; each refused with its typed error.
-6. Deadlines: the hello must be whole within `hello_timeout_s` of the connect; after it, a frame once begun
-   must be whole within `frame_timeout_s` (both answered `timeout`, then closed), and a connection silent for
+   request is a typed reply too (too_many_fds, out_of_memory), not a dropped connection; so is a reply that would
+   pass the frame limit (reply_too_large, sent instead of it).
+5. Limits (limits.py): connections per uid and per process, chunks per lease, chunk fds per client and under the
+   manager's RLIMIT_NOFILE, bytes per gpu; each refused with its typed error.
+6. Deadlines: the hello must be whole within `hello_timeout_s` of the connect (and any frame before it at most
+   `MAX_HELLO_BYTES`); after it, a frame once begun must be whole within `frame_timeout_s` (both answered
+   `timeout`, then closed), and a connection silent for
    `idle_timeout_s` is closed without a reply (a reply nobody asked for would be read as the answer to the
-   client's next request; the SDK sees the close and reconnects). No wait here blocks another connection.
+   client's next request; the SDK sees the close and reconnects). A reply must be taken by the client within
+   `frame_timeout_s` too: a client that stops reading its replies (its socket full) is closed, not kept with its
+   connection slot for good. No wait here blocks another connection.
 7. Listings answer for the caller only: `pending` shows leases of the caller's engine id *and* uid.
 8. A gang's leases (a tensor-parallel engine's ranks') move only with the gang (gangs.py): `gang_takeover` by
-   every rank of the successor group; a plain `takeover` of one rank's leases is refused (`partial_gang`).
+   every rank of the successor group; a plain `takeover` of one rank's leases is refused (`partial_gang`). A
+   gang is registered only by its rank 0 (`owners[0]`), so no engine binds another's leases into a gang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import resource
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 from libs.client.protocol import (
     Allocate,
@@ -55,6 +62,7 @@ from libs.client.protocol import (
     PredecessorAlive,
     Register,
     Release,
+    ReplyTooLarge,
     RestoreReq,
     Resume,
     ResumeReply,
@@ -78,17 +86,30 @@ from libs.common.errors import (
 )
 from libs.common.events import LeaseState
 from libs.common.procs import stopped
-from libs.common.wire import FrameStream, PeerClosed, close_fds
+from libs.common.wire import FrameStream, FrameTooLarge, PeerClosed, close_fds
 from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
-from services.gpu_manager.manager import LeaseBook, Move
+from services.gpu_manager.manager import LeaseBook, Move, same_token
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
 from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.sleep import Sleeper, resident_bytes
 
 log = logging.getLogger("holdfast.gpu_manager.session")
+
+# Fds a frame from an engine may declare. Engines send none: one is still read (closed, refused, the connection
+# kept), more are refused from the frame's header, so the manager takes at most the first batch of them (the
+# transport's default let a frame bring 16384, every one held until the frame ended or timed out).
+MAX_FDS_IN = 1
+# The largest frame read before a connection's hello: a hello is well under it (two ids of at most 256 characters),
+# and every other request before it is refused anyway. Above it the frame is refused from its header (rule 6), so
+# a connection that never says hello holds this much of the manager's memory, not `max_frame_bytes` (16 MiB).
+MAX_HELLO_BYTES = 8192
+# What a successor's grant may hold beyond its owner's: per lease (its own engine id and class), and once (its fence,
+# a gang's view of up to 64 ranks): the room a commit leaves under the frame limit.
+GRANT_SLACK_PER_LEASE = 1024
+GRANT_SLACK = 32 * 1024
 
 
 @dataclass
@@ -102,6 +123,11 @@ class Peer:
 
 class Idle(Exception):
     """The connection was silent past `idle_timeout_s` after its hello (closed without a reply)."""
+
+
+class Unread(Exception):
+    """A reply was not taken by the client within `frame_timeout_s` (part of it may be sent: the connection is
+    closed)."""
 
 
 def fd_usage() -> tuple[int, int]:
@@ -134,17 +160,18 @@ class EngineSession:
 
     async def serve(self) -> None:
         try:
-            self.conns.admit(self.uid)
+            self.conns.admit(self.uid, self.pid)
         except HoldfastError as e:
             self.conns.refused += 1
             if self.conns.refused & (self.conns.refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood logs little
                 log.warning("refused a connection of pid %d: %s (%d refused so far)", self.pid, e, self.conns.refused)
-            await self._send(error(e))
+            with contextlib.suppress(Unread):
+                await self._send(error(e))
             return
         try:
             await self._serve()
         finally:
-            self.conns.release(self.uid)
+            self.conns.release(self.uid, self.pid)
 
     async def _serve(self) -> None:
         try:
@@ -166,6 +193,8 @@ class EngineSession:
                 await self._send(reply, out_fds)
         except (ConnectionError, OSError) as e:
             log.info("connection of pid %d lost: %r", self.pid, e)
+        except Unread as e:
+            log.info("closing the connection of pid %d: %s", self.pid, e)
         finally:
             await self._closed()
 
@@ -174,7 +203,11 @@ class EngineSession:
         settings = self.book.settings
         if self.peer is None:
             left = self.hello_by - asyncio.get_running_loop().time()
-            return await _within(self.stream.recv(), left, f"no hello within {settings.hello_timeout_s} s")
+            self.stream.max_size = min(MAX_HELLO_BYTES, settings.max_frame_bytes)  # read with it, this frame only
+            try:
+                return await _within(self.stream.recv(), left, f"no hello within {settings.hello_timeout_s} s")
+            finally:
+                self.stream.max_size = settings.max_frame_bytes
         if settings.idle_timeout_s:
             try:
                 await asyncio.wait_for(self.stream.wait_readable(), settings.idle_timeout_s)
@@ -188,15 +221,27 @@ class EngineSession:
                              f"a frame begun was not whole within {settings.frame_timeout_s} s")
 
     async def _send(self, reply: dict[str, Any], fds: list[int] | None = None) -> None:
+        """Send a reply within `frame_timeout_s` (rule 6), or raise `Unread`."""
+        limit = self.book.settings.frame_timeout_s
         try:
-            await self.stream.send(reply, fds or ())
+            async with asyncio.timeout(limit):  # no task of its own: a reply on the takeover's path costs no more
+                await self.stream.send(reply, fds or ())
+        except TimeoutError:
+            raise Unread(f"a reply was not read within {limit} s") from None
+        except FrameTooLarge as e:  # refused while encoding, before a byte or fd went out: say so instead (rule 4)
+            log.warning("a reply to pid %d was not sent: %s", self.pid, e)
+            await self._send(error(ReplyTooLarge(f"the reply is over the frame limit ({e}): ask for less at once")))
         except (ConnectionError, OSError):
             pass
 
     async def _closed(self) -> None:
         # Socket close is the fast path for a crash: if the owner process is gone, orphan its leases now.
-        if self.peer is not None and pid_start_time(self.pid) is None:
+        if self.peer is None:
+            return
+        if pid_start_time(self.pid) is None:
             await self.book.owner_exited(self.pid)
+        else:
+            self.book.forget_pid(self.pid)  # alive, maybe owning nothing: no pidfd kept for it
 
     async def _answer(self, obj: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         try:
@@ -254,6 +299,9 @@ class EngineSession:
         if isinstance(req, ShareReq):
             return self._grant(self.share(req, peer), read_only=True)
         if isinstance(req, GangRegister):
+            if req.owners[0] != peer.engine_id:  # rule 8: rank 0 registers its own gang, no one else's
+                raise PermissionDenied(f"gang {req.gang_id} is registered by its rank 0 ({req.owners[0]}), "
+                                       f"not by {peer.engine_id}")
             return ok((await self.gangs.register(req, peer.uid)).view()), []
         if isinstance(req, Heartbeat):
             now = time.time()
@@ -333,6 +381,7 @@ class EngineSession:
 
     async def commit(self, peer: Peer) -> CommitReply:
         mine = self._mine(peer)
+        self._check_grantable(mine)
         digest = layout_hash([t for r in mine for t in r.tensors.values()])
 
         def change() -> None:
@@ -345,6 +394,17 @@ class EngineSession:
         if self.copies is not None:
             self.copies.after_commit(mine)  # the artifact and host tier copies the settings ask for
         return CommitReply(layout_hash=digest)
+
+    def _check_grantable(self, recs: list[LeaseRecord]) -> None:
+        """Refuse to commit a set whose grant would not fit in one frame: a successor's takeover would move the
+        leases and then get `reply_too_large` instead of their fds (found at failover time). Refused here, the engine
+        learns at start-up; its uncommitted leases are reclaimed at a freeze (the successor cold-starts)."""
+        reply, _ = self._grant(recs)
+        size = len(msgpack.packb(reply, use_bin_type=True)) + GRANT_SLACK_PER_LEASE * len(recs) + GRANT_SLACK
+        limit = self.book.settings.max_frame_bytes
+        if size > limit:
+            raise ReplyTooLarge(f"{len(recs)} leases with {sum(len(r.tensors) for r in recs)} tensors: their grant "
+                                f"would be about {size} bytes, over the frame limit of {limit}; register fewer tensors")
 
     def pending(self, peer: Peer) -> list[LeaseRecord]:
         """Leases waiting for this engine id, of this uid only (rule 7: another user naming the same engine id
@@ -456,7 +516,7 @@ class EngineSession:
     def share(self, req: ShareReq, peer: Peer) -> list[LeaseRecord]:
         """Read-only views of an owner's weights for the standby the control plane named (rule 3)."""
         grant = self.book.share_grants.get(req.share_token)
-        if grant is None or not secrets.compare_digest(grant[0], req.owner):
+        if grant is None or not same_token(grant[0], req.owner):
             raise PermissionDenied("wrong share token")
         if grant[1] != peer.engine_id:
             raise PermissionDenied(f"the share of {req.owner}'s weights is for {grant[1]}, not {peer.engine_id}")
@@ -508,6 +568,8 @@ class EngineSession:
 
     def _grant(self, records: list[LeaseRecord], *, read_only: bool = False,
                fence: list[FencePid] | None = None) -> tuple[dict[str, Any], list[int]]:
+        if records and not read_only:  # this process owns them now: its exit is seen at once (forget_pid)
+            self.book.watch_pid(self.pid)
         grants, fds = [], []
         for rec in records:
             rec_fds = self.book.fds_of(rec.id)

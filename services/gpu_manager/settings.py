@@ -39,6 +39,9 @@ class GpuManagerSettings(CommonSettings):
     max_chunks_per_lease: int = Field(16384, gt=0, description="most chunks (one fd each) in one lease")
     max_fds_per_client: int = Field(65536, gt=0, description="most chunk fds of live leases owned by one process")
     max_connections_per_uid: int = Field(512, gt=0, description="most open engine connections of one uid")
+    max_connections_per_pid: int = Field(384, gt=0, description="most open engine connections of one process: "
+                                         "below the uid's limit, which the node's engines share, so one process "
+                                         "leaking them leaves the others room (an engine needs a few)")
     fd_reserve: int = Field(256, ge=0, description="fds an allocate must leave free under RLIMIT_NOFILE (accepts, "
                                                    "the keeper, the database, NATS)")
     # Deadlines on the engine socket: a silent or half-open connection costs an fd, not forever.

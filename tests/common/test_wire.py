@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import struct
+import threading
 
 import msgpack
 import pytest
@@ -40,6 +41,10 @@ def _read_fd(fd: int) -> bytes:
 
 def _open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def _frame(payload: bytes) -> bytes:
+    return HEADER.pack(len(payload), 0) + payload
 
 
 @pytest.fixture
@@ -145,6 +150,29 @@ def test_a_frame_with_more_fds_than_declared_is_refused_and_they_are_closed(pair
     assert _open_fd_count() == before
     for fd in fds:
         os.close(fd)
+
+
+def test_fds_past_the_limit_before_the_header_is_whole_are_refused_and_closed(pair):
+    """4 bytes of a header with 8 fds: refused at once (they were held until the frame's deadline), every one closed."""
+    a, b = pair
+    fds = [_memfd_with(b"x") for _ in range(8)]
+    a.sendmsg([HEADER.pack(10, 1)[:4]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("8i", *fds))])
+    before = _open_fd_count()
+    with pytest.raises(WrongFdCount):
+        recv_frame(b, max_fds=1)
+    assert _open_fd_count() == before
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_map_of_more_entries_than_any_frame_holds_is_refused_undecoded(pair):
+    a, b = pair
+    frame = _frame(msgpack.packb({"op": "x", "epochs": {str(i): 1 for i in range((1 << 17) + 1)}}))
+    sender = threading.Thread(target=a.sendall, args=(frame,), daemon=True)  # more than the socket buffers
+    sender.start()
+    with pytest.raises(MalformedMessage):
+        recv_frame(b, max_size=64 << 20)
+    sender.join(10)
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb([1, 2]), msgpack.packb({1: 2}), b"\x92\x01"])

@@ -23,6 +23,7 @@ from libs.common.errors import (
     Unavailable,
 )
 from libs.common.web.guard import RequestGuard
+from services.controller.api.auth import audit_unparsed
 from services.controller.api.context import ApiContext
 from services.controller.api.routers import engines, gpus, incidents, leases, nodes, system
 
@@ -60,14 +61,19 @@ def create_app(ctx: ApiContext) -> FastAPI:
                            allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if (refused := await audit_unparsed(request, 422)) is not None:  # a body FastAPI could not parse
+            return await http_error(request, refused)
         errs = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
         summary = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errs[:5])
         return _error(422, "validation_error", summary or "invalid request", errs)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if (refused := await audit_unparsed(request, exc.status_code)) is not None:  # e.g. a body it cannot decode
+            exc = refused
+        code = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                405: "method_not_allowed"}.get(exc.status_code, "error")
         return _error(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(HoldfastError)
@@ -76,5 +82,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return _error(REMOTE_STATUS.get(exc.remote_code, 502), exc.remote_code, exc.message)
         status = next((s for t, s in STATUS_OF.items() if isinstance(exc, t)), 500)
         return _error(status, exc.code, exc.message)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # What no handler above types (a bug, a connection gone under a route): the same JSON shape, the type of the
+        # failure only (no detail that could carry state); Starlette logs the traceback after this answer.
+        return _error(500, "internal", f"internal error ({type(exc).__name__}); the controller's log has the detail")
 
     return app

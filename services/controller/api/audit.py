@@ -4,7 +4,8 @@ it, what it was, when, and how it ended. Admin-only to list (`GET /v1/audit`), a
 
 Invariants: a write call that passed authentication is recorded exactly once, whether it succeeded or failed;
 a token is never recorded, only a fingerprint that tells two tokens apart (its SHA-256, 12 hex digits);
-the in-memory record keeps the newest `capacity` entries.
+the in-memory record keeps the newest `capacity` entries, each of a bounded size (`what` cut at `MAX_AUDIT_WHAT`
+characters: a path longer than any route takes is refused, but still recorded).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 log = logging.getLogger("holdfast.audit")
+MAX_AUDIT_WHAT = 400  # a method and a path; every id in a path is at most 200 characters (the routes' Path limits)
 
 
 def fingerprint(token: str) -> str:
@@ -39,6 +41,8 @@ class AuditLog:
         self.entries = deque(maxlen=self.capacity)
 
     def record(self, who: str, what: str, outcome: str) -> AuditEntry:
+        if len(what) > MAX_AUDIT_WHAT:
+            what = what[:MAX_AUDIT_WHAT - 1] + "…"
         entry = AuditEntry(time=time.time(), who=who, what=what, outcome=outcome)
         self.entries.append(entry)
         log.info("audit %s", asdict(entry))

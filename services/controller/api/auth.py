@@ -3,7 +3,9 @@ writes (scopes and their order: tokens.py).
 
 No token or an unknown one: 401 (with `WWW-Authenticate: Bearer`). A token whose scope is below the route's:
 403. Tokens are looked up by hash in constant time (tokens.py). Every call that needs `operate` or `admin` is
-written to the audit record (audit.py) with its outcome, a refused lower-scope token too.
+written to the audit record (audit.py) with its outcome, a refused lower-scope token too, exactly once: by the
+route's `audited` dependency, or, for a body FastAPI refused before any dependency ran (it parses the body first),
+by `audit_unparsed` from the app's error handlers, which also answers a lower scope's 403 in place of the parse error.
 """
 
 from __future__ import annotations
@@ -39,6 +41,47 @@ def require_read(request: Request, creds: HTTPAuthorizationCredentials | None = 
     return _scope(request, _token(creds))
 
 
+def _caller(request: Request, token: str, scope: str) -> tuple[str, str]:
+    """(who, what) of an audit entry."""
+    who = f"{scope} token {fingerprint(token)} from {request.client.host if request.client else '?'}"
+    return who, f"{request.method} {request.url.path}"
+
+
+def _below(scope: str, needed: str) -> HTTPException:
+    return HTTPException(403, f"this needs a token of scope {needed}; this one is {scope}")
+
+
+def needed_scope(route: Any) -> str | None:
+    """The scope the route's `audited` dependency asks for; None: the route writes nothing."""
+    for dep in getattr(route, "dependencies", ()):
+        needed = getattr(dep.dependency, "needed", None)
+        if needed is not None:
+            return str(needed)
+    return None
+
+
+async def audit_unparsed(request: Request, status: int) -> HTTPException | None:
+    """A write call refused before its dependencies ran (FastAPI parses the body first: invalid JSON is a 422, bytes
+    it cannot decode a 400), so `audited` never saw it: recorded here with that outcome, or, for a token below the
+    route's scope, as the 403 it is, which is returned for the handler to answer instead. A call `audited` saw
+    already (it marks the request) is not recorded twice."""
+    route = request.scope.get("route")
+    needed = needed_scope(route) if request.method in getattr(route, "methods", ()) else None
+    if needed is None or getattr(request.state, "audited", False):
+        return None
+    token = _token(await bearer(request))
+    scope = ctx(request).tokens.scope_of(token)
+    if scope is None:  # the guard answered 401 before the app (guard.py)
+        return None
+    request.state.audited = True
+    who, what = _caller(request, token, scope)
+    if not allows(scope, needed):
+        ctx(request).audit.record(who, what, "403")
+        return _below(scope, needed)
+    ctx(request).audit.record(who, what, str(status))
+    return None
+
+
 def audited(needed: str) -> Callable[..., Any]:
     """A dependency admitting tokens of scope `needed` or higher, writing the call and its outcome to the
     audit record: a refused lower scope too, since an attempt to change state is what an audit is for."""
@@ -48,11 +91,11 @@ def audited(needed: str) -> Callable[..., Any]:
         token = _token(creds)
         scope = _scope(request, token)
         c = ctx(request)
-        who = f"{scope} token {fingerprint(token)} from {request.client.host if request.client else '?'}"
-        what = f"{request.method} {request.url.path}"
+        request.state.audited = True  # recorded here, whatever follows (audit_unparsed)
+        who, what = _caller(request, token, scope)
         if not allows(scope, needed):
             c.audit.record(who, what, "403")
-            raise HTTPException(403, f"this needs a token of scope {needed}; this one is {scope}")
+            raise _below(scope, needed)
         try:
             yield scope
         except HTTPException as e:
@@ -71,6 +114,7 @@ def audited(needed: str) -> Callable[..., Any]:
             c.audit.record(who, what, "ok")
 
     dependency.__name__ = f"require_{needed}"
+    setattr(dependency, "needed", needed)  # noqa: B010 - what `needed_scope` reads off a route
     return dependency
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.common.events import EngineInfo, FaultKind, IncidentReason, LeaseInfo
 from services.controller.incident import IncidentRecord, IncidentState
@@ -87,10 +87,12 @@ class IncidentDetail(BaseModel):
 
 
 class FailoverIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt `successor` is refused, not a failover to any standby
     successor: str | None = Field(None, max_length=200, description="a standby engine to take over; none: the agent picks")
 
 
 class UpgradeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     version: str = Field(..., min_length=1, max_length=100, description="the engine version to upgrade to")
 
 
