@@ -43,7 +43,9 @@ def test_a_thread_held_in_the_kernel_is_noted_with_the_call_it_made() -> None:
     # 150 ms nap; 20.6 ms of a 500 ms one, the watcher starved ~480 ms by a full test run plus a type check beside it)
     napper = threading.Thread(target=nap, args=(1.5,), name="napper")
     # S stands in for D here (the engine watches D: a kernel wait no signal ends); the same reading of /proc
-    watcher = stall_watch.watch(stalls, 1.8, late_ms=20.0, keep=8, blocked_states=("S",))
+    # keep: room for every late wake-up of a starved watcher besides the nap (at most 1.8 s / 20 ms of them): with 8,
+    # a loaded CI run filled it with late wake-ups and the watch ended 20 ms into the nap (its episode stops growing)
+    watcher = stall_watch.watch(stalls, 1.8, late_ms=20.0, keep=100, blocked_states=("S",))
     napper.start()  # a thread started after the watch: found at its next look at the threads (50 ms)
     napper.join()
     watcher.join()
