@@ -92,3 +92,32 @@ async def test_a_failure_no_handler_types_is_still_a_json_error_and_audited() ->
     assert r.status_code == 500 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
     assert r.json()["error"] == "internal" and "AttributeError" in r.json()["message"]
     assert [(e.what, e.outcome) for e in c.audit.newest(10)] == [("POST /v1/leases/L-1/reclaim", "internal: AttributeError")]
+
+
+async def test_a_write_call_the_guard_refuses_as_too_large_is_audited(
+        api: tuple[str, SimulatedCluster, Path]) -> None:  # noqa: F811
+    """The guard answers 413 from the headers (or counting a chunked body) before the app: such a write attempt by an
+    authenticated token was never written to the audit record. A read route's refusal is not a write: not recorded."""
+    url, sim, _ = api
+    path = f"/v1/engines/{sim.engine_id('n0002', 0)}/failover"
+    big = b"x" * (2 << 20)  # over api_max_body_bytes (1 MiB by default)
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield big[:1 << 20]
+        yield big[1 << 20:]
+
+    async with _client(url, "operate") as op, _client(url, "admin") as ad:
+        r = await op.post(path, content=big, headers=JSON)
+        assert r.status_code == 413, r.text
+        r = await op.post(path, content=_aiter(chunks()), headers=JSON)
+        assert r.status_code == 413, r.text
+        r = await op.request("GET", "/v1/engines", content=big)
+        assert r.status_code == 413, r.text
+        items = (await ad.get("/v1/audit", params={"limit": 1000})).json()["items"][::-1]
+    got = [(e["who"].split(" ")[0], e["what"], e["outcome"]) for e in items]
+    assert got == [("operate", f"POST {path}", "413")] * 2, got
+
+
+async def _aiter(it):  # noqa: ANN001, ANN202
+    for x in it:
+        yield x

@@ -94,8 +94,12 @@ async def answer(send: Send, status: int, code: str, message: str, refusal: Refu
 
 class RequestGuard:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, tokens: TokenTable | None,
-                 max_body_bytes: int, public: frozenset[str] = PUBLIC, refusal: Refusal = admin_refusal) -> None:
+                 max_body_bytes: int, public: frozenset[str] = PUBLIC, refusal: Refusal = admin_refusal,
+                 on_refused: Callable[[Scope, int], None] | None = None) -> None:
         self.app = app
+        # told of each authenticated request refused here (413, 400), which the app never sees (the admin API
+        # writes its attempts to change state to the audit record)
+        self.on_refused = on_refused
         self.tokens = tokens
         self.max_body_bytes = max_body_bytes
         self.public = public
@@ -110,6 +114,8 @@ class RequestGuard:
         bad = decide(scope["path"], headers, self.tokens, self.max_body_bytes, self.public)
         if bad is not None:
             self.refused[bad[0]] = self.refused.get(bad[0], 0) + 1
+            if bad[0] != 401 and self.on_refused is not None:
+                self.on_refused(scope, bad[0])
             await answer(send, *bad, refusal=self.refusal)
             return
         try:
@@ -137,6 +143,8 @@ class RequestGuard:
                 if read > self.max_body_bytes and not state["started"]:
                     state["refused"] = True
                     self.refused[413] += 1
+                    if self.on_refused is not None:
+                        self.on_refused(scope, 413)
                     await answer(send, 413, "payload_too_large", f"the body is over the limit of {self.max_body_bytes} bytes",
                                  refusal=self.refusal)
                     return {"type": "http.disconnect"}

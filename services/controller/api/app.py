@@ -23,7 +23,7 @@ from libs.common.errors import (
     Unavailable,
 )
 from libs.common.web.guard import RequestGuard
-from services.controller.api.auth import audit_unparsed
+from services.controller.api.auth import audit_refused, audit_unparsed
 from services.controller.api.context import ApiContext
 from services.controller.api.routers import engines, gpus, incidents, leases, nodes, system
 
@@ -52,7 +52,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     for r in (nodes.router, gpus.router, engines.router, leases.router, incidents.router, system.router):
         app.include_router(r)
     # Token and body size are checked from the headers, before any body byte is read (guard.py).
-    app.add_middleware(RequestGuard, tokens=ctx.tokens, max_body_bytes=ctx.settings.api_max_body_bytes)
+    app.add_middleware(RequestGuard, tokens=ctx.tokens, max_body_bytes=ctx.settings.api_max_body_bytes,
+                       on_refused=lambda scope, status: audit_refused(ctx.audit, ctx.tokens, scope, status))
     # CORS only where configured, outside the guard (a browser's preflight carries no token). Without it no
     # response has CORS headers, so a page on another origin cannot read the API with a user's token.
     origins = [o.strip() for o in ctx.settings.api_cors_origins.split(",") if o.strip()]

@@ -10,7 +10,7 @@ by `audit_unparsed` from the app's error handlers, which also answers a lower sc
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from typing import Any
 
 from fastapi import Depends, HTTPException, Request
@@ -80,6 +80,24 @@ async def audit_unparsed(request: Request, status: int) -> HTTPException | None:
         return _below(scope, needed)
     ctx(request).audit.record(who, what, str(status))
     return None
+
+
+def audit_refused(audit: Any, tokens: Any, scope: MutableMapping[str, Any], status: int) -> None:
+    """A call the guard refused before the app saw it (guard.py: a body over the limit, 413; a bad length, 400): an
+    authenticated token's attempt to change state is recorded with that outcome, as `audited` records what reaches a
+    route. The API's writes are its POSTs (every one audited: routers/); a read (GET) is not recorded."""
+    if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+        return
+    request = Request(scope)
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scope_name = tokens.scope_of(token.strip()) if scheme.lower() == "bearer" else None
+    if scope_name is None:
+        return
+    who, what = _caller(request, token.strip(), scope_name)
+    audit.record(who, what, str(status))
+    # refused while its body came (413 counted mid-body): the app then reads a disconnect, refused again as a body
+    # it cannot parse (`audit_unparsed`), which must not record the call a second time
+    request.state.audited = True
 
 
 def audited(needed: str) -> Callable[..., Any]:
