@@ -46,6 +46,16 @@ async def test_a_frozen_gang_is_taken_over_by_a_new_group_that_continues_every_s
     await gang_taken_over(tmp_path, tiny_weights, settings_env, settings, bus, GROUP, gpus=(0, 1))
 
 
+def successor_group(tmp_path: Path, tiny_weights: Path, engine_id: str, env: dict[str, str],  # noqa: F811
+                    gang: str, frozen: FreezeGangReply, group: tuple[str, ...]) -> BatchedEngine:
+    """A new group taking the frozen `gang` over (generation 1), the weights file renamed away first: it has the
+    leases only."""
+    tiny_weights.rename(tiny_weights.with_suffix(".gone"))
+    return BatchedEngine(tmp_path, tiny_weights, engine_id, {
+        **env, "HF_TAKEOVER_GANG": gang, "HF_TRANSFER_TOKEN": frozen.transfer_token, "HF_GANG_GENERATION": "1"},
+        *group)
+
+
 async def gang_taken_over(tmp_path: Path, tiny_weights: Path, env: dict[str, str],  # noqa: F811
                           settings: CommonSettings, bus: Bus, group: tuple[str, ...], gpus: tuple[int, int]) -> None:
     """A group of `group` serving 4 streams is SIGKILLed, its gang frozen and taken over by a new group without the
@@ -64,11 +74,7 @@ async def gang_taken_over(tmp_path: Path, tiny_weights: Path, env: dict[str, str
     assert all(0 < len(s) < len(expected[i]) for i, s in seen.items())  # every stream was cut mid-generation
     frozen = await bus.request(settings.node, FreezeGang(gang_id="btg-a"), FreezeGangReply)
     assert frozen.generation == 1 and {i.state for i in frozen.leases} == {LeaseState.FROZEN}
-    tiny_weights.rename(tiny_weights.with_suffix(".gone"))  # the new group has the leases only
-
-    second = BatchedEngine(tmp_path, tiny_weights, "btg-b", {
-        **env, "HF_TAKEOVER_GANG": "btg-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
-        "HF_GANG_GENERATION": "1"}, *group)
+    second = successor_group(tmp_path, tiny_weights, "btg-b", env, "btg-a", frozen, group)
     try:
         info = second.wait_ready(180)
         rec = info["recovery"]

@@ -31,7 +31,7 @@ from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
 from tests.engine.test_tp import two_gpus  # noqa: F401 - fixture
 from tests.engine_batched import test_failover
 from tests.engine_batched.test_failover import BatchedEngine, alone, resume, streams_started
-from tests.engine_batched.test_tp_gang import GROUP, STREAMS
+from tests.engine_batched.test_tp_gang import GROUP, STREAMS, successor_group
 
 BACKED = (*GROUP, "--kv-backup", "--kv-backup-lag-ms", "100")
 
@@ -65,10 +65,7 @@ async def restored_from_backups(tmp_path: Path, tiny_weights: Path, env: dict[st
     assert all(0 < len(s) < len(expected[i]) for i, s in seen.items()), "a stream ended before the loss"
     frozen = await bus.request(settings.node, FreezeGang(gang_id="btk-a"), FreezeGangReply)
     assert sorted(lease.name.split(".")[0] for lease in frozen.leases) == ["kv_backup"] * 2 + ["weights"] * 2
-    tiny_weights.rename(tiny_weights.with_suffix(".gone"))  # the new group has the leases only
-    second = BatchedEngine(tmp_path, tiny_weights, "btk-b", {
-        **env, "HF_TAKEOVER_GANG": "btk-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
-        "HF_GANG_GENERATION": "1"}, *group)
+    second = successor_group(tmp_path, tiny_weights, "btk-b", env, "btk-a", frozen, group)
     try:
         info = second.wait_ready(180)
         rec = info["recovery"]
