@@ -58,6 +58,14 @@ class CommandTimeout(HoldfastError):
     code = "timeout"
 
 
+class Expired(HoldfastError):
+    """A command that reached its handler after its caller had stopped waiting (the receiver was stopped, a paused
+    VM, its queue backed up): refused, never acted on. Its caller took the silence as a timeout and went on (a retry,
+    another step); acting on it now would act twice or on a past state."""
+
+    code = "expired"
+
+
 class Unavailable(HoldfastError):
     code = "unavailable"
 

@@ -806,6 +806,9 @@ class CommandEnvelope(Model):
     source: str
     trace: TraceContext = Field(default_factory=TraceContext)
     to: str | None = None  # the node it is addressed to (its subject's); a service serving another refuses it
+    # the sender's wall clock when its caller stops waiting for the answer; a receiver later than that (with a slack
+    # for the clocks of two machines) refuses it: libs/common/bus/commands.py `EXPIRY_SLACK_S`
+    expires: float | None = None
     data: dict[str, Any]
 
 

@@ -130,8 +130,10 @@ async def test_a_command_goes_out_as_the_command_envelope_it_stands_for(bus: Bus
     assert (await bus.request("node-raw", cmd, FreezeReply, traceparent=tp)).transfer_token == "tok"
     got = decode_model(_typed(CommandEnvelope, Freeze), seen[0])  # what `serve` validates it as
     want = CommandEnvelope(id=got.id, time=got.time, source=bus.source, trace=TraceContext(traceparent=tp),
-                           to="node-raw", data=cmd.model_dump())
+                           to="node-raw", expires=got.expires, data=cmd.model_dump())
     assert got.data == cmd and got.model_dump() == want.model_dump()
+    # when its caller stops waiting: the request's timeout after it was sent (a receiver later than that refuses it)
+    assert got.expires is not None and abs(got.expires - got.time - bus.settings.request_timeout_s) < 1e-3
 
 
 async def test_request_times_out_or_says_nobody_answers(bus: Bus) -> None:

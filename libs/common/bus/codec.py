@@ -51,6 +51,7 @@ class CommandOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     source: str
     trace: TraceOut | None = None
     to: str | None = None
+    expires: float | None = None
     data: msgspec.Raw
 
 
@@ -125,10 +126,14 @@ def envelope_body(env: Envelope) -> bytes:
                                data=payload_fields(env.data)))
 
 
-def command_body(command: Command, *, source: str, to: str, traceparent: str | None, tracestate: str | None) -> bytes:
+def command_body(command: Command, *, source: str, to: str, traceparent: str | None, tracestate: str | None,
+                 timeout_s: float | None = None) -> bytes:
+    """`timeout_s`: how long the caller waits for the answer (the envelope's `expires`, from now)."""
     # A command's `op` may be left out with its other defaults: it is read as the model its subject names.
-    return _encode(CommandOut(id=new_id(), version=SCHEMA_VERSION, time=time.time(), source=source,
+    now = time.time()
+    return _encode(CommandOut(id=new_id(), version=SCHEMA_VERSION, time=now, source=source,
                               trace=trace_out(traceparent, tracestate), to=to,
+                              expires=None if timeout_s is None else now + timeout_s,
                               data=msgspec.Raw(command.model_dump_json(exclude_defaults=True))))
 
 

@@ -6,13 +6,16 @@ per loop pass for the whole call: nats-py's request costs a task and a timer per
 `holdfast bench controlplane --floor`). Invariants
 (libs/common README 2 and 6): every command a handler takes is answered, with its reply model or a typed error
 (`HoldfastError.code`, else `internal`), raised again on the caller's side as `RemoteError`; a command whose
-envelope is addressed (`to`) to another node than its subject's is refused with `wrong_node`, never handled.
+envelope is addressed (`to`) to another node than its subject's is refused with `wrong_node`, never handled; one
+that arrives more than `EXPIRY_SLACK_S` after its `expires` (its caller had stopped waiting: the receiver was
+stopped, its queue backed up) is refused with `expired`, never handled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +29,7 @@ from libs.common.bus import codec, frames
 from libs.common.bus.connection import Link
 from libs.common.errors import (
     CommandTimeout,
+    Expired,
     HoldfastError,
     MalformedMessage,
     RemoteError,
@@ -42,6 +46,9 @@ from libs.common.events import (
 )
 
 log = logging.getLogger("holdfast.bus")
+# How much later than its `expires` (the sender's clock) a command is still run: room for two machines' clocks
+# (NTP keeps them within milliseconds; a VM's may drift seconds). Past it the receiver refuses it (`Expired`).
+EXPIRY_SLACK_S = 5.0
 
 C = TypeVar("C", bound=Command)
 R = TypeVar("R", bound=BaseModel)
@@ -52,20 +59,22 @@ class Commands:
         self.link = link
         self._kinds: dict[type, str] = {}  # command class -> '<service>.<op>' (pydantic's class fields, once)
 
-    def out(self, node: str, command: Command, traceparent: str | None) -> tuple[str, bytes]:
-        """Its subject and body; the trace context travels in the body only (codec.py: no header)."""
+    def out(self, node: str, command: Command, traceparent: str | None,
+            timeout_s: float | None = None) -> tuple[str, bytes]:
+        """Its subject and body; the trace context travels in the body only (codec.py: no header); `timeout_s`:
+        how long the caller waits (the envelope's `expires`)."""
         kind = self._kinds.get(type(command))
         if kind is None:
             kind = self._kinds[type(command)] = command_kind(type(command))
         carrier = {"traceparent": traceparent} if traceparent else telemetry.inject_headers()
         body = codec.command_body(command, source=self.link.source, to=node, traceparent=carrier.get("traceparent"),
-                                  tracestate=carrier.get("tracestate"))
+                                  tracestate=carrier.get("tracestate"), timeout_s=timeout_s)
         return self.link.subjects.check(f"{self.link.prefix}.node.{node}.{kind}"), body
 
     async def request(self, node: str, command: Command, reply_model: type[R], *, timeout: float | None = None,
                       traceparent: str | None = None) -> R:
-        subject, body = self.out(node, command, traceparent)
         limit = timeout or self.link.settings.request_timeout_s
+        subject, body = self.out(node, command, traceparent, limit)
         try:
             msg = await self.link.nc.request(subject, body, timeout=limit)
         except NoRespondersError:
@@ -91,7 +100,7 @@ class Commands:
         nc, fast = self.link.nc, self.link.fast
         try:
             for i, (node, command, traceparent) in enumerate(calls):
-                subject, body = self.out(node, command, traceparent)
+                subject, body = self.out(node, command, traceparent, limit)
                 token = inbox.expect(replies.put, i)
                 tokens.append(token)
                 subjects.append(subject)
@@ -137,6 +146,9 @@ class Commands:
                 env = decode_model(typed, msg.data)  # envelope and command validated in one pass
                 if env.to is not None and env.to != (node if exact else msg.subject.split(".")[node_at]):
                     raise WrongNode(f"{msg.subject} is node {node!r}'s; this command is addressed to {env.to!r}")
+                if env.expires is not None and (late := time.time() - env.expires) > EXPIRY_SLACK_S:
+                    raise Expired(f"{msg.subject} from {env.source} came {late:.1f} s after its caller stopped "
+                                  f"waiting: not run")
                 if attach_trace and (carrier := codec.trace_headers(env.trace)):
                     with telemetry.attach_headers(carrier):
                         result = await handler(env.data)
@@ -144,7 +156,7 @@ class Commands:
                     result = await handler(env.data)
                 body = codec.ok_reply(result)
             except HoldfastError as e:
-                if isinstance(e, MalformedMessage | WrongNode):
+                if isinstance(e, MalformedMessage | WrongNode | Expired):
                     link.rejected += 1
                     log.warning("rejected command on %s: %s", msg.subject, e.message)
                 err = e.to_dict()  # a RemoteError passed on keeps its remote code
