@@ -311,4 +311,3 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
         return
     assert x.stride(1) == 1 and cos.stride(1) == 1 and sin.stride(0) == cos.stride(0) and rope_fits(head_dim)
     _rope_kernel[(T, heads)](x, x.stride(0), cos, sin, cos.stride(0), HALF=head_dim // 2, enable_fp_fusion=False)
-

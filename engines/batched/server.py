@@ -50,7 +50,7 @@ from engines.batched.http_state import (
     first_token_phases,
 )
 from libs.common import tokenizer
-from libs.common.generate import GenerateRequest, invalid_body
+from libs.common.generate import GenerateRequest, http_code, invalid_body
 from libs.common.web.disconnect import until_disconnect
 
 REFUSALS = {"queue_full": "the engine's queue is full; try again later",
@@ -58,12 +58,10 @@ REFUSALS = {"queue_full": "the engine's queue is full; try again later",
             "not_ready": "the engine is not serving",
             SUPERSEDED: "a newer request with the same request_id replaced this one"}
 STATUS = {"bad_request": 400, SUPERSEDED: 409}  # a whole (not streamed) request's in-band end; else 503
-# Starlette's own refusals (a body that is not JSON or not UTF-8, no such route or method), typed as ours
-HTTP_CODES = {400: "bad_json", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}}, headers=headers)
 
 
 class GenerateMany(BaseModel):
@@ -129,9 +127,7 @@ def build_app(state: EngineState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: object, exc: StarletteHTTPException) -> JSONResponse:
         """Typed like every other refusal (it was `{"detail"}`: the router passed it on as an unreadable message)."""
-        return JSONResponse(status_code=exc.status_code, headers=getattr(exc, "headers", None),
-                            content={"error": {"code": HTTP_CODES.get(exc.status_code, "error"),
-                                               "message": str(exc.detail)}})
+        return _error(exc.status_code, http_code(exc.status_code), str(exc.detail), getattr(exc, "headers", None))
 
     @app.get("/health", response_model=None)
     async def health() -> Any:

@@ -95,3 +95,12 @@ def invalid_body(errors: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg', 'invalid')}"
              for e in errors[:5]]
     return {"error": {"code": "invalid_body", "message": "; ".join(parts) or "invalid body"}}
+
+
+# Starlette's own refusals (a body it cannot read, no such route or method, a body too large), typed in the codes
+# of this contract's errors: the router's and the batched engine's exception handlers answer with them.
+HTTP_CODES = {400: "bad_json", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
+def http_code(status: int) -> str:
+    return HTTP_CODES.get(status, "error")

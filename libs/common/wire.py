@@ -94,7 +94,7 @@ def encode_frame(obj: dict[str, Any], fds: Sequence[int] = (), *, max_size: int 
     """The (data, fds) segments to send in order, one sendmsg each (at most 253 fds a segment)."""
     if not isinstance(obj, dict):
         raise MalformedMessage(f"a frame is a dict, not {type(obj).__name__}")
-    payload = msgpack.packb(obj, use_bin_type=True)
+    payload = encode_payload(obj)
     if len(payload) > max_size:
         raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the limit of {max_size}")
     fds = list(fds)
@@ -102,6 +102,11 @@ def encode_frame(obj: dict[str, Any], fds: Sequence[int] = (), *, max_size: int 
     segments = [(HEADER.pack(len(payload), len(fds)) + payload, batches[0])]
     segments.extend((_MARKER, batch) for batch in batches[1:])
     return segments
+
+
+def encode_payload(obj: dict[str, Any]) -> bytes:
+    """A frame's payload as sent (its size is the frame's, less the header and fd markers)."""
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def _marker_count(nfds: int) -> int:

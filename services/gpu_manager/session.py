@@ -37,8 +37,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from libs.client.protocol import (
     Allocate,
     AnswerReq,
@@ -86,7 +84,7 @@ from libs.common.errors import (
 )
 from libs.common.events import LeaseState
 from libs.common.procs import stopped
-from libs.common.wire import FrameStream, FrameTooLarge, PeerClosed, close_fds
+from libs.common.wire import FrameStream, FrameTooLarge, PeerClosed, close_fds, encode_payload
 from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.gangs import GangBook
@@ -400,7 +398,7 @@ class EngineSession:
         leases and then get `reply_too_large` instead of their fds (found at failover time). Refused here, the engine
         learns at start-up; its uncommitted leases are reclaimed at a freeze (the successor cold-starts)."""
         reply, _ = self._grant(recs)
-        size = len(msgpack.packb(reply, use_bin_type=True)) + GRANT_SLACK_PER_LEASE * len(recs) + GRANT_SLACK
+        size = len(encode_payload(reply)) + GRANT_SLACK_PER_LEASE * len(recs) + GRANT_SLACK
         limit = self.book.settings.max_frame_bytes
         if size > limit:
             raise ReplyTooLarge(f"{len(recs)} leases with {sum(len(r.tensors) for r in recs)} tensors: their grant "

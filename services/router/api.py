@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.gc_tuning import paused_ms
-from libs.common.generate import invalid_body
+from libs.common.generate import http_code, invalid_body
 from libs.common.loop_watch import LoopWatch
 from libs.common.web.disconnect import disconnected
 from services.router.openai_api import openai_routes
@@ -84,10 +84,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Starlette's own refusals (no such route, a method a route lacks, a body it cannot read) in OpenAI's error
         shape too: an OpenAI client that asks for a route the router lacks (`/v1/embeddings`) reads them."""
-        code = {400: "bad_json", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code,
-                                                                                                  "error")
         return JSONResponse(status_code=exc.status_code, content=OpenAIError(exc.status_code, str(exc.detail),
-                                                                             code=code).body(),
+                                                                             code=http_code(exc.status_code)).body(),
                             headers=getattr(exc, "headers", None))
 
     @app.post("/v1/generate", response_model=None)

@@ -123,38 +123,25 @@ def test_a_follower_ranks_death_stops_the_whole_group(tmp_path: Path, tiny_weigh
 
 
 @pytest.mark.gpu
-def test_two_ranks_on_one_gpu_over_gloo_serve_the_same_greedy_output_as_one_rank(
-        tmp_path: Path, tiny_weights: Path, settings_env: dict[str, str]) -> None:
-    """`--tp-one-gpu`: both ranks on GPU 0, their all-reduces through gloo (a group's function on one GPU)."""
-    one = engine(tmp_path, tiny_weights, "tp1g-one", settings_env, "--memory", "local", "--device", "cuda",
-                 "--graphs", "false")
-    two = engine(tmp_path, tiny_weights, "tp1g-two", settings_env, "--memory", "local", "--device", "cuda",
-                 "--tp", "2", "--tp-one-gpu")
-    try:
-        one.wait_ready(120)
-        info = two.wait_ready(120)
-        assert info["tp"]["backend"] == "gloo"
-        assert generate(two.url, **PROMPT)["tokens"] == generate(one.url, **PROMPT)["tokens"]
-    finally:
-        one.stop()
-        two.stop()
-
-
-@pytest.mark.gpu
-def test_two_ranks_over_nccl_serve_the_same_greedy_output_as_one_rank_on_cuda(
-        tmp_path: Path, tiny_weights: Path, settings_env: dict[str, str]) -> None:
+@pytest.mark.parametrize(("backend", "gpus", "extra"), [("nccl", 2, ()), ("gloo", 1, ("--tp-one-gpu",))],
+                         ids=["nccl", "one-gpu-gloo"])
+def test_two_ranks_on_cuda_serve_the_same_greedy_output_as_one_rank(
+        tmp_path: Path, tiny_weights: Path, settings_env: dict[str, str], backend: str, gpus: int,
+        extra: tuple[str, ...]) -> None:
+    """Over NCCL a GPU per rank; with `--tp-one-gpu` both ranks on GPU 0, their all-reduces through gloo (a
+    group's function on one GPU)."""
     import torch
 
-    if torch.cuda.device_count() < 2:
+    if torch.cuda.device_count() < gpus:
         pytest.skip("NCCL needs a GPU per rank: two GPUs")
-    one = engine(tmp_path, tiny_weights, "tp-cuda-one", settings_env, "--memory", "local", "--device", "cuda",
+    one = engine(tmp_path, tiny_weights, f"tp-{backend}-one", settings_env, "--memory", "local", "--device", "cuda",
                  "--graphs", "false")  # eager, as the ranks run
-    two = engine(tmp_path, tiny_weights, "tp-cuda-two", settings_env, "--memory", "local", "--device", "cuda",
-                 "--tp", "2")
+    two = engine(tmp_path, tiny_weights, f"tp-{backend}-two", settings_env, "--memory", "local", "--device", "cuda",
+                 "--tp", "2", *extra)
     try:
         one.wait_ready(120)
         info = two.wait_ready(120)
-        assert info["tp"]["backend"] == "nccl"
+        assert info["tp"]["backend"] == backend
         assert generate(two.url, **PROMPT)["tokens"] == generate(one.url, **PROMPT)["tokens"]
     finally:
         one.stop()

@@ -48,13 +48,19 @@ def verdict(path: str, headers: dict[bytes, bytes], admin_token: str, read_token
     return decide(path, headers, TokenTable().with_plain(admin_token, read_token), max_body_bytes)
 
 
+def bearer_token(headers: dict[bytes, bytes]) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; None without one. Pure."""
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable | None, max_body_bytes: int,
            public: frozenset[str] = PUBLIC) -> tuple[int, str, str] | None:
     """(status, error code, message) to answer at once, or None to let the request in; `tokens` None: no token is
     asked for. Pure."""
     if tokens is not None and path not in public:
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or tokens.scope_of(token.strip()) is None:
+        token = bearer_token(headers)
+        if token is None or tokens.scope_of(token) is None:
             return 401, "unauthorized", "missing or unknown bearer token"
     length = headers.get(b"content-length")
     if length is not None:

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from libs.common.errors import HoldfastError
+from libs.common.web.guard import bearer_token
 from libs.common.web.tokens import allows
 from services.controller.api.audit import fingerprint
 from services.controller.api.context import ctx
@@ -88,12 +89,12 @@ def audit_refused(audit: Any, tokens: Any, scope: MutableMapping[str, Any], stat
     route. The API's writes are its POSTs (every one audited: routers/); a read (GET) is not recorded."""
     if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
         return
-    request = Request(scope)
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    scope_name = tokens.scope_of(token.strip()) if scheme.lower() == "bearer" else None
-    if scope_name is None:
+    token = bearer_token(dict(scope["headers"]))
+    scope_name = tokens.scope_of(token) if token is not None else None
+    if token is None or scope_name is None:
         return
-    who, what = _caller(request, token.strip(), scope_name)
+    request = Request(scope)
+    who, what = _caller(request, token, scope_name)
     audit.record(who, what, str(status))
     # refused while its body came (413 counted mid-body): the app then reads a disconnect, refused again as a body
     # it cannot parse (`audit_unparsed`), which must not record the call a second time
