@@ -49,6 +49,8 @@ async def setup(rt: Runtime) -> None:
     server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent.links, settings.peer_uids()),
                                      mode=settings.socket_mode)
     rt.on_close(server.close)
+    # Engines a previous agent started and never recorded register again now: they fill their slots first.
+    agent.starts_from = time.monotonic() + settings.stranger_wait_s
 
     health = agent.gpu_health  # the node's GPUs: NVML's, or the configured simulated ones
     nvml = NvmlWatcher(health.nvml_fault)

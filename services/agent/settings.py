@@ -39,6 +39,9 @@ class AgentSettings(CommonSettings):
                                           "this long after its reply (its spawn and start-up must not delay it)")
     exit_poll_ms: float = Field(2.0, gt=0, description="how often engines are checked for a death in progress "
                                 "(/proc PF_EXITING): a CUDA process's teardown takes ~100 ms before its pidfd says dead")
+    stranger_wait_s: float = Field(0.5, ge=0, description="after start-up, engines are started only this long after "
+                                   "the agent's socket listens: engines a previous agent started and never recorded "
+                                   "register again first (every 50 ms) and keep their slots, warm")
     reconcile_interval_s: float = Field(0.5, description="how often the desired engines are compared with the live ones")
     crash_backoff_base_s: float = Field(0.5, gt=0, description="an engine spec failing again soon after a "
                                         "start: its next start waits this long, doubling each time")

@@ -24,7 +24,7 @@ class Plan:
     start: list[tuple[str, EngineRole]] = field(default_factory=list)  # (spec key, role), one per process
     retire: list[str] = field(default_factory=list)  # failed engines nobody took over in time
     stop: list[str] = field(default_factory=list)  # standbys beyond their spec's count (a spec lowered)
-    held: list[str] = field(default_factory=list)  # spec keys whose starts wait out a crash-loop backoff
+    held: list[str] = field(default_factory=list)  # spec keys whose starts wait (a crash-loop backoff, strangers)
 
 
 def awaits_takeover(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
@@ -44,7 +44,10 @@ def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float) -> bo
 
 
 def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float,
-         backoffs: Backoffs | None = None) -> Plan:
+         backoffs: Backoffs | None = None, starts_from: float = 0.0) -> Plan:
+    """`starts_from`: nothing starts before then (an agent's first moments, while engines a previous agent started
+    and never recorded register again: each one that does fills its slot, warm, instead of a cold duplicate that
+    would make it one too many)."""
     out = Plan()
     for r in records:
         if (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.failed_mono is not None
@@ -59,8 +62,8 @@ def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, 
         missing = [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)
         want_standbys = standbys_of(spec)
         missing += [(key, EngineRole.STANDBY)] * max(0, want_standbys - len(standbys))
-        if missing and backoffs is not None and not backoffs.may_start(key, now):
-            out.held.append(key)  # crash-looping: its replacements wait
+        if missing and (now < starts_from or (backoffs is not None and not backoffs.may_start(key, now))):
+            out.held.append(key)  # strangers may still register, or crash-looping: its replacements wait
         else:
             out.start += missing
         idle = sorted((r for r in standbys if r.state in (State.STANDBY, State.STARTING)),

@@ -73,6 +73,7 @@ class Agent:
         self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconcile_now = asyncio.Event()
+        self.starts_from = 0.0  # monotonic: the reconciler starts nothing before (`supervision.plan`)
         self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
                                                max_s=settings.crash_backoff_max_s,
                                                reset_s=settings.crash_backoff_reset_s))
@@ -242,7 +243,10 @@ class Agent:
         for rec in self.records():
             if rec.spec_key is not None and rec.state in (State.READY, State.STANDBY):
                 self.backoffs.note_up(rec.spec_key, now, rec.spawned_mono)
-        p = supervision.plan(self.specs, self.records(), now, self.settings.takeover_wait_s, self.backoffs)
+        p = supervision.plan(self.specs, self.records(), now, self.settings.takeover_wait_s, self.backoffs,
+                             self.starts_from)
+        if now < self.starts_from and p.held:
+            asyncio.get_running_loop().call_later(self.starts_from - now, self.reconcile_soon)
         for engine_id in p.stop:
             extra = self.engines.get(engine_id)
             if extra is not None and extra.live:

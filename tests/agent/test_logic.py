@@ -185,6 +185,16 @@ def test_an_adopted_stranger_counts_for_its_spec_so_nothing_more_starts() -> Non
     assert admit_stranger({KEY: spec}, [adopted], KEY, EngineRole.ACTIVE) is not None
 
 
+def test_nothing_starts_while_strangers_may_still_register_then_the_missing_ones_do() -> None:
+    spec = SPEC.model_copy(update={"replicas": 2, "standbys": 1})
+    waiting = plan({KEY: spec}, [rec("a")], now=100.0, takeover_wait_s=10, starts_from=100.5)
+    assert waiting.start == [] and waiting.held == [KEY]
+    later = plan({KEY: spec}, [rec("a")], now=100.5, takeover_wait_s=10, starts_from=100.5)
+    assert later.start == [(KEY, EngineRole.ACTIVE), (KEY, EngineRole.STANDBY)] and later.held == []
+    assert plan({KEY: SPEC.model_copy(update={"replicas": 1, "standbys": 0})}, [rec("a")], now=100.0,
+                takeover_wait_s=10, starts_from=100.5).held == []  # nothing missing: nothing held
+
+
 def test_a_sleeping_engine_is_not_shadowed_and_its_shadows_are_dropped_until_it_wakes() -> None:
     """A shadow's mapping would keep a sleeping engine's memory alive (docs/restore.md)."""
     active = rec("a")

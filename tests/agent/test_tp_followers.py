@@ -115,6 +115,7 @@ async def test_a_group_adopted_as_a_stranger_is_recorded_as_a_group_and_its_foll
     group, rank1 = await serving_group(recorder, store)
     agent.kill(signal.SIGKILL)
     assert await store.delete_prefix("engines/") >= 1  # what a restarted agent would read of it: gone
+    assert await store.delete_prefix("agents/node-1/specs/") == 1  # and no spec: else it may start one of its own
 
     agent.start([], **PATIENT, exit_poll_ms=600_000)  # no spec: nothing started in its place; the pidfd alone
 
