@@ -545,15 +545,17 @@ class MemoryClient:
         return p.GangView.model_validate(body)
 
     def gang_takeover(self, gang_id: str, rank: int, successors: Sequence[str], generation: int, transfer_token: str,
-                      *, wait_s: float = 30.0) -> Attachment:
+                      *, wait_s: float = 30.0, degraded: bool = False) -> Attachment:
         """This process is rank `rank` of the successor group `successors`: map its rank's leases of the frozen gang.
         Every rank of the group calls it; it returns once all have (the leases move together) or raises
-        `PartialGang` / `StaleGang` with nothing moved. `last_gang` is the gang the group holds now."""
+        `PartialGang` / `StaleGang` with nothing moved. `last_gang` is the gang the group holds now. `degraded`: a
+        group of M <= N ranks takes a broken gang's KV backups, every one to its rank 0 (the others get none), the
+        rest of the gang reclaimed; `last_gang` is None for a single engine (gpu_manager gang.py invariant 10)."""
         req = p.GangTakeover(gang_id=gang_id, rank=rank, successors=list(successors), generation=generation,
-                             transfer_token=transfer_token, wait_s=wait_s)
+                             transfer_token=transfer_token, wait_s=wait_s, degraded=degraded)
         t0 = time.perf_counter()
         body, fds = self._call(req)
-        self.last_gang = p.GangView.model_validate(body["gang"])
+        self.last_gang = p.GangView.model_validate(body["gang"]) if body.get("gang") is not None else None
         att = Attachment(self._map(body, fds))
         self.last_timings_ms = {"request_ms": round((time.perf_counter() - t0) * 1000, 3)}
         return att

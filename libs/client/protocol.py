@@ -274,6 +274,8 @@ class GangTakeover(Msg):
     generation: int = Field(ge=1)
     transfer_token: str
     wait_s: float = Field(30.0, gt=0, le=300)
+    # a group of M <= N ranks taking a broken gang's KV backups (gpu_manager gang.py invariant 10): rank 0 gets them
+    degraded: bool = False
 
 
 Request = Annotated[

@@ -541,6 +541,8 @@ class FreezeGang(Command):
     gang_id: str
     incident_id: str | None = None
     transfer_token: str | None = Field(None, min_length=16, max_length=128)
+    # only every rank's KV backup, for a degraded group (a gang that lost a rank's GPU memory; gang.py invariant 10)
+    degraded: bool = False
 
 
 class FreezeGangReply(Model):

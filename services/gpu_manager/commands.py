@@ -117,10 +117,12 @@ class Commands:
     async def freeze_gang(self, cmd: FreezeGang) -> FreezeGangReply:
         async with self.book.lock:
             cause = f"frozen with gang {cmd.gang_id} ({cmd.incident_id or 'no incident'})"
-            gang, recs, token = await self.gangs.freeze(cmd.gang_id, cmd.transfer_token, cause)
+            gang, recs, token = await self.gangs.freeze(cmd.gang_id, cmd.transfer_token, cause, cmd.degraded)
         assert self.bus is not None
         for owner in gang.owners.values():  # each rank's leases, as a plain freeze announces an engine's
             mine = [r for r in recs if r.info.owner == owner]
+            if not mine:
+                continue
             frozen = MemoryFrozen(owner=owner, lease_ids=[r.id for r in mine], epoch=max(r.info.epoch for r in mine),
                                   incident_id=cmd.incident_id)
             try:

@@ -27,6 +27,15 @@ Invariants (tests/gpu_manager/test_gang.py):
    not broken) while as many ranks hold their weights and a KV backup (`is_kv_backup`) but no KV cache
    (`restorable`). Each rank commits one KV cache, so those are the caches gone; the successor group restores them
    from the backups (engines/batched/backup.py) and registers the gang anew with its new caches.
+10. Degraded (FailSafe's core, `plan_degraded`): a gang that lost a rank's GPU memory (broken) while every rank
+   still holds its KV backup (host memory, taken by no GPU fault: `degradable`) can be taken over by a group of
+   M <= N ranks, on the GPUs left: every rank's backup goes to the successor's rank 0, which restores each
+   sequence's cache from all N, re-sharded by kv head for its own group (engines/batched/degrade.py); every other
+   lease of the gang (the surviving ranks' weights and caches, useless to a group sharded otherwise) is reclaimed
+   in the same commit, so the successor's new weights find the room on those GPUs. The same checks as a takeover:
+   the successor names ranks 0..M-1, asks at the current generation, and every backup is frozen under one token at
+   its committed epoch. The gang the successor holds is its own (size M; none for M = 1: a single engine is no
+   gang), registered anew once its ranks commit.
 """
 
 from __future__ import annotations
@@ -38,9 +47,8 @@ from libs.client.protocol import GangView, PartialGang, StaleGang
 from libs.common.events import LeaseInfo, LeaseState, Tag, is_kv_backup
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 
-__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_takeover", "belongs", "broken", "ended", "form",
-           "plan", "plan_reclaim",
-           "restorable"]
+__all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_degraded", "after_takeover", "belongs", "broken",
+           "degradable", "ended", "form", "plan", "plan_degraded", "plan_reclaim", "restorable"]
 
 
 @dataclass(frozen=True)
@@ -193,3 +201,79 @@ def after_takeover(gang: Gang, moves: Sequence[GangMove], leases: Sequence[Lease
     epochs = {m.lease_id: old[m.lease_id] + (1 if transition(LeaseState.FROZEN, m.event).bump_epoch else 0)
               for m in moves}
     return Gang(gang.gang_id, gang.size, owners, epochs, gang.generation + 1)
+
+
+def backups(gang: Gang, leases: Sequence[LeaseInfo]) -> dict[int, LeaseInfo]:
+    """Each rank's KV backup lease still held, of those the gang committed (a rank without one is not listed)."""
+    out: dict[int, LeaseInfo] = {}
+    for info in leases:
+        rank = gang.rank_of(info.owner)
+        if rank is not None and info.state in LIVE and info.id in gang.epochs and is_kv_backup(info.name):
+            out[rank] = info
+    return out
+
+
+def degradable(gang: Gang, leases: Sequence[LeaseInfo]) -> bool:
+    """Every rank's committed KV backup is held at the epoch the gang committed it (invariant 10)."""
+    held = backups(gang, leases)
+    return len(held) == gang.size and all(gang.epochs[i.id] == i.epoch for i in held.values())
+
+
+def plan_freeze_degraded(gang: Gang, leases: Sequence[LeaseInfo]) -> list[GangMove]:
+    """FREEZE for every rank's backup of a degradable gang (what a degraded takeover moves), or a typed error."""
+    if not degradable(gang, leases):
+        raise PartialGang(f"gang {gang.gang_id}: not every rank holds its KV backup at its committed epoch: a "
+                          "degraded group would have no cache to restore")
+    moves = []
+    for rank, info in sorted(backups(gang, leases).items()):
+        transition(info.state, LeaseEvent.FREEZE)
+        moves.append(GangMove(info.id, rank, LeaseEvent.FREEZE))
+    return moves
+
+
+def plan_degraded(gang: Gang, leases: Sequence[LeaseInfo], *, successors: Mapping[int, str], generation: int,
+                  token_of: Mapping[str, str | None]) -> list[GangMove]:
+    """A degraded takeover's moves (invariant 10): every rank's backup to the successor's rank 0, every other lease
+    of the gang reclaimed; or a typed error and no move."""
+    size = len(successors)
+    if sorted(successors) != list(range(size)) or not 1 <= size <= gang.size:
+        raise PartialGang(f"gang {gang.gang_id} has {gang.size} ranks; a degraded group names ranks 0..M-1 with "
+                          f"1 <= M <= {gang.size}, not {sorted(successors)}")
+    if generation != gang.generation:
+        raise StaleGang(f"gang {gang.gang_id} is at generation {gang.generation}; the successor group asked for "
+                        f"{generation}")
+    held = backups(gang, leases)
+    if len(held) != gang.size:
+        missing = sorted(set(range(gang.size)) - set(held))
+        raise PartialGang(f"gang {gang.gang_id}: ranks {missing} hold no KV backup: nothing to restore their heads from")
+    for rank, info in held.items():
+        if info.epoch != gang.epochs[info.id]:
+            raise StaleGang(f"gang {gang.gang_id}: backup {info.id} of rank {rank} is at epoch {info.epoch}, the "
+                            f"gang committed it at {gang.epochs[info.id]}")
+    not_frozen = [i.id for i in held.values() if i.state != LeaseState.FROZEN]
+    if not_frozen:
+        raise PartialGang(f"gang {gang.gang_id}: backups {not_frozen} are not frozen: freeze the gang degraded first")
+    tokens = {token_of.get(i.id) for i in held.values()}
+    if len(tokens) != 1 or None in tokens:
+        raise StaleGang(f"gang {gang.gang_id}: its backups were frozen under different transfer tokens")
+    moves = []
+    for rank, info in sorted(held.items()):
+        transition(info.state, LeaseEvent.TAKEOVER)
+        moves.append(GangMove(info.id, rank, LeaseEvent.TAKEOVER, successors[0]))
+    taken = {i.id for i in held.values()}
+    for info in leases:
+        if info.state != LeaseState.RECLAIMED and info.id not in taken and belongs(gang, info):
+            transition(info.state, LeaseEvent.FORCE_RECLAIM)  # the caller checked every rank is gone
+            moves.append(GangMove(info.id, gang.rank_of(info.owner) or 0, LeaseEvent.FORCE_RECLAIM))
+    return moves
+
+
+def after_degraded(gang: Gang, moves: Sequence[GangMove], leases: Sequence[LeaseInfo],
+                   successors: Mapping[int, str]) -> Gang | None:
+    """The gang a degraded group holds until it registers its own (invariant 10): its ranks, the backups at their
+    new epochs; None for a single successor engine."""
+    if len(successors) == 1:
+        return None
+    old = {i.id: i.epoch for i in leases}
+    epochs = {m.lease_id: old[m.lease_id] + 1 for m in moves if m.event is LeaseEvent.TAKEOVER}
+    return Gang(gang.gang_id, len(successors), dict(successors), epochs, gang.generation + 1)

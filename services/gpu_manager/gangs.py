@@ -13,6 +13,9 @@ Invariants (tests/gpu_manager/test_gang_socket.py, tests/engine/test_tp.py):
    generation, and a reclaim's end are each written in the commit of the lease rows they go with.
 5. A successor group whose every asking rank died (a standby group lost mid-takeover) holds nothing: the next group's
    first request ends it (its waiters refused `partial_gang`) and gathers anew.
+6. Degraded (gang.py invariant 10): `freeze(degraded=True)` freezes only every rank's KV backup, and a `degraded`
+   takeover gathers the successor's M ranks (not the gang's N) and moves the backups to its rank 0, reclaiming the
+   rest of the gang in the same commit; the other ranks get nothing of it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,20 @@ from typing import Any
 
 from libs.client.protocol import GangRegister, GangTakeover, PredecessorAlive
 from libs.common.errors import Conflict, NotFound, PermissionDenied
-from libs.common.events import LeaseState
+from libs.common.events import LeaseState, is_kv_backup
 from services.gpu_manager.fsm import LeaseEvent
-from services.gpu_manager.gang import Gang, PartialGang, after_takeover, form, plan, plan_reclaim
+from services.gpu_manager.gang import (
+    Gang,
+    GangMove,
+    PartialGang,
+    after_degraded,
+    after_takeover,
+    form,
+    plan,
+    plan_degraded,
+    plan_freeze_degraded,
+    plan_reclaim,
+)
 from services.gpu_manager.manager import LeaseBook, Move, check_complete, same_token
 from services.gpu_manager.records import LeaseRecord, process_alive
 
@@ -41,6 +55,7 @@ class _Gathering:
     successors: list[str]
     generation: int
     token: str
+    degraded: bool
     ranks: dict[int, tuple[Any, asyncio.Future[list[LeaseRecord]]]] = dataclasses.field(default_factory=dict)
 
 
@@ -88,11 +103,12 @@ class GangBook:
                  req.owners, len(gang.epochs), gang.generation)
         return gang
 
-    async def freeze(self, gang_id: str, token: str | None, cause: str) -> tuple[Gang, list[LeaseRecord], str]:
-        """Every lease of every rank FROZEN under one transfer token (a repeated freeze keeps theirs). Caller holds
-        the lock."""
+    async def freeze(self, gang_id: str, token: str | None, cause: str,
+                     degraded: bool = False) -> tuple[Gang, list[LeaseRecord], str]:
+        """Every lease of every rank FROZEN under one transfer token (a repeated freeze keeps theirs); `degraded`:
+        every rank's KV backup only (invariant 6). Caller holds the lock."""
         gang = self.get(gang_id)
-        moves = plan(gang, self._leases(), LeaseEvent.FREEZE)
+        moves = plan_freeze_degraded(gang, self._leases()) if degraded else plan(gang, self._leases(), LeaseEvent.FREEZE)
         recs = [self.book.records[m.lease_id] for m in moves]
         tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
         frozen_whole = len(tokens) == 1 and None not in tokens and all(r.info.state == LeaseState.FROZEN for r in recs)
@@ -116,7 +132,7 @@ class GangBook:
 
     # ------------------------------------------------------------ takeover: the lock only around its checks
 
-    async def takeover(self, req: GangTakeover, peer: Any) -> tuple[Gang, list[LeaseRecord]]:
+    async def takeover(self, req: GangTakeover, peer: Any) -> tuple[Gang | None, list[LeaseRecord]]:
         """Rank `req.rank`'s leases, once every rank of the group has asked (invariant 2)."""
         async with self.book.lock:
             gang = self._check_takeover(req, peer)
@@ -129,8 +145,9 @@ class GangBook:
                 gathering = None
             if gathering is None:
                 gathering = self._gathering[req.gang_id] = _Gathering(list(req.successors), req.generation,
-                                                                      req.transfer_token)
-            elif (gathering.successors, gathering.generation) != (list(req.successors), req.generation) or \
+                                                                      req.transfer_token, req.degraded)
+            elif (gathering.successors, gathering.generation, gathering.degraded) != \
+                    (list(req.successors), req.generation, req.degraded) or \
                     not same_token(gathering.token, req.transfer_token):
                 raise Conflict(f"gang {req.gang_id}: another successor group ({gathering.successors}, generation "
                                f"{gathering.generation}) is gathering")
@@ -138,22 +155,23 @@ class GangBook:
                 raise Conflict(f"gang {req.gang_id}: rank {req.rank} asked twice")
             done: asyncio.Future[list[LeaseRecord]] = asyncio.get_running_loop().create_future()
             gathering.ranks[req.rank] = (peer, done)
-            log.info("gang %s: rank %d of %s asked (%d of %d)", req.gang_id, req.rank, gathering.successors,
-                     len(gathering.ranks), gang.size)
-            if len(gathering.ranks) == gang.size:
+            size = len(gathering.successors) if req.degraded else gang.size
+            log.info("gang %s: rank %d of %s asked (%d of %d)%s", req.gang_id, req.rank, gathering.successors,
+                     len(gathering.ranks), size, " degraded" if req.degraded else "")
+            if len(gathering.ranks) == size:
                 await self._move(gang, gathering)
         try:
             recs = await asyncio.wait_for(asyncio.shield(done), req.wait_s)
         except TimeoutError:
             async with self.book.lock:
                 if done.done():  # moved while the lock was awaited
-                    return self.get(req.gang_id), done.result()
-                missing = sorted(set(range(gang.size)) - set(gathering.ranks))
+                    return self.gangs.get(req.gang_id), done.result()
+                missing = sorted(set(range(len(gathering.successors))) - set(gathering.ranks))
                 self._fail(req.gang_id, gathering, PartialGang(
                     f"gang {req.gang_id}: ranks {missing} of the successor group did not ask within {req.wait_s} s; "
                     "nothing moved"))
             recs = await done  # raises the refusal
-        return self.get(req.gang_id), recs
+        return self.gangs.get(req.gang_id), recs  # None: a single engine took it over degraded (no gang)
 
     def _check_takeover(self, req: GangTakeover, peer: Any) -> Gang:
         """What one rank's request can be refused for at once, before it waits (gang.py's checks included)."""
@@ -161,17 +179,19 @@ class GangBook:
         if req.rank >= len(req.successors) or req.successors[req.rank] != peer.engine_id:
             raise PermissionDenied(f"{peer.engine_id} is not rank {req.rank} of the group {req.successors}")
         recs = self._records(gang)
-        plan(gang, [r.info for r in recs], LeaseEvent.TAKEOVER, successors=dict(enumerate(req.successors)),
-             generation=req.generation, token_of={r.id: r.transfer_token for r in recs})
-        live = [r for r in recs if r.info.id in gang.epochs]
+        moves = self._plan(gang, recs, req.successors, req.generation, req.degraded)
+        moving = {m.lease_id for m in moves}
+        live = [r for r in recs if r.info.id in moving]
         for rec in live:
-            if not same_token(rec.transfer_token, req.transfer_token):
+            if rec.info.id in gang.epochs and not same_token(rec.transfer_token, req.transfer_token) and \
+                    (not req.degraded or is_kv_backup(rec.info.name)):
                 raise PermissionDenied("wrong transfer token")
             if rec.owner_uid != peer.uid:
                 raise PermissionDenied(f"lease {rec.id} belongs to another user")
-            if self.book.owner_alive(rec):
+            if self.book.owner_alive(rec):  # a degraded takeover reclaims the rest: every rank must be gone
                 raise PredecessorAlive(f"{rec.info.owner} (pid {rec.owner_pid}) still runs: kill the group first")
-        check_complete(req.gang_id, live)
+        if not req.degraded:
+            check_complete(req.gang_id, live)
         return gang
 
     async def _move(self, gang: Gang, gathering: _Gathering) -> None:
@@ -179,22 +199,43 @@ class GangBook:
         recs = self._records(gang)
         successors = dict(enumerate(gathering.successors))
         try:
-            moves = plan(gang, [r.info for r in recs], LeaseEvent.TAKEOVER, successors=successors,
-                         generation=gathering.generation, token_of={r.id: r.transfer_token for r in recs})
+            moves = self._plan(gang, recs, gathering.successors, gathering.generation, gathering.degraded)
             by_id = {r.id: r for r in recs}
-            successor_gang = after_takeover(gang, moves, [by_id[m.lease_id].info for m in moves])
+            infos = [by_id[m.lease_id].info for m in moves]
+            if gathering.degraded:
+                successor_gang = after_degraded(gang, moves, infos, successors)
+                holder = _holder(gathering.ranks[0][0])  # every backup to rank 0 (gang.py invariant 10)
+            else:
+                successor_gang = after_takeover(gang, moves, infos)
+            how = "taken over degraded" if gathering.degraded else "taken over"
             await self.book.apply_all([  # the leases' new owners and epochs and the gang's in one commit
-                Move(by_id[m.lease_id], LeaseEvent.TAKEOVER, f"gang {gang.gang_id} taken over (rank {m.rank})",
-                     _holder(gathering.ranks[m.rank][0]) | {"transfer_token": None, "successor": None})
-                for m in moves], gangs=[successor_gang])
+                Move(by_id[m.lease_id], m.event, f"gang {gang.gang_id} {how} (rank {m.rank})",
+                     (holder if gathering.degraded else _holder(gathering.ranks[m.rank][0]))
+                     | {"transfer_token": None, "successor": None})
+                if m.event is LeaseEvent.TAKEOVER else
+                Move(by_id[m.lease_id], m.event, f"gang {gang.gang_id} {how} by {gathering.successors}: not needed")
+                for m in moves], gangs=[successor_gang] if successor_gang else [],
+                drop=[gang.gang_id] if successor_gang is None else [])
         except Exception as e:
             self._fail(gang.gang_id, gathering, e)
             return
         del self._gathering[gang.gang_id]
+        taken = [m for m in moves if m.event is LeaseEvent.TAKEOVER]
         for rank, (_, done) in gathering.ranks.items():
-            done.set_result([by_id[m.lease_id] for m in moves if m.rank == rank])
+            done.set_result([by_id[m.lease_id] for m in taken
+                             if (rank == 0 if gathering.degraded else m.rank == rank)])
         log.info("gang %s taken over by %s: %d leases, generation %d", gang.gang_id, gathering.successors,
                  len(moves), gang.generation + 1)
+
+    @staticmethod
+    def _plan(gang: Gang, recs: list[LeaseRecord], successors: list[str], generation: int,
+              degraded: bool) -> list[GangMove]:
+        infos, tokens = [r.info for r in recs], {r.id: r.transfer_token for r in recs}
+        if degraded:
+            return plan_degraded(gang, infos, successors=dict(enumerate(successors)), generation=generation,
+                                 token_of=tokens)
+        return plan(gang, infos, LeaseEvent.TAKEOVER, successors=dict(enumerate(successors)), generation=generation,
+                    token_of=tokens)
 
     def _fail(self, gang_id: str, gathering: _Gathering, why: Exception) -> None:
         if self._gathering.get(gang_id) is gathering:

@@ -294,11 +294,12 @@ class LeaseBook:
         """One transition of one lease. Caller holds `self.lock`."""
         await self.apply_all([Move(rec, event, cause, changes)])
 
-    async def apply_all(self, moves: Sequence[Move], *, gangs: Sequence[Gang] = ()) -> None:
+    async def apply_all(self, moves: Sequence[Move], *, gangs: Sequence[Gang] = (), drop: Sequence[str] = ()) -> None:
         """The one place leases change state: every move checked against the table and staged on a copy,
-        then all the rows written in one transaction, with the `gangs` given (new or changed) and the end of every
-        gang whose last lease these moves reclaim (invariant 6), then the copies become the live records. A
-        refused move or a failed commit leaves every record and gang as it was. Caller holds `self.lock`."""
+        then all the rows written in one transaction, with the `gangs` given (new or changed), the end of every
+        gang whose last lease these moves reclaim (invariant 6) and of those in `drop` (a gang a single engine took
+        over degraded), then the copies become the live records. A refused move or a failed commit leaves every
+        record and gang as it was. Caller holds `self.lock`."""
         now = time.time()
         staged: dict[str, LeaseRecord] = {}
         notes: list[tuple[LeaseInfo, LeaseState, str]] = []
@@ -325,6 +326,7 @@ class LeaseBook:
         put = {g.gang_id: g for g in gangs}
         after = {**self.gangs, **put}
         gone = tuple(ended(after.values(), (staged.get(i, r).info for i, r in self.records.items()))) if after else ()
+        gone += tuple(g for g in drop if g in after and g not in gone)
         await self.persist(list(staged.values()), put_gangs=tuple(put.values()), drop_gangs=gone)
         self.gangs = {k: g for k, g in after.items() if k not in gone}
         freed = []

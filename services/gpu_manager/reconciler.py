@@ -15,15 +15,18 @@ notice or a manager restart cannot leave a lease behind.
 6. A gang that lost a committed lease (gang.broken: a rank's memory gone with its GPU, say) can never be taken over:
    its ORPHANED and FROZEN leases are due at once, without waiting for their deadline, so that the memory on the
    healthy GPUs is there for the group that replaces it; still all in one pass, once no lease of it is held.
+   Except its KV backups while every rank still holds one (gang.degradable, gang.py invariant 10): host memory,
+   the only copy of the group's caches, they wait out their deadline for a degraded group to take them over;
+   the rest of the gang goes at once as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from libs.common.events import LeaseState
+from libs.common.events import LeaseState, is_kv_backup
 from services.gpu_manager.fsm import HELD, WAITING, LeaseEvent
-from services.gpu_manager.gang import Gang, belongs, broken
+from services.gpu_manager.gang import Gang, belongs, broken, degradable
 from services.gpu_manager.records import LeaseRecord
 
 
@@ -44,11 +47,15 @@ def plan(records: Iterable[LeaseRecord], now: float, owner_alive: Callable[[Leas
     done: set[str] = set()
     for gang in gangs:
         mine = [r for r in recs if r.id not in done and r.info.state in HELD and belongs(gang, r.info)]
-        lost = broken(gang, (r.info for r in recs))
-        events = [_reclaim_event(r, now, owner_alive, lost) for r in mine]
-        if mine and None not in events:  # rule 5: every lease of the gang due, or none is reclaimed
+        infos = [r.info for r in recs]
+        lost = broken(gang, infos)
+        kept = {r.id for r in mine if lost and is_kv_backup(r.info.name) and r.info.state in WAITING} \
+            if lost and degradable(gang, infos) else set()
+        events = [_reclaim_event(r, now, owner_alive, lost and r.id not in kept) for r in mine]
+        # rule 5: every lease of the gang due, or none is reclaimed (rule 6: a backup kept waits on its own)
+        if mine and all(e is not None or r.id in kept for r, e in zip(mine, events, strict=True)):
             out.extend((r.id, e) for r, e in zip(mine, events, strict=True) if e is not None)
-            done.update(r.id for r in mine)
+            done.update(r.id for r, e in zip(mine, events, strict=True) if e is not None)
     return out
 
 

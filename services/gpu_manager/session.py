@@ -506,7 +506,7 @@ class EngineSession:
         gang, recs = await self.gangs.takeover(req, peer)
         async with self.book.lock:
             reply, fds = self._grant(recs)
-        reply["gang"] = gang.view().model_dump(mode="json")
+        reply["gang"] = gang.view().model_dump(mode="json") if gang is not None else None
         log.info("gang %s: rank %d (%s, pid %d) took %d leases in %.2f ms (the group's wait included)", req.gang_id,
                  req.rank, peer.engine_id, peer.pid, len(recs), (time.perf_counter() - t0) * 1000)
         return reply, fds

@@ -1,12 +1,14 @@
 """A test engine on the SDK, driven by one command a line on stdin, one JSON reply a line on stdout.
 
     write N SEED [TAG [GPU]]  allocate N bytes (on GPU, default 0), fill with a seeded pattern, register, commit
+    backup N SEED GPU RANK SIZE   the same as a host lease named as rank RANK of SIZE's KV backup (tensor of that name)
     hash                    sha256 of every registered tensor as this process sees it now
     pending                 lease ids waiting for this engine id
     attach                  attach own leases back; reply their ids, epochs and the tensors' hashes
     takeover PRED TOKEN     take over a frozen predecessor's leases
     takeover_fenced PRED TOKEN   the same, fenced (granted once the predecessor is stopped; `fence`: whom to await)
-    gang_takeover GANG RANK SUCC1,SUCC2.. GENERATION TOKEN   rank RANK of a successor group takes its gang's leases
+    gang_takeover GANG RANK SUCC1,SUCC2.. GENERATION TOKEN [degraded]   rank RANK of a successor group takes its
+                            gang's leases (degraded: a smaller group takes a broken gang's KV backups)
     share OWNER TOKEN       map an owner's weight leases read-only (a standby's shadow)
     poke                    write one byte into the first tensor (a shadow: the process should fault)
     reconnect               new connection to the manager (e.g. after it restarted), keep mappings
@@ -46,11 +48,12 @@ class TestEngine:
     def hashes(self) -> dict[str, str]:
         return {k: hashlib.sha256(self._bytes(v)).hexdigest() for k, v in self.views.items()}
 
-    def write(self, n: int, seed: int, tag: str | None = None, gpu: int = 0) -> dict:
-        """A lease of `n` bytes of a seeded pattern, registered as tensor "data" (or, given a tag, as a tensor named
-        after it, beside the earlier ones), committed."""
-        name = tag or "data"
-        lease = self.client.allocate(n, name=name, gpu=gpu, **({"tag": tag} if tag else {}))
+    def write(self, n: int, seed: int, tag: str | None = None, gpu: int = 0, name: str | None = None,
+              host: bool = False) -> dict:
+        """A lease of `n` bytes of a seeded pattern, registered as tensor "data" (or, given a tag or a name, as a
+        tensor named after it, beside the earlier ones), committed."""
+        name = name or tag or "data"
+        lease = self.client.allocate(n, name=name, gpu=gpu, host=host, **({"tag": tag} if tag else {}))
         pattern = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
         if self.framework == "torch":
             import torch
@@ -63,7 +66,7 @@ class TestEngine:
             view[:] = pattern
         self.client.register([lease.meta(name, "uint8", (n,))])
         digest = self.client.commit()
-        self.views = {**self.views, name: view} if tag else {"data": view}
+        self.views = {**self.views, name: view} if name != "data" else {"data": view}
         return {"lease": lease.id, "epoch": lease.epoch, "layout": digest, "expected": hashlib.sha256(pattern.tobytes()).hexdigest(),
                 **self.hashes()}
 
@@ -76,6 +79,9 @@ class TestEngine:
         cmd = words[0]
         if cmd == "write":
             return self.write(int(words[1]), int(words[2]), *words[3:4], *(int(w) for w in words[4:5]))
+        if cmd == "backup":
+            n, seed, gpu, rank, size = (int(w) for w in words[1:6])
+            return self.write(n, seed, "other", gpu, name=f"kv_backup.tp{size}-r{rank}", host=True)
         if cmd == "hash":
             return self.hashes()
         if cmd == "pending":
@@ -87,8 +93,10 @@ class TestEngine:
         if cmd == "takeover_fenced":
             return self.grant(self.client.takeover(words[1], words[2], fenced=True), fenced=True)
         if cmd == "gang_takeover":
-            att = self.client.gang_takeover(words[1], int(words[2]), words[3].split(","), int(words[4]), words[5])
-            return {**self.grant(att), "gang": self.client.last_gang.model_dump(mode="json")}
+            att = self.client.gang_takeover(words[1], int(words[2]), words[3].split(","), int(words[4]), words[5],
+                                            degraded=words[6:7] == ["degraded"])
+            gang = self.client.last_gang
+            return {**self.grant(att), "gang": gang.model_dump(mode="json") if gang is not None else None}
         if cmd == "share":
             att = self.client.share(words[1], words[2])
             out = self.grant(att)

@@ -10,7 +10,17 @@ from libs.common.errors import InvalidTransition
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from services.gpu_manager import reconciler
 from services.gpu_manager.fsm import LeaseEvent, transition
-from services.gpu_manager.gang import Gang, PartialGang, StaleGang, after_takeover, plan
+from services.gpu_manager.gang import (
+    Gang,
+    PartialGang,
+    StaleGang,
+    after_degraded,
+    after_takeover,
+    degradable,
+    plan,
+    plan_degraded,
+    plan_freeze_degraded,
+)
 from services.gpu_manager.records import LeaseRecord
 
 A, F, R = LeaseState.ACTIVE, LeaseState.FROZEN, LeaseState.RECLAIMED
@@ -132,3 +142,69 @@ def test_a_gang_that_lost_a_committed_lease_is_reclaimed_once_no_process_holds_i
         (r.id, LeaseEvent.RECLAIM) for r in left)
     running = [_row(i.info.model_copy(update={"state": A}), None, 0) if i.id == "r0-weights" else i for i in left]
     assert reconciler.plan(running, 0.0, lambda r: r.id == "r0-weights", [gang]) == []  # rank 0 still holds one
+
+
+def backed_gang(n: int = 2, state: LeaseState = A) -> tuple[Gang, list[LeaseInfo]]:
+    """A gang whose every rank holds weights, a KV cache and its KV backup (a host lease named for its rank)."""
+    leases = [lease(r, t, state) for r in range(n) for t in (Tag.WEIGHTS, Tag.KV_CACHE)]
+    leases += [lease(r, Tag.OTHER, state).model_copy(update={"id": f"r{r}-backup", "name": f"kv_backup.tp{n}-r{r}"})
+               for r in range(n)]
+    return Gang("g1", n, {r: f"tp-r{r}" for r in range(n)}, {i.id: i.epoch for i in leases}), leases
+
+
+def test_a_degraded_takeover_gives_every_backup_to_rank_0_and_reclaims_the_rest() -> None:
+    gang, leases = backed_gang(3)
+    lost = [i.model_copy(update={"state": R}) if i.id.startswith("r2-") and "backup" not in i.id else i
+            for i in leases]  # rank 2's GPU failed: its weights and cache gone, its host backup kept
+    frozen = [i.model_copy(update={"state": F}) if "backup" in i.id else
+              i.model_copy(update={"state": LeaseState.ORPHANED}) if i.state != R else i for i in lost]
+    assert degradable(gang, frozen) and [m.lease_id for m in plan_freeze_degraded(gang, lost)] == [
+        "r0-backup", "r1-backup", "r2-backup"]
+    tokens = {i.id: "tok" for i in frozen if "backup" in i.id}
+    succ = {0: "d-r0", 1: "d-r1"}
+    moves = plan_degraded(gang, frozen, successors=succ, generation=1, token_of=tokens)
+    assert {(m.lease_id, m.event, m.new_owner) for m in moves if m.event is LeaseEvent.TAKEOVER} == {
+        (f"r{r}-backup", LeaseEvent.TAKEOVER, "d-r0") for r in range(3)}
+    assert sorted(m.lease_id for m in moves if m.event is LeaseEvent.FORCE_RECLAIM) == [
+        "r0-kv_cache", "r0-weights", "r1-kv_cache", "r1-weights"]
+    nxt = after_degraded(gang, moves, frozen, succ)
+    assert nxt is not None and nxt.size == 2 and nxt.generation == 2 and dict(nxt.owners) == succ
+    assert nxt.epochs == {f"r{r}-backup": 2 for r in range(3)}
+    assert after_degraded(gang, moves, frozen, {0: "alone"}) is None  # a single engine holds no gang
+
+
+def test_a_degraded_takeover_is_refused_whole_without_every_backup_frozen_at_its_epoch() -> None:
+    gang, leases = backed_gang(2, F)
+    tokens = {i.id: "tok" for i in leases}
+    ok = {"successors": {0: "d"}, "generation": 1, "token_of": tokens}
+    no_backup = [i for i in leases if i.id != "r1-backup"]
+    assert not degradable(gang, no_backup)
+    with pytest.raises(PartialGang, match=r"ranks \[1\] hold no KV backup"):
+        plan_degraded(gang, no_backup, **ok)
+    with pytest.raises(PartialGang, match="not every rank"):
+        plan_freeze_degraded(gang, no_backup)
+    with pytest.raises(StaleGang, match="epoch 2"):
+        plan_degraded(gang, [i.model_copy(update={"epoch": 2}) if i.id == "r0-backup" else i for i in leases], **ok)
+    with pytest.raises(StaleGang, match="generation"):
+        plan_degraded(gang, leases, **{**ok, "generation": 2})
+    with pytest.raises(PartialGang, match="ranks 0..M-1"):
+        plan_degraded(gang, leases, **{**ok, "successors": {0: "a", 1: "b", 2: "c"}})  # more ranks than the gang
+    with pytest.raises(PartialGang, match="not frozen"):
+        plan_degraded(gang, [i.model_copy(update={"state": A}) if i.id == "r1-backup" else i for i in leases], **ok)
+    with pytest.raises(StaleGang, match="transfer tokens"):
+        plan_degraded(gang, leases, **{**ok, "token_of": {**tokens, "r1-backup": "other"}})
+
+
+def test_a_broken_gangs_backups_wait_their_deadline_for_a_degraded_group_while_the_rest_goes_at_once() -> None:
+    gang, leases = backed_gang(2)
+    o = LeaseState.ORPHANED
+    left = [_row(i.model_copy(update={"state": o}), 1000.0, n) for n, i in enumerate(leases)
+            if not (i.id.startswith("r1-") and "backup" not in i.id)]  # rank 1's GPU memory lost
+    planned = sorted(reconciler.plan(left, 0.0, lambda r: False, [gang]))
+    assert planned == [("r0-kv_cache", LeaseEvent.RECLAIM), ("r0-weights", LeaseEvent.RECLAIM)]
+    backups = [r for r in left if "backup" in r.id]
+    assert sorted(reconciler.plan(backups, 1000.0, lambda r: False, [gang])) == [
+        ("r0-backup", LeaseEvent.DEADLINE), ("r1-backup", LeaseEvent.DEADLINE)]
+    one_backup = [r for r in left if r.id != "r1-backup"]  # not degradable: everything goes at once, as before
+    assert sorted(reconciler.plan(one_backup, 0.0, lambda r: False, [gang])) == sorted(
+        (r.id, LeaseEvent.RECLAIM) for r in one_backup)

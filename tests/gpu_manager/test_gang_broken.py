@@ -1,6 +1,7 @@
 """A gang that lost a rank's memory (its GPU marked faulty) can never be taken over: the other ranks' leases go as
 soon as no process holds them, not at their deadline, and `ReclaimGang` reclaims what is left of it (host backend,
-two simulated GPUs, real rank processes)."""
+two simulated GPUs, real rank processes). Unless every rank backed its KV up to host: those backups wait for a
+degraded group (gpu_manager gang.py invariant 10), which takes them all to its rank 0, with their content."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.errors import RemoteError
 from libs.common.events import (
+    FreezeGang,
+    FreezeGangReply,
     LeaseState,
     ListLeases,
     ListLeasesReply,
@@ -26,13 +29,15 @@ from tests.gpu_manager.test_gang_restart import no_gang
 RANKS = ["g-r0", "g-r1"]
 
 
-def gang_on_two_gpus(engines, manager: ManagerProc) -> list:  # noqa: ANN001
-    """Rank r's weights and KV leases on GPU r, registered as gang "g"."""
+def gang_on_two_gpus(engines, manager: ManagerProc, backed: bool = False) -> list:  # noqa: ANN001
+    """Rank r's weights and KV leases on GPU r (`backed`: and its KV backup, a host lease), registered as gang "g"."""
     group = []
     for rank, engine_id in enumerate(RANKS):
         e = engines(manager, engine_id)
         for tag in ("weights", "kv_cache"):
             assert "lease" in e.ask(f"write {1 << 20} {rank} {tag} {rank}")
+        if backed:
+            assert "lease" in e.ask(f"backup {1 << 16} {rank + 100} {rank} {rank} {len(RANKS)}")
         group.append(e)
     assert group[0].ask(f"call gang_register {json.dumps({'gang_id': 'g', 'owners': RANKS})}") == {"code": "ok"}
     return group
@@ -74,6 +79,32 @@ async def test_reclaim_gang_takes_what_is_left_of_a_gang_that_lost_a_rank(
     reclaimed = await bus.request(settings.node, ReclaimGang(gang_id="g", force=True), ReclaimGangReply)
     assert sorted(reclaimed.lease_ids) == left
     assert await leases(bus, settings) == []
+    await no_gang(bus, settings)
+
+
+async def test_a_broken_gangs_backups_wait_for_a_degraded_group_whose_rank_0_takes_them_all(
+        two_gpu_manager: ManagerProc, engines, bus: Bus, settings: CommonSettings) -> None:  # noqa: ANN001
+    group = gang_on_two_gpus(engines, two_gpu_manager, backed=True)
+    written = {f"kv_backup.tp2-r{r}": e.ask("hash")[f"kv_backup.tp2-r{r}"] for r, e in enumerate(group)}
+    await lose_gpu_1(bus, settings)
+    for e in group:
+        e.kill()
+
+    async def only_backups_left() -> bool:
+        return sorted(i.name for i in await leases(bus, settings)) == sorted(written)
+    await until(only_backups_left, timeout=20)  # rank 0's GPU memory went at once; the backups wait (grace 120 s)
+    with pytest.raises(RemoteError) as whole:  # a whole-gang freeze: rank 1's weights are gone
+        await bus.request(settings.node, FreezeGang(gang_id="g"), FreezeGangReply)
+    assert whole.value.remote_code == "partial_gang"
+    frozen = await bus.request(settings.node, FreezeGang(gang_id="g", degraded=True), FreezeGangReply)
+    assert sorted(i.name for i in frozen.leases) == sorted(written)
+    assert {i.state for i in frozen.leases} == {LeaseState.FROZEN}
+    token = frozen.transfer_token
+    alone = engines(two_gpu_manager, "d-0")
+    assert alone.ask(f"gang_takeover g 0 d-0 1 {'x' * 24} degraded")["code"] == "permission_denied"  # wrong token
+    got = alone.ask(f"gang_takeover g 0 d-0 1 {token} degraded")
+    assert {k: got[k] for k in written} == written and got["gang"] is None  # both ranks' content; a single engine
+    assert {(i.owner, i.epoch, i.state) for i in await leases(bus, settings)} == {("d-0", 2, LeaseState.ACTIVE)}
     await no_gang(bus, settings)
 
 
