@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engines.batched import isolation
+from engines.batched import degrade, isolation
 from engines.batched.backup import SOLO, BackupWriter, backed_journal
 from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
@@ -190,6 +190,10 @@ def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGr
     assigned: one path, tp_group.py), a cold successor's takeover, a restarted engine's reattach, or a cold load."""
     if group is not None:
         return group.load(memory, layout_of)  # committed as a group once every rank's backup is open (run)
+    if cfg.degrade_gang:  # its cache filled from every rank's backup at start-up (degrade.py)
+        assert cfg.transfer_token and cfg.gang_generation is not None  # config.py
+        return memory.degraded_takeover(mcfg, cfg.weights, cfg.degrade_gang, cfg.gang_generation, cfg.transfer_token,
+                                        layout_of, cfg.adopt_wait_s)
     if cfg.takeover_from:
         if not cfg.transfer_token:
             raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
@@ -302,6 +306,11 @@ def run(cfg: EngineConfig) -> int:
         # a fenced takeover: nothing read or written before (isolated: nothing its predecessor may still write)
         isolate = cfg.isolated_takeover and cfg.drain_mark and group is None and not cfg.kv_backup
         fence, pend = wait_fence(loaded, cfg.adopt_wait_s, isolate=isolate)
+        if loaded.degraded is not None:  # every rank's backup into this engine's one cache, then given back
+            state.info["degraded"] = degrade.restore(loaded.degraded, loaded.kv, Journal(layout, loaded.journal), layout)
+            loaded.kv_handed_on = state.info["degraded"]["restored"] > 0
+            assert isinstance(memory, LeasedMemory)  # config.py: a degraded successor leases
+            memory.release(loaded.degraded.lease_ids)
         # a lost cache restored from its host backup (backup.py); a group's ranks all at once, before the gang
         kv_backup = open_backup(cfg, memory, loaded, group.backup if group is not None else SOLO)
         if group is not None:
@@ -350,7 +359,9 @@ def run(cfg: EngineConfig) -> int:
         state.become("ready")
         http.wait_hello()
         if link is not None:
-            link.ready(http.endpoint, weights=loaded.weights_load, kv=describe_restore(kv_backup[1]) if kv_backup else None)
+            kv = (degrade.describe(state.info["degraded"]) if loaded.degraded is not None
+                  else describe_restore(kv_backup[1]) if kv_backup else None)
+            link.ready(http.endpoint, weights=loaded.weights_load, kv=kv)
         if cfg.ready_file:
             write_ready_file(cfg.ready_file, {"endpoint": http.endpoint, "pid": os.getpid(), "engine_id": cfg.id,
                                               "state": "ready", **state.info})

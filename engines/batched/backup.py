@@ -336,15 +336,33 @@ def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal
     restored (main slot -> Backed) for the writer. `tensors`: the handed-on backup lease's. In a group every rank
     restores the blocks rank 0's rows vouch for (shared), each from its own backup; only rank 0's rows are written."""
     t0 = time.perf_counter()
-    bj = backup_journal(layout, tensors)
-    entries, dropped = bj.recover() if bj.matches() else ([], 0)
-    bs = layout.block_size
-    mine = (bj.matches(), len(entries), sorted({b for e in entries for b in blocks_between(e.block_table, 0, e.computed, bs)}))
-    matches, restored, blocks = channel.share(mine)
+    ok, entries, dropped, covered = vouched(tensors, layout)
+    matches, restored, blocks = channel.share((ok, len(entries), covered))
     if not matches:
         return {"restored": 0, "why": "the backup was written for another layout"}, {}
     copier = BlockCopier(kv, tensors[BACKUP_NAME])
     copier.restore(blocks)
+    book = rows_into(journal, entries)
+    if kv.device.type == "cuda":
+        torch.cuda.synchronize(kv.device)
+    info = {"restored": restored, "dropped": dropped, "blocks": len(blocks), "bytes": len(blocks) * copier.block_bytes,
+            "recomputed_tokens": sum(len(e.tokens) - 1 - e.computed for e in entries),
+            "ms": round((time.perf_counter() - t0) * 1000, 3)}
+    return info, book
+
+
+def vouched(tensors: dict[str, torch.Tensor], layout: JournalLayout) -> tuple[bool, list[Any], int, list[int]]:
+    """What a backup's rows vouch for: whether they were written for `layout`, the rows (recovered), how many were
+    dropped, and every block they cover up to their computed positions."""
+    bj = backup_journal(layout, tensors)
+    entries, dropped = bj.recover() if bj.matches() else ([], 0)
+    bs = layout.block_size
+    return bj.matches(), entries, dropped, sorted({b for e in entries for b in blocks_between(e.block_table, 0, e.computed, bs)})
+
+
+def rows_into(journal: Journal, entries: list[Any]) -> dict[int, Backed]:
+    """Backed-up rows written as the main journal's (formatted first), each committed at its computed positions:
+    start-up then adopts them as a handed-on cache's. The book of them (main slot -> Backed)."""
     journal.format()
     book: dict[int, Backed] = {}
     for e in entries:
@@ -354,12 +372,7 @@ def restore(tensors: dict[str, torch.Tensor], kv: torch.Tensor, journal: Journal
         journal.commit([(slot, len(e.tokens), e.computed, None)])
         book[slot] = Backed(journal._epoch, e.slot, len(e.tokens), e.computed, e.computed, len(e.block_table),
                             e.prompt_len)
-    if kv.device.type == "cuda":
-        torch.cuda.synchronize(kv.device)
-    info = {"restored": restored, "dropped": dropped, "blocks": len(blocks), "bytes": len(blocks) * copier.block_bytes,
-            "recomputed_tokens": sum(len(e.tokens) - 1 - e.computed for e in entries),
-            "ms": round((time.perf_counter() - t0) * 1000, 3)}
-    return info, book
+    return book
 
 
 def backed_journal(writer: BackupWriter, layout: JournalLayout, tensors: dict[str, torch.Tensor]) -> BackedJournal:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from engines.reference.settings import TensorParallelSettings
@@ -80,6 +80,11 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     kv_backup: bool = Field(False, description="copy each step's new KV blocks to a host-memory lease at a bounded lag "
                             "(backup.py): a successor whose KV lease was lost restores from it instead of recomputing")
     kv_backup_lag_ms: float = Field(100.0, gt=0, description="the backup's lag bound: a round every half of it")
+    degrade_gang: str | None = Field(
+        None, validation_alias=AliasChoices("degrade_gang", "HF_DEGRADE_GANG"),
+        description="a degraded successor (degrade.py): this engine alone takes over the KV backups of this broken "
+                    "tensor-parallel gang (with HF_TRANSFER_TOKEN and HF_GANG_GENERATION), loads the weights cold and "
+                    "continues every backed-up sequence; its --num-blocks comes from the backups")
     fenced_takeover: bool = Field(True, description="a standby is granted its predecessor's leases once the "
                                   "predecessor is stopped (can run no code), maps them during its teardown and reads "
                                   "or writes them only after its exit (the pidfd): the ~75-95 ms of a CUDA context's "
@@ -101,6 +106,19 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     port: int = Field(0, description="HTTP port; 0: a free one (reported in the ready file and to the agent)")
     ready_file: Path | None = Field(None, description="written (JSON) once serving: endpoint, pid, timings")
     log_level: str = "INFO"
+
+
+    @model_validator(mode="after")
+    def _degraded_alone(self) -> EngineConfig:
+        if self.degrade_gang is not None:
+            if self.tp != 1 or self.role != "active":
+                raise ValueError("a degraded successor (degrade_gang) is one active engine: a degraded group of "
+                                 "several ranks is not built")
+            if not self.transfer_token or self.gang_generation is None:
+                raise ValueError("degrade_gang needs HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
+            if self.memory == "local":
+                raise ValueError("degrade_gang takes leases over: it needs leased memory")
+        return self
 
 
 def parse_config(argv: list[str]) -> EngineConfig:

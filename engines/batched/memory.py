@@ -59,6 +59,7 @@ class Loaded:
     backup: dict[str, torch.Tensor] | None = None  # a handed-on KV backup lease's tensors (backup.py), if any
     fence: list[Any] = field(default_factory=list)  # a fenced takeover's predecessors (FencePid) to see exit first
     drain: torch.Tensor | None = None  # a handed-on drain mark's page (drain.py), if the predecessor kept one
+    degraded: Any = None  # a broken gang's every rank's backup (degrade.py `Degraded`), for a degraded successor
 
 
 def _ms(t0: float) -> float:
@@ -156,18 +157,43 @@ class LeasedMemory:
     def pending(self) -> bool:
         return bool(self.client.pending())
 
-    def load(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Loaded:
+    def load(self, cfg: ModelConfig, path: Path, layout_of: Any, num_blocks: int | None = None) -> Loaded:
         """A cold start: the node's copy of this class's weights if a sound one of this model's layout is there,
         else the file, each layer's fused parts back to back (fused_layout.py) either way: the copy was written
-        from a lease of this class (safetensors_io.restore_or_load, the one cold path)."""
+        from a lease of this class (safetensors_io.restore_or_load, the one cold path). `num_blocks`: the new
+        cache's (default: the configuration's)."""
         from libs.client.safetensors_io import copy_name, restore_or_load
 
         t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
                               expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
-        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
+        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0, num_blocks)
         loaded.weights_load = got.report()
         return loaded
+
+    def degraded_takeover(self, cfg: ModelConfig, path: Path, gang_id: str, generation: int, token: str,
+                          layout_of: Any, wait_s: float) -> Loaded:
+        """A degraded successor (degrade.py): every rank's KV backup of the broken gang (the rest of it reclaimed
+        in the same commit), then the weights cold and a new cache of the backups' block count (degrade.py
+        invariant 2). The cache is filled from the backups at start-up (`degrade.restore`)."""
+        from engines.batched.degrade import gathered
+        from libs.client.protocol import PredecessorAlive
+
+        t0 = time.perf_counter()
+        att, tries = retry_until(lambda: self.client.gang_takeover(gang_id, 0, [self.client.engine_id], generation,
+                                                                   token, degraded=True), (PredecessorAlive,), wait_s)
+        took = {"takeover_ms": _ms(t0), "tries": tries}
+        d = gathered({lease.info.name: {m.name: lease.view(m, "torch") for m in lease.tensor_metas}
+                      for lease in att.leases})
+        d.lease_ids = [lease.id for lease in att.leases]
+        loaded = self.load(cfg, path, layout_of, num_blocks=d.backups[0][BACKUP_NAME].shape[0])
+        loaded.source, loaded.degraded = "degraded", d
+        loaded.timings_ms = {**took, **loaded.timings_ms, "total_ms": _ms(t0)}
+        return loaded
+
+    def release(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            self.client.release(lease_id)
 
     def load_shard(self, cfg: ModelConfig, read: Callable[[], dict[str, torch.Tensor]], layout_of: Any, *,
                    path: Path, tp: int, rank: int) -> Loaded:
@@ -204,12 +230,13 @@ class LeasedMemory:
         self.client.commit()
         return lease, metas
 
-    def _with_new_kv(self, cfg: ModelConfig, lease: Any, metas: list[Any], layout_of: Any, t0: float) -> Loaded:
+    def _with_new_kv(self, cfg: ModelConfig, lease: Any, metas: list[Any], layout_of: Any, t0: float,
+                     num_blocks: int | None = None) -> Loaded:
         """A cold start's tensors: the weights registered in `lease` and a new KV lease, committed."""
         weights = {m.name: lease.view(m, "torch") for m in metas}
         t_load = _ms(t0)
         dtype = weights["tok_embeddings.weight"].dtype
-        layout = layout_of(dtype, None)
+        layout = layout_of(dtype, num_blocks)
         kv, journal = self._new_kv(cfg, dtype, layout)
         self.client.commit()
         return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)},
