@@ -551,6 +551,8 @@ class FreezeGangReply(Model):
     generation: int  # what the successor group names in its gang_takeover
     transfer_token: str
     leases: list[LeaseInfo] = Field(default_factory=list)
+    # the node's GPUs the gpu_manager holds unhealthy as it froze (index -> why): newer than any view of etcd
+    unhealthy_gpus: dict[int, str] = Field(default_factory=dict)
 
 
 class ReclaimGang(Command):
@@ -697,6 +699,11 @@ class Spawn(Command):
     incident_id: str | None = None
     reattach_from: str | None = None  # cold-spawn a process that reattaches this engine's leases
     transfer_token: str | None = None
+    # A degraded successor (engines/batched/degrade.py): one engine that takes over this broken gang's KV backups
+    # (frozen degraded under `transfer_token`, at `gang_generation`), in place of the group `predecessor`.
+    degrade_gang: str | None = None
+    gang_generation: int | None = Field(None, ge=1)
+    predecessor: str | None = None
 
 
 class SpawnReply(Model):

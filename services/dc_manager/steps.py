@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import json
 import logging
 import secrets
@@ -65,6 +66,8 @@ from libs.common.store import Store
 from services.dc_manager.placement import Action, Placement, node_copies, place, released
 from services.dc_manager.settings import DcManagerSettings
 
+# Engine classes that can continue a lost group alone from its ranks' KV backups (engines/batched/degrade.py).
+DEGRADABLE_CLASSES = frozenset({"batched"})
 log = logging.getLogger("holdfast.dc_manager")
 # The intent's trace, handed to its node commands as is when this process builds no spans of its own (no
 # exporter): no propagator round trip (extract, attach, inject) per command.
@@ -315,22 +318,72 @@ class IntentSteps:
             # a TP group's ranks each need room for their own leases, on GPUs base..base+tp-1
             needed = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r)))
                          for r in range(spec.tp))
-            freed = await self._reclaim_lost_gang(intent)
-            # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
-            # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
-            where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
-                          slots=released(self.view.gpu_slots(), freed), alive=set(self.view.nodes),
-                          allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
-            if where.action is Action.NONE:
-                raise StepFailed(Step.FALLBACK, where.reason)
-            spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
-            cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
-            prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
-                                                            self.settings.spawn_timeout_s)
-            await self.save(prog)
+            if spec.tp > 1:
+                await self._degrade(intent, spec, needed, prog)
+            if prog.spawn is None:
+                await self._spawn_cold(intent, spec, needed, prog)
+        assert prog.spawn is not None
         engine = prog.spawn.engine
         await self._result(intent, Step.FALLBACK, ok=True, successor=engine.engine_id, endpoint=engine.endpoint,
                            timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state, node=engine.node)
+
+    async def _spawn_cold(self, intent: RecoverIntent, spec: EngineSpec, needed: int, prog: IntentProgress) -> None:
+        freed = await self._reclaim_lost_gang(intent)
+        # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
+        # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
+        where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
+                      slots=released(self.view.gpu_slots(), freed), alive=set(self.view.nodes),
+                      allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
+        if where.action is Action.NONE:
+            raise StepFailed(Step.FALLBACK, where.reason)
+        spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
+        cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
+                                                        self.settings.spawn_timeout_s)
+        await self.save(prog)
+
+    async def _degrade(self, intent: RecoverIntent, spec: EngineSpec, needed: int, prog: IntentProgress) -> None:
+        """FailSafe's degraded serving (docs/multi_gpu.md, part 6): a group whose memory is lost and for which no whole
+        group can be placed (its GPUs counted as freed) is continued by one engine on a healthy GPU of its node, from
+        its ranks' KV backups (host memory there), if its gang can be frozen degraded (every rank's backup held:
+        gpu_manager gang.py invariant 10). Anything short of that leaves `prog.spawn` unset: the plain cold start
+        follows (and fails with placement's reason when no group fits)."""
+        if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
+            return
+        try:  # first: its backups kept whatever comes (a whole group's cold start below reclaims them after all)
+            frozen, _ = await self._command(Step.FALLBACK, intent.node, FreezeGang(
+                gang_id=intent.gang, incident_id=intent.incident_id, degraded=True), FreezeGangReply,
+                self.settings.freeze_timeout_s)
+        except StepFailed as e:
+            log.info("intent %s: gang %s cannot be degraded (%s): a cold start", intent.incident_id, intent.gang,
+                     e.detail)
+            return
+        mine = [lease for r in range(spec.tp) for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))]
+        # the node's GPU health as its gpu_manager holds it now: the view may not have the fault's record yet
+        slots = [dataclasses.replace(s, healthy=False) if s.node == intent.node and s.gpu in frozen.unhealthy_gpus
+                 else s for s in released(self.view.gpu_slots(), mine)]
+        whole = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed, slots=slots,
+                      alive=set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
+        if whole.action is not Action.NONE:
+            return  # a whole group fits somewhere: that is the better successor
+        # one GPU holds the whole model and every rank's cache: the group's device memory (a lost rank's leases may
+        # be gone from the view: every rank counted as the largest one left)
+        device = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))
+                         if not lease.host) for r in range(spec.tp))
+        one = place(intent.node, intent.gpu, memory_lost=True, slots=slots, alive={intent.node} & set(self.view.nodes),
+                    needed_bytes=device * spec.tp, allowed=self.allowed)
+        if one.action is Action.NONE:
+            log.info("intent %s: %s not degraded either: %s", intent.incident_id, intent.engine_id, one.reason)
+            return
+        alone = spec.model_copy(update={"tp": 1, "gpus": [one.gpu or 0], "version": intent.version or spec.version})
+        cmd = Spawn(spec=alone, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
+                    degrade_gang=intent.gang, transfer_token=frozen.transfer_token,
+                    gang_generation=frozen.generation, predecessor=intent.engine_id)
+        log.info("intent %s: no %d healthy GPUs for %s (%s): degraded to one engine on %s/%s from its ranks' KV "
+                 "backups", intent.incident_id, spec.tp, intent.engine_id, whole.reason, one.node, one.gpu)
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, one.node or "", cmd, SpawnReply,
+                                                        self.settings.spawn_timeout_s)
+        await self.save(prog)
 
     async def _reclaim_lost_gang(self, intent: RecoverIntent) -> list[LeaseInfo]:
         """A tensor-parallel group whose memory is lost (a rank's GPU failed, or its gang can no longer be taken

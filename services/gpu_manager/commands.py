@@ -130,8 +130,10 @@ class Commands:
             except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
                 log.warning("memory.frozen for %s not published now (%r); queued", owner, e)
                 self.book.mirror.frozen(frozen)
+        board = self.book.board
         return FreezeGangReply(gang_id=gang.gang_id, owners=[gang.owners[r] for r in range(gang.size)],
-                               generation=gang.generation, transfer_token=token, leases=[r.info for r in recs])
+                               generation=gang.generation, transfer_token=token, leases=[r.info for r in recs],
+                               unhealthy_gpus=dict(board.unhealthy) if board is not None else {})
 
     async def reclaim_gang(self, cmd: ReclaimGang) -> ReclaimGangReply:
         async with self.book.lock:
