@@ -8,7 +8,9 @@ Invariants (checked by tests/gpu_manager/test_limits_allocate.py):
    every slot: engines of a node run as one uid, so the others would be refused (no allocate, no takeover).
 2. An allocate is refused before any memory or fd is made when its lease would have more chunks than
    `max_chunks_per_lease` (too_many_chunks), when the chunk fds of the calling process's live leases would pass
-   `max_fds_per_client`, or the manager's open fds would come within `fd_reserve` of its RLIMIT_NOFILE
+   its cap (too_many_fds: `max_fds_per_client`, or `fd_share_per_client` of the manager's soft RLIMIT_NOFILE where
+   that is less, so on a machine whose limit is below the setting one process still cannot take every fd and the
+   others keep room), or the manager's open fds would come within `fd_reserve` of its RLIMIT_NOFILE
    (too_many_fds), or when the bytes leased on its gpu would pass the backend's capacity (out_of_memory).
    The reserve is what keeps accept() and the manager's own files working while leases are large.
 """
@@ -54,15 +56,23 @@ class ClientLimits:
     max_chunks_per_lease: int
     max_fds_per_client: int
     fd_reserve: int
+    fd_share: float = 1.0  # of the manager's soft RLIMIT_NOFILE, at most, per client (invariant 2)
+
+    def fd_cap(self, fd_limit: int) -> int:
+        """Chunk fds one process may hold under the manager's soft RLIMIT_NOFILE `fd_limit` (invariant 2)."""
+        return min(self.max_fds_per_client, int(self.fd_share * fd_limit))
 
     def check_allocate(self, shape: LeaseShape, usage: Usage) -> None:
         n = shape.chunks
         if n > self.max_chunks_per_lease:
             raise TooManyChunks(f"{shape.size} bytes in chunks of {shape.chunk} is {n} chunks, more than the "
                                 f"limit of {self.max_chunks_per_lease} per lease: ask for larger chunks")
-        if usage.client_fds + n > self.max_fds_per_client:
+        cap = self.fd_cap(usage.fd_limit)
+        if usage.client_fds + n > cap:
+            why = ("max_fds_per_client" if cap == self.max_fds_per_client else
+                   f"{self.fd_share:g} of the gpu_manager's RLIMIT_NOFILE of {usage.fd_limit}")
             raise TooManyFds(f"this process's leases hold {usage.client_fds} chunk fds; {n} more passes the "
-                             f"limit of {self.max_fds_per_client} per client")
+                             f"limit of {cap} per client ({why}): ask for larger chunks, or free leases")
         if usage.open_fds + n > usage.fd_limit - self.fd_reserve:
             raise TooManyFds(f"the gpu_manager holds {usage.open_fds} of its {usage.fd_limit} fds; {n} more "
                              f"would leave fewer than {self.fd_reserve} free")

@@ -16,13 +16,17 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
    `MAX_HELLO_BYTES`); after it, a frame once begun must be whole within `frame_timeout_s` (both answered
    `timeout`, then closed), and a connection silent for
    `idle_timeout_s` is closed without a reply (a reply nobody asked for would be read as the answer to the
-   client's next request; the SDK sees the close and reconnects). A reply must be taken by the client within
-   `frame_timeout_s` too: a client that stops reading its replies (its socket full) is closed, not kept with its
-   connection slot for good. No wait here blocks another connection.
+   client's next request; the SDK sees the close and reconnects); silent for `unleased_idle_timeout_s` (60 s)
+   when its process holds no lease, so a uid's connection slots are not held for an hour by connections holding
+   nothing (engines heartbeat every 0.5 s; a lease holder's connection keeps the long deadline). A reply must be
+   taken by the client within `frame_timeout_s` too: a client that stops reading its replies (its socket full) is
+   closed, not kept with its connection slot for good. No wait here blocks another connection.
 7. Listings answer for the caller only: `pending` shows leases of the caller's engine id *and* uid.
 8. A gang's leases (a tensor-parallel engine's ranks') move only with the gang (gangs.py): `gang_takeover` by
    every rank of the successor group; a plain `takeover` of one rank's leases is refused (`partial_gang`). A
    gang is registered only by its rank 0 (`owners[0]`), so no engine binds another's leases into a gang.
+9. A request naming another uid's lease, or an engine id whose leases are all another uid's, gets the answer an
+   unknown one gets (scope.py): no uid learns which lease ids or engine ids exist beyond its own.
 """
 
 from __future__ import annotations
@@ -86,12 +90,13 @@ from libs.common.events import LeaseState
 from libs.common.procs import stopped
 from libs.common.wire import FrameStream, FrameTooLarge, PeerClosed, close_fds, encode_payload
 from services.gpu_manager.backends import exhausted_error
-from services.gpu_manager.fsm import LIVE, LeaseEvent
+from services.gpu_manager.fsm import HELD, LIVE, LeaseEvent
 from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
 from services.gpu_manager.manager import LeaseBook, Move, same_token
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
 from services.gpu_manager.restore import WeightCopies
+from services.gpu_manager.scope import foreign_owner, hidden, lease_for
 from services.gpu_manager.sleep import Sleeper, resident_bytes
 
 log = logging.getLogger("holdfast.gpu_manager.session")
@@ -120,7 +125,7 @@ class Peer:
 
 
 class Idle(Exception):
-    """The connection was silent past `idle_timeout_s` after its hello (closed without a reply)."""
+    """The connection was silent past its idle deadline after its hello (closed without a reply)."""
 
 
 class Unread(Exception):
@@ -206,17 +211,36 @@ class EngineSession:
                 return await _within(self.stream.recv(), left, f"no hello within {settings.hello_timeout_s} s")
             finally:
                 self.stream.max_size = settings.max_frame_bytes
-        if settings.idle_timeout_s:
-            try:
-                await asyncio.wait_for(self.stream.wait_readable(), settings.idle_timeout_s)
-            except TimeoutError:
-                log.info("closing the connection of %s (pid %d): silent for %s s", self.peer.engine_id, self.pid,
-                         settings.idle_timeout_s)
-                raise Idle from None
-        else:
-            await self.stream.wait_readable()
+        await self._until_readable(self.peer)
         return await _within(self.stream.recv(), settings.frame_timeout_s,
                              f"a frame begun was not whole within {settings.frame_timeout_s} s")
+
+    async def _until_readable(self, peer: Peer) -> None:
+        """Until the next frame begins, or `Idle` past the idle deadline (rule 6): `idle_timeout_s` of silence while
+        this process holds a lease, `unleased_idle_timeout_s` (if shorter) while it holds none; re-judged at least
+        that often, so a lease taken or let go meanwhile (on another connection) counts from then on."""
+        settings = self.book.settings
+        unleased = min((t for t in (settings.idle_timeout_s, settings.unleased_idle_timeout_s) if t), default=0.0)
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while True:
+            holds = self._holds_lease()
+            limit = settings.idle_timeout_s if holds else unleased  # 0: no deadline
+            left = since + limit - loop.time()
+            if limit and left <= 0:
+                log.info("closing the connection of %s (pid %d): silent for %s s%s", peer.engine_id, self.pid, limit,
+                         "" if holds else ", its process holding no lease")
+                raise Idle
+            waits = [t for t in (left if limit else 0.0, unleased) if t > 0]
+            step = min(waits) if waits else None  # the deadline, and every `unleased` s at least to judge again
+            try:
+                await asyncio.wait_for(self.stream.wait_readable(), step)
+                return
+            except TimeoutError:
+                continue
+
+    def _holds_lease(self) -> bool:
+        return any(r.owner_pid == self.pid and r.info.state in HELD for r in self.book.records.values())
 
     async def _send(self, reply: dict[str, Any], fds: list[int] | None = None) -> None:
         """Send a reply within `frame_timeout_s` (rule 6), or raise `Unread`."""
@@ -343,16 +367,16 @@ class EngineSession:
                       open_fds=open_fds, fd_limit=fd_limit,
                       leased_bytes=resident_bytes(live, None if backend.name == "host" else req.gpu),
                       capacity=backend.capacity(req.gpu))
-        ClientLimits(settings.max_chunks_per_lease, settings.max_fds_per_client,
-                     settings.fd_reserve).check_allocate(shape, usage)
+        ClientLimits(settings.max_chunks_per_lease, settings.max_fds_per_client, settings.fd_reserve,
+                     settings.fd_share_per_client).check_allocate(shape, usage)
 
     def _mine(self, peer: Peer) -> list[LeaseRecord]:
         return [r for r in self.book.records.values()
                 if r.info.owner == peer.engine_id and r.owner_pid == peer.pid and r.info.state == LeaseState.ACTIVE]
 
     def _owned(self, lease_id: str, epoch: int, peer: Peer) -> LeaseRecord:
-        rec = self.book.get(lease_id)
-        if rec.info.owner != peer.engine_id or rec.owner_uid != peer.uid:
+        rec = lease_for(self.book.records, lease_id, asker=peer.engine_id, uid=peer.uid, pid=peer.pid)  # rule 9
+        if rec.info.owner != peer.engine_id:
             raise PermissionDenied(f"lease {lease_id} is not held by {peer.engine_id}")
         if epoch != rec.info.epoch:
             raise StaleEpoch(f"lease {lease_id} is at epoch {rec.info.epoch}, request carries {epoch}")
@@ -425,8 +449,9 @@ class EngineSession:
         for rec in self.book.records.values():
             if rec.info.owner != peer.engine_id or rec.info.state not in (LeaseState.ACTIVE, LeaseState.ORPHANED):
                 continue
-            if rec.owner_uid != peer.uid:  # says no more than that: not its id, not its state
-                raise PermissionDenied(f"{peer.engine_id}'s leases belong to another user")
+            if rec.owner_uid != peer.uid:  # as if there were none (rule 9): not its id, not its state
+                hidden(f"lease {rec.id}", rec.owner_uid, asker=peer.engine_id, uid=peer.uid, pid=peer.pid)
+                continue
             if rec.info.state == LeaseState.ACTIVE:
                 if rec.owner_pid == peer.pid:
                     already.append(rec)  # e.g. the manager restarted under a live engine
@@ -453,10 +478,12 @@ class EngineSession:
         (REATTACH, epoch + 1), as `attach` would."""
         held, lost, moves = [], {}, []
         for lease_id, epoch in req.epochs.items():
-            rec = self.book.records.get(lease_id)
-            if rec is None:
+            try:
+                rec = lease_for(self.book.records, lease_id, asker=peer.engine_id, uid=peer.uid, pid=peer.pid)
+            except NotFound:  # unknown, or another uid's: one answer (rule 9)
                 lost[lease_id] = "reclaimed"
-            elif rec.info.owner != peer.engine_id or rec.owner_uid != peer.uid:
+                continue
+            if rec.info.owner != peer.engine_id:
                 lost[lease_id] = "owned by another engine"
             elif rec.info.epoch != epoch:
                 lost[lease_id] = f"stale_epoch: the lease is at epoch {rec.info.epoch}, this engine holds {epoch}"
@@ -477,6 +504,8 @@ class EngineSession:
     async def takeover(self, req: TakeoverReq, peer: Peer) -> tuple[list[LeaseRecord], list[FencePid]]:
         """A successor claims a frozen predecessor's leases (FROZEN -> ACTIVE, epoch+1, owner = successor); and,
         for a fenced request, the stopped predecessors it must see exit before it writes."""
+        if foreign_owner(self.book.records, req.predecessor, asker=peer.engine_id, uid=peer.uid, pid=peer.pid):
+            raise NotFound(f"{req.predecessor} has no frozen leases")  # as LeaseBook's for an unknown one (rule 9)
         frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token)
         fence: dict[int, FencePid] = {}
         for rec in frozen:

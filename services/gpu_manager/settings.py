@@ -37,7 +37,11 @@ class GpuManagerSettings(CommonSettings):
     max_frame_bytes: int = Field(16 * 1024 * 1024, description="largest protocol frame accepted")
     # Limits of one client (issue 18): each is refused with a typed error reply, the connection kept.
     max_chunks_per_lease: int = Field(16384, gt=0, description="most chunks (one fd each) in one lease")
-    max_fds_per_client: int = Field(65536, gt=0, description="most chunk fds of live leases owned by one process")
+    max_fds_per_client: int = Field(65536, gt=0, description="most chunk fds of live leases owned by one process "
+                                    "(less where fd_share_per_client of RLIMIT_NOFILE is less)")
+    fd_share_per_client: float = Field(0.25, gt=0, le=1, description="most chunk fds of one process, as a share of "
+                                       "the manager's soft RLIMIT_NOFILE at the allocate: a small machine's limit is "
+                                       "below max_fds_per_client, and one process must not take every fd")
     max_connections_per_uid: int = Field(512, gt=0, description="most open engine connections of one uid")
     max_connections_per_pid: int = Field(384, gt=0, description="most open engine connections of one process: "
                                          "below the uid's limit, which the node's engines share, so one process "
@@ -49,6 +53,8 @@ class GpuManagerSettings(CommonSettings):
     frame_timeout_s: float = Field(10.0, gt=0, description="a frame, once its first byte came, must be whole within")
     idle_timeout_s: float = Field(3600.0, ge=0, description="a connection silent this long after hello is closed "
                                                             "(the SDK reconnects by itself); 0: never")
+    unleased_idle_timeout_s: float = Field(60.0, ge=0, description="the same for a connection whose process holds "
+                                           "no lease (engines heartbeat every 0.5 s); 0: idle_timeout_s applies")
 
     # Weight artifacts and the host tier (issue 21; docs/restore.md).
     artifact_dir: Path | None = Field(None, description="where weight artifacts are written and restored from; "

@@ -48,6 +48,7 @@ from services.gpu_manager.fsm import HELD, LIVE, LeaseEvent
 from services.gpu_manager.manager import LeaseBook, Move
 from services.gpu_manager.records import LeaseRecord
 from services.gpu_manager.restore import WeightCopies
+from services.gpu_manager.scope import lease_for
 
 log = logging.getLogger("holdfast.gpu_manager.sleep")
 
@@ -79,8 +80,8 @@ class Sleeper:
     def _mine(self, epochs: dict[str, int], engine_id: str, uid: int, pid: int, state: LeaseState) -> list[LeaseRecord]:
         recs = []
         for lease_id, epoch in epochs.items():
-            rec = self.book.get(lease_id)
-            if rec.info.owner != engine_id or rec.owner_uid != uid:
+            rec = lease_for(self.book.records, lease_id, asker=engine_id, uid=uid, pid=pid)  # another uid's: unknown
+            if rec.info.owner != engine_id:
                 raise PermissionDenied(f"lease {lease_id} is not held by {engine_id}")
             if epoch != rec.info.epoch:
                 raise StaleEpoch(f"lease {lease_id} is at epoch {rec.info.epoch}, request carries {epoch}")

@@ -68,6 +68,42 @@ def test_half_a_frame_after_hello_is_dropped_after_the_frame_deadline(manager_fa
     assert [f["error"]["code"] for f in frames] == ["timeout"]
 
 
+def test_a_silent_connection_whose_process_holds_no_lease_is_closed_and_a_lease_holders_is_kept(manager_factory):
+    """Before (issue 20): any connection past its hello was kept for `idle_timeout_s` (an hour), so a uid's 512
+    connection slots could be held by connections holding nothing."""
+    manager = manager_factory(HF_UNLEASED_IDLE_TIMEOUT_S=str(DEADLINE_S)).start()
+    with socket.socket(socket.AF_UNIX) as s:  # hello, then nothing: closed without a reply
+        s.settimeout(5)
+        s.connect(manager.socket)
+        send_frame(s, Hello(engine_id="idle-nothing").model_dump(mode="json"))
+        assert recv_frame(s)[0]["ok"]
+        took, frames = _closed_within(s, 5)
+    assert DEADLINE_S * 0.8 <= took < DEADLINE_S + 2 and frames == []
+    with socket.socket(socket.AF_UNIX) as s:  # the same, holding a lease: kept (idle_timeout_s, an hour)
+        s.settimeout(5)
+        s.connect(manager.socket)
+        send_frame(s, Hello(engine_id="idle-holder").model_dump(mode="json"))
+        assert recv_frame(s)[0]["ok"]
+        lease = _ask(s, {"op": "allocate", "size": 4096})["leases"][0]["lease"]
+        time.sleep(DEADLINE_S * 4)
+        assert _ask(s, {"op": "heartbeat"}) == {"ok": True, "ask": None}
+        assert _ask(s, {"op": "release", "lease_id": lease["id"], "epoch": lease["epoch"]}) == {"ok": True}
+        took, frames = _closed_within(s, 5)  # nothing held any more: the short deadline again
+    assert DEADLINE_S * 0.8 <= took < DEADLINE_S + 2 and frames == []
+    with MemoryClient.connect("beating", socket_path=manager.socket) as client:  # an engine's heartbeats: never idle
+        client.start_heartbeats(0.1)
+        time.sleep(DEADLINE_S * 4)
+        assert client.pending() == [] and client.reconnects == 0
+
+
+def _ask(s: socket.socket, req: dict) -> dict:
+    send_frame(s, req)
+    reply, fds = recv_frame(s)
+    for fd in fds:
+        os.close(fd)
+    return reply
+
+
 def test_an_engine_connects_and_allocates_promptly_under_garbage_and_200_silent_connections(manager_factory):
     manager = manager_factory(HF_HELLO_TIMEOUT_S="2").start()
     stop = threading.Event()

@@ -4,6 +4,7 @@ on a connection that stays usable; the manager keeps serving everyone else."""
 
 from __future__ import annotations
 
+import resource
 import socket
 
 import pytest
@@ -60,6 +61,27 @@ def test_chunk_fds_held_by_one_client_are_capped(manager_factory):
         assert _refused(lambda: client.allocate(4 * MIB)) == "too_many_fds"
         client.allocate(2 * MIB)  # up to the cap exactly
         assert _refused(lambda: client.allocate(MIB)) == "too_many_fds"
+
+
+def test_one_process_gets_a_share_of_the_managers_fd_limit_and_the_others_keep_room(manager, engines):
+    """A small machine's RLIMIT_NOFILE (1024 here) is far below `max_fds_per_client` (65536): one process took every
+    fd the reserve left (~700 chunk fds), and the next engine's allocate was refused (issue 20)."""
+    _, hard = resource.prlimit(manager.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(manager.pid, resource.RLIMIT_NOFILE, (1024, hard))
+    with MemoryClient.connect("fd-hog", socket_path=manager.socket) as hog:
+        held = 0
+        with pytest.raises(HoldfastError) as refused:
+            while True:
+                hog.allocate(16 * MIB)  # 16 chunk fds each (1 MiB chunks)
+                held += 16
+        neighbour = engines(manager, "fd-neighbour")  # another process of the uid: room for as much again
+        for _ in range(16):
+            assert neighbour.ask('call allocate {"size": 16777216}') == {"code": "ok"}
+        assert refused.value.code == "too_many_fds", refused.value
+        assert "limit of 256 per client (0.25 of the gpu_manager's RLIMIT_NOFILE of 1024)" in refused.value.message
+        assert held == 256
+        assert hog.pending() == [] and hog.connected  # the refused client's connection still serves
+    assert manager.child is not None and manager.child.alive()
 
 
 def _hello(path: str, engine_id: str) -> tuple[socket.socket, dict]:
