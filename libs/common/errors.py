@@ -50,6 +50,12 @@ class StaleEpoch(HoldfastError):
     code = "stale_epoch"
 
 
+class StaleTerm(HoldfastError):
+    """A command of a leader whose term has ended (a newer one leads, or none): refused, never run."""
+
+    code = "stale_term"
+
+
 class InvalidTransition(HoldfastError):
     code = "invalid_transition"
 

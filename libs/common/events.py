@@ -338,6 +338,9 @@ class RecoverIntent(Event):
     node: str | None = None  # the node the engine ran on (dc_manager routes and places by it)
     successor: str | None = None  # a named standby to take over (manual failover may name one)
     gang: str | None = None  # a tensor-parallel group: its gang is frozen (FreezeGang) and taken over whole
+    # The sending controller's leader term (LeaderElection.term): the dc_manager runs the intent only while that term
+    # leads (services/dc_manager/terms.py). 0: not stamped (an older controller, a tool): not checked.
+    term: int = Field(0, ge=0)
 
 
 class IntentResult(Event):

@@ -569,6 +569,13 @@ class LeaderElection:
             await asyncio.sleep(poll_s)
         return True
 
+    @staticmethod
+    async def current_term(store: Store, name: str) -> int:
+        """The term of whoever leads `name` now (its key's create revision, read linearizably), 0 while nobody does:
+        what a receiver of a leader's commands holds their term against (services/dc_manager/terms.py)."""
+        found = await store._read(store.client.get, store.full(f"leader/{name}"))
+        return 0 if found is None else int(found.create_revision)
+
     def fence(self, t: Any) -> list[Any]:
         """Transaction comparisons that hold only while this term's leader key exists (`BatchWriter` guard)."""
         return [t.create(self.store.full(self.key)) == self.term]

@@ -64,6 +64,8 @@ S = IncidentState
 class Tenure(Protocol):
     """The term's lease as the driver asks about it (`LeaderElection`): does this process still lead right now."""
 
+    term: int  # the leader key's create revision while leading
+
     def holds(self) -> bool: ...
 
     async def confirm(self, within_s: float) -> bool: ...
@@ -93,7 +95,10 @@ class IncidentDriver:
         self.open = OpenIncidents()  # all incident state is in these records (incident.py's table)
         self.intake = Intake(view, self.open)
         self.tracing = IncidentTracer()
-        self.events = IncidentEvents(bus, view, self.writer, self.tracing, self.deadlines)
+        # Intents carry the term this driver was made in (not the election's later one): a driver that outlived its
+        # term sends its own, which the dc_manager refuses (services/dc_manager/terms.py).
+        self.events = IncidentEvents(bus, view, self.writer, self.tracing, self.deadlines,
+                                     term=tenure.term if tenure is not None else 0)
         self.ends = IncidentEnds(bus, self.log, self.events)
         self.stops = EngineStops(bus, view)
         self.engine_routes = EngineRoutes(bus, view, self.writer, self.events, self.open)

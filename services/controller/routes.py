@@ -102,8 +102,9 @@ def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | Non
 
 class IncidentEvents:
     def __init__(self, bus: Bus, view: ClusterView, writer: BatchWriter, tracing: IncidentTracer,
-                 deadlines: Deadlines) -> None:
+                 deadlines: Deadlines, *, term: int = 0) -> None:
         self.bus = bus
+        self.term = term  # the leader term the intents are stamped with (RecoverIntent.term)
         self.view = view
         self.writer = writer
         self.tracing = tracing
@@ -207,7 +208,7 @@ class IncidentEvents:
         intent = RecoverIntent(incident_id=rec.id, engine_id=rec.engine_id, model=rec.model,
                                engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
                                memory_lost=fallback, version=rec.version, node=rec.node,
-                               successor=rec.successor_hint, gang=rec.gang)
+                               successor=rec.successor_hint, gang=rec.gang, term=self.term)
         return self.envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
 
     def envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Wired:

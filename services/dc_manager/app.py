@@ -33,5 +33,6 @@ async def setup(rt: Runtime, settings: DcManagerSettings) -> None:
     rt.spawn("retention", prune_forever(executor.steps.ended, executor.steps.forget, policy, settings.progress_retention_check_s,
                                         "intent progress records"))
     rt.health_detail = lambda: {"datacenter": settings.datacenter, "handled": executor.handled,
+                                "refused_stale_term": executor.refused,
                                 "progress_records": len(executor.steps.written) + len(executor.steps.ended),
                                 "nodes": sorted(settings.node_set() or [])}

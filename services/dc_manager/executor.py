@@ -11,11 +11,15 @@ the freezes gets the freeze's own result first. Any other intent (a redelivery, 
 elsewhere, an early promotion), and one whose freeze or takeover did not answer well here, goes on alone
 from its recorded progress through the same steps (`IntentSteps.handle`: retries, typed errors, a failed
 result), so a node that is slow or gone costs the batch's first attempt plus the usual ones.
+
+Before any of that, an intent of a controller term that has ended is refused (terms.py): one etcd read per batch
+of intents that carry a term.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -23,13 +27,17 @@ from dataclasses import dataclass, field
 from libs.common import telemetry
 from libs.common.bus import Bus, beside, delivery_attempt, delivery_attempts, holding
 from libs.common.cluster_view import ClusterView
+from libs.common.errors import HoldfastError, StaleTerm
 from libs.common.events import Envelope, Freeze, FreezeReply, RecoverIntent, TakeoverReply
 from libs.common.store import Store
 from services.dc_manager.placement import Action
 from services.dc_manager.settings import DcManagerSettings
 from services.dc_manager.steps import IntentProgress, IntentSteps, progress_key
+from services.dc_manager.terms import current_term, refusal
 
 __all__ = ["IntentExecutor", "IntentProgress", "progress_key"]
+
+log = logging.getLogger("holdfast.dc_manager")
 
 
 @dataclass
@@ -53,6 +61,7 @@ class IntentExecutor:
         self.steps = IntentSteps(bus, store, view, settings)
         self._locks: dict[str, asyncio.Lock] = {}  # by intent key: one handler at a time
         self.handled = 0
+        self.refused = 0  # intents of a controller term that had ended (terms.py)
 
     @property
     def export_spans(self) -> bool:
@@ -71,10 +80,23 @@ class IntentExecutor:
         items: list[_Item] = []
         alone: dict[int, Awaitable[None]] = {}
         keys: set[str] = set()
+        try:
+            term = await self._term_now(envs)
+        except Exception as e:  # noqa: BLE001 - etcd not answering: every intent redelivered, none run unchecked
+            return [e] * len(envs)
         for i, env in enumerate(envs):
             intent = env.data
-            if not isinstance(intent, RecoverIntent) or attempts[i] != 1 or self.export_spans:
-                alone[i] = self._one(env, attempts[i])
+            refused = None
+            if isinstance(intent, RecoverIntent) and self.steps.owns(intent):
+                refused = refusal(intent.term, term)
+                if refused is not None and not isinstance(refused, StaleTerm):
+                    out[i] = refused  # terms.py rule 3: redelivered
+                    continue
+                if refused is not None and attempts[i] == 1:  # nothing recorded: it was never accepted
+                    self._refuse(intent, refused)
+                    continue
+            if not isinstance(intent, RecoverIntent) or attempts[i] != 1 or self.export_spans or refused:
+                alone[i] = self._one(env, attempts[i], refused)
                 continue
             if not self.steps.owns(intent):
                 continue
@@ -87,18 +109,30 @@ class IntentExecutor:
             items.append(_Item(i, intent, node, env.trace.traceparent, IntentProgress(key=key, incident_id=intent.incident_id)))
         return await beside(self._together(items, out), alone, out)
 
-    async def _one(self, env: Envelope, attempt: int) -> None:
+    async def _term_now(self, envs: list[Envelope]) -> int:
+        """The controller's term now, if an intent here carries one (else 0, and no read)."""
+        if not any(isinstance(env.data, RecoverIntent) and env.data.term for env in envs):
+            return 0
+        return await current_term(self.steps.store)
+
+    def _refuse(self, intent: RecoverIntent, why: HoldfastError) -> None:
+        """terms.py rule 1: logged, acked, nothing sent (no command, no result)."""
+        self.refused += 1
+        log.warning("intent %s of %s refused: %s: %s", self.key_of(intent), intent.engine_id, why.code, why.message)
+
+    async def _one(self, env: Envelope, attempt: int, refused: HoldfastError | None = None) -> None:
         delivery_attempt.set(attempt)  # this coroutine runs as a task of its own (gather): its own context
         if self.export_spans and env.trace.traceparent:
             carrier = {"traceparent": env.trace.traceparent, **({"tracestate": env.trace.tracestate}
                                                                 if env.trace.tracestate else {})}
             with telemetry.attach_headers(carrier):
-                await self._alone(env)
+                await self._alone(env, refused)
         else:
-            await self._alone(env)
+            await self._alone(env, refused)
 
-    async def _alone(self, env: Envelope) -> None:
-        """An intent stepped on its own from its recorded progress (read on a redelivery only)."""
+    async def _alone(self, env: Envelope, refused: HoldfastError | None = None) -> None:
+        """An intent stepped on its own from its recorded progress (read on a redelivery only). `refused`: its term
+        has ended, so it goes on only from a record (accepted in its term: terms.py rule 2)."""
         intent = env.data
         assert isinstance(intent, RecoverIntent)
         if not self.steps.owns(intent):
@@ -108,10 +142,16 @@ class IntentExecutor:
         async with lock:
             with self.steps.span("dc_manager.intent", {"holdfast.incident": intent.incident_id,
                                                        "holdfast.fallback": intent.memory_lost}):
-                prog = (await self.steps.load(key) if delivery_attempt.get() != 1 else None) \
-                    or IntentProgress(key=key, incident_id=intent.incident_id)
-                await self.steps.handle(intent, prog, env.trace.traceparent)
+                prog = await self.steps.load(key) if delivery_attempt.get() != 1 else None
+                ran = prog is not None or refused is None
+                if refused is not None and not ran:
+                    self._refuse(intent, refused)
+                else:
+                    await self.steps.handle(intent, prog or IntentProgress(key=key, incident_id=intent.incident_id),
+                                            env.trace.traceparent)
         self._locks.pop(key, None)
+        if not ran:
+            return
         self.steps.finished(key)
         self.handled += 1
 
