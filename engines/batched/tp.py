@@ -3,7 +3,8 @@ other ranks, step by step. The processes, memory and gang are tp_group.py's.
 
 Sharding (Megatron-style, over `tp` ranks; the shards and their reading are the reference engine's:
 engines/reference/tp.py `shard_config`, `read_shard`):
-- column-parallel: `wq`, `wk`, `wv` (rank r holds heads r*H/tp.. and kv heads r*KV/tp..), `w1`, `w3`; the fused
+- column-parallel: `wq`, `wk`, `wv` (rank r holds a span of the kv heads and their query heads, uneven when tp does
+  not divide them: engines/reference/tp.py `kv_spans`), `w1`, `w3`; the fused
   q|k|v and gate|up views (fused_layout.py) are made over a rank's own parts, laid out back to back in its lease;
 - row-parallel: `wo`, `w2`; each rank's product is a part of the sum, all-reduced (`ShardedRunner._reduce`): one
   all-reduce after the attention's output projection and one after the MLP's down projection, per layer;

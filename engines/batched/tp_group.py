@@ -105,7 +105,7 @@ class RankGroup:
                              "as many blocks, and each GPU's free memory differs")
         self.rank = cfg.tp_rank
         self.cfg = cfg if self.rank or cfg.tp_port else cfg.model_copy(update={"tp_port": free_port()})
-        self.mcfg = shard_config(get_config(cfg.size), cfg.tp)
+        self.mcfg = shard_config(get_config(cfg.size), cfg.tp, cfg.tp_rank)
         device, gpu, backend = rank_place(cfg, cfg.gpu, self.rank, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)

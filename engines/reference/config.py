@@ -67,6 +67,9 @@ class ModelConfig:
 SIZES: dict[str, ModelConfig] = {
     # ~0.8 M parameters, ~3 MB in float32: CI on two CPU cores.
     "tiny": ModelConfig("tiny", dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq=2048, dtype="float32"),
+    # tiny with three kv heads (GQA 6/3): tensor-parallel groups of 3, and of 2 sharded unevenly, on the CPU.
+    "tiny3": ModelConfig("tiny3", dim=192, n_layers=2, n_heads=6, n_kv_heads=3, ffn_dim=344, max_seq=2048,
+                         dtype="float32"),
     # ~25 M parameters: a quick sanity run on CPU or a small GPU check.
     "small": ModelConfig("small", dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq=2048, dtype="float32"),
     # ~1 B parameters (bfloat16, ~2.2 GB).

@@ -2,8 +2,11 @@
 the other ranks. The processes, memory and gang are tp_runner.py's.
 
 Sharding (Megatron-style, over `tp` ranks):
-- column-parallel (rows of the [out, in] matrix split): `wq`, `wk`, `wv` (rank r holds heads r*H/tp.. and kv heads
-  r*KV/tp..), `w1`, `w3` (a slice of the feed-forward's hidden units);
+- column-parallel (rows of the [out, in] matrix split): `wq`, `wk`, `wv` (rank r holds a contiguous span of the kv
+  heads, `split(KV, tp)[r]`, and the query heads that attend to them), `w1`, `w3` (a span of the feed-forward's
+  hidden units, `split(F, tp)[r]`). Uneven when tp does not divide them (the first ranks one more): a group of any
+  size up to the kv heads, as a degraded group of N-1 ranks needs (engines/batched/degrade.py); r*KV/tp.. when it
+  divides;
 - row-parallel (columns split): `wo`, `w2`; each rank's product is a part of the sum, all-reduced (`reduce`), so the
   residual stream is whole and the same on every rank;
 - replicated: the norms, the embedding and the output head. Why not vocab-parallel: the byte vocabulary is 258
@@ -50,28 +53,51 @@ class ShardConfig(ModelConfig):
     """One rank's share of a model: its heads, kv heads and feed-forward width; the head size stays the model's."""
 
     tp: int = 1
+    model_heads: int = 1  # the whole model's query heads: the head size is dim / model_heads on every rank
 
     @property
     def head_dim(self) -> int:
-        return self.dim // (self.n_heads * self.tp)
+        return self.dim // self.model_heads
 
 
-def shard_config(cfg: ModelConfig, tp: int) -> ShardConfig:
-    for what, n in (("heads", cfg.n_heads), ("kv heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
-        if n % tp:
-            raise ValueError(f"{cfg.name}: {what} ({n}) do not split over {tp} ranks")
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """`n` units in `parts` contiguous spans, the first `n % parts` one unit larger (equal when `parts` divides)."""
+    base, extra = divmod(n, parts)
+    out, at = [], 0
+    for r in range(parts):
+        size = base + (r < extra)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+def kv_spans(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """The kv heads of each rank of a group of `tp` (each rank's query heads are the ones that attend to them)."""
+    if not 1 <= tp <= cfg.n_kv_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"{cfg.name}: {cfg.n_kv_heads} kv heads do not split over {tp} ranks")
+    return split(cfg.n_kv_heads, tp)
+
+
+def shard_config(cfg: ModelConfig, tp: int, rank: int = 0) -> ShardConfig:
+    """Rank `rank`'s share of `cfg` in a group of `tp` (the same on every rank when tp divides the heads and width)."""
+    (k0, k1), (f0, f1) = kv_spans(cfg, tp)[rank], split(cfg.ffn_dim, tp)[rank]
+    group = cfg.n_heads // cfg.n_kv_heads
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    return ShardConfig(**{**fields, "n_heads": cfg.n_heads // tp, "n_kv_heads": cfg.n_kv_heads // tp,
-                          "ffn_dim": cfg.ffn_dim // tp, "tp": tp})
+    return ShardConfig(**{**fields, "n_heads": (k1 - k0) * group, "n_kv_heads": k1 - k0, "ffn_dim": f1 - f0,
+                          "tp": tp, "model_heads": cfg.n_heads})
 
 
-def shard_span(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[int, int, int] | None:
-    """(dimension, start, stop) of rank `rank`'s part of tensor `name` (of the whole model's `shape`); None: whole."""
+def shard_span(cfg: ModelConfig, name: str, tp: int, rank: int) -> tuple[int, int, int] | None:
+    """(dimension, start, stop) of rank `rank`'s part of the whole model's tensor `name`; None: whole."""
     dim = 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
     if dim is None:
         return None
-    part = shape[dim] // tp
-    return dim, rank * part, (rank + 1) * part
+    if name.endswith(("w1.weight", "w2.weight", "w3.weight")):
+        f0, f1 = split(cfg.ffn_dim, tp)[rank]
+        return dim, f0, f1
+    k0, k1 = kv_spans(cfg, tp)[rank]
+    unit = cfg.head_dim * (1 if name.endswith(("wk.weight", "wv.weight")) else cfg.n_heads // cfg.n_kv_heads)
+    return dim, k0 * unit, k1 * unit
 
 
 def read_shard(path: Path, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -86,8 +112,8 @@ def read_shard(path: Path, cfg: ModelConfig, tp: int, rank: int) -> dict[str, to
                          "not tensor-parallel ranks; make a full file with make-weights without --drawn")
     out = {}
     with safe_open(str(path), framework="pt") as f:
-        for name, shape in cfg.tensor_shapes().items():
-            span = shard_span(name, shape, tp, rank)
+        for name in cfg.tensor_shapes():
+            span = shard_span(cfg, name, tp, rank)
             if span is None:
                 out[name] = f.get_tensor(name)
                 continue

@@ -139,7 +139,7 @@ def run_tp(s: EngineSettings) -> int:
     rank = s.tp_rank
     if rank == 0:
         s = s.model_copy(update={"tp_port": s.tp_port or free_port()})
-    cfg = shard_config(get_config(s.size), s.tp)
+    cfg = shard_config(get_config(s.size), s.tp, s.tp_rank)
     max_seq = s.max_seq or cfg.max_seq
     device, gpu, backend = rank_place(s, s.gpu, rank, pick_device(s.device))
     if device.type == "cuda":

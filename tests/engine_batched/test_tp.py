@@ -19,6 +19,8 @@ import torch
 
 from engines.batched.config import EngineConfig
 from engines.batched.tp_group import RankGroup
+from engines.reference.config import get_config
+from engines.reference.weights import make_weights
 from libs.common import procs
 from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
 from tests.engine.support import EngineProc, generate
@@ -29,8 +31,8 @@ PROMPTS = 8
 DEATH_BOUND_S = 5.0  # rank 1's SIGKILL to rank 0's exit (the watch polls every 50 ms; the machine is shared)
 
 
-def batched(tmp: Path, weights: Path, engine_id: str, *args: str) -> EngineProc:
-    command = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", "tiny"]
+def batched(tmp: Path, weights: Path, engine_id: str, *args: str, size: str = "tiny") -> EngineProc:
+    command = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", size]
     return EngineProc(tmp, weights, engine_id, args=(*ARGS, *args), command=command).start()
 
 
@@ -45,6 +47,25 @@ def batch_of_prompts(url: str) -> list[list[int]]:
 
 
 FRONT_GONE_S = 2.0
+
+
+def test_two_ranks_sharded_unevenly_give_each_prompt_the_greedy_tokens_of_one_rank(tmp_path: Path) -> None:
+    """tiny3's 3 kv heads over 2 ranks: rank 0 holds 2 (and 4 query heads), rank 1 one (engines/reference/tp.py),
+    as a degraded group of N-1 ranks is sharded."""
+    weights = make_weights(get_config("tiny3"), tmp_path / "tiny3.safetensors", seed=5)
+    one = batched(tmp_path, weights, "btu-one", size="tiny3")
+    two = batched(tmp_path, weights, "btu-two", "--tp", "2", size="tiny3")
+    try:
+        one.wait_ready(180)
+        info = two.wait_ready(180)
+        assert info["tp"]["ranks"] == 2
+        assert info["memory"]["kv_bytes"] * 3 == one.info["memory"]["kv_bytes"] * 2  # rank 0: 2 of the 3 kv heads
+        want = batch_of_prompts(one.url)
+        assert len({tuple(t) for t in want}) >= PROMPTS // 2  # the prompts lead somewhere different
+        assert batch_of_prompts(two.url) == want
+    finally:
+        one.stop()
+        two.stop()
 
 
 def follower_pids(rank0: int, front: int) -> list[int]:
