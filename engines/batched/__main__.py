@@ -192,8 +192,9 @@ def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGr
         return group.load(memory, layout_of)  # committed as a group once every rank's backup is open (run)
     if cfg.degrade_gang:  # its cache filled from every rank's backup at start-up (degrade.py)
         assert cfg.transfer_token and cfg.gang_generation is not None  # config.py
-        return memory.degraded_takeover(mcfg, cfg.weights, cfg.degrade_gang, cfg.gang_generation, cfg.transfer_token,
-                                        layout_of, cfg.adopt_wait_s)
+        d = memory.take_backups(cfg.degrade_gang, 0, [cfg.id], cfg.gang_generation, cfg.transfer_token,
+                                cfg.adopt_wait_s)
+        return degrade.adopt(memory.load(mcfg, cfg.weights, layout_of, num_blocks=d.num_blocks), d)
     if cfg.takeover_from:
         if not cfg.transfer_token:
             raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
@@ -201,6 +202,18 @@ def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGr
     if memory.pending():
         return memory.attach(mcfg, layout_of)
     return memory.load(mcfg, cfg.weights, layout_of)
+
+
+def restore_degraded(cfg: EngineConfig, memory: Any, loaded: Loaded, group: RankGroup | None) -> dict[str, Any]:
+    """A degraded successor's caches (every rank of its group at this same point of its start-up: degrade.py), then
+    the old backups given back (rank 0 holds them)."""
+    comm = group.comm() if group is not None else degrade.ALONE
+    info = degrade.restore(loaded.degraded, loaded.kv, Journal(loaded.layout, loaded.journal), loaded.layout,
+                           get_config(cfg.size), comm)
+    loaded.kv_handed_on = info["restored"] > 0
+    if loaded.degraded is not None:
+        memory.release(loaded.degraded.lease_ids)
+    return info
 
 
 def report_fatal(link: Any) -> None:
@@ -306,11 +319,8 @@ def run(cfg: EngineConfig) -> int:
         # a fenced takeover: nothing read or written before (isolated: nothing its predecessor may still write)
         isolate = cfg.isolated_takeover and cfg.drain_mark and group is None and not cfg.kv_backup
         fence, pend = wait_fence(loaded, cfg.adopt_wait_s, isolate=isolate)
-        if loaded.degraded is not None:  # every rank's backup into this engine's one cache, then given back
-            state.info["degraded"] = degrade.restore(loaded.degraded, loaded.kv, Journal(layout, loaded.journal), layout)
-            loaded.kv_handed_on = state.info["degraded"]["restored"] > 0
-            assert isinstance(memory, LeasedMemory)  # config.py: a degraded successor leases
-            memory.release(loaded.degraded.lease_ids)
+        if loaded.source == "degraded":  # every old rank's backup into this engine's (group's) caches, given back
+            state.info["degraded"] = restore_degraded(cfg, memory, loaded, group)
         # a lost cache restored from its host backup (backup.py); a group's ranks all at once, before the gang
         kv_backup = open_backup(cfg, memory, loaded, group.backup if group is not None else SOLO)
         if group is not None:
@@ -359,7 +369,7 @@ def run(cfg: EngineConfig) -> int:
         state.become("ready")
         http.wait_hello()
         if link is not None:
-            kv = (degrade.describe(state.info["degraded"]) if loaded.degraded is not None
+            kv = (degrade.describe(state.info["degraded"]) if loaded.source == "degraded"
                   else describe_restore(kv_backup[1]) if kv_backup else None)
             link.ready(http.endpoint, weights=loaded.weights_load, kv=kv)
         if cfg.ready_file:

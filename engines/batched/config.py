@@ -82,9 +82,9 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     kv_backup_lag_ms: float = Field(100.0, gt=0, description="the backup's lag bound: a round every half of it")
     degrade_gang: str | None = Field(
         None, validation_alias=AliasChoices("degrade_gang", "HF_DEGRADE_GANG"),
-        description="a degraded successor (degrade.py): this engine alone takes over the KV backups of this broken "
-                    "tensor-parallel gang (with HF_TRANSFER_TOKEN and HF_GANG_GENERATION), loads the weights cold and "
-                    "continues every backed-up sequence; its --num-blocks comes from the backups")
+        description="a degraded successor (degrade.py): this engine (or group of fewer ranks) takes over the KV "
+                    "backups of this broken tensor-parallel gang (with HF_TRANSFER_TOKEN and HF_GANG_GENERATION), "
+                    "loads the weights cold and continues every backed-up sequence; its block count is the backups'")
     fenced_takeover: bool = Field(True, description="a standby is granted its predecessor's leases once the "
                                   "predecessor is stopped (can run no code), maps them during its teardown and reads "
                                   "or writes them only after its exit (the pidfd): the ~75-95 ms of a CUDA context's "
@@ -111,9 +111,8 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     @model_validator(mode="after")
     def _degraded_alone(self) -> EngineConfig:
         if self.degrade_gang is not None:
-            if self.tp != 1 or self.role != "active":
-                raise ValueError("a degraded successor (degrade_gang) is one active engine: a degraded group of "
-                                 "several ranks is not built")
+            if self.role != "active":
+                raise ValueError("a degraded successor (degrade_gang) is an active engine or group")
             if not self.transfer_token or self.gang_generation is None:
                 raise ValueError("degrade_gang needs HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
             if self.memory == "local":

@@ -1,25 +1,28 @@
 """A degraded successor (issue 22 part 6, FailSafe's core): a tensor-parallel group of N ranks lost a rank's GPU
-memory and no N GPUs are left for a whole successor group; this engine, on the GPU that is left, serves every
-sequence on from the N ranks' KV backups (host leases, which no GPU fault takes: backup.py).
+memory and no N GPUs are left for a whole successor group; a group of M < N ranks on the GPUs that are left (one
+engine when M = 1) serves every sequence on from the N ranks' KV backups (host leases, which no GPU fault takes:
+backup.py).
 
-The gpu_manager hands the broken gang's backups to this engine (`HF_DEGRADE_GANG` + `HF_TRANSFER_TOKEN` +
-`HF_GANG_GENERATION`: a `degraded` gang takeover, gpu_manager gang.py invariant 10) and reclaims the rest of the
-gang, so the weights this engine then loads cold (the node's host copy, else the file: its shard is the whole
-model, no rank's) find the GPU's room. `restore` then fills this engine's new cache from all N backups and writes
-rank 0's backed rows (which vouch for every rank's copy: backup.py) as its journal; start-up adopts them as a
-handed-on cache's, and the router's resumes continue every stream. Its own backup, if it keeps one, is new (the
-old ones are laid out for N shards): the writer's first rounds back every adopted row up again, then the N old
-leases are given back.
+The gpu_manager hands the broken gang's backups to the successor's rank 0 (`HF_DEGRADE_GANG` + `HF_TRANSFER_TOKEN`
++ `HF_GANG_GENERATION`, every rank asking: a `degraded` gang takeover, gpu_manager gang.py invariant 10) and
+reclaims the rest of the gang, so the weights each rank then loads cold for its new shard (the node's host copy,
+else the file) find the GPUs' room. `restore` then fills every rank's new cache: rank 0 gathers each rank's kv
+heads of each chunk of blocks from the backups that hold them (old spans and new overlap unevenly: M rarely divides
+the heads as N did) and sends them over (the group's communicator, before any forward); rank 0's backed rows (which
+vouch for every rank's copy: backup.py) become its journal, so start-up adopts every sequence and the router's
+resumes continue them. Its own backups, if it keeps them, are new (the old ones are laid out for N shards): the
+writer's first rounds back every adopted row up again; the N old leases are given back, and a group registers
+its gang anew under the old gang's id.
 
 Invariants (tests/engine_batched/test_tp_degraded.py):
-1. Heads: old rank r of N held kv heads [r*KV/N, (r+1)*KV/N) (engines/reference/tp.py); each backup lands at that
-   span of this engine's cache, and a cache with no backup for some span is refused (nothing half restored).
-2. Blocks keep their ids: the new cache has the backups' block count (memory.py `degraded_takeover`), so the
-   journal's block tables hold as they are.
+1. Heads: old rank r of N held kv heads `kv_spans(model, N)[r]` (engines/reference/tp.py); new rank j holds
+   `kv_spans(model, M)[j]`, each head copied from the one backup that held it; a head no backup holds refuses the
+   restore (nothing half restored).
+2. Blocks keep their ids: every new cache has the backups' block count (rank 0 tells the others before they lease
+   it), so the journal's block tables hold as they are.
 3. Only the blocks rank 0's rows vouch for are copied; positions past a row's durable point are recomputed
    (counted), as after a whole group's restore (backup.py `restore`).
-Not built: a degraded group of 1 < M < N ranks (each would need the heads of several old ranks, sharded unevenly
-when M does not divide the kv heads); the control plane's choice to degrade (docs/multi_gpu.md).
+Not built: the control plane's way back to a whole group once the GPU is healthy again (docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch
 from engines.batched.backup import rows_into, vouched
 from engines.batched.journal import Journal, JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
+from engines.reference.config import ModelConfig
+from engines.reference.tp import kv_spans
 
 NAME = re.compile(r"kv_backup\.tp(\d+)-r(\d+)")
 CHUNK_BLOCKS = 256  # blocks gathered from a backup per copy: the host-side staging stays bounded
@@ -46,6 +51,11 @@ class Degraded:
     ranks: int
     backups: dict[int, dict[str, torch.Tensor]]
     lease_ids: list[str] = field(default_factory=list)
+    timings_ms: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.backups[0][BACKUP_NAME].shape[0])
 
 
 def backup_rank(name: str) -> tuple[int, int]:
@@ -56,16 +66,8 @@ def backup_rank(name: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def spans(kv_heads: int, ranks: int) -> list[tuple[int, int]]:
-    """The kv heads each rank of a uniform group held (invariant 1)."""
-    if kv_heads % ranks:
-        raise ValueError(f"{kv_heads} kv heads do not split over {ranks} ranks")
-    part = kv_heads // ranks
-    return [(r * part, (r + 1) * part) for r in range(ranks)]
-
-
 def gathered(named: dict[str, dict[str, torch.Tensor]]) -> Degraded:
-    """The takeover's leases (lease name -> its tensors, lease id under "id") as the backups of one group."""
+    """The takeover's leases (lease name -> its tensors) as the backups of one group."""
     by_rank: dict[int, dict[str, torch.Tensor]] = {}
     sizes = set()
     for name, tensors in named.items():
@@ -77,38 +79,104 @@ def gathered(named: dict[str, dict[str, torch.Tensor]]) -> Degraded:
     return Degraded(sizes.pop(), by_rank)
 
 
-def restore(d: Degraded, kv: torch.Tensor, journal: Journal, layout: JournalLayout) -> dict[str, Any]:
-    """Every block rank 0's rows vouch for, each old rank's heads from its own backup, into `kv` (this engine's whole
-    cache, [layers, 2, blocks, block size, kv heads, head dim]); rank 0's rows as the journal (invariants 1-3)."""
+def adopt(loaded: Any, d: Degraded | None) -> Any:
+    """A cold load (weights, a new cache of the backups' block count) as a degraded successor's: on rank 0 with the
+    backups it took over."""
+    loaded.source, loaded.degraded = "degraded", d
+    if d is not None:
+        loaded.timings_ms = {**d.timings_ms, **loaded.timings_ms}
+    return loaded
+
+
+class Alone:
+    """A single degraded engine: rank 0 of 1, nothing to tell anyone (tp_group.py `RankComm`: a group's ranks)."""
+
+    rank, size = 0, 1
+
+    def share(self, value: Any) -> Any:
+        return value
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        raise RuntimeError("a single engine has no other rank")
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        raise RuntimeError("a single engine has no other rank")
+
+
+ALONE = Alone()
+
+
+def heads_of(d: Degraded, old: list[tuple[int, int]], idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Kv heads lo..hi of blocks `idx`, from the backups that hold them: [layers, 2, blocks, block size, heads, dim]."""
+    parts = []
+    for r, (o0, o1) in enumerate(old):
+        a, b = max(lo, o0), min(hi, o1)
+        if a < b:
+            parts.append(d.backups[r][BACKUP_NAME][idx][:, :, :, :, a - o0:b - o0])
+    if sum(t.shape[4] for t in parts) != hi - lo:
+        raise ValueError(f"kv heads {lo}..{hi} are not all in the backups of spans {old}")
+    return torch.cat(parts, dim=4).permute(1, 2, 0, 3, 4, 5)
+
+
+def restore(d: Degraded | None, kv: torch.Tensor, journal: Journal, layout: JournalLayout, whole: ModelConfig,
+            comm: Any = ALONE) -> dict[str, Any]:
+    """This rank's cache filled from the N backups (rank 0 holds them: `d`; None elsewhere) and rank 0's backed rows
+    written as its journal (invariants 1-3). `kv`: this rank's cache, [layers, 2, blocks, block size, its kv heads,
+    head dim], its heads `kv_spans(whole, comm.size)[comm.rank]`; `comm`: its group (rank 0 sends each other rank its
+    heads of each chunk of blocks), `ALONE` for one engine. Every rank returns the same counts."""
     t0 = time.perf_counter()
-    ok, entries, dropped, blocks = vouched(d.backups[0], layout)
+    plan: tuple[Any, ...] | None = None
+    entries: list[Any] = []
+    dropped = 0
+    if comm.rank == 0:
+        assert d is not None, "rank 0 of a degraded successor holds the backups"
+        ok, entries, dropped, blocks = vouched(d.backups[0], layout)
+        for r, (h0, h1) in enumerate(kv_spans(whole, d.ranks)):
+            src = d.backups[r][BACKUP_NAME]  # [blocks, layers, 2, block size, its kv heads, head dim]
+            if src.shape[0] != kv.shape[2] or tuple(src.shape[4:]) != (h1 - h0, kv.shape[5]):
+                raise ValueError(f"rank {r}'s backup {tuple(src.shape)} does not hold kv heads {h0}..{h1} of a cache "
+                                 f"of {kv.shape[2]} blocks")
+        plan = (ok, blocks, d.ranks)
+    ok, blocks, ranks = comm.share(plan)
     if not ok:
-        return {"restored": 0, "from_ranks": d.ranks, "why": "the backups were written for another layout"}
-    heads = spans(kv.shape[4], d.ranks)
-    for r, (h0, h1) in enumerate(heads):
-        src = d.backups[r][BACKUP_NAME]  # [blocks, layers, 2, block size, its kv heads, head dim]
-        if src.shape[0] != kv.shape[2] or tuple(src.shape[4:]) != (h1 - h0, kv.shape[5]):
-            raise ValueError(f"rank {r}'s backup {tuple(src.shape)} does not hold kv heads {h0}..{h1} of a cache "
-                             f"{tuple(kv.shape)}")
+        return {"restored": 0, "from_ranks": ranks, "why": "the backups were written for another layout"}
+    old, new = kv_spans(whole, ranks), kv_spans(whole, comm.size)
+    n0, n1 = new[comm.rank]
+    if kv.shape[4] != n1 - n0:
+        raise ValueError(f"rank {comm.rank}'s cache holds {kv.shape[4]} kv heads, not {n0}..{n1}")
     copied = 0
     for at in range(0, len(blocks), CHUNK_BLOCKS):
         idx = torch.tensor(blocks[at:at + CHUNK_BLOCKS], dtype=torch.long)
-        for r, (h0, h1) in enumerate(heads):
-            part = d.backups[r][BACKUP_NAME][idx].permute(1, 2, 0, 3, 4, 5)
-            kv[:, :, idx.to(kv.device), :, h0:h1] = part.to(kv.device, non_blocking=False)
-            copied += part.numel() * part.element_size()
-    rows_into(journal, entries)
+        if comm.rank == 0:
+            assert d is not None
+            for j in range(comm.size - 1, -1, -1):  # the others' first: rank 0's own copy last
+                part = heads_of(d, old, idx, *new[j])
+                if j:
+                    comm.send(part.contiguous(), j)
+                else:
+                    kv[:, :, idx.to(kv.device), :, :] = part.to(kv.device)
+                copied += part.numel() * part.element_size()
+        else:
+            shape = (kv.shape[0], kv.shape[1], len(idx), kv.shape[3], kv.shape[4], kv.shape[5])
+            kv[:, :, idx.to(kv.device), :, :] = comm.recv(shape, kv.dtype, 0).to(kv.device)
+    restored = 0
+    if comm.rank == 0:
+        rows_into(journal, entries)
+        restored = len(entries)
     if kv.device.type == "cuda":
         torch.cuda.synchronize(kv.device)
-    return {"restored": len(entries), "dropped": dropped, "from_ranks": d.ranks, "blocks": len(blocks),
-            "bytes": copied, "recomputed_tokens": sum(len(e.tokens) - 1 - e.computed for e in entries),
+    restored, dropped, recomputed = comm.share((restored, dropped, sum(len(e.tokens) - 1 - e.computed
+                                                                       for e in entries)))
+    return {"restored": restored, "dropped": dropped, "from_ranks": ranks, "to_ranks": comm.size,
+            "blocks": len(blocks), "bytes": copied, "recomputed_tokens": recomputed,
             "ms": round((time.perf_counter() - t0) * 1000, 3)}
 
 
 def describe(info: dict[str, Any]) -> str:
     """One line for the incident's timeline."""
+    to = "one engine" if info.get("to_ranks", 1) == 1 else f"{info['to_ranks']} ranks"
     if not info.get("restored"):
-        return f"degraded to one engine: no sequence restored ({info.get('why', 'none backed up')})"
-    return (f"degraded to one engine from {info['from_ranks']} ranks: KV of {info['restored']} sequences from their "
+        return f"degraded to {to}: no sequence restored ({info.get('why', 'none backed up')})"
+    return (f"degraded from {info['from_ranks']} ranks to {to}: KV of {info['restored']} sequences from their "
             f"host backups, {info['blocks']} blocks in {info['ms']:.1f} ms, {info['recomputed_tokens']} positions "
             "recomputed")

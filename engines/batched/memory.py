@@ -171,32 +171,30 @@ class LeasedMemory:
         loaded.weights_load = got.report()
         return loaded
 
-    def degraded_takeover(self, cfg: ModelConfig, path: Path, gang_id: str, generation: int, token: str,
-                          layout_of: Any, wait_s: float) -> Loaded:
-        """A degraded successor (degrade.py): every rank's KV backup of the broken gang (the rest of it reclaimed
-        in the same commit), then the weights cold and a new cache of the backups' block count (degrade.py
-        invariant 2). The cache is filled from the backups at start-up (`degrade.restore`)."""
+    def take_backups(self, gang_id: str, rank: int, successors: list[str], generation: int, token: str,
+                     wait_s: float) -> Any:
+        """Rank `rank` of a degraded successor (degrade.py; `successors`: its ranks' engine ids, one for a single
+        engine): the broken gang's every KV backup, all to rank 0 (degrade.py `Degraded`; None on the other ranks,
+        whose asks complete the group), the rest of the gang reclaimed in the same commit."""
         from engines.batched.degrade import gathered
         from libs.client.protocol import PredecessorAlive
 
         t0 = time.perf_counter()
-        att, tries = retry_until(lambda: self.client.gang_takeover(gang_id, 0, [self.client.engine_id], generation,
-                                                                   token, degraded=True), (PredecessorAlive,), wait_s)
-        took = {"takeover_ms": _ms(t0), "tries": tries}
+        att, tries = retry_until(lambda: self.client.gang_takeover(gang_id, rank, successors, generation, token,
+                                                                   degraded=True), (PredecessorAlive,), wait_s)
+        if rank:
+            return None
         d = gathered({lease.info.name: {m.name: lease.view(m, "torch") for m in lease.tensor_metas}
                       for lease in att.leases})
-        d.lease_ids = [lease.id for lease in att.leases]
-        loaded = self.load(cfg, path, layout_of, num_blocks=d.backups[0][BACKUP_NAME].shape[0])
-        loaded.source, loaded.degraded = "degraded", d
-        loaded.timings_ms = {**took, **loaded.timings_ms, "total_ms": _ms(t0)}
-        return loaded
+        d.lease_ids, d.timings_ms = [lease.id for lease in att.leases], {"takeover_ms": _ms(t0), "tries": tries}
+        return d
 
     def release(self, lease_ids: list[str]) -> None:
         for lease_id in lease_ids:
             self.client.release(lease_id)
 
     def load_shard(self, cfg: ModelConfig, read: Callable[[], dict[str, torch.Tensor]], layout_of: Any, *,
-                   path: Path, tp: int, rank: int) -> Loaded:
+                   path: Path, tp: int, rank: int, num_blocks: int | None = None) -> Loaded:
         """A tensor-parallel rank's part of the weights, cold: the node's copy of this rank's shard (host tier, else
         artifact: restore_or_load, the one cold path; the copy named for the rank, safetensors_io invariant 3, and
         of this shard's shapes) if a sound one is there, else `read` (tp.py: the file by safetensors slices) copied
@@ -210,7 +208,7 @@ class LeasedMemory:
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class, tp=tp, rank=rank),
                               gpu=self.gpu, expected=cfg.tensor_shapes(),
                               load_file=lambda: self._shard_into_lease(read(), name))
-        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
+        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0, num_blocks)
         loaded.weights_load = got.report()
         return loaded
 

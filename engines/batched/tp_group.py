@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines.batched import degrade
 from engines.batched.backup_start import open_backup
 from engines.batched.config import EngineConfig
 from engines.batched.journal import Journal
@@ -90,6 +91,27 @@ class BackupChannel:
 
     def done(self) -> None:
         dist.barrier(group=self.group)
+
+
+class RankComm:
+    """Rank 0 -> the others over the group's communicator, before its first forward (degrade.py's restore):
+    objects broadcast, tensors sent to one rank (on `device`: the GPU with NCCL, else the host)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size, self.device = rank, size, device
+
+    def share(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        dist.send(t.to(self.device), dst)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src)
+        return buf
 
 
 class RankGroup:
@@ -152,19 +174,36 @@ class RankGroup:
     def _take_orders(self, orders: dict[str, Any]) -> None:
         self.cfg = self.cfg.model_copy(update=orders)
 
+    def comm(self) -> RankComm:
+        return RankComm(self.rank, self.cfg.tp, self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+
     def load(self, memory: Any, layout_of: Any) -> Loaded:
         cfg = self.cfg
+        if cfg.degrade_gang:  # a degraded group (degrade.py): every rank asks, rank 0 gets every old rank's backup
+            if memory.kind != "leased" or not cfg.transfer_token or cfg.gang_generation is None:
+                raise RuntimeError("HF_DEGRADE_GANG needs leased memory, HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
+            d = memory.take_backups(cfg.degrade_gang, self.rank, self.owners, cfg.gang_generation, cfg.transfer_token,
+                                    cfg.adopt_wait_s)
+            blocks = self.comm().share(d.num_blocks if d is not None else None)  # degrade.py invariant 2
+            return degrade.adopt(self._cold(memory, layout_of, blocks), d)
         if cfg.takeover_gang:
             if memory.kind != "leased" or not cfg.transfer_token or cfg.gang_generation is None:
                 raise RuntimeError("HF_TAKEOVER_GANG needs leased memory, HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
             return memory.gang_takeover(self.mcfg, cfg.takeover_gang, self.rank, self.owners, cfg.gang_generation,
                                         cfg.transfer_token, layout_of, cfg.adopt_wait_s)
+        return self._cold(memory, layout_of)
+
+    def _cold(self, memory: Any, layout_of: Any, num_blocks: int | None = None) -> Loaded:
+        cfg = self.cfg
         whole = get_config(cfg.size)
 
         def read() -> dict[str, torch.Tensor]:  # only when no node copy of this rank's shard serves
             check_file_matches(cfg.weights, whole)
             return read_shard(cfg.weights, whole, cfg.tp, self.rank)
-        return memory.load_shard(self.mcfg, read, layout_of, path=cfg.weights, tp=cfg.tp, rank=self.rank)
+        if num_blocks is None:
+            return memory.load_shard(self.mcfg, read, layout_of, path=cfg.weights, tp=cfg.tp, rank=self.rank)
+        return memory.load_shard(self.mcfg, read, layout_of, path=cfg.weights, tp=cfg.tp, rank=self.rank,
+                                 num_blocks=num_blocks)
 
     def commit(self, memory: Any, loaded: Loaded) -> dict[str, Any]:
         """Every rank loaded (or took over) and committed: their caches must agree (a block id means the same
@@ -186,8 +225,10 @@ class RankGroup:
         gang = None
         if memory.kind == "leased" and self.cfg.takeover_gang and not any(r[1] for r in reports):
             gang = memory.client.last_gang.model_dump()  # the manager moved the gang on with the takeover
-        elif memory.kind == "leased" and self.rank == 0:  # cold, or new caches (restored from the ranks' backups)
-            gang = memory.register_gang(self.cfg.takeover_gang or self.cfg.gang or self.cfg.id, self.owners)
+        elif memory.kind == "leased" and self.rank == 0:  # cold, new caches (restored from the ranks' backups), or
+            # a degraded group's (its ranks took the broken gang's id over: degrade.py)
+            gang = memory.register_gang(self.cfg.degrade_gang or self.cfg.takeover_gang or self.cfg.gang or self.cfg.id,
+                                        self.owners)
         return {"ranks": self.cfg.tp, "engine_ids": self.owners, "backend": dist.get_backend(), "gang": gang,
                 "head": "replicated", "pids": self.followers.pids() if self.followers is not None else {}}
 
@@ -262,6 +303,10 @@ def follower_main() -> int:
                 log.info("rank %d of a standby group stopped unassigned", cfg.tp_rank)
                 return 0
         loaded = group.load(memory, layout_fn(cfg, group.mcfg, group.device))
+        if loaded.source == "degraded":  # rank 0 sends this rank its heads of the old ranks' backups
+            restored = degrade.restore(None, loaded.kv, Journal(loaded.layout, loaded.journal), loaded.layout,
+                                       get_config(cfg.size), group.comm())
+            loaded.kv_handed_on = restored["restored"] > 0  # as rank 0's: the ranks' caches agree (commit)
         backup = open_backup(group.cfg, memory, loaded, group.backup)  # before the gang: its lease is the gang's
         group.commit(memory, loaded)
         if not loaded.kv_handed_on:

@@ -59,10 +59,10 @@ class Commands:
                                     replacing=host.engines.get(cmd.reattach_from))
             return SpawnReply(engine=host.info(rec))
         if cmd.degrade_gang is not None:
-            # dc_manager's degraded fallback: one engine in a lost group's place, from its ranks' KV backups; the
+            # dc_manager's degraded fallback: fewer ranks in a lost group's place, from its ranks' KV backups; the
             # spec kept is the group's (nothing recorded: a spec's own starts stay whole groups)
-            if cmd.spec.tp != 1 or not cmd.transfer_token or cmd.gang_generation is None:
-                raise ValueError("a degraded spawn is one engine (tp 1) with the gang's transfer token and generation")
+            if not cmd.transfer_token or cmd.gang_generation is None:
+                raise ValueError("a degraded spawn needs the gang's transfer token and generation")
             extra = {"HF_DEGRADE_GANG": cmd.degrade_gang, "HF_TRANSFER_TOKEN": cmd.transfer_token,
                      "HF_GANG_GENERATION": str(cmd.gang_generation), "HF_INCIDENT_ID": cmd.incident_id or ""}
             if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine

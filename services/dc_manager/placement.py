@@ -107,3 +107,19 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
     source = copies.get(best.node or "", "file")
     where = f"{best.node}/{best.gpu}" if tp == 1 else f"{best.node}/{best.gpu}..{best.gpu + tp - 1}"
     return Placement(Action.COLD_START, best.node, best.gpu, f"{why}: cold start on {where} (weights from {source})")
+
+
+def place_degraded(node: str, gpu: int, tp: int, device_bytes: int, *, slots: Iterable[GpuSlot],
+                   alive: frozenset[str] | set[str], allowed: frozenset[str] | None = None) -> tuple[int, Placement]:
+    """A degraded successor for a group of `tp` ranks that lost its memory (engines/batched/degrade.py): the most
+    ranks, fewer than `tp`, that fit on consecutive healthy GPUs of `node` (where its ranks' KV backups are, in host
+    memory), each with room for its share of the group's `device_bytes` (weights and caches of every rank); (0, a
+    NONE placement) when not even one GPU has room for it all."""
+    slots = list(slots)
+    why = f"no healthy gpu on {node} with {device_bytes} bytes free"
+    for ranks in range(tp - 1, 0, -1):
+        where = place(node, gpu, memory_lost=True, needed_bytes=-(-device_bytes // ranks), slots=slots,
+                      alive=alive & {node}, allowed=allowed, tp=ranks)
+        if where.action is not Action.NONE:
+            return ranks, where
+    return 0, Placement(Action.NONE, reason=why)

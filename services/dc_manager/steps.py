@@ -63,7 +63,7 @@ from libs.common.events import (
 )
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
-from services.dc_manager.placement import Action, Placement, node_copies, place, released
+from services.dc_manager.placement import Action, Placement, node_copies, place, place_degraded, released
 from services.dc_manager.settings import DcManagerSettings
 
 # Engine classes that can continue a lost group alone from its ranks' KV backups (engines/batched/degrade.py).
@@ -366,22 +366,23 @@ class IntentSteps:
                       alive=set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
         if whole.action is not Action.NONE:
             return  # a whole group fits somewhere: that is the better successor
-        # one GPU holds the whole model and every rank's cache: the group's device memory (a lost rank's leases may
-        # be gone from the view: every rank counted as the largest one left)
+        # the group's device memory, weights and caches, shared by the fewer ranks (a lost rank's leases may be gone
+        # from the view: every rank counted as the largest one left)
         device = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))
                          if not lease.host) for r in range(spec.tp))
-        one = place(intent.node, intent.gpu, memory_lost=True, slots=slots, alive={intent.node} & set(self.view.nodes),
-                    needed_bytes=device * spec.tp, allowed=self.allowed)
-        if one.action is Action.NONE:
-            log.info("intent %s: %s not degraded either: %s", intent.incident_id, intent.engine_id, one.reason)
+        ranks, where = place_degraded(intent.node, intent.gpu, spec.tp, device * spec.tp, slots=slots,
+                                      alive=set(self.view.nodes), allowed=self.allowed)
+        if where.action is Action.NONE:
+            log.info("intent %s: %s not degraded either: %s", intent.incident_id, intent.engine_id, where.reason)
             return
-        alone = spec.model_copy(update={"tp": 1, "gpus": [one.gpu or 0], "version": intent.version or spec.version})
-        cmd = Spawn(spec=alone, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
+        fewer = spec.model_copy(update={"tp": ranks, "gpus": [where.gpu or 0],
+                                        "version": intent.version or spec.version})
+        cmd = Spawn(spec=fewer, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
                     degrade_gang=intent.gang, transfer_token=frozen.transfer_token,
                     gang_generation=frozen.generation, predecessor=intent.engine_id)
-        log.info("intent %s: no %d healthy GPUs for %s (%s): degraded to one engine on %s/%s from its ranks' KV "
-                 "backups", intent.incident_id, spec.tp, intent.engine_id, whole.reason, one.node, one.gpu)
-        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, one.node or "", cmd, SpawnReply,
+        log.info("intent %s: no %d healthy GPUs for %s (%s): degraded to %d rank(s) on %s/%s.. from its ranks' KV "
+                 "backups", intent.incident_id, spec.tp, intent.engine_id, whole.reason, ranks, where.node, where.gpu)
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)
 

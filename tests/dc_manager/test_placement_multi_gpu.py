@@ -8,7 +8,7 @@ import time
 
 from libs.common.cluster_view import ClusterView, GpuSlot
 from libs.common.events import GpuRecord, LeaseInfo, LeaseState, Tag
-from services.dc_manager.placement import Action, place
+from services.dc_manager.placement import Action, place, place_degraded
 
 M = 1 << 20
 
@@ -82,3 +82,24 @@ def test_a_tensor_parallel_group_is_placed_on_consecutive_healthy_gpus_each_with
     assert p.action is Action.COLD_START and p.reason.startswith("gpu 1 on a is unhealthy")
     p = place("a", 2, memory_lost=False, needed_bytes=0, slots=view.gpu_slots(), alive=alive, tp=2)
     assert (p.action, p.gpu) == (Action.REATTACH, 2)
+
+
+def test_a_degraded_group_is_the_most_ranks_that_fit_on_its_nodes_healthy_gpus() -> None:
+    """A group of 4 that lost GPU 3 of its node: 3 ranks on GPUs 0..2, each with room for a third of the group's
+    device memory; lost GPU 1 instead: 2 ranks on 2..3 (ranks sit on consecutive GPUs); never another node's GPUs
+    (the backups are in this node's host memory); none when not even one GPU has room."""
+    def node(sick: int, other: bool = False) -> ClusterView:
+        records = [GpuRecord(node="a", gpu=g, uuid=f"SIM-a-{g}", total_bytes=100 * M, healthy=g != sick)
+                   for g in range(4)]
+        if other:
+            records += [GpuRecord(node="b", gpu=g, uuid=f"SIM-b-{g}", total_bytes=100 * M) for g in range(4)]
+        return view_of(*records)
+
+    def degraded(view: ClusterView, device: int) -> tuple[int, object, object]:
+        ranks, where = place_degraded("a", 0, 4, device, slots=view.gpu_slots(), alive=set(view.nodes))
+        return ranks, where.node, where.gpu
+
+    assert degraded(node(3), 240 * M) == (3, "a", 0)  # 80 MiB a rank
+    assert degraded(node(1), 160 * M) == (2, "a", 2)
+    assert degraded(node(3, other=True), 240 * M) == (3, "a", 0)  # node b's four healthy GPUs are not looked at
+    assert degraded(node(3), 320 * M) == (0, None, None)  # 107 MiB a rank on 3, 160 on 2, 320 on one: no room

@@ -1,14 +1,17 @@
-"""Degraded tensor parallelism (issue 22 part 6; engines/batched/degrade.py): a TP=2 batched group with `--kv-backup`
-on two simulated GPUs (real gpu_manager, real processes) serves 4 greedy streams, each vouched for by a backup
-round; GPU 1 is marked failed (rank 1's weights and cache lost: the gang broken) and the group dies. No second GPU
-is left for a whole successor group, so one engine on GPU 0 takes the gang's two backups over (the rest of the gang
-reclaimed in the same commit), loads the whole model cold and restores every sequence's KV from both backups, each
-rank's kv heads into their place. Every stream, resumed as the router resumes it, ends with the tokens the group
-would have made, no prompt prefilled again; what is left on the node is the new engine's leases only."""
+"""Degraded tensor parallelism (issue 22 part 6; engines/batched/degrade.py): a batched group of N ranks with
+`--kv-backup` on N simulated GPUs (real gpu_manager, real processes) serves 4 greedy streams, each vouched for by a
+backup round; its last GPU is marked failed (that rank's weights and cache lost: the gang broken) and the group
+dies. No N GPUs are left for a whole successor group, so a group of N-1 ranks on the GPUs left takes the gang's N
+backups over (the rest of the gang reclaimed in the same commit), loads its shards cold and restores every
+sequence's KV from all N backups, each kv head into its new rank's cache: TP=2 -> one engine (tiny), and TP=3 ->
+TP=2 (tiny3: 3 kv heads, 1/1/1 -> 2/1, rank 0 sending rank 1 its heads). Every stream, resumed as the router
+resumes it, ends with the tokens the group would have made, no prompt prefilled again; what is left on the node is
+the new engine's leases only."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engines.reference.config import get_config
+from engines.reference.weights import make_weights
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.errors import RemoteError
@@ -28,12 +33,13 @@ from libs.common.events import (
     SetGpuHealth,
     SetGpuHealthReply,
 )
-from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
-from tests.engine.test_tp import two_gpus  # noqa: F401 - fixture
+from tests.engine.conftest import end_processes_of, start_gpu_manager
 from tests.engine_batched import test_failover
 from tests.engine_batched.test_failover import BatchedEngine, alone, resume, streams_started
 from tests.engine_batched.test_tp_gang import STREAMS
-from tests.engine_batched.test_tp_kv_restore import BACKED, backed_rows
+from tests.engine_batched.test_tp_kv_restore import backed_rows
+
+BACKUP = ("--kv-backup", "--kv-backup-lag-ms", "100")
 
 
 async def leases(bus: Bus, settings: CommonSettings) -> list:
@@ -41,11 +47,26 @@ async def leases(bus: Bus, settings: CommonSettings) -> list:
 
 
 @pytest.mark.timeout(300)
-async def test_a_group_that_lost_a_gpu_is_continued_by_one_engine_from_every_ranks_backup(
-        tmp_path: Path, tiny_weights: Path, two_gpus: Path, settings_env: dict[str, str],  # noqa: F811
-        settings: CommonSettings, bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("size", "ranks"), [("tiny", 2), ("tiny3", 3)], ids=["tp2-to-1", "tp3-to-2"])
+async def test_a_group_that_lost_a_gpu_is_continued_by_fewer_ranks_from_every_ranks_backup(
+        tmp_path: Path, settings_env: dict[str, str], settings: CommonSettings, bus: Bus,
+        monkeypatch: pytest.MonkeyPatch, size: str, ranks: int) -> None:
     monkeypatch.setattr(test_failover, "MAX_TOKENS", 2 * test_failover.MAX_TOKENS)  # outlive the first rounds
-    first = BatchedEngine(tmp_path, tiny_weights, "btd-a", settings_env, *BACKED)
+    weights = make_weights(get_config(size), tmp_path / f"{size}.safetensors", seed=7)
+    manager = start_gpu_manager(settings, {**settings_env, "HF_GPUS": json.dumps([str(g) for g in range(ranks)])},
+                                tmp_path)
+    try:
+        await degraded_by_one_gpu(tmp_path, weights, size, ranks, settings_env, settings, bus)
+    finally:
+        manager.stop()
+        end_processes_of(settings.state_dir)
+
+
+async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: int, settings_env: dict[str, str],
+                              settings: CommonSettings, bus: Bus) -> None:
+    lost_gpu, left = ranks - 1, ranks - 1
+    first = BatchedEngine(tmp_path, weights, "btd-a", settings_env, "--size", size, "--tp", str(ranks),
+                          "--num-blocks", "256", *BACKUP)
     first.wait_ready(180)
     with ThreadPoolExecutor(STREAMS) as ex:  # deterministic mode: together as alone
         expected = dict(enumerate(ex.map(lambda i: alone(first.url, i), range(STREAMS))))
@@ -55,9 +76,9 @@ async def test_a_group_that_lost_a_gpu_is_continued_by_one_engine_from_every_ran
         assert time.monotonic() < deadline and all(t.is_alive() for t in threads), "no round backed every stream"
         await asyncio.sleep(0.02)
 
-    lost = await bus.request(settings.node, SetGpuHealth(gpu=1, healthy=False, detail="xid 79 (test)"),
+    lost = await bus.request(settings.node, SetGpuHealth(gpu=lost_gpu, healthy=False, detail="xid 79 (test)"),
                              SetGpuHealthReply)
-    assert sorted(i.split("-")[0] for i in lost.lost_leases) and len(lost.lost_leases) == 2  # rank 1's weights, cache
+    assert len(lost.lost_leases) == 2  # the last rank's weights and cache
     try:
         first.kill()  # rank 1 exits as its leases go and the group with it; the agent would kill what is left
     except ProcessLookupError:
@@ -69,25 +90,31 @@ async def test_a_group_that_lost_a_gpu_is_continued_by_one_engine_from_every_ran
         await bus.request(settings.node, FreezeGang(gang_id="btd-a"), FreezeGangReply)
     assert whole.value.remote_code == "partial_gang"  # no whole group can take it over any more
     frozen = await bus.request(settings.node, FreezeGang(gang_id="btd-a", degraded=True), FreezeGangReply)
-    assert sorted(i.name for i in frozen.leases) == ["kv_backup.tp2-r0", "kv_backup.tp2-r1"]
+    assert sorted(i.name for i in frozen.leases) == [f"kv_backup.tp{ranks}-r{r}" for r in range(ranks)]
 
-    alone_engine = BatchedEngine(tmp_path, tiny_weights, "btd-b", {
+    successor = BatchedEngine(tmp_path, weights, "btd-b", {
         **settings_env, "HF_DEGRADE_GANG": "btd-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
-        "HF_GANG_GENERATION": "1", "HF_GPU": "0"}, "--kv-backup", "--kv-backup-lag-ms", "100")
+        "HF_GANG_GENERATION": "1", "HF_GPU": "0"}, "--size", size, *(["--tp", str(left)] if left > 1 else []),
+        *BACKUP)
     try:
-        info = alone_engine.wait_ready(180)
+        info = successor.wait_ready(180)
         rec = info["recovery"]
         assert rec["source"] == "degraded" and info["memory"]["num_blocks"] == 256  # the backups' count, not its own
         degraded = info["degraded"]
-        assert degraded["restored"] == STREAMS and degraded["from_ranks"] == 2, degraded
-        got = {i: await asyncio.to_thread(resume, alone_engine.url, i, list(seen[i])) for i in range(STREAMS)}
-        stats = httpx.get(alone_engine.url + "/health", timeout=10).json()["engine"]
+        assert degraded["restored"] == STREAMS and (degraded["from_ranks"], degraded["to_ranks"]) == (ranks, left)
+        got = {i: await asyncio.to_thread(resume, successor.url, i, list(seen[i])) for i in range(STREAMS)}
+        stats = httpx.get(successor.url + "/health", timeout=10).json()["engine"]
         assert got == expected  # every stream, token for token, from both ranks' backups
         assert stats["recomputed_tokens"] == 0
         floor = degraded["recomputed_tokens"] + stats["claim_extra_tokens"]  # past the durable point only
         assert floor <= stats["prefill_tokens"] <= floor + STREAMS, (stats["prefill_tokens"], floor)
-        left = await leases(bus, settings)
-        assert {i.owner for i in left} == {"btd-b"} and {i.state for i in left} == {LeaseState.ACTIVE}
-        assert {i.gpu for i in left} == {0} and "kv_backup" in {i.name for i in left}  # a backup of its own
+        after = await leases(bus, settings)
+        owners = ["btd-b", *(f"btd-b-r{r}" for r in range(1, left))]
+        assert {i.owner for i in after} == set(owners) and {i.state for i in after} == {LeaseState.ACTIVE}
+        assert {i.gpu for i in after} == set(range(left))  # none on the failed GPU
+        backups = sorted(i.name for i in after if i.name.startswith("kv_backup"))
+        assert backups == (["kv_backup"] if left == 1 else [f"kv_backup.tp{left}-r{r}" for r in range(left)])
+        if left > 1:  # the group registered the broken gang's id anew, with its own leases
+            assert info["tp"]["gang"]["owners"] == owners and len(info["tp"]["gang"]["epochs"]) == 3 * left
     finally:
-        alone_engine.child.stop()
+        successor.child.stop()
