@@ -7,7 +7,10 @@ each stream's largest gap (p50/p99/max), and beside them the decode roofline of 
 step must read (all weights + the KV of every running sequence) over the memory bandwidth measured in the same
 run (a device-to-device copy on CUDA; on the CPU a large tensor copy), as tokens/s and as the share reached.
 With --plain, a plain torch batched decode of the same model (contiguous KV, SDPA, no paging, no scheduler,
-bench/plain_decode.py) runs at the same batch sizes in the same run, for the ratio. With --kv-backup each mode runs
+bench/plain_decode.py) runs at the same batch sizes in the same run, for the ratio. With --tp 2,1 each mode runs at
+each tensor-parallel size (`<mode>@tp<N>`, one after the other in one run): a group of N against the N-1 ranks a
+degraded successor serves on (engines/batched/degrade.py; on one GPU add `--engine-args --tp-one-gpu`). With
+--kv-backup each mode runs
 again with the engine's KV backup to host on (`<mode>+kv_backup`, the same levels, one after the other in one run),
 with the backup's own figures (rounds, bytes, the lag) from the engine's /health.
 
@@ -220,6 +223,8 @@ def cli(
                                        "each load (make-weights --drawn): no 16 GiB file to write first"),
     burst: int = typer.Option(0, min=0, help="at each level, this many requests too long for the model sent while "
                               "the streams decode (each refused with 400): what a flood of bad requests costs them"),
+    tp: str = typer.Option("1", help="comma-separated tensor-parallel sizes, each run as its own mode side by side "
+                           "(`<mode>@tp<N>`): a group against a degraded one of fewer ranks"),
     client_procs: int = typer.Option(0, min=0, help="client processes reading the streams (0: a quarter of the "
                                      "cores, 1 to 8)"),
 ) -> None:
@@ -236,6 +241,12 @@ def cli(
                                  param_hint="--concurrency") from None
     if not levels or min(levels) < 1:
         raise typer.BadParameter("give at least one stream count, each at least 1", param_hint="--concurrency")
+    try:
+        sizes = [int(x) for x in tp.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{tp!r} is not a comma-separated list of group sizes", param_hint="--tp") from None
+    if not sizes or min(sizes) < 1:
+        raise typer.BadParameter("give at least one group size, each at least 1", param_hint="--tp")
     work = weights_dir or Path(tempfile.mkdtemp(prefix="holdfast-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     weights = make_weights(size, work / f"weights-{size}{'-drawn' if drawn_weights else ''}.safetensors",
@@ -244,10 +255,13 @@ def cli(
     report: dict[str, Any] = {"bench": "serve", "size": size, "device": device, "prompt_len": prompt_len,
                               "max_tokens": max_tokens, "bandwidth_gb_s": round(bandwidth / 1e9, 1), "modes": {}}
     modes = [False, True] if both_modes else [deterministic]
-    for det, backup in [(d, b) for d in modes for b in ([False, True] if kv_backup else [False])]:
+    runs = [(d, b, n) for d in modes for b in ([False, True] if kv_backup else [False]) for n in sizes]
+    for det, backup, ranks in runs:
         extra = ["--max-num-seqs", str(max(levels)), "--max-num-batched-tokens", str(max(2048, max(levels))),
-                 *(["--deterministic"] if det else []), *(["--kv-backup"] if backup else []), *engine_args.split()]
-        mode = ("deterministic" if det else "default") + ("+kv_backup" if backup else "")
+                 *(["--deterministic"] if det else []), *(["--kv-backup"] if backup else []),
+                 *(["--tp", str(ranks)] if ranks > 1 else []), *engine_args.split()]
+        mode = (("deterministic" if det else "default") + ("+kv_backup" if backup else "")
+                + (f"@tp{ranks}" if len(sizes) > 1 else ""))
         eng = EngineProcess(weights, size, work, extra)
         try:
             url = eng.wait()["endpoint"]

@@ -76,3 +76,11 @@ def test_a_bad_concurrency_list_is_refused_before_anything_starts(levels):
     app.command()(cli)
     result = CliRunner().invoke(app, ["--size", "tiny", "--concurrency", levels])
     assert result.exit_code == 2 and "--concurrency" in result.output
+
+
+@pytest.mark.parametrize("sizes", ["", "2,x", "0,1"])
+def test_a_bad_list_of_group_sizes_is_refused_before_anything_starts(sizes):
+    app = typer.Typer()
+    app.command()(cli)
+    result = CliRunner().invoke(app, ["--size", "tiny", "--tp", sizes])
+    assert result.exit_code == 2 and "--tp" in result.output
