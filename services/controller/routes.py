@@ -209,7 +209,10 @@ class IncidentEvents:
                                engine_class=rec.engine_class, gpu=rec.gpu, reason=rec.reason, kind=rec.kind,
                                memory_lost=fallback, version=rec.version, node=rec.node,
                                successor=rec.successor_hint, gang=rec.gang, term=self.term)
-        return self.envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}", rec)
+        # the term in the id: a new leader's intent is never dropped as a duplicate of its predecessor's (JetStream's
+        # window), which the dc_manager refuses as stale (services/dc_manager/terms.py); within a term, one id
+        term = f"-t{self.term}" if self.term else ""
+        return self.envelope(intent, f"{rec.id}-intent-{'fallback' if fallback else 'recover'}{term}", rec)
 
     def envelope(self, payload: Event, key: str, rec: IncidentRecord | None) -> Wired:
         """An event with an id derived from its incident, filed under the incident's trace (its recorded

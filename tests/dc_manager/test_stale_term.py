@@ -80,3 +80,19 @@ async def test_a_controllers_intents_carry_its_term_and_are_run(
         await wait_for(resolved, what="the incident resolved")
         intents = [e.data for e in seen if isinstance(e.data, RecoverIntent)]
         assert [(i.incident_id, i.term) for i in intents] == [(inc_id, term)] and term > 0
+
+
+async def test_a_new_leaders_intent_is_never_dropped_as_a_duplicate_of_its_predecessors(bus: Bus) -> None:
+    """The dc_manager refuses the stale leader's intent; the new leader's for the same incident must then reach it,
+    not be dropped by JetStream's duplicate window as the same message: the term is in the id (within a term, one)."""
+    from libs.common.cluster_view import ClusterView
+    from services.controller.routes import IncidentEvents
+
+    rec = IncidentRecord(id="inc-1", engine_id="e-1", model="m", node="n0", gpu=0)
+    ids = {}
+    for term in (7, 9):
+        events = IncidentEvents(bus, ClusterView(), None, None, None, term=term)  # type: ignore[arg-type]
+        ids[term] = [events.intent(rec, fallback=f).id for f in (False, True)]
+    assert ids[7] != ids[9] and len(set(ids[7])) == 2
+    assert ids[9] == [IncidentEvents(bus, ClusterView(), None, None, None, term=9)  # type: ignore[arg-type]
+                      .intent(rec, fallback=f).id for f in (False, True)]  # a re-publish in one term: one message
