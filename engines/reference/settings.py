@@ -23,6 +23,9 @@ class TensorParallelSettings(BaseModel):
                     "(docs/multi_gpu.md)")
     tp_one_gpu: bool = Field(False, description="every rank on GPU `gpu`, talking over gloo (NCCL refuses two ranks on "
                              "one GPU): a group's function on a one-GPU machine, not its speed")
+    rank_gpus: list[int] = Field(default_factory=list, description="rank r's GPU, where the ranks' GPUs are not "
+                                 "gpu..gpu+tp-1 (the agent sets HF_ENGINE_RANK_GPUS for a degraded group on the GPUs "
+                                 "a failed one left)")
     tp_rank: int = Field(0, ge=0, description="set by rank 0 for the ranks it starts")
     tp_port: int = Field(0, ge=0, description="the ranks' rendezvous port on 127.0.0.1 (set by rank 0)")
     gang: str | None = Field(None, description="the gang id of this engine's ranks' leases (default: the engine id)")

@@ -121,13 +121,17 @@ class Followers:
 
 def rank_place(s: TensorParallelSettings, gpu: int, rank: int, device: torch.device) -> tuple[torch.device, int, str]:
     """Where rank `rank` runs: its device, the GPU its leases are on, and the group's backend. Rank r on GPU
-    `gpu + r` over NCCL (CUDA) or gloo (the CPU); with `tp_one_gpu` every rank on GPU `gpu` over gloo (NCCL refuses
-    two ranks of one communicator on one GPU; gloo moves each collective's CUDA tensors through the host)."""
+    `gpu + r` (or `rank_gpus[r]` when the group names its GPUs) over NCCL (CUDA) or gloo (the CPU); with
+    `tp_one_gpu` every rank on GPU `gpu` over gloo (NCCL refuses two ranks of one communicator on one GPU; gloo
+    moves each collective's CUDA tensors through the host)."""
+    if s.rank_gpus and len(s.rank_gpus) != s.tp:
+        raise ValueError(f"rank_gpus {s.rank_gpus} must name one GPU for each of the {s.tp} ranks")
+    mine = s.rank_gpus[rank] if s.rank_gpus else gpu + rank
     if device.type != "cuda":
-        return device, gpu + rank, "gloo"
+        return device, mine, "gloo"
     if s.tp_one_gpu:
         return torch.device("cuda", gpu), gpu, "gloo"
-    return torch.device("cuda", gpu + rank), gpu + rank, "nccl"
+    return torch.device("cuda", mine), mine, "nccl"
 
 
 def run_tp(s: EngineSettings) -> int:

@@ -17,7 +17,7 @@ import time
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from libs.common.errors import MalformedMessage
 from libs.common.ids import new_id
@@ -135,6 +135,15 @@ class EngineSpec(Model):
     # Tensor-parallel ranks (engines/reference `--tp`): the agent starts rank 0 with HF_ENGINE_TP and supervises the
     # ranks as one group, on GPUs gpu..gpu+tp-1 (docs/multi_gpu.md). Such a spec runs no standbys (not built).
     tp: int = Field(1, ge=1, le=64)
+    # A group's GPUs, rank by rank (rank r on rank_gpus[r]), where they are not consecutive: a degraded group on
+    # the GPUs a failed one left (engines/batched/degrade.py). Empty: base..base+tp-1 from `gpus`.
+    rank_gpus: list[int | str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_gpu_a_rank(self) -> EngineSpec:
+        if self.rank_gpus and (len(self.rank_gpus) != self.tp or len(set(self.rank_gpus)) != self.tp):
+            raise ValueError(f"rank_gpus {self.rank_gpus} must name {self.tp} distinct GPUs, one a rank")
+        return self
 
 
 def rank_engine_id(engine_id: str, rank: int) -> str:
@@ -207,6 +216,7 @@ class EngineInfo(Model):
     # rank 0 first) and the gang of their leases (its id stays the first group's across successor groups).
     tp: int = 1
     ranks: list[str] = Field(default_factory=list)
+    rank_gpus: list[int] = Field(default_factory=list)  # rank r's GPU where not gpu + r (EngineSpec.rank_gpus)
     gang: str | None = None
     # its follower ranks' processes (rank 0 reports them): a restarted agent watches them again from here
     followers: list[RankProcess] = Field(default_factory=list)

@@ -35,7 +35,8 @@ class Host(EngineTable, Protocol):
 
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
                      extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
-                     replacing: EngineRecord | None = None, gang: str | None = None) -> EngineRecord: ...
+                     replacing: EngineRecord | None = None, gang: str | None = None,
+                     same_gpu: bool = True) -> EngineRecord: ...
 
     async def stop(self, engine_id: str) -> int | None: ...
 
@@ -68,7 +69,7 @@ class Commands:
             if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine
                 return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
             rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
-                                    replacing=host.engines.get(cmd.predecessor or ""))
+                                    replacing=host.engines.get(cmd.predecessor or ""), same_gpu=False)
             return SpawnReply(engine=host.info(rec))
         if cmd.engine_id is None or cmd.engine_id not in host.engines:
             host.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too

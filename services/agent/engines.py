@@ -95,6 +95,7 @@ class EngineRecord:
     shadow_refused: set[str] = field(default_factory=set)  # engines it could not shadow (not offered again)
     asleep: bool = False  # its memory is given back (sleep/wake, as it said over its link): nobody shadows it
     tp: int = 1  # tensor-parallel ranks: this is rank 0's record, the group's (its process starts the others)
+    rank_gpus: list[int] = field(default_factory=list)  # rank r's GPU where not gpu + r (EngineSpec.rank_gpus)
     gang: str | None = None  # a TP group's gang id (the first group's engine id, kept by its successor groups)
     followers: list[RankProcess] = field(default_factory=list)  # a TP group's ranks 1.., as rank 0 named them (rank_watch.py)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine said when ready (issue 21)
@@ -121,9 +122,9 @@ class EngineRecord:
         return self.state in LIVE
 
     @property
-    def gpus(self) -> range:
-        """The GPUs its ranks run on (rank r on gpu + r)."""
-        return range(self.gpu, self.gpu + self.tp)
+    def gpus(self) -> list[int]:
+        """The GPUs its ranks run on (rank r on gpu + r, or on rank_gpus[r])."""
+        return list(self.rank_gpus) or list(range(self.gpu, self.gpu + self.tp))
 
     def info(self, node: str = "") -> EngineInfo:
         return EngineInfo(
@@ -133,6 +134,7 @@ class EngineRecord:
             heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
             tp=self.tp, gang=self.gang, weights=self.weights, kv=self.kv, followers=list(self.followers),
             ranks=[rank_engine_id(self.engine_id, r) for r in range(self.tp)] if self.tp > 1 else [],
+            rank_gpus=list(self.rank_gpus),
         )
 
     @classmethod
@@ -144,6 +146,7 @@ class EngineRecord:
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
             tp=info.tp, gang=info.gang, weights=info.weights, kv=info.kv, followers=list(info.followers),
+            rank_gpus=list(info.rank_gpus),
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )

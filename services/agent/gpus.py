@@ -10,7 +10,8 @@ Invariants (README "Several GPUs"):
    engines, then to the spec's order.
 4. A tensor-parallel spec's GPUs are its groups' bases: a group runs on base..base+tp-1 (rank r on base + r), so a
    base is a candidate only when each of those GPUs is on the node and healthy, and the engines counted on a base
-   are those on any of its GPUs.
+   are those on any of its GPUs. A spec that names its ranks' GPUs (`rank_gpus`: a degraded group on the GPUs a
+   failed one left) runs there or nowhere (`rank_gpus_of`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ def spec_gpus(spec: EngineSpec, gpus: Sequence[GpuEntry]) -> list[GpuEntry]:
     return out
 
 
+def rank_gpus_of(spec: EngineSpec, gpus: Sequence[GpuEntry]) -> list[int]:
+    """The node-local indexes of the GPUs a spec names for its ranks (`rank_gpus`; empty when it names none)."""
+    return [resolve_gpu(sel, gpus).index for sel in spec.rank_gpus]
+
+
 def pick_gpu(spec: EngineSpec, key: str, role: EngineRole, gpus: Sequence[GpuEntry], records: Iterable[EngineRecord],
              unhealthy: Mapping[int, str], *, replacing: EngineRecord | None = None) -> GpuEntry:
     if replacing is not None:
         return next((g for g in gpus if g.index == replacing.gpu), GpuEntry(replacing.gpu, ""))
-    mine = spec_gpus(spec, gpus)
+    named = rank_gpus_of(spec, gpus)
+    mine = [resolve_gpu(named[0], gpus)] if named else spec_gpus(spec, gpus)
     present = {g.index for g in gpus}
-    span = {g.index: range(g.index, g.index + spec.tp) for g in mine}  # a group's GPUs from its base
+    # a group's GPUs from its base (or the ones it names)
+    span = {g.index: named or range(g.index, g.index + spec.tp) for g in mine}
     healthy = [g for g in mine if all(i in present and i not in unhealthy for i in span[g.index])]
     if not healthy:
         why = "; ".join(f"{i}: {unhealthy.get(i, 'not on this node')}" for g in mine for i in span[g.index]

@@ -9,6 +9,7 @@ engine's environment and `posix_spawn` (launcher.py), watched through its pidfd 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Protocol
@@ -59,9 +60,11 @@ class Starts:
 
     def start(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
               extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
-              replacing: EngineRecord | None = None, gang: str | None = None) -> EngineRecord:
+              replacing: EngineRecord | None = None, gang: str | None = None, same_gpu: bool = True) -> EngineRecord:
         """Start one engine (a TP spec: its rank 0, which starts the others; `gang`: a successor group keeps its
-        predecessor's gang id, a first group's is its own engine id)."""
+        predecessor's gang id, a first group's is its own engine id). `replacing`: the engine whose slot it fills,
+        on that engine's GPU (its memory cannot move) unless `same_gpu` is false (a degraded successor: its
+        predecessor's memory is host backups, and it runs on the GPUs its spec names)."""
         host = self.host
         spec = spec or host.specs[key]
         engine_id = engine_id or new_id(subject_token(spec.model))
@@ -70,15 +73,19 @@ class Starts:
         if role is EngineRole.ACTIVE:
             self.admit_active(key, replacing=replacing)
         health = host.gpu_health
-        where = gpus.pick_gpu(spec, key, role, health.gpus, host.records(), health.unhealthy, replacing=replacing)
+        where = gpus.pick_gpu(spec, key, role, health.gpus, host.records(), health.unhealthy,
+                              replacing=replacing if same_gpu else None)
         gpu = where.index
         extra_env = {**(extra_env or {}), "HF_GPU_UUID": where.uuid} if where.uuid else extra_env
+        rank_gpus = gpus.rank_gpus_of(spec, health.gpus)
+        if rank_gpus:  # engines/reference/tp_runner.py `rank_place`
+            extra_env = {**(extra_env or {}), "HF_ENGINE_RANK_GPUS": json.dumps(rank_gpus)}
         env = launcher.engine_env(host.settings, spec, engine_id=engine_id, role=role, gpu=gpu, extra=extra_env)
         log_path = host.settings.state_dir / "engines" / f"{engine_id}.log"
         pid = launcher.spawn(spec.command, env, log_path)
         rec = EngineRecord(engine_id=engine_id, model=spec.model, engine_class=spec.engine_class, role=role,
                            gpu=gpu, version=spec.version, spec_key=key, pid=pid, pid_start=proc_start_time(pid),
-                           child=True, generation=generation, tp=spec.tp,
+                           child=True, generation=generation, tp=spec.tp, rank_gpus=rank_gpus,
                            gang=(gang or engine_id) if spec.tp > 1 else None)
         host.engines[engine_id] = rec
         host.watcher.watch(engine_id, pid, child=True)  # our unreaped child: its pid cannot be recycled yet

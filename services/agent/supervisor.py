@@ -119,10 +119,11 @@ class Agent:
 
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
                      extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
-                     replacing: EngineRecord | None = None, gang: str | None = None) -> EngineRecord:
+                     replacing: EngineRecord | None = None, gang: str | None = None,
+                     same_gpu: bool = True) -> EngineRecord:
         """Start one engine (starts.py); every start goes through here (metrics.py counts them)."""
         return self.starts.start(key, role, engine_id=engine_id, generation=generation, extra_env=extra_env,
-                                 spec=spec, replacing=replacing, gang=gang)
+                                 spec=spec, replacing=replacing, gang=gang, same_gpu=same_gpu)
 
     def fault(self, rec: EngineRecord, kind: FaultKind, *, exit_code: int | None = None, sig: int | None = None,
               detail: str = "", died_at: float | None = None, rank: int | None = None) -> bool:

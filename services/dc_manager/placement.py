@@ -109,17 +109,20 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
     return Placement(Action.COLD_START, best.node, best.gpu, f"{why}: cold start on {where} (weights from {source})")
 
 
-def place_degraded(node: str, gpu: int, tp: int, device_bytes: int, *, slots: Iterable[GpuSlot],
-                   alive: frozenset[str] | set[str], allowed: frozenset[str] | None = None) -> tuple[int, Placement]:
+def place_degraded(node: str, tp: int, device_bytes: int, *, slots: Iterable[GpuSlot],
+                   alive: frozenset[str] | set[str], allowed: frozenset[str] | None = None) -> tuple[list[int], Placement]:
     """A degraded successor for a group of `tp` ranks that lost its memory (engines/batched/degrade.py): the most
-    ranks, fewer than `tp`, that fit on consecutive healthy GPUs of `node` (where its ranks' KV backups are, in host
-    memory), each with room for its share of the group's `device_bytes` (weights and caches of every rank); (0, a
-    NONE placement) when not even one GPU has room for it all."""
-    slots = list(slots)
-    why = f"no healthy gpu on {node} with {device_bytes} bytes free"
+    ranks, fewer than `tp`, each on a healthy GPU of `node` (where the group's KV backups are, in host memory) with
+    room for its share of the group's `device_bytes` (weights and caches of every rank), the GPUs in index order and
+    not necessarily consecutive (the agent starts rank r on the r-th: `EngineSpec.rank_gpus`). ([], a NONE placement)
+    when not even one GPU has room for it all."""
+    if node not in alive or (allowed is not None and node not in allowed):
+        return [], Placement(Action.NONE, reason=f"node {node}, where its backups are, is gone or not this manager's")
+    healthy = sorted((s for s in slots if s.node == node and s.healthy), key=lambda s: s.gpu)
     for ranks in range(tp - 1, 0, -1):
-        where = place(node, gpu, memory_lost=True, needed_bytes=-(-device_bytes // ranks), slots=slots,
-                      alive=alive & {node}, allowed=allowed, tp=ranks)
-        if where.action is not Action.NONE:
-            return ranks, where
-    return 0, Placement(Action.NONE, reason=why)
+        need = -(-device_bytes // ranks)
+        fit = [s.gpu for s in healthy if s.free_bytes is None or s.free_bytes >= need][:ranks]
+        if len(fit) == ranks:
+            return fit, Placement(Action.COLD_START, node, fit[0],
+                                  f"degraded to {ranks} of {tp} ranks on {node}/{','.join(map(str, fit))}")
+    return [], Placement(Action.NONE, reason=f"no healthy gpu on {node} with {device_bytes} bytes free")

@@ -370,18 +370,18 @@ class IntentSteps:
         # from the view: every rank counted as the largest one left)
         device = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))
                          if not lease.host) for r in range(spec.tp))
-        ranks, where = place_degraded(intent.node, intent.gpu, spec.tp, device * spec.tp, slots=slots,
-                                      alive=set(self.view.nodes), allowed=self.allowed)
+        ranks, where = place_degraded(intent.node, spec.tp, device * spec.tp, slots=slots, alive=set(self.view.nodes),
+                                      allowed=self.allowed)
         if where.action is Action.NONE:
             log.info("intent %s: %s not degraded either: %s", intent.incident_id, intent.engine_id, where.reason)
             return
-        fewer = spec.model_copy(update={"tp": ranks, "gpus": [where.gpu or 0],
+        fewer = spec.model_copy(update={"tp": len(ranks), "gpus": ranks[:1], "rank_gpus": ranks if len(ranks) > 1 else [],
                                         "version": intent.version or spec.version})
         cmd = Spawn(spec=fewer, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
                     degrade_gang=intent.gang, transfer_token=frozen.transfer_token,
                     gang_generation=frozen.generation, predecessor=intent.engine_id)
-        log.info("intent %s: no %d healthy GPUs for %s (%s): degraded to %d rank(s) on %s/%s.. from its ranks' KV "
-                 "backups", intent.incident_id, spec.tp, intent.engine_id, whole.reason, ranks, where.node, where.gpu)
+        log.info("intent %s: no %d healthy GPUs for %s (%s): %s, from its ranks' KV backups", intent.incident_id,
+                 spec.tp, intent.engine_id, whole.reason, where.reason)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)

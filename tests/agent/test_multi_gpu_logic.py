@@ -77,3 +77,17 @@ def test_a_tensor_parallel_group_starts_only_where_every_gpu_of_its_span_is_pres
         pick_gpu(tp2, "k", ACTIVE, four, [], {1: "XID 79", 3: "XID 48"})
     with pytest.raises(Conflict, match="3: not on this node"):  # 2..3 needs a GPU 3 this node lacks
         pick_gpu(EngineSpec(model="m", command=["x"], gpus=[2], tp=2), "k", ACTIVE, GPUS, [], {})
+
+
+def test_a_group_that_names_its_ranks_gpus_runs_there_or_nowhere_and_counts_on_each() -> None:
+    """A degraded group on the GPUs a failed one left (`rank_gpus`: rank r on the r-th, not consecutive)."""
+    four = [*GPUS, GpuEntry(3, "GPU-dddd0000-4444")]
+    named = EngineSpec(model="m", command=["x"], gpus=[0], tp=3, rank_gpus=[0, "GPU-cccc", 3])
+    assert pick_gpu(named, "k", ACTIVE, four, [], {}).index == 0  # rank 0's
+    with pytest.raises(Conflict, match="2: XID 79"):
+        pick_gpu(named, "k", ACTIVE, four, [], {2: "XID 79"})
+    group = EngineRecord(engine_id="g", model="m", engine_class="c", role=ACTIVE, gpu=0, spec_key="k", tp=3,
+                         rank_gpus=[0, 2, 3])
+    assert group.gpus == [0, 2, 3] and EngineRecord.from_info(group.info()).gpus == [0, 2, 3]  # a restarted agent's
+    with pytest.raises(ValueError, match="3 distinct GPUs"):
+        EngineSpec(model="m", command=["x"], tp=3, rank_gpus=[0, 2])

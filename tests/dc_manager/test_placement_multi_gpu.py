@@ -86,20 +86,23 @@ def test_a_tensor_parallel_group_is_placed_on_consecutive_healthy_gpus_each_with
 
 def test_a_degraded_group_is_the_most_ranks_that_fit_on_its_nodes_healthy_gpus() -> None:
     """A group of 4 that lost GPU 3 of its node: 3 ranks on GPUs 0..2, each with room for a third of the group's
-    device memory; lost GPU 1 instead: 2 ranks on 2..3 (ranks sit on consecutive GPUs); never another node's GPUs
-    (the backups are in this node's host memory); none when not even one GPU has room."""
-    def node(sick: int, other: bool = False) -> ClusterView:
+    device memory; lost GPU 1 instead: 3 ranks on 0, 2 and 3 (not consecutive: the spec names them); never another
+    node's GPUs (the backups are in this node's host memory); fewer ranks when a GPU lacks room; none when not even
+    one GPU has room."""
+    def node(sick: int, other: bool = False, full: int | None = None) -> ClusterView:
         records = [GpuRecord(node="a", gpu=g, uuid=f"SIM-a-{g}", total_bytes=100 * M, healthy=g != sick)
                    for g in range(4)]
         if other:
             records += [GpuRecord(node="b", gpu=g, uuid=f"SIM-b-{g}", total_bytes=100 * M) for g in range(4)]
-        return view_of(*records)
+        return view_of(*records, leases=(lease("a", full, 60 * M),) if full is not None else ())
 
-    def degraded(view: ClusterView, device: int) -> tuple[int, object, object]:
-        ranks, where = place_degraded("a", 0, 4, device, slots=view.gpu_slots(), alive=set(view.nodes))
-        return ranks, where.node, where.gpu
+    def degraded(view: ClusterView, device: int) -> tuple[list[int], object]:
+        gpus, where = place_degraded("a", 4, device, slots=view.gpu_slots(), alive=set(view.nodes))
+        assert where.action is (Action.COLD_START if gpus else Action.NONE) and where.gpu == (gpus[0] if gpus else None)
+        return gpus, where.node
 
-    assert degraded(node(3), 240 * M) == (3, "a", 0)  # 80 MiB a rank
-    assert degraded(node(1), 160 * M) == (2, "a", 2)
-    assert degraded(node(3, other=True), 240 * M) == (3, "a", 0)  # node b's four healthy GPUs are not looked at
-    assert degraded(node(3), 320 * M) == (0, None, None)  # 107 MiB a rank on 3, 160 on 2, 320 on one: no room
+    assert degraded(node(3), 240 * M) == ([0, 1, 2], "a")  # 80 MiB a rank
+    assert degraded(node(1), 240 * M) == ([0, 2, 3], "a")
+    assert degraded(node(3, other=True), 240 * M) == ([0, 1, 2], "a")  # node b's healthy GPUs are not looked at
+    assert degraded(node(3, full=2), 180 * M) == ([0, 1], "a")  # GPU 2 has 40 MiB free: 2 ranks of 90 MiB
+    assert degraded(node(3), 320 * M) == ([], None)  # 107 MiB a rank on 3, 160 on 2, 320 on one: no room

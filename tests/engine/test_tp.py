@@ -149,7 +149,8 @@ def test_two_ranks_on_cuda_serve_the_same_greedy_output_as_one_rank(
 
 
 def test_where_each_rank_runs() -> None:
-    """Rank r on GPU gpu + r over NCCL; on the CPU over gloo; `tp_one_gpu`: every rank on GPU gpu over gloo."""
+    """Rank r on GPU gpu + r over NCCL (or on rank_gpus[r] when the group names them); on the CPU over gloo;
+    `tp_one_gpu`: every rank on GPU gpu over gloo."""
     import torch
 
     from engines.reference.settings import TensorParallelSettings
@@ -160,3 +161,9 @@ def test_where_each_rank_runs() -> None:
     assert rank_place(one, 2, 3, torch.device("cuda")) == (torch.device("cuda", 2), 2, "gloo")
     assert rank_place(plain, 2, 3, torch.device("cpu")) == (torch.device("cpu"), 5, "gloo")
     assert rank_place(one, 2, 3, torch.device("cpu")) == (torch.device("cpu"), 5, "gloo")
+    named = TensorParallelSettings(tp=3, rank_gpus=[0, 2, 3])  # a degraded group on the GPUs a failed one left
+    assert [rank_place(named, 0, r, torch.device("cuda"))[1:] for r in range(3)] == [(0, "nccl"), (2, "nccl"),
+                                                                                      (3, "nccl")]
+    assert rank_place(named, 0, 1, torch.device("cpu")) == (torch.device("cpu"), 2, "gloo")
+    with pytest.raises(ValueError, match="one GPU for each of the 4 ranks"):
+        rank_place(TensorParallelSettings(tp=4, rank_gpus=[0, 1]), 0, 0, torch.device("cpu"))

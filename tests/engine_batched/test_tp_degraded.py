@@ -1,7 +1,8 @@
 """Degraded tensor parallelism (issue 22 part 6; engines/batched/degrade.py): a batched group of N ranks with
 `--kv-backup` on N simulated GPUs (real gpu_manager, real processes) serves 4 greedy streams, each vouched for by a
-backup round; its last GPU is marked failed (that rank's weights and cache lost: the gang broken) and the group
-dies. No N GPUs are left for a whole successor group, so a group of N-1 ranks on the GPUs left takes the gang's N
+backup round; GPU 1 is marked failed (that rank's weights and cache lost: the gang broken) and the group dies.
+No N GPUs are left for a whole successor group, so a group of N-1 ranks on the GPUs left (0 and 2 for TP=3: named
+rank by rank, `HF_ENGINE_RANK_GPUS`) takes the gang's N
 backups over (the rest of the gang reclaimed in the same commit), loads its shards cold and restores every
 sequence's KV from all N backups, each kv head into its new rank's cache: TP=2 -> one engine (tiny), and TP=3 ->
 TP=2 (tiny3: 3 kv heads, 1/1/1 -> 2/1, rank 0 sending rank 1 its heads). Every stream, resumed as the router
@@ -64,7 +65,8 @@ async def test_a_group_that_lost_a_gpu_is_continued_by_fewer_ranks_from_every_ra
 
 async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: int, settings_env: dict[str, str],
                               settings: CommonSettings, bus: Bus) -> None:
-    lost_gpu, left = ranks - 1, ranks - 1
+    lost_gpu, left = 1, ranks - 1  # TP=3: the middle GPU, so the group of 2 runs on GPUs 0 and 2 (rank_gpus)
+    gpus_left = [g for g in range(ranks) if g != lost_gpu]
     first = BatchedEngine(tmp_path, weights, "btd-a", settings_env, "--size", size, "--tp", str(ranks),
                           "--num-blocks", "256", *BACKUP)
     first.wait_ready(180)
@@ -94,8 +96,8 @@ async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: i
 
     successor = BatchedEngine(tmp_path, weights, "btd-b", {
         **settings_env, "HF_DEGRADE_GANG": "btd-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
-        "HF_GANG_GENERATION": "1", "HF_GPU": "0"}, "--size", size, *(["--tp", str(left)] if left > 1 else []),
-        *BACKUP)
+        "HF_GANG_GENERATION": "1", "HF_GPU": "0", **({"HF_ENGINE_RANK_GPUS": json.dumps(gpus_left)} if left > 1 else {})},
+        "--size", size, *(["--tp", str(left)] if left > 1 else []), *BACKUP)
     try:
         info = successor.wait_ready(180)
         rec = info["recovery"]
@@ -111,7 +113,7 @@ async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: i
         after = await leases(bus, settings)
         owners = ["btd-b", *(f"btd-b-r{r}" for r in range(1, left))]
         assert {i.owner for i in after} == set(owners) and {i.state for i in after} == {LeaseState.ACTIVE}
-        assert {i.gpu for i in after} == set(range(left))  # none on the failed GPU
+        assert {(i.owner, i.gpu) for i in after if i.tag.value == "weights"} == set(zip(owners, gpus_left, strict=True))
         backups = sorted(i.name for i in after if i.name.startswith("kv_backup"))
         assert backups == (["kv_backup"] if left == 1 else [f"kv_backup.tp{left}-r{r}" for r in range(left)])
         if left > 1:  # the group registered the broken gang's id anew, with its own leases
