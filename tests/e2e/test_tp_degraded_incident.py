@@ -10,15 +10,13 @@ prompt prefilled again, through one routed model throughout."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from libs.common.events import MarkGpu, MarkGpuReply
-from tests.e2e.test_tp_incident import incidents, started, wait_successor
-from tests.e2e.test_tp_kv_backup_incident import MAX_TOKENS, STREAMS, BackedGroupScenario, prompts
+from tests.e2e.test_tp_incident import started
+from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, streams_through_a_loss
 
 
 @pytest.mark.slow
@@ -29,38 +27,26 @@ async def test_a_group_whose_gpu_failed_is_continued_by_one_engine_from_its_rank
         faults = await started(sc)
         group = await sc.wait_serving(standbys=0, timeout=180)
         assert sc.bus is not None and sc.stack is not None
-        async with httpx.AsyncClient() as client:
-            control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
-            assert all(r.done and not r.error for r in control)
-            seen = len(sc.events)
-            streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
-            await sc._until_tokens(streams, want=4 * STREAMS)
-            await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
-            marked = await sc.bus.request(sc.stack.config.node, MarkGpu(gpu=1, detail="xid 79 (test)"), MarkGpuReply,
-                                          timeout=10)
-            results = await asyncio.gather(*streams)
-            resolved = await sc.wait_event("incident.resolved", 180, after=seen)
-            successor = await wait_successor(sc, group)
-            health = await sc.engine_health(successor.endpoint or "")
-        assert sc.store is not None
-        raw = await sc.store.get(f"incidents/{resolved.incident_id}")  # type: ignore[attr-defined]
-        assert raw is not None
-        record = json.loads(raw)
-        after = (await sc.leases()).leases
-        incs = await incidents(sc)
+        bus, node = sc.bus, sc.stack.config.node
+        marked: list[MarkGpuReply] = []
+
+        async def lose() -> None:
+            marked.append(await bus.request(node, MarkGpu(gpu=1, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
+        out = await streams_through_a_loss(sc, group, lose)
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)
-    assert marked.engines == [group.engine_id]  # the group on GPU 1 (its rank 1): one engine faulted
+    assert marked[0].engines == [group.engine_id]  # the group on GPU 1 (its rank 1): one engine faulted
+    results, control, record, successor, health = out.results, out.control, out.record, out.successor, out.health
     assert [r.error for r in results] == [None] * STREAMS and all(r.done for r in results)
     assert [r.tokens for r in results] == [r.tokens for r in control]  # none lost, none twice, the same tokens
     assert faults and {f.group or f.engine_id for f in faults} == {group.engine_id}
-    assert [i.id for i in incs] == [record["id"]] and record["engine_id"] == group.engine_id  # one incident
+    assert [i.id for i in out.incidents] == [record["id"]] and record["engine_id"] == group.engine_id  # one incident
     assert record["fallback"] and record["state"] == "resolved"
     assert successor.tp == 1 and successor.gpu == 0  # one engine, on the GPU left
     degraded, stats = health["degraded"], health["engine"]
     assert health["memory"]["source"] == "degraded" and degraded["from_ranks"] == 2 and degraded["restored"] >= 1
     assert stats["recomputed_tokens"] == 0  # no request prefilled again
     assert stats["prefill_tokens"] == degraded["recomputed_tokens"] + stats["claim_extra_tokens"]
-    assert {i.owner for i in after} == {successor.engine_id} and {i.gpu for i in after} == {0}
+    assert {i.owner for i in out.after} == {successor.engine_id} and {i.gpu for i in out.after} == {0}
     print(f"TP=2 degraded to one engine: {record['steps']['fallback']}")  # noqa: T201

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from libs.common.events import Reclaim, ReclaimReply, Tag
+from libs.common.events import EngineInfo, LeaseInfo, Reclaim, ReclaimReply, Tag
+from services.controller.incident import IncidentRecord
 from tests.e2e.test_tp_incident import BatchedGroupScenario, incidents, started, wait_successor
 
 STREAMS = 4
@@ -46,6 +50,40 @@ async def lose_every_ranks_kv(sc: BackedGroupScenario, ranks: list[str]) -> None
                                           timeout=5) for kv in caches))
 
 
+@dataclass
+class Outcome:
+    control: list[Any]  # each prompt's stream before the loss, whole
+    results: list[Any]  # the same streams through the loss
+    record: dict[str, Any]  # the incident's record
+    successor: EngineInfo
+    health: dict[str, Any]  # the successor's /health
+    after: list[LeaseInfo]  # the node's leases once it serves
+    incidents: list[IncidentRecord]
+
+
+async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
+                                 lose: Callable[[], Awaitable[Any]]) -> Outcome:
+    """Every prompt streamed whole, then again with `lose()` once each stream is under way and vouched for by a
+    backup round; what the stack made of it once the loss's incident resolved."""
+    assert sc.store is not None
+    async with httpx.AsyncClient() as client:
+        control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
+        assert all(r.done and not r.error for r in control)
+        seen = len(sc.events)
+        streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
+        await sc._until_tokens(streams, want=4 * STREAMS)
+        await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
+        await lose()
+        results = await asyncio.gather(*streams)
+        resolved = await sc.wait_event("incident.resolved", 180, after=seen)
+        successor = await wait_successor(sc, group)
+        health = await sc.engine_health(successor.endpoint or "")
+    raw = await sc.store.get(f"incidents/{resolved.incident_id}")  # type: ignore[attr-defined]
+    assert raw is not None
+    return Outcome(control, results, json.loads(raw), successor, health, (await sc.leases()).leases,
+                   await incidents(sc))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_backup(tmp_path: Path) -> None:
@@ -54,29 +92,17 @@ async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_back
         faults = await started(sc)
         group = await sc.wait_serving(standbys=0, timeout=180)
         before = [lease for lease in (await sc.leases()).leases if lease.owner in group.ranks]
-        async with httpx.AsyncClient() as client:
-            control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
-            assert all(r.done and not r.error for r in control)
+
+        async def lose() -> None:
             sc.weights.rename(sc.weights.with_suffix(".gone"))  # no group can reload: leases only
-            seen = len(sc.events)
-            streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
-            await sc._until_tokens(streams, want=4 * STREAMS)
-            await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
             await lose_every_ranks_kv(sc, group.ranks)
             try:
                 sc.kill_engine(group)
             except ProcessLookupError:
                 pass  # gone already, with its lease
-            results = await asyncio.gather(*streams)
-            resolved = await sc.wait_event("incident.resolved", 180, after=seen)
-            successor = await wait_successor(sc, group)
-            health = await sc.engine_health(successor.endpoint or "")
-        assert sc.store is not None
-        raw = await sc.store.get(f"incidents/{resolved.incident_id}")  # type: ignore[attr-defined]
-        assert raw is not None
-        record = json.loads(raw)
-        after = (await sc.leases()).leases
-        incs = await incidents(sc)
+        out = await streams_through_a_loss(sc, group, lose)
+        control, results, record, successor, health = out.control, out.results, out.record, out.successor, out.health
+        after, incs = out.after, out.incidents
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)

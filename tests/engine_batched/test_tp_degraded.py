@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -36,9 +34,9 @@ from libs.common.events import (
 )
 from tests.engine.conftest import end_processes_of, start_gpu_manager
 from tests.engine_batched import test_failover
-from tests.engine_batched.test_failover import BatchedEngine, alone, resume, streams_started
+from tests.engine_batched.test_failover import BatchedEngine, resume
 from tests.engine_batched.test_tp_gang import STREAMS
-from tests.engine_batched.test_tp_kv_restore import backed_rows
+from tests.engine_batched.test_tp_kv_restore import streams_backed_up
 
 BACKUP = ("--kv-backup", "--kv-backup-lag-ms", "100")
 
@@ -69,14 +67,7 @@ async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: i
     gpus_left = [g for g in range(ranks) if g != lost_gpu]
     first = BatchedEngine(tmp_path, weights, "btd-a", settings_env, "--size", size, "--tp", str(ranks),
                           "--num-blocks", "256", *BACKUP)
-    first.wait_ready(180)
-    with ThreadPoolExecutor(STREAMS) as ex:  # deterministic mode: together as alone
-        expected = dict(enumerate(ex.map(lambda i: alone(first.url, i), range(STREAMS))))
-    seen, threads = streams_started(first, STREAMS)
-    deadline = time.monotonic() + 60
-    while await asyncio.to_thread(backed_rows, first.url) < STREAMS:  # every stream vouched for by a round
-        assert time.monotonic() < deadline and all(t.is_alive() for t in threads), "no round backed every stream"
-        await asyncio.sleep(0.02)
+    expected, seen, threads = await streams_backed_up(first)
 
     lost = await bus.request(settings.node, SetGpuHealth(gpu=lost_gpu, healthy=False, detail="xid 79 (test)"),
                              SetGpuHealthReply)

@@ -9,6 +9,7 @@ test_tp_gang_gpu.py runs the same round on cuda-backend leases, both ranks on th
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,9 +41,10 @@ def backed_rows(url: str) -> int:
     return int(httpx.get(url + "/health", timeout=10).json()["kv_backup"]["rows"])
 
 
-async def restored_from_backups(tmp_path: Path, tiny_weights: Path, env: dict[str, str],  # noqa: F811
-                                settings: CommonSettings, bus: Bus, group: tuple[str, ...]) -> None:
-    first = BatchedEngine(tmp_path, tiny_weights, "btk-a", env, *group)
+async def streams_backed_up(first: BatchedEngine) -> tuple[dict[int, list[int]], dict[int, list[int]],
+                                                          list[threading.Thread]]:
+    """Each stream's tokens alone (the expected ones: deterministic mode), then STREAMS streams under way on `first`,
+    every one vouched for by a backup round: (expected, the tokens each client sees, their reading threads)."""
     first.wait_ready(180)
     with ThreadPoolExecutor(STREAMS) as ex:  # deterministic mode: together as alone
         expected = dict(enumerate(ex.map(lambda i: alone(first.url, i), range(STREAMS))))
@@ -51,6 +53,13 @@ async def restored_from_backups(tmp_path: Path, tiny_weights: Path, env: dict[st
     while await asyncio.to_thread(backed_rows, first.url) < STREAMS:  # every stream vouched for by a round
         assert time.monotonic() < deadline and all(t.is_alive() for t in threads), "no round backed every stream"
         await asyncio.sleep(0.02)
+    return expected, seen, threads
+
+
+async def restored_from_backups(tmp_path: Path, tiny_weights: Path, env: dict[str, str],  # noqa: F811
+                                settings: CommonSettings, bus: Bus, group: tuple[str, ...]) -> None:
+    first = BatchedEngine(tmp_path, tiny_weights, "btk-a", env, *group)
+    expected, seen, threads = await streams_backed_up(first)
     leases = (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases
     caches = [lease for lease in leases if lease.owner.startswith("btk-a") and lease.tag is Tag.KV_CACHE]
     assert len(caches) == 2
