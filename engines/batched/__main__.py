@@ -211,6 +211,8 @@ def restore_degraded(cfg: EngineConfig, memory: Any, loaded: Loaded, group: Rank
     info = degrade.restore(loaded.degraded, loaded.kv, Journal(loaded.layout, loaded.journal), loaded.layout,
                            get_config(cfg.size), comm)
     loaded.kv_handed_on = info["restored"] > 0
+    if not loaded.kv_handed_on:
+        log.warning("degraded start: no sequence restored from the backups (%s)", info.get("why", "none backed up"))
     if loaded.degraded is not None:
         memory.release(loaded.degraded.lease_ids)
     return info
