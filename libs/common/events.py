@@ -727,6 +727,9 @@ class StopEngine(Command):
     service: ClassVar[str] = "agent"
     op: Literal["stop"] = "stop"
     engine_id: str
+    # The sending controller's leader term (LeaderElection.term): the agent stops the engine only while that term
+    # leads (libs/common/terms.py). 0: not stamped (an operator, a tool): not checked.
+    term: int = Field(0, ge=0)
 
 
 class StopReply(Model):

@@ -13,6 +13,7 @@ from libs.common.events import ListEngines, MarkGpu, NodeInfo, Spawn, StopEngine
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
+from libs.common.terms import current_term
 from services.agent import records
 from services.agent.commands import Commands
 from services.agent.incident_ends import follow_incident_ends
@@ -67,7 +68,7 @@ async def setup(rt: Runtime) -> None:
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
                     gpus=[g.index for g in health.gpus], nvml=bool(has_nvml))
-    commands, takeovers = Commands(agent), Takeovers(agent)
+    commands, takeovers = Commands(agent, lambda: current_term(rt.store)), Takeovers(agent)
     await rt.bus.serve(settings.node, Spawn, commands.spawn)
     await rt.bus.serve(settings.node, StopEngine, commands.stop)
     await rt.bus.serve(settings.node, ListEngines, commands.list_engines)
@@ -88,6 +89,7 @@ async def setup(rt: Runtime) -> None:
         "metrics_port": metrics_port,
         "engines": {r.engine_id: r.state.value for r in agent.records()},
         "faults_published": agent.detection.faults_published,
+        "refused_stale_term": commands.refused,
         "backoff": {b.spec_key: b.model_dump() for b in agent.backoff_report()},
         "nvml": bool(has_nvml),
         "socket": str(settings.socket_path()),

@@ -1,11 +1,18 @@
 """The node's plain commands: `spawn` (a spec upserted, an active engine started, or the dc_manager's reattaching
 fallback), `stop` (one fewer of its kind) and `list`. A takeover is takeover.py's, `mark_gpu` gpu_health.py's.
+
+A stop the controller stamped with its leader term (`StopEngine.term`) runs only while that term leads: one
+linearizable etcd read per stamped stop, and one of an ended term is refused (`stale_term`, logged, the engine and
+its spec untouched: libs/common/terms.py). An unstamped stop (an operator's, a tool's) is not checked.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from libs.common.errors import StaleTerm
 from libs.common.events import (
     EngineRole,
     EngineSpec,
@@ -17,11 +24,14 @@ from libs.common.events import (
     StopEngine,
     StopReply,
 )
+from libs.common.terms import refusal
 from services.agent.engines import LIVE, EngineRecord
 from services.agent.records import RecordWriter
 from services.agent.starts import Starts
 from services.agent.supervision import spec_key
 from services.agent.table import EngineTable
+
+log = logging.getLogger("holdfast.agent")
 
 
 class Host(EngineTable, Protocol):
@@ -46,8 +56,10 @@ class Host(EngineTable, Protocol):
 
 
 class Commands:
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, term_now: Callable[[], Awaitable[int]]) -> None:
         self.host = host
+        self.term_now = term_now  # the controller's term in etcd now (0: nobody leads): libs/common/terms.py
+        self.refused = 0  # stops of a controller term that had ended
 
     async def spawn(self, cmd: Spawn) -> SpawnReply:
         host = self.host
@@ -91,6 +103,7 @@ class Commands:
         return SpawnReply(engine=host.info(rec))
 
     async def stop(self, cmd: StopEngine) -> StopReply:
+        await self._in_term(cmd)
         host = self.host
         rec = host.get(cmd.engine_id)
         spec = host.specs.get(rec.spec_key or "")
@@ -102,6 +115,18 @@ class Commands:
             host.writer.put_spec(host.node, rec.spec_key or "", spec)
         code = await host.stop(cmd.engine_id)
         return StopReply(engine_id=cmd.engine_id, exit_code=code)
+
+    async def _in_term(self, cmd: StopEngine) -> None:
+        """Raise the refusal of a stop whose controller term is not the one leading now (before anything is done)."""
+        if not cmd.term:
+            return
+        why = refusal(cmd.term, await self.term_now())
+        if why is None:
+            return
+        if isinstance(why, StaleTerm):
+            self.refused += 1
+        log.warning("stop of %s refused: %s: %s", cmd.engine_id, why.code, why.message)
+        raise why
 
     async def list_engines(self, cmd: ListEngines) -> ListEnginesReply:
         host = self.host

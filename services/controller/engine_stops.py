@@ -4,6 +4,10 @@ Two kinds: a fallback's cold-started engine superseded by a late reattach (the r
 nothing reloads), and a drained node's engine once its successor serves. The node may be gone; a leftover
 engine stays visible in the view. Each stop is a named task kept referenced until it ends; `cancel` ends
 those still running when the leader steps down.
+
+Each stop carries the term of the driver that sends it (`StopEngine.term`): a driver that outlived its term (a pause
+between its leader check and the request) sends its own, ended one, and the agent refuses it (`stale_term`,
+libs/common/terms.py) rather than stop an engine the new leader may still want.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ log = logging.getLogger("holdfast.controller.pipeline")
 
 
 class EngineStops:
-    def __init__(self, bus: Bus, view: ClusterView) -> None:
+    def __init__(self, bus: Bus, view: ClusterView, *, term: int = 0) -> None:
         self.bus = bus
         self.view = view
+        self.term = term  # the leader term the stops are stamped with (StopEngine.term)
         self.tasks: set[asyncio.Task[None]] = set()
 
     def stop(self, inc_id: str, engine_id: str | None, node: str | None) -> None:
@@ -39,7 +44,7 @@ class EngineStops:
 
     async def _stop(self, inc_id: str, engine_id: str, node: str) -> None:
         try:
-            await self.bus.request(node, StopEngine(engine_id=engine_id), StopReply, timeout=10.0)
+            await self.bus.request(node, StopEngine(engine_id=engine_id, term=self.term), StopReply, timeout=10.0)
             log.info("incident %s: stopped engine %s on %s", inc_id, engine_id, node)
         except Exception as e:  # noqa: BLE001 - best effort: a leftover engine is visible in the view
             log.warning("incident %s: could not stop engine %s: %s", inc_id, engine_id, e)

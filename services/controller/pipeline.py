@@ -100,7 +100,7 @@ class IncidentDriver:
         self.events = IncidentEvents(bus, view, self.writer, self.tracing, self.deadlines,
                                      term=tenure.term if tenure is not None else 0)
         self.ends = IncidentEnds(bus, self.log, self.events)
-        self.stops = EngineStops(bus, view)
+        self.stops = EngineStops(bus, view, term=self.events.term)  # stamped as the intents are (StopEngine.term)
         self.engine_routes = EngineRoutes(bus, view, self.writer, self.events, self.open)
         self.locks = IncidentLocks()  # not incident state: who is working on an incident right now
         self.deadline_pass = DeadlinePass(self, self.open, self.locks, view, self.ends, settings.tick_s,

@@ -11,33 +11,19 @@ Rules (tests/dc_manager/test_stale_term.py):
    batch of intents); one of an older term, or sent while nobody leads, is refused: `stale_term`, logged, acked, no
    command and no result (its incident is the current leader's, which resumes it from its record and its deadlines).
 2. A redelivered intent whose progress is recorded was accepted in its term: it goes on (its steps are idempotent).
-3. An intent of a term newer than etcd's (a read that raced the election) is not refused: redelivered.
+3. An intent of a term newer than etcd's (a read that raced the election) is not refused: `unavailable`, redelivered.
 4. An intent without a term (0: an older controller, a tool) is not checked.
 
 Consequence of rule 1: an intent its leader sent just before its term ended and that is handled only after (this
 manager down or far behind meanwhile) is refused too, since the two cannot be told apart here; the next leader
 resumes the incident and its deadlines move it on (a recover intent's incident falls back to a cold start).
+
+The term rule itself (`refusal`, `current_term`) is shared with the agent, which applies it to the controller's
+stops: libs/common/terms.py, re-exported here for the executor.
 """
 
 from __future__ import annotations
 
-from libs.common.errors import HoldfastError, StaleTerm, Unavailable
-from libs.common.store import LeaderElection, Store
+from libs.common.terms import current_term, refusal
 
-ELECTION = "controller"  # the controller's LeaderElection name (services/controller/app.py): leader/controller
-
-
-async def current_term(store: Store) -> int:
-    """The controller's term now (0: nobody leads)."""
-    return await LeaderElection.current_term(store, ELECTION)
-
-
-def refusal(term: int, current: int) -> HoldfastError | None:
-    """Why an intent of `term` may not run while `current` leads (rules 1, 3 and 4); None: it may."""
-    if term == 0 or term == current:
-        return None
-    if current == 0:
-        return StaleTerm(f"sent in controller term {term}, which has ended (no controller leads now)")
-    if term < current:
-        return StaleTerm(f"sent in controller term {term}; term {current} leads now")
-    return Unavailable(f"sent in controller term {term}, newer than etcd's {current}: tried again")
+__all__ = ["current_term", "refusal"]

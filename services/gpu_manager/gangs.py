@@ -16,6 +16,13 @@ Invariants (tests/gpu_manager/test_gang_socket.py, tests/engine/test_tp.py):
 6. Degraded (gang.py invariant 10): `freeze(degraded=True)` freezes only every rank's KV backup, and a `degraded`
    takeover gathers the successor's M ranks (not the gang's N) and moves the backups to its rank 0, reclaiming the
    rest of the gang in the same commit; the other ranks get nothing of it.
+7. Another uid's gang is unknown to an engine (scope.py, issue 20; tests/gpu_manager/test_gang_scope.py): a
+   `gang_takeover` of a gang whose leases are all another uid's gets the `not_found` an unknown gang gets (the same
+   line), and a `gang_register` naming a rank whose leases are all another uid's gets the `partial_gang` a rank with
+   no leases gets (gang.py's, from the caller's own leases only); the real reason is logged (scope.hidden,
+   throttled). A rank engine id whose leases are of both uids (the caller uses another user's engine id) is still
+   refused `permission_denied`, as scope.py's rule 2 leaves it. A registration under a gang id a live group holds is
+   `conflict` whoever holds it, naming no holder (the ids are the node's, not a uid's: that one is known to exist).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from services.gpu_manager.gang import (
 )
 from services.gpu_manager.manager import LeaseBook, Move, check_complete, same_token
 from services.gpu_manager.records import LeaseRecord, process_alive
+from services.gpu_manager.scope import foreign_owner, hidden
 
 log = logging.getLogger("holdfast.gpu_manager.gangs")
 
@@ -69,11 +77,23 @@ class GangBook:
         """The book's gangs (read here; written only through `LeaseBook.apply_all`, with the lease rows)."""
         return self.book.gangs
 
-    def get(self, gang_id: str) -> Gang:
+    def get(self, gang_id: str, peer: Any = None) -> Gang:
+        """The gang `gang_id`; asked by an engine (`peer`), `NotFound` alike for an unknown gang and one whose leases
+        are all another uid's (invariant 7)."""
         gang = self.gangs.get(gang_id)
+        if gang is not None and peer is not None and self._foreign(gang, peer):
+            gang = None
         if gang is None:
             raise NotFound(f"no gang {gang_id} on {self.book.settings.node}")
         return gang
+
+    def _foreign(self, gang: Gang, peer: Any) -> bool:
+        """Whether the gang's ranks hold leases and none of them is `peer`'s uid's (logged, throttled: scope.py)."""
+        uids = {r.owner_uid for r in self._records(gang)}
+        if not uids or peer.uid in uids:
+            return False
+        hidden(f"gang {gang.gang_id}", min(uids), asker=peer.engine_id, uid=peer.uid, pid=peer.pid)
+        return True
 
     def member_of(self, lease_id: str) -> Gang | None:
         return next((g for g in self.gangs.values() if lease_id in g.epochs), None)
@@ -87,15 +107,22 @@ class GangBook:
 
     # ------------------------------------------------------------ under the book's lock
 
-    async def register(self, req: GangRegister, uid: int) -> Gang:
-        """Rank 0's registration once every rank committed (gang.py invariant 6). Caller holds the lock."""
-        if any(r.owner_uid != uid for r in self.book.records.values() if r.info.owner in req.owners):
-            raise PermissionDenied(f"gang {req.gang_id}: a rank's leases belong to another user")
+    async def register(self, req: GangRegister, peer: Any) -> Gang:
+        """Rank 0's registration once every rank committed (gang.py invariant 6), of its uid's leases only
+        (invariant 7). Caller holds the lock."""
+        uid = peer.uid
+        hide = {o for o in req.owners
+                if foreign_owner(self.book.records, o, asker=peer.engine_id, uid=uid, pid=peer.pid)}
+        if any(r.owner_uid != uid for r in self.book.records.values() if r.info.owner in set(req.owners) - hide):
+            raise PermissionDenied(f"gang {req.gang_id}: a rank's engine id holds leases of another user")
         old = self.gangs.get(req.gang_id)
         if old is not None and set(old.owners.values()) != set(req.owners) and \
                 any(r.info.state != LeaseState.RECLAIMED for r in self._records(old)):
-            raise Conflict(f"gang {req.gang_id} is held by {list(old.owners.values())}, whose leases live")
-        gang = form(req.gang_id, req.owners, self._leases())
+            log.warning("gang %s: registration by %s (uid %d) refused: held by %s, whose leases live", req.gang_id,
+                        peer.engine_id, uid, list(old.owners.values()))
+            raise Conflict(f"gang {req.gang_id} is held by another group, whose leases live")
+        # a rank whose leases are another uid's holds none of the caller's: refused as one with none (gang.py's line)
+        gang = form(req.gang_id, req.owners, [r.info for r in self.book.records.values() if r.owner_uid == uid])
         if old is not None:
             gang = dataclasses.replace(gang, generation=old.generation)
         await self.book.apply_all([], gangs=[gang])  # durable before the reply
@@ -175,7 +202,7 @@ class GangBook:
 
     def _check_takeover(self, req: GangTakeover, peer: Any) -> Gang:
         """What one rank's request can be refused for at once, before it waits (gang.py's checks included)."""
-        gang = self.get(req.gang_id)
+        gang = self.get(req.gang_id, peer)  # another uid's: as an unknown one, before anything else is looked at
         if req.rank >= len(req.successors) or req.successors[req.rank] != peer.engine_id:
             raise PermissionDenied(f"{peer.engine_id} is not rank {req.rank} of the group {req.successors}")
         recs = self._records(gang)

@@ -26,7 +26,9 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
    every rank of the successor group; a plain `takeover` of one rank's leases is refused (`partial_gang`). A
    gang is registered only by its rank 0 (`owners[0]`), so no engine binds another's leases into a gang.
 9. A request naming another uid's lease, or an engine id whose leases are all another uid's, gets the answer an
-   unknown one gets (scope.py): no uid learns which lease ids or engine ids exist beyond its own.
+   unknown one gets (scope.py): no uid learns which lease ids or engine ids exist beyond its own. So does one naming
+   another uid's gang (`gang_takeover`) or a rank whose leases are another uid's (`gang_register`): gangs.py
+   invariant 7.
 """
 
 from __future__ import annotations
@@ -324,7 +326,7 @@ class EngineSession:
             if req.owners[0] != peer.engine_id:  # rule 8: rank 0 registers its own gang, no one else's
                 raise PermissionDenied(f"gang {req.gang_id} is registered by its rank 0 ({req.owners[0]}), "
                                        f"not by {peer.engine_id}")
-            return ok((await self.gangs.register(req, peer.uid)).view()), []
+            return ok((await self.gangs.register(req, peer)).view()), []
         if isinstance(req, Heartbeat):
             now = time.time()
             mine = self._mine(peer)
