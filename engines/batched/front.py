@@ -6,6 +6,14 @@ says why), serving server.py's API on the socket the engine bound, the engine be
 It runs uvicorn on its main thread; once it listens, its routes' first-use costs are paid (server.py
 `warm_routes`) and it says `Hello` over the link: the engine reports itself ready to nobody before that. It exits
 the moment the link ends, and dies with the engine's main thread (PR_SET_PDEATHSIG): front_link.py invariant 2.
+
+Its port is trusted (docs/security.md), but a client still meets limits, those of every Holdfast HTTP API
+(libs/common/web): a body over `--max-body-bytes` is refused (413) from its headers, or as it is counted when
+chunked; a request's headers must be complete within `--header-timeout-s` of its first byte (or the connection
+closes) and its body within `--body-timeout-s` of its headers (408); bytes that are not HTTP get a 400. Each
+answer is the API's typed JSON error, and a refused client that keeps sending reads it (lingering close). The
+three settings are also `HF_ENGINE_MAX_BODY_BYTES`, `HF_ENGINE_HEADER_TIMEOUT_S`, `HF_ENGINE_BODY_TIMEOUT_S`
+(the front inherits the engine's environment).
 """
 
 from __future__ import annotations
@@ -23,10 +31,16 @@ import uvicorn
 
 from engines.batched.front_link import EngineLink
 from engines.batched.http_state import EngineState
-from engines.batched.server import build_app, warm_routes
+from engines.batched.server import build_app, front_door, refusal, warm_routes
 from libs.common import procs
+from libs.common.web.linger import LingerStats, lingering_httptools
 
 PR_SET_PDEATHSIG = 1
+# A `/generate_many` of every stream of a dead engine (256 of 4k-token contexts and their resumed tokens) is a few
+# MB; the link takes a frame of 64 MiB at most.
+MAX_BODY_BYTES = 64 << 20
+LINGER_MAX_BYTES = 64 << 20  # after a refusal, what a client still sends is dropped up to this much...
+LINGER_MAX_S = 5.0  # ...and for at most this long (libs/common/web/linger.py)
 log = logging.getLogger("holdfast.engine.batched.front")
 
 
@@ -45,6 +59,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-s", type=float, default=0.0)
     p.add_argument("--loop-watch-s", type=float, default=0.0)
     p.add_argument("--log-level", default="INFO")
+    # Defaults from the environment the front inherits from the engine: the engine's config.py (which reads no
+    # other setting's environment below it) does not pass them on yet.
+    env = os.environ.get
+    p.add_argument("--max-body-bytes", type=int, default=int(env("HF_ENGINE_MAX_BODY_BYTES", MAX_BODY_BYTES)),
+                   help="a request body over this is refused (413)")
+    p.add_argument("--header-timeout-s", type=float, default=float(env("HF_ENGINE_HEADER_TIMEOUT_S", 10.0)),
+                   help="a request's headers must be complete this long after its first byte (0: no bound)")
+    p.add_argument("--body-timeout-s", type=float, default=float(env("HF_ENGINE_BODY_TIMEOUT_S", 30.0)),
+                   help="a request's body must be complete this long after its headers, or 408 (0: no bound)")
     return p.parse_args(argv)
 
 
@@ -63,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     app.router.on_startup.append(link.start)
     listener = socket.socket(fileno=args.listen_fd)
     port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30))
+    linger = LingerStats()
+    protocol = lingering_httptools(LINGER_MAX_BYTES, LINGER_MAX_S, linger, args.header_timeout_s, args.body_timeout_s,
+                                   refusal)
+    server = uvicorn.Server(uvicorn.Config(front_door(app, state, args.max_body_bytes, linger), log_level="warning",
+                                           access_log=False, timeout_keep_alive=30, http=protocol))
 
     def warm() -> None:
         while not server.started:

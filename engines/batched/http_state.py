@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ class EngineState:
         # waited on the loop or on the interpreter)
         self.loop_watch_s = 0.0
         self._watch: asyncio.Task[None] | None = None
+        self.http_stats: Callable[[], dict[str, Any]] = dict  # the front door's counters (server.py `front_door`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
 
@@ -188,7 +190,7 @@ class FirstArrival:
     def __init__(self, app: Any, state: EngineState) -> None:
         self.app, self.state = app, state
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         state = self.state
         if scope["type"] == "http":  # every request's arrival (its `to_handler` phase): request.state.t_arrival
             scope.setdefault("state", {})["t_arrival"] = time.perf_counter()

@@ -23,13 +23,14 @@ KV_BLOCKS = ("--num-blocks", "1024")
 
 
 class Engine:
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
         weights = make_tiny_weights(tmp / "tiny.safetensors")
         self.ready = tmp / "ready.json"
         kv = () if "--num-blocks" in args else KV_BLOCKS
         argv = [sys.executable, "-m", "engines.batched", "--weights", str(weights), "--size", "tiny", "--memory",
                 "local", "--agent", "off", "--ready-file", str(self.ready), *kv, *args]
-        self.child = procs.Child("batched", argv, env={"PYTHONUNBUFFERED": "1"}, log_path=tmp / "engine.log").start()
+        self.child = procs.Child("batched", argv, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                                 log_path=tmp / "engine.log").start()
         deadline = time.monotonic() + 90
         while not self.ready.exists():
             assert self.child.alive() and time.monotonic() < deadline, (tmp / "engine.log").read_text()[-3000:]

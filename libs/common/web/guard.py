@@ -10,13 +10,17 @@ unauthenticated client costs the service its headers, not its memory or its loop
 by lingering (linger.py): what the client still sends is dropped, bounded, so that it reads its answer.
 A body without a declared length (chunked) is counted as it is read; past the limit the client gets 413 and
 the app sees a disconnect. A body that is not complete within `body_timeout_s` of its headers is the protocol's
-to refuse (408, linger.py), in the same error shape. Which routes need no token is each API's (the admin API's: `PUBLIC`); which scope
+to refuse (408, linger.py), in the same error shape, and it tells the guard (`tell_refused`): counted and handed to
+`on_refused` as the guard's own refusals are. Which routes need no token is each API's (the admin API's: `PUBLIC`); which scope
 may do what is still decided per route (the admin API's `auth.py`, 403). The error body is each API's too
-(`Refusal`: the admin API's `{"error", "message"}`, the router's OpenAI-shaped one).
+(`Refusal`: the admin API's `{"error", "message"}`, the router's OpenAI-shaped one, the batched engine's front's).
+A HEAD request is served as the GET it asks about (FastAPI's routes take GET alone: HEAD /health was a 405); the
+protocol, which knows it as HEAD, sends the headers without the body.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -35,6 +39,16 @@ Send = Callable[[Message], Awaitable[None]]
 
 PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 Refusal = Callable[[int, str, str], dict[str, Any]]  # (status, code, message) -> the JSON body answered
+# The scope's key under which the guard leaves each request a hook for the refusals the HTTP protocol makes itself
+# (linger.py: a body too slow, 408), which the app only sees as a disconnect.
+REFUSED_HOOK = "holdfast.refused"
+
+
+def tell_refused(scope: Scope, status: int) -> None:
+    """The protocol refused this request (`status`): the guard in front of its app is told, if there is one."""
+    hook = scope.get(REFUSED_HOOK)
+    if hook is not None:
+        hook(status)
 
 
 def admin_refusal(_status: int, code: str, message: str) -> dict[str, Any]:
@@ -80,6 +94,12 @@ def framed_by_length(headers: dict[bytes, bytes]) -> bool:
     return b"content-length" in headers and b"transfer-encoding" not in headers
 
 
+def bodiless(headers: dict[bytes, bytes]) -> bool:
+    """Neither a length nor a transfer coding: the request has no body (RFC 9112 6.3), nothing to count (a GET, or
+    a stream's POST from a client that sends none: its every line went through the counting layer). Pure."""
+    return b"content-length" not in headers and b"transfer-encoding" not in headers
+
+
 def refusal_response(status: int, code: str, message: str,
                      refusal: Refusal = admin_refusal) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """The headers and body of a refusal that ends its connection: the guard's (401, 413, 400) and the protocol's
@@ -103,14 +123,19 @@ class RequestGuard:
                  max_body_bytes: int, public: frozenset[str] = PUBLIC, refusal: Refusal = admin_refusal,
                  on_refused: Callable[[Scope, int], None] | None = None) -> None:
         self.app = app
-        # told of each authenticated request refused here (413, 400), which the app never sees (the admin API
-        # writes its attempts to change state to the audit record)
+        # told of each request refused here (413, 400) or by the protocol (408, `tell_refused`), which the app never
+        # sees as such (the admin API writes an authenticated token's attempts to change state to the audit record)
         self.on_refused = on_refused
         self.tokens = tokens
         self.max_body_bytes = max_body_bytes
         self.public = public
         self.refusal = refusal
-        self.refused = {401: 0, 413: 0, 400: 0}  # answered here, body unread (health, tests)
+        self.refused = {401: 0, 413: 0, 400: 0, 408: 0}  # answered here (body unread), or by the protocol (408)
+
+    def _refused(self, scope: Scope, status: int) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+        if status != 401 and self.on_refused is not None:
+            self.on_refused(scope, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,13 +144,14 @@ class RequestGuard:
         headers = dict(scope["headers"])
         bad = decide(scope["path"], headers, self.tokens, self.max_body_bytes, self.public)
         if bad is not None:
-            self.refused[bad[0]] = self.refused.get(bad[0], 0) + 1
-            if bad[0] != 401 and self.on_refused is not None:
-                self.on_refused(scope, bad[0])
+            self._refused(scope, bad[0])
             await answer(send, *bad, refusal=self.refusal)
             return
+        scope[REFUSED_HOOK] = functools.partial(self._refused, scope)
+        if scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}  # the protocol's own scope stays HEAD: it drops the body
         try:
-            if framed_by_length(headers):
+            if framed_by_length(headers) or bodiless(headers):
                 await self.app(scope, receive, send)  # at most the declared length arrives (HTTP framing)
             else:
                 await self._counted(scope, receive, send)
@@ -148,9 +174,7 @@ class RequestGuard:
                 read += len(msg.get("body", b""))
                 if read > self.max_body_bytes and not state["started"]:
                     state["refused"] = True
-                    self.refused[413] += 1
-                    if self.on_refused is not None:
-                        self.on_refused(scope, 413)
+                    self._refused(scope, 413)
                     await answer(send, 413, "payload_too_large", f"the body is over the limit of {self.max_body_bytes} bytes",
                                  refusal=self.refusal)
                     return {"type": "http.disconnect"}

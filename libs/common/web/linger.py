@@ -1,5 +1,6 @@
-"""Lingering close for the connections of an API behind the guard (the admin API, the router) (what nginx's `lingering_close` does), so that a client still
-sending a refused body reads its 401 or 413 instead of a reset.
+"""Lingering close for the connections of an API behind the guard (the admin API, the router, the batched engine's
+front) (what nginx's `lingering_close` does), so that a client still sending a refused body reads its 401 or 413
+instead of a reset.
 
 Why: the guard (guard.py) answers a request without a token, or with a body over the limit, from its headers, and
 the answer says `Connection: close`. Closing a socket with bytes unread makes the kernel send a reset, and the
@@ -7,7 +8,7 @@ reset makes the client's kernel drop the answer it had received but not yet read
 body before reading (most do) saw only `ConnectionResetError` / `BrokenPipeError` (issue 18: 0 status lines for
 8 MiB bodies in the chaos runs).
 
-How: uvicorn's h11 protocol with its transport wrapped. Where uvicorn closes the connection, the wrapper instead
+How: uvicorn's protocol (h11: `lingering_h11`; httptools: `lingering_httptools`) with its transport wrapped. Where uvicorn closes the connection, the wrapper instead
 sends what is buffered and a FIN (`write_eof`: the answer is complete and readable), then keeps reading and drops
 what arrives, without parsing or keeping it, until the client closes its side, `max_bytes` have been dropped, or
 `max_s` have passed; then it closes. So the decision is still made before any byte of a body is read, and the
@@ -34,19 +35,25 @@ then closes by lingering, as for any refusal. The bound is a total, not a rate: 
 `client_body_timeout`) does not stop one byte a second. It holds from the headers whatever the app does, which is
 fair because both APIs read a body as soon as its request starts (FastAPI, the guard's count); it implies a
 rate (`max_body_bytes / body_timeout_s`: 16 MiB in 30 s is 0.56 MB/s for the router's largest body), which a
-deployment with slow clients and large bodies raises with the bound.
+deployment with slow clients and large bodies raises with the bound. The 408 is told to the guard in front of the app
+(guard.py `tell_refused`): it counts it and hands it to its `on_refused` (the admin API's audit record), as its own.
+
+Bytes that are not HTTP (the parser's error) get a 400 in the API's error shape too (`send_400_response`), not
+uvicorn's plain text, which an OpenAI client, say, cannot read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from http import HTTPStatus
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from libs.common.web.guard import Refusal, admin_refusal, refusal_response
+from libs.common.web.guard import Refusal, admin_refusal, refusal_response, tell_refused
 
 log = logging.getLogger("holdfast.web")
 
@@ -118,95 +125,207 @@ class _LingeringTransport:
         self.finish()
 
 
+class _Bounded:
+    """What both protocols below add to uvicorn's (a mixin before it in the bases): connections that close by
+    lingering, a bound on a request's headers and one on its body, refusals in the API's error shape. Each protocol
+    says where its parser is (`_awaiting_headers`, `_awaiting_body`) and how a refusal is written (`_write`); the
+    factory sets the class's settings."""
+
+    max_bytes: int
+    max_s: float
+    stats: LingerStats
+    header_timeout_s: float
+    body_timeout_s: float
+    refusal: Refusal
+    transport: Any
+    cycle: Any
+    _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+
+    def _awaiting_headers(self) -> bool:
+        """No request of the connection has all its headers yet (between requests, or amid one's headers)."""
+        raise NotImplementedError
+
+    def _awaiting_body(self) -> bool:
+        """A request has its headers and not yet its whole body."""
+        raise NotImplementedError
+
+    def _write(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole response, through the protocol's own framing (the connection closes after it)."""
+        raise NotImplementedError
+
+    def _lingering(self) -> bool:
+        t = self.transport
+        return isinstance(t, _LingeringTransport) and t.lingering
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        wrapped = _LingeringTransport(transport, self.max_bytes, self.max_s, self.stats)  # type: ignore[arg-type]
+        super().connection_made(wrapped)  # type: ignore[misc]
+        self._arm_header_timer()
+
+    def eof_received(self) -> None:
+        if self._lingering():
+            self.transport.finish()
+            return
+        super().eof_received()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        self._disarm_body_timer()
+        if isinstance(self.transport, _LingeringTransport):
+            self.transport.finish()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _after_data(self) -> None:
+        """Bytes were parsed: a request whose headers are in stops its header clock; one whose body is still to come
+        starts its body clock (once)."""
+        if not self._awaiting_headers():
+            self._disarm_header_timer()
+        if self._awaiting_body() and not self.transport.is_closing():
+            if self.body_timeout_s > 0 and self._body_timer is None:
+                self._body_timer = asyncio.get_running_loop().call_later(self.body_timeout_s, self._body_late)
+        else:
+            self._disarm_body_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self.header_timeout_s > 0 and self._header_timer is None and self._awaiting_headers():
+            self._header_timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        idle = self.cycle is None or self.cycle.response_complete  # no request of this connection running
+        if self._awaiting_headers() and idle and not self.transport.is_closing():
+            self.stats.slow_headers += 1
+            self.transport.close()  # nothing was asked (no headers yet): nothing to answer
+
+    def _body_late(self) -> None:
+        self._body_timer = None
+        if not self._awaiting_body() or self.transport.is_closing():
+            return
+        self.stats.slow_bodies += 1
+        cycle = self.cycle
+        answered = cycle is not None and cycle.response_started
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's `receive` says so now; what it still sends is dropped
+            cycle.message_event.set()
+        if cycle is not None and not answered:
+            headers, body = refusal_response(408, "request_timeout", "the request body was not complete "
+                                             f"within {self.body_timeout_s:g} s", self.refusal)
+            cycle.response_started = cycle.response_complete = True
+            self._write(408, headers, body)
+            tell_refused(cycle.scope, 408)  # the guard's count, and its `on_refused` (the admin API's audit)
+        log.debug("a request's body not complete %g s after its headers: %s", self.body_timeout_s,
+                  "closed" if answered else "answered 408, closed")
+        self.transport.close()  # lingers: the 408 is read, what the client still trickles is dropped
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP (its parser's error), in the API's error shape instead of
+        its plain text."""
+        headers, body = refusal_response(400, "bad_request", msg, self.refusal)
+        self._write(400, headers, body)
+        self.transport.close()
+
+
+def _settings(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float, body_timeout_s: float,
+              refusal: Refusal) -> dict[str, Any]:
+    return {"max_bytes": max_bytes, "max_s": max_s, "stats": stats, "header_timeout_s": header_timeout_s,
+            "body_timeout_s": body_timeout_s, "refusal": staticmethod(refusal)}
+
+
 def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float = 10.0,
                   body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal) -> type[H11Protocol]:
     """uvicorn's h11 protocol (Config `http=`) whose connections close by lingering, whose requests' headers must be
     complete within `header_timeout_s` and bodies within `body_timeout_s` of their headers (0: no bound); a late
-    body's 408 carries `refusal`'s error body."""
+    body's 408 and a malformed request's 400 carry `refusal`'s error body."""
 
-    class LingeringH11(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _body_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(_LingeringTransport(transport, max_bytes, max_s, stats))  # type: ignore[arg-type]
-            self._arm_header_timer()
-
+    class LingeringH11(_Bounded, H11Protocol):
         def data_received(self, data: bytes) -> None:
-            t = self.transport
-            if isinstance(t, _LingeringTransport) and t.lingering:
-                t.drop(len(data))  # never parsed, never kept
+            if self._lingering():
+                self.transport.drop(len(data))  # never parsed, never kept
                 return
             self._arm_header_timer()  # the next request's first bytes on a kept-alive connection
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm_header_timer()  # its headers are in
+            self._after_data()
 
         def handle_events(self) -> None:
             super().handle_events()
-            # Called on new bytes and when a response completes (a pipelined request's turn): the body's clock runs
-            # while the request being read has its headers and not yet its whole body.
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                if body_timeout_s > 0 and self._body_timer is None:
-                    self._body_timer = asyncio.get_running_loop().call_later(body_timeout_s, self._body_late)
-            else:
-                self._disarm_body_timer()
+            # Also called when a response completes (a pipelined request's turn): its body's clock may start now.
+            self._after_data()
 
-        def eof_received(self) -> bool | None:  # type: ignore[override]
-            t = self.transport
-            if isinstance(t, _LingeringTransport) and t.lingering:
-                t.finish()
-                return None
-            return super().eof_received()  # type: ignore[func-returns-value]
+        def _awaiting_headers(self) -> bool:
+            return self.conn.their_state is h11.IDLE
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            self._disarm_body_timer()
-            t = self.transport
-            if isinstance(t, _LingeringTransport):
-                t.finish()
-            super().connection_lost(exc)
+        def _awaiting_body(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY
 
-        def _arm_header_timer(self) -> None:
-            if header_timeout_s > 0 and self._header_timer is None and self.conn.their_state is h11.IDLE:
-                self._header_timer = asyncio.get_running_loop().call_later(header_timeout_s, self._headers_late)
-
-        def _disarm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            idle = self.cycle is None or self.cycle.response_complete  # no request of this connection running
-            if self.conn.their_state is h11.IDLE and idle and not self.transport.is_closing():
-                stats.slow_headers += 1
-                self.transport.close()  # nothing was asked (no headers yet): nothing to answer
-
-        def _disarm_body_timer(self) -> None:
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
-
-        def _body_late(self) -> None:
-            self._body_timer = None
-            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
-                return
-            stats.slow_bodies += 1
-            cycle = self.cycle
-            answered = cycle is not None and cycle.response_started
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True  # the app's `receive` says so now; what it still sends is dropped
-                cycle.message_event.set()
-            if cycle is not None and not answered and self.conn.our_state is h11.SEND_RESPONSE:
-                headers, body = refusal_response(408, "request_timeout", "the request body was not complete "
-                                                 f"within {body_timeout_s:g} s", refusal)
-                cycle.response_started = cycle.response_complete = True
-                for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+        def _write(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+            try:
+                for event in (h11.Response(status_code=status, headers=headers,
+                                           reason=HTTPStatus(status).phrase.encode()),
                               h11.Data(data=body), h11.EndOfMessage()):
                     self.transport.write(self.conn.send(event))
-            log.debug("a request's body not complete %g s after its headers: %s", body_timeout_s,
-                     "closed" if answered else "answered 408, closed")
-            self.transport.close()  # lingers: the 408 is read, what the client still trickles is dropped
+            except h11.LocalProtocolError:  # a response of this connection was under way: nothing can be added
+                pass
 
+    for name, value in _settings(max_bytes, max_s, stats, header_timeout_s, body_timeout_s, refusal).items():
+        setattr(LingeringH11, name, value)
     return LingeringH11
+
+
+def lingering_httptools(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float = 10.0,
+                        body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal) -> type[HttpToolsProtocol]:
+    """The same over uvicorn's httptools protocol, whose per-write cost is a fraction of h11's (the batched engine's
+    front, which writes every stream's lines: h11 frames each chunk in Python)."""
+
+    class LingeringHttpTools(_Bounded, HttpToolsProtocol):
+        # where the parser is: "idle" (between requests), "head" (a request's first bytes came, not all its
+        # headers), "body" (its headers are in, not its whole body)
+        _phase = "idle"
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering():
+                self.transport.drop(len(data))
+                return
+            self._arm_header_timer()
+            super().data_received(data)
+            if self.parser is not None:  # None: the connection was lost meanwhile
+                self._after_data()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._phase = "head"
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._phase = "body"
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._phase = "idle"
+
+        def _awaiting_headers(self) -> bool:
+            if self._phase == "idle":  # between requests, unless a response is still being written (h11's DONE)
+                return self.cycle is None or bool(self.cycle.response_complete)
+            return self._phase == "head"
+
+        def _awaiting_body(self) -> bool:
+            return self._phase == "body"
+
+        def _write(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+            lines = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
+            lines += [name + b": " + value + b"\r\n" for name, value in headers]
+            self.transport.write(b"".join(lines) + b"\r\n" + body)
+
+    for name, value in _settings(max_bytes, max_s, stats, header_timeout_s, body_timeout_s, refusal).items():
+        setattr(LingeringHttpTools, name, value)
+    return LingeringHttpTools

@@ -1,0 +1,168 @@
+"""The front door every Holdfast HTTP API shares (libs/common/web): the guard, the lingering protocols (h11 and
+httptools) and `Intake`. The admin API's real app (its guard, its audit record) on a real uvicorn server and socket
+for what crosses the network; `Intake` as pure logic on an event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from libs.common import procs
+from libs.common.web.intake import Intake
+from libs.common.web.linger import LingerStats, lingering_h11, lingering_httptools
+from services.controller.api.app import create_app
+from services.controller.api.context import ApiContext
+from services.controller.settings import ControllerSettings
+from services.controller.view import ClusterView
+from tests.router.test_api_keys import trickle_until_answered
+
+ADMIN = "adm"
+
+
+@contextlib.contextmanager
+def serving(app: Any, http: Any) -> Iterator[int]:
+    """`app` served by uvicorn with the protocol `http` on a free port, on a thread of its own; the port."""
+    port = procs.free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=http,
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def admin_api() -> Iterator[tuple[int, ApiContext]]:
+    """The admin API's app as the controller serves it (server.py: its guard inside, the lingering h11 protocol
+    with a 1 s body bound); no store or bus behind it (the calls here end before a route runs)."""
+    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
+                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    with serving(create_app(ctx), lingering_h11(1 << 20, 1.0, LingerStats(), 10.0, 1.0)) as port:
+        yield port, ctx
+
+
+def test_a_write_whose_body_comes_too_slowly_is_answered_408_and_audited_once(
+        admin_api: tuple[int, ApiContext]) -> None:
+    """The guard's 413 and 400 of a write were audited; the protocol's 408 was recorded as a 400: the app saw a
+    disconnect only, which FastAPI's body parse makes a 400 that nobody reads (the client has its 408)."""
+    port, ctx = admin_api
+    head = (f"POST /v1/engines/e-1/failover HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+            "Content-Type: application/json\r\n")
+    sent, got = trickle_until_answered(port, head, 100, 0.1)  # 10 s to complete, ten times the bound
+    assert sent < 100 and got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert json.loads(got.partition(b"\r\n\r\n")[2])["error"] == "request_timeout"
+    deadline = time.monotonic() + 5
+    while not ctx.audit.newest(10):
+        assert time.monotonic() < deadline, "no audit entry"
+        time.sleep(0.05)
+    time.sleep(0.3)  # the app's own end of the request (its 400, dropped) comes after: it must not be recorded
+    assert [(e.what, e.outcome) for e in ctx.audit.newest(10)] == [("POST /v1/engines/e-1/failover", "408")]
+    assert ctx.audit.newest(1)[0].who.startswith("admin token")
+
+
+def test_head_on_the_admin_apis_get_routes_answers_as_get_without_a_body(admin_api: tuple[int, ApiContext]) -> None:
+    port, _ = admin_api
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.head(f"http://127.0.0.1:{port}/v1/audit", headers=headers, timeout=10)
+    assert r.status_code == 200 and r.content == b"" and int(r.headers["content-length"]) > 0, r.status_code
+    assert httpx.head(f"http://127.0.0.1:{port}/v1/audit", timeout=10).status_code == 401  # the same guard as GET
+
+
+@pytest.mark.parametrize("protocol", [lingering_h11, lingering_httptools])
+def test_bytes_that_are_not_http_get_the_apis_json_error_not_uvicorns_text(protocol: Any) -> None:
+    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
+                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    with serving(create_app(ctx), protocol(1 << 20, 1.0, LingerStats())) as port:
+        for junk in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(junk)
+                got = b""
+                while chunk := s.recv(4096):
+                    got += chunk
+            head, _, body = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), got
+            assert json.loads(body)["error"] == "bad_request"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/audit", headers={"Authorization": f"Bearer {ADMIN}"},
+                         timeout=10).status_code == 200  # serving on
+
+
+# ---- Intake: a burst taken a slice per pass of the loop
+
+
+def _request(path: str) -> dict[str, Any]:
+    return {"type": "http", "method": "POST", "path": path, "headers": []}
+
+
+async def test_a_burst_goes_in_a_slice_a_pass_in_arrival_order_and_whats_beside_it_runs_between() -> None:
+    """50 requests arriving in one pass, each 1 ms of work that never waits (a refusal): they ran back to back
+    before, and a stream beside them (here a coroutine that yields every pass) waited for all of them."""
+    order: list[int] = []
+
+    async def app(scope: dict[str, Any], _receive: Any, _send: Any) -> None:
+        order.append(int(scope["path"]))
+        time.sleep(0.001)  # its parse and its answer: the loop's time, no await
+
+    intake = Intake(app, budget_s=0.002)
+    ticks = 0
+    done = asyncio.Event()
+
+    async def beside() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    stream = asyncio.create_task(beside())
+    await asyncio.sleep(0)
+    await asyncio.gather(*(intake(_request(str(i)), None, None) for i in range(50)))
+    done.set()
+    await stream
+    assert order == list(range(50))
+    assert intake.deferred > 0 and intake.stats()["waiting"] == 0
+    assert ticks >= 10, ticks  # 50 ms of work over at least ~25 passes; all in one pass before
+
+
+async def test_a_waiter_that_goes_away_costs_the_others_nothing() -> None:
+    ran: list[int] = []
+
+    async def app(scope: dict[str, Any], _receive: Any, _send: Any) -> None:
+        ran.append(int(scope["path"]))
+        time.sleep(0.003)  # past the budget: every later request waits
+
+    intake = Intake(app, budget_s=0.002)
+    tasks = [asyncio.create_task(intake(_request(str(i)), None, None)) for i in range(20)]
+    await asyncio.sleep(0)  # all in: the first ran, the rest wait
+    for t in tasks[5:10]:
+        t.cancel()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    assert ran == [i for i in range(20) if not 5 <= i < 10]
+    assert sum(isinstance(r, asyncio.CancelledError) for r in results) == 5
+    assert intake.stats()["waiting"] == 0
+
+
+async def test_a_quiet_loop_lets_each_request_in_at_once() -> None:
+    async def app(_scope: dict[str, Any], _receive: Any, _send: Any) -> None:
+        pass
+
+    intake = Intake(app)
+    for i in range(20):
+        await intake(_request(str(i)), None, None)
+        await asyncio.sleep(0.003)  # one at a time, the loop quiet between
+    assert intake.deferred == 0
