@@ -71,10 +71,11 @@ STATS_TIMEOUT_S = 2.0
 
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
               sync: Callable[[], dict[str, Any]] = dict, watch: LoopWatch | None = None, *,
-              spares: SpareBackend | None = None, workers: Workers | None = None) -> FastAPI:
+              spares: SpareBackend | None = None, workers: Workers | None = None,
+              max_context: int | None = None) -> FastAPI:
     workers = workers or Workers()
     app = FastAPI(title="Holdfast reference router")
-    app.include_router(openai_routes(relay, table))
+    app.include_router(openai_routes(relay, table, max_context))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

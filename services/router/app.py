@@ -140,7 +140,8 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     if settings.router_workers > 1:  # /stats asks the other workers (not through the engines' pool)
         workers.client = httpx.AsyncClient()
         rt.on_close(workers.client.aclose)
-    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict, watch, spares=spares, workers=workers)
+    app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict, watch, spares=spares, workers=workers,
+                    max_context=settings.max_context_tokens)
     guard = RequestGuard(app, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
     linger = LingerStats()
     server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.common.web.disconnect import disconnected, until_disconnect
+from services.router import context_bound
 from services.router import openai_format as fmt
 from services.router.openai_protocol import FINISH_REASONS, Job, OpenAIError, chat_job, completion_job
 from services.router.relay import Relay, RelayError
@@ -50,7 +51,9 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
+def openai_routes(relay: Relay, table: EndpointTable, max_context: int | None = None) -> APIRouter:
+    """`max_context`: the longest context of the models behind the router; a longer prompt is refused here
+    (openai_protocol.py invariant 4)."""
     api = APIRouter()
     started = int(time.time())
 
@@ -77,9 +80,12 @@ def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
     async def chat_completions(request: Request) -> Response | dict[str, Any]:
         return await serve(request, chat_job)
 
-    async def serve(request: Request, parse: Callable[[Any], Job]) -> Response | dict[str, Any]:
+    async def serve(request: Request, parse: Callable[[Any, int | None], Job]) -> Response | dict[str, Any]:
         try:
-            job = parse(await _json(request))
+            body = await request.body()
+            if max_context is not None:
+                context_bound.refuse_early(body, max_context)  # before a token id of it is parsed
+            job = parse(_json(body), max_context)
             if not table.is_known(job.model):
                 raise OpenAIError(404, f"The model `{job.model}` does not exist.", param="model",
                                   code="model_not_found")
@@ -95,9 +101,9 @@ def openai_routes(relay: Relay, table: EndpointTable) -> APIRouter:
     return api
 
 
-async def _json(request: Request) -> Any:
+def _json(body: bytes) -> Any:
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except ValueError as e:  # broken JSON, not UTF-8, or an integer past Python's 4300 digits (it was a 500)
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {e}") from None
     except RecursionError:

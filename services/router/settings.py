@@ -39,6 +39,10 @@ class RouterSettings(CommonSettings):
                                          "users reach the engines' own ports anyway)")
     max_body_bytes: int = Field(16 << 20, gt=0, description="a request body over this is refused (413) before "
                                 "it is read")
+    max_context_tokens: int = Field(1 << 17, gt=0, description="the longest context (prompt tokens) of the models "
+                                    "behind the router: an OpenAI request's longer prompt is refused (400 "
+                                    "context_length_exceeded) before it reaches an engine, one that certainly cannot "
+                                    "fit before its body is parsed")
     linger_max_bytes: int = Field(64 << 20, ge=0, description="after a refusal, what a client still sends is "
                                   "read and dropped up to this much, so that it reads its answer")
     linger_max_s: float = Field(5.0, ge=0, description="... and for at most this long")

@@ -1,12 +1,16 @@
 """The OpenAI-compatible API against clients that send what OpenAI's own API refuses: values of the wrong JSON type,
-routes and methods the router lacks, bodies framed to slip past the body limit. Each gets a 400/404/405/413 in
-OpenAI's error shape, naming the field as a client names it; the bodies as pure logic, the routes and framing
-against a real router (and engine)."""
+routes and methods the router lacks, bodies framed to slip past the body limit, prompts past any model's context,
+bytes that are not HTTP; and HEAD, which it takes. Each refusal is a 400/404/405/413 in OpenAI's error shape, naming
+the field as a client names it; the bodies as pure logic, the routes and framing against a real router (and
+engine)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import sys
+import time
 from collections.abc import Callable
 
 import httpx
@@ -14,6 +18,7 @@ import openai
 import pytest
 
 from libs.common.web.guard import framed_by_length
+from services.router import context_bound
 from services.router.openai_protocol import OpenAIError, chat_job, completion_job
 from tests.router.conftest import OpenAIStack, RouterProc
 from tests.router.test_openai_api import client
@@ -141,3 +146,119 @@ async def test_a_chunked_body_declaring_a_small_length_is_counted_and_refused_pa
     line = await asyncio.to_thread(_chunked_with_a_small_declared_length, int(router.url.rsplit(":", 1)[1]), body)
     assert line.split()[1] == b"413", line
     assert httpx.get(router.url + "/v1/models", timeout=10).status_code == 200  # serving on
+
+
+# ---- a prompt too long for any model behind the router
+
+
+def test_a_prompt_past_the_context_is_refused_and_a_text_past_it_in_characters_is_never_tokenized() -> None:
+    assert completion_job({"model": "m", "prompt": [1] * 10}, max_context=10).prompt_tokens == 10
+    assert completion_job({"model": "m", "prompt": "x" * 9}, max_context=10).prompt_tokens == 10  # BOS + 9
+    for body in ({"prompt": [1] * 11}, {"prompt": "x" * 10}, {"prompt": "é" * 6}):  # é: 2 byte tokens
+        with pytest.raises(OpenAIError) as e:
+            completion_job({"model": "m", **body}, max_context=10)
+        assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", "prompt")
+    with pytest.raises(OpenAIError) as e:
+        chat_job({"model": "m", "messages": [{"role": "user", "content": "x" * 100}]}, max_context=64)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "messages")
+    assert completion_job({"model": "m", "prompt": [1] * 10**6}).prompt_tokens == 10**6  # no bound given: none
+
+
+@pytest.mark.parametrize("prompt", ["plain", "a, b, c, d", "\u00e9\u00e9", "\U0001f600", "x" * 30,
+                                    [65, 66, 67], [257] * 30, ["one, two, three"]])
+def test_the_bound_before_parsing_never_refuses_a_prompt_that_fits(prompt: object) -> None:
+    """Its lower bound of the prompt's tokens, however the JSON spells it (escapes, whitespace, commas in text)."""
+    job = completion_job({"model": "m", "prompt": prompt})
+    for spelling in (json.dumps({"model": "m", "prompt": prompt}), json.dumps({"model": "m", "prompt": prompt},
+                                                                              indent=8, ensure_ascii=True)):
+        context_bound.refuse_early(spelling.encode(), job.prompt_tokens)  # exactly its count: passes
+    with pytest.raises(OpenAIError) as e:
+        context_bound.refuse_early(json.dumps({"model": "m", "prompt": [1] * 1000}).encode(), 999)
+    assert e.value.code == "context_length_exceeded"
+
+
+HUGE = """
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+huge = [65] * 4_000_000  # ~16 MB as JSON: under the router's 16 MiB body limit
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    # the client's own transform walks a `prompt` item by item (40 s for 4 M); extra_body goes as it is
+    c.completions.create(model=sys.argv[2], prompt="", max_tokens=1, extra_body={"prompt": huge})
+    print(json.dumps({"status": 200}))
+except openai.APIStatusError as e:
+    print(json.dumps({"status": e.status_code, "code": e.code, "param": getattr(e, "param", None)}))
+"""
+
+
+async def test_millions_of_token_ids_are_refused_before_they_are_parsed_and_a_stream_beside_goes_on(
+        openai_stack: OpenAIStack, record_property: Callable[[str, object], None]) -> None:
+    """A 16 MiB body of 4 M token ids held the router's loop ~2.3 s (parsed, validated, dumped and sent to the
+    engine, which refused it): every other client of that worker waited. Now the router refuses it from a scan of
+    the raw body (its default `max_context_tokens`, 131,072), and never sends it. The official client sends it from a
+    process of its own (its JSON encoding would hold this one's loop); the stream beside ends with its exact text,
+    and its largest gap while the body was refused is reported."""
+    url = openai_stack.router.url
+    c = client(url)
+    expected = (await c.completions.create(model=MODEL, prompt="beside", max_tokens=400, temperature=0,
+                                           extra_body={"ignore_eos": True})).choices[0].text
+    sender = await asyncio.create_subprocess_exec(sys.executable, "-c", HUGE, url, MODEL, stdin=asyncio.subprocess.PIPE,
+                                                  stdout=asyncio.subprocess.PIPE)
+    assert sender.stdin is not None and sender.stdout is not None
+    assert (await asyncio.wait_for(sender.stdout.readline(), 60)).strip() == b"ready"
+    arrivals: list[float] = []
+    parts: list[str] = []
+    started = asyncio.Event()
+
+    async def beside() -> None:
+        stream = await c.completions.create(model=MODEL, prompt="beside", max_tokens=400, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            arrivals.append(time.perf_counter())
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+            started.set()
+
+    task = asyncio.create_task(beside())
+    await started.wait()
+    before = openai_stack.router.stats()["requests"]  # the stream beside is counted already
+    t0 = time.perf_counter()
+    sender.stdin.write(b"go\n")
+    await sender.stdin.drain()
+    answer = json.loads(await asyncio.wait_for(sender.stdout.readline(), 120))
+    t1 = time.perf_counter()
+    await sender.wait()
+    assert answer == {"status": 400, "code": "context_length_exceeded", "param": "prompt"}, answer
+    await task
+    assert "".join(parts) == expected
+    stats = openai_stack.router.stats()
+    assert stats["requests"] == before and stats["in_flight"] == 0  # the huge one never reached the relay
+    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if t0 <= b <= t1 + 0.05]
+    gaps = {"largest_gap_ms_during": round(max(during, default=0.0) * 1000, 1),
+            "largest_gap_ms_whole": round(max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False)) * 1000, 1),
+            "sent_to_refused_ms": round((t1 - t0) * 1000, 1)}
+    record_property("huge_prompt", gaps)
+    print("\nthe stream beside a 16 MB prompt:", gaps)
+
+
+async def test_head_on_the_routers_get_routes_answers_as_get_without_a_body(openai_stack: OpenAIStack) -> None:
+    """Each was a 405 (FastAPI's routes take GET alone)."""
+    async with httpx.AsyncClient(base_url=openai_stack.router.url, timeout=30) as h:
+        for path in ("/healthz", "/v1/models", f"/v1/models/{MODEL}", "/stats"):
+            r = await h.head(path)
+            assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        assert (await h.head("/v1/completions")).status_code == 405  # a POST route stays one
+
+
+def test_bytes_that_are_not_http_get_openais_error_shape(openai_stack: OpenAIStack) -> None:
+    """uvicorn answered them in plain text, which an OpenAI client cannot read."""
+    port = int(openai_stack.router.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), got[:300]
+    err = json.loads(body)["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "bad_request"), err
