@@ -233,7 +233,9 @@ def front_args(cfg: EngineConfig, max_len: int) -> list[str]:
     """The HTTP front's settings (front.py)."""
     return ["--engine-id", cfg.id, "--model", cfg.model, "--size", cfg.size, "--max-model-len", str(max_len),
             "--max-waiting", str(cfg.max_waiting), "--max-num-seqs", str(cfg.max_num_seqs), "--hold-s", str(cfg.hold_s),
-            "--loop-watch-s", str(cfg.loop_watch_s), "--log-level", cfg.log_level]
+            "--loop-watch-s", str(cfg.loop_watch_s), "--log-level", cfg.log_level,
+            "--max-body-bytes", str(cfg.max_body_bytes), "--header-timeout-s", str(cfg.header_timeout_s),
+            "--body-timeout-s", str(cfg.body_timeout_s)]
 
 
 def front_gone() -> None:

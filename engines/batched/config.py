@@ -105,6 +105,11 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(0, description="HTTP port; 0: a free one (reported in the ready file and to the agent)")
     ready_file: Path | None = Field(None, description="written (JSON) once serving: endpoint, pid, timings")
+    max_body_bytes: int = Field(64 << 20, gt=0, description="a request body over this is refused (413) by the front")
+    header_timeout_s: float = Field(10.0, ge=0, description="a request's headers must be complete this long after "
+                                    "its first byte, or the front closes the connection (0: no bound)")
+    body_timeout_s: float = Field(30.0, ge=0, description="a request's body must be complete this long after its "
+                                  "headers, or 408 (0: no bound)")
     log_level: str = "INFO"
 
 

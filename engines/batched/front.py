@@ -12,8 +12,7 @@ Its port is trusted (docs/security.md), but a client still meets limits, those o
 chunked; a request's headers must be complete within `--header-timeout-s` of its first byte (or the connection
 closes) and its body within `--body-timeout-s` of its headers (408); bytes that are not HTTP get a 400. Each
 answer is the API's typed JSON error, and a refused client that keeps sending reads it (lingering close). The
-three settings are also `HF_ENGINE_MAX_BODY_BYTES`, `HF_ENGINE_HEADER_TIMEOUT_S`, `HF_ENGINE_BODY_TIMEOUT_S`
-(the front inherits the engine's environment).
+engine passes the three from its config (config.py: `--max-body-bytes` or `HF_ENGINE_MAX_BODY_BYTES`, ...).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from libs.common.web.linger import LingerStats, lingering_httptools
 PR_SET_PDEATHSIG = 1
 # A `/generate_many` of every stream of a dead engine (256 of 4k-token contexts and their resumed tokens) is a few
 # MB; the link takes a frame of 64 MiB at most.
-MAX_BODY_BYTES = 64 << 20
 LINGER_MAX_BYTES = 64 << 20  # after a refusal, what a client still sends is dropped up to this much...
 LINGER_MAX_S = 5.0  # ...and for at most this long (libs/common/web/linger.py)
 log = logging.getLogger("holdfast.engine.batched.front")
@@ -59,14 +57,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-s", type=float, default=0.0)
     p.add_argument("--loop-watch-s", type=float, default=0.0)
     p.add_argument("--log-level", default="INFO")
-    # Defaults from the environment the front inherits from the engine: the engine's config.py (which reads no
-    # other setting's environment below it) does not pass them on yet.
-    env = os.environ.get
-    p.add_argument("--max-body-bytes", type=int, default=int(env("HF_ENGINE_MAX_BODY_BYTES", MAX_BODY_BYTES)),
-                   help="a request body over this is refused (413)")
-    p.add_argument("--header-timeout-s", type=float, default=float(env("HF_ENGINE_HEADER_TIMEOUT_S", 10.0)),
+    p.add_argument("--max-body-bytes", type=int, required=True, help="a request body over this is refused (413)")
+    p.add_argument("--header-timeout-s", type=float, required=True,
                    help="a request's headers must be complete this long after its first byte (0: no bound)")
-    p.add_argument("--body-timeout-s", type=float, default=float(env("HF_ENGINE_BODY_TIMEOUT_S", 30.0)),
+    p.add_argument("--body-timeout-s", type=float, required=True,
                    help="a request's body must be complete this long after its headers, or 408 (0: no bound)")
     return p.parse_args(argv)
 
