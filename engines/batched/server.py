@@ -148,6 +148,11 @@ def build_app(state: EngineState) -> FastAPI:
         """Typed like every other refusal (it was `{"detail"}`: the router passed it on as an unreadable message)."""
         return _error(exc.status_code, http_code(exc.status_code), str(exc.detail), getattr(exc, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def internal(_: object, exc: Exception) -> JSONResponse:
+        """What no handler above types (a bug): typed too, the failure's type only; Starlette logs the traceback."""
+        return _error(500, "internal", f"internal error ({type(exc).__name__}); the engine's log has the detail")
+
     @app.get("/health", response_model=None)
     async def health() -> Any:
         """The engine's state, its step loop's figures and its info (asked over the link), with the front's own."""

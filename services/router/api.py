@@ -89,6 +89,13 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
                                                                              code=http_code(exc.status_code)).body(),
                             headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        """What no handler above types (a bug): OpenAI's error shape, the failure's type only (no state in it);
+        Starlette logs the traceback after this answer."""
+        return JSONResponse(status_code=500, content=OpenAIError(
+            500, f"internal error ({type(exc).__name__}); the router's log has the detail", code="internal").body())
+
     @app.post("/v1/generate", response_model=None)
     async def generate(req: ClientRequest, request: Request) -> Any:
         items = relay.run(req, gone=lambda: disconnected(request))
