@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -61,17 +62,25 @@ async def test_a_group_that_lost_a_gpu_is_continued_by_fewer_ranks_from_every_ra
         end_processes_of(settings.state_dir)
 
 
+async def lose_gpu(bus: Bus, settings: CommonSettings, gpu: int) -> None:
+    """GPU `gpu` marked failed: the rank there loses its weights and cache (and exits as they go)."""
+    lost = await bus.request(settings.node, SetGpuHealth(gpu=gpu, healthy=False, detail="xid 79 (test)"),
+                             SetGpuHealthReply)
+    assert len(lost.lost_leases) == 2  # that rank's weights and cache
+
+
 async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: int, settings_env: dict[str, str],
-                              settings: CommonSettings, bus: Bus) -> None:
+                              settings: CommonSettings, bus: Bus, *, device: tuple[str, ...] = (),
+                              lose: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """`device`: more flags of both groups (`--tp-one-gpu --device cuda`: every rank on the one GPU); `lose(rank)`:
+    how rank `rank`'s GPU memory is lost (default: its GPU marked failed)."""
     lost_gpu, left = 1, ranks - 1  # TP=3: the middle GPU, so the group of 2 runs on GPUs 0 and 2 (rank_gpus)
-    gpus_left = [g for g in range(ranks) if g != lost_gpu]
+    gpus_left = [0] * left if device else [g for g in range(ranks) if g != lost_gpu]
     first = BatchedEngine(tmp_path, weights, "btd-a", settings_env, "--size", size, "--tp", str(ranks),
-                          "--num-blocks", "256", *BACKUP)
+                          "--num-blocks", "256", *BACKUP, *device)
     expected, seen, threads = await streams_backed_up(first)
 
-    lost = await bus.request(settings.node, SetGpuHealth(gpu=lost_gpu, healthy=False, detail="xid 79 (test)"),
-                             SetGpuHealthReply)
-    assert len(lost.lost_leases) == 2  # the last rank's weights and cache
+    await (lose(lost_gpu) if lose is not None else lose_gpu(bus, settings, lost_gpu))
     try:
         first.kill()  # rank 1 exits as its leases go and the group with it; the agent would kill what is left
     except ProcessLookupError:
@@ -87,8 +96,10 @@ async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: i
 
     successor = BatchedEngine(tmp_path, weights, "btd-b", {
         **settings_env, "HF_DEGRADE_GANG": "btd-a", "HF_TRANSFER_TOKEN": frozen.transfer_token,
-        "HF_GANG_GENERATION": "1", "HF_GPU": "0", **({"HF_ENGINE_RANK_GPUS": json.dumps(gpus_left)} if left > 1 else {})},
-        "--size", size, *(["--tp", str(left)] if left > 1 else []), *BACKUP)
+        "HF_GANG_GENERATION": "1", "HF_GPU": "0",
+        **({"HF_ENGINE_RANK_GPUS": json.dumps(gpus_left)} if left > 1 and not device else {})},
+        "--size", size, *(["--tp", str(left)] if left > 1 else []), *BACKUP,
+        *(d for d in device if left > 1 or d != "--tp-one-gpu"))
     try:
         info = successor.wait_ready(180)
         rec = info["recovery"]
