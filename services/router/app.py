@@ -28,6 +28,7 @@ from libs.common.loop_watch import LoopWatch
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from libs.common.web.guard import RequestGuard
+from libs.common.web.intake import Intake
 from libs.common.web.keyfile import token_file
 from libs.common.web.linger import LingerStats, lingering_h11
 from libs.common.web.tokens import ROUTER_SCOPES, TokenTable
@@ -142,7 +143,10 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
         rt.on_close(workers.client.aclose)
     app = build_app(relay, table, lambda: feed.ready, feed.stats.as_dict, watch, spares=spares, workers=workers,
                     max_context=settings.max_context_tokens)
-    guard = RequestGuard(app, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
+    # new requests a slice of the loop a pass (libs/common/web/intake.py): a burst of them, refusals included, runs
+    # between the streams' lines rather than before all of them
+    intake = Intake(app)
+    guard = RequestGuard(intake, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
     linger = LingerStats()
     server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,
                                         http=lingering_h11(settings.linger_max_bytes, settings.linger_max_s, linger,
@@ -153,7 +157,7 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
                                  0 if settings.router_worker_index and settings.metrics_port else settings.metrics_port)
     rt.health_detail = lambda: {"url": f"http://{settings.router_host}:{port}", **relay.stats.as_dict(),
                                 "metrics_port": metrics_port, "auth": keys is not None,
-                                "refused": dict(guard.refused), "lingered": vars(linger),
+                                "refused": dict(guard.refused), "lingered": vars(linger), "intake": intake.stats(),
                                 "endpoints": table.describe(), "sync": feed.stats.as_dict(),
                                 "spare_connections": spares.stats(), "worker": listeners.index,
                                 "workers": pool.describe() if pool is not None else None}
