@@ -55,3 +55,18 @@ async def intent_results(bus: Bus, incident: str) -> list[IntentResult] | None:
     got = [e.data for e in await bus.replay("intent.result")
            if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
     return got or None
+
+
+async def ended_then_current_term(store: Any) -> tuple[int, Any]:
+    """A controller term that has ended (its leader resigned: a paused leader's lease expires the same way) and the
+    election of the leader after it, still leading: (the ended term, the current election; resign it after)."""
+    from libs.common.store import LeaderElection
+
+    old = LeaderElection(store, "controller", "c-old", ttl=2)
+    await old.campaign()
+    stale = old.term
+    await old.resign()
+    new = LeaderElection(store, "controller", "c-new", ttl=5)
+    await new.campaign()
+    assert new.term > stale
+    return stale, new

@@ -12,8 +12,9 @@ import pytest
 from libs.common.bus import Bus
 from libs.common.errors import RemoteError
 from libs.common.events import ListEngines, ListEnginesReply, StopEngine, StopReply
-from libs.common.store import LeaderElection, Store
+from libs.common.store import Store
 from tests.agent.conftest import AgentProcess, Recorder, pattern_spec
+from tests.support import ended_then_current_term
 
 
 async def _live(bus: Bus) -> set[str]:
@@ -33,12 +34,7 @@ async def test_a_stop_of_an_ended_term_is_refused_and_the_current_terms_and_an_u
     first = await recorder.wait("engine.ready")
     second = await recorder.wait("engine.ready", lambda e: e.engine.engine_id != first.engine.engine_id)
     a, b = first.engine, second.engine
-    old = LeaderElection(store, "controller", "c-old", ttl=2)
-    await old.campaign()
-    stale = old.term
-    await old.resign()  # its term ends (here at once; a paused leader's lease expires)
-    new = LeaderElection(store, "controller", "c-new", ttl=5)
-    await new.campaign()
+    stale, new = await ended_then_current_term(store)
     current = new.term
     try:
         assert current > stale

@@ -23,6 +23,7 @@ from tests.controller.helpers import (
     start,
     wait_for,
 )
+from tests.support import ended_then_current_term
 
 
 async def _results(bus: Bus, incident_id: str) -> list[IntentResult]:
@@ -33,12 +34,7 @@ async def _results(bus: Bus, incident_id: str) -> list[IntentResult]:
 async def test_an_intent_of_an_ended_term_is_refused_and_the_current_terms_runs(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
     sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=2)
-    old = LeaderElection(store, "controller", "c-old", ttl=2)
-    await old.campaign()
-    stale = old.term
-    await old.resign()  # its term ends (here at once; a paused leader's lease expires)
-    new = LeaderElection(store, "controller", "c-new", ttl=5)
-    await new.campaign()
+    stale, new = await ended_then_current_term(store)
     dcm = start("services.dc_manager", service_env(settings_env, HF_ACK_WAIT_S="1"), tmp_path / "dcm.log")
     try:
         await healthy(bus, "dc_manager", "dc-1")

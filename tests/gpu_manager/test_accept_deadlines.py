@@ -13,6 +13,7 @@ import msgpack
 from libs.client.memory import MemoryClient
 from libs.client.protocol import Hello
 from libs.common.wire import HEADER, recv_frame, send_frame
+from tests.gpu_manager.test_adversarial_protocol import _ask
 
 DEADLINE_S = 0.5
 IDLE_S = 1.5  # the unleased idle timeout of the test that checks it
@@ -98,14 +99,6 @@ def test_a_silent_connection_whose_process_holds_no_lease_is_closed_and_a_lease_
         client.start_heartbeats(0.1)
         time.sleep(idle_s * 2.5)
         assert client.pending() == [] and client.reconnects == 0
-
-
-def _ask(s: socket.socket, req: dict) -> dict:
-    send_frame(s, req)
-    reply, fds = recv_frame(s)
-    for fd in fds:
-        os.close(fd)
-    return reply
 
 
 def test_an_engine_connects_and_allocates_promptly_under_garbage_and_200_silent_connections(manager_factory):
