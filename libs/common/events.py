@@ -138,6 +138,11 @@ class EngineSpec(Model):
     # A group's GPUs, rank by rank (rank r on rank_gpus[r]), where they are not consecutive: a degraded group on
     # the GPUs a failed one left (engines/batched/degrade.py). Empty: base..base+tp-1 from `gpus`.
     rank_gpus: list[int | str] = Field(default_factory=list)
+    # A group that lost a GPU's memory, with every rank's KV backup held (`--kv-backup`): continued by fewer ranks on
+    # the GPUs left (engines/batched/degrade.py) only when no whole group can be placed ("no_whole_group": a whole
+    # group serves faster but starts cold, every sequence prefilled again), at once ("first": no cold load, every
+    # sequence kept; for a model whose load takes minutes), or never (a cold whole group, or nothing).
+    degrade: Literal["no_whole_group", "first", "never"] = "no_whole_group"
 
     @model_validator(mode="after")
     def _one_gpu_a_rank(self) -> EngineSpec:

@@ -126,3 +126,10 @@ def place_degraded(node: str, tp: int, device_bytes: int, *, slots: Iterable[Gpu
             return fit, Placement(Action.COLD_START, node, fit[0],
                                   f"degraded to {ranks} of {tp} ranks on {node}/{','.join(map(str, fit))}")
     return [], Placement(Action.NONE, reason=f"no healthy gpu on {node} with {device_bytes} bytes free")
+
+
+def degrade_now(policy: str, whole: Placement) -> bool:
+    """Whether a group that lost its memory is continued by fewer ranks rather than a whole group cold
+    (`EngineSpec.degrade`): "never" never; "first" always; "no_whole_group" when `whole` (a whole group's
+    placement) found no room."""
+    return policy == "first" or (policy == "no_whole_group" and whole.action is Action.NONE)

@@ -63,7 +63,15 @@ from libs.common.events import (
 )
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
-from services.dc_manager.placement import Action, Placement, node_copies, place, place_degraded, released
+from services.dc_manager.placement import (
+    Action,
+    Placement,
+    degrade_now,
+    node_copies,
+    place,
+    place_degraded,
+    released,
+)
 from services.dc_manager.settings import DcManagerSettings
 
 # Engine classes that can continue a lost group alone from its ranks' KV backups (engines/batched/degrade.py).
@@ -343,12 +351,13 @@ class IntentSteps:
         await self.save(prog)
 
     async def _degrade(self, intent: RecoverIntent, spec: EngineSpec, needed: int, prog: IntentProgress) -> None:
-        """FailSafe's degraded serving (docs/multi_gpu.md, part 6): a group whose memory is lost and for which no whole
-        group can be placed (its GPUs counted as freed) is continued by one engine on a healthy GPU of its node, from
-        its ranks' KV backups (host memory there), if its gang can be frozen degraded (every rank's backup held:
-        gpu_manager gang.py invariant 10). Anything short of that leaves `prog.spawn` unset: the plain cold start
-        follows (and fails with placement's reason when no group fits)."""
-        if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
+        """FailSafe's degraded serving (docs/multi_gpu.md, part 6): a group whose memory is lost is continued by fewer
+        ranks on healthy GPUs of its node, from its ranks' KV backups (host memory there), when its spec's `degrade`
+        says so (by default when no whole group can be placed, its GPUs counted as freed) and its gang can be frozen
+        degraded (every rank's backup held: gpu_manager gang.py invariant 10). Anything short of that leaves
+        `prog.spawn` unset: the plain cold start follows (and fails with placement's reason when no group fits)."""
+        if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES or \
+                spec.degrade == "never":
             return
         try:  # first: its backups kept whatever comes (a whole group's cold start below reclaims them after all)
             frozen, _ = await self._command(Step.FALLBACK, intent.node, FreezeGang(
@@ -364,8 +373,8 @@ class IntentSteps:
                  else s for s in released(self.view.gpu_slots(), mine)]
         whole = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed, slots=slots,
                       alive=set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
-        if whole.action is not Action.NONE:
-            return  # a whole group fits somewhere: that is the better successor
+        if not degrade_now(spec.degrade, whole):
+            return  # a whole group fits somewhere: the better successor, unless the spec degrades first
         # the group's device memory, weights and caches, shared by the fewer ranks (a lost rank's leases may be gone
         # from the view: every rank counted as the largest one left)
         device = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))
@@ -380,8 +389,9 @@ class IntentSteps:
         cmd = Spawn(spec=fewer, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
                     degrade_gang=intent.gang, transfer_token=frozen.transfer_token,
                     gang_generation=frozen.generation, predecessor=intent.engine_id)
-        log.info("intent %s: no %d healthy GPUs for %s (%s): %s, from its ranks' KV backups", intent.incident_id,
-                 spec.tp, intent.engine_id, whole.reason, where.reason)
+        why = "its spec degrades first" if whole.action is not Action.NONE else f"no whole group: {whole.reason}"
+        log.info("intent %s: %s (%s): %s, from its ranks' KV backups", intent.incident_id, intent.engine_id, why,
+                 where.reason)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)

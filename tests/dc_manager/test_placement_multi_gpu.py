@@ -8,7 +8,7 @@ import time
 
 from libs.common.cluster_view import ClusterView, GpuSlot
 from libs.common.events import GpuRecord, LeaseInfo, LeaseState, Tag
-from services.dc_manager.placement import Action, place, place_degraded
+from services.dc_manager.placement import Action, Placement, degrade_now, place, place_degraded
 
 M = 1 << 20
 
@@ -106,3 +106,9 @@ def test_a_degraded_group_is_the_most_ranks_that_fit_on_its_nodes_healthy_gpus()
     assert degraded(node(3, other=True), 240 * M) == ([0, 1, 2], "a")  # node b's healthy GPUs are not looked at
     assert degraded(node(3, full=2), 180 * M) == ([0, 1], "a")  # GPU 2 has 40 MiB free: 2 ranks of 90 MiB
     assert degraded(node(3), 320 * M) == ([], None)  # 107 MiB a rank on 3, 160 on 2, 320 on one: no room
+
+
+def test_a_specs_degrade_policy_decides_between_fewer_ranks_and_a_whole_group_cold() -> None:
+    fits, none = Placement(Action.COLD_START, "a", 4, "room"), Placement(Action.NONE, reason="no room")
+    assert [degrade_now(p, fits) for p in ("no_whole_group", "first", "never")] == [False, True, False]
+    assert [degrade_now(p, none) for p in ("no_whole_group", "first", "never")] == [True, True, False]

@@ -2,8 +2,8 @@
 backed up to host (`--kv-backup`) on the node's two simulated GPUs (nats, etcd, gpu_manager, agent, controller,
 dc_manager, router; real processes). Greedy streams run through the router; GPU 1 is marked failed (what an NVML XID
 does): rank 1's weights and cache are lost, the group gets one fault and one incident, its memory lost. No two
-healthy GPUs are left for a successor group, so the dc_manager's fallback freezes the gang degraded (every rank's
-backup) and starts one engine on GPU 0, which takes both backups over and restores every sequence from them, each
+healthy GPUs are left for a successor group (or, on a node of four, the spec says `degrade: first`), so the
+dc_manager's fallback freezes the gang degraded (every rank's backup) and starts one engine on GPU 0, which takes both backups over and restores every sequence from them, each
 rank's kv heads into their place. Every stream ends with the uninterrupted run's tokens, none lost or twice, no
 prompt prefilled again, through one routed model throughout."""
 
@@ -19,10 +19,19 @@ from tests.e2e.test_tp_incident import started
 from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, streams_through_a_loss
 
 
+class DegradeFirst(BackedGroupScenario):
+    """Four GPUs, so a whole group fits on 2..3 after GPU 1 fails; the spec degrades first all the same."""
+
+    gpus = 4
+    degrade = "first"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_a_group_whose_gpu_failed_is_continued_by_one_engine_from_its_ranks_backups(tmp_path: Path) -> None:
-    sc = BackedGroupScenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
+@pytest.mark.parametrize("scenario", [BackedGroupScenario, DegradeFirst], ids=["no-whole-group", "degrade-first"])
+async def test_a_group_whose_gpu_failed_is_continued_by_one_engine_from_its_ranks_backups(
+        tmp_path: Path, scenario: type[BackedGroupScenario]) -> None:
+    sc = scenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
     try:
         faults = await started(sc)
         group = await sc.wait_serving(standbys=0, timeout=180)

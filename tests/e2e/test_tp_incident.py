@@ -37,6 +37,8 @@ class TensorParallelScenario(Scenario):
 
     engine_class = "reference"
     stack_env: dict[str, str] = {}  # noqa: RUF012 - read only: more of the services' environment
+    gpus = 2  # simulated GPUs of the node
+    degrade = "no_whole_group"  # the spec's EngineSpec.degrade
 
     def command(self) -> list[str]:
         return engine_command(self.weights, self.size)
@@ -45,10 +47,11 @@ class TensorParallelScenario(Scenario):
         make_tiny_weights(self.weights)
         spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1,
                           standbys=self.standbys,
-                          tp=2, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"})
+                          tp=2, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"}, degrade=self.degrade)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
-                                                 extra_env={"HF_GPUS": json.dumps(["0", "1"]), **SLOW_START,
+                                                 extra_env={"HF_GPUS": json.dumps([str(g) for g in range(self.gpus)]),
+                                                            **SLOW_START,
                                                             **self.stack_env}))
         self.stack.start(timeout=120)
         return self.stack
