@@ -225,21 +225,20 @@ class GangBook:
         """The whole group has asked: every rank's leases in one commit (invariant 1). Caller holds the lock."""
         recs = self._records(gang)
         successors = dict(enumerate(gathering.successors))
+        # each lease taken over goes to the successor rank its move names (its own rank's; every backup to rank 0 in
+        # a degraded takeover: gang.py invariant 10); a degraded takeover's other moves reclaim
+        rank_of = {owner: r for r, owner in successors.items()}
         try:
             moves = self._plan(gang, recs, gathering.successors, gathering.generation, gathering.degraded)
             by_id = {r.id: r for r in recs}
             infos = [by_id[m.lease_id].info for m in moves]
-            if gathering.degraded:
-                successor_gang = after_degraded(gang, moves, infos, successors)
-                holder = _holder(gathering.ranks[0][0])  # every backup to rank 0 (gang.py invariant 10)
-            else:
-                successor_gang = after_takeover(gang, moves, infos)
+            successor_gang = (after_degraded(gang, moves, infos, successors) if gathering.degraded
+                              else after_takeover(gang, moves, infos))
             how = "taken over degraded" if gathering.degraded else "taken over"
             await self.book.apply_all([  # the leases' new owners and epochs and the gang's in one commit
                 Move(by_id[m.lease_id], m.event, f"gang {gang.gang_id} {how} (rank {m.rank})",
-                     (holder if gathering.degraded else _holder(gathering.ranks[m.rank][0]))
-                     | {"transfer_token": None, "successor": None})
-                if m.event is LeaseEvent.TAKEOVER else
+                     _holder(gathering.ranks[rank_of[m.new_owner]][0]) | {"transfer_token": None, "successor": None})
+                if m.new_owner is not None else
                 Move(by_id[m.lease_id], m.event, f"gang {gang.gang_id} {how} by {gathering.successors}: not needed")
                 for m in moves], gangs=[successor_gang] if successor_gang else [],
                 drop=[gang.gang_id] if successor_gang is None else [])
@@ -247,10 +246,8 @@ class GangBook:
             self._fail(gang.gang_id, gathering, e)
             return
         del self._gathering[gang.gang_id]
-        taken = [m for m in moves if m.event is LeaseEvent.TAKEOVER]
         for rank, (_, done) in gathering.ranks.items():
-            done.set_result([by_id[m.lease_id] for m in taken
-                             if (rank == 0 if gathering.degraded else m.rank == rank)])
+            done.set_result([by_id[m.lease_id] for m in moves if m.new_owner is not None and rank_of[m.new_owner] == rank])
         log.info("gang %s taken over by %s: %d leases, generation %d", gang.gang_id, gathering.successors,
                  len(moves), gang.generation + 1)
 
