@@ -204,20 +204,6 @@ def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGr
     return memory.load(mcfg, cfg.weights, layout_of)
 
 
-def restore_degraded(cfg: EngineConfig, memory: Any, loaded: Loaded, group: RankGroup | None) -> dict[str, Any]:
-    """A degraded successor's caches (every rank of its group at this same point of its start-up: degrade.py), then
-    the old backups given back (rank 0 holds them)."""
-    comm = group.comm() if group is not None else degrade.ALONE
-    info = degrade.restore(loaded.degraded, loaded.kv, Journal(loaded.layout, loaded.journal), loaded.layout,
-                           get_config(cfg.size), comm)
-    loaded.kv_handed_on = info["restored"] > 0
-    if not loaded.kv_handed_on:
-        log.warning("degraded start: no sequence restored from the backups (%s)", info.get("why", "none backed up"))
-    if loaded.degraded is not None:
-        memory.release(loaded.degraded.lease_ids)
-    return info
-
-
 def report_fatal(link: Any) -> None:
     """Fault injection (chaos runs, SIGUSR1): behave as an engine whose CUDA context hit a fatal error: tell the
     agent through the link, then exit without cleanup. On a thread of its own: the signal handler runs on the
@@ -324,7 +310,8 @@ def run(cfg: EngineConfig) -> int:
         isolate = cfg.isolated_takeover and cfg.drain_mark and group is None and not cfg.kv_backup
         fence, pend = wait_fence(loaded, cfg.adopt_wait_s, isolate=isolate)
         if loaded.source == "degraded":  # every old rank's backup into this engine's (group's) caches, given back
-            state.info["degraded"] = restore_degraded(cfg, memory, loaded, group)
+            state.info["degraded"] = degrade.restore_loaded(loaded, get_config(cfg.size), memory,
+                                                            group.comm() if group is not None else degrade.ALONE)
         # a lost cache restored from its host backup (backup.py); a group's ranks all at once, before the gang
         kv_backup = open_backup(cfg, memory, loaded, group.backup if group is not None else SOLO)
         if group is not None:

@@ -27,6 +27,7 @@ Not built: the control plane's way back to a whole group once the GPU is healthy
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
 from engines.reference.tp import kv_spans
 
+log = logging.getLogger("holdfast.engine.batched.degrade")
 NAME = re.compile(r"kv_backup\.tp(\d+)-r(\d+)")
 CHUNK_BLOCKS = 256  # blocks gathered from a backup per copy: the host-side staging stays bounded
 
@@ -170,6 +172,19 @@ def restore(d: Degraded | None, kv: torch.Tensor, journal: Journal, layout: Jour
     return {"restored": restored, "dropped": dropped, "from_ranks": ranks, "to_ranks": comm.size,
             "blocks": len(blocks), "bytes": copied, "recomputed_tokens": recomputed,
             "ms": round((time.perf_counter() - t0) * 1000, 3)}
+
+
+def restore_loaded(loaded: Any, whole: ModelConfig, memory: Any, comm: Any = ALONE) -> dict[str, Any]:
+    """`restore` at start-up, on every rank of a degraded successor at the same point: this rank's new cache filled
+    (its journal adopted as a handed-on cache's when anything was restored), then the old backups given back (rank 0
+    holds them)."""
+    info = restore(loaded.degraded, loaded.kv, Journal(loaded.layout, loaded.journal), loaded.layout, whole, comm)
+    loaded.kv_handed_on = info["restored"] > 0  # alike on every rank: the ranks' caches agree (tp_group commit)
+    if not loaded.kv_handed_on and comm.rank == 0:
+        log.warning("degraded start: no sequence restored from the backups (%s)", info.get("why", "none backed up"))
+    if loaded.degraded is not None:
+        memory.release(loaded.degraded.lease_ids)
+    return info
 
 
 def describe(info: dict[str, Any]) -> str:

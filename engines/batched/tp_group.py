@@ -200,8 +200,6 @@ class RankGroup:
         def read() -> dict[str, torch.Tensor]:  # only when no node copy of this rank's shard serves
             check_file_matches(cfg.weights, whole)
             return read_shard(cfg.weights, whole, cfg.tp, self.rank)
-        if num_blocks is None:
-            return memory.load_shard(self.mcfg, read, layout_of, path=cfg.weights, tp=cfg.tp, rank=self.rank)
         return memory.load_shard(self.mcfg, read, layout_of, path=cfg.weights, tp=cfg.tp, rank=self.rank,
                                  num_blocks=num_blocks)
 
@@ -304,9 +302,7 @@ def follower_main() -> int:
                 return 0
         loaded = group.load(memory, layout_fn(cfg, group.mcfg, group.device))
         if loaded.source == "degraded":  # rank 0 sends this rank its heads of the old ranks' backups
-            restored = degrade.restore(None, loaded.kv, Journal(loaded.layout, loaded.journal), loaded.layout,
-                                       get_config(cfg.size), group.comm())
-            loaded.kv_handed_on = restored["restored"] > 0  # as rank 0's: the ranks' caches agree (commit)
+            degrade.restore_loaded(loaded, get_config(cfg.size), memory, group.comm())
         backup = open_backup(group.cfg, memory, loaded, group.backup)  # before the gang: its lease is the gang's
         group.commit(memory, loaded)
         if not loaded.kv_handed_on:
