@@ -324,10 +324,10 @@ class IntentSteps:
             if spec is None:
                 raise StepFailed(Step.FALLBACK, f"no engine spec for {intent.engine_id} (class {intent.engine_class})")
             # a TP group's ranks each need room for their own leases, on GPUs base..base+tp-1
-            needed = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r)))
-                         for r in range(spec.tp))
+            by_rank = [self.view.leases_of(rank_engine_id(intent.engine_id, r)) for r in range(spec.tp)]
+            needed = max(sum(lease.size for lease in leases) for leases in by_rank)
             if spec.tp > 1:
-                await self._degrade(intent, spec, needed, prog)
+                await self._degrade(intent, spec, by_rank, needed, prog)
             if prog.spawn is None:
                 await self._spawn_cold(intent, spec, needed, prog)
         assert prog.spawn is not None
@@ -350,12 +350,14 @@ class IntentSteps:
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)
 
-    async def _degrade(self, intent: RecoverIntent, spec: EngineSpec, needed: int, prog: IntentProgress) -> None:
+    async def _degrade(self, intent: RecoverIntent, spec: EngineSpec, by_rank: list[list[LeaseInfo]], needed: int,
+                       prog: IntentProgress) -> None:
         """FailSafe's degraded serving (docs/multi_gpu.md, part 6): a group whose memory is lost is continued by fewer
         ranks on healthy GPUs of its node, from its ranks' KV backups (host memory there), when its spec's `degrade`
         says so (by default when no whole group can be placed, its GPUs counted as freed) and its gang can be frozen
         degraded (every rank's backup held: gpu_manager gang.py invariant 10). Anything short of that leaves
-        `prog.spawn` unset: the plain cold start follows (and fails with placement's reason when no group fits)."""
+        `prog.spawn` unset: the plain cold start follows (and fails with placement's reason when no group fits).
+        `by_rank`: each rank's leases as the view holds them; `needed`: a whole group's room a rank."""
         if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES or \
                 spec.degrade == "never":
             return
@@ -367,18 +369,16 @@ class IntentSteps:
             log.info("intent %s: gang %s cannot be degraded (%s): a cold start", intent.incident_id, intent.gang,
                      e.detail)
             return
-        mine = [lease for r in range(spec.tp) for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))]
         # the node's GPU health as its gpu_manager holds it now: the view may not have the fault's record yet
         slots = [dataclasses.replace(s, healthy=False) if s.node == intent.node and s.gpu in frozen.unhealthy_gpus
-                 else s for s in released(self.view.gpu_slots(), mine)]
+                 else s for s in released(self.view.gpu_slots(), [lease for leases in by_rank for lease in leases])]
         whole = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed, slots=slots,
                       alive=set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
         if not degrade_now(spec.degrade, whole):
             return  # a whole group fits somewhere: the better successor, unless the spec degrades first
         # the group's device memory, weights and caches, shared by the fewer ranks (a lost rank's leases may be gone
         # from the view: every rank counted as the largest one left)
-        device = max(sum(lease.size for lease in self.view.leases_of(rank_engine_id(intent.engine_id, r))
-                         if not lease.host) for r in range(spec.tp))
+        device = max(sum(lease.size for lease in leases if not lease.host) for leases in by_rank)
         ranks, where = place_degraded(intent.node, spec.tp, device * spec.tp, slots=slots, alive=set(self.view.nodes),
                                       allowed=self.allowed)
         if where.action is Action.NONE:
