@@ -70,3 +70,32 @@ async def ended_then_current_term(store: Any) -> tuple[int, Any]:
     await new.campaign()
     assert new.term > stale
     return stale, new
+
+
+FLOOD = """
+import asyncio, json, sys
+port, n, path, body, key = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].encode(), sys.argv[5]
+async def refused():
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST %s HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\nConnection: close\\r\\n"
+            b"Content-Length: %d\\r\\n\\r\\n" % (path.encode(), len(body)) + body)
+    got = await r.read()
+    w.close()
+    head, _, answer = got.partition(b"\\r\\n\\r\\n")
+    return [int(head.split()[1]), json.loads(answer)["error"][key]]
+async def main():
+    print(json.dumps(await asyncio.gather(*(refused() for _ in range(n)))))
+asyncio.run(main())
+"""
+
+
+def flood(port: int | str, n: int, path: str, body: dict[str, Any], key: str = "code") -> list[list[Any]]:
+    """`n` POSTs of `body` to `path` at once, from a process of its own (its loop is not the test's), each on a
+    connection of its own: each answer's [status, its JSON error's `key`]."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FLOOD, str(port), str(n), path, json.dumps(body), key],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return list(json.loads(out))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +20,7 @@ import pytest
 
 from tests.engine_batched.test_server import Engine
 from tests.router.test_api_keys import trickle_until_answered
+from tests.support import flood
 
 READ_S = 60  # hang detectors, not performance bounds
 LIMITS = {"HF_ENGINE_MAX_BODY_BYTES": str(256 << 10), "HF_ENGINE_HEADER_TIMEOUT_S": "1",
@@ -67,24 +66,6 @@ def error_of(answer: bytes) -> tuple[int, str, dict]:
 
 
 # ---- a flood of refusals beside live streams
-
-
-BURST = """
-import asyncio, json, sys
-port, n, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-async def refused():
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"prompt": "x" * size, "max_tokens": 1, "stream": True}).encode()
-    w.write(b"POST /generate HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\nConnection: close\\r\\n"
-            b"Content-Length: %d\\r\\n\\r\\n" % len(body) + body)
-    got = await r.read()
-    w.close()
-    head, _, body = got.partition(b"\\r\\n\\r\\n")
-    return [int(head.split()[1]), json.loads(body)["error"]["code"]]
-async def main():
-    print(json.dumps(await asyncio.gather(*(refused() for _ in range(n)))))
-asyncio.run(main())
-"""
 
 
 def streams_round(url: str, prompts: list[str], max_tokens: int,
@@ -133,12 +114,10 @@ def test_a_flood_of_refused_requests_leaves_every_stream_its_exact_tokens_and_ea
     calm, calm_gaps, _ = streams_round(engine.url, prompts, 300)
     burst_len = 2100  # bytes, and so tokens: past the tiny model's 2,048
 
-    def flood() -> list[list]:
-        out = subprocess.run([sys.executable, "-c", BURST, str(port_of(engine)), "500", str(burst_len)],
-                             capture_output=True, text=True, timeout=READ_S, check=True).stdout
-        return list(json.loads(out))
+    def burst() -> list[list]:
+        return flood(port_of(engine), 500, "/generate", {"prompt": "x" * burst_len, "max_tokens": 1, "stream": True})
 
-    flooded, flood_gaps, answers = streams_round(engine.url, prompts, 300, flood)
+    flooded, flood_gaps, answers = streams_round(engine.url, prompts, 300, burst)
     assert flooded == calm  # deterministic mode: a stream's tokens do not depend on what runs beside it
     assert answers == [[400, "context_too_long"]] * 500
     assert httpx.post(engine.url + "/generate", json={"prompt": "after", "max_tokens": 3},

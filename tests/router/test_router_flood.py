@@ -7,32 +7,14 @@ is reported, not asserted (the machine is shared)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 from tests.router.conftest import OpenAIStack
 from tests.router.test_openai_api import client
 from tests.router.test_router import MODEL
+from tests.support import flood
 
-FLOOD = """
-import asyncio, json, sys
-port, n, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-async def refused():
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"model": model, "prompt": "x", "max_tokens": -1}).encode()
-    w.write(b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
-            b"Connection: close\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body) + body)
-    got = await r.read()
-    w.close()
-    head, _, body = got.partition(b"\\r\\n\\r\\n")
-    return [int(head.split()[1]), json.loads(body)["error"]["type"]]
-async def main():
-    print(json.dumps(await asyncio.gather(*(refused() for _ in range(n)))))
-asyncio.run(main())
-"""
 PROMPTS = [f"stream {i} through the router" for i in range(4)]
 
 
@@ -66,12 +48,10 @@ async def test_a_flood_of_refused_requests_leaves_every_stream_its_text_and_each
     port = url.rsplit(":", 1)[1]
     calm, calm_gap, _ = await streams_round(url)
 
-    def flood() -> list[list]:
-        out = subprocess.run([sys.executable, "-c", FLOOD, port, "500", MODEL], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
-        return list(json.loads(out))
+    def burst() -> list[list]:
+        return flood(port, 500, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, key="type")
 
-    flooded, flood_gap, answers = await streams_round(url, flood)
+    flooded, flood_gap, answers = await streams_round(url, burst)
     assert flooded == calm  # greedy: each stream's text does not depend on what runs beside it
     assert answers == [[400, "invalid_request_error"]] * 500
     figures = {"largest_gap_ms_calm": round(calm_gap, 1), "largest_gap_ms_flood": round(flood_gap, 1)}
