@@ -87,6 +87,7 @@ class Detection:
         if rec is None:
             return
         rec.exit_code, rec.signal = st.exit_code, st.signal
+        self.follower_first(rec, st)
         if st.known:
             kind, detail = known_fault(st)
         elif rec.said_bye:
@@ -102,8 +103,21 @@ class Detection:
         rec = self.host.engines.get(engine_id)
         if rec is None or not rec.live or rec.said_bye:
             return  # a goodbye before the exit: its own clean stop, reported by the pidfd as usual
+        if self.follower_first(rec, st):
+            return
         kind, detail = known_fault(st)
         self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)", died_at=st.at)
+
+    def follower_first(self, rec: EngineRecord, st: ExitStatus) -> bool:
+        """A group's rank 0 exiting 70 because a follower died: the follower's death is the fault, published now
+        if it is found dead or dying (rank_watch.py invariant 5). True when it was."""
+        if rec.tp <= 1 or st.exit_code != GROUP_DIED:
+            return False
+        hit = self.host.ranks.dead_follower(rec.engine_id)
+        if hit is None:
+            return False
+        self.rank_died(rec.engine_id, hit[0], hit[1], "found dead as rank 0 exited")
+        return True
 
     async def exiting_loop(self) -> None:
         period = self.host.settings.exit_poll_ms / 1000.0

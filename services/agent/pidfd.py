@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import signal
 import time
 from collections.abc import Callable
@@ -143,6 +144,22 @@ class PidWatcher:
 
     def watching(self, key: str) -> bool:
         return key in self._fds
+
+    def dead_now(self, key: str) -> ExitStatus | None:
+        """A watched process's death if it has already begun (PF_EXITING) or ended (its pidfd readable), looked at
+        now rather than when the loop comes to its reader or next poll; None while it lives or is not watched. The
+        status is the kernel's where /proc still holds it (a zombie's, or an exiting process's), else unknown."""
+        entry = self._fds.get(key)
+        if entry is None:
+            return None
+        fd, pid, _child = entry
+        code = proc_exiting(pid, self._stat.get(key))
+        if code:
+            exit_code, sig = decode_wait_status(code)
+            return ExitStatus(pid=pid, at=time.time(), known=True, exit_code=exit_code, signal=sig)
+        if not select.select([fd], [], [], 0)[0]:
+            return None
+        return ExitStatus(pid=pid, at=time.time(), known=False)
 
     def unwatch(self, key: str) -> None:
         entry = self._fds.pop(key, None)

@@ -17,6 +17,9 @@ Invariants:
    the group to one `FaultDetected` whichever of its ranks' deaths is seen first, rank 0's exit after it included.
 4. The watches of a group end with the group: its rank 0's death (the followers die with it, PR_SET_PDEATHSIG),
    its retirement, or the agent's close.
+5. Rank 0's exit 70 (a rank of the group died) seen before a follower's death names the follower all the same when
+   the follower is found dead or dying at that moment: on a busy loop both deaths are ready in one pass, and the
+   order in which their callbacks run says nothing about which came first.
 Where the followers are unknown (a group whose rank 0 does not name them, or whose record an older agent wrote), a
 follower's death is seen as before: through rank 0's exit 70.
 """
@@ -99,6 +102,15 @@ class RankWatch:
 
     def watching(self, group: str) -> list[RankProcess]:
         return [rank for g, rank in self._ranks.values() if g == group]
+
+    def dead_follower(self, group: str) -> tuple[RankProcess, ExitStatus] | None:
+        """A follower of `group` already dead or dying, looked at now (`PidWatcher.dead_now`): the rank whose death
+        made rank 0 exit 70, when the two deaths reach the agent's loop together (invariant 5)."""
+        for key, (g, rank) in sorted(self._ranks.items()):
+            st = self._watcher.dead_now(key) if g == group else None
+            if st is not None:
+                return rank, st
+        return None
 
     def forget(self, group: str) -> None:
         """Stop watching `group`'s followers (invariants 3, 4)."""

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,4 +82,30 @@ async def test_a_follower_already_reaped_or_under_a_recycled_pid_is_gone() -> No
     finally:
         alive.kill()
         alive.wait(10)
+        watch.close()
+
+
+async def test_a_dead_follower_is_found_at_once_when_rank_0s_exit_comes_first() -> None:
+    """Rank 0's exit 70 handled before the loop came to the follower's pidfd (a busy loop: both ready in one pass):
+    `dead_follower` looks now, whether the follower is still a zombie or already reaped by its parent."""
+    deaths: asyncio.Queue[Death] = asyncio.Queue()
+    watch = RankWatch(lambda *d: deaths.put_nowait(d))
+    one, two, three = _sleeper(), _sleeper(), _sleeper()
+    try:
+        watch.watch("g", [RankProcess(rank=1, pid=one.pid), RankProcess(rank=2, pid=two.pid)])
+        watch.watch("h", [RankProcess(rank=1, pid=three.pid)])
+        assert watch.dead_follower("g") is None  # all alive
+        os.kill(two.pid, signal.SIGKILL)
+        while os.waitid(os.P_PID, two.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            time.sleep(0.001)  # a zombie now; no loop pass has run since the kill (no await)
+        hit = watch.dead_follower("g")
+        assert hit is not None and hit[0].rank == 2 and hit[1].signal == signal.SIGKILL, hit
+        assert watch.dead_follower("h") is None  # another group's followers are not looked at
+        two.wait(10)  # reaped by its parent, as rank 0 reaps its followers before it exits 70
+        hit = watch.dead_follower("g")
+        assert hit is not None and hit[0].rank == 2 and not hit[1].known, hit  # the pidfd still says dead
+    finally:
+        for p in (one, two, three):
+            p.kill()
+            p.wait(10)
         watch.close()
