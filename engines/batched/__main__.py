@@ -198,7 +198,8 @@ def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGr
     if cfg.takeover_from:
         if not cfg.transfer_token:
             raise RuntimeError("HF_TAKEOVER_FROM needs HF_TRANSFER_TOKEN")
-        return memory.takeover(mcfg, cfg.takeover_from, cfg.transfer_token, layout_of, cfg.adopt_wait_s)
+        return memory.takeover(mcfg, cfg.takeover_from, cfg.transfer_token, layout_of, cfg.adopt_wait_s,
+                               weights=cfg.weights)  # a KV backup alone handed on: the weights loaded cold
     if memory.pending():
         return memory.attach(mcfg, layout_of)
     return memory.load(mcfg, cfg.weights, layout_of)

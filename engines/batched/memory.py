@@ -50,7 +50,7 @@ class Loaded:
     weights: dict[str, torch.Tensor]
     kv: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
     journal: dict[str, torch.Tensor]
-    source: str  # "file", "reattached", "takeover"
+    source: str  # "file", "reattached", "takeover", "backup" (a cold load beside a handed-on KV backup), "degraded"
     kv_handed_on: bool  # the KV lease (and its journal) came from before: its sequences may continue
     layout: JournalLayout
     timings_ms: dict[str, float] = field(default_factory=dict)
@@ -278,19 +278,33 @@ class LeasedMemory:
         return self._rebuild(cfg, att.leases, "reattached", layout_of, t0)
 
     def takeover(self, cfg: ModelConfig, predecessor: str, token: str, layout_of: Any, wait_s: float, *,
-                 fenced: bool = False, known: Loaded | None = None) -> Loaded:
+                 fenced: bool = False, known: Loaded | None = None, weights: Path | None = None) -> Loaded:
         """The predecessor's leases. `fenced`: granted once it is stopped, its exit still to come: the caller reads
         and writes them only after `wait_fence` (nothing here reads their content). `known`: tensors built before
         over the addresses the leases are mapped at (a prepared standby's), reused where they are the very view a
-        lease's tensor would get (`_view`)."""
+        lease's tensor would get (`_view`). `weights`: this engine can load the weights itself (a cold successor),
+        so it may be handed the predecessor's KV backup alone (its weights and cache lost with their GPU): the
+        weights are then loaded cold (`load`) beside a new cache of the backup's block count, which start-up
+        restores from the backup (backup_start.py), the source `backup`."""
         from libs.client.protocol import NotFrozenYet, PredecessorAlive
 
         t0 = time.perf_counter()
         # The fault is published as the predecessor begins to exit; the manager hands its memory over only
         # once it is stopped (fenced) or gone, and frozen: retried at a short fixed interval.
-        att, tries = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced),
+        att, tries = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced,
+                                                              cold_weights=weights is not None),
                                  (PredecessorAlive, NotFrozenYet), wait_s)
         granted = {**self.client.last_timings_ms, "tries": tries}  # the granting try's request and map
+        if weights is not None and att.leases and all(
+                any(m.name == BACKUP_NAME for m in lease.tensor_metas) for lease in att.leases):
+            for extra in att.leases[1:]:
+                self.client.release(extra.id)
+            backup = {m.name: att.leases[0].view(m, "torch") for m in att.leases[0].tensor_metas}
+            taken = _ms(t0)
+            loaded = self.load(cfg, weights, layout_of, num_blocks=int(backup[BACKUP_NAME].shape[0]))
+            loaded.source, loaded.backup = "backup", backup
+            loaded.timings_ms = {"takeover_ms": taken, **granted, **loaded.timings_ms, "total_ms": _ms(t0)}
+            return loaded
         loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0, known)
         loaded.timings_ms.update(granted)
         loaded.fence = att.fence

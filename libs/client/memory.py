@@ -513,15 +513,17 @@ class MemoryClient:
     def attach(self) -> Attachment:
         return self._timed(p.Attach())
 
-    def takeover(self, predecessor: str, transfer_token: str, *, fenced: bool = False) -> Attachment:
+    def takeover(self, predecessor: str, transfer_token: str, *, fenced: bool = False,
+                 cold_weights: bool = False) -> Attachment:
         """The predecessor's leases, mapped here: each into the reservation made for it where one fits
         (`reserve`: views made over it stay valid, now over the lease), the rest at new addresses. Reservations
         no lease used are freed. `last_timings_ms["reserved"]`: how many leases went into reservations.
         `fenced`: granted once the predecessor is stopped rather than gone; the caller then writes nothing
-        through these leases before every process of `Attachment.fence` has exited (`procs.wait_gone`)."""
+        through these leases before every process of `Attachment.fence` has exited (`procs.wait_gone`).
+        `cold_weights`: this engine loads the weights itself, so a set of KV backups alone is handed over too."""
         before = len(self.reservations)
-        att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token, fenced=fenced),
-                          into_reserved=True)
+        att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token, fenced=fenced,
+                                        cold_weights=cold_weights), into_reserved=True)
         self.last_timings_ms["reserved"] = before - len(self.reservations)
         self.free_reservations()
         return att

@@ -173,6 +173,9 @@ class TakeoverReq(Msg):
     predecessor: str
     transfer_token: str
     fenced: bool = False
+    # the successor loads the weights itself: a frozen set of KV backups alone (Freeze `backups_only`) is handed
+    # over too; without it such a set is refused (`IncompleteLeaseSet`), as one it could not run from
+    cold_weights: bool = False
 
 
 class FencePid(Msg):

@@ -516,6 +516,9 @@ class Freeze(Command):
     # Chosen by the caller, so that a shadowing successor can be promoted while the freeze runs (it needs the
     # token only to own the leases later); leases already frozen keep theirs, and the reply says which holds.
     transfer_token: str | None = Field(None, min_length=16, max_length=128)
+    # only the owner's committed KV backups (host memory), for a cold successor that loads the weights itself and
+    # restores the cache from them (its weights and cache lost with their GPU); its other leases are left as they are
+    backups_only: bool = False
 
 
 class FreezeReply(Model):
@@ -523,6 +526,8 @@ class FreezeReply(Model):
     epoch: int
     transfer_token: str
     leases: list[LeaseInfo] = Field(default_factory=list)
+    # the node's GPUs the gpu_manager holds unhealthy as it froze (index -> why): newer than any view of etcd
+    unhealthy_gpus: dict[int, str] = Field(default_factory=dict)
 
 
 class Transfer(Command):
@@ -722,6 +727,9 @@ class Spawn(Command):
     degrade_gang: str | None = None
     gang_generation: int | None = Field(None, ge=1)
     predecessor: str | None = None
+    # A cold successor on the GPU its spec names that takes this engine's KV backup over (frozen `backups_only`
+    # under `transfer_token`), loads the weights itself and restores every sequence from the backup.
+    backup_of: str | None = None
 
 
 class SpawnReply(Model):

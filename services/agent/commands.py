@@ -71,6 +71,19 @@ class Commands:
             rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
                                     replacing=host.engines.get(cmd.reattach_from))
             return SpawnReply(engine=host.info(rec))
+        if cmd.backup_of is not None:
+            # dc_manager's fallback for an engine whose weights and cache were lost with their GPU: a cold engine
+            # on the GPU its spec names that takes the predecessor's KV backup over (host memory) and continues
+            # every sequence from it, loading the weights itself (engines/batched/memory.py `takeover`)
+            if not cmd.transfer_token:
+                raise ValueError("a spawn from a KV backup needs its transfer token")
+            if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine
+                return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
+            extra = {"HF_TAKEOVER_FROM": cmd.backup_of, "HF_TRANSFER_TOKEN": cmd.transfer_token,
+                     "HF_INCIDENT_ID": cmd.incident_id or ""}
+            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
+                                    replacing=host.engines.get(cmd.backup_of), same_gpu=False)
+            return SpawnReply(engine=host.info(rec))
         if cmd.degrade_gang is not None:
             # dc_manager's degraded fallback: fewer ranks in a lost group's place, from its ranks' KV backups; the
             # spec kept is the group's (nothing recorded: a spec's own starts stay whole groups)

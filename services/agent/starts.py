@@ -63,8 +63,8 @@ class Starts:
               replacing: EngineRecord | None = None, gang: str | None = None, same_gpu: bool = True) -> EngineRecord:
         """Start one engine (a TP spec: its rank 0, which starts the others; `gang`: a successor group keeps its
         predecessor's gang id, a first group's is its own engine id). `replacing`: the engine whose slot it fills,
-        on that engine's GPU (its memory cannot move) unless `same_gpu` is false (a degraded successor: its
-        predecessor's memory is host backups, and it runs on the GPUs its spec names)."""
+        on that engine's GPU (its memory cannot move) unless `same_gpu` is false (a degraded successor, or one
+        from a KV backup: its predecessor's memory is host backups, and it runs on the GPUs its spec names)."""
         host = self.host
         spec = spec or host.specs[key]
         engine_id = engine_id or new_id(subject_token(spec.model))

@@ -79,8 +79,7 @@ class DeadlinePass:
             elif rec.state is S.FALLBACK and rec.cold_successor_id:
                 cold = self.view.engines.get(rec.cold_successor_id)
                 if cold is not None and cold.state == "ready":
-                    self._background(rec.id, self.steps.move_one(cold_ready(rec.id, cold.engine_id, cold.endpoint,
-                                                                                  weights=cold.weights)))
+                    self._background(rec.id, self.steps.move_one(cold_ready(rec.id, cold)))
         for inc_id in list(self.view.open_by_engine.values()):
             seen = self.view.incidents.get(inc_id)
             if inc_id not in self.open and inc_id not in self._busy and not self.open.closed_here(inc_id) \

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from libs.common.events import (
+    EngineInfo,
     EngineReady,
     EngineReattached,
     EngineRole,
@@ -31,7 +32,6 @@ from libs.common.events import (
     LeaseState,
     MemoryFrozen,
     Tag,
-    WeightsLoaded,
     group_of_rank,
     is_kv_backup,
 )
@@ -115,7 +115,7 @@ class Intake:
         elif isinstance(e, EngineReady):
             cold_of = self.open.incident_of_cold(e.engine.engine_id)
             if cold_of is not None:
-                return cold_ready(cold_of, e.engine.engine_id, e.engine.endpoint, weights=e.engine.weights)
+                return cold_ready(cold_of, e.engine)
         elif isinstance(e, MemoryFrozen) and e.incident_id:
             return Move(0, e.incident_id, Trigger.FROZEN, frozenset({S.FREEZING}))
         elif isinstance(e, LeaseChanged) and e.lease.state is LeaseState.RECLAIMED:
@@ -165,9 +165,10 @@ class Intake:
         return False
 
 
-def cold_ready(inc_id: str, engine_id: str, endpoint: str | None, at: int = 0,
-               weights: WeightsLoaded | None = None) -> Move:
-    """The fallback's cold-started engine reports ready: routed in (if it is still the incident's). `weights`: how
-    it loaded them (the engine's report): the fallback step's detail in the timeline."""
-    return Move(at, inc_id, Trigger.SPAWNED, frozenset({S.FALLBACK}), weights.describe() if weights else "",
-                changes={"successor_id": engine_id, "successor_endpoint": endpoint})
+def cold_ready(inc_id: str, engine: EngineInfo, at: int = 0) -> Move:
+    """The fallback's cold-started engine reports ready: routed in (if it is still the incident's). How it loaded
+    its weights and where its KV came from (the engine's reports: a KV backup restored) are the fallback step's
+    detail in the timeline."""
+    detail = "; ".join(x for x in (engine.weights.describe() if engine.weights else "", engine.kv or "") if x)
+    return Move(at, inc_id, Trigger.SPAWNED, frozenset({S.FALLBACK}), detail,
+                changes={"successor_id": engine.engine_id, "successor_endpoint": engine.endpoint})

@@ -296,7 +296,7 @@ class IncidentDriver:
                 if m.trigger is Trigger.COLD_STARTED:
                     ready = self.view.engines.get(new.cold_successor_id or "")
                     if ready is not None and ready.state == "ready":  # ready before the spawn was answered
-                        moves.append(cold_ready(m.inc_id, ready.engine_id, ready.endpoint, at=m.at, weights=ready.weights))
+                        moves.append(cold_ready(m.inc_id, ready, at=m.at))
             except Exception as e:  # noqa: BLE001 - this message alone is redelivered
                 out[m.at] = e
         return moved

@@ -59,6 +59,7 @@ from libs.common.events import (
     Tag,
     Takeover,
     TakeoverReply,
+    is_kv_backup,
     rank_engine_id,
 )
 from libs.common.ids import cold_engine_id
@@ -74,7 +75,8 @@ from services.dc_manager.placement import (
 )
 from services.dc_manager.settings import DcManagerSettings
 
-# Engine classes that can continue a lost group alone from its ranks' KV backups (engines/batched/degrade.py).
+# Engine classes that can continue a lost group alone from its ranks' KV backups (engines/batched/degrade.py), and
+# a lost single engine from its own (`_from_backup`).
 DEGRADABLE_CLASSES = frozenset({"batched"})
 log = logging.getLogger("holdfast.dc_manager")
 # The intent's trace, handed to its node commands as is when this process builds no spans of its own (no
@@ -328,6 +330,8 @@ class IntentSteps:
             needed = max(sum(lease.size for lease in leases) for leases in by_rank)
             if spec.tp > 1:
                 await self._degrade(intent, spec, by_rank, needed, prog)
+            else:
+                await self._from_backup(intent, spec, by_rank[0], prog)
             if prog.spawn is None:
                 await self._spawn_cold(intent, spec, needed, prog)
         assert prog.spawn is not None
@@ -393,6 +397,46 @@ class IntentSteps:
         log.info("intent %s: %s (%s): %s, from its ranks' KV backups", intent.incident_id, intent.engine_id, why,
                  where.reason)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
+                                                        self.settings.spawn_timeout_s)
+        await self.save(prog)
+
+    async def _from_backup(self, intent: RecoverIntent, spec: EngineSpec, leases: list[LeaseInfo],
+                           prog: IntentProgress) -> None:
+        """A single engine whose weights and cache were lost (its GPU failed, or they were reclaimed) while its KV
+        backup lives (host memory on its node: docs/kv_backup.md): a cold engine on a healthy GPU of that node takes
+        the backup over, loads the weights itself and continues every sequence from it, rather than a cold start
+        that prefills every one again from the router's replay. Anything short of that (no backup, none committed,
+        no room on that node) leaves `prog.spawn` unset: the plain cold start follows. `leases`: the engine's as the
+        view holds them."""
+        backups = [lease for lease in leases if lease.host and is_kv_backup(lease.name)]
+        if not backups or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
+            return
+        try:
+            frozen, _ = await self._command(Step.FALLBACK, intent.node, Freeze(
+                owner=intent.engine_id, incident_id=intent.incident_id, backups_only=True), FreezeReply,
+                self.settings.freeze_timeout_s)
+        except StepFailed as e:
+            log.info("intent %s: the KV backup of %s cannot be handed on (%s): a cold start", intent.incident_id,
+                     intent.engine_id, e.detail)
+            return
+        device = [lease for lease in leases if not lease.host]
+        # the node's GPU health as its gpu_manager holds it now (the view may not have the fault's record yet); the
+        # lost leases the view still counts given back; room for the lost ones (at least a cache the backup's size)
+        slots = [dataclasses.replace(s, healthy=False) if s.gpu in frozen.unhealthy_gpus else s
+                 for s in released(self.view.gpu_slots({intent.node}), device)]
+        needed = max(sum(lease.size for lease in device), sum(lease.size for lease in backups))
+        where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed, slots=slots,
+                      alive={intent.node} & set(self.view.nodes), allowed=self.allowed,
+                      copies=node_copies(self.view.gpus, intent.engine_class))
+        if where.action is Action.NONE:
+            log.info("intent %s: no GPU on %s, where the KV backup of %s is: %s", intent.incident_id, intent.node,
+                     intent.engine_id, where.reason)
+            return
+        successor = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
+        cmd = Spawn(spec=successor, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
+                    backup_of=intent.engine_id, transfer_token=frozen.transfer_token)
+        log.info("intent %s: %s from its KV backup: %s", intent.incident_id, intent.engine_id, where.reason)
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, intent.node, cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)
 

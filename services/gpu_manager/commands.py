@@ -4,6 +4,8 @@ freeze(owner)   every committed live lease of the owner -> FROZEN, with a fresh 
                 (idempotent: a second freeze of the same frozen leases returns the same token); emits
                 MemoryFrozen. Uncommitted leases are reclaimed instead; an owner without a committed weights
                 lease gets `NoCommittedWeights` (not_found: the control plane cold-starts from the file).
+                `backups_only`: the committed KV backups alone (host memory), for a successor that loads the
+                weights itself (TakeoverReq `cold_weights`); the owner's other leases are left as they are.
 transfer(owner, successor, token)   names the successor allowed to take the frozen leases over; the
                 successor then sends `takeover` on the engine socket (kill-before-transfer is enforced there).
 share(owner, grantee)   a token with which `grantee` may map the owner's weight leases read-only (a warm
@@ -79,8 +81,8 @@ class Commands:
 
     async def freeze(self, cmd: Freeze) -> FreezeReply:
         async with self.book.lock:
-            asleep = [r for r in self.book.records.values()
-                      if r.info.owner == cmd.owner and r.info.state == LeaseState.SLEEPING]
+            asleep = [r for r in self.book.records.values() if not cmd.backups_only
+                      and r.info.owner == cmd.owner and r.info.state == LeaseState.SLEEPING]
             await self._reclaim_asleep(cmd.owner, asleep)
             recs = [r for r in self.book.records.values() if r.info.owner == cmd.owner and r.info.state in LIVE]
             if not recs and asleep:
@@ -88,8 +90,10 @@ class Commands:
                                          "nothing to hand on, cold-start (from a node copy or the file)")
             if not recs:
                 raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
-            recs, half = split_for_freeze(recs)
+            recs, half = split_for_freeze(recs, cmd.backups_only)
             await self._reclaim_uncommitted(cmd.owner, half)
+            if not recs and cmd.backups_only:
+                raise NotFound(f"{cmd.owner} holds no committed KV backup on {self.book.settings.node}")
             if not recs:
                 raise NoCommittedWeights(f"{cmd.owner} committed no weights on {self.book.settings.node} "
                                          "(killed while loading): nothing to hand on, cold-start from the file")
@@ -111,8 +115,10 @@ class Commands:
             except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
                 log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
                 self.book.mirror.frozen(frozen)
+            board = self.book.board
             return FreezeReply(lease_ids=[r.id for r in recs], epoch=epoch, transfer_token=token,
-                               leases=[r.info for r in recs])
+                               leases=[r.info for r in recs],
+                               unhealthy_gpus=dict(board.unhealthy) if board is not None else {})
 
     async def freeze_gang(self, cmd: FreezeGang) -> FreezeGangReply:
         async with self.book.lock:

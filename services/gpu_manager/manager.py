@@ -14,7 +14,10 @@ Invariants (numbered as in the service README):
    owner's last commit: a start-up killed half way) is reclaimed at the freeze, never frozen; an owner with no
    committed weights lease is refused (`NoCommittedWeights`: the control plane cold-starts from the weights
    file); a frozen set with an uncommitted lease or no weights (rows frozen before this rule) is refused to a
-   successor (`IncompleteLeaseSet`) rather than handed over for it to crash on missing tensors.
+   successor (`IncompleteLeaseSet`) rather than handed over for it to crash on missing tensors. One exception, asked
+   for on both sides: a freeze `backups_only` freezes an owner's committed KV backups (host memory) alone, and only a
+   successor that loads the weights itself (`cold_weights`) is handed such a set (an engine whose weights and cache
+   were lost with their GPU, continued from its backup).
 6. The gangs (`gangs`: tensor-parallel engines' ranks, gang.py) are durable like the leases: a gang's row changes
    in the same transaction as the lease rows that go with it (`apply_all(moves, gangs=...)`), and a gang ends in
    the commit that reclaims its last lease; `load` reads them back after a restart. Moves that reclaim leases take
@@ -41,7 +44,7 @@ from typing import Any
 
 from libs.client.protocol import NotFrozenYet, chunk_sizes
 from libs.common.errors import HoldfastError, InvariantBroken, NotFound, PermissionDenied
-from libs.common.events import LeaseInfo, LeaseState, Tag
+from libs.common.events import LeaseInfo, LeaseState, Tag, is_kv_backup
 from libs.common.ids import new_id
 from services.gpu_manager import reconciler
 from services.gpu_manager.backends import Backend, Chunk, HostBackend, round_up
@@ -94,9 +97,12 @@ def committed(rec: LeaseRecord) -> bool:
     return rec.info.layout_hash is not None
 
 
-def split_for_freeze(recs: Sequence[LeaseRecord]) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+def split_for_freeze(recs: Sequence[LeaseRecord], backups_only: bool = False) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
     """(to freeze, to reclaim) of an owner's live leases (invariant 5, pure): the committed ones are frozen
-    only when one of them holds weights; every uncommitted one is reclaimed."""
+    only when one of them holds weights; every uncommitted one is reclaimed. `backups_only`: the committed KV
+    backups alone are frozen (for a successor that loads the weights itself), nothing else is touched."""
+    if backups_only:
+        return [r for r in recs if committed(r) and backup_alone(r)], []
     done = [r for r in recs if committed(r)]
     half = [r for r in recs if not committed(r)]
     if not any(r.info.tag == Tag.WEIGHTS for r in done):
@@ -104,13 +110,22 @@ def split_for_freeze(recs: Sequence[LeaseRecord]) -> tuple[list[LeaseRecord], li
     return done, half
 
 
-def check_complete(owner: str, recs: Sequence[LeaseRecord]) -> None:
-    """Refuse a frozen set that a successor could not run from (invariant 5)."""
+def backup_alone(rec: LeaseRecord) -> bool:
+    """A KV backup lease in host memory: all a successor that loads its weights itself needs of its predecessor."""
+    return rec.info.host and is_kv_backup(rec.info.name)
+
+
+def check_complete(owner: str, recs: Sequence[LeaseRecord], cold_weights: bool = False) -> None:
+    """Refuse a frozen set that a successor could not run from (invariant 5). `cold_weights`: the successor loads
+    the weights itself, so a set of committed KV backups alone is complete for it too."""
     half = [r.id for r in recs if not committed(r)]
     if half:
         raise IncompleteLeaseSet(f"{owner}'s leases {half} were never committed: a successor must cold-start")
+    if cold_weights and recs and all(backup_alone(r) for r in recs):
+        return
     if not any(r.info.tag == Tag.WEIGHTS for r in recs):
-        raise IncompleteLeaseSet(f"{owner}'s frozen leases hold no weights: a successor must cold-start")
+        raise IncompleteLeaseSet(f"{owner}'s frozen leases hold no weights: a successor must cold-start"
+                                 + ("" if cold_weights else " (or load them itself: cold_weights)"))
 
 
 class LeaseBook:
@@ -271,8 +286,9 @@ class LeaseBook:
         return [r for r in self.records.values() if r.info.owner == owner and r.info.tag in SHAREABLE
                 and r.info.state in LIVE and r.info.layout_hash is not None]
 
-    def frozen_for_transfer(self, owner: str, token: str) -> list[LeaseRecord]:
-        """The owner's frozen leases, once the transfer token is proven for every one of them."""
+    def frozen_for_transfer(self, owner: str, token: str, cold_weights: bool = False) -> list[LeaseRecord]:
+        """The owner's frozen leases, once the transfer token is proven for every one of them (`cold_weights`:
+        check_complete's)."""
         recs = [r for r in self.records.values() if r.info.owner == owner and r.info.state == LeaseState.FROZEN]
         if not recs:
             if any(r.info.owner == owner and r.info.state in LIVE for r in self.records.values()):
@@ -281,7 +297,7 @@ class LeaseBook:
         for rec in recs:
             if not same_token(rec.transfer_token, token):
                 raise PermissionDenied("wrong transfer token")
-        check_complete(owner, recs)
+        check_complete(owner, recs, cold_weights)
         return recs
 
     def get(self, lease_id: str) -> LeaseRecord:

@@ -508,7 +508,7 @@ class EngineSession:
         for a fenced request, the stopped predecessors it must see exit before it writes."""
         if foreign_owner(self.book.records, req.predecessor, asker=peer.engine_id, uid=peer.uid, pid=peer.pid):
             raise NotFound(f"{req.predecessor} has no frozen leases")  # as LeaseBook's for an unknown one (rule 9)
-        frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token)
+        frozen = self.book.frozen_for_transfer(req.predecessor, req.transfer_token, req.cold_weights)
         fence: dict[int, FencePid] = {}
         for rec in frozen:
             gang = self.gangs.member_of(rec.id)

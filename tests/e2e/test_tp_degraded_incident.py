@@ -9,14 +9,11 @@ prompt prefilled again, through one routed model throughout."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
-from libs.common.events import MarkGpu, MarkGpuReply
-from tests.e2e.test_tp_incident import started
-from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, streams_through_a_loss
+from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, through_a_gpu_fault
 
 
 class DegradeFirst(BackedGroupScenario):
@@ -32,26 +29,15 @@ class DegradeFirst(BackedGroupScenario):
 async def test_a_group_whose_gpu_failed_is_continued_by_one_engine_from_its_ranks_backups(
         tmp_path: Path, scenario: type[BackedGroupScenario]) -> None:
     sc = scenario(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
-    try:
-        faults = await started(sc)
-        group = await sc.wait_serving(standbys=0, timeout=180)
-        assert sc.bus is not None and sc.stack is not None
-        bus, node = sc.bus, sc.stack.config.node
-        marked: list[MarkGpuReply] = []
-
-        async def lose() -> None:
-            marked.append(await bus.request(node, MarkGpu(gpu=1, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
-        out = await streams_through_a_loss(sc, group, lose)
-    finally:
-        await sc.close()
-        await asyncio.to_thread(sc.stop)
-    assert marked[0].engines == [group.engine_id]  # the group on GPU 1 (its rank 1): one engine faulted
+    group, faults, marked, out = await through_a_gpu_fault(sc, 1)
+    assert marked.engines == [group.engine_id]  # the group on GPU 1 (its rank 1): one engine faulted
     results, control, record, successor, health = out.results, out.control, out.record, out.successor, out.health
     assert [r.error for r in results] == [None] * STREAMS and all(r.done for r in results)
     assert [r.tokens for r in results] == [r.tokens for r in control]  # none lost, none twice, the same tokens
     assert faults and {f.group or f.engine_id for f in faults} == {group.engine_id}
     assert [i.id for i in out.incidents] == [record["id"]] and record["engine_id"] == group.engine_id  # one incident
     assert record["fallback"] and record["state"] == "resolved"
+    assert "; degraded from 2 ranks to one engine: KV of " in record["steps"]["fallback"]["detail"], record["steps"]
     assert successor.tp == 1 and successor.gpu == 0  # one engine, on the GPU left
     degraded, stats = health["degraded"], health["engine"]
     assert health["memory"]["source"] == "degraded" and degraded["from_ranks"] == 2 and degraded["restored"] >= 1

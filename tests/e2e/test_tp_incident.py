@@ -38,6 +38,7 @@ class TensorParallelScenario(Scenario):
     engine_class = "reference"
     stack_env: dict[str, str] = {}  # noqa: RUF012 - read only: more of the services' environment
     gpus = 2  # simulated GPUs of the node
+    tp = 2  # the spec's ranks
     degrade = "no_whole_group"  # the spec's EngineSpec.degrade
 
     def command(self) -> list[str]:
@@ -47,7 +48,7 @@ class TensorParallelScenario(Scenario):
         make_tiny_weights(self.weights)
         spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1,
                           standbys=self.standbys,
-                          tp=2, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"}, degrade=self.degrade)
+                          tp=self.tp, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"}, degrade=self.degrade)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
                                                  extra_env={"HF_GPUS": json.dumps([str(g) for g in range(self.gpus)]),

@@ -20,7 +20,16 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.common.events import EngineInfo, LeaseInfo, Reclaim, ReclaimReply, Tag
+from libs.common.events import (
+    EngineInfo,
+    FaultDetected,
+    LeaseInfo,
+    MarkGpu,
+    MarkGpuReply,
+    Reclaim,
+    ReclaimReply,
+    Tag,
+)
 from services.controller.incident import IncidentRecord
 from tests.e2e.test_tp_incident import BatchedGroupScenario, incidents, started, wait_successor
 
@@ -59,6 +68,7 @@ class Outcome:
     health: dict[str, Any]  # the successor's /health
     after: list[LeaseInfo]  # the node's leases once it serves
     incidents: list[IncidentRecord]
+    before: list[LeaseInfo]  # the node's leases just before the loss
 
 
 async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
@@ -73,6 +83,7 @@ async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
         streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
         await sc._until_tokens(streams, want=4 * STREAMS)
         await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
+        before = (await sc.leases()).leases
         await lose()
         results = await asyncio.gather(*streams)
         resolved = await sc.wait_event("incident.resolved", 180, after=seen)
@@ -81,7 +92,27 @@ async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
     raw = await sc.store.get(f"incidents/{resolved.incident_id}")  # type: ignore[attr-defined]
     assert raw is not None
     return Outcome(control, results, json.loads(raw), successor, health, (await sc.leases()).leases,
-                   await incidents(sc))
+                   await incidents(sc), before)
+
+
+async def through_a_gpu_fault(sc: BackedGroupScenario, gpu: int) -> tuple[EngineInfo, list[FaultDetected], MarkGpuReply,
+                                                                         Outcome]:
+    """The stack up, its engine (or group) serving; streams through `gpu` marked failed (what an NVML XID does).
+    (the engine, every fault published, the mark's reply, the outcome); the stack stopped."""
+    try:
+        faults = await started(sc)
+        engine = await sc.wait_serving(standbys=0, timeout=180)
+        assert sc.bus is not None and sc.stack is not None
+        bus, node = sc.bus, sc.stack.config.node
+        marked: list[MarkGpuReply] = []
+
+        async def lose() -> None:
+            marked.append(await bus.request(node, MarkGpu(gpu=gpu, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
+        out = await streams_through_a_loss(sc, engine, lose)
+    finally:
+        await sc.close()
+        await asyncio.to_thread(sc.stop)
+    return engine, faults, marked[0], out
 
 
 @pytest.mark.slow
@@ -91,7 +122,6 @@ async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_back
     try:
         faults = await started(sc)
         group = await sc.wait_serving(standbys=0, timeout=180)
-        before = [lease for lease in (await sc.leases()).leases if lease.owner in group.ranks]
 
         async def lose() -> None:
             sc.weights.rename(sc.weights.with_suffix(".gone"))  # no group can reload: leases only
@@ -103,6 +133,7 @@ async def test_a_groups_lost_kv_is_restored_on_every_rank_from_its_own_host_back
         out = await streams_through_a_loss(sc, group, lose)
         control, results, record, successor, health = out.control, out.results, out.record, out.successor, out.health
         after, incs = out.after, out.incidents
+        before = [lease for lease in out.before if lease.owner in group.ranks]
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)

@@ -88,3 +88,23 @@ def test_a_frozen_partial_set_is_refused_to_a_successor_with_a_typed_error():
     with pytest.raises(IncompleteLeaseSet, match="no weights"):
         check_complete("eng", [_rec("kv", Tag.KV_CACHE, committed=True)])
     check_complete("eng", [_rec("w", Tag.WEIGHTS, committed=True), _rec("kv", Tag.KV_CACHE, committed=True)])
+
+
+def _backup(lease_id: str, *, committed: bool = True, host: bool = True) -> LeaseRecord:
+    rec = _rec(lease_id, Tag.OTHER, committed=committed)
+    rec.info = rec.info.model_copy(update={"name": "kv_backup", "host": host})
+    return rec
+
+
+def test_a_set_of_kv_backups_alone_is_frozen_and_complete_only_for_a_successor_that_loads_its_weights():
+    weights, kv, backup = _rec("w", Tag.WEIGHTS, committed=True), _rec("kv", Tag.KV_CACHE, committed=True), _backup("b")
+    half = _backup("b2", committed=False)
+    assert split_for_freeze([weights, kv, backup, half], backups_only=True) == ([backup], [])  # nothing else touched
+    assert split_for_freeze([weights, _backup("dev", host=False)], backups_only=True) == ([], [])  # not host memory
+    check_complete("eng", [backup], cold_weights=True)
+    with pytest.raises(IncompleteLeaseSet, match="no weights"):
+        check_complete("eng", [backup])
+    with pytest.raises(IncompleteLeaseSet, match="no weights"):  # a cache beside it: not a backup-only set
+        check_complete("eng", [backup, kv], cold_weights=True)
+    with pytest.raises(IncompleteLeaseSet, match="never committed"):
+        check_complete("eng", [half], cold_weights=True)
