@@ -186,8 +186,9 @@ def adopt_prepared(prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None,
 
 
 def load_memory(cfg: EngineConfig, mcfg: ModelConfig, memory: Any, group: RankGroup | None, layout_of: Any) -> Loaded:
-    """Every start but a single standby's: a group's ranks (cold, a successor group, or a standby group once
-    assigned: one path, tp_group.py), a cold successor's takeover, a restarted engine's reattach, or a cold load."""
+    """Every start but a single standby's: a group's ranks (cold, a successor group, a degraded or regrouping group
+    from KV backups, or a standby group once assigned: one path, tp_group.py), a cold successor's takeover, a
+    restarted engine's reattach, or a cold load."""
     if group is not None:
         return group.load(memory, layout_of)  # committed as a group once every rank's backup is open (run)
     if cfg.degrade_gang:  # its cache filled from every rank's backup at start-up (degrade.py)

@@ -1,20 +1,23 @@
 """A degraded successor (issue 22 part 6, FailSafe's core): a tensor-parallel group of N ranks lost a rank's GPU
 memory and no N GPUs are left for a whole successor group; a group of M < N ranks on the GPUs that are left (one
 engine when M = 1) serves every sequence on from the N ranks' KV backups (host leases, which no GPU fault takes:
-backup.py).
+backup.py). The way back (a regroup, once the GPUs are healthy again): a group of M > N ranks continues the
+backups the same way, N = 1 a single engine's (its one backup, `kv_backup`), the heads re-sharded as for fewer.
 
 The gpu_manager hands the broken gang's backups to the successor's rank 0 (`HF_DEGRADE_GANG` + `HF_TRANSFER_TOKEN`
 + `HF_GANG_GENERATION`, every rank asking: a `degraded` gang takeover, gpu_manager gang.py invariant 10) and
 reclaims the rest of the gang, so the weights each rank then loads cold for its new shard (the node's host copy,
-else the file) find the GPUs' room. `restore` then fills every rank's new cache: rank 0 gathers each rank's kv
-heads of each chunk of blocks from the backups that hold them (old spans and new overlap unevenly: M rarely divides
-the heads as N did) and sends them over (the group's communicator, before any forward); rank 0's backed rows (which
-vouch for every rank's copy: backup.py) become its journal, so start-up adopts every sequence and the router's
-resumes continue them. Its own backups, if it keeps them, are new (the old ones are laid out for N shards): the
-writer's first rounds back every adopted row up again; the N old leases are given back, and a group registers
-its gang anew under the old gang's id.
+else the file) find the GPUs' room. A regrouping group's rank 0 takes a single engine's backup alone over
+(`HF_TAKEOVER_FROM` + `HF_TRANSFER_TOKEN`: frozen `backups_only`, taken with `cold_weights`; memory.py
+`take_backup`), its other ranks ask for nothing. `restore` then fills every rank's new cache: rank 0 gathers each
+rank's kv heads of each chunk of blocks from the backups that hold them (old spans and new overlap unevenly: M
+rarely divides the heads as N did) and sends them over (the group's communicator, before any forward); rank 0's
+backed rows (which vouch for every rank's copy: backup.py) become its journal, so start-up adopts every sequence
+and the router's resumes continue them. Its own backups, if it keeps them, are new (the old ones are laid out for
+N shards): the writer's first rounds back every adopted row up again; the N old leases are given back, and a group
+registers its gang anew under the old gang's id (a regrouped one under its own).
 
-Invariants (tests/engine_batched/test_tp_degraded.py):
+Invariants (tests/engine_batched/test_tp_degraded.py, test_tp_regroup.py):
 1. Heads: old rank r of N held kv heads `kv_spans(model, N)[r]` (engines/reference/tp.py); new rank j holds
    `kv_spans(model, M)[j]`, each head copied from the one backup that held it; a head no backup holds refuses the
    restore (nothing half restored).
@@ -22,7 +25,8 @@ Invariants (tests/engine_batched/test_tp_degraded.py):
    it), so the journal's block tables hold as they are.
 3. Only the blocks rank 0's rows vouch for are copied; positions past a row's durable point are recomputed
    (counted), as after a whole group's restore (backup.py `restore`).
-Not built: the control plane's way back to a whole group once the GPU is healthy again (docs/multi_gpu.md).
+Not built: the control plane's orders for a regroup (which degraded engine goes back to a whole group, and when:
+docs/multi_gpu.md); the engine side is here.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from engines.reference.config import ModelConfig
 from engines.reference.tp import kv_spans
 
 log = logging.getLogger("holdfast.engine.batched.degrade")
-NAME = re.compile(r"kv_backup\.tp(\d+)-r(\d+)")
+NAME = re.compile(re.escape(BACKUP_NAME) + r"\.tp(\d+)-r(\d+)")  # a group's rank's (backup_start.py `allocate`)
 CHUNK_BLOCKS = 256  # blocks gathered from a backup per copy: the host-side staging stays bounded
 
 
@@ -61,7 +65,10 @@ class Degraded:
 
 
 def backup_rank(name: str) -> tuple[int, int]:
-    """(N, r) of a group's rank's backup lease name (`kv_backup.tp<N>-r<r>`)."""
+    """(N, r) of a group's rank's backup lease name (`kv_backup.tp<N>-r<r>`); a single engine's (`kv_backup`) is
+    rank 0 of 1."""
+    if name == BACKUP_NAME:
+        return 1, 0
     m = NAME.fullmatch(name)
     if m is None:
         raise ValueError(f"lease {name!r} is no tensor-parallel rank's KV backup")
@@ -69,7 +76,8 @@ def backup_rank(name: str) -> tuple[int, int]:
 
 
 def gathered(named: dict[str, dict[str, torch.Tensor]]) -> Degraded:
-    """The takeover's leases (lease name -> its tensors) as the backups of one group."""
+    """The takeover's leases (lease name -> its tensors) as the backups of one group (a single engine's: a group of
+    one)."""
     by_rank: dict[int, dict[str, torch.Tensor]] = {}
     sizes = set()
     for name, tensors in named.items():
@@ -188,10 +196,13 @@ def restore_loaded(loaded: Any, whole: ModelConfig, memory: Any, comm: Any = ALO
 
 
 def describe(info: dict[str, Any]) -> str:
-    """One line for the incident's timeline."""
-    to = "one engine" if info.get("to_ranks", 1) == 1 else f"{info['to_ranks']} ranks"
+    """One line for the incident's timeline (a regroup, more ranks than the backups', says so)."""
+    def ranks(n: int) -> str:
+        return "one engine" if n == 1 else f"{n} ranks"
+
+    to, since = info.get("to_ranks", 1), info.get("from_ranks", 1)
+    how = "regrouped" if to > since else "degraded"
     if not info.get("restored"):
-        return f"degraded to {to}: no sequence restored ({info.get('why', 'none backed up')})"
-    return (f"degraded from {info['from_ranks']} ranks to {to}: KV of {info['restored']} sequences from their "
-            f"host backups, {info['blocks']} blocks in {info['ms']:.1f} ms, {info['recomputed_tokens']} positions "
-            "recomputed")
+        return f"{how} to {ranks(to)}: no sequence restored ({info.get('why', 'none backed up')})"
+    return (f"{how} from {ranks(since)} to {ranks(to)}: KV of {info['restored']} sequences from their host backups, "
+            f"{info['blocks']} blocks in {info['ms']:.1f} ms, {info['recomputed_tokens']} positions recomputed")

@@ -5,6 +5,9 @@
   `load` (cold, from the file), `attach` (this engine's own leases after a restart), `takeover` (a dead
   predecessor's leases: a cold-spawned successor or a promoted standby). A handed-on KV lease whose journal
   was written for this configuration is kept as it is: its sequences continue (journal.py).
+  `take_backups` (a degraded successor: a broken gang's every rank's KV backup) and `take_backup` (a group
+  regrouping a single engine: its KV backup alone) hand rank 0 backups only; the caller loads the weights cold and
+  restores from them (degrade.py).
   `reserve` (a warm standby, before any failure): the addresses where a takeover will map the predecessor's
   weights and KV leases (their sizes and the weights' placement computed as `load` computes them: from the file's
   header and this configuration), backed by placeholder memory, and the same tensors as `takeover` will give, over
@@ -45,6 +48,10 @@ class MissingWeights(ValueError):
     """The leases handed to this engine do not hold a complete set of the model's weights."""
 
 
+class NotBackupsAlone(RuntimeError):
+    """A takeover meant to hand this engine a KV backup alone (frozen `backups_only`) handed it other leases."""
+
+
 @dataclass
 class Loaded:
     weights: dict[str, torch.Tensor]
@@ -64,6 +71,26 @@ class Loaded:
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def _tensors(lease: Any) -> dict[str, torch.Tensor]:
+    """Every tensor a lease registered, by name."""
+    return {m.name: lease.view(m, "torch") for m in lease.tensor_metas}
+
+
+def backups_alone(leases: list[Any]) -> bool:
+    """Leases handed on are KV backups (backup.py) and nothing else: what a predecessor frozen `backups_only` hands."""
+    return bool(leases) and all(any(m.name == BACKUP_NAME for m in lease.tensor_metas) for lease in leases)
+
+
+def _degraded(leases: list[Any], t0: float, granted: dict[str, Any]) -> Any:
+    """Backup leases taken over as degrade.py's `Degraded` (which rank's each is: its name), to be given back once
+    restored (`lease_ids`)."""
+    from engines.batched.degrade import gathered
+
+    d = gathered({lease.info.name: _tensors(lease) for lease in leases})
+    d.lease_ids, d.timings_ms = [lease.id for lease in leases], {"takeover_ms": _ms(t0), **granted}
+    return d
 
 
 def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -176,18 +203,37 @@ class LeasedMemory:
         """Rank `rank` of a degraded successor (degrade.py; `successors`: its ranks' engine ids, one for a single
         engine): the broken gang's every KV backup, all to rank 0 (degrade.py `Degraded`; None on the other ranks,
         whose asks complete the group), the rest of the gang reclaimed in the same commit."""
-        from engines.batched.degrade import gathered
         from libs.client.protocol import PredecessorAlive
 
         t0 = time.perf_counter()
         att, tries = retry_until(lambda: self.client.gang_takeover(gang_id, rank, successors, generation, token,
                                                                    degraded=True), (PredecessorAlive,), wait_s)
-        if rank:
-            return None
-        d = gathered({lease.info.name: {m.name: lease.view(m, "torch") for m in lease.tensor_metas}
-                      for lease in att.leases})
-        d.lease_ids, d.timings_ms = [lease.id for lease in att.leases], {"takeover_ms": _ms(t0), "tries": tries}
-        return d
+        return _degraded(att.leases, t0, {"tries": tries}) if rank == 0 else None
+
+    def take_backup(self, predecessor: str, token: str, wait_s: float) -> Any:
+        """Rank 0 of a group continuing a single engine (a regroup, degrade.py): that engine's KV backup alone (frozen
+        `backups_only`, taken as `takeover` takes it for a cold successor: `cold_weights`), as degrade.py's
+        `Degraded` of one rank; the group loads its weights cold. Anything but backups handed on is refused
+        (`NotBackupsAlone`): a group cannot run from a single engine's weights or cache."""
+        t0 = time.perf_counter()
+        att, granted = self._granted(predecessor, token, wait_s, cold_weights=True)
+        if not backups_alone(att.leases):
+            raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, not "
+                                  "its KV backup alone: a group continues a single engine from its backup only "
+                                  "(Freeze backups_only)")
+        return _degraded(att.leases, t0, granted)
+
+    def _granted(self, predecessor: str, token: str, wait_s: float, *, fenced: bool = False,
+                 cold_weights: bool = False) -> tuple[Any, dict[str, Any]]:
+        """The predecessor's leases (libs/client `takeover`) and the granting try's timings (its request and map, the
+        tries). The fault is published as the predecessor begins to exit; the manager hands its memory over only
+        once it is stopped (fenced) or gone, and frozen: retried at a short fixed interval."""
+        from libs.client.protocol import NotFrozenYet, PredecessorAlive
+
+        att, tries = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced,
+                                                              cold_weights=cold_weights),
+                                 (PredecessorAlive, NotFrozenYet), wait_s)
+        return att, {**self.client.last_timings_ms, "tries": tries}
 
     def release(self, lease_ids: list[str]) -> None:
         for lease_id in lease_ids:
@@ -286,20 +332,12 @@ class LeasedMemory:
         so it may be handed the predecessor's KV backup alone (its weights and cache lost with their GPU): the
         weights are then loaded cold (`load`) beside a new cache of the backup's block count, which start-up
         restores from the backup (backup_start.py), the source `backup`."""
-        from libs.client.protocol import NotFrozenYet, PredecessorAlive
-
         t0 = time.perf_counter()
-        # The fault is published as the predecessor begins to exit; the manager hands its memory over only
-        # once it is stopped (fenced) or gone, and frozen: retried at a short fixed interval.
-        att, tries = retry_until(lambda: self.client.takeover(predecessor, token, fenced=fenced,
-                                                              cold_weights=weights is not None),
-                                 (PredecessorAlive, NotFrozenYet), wait_s)
-        granted = {**self.client.last_timings_ms, "tries": tries}  # the granting try's request and map
-        if weights is not None and att.leases and all(
-                any(m.name == BACKUP_NAME for m in lease.tensor_metas) for lease in att.leases):
+        att, granted = self._granted(predecessor, token, wait_s, fenced=fenced, cold_weights=weights is not None)
+        if weights is not None and backups_alone(att.leases):
             for extra in att.leases[1:]:
                 self.client.release(extra.id)
-            backup = {m.name: att.leases[0].view(m, "torch") for m in att.leases[0].tensor_metas}
+            backup = _tensors(att.leases[0])
             taken = _ms(t0)
             loaded = self.load(cfg, weights, layout_of, num_blocks=int(backup[BACKUP_NAME].shape[0]))
             loaded.source, loaded.backup = "backup", backup
@@ -318,7 +356,7 @@ class LeasedMemory:
                         key=lambda lease: lease.info.created_at, reverse=True)
         # a KV backup lease (backup.py, host memory): handed on beside the cache, or instead of a cache that was lost
         backups = [lease for lease in leases if any(m.name == BACKUP_NAME for m in lease.tensor_metas)]
-        backup = {m.name: backups[0].view(m, "torch") for m in backups[0].tensor_metas} if backups else None
+        backup = _tensors(backups[0]) if backups else None
         # the predecessor's drain mark (drain.py): read by the fence, then this engine's own
         drains = [lease for lease in leases if any(m.name == DRAIN_NAME for m in lease.tensor_metas)]
         drain = next((lease.view(m, "torch") for lease in drains[:1] for m in lease.tensor_metas), None)
@@ -340,7 +378,7 @@ class LeasedMemory:
         for extra in caches[1:] + backups[1:]:
             self.client.release(extra.id)
         if caches:
-            own = {m.name: caches[0].view(m, "torch") for m in caches[0].tensor_metas}
+            own = _tensors(caches[0])
             # The cache's size is the predecessor's (its free memory then, not this process's now): the rest of
             # the layout must be this configuration's for its journal to be read.
             kept = own[KV_NAME].shape[2] if KV_NAME in own and own[KV_NAME].dim() == 6 else None

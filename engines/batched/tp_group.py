@@ -27,8 +27,11 @@ shards and follow rank 0's plans (tp.py).
   the others wait in), and from there each rank runs a cold successor group's code (`load`, `commit`): one path.
   No runner is prepared over reservations (memory.py `reserve` lays out a whole model, not a shard; and CUDA graphs,
   what a prepared runner saves most, are off with tp > 1).
-Not yet: a TP engine taken over by `HF_TAKEOVER_FROM` (a group is taken over through its gang), sleep and wake (the
-asks are refused), CUDA graphs.
+- A regroup (`HF_TAKEOVER_FROM` + `HF_TRANSFER_TOKEN` on a group: degrade.py): a single engine continued by a group
+  from its KV backup alone, as a degraded group continues a broken gang's backups (`load`: rank 0 takes the backup,
+  every rank loads its shard cold into a cache of the backup's block count), its gang registered under its own id.
+  A group itself is taken over through its gang (`HF_TAKEOVER_GANG`), never by `HF_TAKEOVER_FROM`.
+Not yet: sleep and wake (the asks are refused), CUDA graphs.
 """
 
 from __future__ import annotations
@@ -119,9 +122,11 @@ class RankGroup:
     the followers it started."""
 
     def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
-        if cfg.takeover_from:
-            raise ValueError("a tensor-parallel engine is taken over through its gang (HF_TAKEOVER_GANG), "
-                             "not HF_TAKEOVER_FROM")
+        if cfg.takeover_from and (not cfg.transfer_token or cfg.memory == "local" or cfg.takeover_gang
+                                  or cfg.degrade_gang or cfg.role == "standby"):
+            raise ValueError("HF_TAKEOVER_FROM on a group names a single engine whose KV backup it continues (a "
+                             "regroup: degrade.py): with HF_TRANSFER_TOKEN and leased memory, an active group, no gang "
+                             "(a group is taken over through its gang: HF_TAKEOVER_GANG)")
         if device.type == "cuda" and cfg.num_blocks is None and cfg.kv_cache_gib is None:
             raise ValueError("--tp > 1 on CUDA needs --num-blocks or --kv-cache-gib: every rank's cache must have "
                              "as many blocks, and each GPU's free memory differs")
@@ -179,11 +184,8 @@ class RankGroup:
 
     def load(self, memory: Any, layout_of: Any) -> Loaded:
         cfg = self.cfg
-        if cfg.degrade_gang:  # a degraded group (degrade.py): every rank asks, rank 0 gets every old rank's backup
-            if memory.kind != "leased" or not cfg.transfer_token or cfg.gang_generation is None:
-                raise RuntimeError("HF_DEGRADE_GANG needs leased memory, HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
-            d = memory.take_backups(cfg.degrade_gang, self.rank, self.owners, cfg.gang_generation, cfg.transfer_token,
-                                    cfg.adopt_wait_s)
+        if cfg.degrade_gang or cfg.takeover_from:  # from backups alone (degrade.py): rank 0 gets every one of them
+            d = self._backups(memory)
             blocks = self.comm().share(d.num_blocks if d is not None else None)  # degrade.py invariant 2
             return degrade.adopt(self._cold(memory, layout_of, blocks), d)
         if cfg.takeover_gang:
@@ -192,6 +194,21 @@ class RankGroup:
             return memory.gang_takeover(self.mcfg, cfg.takeover_gang, self.rank, self.owners, cfg.gang_generation,
                                         cfg.transfer_token, layout_of, cfg.adopt_wait_s)
         return self._cold(memory, layout_of)
+
+    def _backups(self, memory: Any) -> degrade.Degraded | None:
+        """The KV backups this group continues from (rank 0's; None on the others): a broken gang's every rank's
+        (a degraded group: every rank asks, `HF_DEGRADE_GANG`), or a single engine's alone (a regroup,
+        `HF_TAKEOVER_FROM`: rank 0 alone asks)."""
+        cfg = self.cfg
+        if memory.kind != "leased" or not cfg.transfer_token:
+            raise RuntimeError("a group continued from KV backups (HF_DEGRADE_GANG, HF_TAKEOVER_FROM) needs leased "
+                               "memory and HF_TRANSFER_TOKEN")
+        if cfg.takeover_from:
+            return memory.take_backup(cfg.takeover_from, cfg.transfer_token, cfg.adopt_wait_s) if self.rank == 0 else None
+        if cfg.gang_generation is None:
+            raise RuntimeError("HF_DEGRADE_GANG needs HF_GANG_GENERATION")
+        return memory.take_backups(cfg.degrade_gang, self.rank, self.owners, cfg.gang_generation,
+                                   cfg.transfer_token, cfg.adopt_wait_s)
 
     def _cold(self, memory: Any, layout_of: Any, num_blocks: int | None = None) -> Loaded:
         cfg = self.cfg
@@ -224,7 +241,7 @@ class RankGroup:
         if memory.kind == "leased" and self.cfg.takeover_gang and not any(r[1] for r in reports):
             gang = memory.client.last_gang.model_dump()  # the manager moved the gang on with the takeover
         elif memory.kind == "leased" and self.rank == 0:  # cold, new caches (restored from the ranks' backups), or
-            # a degraded group's (its ranks took the broken gang's id over: degrade.py)
+            # a degraded group's (its ranks took the broken gang's id over: degrade.py; a regrouped one: its own id)
             gang = memory.register_gang(self.cfg.degrade_gang or self.cfg.takeover_gang or self.cfg.gang or self.cfg.id,
                                         self.owners)
         return {"ranks": self.cfg.tp, "engine_ids": self.owners, "backend": dist.get_backend(), "gang": gang,

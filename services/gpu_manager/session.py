@@ -95,7 +95,7 @@ from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import HELD, LIVE, LeaseEvent
 from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.limits import ClientLimits, ConnectionCount, Usage, lease_shape
-from services.gpu_manager.manager import LeaseBook, Move, same_token
+from services.gpu_manager.manager import LeaseBook, Move, backup_alone, same_token
 from services.gpu_manager.records import LeaseRecord, layout_hash, pid_start_time
 from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.scope import foreign_owner, hidden, lease_for
@@ -524,11 +524,19 @@ class EngineSession:
                     raise PredecessorAlive(f"{req.predecessor} (pid {rec.owner_pid}) still runs: kill it first")
                 # stopped, its teardown under way: the successor waits for its exit before writing (TakeoverReq)
                 fence[rec.owner_pid] = FencePid(pid=rec.owner_pid, pid_start=rec.owner_pid_start)
+        # A KV backup handed on alone (`cold_weights`): the successor loads its own weights, so the predecessor's
+        # other leases are of no use to anyone; those of a dead owner go in the same commit, before the successor
+        # allocates its weights beside them (a regroup's group on the predecessor's GPU: their memory is its room).
+        rest = [r for r in self.book.records.values() if req.cold_weights and r.info.owner == req.predecessor
+                and r.info.state in LIVE and r not in frozen and not self.book.owner_alive(r)] \
+            if all(backup_alone(r) for r in frozen) else []
         await self.book.apply_all([  # every lease's new epoch in one commit, before any fd goes out
-            Move(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
-                 {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
-                  "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None})
-            for rec in frozen])
+            *(Move(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
+                   {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
+                    "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None})
+              for rec in frozen),
+            *(Move(rec, LeaseEvent.FORCE_RECLAIM, f"not handed on: {peer.engine_id} took {req.predecessor}'s KV "
+                   "backup alone") for rec in rest)])
         return frozen, list(fence.values())
 
     async def gang_takeover(self, req: GangTakeover, peer: Peer) -> tuple[dict[str, Any], list[int]]:

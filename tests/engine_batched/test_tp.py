@@ -161,9 +161,14 @@ def test_rank_zeros_death_ends_the_other_rank(tmp_path: Path, tiny_weights: Path
         group.stop()
 
 
-def test_a_group_refuses_what_it_cannot_do_before_starting_a_rank(tmp_path: Path) -> None:
-    cfg = EngineConfig(weights=tmp_path / "w.safetensors", tp=2, takeover_from="e-old")  # a group's is its gang
-    with pytest.raises(ValueError, match="tp|gang"):
+@pytest.mark.parametrize("orders", [{}, {"transfer_token": "t" * 16, "takeover_gang": "g-old", "gang_generation": 1},
+                                    {"transfer_token": "t" * 16, "memory": "local"}],
+                         ids=["no-token", "and-a-gang", "local-memory"])
+def test_a_group_refuses_what_it_cannot_do_before_starting_a_rank(tmp_path: Path, orders: dict) -> None:
+    """HF_TAKEOVER_FROM on a group: a single engine's KV backup to regroup from (degrade.py), never without its token
+    and leases, nor beside a gang (a group's is taken over through its gang)."""
+    cfg = EngineConfig(weights=tmp_path / "w.safetensors", tp=2, takeover_from="e-old", **orders)
+    with pytest.raises(ValueError, match="HF_TAKEOVER_FROM on a group"):
         RankGroup(cfg, torch.device("cpu"))
 
 

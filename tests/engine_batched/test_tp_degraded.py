@@ -101,24 +101,39 @@ async def degraded_by_one_gpu(tmp_path: Path, weights: Path, size: str, ranks: i
         "--size", size, *(["--tp", str(left)] if left > 1 else []), *BACKUP,
         *(d for d in device if left > 1 or d != "--tp-one-gpu"))
     try:
-        info = successor.wait_ready(180)
-        rec = info["recovery"]
-        assert rec["source"] == "degraded" and info["memory"]["num_blocks"] == 256  # the backups' count, not its own
-        degraded = info["degraded"]
-        assert degraded["restored"] == STREAMS and (degraded["from_ranks"], degraded["to_ranks"]) == (ranks, left)
-        got = {i: await asyncio.to_thread(resume, successor.url, i, list(seen[i])) for i in range(STREAMS)}
-        stats = httpx.get(successor.url + "/health", timeout=10).json()["engine"]
-        assert got == expected  # every stream, token for token, from both ranks' backups
-        assert stats["recomputed_tokens"] == 0
-        floor = degraded["recomputed_tokens"] + stats["claim_extra_tokens"]  # past the durable point only
-        assert floor <= stats["prefill_tokens"] <= floor + STREAMS, (stats["prefill_tokens"], floor)
-        after = await leases(bus, settings)
         owners = ["btd-b", *(f"btd-b-r{r}" for r in range(1, left))]
-        assert {i.owner for i in after} == set(owners) and {i.state for i in after} == {LeaseState.ACTIVE}
-        assert {(i.owner, i.gpu) for i in after if i.tag.value == "weights"} == set(zip(owners, gpus_left, strict=True))
-        backups = sorted(i.name for i in after if i.name.startswith("kv_backup"))
-        assert backups == (["kv_backup"] if left == 1 else [f"kv_backup.tp{left}-r{r}" for r in range(left)])
-        if left > 1:  # the group registered the broken gang's id anew, with its own leases
-            assert info["tp"]["gang"]["owners"] == owners and len(info["tp"]["gang"]["epochs"]) == 3 * left
+        await continued_from_backups(successor, expected, seen, ranks, owners, gpus_left, bus, settings)
+        assert {i.owner for i in await leases(bus, settings)} == set(owners)  # nothing of the broken gang left
     finally:
         successor.child.stop()
+
+
+async def continued_from_backups(successor: BatchedEngine, expected: dict[int, list[int]], seen: dict[int, list[int]],
+                                 from_ranks: int, owners: list[str], gpus: list[int], bus: Bus,
+                                 settings: CommonSettings) -> dict:
+    """`successor` (ranks `owners`, on `gpus`) ready from `from_ranks` ranks' KV backups: its caches of the backups'
+    block count (256), every stream restored; each stream, resumed as the router resumes it, ends with the tokens of
+    an uninterrupted run, none recomputed, no prompt prefilled again (only the positions past the backups' durable
+    point); every rank holds its own weights, cache and backup, live, a group's registered as its gang. Its ready
+    info."""
+    info = successor.wait_ready(180)
+    to_ranks = len(owners)
+    assert info["recovery"]["source"] == "degraded" and info["memory"]["num_blocks"] == 256  # the backups' count
+    degraded = info["degraded"]
+    assert degraded["restored"] == STREAMS and (degraded["from_ranks"], degraded["to_ranks"]) == (from_ranks, to_ranks)
+    got = {i: await asyncio.to_thread(resume, successor.url, i, list(seen[i])) for i in range(STREAMS)}
+    stats = httpx.get(successor.url + "/health", timeout=10).json()["engine"]
+    assert got == expected  # every stream, token for token, from the backups
+    assert stats["recomputed_tokens"] == 0
+    floor = degraded["recomputed_tokens"] + stats["claim_extra_tokens"]  # past the durable point only
+    assert floor <= stats["prefill_tokens"] <= floor + STREAMS, (stats["prefill_tokens"], floor)
+    mine = [i for i in await leases(bus, settings) if i.owner in owners]
+    assert {i.state for i in mine} == {LeaseState.ACTIVE}
+    assert sorted((i.owner, i.tag.value) for i in mine) == sorted(
+        (o, tag) for o in owners for tag in ("kv_cache", "other", "weights"))  # the backup: a host lease (`other`)
+    assert {(i.owner, i.gpu) for i in mine if i.tag.value == "weights"} == set(zip(owners, gpus, strict=True))
+    backups = sorted(i.name for i in mine if i.name.startswith("kv_backup"))
+    assert backups == (["kv_backup"] if to_ranks == 1 else [f"kv_backup.tp{to_ranks}-r{r}" for r in range(to_ranks)])
+    if to_ranks > 1:  # the group's own leases registered as its gang
+        assert info["tp"]["gang"]["owners"] == owners and len(info["tp"]["gang"]["epochs"]) == 3 * to_ranks
+    return info
