@@ -88,6 +88,9 @@ class IncidentReason(StrEnum):
     FAILURE = "failure"
     MANUAL_FAILOVER = "manual_failover"
     HOT_UPGRADE = "hot_upgrade"
+    # a degraded engine (fewer ranks than its spec: a group that lost a GPU) replaced by a whole group from its KV
+    # backup once the GPUs are there again (services/dc_manager/steps.py `_regroup`)
+    REGROUP = "regroup"
 
 
 class EngineRole(StrEnum):

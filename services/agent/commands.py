@@ -25,7 +25,8 @@ from libs.common.events import (
     StopReply,
 )
 from libs.common.terms import refusal
-from services.agent.engines import LIVE, EngineRecord
+from services.agent.engines import LIVE, EngineRecord, Ev
+from services.agent.pidfd import ExitStatus
 from services.agent.records import RecordWriter
 from services.agent.starts import Starts
 from services.agent.supervision import spec_key
@@ -50,6 +51,10 @@ class Host(EngineTable, Protocol):
 
     async def stop(self, engine_id: str) -> int | None: ...
 
+    async def kill_confirmed(self, rec: EngineRecord, within_s: float = 5.0) -> ExitStatus | None: ...
+
+    def retire(self, rec: EngineRecord) -> None: ...
+
     def reconcile_soon(self) -> None: ...
 
     def backoff_report(self) -> list[RestartBackoff]: ...
@@ -72,18 +77,7 @@ class Commands:
                                     replacing=host.engines.get(cmd.reattach_from))
             return SpawnReply(engine=host.info(rec))
         if cmd.backup_of is not None:
-            # dc_manager's fallback for an engine whose weights and cache were lost with their GPU: a cold engine
-            # on the GPU its spec names that takes the predecessor's KV backup over (host memory) and continues
-            # every sequence from it, loading the weights itself (engines/batched/memory.py `takeover`)
-            if not cmd.transfer_token:
-                raise ValueError("a spawn from a KV backup needs its transfer token")
-            if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine
-                return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
-            extra = {"HF_TAKEOVER_FROM": cmd.backup_of, "HF_TRANSFER_TOKEN": cmd.transfer_token,
-                     "HF_INCIDENT_ID": cmd.incident_id or ""}
-            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
-                                    replacing=host.engines.get(cmd.backup_of), same_gpu=False)
-            return SpawnReply(engine=host.info(rec))
+            return await self._from_backup(cmd, key)
         if cmd.degrade_gang is not None:
             # dc_manager's degraded fallback: fewer ranks in a lost group's place, from its ranks' KV backups; the
             # spec kept is the group's (nothing recorded: a spec's own starts stay whole groups)
@@ -113,6 +107,36 @@ class Commands:
         else:
             rec = actives[0]
         host.reconcile_soon()  # standbys and further replicas
+        return SpawnReply(engine=host.info(rec))
+
+    async def _from_backup(self, cmd: Spawn, key: str) -> SpawnReply:
+        """dc_manager's fallback for an engine whose weights and cache were lost with their GPU, or its regroup of a
+        degraded engine into a whole group: a cold engine (or group) on the GPUs its spec names that takes the
+        predecessor's KV backup over (host memory) and continues every sequence from it, loading the weights itself
+        (engines/batched/memory.py `takeover`, tp_group.py `load`). A predecessor still serving (a regroup) is
+        stopped first and its death confirmed, as a takeover's is (kill-before-transfer): the backup is read only
+        once nothing writes it; its slot stays held meanwhile (`handing_over`), so no replica is started for it."""
+        host = self.host
+        if not cmd.transfer_token:
+            raise ValueError("a spawn from a KV backup needs its transfer token")
+        if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine
+            return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
+        pred = host.engines.get(cmd.backup_of or "")
+        serving = pred is not None and pred.live
+        if pred is not None and serving:
+            pred.handing_over = True
+            pred.transition(Ev.STOP)  # a planned replacement, not a fault
+            host.save(pred)
+            await host.kill_confirmed(pred)
+        extra = {"HF_TAKEOVER_FROM": cmd.backup_of or "", "HF_TRANSFER_TOKEN": cmd.transfer_token,
+                 "HF_INCIDENT_ID": cmd.incident_id or ""}
+        try:
+            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
+                                    replacing=pred, same_gpu=False)
+        finally:
+            if pred is not None and serving:
+                pred.handing_over = False
+                host.retire(pred)
         return SpawnReply(engine=host.info(rec))
 
     async def stop(self, cmd: StopEngine) -> StopReply:

@@ -18,6 +18,7 @@ from services.controller.incident_log import incident_key, ledger_key
 from services.controller.leadership import lead_forever
 from services.controller.metrics import ControllerMetrics
 from services.controller.pipeline import IncidentDriver
+from services.controller.regroup_driver import RegroupDriver
 from services.controller.rollout_driver import RolloutDriver
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
@@ -36,7 +37,7 @@ def admin_token(settings: ControllerSettings) -> str:
 
 class LeaderTerm:
     """What one term of leadership runs (`leadership.Term`): the incident pipeline, its deadline pass, the
-    roll-out pass and the retention of ended records, each term with a fresh driver fenced by its key."""
+    roll-out and regroup passes and the retention of ended records, each term with a fresh driver fenced by its key."""
 
     def __init__(self, rt: Runtime, view: ClusterView, settings: ControllerSettings, metrics: ControllerMetrics,
                  election: LeaderElection) -> None:
@@ -45,13 +46,15 @@ class LeaderTerm:
         self.driver = IncidentDriver(rt.bus, rt.store, view, settings, metrics, fence=election.fence,
                                      tenure=election)
         self.rollouts = RolloutDriver(rt.store, view, settings.tick_s)
+        self.regroups = RegroupDriver(rt.store, view, settings.regroup_after_s)
         self.lost = self.driver.writer.lost
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, Any]]:
         s = self.settings
         policy = Retention(s.incident_retention_s, s.incident_retention_max, s.incident_retention_min_s)
         delete = self.driver.writer.delete_nowait
-        return {"deadlines": self.driver.run_deadlines(), "rollouts": self.rollouts.run(),
+        regroups = {"regroups": self.regroups.run()} if s.regroup_after_s > 0 else {}
+        return {"deadlines": self.driver.run_deadlines(), "rollouts": self.rollouts.run(), **regroups,
                 "retention": prune_forever(self.view.ended, lambda inc_id: delete(incident_key(inc_id)), policy,
                                            s.incident_retention_check_s, "ended incident records"),
                 # A ledger of announced ends goes once retention has deleted every record it names.

@@ -127,7 +127,8 @@ class Deadlines:
 
 def incident_id_for(engine_id: str, generation: int, reason: IncidentReason = IncidentReason.FAILURE) -> str:
     """Invariant 1: the same failed generation always maps to the same id (subject- and URL-safe)."""
-    short = {IncidentReason.FAILURE: "inc", IncidentReason.MANUAL_FAILOVER: "mf", IncidentReason.HOT_UPGRADE: "up"}[reason]
+    short = {IncidentReason.FAILURE: "inc", IncidentReason.MANUAL_FAILOVER: "mf", IncidentReason.HOT_UPGRADE: "up",
+             IncidentReason.REGROUP: "rg"}[reason]
     return incident_id(short, engine_id, generation)
 
 

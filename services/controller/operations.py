@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from libs.common.bus import Bus
 from libs.common.errors import Conflict, NotFound
-from libs.common.events import EngineRole, IncidentReason, Reclaim, ReclaimReply
+from libs.common.events import EngineRole, IncidentReason, Reclaim, ReclaimReply, is_kv_backup
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, incident_id_for, opened_record
 from services.controller.incident_log import incident_key
@@ -37,6 +37,28 @@ async def start_on_purpose(store: Store, view: ClusterView, engine_id: str, reas
     if not await store.create(incident_key(rec.id), rec):
         raise Conflict(f"engine {engine_id} generation {engine.generation} already had a {reason} incident")
     return rec
+
+
+def regroup_refusal(view: ClusterView, engine_id: str) -> str | None:
+    """Why `engine_id` cannot be regrouped now (None: it can be tried): a regroup replaces a degraded engine (one
+    engine serving a batched spec of several ranks, what a group that lost a GPU is continued by: docs/multi_gpu.md
+    part 6) by a whole group on its node, every sequence continued from its KV backup. It needs such an engine, its
+    backup, and as many healthy GPUs on its node as the spec has ranks; the dc_manager places the group (room
+    included) and refuses the rest, but an incident that cannot end well is spared here (its engine would be routed
+    out for nothing). Pure: the view as it is."""
+    engine = view.engines.get(engine_id)
+    if engine is None:
+        return None  # start_on_purpose says: no such engine
+    raw = view.spec_of(engine.engine_class, engine.model) or {}
+    tp = raw.get("tp", 1) if isinstance(raw.get("tp", 1), int) else 1
+    if engine.tp != 1 or tp <= 1:
+        return f"{engine_id} runs {engine.tp} ranks and its spec {tp}: not a degraded engine, nothing to regroup"
+    if not any(lease.host and is_kv_backup(lease.name) for lease in view.leases_of(engine_id)):
+        return f"{engine_id} keeps no KV backup (--kv-backup): its sequences could not be continued"
+    healthy = [s.gpu for s in view.gpu_slots({engine.node}) if s.healthy]
+    if len(healthy) < tp:
+        return f"{len(healthy)} healthy GPUs on {engine.node} ({healthy}): a whole group needs {tp}"
+    return None
 
 
 async def reclaim_lease(bus: Bus, view: ClusterView, lease_id: str, *, wait_s: float = 5.0) -> ReclaimReply:

@@ -26,6 +26,7 @@ from libs.common.events import (
     Event,
     IncidentFailed,
     IncidentOpened,
+    IncidentReason,
     IncidentResolved,
     LeaseState,
     RecoverIntent,
@@ -121,7 +122,9 @@ class IncidentEvents:
         model, url = hit if hit is not None else (work.model, work.endpoint)
         # Route out beside the freeze: routers hold requests while the memory is frozen.
         lost = work.memory_lost or self._memory_gone(work)
-        cold = lost or work.move_off  # moving off a drained node: the successor starts cold elsewhere
+        # moving off a drained node: the successor starts cold elsewhere; a regroup's whole group starts cold beside
+        # the degraded engine's KV backup (the dc_manager's fallback path)
+        cold = lost or work.move_off or work.reason is IncidentReason.REGROUP
         events = [
             self.intent(work, fallback=cold),
             self.envelope(IncidentOpened(incident_id=work.id, engine_id=work.engine_id, reason=work.reason,

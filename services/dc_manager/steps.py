@@ -47,6 +47,7 @@ from libs.common.events import (
     FreezeGang,
     FreezeGangReply,
     FreezeReply,
+    IncidentReason,
     IntentResult,
     LeaseInfo,
     LeaseState,
@@ -328,7 +329,9 @@ class IntentSteps:
             # a TP group's ranks each need room for their own leases, on GPUs base..base+tp-1
             by_rank = [self.view.leases_of(rank_engine_id(intent.engine_id, r)) for r in range(spec.tp)]
             needed = max(sum(lease.size for lease in leases) for leases in by_rank)
-            if spec.tp > 1:
+            if intent.reason is IncidentReason.REGROUP:
+                await self._regroup(intent, spec, prog)  # a whole group or nothing: it raises when it cannot
+            elif spec.tp > 1:
                 await self._degrade(intent, spec, by_rank, needed, prog)
             else:
                 await self._from_backup(intent, spec, by_rank[0], prog)
@@ -436,6 +439,45 @@ class IntentSteps:
         cmd = Spawn(spec=successor, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
                     backup_of=intent.engine_id, transfer_token=frozen.transfer_token)
         log.info("intent %s: %s from its KV backup: %s", intent.incident_id, intent.engine_id, where.reason)
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, intent.node, cmd, SpawnReply,
+                                                        self.settings.spawn_timeout_s)
+        await self.save(prog)
+
+    async def _regroup(self, intent: RecoverIntent, spec: EngineSpec, prog: IntentProgress) -> None:
+        """A degraded engine (one engine serving a spec of `tp` ranks: a group that lost a GPU, docs/multi_gpu.md part
+        6) replaced by a whole group on its node once the GPUs are there again, every sequence continued from its KV
+        backup: a whole group placed first (the engine's GPU memory counted as freed: the agent stops it before the
+        group starts), then the backup frozen alone (`Freeze(backups_only)`) and the group spawned with
+        `Spawn(backup_of)`: the agent stops the engine, the group's rank 0 takes the backup over and every rank
+        restores its kv heads of every sequence (engines/batched/degrade.py). Not such an engine, or no whole group
+        fits (the controller checked the GPUs' health, not their room): nothing is touched and the engine itself is
+        the fallback's successor, routed back in (it serves on)."""
+        engine = self.view.engines.get(intent.engine_id)
+        if engine is None or not intent.node:
+            raise StepFailed(Step.FALLBACK, f"no record of {intent.engine_id}: nothing to regroup")
+        leases = self.view.leases_of(intent.engine_id)
+        device = [lease for lease in leases if not lease.host]
+        needed = -(-sum(lease.size for lease in device) // spec.tp)  # each rank's share of the engine's memory
+        where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
+                      slots=released(self.view.gpu_slots({intent.node}), device),
+                      alive={intent.node} & set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
+        why = (f"it runs {engine.tp} ranks of a {spec.engine_class} spec of {spec.tp}: not a degraded engine"
+               if engine.tp != 1 or spec.tp <= 1 or spec.engine_class not in DEGRADABLE_CLASSES else
+               "it keeps no KV backup" if not any(lease.host and is_kv_backup(lease.name) for lease in leases) else
+               f"no whole group of {spec.tp} on {intent.node}: {where.reason}" if where.action is Action.NONE else None)
+        if why is not None:  # nothing touched: it serves on, routed back in as the incident's successor
+            log.warning("intent %s: %s not regrouped, it serves on: %s", intent.incident_id, intent.engine_id, why)
+            prog.spawn, prog.spawn_ms = SpawnReply(engine=engine), 0.0
+            await self.save(prog)
+            return
+        frozen, _ = await self._command(Step.FALLBACK, intent.node, Freeze(
+            owner=intent.engine_id, incident_id=intent.incident_id, backups_only=True), FreezeReply,
+            self.settings.freeze_timeout_s)
+        whole = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": [],
+                                        "version": intent.version or spec.version})
+        cmd = Spawn(spec=whole, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
+                    backup_of=intent.engine_id, transfer_token=frozen.transfer_token)
+        log.info("intent %s: %s regrouped: %s", intent.incident_id, intent.engine_id, where.reason)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, intent.node, cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)

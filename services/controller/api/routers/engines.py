@@ -18,7 +18,7 @@ from services.controller.api.schemas import (
     UpgradeOut,
     UpgradeStepOut,
 )
-from services.controller.operations import start_on_purpose
+from services.controller.operations import regroup_refusal, start_on_purpose
 from services.controller.rollout import RolloutRecord, RolloutState, pending_engines, rollout_key
 
 router = APIRouter(tags=["engines"])
@@ -54,6 +54,19 @@ async def failover(engine_id: str = Path(..., max_length=200), body: FailoverIn 
                    c: ApiContext = Depends(ctx)) -> IncidentSummary:
     rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.MANUAL_FAILOVER,
                                  successor=body.successor if body else None)
+    return IncidentSummary.of(rec)
+
+
+@router.post("/v1/engines/{engine_id}/regroup", status_code=202, response_model=IncidentSummary,
+             dependencies=[Depends(require_operate)], responses=WRITE_ERRORS)
+async def regroup(engine_id: str = Path(..., max_length=200), c: ApiContext = Depends(ctx)) -> IncidentSummary:
+    """A degraded engine (one engine serving a spec of several ranks, after its group lost a GPU) replaced by a whole
+    group on its node, every sequence continued from its KV backup (a `regroup` incident). 409 when it is not such an
+    engine, keeps no backup, or its node has too few healthy GPUs; 404 unknown engine."""
+    why = regroup_refusal(c.view, engine_id)
+    if why is not None:
+        raise Conflict(why)
+    rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.REGROUP)
     return IncidentSummary.of(rec)
 
 
