@@ -77,19 +77,22 @@ class Commands:
                                     replacing=host.engines.get(cmd.reattach_from))
             return SpawnReply(engine=host.info(rec))
         if cmd.backup_of is not None:
-            return await self._from_backup(cmd, key)
+            # dc_manager's fallback for an engine whose weights and cache were lost with their GPU, or its regroup of
+            # a degraded engine: an engine (or group) that takes that engine's KV backup over and loads its weights
+            # itself (engines/batched/memory.py `takeover`, tp_group.py `load`)
+            if not cmd.transfer_token:
+                raise ValueError("a spawn from a KV backup needs its transfer token")
+            return await self._successor(cmd, key, cmd.backup_of, {
+                "HF_TAKEOVER_FROM": cmd.backup_of, "HF_TRANSFER_TOKEN": cmd.transfer_token})
         if cmd.degrade_gang is not None:
-            # dc_manager's degraded fallback: fewer ranks in a lost group's place, from its ranks' KV backups; the
-            # spec kept is the group's (nothing recorded: a spec's own starts stay whole groups)
+            # dc_manager's degraded fallback: fewer ranks in a lost group's place, from its ranks' KV backups (or,
+            # a regroup, a whole group in a degraded group's place); the spec kept is the group's (nothing
+            # recorded: a spec's own starts stay whole groups)
             if not cmd.transfer_token or cmd.gang_generation is None:
                 raise ValueError("a degraded spawn needs the gang's transfer token and generation")
-            extra = {"HF_DEGRADE_GANG": cmd.degrade_gang, "HF_TRANSFER_TOKEN": cmd.transfer_token,
-                     "HF_GANG_GENERATION": str(cmd.gang_generation), "HF_INCIDENT_ID": cmd.incident_id or ""}
-            if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine
-                return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
-            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
-                                    replacing=host.engines.get(cmd.predecessor or ""), same_gpu=False)
-            return SpawnReply(engine=host.info(rec))
+            return await self._successor(cmd, key, cmd.predecessor or "", {
+                "HF_DEGRADE_GANG": cmd.degrade_gang, "HF_TRANSFER_TOKEN": cmd.transfer_token,
+                "HF_GANG_GENERATION": str(cmd.gang_generation)}, gang=cmd.degrade_gang)
         if cmd.engine_id is None or cmd.engine_id not in host.engines:
             host.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
         spec, old = cmd.spec, host.specs.get(key)
@@ -109,30 +112,29 @@ class Commands:
         host.reconcile_soon()  # standbys and further replicas
         return SpawnReply(engine=host.info(rec))
 
-    async def _from_backup(self, cmd: Spawn, key: str) -> SpawnReply:
-        """dc_manager's fallback for an engine whose weights and cache were lost with their GPU, or its regroup of a
-        degraded engine into a whole group: a cold engine (or group) on the GPUs its spec names that takes the
-        predecessor's KV backup over (host memory) and continues every sequence from it, loading the weights itself
-        (engines/batched/memory.py `takeover`, tp_group.py `load`). A predecessor still serving (a regroup) is
-        stopped first and its death confirmed, as a takeover's is (kill-before-transfer): the backup is read only
-        once nothing writes it; its slot stays held meanwhile (`handing_over`), so no replica is started for it."""
+    async def _successor(self, cmd: Spawn, key: str, predecessor: str, orders: dict[str, str],
+                         gang: str | None = None) -> SpawnReply:
+        """An engine (or group) in `predecessor`'s slot on the GPUs its spec names, which takes the predecessor's KV
+        backups over (`orders`: its environment) and loads its weights itself. A predecessor still serving (a
+        regroup) is stopped first and its death confirmed, as a takeover's is (kill-before-transfer): the backups are
+        read only once nothing writes them; its slot stays held meanwhile (`handing_over`), so no replica is started
+        for it. `gang`: the gang id a group of several ranks registers (a degraded group keeps its broken gang's, so
+        that the group's record names the gang its incidents freeze). A repeated spawn (the same engine id) answers
+        the engine started."""
         host = self.host
-        if not cmd.transfer_token:
-            raise ValueError("a spawn from a KV backup needs its transfer token")
-        if cmd.engine_id is not None and cmd.engine_id in host.engines:  # a repeated spawn: the same engine
+        if cmd.engine_id is not None and cmd.engine_id in host.engines:
             return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
-        pred = host.engines.get(cmd.backup_of or "")
+        pred = host.engines.get(predecessor)
         serving = pred is not None and pred.live
         if pred is not None and serving:
             pred.handing_over = True
             pred.transition(Ev.STOP)  # a planned replacement, not a fault
             host.save(pred)
             await host.kill_confirmed(pred)
-        extra = {"HF_TAKEOVER_FROM": cmd.backup_of or "", "HF_TRANSFER_TOKEN": cmd.transfer_token,
-                 "HF_INCIDENT_ID": cmd.incident_id or ""}
         try:
-            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec, extra_env=extra,
-                                    replacing=pred, same_gpu=False)
+            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec,
+                                    extra_env={**orders, "HF_INCIDENT_ID": cmd.incident_id or ""}, replacing=pred,
+                                    gang=gang, same_gpu=False)
         finally:
             if pred is not None and serving:
                 pred.handing_over = False

@@ -1,7 +1,7 @@
 """The leader's regroup pass: a degraded engine is made a whole group again once its GPUs are back.
 
-A tensor-parallel group that lost a GPU is continued by one engine from its ranks' KV backups (docs/multi_gpu.md
-part 6). Once its node has as many healthy GPUs as the spec has ranks again (`operations.regroup_refusal` finds
+A tensor-parallel group that lost a GPU is continued by fewer ranks (one engine, or a smaller group) from its ranks'
+KV backups (docs/multi_gpu.md part 6). Once its node has as many healthy GPUs as the spec has ranks again (`operations.regroup_refusal` finds
 nothing against it), and has had them for `regroup_after_s` (a GPU that flaps is not trusted at once), a `regroup`
 incident is started, as the operator's `POST /v1/engines/{id}/regroup` starts one: the dc_manager places a whole
 group there and the group continues every sequence from the engine's KV backup. The streams pause for the group's
@@ -58,7 +58,7 @@ class RegroupDriver:
     def candidates(self) -> list[str]:
         """Serving engines in no incident that a regroup would take (the view as it is)."""
         return [e.engine_id for e in self.view.engines.values()
-                if e.role is EngineRole.ACTIVE and e.state == "ready" and e.tp == 1
+                if e.role is EngineRole.ACTIVE and e.state == "ready"
                 and self.view.open_incident_for(e.engine_id) is None and regroup_refusal(self.view, e.engine_id) is None]
 
     async def tick(self, now: float) -> None:

@@ -444,39 +444,51 @@ class IntentSteps:
         await self.save(prog)
 
     async def _regroup(self, intent: RecoverIntent, spec: EngineSpec, prog: IntentProgress) -> None:
-        """A degraded engine (one engine serving a spec of `tp` ranks: a group that lost a GPU, docs/multi_gpu.md part
-        6) replaced by a whole group on its node once the GPUs are there again, every sequence continued from its KV
-        backup: a whole group placed first (the engine's GPU memory counted as freed: the agent stops it before the
-        group starts), then the backup frozen alone (`Freeze(backups_only)`) and the group spawned with
-        `Spawn(backup_of)`: the agent stops the engine, the group's rank 0 takes the backup over and every rank
-        restores its kv heads of every sequence (engines/batched/degrade.py). Not such an engine, or no whole group
-        fits (the controller checked the GPUs' health, not their room): nothing is touched and the engine itself is
-        the fallback's successor, routed back in (it serves on)."""
+        """A degraded engine (fewer ranks than its spec: one engine, or a smaller group, continuing a group that lost a
+        GPU: docs/multi_gpu.md part 6) replaced by a whole group on its node once the GPUs are there again, every
+        sequence continued from its KV backups: a whole group placed first (the engine's GPU memory counted as freed:
+        the agent stops it before the group starts), then its backups frozen alone (one engine's:
+        `Freeze(backups_only)`; a group's: its gang frozen degraded) and the group spawned (`Spawn(backup_of)`,
+        `Spawn(degrade_gang)`): the agent stops the engine, the group's rank 0 takes the backups over and every
+        rank restores its kv heads of every sequence (engines/batched/degrade.py). Not such an engine, or no whole
+        group fits (the controller checked the GPUs' health, not their room), or its backups cannot be frozen:
+        nothing is touched and the engine itself is the fallback's successor, routed back in (it serves on)."""
         engine = self.view.engines.get(intent.engine_id)
         if engine is None or not intent.node:
             raise StepFailed(Step.FALLBACK, f"no record of {intent.engine_id}: nothing to regroup")
-        leases = self.view.leases_of(intent.engine_id)
+        leases = [lease for r in range(engine.tp) for lease in self.view.leases_of(rank_engine_id(engine.engine_id, r))]
         device = [lease for lease in leases if not lease.host]
         needed = -(-sum(lease.size for lease in device) // spec.tp)  # each rank's share of the engine's memory
         where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
                       slots=released(self.view.gpu_slots({intent.node}), device),
                       alive={intent.node} & set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
+        backed = sum(1 for lease in leases if lease.host and is_kv_backup(lease.name))
         why = (f"it runs {engine.tp} ranks of a {spec.engine_class} spec of {spec.tp}: not a degraded engine"
-               if engine.tp != 1 or spec.tp <= 1 or spec.engine_class not in DEGRADABLE_CLASSES else
-               "it keeps no KV backup" if not any(lease.host and is_kv_backup(lease.name) for lease in leases) else
+               if engine.tp >= spec.tp or spec.engine_class not in DEGRADABLE_CLASSES else
+               f"{backed} of its {engine.tp} ranks keep a KV backup" if backed != engine.tp else
                f"no whole group of {spec.tp} on {intent.node}: {where.reason}" if where.action is Action.NONE else None)
-        if why is not None:  # nothing touched: it serves on, routed back in as the incident's successor
-            log.warning("intent %s: %s not regrouped, it serves on: %s", intent.incident_id, intent.engine_id, why)
+        whole = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": [],
+                                        "version": intent.version or spec.version})
+        cmd = Spawn(spec=whole, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
+        try:
+            if why is not None:
+                raise StepFailed(Step.FALLBACK, why)
+            if engine.tp == 1:
+                frozen, _ = await self._command(Step.FALLBACK, intent.node, Freeze(
+                    owner=engine.engine_id, incident_id=intent.incident_id, backups_only=True), FreezeReply,
+                    self.settings.freeze_timeout_s)
+                cmd = cmd.model_copy(update={"backup_of": engine.engine_id, "transfer_token": frozen.transfer_token})
+            else:
+                gang, _ = await self._command(Step.FALLBACK, intent.node, FreezeGang(
+                    gang_id=engine.gang or engine.engine_id, incident_id=intent.incident_id, degraded=True),
+                    FreezeGangReply, self.settings.freeze_timeout_s)
+                cmd = cmd.model_copy(update={"degrade_gang": gang.gang_id, "transfer_token": gang.transfer_token,
+                                             "gang_generation": gang.generation, "predecessor": engine.engine_id})
+        except StepFailed as e:  # nothing touched: it serves on, routed back in as the incident's successor
+            log.warning("intent %s: %s not regrouped, it serves on: %s", intent.incident_id, intent.engine_id, e.detail)
             prog.spawn, prog.spawn_ms = SpawnReply(engine=engine), 0.0
             await self.save(prog)
             return
-        frozen, _ = await self._command(Step.FALLBACK, intent.node, Freeze(
-            owner=intent.engine_id, incident_id=intent.incident_id, backups_only=True), FreezeReply,
-            self.settings.freeze_timeout_s)
-        whole = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": [],
-                                        "version": intent.version or spec.version})
-        cmd = Spawn(spec=whole, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
-                    backup_of=intent.engine_id, transfer_token=frozen.transfer_token)
         log.info("intent %s: %s regrouped: %s", intent.incident_id, intent.engine_id, where.reason)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, intent.node, cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)

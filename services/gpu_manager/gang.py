@@ -29,7 +29,8 @@ Invariants (tests/gpu_manager/test_gang.py):
    from the backups (engines/batched/backup.py) and registers the gang anew with its new caches.
 10. Degraded (FailSafe's core, `plan_degraded`): a gang that lost a rank's GPU memory (broken) while every rank
    still holds its KV backup (host memory, taken by no GPU fault: `degradable`) can be taken over by a group of
-   M <= N ranks, on the GPUs left: every rank's backup goes to the successor's rank 0, which restores each
+   M < N ranks, on the GPUs left (or, a degraded group's own gang once the GPUs are back, by a whole group of M > N
+   ranks: a regroup, the same moves): every rank's backup goes to the successor's rank 0, which restores each
    sequence's cache from all N, re-sharded by kv head for its own group (engines/batched/degrade.py); every other
    lease of the gang (the surviving ranks' weights and caches, useless to a group sharded otherwise) is reclaimed
    in the same commit, so the successor's new weights find the room on those GPUs. The same checks as a takeover:
@@ -236,9 +237,8 @@ def plan_degraded(gang: Gang, leases: Sequence[LeaseInfo], *, successors: Mappin
     """A degraded takeover's moves (invariant 10): every rank's backup to the successor's rank 0, every other lease
     of the gang reclaimed; or a typed error and no move."""
     size = len(successors)
-    if sorted(successors) != list(range(size)) or not 1 <= size <= gang.size:
-        raise PartialGang(f"gang {gang.gang_id} has {gang.size} ranks; a degraded group names ranks 0..M-1 with "
-                          f"1 <= M <= {gang.size}, not {sorted(successors)}")
+    if sorted(successors) != list(range(size)):
+        raise PartialGang(f"gang {gang.gang_id}: a successor group names its ranks 0..M-1, not {sorted(successors)}")
     if generation != gang.generation:
         raise StaleGang(f"gang {gang.gang_id} is at generation {gang.generation}; the successor group asked for "
                         f"{generation}")

@@ -36,6 +36,7 @@ def test_only_a_degraded_engine_with_a_backup_and_the_gpus_for_a_whole_group_is_
     assert regroup_refusal(_view(), "e1") is None
     assert "not a degraded engine" in (regroup_refusal(_view(spec_tp=1), "e1") or "")
     assert "not a degraded engine" in (regroup_refusal(_view(engine_tp=2), "e1") or "")
+    assert "on 1 of its 2 ranks" in (regroup_refusal(_view(spec_tp=3, engine_tp=2, healthy=(True,) * 3), "e1") or "")
     assert "keeps no KV backup" in (regroup_refusal(_view(backup=False), "e1") or "")
     assert "a whole group needs 2" in (regroup_refusal(_view(healthy=(True, False)), "e1") or "")
     assert regroup_refusal(_view(), "nobody") is None  # start_on_purpose answers an unknown engine (404)

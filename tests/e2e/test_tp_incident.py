@@ -21,9 +21,10 @@ import pytest
 
 from devstack.scenario import MODEL, Scenario, engine_command
 from devstack.stack import Stack, StackConfig
+from engines.reference.config import get_config
+from engines.reference.weights import make_weights
 from libs.common.events import EngineInfo, EngineSpec, FaultDetected
 from services.controller.incident import IncidentRecord, IncidentState
-from tests.engine.support import make_tiny_weights
 
 PROMPTS = ["Ranks hold shards.", "One group, one incident."]
 # A successor group is two processes importing torch; beside the other test workers' stacks on a slow 2-core VM
@@ -45,7 +46,7 @@ class TensorParallelScenario(Scenario):
         return engine_command(self.weights, self.size)
 
     def start(self) -> Stack:
-        make_tiny_weights(self.weights)
+        make_weights(get_config(self.size), self.weights)
         spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1,
                           standbys=self.standbys,
                           tp=self.tp, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"}, degrade=self.degrade)

@@ -188,7 +188,10 @@ def test_a_degraded_takeover_is_refused_whole_without_every_backup_frozen_at_its
     with pytest.raises(StaleGang, match="generation"):
         plan_degraded(gang, leases, **{**ok, "generation": 2})
     with pytest.raises(PartialGang, match="ranks 0..M-1"):
-        plan_degraded(gang, leases, **{**ok, "successors": {0: "a", 1: "b", 2: "c"}})  # more ranks than the gang
+        plan_degraded(gang, leases, **{**ok, "successors": {0: "a", 2: "c"}})  # a rank missing
+    # more ranks than the gang: a degraded group's own gang regrouped into a whole group, the same moves
+    wider = plan_degraded(gang, leases, **{**ok, "successors": {0: "d", 1: "b", 2: "c"}})
+    assert wider == plan_degraded(gang, leases, **ok)
     with pytest.raises(PartialGang, match="not frozen"):
         plan_degraded(gang, [i.model_copy(update={"state": A}) if i.id == "r1-backup" else i for i in leases], **ok)
     with pytest.raises(StaleGang, match="transfer tokens"):

@@ -60,8 +60,8 @@ async def failover(engine_id: str = Path(..., max_length=200), body: FailoverIn 
 @router.post("/v1/engines/{engine_id}/regroup", status_code=202, response_model=IncidentSummary,
              dependencies=[Depends(require_operate)], responses=WRITE_ERRORS)
 async def regroup(engine_id: str = Path(..., max_length=200), c: ApiContext = Depends(ctx)) -> IncidentSummary:
-    """A degraded engine (one engine serving a spec of several ranks, after its group lost a GPU) replaced by a whole
-    group on its node, every sequence continued from its KV backup (a `regroup` incident). 409 when it is not such an
+    """A degraded engine (fewer ranks than its spec: one engine or a smaller group, after its group lost a GPU)
+    replaced by a whole group on its node, every sequence continued from its KV backups (a `regroup` incident). 409 when it is not such an
     engine, keeps no backup, or its node has too few healthy GPUs; 404 unknown engine."""
     why = regroup_refusal(c.view, engine_id)
     if why is not None:
