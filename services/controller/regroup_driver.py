@@ -1,11 +1,12 @@
 """The leader's regroup pass: a degraded engine is made a whole group again once its GPUs are back.
 
-A tensor-parallel group that lost a GPU is continued by fewer ranks (one engine, or a smaller group) from its ranks'
-KV backups (docs/multi_gpu.md part 6). Once its node has as many healthy GPUs as the spec has ranks again (`operations.regroup_refusal` finds
-nothing against it), and has had them for `regroup_after_s` (a GPU that flaps is not trusted at once), a `regroup`
-incident is started, as the operator's `POST /v1/engines/{id}/regroup` starts one: the dc_manager places a whole
-group there and the group continues every sequence from the engine's KV backup. The streams pause for the group's
-start (its ranks load their shards cold); none is lost.
+A tensor-parallel group that lost a GPU is continued by fewer ranks (one engine, or a smaller group) from its
+ranks' KV backups (docs/multi_gpu.md part 6). Once its node has as many healthy GPUs as the spec has ranks again
+(`operations.regroup_refusal` finds nothing against it), and has had them for `regroup_after_s` (a GPU that flaps
+is not trusted at once), a `regroup` incident is started, as the operator's `POST /v1/engines/{id}/regroup` starts
+one: the dc_manager places a whole group there and the group continues every sequence from the engine's KV backups.
+The streams pause for the group's start (its ranks load their shards cold); none is lost. Off unless
+`regroup_after_s` > 0 (that pause is the stall degraded serving avoids: an operator picks its moment).
 
 Level-triggered like the roll-out pass: each tick looks at the view afresh; the incident id is the engine's and
 generation's, so a leader that dies after starting one never starts a second (`start_on_purpose` is a create).

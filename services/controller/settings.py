@@ -52,10 +52,11 @@ class ControllerSettings(CommonSettings):
                                     "queue behind new incidents in a burst (docs/controlplane.md)")
     ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
     tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")
-    regroup_after_s: float = Field(60.0, ge=0, description="a degraded engine (one engine serving a spec of several "
-                                   "ranks after its group lost a GPU) is regrouped into a whole group this long after "
-                                   "its node has the GPUs for one again (regroup_driver.py); 0: only when an operator "
-                                   "asks (POST /v1/engines/{id}/regroup)")
+    regroup_after_s: float = Field(0.0, ge=0, description="a degraded engine (fewer ranks than its spec after its "
+                                   "group lost a GPU) is regrouped into a whole group this long after its node has the "
+                                   "GPUs for one again (regroup_driver.py). 0 (the default): only when an operator asks "
+                                   "(POST /v1/engines/{id}/regroup), since every stream of the engine pauses while the "
+                                   "group's ranks load their shards cold")
     incident_retention_s: float = Field(7 * 86_400.0, gt=0, description="an ended incident's record is deleted "
                                         "from etcd this long after it ended")
     incident_retention_max: int = Field(100_000, ge=0, description="more ended incident records than this: the "
