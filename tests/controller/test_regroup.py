@@ -1,13 +1,15 @@
 """When a degraded engine is regrouped (services/controller/operations.py `regroup_refusal`, regroup_driver.py
-`due`): pure logic over a view filled as etcd's watch fills it."""
+`due`): pure logic over a view filled as etcd's watch fills it; the pass itself over a real etcd."""
 
 from __future__ import annotations
 
 import json
 
-from libs.common.events import EngineInfo, EngineRole, LeaseInfo, LeaseState, Tag
+from libs.common.events import EngineInfo, EngineRole, IncidentReason, LeaseInfo, LeaseState, Tag
+from libs.common.store import Store
+from services.controller.incident import IncidentRecord, incident_id_for
 from services.controller.operations import regroup_refusal
-from services.controller.regroup_driver import due
+from services.controller.regroup_driver import RegroupDriver, due
 from services.controller.view import ClusterView
 
 NODE = "n1"
@@ -50,3 +52,19 @@ def test_an_engine_is_due_once_regroupable_for_the_whole_wait_without_a_break() 
     assert due(["b"], since, 16.0, 5.0) == [] and since == {"b": 14.0}  # a's break forgets it
     assert due(["a", "b"], since, 19.0, 5.0) == ["b"] and since["a"] == 19.0  # a starts its wait again
     assert due([], since, 20.0, 0.0) == [] and since == {}
+
+
+async def test_the_pass_starts_one_regroup_incident_in_etcd_once_the_wait_is_over(store: Store) -> None:
+    """RegroupDriver over a real etcd: nothing before `regroup_after_s`, then one `regroup` incident for the
+    engine's generation, created once (a second pass finds it there: no second incident)."""
+    view = _view()
+    driver = RegroupDriver(store, view, after_s=5.0)
+    await driver.tick(100.0)
+    assert await store.get_prefix("incidents/") == {}
+    await driver.tick(105.0)
+    (raw,) = (await store.get_prefix("incidents/")).values()
+    rec = IncidentRecord.model_validate_json(raw)
+    assert (rec.engine_id, rec.reason, rec.id) == ("e1", IncidentReason.REGROUP, incident_id_for("e1", 0, IncidentReason.REGROUP))
+    await driver.tick(110.0)
+    await driver.tick(115.0)  # the view has not seen the incident: start_on_purpose's create refuses the second
+    assert len(await store.get_prefix("incidents/")) == 1
