@@ -22,7 +22,8 @@ app = typer.Typer(help="Holdfast: keep LLM inference engines' memory alive throu
                   no_args_is_help=True, add_completion=False)
 bench_app = typer.Typer(help="Benchmarks (figures go to docs/benchmarks.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-engine_app = typer.Typer(help="One engine: sleep and wake (issue 21; docs/restore.md).", no_args_is_help=True)
+engine_app = typer.Typer(help="One engine: sleep and wake (docs/restore.md), regroup (docs/multi_gpu.md).",
+                         no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
 app.add_typer(certs_app, name="certs")
 console = Console()
@@ -189,11 +190,12 @@ def segment(value: str) -> str:
     return urllib.parse.quote(value, safe="")
 
 
-def _engine_call(engine_id: str, what: str, level: int, timeout_s: float, api_url: str, token: str) -> None:
+def _engine_call(engine_id: str, what: str, body: dict[str, Any] | None, timeout_s: float, api_url: str,
+                 token: str) -> None:
     import httpx
 
     with admin_api(api_url):
-        r = httpx.post(f"{api_url}/v1/engines/{segment(engine_id)}/{what}", json={"level": level, "timeout_s": timeout_s},
+        r = httpx.post(f"{api_url}/v1/engines/{segment(engine_id)}/{what}", json=body,
                        headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s + 15)
         r.raise_for_status()
     console.print_json(r.text)
@@ -208,7 +210,7 @@ def engine_sleep(
     token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin token"),
 ) -> None:
     """Release an engine's KV cache memory, its addresses kept (POST /v1/engines/{id}/sleep)."""
-    _engine_call(engine_id, "sleep", level, timeout_s, api_url, token)
+    _engine_call(engine_id, "sleep", {"level": level, "timeout_s": timeout_s}, timeout_s, api_url, token)
 
 
 @engine_app.command("wake")
@@ -219,7 +221,18 @@ def engine_wake(
     token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin token"),
 ) -> None:
     """New memory at a sleeping engine's addresses, weights restored for level 2 (POST /v1/engines/{id}/wake)."""
-    _engine_call(engine_id, "wake", 1, timeout_s, api_url, token)
+    _engine_call(engine_id, "wake", {"level": 1, "timeout_s": timeout_s}, timeout_s, api_url, token)
+
+
+@engine_app.command("regroup")
+def engine_regroup(
+    engine_id: str = typer.Argument(..., help="a degraded engine: fewer ranks than its spec, after a lost GPU"),
+    api_url: str = typer.Option(f"http://127.0.0.1:{DEFAULT_API_PORT}", envvar="HF_API_URL"),
+    token: str = typer.Option("holdfast-dev-admin", envvar="HF_ADMIN_TOKEN", help="the controller's admin token"),
+) -> None:
+    """Make a degraded engine a whole group again once its node's GPUs are back, every sequence continued from its KV
+    backups; its streams pause while the group loads (POST /v1/engines/{id}/regroup; docs/multi_gpu.md)."""
+    _engine_call(engine_id, "regroup", None, 30.0, api_url, token)
 
 
 @app.command("api-token")

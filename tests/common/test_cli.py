@@ -30,7 +30,8 @@ def test_each_service_explains_its_flags(service: str) -> None:
     assert "--nats-url" in r.stdout and "--node" in r.stdout
 
 
-@pytest.mark.parametrize("argv", [["status"], ["snapshot", "lease-x"], ["engine", "sleep", "eng-x"]])
+@pytest.mark.parametrize("argv", [["status"], ["snapshot", "lease-x"], ["engine", "sleep", "eng-x"],
+                                  ["engine", "regroup", "eng-x"]])
 def test_an_admin_command_without_a_controller_says_so_in_one_line(argv: list[str]) -> None:
     port = procs.free_port()  # nothing listens there
     r = subprocess.run([*HOLDFAST, *argv, "--api-url", f"http://127.0.0.1:{port}"], capture_output=True, text=True,

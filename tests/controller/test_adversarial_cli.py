@@ -56,13 +56,14 @@ def test_an_id_with_slashes_dots_or_a_query_stays_one_path_segment() -> None:
     hostile = "../../v1/nodes/n1/drain?"
     with recording_api() as (url, paths):
         for argv in (["engine", "sleep", hostile], ["engine", "wake", hostile], ["snapshot", hostile],
-                     ["engine", "sleep", "a#b%2F"]):
+                     ["engine", "sleep", "a#b%2F"], ["engine", "regroup", hostile]):
             code, out = _run(*argv, "--api-url", url, "--token", "t")
             assert code == 0, out
     assert paths == ["/v1/engines/..%2F..%2Fv1%2Fnodes%2Fn1%2Fdrain%3F/sleep",
                      "/v1/engines/..%2F..%2Fv1%2Fnodes%2Fn1%2Fdrain%3F/wake",
                      "/v1/leases/..%2F..%2Fv1%2Fnodes%2Fn1%2Fdrain%3F/snapshot",
-                     "/v1/engines/a%23b%252F/sleep"]
+                     "/v1/engines/a%23b%252F/sleep",
+                     "/v1/engines/..%2F..%2Fv1%2Fnodes%2Fn1%2Fdrain%3F/regroup"]
 
 
 def test_a_dot_segment_id_is_refused_before_any_request() -> None:

@@ -1,16 +1,20 @@
 """Back to a whole group once the GPU is healthy again (issue 22 part 6; docs/multi_gpu.md): the whole stack (nats,
 etcd, gpu_manager, agent, controller, dc_manager, router; real processes) on a node of two simulated GPUs, a TP=2
-batched engine with its KV backed up to host (and TP=3 on three GPUs). GPU 1 fails: one engine on GPU 0 (two ranks
-on GPUs 0 and 2) continues every sequence from the ranks' backups (a degraded engine, test_tp_degraded_incident.py). GPU 1 is marked healthy again and the operator
-asks for a regroup (`POST /v1/engines/{id}/regroup`): a `regroup` incident routes the degraded engine out, the
-dc_manager places a whole group on GPUs 0 and 1 (0..2), freezes the engine's KV backup alone (the degraded group's
-gang degraded) and spawns the group (`Spawn(backup_of)`, `Spawn(degrade_gang)`); the agent stops the engine first,
-the group's rank 0 takes the backups over and every rank restores its kv heads of every sequence. Greedy streams running through the regroup end with the uninterrupted
-run's tokens, none lost or twice, no prompt prefilled again, through one routed model throughout."""
+batched engine with its KV backed up to host (and TP=3 on three GPUs). GPU 1 fails under 4 greedy streams: one
+engine on GPU 0 (two ranks on GPUs 0 and 2) continues every sequence from the ranks' backups (a degraded engine).
+GPU 1 is marked healthy again and the operator asks for a regroup (`holdfast engine regroup`: `POST
+/v1/engines/{id}/regroup`): a `regroup` incident routes the degraded engine out, the dc_manager places a whole group
+on GPUs 0..tp-1, freezes the engine's KV backup alone (the degraded group's gang degraded) and spawns the group
+(`Spawn(backup_of)`, `Spawn(degrade_gang)`); the agent stops the engine first, the group's rank 0 takes the backups
+over and every rank restores its kv heads of every sequence. Greedy streams running through either change end with
+the uninterrupted run's tokens, none lost or twice, no prompt prefilled again, through one routed model throughout."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -61,8 +65,12 @@ async def test_a_degraded_engine_is_regrouped_into_a_whole_group_and_every_strea
         assert {i.gpu for i in lost.after if not i.host} == ({0} if tp == 2 else {0, 2})  # only the GPUs left
         admin = {"Authorization": f"Bearer {stack.config.api_token}"}
         async with httpx.AsyncClient(base_url=stack.api_url, headers=admin, timeout=30) as api:
-            refused = await api.post(f"/v1/engines/{degraded.engine_id}/regroup")  # GPU 1 still unhealthy
-            assert refused.status_code == 409 and f"a whole group needs {tp}" in refused.text, refused.text
+            refused = await asyncio.to_thread(  # the operator's command line; GPU 1 still unhealthy
+                subprocess.run, [sys.executable, "-m", "holdfast.main", "engine", "regroup", degraded.engine_id,
+                                 "--api-url", stack.api_url, "--token", stack.config.api_token],
+                capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+            assert refused.returncode == 1 and "answered 409" in refused.stdout, refused.stdout + refused.stderr
+            assert f"a whole group needs {tp}" in refused.stdout, refused.stdout
             assert (await api.post(f"/v1/engines/{group.engine_id}-gone/regroup")).status_code == 404
             healed = await bus.request(node, MarkGpu(gpu=1, healthy=True, detail="replaced"), MarkGpuReply, timeout=10)
             assert healed.healthy
