@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,7 @@ from bench import stats
 from bench.load_client import ClientPool, Job, default_client_procs
 from devstack.scenario import MODEL, Scenario, StreamResult, make_weights, router_marks
 from devstack.stack import Stack, StackConfig
-from libs.common.events import EngineInfo, EngineSpec
+from libs.common.events import EngineInfo, EngineSpec, MarkGpu, MarkGpuReply
 
 COLD_START_S = 120.0  # the spec's cold_start_s: how long a cold engine may take to start
 
@@ -91,8 +94,10 @@ class LoadScenario(Scenario):
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
                  prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, isolated: bool = True,
                  deterministic: bool = True, router_hold_s: float | None = None, drawn: bool = False,
-                 **kw: Any) -> None:
+                 gpus: int = 1, kv_backup: bool = False, **kw: Any) -> None:
         self.router_hold_s = router_hold_s  # the router's hold for a model with no endpoint (None: its default)
+        # `gpus` > 1: the node's GPUs (the host backend simulates them); `kv_backup`: the engine's KV backed up to host
+        self.gpus, self.kv_backup = gpus, kv_backup
         if shadow is None:
             shadow = kv_cache_gib is not None or kw.get("backend") == "host"
         super().__init__(shadow=shadow, **kw)
@@ -110,13 +115,16 @@ class LoadScenario(Scenario):
                                                   kv_cache_gib=self.kv_cache_gib, step_tokens=self.step_tokens,
                                                   prefill_chunk=self.prefill_chunk, fenced=self.fenced,
                                                   shadow=self.shadow, isolated=self.isolated,
-                                                  deterministic=self.deterministic),
-                          replicas=1, standbys=self.standbys, cold_start_s=COLD_START_S,
+                                                  deterministic=self.deterministic)
+                          + (["--kv-backup", "--kv-backup-lag-ms", "100"] if self.kv_backup else []),
+                          replicas=1, standbys=self.standbys, cold_start_s=COLD_START_S, gpus=list(range(self.gpus)),
                           # the successor's HTTP loop watched (`loop_late`; HF_ENGINE_LOOP_WATCH_S=0: not)
                           env={"HF_ENGINE_LOOP_WATCH_S": os.environ.get("HF_ENGINE_LOOP_WATCH_S", "0.5")})
         specs_file = self.write_specs(spec)
         # the router's loop watched (its late wake-ups on the timeline: `loop_late_near`)
         env = {"HF_ROUTER_LOOP_WATCH_MS": "2"}
+        if self.gpus > 1:
+            env["HF_GPUS"] = json.dumps([str(g) for g in range(self.gpus)])
         if self.router_hold_s is not None:
             env["HF_HOLD_TIMEOUT_S"] = str(self.router_hold_s)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
@@ -178,8 +186,26 @@ async def serving_besides(sc: LoadScenario, gone: set[str], timeout: float = 180
         await asyncio.sleep(0.05)
 
 
+Fault = Callable[[LoadScenario, EngineInfo], Awaitable[float]]
+
+
+async def gpu_fault(sc: LoadScenario, active: EngineInfo) -> float:
+    """The active engine's GPU marked failed (what an NVML XID does: its weights and cache lost with it), every other
+    GPU of the node marked healthy first (the one an earlier trial failed). The fault's wall time."""
+    assert sc.bus is not None and sc.stack is not None
+    node = sc.stack.config.node
+    for gpu in range(sc.gpus):
+        if gpu != active.gpu:
+            await sc.bus.request(node, MarkGpu(gpu=gpu, healthy=True, detail="replaced"), MarkGpuReply, timeout=10)
+    at = time.time()
+    await sc.bus.request(node, MarkGpu(gpu=active.gpu, detail="xid 79 (bench)"), MarkGpuReply, timeout=10)
+    return at
+
+
 async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPool, n: int, late: int,
-                    max_tokens: int, *, kill: bool, warm_tokens: int, kill_successor: bool = False) -> dict[str, Any]:
+                    max_tokens: int, *, kill: bool, warm_tokens: int, kill_successor: bool = False,
+                    fault: Fault | None = None) -> dict[str, Any]:
+    """`kill`: a failure once every stream has tokens, a SIGKILL of the active engine unless `fault` says what."""
     active = await sc.wait_serving(timeout=300)
     seen = len(sc.events)
     jobs = [Job(i, p, max_tokens) for i, p in enumerate(prompts(n, "stream"))]
@@ -190,7 +216,7 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
     standby = None
     if kill and kill_successor:  # the warm standby that will take over (with one standby, the only one)
         standby = next(e for e in await sc.engines() if e.role == "standby" and e.state == "standby" and e.endpoint)
-    t_kill = sc.kill_engine(active) if kill else time.time()
+    t_kill = (await fault(sc, active) if fault is not None else sc.kill_engine(active)) if kill else time.time()
     pool.send_late(late_jobs)
     second = asyncio.create_task(kill_when_ready(sc, standby)) if standby is not None else None
     try:
@@ -372,6 +398,66 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
     return out
 
 
+GPU_FAULT_WAYS = ("backup", "replay")  # its KV from the host backup; none kept: a cold start and the router's replay
+
+
+async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
+                        kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
+                        prefill_chunk: int = 256, client_procs: int = 0, deterministic: bool = True,
+                        ways: tuple[str, ...] = GPU_FAULT_WAYS) -> dict[str, Any]:
+    """`--gpu-fault`: the active engine's GPU fails under the load (its weights and cache lost with it) on a node of
+    two GPUs, no standby, each way on a stack of its own, side by side in one run: `backup` (the engine keeps its KV
+    in host memory: a cold engine on the other GPU continues every sequence from it, docs/kv_backup.md) and `replay`
+    (no backup: a cold start there, every stream replayed by the router and its prompt prefilled again). Each with
+    its no-failure control; a trial fails the GPU the engine is on, the other one marked healthy first."""
+    if backend != "host":
+        raise ValueError("--gpu-fault marks a simulated GPU failed: the host backend (a node of two real GPUs would "
+                         "lose a real one's memory; not built for the cuda backend)")
+    report: dict[str, Any] = {"bench": "recovery-gpu-fault", "backend": backend, "size": size, "streams": streams,
+                              "late": late, "trials": trials, "max_tokens": max_tokens, "deterministic": deterministic,
+                              "ways": {}}
+    base = work_dir or Path(tempfile.mkdtemp(prefix="holdfast-gpu-fault-"))
+    weights = base / f"weights-{size}.safetensors"  # one file for every way; each way's stack and state its own
+    try:
+        for way in ways:
+            (base / way).mkdir(parents=True, exist_ok=True)
+            sc = LoadScenario(size=size, backend=backend, standbys=0, max_num_seqs=max(256, streams + late),
+                              kv_cache_gib=kv_cache_gib, work_dir=base / way, weights=weights, step_tokens=step_tokens,
+                              prefill_chunk=prefill_chunk, shadow=False, deterministic=deterministic, gpus=2,
+                              kv_backup=way == "backup")
+            report["ways"][way] = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
+                                                fault=gpu_fault)
+    finally:
+        if work_dir is None:
+            weights.unlink(missing_ok=True)
+    return report
+
+
+async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_tokens: int, client_procs: int,
+                  deterministic: bool, *, fault: Fault | None = None, kill_successor: bool = False,
+                  keep_weights: bool = False) -> dict[str, Any]:
+    """The stack up, a no-failure control round, then `trials` rounds with a failure each; the stack down."""
+    await asyncio.to_thread(sc.start)
+    assert sc.stack is not None
+    pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
+                      api_key=sc.stack.router_key())
+    try:
+        await sc.connect()
+        async with httpx.AsyncClient() as client:  # the bench's own calls (router stats, health), not the streams
+            warm = 4
+            control = await one_round(sc, client, pool, streams, late, max_tokens, kill=False, warm_tokens=warm)
+            rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm,
+                                      kill_successor=kill_successor, fault=fault) for _ in range(trials)]
+        return {"no_failure": summarize([control], control, deterministic=deterministic),
+                "failure": summarize(rounds, control, deterministic=deterministic)}
+    finally:
+        pool.close()
+        await sc.close()
+        sc.stop()
+        if not keep_weights:
+            sc.discard_weights()
+
+
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
               kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
               prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
@@ -384,26 +470,10 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
                       deterministic=deterministic, router_hold_s=router_hold_s, drawn=drawn)
-    await asyncio.to_thread(sc.start)
-    assert sc.stack is not None
-    pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
-                      api_key=sc.stack.router_key())
-    try:
-        await sc.connect()
-        async with httpx.AsyncClient() as client:  # the bench's own calls (router stats, health), not the streams
-            warm = 4
-            control = await one_round(sc, client, pool, streams, late, max_tokens, kill=False, warm_tokens=warm)
-            rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm,
-                                      kill_successor=kill_successor) for _ in range(trials)]
-        return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
-                "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
-                "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
-                "kill_successor": kill_successor, "weights_drawn": drawn,
-                "no_failure": summarize([control], control, deterministic=deterministic),
-                "sigkill": summarize(rounds, control, deterministic=deterministic)}
-    finally:
-        pool.close()
-        await sc.close()
-        sc.stop()
-        if work_dir is None:
-            sc.discard_weights()
+    got = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
+                        kill_successor=kill_successor, keep_weights=work_dir is not None)
+    return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
+            "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
+            "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
+            "kill_successor": kill_successor, "weights_drawn": drawn,
+            "no_failure": got["no_failure"], "sigkill": got["failure"]}

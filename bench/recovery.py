@@ -214,6 +214,9 @@ def cli(
     drawn_weights: bool = typer.Option(False, help="with --streams: the weights drawn on the device at the cold load "
                                        "from a header-only file (make-weights --drawn): weights larger than the "
                                        "machine's disk and RAM"),
+    gpu_fault: bool = typer.Option(False, help="with --streams: the active engine's GPU fails instead of a SIGKILL (a "
+                                   "node of two simulated GPUs, host backend), two ways side by side: its KV from "
+                                   "its host backup, and no backup (a cold start and the router's replay)"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -223,6 +226,21 @@ def cli(
     output then says the cold restart read it from memory), removed at the end unless --weights-dir."""
     if streams and not secure:
         raise typer.BadParameter("--no-secure measures the recovery ways; the --streams run is always secured")
+    if gpu_fault and not streams:
+        raise typer.BadParameter("--gpu-fault needs --streams N")
+    if streams and gpu_fault:
+        from bench.load_recovery import run_gpu_fault
+
+        backend = detect_backend() if backend == "auto" else backend
+        if backend != "host":
+            raise typer.BadParameter("--gpu-fault marks a simulated GPU failed: --backend host")
+        report = asyncio.run(run_gpu_fault(backend=backend, size=size_for(backend, weights_gib), streams=streams,
+                                           late=late, trials=trials, max_tokens=max_tokens,
+                                           kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
+                                           step_tokens=step_tokens, prefill_chunk=prefill_chunk,
+                                           client_procs=client_procs, deterministic=deterministic))
+        print(json.dumps(report))
+        return
     if streams:
         from bench.load_recovery import run as load_run
 
