@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -189,10 +190,14 @@ async def serving_besides(sc: LoadScenario, gone: set[str], timeout: float = 180
 Fault = Callable[[LoadScenario, EngineInfo], Awaitable[float]]
 
 
-async def gpu_fault(sc: LoadScenario, active: EngineInfo) -> float:
+async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 0) -> float:
     """The active engine's GPU marked failed (what an NVML XID does: its weights and cache lost with it), every other
-    GPU of the node marked healthy first (the one an earlier trial failed). The fault's wall time."""
+    GPU of the node marked healthy first (the one an earlier trial failed). `backed_rows`: first wait until the
+    engine's KV backup vouches for that many sequences (a sequence admitted within the backup's lag, 100 ms, is not
+    in it yet: replayed and prefilled again, as without a backup). The fault's wall time."""
     assert sc.bus is not None and sc.stack is not None
+    if backed_rows:
+        await sc.until_backed_up(active.endpoint or "", rows=backed_rows, timeout=30)
     node = sc.stack.config.node
     for gpu in range(sc.gpus):
         if gpu != active.gpu:
@@ -378,6 +383,10 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
         out["standby_gpu_mib"] = [r.get("standby_gpu_mib") for r in rounds]
         out["successor"] = {
             "recomputed_prefill_tokens": sum(e.get("recomputed_tokens", 0) + e.get("claim_extra_tokens", 0) for e in eng),
+            # apart: the prompts it prefilled again (requests it did not hold), and the tokens it was fed again from
+            # the router's replay past what it held (a KV backup's lag: made after its last round)
+            "recomputed_tokens": sum(e.get("recomputed_tokens", 0) for e in eng),
+            "claim_extra_tokens": sum(e.get("claim_extra_tokens", 0) for e in eng),
             "adopted": [e.get("adopted") for e in eng], "claimed": [e.get("claimed") for e in eng],
             "graphs_captured_ms": [e.get("graphs_captured_ms") for e in eng],
             "held_back_ms": [e.get("held_back_ms") for e in eng],  # isolation.py: slots and blocks given back
@@ -409,7 +418,9 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
     two GPUs, no standby, each way on a stack of its own, side by side in one run: `backup` (the engine keeps its KV
     in host memory: a cold engine on the other GPU continues every sequence from it, docs/kv_backup.md) and `replay`
     (no backup: a cold start there, every stream replayed by the router and its prompt prefilled again). Each with
-    its no-failure control; a trial fails the GPU the engine is on, the other one marked healthy first."""
+    its no-failure control; a trial fails the GPU the engine is on, the other one marked healthy first; with the
+    backup, once a backup round vouches for every stream (`gpu_fault`: what a sequence younger than the lag costs is
+    a replay's)."""
     if backend != "host":
         raise ValueError("--gpu-fault marks a simulated GPU failed: the host backend (a node of two real GPUs would "
                          "lose a real one's memory; not built for the cuda backend)")
@@ -425,8 +436,9 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
                               kv_cache_gib=kv_cache_gib, work_dir=base / way, weights=weights, step_tokens=step_tokens,
                               prefill_chunk=prefill_chunk, shadow=False, deterministic=deterministic, gpus=2,
                               kv_backup=way == "backup")
+            fault = functools.partial(gpu_fault, backed_rows=streams if sc.kv_backup else 0)
             report["ways"][way] = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
-                                                fault=gpu_fault)
+                                                fault=fault)
     finally:
         if work_dir is None:
             weights.unlink(missing_ok=True)

@@ -70,7 +70,9 @@ class Detection:
         rec.transition(Ev.FAULT)
         rec.failed_mono = time.monotonic()
         rec.memory_lost = kind.loses_memory  # no takeover can come for it: its slot is not held (supervision.plan)
-        if rec.spec_key is not None:
+        if rec.spec_key is not None and kind is not FaultKind.GPU_FAULT:
+            # a GPU's fault says nothing of the spec's engines: it is not a crash loop of theirs (a node whose GPUs
+            # fail one after another would otherwise keep the spec's cold starts waiting on backoffs)
             delay = host.backoffs.failed(rec.spec_key, rec.failed_mono, rec.failed_mono - rec.spawned_mono)
             if delay > 0:
                 log.warning("engines of %s keep failing (%d in a row): the next start waits %.1f s",
