@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BACKUP_NAME = "kv_backup"  # the lease's name and its cache tensor's
+from libs.common.events import KV_BACKUP_LEASE
+
+BACKUP_NAME = KV_BACKUP_LEASE  # the lease's name and its cache tensor's: the name the gpu_manager knows a backup by
 PREFIX = "bk_"  # the backup journal's tensors: jr_rows -> bk_rows ...
 
 

@@ -218,6 +218,8 @@ class LeasedMemory:
         t0 = time.perf_counter()
         att, granted = self._granted(predecessor, token, wait_s, cold_weights=True)
         if not backups_alone(att.leases):
+            # kept, not released (a release frees them): this engine exits on the refusal, its leases are orphaned
+            # and wait out their grace window, where the control plane can freeze and hand them on again
             raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, not "
                                   "its KV backup alone: a group continues a single engine from its backup only "
                                   "(Freeze backups_only)")
