@@ -24,6 +24,8 @@ from libs.common.events import MarkGpu, MarkGpuReply
 from tests.e2e.test_tp_incident import started
 from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, Outcome, streams_through_a_loss
 
+REGROUP_TOKENS = 640
+
 
 def continued(out: Outcome) -> bool:
     """Every stream ended with the uninterrupted run's tokens: none lost, none twice, the same tokens."""
@@ -79,7 +81,8 @@ async def test_a_degraded_engine_is_regrouped_into_a_whole_group_and_every_strea
                 asked = await api.post(f"/v1/engines/{degraded.engine_id}/regroup")
                 assert asked.status_code == 202, asked.text
                 assert asked.json()["reason"] == "regroup"
-            out = await streams_through_a_loss(sc, degraded, regroup)
+            # the regroup reaches the engine through the incident pipeline (seconds on a loaded machine): long streams
+            out = await streams_through_a_loss(sc, degraded, regroup, max_tokens=REGROUP_TOKENS)
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)

@@ -72,15 +72,16 @@ class Outcome:
 
 
 async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
-                                 lose: Callable[[], Awaitable[Any]]) -> Outcome:
+                                 lose: Callable[[], Awaitable[Any]], max_tokens: int = MAX_TOKENS) -> Outcome:
     """Every prompt streamed whole, then again with `lose()` once each stream is under way and vouched for by a
-    backup round; what the stack made of it once the loss's incident resolved."""
+    backup round; what the stack made of it once the loss's incident resolved. `max_tokens`: longer for a loss that
+    reaches the engine only through the incident pipeline (a regroup), so that the streams are still running then."""
     assert sc.store is not None
     async with httpx.AsyncClient() as client:
-        control = await asyncio.gather(*(sc.generate(client, p, max_tokens=MAX_TOKENS) for p in prompts()))
+        control = await asyncio.gather(*(sc.generate(client, p, max_tokens=max_tokens) for p in prompts()))
         assert all(r.done and not r.error for r in control)
         seen = len(sc.events)
-        streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
+        streams = [asyncio.create_task(sc.generate(client, p, max_tokens=max_tokens)) for p in prompts()]
         await sc._until_tokens(streams, want=4 * STREAMS)
         await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
         before = (await sc.leases()).leases
