@@ -25,8 +25,7 @@ Invariants (tests/engine_batched/test_tp_degraded.py, test_tp_regroup.py):
    it), so the journal's block tables hold as they are.
 3. Only the blocks rank 0's rows vouch for are copied; positions past a row's durable point are recomputed
    (counted), as after a whole group's restore (backup.py `restore`).
-Not built: the control plane's orders for a regroup (which degraded engine goes back to a whole group, and when:
-docs/multi_gpu.md); the engine side is here.
+The control plane orders a regroup (services/dc_manager/steps.py `_regroup`, docs/multi_gpu.md).
 """
 
 from __future__ import annotations

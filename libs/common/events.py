@@ -61,6 +61,12 @@ def is_kv_backup(name: str) -> bool:
     return name == KV_BACKUP_LEASE or name.startswith(KV_BACKUP_LEASE + ".tp")
 
 
+def holds_kv_backup(lease: LeaseInfo) -> bool:
+    """A KV backup lease in host memory, which no GPU fault takes: what a successor that loads its weights itself
+    continues from (Freeze `backups_only`)."""
+    return lease.host and is_kv_backup(lease.name)
+
+
 class LeaseState(StrEnum):
     ACTIVE = "ACTIVE"
     ORPHANED = "ORPHANED"

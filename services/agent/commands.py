@@ -125,20 +125,20 @@ class Commands:
         if cmd.engine_id is not None and cmd.engine_id in host.engines:
             return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))
         pred = host.engines.get(predecessor)
-        serving = pred is not None and pred.live
-        if pred is not None and serving:
-            pred.handing_over = True
-            pred.transition(Ev.STOP)  # a planned replacement, not a fault
-            host.save(pred)
-            await host.kill_confirmed(pred)
+        serving = pred if pred is not None and pred.live else None  # stopped here, retired once replaced
+        if serving is not None:
+            serving.handing_over = True
+            serving.transition(Ev.STOP)  # a planned replacement, not a fault
+            host.save(serving)
+            await host.kill_confirmed(serving)
         try:
             rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec,
                                     extra_env={**orders, "HF_INCIDENT_ID": cmd.incident_id or ""}, replacing=pred,
                                     gang=gang, same_gpu=False)
         finally:
-            if pred is not None and serving:
-                pred.handing_over = False
-                host.retire(pred)
+            if serving is not None:
+                serving.handing_over = False
+                host.retire(serving)
         return SpawnReply(engine=host.info(rec))
 
     async def stop(self, cmd: StopEngine) -> StopReply:

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from libs.common.bus import Bus
 from libs.common.errors import Conflict, NotFound
-from libs.common.events import EngineRole, IncidentReason, Reclaim, ReclaimReply, is_kv_backup, rank_engine_id
+from libs.common.events import (
+    EngineRole,
+    IncidentReason,
+    Reclaim,
+    ReclaimReply,
+    holds_kv_backup,
+    rank_engine_id,
+)
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, incident_id_for, opened_record
 from services.controller.incident_log import incident_key
@@ -43,18 +50,19 @@ def regroup_refusal(view: ClusterView, engine_id: str) -> str | None:
     """Why `engine_id` cannot be regrouped now (None: it can be tried): a regroup replaces a degraded engine (fewer
     ranks than its spec: one engine or a smaller group, what a group that lost a GPU is continued by:
     docs/multi_gpu.md part 6) by a whole group on its node, every sequence continued from its KV backups. It needs
-    such an engine, a backup on every rank, and as many healthy GPUs on its node as the spec has ranks; the dc_manager places the group (room
-    included) and refuses the rest, but an incident that cannot end well is spared here (its engine would be routed
-    out for nothing). Pure: the view as it is."""
+    such an engine, a backup on every rank, and as many healthy GPUs on its node as the spec has ranks; the
+    dc_manager places the group (room included) and refuses the rest, but an incident that cannot end well is
+    spared here (its engine would be routed out for nothing). Pure: the view as it is."""
     engine = view.engines.get(engine_id)
     if engine is None:
         return None  # start_on_purpose says: no such engine
     raw = view.spec_of(engine.engine_class, engine.model) or {}
-    tp = raw.get("tp", 1) if isinstance(raw.get("tp", 1), int) else 1
+    tp = raw.get("tp", 1)
+    tp = tp if isinstance(tp, int) else 1
     if engine.tp >= tp:
         return f"{engine_id} runs {engine.tp} ranks and its spec {tp}: not a degraded engine, nothing to regroup"
-    backed = [r for r in range(engine.tp) if any(lease.host and is_kv_backup(lease.name)
-                                                 for lease in view.leases_of(rank_engine_id(engine_id, r)))]
+    backed = [r for r in range(engine.tp)
+              if any(holds_kv_backup(lease) for lease in view.leases_of(rank_engine_id(engine_id, r)))]
     if len(backed) != engine.tp:
         return (f"{engine_id} keeps no KV backup (--kv-backup) on {engine.tp - len(backed)} of its {engine.tp} ranks: "
                 "its sequences could not be continued")

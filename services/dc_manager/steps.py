@@ -60,7 +60,7 @@ from libs.common.events import (
     Tag,
     Takeover,
     TakeoverReply,
-    is_kv_backup,
+    holds_kv_backup,
     rank_engine_id,
 )
 from libs.common.ids import cold_engine_id
@@ -330,7 +330,7 @@ class IntentSteps:
             by_rank = [self.view.leases_of(rank_engine_id(intent.engine_id, r)) for r in range(spec.tp)]
             needed = max(sum(lease.size for lease in leases) for leases in by_rank)
             if intent.reason is IncidentReason.REGROUP:
-                await self._regroup(intent, spec, prog)  # a whole group or nothing: it raises when it cannot
+                await self._regroup(intent, spec, prog)  # a whole group, or the engine itself serving on
             elif spec.tp > 1:
                 await self._degrade(intent, spec, by_rank, needed, prog)
             else:
@@ -411,7 +411,7 @@ class IntentSteps:
         that prefills every one again from the router's replay. Anything short of that (no backup, none committed,
         no room on that node) leaves `prog.spawn` unset: the plain cold start follows. `leases`: the engine's as the
         view holds them."""
-        backups = [lease for lease in leases if lease.host and is_kv_backup(lease.name)]
+        backups = [lease for lease in leases if holds_kv_backup(lease)]
         if not backups or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
             return
         try:
@@ -462,11 +462,14 @@ class IntentSteps:
         where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
                       slots=released(self.view.gpu_slots({intent.node}), device),
                       alive={intent.node} & set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
-        backed = sum(1 for lease in leases if lease.host and is_kv_backup(lease.name))
-        why = (f"it runs {engine.tp} ranks of a {spec.engine_class} spec of {spec.tp}: not a degraded engine"
-               if engine.tp >= spec.tp or spec.engine_class not in DEGRADABLE_CLASSES else
-               f"{backed} of its {engine.tp} ranks keep a KV backup" if backed != engine.tp else
-               f"no whole group of {spec.tp} on {intent.node}: {where.reason}" if where.action is Action.NONE else None)
+        backed = sum(1 for lease in leases if holds_kv_backup(lease))
+        why = None
+        if engine.tp >= spec.tp or spec.engine_class not in DEGRADABLE_CLASSES:
+            why = f"it runs {engine.tp} ranks of a {spec.engine_class} spec of {spec.tp}: not a degraded engine"
+        elif backed != engine.tp:
+            why = f"{backed} of its {engine.tp} ranks keep a KV backup"
+        elif where.action is Action.NONE:
+            why = f"no whole group of {spec.tp} on {intent.node}: {where.reason}"
         whole = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": [],
                                         "version": intent.version or spec.version})
         cmd = Spawn(spec=whole, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)

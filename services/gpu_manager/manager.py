@@ -44,7 +44,7 @@ from typing import Any
 
 from libs.client.protocol import NotFrozenYet, chunk_sizes
 from libs.common.errors import HoldfastError, InvariantBroken, NotFound, PermissionDenied
-from libs.common.events import LeaseInfo, LeaseState, Tag, is_kv_backup
+from libs.common.events import LeaseInfo, LeaseState, Tag, holds_kv_backup
 from libs.common.ids import new_id
 from services.gpu_manager import reconciler
 from services.gpu_manager.backends import Backend, Chunk, HostBackend, round_up
@@ -112,7 +112,7 @@ def split_for_freeze(recs: Sequence[LeaseRecord], backups_only: bool = False) ->
 
 def backup_alone(rec: LeaseRecord) -> bool:
     """A KV backup lease in host memory: all a successor that loads its weights itself needs of its predecessor."""
-    return rec.info.host and is_kv_backup(rec.info.name)
+    return holds_kv_backup(rec.info)
 
 
 def check_complete(owner: str, recs: Sequence[LeaseRecord], cold_weights: bool = False) -> None:

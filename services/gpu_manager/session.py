@@ -527,9 +527,9 @@ class EngineSession:
         # A KV backup handed on alone (`cold_weights`): the successor loads its own weights, so the predecessor's
         # other leases are of no use to anyone; those of a dead owner go in the same commit, before the successor
         # allocates its weights beside them (a regroup's group on the predecessor's GPU: their memory is its room).
-        rest = [r for r in self.book.records.values() if req.cold_weights and r.info.owner == req.predecessor
-                and r.info.state in LIVE and r not in frozen and not self.book.owner_alive(r)] \
-            if all(backup_alone(r) for r in frozen) else []
+        alone = req.cold_weights and all(backup_alone(r) for r in frozen)
+        rest = [r for r in self.book.records.values() if r.info.owner == req.predecessor and r.info.state in LIVE
+                and r not in frozen and not self.book.owner_alive(r)] if alone else []
         await self.book.apply_all([  # every lease's new epoch in one commit, before any fd goes out
             *(Move(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
                    {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
