@@ -154,7 +154,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
 def can_reserve(cfg: EngineConfig, memory: Any, device: torch.device) -> bool:
     """Whether a standby can tell where its predecessor's leases will be: leased memory, and a KV cache whose size
     is the configuration's (on CUDA the default sizes it from the free memory of the moment, the predecessor's)."""
-    return cfg.prepare_standby and isinstance(memory, LeasedMemory) and (
+    return cfg.prepare_standby and not cfg.spare and isinstance(memory, LeasedMemory) and (
         cfg.num_blocks is not None or cfg.kv_cache_gib is not None or device.type == "cpu")
 
 
@@ -261,6 +261,7 @@ def run(cfg: EngineConfig) -> int:
 
     layout_of = layout_fn(cfg, mcfg, device)
     loaded: Loaded | None = None
+    spare: Any = None  # a spare's weights, loaded before its assignment (memory.py `load_weights`)
     kv_backup: tuple[BackupWriter, dict[str, Any]] | None = None
     try:
         t_start = t_process
@@ -278,6 +279,11 @@ def run(cfg: EngineConfig) -> int:
                 assert isinstance(memory, LeasedMemory)
                 prepared = prepare_runner(cfg, mcfg, memory, layout_of)
                 state.info["prepared"] = prepared[2]
+            if cfg.spare:  # its own weights, on its own GPU, before it says it stands by (config.py `spare`)
+                assert isinstance(memory, LeasedMemory)  # config.py
+                t_weights = time.perf_counter()
+                spare = memory.load_weights(mcfg, cfg.weights)
+                state.info["spare"] = {"weights": spare.report(), "ms": _ms(t_weights)}
             # The warm heap is collected and frozen (a full collection of a torch process holds the interpreter
             # for ~1 s on a loaded machine) before heartbeats begin: the agent's hang watch would take that
             # pause for a hung engine. ready() then finds nothing left to collect.
@@ -295,6 +301,11 @@ def run(cfg: EngineConfig) -> int:
                                         "shadowed": state.info.pop("shadow", None)}  # mapped before the kill
             if group is not None:  # every rank told the gang: from here on a cold successor group's path, below
                 group.assigned(a.gang, a.gang_generation, a.transfer_token)
+            elif spare is not None:  # its predecessor's KV backup beside its own weights, or a fresh start
+                assert isinstance(memory, LeasedMemory)
+                loaded = memory.spare_takeover(mcfg, spare, a.predecessor, a.transfer_token, layout_of,
+                                               cfg.adopt_wait_s)
+                loaded.weights_load = {**spare.report(), "spare": True}  # loaded before the fault
             else:
                 loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
                                          fenced=cfg.fenced_takeover, known=prepared[0] if prepared else None)

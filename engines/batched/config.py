@@ -40,6 +40,10 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     id: str = Field(default_factory=lambda: f"bat-{os.getpid()}", description="engine id")
     role: Literal["active", "standby"] = Field("active", description="standby: warm up, hold no memory, wait for an "
                                                "assignment, then adopt the predecessor's weights, KV cache and journal")
+    spare: bool = Field(False, validation_alias=AliasChoices("spare", "HF_ENGINE_SPARE"),
+                        description="a standby on another GPU than its predecessor's (EngineSpec.spares): it loads its "
+                        "own weights at start and, once assigned, takes the predecessor's KV backup alone over (a GPU "
+                        "fault lost the rest) and serves, or with no predecessor named starts serving afresh")
     takeover_from: str | None = Field(None, validation_alias=AliasChoices("takeover_from", "HF_TAKEOVER_FROM"))
     transfer_token: str | None = Field(None, validation_alias=AliasChoices("transfer_token", "HF_TRANSFER_TOKEN"))
     agent: Literal["auto", "on", "off"] = Field("auto", description="auto: link to the agent when HF_AGENT_SOCKET is set")
@@ -122,6 +126,8 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
                 raise ValueError("degrade_gang needs HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
             if self.memory == "local":
                 raise ValueError("degrade_gang takes leases over: it needs leased memory")
+        if self.spare and (self.role != "standby" or self.tp > 1 or self.memory == "local"):
+            raise ValueError("a spare is a single standby engine on leased memory (role standby, tp 1)")
         return self
 
 

@@ -57,7 +57,8 @@ class Loaded:
     weights: dict[str, torch.Tensor]
     kv: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
     journal: dict[str, torch.Tensor]
-    source: str  # "file", "reattached", "takeover", "backup" (a cold load beside a handed-on KV backup), "degraded"
+    source: str  # "file", "reattached", "takeover", "backup" (a cold load, or a spare's, beside a handed-on KV
+    # backup), "degraded", "spare" (a spare's weights, loaded before its assignment, beside a new cache)
     kv_handed_on: bool  # the KV lease (and its journal) came from before: its sequences may continue
     layout: JournalLayout
     timings_ms: dict[str, float] = field(default_factory=dict)
@@ -196,6 +197,45 @@ class LeasedMemory:
                               expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
         loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0, num_blocks)
         loaded.weights_load = got.report()
+        return loaded
+
+    def load_weights(self, cfg: ModelConfig, path: Path) -> Any:
+        """A spare's weights (config.py `spare`), loaded at its start as a cold start loads them (`load`) and committed,
+        with no KV cache: what its assignment adds (`spare_takeover`). Returns the load (safetensors_io `WeightsLoad`)."""
+        from libs.client.safetensors_io import copy_name, restore_or_load
+
+        got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
+                              expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
+        self.client.commit()
+        return got
+
+    def spare_takeover(self, cfg: ModelConfig, got: Any, predecessor: str, token: str, layout_of: Any,
+                       wait_s: float) -> Loaded:
+        """A spare's assignment, beside the weights it loaded at its start (`got`): the predecessor's KV backup alone
+        (frozen `backups_only`: its GPU failed; taken as a cold successor takes it, `cold_weights`) and a new cache of
+        the backup's block count, which start-up restores from it (backup_start.py), the source `backup`; or, no
+        predecessor named (one that kept no backup), a new cache of this configuration's size, the source `spare`.
+        Anything but backups handed on is refused (`NotBackupsAlone`): a predecessor's weights and cache are on
+        another GPU, not this spare's."""
+        t0 = time.perf_counter()
+        if not predecessor:
+            loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
+            loaded.source = "spare"
+            return loaded
+        att, granted = self._granted(predecessor, token, wait_s, cold_weights=True)
+        if not backups_alone(att.leases):
+            # kept, not released (see take_backup): this engine exits on the refusal
+            raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, not "
+                                  "its KV backup alone: a spare continues an engine from its backup only "
+                                  "(Freeze backups_only)")
+        for extra in att.leases[1:]:
+            self.client.release(extra.id)
+        backup = _tensors(att.leases[0])
+        taken = _ms(t0)
+        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0,
+                                   num_blocks=int(backup[BACKUP_NAME].shape[0]))
+        loaded.source, loaded.backup = "backup", backup
+        loaded.timings_ms = {"takeover_ms": taken, **granted, **loaded.timings_ms}
         return loaded
 
     def take_backups(self, gang_id: str, rank: int, successors: list[str], generation: int, token: str,

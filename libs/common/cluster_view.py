@@ -235,8 +235,17 @@ class ClusterView:
         exactly one is."""
         fit = [e for sid in self.standbys_on.get(node or "", ()) if (e := self.engines.get(sid)) is not None
                and e.model == model and e.tp == 1 and (version is None or e.version == version)
-               and (gpu is None or e.gpu == gpu)]
+               and (gpu is None or e.gpu == gpu) and not e.spare]
         return fit[0] if len(fit) == 1 else None
+
+    def spare_on(self, node: str, model: str, engine_class: str, version: str,
+                 unhealthy: frozenset[int] | set[int] = frozenset()) -> EngineInfo | None:
+        """A spare on `node` (EngineSpec.spares: a standby with its own weights, on a GPU of its own) waiting for an
+        assignment of `model` (of that class and version), on a GPU not in `unhealthy`; the oldest first."""
+        fit = [e for sid in self.standbys_on.get(node, ()) if (e := self.engines.get(sid)) is not None and e.spare
+               and e.model == model and e.engine_class == engine_class and e.version == version
+               and e.gpu not in unhealthy and self.gpu_healthy(node, e.gpu)]
+        return min(fit, key=lambda e: (e.started_at or 0.0, e.engine_id), default=None)
 
     def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:
         lease_id = rest.rpartition("/")[2]

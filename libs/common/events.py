@@ -152,11 +152,18 @@ class EngineSpec(Model):
     # group serves faster but starts cold, every sequence prefilled again), at once ("first": no cold load, every
     # sequence kept; for a model whose load takes minutes), or never (a cold whole group, or nothing).
     degrade: Literal["no_whole_group", "first", "never"] = "no_whole_group"
+    # Spares (docs/multi_gpu.md, "Spares"): standbys on the spec's other GPUs, each with its own copy of the weights
+    # loaded at its start and no KV cache, for a GPU fault: the engine's successor is a spare on a healthy GPU, which
+    # takes its KV backup over (`--kv-backup`) and serves at once instead of a cold start. Single engines of a class
+    # that builds them (the batched engine); a GPU of the spec without an active replica of it for each.
+    spares: int = Field(0, ge=0, le=16)
 
     @model_validator(mode="after")
     def _one_gpu_a_rank(self) -> EngineSpec:
         if self.rank_gpus and (len(self.rank_gpus) != self.tp or len(set(self.rank_gpus)) != self.tp):
             raise ValueError(f"rank_gpus {self.rank_gpus} must name {self.tp} distinct GPUs, one a rank")
+        if self.spares and self.tp > 1:
+            raise ValueError(f"spares are single engines: a spec of tp {self.tp} runs none")
         return self
 
 
@@ -193,6 +200,7 @@ class WeightsLoaded(Model):
     # a tensor-parallel group: each rank's source, in rank order (`source` is then the slowest, `load_ms` the longest)
     ranks: list[Literal["peer", "host", "artifact", "file"]] = Field(default_factory=list)
     peer: str = ""  # source peer: which lease on which GPU ("lease-x on GPU 1"), as the gpu_manager's reply said
+    spare: bool = False  # loaded by a spare at its start, before the fault it stood by for (EngineSpec.spares)
 
     def describe(self) -> str:
         """One line for an incident's timeline."""
@@ -202,6 +210,8 @@ class WeightsLoaded(Model):
             where = f"{self.source} ({len(self.ranks)} ranks)"
         elif self.ranks:
             where = ", ".join(f"{s} (rank {i})" for i, s in enumerate(self.ranks))
+        if self.spare:
+            return f"weights of a spare, loaded before the fault (from {where} in {self.load_ms:.1f} ms{why})"
         return f"weights from {where} in {self.load_ms:.1f} ms{why}"
 
 
@@ -236,6 +246,7 @@ class EngineInfo(Model):
     followers: list[RankProcess] = Field(default_factory=list)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine reported it when ready
     kv: str | None = None  # where a successor's KV came from when not the handed-on cache ("KV from host backup: ...")
+    spare: bool = False  # a standby on another GPU with its own weights, for a GPU fault (EngineSpec.spares)
 
 
 def engine_record_key(node: str, engine_id: str) -> str:
@@ -739,6 +750,9 @@ class Spawn(Command):
     # A cold successor on the GPU its spec names that takes this engine's KV backup over (frozen `backups_only`
     # under `transfer_token`), loads the weights itself and restores every sequence from the backup.
     backup_of: str | None = None
+    # The spare (EngineSpec.spares) that becomes this successor, its weights loaded already: it takes `backup_of`'s
+    # KV backup over, or (none) starts serving afresh. Gone or failing: a cold engine is started instead.
+    spare: str | None = None
 
 
 class SpawnReply(Model):

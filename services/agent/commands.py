@@ -1,6 +1,12 @@
 """The node's plain commands: `spawn` (a spec upserted, an active engine started, or the dc_manager's reattaching
 fallback), `stop` (one fewer of its kind) and `list`. A takeover is takeover.py's, `mark_gpu` gpu_health.py's.
 
+A fallback's spawn that names a spare (`Spawn.spare`: a standby on another GPU with its own weights loaded,
+EngineSpec.spares) assigns it rather than starting a process: it takes the predecessor's KV backup over
+(`backup_of`) or, none, serves afresh, and the reply waits for it to say ready (its start is done: it serves within
+its assignment's time). A spare gone, assigned meanwhile, on a GPU that failed since, or failing on the way: a cold
+engine is started as without one. Idempotent by incident, as takeovers are.
+
 A stop the controller stamped with its leader term (`StopEngine.term`) runs only while that term leads: one
 linearizable etcd read per stamped stop, and one of an ended term is refused (`stale_term`, logged, the engine and
 its spec untouched: libs/common/terms.py). An unstamped stop (an operator's, a tool's) is not checked.
@@ -8,14 +14,17 @@ its spec untouched: libs/common/terms.py). An unstamped stop (an operator's, a t
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from libs.common.errors import StaleTerm
 from libs.common.events import (
     EngineRole,
     EngineSpec,
+    FaultKind,
     ListEngines,
     ListEnginesReply,
     RestartBackoff,
@@ -26,10 +35,11 @@ from libs.common.events import (
 )
 from libs.common.terms import refusal
 from services.agent.engines import LIVE, EngineRecord, Ev
+from services.agent.gpu_health import GpuHealth
 from services.agent.pidfd import ExitStatus
 from services.agent.records import RecordWriter
 from services.agent.starts import Starts
-from services.agent.supervision import spec_key
+from services.agent.supervision import pick_spare, spec_key
 from services.agent.table import EngineTable
 
 log = logging.getLogger("holdfast.agent")
@@ -41,8 +51,16 @@ class Host(EngineTable, Protocol):
 
     starts: Starts
     writer: RecordWriter
+    gpu_health: GpuHealth
 
     def get(self, engine_id: str) -> EngineRecord: ...
+
+    async def assign(self, rec: EngineRecord, msg: dict[str, Any]) -> None: ...
+
+    async def wait_ready(self, engine_id: str, within_s: float) -> EngineRecord: ...
+
+    def fault(self, rec: EngineRecord, kind: FaultKind, *, exit_code: int | None = None, sig: int | None = None,
+              detail: str = "", died_at: float | None = None, rank: int | None = None) -> bool: ...
 
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
                      extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
@@ -65,6 +83,7 @@ class Commands:
         self.host = host
         self.term_now = term_now  # the controller's term in etcd now (0: nobody leads): libs/common/terms.py
         self.refused = 0  # stops of a controller term that had ended
+        self._spares: dict[str, asyncio.Task[EngineRecord | None]] = {}  # incident -> its spare's assignment
 
     async def spawn(self, cmd: Spawn) -> SpawnReply:
         host = self.host
@@ -93,6 +112,10 @@ class Commands:
             return await self._successor(cmd, key, cmd.predecessor or "", {
                 "HF_DEGRADE_GANG": cmd.degrade_gang, "HF_TRANSFER_TOKEN": cmd.transfer_token,
                 "HF_GANG_GENERATION": str(cmd.gang_generation)}, gang=cmd.degrade_gang)
+        if cmd.spare is not None and (cmd.engine_id is None or cmd.engine_id not in host.engines):
+            spare = await self._on_spare(cmd, key, None)  # a fallback's successor afresh (no backup to continue)
+            if spare is not None:
+                return SpawnReply(engine=host.info(spare))
         if cmd.engine_id is None or cmd.engine_id not in host.engines:
             host.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
         spec, old = cmd.spec, host.specs.get(key)
@@ -132,14 +155,58 @@ class Commands:
             host.save(serving)
             await host.kill_confirmed(serving)
         try:
-            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec,
-                                    extra_env={**orders, "HF_INCIDENT_ID": cmd.incident_id or ""}, replacing=pred,
-                                    gang=gang, same_gpu=False)
+            rec = await self._on_spare(cmd, key, pred) if cmd.spare is not None else None
+            if rec is None:
+                rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec,
+                                        extra_env={**orders, "HF_INCIDENT_ID": cmd.incident_id or ""}, replacing=pred,
+                                        gang=gang, same_gpu=False)
         finally:
             if serving is not None:
                 serving.handing_over = False
                 host.retire(serving)
         return SpawnReply(engine=host.info(rec))
+
+    async def _on_spare(self, cmd: Spawn, key: str, pred: EngineRecord | None) -> EngineRecord | None:
+        """The spare `cmd.spare` as the incident's successor, ready (once per incident: a repeated spawn awaits the
+        first one's); None when it cannot be (the caller starts a cold engine)."""
+        ident = cmd.incident_id or cmd.engine_id or ""
+        task = self._spares.get(ident)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._assign_spare(cmd, key, pred), name=f"spare:{ident}")
+            self._spares[ident] = task
+        return await asyncio.shield(task)  # a caller that times out must not cancel the assignment
+
+    async def _assign_spare(self, cmd: Spawn, key: str, pred: EngineRecord | None) -> EngineRecord | None:
+        host = self.host
+        named = cmd.spare or ""
+        sb = pick_spare(host.records(), key, named, host.gpu_health.unhealthy)
+        if sb is None:
+            log.warning("spawn for %s: %s is no warm spare of %s on a healthy GPU now; starting a cold engine",
+                        cmd.incident_id, named, key)
+            return None
+        host.starts.admit_active(key, replacing=pred, candidate=sb.engine_id)
+        t0 = time.perf_counter()
+        sb.transition(Ev.ASSIGN)
+        sb.role, sb.spare, sb.taking_over = EngineRole.ACTIVE, False, cmd.backup_of
+        sb.generation = pred.generation + 1 if pred is not None else 0
+        try:
+            await host.assign(sb, {"op": "assign", "predecessor": cmd.backup_of or "", "model": sb.model,
+                                   "transfer_token": cmd.transfer_token or "", "incident_id": cmd.incident_id})
+            await host.wait_ready(sb.engine_id, host.settings.takeover_timeout_s)
+        except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
+            log.warning("spare %s failed as the successor of %s (%s); starting a cold engine", sb.engine_id,
+                        cmd.backup_of or cmd.incident_id, e or "timed out")
+            if sb.live:
+                host.fault(sb, FaultKind.HUNG, detail=f"failed as a spare's successor: {e}", died_at=time.time())
+            await host.kill_confirmed(sb)
+            host.retire(sb)
+            return None
+        sb.successor_of = cmd.backup_of
+        host.save(sb)
+        log.info("spawn for %s: spare %s on GPU %d serves in %.1f ms%s", cmd.incident_id, sb.engine_id, sb.gpu,
+                 (time.perf_counter() - t0) * 1000, f", from {cmd.backup_of}'s KV backup" if cmd.backup_of else "")
+        host.reconcile_soon()  # the next spare, where a GPU is free for one
+        return sb
 
     async def stop(self, cmd: StopEngine) -> StopReply:
         await self._in_term(cmd)

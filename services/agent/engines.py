@@ -100,6 +100,7 @@ class EngineRecord:
     followers: list[RankProcess] = field(default_factory=list)  # a TP group's ranks 1.., as rank 0 named them (rank_watch.py)
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine said when ready (issue 21)
     kv: str | None = None  # where its KV came from when not the handed-on cache, as it said when ready (issue 22)
+    spare: bool = False  # a standby on another GPU with its own weights (EngineSpec.spares), until it is assigned
 
     def transition(self, ev: Ev) -> State:
         nxt = TRANSITIONS.get((self.state, ev))
@@ -134,7 +135,7 @@ class EngineRecord:
             heartbeats=self.last_heartbeat is not None, shadows=self.shadows, successor_of=self.successor_of,
             tp=self.tp, gang=self.gang, weights=self.weights, kv=self.kv, followers=list(self.followers),
             ranks=[rank_engine_id(self.engine_id, r) for r in range(self.tp)] if self.tp > 1 else [],
-            rank_gpus=list(self.rank_gpus),
+            rank_gpus=list(self.rank_gpus), spare=self.spare,
         )
 
     @classmethod
@@ -146,7 +147,7 @@ class EngineRecord:
             child=False, generation=info.generation, state=state, endpoint=info.endpoint,
             started_at=info.started_at or time.time(), faulted=state is State.FAILED, successor_of=info.successor_of,
             tp=info.tp, gang=info.gang, weights=info.weights, kv=info.kv, followers=list(info.followers),
-            rank_gpus=list(info.rank_gpus),
+            rank_gpus=list(info.rank_gpus), spare=info.spare,
             # A heartbeating engine must beat again (through its reconnected link) within the timeout.
             last_heartbeat=time.monotonic() if info.heartbeats else None,
         )
@@ -162,6 +163,6 @@ def weights_loaded(raw: Any) -> WeightsLoaded | None:
         peer = (raw.get("restore") or {}).get("peer") or {}
         return WeightsLoaded(source=raw["source"], load_ms=raw["load_ms"], refused=str(raw.get("refused", ""))[:500],
                              ranks=raw.get("ranks") or [],
-                             peer=f"{peer['lease']} on GPU {peer['gpu']}" if peer else "")
+                             peer=f"{peer['lease']} on GPU {peer['gpu']}" if peer else "", spare=bool(raw.get("spare")))
     except (ValidationError, KeyError, TypeError, AttributeError) as e:
         raise MalformedMessage(f"weights report {raw!r:.200}: {e}") from None

@@ -12,6 +12,9 @@ Invariants (README "Several GPUs"):
    base is a candidate only when each of those GPUs is on the node and healthy, and the engines counted on a base
    are those on any of its GPUs. A spec that names its ranks' GPUs (`rank_gpus`: a degraded group on the GPUs a
    failed one left) runs there or nowhere (`rank_gpus_of`).
+5. A spare (EngineSpec.spares) starts on a healthy GPU of its spec where no live active engine of the spec runs (it
+   stands by for that GPU's fault), the one with the fewest spares of the spec first; none such: a typed `conflict`
+   (it waits for a GPU, never shares one with the engine it stands by for).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def rank_gpus_of(spec: EngineSpec, gpus: Sequence[GpuEntry]) -> list[int]:
 
 
 def pick_gpu(spec: EngineSpec, key: str, role: EngineRole, gpus: Sequence[GpuEntry], records: Iterable[EngineRecord],
-             unhealthy: Mapping[int, str], *, replacing: EngineRecord | None = None) -> GpuEntry:
+             unhealthy: Mapping[int, str], *, replacing: EngineRecord | None = None, spare: bool = False) -> GpuEntry:
     if replacing is not None:
         return next((g for g in gpus if g.index == replacing.gpu), GpuEntry(replacing.gpu, ""))
     named = rank_gpus_of(spec, gpus)
@@ -58,9 +61,16 @@ def pick_gpu(spec: EngineSpec, key: str, role: EngineRole, gpus: Sequence[GpuEnt
     on = {g.index: [r for r in live if set(r.gpus) & set(span[g.index])] for g in healthy}
 
     def count(g: GpuEntry, r_role: EngineRole) -> int:
-        return sum(1 for r in on[g.index] if r.spec_key == key and r.role is r_role)
+        return sum(1 for r in on[g.index] if r.spec_key == key and r.role is r_role and not r.spare)
 
     order = {g.index: i for i, g in enumerate(healthy)}
+    if spare:
+        free = [g for g in healthy if not count(g, EngineRole.ACTIVE)]
+        if not free:
+            raise Conflict(f"every healthy GPU of {key} ({sorted(g.index for g in healthy)}) runs an active engine of it: "
+                           "a spare needs one of its own")
+        return min(free, key=lambda g: (sum(1 for r in on[g.index] if r.spec_key == key and r.spare),
+                                        len(on[g.index]), order[g.index]))
     if role is EngineRole.ACTIVE:
         return min(healthy, key=lambda g: (count(g, EngineRole.ACTIVE), len(on[g.index]), order[g.index]))
     return min(healthy, key=lambda g: (count(g, EngineRole.STANDBY) - count(g, EngineRole.ACTIVE), len(on[g.index]),

@@ -29,7 +29,7 @@ def engine_env(settings: AgentSettings, spec: EngineSpec, *, engine_id: str, rol
     })
     # An engine of ours must not inherit a takeover that was meant for another process.
     for key in ("HF_TAKEOVER_FROM", "HF_TRANSFER_TOKEN", "HF_INCIDENT_ID", "HF_TAKEOVER_GANG", "HF_GANG_GENERATION",
-                "HF_ENGINE_TP", "HF_DEGRADE_GANG"):
+                "HF_ENGINE_TP", "HF_DEGRADE_GANG", "HF_ENGINE_SPARE"):
         env.pop(key, None)
     if spec.tp > 1:  # rank 0 starts the other ranks (engines/reference/tp_runner.py)
         env["HF_ENGINE_TP"] = str(spec.tp)

@@ -35,6 +35,9 @@ class AgentSettings(CommonSettings):
     takeover_timeout_s: float = Field(15.0, description="a standby must be ready this long after its assignment")
     takeover_wait_s: float = Field(60.0, description="a failed active engine waits this long for a takeover "
                                    "before the agent replaces it with a fresh (non-reattaching) engine")
+    fallback_wait_s: float = Field(5.0, ge=0, description="a failed active engine whose memory was lost (a GPU fault) "
+                                   "keeps its slot this long for the control plane's fallback successor (one that "
+                                   "continues it from its KV backup, or a spare), before the agent replaces it itself")
     standby_refill_delay_s: float = Field(0.25, ge=0, description="a takeover's replacement standby is started "
                                           "this long after its reply (its spawn and start-up must not delay it)")
     exit_poll_ms: float = Field(2.0, gt=0, description="how often engines are checked for a death in progress "

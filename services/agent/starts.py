@@ -60,11 +60,13 @@ class Starts:
 
     def start(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
               extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
-              replacing: EngineRecord | None = None, gang: str | None = None, same_gpu: bool = True) -> EngineRecord:
+              replacing: EngineRecord | None = None, gang: str | None = None, same_gpu: bool = True,
+              spare: bool = False) -> EngineRecord:
         """Start one engine (a TP spec: its rank 0, which starts the others; `gang`: a successor group keeps its
         predecessor's gang id, a first group's is its own engine id). `replacing`: the engine whose slot it fills,
         on that engine's GPU (its memory cannot move) unless `same_gpu` is false (a degraded successor, or one
-        from a KV backup: its predecessor's memory is host backups, and it runs on the GPUs its spec names)."""
+        from a KV backup: its predecessor's memory is host backups, and it runs on the GPUs its spec names).
+        `spare`: a standby on a GPU of the spec where none of its actives runs (gpus.py invariant 5)."""
         host = self.host
         spec = spec or host.specs[key]
         engine_id = engine_id or new_id(subject_token(spec.model))
@@ -74,9 +76,11 @@ class Starts:
             self.admit_active(key, replacing=replacing)
         health = host.gpu_health
         where = gpus.pick_gpu(spec, key, role, health.gpus, host.records(), health.unhealthy,
-                              replacing=replacing if same_gpu else None)
+                              replacing=replacing if same_gpu else None, spare=spare)
         gpu = where.index
         extra_env = {**(extra_env or {}), "HF_GPU_UUID": where.uuid} if where.uuid else extra_env
+        if spare:  # engines/batched/config.py `spare`
+            extra_env = {**(extra_env or {}), "HF_ENGINE_SPARE": "1"}
         rank_gpus = gpus.rank_gpus_of(spec, health.gpus)
         if rank_gpus:  # engines/reference/tp_runner.py `rank_place`
             extra_env = {**(extra_env or {}), "HF_ENGINE_RANK_GPUS": json.dumps(rank_gpus)}
@@ -86,10 +90,11 @@ class Starts:
         rec = EngineRecord(engine_id=engine_id, model=spec.model, engine_class=spec.engine_class, role=role,
                            gpu=gpu, version=spec.version, spec_key=key, pid=pid, pid_start=proc_start_time(pid),
                            child=True, generation=generation, tp=spec.tp, rank_gpus=rank_gpus,
-                           gang=(gang or engine_id) if spec.tp > 1 else None)
+                           gang=(gang or engine_id) if spec.tp > 1 else None, spare=spare)
         host.engines[engine_id] = rec
         host.watcher.watch(engine_id, pid, child=True)  # our unreaped child: its pid cannot be recycled yet
-        log.info("started %s engine %s (pid %d) for %s on GPU %d", role.value, engine_id, pid, spec.model, gpu)
+        log.info("started %s engine %s (pid %d) for %s on GPU %d", "spare" if spare else role.value, engine_id, pid,
+                 spec.model, gpu)
         host.publish(EngineStarted(engine=host.info(rec)))
         host.save(rec)
         return rec

@@ -6,6 +6,7 @@ agent restart is corrected by the next pass rather than by remembering what happ
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from libs.common.events import EngineRole, EngineSpec
@@ -25,6 +26,7 @@ class Plan:
     retire: list[str] = field(default_factory=list)  # failed engines nobody took over in time
     stop: list[str] = field(default_factory=list)  # standbys beyond their spec's count (a spec lowered)
     held: list[str] = field(default_factory=list)  # spec keys whose starts wait (a crash-loop backoff, strangers)
+    spares: list[str] = field(default_factory=list)  # spec keys, one a spare to start (EngineSpec.spares)
 
 
 def awaits_takeover(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
@@ -34,41 +36,55 @@ def awaits_takeover(r: EngineRecord, now: float, takeover_wait_s: float) -> bool
             and r.failed_mono is not None and now - r.failed_mono < takeover_wait_s)
 
 
-def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
+def awaits_fallback(r: EngineRecord, now: float, fallback_wait_s: float) -> bool:
+    """A failed active engine whose memory was lost (a GPU fault) within `fallback_wait_s` of its fault: the control
+    plane's fallback successor (one that continues it from its KV backup, or a spare) is coming for its slot. A
+    replacement of the agent's own started meanwhile would take the slot first and the fallback's be refused."""
+    return (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.memory_lost
+            and r.failed_mono is not None and now - r.failed_mono < fallback_wait_s)
+
+
+def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float, fallback_wait_s: float) -> bool:
     if r.role is not EngineRole.ACTIVE:
         return False
     if r.state in LIVE or r.handing_over:
         return True  # a predecessor being taken over keeps its slot: the successor fills it
-    # A failed active engine keeps its slot while a takeover may still come for its memory.
-    return awaits_takeover(r, now, takeover_wait_s)
+    # A failed active engine keeps its slot while a takeover may still come for its memory, or the fallback for it.
+    return awaits_takeover(r, now, takeover_wait_s) or awaits_fallback(r, now, fallback_wait_s)
 
 
 def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float,
-         backoffs: Backoffs | None = None, starts_from: float = 0.0) -> Plan:
+         backoffs: Backoffs | None = None, starts_from: float = 0.0, fallback_wait_s: float = 0.0) -> Plan:
     """`starts_from`: nothing starts before then (an agent's first moments, while engines a previous agent started
     and never recorded register again: each one that does fills its slot, warm, instead of a cold duplicate that
-    would make it one too many)."""
+    would make it one too many). `fallback_wait_s`: how long an engine whose memory was lost keeps its slot for the
+    control plane's fallback successor (`awaits_fallback`)."""
     out = Plan()
     for r in records:
         if (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.failed_mono is not None
-                and (now - r.failed_mono >= takeover_wait_s or (r.memory_lost and not r.handing_over))):
+                and (now - r.failed_mono >= takeover_wait_s
+                     or (r.memory_lost and not r.handing_over and not awaits_fallback(r, now, fallback_wait_s)))):
             out.retire.append(r.engine_id)  # no takeover came in time, or none can come
         elif r.state is State.FAILED and r.role is EngineRole.STANDBY:
             out.retire.append(r.engine_id)  # a standby holds no memory: nothing to wait for
     for key, spec in specs.items():
         mine = [r for r in records if r.spec_key == key]
-        active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s))
-        standbys = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE]
+        active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s, fallback_wait_s))
+        standbys = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE and not r.spare]
+        spares = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE and r.spare]
         missing = [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)
-        want_standbys = standbys_of(spec)
+        want_standbys, want_spares = standbys_of(spec), spares_of(spec)
         missing += [(key, EngineRole.STANDBY)] * max(0, want_standbys - len(standbys))
-        if missing and (now < starts_from or (backoffs is not None and not backoffs.may_start(key, now))):
+        more_spares = [key] * max(0, want_spares - len(spares))
+        if (missing or more_spares) and (now < starts_from or (backoffs is not None and not backoffs.may_start(key, now))):
             out.held.append(key)  # strangers may still register, or crash-looping: its replacements wait
         else:
             out.start += missing
-        idle = sorted((r for r in standbys if r.state in (State.STANDBY, State.STARTING)),
-                      key=lambda r: r.spawned_mono, reverse=True)
-        out.stop += [r.engine_id for r in idle[:max(0, len(standbys) - want_standbys)]]  # the newest first
+            out.spares += more_spares
+        for kind, want in ((standbys, want_standbys), (spares, want_spares)):
+            idle = sorted((r for r in kind if r.state in (State.STANDBY, State.STARTING)),
+                          key=lambda r: r.spawned_mono, reverse=True)
+            out.stop += [r.engine_id for r in idle[:max(0, len(kind) - want)]]  # the newest first
     return out
 
 
@@ -81,6 +97,24 @@ STANDBY_GROUP_CLASSES = frozenset({"batched"})
 def standbys_of(spec: EngineSpec) -> int:
     """The standbys a spec runs: for a tensor-parallel spec, standby groups if its engine class builds them."""
     return spec.standbys if spec.tp == 1 or spec.engine_class in STANDBY_GROUP_CLASSES else 0
+
+
+# Engine classes that build spares (engines/batched/config.py `spare`: its own weights loaded at its start, then a
+# predecessor's KV backup taken over beside them). The reference engine does not.
+SPARE_CLASSES = frozenset({"batched"})
+
+
+def spares_of(spec: EngineSpec) -> int:
+    """The spares a spec runs (EngineSpec.spares): single engines of a class that builds them."""
+    return spec.spares if spec.tp == 1 and spec.engine_class in SPARE_CLASSES else 0
+
+
+def pick_spare(records: list[EngineRecord], key: str, named: str, unhealthy: Iterable[int]) -> EngineRecord | None:
+    """The spare `named` if it is a warm spare of spec `key` on a healthy GPU (the dc_manager named it from its view,
+    which may be behind: gone, assigned meanwhile, or its GPU failed since)."""
+    bad = set(unhealthy)
+    return next((r for r in records if r.engine_id == named and r.spare and r.spec_key == key
+                 and r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.gpu not in bad), None)
 
 
 def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str, *,
@@ -135,7 +169,7 @@ def admit_stranger(specs: dict[str, EngineSpec], records: list[EngineRecord], ke
     if role is EngineRole.ACTIVE:
         return admit_active(specs, records, key)
     standbys = [r.engine_id for r in records if r.spec_key == key and r.role is EngineRole.STANDBY
-                and r.state in LIVE]
+                and r.state in LIVE and not r.spare]
     if len(standbys) < standbys_of(spec):
         return None
     return f"{key} wants {standbys_of(spec)} standby, and {len(standbys)} run already {standbys}: no new one"
@@ -182,7 +216,7 @@ def starting_standby(records: list[EngineRecord], model: str, *, version: str | 
 
 
 def _standby_of_shape(r: EngineRecord, model: str, version: str | None, tp: int, gpu: int | None) -> bool:
-    return (r.role is EngineRole.STANDBY and r.model == model and (version is None or r.version == version)
+    return (r.role is EngineRole.STANDBY and not r.spare and r.model == model and (version is None or r.version == version)
             and r.tp == tp and (gpu is None or r.gpu == gpu))
 
 
@@ -202,7 +236,7 @@ def shadow_plan(records: list[EngineRecord]) -> ShadowPlan:
     present = {r.engine_id for r in records if not r.asleep}
     serving = [r for r in records if r.role is EngineRole.ACTIVE and r.state is State.READY and not r.asleep]
     standbys = [r for r in records if r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.can_shadow
-                and r.linked and r.shadow_offered is None]
+                and not r.spare and r.linked and r.shadow_offered is None]
     load = {r.engine_id: 0 for r in serving}
     for sb in standbys:
         if sb.shadows in load:

@@ -74,6 +74,7 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconcile_now = asyncio.Event()
         self.starts_from = 0.0  # monotonic: the reconciler starts nothing before (`supervision.plan`)
+        self._no_spare: dict[str, str] = {}  # spec key -> why its spare cannot start now (logged once a reason)
         self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
                                                max_s=settings.crash_backoff_max_s,
                                                reset_s=settings.crash_backoff_reset_s))
@@ -120,10 +121,10 @@ class Agent:
     def start_engine(self, key: str, role: EngineRole, *, engine_id: str | None = None, generation: int = 0,
                      extra_env: dict[str, str] | None = None, spec: EngineSpec | None = None,
                      replacing: EngineRecord | None = None, gang: str | None = None,
-                     same_gpu: bool = True) -> EngineRecord:
+                     same_gpu: bool = True, spare: bool = False) -> EngineRecord:
         """Start one engine (starts.py); every start goes through here (metrics.py counts them)."""
         return self.starts.start(key, role, engine_id=engine_id, generation=generation, extra_env=extra_env,
-                                 spec=spec, replacing=replacing, gang=gang, same_gpu=same_gpu)
+                                 spec=spec, replacing=replacing, gang=gang, same_gpu=same_gpu, spare=spare)
 
     def fault(self, rec: EngineRecord, kind: FaultKind, *, exit_code: int | None = None, sig: int | None = None,
               detail: str = "", died_at: float | None = None, rank: int | None = None) -> bool:
@@ -245,7 +246,7 @@ class Agent:
             if rec.spec_key is not None and rec.state in (State.READY, State.STANDBY):
                 self.backoffs.note_up(rec.spec_key, now, rec.spawned_mono)
         p = supervision.plan(self.specs, self.records(), now, self.settings.takeover_wait_s, self.backoffs,
-                             self.starts_from)
+                             self.starts_from, self.settings.fallback_wait_s)
         if now < self.starts_from and p.held:
             asyncio.get_running_loop().call_later(self.starts_from - now, self.reconcile_soon)
         for engine_id in p.stop:
@@ -263,6 +264,14 @@ class Agent:
                 self.start_engine(key, role)
             except (OSError, ValueError, HoldfastError) as e:
                 log.error("cannot start a %s engine of %s: %s", role.value, key, e)
+        for key in p.spares:
+            try:
+                self.start_engine(key, EngineRole.STANDBY, spare=True)
+                self._no_spare.pop(key, None)
+            except (OSError, ValueError, HoldfastError) as e:
+                if self._no_spare.get(key) != str(e):  # said once per reason: it holds until a GPU is free
+                    log.warning("no spare for %s: %s", key, e)
+                self._no_spare[key] = str(e)
         await shadows.reconcile(self)
 
     async def close(self) -> None:

@@ -42,6 +42,7 @@ from libs.common.cluster_view import ClusterView, range_pages
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
+    EngineInfo,
     EngineSpec,
     Freeze,
     FreezeGang,
@@ -343,6 +344,11 @@ class IntentSteps:
                            timings={"fallback": prog.spawn_ms or 0.0}, detail=engine.state, node=engine.node)
 
     async def _spawn_cold(self, intent: RecoverIntent, spec: EngineSpec, needed: int, prog: IntentProgress) -> None:
+        if spec.tp == 1 and intent.node and (spare := self.view.spare_on(
+                intent.node, spec.model, spec.engine_class, intent.version or spec.version)) is not None:
+            # serves at once, its weights loaded already (no KV backup to continue: the routers replay the streams)
+            await self._on_spare(intent, spec, spare, prog)
+            return
         freed = await self._reclaim_lost_gang(intent)
         # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
         # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
@@ -422,6 +428,12 @@ class IntentSteps:
             log.info("intent %s: the KV backup of %s cannot be handed on (%s): a cold start", intent.incident_id,
                      intent.engine_id, e.detail)
             return
+        spare = self.view.spare_on(intent.node, spec.model, spec.engine_class, intent.version or spec.version,
+                                   set(frozen.unhealthy_gpus))
+        if spare is not None:  # its weights loaded already, on a healthy GPU: it takes the backup over and serves
+            await self._on_spare(intent, spec, spare, prog, backup_of=intent.engine_id,
+                                 transfer_token=frozen.transfer_token)
+            return
         device = [lease for lease in leases if not lease.host]
         # the node's GPU health as its gpu_manager holds it now (the view may not have the fault's record yet); the
         # lost leases the view still counts given back; room for the lost ones (at least a cache the backup's size)
@@ -440,6 +452,22 @@ class IntentSteps:
                     backup_of=intent.engine_id, transfer_token=frozen.transfer_token)
         log.info("intent %s: %s from its KV backup: %s", intent.incident_id, intent.engine_id, where.reason)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, intent.node, cmd, SpawnReply,
+                                                        self.settings.spawn_timeout_s)
+        await self.save(prog)
+
+    async def _on_spare(self, intent: RecoverIntent, spec: EngineSpec, spare: EngineInfo, prog: IntentProgress,
+                        **handed: str) -> None:
+        """The incident's successor is `spare` (EngineSpec.spares: a standby on another GPU of the node, its weights
+        loaded at its start): the agent assigns it rather than starting a process (or, the spare gone meanwhile,
+        starts a cold engine on its GPU). `handed`: `backup_of` and `transfer_token`, the engine's KV backup frozen
+        alone for it to continue every sequence from."""
+        version = intent.version or spec.version
+        cmd = Spawn(spec=spec.model_copy(update={"gpus": [spare.gpu], "version": version}),
+                    engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
+                    spare=spare.engine_id, **handed)
+        log.info("intent %s: %s's successor is spare %s on GPU %d%s", intent.incident_id, intent.engine_id,
+                 spare.engine_id, spare.gpu, ", from its KV backup" if handed else "")
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, intent.node or "", cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
         await self.save(prog)
 

@@ -41,6 +41,8 @@ class TensorParallelScenario(Scenario):
     gpus = 2  # simulated GPUs of the node
     tp = 2  # the spec's ranks
     degrade = "no_whole_group"  # the spec's EngineSpec.degrade
+    spares = 0  # the spec's EngineSpec.spares
+    spec_gpus: tuple[int, ...] = (0,)  # the spec's GPUs
 
     def command(self) -> list[str]:
         return engine_command(self.weights, self.size)
@@ -48,7 +50,7 @@ class TensorParallelScenario(Scenario):
     def start(self) -> Stack:
         make_weights(get_config(self.size), self.weights)
         spec = EngineSpec(engine_class=self.engine_class, model=MODEL, command=self.command(), replicas=1,
-                          standbys=self.standbys,
+                          standbys=self.standbys, spares=self.spares, gpus=list(self.spec_gpus),
                           tp=self.tp, cold_start_s=120.0, env={"HF_ENGINE_MEMORY": "leased"}, degrade=self.degrade)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend="host",
                                                  engines_file=self.write_specs(spec),
