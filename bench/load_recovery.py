@@ -95,10 +95,11 @@ class LoadScenario(Scenario):
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
                  prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, isolated: bool = True,
                  deterministic: bool = True, router_hold_s: float | None = None, drawn: bool = False,
-                 gpus: int = 1, kv_backup: bool = False, **kw: Any) -> None:
+                 gpus: int = 1, kv_backup: bool = False, spares: int = 0, **kw: Any) -> None:
         self.router_hold_s = router_hold_s  # the router's hold for a model with no endpoint (None: its default)
-        # `gpus` > 1: the node's GPUs (the host backend simulates them); `kv_backup`: the engine's KV backed up to host
-        self.gpus, self.kv_backup = gpus, kv_backup
+        # `gpus` > 1: the node's GPUs (the host backend simulates them); `kv_backup`: the engine's KV backed up to host;
+        # `spares`: the spec's (EngineSpec.spares: standbys on the other GPUs with weights of their own)
+        self.gpus, self.kv_backup, self.spares = gpus, kv_backup, spares
         if shadow is None:
             shadow = kv_cache_gib is not None or kw.get("backend") == "host"
         super().__init__(shadow=shadow, **kw)
@@ -119,6 +120,7 @@ class LoadScenario(Scenario):
                                                   deterministic=self.deterministic)
                           + (["--kv-backup", "--kv-backup-lag-ms", "100"] if self.kv_backup else []),
                           replicas=1, standbys=self.standbys, cold_start_s=COLD_START_S, gpus=list(range(self.gpus)),
+                          spares=self.spares,
                           # the successor's HTTP loop watched (`loop_late`; HF_ENGINE_LOOP_WATCH_S=0: not)
                           env={"HF_ENGINE_LOOP_WATCH_S": os.environ.get("HF_ENGINE_LOOP_WATCH_S", "0.5")})
         specs_file = self.write_specs(spec)
@@ -188,20 +190,34 @@ async def serving_besides(sc: LoadScenario, gone: set[str], timeout: float = 180
 
 
 Fault = Callable[[LoadScenario, EngineInfo], Awaitable[float]]
+Prepare = Callable[[LoadScenario, EngineInfo], Awaitable[None]]
 
 
-async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 0) -> float:
-    """The active engine's GPU marked failed (what an NVML XID does: its weights and cache lost with it), every other
-    GPU of the node marked healthy first (the one an earlier trial failed). `backed_rows`: first wait until the
-    engine's KV backup vouches for that many sequences (a sequence admitted within the backup's lag, 100 ms, is not
-    in it yet: replayed and prefilled again, as without a backup). The fault's wall time."""
+async def gpus_replaced(sc: LoadScenario, active: EngineInfo, *, spares: int = 0, timeout: float = 300.0) -> None:
+    """Before a GPU fault's round (no stream yet): every GPU of the node but the active engine's marked healthy (the
+    one an earlier trial failed: replaced), then, with `spares`, until that many spares stand by (one restarted on
+    the replaced GPU after the last trial's took over)."""
     assert sc.bus is not None and sc.stack is not None
-    if backed_rows:
-        await sc.until_backed_up(active.endpoint or "", rows=backed_rows, timeout=30)
     node = sc.stack.config.node
     for gpu in range(sc.gpus):
         if gpu != active.gpu:
             await sc.bus.request(node, MarkGpu(gpu=gpu, healthy=True, detail="replaced"), MarkGpuReply, timeout=10)
+    deadline = time.monotonic() + timeout
+    while spares and len([e for e in await sc.engines() if e.spare and e.state == "standby"]) < spares:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {spares} spares standing by after {timeout:.0f} s: {await sc.engines()}")
+        await asyncio.sleep(0.1)
+
+
+async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 0) -> float:
+    """The active engine's GPU marked failed (what an NVML XID does: its weights and cache lost with it).
+    `backed_rows`: first wait until the engine's KV backup vouches for that many sequences (a sequence admitted within
+    the backup's lag, 100 ms, is not in it yet: replayed and prefilled again, as without a backup). The fault's wall
+    time."""
+    assert sc.bus is not None and sc.stack is not None
+    if backed_rows:
+        await sc.until_backed_up(active.endpoint or "", rows=backed_rows, timeout=30)
+    node = sc.stack.config.node
     at = time.time()
     await sc.bus.request(node, MarkGpu(gpu=active.gpu, detail="xid 79 (bench)"), MarkGpuReply, timeout=10)
     return at
@@ -209,9 +225,12 @@ async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 
 
 async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPool, n: int, late: int,
                     max_tokens: int, *, kill: bool, warm_tokens: int, kill_successor: bool = False,
-                    fault: Fault | None = None) -> dict[str, Any]:
-    """`kill`: a failure once every stream has tokens, a SIGKILL of the active engine unless `fault` says what."""
+                    fault: Fault | None = None, prepare: Prepare | None = None) -> dict[str, Any]:
+    """`kill`: a failure once every stream has tokens, a SIGKILL of the active engine unless `fault` says what;
+    `prepare`: what a failure's round needs before its streams start."""
     active = await sc.wait_serving(timeout=300)
+    if kill and prepare is not None:
+        await prepare(sc, active)
     seen = len(sc.events)
     jobs = [Job(i, p, max_tokens) for i, p in enumerate(prompts(n, "stream"))]
     late_jobs = [Job(n + i, p, max_tokens // 2) for i, p in enumerate(prompts(late, "late"))]
@@ -407,7 +426,9 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
     return out
 
 
-GPU_FAULT_WAYS = ("backup", "replay")  # its KV from the host backup; none kept: a cold start and the router's replay
+# a spare on the other GPU takes the host backup over; a cold engine there does; none kept: a cold start and the
+# router's replay
+GPU_FAULT_WAYS = ("spare", "backup", "replay")
 
 
 async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
@@ -415,12 +436,14 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
                         prefill_chunk: int = 256, client_procs: int = 0, deterministic: bool = True,
                         ways: tuple[str, ...] = GPU_FAULT_WAYS) -> dict[str, Any]:
     """`--gpu-fault`: the active engine's GPU fails under the load (its weights and cache lost with it) on a node of
-    two GPUs, no standby, each way on a stack of its own, side by side in one run: `backup` (the engine keeps its KV
-    in host memory: a cold engine on the other GPU continues every sequence from it, docs/kv_backup.md) and `replay`
-    (no backup: a cold start there, every stream replayed by the router and its prompt prefilled again). Each with
-    its no-failure control; a trial fails the GPU the engine is on, the other one marked healthy first; with the
-    backup, once a backup round vouches for every stream (`gpu_fault`: what a sequence younger than the lag costs is
-    a replay's)."""
+    two GPUs, no standby, each way on a stack of its own, side by side in one run: `spare` (the engine keeps its KV
+    in host memory and its spec a spare on the other GPU, its weights loaded: the spare continues every sequence from
+    the backup, docs/multi_gpu.md "Spares"), `backup` (the same backup, no spare: a cold engine on the other GPU
+    continues from it, docs/kv_backup.md) and `replay` (no backup: a cold start there, every stream replayed by the
+    router and its prompt prefilled again). Each with its no-failure control; a trial fails the GPU the engine is on,
+    the other one marked healthy first (and, `spare`, a spare standing by on it: `gpus_replaced`); with the backup,
+    once a backup round vouches for every stream (`gpu_fault`: what a sequence younger than the lag costs is a
+    replay's)."""
     if backend != "host":
         raise ValueError("--gpu-fault marks a simulated GPU failed: the host backend (a node of two real GPUs would "
                          "lose a real one's memory; not built for the cuda backend)")
@@ -435,10 +458,10 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
             sc = LoadScenario(size=size, backend=backend, standbys=0, max_num_seqs=max(256, streams + late),
                               kv_cache_gib=kv_cache_gib, work_dir=base / way, weights=weights, step_tokens=step_tokens,
                               prefill_chunk=prefill_chunk, shadow=False, deterministic=deterministic, gpus=2,
-                              kv_backup=way == "backup")
+                              kv_backup=way in ("spare", "backup"), spares=int(way == "spare"))
             fault = functools.partial(gpu_fault, backed_rows=streams if sc.kv_backup else 0)
             report["ways"][way] = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
-                                                fault=fault)
+                                                fault=fault, prepare=functools.partial(gpus_replaced, spares=sc.spares))
     finally:
         if work_dir is None:
             weights.unlink(missing_ok=True)
@@ -447,7 +470,7 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
 
 async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_tokens: int, client_procs: int,
                   deterministic: bool, *, fault: Fault | None = None, kill_successor: bool = False,
-                  keep_weights: bool = False) -> dict[str, Any]:
+                  keep_weights: bool = False, prepare: Prepare | None = None) -> dict[str, Any]:
     """The stack up, a no-failure control round, then `trials` rounds with a failure each; the stack down."""
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
@@ -459,7 +482,8 @@ async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_to
             warm = 4
             control = await one_round(sc, client, pool, streams, late, max_tokens, kill=False, warm_tokens=warm)
             rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm,
-                                      kill_successor=kill_successor, fault=fault) for _ in range(trials)]
+                                      kill_successor=kill_successor, fault=fault, prepare=prepare)
+                      for _ in range(trials)]
         return {"no_failure": summarize([control], control, deterministic=deterministic),
                 "failure": summarize(rounds, control, deterministic=deterministic)}
     finally:

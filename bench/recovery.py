@@ -215,8 +215,9 @@ def cli(
                                        "from a header-only file (make-weights --drawn): weights larger than the "
                                        "machine's disk and RAM"),
     gpu_fault: bool = typer.Option(False, help="with --streams: the active engine's GPU fails instead of a SIGKILL (a "
-                                   "node of two simulated GPUs, host backend), two ways side by side: its KV from "
-                                   "its host backup, and no backup (a cold start and the router's replay)"),
+                                   "node of two simulated GPUs, host backend), three ways side by side: its KV "
+                                   "from its host backup taken over by a spare on the other GPU, or by a cold "
+                                   "engine there, and no backup (a cold start and the router's replay)"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
