@@ -36,6 +36,7 @@ from engines.batched.journal import Journal, JournalLayout, counted
 from engines.batched.memory import (
     LeasedMemory,
     Loaded,
+    Spare,
     journal_generation,
     layout_fn,
     open_memory,
@@ -261,7 +262,7 @@ def run(cfg: EngineConfig) -> int:
 
     layout_of = layout_fn(cfg, mcfg, device)
     loaded: Loaded | None = None
-    spare: Any = None  # a spare's weights, loaded before its assignment (memory.py `load_weights`)
+    spare: Spare | None = None  # a spare's weights and cache, before its assignment (memory.py `load_spare`)
     kv_backup: tuple[BackupWriter, dict[str, Any]] | None = None
     try:
         t_start = t_process
@@ -279,11 +280,11 @@ def run(cfg: EngineConfig) -> int:
                 assert isinstance(memory, LeasedMemory)
                 prepared = prepare_runner(cfg, mcfg, memory, layout_of)
                 state.info["prepared"] = prepared[2]
-            if cfg.spare:  # its own weights, on its own GPU, before it says it stands by (config.py `spare`)
+            if cfg.spare:  # its own weights and cache, on its own GPU, before it stands by (config.py `spare`)
                 assert isinstance(memory, LeasedMemory)  # config.py
-                t_weights = time.perf_counter()
-                spare = memory.load_weights(mcfg, cfg.weights)
-                state.info["spare"] = {"weights": spare.report(), "ms": _ms(t_weights)}
+                spare = memory.load_spare(mcfg, cfg.weights, layout_of)
+                state.info["spare"] = {"weights": spare.got.report(), "ms": spare.load_ms,
+                                       "num_blocks": spare.layout.num_blocks}
             # The warm heap is collected and frozen (a full collection of a torch process holds the interpreter
             # for ~1 s on a loaded machine) before heartbeats begin: the agent's hang watch would take that
             # pause for a hung engine. ready() then finds nothing left to collect.
@@ -305,7 +306,7 @@ def run(cfg: EngineConfig) -> int:
                 assert isinstance(memory, LeasedMemory)
                 loaded = memory.spare_takeover(mcfg, spare, a.predecessor, a.transfer_token, layout_of,
                                                cfg.adopt_wait_s)
-                loaded.weights_load = {**spare.report(), "spare": True}  # loaded before the fault
+                loaded.weights_load = {**spare.got.report(), "spare": True}  # loaded before the fault
             else:
                 loaded = memory.takeover(mcfg, a.predecessor, a.transfer_token, layout_of, cfg.adopt_wait_s,
                                          fenced=cfg.fenced_takeover, known=prepared[0] if prepared else None)

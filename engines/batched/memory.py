@@ -70,6 +70,18 @@ class Loaded:
     degraded: Any = None  # a broken gang's every rank's backup (degrade.py `Degraded`), for a degraded successor
 
 
+@dataclass
+class Spare:
+    """A spare's memory before its assignment (`LeasedMemory.load_spare`): its weights' load and its own KV cache."""
+
+    got: Any  # the weights' load (libs/client/safetensors_io.py `WeightsLoad`): lease, metas, source, time
+    layout: JournalLayout
+    kv: torch.Tensor
+    journal: dict[str, torch.Tensor]
+    kv_lease: str  # the cache's lease id (released if a backup of another block count comes)
+    load_ms: float
+
+
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
@@ -199,43 +211,61 @@ class LeasedMemory:
         loaded.weights_load = got.report()
         return loaded
 
-    def load_weights(self, cfg: ModelConfig, path: Path) -> Any:
-        """A spare's weights (config.py `spare`), loaded at its start as a cold start loads them (`load`) and committed,
-        with no KV cache: what its assignment adds (`spare_takeover`). Returns the load (safetensors_io `WeightsLoad`)."""
+    def load_spare(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Spare:
+        """A spare's memory (config.py `spare`), at its start: the weights, loaded as a cold start loads them (`load`),
+        and a KV cache of this configuration's size, zeroed, both committed: what its assignment continues on
+        (`spare_takeover`), so that nothing is loaded, leased or zeroed in the outage."""
         from libs.client.safetensors_io import copy_name, restore_or_load
 
+        t0 = time.perf_counter()
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
                               expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
+        dtype = got.tensors["tok_embeddings.weight"].dtype
+        layout: JournalLayout = layout_of(dtype, None)
+        kv, journal, kv_lease = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return got
+        return Spare(got, layout, kv, journal, kv_lease.id, _ms(t0))
 
-    def spare_takeover(self, cfg: ModelConfig, got: Any, predecessor: str, token: str, layout_of: Any,
+    def spare_takeover(self, cfg: ModelConfig, spare: Spare, predecessor: str, token: str, layout_of: Any,
                        wait_s: float) -> Loaded:
-        """A spare's assignment, beside the weights it loaded at its start (`got`): the predecessor's KV backup alone
-        (frozen `backups_only`: its GPU failed; taken as a cold successor takes it, `cold_weights`) and a new cache of
-        the backup's block count, which start-up restores from it (backup_start.py), the source `backup`; or, no
-        predecessor named (one that kept no backup), a new cache of this configuration's size, the source `spare`.
-        Anything but backups handed on is refused (`NotBackupsAlone`): a predecessor's weights and cache are on
-        another GPU, not this spare's."""
+        """A spare's assignment, beside the weights and cache it holds since its start (`load_spare`): the
+        predecessor's KV backup alone (frozen `backups_only`: its GPU failed; taken as a cold successor takes it,
+        `cold_weights`), which start-up restores into the cache (backup_start.py), the source `backup`; or, no
+        predecessor named (one that kept no backup), nothing, the source `spare`. Fenced: granted once the predecessor
+        is stopped, read only once it has exited (`wait_fence`: its copies into the backup may still land until
+        then). A backup of another block count (a predecessor of another cache size) gets a cache of its size instead
+        of the spare's. Anything but backups handed on is refused (`NotBackupsAlone`): a predecessor's weights and
+        cache are on another GPU, not this spare's."""
         t0 = time.perf_counter()
-        if not predecessor:
-            loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0)
-            loaded.source = "spare"
-            return loaded
-        att, granted = self._granted(predecessor, token, wait_s, cold_weights=True)
-        if not backups_alone(att.leases):
-            # kept, not released (see take_backup): this engine exits on the refusal
-            raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, not "
-                                  "its KV backup alone: a spare continues an engine from its backup only "
-                                  "(Freeze backups_only)")
-        for extra in att.leases[1:]:
-            self.client.release(extra.id)
-        backup = _tensors(att.leases[0])
-        taken = _ms(t0)
-        loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0,
-                                   num_blocks=int(backup[BACKUP_NAME].shape[0]))
-        loaded.source, loaded.backup = "backup", backup
-        loaded.timings_ms = {"takeover_ms": taken, **granted, **loaded.timings_ms}
+        backup: dict[str, torch.Tensor] | None = None
+        fence: list[Any] = []
+        timings: dict[str, Any] = {}
+        if predecessor:
+            att, timings = self._granted(predecessor, token, wait_s, fenced=True, cold_weights=True)
+            if not backups_alone(att.leases):
+                # kept, not released (see take_backup): this engine exits on the refusal
+                raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, "
+                                      "not its KV backup alone: a spare continues an engine from its backup only "
+                                      "(Freeze backups_only)")
+            for extra in att.leases[1:]:
+                self.client.release(extra.id)
+            backup, fence = _tensors(att.leases[0]), att.fence
+            timings["takeover_ms"] = _ms(t0)
+        got, layout, kv, journal = spare.got, spare.layout, spare.kv, spare.journal
+        dtype = kv.dtype
+        if backup is not None and int(backup[BACKUP_NAME].shape[0]) != layout.num_blocks:
+            log.info("the backup of %s holds %d blocks, this spare's cache %d: leasing one of its size", predecessor,
+                     int(backup[BACKUP_NAME].shape[0]), layout.num_blocks)
+            self.client.release(spare.kv_lease)
+            layout = layout_of(dtype, int(backup[BACKUP_NAME].shape[0]))
+            kv, journal, _ = self._new_kv(cfg, dtype, layout)
+            self.client.commit()
+            timings["new_cache_ms"] = _ms(t0) - timings.get("takeover_ms", 0.0)
+        weights = {m.name: got.lease.view(m, "torch") for m in got.metas}
+        loaded = Loaded(weights, kv, journal,
+                        "spare" if backup is None else "backup", False, layout, {**timings, "total_ms": _ms(t0)},
+                        _fused_views([(got.lease, m) for m in got.metas]), backup=backup)
+        loaded.fence = fence
         return loaded
 
     def take_backups(self, gang_id: str, rank: int, successors: list[str], generation: int, token: str,
@@ -323,7 +353,7 @@ class LeasedMemory:
         t_load = _ms(t0)
         dtype = weights["tok_embeddings.weight"].dtype
         layout = layout_of(dtype, num_blocks)
-        kv, journal = self._new_kv(cfg, dtype, layout)
+        kv, journal, _ = self._new_kv(cfg, dtype, layout)
         self.client.commit()
         return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)},
                       _fused_views([(lease, m) for m in metas]))
@@ -434,18 +464,20 @@ class LeasedMemory:
             self.client.release(caches[0].id)
         # A lost cache restored from its backup (backup.py) needs the backup's block count: its block ids are kept.
         layout = layout_of(dtype, backup[BACKUP_NAME].shape[0] if backup is not None else None)
-        kv, journal = self._new_kv(cfg, dtype, layout)
+        kv, journal, _ = self._new_kv(cfg, dtype, layout)
         self.client.commit()
         return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, **split, "total_ms": _ms(t0)},
                       fused, backup=backup, drain=drain)
 
-    def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype,
+                layout: JournalLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
+        """A new KV lease (the cache and the journal, packed), registered, not committed: (cache, journal, lease)."""
         packed = _packed(cfg, dtype, layout)
         lease = self.client.allocate(lease_bytes(cfg, dtype, layout), tag="kv_cache", name=KV_NAME, gpu=self.gpu)
         views = {name: lease.torch(dt, shape, off) for name, dt, shape, off in packed}
         views[KV_NAME].zero_()
         self.client.register([lease.meta(name, dt, shape, off) for name, dt, shape, off in packed])
-        return views[KV_NAME], {n: views[n] for n in layout.tensors()}
+        return views[KV_NAME], {n: views[n] for n in layout.tensors()}, lease
 
     def start_heartbeats(self) -> None:
         self.client.start_heartbeats()

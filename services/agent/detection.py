@@ -70,6 +70,8 @@ class Detection:
         rec.transition(Ev.FAULT)
         rec.failed_mono = time.monotonic()
         rec.memory_lost = kind.loses_memory  # no takeover can come for it: its slot is not held (supervision.plan)
+        if kind.loses_memory:  # but the fallback's successor is coming for a while (supervision.awaits_fallback)
+            rec.fallback_until = rec.failed_mono + host.settings.fallback_wait_s
         if rec.spec_key is not None and kind is not FaultKind.GPU_FAULT:
             # a GPU's fault says nothing of the spec's engines: it is not a crash loop of theirs (a node whose GPUs
             # fail one after another would otherwise keep the spec's cold starts waiting on backoffs)

@@ -82,6 +82,9 @@ class EngineRecord:
     # No takeover can come for its memory: its fault loses it (FaultKind.loses_memory) or its incident has ended
     # (incident_ends.py). A failed active engine then keeps no slot: it is replaced at once (supervision.plan).
     memory_lost: bool = False
+    # Its fault lost its memory (a GPU fault): it keeps its slot until then (monotonic) for the control plane's fallback
+    # successor, which continues it from its KV backup or on a spare (supervision.awaits_fallback).
+    fallback_until: float | None = None
     handing_over: bool = False  # a takeover's predecessor: its slot is the successor's until it is retired
     ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
     taking_over: str | None = None  # the predecessor whose memory this successor takes over (until ready)

@@ -36,40 +36,39 @@ def awaits_takeover(r: EngineRecord, now: float, takeover_wait_s: float) -> bool
             and r.failed_mono is not None and now - r.failed_mono < takeover_wait_s)
 
 
-def awaits_fallback(r: EngineRecord, now: float, fallback_wait_s: float) -> bool:
-    """A failed active engine whose memory was lost (a GPU fault) within `fallback_wait_s` of its fault: the control
+def awaits_fallback(r: EngineRecord, now: float) -> bool:
+    """A failed active engine whose fault lost its memory (a GPU fault), until its `fallback_until`: the control
     plane's fallback successor (one that continues it from its KV backup, or a spare) is coming for its slot. A
     replacement of the agent's own started meanwhile would take the slot first and the fallback's be refused."""
-    return (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.memory_lost
-            and r.failed_mono is not None and now - r.failed_mono < fallback_wait_s)
+    return (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.fallback_until is not None
+            and now < r.fallback_until)
 
 
-def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float, fallback_wait_s: float) -> bool:
+def _counts_as_active(r: EngineRecord, now: float, takeover_wait_s: float) -> bool:
     if r.role is not EngineRole.ACTIVE:
         return False
     if r.state in LIVE or r.handing_over:
         return True  # a predecessor being taken over keeps its slot: the successor fills it
     # A failed active engine keeps its slot while a takeover may still come for its memory, or the fallback for it.
-    return awaits_takeover(r, now, takeover_wait_s) or awaits_fallback(r, now, fallback_wait_s)
+    return awaits_takeover(r, now, takeover_wait_s) or awaits_fallback(r, now)
 
 
 def plan(specs: dict[str, EngineSpec], records: list[EngineRecord], now: float, takeover_wait_s: float,
-         backoffs: Backoffs | None = None, starts_from: float = 0.0, fallback_wait_s: float = 0.0) -> Plan:
+         backoffs: Backoffs | None = None, starts_from: float = 0.0) -> Plan:
     """`starts_from`: nothing starts before then (an agent's first moments, while engines a previous agent started
     and never recorded register again: each one that does fills its slot, warm, instead of a cold duplicate that
-    would make it one too many). `fallback_wait_s`: how long an engine whose memory was lost keeps its slot for the
-    control plane's fallback successor (`awaits_fallback`)."""
+    would make it one too many)."""
     out = Plan()
     for r in records:
         if (r.state is State.FAILED and r.role is EngineRole.ACTIVE and r.failed_mono is not None
                 and (now - r.failed_mono >= takeover_wait_s
-                     or (r.memory_lost and not r.handing_over and not awaits_fallback(r, now, fallback_wait_s)))):
+                     or (r.memory_lost and not r.handing_over and not awaits_fallback(r, now)))):
             out.retire.append(r.engine_id)  # no takeover came in time, or none can come
         elif r.state is State.FAILED and r.role is EngineRole.STANDBY:
             out.retire.append(r.engine_id)  # a standby holds no memory: nothing to wait for
     for key, spec in specs.items():
         mine = [r for r in records if r.spec_key == key]
-        active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s, fallback_wait_s))
+        active = sum(1 for r in mine if _counts_as_active(r, now, takeover_wait_s))
         standbys = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE and not r.spare]
         spares = [r for r in mine if r.role is EngineRole.STANDBY and r.state in LIVE and r.spare]
         missing = [(key, EngineRole.ACTIVE)] * max(0, spec.replicas - active)

@@ -246,7 +246,7 @@ class Agent:
             if rec.spec_key is not None and rec.state in (State.READY, State.STANDBY):
                 self.backoffs.note_up(rec.spec_key, now, rec.spawned_mono)
         p = supervision.plan(self.specs, self.records(), now, self.settings.takeover_wait_s, self.backoffs,
-                             self.starts_from, self.settings.fallback_wait_s)
+                             self.starts_from)
         if now < self.starts_from and p.held:
             asyncio.get_running_loop().call_later(self.starts_from - now, self.reconcile_soon)
         for engine_id in p.stop:

@@ -91,12 +91,13 @@ def test_the_named_spare_is_assigned_only_while_it_is_a_warm_spare_on_a_healthy_
 
 def test_an_engine_whose_gpu_failed_keeps_its_slot_for_the_fallback_for_a_while() -> None:
     lost = rec("a", EngineRole.ACTIVE, State.FAILED, 0)
-    lost.memory_lost, lost.failed_mono = True, 100.0
-    p = supervision.plan({KEY: spec(spares=0)}, [lost], 101.0, 60.0, fallback_wait_s=5.0)
+    lost.memory_lost, lost.failed_mono, lost.fallback_until = True, 100.0, 105.0
+    p = supervision.plan({KEY: spec(spares=0)}, [lost], 101.0, 60.0)
     assert p.start == [] and p.retire == []  # the fallback's successor (a spare, its KV backup) comes for the slot
-    p = supervision.plan({KEY: spec(spares=0)}, [lost], 105.5, 60.0, fallback_wait_s=5.0)
+    p = supervision.plan({KEY: spec(spares=0)}, [lost], 105.5, 60.0)
     assert p.retire == ["a"] and p.start == [(KEY, EngineRole.ACTIVE)]  # none came: the agent replaces it
-    p = supervision.plan({KEY: spec(spares=0)}, [lost], 101.0, 60.0)  # no wait set: at once, as before
+    lost.fallback_until = None  # lost otherwise (its incident ended): replaced at once, as before
+    p = supervision.plan({KEY: spec(spares=0)}, [lost], 101.0, 60.0)
     assert p.retire == ["a"] and p.start == [(KEY, EngineRole.ACTIVE)]
 
 

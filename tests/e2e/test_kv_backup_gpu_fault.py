@@ -7,9 +7,9 @@ alone (`Freeze(backups_only)`) and starts a cold engine on GPU 1 that takes it o
 loads the weights itself and restores every sequence from the backup. Every stream ends with the uninterrupted
 run's tokens, none lost or twice, no prompt prefilled again.
 
-Again with a spare (EngineSpec.spares): a standby on GPU 1 that loaded its own weights at its start. The fallback
-hands the backup to it instead of starting a cold engine: it leases a cache beside its weights, restores every
-sequence and serves, with no process started and no weights loaded in the outage."""
+Again with a spare (EngineSpec.spares): a standby on GPU 1 that loaded its own weights and leased its own cache at its
+start. The fallback hands the backup to it instead of starting a cold engine: it restores every sequence into its
+cache and serves, with no process started, no weights loaded and no cache leased in the outage."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ async def test_a_spare_on_another_gpu_takes_the_kv_backup_over_when_the_engines_
         engine = await sc.wait_serving(standbys=0, timeout=180)
         spare = await wait_spare(sc)
         assert (engine.gpu, spare.gpu) == (0, 1) and spare.role == "standby"  # a GPU of its own
-        spare_weights = [i for i in (await sc.leases()).leases if i.owner == spare.engine_id]
-        assert [(i.tag, i.gpu) for i in spare_weights] == [(Tag.WEIGHTS, 1)]  # its own weights, no cache
+        held = [i for i in (await sc.leases()).leases if i.owner == spare.engine_id]
+        assert sorted((i.tag, i.gpu) for i in held) == [(Tag.KV_CACHE, 1), (Tag.WEIGHTS, 1)]  # its own, on GPU 1
         assert sc.bus is not None and sc.stack is not None
         bus, node = sc.bus, sc.stack.config.node
         marked: list[MarkGpuReply] = []
@@ -114,7 +114,7 @@ async def test_a_spare_on_another_gpu_takes_the_kv_backup_over_when_the_engines_
     (backup,) = [i for i in out.before if i.owner == engine.engine_id and i.tag is Tag.OTHER]
     mine = {i.id: i for i in out.after if i.owner == successor.engine_id}
     assert backup.id in mine and mine[backup.id].host  # the very backup lease, handed on
-    assert {i.id for i in spare_weights} <= set(mine)  # the weights it loaded before the fault, still its own
+    assert {i.id for i in held} <= set(mine)  # the weights and cache it held before the fault, still its own
     assert {i.gpu for i in mine.values() if not i.host} == {1}
     assert not [i for i in out.after if i.owner == engine.engine_id]
     # GPU 0 failed and GPU 1 serves: no GPU of the spec is left for another spare
