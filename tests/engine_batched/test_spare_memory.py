@@ -1,0 +1,114 @@
+"""A spare's memory (engines/batched/memory.py `load_spare`, `spare_takeover`; EngineSpec.spares) with a real
+gpu_manager and a real engine killed by a real signal: the spare leases its weights and a cache of its configured
+size before any failure; an engine with `--kv-backup` serving 16 streams loses its GPU memory (its weights and cache
+reclaimed by force, the process SIGKILLed: what a GPU fault does) once the clients saw past a backup round; its
+backup is frozen alone and the spare takes it over (fenced: read once the engine has exited) and restores every
+stream's vouched-for blocks into its own cache, which then holds exactly the backup's blocks. A backup of another
+block count than the spare's cache gets a cache of its size. On the host backend (CPU) and, marked `gpu`, on CUDA
+memory (the weights and cache in cuda-backend leases, the backup a host lease copied back by DMA)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.batched.backup import vouched
+from engines.batched.backup_start import open_backup
+from engines.batched.config import parse_config
+from engines.batched.kv_backup import BACKUP_NAME
+from engines.batched.memory import LeasedMemory, layout_fn, wait_fence
+from engines.reference.config import get_config
+from libs.common.bus import Bus
+from libs.common.config import CommonSettings
+from libs.common.events import Freeze, FreezeReply, ListLeases, ListLeasesReply, Reclaim, ReclaimReply, Tag
+from tests.engine.conftest import tiny_weights  # noqa: F401 - fixture
+from tests.engine_batched.test_failover import ARGS, STREAMS, BatchedEngine, streams_started
+from tests.engine_batched.test_kv_backup_failover import just_past_a_round
+from tests.gpu_manager.conftest import manager_factory  # noqa: F401 - fixture
+
+BLOCKS = 256  # the engine's cache
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("spare_blocks", [BLOCKS, BLOCKS // 2], ids=["same-cache", "another-cache"])
+async def test_a_spare_restores_a_dead_engines_kv_backup_into_a_cache_of_its_own(
+        tmp_path: Path, tiny_weights: Path, manager_factory, settings_env: dict[str, str],  # noqa: F811, ANN001
+        settings: CommonSettings, bus: Bus, device: str, spare_blocks: int) -> None:
+    backend = {"HF_BACKEND": "cuda", "HF_CHUNK_MIB": "2"} if device == "cuda" else {}
+    manager = manager_factory(HF_GRACE_S="120", **backend).start()
+    env = {**settings_env, "HF_GPU_MANAGER_SOCKET": manager.socket}
+    first = BatchedEngine(tmp_path, tiny_weights, "bat-a", env, "--kv-backup", "--kv-backup-lag-ms", "100",
+                          "--device", device, "--num-blocks", str(BLOCKS))
+    await asyncio.to_thread(first.wait_ready)
+    cfg = parse_config(["--weights", str(tiny_weights), "--id", "spare-1", *ARGS, "--kv-backup", "--device", device,
+                        "--num-blocks", str(spare_blocks), "--role", "standby", "--spare",
+                        "--gpu-manager-socket", manager.socket])
+    mcfg, dev = get_config(cfg.size), torch.device(device)
+    memory = LeasedMemory(cfg.id, socket_path=manager.socket, gpu=0)
+    layout_of = layout_fn(cfg, mcfg, dev)
+    try:
+        spare = memory.load_spare(mcfg, cfg.weights, layout_of)  # before any failure
+        assert spare.kv.device.type == device and spare.layout.num_blocks == spare_blocks
+        held = (await bus.request(settings.node, ListLeases(owner=cfg.id), ListLeasesReply)).leases
+        assert sorted(i.tag for i in held) == sorted([Tag.WEIGHTS, Tag.KV_CACHE]) and not any(i.host for i in held)
+
+        seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
+        await just_past_a_round(first.url, seen)
+        leases = (await bus.request(settings.node, ListLeases(owner="bat-a"), ListLeasesReply)).leases
+        for lease in [i for i in leases if not i.host]:  # the GPU's memory: weights and cache
+            await bus.request(settings.node, Reclaim(lease_id=lease.id, force=True), ReclaimReply)
+        first.kill()
+        for t in threads:
+            await asyncio.to_thread(t.join, 10)
+        frozen = await bus.request(settings.node, Freeze(owner="bat-a", incident_id="inc-spare", backups_only=True),
+                                   FreezeReply)
+        loaded = await asyncio.to_thread(memory.spare_takeover, mcfg, spare, "bat-a", frozen.transfer_token,
+                                         layout_of, 30.0)
+        wait_fence(loaded, 30.0, isolate=False)  # gone already here (a fence only while it still exits)
+        assert loaded.source == "backup" and loaded.backup is not None and loaded.kv.device.type == device
+        assert loaded.layout.num_blocks == BLOCKS  # the backup's block ids kept: a cache of its size
+        assert (loaded.kv.data_ptr() == spare.kv.data_ptr()) == (spare_blocks == BLOCKS)  # its own, when it fits
+        opened = open_backup(cfg, memory, loaded)
+        assert opened is not None
+        writer, info = opened
+        writer.stop()
+        assert info["source"] == "restored" and info["restored"] == STREAMS, info
+        _, entries, _, covered = vouched(loaded.backup, loaded.layout)
+        assert len(entries) == STREAMS and covered
+        got = loaded.kv.permute(2, 0, 1, 3, 4, 5)[covered].cpu()
+        assert torch.equal(got, loaded.backup[BACKUP_NAME][covered])  # every vouched-for block, as backed up
+        after = (await bus.request(settings.node, ListLeases(owner=cfg.id), ListLeasesReply)).leases
+        assert [i.name for i in after if i.host] == ["kv_backup"]  # the very backup, now the spare's
+        assert len([i for i in after if i.tag is Tag.KV_CACHE]) == 1  # one cache: the spare's, or one of its size
+        assert not (await bus.request(settings.node, ListLeases(owner="bat-a"), ListLeasesReply)).leases
+    finally:
+        memory.close()
+        first.child.stop()
+
+
+async def test_a_spare_assigned_with_no_backup_serves_afresh_on_its_own_weights_and_cache(
+        tmp_path: Path, tiny_weights: Path, manager_factory, settings: CommonSettings,  # noqa: F811, ANN001
+        bus: Bus) -> None:
+    """The fallback of an engine that kept no backup: the spare is assigned with no predecessor and starts serving
+    afresh (the routers replay the streams) on what it holds: nothing is taken over, leased or loaded."""
+    manager = manager_factory(HF_GRACE_S="120").start()
+    cfg = parse_config(["--weights", str(tiny_weights), "--id", "spare-2", *ARGS, "--device", "cpu",
+                        "--num-blocks", "64", "--role", "standby", "--spare", "--gpu-manager-socket", manager.socket])
+    mcfg = get_config(cfg.size)
+    memory = LeasedMemory(cfg.id, socket_path=manager.socket, gpu=0)
+    try:
+        layout_of = layout_fn(cfg, mcfg, torch.device("cpu"))
+        spare = memory.load_spare(mcfg, cfg.weights, layout_of)
+        before = (await bus.request(settings.node, ListLeases(owner=cfg.id), ListLeasesReply)).leases
+        loaded = memory.spare_takeover(mcfg, spare, "", "", layout_of, 5.0)
+        assert loaded.source == "spare" and loaded.backup is None and not loaded.kv_handed_on and not loaded.fence
+        assert loaded.kv.data_ptr() == spare.kv.data_ptr() and loaded.layout == spare.layout
+        assert set(loaded.weights) >= set(mcfg.tensor_shapes())
+        after = (await bus.request(settings.node, ListLeases(owner=cfg.id), ListLeasesReply)).leases
+        assert sorted((i.id, i.epoch) for i in after) == sorted((i.id, i.epoch) for i in before)  # nothing new
+    finally:
+        memory.close()
