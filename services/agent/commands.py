@@ -215,7 +215,7 @@ class Commands:
         spec = host.specs.get(rec.spec_key or "")
         if spec is not None:
             # Stopping on purpose means one fewer of that kind: otherwise the reconciler would start it again.
-            field = "replicas" if rec.role is EngineRole.ACTIVE else "standbys"
+            field = "replicas" if rec.role is EngineRole.ACTIVE else "spares" if rec.spare else "standbys"
             spec = spec.model_copy(update={field: max(0, getattr(spec, field) - 1)})
             host.specs[rec.spec_key or ""] = spec
             host.writer.put_spec(host.node, rec.spec_key or "", spec)

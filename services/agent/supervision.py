@@ -177,11 +177,13 @@ def admit_stranger(specs: dict[str, EngineSpec], records: list[EngineRecord], ke
 def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSpec]:
     """A hot upgrade replaced one engine of `old` by one of `new`: the desired counts follow, so the
     reconciler neither restarts the old version nor adds a second new one. When the old version has no
-    replica left, its standbys are the new version's business (and the old ones are stopped)."""
+    replica left, its standbys and spares are the new version's business (and the old ones are stopped)."""
     replicas = max(0, old.replicas - 1)
-    old2 = old.model_copy(update={"replicas": replicas, "standbys": old.standbys if replicas else 0})
+    old2 = old.model_copy(update={"replicas": replicas, "standbys": old.standbys if replicas else 0,
+                                  "spares": old.spares if replicas else 0})
     standbys = new.standbys if replicas else max(new.standbys, old.standbys)
-    new2 = new.model_copy(update={"replicas": new.replicas + 1, "standbys": standbys})
+    spares = new.spares if replicas else max(new.spares, old.spares)
+    new2 = new.model_copy(update={"replicas": new.replicas + 1, "standbys": standbys, "spares": spares})
     return old2, new2
 
 

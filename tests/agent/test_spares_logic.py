@@ -121,3 +121,12 @@ def test_the_view_finds_a_spare_on_a_healthy_gpu_of_the_node() -> None:
     assert view.spare_on("n1", "m", "batched", "1", {1}) is None  # the view's health counts too
     view.apply("put", "engines/n1/s1", _engine("s1", 1, spare=False, state="ready"))  # assigned: serves
     assert view.sole_standby("m", "n1", None) is not None and view.spare_on("n1", "m", "batched", "1") is None
+
+
+def test_a_hot_upgrade_moves_the_spares_with_the_last_replica() -> None:
+    old, new = spec(spares=1), spec(spares=0).model_copy(update={"version": "2", "replicas": 0})
+    old2, new2 = supervision.move_replica(old, new)
+    assert (old2.replicas, old2.spares) == (0, 0) and (new2.replicas, new2.spares) == (1, 1)
+    two = spec(spares=1).model_copy(update={"replicas": 2})
+    old3, new3 = supervision.move_replica(two, new)
+    assert (old3.replicas, old3.spares) == (1, 1) and (new3.replicas, new3.spares) == (1, 0)  # the old still serves
