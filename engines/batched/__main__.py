@@ -270,7 +270,7 @@ def run(cfg: EngineConfig) -> int:
             state.become("standby")
             if group is not None:  # every rank's kernels and the communicator (tp_group.py)
                 t_warm = time.perf_counter()
-                group.stand_by(warm_kernels)
+                group.stand_by(warm_kernels, memory, layout_of)
                 state.info["warmup_ms"] = _ms(t_warm)
             else:
                 state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
@@ -280,7 +280,8 @@ def run(cfg: EngineConfig) -> int:
                 assert isinstance(memory, LeasedMemory)
                 prepared = prepare_runner(cfg, mcfg, memory, layout_of)
                 state.info["prepared"] = prepared[2]
-            if cfg.spare:  # its own weights and cache, on its own GPU, before it stands by (config.py `spare`)
+            if cfg.spare and group is None:  # its own weights and cache on its own GPU, before it stands by (a
+                # spare group's ranks loaded theirs in `stand_by`)
                 assert isinstance(memory, LeasedMemory)  # config.py
                 spare = memory.load_spare(mcfg, cfg.weights, layout_of)
                 state.info["spare"] = {"weights": spare.got.report(), "ms": spare.load_ms,
@@ -301,7 +302,7 @@ def run(cfg: EngineConfig) -> int:
             state.info["assignment"] = {"predecessor": a.predecessor, "incident_id": a.incident_id, "gang": a.gang,
                                         "shadowed": state.info.pop("shadow", None)}  # mapped before the kill
             if group is not None:  # every rank told the gang: from here on a cold successor group's path, below
-                group.assigned(a.gang, a.gang_generation, a.transfer_token)
+                group.assigned(a.gang, a.gang_generation, a.transfer_token, a.degraded)
             elif spare is not None:  # its predecessor's KV backup beside its own weights, or a fresh start
                 assert isinstance(memory, LeasedMemory)
                 loaded = memory.spare_takeover(mcfg, spare, a.predecessor, a.transfer_token, layout_of,

@@ -126,8 +126,8 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
                 raise ValueError("degrade_gang needs HF_TRANSFER_TOKEN and HF_GANG_GENERATION")
             if self.memory == "local":
                 raise ValueError("degrade_gang takes leases over: it needs leased memory")
-        if self.spare and (self.role != "standby" or self.tp > 1 or self.memory == "local"):
-            raise ValueError("a spare is a single standby engine on leased memory (role standby, tp 1)")
+        if self.spare and (self.role != "standby" or self.memory == "local"):
+            raise ValueError("a spare is a standby engine (or group) on leased memory")
         return self
 
 

@@ -200,8 +200,9 @@ def describe(info: dict[str, Any]) -> str:
         return "one engine" if n == 1 else f"{n} ranks"
 
     to, since = info.get("to_ranks", 1), info.get("from_ranks", 1)
-    how = "regrouped" if to > since else "degraded"
+    how = "regrouped" if to > since else "degraded" if to < since else "a whole group again"
     if not info.get("restored"):
-        return f"{how} to {ranks(to)}: no sequence restored ({info.get('why', 'none backed up')})"
-    return (f"{how} from {ranks(since)} to {ranks(to)}: KV of {info['restored']} sequences from their host backups, "
+        return f"{how} ({ranks(to)}): no sequence restored ({info.get('why', 'none backed up')})"
+    frm = f"from {ranks(since)} to {ranks(to)}" if to != since else f"on {ranks(to)}"
+    return (f"{how} {frm}: KV of {info['restored']} sequences from their host backups, "
             f"{info['blocks']} blocks in {info['ms']:.1f} ms, {info['recomputed_tokens']} positions recomputed")

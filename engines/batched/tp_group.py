@@ -27,6 +27,13 @@ shards and follow rank 0's plans (tp.py).
   the others wait in), and from there each rank runs a cold successor group's code (`load`, `commit`): one path.
   No runner is prepared over reservations (memory.py `reserve` lays out a whole model, not a shard; and CUDA graphs,
   what a prepared runner saves most, are off with tp > 1).
+- A spare group (`--role standby --spare`, EngineSpec.spares: on GPUs where no engine of its spec runs): every rank
+  also loads its shard and leases its cache while it stands by (`stand_by`, the cold path's `load_shard`), and is
+  assigned a broken gang's KV backups (`assign` with `degraded`: a GPU fault's fallback) rather than a gang's leases:
+  its ranks take the backups over as a degraded group's do (`HF_DEGRADE_GANG`'s path, every rank asking, rank 0
+  getting them) and restore every sequence into the caches they hold (degrade.py, heads re-sharded when the old group
+  had another size); nothing is loaded in the outage. A backup of another block count than the caches: every rank
+  gives back what it holds and loads cold, as a degraded group does.
 - A regroup (`HF_TAKEOVER_FROM` + `HF_TRANSFER_TOKEN` on a group: degrade.py): a single engine continued by a group
   from its KV backup alone, as a degraded group continues a broken gang's backups (`load`: rank 0 takes the backup,
   every rank loads its shard cold into a cache of the backup's block count), its gang registered under its own id.
@@ -146,15 +153,19 @@ class RankGroup:
         self.channel = PlanChannel(device)
         self.backup = BackupChannel(self.rank, cfg.tp) if cfg.kv_backup else None
         self.standing_by = False  # rank 0 of a standby group, not assigned yet: the followers wait for its word
+        self.spare: Loaded | None = None  # a spare group's rank: its shard and cache, held while it stands by
 
-    def stand_by(self, warm_kernels: Any) -> bool:
-        """A standby group's rank, before any lease: its kernels (`warm_kernels(mcfg, cfg, device)`, the single
-        standby's warm-up) and the communicator warmed. Rank 0 returns at once (the agent's assignment comes to it:
-        `assigned`); any other rank waits for rank 0's word: True, the group's config then names the gang to take
-        over; False, the group is stopping unassigned."""
+    def stand_by(self, warm_kernels: Any, memory: Any, layout_of: Any) -> bool:
+        """A standby group's rank: its kernels (`warm_kernels(mcfg, cfg, device)`, the single standby's warm-up) and
+        the communicator warmed, and a spare's shard loaded and cache leased (`cfg.spare`); an ordinary standby group
+        holds no lease. Rank 0 returns at once (the agent's assignment comes to it: `assigned`); any other rank waits
+        for rank 0's word: True, the group's config then names the gang to take over; False, the group is stopping
+        unassigned."""
         warm_kernels(self.mcfg, self.cfg, self.device)
         dtype = torch.float32 if self.mcfg.dtype == "float32" else torch.bfloat16
         dist.all_reduce(torch.zeros(1, self.mcfg.dim, dtype=dtype, device=self.device))
+        if self.cfg.spare:
+            self.spare = self._cold(memory, layout_of)
         if self.rank == 0:
             self.standing_by = True
             return True
@@ -165,13 +176,18 @@ class RankGroup:
         self._take_orders(box[0])
         return True
 
-    def assigned(self, gang: str | None, generation: int | None, token: str) -> None:
+    def assigned(self, gang: str | None, generation: int | None, token: str, degraded: bool = False) -> None:
         """Rank 0 of a standby group, assigned by the agent: every rank is told the gang, and each then takes its own
-        rank's leases over as a cold successor group's does (`load`)."""
+        rank's leases over as a cold successor group's does (`load`); `degraded` (a spare group, a GPU fault's
+        fallback): the broken gang's KV backups, as a degraded group takes them."""
         if gang is None or generation is None:
             raise RuntimeError("a standby group's assignment must name a gang and its generation (the agent's takeover "
                                "of a TP group); got a single engine's")
-        orders = {"takeover_gang": gang, "gang_generation": generation, "transfer_token": token}
+        if degraded != (self.spare is not None):
+            raise RuntimeError("a spare group is assigned a broken gang's backups (degraded), an ordinary standby "
+                               f"group a gang's leases; this one {'is' if self.spare else 'is not'} a spare")
+        orders = {"degrade_gang" if degraded else "takeover_gang": gang, "gang_generation": generation,
+                  "transfer_token": token}
         dist.broadcast_object_list([orders], 0)
         self.standing_by = False
         self._take_orders(orders)
@@ -187,6 +203,15 @@ class RankGroup:
         if cfg.degrade_gang or cfg.takeover_from:  # from backups alone (degrade.py): rank 0 gets every one of them
             d = self._backups(memory)
             blocks = self.comm().share(d.num_blocks if d is not None else None)  # degrade.py invariant 2
+            if self.spare is not None and self.spare.layout.num_blocks == blocks:
+                if self.spare.weights_load is not None:  # loaded before the fault (the timeline says so)
+                    self.spare.weights_load = {**self.spare.weights_load, "spare": True}
+                return degrade.adopt(self.spare, d)  # a spare group: into the caches it holds
+            if self.spare is not None:
+                log.info("rank %d: the backups hold %s blocks, this spare's cache %d: loading cold", self.rank, blocks,
+                         self.spare.layout.num_blocks)
+                memory.release([lease_id for lease_id in memory.client.leases if lease_id not in
+                                (d.lease_ids if d is not None else [])])
             return degrade.adopt(self._cold(memory, layout_of, blocks), d)
         if cfg.takeover_gang:
             if memory.kind != "leased" or not cfg.transfer_token or cfg.gang_generation is None:
@@ -299,6 +324,8 @@ def group_weights_load(reports: list[dict[str, Any] | None]) -> dict[str, Any] |
                            "load_ms": max(float(r["load_ms"]) for r in got), "ranks": sources, "per_rank": got}
     if refused:
         out["refused"] = refused
+    if all(r.get("spare") for r in got):
+        out["spare"] = True  # a spare group's: loaded before the fault it stood by for
     return out
 
 
@@ -313,11 +340,12 @@ def follower_main() -> int:
     group = RankGroup(cfg, pick_device(cfg.device))
     memory = open_memory(group.me, group.device)
     try:
+        layout_of = layout_fn(cfg, group.mcfg, group.device)
         if cfg.role == "standby":
-            if not group.stand_by(warm_kernels):
+            if not group.stand_by(warm_kernels, memory, layout_of):
                 log.info("rank %d of a standby group stopped unassigned", cfg.tp_rank)
                 return 0
-        loaded = group.load(memory, layout_fn(cfg, group.mcfg, group.device))
+        loaded = group.load(memory, layout_of)
         if loaded.source == "degraded":  # rank 0 sends this rank its heads of the old ranks' backups
             degrade.restore_loaded(loaded, get_config(cfg.size), memory, group.comm())
         backup = open_backup(group.cfg, memory, loaded, group.backup)  # before the gang: its lease is the gang's

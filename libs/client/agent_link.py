@@ -56,6 +56,7 @@ class Assignment:
     model: str
     gang: str | None = None  # a standby group's: the frozen gang its ranks take over, and the gang's generation
     gang_generation: int | None = None
+    degraded: bool = False  # a spare group's: the gang's KV backups (frozen degraded), not its leases
 
 
 @dataclass(frozen=True)
@@ -345,7 +346,7 @@ class AgentLink:
             self._assignments.put(Assignment(
                 predecessor=str(msg["predecessor"]), transfer_token=str(msg["transfer_token"]),
                 incident_id=msg.get("incident_id"), model=str(msg.get("model") or self.model),
-                gang=msg.get("gang"),
+                gang=msg.get("gang"), degraded=bool(msg.get("degraded")),
                 gang_generation=None if msg.get("gang_generation") is None else int(msg["gang_generation"])))
         elif op == "shadow" and self.can_shadow:
             self._assignments.put(Shadow(owner=str(msg["owner"]), share_token=str(msg["share_token"])))

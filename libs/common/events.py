@@ -152,18 +152,16 @@ class EngineSpec(Model):
     # group serves faster but starts cold, every sequence prefilled again), at once ("first": no cold load, every
     # sequence kept; for a model whose load takes minutes), or never (a cold whole group, or nothing).
     degrade: Literal["no_whole_group", "first", "never"] = "no_whole_group"
-    # Spares (docs/multi_gpu.md, "Spares"): standbys on the spec's other GPUs, each with its own copy of the weights
-    # loaded at its start and no KV cache, for a GPU fault: the engine's successor is a spare on a healthy GPU, which
-    # takes its KV backup over (`--kv-backup`) and serves at once instead of a cold start. Single engines of a class
-    # that builds them (the batched engine); a GPU of the spec without an active replica of it for each.
+    # Spares (docs/multi_gpu.md, "Spares"): standbys (a TP spec: standby groups) on the spec's other GPUs, each with
+    # its own copy of the weights and its own KV cache, leased at its start, for a GPU fault: the engine's successor
+    # is a spare on healthy GPUs, which takes its KV backups over (`--kv-backup`) and serves at once instead of a cold
+    # start. For a class that builds them (the batched engine); GPUs of the spec without an active replica of it.
     spares: int = Field(0, ge=0, le=16)
 
     @model_validator(mode="after")
     def _one_gpu_a_rank(self) -> EngineSpec:
         if self.rank_gpus and (len(self.rank_gpus) != self.tp or len(set(self.rank_gpus)) != self.tp):
             raise ValueError(f"rank_gpus {self.rank_gpus} must name {self.tp} distinct GPUs, one a rank")
-        if self.spares and self.tp > 1:
-            raise ValueError(f"spares are single engines: a spec of tp {self.tp} runs none")
         return self
 
 

@@ -179,7 +179,7 @@ class Commands:
     async def _assign_spare(self, cmd: Spawn, key: str, pred: EngineRecord | None) -> EngineRecord | None:
         host = self.host
         named = cmd.spare or ""
-        sb = pick_spare(host.records(), key, named, host.gpu_health.unhealthy)
+        sb = pick_spare(host.records(), key, named, host.gpu_health.unhealthy, tp=cmd.spec.tp)
         if sb is None:
             log.warning("spawn for %s: %s is no warm spare of %s on a healthy GPU now; starting a cold engine",
                         cmd.incident_id, named, key)
@@ -189,9 +189,13 @@ class Commands:
         sb.transition(Ev.ASSIGN)
         sb.role, sb.spare, sb.taking_over = EngineRole.ACTIVE, False, cmd.backup_of
         sb.generation = pred.generation + 1 if pred is not None else 0
+        orders: dict[str, Any] = {"predecessor": cmd.backup_of or "", "transfer_token": cmd.transfer_token or ""}
+        if cmd.degrade_gang is not None:  # a spare group: the broken gang's backups, as a degraded group takes them
+            orders = {"predecessor": cmd.predecessor or "", "transfer_token": cmd.transfer_token or "",
+                      "gang": cmd.degrade_gang, "gang_generation": cmd.gang_generation, "degraded": True}
+            sb.gang = cmd.degrade_gang  # the group keeps the broken gang's id (its incidents freeze that gang)
         try:
-            await host.assign(sb, {"op": "assign", "predecessor": cmd.backup_of or "", "model": sb.model,
-                                   "transfer_token": cmd.transfer_token or "", "incident_id": cmd.incident_id})
+            await host.assign(sb, {"op": "assign", "model": sb.model, "incident_id": cmd.incident_id, **orders})
             await host.wait_ready(sb.engine_id, host.settings.takeover_timeout_s)
         except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
             log.warning("spare %s failed as the successor of %s (%s); starting a cold engine", sb.engine_id,

@@ -98,22 +98,24 @@ def standbys_of(spec: EngineSpec) -> int:
     return spec.standbys if spec.tp == 1 or spec.engine_class in STANDBY_GROUP_CLASSES else 0
 
 
-# Engine classes that build spares (engines/batched/config.py `spare`: its own weights loaded at its start, then a
-# predecessor's KV backup taken over beside them). The reference engine does not.
+# Engine classes that build spares (engines/batched/config.py `spare`: its own weights and cache leased at its start,
+# then a predecessor's KV backups taken over beside them; a TP spec's: spare groups, tp_group.py). The reference
+# engine does not.
 SPARE_CLASSES = frozenset({"batched"})
 
 
 def spares_of(spec: EngineSpec) -> int:
-    """The spares a spec runs (EngineSpec.spares): single engines of a class that builds them."""
-    return spec.spares if spec.tp == 1 and spec.engine_class in SPARE_CLASSES else 0
+    """The spares a spec runs (EngineSpec.spares), if its engine class builds them."""
+    return spec.spares if spec.engine_class in SPARE_CLASSES else 0
 
 
-def pick_spare(records: list[EngineRecord], key: str, named: str, unhealthy: Iterable[int]) -> EngineRecord | None:
-    """The spare `named` if it is a warm spare of spec `key` on a healthy GPU (the dc_manager named it from its view,
-    which may be behind: gone, assigned meanwhile, or its GPU failed since)."""
+def pick_spare(records: list[EngineRecord], key: str, named: str, unhealthy: Iterable[int],
+               tp: int = 1) -> EngineRecord | None:
+    """The spare `named` if it is a warm spare of spec `key` of `tp` ranks on healthy GPUs (the dc_manager named it
+    from its view, which may be behind: gone, assigned meanwhile, or a GPU of it failed since)."""
     bad = set(unhealthy)
-    return next((r for r in records if r.engine_id == named and r.spare and r.spec_key == key
-                 and r.role is EngineRole.STANDBY and r.state is State.STANDBY and r.gpu not in bad), None)
+    return next((r for r in records if r.engine_id == named and r.spare and r.spec_key == key and r.tp == tp
+                 and r.role is EngineRole.STANDBY and r.state is State.STANDBY and not bad & set(r.gpus)), None)
 
 
 def admit_active(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str, *,

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -371,9 +371,12 @@ class IntentSteps:
         degraded (every rank's backup held: gpu_manager gang.py invariant 10). Anything short of that leaves
         `prog.spawn` unset: the plain cold start follows (and fails with placement's reason when no group fits).
         `by_rank`: each rank's leases as the view holds them; `needed`: a whole group's room a rank."""
-        if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES or \
-                spec.degrade == "never":
+        if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
             return
+        version = intent.version or spec.version
+        if spec.degrade == "never" and self.view.spare_on(intent.node, spec.model, spec.engine_class, version,
+                                                          tp=spec.tp) is None:
+            return  # neither fewer ranks nor a spare group: nothing to freeze the backups for
         try:  # first: its backups kept whatever comes (a whole group's cold start below reclaims them after all)
             frozen, _ = await self._command(Step.FALLBACK, intent.node, FreezeGang(
                 gang_id=intent.gang, incident_id=intent.incident_id, degraded=True), FreezeGangReply,
@@ -385,6 +388,15 @@ class IntentSteps:
         # the node's GPU health as its gpu_manager holds it now: the view may not have the fault's record yet
         slots = [dataclasses.replace(s, healthy=False) if s.node == intent.node and s.gpu in frozen.unhealthy_gpus
                  else s for s in released(self.view.gpu_slots(), [lease for leases in by_rank for lease in leases])]
+        spare = self.view.spare_on(intent.node, spec.model, spec.engine_class, version, set(frozen.unhealthy_gpus),
+                                   tp=spec.tp)
+        if spare is not None:  # a whole group, its shards and caches leased already: better than either below
+            await self._on_spare(intent, spec, spare, prog, degrade_gang=intent.gang,
+                                 transfer_token=frozen.transfer_token, gang_generation=frozen.generation,
+                                 predecessor=intent.engine_id)
+            return
+        if spec.degrade == "never":
+            return  # the cold start reclaims the frozen gang (`_reclaim_lost_gang`)
         whole = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed, slots=slots,
                       alive=set(self.view.nodes), allowed=self.allowed, tp=spec.tp)
         if not degrade_now(spec.degrade, whole):
@@ -456,13 +468,14 @@ class IntentSteps:
         await self.save(prog)
 
     async def _on_spare(self, intent: RecoverIntent, spec: EngineSpec, spare: EngineInfo, prog: IntentProgress,
-                        **handed: str) -> None:
-        """The incident's successor is `spare` (EngineSpec.spares: a standby on another GPU of the node, its weights
-        loaded at its start): the agent assigns it rather than starting a process (or, the spare gone meanwhile,
-        starts a cold engine on its GPU). `handed`: `backup_of` and `transfer_token`, the engine's KV backup frozen
-        alone for it to continue every sequence from."""
+                        **handed: Any) -> None:
+        """The incident's successor is `spare` (EngineSpec.spares: a standby, or standby group, on other GPUs of the
+        node, its weights and cache leased at its start): the agent assigns it rather than starting a process (or,
+        the spare gone meanwhile, starts a cold one on its GPUs). `handed`: what it continues from: `backup_of` and
+        `transfer_token` (a single engine's KV backup frozen alone), or `degrade_gang`, `transfer_token`,
+        `gang_generation` and `predecessor` (a group's gang frozen degraded: every rank's backup)."""
         version = intent.version or spec.version
-        cmd = Spawn(spec=spec.model_copy(update={"gpus": [spare.gpu], "version": version}),
+        cmd = Spawn(spec=spec.model_copy(update={"gpus": [spare.gpu], "rank_gpus": [], "version": version}),
                     engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id,
                     spare=spare.engine_id, **handed)
         log.info("intent %s: %s's successor is spare %s on GPU %d%s", intent.incident_id, intent.engine_id,

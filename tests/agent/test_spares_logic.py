@@ -46,11 +46,21 @@ def test_a_spare_is_counted_apart_from_the_specs_standbys() -> None:
     assert p.stop == ["s2"] and p.spares == []  # one too many: the newest goes
 
 
-def test_only_single_engines_of_a_class_that_builds_them_run_spares() -> None:
-    assert supervision.spares_of(spec()) == 1
+def test_only_a_class_that_builds_them_runs_spares_and_a_groups_spare_is_a_group_on_gpus_of_its_own() -> None:
+    assert supervision.spares_of(spec()) == 1 and supervision.spares_of(spec(tp=2, gpus=[0, 2])) == 1
     assert supervision.spares_of(spec().model_copy(update={"engine_class": "reference"})) == 0
-    with pytest.raises(ValueError, match="spares are single engines"):
-        EngineSpec(model="m", command=["serve"], tp=2, spares=1)
+    four = [*GPUS, GpuEntry(3, "GPU-3")]
+    group = spec(tp=2, gpus=[0, 2])
+    active = EngineRecord(engine_id="g", model="m", engine_class="batched", role=EngineRole.ACTIVE, state=State.READY,
+                          gpu=0, tp=2, spec_key=KEY)
+    assert gpus.pick_gpu(group, KEY, EngineRole.STANDBY, four, [active], {}, spare=True).index == 2  # GPUs 2-3
+    with pytest.raises(Conflict):  # GPU 3 failed: no whole span of two left beside the group
+        gpus.pick_gpu(group, KEY, EngineRole.STANDBY, four, [active], {3: "xid"}, spare=True)
+    spare = EngineRecord(engine_id="s", model="m", engine_class="batched", role=EngineRole.STANDBY,
+                         state=State.STANDBY, gpu=2, tp=2, spec_key=KEY, spare=True)
+    assert supervision.pick_spare([spare], KEY, "s", {}, tp=2) is spare
+    assert supervision.pick_spare([spare], KEY, "s", {3: "xid"}, tp=2) is None  # a rank's GPU failed since
+    assert supervision.pick_spare([spare], KEY, "s", {}) is None  # not of a single engine's shape
 
 
 def test_a_spare_starts_where_no_active_of_its_spec_runs_or_nowhere() -> None:

@@ -48,6 +48,8 @@ def test_the_timeline_says_regrouped_when_more_ranks_continue_the_backups() -> N
     info = {"restored": 4, "blocks": 8, "ms": 1.5, "recomputed_tokens": 3}
     assert describe({**info, "from_ranks": 1, "to_ranks": 2}).startswith("regrouped from one engine to 2 ranks: KV of 4")
     assert describe({**info, "from_ranks": 2, "to_ranks": 1}).startswith("degraded from 2 ranks to one engine: KV of 4")
+    # a spare group of the same size (docs/multi_gpu.md "Spares")
+    assert describe({**info, "from_ranks": 2, "to_ranks": 2}).startswith("a whole group again on 2 ranks: KV of 4")
 
 
 @pytest.mark.timeout(300)
