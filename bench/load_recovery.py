@@ -95,11 +95,12 @@ class LoadScenario(Scenario):
     def __init__(self, *, max_num_seqs: int, kv_cache_gib: float | None, step_tokens: int = 2048,
                  prefill_chunk: int = 256, fenced: bool = True, shadow: bool | None = None, isolated: bool = True,
                  deterministic: bool = True, router_hold_s: float | None = None, drawn: bool = False,
-                 gpus: int = 1, kv_backup: bool = False, spares: int = 0, **kw: Any) -> None:
+                 gpus: int = 1, kv_backup: bool = False, spares: int = 0, tp: int = 1, **kw: Any) -> None:
         self.router_hold_s = router_hold_s  # the router's hold for a model with no endpoint (None: its default)
         # `gpus` > 1: the node's GPUs (the host backend simulates them); `kv_backup`: the engine's KV backed up to host;
-        # `spares`: the spec's (EngineSpec.spares: standbys on the other GPUs with weights of their own)
-        self.gpus, self.kv_backup, self.spares = gpus, kv_backup, spares
+        # `spares`: the spec's (EngineSpec.spares: standbys on the other GPUs with weights of their own); `tp`: its
+        # ranks (a group: its bases every `tp` GPUs)
+        self.gpus, self.kv_backup, self.spares, self.tp = gpus, kv_backup, spares, tp
         if shadow is None:
             shadow = kv_cache_gib is not None or kw.get("backend") == "host"
         super().__init__(shadow=shadow, **kw)
@@ -119,8 +120,8 @@ class LoadScenario(Scenario):
                                                   shadow=self.shadow, isolated=self.isolated,
                                                   deterministic=self.deterministic)
                           + (["--kv-backup", "--kv-backup-lag-ms", "100"] if self.kv_backup else []),
-                          replicas=1, standbys=self.standbys, cold_start_s=COLD_START_S, gpus=list(range(self.gpus)),
-                          spares=self.spares,
+                          replicas=1, standbys=self.standbys, cold_start_s=COLD_START_S,
+                          gpus=list(range(0, self.gpus, self.tp)), spares=self.spares, tp=self.tp,
                           # the successor's HTTP loop watched (`loop_late`; HF_ENGINE_LOOP_WATCH_S=0: not)
                           env={"HF_ENGINE_LOOP_WATCH_S": os.environ.get("HF_ENGINE_LOOP_WATCH_S", "0.5")})
         specs_file = self.write_specs(spec)
@@ -193,14 +194,19 @@ Fault = Callable[[LoadScenario, EngineInfo], Awaitable[float]]
 Prepare = Callable[[LoadScenario, EngineInfo], Awaitable[None]]
 
 
+def gpus_of(engine: EngineInfo) -> list[int]:
+    """The GPUs an engine (a group: every rank) runs on."""
+    return list(engine.rank_gpus) or list(range(engine.gpu, engine.gpu + engine.tp))
+
+
 async def gpus_replaced(sc: LoadScenario, active: EngineInfo, *, spares: int = 0, timeout: float = 300.0) -> None:
     """Before a GPU fault's round (no stream yet): every GPU of the node but the active engine's marked healthy (the
     one an earlier trial failed: replaced), then, with `spares`, until that many spares stand by (one restarted on
-    the replaced GPU after the last trial's took over)."""
+    the replaced GPUs after the last trial's took over)."""
     assert sc.bus is not None and sc.stack is not None
     node = sc.stack.config.node
     for gpu in range(sc.gpus):
-        if gpu != active.gpu:
+        if gpu not in gpus_of(active):
             await sc.bus.request(node, MarkGpu(gpu=gpu, healthy=True, detail="replaced"), MarkGpuReply, timeout=10)
     deadline = time.monotonic() + timeout
     while spares and len([e for e in await sc.engines() if e.spare and e.state == "standby"]) < spares:
@@ -210,7 +216,8 @@ async def gpus_replaced(sc: LoadScenario, active: EngineInfo, *, spares: int = 0
 
 
 async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 0) -> float:
-    """The active engine's GPU marked failed (what an NVML XID does: its weights and cache lost with it).
+    """The active engine's GPU (a group's: its last rank's) marked failed (what an NVML XID does: its weights and
+    cache lost with it).
     `backed_rows`: first wait until the engine's KV backup vouches for that many sequences (a sequence admitted within
     the backup's lag, 100 ms, is not in it yet: replayed and prefilled again, as without a backup). The fault's wall
     time."""
@@ -219,7 +226,7 @@ async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 
         await sc.until_backed_up(active.endpoint or "", rows=backed_rows, timeout=30)
     node = sc.stack.config.node
     at = time.time()
-    await sc.bus.request(node, MarkGpu(gpu=active.gpu, detail="xid 79 (bench)"), MarkGpuReply, timeout=10)
+    await sc.bus.request(node, MarkGpu(gpu=gpus_of(active)[-1], detail="xid 79 (bench)"), MarkGpuReply, timeout=10)
     return at
 
 
@@ -429,12 +436,15 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
 # a spare on the other GPU takes the host backup over; a cold engine there does; none kept: a cold start and the
 # router's replay
 GPU_FAULT_WAYS = ("spare", "backup", "replay")
+# a group's (`tp` > 1, on 2 x tp GPUs): a spare group takes every rank's backup over; none, the default policy: a
+# whole group fits on the other GPUs, so a cold group starts there and the router replays every stream
+GROUP_FAULT_WAYS = ("spare", "cold")
 
 
 async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
                         kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
                         prefill_chunk: int = 256, client_procs: int = 0, deterministic: bool = True,
-                        ways: tuple[str, ...] = GPU_FAULT_WAYS) -> dict[str, Any]:
+                        ways: tuple[str, ...] | None = None, tp: int = 1) -> dict[str, Any]:
     """`--gpu-fault`: the active engine's GPU fails under the load (its weights and cache lost with it) on a node of
     two GPUs, no standby, each way on a stack of its own, side by side in one run: `spare` (the engine keeps its KV
     in host memory and its spec a spare on the other GPU, its weights loaded: the spare continues every sequence from
@@ -443,13 +453,16 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
     router and its prompt prefilled again). Each with its no-failure control; a trial fails the GPU the engine is on,
     the other one marked healthy first (and, `spare`, a spare standing by on it: `gpus_replaced`); with the backup,
     once a backup round vouches for every stream (`gpu_fault`: what a sequence younger than the lag costs is a
-    replay's)."""
+    replay's). `tp` > 1: a group of `tp` ranks on a node of 2 x `tp` GPUs, its last rank's GPU failed, the ways
+    `GROUP_FAULT_WAYS`: `spare` (a spare group on the other GPUs takes every rank's backup over) and `cold` (the same
+    backups, no spare: by the default policy a whole cold group on the other GPUs, every stream replayed)."""
+    ways = ways or (GPU_FAULT_WAYS if tp == 1 else GROUP_FAULT_WAYS)
     if backend != "host":
         raise ValueError("--gpu-fault marks a simulated GPU failed: the host backend (a node of two real GPUs would "
                          "lose a real one's memory; not built for the cuda backend)")
     report: dict[str, Any] = {"bench": "recovery-gpu-fault", "backend": backend, "size": size, "streams": streams,
                               "late": late, "trials": trials, "max_tokens": max_tokens, "deterministic": deterministic,
-                              "ways": {}}
+                              "tp": tp, "ways": {}}
     base = work_dir or Path(tempfile.mkdtemp(prefix="holdfast-gpu-fault-"))
     weights = base / f"weights-{size}.safetensors"  # one file for every way; each way's stack and state its own
     try:
@@ -457,8 +470,8 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
             (base / way).mkdir(parents=True, exist_ok=True)
             sc = LoadScenario(size=size, backend=backend, standbys=0, max_num_seqs=max(256, streams + late),
                               kv_cache_gib=kv_cache_gib, work_dir=base / way, weights=weights, step_tokens=step_tokens,
-                              prefill_chunk=prefill_chunk, shadow=False, deterministic=deterministic, gpus=2,
-                              kv_backup=way in ("spare", "backup"), spares=int(way == "spare"))
+                              prefill_chunk=prefill_chunk, shadow=False, deterministic=deterministic, gpus=2 * tp,
+                              kv_backup=way in ("spare", "backup", "cold"), spares=int(way == "spare"), tp=tp)
             fault = functools.partial(gpu_fault, backed_rows=streams if sc.kv_backup else 0)
             report["ways"][way] = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
                                                 fault=fault, prepare=functools.partial(gpus_replaced, spares=sc.spares))

@@ -218,6 +218,9 @@ def cli(
                                    "node of two simulated GPUs, host backend), three ways side by side: its KV "
                                    "from its host backup taken over by a spare on the other GPU, or by a cold "
                                    "engine there, and no backup (a cold start and the router's replay)"),
+    tp: int = typer.Option(1, min=1, max=8, help="with --gpu-fault: a tensor-parallel group of this many ranks on "
+                           "a node of twice as many GPUs, its last rank's GPU failed; two ways: a spare group takes "
+                           "every rank's backup over, or (none) a cold whole group and the router's replay"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
                                 "plain servers, to measure what they cost; not with --streams)"),
 ) -> None:
@@ -229,6 +232,8 @@ def cli(
         raise typer.BadParameter("--no-secure measures the recovery ways; the --streams run is always secured")
     if gpu_fault and not streams:
         raise typer.BadParameter("--gpu-fault needs --streams N")
+    if tp > 1 and not gpu_fault:
+        raise typer.BadParameter("--tp is a --gpu-fault run's group size")
     if streams and gpu_fault:
         from bench.load_recovery import run_gpu_fault
 
@@ -239,7 +244,7 @@ def cli(
                                            late=late, trials=trials, max_tokens=max_tokens,
                                            kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
                                            step_tokens=step_tokens, prefill_chunk=prefill_chunk,
-                                           client_procs=client_procs, deterministic=deterministic))
+                                           client_procs=client_procs, deterministic=deterministic, tp=tp))
         print(json.dumps(report))
         return
     if streams:

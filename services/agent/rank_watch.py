@@ -20,6 +20,9 @@ Invariants:
 5. Rank 0's exit 70 (a rank of the group died) seen before a follower's death names the follower all the same when
    the follower is found dead or dying at that moment: on a busy loop both deaths are ready in one pass, and the
    order in which their callbacks run says nothing about which came first.
+6. A group the agent kills (its fault, a takeover, a regroup) has every watched follower SIGKILLed through its pidfd
+   at once with rank 0 (`kill`): PR_SET_PDEATHSIG fires only at the end of rank 0's exit, after its memory's
+   teardown, and a successor taking the gang over waits for every old rank's death.
 Where the followers are unknown (a group whose rank 0 does not name them, or whose record an older agent wrote), a
 follower's death is seen as before: through rank 0's exit 70.
 """
@@ -102,6 +105,10 @@ class RankWatch:
 
     def watching(self, group: str) -> list[RankProcess]:
         return [rank for g, rank in self._ranks.values() if g == group]
+
+    def kill(self, group: str) -> int:
+        """SIGKILL every watched follower of `group` through its pidfd (invariant 6); how many were signalled."""
+        return sum(self._watcher.signal(key) for key, (g, _) in list(self._ranks.items()) if g == group)
 
     def dead_follower(self, group: str) -> tuple[RankProcess, ExitStatus] | None:
         """A follower of `group` already dead or dying, looked at now (`PidWatcher.dead_now`): the rank whose death

@@ -166,6 +166,8 @@ class Agent:
         if not self.watcher.watching(rec.engine_id):
             return None  # already dead (or never watched: not a process of this node any more)
         self.watcher.signal(rec.engine_id, signal.SIGKILL)
+        if rec.tp > 1:  # its followers at once, not after rank 0's teardown (rank_watch.py invariant 6)
+            self.ranks.kill(rec.engine_id)
         return await self.watcher.wait_dead(rec.engine_id, within_s)
 
     async def stop(self, engine_id: str) -> int | None:

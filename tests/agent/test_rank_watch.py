@@ -109,3 +109,25 @@ async def test_a_dead_follower_is_found_at_once_when_rank_0s_exit_comes_first() 
             p.kill()
             p.wait(10)
         watch.close()
+
+
+async def test_killing_a_group_kills_every_watched_follower_at_once_and_no_other_group() -> None:
+    """Invariant 6: a group the agent kills has its followers SIGKILLed through their pidfds with rank 0, not after
+    rank 0's teardown (PR_SET_PDEATHSIG)."""
+    deaths: asyncio.Queue[Death] = asyncio.Queue()
+    watch = RankWatch(lambda *d: deaths.put_nowait(d))
+    one, two, other = _sleeper(), _sleeper(), _sleeper()
+    try:
+        watch.watch("g", [RankProcess(rank=1, pid=one.pid), RankProcess(rank=2, pid=two.pid)])
+        watch.watch("h", [RankProcess(rank=1, pid=other.pid)])
+        assert watch.kill("g") == 2
+        assert [p.wait(10) for p in (one, two)] == [-signal.SIGKILL, -signal.SIGKILL]
+        assert other.poll() is None  # another group's follower lives
+        group, _, st, _ = await asyncio.wait_for(deaths.get(), 10)
+        assert group == "g" and st is not None
+        assert watch.kill("nobody") == 0
+    finally:
+        for p in (one, two, other):
+            p.kill()
+            p.wait()
+        watch.close()
