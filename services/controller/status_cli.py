@@ -44,7 +44,8 @@ def status(api_url: str, token: str) -> None:
                          [[n["node"], n["datacenter"], ",".join(map(str, n["gpus"])), n["engines"], n["drained"]]
                           for n in nodes]))
     console.print(_table("engines", ["engine", "node", "gpu", "model", "class", "role", "state", "gen", "incident"],
-                         [[e["engine_id"], e["node"], e["gpu"], e["model"], e["engine_class"], e["role"], e["state"],
+                         [[e["engine_id"], e["node"], e["gpu"], e["model"], e["engine_class"],
+                           "spare" if e.get("spare") else e["role"], e["state"],
                            e["generation"], e["open_incident"]] for e in engines]))
     console.print(_table("leases", ["lease", "node", "gpu", "owner", "tag", "state", "epoch", "GiB"],
                          [[x["id"], x["node"], x["gpu"], x["owner"], x["tag"], x["state"], x["epoch"],
