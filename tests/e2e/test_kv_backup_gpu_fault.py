@@ -79,12 +79,24 @@ async def test_an_engine_whose_gpu_failed_is_continued_on_another_gpu_from_its_k
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_a_spare_on_another_gpu_takes_the_kv_backup_over_when_the_engines_gpu_fails(tmp_path: Path) -> None:
+@pytest.mark.parametrize("agent_restarted", [False, True], ids=["spare", "spare-after-agent-restart"])
+async def test_a_spare_on_another_gpu_takes_the_kv_backup_over_when_the_engines_gpu_fails(
+        tmp_path: Path, agent_restarted: bool) -> None:
+    """`agent_restarted`: the node's agent SIGKILLed and started again while the spare stands by: the new agent
+    adopts it back as a spare (its record says so), neither a second spare nor an extra standby to stop."""
     sc = BackedWithSpare(size="tiny", backend="host", standbys=0, work_dir=tmp_path, shadow=False)
     try:
         faults = await started(sc)
         engine = await sc.wait_serving(standbys=0, timeout=180)
         spare = await wait_spare(sc)
+        if agent_restarted:
+            assert sc.stack is not None
+            sc.stack.kill("agent")
+            await asyncio.to_thread(sc.stack.restart, "agent")
+            await asyncio.sleep(3.0)  # its first reconcile passes: a wrong count would start or stop an engine here
+            assert (await wait_spare(sc)).engine_id == spare.engine_id  # the same spare, still a spare
+            live = [e for e in await sc.engines() if e.state in ("starting", "standby", "ready")]
+            assert sorted(e.engine_id for e in live) == sorted([engine.engine_id, spare.engine_id]), live
         assert (engine.gpu, spare.gpu) == (0, 1) and spare.role == "standby"  # a GPU of its own
         held = [i for i in (await sc.leases()).leases if i.owner == spare.engine_id]
         assert sorted((i.tag, i.gpu) for i in held) == [(Tag.KV_CACHE, 1), (Tag.WEIGHTS, 1)]  # its own, on GPU 1
