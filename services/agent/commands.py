@@ -186,8 +186,9 @@ class Commands:
             return None
         host.starts.admit_active(key, replacing=pred, candidate=sb.engine_id)
         t0 = time.perf_counter()
+        whose = cmd.backup_of or cmd.predecessor  # the engine (or group) whose backups it continues, if any
         sb.transition(Ev.ASSIGN)
-        sb.role, sb.spare, sb.taking_over = EngineRole.ACTIVE, False, cmd.backup_of
+        sb.role, sb.spare, sb.taking_over = EngineRole.ACTIVE, False, whose
         sb.generation = pred.generation + 1 if pred is not None else 0
         orders: dict[str, Any] = {"predecessor": cmd.backup_of or "", "transfer_token": cmd.transfer_token or ""}
         if cmd.degrade_gang is not None:  # a spare group: the broken gang's backups, as a degraded group takes them
@@ -199,16 +200,16 @@ class Commands:
             await host.wait_ready(sb.engine_id, host.settings.takeover_timeout_s)
         except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
             log.warning("spare %s failed as the successor of %s (%s); starting a cold engine", sb.engine_id,
-                        cmd.backup_of or cmd.incident_id, e or "timed out")
+                        whose or cmd.incident_id, e or "timed out")
             if sb.live:
                 host.fault(sb, FaultKind.HUNG, detail=f"failed as a spare's successor: {e}", died_at=time.time())
             await host.kill_confirmed(sb)
             host.retire(sb)
             return None
-        sb.successor_of = cmd.backup_of
+        sb.successor_of = whose
         host.save(sb)
         log.info("spawn for %s: spare %s on GPU %d serves in %.1f ms%s", cmd.incident_id, sb.engine_id, sb.gpu,
-                 (time.perf_counter() - t0) * 1000, f", from {cmd.backup_of}'s KV backup" if cmd.backup_of else "")
+                 (time.perf_counter() - t0) * 1000, f", from {whose}'s KV backups" if whose else "")
         host.reconcile_soon()  # the next spare, where a GPU is free for one
         return sb
 

@@ -55,6 +55,7 @@ async def test_a_spare_group_takes_a_groups_kv_backups_over_when_a_ranks_gpu_fai
     assert [i.id for i in out.incidents] == [record["id"]] and record["state"] == "resolved" and record["fallback"]
     assert successor.engine_id == spare.engine_id and (successor.gpu, successor.tp) == (2, 2)  # the spare group
     assert successor.gang == group.gang  # the gang keeps its id: the next incident freezes it
+    assert successor.successor_of == group.engine_id
     fallback = record["steps"]["fallback"]["detail"]
     assert fallback.startswith("weights of a spare, loaded before the fault"), fallback
     assert "; a whole group again on 2 ranks: KV of " in fallback, fallback
