@@ -134,7 +134,8 @@ class RankGroup:
             raise ValueError("HF_TAKEOVER_FROM on a group names a single engine whose KV backup it continues (a "
                              "regroup: degrade.py): with HF_TRANSFER_TOKEN and leased memory, an active group, no gang "
                              "(a group is taken over through its gang: HF_TAKEOVER_GANG)")
-        if device.type == "cuda" and cfg.num_blocks is None and cfg.kv_cache_gib is None:
+        if device.type == "cuda" and cfg.num_blocks is None and cfg.kv_cache_gib is None and not (
+                cfg.degrade_gang or cfg.takeover_from):  # a group from backups: their block count (degrade.py inv. 2)
             raise ValueError("--tp > 1 on CUDA needs --num-blocks or --kv-cache-gib: every rank's cache must have "
                              "as many blocks, and each GPU's free memory differs")
         self.rank = cfg.tp_rank
