@@ -80,6 +80,7 @@ async def test_a_spare_restores_a_dead_engines_kv_backup_into_a_cache_of_its_own
         writer, info = opened
         writer.stop()
         assert info["source"] == "restored" and info["restored"] == STREAMS, info
+        print(f"spare on {device}, cache {spare_blocks} blocks: takeover {loaded.timings_ms}, restore {info}")  # noqa: T201
         _, entries, _, covered = vouched(loaded.backup, loaded.layout)
         assert len(entries) == STREAMS and covered
         got = loaded.kv.permute(2, 0, 1, 3, 4, 5)[covered].cpu()
