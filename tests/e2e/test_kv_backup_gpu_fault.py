@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.events import EngineInfo, MarkGpu, MarkGpuReply, Tag
+from libs.common.events import EngineInfo, Tag
 from tests.e2e.test_tp_incident import started
 from tests.e2e.test_tp_kv_backup_incident import (
     STREAMS,
     BackedGroupScenario,
-    streams_through_a_loss,
+    gpu_failed,
     through_a_gpu_fault,
 )
 
@@ -100,19 +100,13 @@ async def test_a_spare_on_another_gpu_takes_the_kv_backup_over_when_the_engines_
         assert (engine.gpu, spare.gpu) == (0, 1) and spare.role == "standby"  # a GPU of its own
         held = [i for i in (await sc.leases()).leases if i.owner == spare.engine_id]
         assert sorted((i.tag, i.gpu) for i in held) == [(Tag.KV_CACHE, 1), (Tag.WEIGHTS, 1)]  # its own, on GPU 1
-        assert sc.bus is not None and sc.stack is not None
-        bus, node = sc.bus, sc.stack.config.node
-        marked: list[MarkGpuReply] = []
-
-        async def lose() -> None:
-            marked.append(await bus.request(node, MarkGpu(gpu=0, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
-        out = await streams_through_a_loss(sc, engine, lose)
+        marked, out = await gpu_failed(sc, engine, 0)
         engines = await sc.engines()
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)
     results, control, record, successor, health = out.results, out.control, out.record, out.successor, out.health
-    assert marked[0].engines == [engine.engine_id] and {f.engine_id for f in faults} == {engine.engine_id}
+    assert marked.engines == [engine.engine_id] and {f.engine_id for f in faults} == {engine.engine_id}
     assert [r.error for r in results] == [None] * STREAMS and all(r.done for r in results)
     assert [r.tokens for r in results] == [r.tokens for r in control]  # none lost, none twice, the same tokens
     assert [i.id for i in out.incidents] == [record["id"]] and record["state"] == "resolved" and record["fallback"]

@@ -96,24 +96,31 @@ async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
                    await incidents(sc), before)
 
 
+async def gpu_failed(sc: BackedGroupScenario, engine: EngineInfo, gpu: int) -> tuple[MarkGpuReply, Outcome]:
+    """Streams through `gpu` marked failed (what an NVML XID does) once they are under way: the mark's reply and the
+    outcome (the stack left up)."""
+    assert sc.bus is not None and sc.stack is not None
+    bus, node = sc.bus, sc.stack.config.node
+    marked: list[MarkGpuReply] = []
+
+    async def lose() -> None:
+        marked.append(await bus.request(node, MarkGpu(gpu=gpu, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
+    out = await streams_through_a_loss(sc, engine, lose)
+    return marked[0], out
+
+
 async def through_a_gpu_fault(sc: BackedGroupScenario, gpu: int) -> tuple[EngineInfo, list[FaultDetected], MarkGpuReply,
                                                                          Outcome]:
-    """The stack up, its engine (or group) serving; streams through `gpu` marked failed (what an NVML XID does).
+    """The stack up, its engine (or group) serving; streams through `gpu` marked failed (`gpu_failed`).
     (the engine, every fault published, the mark's reply, the outcome); the stack stopped."""
     try:
         faults = await started(sc)
         engine = await sc.wait_serving(standbys=0, timeout=180)
-        assert sc.bus is not None and sc.stack is not None
-        bus, node = sc.bus, sc.stack.config.node
-        marked: list[MarkGpuReply] = []
-
-        async def lose() -> None:
-            marked.append(await bus.request(node, MarkGpu(gpu=gpu, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
-        out = await streams_through_a_loss(sc, engine, lose)
+        marked, out = await gpu_failed(sc, engine, gpu)
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)
-    return engine, faults, marked[0], out
+    return engine, faults, marked, out
 
 
 @pytest.mark.slow

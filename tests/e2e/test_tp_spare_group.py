@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.events import MarkGpu, MarkGpuReply
 from tests.e2e.test_kv_backup_gpu_fault import wait_spare
 from tests.e2e.test_tp_incident import started
-from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, streams_through_a_loss
+from tests.e2e.test_tp_kv_backup_incident import STREAMS, BackedGroupScenario, gpu_failed
 
 
 class GroupWithSpare(BackedGroupScenario):
@@ -38,18 +37,12 @@ async def test_a_spare_group_takes_a_groups_kv_backups_over_when_a_ranks_gpu_fai
         assert (group.gpu, group.tp, spare.gpu, spare.tp) == (0, 2, 2, 2)  # GPUs 0-1, the spare's 2-3
         held = [i for i in (await sc.leases()).leases if i.owner in spare.ranks]
         assert sorted(i.gpu for i in held) == [2, 2, 3, 3] and not any(i.host for i in held)  # shards and caches
-        assert sc.bus is not None and sc.stack is not None
-        bus, node = sc.bus, sc.stack.config.node
-        marked: list[MarkGpuReply] = []
-
-        async def lose() -> None:
-            marked.append(await bus.request(node, MarkGpu(gpu=1, detail="xid 79 (test)"), MarkGpuReply, timeout=10))
-        out = await streams_through_a_loss(sc, group, lose)
+        marked, out = await gpu_failed(sc, group, 1)
     finally:
         await sc.close()
         await asyncio.to_thread(sc.stop)
     results, control, record, successor, health = out.results, out.control, out.record, out.successor, out.health
-    assert marked[0].engines == [group.engine_id] and {f.group or f.engine_id for f in faults} == {group.engine_id}
+    assert marked.engines == [group.engine_id] and {f.group or f.engine_id for f in faults} == {group.engine_id}
     assert [r.error for r in results] == [None] * STREAMS and all(r.done for r in results)
     assert [r.tokens for r in results] == [r.tokens for r in control]  # none lost, none twice, the same tokens
     assert [i.id for i in out.incidents] == [record["id"]] and record["state"] == "resolved" and record["fallback"]
