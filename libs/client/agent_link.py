@@ -93,8 +93,9 @@ def default_socket_path() -> str:
 class AgentLink:
     def __init__(self, engine_id: str, socket_path: str, role: str, model: str, *, engine_class: str,
                  gpu: int, version: str, can_shadow: bool = False, fences: bool = False,
-                 followers: Sequence[RankProcess] = ()) -> None:
+                 followers: Sequence[RankProcess] = (), spare: bool = False) -> None:
         self.engine_id = engine_id
+        self.spare = spare  # a spare (EngineSpec.spares): an agent that does not know this engine adopts it as one
         self.followers = list(followers)  # a TP group's rank 0: its other ranks, told on every registration
         self.can_shadow = can_shadow
         self.fences = fences  # a standby that takes over through a fenced grant: assign it with the kill
@@ -143,6 +144,7 @@ class AgentLink:
             can_shadow=can_shadow,
             fences=fences,
             followers=followers,
+            spare=env.get("HF_ENGINE_SPARE", "") in ("1", "true"),  # the agent's (services/agent/starts.py)
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -254,6 +256,8 @@ class AgentLink:
                  "fences": self.fences}
         if self.followers:  # only a group's rank 0 sends it (an agent that predates it ignores the key)
             hello["followers"] = [f.model_dump() for f in self.followers]
+        if self.spare:  # only a spare sends it
+            hello["spare"] = True
         return hello
 
     def _register(self) -> socket.socket:

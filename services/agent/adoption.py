@@ -79,7 +79,8 @@ class Adoption:
         model, engine_class = str(msg.get("model") or "unknown"), str(msg.get("engine_class") or "default")
         version = str(msg.get("version") or "1")
         key = supervision.stranger_key(host.specs, model, engine_class, version)
-        why = supervision.admit_stranger(host.specs, host.records(), key, role)
+        spare = role is EngineRole.STANDBY and bool(msg.get("spare"))  # a spare says so as it registers
+        why = supervision.admit_stranger(host.specs, host.records(), key, role, spare=spare)
         if why is not None:
             self._end_refused(pid)
             raise Conflict(f"engine {msg['engine_id']} (pid {pid}) is one too many: {why}")
@@ -88,7 +89,7 @@ class Adoption:
         tp = supervision.stranger_tp(host.specs.get(key) if key is not None else None, msg.get("followers"))
         rec = EngineRecord(engine_id=str(msg["engine_id"]), model=model, engine_class=engine_class, role=role,
                            gpu=int(msg.get("gpu") or 0), version=version, spec_key=key, pid=pid,
-                           pid_start=start, child=False, tp=tp)
+                           pid_start=start, child=False, tp=tp, spare=spare)
         host.watcher.watch(rec.engine_id, pid, child=False, start_time=start)
         host.engines[rec.engine_id] = rec
         log.info("adopted engine %s (pid %d) started by someone else%s", rec.engine_id, pid,

@@ -158,10 +158,11 @@ def stranger_tp(spec: EngineSpec | None, followers: object) -> int:
 
 
 def admit_stranger(specs: dict[str, EngineSpec], records: list[EngineRecord], key: str | None,
-                   role: EngineRole) -> str | None:
+                   role: EngineRole, *, spare: bool = False) -> str | None:
     """Whether an engine that registers unknown (started by a previous agent that died before recording it, or by
     someone else) may be adopted into spec `key`: None if so, else why not. An active one is held to `admit_active`
-    (README invariant 11); a standby to its spec's standby count (`standbys_of`). Whichever comes first, the
+    (README invariant 11); a standby to its spec's standby count (`standbys_of`), a `spare` (it says so as it
+    registers) to its spare count (`spares_of`). Whichever comes first, the
     stranger or a replacement the reconciler starts, the other is the one too many: an adopted stranger counts
     for its spec (`plan` starts nothing for its slot), a refused one must exit."""
     spec = specs.get(key or "")
@@ -169,11 +170,12 @@ def admit_stranger(specs: dict[str, EngineSpec], records: list[EngineRecord], ke
         return None  # no desired count to hold it to
     if role is EngineRole.ACTIVE:
         return admit_active(specs, records, key)
+    kind, want = ("spare", spares_of(spec)) if spare else ("standby", standbys_of(spec))
     standbys = [r.engine_id for r in records if r.spec_key == key and r.role is EngineRole.STANDBY
-                and r.state in LIVE and not r.spare]
-    if len(standbys) < standbys_of(spec):
+                and r.state in LIVE and r.spare == spare]
+    if len(standbys) < want:
         return None
-    return f"{key} wants {standbys_of(spec)} standby, and {len(standbys)} run already {standbys}: no new one"
+    return f"{key} wants {want} {kind}, and {len(standbys)} run already {standbys}: no new one"
 
 
 def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSpec]:

@@ -140,3 +140,13 @@ def test_a_hot_upgrade_moves_the_spares_with_the_last_replica() -> None:
     two = spec(spares=1).model_copy(update={"replicas": 2})
     old3, new3 = supervision.move_replica(two, new)
     assert (old3.replicas, old3.spares) == (1, 1) and (new3.replicas, new3.spares) == (1, 0)  # the old still serves
+
+
+def test_a_stranger_spare_is_adopted_into_its_specs_spares_not_its_standbys() -> None:
+    active = rec("a", EngineRole.ACTIVE, State.READY, 0)
+    specs = {KEY: spec(standbys=0, spares=1)}
+    assert supervision.admit_stranger(specs, [active], KEY, EngineRole.STANDBY, spare=True) is None
+    assert "wants 0 standby" in (supervision.admit_stranger(specs, [active], KEY, EngineRole.STANDBY) or "")
+    spare = rec("s", EngineRole.STANDBY, State.STANDBY, 1, spare=True)
+    assert "wants 1 spare" in (supervision.admit_stranger(specs, [active, spare], KEY, EngineRole.STANDBY,
+                                                          spare=True) or "")  # one too many
