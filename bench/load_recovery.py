@@ -194,11 +194,6 @@ Fault = Callable[[LoadScenario, EngineInfo], Awaitable[float]]
 Prepare = Callable[[LoadScenario, EngineInfo], Awaitable[None]]
 
 
-def gpus_of(engine: EngineInfo) -> list[int]:
-    """The GPUs an engine (a group: every rank) runs on."""
-    return list(engine.rank_gpus) or list(range(engine.gpu, engine.gpu + engine.tp))
-
-
 async def gpus_replaced(sc: LoadScenario, active: EngineInfo, *, spares: int = 0, timeout: float = 300.0) -> None:
     """Before a GPU fault's round (no stream yet): every GPU of the node but the active engine's marked healthy (the
     one an earlier trial failed: replaced), then, with `spares`, until that many spares stand by (one restarted on
@@ -206,7 +201,7 @@ async def gpus_replaced(sc: LoadScenario, active: EngineInfo, *, spares: int = 0
     assert sc.bus is not None and sc.stack is not None
     node = sc.stack.config.node
     for gpu in range(sc.gpus):
-        if gpu not in gpus_of(active):
+        if gpu not in active.gpus:
             await sc.bus.request(node, MarkGpu(gpu=gpu, healthy=True, detail="replaced"), MarkGpuReply, timeout=10)
     deadline = time.monotonic() + timeout
     while spares and len([e for e in await sc.engines() if e.spare and e.state == "standby"]) < spares:
@@ -226,7 +221,7 @@ async def gpu_fault(sc: LoadScenario, active: EngineInfo, *, backed_rows: int = 
         await sc.until_backed_up(active.endpoint or "", rows=backed_rows, timeout=30)
     node = sc.stack.config.node
     at = time.time()
-    await sc.bus.request(node, MarkGpu(gpu=gpus_of(active)[-1], detail="xid 79 (bench)"), MarkGpuReply, timeout=10)
+    await sc.bus.request(node, MarkGpu(gpu=active.gpus[-1], detail="xid 79 (bench)"), MarkGpuReply, timeout=10)
     return at
 
 

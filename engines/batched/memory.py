@@ -202,24 +202,25 @@ class LeasedMemory:
         else the file, each layer's fused parts back to back (fused_layout.py) either way: the copy was written
         from a lease of this class (safetensors_io.restore_or_load, the one cold path). `num_blocks`: the new
         cache's (default: the configuration's)."""
-        from libs.client.safetensors_io import copy_name, restore_or_load
-
         t0 = time.perf_counter()
-        got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
-                              expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
+        got = self._weights(cfg, path)
         loaded = self._with_new_kv(cfg, got.lease, got.metas, layout_of, t0, num_blocks)
         loaded.weights_load = got.report()
         return loaded
+
+    def _weights(self, cfg: ModelConfig, path: Path) -> Any:
+        """The whole model's weights, cold (`load`'s one path): safetensors_io `WeightsLoad`."""
+        from libs.client.safetensors_io import copy_name, restore_or_load
+
+        return restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
+                               expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
 
     def load_spare(self, cfg: ModelConfig, path: Path, layout_of: Any) -> Spare:
         """A spare's memory (config.py `spare`), at its start: the weights, loaded as a cold start loads them (`load`),
         and a KV cache of this configuration's size, zeroed, both committed: what its assignment continues on
         (`spare_takeover`), so that nothing is loaded, leased or zeroed in the outage."""
-        from libs.client.safetensors_io import copy_name, restore_or_load
-
         t0 = time.perf_counter()
-        got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
-                              expected=cfg.tensor_shapes(), plan=fused_plan, filler=lambda: lease_filler(path))
+        got = self._weights(cfg, path)
         dtype = got.tensors["tok_embeddings.weight"].dtype
         layout: JournalLayout = layout_of(dtype, None)
         kv, journal, kv_lease = self._new_kv(cfg, dtype, layout)
@@ -241,12 +242,8 @@ class LeasedMemory:
         fence: list[Any] = []
         timings: dict[str, Any] = {}
         if predecessor:
-            att, timings = self._granted(predecessor, token, wait_s, fenced=True, cold_weights=True)
-            if not backups_alone(att.leases):
-                # kept, not released (see take_backup): this engine exits on the refusal
-                raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, "
-                                      "not its KV backup alone: a spare continues an engine from its backup only "
-                                      "(Freeze backups_only)")
+            att, timings = self._backups_granted(predecessor, token, wait_s, "a spare continues an engine",
+                                                 fenced=True)
             for extra in att.leases[1:]:
                 self.client.release(extra.id)
             backup, fence = _tensors(att.leases[0]), att.fence
@@ -286,14 +283,21 @@ class LeasedMemory:
         `Degraded` of one rank; the group loads its weights cold. Anything but backups handed on is refused
         (`NotBackupsAlone`): a group cannot run from a single engine's weights or cache."""
         t0 = time.perf_counter()
-        att, granted = self._granted(predecessor, token, wait_s, cold_weights=True)
+        att, granted = self._backups_granted(predecessor, token, wait_s, "a group continues a single engine")
+        return _degraded(att.leases, t0, granted)
+
+    def _backups_granted(self, predecessor: str, token: str, wait_s: float, who: str, *,
+                         fenced: bool = False) -> tuple[Any, dict[str, Any]]:
+        """The predecessor's KV backup alone (frozen `backups_only`, taken with `cold_weights`), as `_granted`
+        answers; anything else handed on is refused (`NotBackupsAlone`, saying who continues from the backup only)."""
+        att, granted = self._granted(predecessor, token, wait_s, fenced=fenced, cold_weights=True)
         if not backups_alone(att.leases):
             # kept, not released (a release frees them): this engine exits on the refusal, its leases are orphaned
             # and wait out their grace window, where the control plane can freeze and hand them on again
             raise NotBackupsAlone(f"{predecessor} handed on {sorted(lease.info.name for lease in att.leases)}, not "
-                                  "its KV backup alone: a group continues a single engine from its backup only "
+                                  f"its KV backup alone: {who} from its backup only "
                                   "(Freeze backups_only)")
-        return _degraded(att.leases, t0, granted)
+        return att, granted
 
     def _granted(self, predecessor: str, token: str, wait_s: float, *, fenced: bool = False,
                  cold_weights: bool = False) -> tuple[Any, dict[str, Any]]:

@@ -243,12 +243,9 @@ class ClusterView:
         """A spare on `node` (EngineSpec.spares: a standby, or a standby group of `tp` ranks, with its own weights
         and cache, on GPUs of its own) waiting for an assignment of `model` (of that class and version), on GPUs none
         of which is in `unhealthy` or unhealthy in the view; the oldest first."""
-        def healthy(e: EngineInfo) -> bool:
-            gpus = e.rank_gpus or list(range(e.gpu, e.gpu + e.tp))
-            return all(g not in unhealthy and self.gpu_healthy(node, g) for g in gpus)
         fit = [e for sid in self.standbys_on.get(node, ()) if (e := self.engines.get(sid)) is not None and e.spare
                and e.model == model and e.engine_class == engine_class and e.version == version and e.tp == tp
-               and healthy(e)]
+               and all(g not in unhealthy and self.gpu_healthy(node, g) for g in e.gpus)]
         return min(fit, key=lambda e: (e.started_at or 0.0, e.engine_id), default=None)
 
     def _on_allocations(self, kind: str, rest: str, value: bytes | None) -> Any:

@@ -14,6 +14,7 @@ always names its `type`. The models read that form and the one with every field 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
@@ -165,6 +166,11 @@ class EngineSpec(Model):
         return self
 
 
+def engine_gpus(gpu: int, tp: int, rank_gpus: Sequence[int]) -> list[int]:
+    """The GPUs an engine runs on: a group's rank r on `gpu + r`, or on `rank_gpus[r]` where the group names them."""
+    return list(rank_gpus) or list(range(gpu, gpu + tp))
+
+
 def rank_engine_id(engine_id: str, rank: int) -> str:
     """Rank r's engine id (its gpu_manager client) in the TP group whose rank 0 is `engine_id`."""
     return engine_id if rank == 0 else f"{engine_id}-r{rank}"
@@ -245,6 +251,10 @@ class EngineInfo(Model):
     weights: WeightsLoaded | None = None  # a cold start's load, as the engine reported it when ready
     kv: str | None = None  # where a successor's KV came from when not the handed-on cache ("KV from host backup: ...")
     spare: bool = False  # a standby on another GPU with its own weights, for a GPU fault (EngineSpec.spares)
+
+    @property
+    def gpus(self) -> list[int]:
+        return engine_gpus(self.gpu, self.tp, self.rank_gpus)
 
 
 def engine_record_key(node: str, engine_id: str) -> str:

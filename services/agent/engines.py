@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from libs.common.errors import InvalidTransition, MalformedMessage
-from libs.common.events import EngineInfo, EngineRole, RankProcess, WeightsLoaded, rank_engine_id
+from libs.common.events import EngineInfo, EngineRole, RankProcess, WeightsLoaded, engine_gpus, rank_engine_id
 
 
 class State(StrEnum):
@@ -128,7 +128,7 @@ class EngineRecord:
     @property
     def gpus(self) -> list[int]:
         """The GPUs its ranks run on (rank r on gpu + r, or on rank_gpus[r])."""
-        return list(self.rank_gpus) or list(range(self.gpu, self.gpu + self.tp))
+        return engine_gpus(self.gpu, self.tp, self.rank_gpus)
 
     def info(self, node: str = "") -> EngineInfo:
         return EngineInfo(
