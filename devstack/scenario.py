@@ -159,6 +159,19 @@ class StreamResult:
 R = TypeVar("R", bound=StreamResult)
 
 
+def dump_stacks(pid: int) -> None:
+    """Every thread's stack of an engine and of its children (a group's ranks) in their logs (faulthandler on
+    SIGUSR2): what a test that timed out waiting on it leaves to read."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    for p in (pid, *children):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGUSR2)
+
+
 async def read_generation(client: httpx.AsyncClient, router_url: str, result: R, *, model: str, max_tokens: int,
                           timeout: float, on_token: Callable[[], None] | None = None,
                           headers: dict[str, str] | None = None) -> R:
@@ -330,9 +343,10 @@ class Scenario:
             r = await c.get(f"{endpoint}/health", timeout=10)
             return dict(r.json())
 
-    async def until_backed_up(self, endpoint: str, rows: int, timeout: float = 60) -> dict[str, Any]:
+    async def until_backed_up(self, endpoint: str, rows: int, timeout: float = 60, pid: int | None = None) -> dict[str, Any]:
         """Wait until the engine's KV backup (`--kv-backup`) vouches for `rows` sequences (a done round covers
-        them): a loss from here has something to restore, however slowly a loaded machine runs the rounds."""
+        them): a loss from here has something to restore, however slowly a loaded machine runs the rounds. On a
+        timeout, `pid` (the engine's, and its ranks') is asked for every thread's stack in its log (SIGUSR2)."""
         deadline = time.monotonic() + timeout
         while True:
             backup = (await self.engine_health(endpoint)).get("kv_backup") or {}
@@ -341,7 +355,10 @@ class Scenario:
             if backup.get("rows", 0) >= rows and backup.get("durable_tokens", 0) > 0:
                 return dict(backup)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the KV backup vouched for {backup.get('rows')} of {rows} sequences in {timeout} s")
+                if pid is not None:
+                    dump_stacks(pid)
+                raise TimeoutError(f"the KV backup vouched for {backup.get('rows')} of {rows} sequences in {timeout} s "
+                                   f"(its stats: {backup})")
             await asyncio.sleep(0.02)
 
     async def weights_checksum(self, endpoint: str) -> str | None:

@@ -15,6 +15,7 @@ starts as a cold successor group does (`load_memory`).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -256,6 +257,7 @@ def run(cfg: EngineConfig) -> int:
     prepares = cfg.role == "standby" and group is None and can_reserve(cfg, memory, device)
     link = open_agent_link(cfg, can_shadow=prepares and cfg.shadow, group=group)
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=report_fatal, args=(link,), daemon=True).start())
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: every thread's stack in its log
     engine: LLMEngine | None = None
     prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None = None  # a standby's runner over its reservations
     stalls: list[dict[str, Any]] = []  # late wake-ups of a sleeper during a takeover, with every thread's frame

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)
     procs.reserve_fds()  # the burst of resumed streams' connections after a takeover never waits to grow the table
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # as the engine's (engines/batched/__main__.py)
     state = EngineState(args.engine_id, args.model, args.size, args.max_model_len, args.max_waiting)
     state.hold_s, state.loop_watch_s = args.hold_s, args.loop_watch_s
     link = EngineLink(socket.socket(fileno=args.link_fd), args.max_num_seqs, state.apply_status)

@@ -43,6 +43,7 @@ Not yet: sleep and wake (the asks are refused), CUDA graphs.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -335,6 +336,7 @@ def follower_main() -> int:
     to the process group is rank 0's to handle; rank 0's death ends this process (PR_SET_PDEATHSIG)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # as rank 0's (engines/batched/__main__.py)
     cfg = EngineConfig(**json.loads(os.environ[SETTINGS_ENV]))
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s %(name)s[r{cfg.tp_rank}]: %(message)s")
     torch.set_num_threads(cfg.threads)

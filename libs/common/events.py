@@ -471,6 +471,12 @@ class EndpointRemoved(Event):
     # An incident's route-out: it brings a successor in (routed in by `endpoint.added` with this incident_id) or
     # ends without one (`endpoint.unrecovered`); meanwhile routers hold the model's requests past their own hold.
     recovery: bool = False
+    # The engine is sound and serves on until its agent stops it (a planned incident: a manual failover, a hot
+    # upgrade, a regroup): routers take no new request to it but leave its streams running until it stops or its
+    # successor is routed in (`endpoint.added` naming it) or the recovery ends. Cut at once, its streams' aborts
+    # would drop their sequences from its journal and KV backup before the freeze, and its successor would prefill
+    # them again (services/router/sync.py).
+    live: bool = False
 
 
 class EndpointNotRecovered(Event):

@@ -136,6 +136,7 @@ class IncidentEvents:
             events.insert(0, self.envelope(EndpointRemoved(model=model or work.model, engine_id=work.engine_id,
                                                            url=url, reason=str(work.kind or work.reason),
                                                            incident_id=work.id, recovery=True,
+                                                           live=work.reason is not IncidentReason.FAILURE,
                                                            successor_id=succ.engine_id if succ else None,
                                                            successor_url=succ.endpoint if succ else None),
                                            f"{work.id}-removed", work))

@@ -24,6 +24,13 @@ marker's `at`: a router started (or cut off from NATS) during a cold recovery ho
 others do, instead of answering 404 for a model it never saw. A recovery this router saw end is never started
 again by a marker whose deletion has not landed yet (the write is behind the event); one whose marker is gone is
 left to its events and its bound.
+
+A sound engine's removal (`EndpointRemoved.live`: a manual failover, a hot upgrade, a regroup) takes it out of the
+table at once but leaves its streams running ("lingering"): they end when its agent stops it (the relay resumes
+them then, from every token they had), when its successor is routed in (`endpoint.added` naming it: cut), when its
+recovery ends without one (`endpoint.unrecovered`: cut) or, failing all three, at a reconcile `recovery_hold_s`
+after the removal (cut). Cutting them at the removal would have the engine abort their sequences, dropping them
+from its journal and its KV backup before the incident freezes either: its successor would prefill them again.
 """
 
 from __future__ import annotations
@@ -144,6 +151,7 @@ class EndpointFeed:
         self.stats = SyncStats()
         self.last_event: dict[Key, float] = {}
         self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
+        self.lingering: dict[str, tuple[str, float]] = {}  # a sound engine removed (`live`) -> (model, clock)
         self._buffer: list[Envelope] = []
         self._lock = asyncio.Lock()  # one reconcile at a time (reconnect and period may coincide)
 
@@ -179,7 +187,11 @@ class EndpointFeed:
             self.last_event[(ev.model, ev.engine_id)] = now
             if ev.recovery and ev.incident_id:  # before the cut: its streams' replays wait for the successor
                 self.table.recovering(ev.model, ev.incident_id, self.recovery_hold_s)
-            self._gone(ev.model, ev.engine_id)
+            if ev.live:  # no new request goes to it; its streams run on until it stops (module docstring)
+                self.table.remove(ev.model, ev.engine_id)
+                self.lingering[ev.engine_id] = (ev.model, now)
+            else:
+                self._gone(ev.model, ev.engine_id)
             if ev.successor_id and ev.successor_url and self.table.find(ev.successor_id) is None:
                 self._promise(ev, now, published)
         elif isinstance(ev, EndpointNotRecovered):
@@ -187,6 +199,8 @@ class EndpointFeed:
                         "no longer held for it", ev.model, ev.engine_id, ev.incident_id, ev.reason)
             self.table.recovered(ev.incident_id)
             self.ended[ev.incident_id] = now
+            if ev.engine_id in self.lingering:
+                self._gone(ev.model, ev.engine_id)
 
     def _promise(self, ev: EndpointRemoved, now: float, published: float | None) -> None:
         """The standby that will most likely take over (EndpointRemoved.successor_id) is added now, marked
@@ -203,6 +217,7 @@ class EndpointFeed:
 
     def _gone(self, model: str, engine_id: str) -> None:
         self.table.remove(model, engine_id)
+        self.lingering.pop(engine_id, None)
         cut = self.relay.endpoint_gone(engine_id)
         if cut:
             log.info("%d streams on %s will resume on another endpoint", cut, engine_id)
@@ -257,6 +272,9 @@ class EndpointFeed:
                 log.info("reconcile (%s): endpoint %s %s is gone from etcd: removed", reason, model, engine_id)
                 self._gone(model, engine_id)
             self._recoveries(kvs, f"reconcile ({reason})")
+            for engine_id, (model, at) in list(self.lingering.items()):
+                if at < started - self.recovery_hold_s:  # no word of its recovery's end within the bound
+                    self._gone(model, engine_id)
             self.stats.reconciles += 1
             self.stats.added += len(p.add)
             self.stats.removed += len(p.remove)

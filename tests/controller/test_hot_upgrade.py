@@ -94,6 +94,7 @@ async def test_a_rolling_hot_upgrade_moves_each_engine_to_the_new_version_one_at
             # announced once, by its incident's route-in (not again as "a ready engine in no incident")
             # one event each; the bus delivers at least once, so a redelivery carries the same envelope id
             assert len({e.id for e in removed}) == 1 and len({e.id for e in added}) == 1
+            assert removed[0].data.live  # a sound engine: routers leave its streams running until it stops
             assert added[0].data.incident_id == inc.id
             assert _index(recorder.events, removed[0]) < _index(recorder.events, added[0])
 

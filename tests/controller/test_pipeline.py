@@ -44,6 +44,7 @@ async def test_a_killed_engine_is_routed_out_reattached_and_routed_in_in_one_tra
             await sim.fail(victim)
             out = await asyncio.wait_for(removed.get(), 20)
             assert isinstance(out.data, EndpointRemoved) and out.data.engine_id == victim
+            assert out.data.recovery and not out.data.live  # a failed engine: its streams are cut at once
             got = await asyncio.wait_for(added.get(), 20)
             assert isinstance(got.data, EndpointAdded)
             assert got.data.predecessor_id == victim and got.data.engine_id == f"{victim}-s1"

@@ -83,7 +83,7 @@ async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
         seen = len(sc.events)
         streams = [asyncio.create_task(sc.generate(client, p, max_tokens=max_tokens)) for p in prompts()]
         await sc._until_tokens(streams, want=4 * STREAMS)
-        await sc.until_backed_up(group.endpoint or "", rows=STREAMS)  # every stream vouched for by a round
+        await sc.until_backed_up(group.endpoint or "", rows=STREAMS, pid=group.pid)  # every stream vouched for
         before = (await sc.leases()).leases
         await lose()
         results = await asyncio.gather(*streams)

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from libs.common.events import EndpointAdded, EndpointRemoved
+from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemoved
 from services.router.relay import Relay
 from services.router.settings import RouterSettings
 from services.router.sync import EndpointFeed, parse_endpoints, parse_recoveries, plan
@@ -195,3 +195,43 @@ async def test_a_reconcile_starts_a_missed_recovery_but_never_one_this_router_sa
     clock.now += 10.0
     assert await feed.reconcile(reader(kvs), "periodic")  # a renewed read does not extend the bound
     assert table.recoveries() == {"m2": {"inc-2": 289.0}}
+
+
+async def test_a_sound_engines_removal_takes_no_new_request_but_its_streams_run_until_its_successor_is_routed_in() -> None:
+    feed, table, relay, clock = make_feed()
+    feed.load_snapshot(records(old="http://o", other="http://x"))
+    regrouped, kept = relay.inflight.add("old"), relay.inflight.add("other")
+    feed.apply(EndpointRemoved(model="m", engine_id="old", reason="regroup", incident_id="rg-1", recovery=True,
+                               live=True))
+    assert set(table.models["m"].endpoints) == {"other"}  # no new request goes to it
+    assert not regrouped.is_set()  # its stream runs on: its sequence stays in its journal and its KV backup
+    clock.now += 10
+    assert await feed.reconcile(reader(records(other="http://x")), "periodic")  # etcd agrees it is gone
+    assert not regrouped.is_set()
+    feed.apply(EndpointAdded(model="m", engine_id="new", url="http://n", incident_id="rg-1", predecessor_id="old"))
+    assert regrouped.is_set() and not kept.is_set()  # its successor serves: the stream resumes there
+    assert feed.lingering == {}
+
+
+async def test_a_lingering_stream_is_cut_when_the_recovery_ends_without_a_successor_or_past_the_bound() -> None:
+    feed, _, relay, clock = make_feed()
+    feed.load_snapshot(records(a="http://a", b="http://b"))
+    on_a, on_b = relay.inflight.add("a"), relay.inflight.add("b")
+    feed.apply(EndpointRemoved(model="m", engine_id="a", incident_id="i-a", recovery=True, live=True))
+    feed.apply(EndpointRemoved(model="m", engine_id="b", incident_id="i-b", recovery=True, live=True))
+    feed.apply(EndpointNotRecovered(model="m", engine_id="a", incident_id="i-a", reason="no placement"))
+    assert on_a.is_set() and not on_b.is_set()
+    clock.now += feed.recovery_hold_s - 1
+    assert await feed.reconcile(reader({}), "periodic")
+    assert not on_b.is_set()
+    clock.now += 2  # past the bound with no word of its end: cut, as a failed engine's are at once
+    assert await feed.reconcile(reader({}), "periodic")
+    assert on_b.is_set() and feed.lingering == {}
+
+
+async def test_a_failed_engines_removal_cuts_its_streams_at_once() -> None:
+    feed, _, relay, _ = make_feed()
+    feed.load_snapshot(records(a="http://a"))
+    stream = relay.inflight.add("a")
+    feed.apply(EndpointRemoved(model="m", engine_id="a", reason="hung", incident_id="i", recovery=True))
+    assert stream.is_set() and feed.lingering == {}
