@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -239,13 +240,16 @@ def cli(
         sc = Scenario(size=size, backend=backend, models=models)
     else:
         raise typer.BadParameter(f"engine: reference or batched, not {engine!r}")
+    report: dict[str, Any] | None = None
     try:
         sc.start()
         report = asyncio.run(_run(sc, minutes, seed, workers, faults, gap=gap, smoke=smoke,
                                   concurrency=max(1, concurrency), max_minutes=max_minutes))
     finally:
         sc.stop()
-        sc.discard_weights()
+        kept = sc.finish(ok=report is not None and not any(report["invariants"].values()))
+        if kept is not None:
+            print(f"the stack's logs are kept in {kept}", file=sys.stderr)  # noqa: T201
     report = {"chaos": "ok" if not any(report["invariants"].values()) else "violated", "engine": engine, "minutes": minutes,
               "seed": seed, "gap_s": gap, "smoke": smoke, "models": models, "concurrency": concurrency,
               "max_minutes": max_minutes, "faults_wanted": faults,

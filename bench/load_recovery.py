@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -470,6 +471,8 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
             fault = functools.partial(gpu_fault, backed_rows=streams if sc.kv_backup else 0)
             report["ways"][way] = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
                                                 fault=fault, prepare=functools.partial(gpus_replaced, spares=sc.spares))
+        if work_dir is None:  # every way ran: nothing of this run is kept (its logs are, when one did not)
+            shutil.rmtree(base, ignore_errors=True)
     finally:
         if work_dir is None:
             weights.unlink(missing_ok=True)
@@ -480,6 +483,7 @@ async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_to
                   deterministic: bool, *, fault: Fault | None = None, kill_successor: bool = False,
                   keep_weights: bool = False, prepare: Prepare | None = None) -> dict[str, Any]:
     """The stack up, a no-failure control round, then `trials` rounds with a failure each; the stack down."""
+    measured = False  # every round ran: the scenario's own files can go (its logs are kept otherwise)
     await asyncio.to_thread(sc.start)
     assert sc.stack is not None
     pool = ClientPool(sc.stack.router_url, MODEL, client_procs or default_client_procs(),
@@ -492,6 +496,7 @@ async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_to
             rounds = [await one_round(sc, client, pool, streams, late, max_tokens, kill=True, warm_tokens=warm,
                                       kill_successor=kill_successor, fault=fault, prepare=prepare)
                       for _ in range(trials)]
+        measured = True
         return {"no_failure": summarize([control], control, deterministic=deterministic),
                 "failure": summarize(rounds, control, deterministic=deterministic)}
     finally:
@@ -499,7 +504,7 @@ async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_to
         await sc.close()
         sc.stop()
         if not keep_weights:
-            sc.discard_weights()
+            sc.finish(ok=measured)
 
 
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,6 +220,7 @@ class Scenario:
         self.shadow = shadow  # standbys shadow the active engine's weights (engines/reference/standby.py)
         self.backend = backend
         self.max_tokens = max_tokens
+        self.own_dir = work_dir is None  # made here: `finish` removes it after a run that went well
         self.work_dir = work_dir or Path(tempfile.mkdtemp(prefix="holdfast-demo-"))
         self.weights = weights or self.work_dir / f"weights-{size}.safetensors"  # shared by a benchmark's ways
         self.standbys = standbys
@@ -288,6 +290,15 @@ class Scenario:
         """Remove the weights file this scenario made in its own work dir (GBs on a GPU); logs stay."""
         if self.weights.parent == self.work_dir:
             self.weights.unlink(missing_ok=True)
+
+    def finish(self, ok: bool) -> Path | None:
+        """After `stop`: the weights it made go; a work dir of its own goes too when the run went well (its etcd's
+        data alone is ~60 MB), and is kept for its logs when it did not: that path is returned (None: nothing kept)."""
+        self.discard_weights()
+        if self.own_dir and ok:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            return None
+        return self.work_dir
 
     # ------------------------------------------------------------ engines
 

@@ -52,7 +52,9 @@ def run(*, json_only: bool = False, size: str = "auto") -> int:
     finally:
         with console.status("stopping the stack..."):
             sc.stop()
-        sc.discard_weights()
+        kept = sc.finish(ok=not failures)
+        if kept is not None:
+            console.print(f"the stack's logs are kept in {kept}")
     if not failures:
         try:
             with console.status("the batched engine: 16 streams + 4 late requests through a SIGKILL..."):
