@@ -9,10 +9,13 @@
    most free memory, then the fewest engines.
 3. No such GPU: nothing (the intent fails; the controller records the incident as failed).
 
-A tensor-parallel group of `tp` ranks runs on GPUs g..g+tp-1 of one node (rank r on g + r, the agent's and the
-engines' layout): it is reattached in place only while every one of its GPUs is healthy, and cold-started only
-where all `tp` GPUs from a base exist, are healthy and each has room for a rank (`needed_bytes`: the largest
-rank's); candidates are ranked as above by their base GPU, with the least free of their GPUs as their room.
+A tensor-parallel group of `tp` ranks runs on `tp` GPUs of one node (rank r on g + r, the agent's and the engines'
+layout, or on the GPUs its spec names: `EngineSpec.rank_gpus`): it is reattached in place only while every one of
+its GPUs is healthy, and cold-started where `tp` healthy GPUs of one node each have room for a rank
+(`needed_bytes`: the largest rank's): `tp` consecutive ones from a base, or else the node's first `tp` such GPUs
+in index order (a node of 4 whose GPU 1 failed takes a group of 3 on 0, 2 and 3: `Placement.rank_gpus`).
+Candidates are ranked as above, consecutive GPUs before the others of the same standing, with the least free of
+their GPUs as their room.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ class Placement:
     node: str | None = None
     gpu: int | None = None
     reason: str = ""
+    gpus: tuple[int, ...] = ()  # a group's cold start: its GPUs, rank by rank (`gpu` is the first)
+
+    @property
+    def rank_gpus(self) -> list[int]:
+        """What a group's spec names (`EngineSpec.rank_gpus`): its GPUs where they are not `gpu`..`gpu + tp - 1`."""
+        return list(self.gpus) if self.gpus and self.gpus != tuple(range(self.gpus[0], self.gpus[0] + len(self.gpus))) else []
 
 
 COPY_RANK = {"peer": 0, "host": 1, "artifact": 2}  # closer first
@@ -87,26 +96,38 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
     def fits(s: GpuSlot | None) -> bool:
         return s is not None and s.healthy and (s.free_bytes is None or s.free_bytes >= needed_bytes)
 
-    groups = []  # (base slot, its group's least free bytes, None where one's capacity is unknown)
+    def usable(n: str) -> bool:
+        return n in alive and (allowed is None or n in allowed)
+
+    groups: list[list[GpuSlot]] = []  # each candidate's slots, rank by rank
     for base in slots:
-        if base.node not in alive or (allowed is not None and base.node not in allowed):
-            continue
         group = [by_gpu.get((base.node, base.gpu + r)) for r in range(tp)]
-        if all(fits(s) for s in group):
-            free = [s.free_bytes for s in group if s is not None]  # all of them: each fits
-            known = [f for f in free if f is not None]
-            groups.append((base, min(known) if len(known) == len(free) else None))
+        if usable(base.node) and all(fits(s) for s in group):
+            groups.append([s for s in group if s is not None])
+    if tp > 1:  # a node without `tp` consecutive ones: its first `tp` GPUs with room, in index order
+        for n in sorted({s.node for s in slots if usable(s.node)} - {g[0].node for g in groups}):
+            fit = sorted((s for s in slots if s.node == n and fits(s)), key=lambda s: s.gpu)[:tp]
+            if len(fit) == tp:
+                groups.append(fit)
     if not groups:
         if tp == 1:
             return Placement(Action.NONE, reason=f"{why}; no healthy gpu with {needed_bytes} bytes free")
-        return Placement(Action.NONE, reason=f"{why}; no node with {tp} consecutive healthy gpus of {needed_bytes} "
-                         "bytes free each")
+        return Placement(Action.NONE, reason=f"{why}; no node with {tp} healthy gpus of {needed_bytes} bytes free each")
     copies = copies or {}
-    best, _ = min(groups, key=lambda g: (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node,
-                                         g[1] is None, -(g[1] or 0), g[0].engines, g[0].node, g[0].gpu))
-    source = copies.get(best.node or "", "file")
-    where = f"{best.node}/{best.gpu}" if tp == 1 else f"{best.node}/{best.gpu}..{best.gpu + tp - 1}"
-    return Placement(Action.COLD_START, best.node, best.gpu, f"{why}: cold start on {where} (weights from {source})")
+
+    def rank(g: list[GpuSlot]) -> tuple[Any, ...]:
+        free = [s.free_bytes for s in g]
+        known = [f for f in free if f is not None]
+        room = min(known) if len(known) == len(free) else None  # None where one's capacity is unknown
+        return (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node, g[-1].gpu - g[0].gpu >= tp,
+                room is None, -(room or 0), g[0].engines, g[0].node, g[0].gpu)
+    best = min(groups, key=rank)
+    first, gpus = best[0], tuple(s.gpu for s in best)
+    source = copies.get(first.node or "", "file")
+    where = (f"{first.node}/{first.gpu}" if tp == 1 else f"{first.node}/{first.gpu}..{gpus[-1]}"
+             if gpus[-1] - gpus[0] < tp else f"{first.node}/{','.join(map(str, gpus))}")
+    return Placement(Action.COLD_START, first.node, first.gpu, f"{why}: cold start on {where} (weights from {source})",
+                     gpus if tp > 1 else ())
 
 
 def place_degraded(node: str, tp: int, device_bytes: int, *, slots: Iterable[GpuSlot],

@@ -357,7 +357,8 @@ class IntentSteps:
                       allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
         if where.action is Action.NONE:
             raise StepFailed(Step.FALLBACK, where.reason)
-        spec = spec.model_copy(update={"gpus": [where.gpu or 0], "version": intent.version or spec.version})
+        spec = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": where.rank_gpus,
+                                       "version": intent.version or spec.version})
         cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
         prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
                                                         self.settings.spawn_timeout_s)
@@ -511,7 +512,7 @@ class IntentSteps:
             why = f"{backed} of its {engine.tp} ranks keep a KV backup"
         elif where.action is Action.NONE:
             why = f"no whole group of {spec.tp} on {intent.node}: {where.reason}"
-        whole = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": [],
+        whole = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": where.rank_gpus,
                                         "version": intent.version or spec.version})
         cmd = Spawn(spec=whole, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
         try:

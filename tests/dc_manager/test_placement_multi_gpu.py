@@ -63,7 +63,7 @@ def test_a_gpu_of_unknown_capacity_comes_after_every_gpu_known_to_have_room() ->
     assert (p.node, p.gpu) == ("a", 1)  # none known to have room: the unknown one is still tried
 
 
-def test_a_tensor_parallel_group_is_placed_on_consecutive_healthy_gpus_each_with_room_for_a_rank() -> None:
+def test_a_tensor_parallel_group_is_placed_on_healthy_gpus_consecutive_first_each_with_room_for_a_rank() -> None:
     recs = [GpuRecord(node="a", gpu=g, total_bytes=100 * M) for g in range(4)]
     view = view_of(*recs, GpuRecord(node="b", gpu=0, total_bytes=100 * M))
     alive = set(view.nodes)
@@ -74,9 +74,14 @@ def test_a_tensor_parallel_group_is_placed_on_consecutive_healthy_gpus_each_with
                .encode())
     p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=alive, tp=2)
     assert (p.node, p.gpu) == ("a", 2)  # 0..1 and 1..2 hold the failed GPU
+    assert p.gpus == (2, 3) and p.rank_gpus == []  # consecutive: the spec's usual layout names none
     view.apply("put", "allocations/a/l-x", lease("a", 3, 60 * M).model_dump_json().encode())
     p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=alive, tp=2)
-    assert p.action is Action.NONE and "2 consecutive healthy gpus" in p.reason  # GPU 3 has 40 MiB left
+    # GPU 3 has 40 MiB left: no two consecutive GPUs have room, GPUs 0 and 2 do (rank 1 on GPU 2)
+    assert (p.action, p.node, p.gpu, p.rank_gpus) == (Action.COLD_START, "a", 0, [0, 2]) and "a/0,2" in p.reason
+    view.apply("put", "allocations/a/l-y", lease("a", 2, 60 * M).model_dump_json().encode())
+    p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=view.gpu_slots(), alive=alive, tp=2)
+    assert p.action is Action.NONE and "no node with 2 healthy gpus" in p.reason
     # live memory is reattached in place only while every GPU of the group is healthy
     p = place("a", 0, memory_lost=False, needed_bytes=0, slots=view.gpu_slots(), alive=alive, tp=2)
     assert p.action is Action.COLD_START and p.reason.startswith("gpu 1 on a is unhealthy")
