@@ -168,6 +168,7 @@ class EndpointFeed:
         if isinstance(ev, EndpointAdded):
             self.last_event[(ev.model, ev.engine_id)] = now
             self.table.add(ev.model, ev.engine_id, ev.url)
+            self.lingering.pop(ev.engine_id, None)  # routed to again (its recovery failed): its streams are its own
             if ev.incident_id:
                 self.table.recovered(ev.incident_id)  # its successor serves: nothing is held for it any more
                 self.ended[ev.incident_id] = now
@@ -268,6 +269,7 @@ class EndpointFeed:
             for model, engine_id, url in p.add:
                 log.info("reconcile (%s): endpoint %s %s %s is in etcd: added", reason, model, engine_id, url)
                 self.table.add(model, engine_id, url)
+                self.lingering.pop(engine_id, None)
             for model, engine_id in p.remove:
                 log.info("reconcile (%s): endpoint %s %s is gone from etcd: removed", reason, model, engine_id)
                 self._gone(model, engine_id)

@@ -229,6 +229,18 @@ async def test_a_lingering_stream_is_cut_when_the_recovery_ends_without_a_succes
     assert on_b.is_set() and feed.lingering == {}
 
 
+async def test_a_lingering_engine_routed_to_again_keeps_its_streams_past_the_bound() -> None:
+    feed, table, relay, clock = make_feed()
+    feed.load_snapshot(records(a="http://a"))
+    stream = relay.inflight.add("a")
+    feed.apply(EndpointRemoved(model="m", engine_id="a", incident_id="i", recovery=True, live=True))
+    feed.apply(EndpointAdded(model="m", engine_id="a", url="http://a"))  # its recovery failed: it serves on
+    assert "a" in table.models["m"].endpoints and feed.lingering == {}
+    clock.now += feed.recovery_hold_s + 1
+    assert await feed.reconcile(reader(records(a="http://a")), "periodic")
+    assert not stream.is_set()
+
+
 async def test_a_failed_engines_removal_cuts_its_streams_at_once() -> None:
     feed, _, relay, _ = make_feed()
     feed.load_snapshot(records(a="http://a"))
