@@ -388,6 +388,10 @@ def run(cfg: EngineConfig) -> int:
         while not stop.wait(0.5):
             if engine.fatal is not None:
                 return 70
+            stall = kv_backup[0].stalled(time.time()) if kv_backup is not None else None
+            if stall is not None:  # said once per stall, with every thread's stack (a group's ranks: SIGUSR2)
+                log.warning("%s; every thread's stack follows", stall)
+                faulthandler.dump_traceback(all_threads=True)
         state.become("stopping")
         return 0
     finally:

@@ -48,6 +48,8 @@ from engines.batched.kv_backup import (
 
 log = logging.getLogger("holdfast.engine.batched.backup")
 ALIGN = 256
+STALL_ROUNDS = 50  # a round running this many lag bounds is stuck (`BackupWriter.stalled`)...
+STALL_MIN_S = 5.0  # ...and at least this long (a loaded CPU's rounds take hundreds of ms)
 
 
 def backup_kv_shape(kv_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -204,6 +206,7 @@ class BackupWriter:
         self._threaded = thread
         self._round = threading.Lock()  # one round at a time
         self._stop = threading.Event()
+        self._said: object = None  # the stall last said (`stalled`)
         self.stats: dict[str, Any] = {"lag_ms_bound": lag_ms, "rounds": 0, "blocks_copied": 0, "bytes_copied": 0,
                                       "rows": 0, "durable_tokens": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
                                       "left_out_released": 0, "error": None,
@@ -241,6 +244,28 @@ class BackupWriter:
             self.channel.share(None)
         if ended:
             self.copier.close()
+
+    def stalled(self, now: float) -> str | None:
+        """What is wrong with a writer that should be running (rank 0's, once started), said once per stall: a round
+        running past `STALL_ROUNDS` lag bounds (at least `STALL_MIN_S`), or the thread gone without an error. None
+        while it keeps up (or was never started: nothing was committed yet)."""
+        if self._thread is None or self._stop.is_set() or self.stats["error"] is not None:
+            return None
+        since = self.stats["in_round_since"]
+        if not self._thread.is_alive():
+            why = "the KV backup's writer thread ended without an error"
+            key: object = "ended"
+        elif since is not None and now - since > max(STALL_MIN_S, STALL_ROUNDS * self.lag_ms / 1000):
+            why = (f"a KV backup round has run {now - since:.1f} s (bound {self.lag_ms:g} ms): the backup vouches for "
+                   "nothing newer until it ends")
+            key = since
+        else:
+            return None
+        if key == self._said:
+            return None
+        self._said = key
+        self.stats["stalls"] = self.stats.get("stalls", 0) + 1
+        return why
 
     def join(self, timeout_s: float = 10.0) -> None:
         """A rank other than 0: wait for its writer to end (rank 0's `stop`)."""

@@ -4,6 +4,9 @@ a restore gives back exactly the vouched-for KV and the journal rows at their du
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from engines.batched.backup import BackedJournal, BackupWriter, backed_journal, packed, restore
@@ -225,3 +228,32 @@ def test_a_claims_tokens_past_the_journal_are_backed_up_with_their_row() -> None
     _, _, _, journal = e.restored()
     (entry,), _ = journal.recover()
     assert entry.tokens == tokens and entry.computed == 7
+
+
+def test_a_writer_stuck_in_a_round_or_gone_is_said_once_per_stall() -> None:
+    """`stalled` (what the engine's main loop logs, with every thread's stack): a round running past its bound, or
+    the writer's thread ended without an error; each once; nothing while rounds keep up or before any commit."""
+    e = Engine()
+    w = e.writer
+    assert w.stalled(time.time()) is None  # never started: nothing was committed yet
+    stuck = threading.Event()
+    w._thread = threading.Thread(target=stuck.wait, daemon=True)  # a writer thread standing in a round
+    w._thread.start()
+    now = time.time()
+    assert w.stalled(now) is None  # between rounds
+    w.stats["in_round_since"] = now - 1.0
+    assert w.stalled(now) is None  # a round of 1 s: slow, within the bound (5 s at least)
+    w.stats["in_round_since"] = now - 6.0
+    said = w.stalled(now)
+    assert said is not None and "has run 6.0 s" in said and w.stats["stalls"] == 1
+    assert w.stalled(now + 1) is None  # said once for this round
+    w.stats["in_round_since"] = now - 0.1  # it ended; the next one runs
+    assert w.stalled(now) is None
+    stuck.set()
+    w._thread.join(5)
+    said = w.stalled(now)
+    assert said is not None and "ended without an error" in said and w.stats["stalls"] == 2
+    assert w.stalled(now) is None
+    w.stats["error"] = "RuntimeError('copy failed')"  # a failed writer says so in its health: not a stall
+    w._said = None
+    assert w.stalled(now) is None
