@@ -209,7 +209,7 @@ class BackupWriter:
         self._said: object = None  # the stall last said (`stalled`)
         self.stats: dict[str, Any] = {"lag_ms_bound": lag_ms, "rounds": 0, "blocks_copied": 0, "bytes_copied": 0,
                                       "rows": 0, "durable_tokens": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
-                                      "left_out_released": 0, "error": None,
+                                      "left_out_released": 0, "error": None, "stalls": 0,
                                       # wall clock of the last done round's snapshot (what the backup is current
                                       # as of), and of the running round's (None between rounds)
                                       "durable_as_of": None, "in_round_since": None}
@@ -264,7 +264,7 @@ class BackupWriter:
         if key == self._said:
             return None
         self._said = key
-        self.stats["stalls"] = self.stats.get("stalls", 0) + 1
+        self.stats["stalls"] += 1
         return why
 
     def join(self, timeout_s: float = 10.0) -> None:

@@ -20,7 +20,7 @@ their GPUs as their room.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -46,7 +46,12 @@ class Placement:
     @property
     def rank_gpus(self) -> list[int]:
         """What a group's spec names (`EngineSpec.rank_gpus`): its GPUs where they are not `gpu`..`gpu + tp - 1`."""
-        return list(self.gpus) if self.gpus and self.gpus != tuple(range(self.gpus[0], self.gpus[0] + len(self.gpus))) else []
+        return [] if consecutive(self.gpus) else list(self.gpus)
+
+
+def consecutive(gpus: Sequence[int]) -> bool:
+    """Whether a group's GPUs (ascending, distinct) are `gpus[0]`..`gpus[0] + tp - 1`, the layout no spec names."""
+    return not gpus or gpus[-1] - gpus[0] == len(gpus) - 1
 
 
 COPY_RANK = {"peer": 0, "host": 1, "artifact": 2}  # closer first
@@ -119,13 +124,14 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
         free = [s.free_bytes for s in g]
         known = [f for f in free if f is not None]
         room = min(known) if len(known) == len(free) else None  # None where one's capacity is unknown
-        return (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node, g[-1].gpu - g[0].gpu >= tp,
-                room is None, -(room or 0), g[0].engines, g[0].node, g[0].gpu)
+        return (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node,
+                not consecutive([s.gpu for s in g]), room is None, -(room or 0), g[0].engines, g[0].node, g[0].gpu)
     best = min(groups, key=rank)
     first, gpus = best[0], tuple(s.gpu for s in best)
     source = copies.get(first.node or "", "file")
-    where = (f"{first.node}/{first.gpu}" if tp == 1 else f"{first.node}/{first.gpu}..{gpus[-1]}"
-             if gpus[-1] - gpus[0] < tp else f"{first.node}/{','.join(map(str, gpus))}")
+    span = (str(first.gpu) if tp == 1 else f"{first.gpu}..{gpus[-1]}" if consecutive(gpus)
+            else ",".join(map(str, gpus)))
+    where = f"{first.node}/{span}"
     return Placement(Action.COLD_START, first.node, first.gpu, f"{why}: cold start on {where} (weights from {source})",
                      gpus if tp > 1 else ())
 
