@@ -22,7 +22,8 @@ A straight line, as in nano-vllm (config -> model runner -> scheduler -> server)
 | `tp_group.py` | `--tp N`: the rank processes, each rank's leases, the gang, the group dying whole | torch, SDK via memory.py |
 
 Shared contracts (the pure modules never import torch):
-- KV cache tensor: `[n_layers, 2 (k|v), num_blocks, block_size, n_kv_heads, head_dim]`. A token at position
+- KV cache tensor: `[units, 2 (k|v), num_blocks, block_size, kv heads a unit, head_dim]` (cache_units.py: a unit is
+  a layer's kv heads, `[n_layers, 2, ...]` but on a rank of an uneven group). A token at position
   `p` of a sequence with block table `bt` lives in slot `bt[p // block_size] * block_size + p % block_size`.
 - A step is a `Batch` of `Work(seq, start, num_tokens)`: the sequence's tokens `[start, start + num_tokens)` are
   fed at positions `start..`, their keys and values written, attention over positions `< start + num_tokens`.

@@ -18,9 +18,10 @@ N shards): the writer's first rounds back every adopted row up again; the N old 
 registers its gang anew under the old gang's id (a regrouped one under its own).
 
 Invariants (tests/engine_batched/test_tp_degraded.py, test_tp_regroup.py):
-1. Heads: old rank r of N held kv heads `kv_spans(model, N)[r]` (engines/reference/tp.py); new rank j holds
-   `kv_spans(model, M)[j]`, each head copied from the one backup that held it; a head no backup holds refuses the
-   restore (nothing half restored).
+1. Heads: old rank r of N held kv heads `kv_spans(model, N, layer)[r]` of each layer (engines/reference/tp.py, the
+   cyclic placement: which ranks hold one more turns with the layer); new rank j holds `kv_spans(model, M,
+   layer)[j]`, each head of each layer copied from the one backup that held it, into the unit of j's cache that
+   holds it (cache_units.py); a head no backup holds refuses the restore (nothing half restored).
 2. Blocks keep their ids: every new cache has the backups' block count (rank 0 tells the others before they lease
    it), so the journal's block tables hold as they are.
 3. Only the blocks rank 0's rows vouch for are copied; positions past a row's durable point are recomputed
@@ -38,11 +39,12 @@ from typing import Any
 
 import torch
 
-from engines.batched.backup import rows_into, vouched
+from engines.batched.backup import backup_kv_shape, rows_into, vouched
+from engines.batched.cache_units import CacheUnits, cache_units, kv_shape
 from engines.batched.journal import Journal, JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
 from engines.reference.config import ModelConfig
-from engines.reference.tp import kv_spans
+from engines.reference.tp import kv_spans, shard_config
 
 log = logging.getLogger("holdfast.engine.batched.degrade")
 NAME = re.compile(re.escape(BACKUP_NAME) + r"\.tp(\d+)-r(\d+)")  # a group's rank's (backup_start.py `allocate`)
@@ -115,51 +117,72 @@ class Alone:
 ALONE = Alone()
 
 
-def heads_of(d: Degraded, old: list[tuple[int, int]], idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Kv heads lo..hi of blocks `idx`, from the backups that hold them: [layers, 2, blocks, block size, heads, dim]."""
-    parts = []
-    for r, (o0, o1) in enumerate(old):
-        a, b = max(lo, o0), min(hi, o1)
-        if a < b:
-            parts.append(d.backups[r][BACKUP_NAME][idx][:, :, :, :, a - o0:b - o0])
-    if sum(t.shape[4] for t in parts) != hi - lo:
-        raise ValueError(f"kv heads {lo}..{hi} are not all in the backups of spans {old}")
-    return torch.cat(parts, dim=4).permute(1, 2, 0, 3, 4, 5)
+def layer_heads(rows: torch.Tensor, units: CacheUnits, layer: int) -> torch.Tensor:
+    """Layer `layer`'s kv heads of a backup's blocks (`rows`: [blocks, units, 2, block size, heads a unit, dim], the
+    block-major copy of a cache laid out as `units` says): [blocks, 2, block size, heads, dim], in head order."""
+    part = rows[:, units.first[layer]:units.first[layer] + units.count[layer]]
+    b, n, two, bs, g, hd = part.shape
+    return part.permute(0, 2, 3, 1, 4, 5).reshape(b, two, bs, n * g, hd)
+
+
+def heads_of(rows: dict[int, torch.Tensor], whole: ModelConfig, size: int, rank: int) -> torch.Tensor:
+    """Rank `rank` of `size`'s kv heads of some blocks, from the old ranks' backups of those blocks (`rows`: old rank
+    -> [blocks, its units, 2, block size, heads a unit, dim]) that hold them, layer by layer (invariant 1), laid out
+    as that rank's cache is: [units, 2, blocks, block size, heads a unit, dim] (cache_units.py)."""
+    old = len(rows)
+    olds = [cache_units(shard_config(whole, old, r)) for r in range(old)]
+    mine = cache_units(shard_config(whole, size, rank))
+    layers = []
+    for layer in range(whole.n_layers):
+        lo, hi = kv_spans(whole, size, layer)[rank]
+        parts = []
+        for r, (o0, o1) in enumerate(kv_spans(whole, old, layer)):
+            a, b = max(lo, o0), min(hi, o1)
+            if a < b:
+                parts.append(layer_heads(rows[r], olds[r], layer)[:, :, :, a - o0:b - o0])
+        if sum(t.shape[3] for t in parts) != hi - lo:
+            raise ValueError(f"layer {layer}'s kv heads {lo}..{hi} are not all in the backups of {old} ranks")
+        x = torch.cat(parts, dim=3)  # [blocks, 2, block size, hi - lo, dim]
+        b, two, bs, _, hd = x.shape
+        layers.append(x.reshape(b, two, bs, mine.count[layer], mine.heads, hd).permute(3, 1, 0, 2, 4, 5))
+    return torch.cat(layers, dim=0)
 
 
 def restore(d: Degraded | None, kv: torch.Tensor, journal: Journal, layout: JournalLayout, whole: ModelConfig,
             comm: Any = ALONE) -> dict[str, Any]:
     """This rank's cache filled from the N backups (rank 0 holds them: `d`; None elsewhere) and rank 0's backed rows
-    written as its journal (invariants 1-3). `kv`: this rank's cache, [layers, 2, blocks, block size, its kv heads,
-    head dim], its heads `kv_spans(whole, comm.size)[comm.rank]`; `comm`: its group (rank 0 sends each other rank its
-    heads of each chunk of blocks), `ALONE` for one engine. Every rank returns the same counts."""
+    written as its journal (invariants 1-3). `kv`: this rank's cache, laid out for its share
+    `shard_config(whole, comm.size, comm.rank)` (cache_units.py); `comm`: its group (rank 0 sends each other rank
+    its heads of each chunk of blocks), `ALONE` for one engine. Every rank returns the same counts."""
     t0 = time.perf_counter()
     plan: tuple[Any, ...] | None = None
     entries: list[Any] = []
     dropped = 0
+    blocks_n, bs = kv.shape[2], kv.shape[3]
     if comm.rank == 0:
         assert d is not None, "rank 0 of a degraded successor holds the backups"
         ok, entries, dropped, blocks = vouched(d.backups[0], layout)
-        for r, (h0, h1) in enumerate(kv_spans(whole, d.ranks)):
-            src = d.backups[r][BACKUP_NAME]  # [blocks, layers, 2, block size, its kv heads, head dim]
-            if src.shape[0] != kv.shape[2] or tuple(src.shape[4:]) != (h1 - h0, kv.shape[5]):
-                raise ValueError(f"rank {r}'s backup {tuple(src.shape)} does not hold kv heads {h0}..{h1} of a cache "
-                                 f"of {kv.shape[2]} blocks")
+        for r in range(d.ranks):
+            src = d.backups[r][BACKUP_NAME]  # [blocks, its units, 2, block size, heads a unit, head dim]
+            want = backup_kv_shape(kv_shape(shard_config(whole, d.ranks, r), blocks_n, bs))
+            if tuple(src.shape) != want:
+                raise ValueError(f"rank {r} of {d.ranks}'s backup {tuple(src.shape)} is not its share's {want} (a "
+                                 f"cache of {blocks_n} blocks)")
         plan = (ok, blocks, d.ranks)
     ok, blocks, ranks = comm.share(plan)
     if not ok:
         return {"restored": 0, "from_ranks": ranks, "why": "the backups were written for another layout"}
-    old, new = kv_spans(whole, ranks), kv_spans(whole, comm.size)
-    n0, n1 = new[comm.rank]
-    if kv.shape[4] != n1 - n0:
-        raise ValueError(f"rank {comm.rank}'s cache holds {kv.shape[4]} kv heads, not {n0}..{n1}")
+    want = kv_shape(shard_config(whole, comm.size, comm.rank), blocks_n, bs)
+    if tuple(kv.shape) != want:
+        raise ValueError(f"rank {comm.rank} of {comm.size}'s cache {tuple(kv.shape)} is not its share's {want}")
     copied = 0
     for at in range(0, len(blocks), CHUNK_BLOCKS):
         idx = torch.tensor(blocks[at:at + CHUNK_BLOCKS], dtype=torch.long)
         if comm.rank == 0:
             assert d is not None
+            rows = {r: d.backups[r][BACKUP_NAME][idx] for r in range(d.ranks)}
             for j in range(comm.size - 1, -1, -1):  # the others' first: rank 0's own copy last
-                part = heads_of(d, old, idx, *new[j])
+                part = heads_of(rows, whole, comm.size, j)
                 if j:
                     comm.send(part.contiguous(), j)
                 else:

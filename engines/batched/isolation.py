@@ -94,7 +94,7 @@ def apply(p: Plan, kv: torch.Tensor, journal: Journal, gen: int, mark: Mark) -> 
         mark.touch_blocks(d for _, d in p.copies)
         src = torch.tensor([s for s, _ in p.copies], dtype=torch.long, device=kv.device)
         dst = torch.tensor([d for _, d in p.copies], dtype=torch.long, device=kv.device)
-        kv.index_copy_(2, dst, kv.index_select(2, src))  # kv: [layers, 2, blocks, block_size, heads, dim]
+        kv.index_copy_(2, dst, kv.index_select(2, src))  # kv: [units, 2, blocks, block_size, heads, dim]
     journal.rehome(p.entries, gen)
 
 

@@ -2,7 +2,7 @@
 torch, no threads (backup.py is the adapter that copies and writes).
 
 The backup lease (host memory, held by the gpu_manager's keeper like any lease) holds a block-major copy of the
-paged KV cache (`bk_kv`, `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`: one block contiguous) and a
+paged KV cache (`bk_kv`, `[num_blocks, units, 2, block_size, kv heads a unit, head_dim]`: one block contiguous) and a
 journal of its own (the main journal's tensors under `bk_` names, journal.py's format and ordering). A round:
 1. every backup row whose sequence left the main journal (or was admitted again) is released (epoch 0) first, so
    that no row vouches for a block this round may overwrite with another sequence's KV;

@@ -21,20 +21,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engines.batched.cache_units import block_elements, kv_shape
 from engines.batched.config import EngineConfig
 from engines.batched.drain import DRAIN_NAME, PageLayout, Pending, await_fence, pending
 from engines.batched.fused_layout import FUSED, Placed, fused_runs, write_order
 from engines.batched.journal import Journal, JournalLayout
 from engines.batched.kv_backup import BACKUP_NAME
-from engines.reference.config import ModelConfig
+from engines.reference.config import ModelConfig, get_config
 from engines.reference.memory import retry_until
+from engines.reference.tp import shard_config
 from engines.reference.weights import check_file_matches, lease_filler, load_weights
 from libs.client.protocol import contiguous_stride
 
@@ -55,7 +57,7 @@ class NotBackupsAlone(RuntimeError):
 @dataclass
 class Loaded:
     weights: dict[str, torch.Tensor]
-    kv: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
+    kv: torch.Tensor  # [units, 2, num_blocks, block_size, kv heads a unit, head_dim] (cache_units.py)
     journal: dict[str, torch.Tensor]
     source: str  # "file", "reattached", "takeover", "backup" (a cold load, or a spare's, beside a handed-on KV
     # backup), "degraded", "spare" (a spare's weights, loaded before its assignment, beside a new cache)
@@ -106,15 +108,15 @@ def _degraded(leases: list[Any], t0: float, granted: dict[str, Any]) -> Any:
     return d
 
 
-def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (cfg.n_layers, 2, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-
-
 def kv_layout(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, block_size: int, max_num_seqs: int,
-              max_len: int, num_blocks: int | None, kv_cache_gib: float | None) -> JournalLayout:
+              max_len: int, num_blocks: int | None, kv_cache_gib: float | None,
+              peers: Sequence[ModelConfig] = ()) -> JournalLayout:
     """The cache's size: given blocks, or given GiB, or (CUDA) 85% of the memory free now, or (CPU) room for
-    every sequence at the full length."""
-    per_block = cfg.n_layers * 2 * block_size * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    every sequence at the full length. `peers`: every rank's share of a tensor-parallel group; GiB and free memory
+    are then counted in the largest rank's blocks, so that every rank makes as many (tp.py's cyclic placement keeps
+    the ranks within one head of a layer)."""
+    elements = max(block_elements(c, block_size) for c in (cfg, *peers))
+    per_block = elements * torch.empty((), dtype=dtype).element_size()
     if num_blocks is None and kv_cache_gib is not None:
         num_blocks = int(kv_cache_gib * 2**30) // per_block
     if num_blocks is None and device.type == "cuda":
@@ -626,6 +628,8 @@ def layout_fn(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device) -> Cal
         """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
         return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                          max_len=cfg.max_model_len or mcfg.max_seq, num_blocks=num_blocks or cfg.num_blocks,
-                         kv_cache_gib=cfg.kv_cache_gib)
+                         kv_cache_gib=cfg.kv_cache_gib, peers=peers)
+
+    peers = [shard_config(get_config(cfg.size), cfg.tp, r) for r in range(cfg.tp)] if cfg.tp > 1 else []
 
     return layout_of

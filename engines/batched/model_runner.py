@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.batched.attention import PREFILL_ROWS, AttnMeta, attend, paged_kernels, prefill_tiles, write_kv
+from engines.batched.cache_units import block_elements, cache_units, kv_shape
 from engines.batched.fused_layout import FUSED
 from engines.reference.config import ModelConfig
 from engines.reference.engine import sample
@@ -168,10 +169,11 @@ class ModelRunner:
         self.fused = check_fused(cfg, weights, fused or {})
         # CUDA: RMSNorm and SwiGLU's product in one Triton kernel each (one program a row: batch-invariant)
         self.kern = paged_kernels if self.device.type == "cuda" and paged_kernels is not None else None
-        want = (cfg.n_layers, 2, kv.shape[2] if kv.dim() == 6 else -1, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.units = cache_units(cfg)
+        want = kv_shape(cfg, kv.shape[2] if kv.dim() == 6 else -1, block_size)
         if kv.dim() != 6 or tuple(kv.shape) != want:
-            raise ValueError(f"kv cache shape {tuple(kv.shape)}, expected [layers, 2, blocks, {block_size}, "
-                             f"{cfg.n_kv_heads}, {cfg.head_dim}]")
+            raise ValueError(f"kv cache shape {tuple(kv.shape)}, expected [{want[0]} units, 2, blocks, {block_size}, "
+                             f"{want[4]}, {cfg.head_dim}] (cache_units.py)")
         if kv.device != self.device:
             raise ValueError(f"kv cache on {kv.device}, weights on {self.device}")
         self.kv, self.block_size, self.num_blocks = kv, block_size, kv.shape[2]
@@ -205,7 +207,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.cfg.n_layers * 2 * self.cfg.n_kv_heads * self.cfg.head_dim * self.kv.element_size()
+        return block_elements(self.cfg, 1) * self.kv.element_size()
 
     def roofline_step_s(self, batch: int, ctx: int, bandwidth_bytes_s: float) -> float:
         """A decode step's lower bound: every weight read once (the embedding table only at the batch's rows) and
@@ -420,11 +422,11 @@ class ModelRunner:
         w1, w3 = (self.w[p + f"feed_forward.{n}.weight"] for n in ("w1", "w3"))
         return self._rows(lambda rows: F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2), x)
 
-    def _qkv(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [T, heads, hd] and k, v [T, kv heads, hd], rope applied: with wq/wk/wv fused, one projection and
-        one rope over q and k together (rope is elementwise: the same values as two calls)."""
-        cfg, T = self.cfg, x.shape[0]
-        H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    def _qkv(self, x: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer i's q [T, heads, hd] and k, v [T, kv heads, hd], rope applied: with wq/wk/wv fused, one projection
+        and one rope over q and k together (rope is elementwise: the same values as two calls)."""
+        cfg, T, p = self.cfg, x.shape[0], f"layers.{i}."
+        H, KV, hd = cfg.heads_at(i), cfg.kv_heads_at(i), cfg.head_dim
         if p + "attention.wqkv.weight" not in self.fused:
             q = apply_rope(self._linear(x, p + "attention.wq.weight").view(T, H, hd), cos, sin)
             k = apply_rope(self._linear(x, p + "attention.wk.weight").view(T, KV, hd), cos, sin)
@@ -446,10 +448,9 @@ class ModelRunner:
         x = self._norm(h, "layers.0.attention_norm.weight")
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            q, k, v = self._qkv(x, p, cos, sin)
-            write_kv(self.kv[i], k, v, slots)
-            h, x = self._add_norm(h, self._reduce(self._linear(attend(q, self.kv[i], meta), p + "attention.wo.weight")),
-                                  p + "ffn_norm.weight")
+            q, k, v = self._qkv(x, i, cos, sin)
+            h, x = self._add_norm(h, self._reduce(self._linear(self._attention(i, q, k, v, slots, meta),
+                                                               p + "attention.wo.weight")), p + "ffn_norm.weight")
             delta = self._reduce(self._mlp(x, p))
             if i + 1 < cfg.n_layers:
                 h, x = self._add_norm(h, delta, f"layers.{i + 1}.attention_norm.weight")
@@ -458,6 +459,23 @@ class ModelRunner:
         if head_rows is not None:
             h = h[head_rows]
         return self._linear(self._norm(h, "norm.weight", head=True), "output.weight", head=True).float()
+
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                   meta: AttnMeta) -> torch.Tensor:
+        """Layer i's keys and values written into its cache and its attention's output [T, heads * hd]: one call over
+        the layer's cache unit, or (a rank of an uneven group, cache_units.py) one per unit, each over its kv heads
+        and the query heads that attend to them, their outputs side by side in head order."""
+        units = self.units.of(i)
+        if len(units) == 1:
+            write_kv(self.kv[units[0]], k, v, slots)
+            return attend(q, self.kv[units[0]], meta)
+        g = self.units.heads
+        rep = q.shape[1] // k.shape[1]
+        outs = []
+        for j, u in enumerate(units):
+            write_kv(self.kv[u], k[:, j * g:(j + 1) * g], v[:, j * g:(j + 1) * g], slots)
+            outs.append(attend(q[:, j * g * rep:(j + 1) * g * rep], self.kv[u], meta))
+        return torch.cat(outs, dim=1)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output made whole: one rank holds all of it (tp.py sums the ranks' parts)."""

@@ -3,15 +3,16 @@ other ranks, step by step. The processes, memory and gang are tp_group.py's.
 
 Sharding (Megatron-style, over `tp` ranks; the shards and their reading are the reference engine's:
 engines/reference/tp.py `shard_config`, `read_shard`):
-- column-parallel: `wq`, `wk`, `wv` (rank r holds a span of the kv heads and their query heads, uneven when tp does
-  not divide them: engines/reference/tp.py `kv_spans`), `w1`, `w3`; the fused
+- column-parallel: `wq`, `wk`, `wv` (rank r holds a span of each layer's kv heads and their query heads, uneven when
+  tp does not divide them, which ranks hold one more turning with the layer: engines/reference/tp.py `kv_spans`),
+  `w1`, `w3`; the fused
   q|k|v and gate|up views (fused_layout.py) are made over a rank's own parts, laid out back to back in its lease;
 - row-parallel: `wo`, `w2`; each rank's product is a part of the sum, all-reduced (`ShardedRunner._reduce`): one
   all-reduce after the attention's output projection and one after the MLP's down projection, per layer;
 - replicated: the norms, the embedding and the output head. Why not vocab-parallel: the byte vocabulary is 258
   tokens, so splitting the head saves nothing and would add an all-gather of the logits per step; every rank then
   computes the whole logits and only rank 0 samples (from its own, full logits).
-Each rank's paged KV cache holds its own kv heads, in blocks numbered alike on every rank.
+Each rank's paged KV cache holds its own kv heads (cache_units.py), in blocks numbered alike on every rank.
 
 Driving: rank 0 runs the engine as ever (scheduler, journal, sampling, HTTP) over a `ShardedRunner`. Every forward
 it runs (`_forward`: eager steps; CUDA graphs are off with tp > 1, not yet captured with collectives) is first

@@ -8,8 +8,8 @@ import time
 
 import torch
 
+from engines.batched.cache_units import kv_shape
 from engines.batched.config import EngineConfig
-from engines.batched.memory import kv_shape
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.reference.config import ModelConfig
 from libs.common.tokenizer import BOS
@@ -23,7 +23,8 @@ def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> 
     """A standby's warm-up: the runner's kernels on a scratch one-layer model (no lease), so its first step
     after a takeover compiles and loads nothing."""
     t0 = time.perf_counter()
-    small = mcfg.with_layers(1)
+    # a rank of an uneven group: two layers, whose heads differ (tp.py), so a layer of several cache units is warm too
+    small = mcfg.with_layers(1 if len({mcfg.kv_heads_at(i) for i in range(mcfg.n_layers)}) == 1 else 2)
     dtype = torch.float32 if mcfg.dtype == "float32" else torch.bfloat16
     w = {n: torch.empty(s, device=device, dtype=dtype).normal_(0.0, 0.02) for n, s in small.tensor_shapes().items()}
     kv = torch.zeros(kv_shape(small, 8, cfg.block_size), dtype=dtype, device=device)

@@ -25,20 +25,29 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def kv_heads_at(self, layer: int) -> int:
+        """The kv heads of layer `layer` (a tensor-parallel rank's share may differ by layer: tp.py)."""
+        return self.n_kv_heads
+
+    def heads_at(self, layer: int) -> int:
+        """The query heads of layer `layer`: those that attend to its kv heads."""
+        return self.kv_heads_at(layer) * (self.n_heads // self.n_kv_heads)
+
     def with_layers(self, n_layers: int) -> ModelConfig:
         return replace(self, n_layers=n_layers)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight by name (Llama naming, so an adapter can map them one to one)."""
-        hd, kv = self.head_dim, self.n_kv_heads * self.head_dim
+        hd = self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.vocab_size, self.dim)}
         for i in range(self.n_layers):
             p = f"layers.{i}."
+            q, kv = self.heads_at(i) * hd, self.kv_heads_at(i) * hd
             shapes[p + "attention_norm.weight"] = (self.dim,)
-            shapes[p + "attention.wq.weight"] = (self.n_heads * hd, self.dim)
+            shapes[p + "attention.wq.weight"] = (q, self.dim)
             shapes[p + "attention.wk.weight"] = (kv, self.dim)
             shapes[p + "attention.wv.weight"] = (kv, self.dim)
-            shapes[p + "attention.wo.weight"] = (self.dim, self.n_heads * hd)
+            shapes[p + "attention.wo.weight"] = (self.dim, q)
             shapes[p + "ffn_norm.weight"] = (self.dim,)
             shapes[p + "feed_forward.w1.weight"] = (self.ffn_dim, self.dim)
             shapes[p + "feed_forward.w2.weight"] = (self.dim, self.ffn_dim)

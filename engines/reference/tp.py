@@ -2,17 +2,22 @@
 the other ranks. The processes, memory and gang are tp_runner.py's.
 
 Sharding (Megatron-style, over `tp` ranks):
-- column-parallel (rows of the [out, in] matrix split): `wq`, `wk`, `wv` (rank r holds a contiguous span of the kv
-  heads, `split(KV, tp)[r]`, and the query heads that attend to them), `w1`, `w3` (a span of the feed-forward's
-  hidden units, `split(F, tp)[r]`). Uneven when tp does not divide them (the first ranks one more): a group of any
-  size up to the kv heads, as a degraded group of N-1 ranks needs (engines/batched/degrade.py); r*KV/tp.. when it
-  divides;
+- column-parallel (rows of the [out, in] matrix split): `wq`, `wk`, `wv` (rank r holds a contiguous span of each
+  layer's kv heads, `kv_spans(cfg, tp, layer)[r]`, and the query heads that attend to them), `w1`, `w3` (a span of
+  the feed-forward's hidden units, `split(F, tp)[r]`). r*KV/tp.. when tp divides the kv heads. Uneven otherwise, as
+  a degraded group of N-1 ranks is (engines/batched/degrade.py): some ranks hold one kv head more in a layer, and
+  which ones turns with the layer (FailSafe's cyclic KV placement): rank r holds one more in layer l when
+  (r - l) mod tp < KV mod tp. So over any tp consecutive layers every rank holds as many heads, and a rank's KV
+  cache and attention weights are the group's 1/tp within one head of a layer, not the first ranks' alone: 8 kv
+  heads over 7 ranks, 32 layers, is 36 or 37 heads of layers a rank, where the first rank would hold 64 and the
+  others 32 (its cache bounding every rank's block count). The feed-forward's split stays the same in every layer
+  (its units differ by one of thousands). A rank's `ShardConfig` says its kv heads by layer;
 - row-parallel (columns split): `wo`, `w2`; each rank's product is a part of the sum, all-reduced (`reduce`), so the
   residual stream is whole and the same on every rank;
 - replicated: the norms, the embedding and the output head. Why not vocab-parallel: the byte vocabulary is 258
   tokens (256 KiB of head at 8b), so splitting it saves nothing and would add an all-gather of the logits per
   forward; every rank then computes the whole logits, and only rank 0 samples.
-Each rank's KV cache holds its own kv heads only.
+Each rank's KV cache holds its own kv heads only (of each layer).
 
 Driving (`TensorParallelCore`): collectives must be issued in the same order on every rank, and rank 0 runs many
 requests at once on one forward lock. So rank 0 broadcasts each *forward* (slot, start, tokens) under that lock
@@ -54,10 +59,14 @@ class ShardConfig(ModelConfig):
 
     tp: int = 1
     model_heads: int = 1  # the whole model's query heads: the head size is dim / model_heads on every rank
+    layer_kv_heads: tuple[int, ...] = ()  # this rank's kv heads in each layer (`n_kv_heads`: the most in one)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.model_heads
+
+    def kv_heads_at(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.n_kv_heads
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -71,20 +80,35 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def kv_spans(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
-    """The kv heads of each rank of a group of `tp` (each rank's query heads are the ones that attend to them)."""
+def kv_spans(cfg: ModelConfig, tp: int, layer: int = 0) -> list[tuple[int, int]]:
+    """The kv heads of each rank of a group of `tp` in layer `layer` (each rank's query heads are the ones that
+    attend to them): contiguous spans in rank order, rank r one head larger when (r - layer) mod tp < KV mod tp
+    (the cyclic placement); the same in every layer when tp divides the kv heads."""
     if not 1 <= tp <= cfg.n_kv_heads or cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"{cfg.name}: {cfg.n_kv_heads} kv heads do not split over {tp} ranks")
-    return split(cfg.n_kv_heads, tp)
+    base, extra = divmod(cfg.n_kv_heads, tp)
+    out, at = [], 0
+    for r in range(tp):
+        size = base + ((r - layer) % tp < extra)
+        out.append((at, at + size))
+        at += size
+    return out
 
 
 def shard_config(cfg: ModelConfig, tp: int, rank: int = 0) -> ShardConfig:
     """Rank `rank`'s share of `cfg` in a group of `tp` (the same on every rank when tp divides the heads and width)."""
-    (k0, k1), (f0, f1) = kv_spans(cfg, tp)[rank], split(cfg.ffn_dim, tp)[rank]
-    group = cfg.n_heads // cfg.n_kv_heads
+    heads = tuple(k1 - k0 for k0, k1 in (kv_spans(cfg, tp, layer)[rank] for layer in range(cfg.n_layers)))
+    f0, f1 = split(cfg.ffn_dim, tp)[rank]
+    group, most = cfg.n_heads // cfg.n_kv_heads, max(heads)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    return ShardConfig(**{**fields, "n_heads": (k1 - k0) * group, "n_kv_heads": k1 - k0, "ffn_dim": f1 - f0,
-                          "tp": tp, "model_heads": cfg.n_heads})
+    return ShardConfig(**{**fields, "n_heads": most * group, "n_kv_heads": most, "ffn_dim": f1 - f0,
+                          "tp": tp, "model_heads": cfg.n_heads,
+                          "layer_kv_heads": heads if len(set(heads)) > 1 else ()})
+
+
+def layer_of(name: str) -> int:
+    """The layer index of a per-layer tensor's name (`layers.<i>.`...)."""
+    return int(name.split(".", 2)[1])
 
 
 def shard_span(cfg: ModelConfig, name: str, tp: int, rank: int) -> tuple[int, int, int] | None:
@@ -95,7 +119,7 @@ def shard_span(cfg: ModelConfig, name: str, tp: int, rank: int) -> tuple[int, in
     if name.endswith(("w1.weight", "w2.weight", "w3.weight")):
         f0, f1 = split(cfg.ffn_dim, tp)[rank]
         return dim, f0, f1
-    k0, k1 = kv_spans(cfg, tp)[rank]
+    k0, k1 = kv_spans(cfg, tp, layer_of(name))[rank]
     unit = cfg.head_dim * (1 if name.endswith(("wk.weight", "wv.weight")) else cfg.n_heads // cfg.n_kv_heads)
     return dim, k0 * unit, k1 * unit
 

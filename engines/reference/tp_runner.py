@@ -140,10 +140,14 @@ def run_tp(s: EngineSettings) -> int:
     torch.set_num_threads(s.threads)
     if s.role != "active":
         raise ValueError("--tp > 1 runs active engines only: standby groups are not built yet (docs/multi_gpu.md)")
+    whole = get_config(s.size)
+    if whole.n_kv_heads % s.tp:
+        raise ValueError(f"--tp {s.tp} does not divide {whole.name}'s {whole.n_kv_heads} kv heads: the reference "
+                         "engine's cache has as many heads in every layer; the batched engine runs uneven groups")
     rank = s.tp_rank
     if rank == 0:
         s = s.model_copy(update={"tp_port": s.tp_port or free_port()})
-    cfg = shard_config(get_config(s.size), s.tp, s.tp_rank)
+    cfg = shard_config(whole, s.tp, s.tp_rank)
     max_seq = s.max_seq or cfg.max_seq
     device, gpu, backend = rank_place(s, s.gpu, rank, pick_device(s.device))
     if device.type == "cuda":

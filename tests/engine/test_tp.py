@@ -167,3 +167,13 @@ def test_where_each_rank_runs() -> None:
     assert rank_place(named, 0, 1, torch.device("cpu")) == (torch.device("cpu"), 2, "gloo")
     with pytest.raises(ValueError, match="one GPU for each of the 4 ranks"):
         rank_place(TensorParallelSettings(tp=4, rank_gpus=[0, 1]), 0, 0, torch.device("cpu"))
+
+
+def test_the_reference_engine_refuses_a_group_that_does_not_divide_the_kv_heads() -> None:
+    """Its cache has as many kv heads in every layer; an uneven group's ranks hold more in some layers than in others
+    (engines/reference/tp.py): the batched engine serves those."""
+    from engines.reference.settings import EngineSettings
+    from engines.reference.tp_runner import run_tp
+
+    with pytest.raises(ValueError, match="does not divide tiny3's 3 kv heads"):
+        run_tp(EngineSettings(weights=Path("w.safetensors"), size="tiny3", tp=2))

@@ -50,8 +50,8 @@ FRONT_GONE_S = 2.0
 
 
 def test_two_ranks_sharded_unevenly_give_each_prompt_the_greedy_tokens_of_one_rank(tmp_path: Path) -> None:
-    """tiny3's 3 kv heads over 2 ranks: rank 0 holds 2 (and 4 query heads), rank 1 one (engines/reference/tp.py),
-    as a degraded group of N-1 ranks is sharded."""
+    """tiny3's 3 kv heads over 2 ranks: in layer 0 rank 0 holds 2 (and 4 query heads) and rank 1 one, in layer 1 the
+    other way round (engines/reference/tp.py, the cyclic placement), as a degraded group of N-1 ranks is sharded."""
     weights = make_weights(get_config("tiny3"), tmp_path / "tiny3.safetensors", seed=5)
     one = batched(tmp_path, weights, "btu-one", size="tiny3")
     two = batched(tmp_path, weights, "btu-two", "--tp", "2", size="tiny3")
@@ -59,7 +59,8 @@ def test_two_ranks_sharded_unevenly_give_each_prompt_the_greedy_tokens_of_one_ra
         one.wait_ready(180)
         info = two.wait_ready(180)
         assert info["tp"]["ranks"] == 2
-        assert info["memory"]["kv_bytes"] * 3 == one.info["memory"]["kv_bytes"] * 2  # rank 0: 2 of the 3 kv heads
+        # rank 0: 2 of layer 0's 3 kv heads and 1 of layer 1's (the cyclic placement): half the cache, not 2/3
+        assert info["memory"]["kv_bytes"] * 2 == one.info["memory"]["kv_bytes"]
         want = batch_of_prompts(one.url)
         assert len({tuple(t) for t in want}) >= PROMPTS // 2  # the prompts lead somewhere different
         assert batch_of_prompts(two.url) == want

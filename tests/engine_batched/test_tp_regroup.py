@@ -38,10 +38,14 @@ def test_a_single_engines_backup_is_rank_0_of_1_and_its_heads_split_over_the_new
     assert (d.ranks, d.num_blocks) == (1, 4)
     with pytest.raises(ValueError, match="not one group's every rank"):  # a single engine's beside a rank's
         gathered({"kv_backup": {"kv_backup": kv}, "kv_backup.tp2-r1": {"kv_backup": kv}})
-    whole, idx = get_config("tiny3"), torch.tensor([1, 3])
-    for lo, hi in kv_spans(whole, 2):  # 2/1: each new rank's heads of the blocks, [layers, 2, blocks, ...]
-        got = heads_of(d, kv_spans(whole, 1), idx, lo, hi)
-        assert torch.equal(got, kv[idx][:, :, :, :, lo:hi].permute(1, 2, 0, 3, 4, 5))
+    whole, idx = get_config("tiny3"), torch.tensor([1, 3])  # 2 layers
+    rows = {0: kv[idx]}
+    for j in range(2):  # layer 0's heads 2/1, layer 1's 1/2: each rank's cache is units of one head, layer by layer
+        got = heads_of(rows, whole, 2, j)  # [units, 2, blocks, block size, 1, dim]
+        want = [kv[idx][:, layer, :, :, h:h + 1].permute(3, 1, 0, 2, 4).unsqueeze(4)
+                for layer in range(2) for h in range(*kv_spans(whole, 2, layer)[j])]
+        assert got.shape == (3, 2, 2, 2, 1, 2) and torch.equal(got, torch.cat(want))
+    assert torch.equal(heads_of(rows, whole, 1, 0), kv[idx].permute(1, 2, 0, 3, 4, 5))  # one engine: as it was
 
 
 def test_the_timeline_says_regrouped_when_more_ranks_continue_the_backups() -> None:
