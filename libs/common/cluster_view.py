@@ -53,6 +53,7 @@ class GpuSlot:
     total_bytes: int | None  # None: unknown capacity (the node did not report it)
     leased_bytes: int
     engines: int
+    links: frozenset[int] = frozenset()  # the GPUs of its node it reaches over NVLink (GpuRecord.links)
 
     @property
     def free_bytes(self) -> int | None:
@@ -343,7 +344,8 @@ class ClusterView:
         total = info.get("total_bytes", info.get("memory_total"))
         return GpuSlot(node, gpu, self.gpu_healthy(node, gpu) and node not in self.drained,
                        int(total) if isinstance(total, int | float) else None,
-                       self.leased_bytes.get((node, gpu), 0), self.engines_on.get((node, gpu), 0))
+                       self.leased_bytes.get((node, gpu), 0), self.engines_on.get((node, gpu), 0),
+                       frozenset(int(i) for i in info.get("links") or ()))
 
     def leases_of(self, owner: str) -> list[LeaseInfo]:
         return [self.leases[i] for i in sorted(self.leases_by_owner.get(owner, ()))]

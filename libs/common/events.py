@@ -292,6 +292,9 @@ class GpuRecord(Model):
     # the same content: a copy GPU to GPU, issue 22), "host" (a host tier copy, restored at PCIe speed) or
     # "artifact" (on disk); placement prefers a node holding one, the closest first (issue 21)
     copies: dict[str, str] = Field(default_factory=dict)
+    # the GPUs of this node it reaches over NVLink (NVML's P2P status; the host backend's from config `gpu_links`):
+    # placement puts a tensor-parallel group's ranks on GPUs that all reach each other first
+    links: list[int] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------- events (durable, on the JetStream stream)

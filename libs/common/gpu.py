@@ -44,6 +44,22 @@ class GpuEntry:
     simulated: bool = False
 
 
+def parse_links(pairs: Sequence[str], indexes: Sequence[int]) -> dict[int, frozenset[int]]:
+    """GPU index -> the GPUs it reaches over NVLink, from pairs "a-b" (both ways). Raises ValueError on a pair that
+    is malformed, joins a GPU to itself, or names a GPU not in `indexes`."""
+    out: dict[int, set[int]] = {}
+    for pair in pairs:
+        a, sep, b = str(pair).strip().partition("-")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) == int(b):
+            raise ValueError(f"GPU link {pair!r} is not two GPU indexes 'a-b'")
+        for x in (int(a), int(b)):
+            if x not in indexes:
+                raise ValueError(f"GPU link {pair!r} names GPU {x}, not one of {sorted(indexes)}")
+        out.setdefault(int(a), set()).add(int(b))
+        out.setdefault(int(b), set()).add(int(a))
+    return {i: frozenset(peers) for i, peers in out.items()}
+
+
 def simulated_uuid(node: str, index: int) -> str:
     """The UUID of the host backend's stand-in GPU `index`: the same in the agent and the gpu_manager of a node."""
     return f"SIM-{node}-{index}"

@@ -12,14 +12,17 @@
 A tensor-parallel group of `tp` ranks runs on `tp` GPUs of one node (rank r on g + r, the agent's and the engines'
 layout, or on the GPUs its spec names: `EngineSpec.rank_gpus`): it is reattached in place only while every one of
 its GPUs is healthy, and cold-started where `tp` healthy GPUs of one node each have room for a rank
-(`needed_bytes`: the largest rank's): `tp` consecutive ones from a base, or else the node's first `tp` such GPUs
-in index order (a node of 4 whose GPU 1 failed takes a group of 3 on 0, 2 and 3: `Placement.rank_gpus`).
-Candidates are ranked as above, consecutive GPUs before the others of the same standing, with the least free of
-their GPUs as their room.
+(`needed_bytes`: the largest rank's): `tp` consecutive ones from a base, the node's first `tp` such GPUs that all
+reach each other over NVLink (`GpuSlot.links`, NVML's word: a group's all-reduces cross no PCIe), or else its
+first `tp` such GPUs in index order (a node of 4 whose GPU 1 failed takes a group of 3 on 0, 2 and 3:
+`Placement.rank_gpus`). Candidates are ranked as above, then GPUs all joined by NVLink before others (on a node
+that reports no links, none is), consecutive GPUs before the others of the same standing, with the least free of
+their GPUs as their room. A degraded group's GPUs (`place_degraded`) are chosen the same way.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -52,6 +55,24 @@ class Placement:
 def consecutive(gpus: Sequence[int]) -> bool:
     """Whether a group's GPUs (ascending, distinct) are `gpus[0]`..`gpus[0] + tp - 1`, the layout no spec names."""
     return not gpus or gpus[-1] - gpus[0] == len(gpus) - 1
+
+
+def linked(group: Sequence[GpuSlot]) -> bool:
+    """Whether every two of a group's GPUs reach each other over NVLink (one GPU: it does)."""
+    return all(b.gpu in a.links for i, a in enumerate(group) for b in group[i + 1:])
+
+
+MAX_LINKED_SETS = 4096  # sets of a node's GPUs tried for one all joined by NVLink (C(12, 6) = 924)
+
+
+def pick(fit: Sequence[GpuSlot], k: int) -> list[GpuSlot]:
+    """`k` of one node's GPUs `fit` (index order): the first set whose GPUs all reach each other over NVLink, else
+    the first `k`."""
+    if k > 1 and any(s.links for s in fit):
+        for combo in itertools.islice(itertools.combinations(fit, k), MAX_LINKED_SETS):
+            if linked(combo):
+                return list(combo)
+    return list(fit[:k])
 
 
 COPY_RANK = {"peer": 0, "host": 1, "artifact": 2}  # closer first
@@ -109,10 +130,12 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
         group = [by_gpu.get((base.node, base.gpu + r)) for r in range(tp)]
         if usable(base.node) and all(fits(s) for s in group):
             groups.append([s for s in group if s is not None])
-    if tp > 1:  # a node without `tp` consecutive ones: its first `tp` GPUs with room, in index order
-        for n in sorted({s.node for s in slots if usable(s.node)} - {g[0].node for g in groups}):
-            fit = sorted((s for s in slots if s.node == n and fits(s)), key=lambda s: s.gpu)[:tp]
-            if len(fit) == tp:
+    if tp > 1:  # each node's first `tp` GPUs with room all joined by NVLink, else (none consecutive) its first `tp`
+        windows = {(g[0].node, tuple(s.gpu for s in g)) for g in groups}
+        for n in sorted({s.node for s in slots if usable(s.node)}):
+            fit = pick(sorted((s for s in slots if s.node == n and fits(s)), key=lambda s: s.gpu), tp)
+            if len(fit) == tp and (n, tuple(s.gpu for s in fit)) not in windows and (
+                    linked(fit) or all(node_ != n for node_, _ in windows)):
                 groups.append(fit)
     if not groups:
         if tp == 1:
@@ -124,7 +147,7 @@ def place(node: str | None, gpu: int, *, memory_lost: bool, needed_bytes: int, s
         free = [s.free_bytes for s in g]
         known = [f for f in free if f is not None]
         room = min(known) if len(known) == len(free) else None  # None where one's capacity is unknown
-        return (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node,
+        return (COPY_RANK.get(copies.get(g[0].node, ""), FILE_RANK), g[0].node != node, not linked(g),
                 not consecutive([s.gpu for s in g]), room is None, -(room or 0), g[0].engines, g[0].node, g[0].gpu)
     best = min(groups, key=rank)
     first, gpus = best[0], tuple(s.gpu for s in best)
@@ -141,14 +164,15 @@ def place_degraded(node: str, tp: int, device_bytes: int, *, slots: Iterable[Gpu
     """A degraded successor for a group of `tp` ranks that lost its memory (engines/batched/degrade.py): the most
     ranks, fewer than `tp`, each on a healthy GPU of `node` (where the group's KV backups are, in host memory) with
     room for its share of the group's `device_bytes` (weights and caches of every rank), the GPUs in index order and
-    not necessarily consecutive (the agent starts rank r on the r-th: `EngineSpec.rank_gpus`). ([], a NONE placement)
-    when not even one GPU has room for it all."""
+    not necessarily consecutive (the agent starts rank r on the r-th: `EngineSpec.rank_gpus`), the first such set
+    all joined by NVLink where there is one (`pick`). ([], a NONE placement) when not even one GPU has room for it
+    all."""
     if node not in alive or (allowed is not None and node not in allowed):
         return [], Placement(Action.NONE, reason=f"node {node}, where its backups are, is gone or not this manager's")
     healthy = sorted((s for s in slots if s.node == node and s.healthy), key=lambda s: s.gpu)
     for ranks in range(tp - 1, 0, -1):
         need = -(-device_bytes // ranks)
-        fit = [s.gpu for s in healthy if s.free_bytes is None or s.free_bytes >= need][:ranks]
+        fit = [s.gpu for s in pick([s for s in healthy if s.free_bytes is None or s.free_bytes >= need], ranks)]
         if len(fit) == ranks:
             return fit, Placement(Action.COLD_START, node, fit[0],
                                   f"degraded to {ranks} of {tp} ranks on {node}/{','.join(map(str, fit))}")

@@ -76,10 +76,11 @@ def health(backend: str, path: str, server: FrameServer, book: LeaseBook, conns:
 def gpu_board(settings: GpuManagerSettings, backend: Backend) -> GpuBoard:
     """The GPUs this manager serves: the cuda backend's devices, or the host backend's simulated ones."""
     if backend.name == "host":
-        return host_board(settings.node, settings.gpus, backend.capacity(0))
+        return host_board(settings.node, settings.gpus, backend.capacity(0), settings.gpu_links)
     ordinals = getattr(backend, "ordinals", [])
+    links = backend.nvlinks() if hasattr(backend, "nvlinks") else {}
     return GpuBoard(settings.node, [GpuEntry(o, backend.gpu_uuid(o) or f"GPU-{settings.node}-{o}", backend.capacity(o))
-                                    for o in ordinals])
+                                    for o in ordinals], links=links)
 
 
 async def setup(rt: Runtime) -> None:

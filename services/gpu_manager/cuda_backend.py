@@ -4,6 +4,7 @@ runs them on one dedicated thread, where the device's primary context is made cu
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 
@@ -13,6 +14,7 @@ from libs.common.errors import NotFound
 from services.gpu_manager.backends import Chunk
 
 cu = cd.cu
+log = logging.getLogger("holdfast.gpu_manager.cuda")
 
 
 class CudaBackend:
@@ -89,6 +91,31 @@ class CudaBackend:
 
     def gpu_uuid(self, gpu: int) -> str | None:
         return self._uuid.get(gpu)
+
+    def nvlinks(self) -> dict[int, frozenset[int]]:
+        """GPU -> the managed GPUs it reaches over NVLink (NVML's P2P status, NVLink index; through an NVSwitch too),
+        found by UUID (NVML's order need not be CUDA's). {} where NVML is missing or refuses: placement then has
+        no link to prefer, as on a node without NVLink."""
+        try:
+            import pynvml  # type: ignore[import-not-found]
+
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - no NVML: no links known
+            log.warning("NVML not available (%r): the GPUs' NVLinks are not published", e)
+            return {}
+        try:
+            handle = {o: pynvml.nvmlDeviceGetHandleByUUID(self._uuid[o]) for o in self.ordinals}
+            out: dict[int, frozenset[int]] = {}
+            for a in self.ordinals:
+                out[a] = frozenset(b for b in self.ordinals if b != a and pynvml.nvmlDeviceGetP2PStatus(
+                    handle[a], handle[b], pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK)
+            return {a: peers for a, peers in out.items() if peers}
+        except Exception as e:  # noqa: BLE001 - an NVML error: no links known
+            log.warning("NVLinks not read from NVML (%r): not published", e)
+            return {}
+        finally:
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
 
     def free_bytes(self, gpu: int) -> int | None:
         self._use(gpu)

@@ -29,6 +29,7 @@ class GpuBoard:
     gpus: Sequence[GpuEntry]
     # index -> why it is unhealthy; absent: healthy. Mirrors the db's `gpu_health` rows (invariant 4).
     unhealthy: dict[int, str] = field(default_factory=dict)
+    links: Mapping[int, frozenset[int]] = field(default_factory=dict)  # index -> the GPUs it reaches over NVLink
 
     def entry(self, selector: int | str) -> GpuEntry:
         return resolve_gpu(selector, self.gpus)
@@ -75,17 +76,19 @@ class GpuBoard:
         return {g.index: GpuRecord(node=self.node, gpu=g.index, uuid=g.uuid, total_bytes=g.total_bytes,
                                    leased_bytes=used[g.index][0], leases=used[g.index][1],
                                    healthy=g.index not in self.unhealthy, detail=self.unhealthy.get(g.index, ""),
-                                   simulated=g.simulated, updated_at=now)
+                                   simulated=g.simulated, updated_at=now, links=sorted(self.links.get(g.index, ())))
                 for g in self.gpus}
 
 
-def host_board(node: str, selectors: Sequence[str], capacity: int) -> GpuBoard:
-    """The host backend's simulated GPUs (config `gpus`), each an even share of the host capacity."""
-    from libs.common.gpu import simulated_gpus
+def host_board(node: str, selectors: Sequence[str], capacity: int, links: Sequence[str] = ()) -> GpuBoard:
+    """The host backend's simulated GPUs (config `gpus`), each an even share of the host capacity, joined by the
+    NVLinks config `gpu_links` says ("0-1")."""
+    from libs.common.gpu import parse_links, simulated_gpus
 
     entries = simulated_gpus(selectors, node)
     share = capacity // len(entries)
-    return GpuBoard(node, [GpuEntry(e.index, e.uuid, share, simulated=True) for e in entries])
+    return GpuBoard(node, [GpuEntry(e.index, e.uuid, share, simulated=True) for e in entries],
+                    links=parse_links(links, [e.index for e in entries]))
 
 
 def same_record(a: GpuRecord | None, b: GpuRecord) -> bool:

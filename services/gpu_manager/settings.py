@@ -17,6 +17,8 @@ class GpuManagerSettings(CommonSettings):
     backend: str = Field("auto", description="host, cuda, or auto (cuda when a GPU is present, else host)")
     gpus: list[str] = Field(default_factory=list, description="cuda: GPUs to manage by index or UUID (empty: all); "
                             "host: the simulated GPUs, each an even share of the capacity (empty: one, 0)")
+    gpu_links: list[str] = Field(default_factory=list, description="host: the simulated GPUs joined by NVLink, as "
+                                 "pairs of indexes ('0-1'); cuda: read from NVML, this ignored")
     chunk_mib: int = Field(1024, gt=0, description="chunk size of an allocation, MiB (rounded to the granularity)")
     gpu_manager_socket: Path | None = Field(None, description="engine socket; default <state_dir>/gpu_manager.sock")
     socket_mode: int = Field(0o600, description="permissions of the engine socket")

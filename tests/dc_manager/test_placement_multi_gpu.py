@@ -89,6 +89,39 @@ def test_a_tensor_parallel_group_is_placed_on_healthy_gpus_consecutive_first_eac
     assert (p.action, p.gpu) == (Action.REATTACH, 2)
 
 
+def test_a_group_goes_on_gpus_that_all_reach_each_other_over_nvlink_first() -> None:
+    """A node whose GPUs are joined in pairs across (0-2, 1-3: as GpuRecord.links says, NVML's word): a group of 2
+    on 0 and 2 rather than on 0..1, whose all-reduces would cross PCIe; where the links join consecutive GPUs, those;
+    where the node says nothing of links, consecutive GPUs as before; a set all linked but without room is not
+    taken."""
+    def node(links: dict[int, list[int]], sick: int | None = None) -> ClusterView:
+        return view_of(*(GpuRecord(node="a", gpu=g, total_bytes=100 * M, healthy=g != sick, links=links.get(g, []))
+                         for g in range(4)))
+
+    def where(view: ClusterView, tp: int = 2, need: int = 50 * M) -> tuple[int, ...]:
+        p = place("a", 0, memory_lost=True, needed_bytes=need, slots=view.gpu_slots(), alive={"a"}, tp=tp)
+        assert p.action is Action.COLD_START, p.reason
+        return p.gpus
+
+    across = {0: [2], 2: [0], 1: [3], 3: [1]}
+    assert node(across).gpu_slots()[0].links == frozenset({2})
+    assert where(node(across)) == (0, 2)
+    p = place("a", 0, memory_lost=True, needed_bytes=50 * M, slots=node(across).gpu_slots(), alive={"a"}, tp=2)
+    assert p.rank_gpus == [0, 2] and "a/0,2" in p.reason  # the spec names them: not the usual layout
+    assert where(node(across, sick=0)) == (1, 3)
+    assert where(node({0: [1], 1: [0], 2: [3], 3: [2]})) == (0, 1)
+    assert where(node({})) == (0, 1)
+    assert where(node({g: [h for h in range(4) if h != g] for g in range(4)}), tp=4) == (0, 1, 2, 3)  # an NVSwitch
+    full = node(across)
+    full.apply("put", "allocations/a/l-x", lease("a", 2, 60 * M).model_dump_json().encode())
+    assert where(full) == (1, 3)  # GPU 2 has 40 MiB left: the other linked pair
+    # a degraded group of a TP=4 group that lost GPU 0: 2 ranks on the linked pair 1-3 rather than 1..2
+    gpus, _ = place_degraded("a", 4, 100 * M, slots=node(across, sick=0).gpu_slots(), alive={"a"})
+    assert gpus == [1, 2, 3]  # 3 ranks fit: no 3 of them all linked, index order
+    gpus, _ = place_degraded("a", 3, 100 * M, slots=node(across, sick=0).gpu_slots(), alive={"a"})
+    assert gpus == [1, 3]  # 2 ranks: the linked pair
+
+
 def test_a_degraded_group_is_the_most_ranks_that_fit_on_its_nodes_healthy_gpus() -> None:
     """A group of 4 that lost GPU 3 of its node: 3 ranks on GPUs 0..2, each with room for a third of the group's
     device memory; lost GPU 1 instead: 3 ranks on 0, 2 and 3 (not consecutive: the spec names them); never another

@@ -46,3 +46,24 @@ async def test_a_cold_start_goes_to_the_node_whose_gpu_manager_published_a_host_
                   copies=node_copies(records, "untiered"))
     assert other.node == "node-2"  # no copy of that class anywhere: the most free memory
     client.close()
+
+
+async def test_a_gpu_managers_nvlinks_reach_placement_through_etcd(manager_factory, store):
+    """Config `gpu_links` (the host backend's stand-in for NVML): each GPU's record in etcd names the GPUs it reaches,
+    the dc_manager's view reads them into its slots, and a group of 2 goes on the linked pair 0 and 2."""
+    from libs.common.cluster_view import ClusterView
+
+    manager_factory(HF_GPUS='["0","1","2"]', HF_GPU_LINKS='["0-2"]', HF_GPU_PUBLISH_INTERVAL_S="0.1").start()
+
+    async def records() -> dict | None:
+        got = {g: await store.get(f"gpus/node-1/{g}") for g in range(3)}
+        return got if all(got.values()) else None
+
+    recs = await until(records)
+    assert [json.loads(recs[g])["links"] for g in range(3)] == [[2], [], [0]]
+    view = ClusterView()
+    view.apply("put", "nodes/node-1", json.dumps({"node": "node-1", "gpus": []}).encode())
+    for g, raw in recs.items():
+        view.apply("put", f"gpus/node-1/{g}", raw)
+    p = place("node-1", 0, memory_lost=True, needed_bytes=1, slots=view.gpu_slots(), alive={"node-1"}, tp=2)
+    assert (p.action, p.gpus) == (Action.COLD_START, (0, 2))

@@ -57,3 +57,31 @@ def test_stored_failures_are_restored_by_uuid_and_a_gpu_no_longer_here_is_named(
     with pytest.raises(GpuUnhealthy, match="XID 79"):
         board.check_allocatable(1)
     assert board.check_allocatable(0).index == 0
+
+
+def test_the_simulated_gpus_nvlinks_from_config_are_in_their_records_both_ways() -> None:
+    """`gpu_links` ("0-2"): what NVML's P2P status says of real GPUs (cuda_backend.py `nvlinks`), for placement
+    (a group's ranks on GPUs that all reach each other). A malformed pair or an unknown GPU is refused at start."""
+    board = host_board("n", ["0", "1", "2"], 90 * M, ["0-2", "2-1"])
+    recs = board.records([], time.time())
+    assert (recs[0].links, recs[1].links, recs[2].links) == ([2], [2], [0, 1])
+    assert host_board("n", ["0", "1"], 90 * M).records([], 0.0)[0].links == []
+    for bad, why in (("0-3", "names GPU 3"), ("1-1", "not two GPU indexes"), ("0:1", "not two GPU indexes"),
+                     ("a-b", "not two GPU indexes")):
+        with pytest.raises(ValueError, match=why):
+            host_board("n", ["0", "1", "2"], 90 * M, [bad])
+
+
+@pytest.mark.gpu
+def test_the_cuda_backend_reads_its_gpus_nvlinks_from_nvml() -> None:
+    """Every GPU's NVLink peers among the managed ones, both ways (none on a lone GPU; every other on an NVSwitch)."""
+    from services.gpu_manager.cuda_backend import CudaBackend
+
+    backend = CudaBackend([])
+    links = backend.nvlinks()
+    assert set(links) <= set(backend.ordinals)
+    for a, peers in links.items():
+        assert a not in peers and peers <= set(backend.ordinals)
+        assert all(a in links.get(b, frozenset()) for b in peers)
+    if len(backend.ordinals) == 1:
+        assert links == {}
