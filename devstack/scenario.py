@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -354,10 +354,13 @@ class Scenario:
             r = await c.get(f"{endpoint}/health", timeout=10)
             return dict(r.json())
 
-    async def until_backed_up(self, endpoint: str, rows: int, timeout: float = 60, pid: int | None = None) -> dict[str, Any]:
+    async def until_backed_up(self, endpoint: str, rows: int, timeout: float = 60, pid: int | None = None,
+                              streams: Sequence[asyncio.Task[Any]] = ()) -> dict[str, Any]:
         """Wait until the engine's KV backup (`--kv-backup`) vouches for `rows` sequences (a done round covers
         them): a loss from here has something to restore, however slowly a loaded machine runs the rounds. On a
-        timeout, `pid` (the engine's, and its ranks') is asked for every thread's stack in its log (SIGUSR2)."""
+        timeout, `pid` (the engine's, and its ranks') is asked for every thread's stack in its log (SIGUSR2).
+        `streams`: the generations those sequences are; one that ends first is said at once, with the backup's
+        stats (`rows_max`: the most it vouched for at once, so whether it ever covered them all)."""
         deadline = time.monotonic() + timeout
         while True:
             backup = (await self.engine_health(endpoint)).get("kv_backup") or {}
@@ -365,6 +368,9 @@ class Scenario:
                 raise RuntimeError(f"the engine's KV backup failed: {backup['error']}")
             if backup.get("rows", 0) >= rows and backup.get("durable_tokens", 0) > 0:
                 return dict(backup)
+            if any(t.done() for t in streams):
+                raise RuntimeError(f"a stream ended before the KV backup vouched for {rows} at once; raise max_tokens "
+                                   f"(its stats: {backup})")
             if time.monotonic() > deadline:
                 if pid is not None:
                     dump_stacks(pid)

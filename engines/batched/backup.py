@@ -208,7 +208,8 @@ class BackupWriter:
         self._stop = threading.Event()
         self._said: object = None  # the stall last said (`stalled`)
         self.stats: dict[str, Any] = {"lag_ms_bound": lag_ms, "rounds": 0, "blocks_copied": 0, "bytes_copied": 0,
-                                      "rows": 0, "durable_tokens": 0, "round_ms_last": None, "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
+                                      "rows": 0, "rows_max": 0, "durable_tokens": 0, "round_ms_last": None,
+                                      "round_ms_max": 0.0, "lag_ms": self.lag.stats(),
                                       "left_out_released": 0, "error": None, "stalls": 0,
                                       # wall clock of the last done round's snapshot (what the backup is current
                                       # as of), and of the running round's (None between rounds)
@@ -331,7 +332,8 @@ class BackupWriter:
         ms = (done - t0) * 1000
         self.stats.update(rounds=self.stats["rounds"] + 1, blocks_copied=self.stats["blocks_copied"] + len(plan.blocks),
                           bytes_copied=self.stats["bytes_copied"] + len(plan.blocks) * self.copier.block_bytes,
-                          rows=len(self.book), durable_tokens=sum(b.length - b.prompt_len for b in self.book.values()),
+                          rows=len(self.book), rows_max=max(len(self.book), self.stats["rows_max"]),
+                          durable_tokens=sum(b.length - b.prompt_len for b in self.book.values()),
                           round_ms_last=round(ms, 2), round_ms_max=round(max(ms, self.stats["round_ms_max"]), 2),
                           lag_ms=self.lag.stats(), durable_as_of=wall, in_round_since=None)
         return True

@@ -67,7 +67,7 @@ async def test_a_lost_kv_cache_is_restored_from_its_host_backup_through_the_whol
             seen = len(sc.events)
             streams = [asyncio.create_task(sc.generate(client, p, max_tokens=MAX_TOKENS)) for p in prompts()]
             await sc._until_tokens(streams, want=4 * STREAMS)
-            await sc.until_backed_up(active.endpoint or "", rows=STREAMS, pid=active.pid)  # each vouched for
+            await sc.until_backed_up(active.endpoint or "", rows=STREAMS, pid=active.pid, streams=streams)
             lost = await lose_kv_memory(sc)
             results = await asyncio.gather(*streams)
             resolved = await sc.wait_event("incident.resolved", 120, after=seen)

@@ -34,7 +34,7 @@ from services.controller.incident import IncidentRecord
 from tests.e2e.test_tp_incident import BatchedGroupScenario, incidents, started, wait_successor
 
 STREAMS = 4
-MAX_TOKENS = 128  # the streams outlive the backup's first rounds on a loaded machine (until_backed_up)
+MAX_TOKENS = 256  # the streams outlive the backup's rounds on a loaded machine (until_backed_up; CI failed at 128)
 
 
 class BackedGroupScenario(BatchedGroupScenario):
@@ -83,7 +83,7 @@ async def streams_through_a_loss(sc: BackedGroupScenario, group: EngineInfo,
         seen = len(sc.events)
         streams = [asyncio.create_task(sc.generate(client, p, max_tokens=max_tokens)) for p in prompts()]
         await sc._until_tokens(streams, want=4 * STREAMS)
-        await sc.until_backed_up(group.endpoint or "", rows=STREAMS, pid=group.pid)  # every stream vouched for
+        await sc.until_backed_up(group.endpoint or "", rows=STREAMS, pid=group.pid, streams=streams)  # each vouched
         before = (await sc.leases()).leases
         await lose()
         results = await asyncio.gather(*streams)
