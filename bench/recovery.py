@@ -64,12 +64,18 @@ def _pipeline_way(backend: str, size: str, standbys: int, trials: int, progress:
                   secure=secure)
     task = progress.add_task(label, total=trials)
     t0 = time.perf_counter()
+    ok = False
     try:
         sc.start()
         console.log(f"{label}: stack serving in {time.perf_counter() - t0:.1f} s (the weights file made or reused)")
-        return asyncio.run(_trials(sc, trials, progress, task, label))
+        trials_run = asyncio.run(_trials(sc, trials, progress, task, label))
+        ok = True
+        return trials_run
     finally:
         sc.stop()
+        kept = sc.finish(ok)  # its work dir (~60 MB of etcd data) goes after a good run; kept for its logs otherwise
+        if kept is not None:
+            console.log(f"{label}: the stack's files are kept in {kept}")
 
 
 def _cold_restarts(backend: str, size: str, trials: int, weights: Path, max_seq: int | None) -> list[dict[str, Any]]:

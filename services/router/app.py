@@ -148,8 +148,10 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     intake = Intake(app)
     guard = RequestGuard(intake, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
     linger = LingerStats()
+    # lifespan off: the app has no startup or shutdown of its own, and a lifespan task cancelled at shutdown logged
+    # a CancelledError traceback at ERROR on every stop
     server = QuietServer(uvicorn.Config(guard, log_level="warning", access_log=False, timeout_keep_alive=30,
-                                        http=lingering_h11(settings.linger_max_bytes, settings.linger_max_s, linger,
+                                        lifespan="off", http=lingering_h11(settings.linger_max_bytes, settings.linger_max_s, linger,
                                                            settings.header_timeout_s, settings.body_timeout_s,
                                                            refusal)))
     # workers 1..N-1 serve their metrics on a free port of their own (in their health's metrics_port)

@@ -135,6 +135,17 @@ async def test_held_requests_get_a_503_after_the_hold_timeout_and_past_the_queue
     assert stats["rejected"] == 3 and stats["failed"] == 3 and stats["held"] == 0
 
 
+async def test_a_router_stopped_by_sigterm_exits_0_and_logs_no_error(start_router, tmp_path) -> None:
+    """A stop is no failure: its log holds no traceback and no ERROR line (uvicorn's lifespan, cancelled at
+    shutdown, logged one on every stop)."""
+    router = start_router()
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.get(router.url + "/healthz")).status_code == 200
+    assert router.child.stop() == 0
+    log = (tmp_path / "router.log").read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
 async def test_a_held_request_completes_once_an_endpoint_for_its_model_is_added(engines, start_router, bus: Bus,
                                                                                 store: Store) -> None:
     a = engines("late-a")
