@@ -31,6 +31,7 @@ The control plane orders a regroup (services/dc_manager/steps.py `_regroup`, doc
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -125,23 +126,38 @@ def layer_heads(rows: torch.Tensor, units: CacheUnits, layer: int) -> torch.Tens
     return part.permute(0, 2, 3, 1, 4, 5).reshape(b, two, bs, n * g, hd)
 
 
+@dataclass(frozen=True)
+class GroupLayout:
+    """How a group of ranks holds a model's kv heads: each layer's spans, rank by rank (`kv_spans`), and each rank's
+    cache units (cache_units.py)."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]  # [layer][rank]
+    units: tuple[CacheUnits, ...]  # [rank]
+
+
+@functools.cache
+def group_layout(whole: ModelConfig, ranks: int) -> GroupLayout:
+    """Once per (model, group size): a restore asks for it for every chunk of blocks and every new rank."""
+    return GroupLayout(tuple(tuple(kv_spans(whole, ranks, layer)) for layer in range(whole.n_layers)),
+                       tuple(cache_units(shard_config(whole, ranks, r)) for r in range(ranks)))
+
+
 def heads_of(rows: dict[int, torch.Tensor], whole: ModelConfig, size: int, rank: int) -> torch.Tensor:
     """Rank `rank` of `size`'s kv heads of some blocks, from the old ranks' backups of those blocks (`rows`: old rank
     -> [blocks, its units, 2, block size, heads a unit, dim]) that hold them, layer by layer (invariant 1), laid out
     as that rank's cache is: [units, 2, blocks, block size, heads a unit, dim] (cache_units.py)."""
-    old = len(rows)
-    olds = [cache_units(shard_config(whole, old, r)) for r in range(old)]
-    mine = cache_units(shard_config(whole, size, rank))
+    old, new = group_layout(whole, len(rows)), group_layout(whole, size)
+    mine = new.units[rank]
     layers = []
     for layer in range(whole.n_layers):
-        lo, hi = kv_spans(whole, size, layer)[rank]
+        lo, hi = new.spans[layer][rank]
         parts = []
-        for r, (o0, o1) in enumerate(kv_spans(whole, old, layer)):
+        for r, (o0, o1) in enumerate(old.spans[layer]):
             a, b = max(lo, o0), min(hi, o1)
             if a < b:
-                parts.append(layer_heads(rows[r], olds[r], layer)[:, :, :, a - o0:b - o0])
+                parts.append(layer_heads(rows[r], old.units[r], layer)[:, :, :, a - o0:b - o0])
         if sum(t.shape[3] for t in parts) != hi - lo:
-            raise ValueError(f"layer {layer}'s kv heads {lo}..{hi} are not all in the backups of {old} ranks")
+            raise ValueError(f"layer {layer}'s kv heads {lo}..{hi} are not all in the backups of {len(rows)} ranks")
         x = torch.cat(parts, dim=3)  # [blocks, 2, block size, hi - lo, dim]
         b, two, bs, _, hd = x.shape
         layers.append(x.reshape(b, two, bs, mine.count[layer], mine.heads, hd).permute(3, 1, 0, 2, 4, 5))

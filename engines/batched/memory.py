@@ -624,12 +624,12 @@ def open_memory(cfg: EngineConfig, device: torch.device) -> LocalMemory | Leased
 def layout_fn(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device) -> Callable[..., JournalLayout]:
     """The KV cache and journal layout of this configuration, as a function of the weights' dtype and of a handed-on
     cache's block count."""
+    peers = [shard_config(get_config(cfg.size), cfg.tp, r) for r in range(cfg.tp)] if cfg.tp > 1 else []
+
     def layout_of(dtype: torch.dtype, num_blocks: int | None) -> JournalLayout:
         """This configuration's layout; `num_blocks` given: a handed-on cache's size, kept."""
         return kv_layout(mcfg, dtype, device, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                          max_len=cfg.max_model_len or mcfg.max_seq, num_blocks=num_blocks or cfg.num_blocks,
                          kv_cache_gib=cfg.kv_cache_gib, peers=peers)
-
-    peers = [shard_config(get_config(cfg.size), cfg.tp, r) for r in range(cfg.tp)] if cfg.tp > 1 else []
 
     return layout_of

@@ -69,12 +69,13 @@ class ShardConfig(ModelConfig):
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.n_kv_heads
 
 
-def split(n: int, parts: int) -> list[tuple[int, int]]:
-    """`n` units in `parts` contiguous spans, the first `n % parts` one unit larger (equal when `parts` divides)."""
+def split(n: int, parts: int, turn: int = 0) -> list[tuple[int, int]]:
+    """`n` units in `parts` contiguous spans, `n % parts` of them one unit larger (equal when `parts` divides): the
+    first ones, or counting from part `turn` round (part r is larger when (r - turn) mod parts < n % parts)."""
     base, extra = divmod(n, parts)
     out, at = [], 0
     for r in range(parts):
-        size = base + (r < extra)
+        size = base + ((r - turn) % parts < extra)
         out.append((at, at + size))
         at += size
     return out
@@ -82,17 +83,11 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
 
 def kv_spans(cfg: ModelConfig, tp: int, layer: int = 0) -> list[tuple[int, int]]:
     """The kv heads of each rank of a group of `tp` in layer `layer` (each rank's query heads are the ones that
-    attend to them): contiguous spans in rank order, rank r one head larger when (r - layer) mod tp < KV mod tp
-    (the cyclic placement); the same in every layer when tp divides the kv heads."""
+    attend to them): contiguous spans in rank order, the ranks holding one head more turning with the layer (the
+    cyclic placement); the same in every layer when tp divides the kv heads."""
     if not 1 <= tp <= cfg.n_kv_heads or cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"{cfg.name}: {cfg.n_kv_heads} kv heads do not split over {tp} ranks")
-    base, extra = divmod(cfg.n_kv_heads, tp)
-    out, at = [], 0
-    for r in range(tp):
-        size = base + ((r - layer) % tp < extra)
-        out.append((at, at + size))
-        at += size
-    return out
+    return split(cfg.n_kv_heads, tp, turn=layer)
 
 
 def shard_config(cfg: ModelConfig, tp: int, rank: int = 0) -> ShardConfig:
