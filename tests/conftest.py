@@ -15,7 +15,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import shutil  # noqa: E402
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,19 +38,16 @@ HAS_GPU = has_gpu()
 
 # Under pytest-xdist (`make test` runs several workers), each worker is its own process with its own nats-server
 # and etcd (the session fixtures below run once per worker). `procs.free_port` never hands a port twice within one
-# process, but two workers could each be handed the same closed port and race to bind it: each worker takes only
-# the ports of its own residue class (port % workers == its index), so no two workers are ever handed the same
-# one. Child processes that pick ports themselves (`holdfast chaos`, `holdfast up`) still ask the kernel.
+# process, but two processes could each be handed the same closed port and race to bind it: each worker takes only
+# the ports of its own residue class (procs.PORT_CLASS), and the processes its tests start (`holdfast chaos`,
+# `holdfast up`, the demo: HF_PORT_CLASS) another class of the worker's own, so that no two are ever handed the
+# same one. (A chaos run once set up etcd's users on another worker's etcd, which had taken its port first.)
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1"... (unset without xdist)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKER.startswith("gw") and _WORKERS > 1:
-    _any_free_port = procs.free_port
     _CLASS = int(_WORKER[2:]) % _WORKERS
-
-    def _free_port_of_this_worker(accept: Callable[[int], bool] | None = None) -> int:
-        return _any_free_port(lambda port: port % _WORKERS == _CLASS and (accept is None or accept(port)))
-
-    procs.free_port = _free_port_of_this_worker
+    procs.PORT_CLASS = (_CLASS, 2 * _WORKERS)
+    os.environ["HF_PORT_CLASS"] = f"{_WORKERS + _CLASS}/{2 * _WORKERS}"
     # Each torch process (an engine, a worker running the model in-process) would start one compute thread per
     # core, and OpenMP threads spin while they wait: several workers' engines on 2 cores then spend the CPU
     # spinning. One thread each while the workers already share the cores (a child inherits this).

@@ -40,9 +40,27 @@ def _port_range() -> tuple[int, int]:
 PORT_RANGE = _port_range()
 
 
+def _port_class(text: str | None) -> tuple[int, int] | None:
+    """HF_PORT_CLASS "r/m": this process takes only the ports p with p % m == r. Processes started side by side
+    (pytest-xdist workers and the stacks their tests start) each take their own class, so that no two are handed
+    the same closed port and race to bind it."""
+    if not text:
+        return None
+    try:
+        r, m = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"HF_PORT_CLASS must be 'residue/modulus', got {text!r}") from None
+    if m < 1 or not 0 <= r < m:
+        raise ValueError(f"HF_PORT_CLASS {text!r}: the residue must lie in [0, modulus)")
+    return r, m
+
+
+PORT_CLASS = _port_class(os.environ.get("HF_PORT_CLASS"))
+
+
 def free_port(accept: Callable[[int], bool] | None = None) -> int:
     """A loopback port nobody listens on now (nor holds in TIME_WAIT: bound here without SO_REUSEADDR), never one
-    this process was given before, and one `accept` takes (pytest-xdist workers each take their own residue class).
+    this process was given before, of this process's PORT_CLASS and one `accept` takes.
 
     Drawn at random from PORT_RANGE, not asked of the kernel with port 0: the kernel may hand the same ephemeral
     port to binds in a row once the first socket is closed (a benchmark that gave one to both nats-server and
@@ -50,7 +68,8 @@ def free_port(accept: Callable[[int], bool] | None = None) -> int:
     then spins on that one port (a fixture once hung for 300 s so)."""
     for _ in range(1_000_000):  # a few ms; a range with no port left (or an `accept` taking none) says so
         port = _RNG.randrange(*PORT_RANGE)
-        if port in _HANDED_OUT or (accept is not None and not accept(port)):
+        if port in _HANDED_OUT or (PORT_CLASS is not None and port % PORT_CLASS[1] != PORT_CLASS[0]) or \
+                (accept is not None and not accept(port)):
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -131,15 +150,68 @@ class Child:
             os.kill(self.proc.pid, sig)
 
 
+def _listening_inodes(port: int, host: str = "127.0.0.1") -> set[str]:
+    """The socket inodes listening on host:port or on every address at that port (/proc/net/tcp, this network
+    namespace; addresses as the kernel prints them, in host byte order)."""
+    want = {f"{socket.htonl(int.from_bytes(socket.inet_aton(a), 'big')):08X}:{port:04X}" for a in (host, "0.0.0.0")}
+    found = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[1] in want and f[3] == "0A":  # 0A: LISTEN
+                found.add(f[9])
+    return found
+
+
+def _holds_socket(pid: int, inodes: set[str]) -> bool:
+    links = {f"socket:[{i}]" for i in inodes}
+    fd_dir = Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        for fd in fd_dir.iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in links:
+                    return True
+    return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            f = stat_fields(int(d.name))
+            if f is not None and int(f[2]) == pgid:  # field 5, pgrp
+                members.append(int(d.name))
+    return members
+
+
+def listens(child: Child, port: int) -> bool:
+    """Whether `child` (or a process of its group) is what listens on 127.0.0.1:`port`: not merely whether
+    something does. A port drawn free may be taken by another process before the child binds it; the child then
+    exits, and a client that took the open port for it would talk to a stranger (a test once set up etcd's users
+    on another test's etcd, and failed on its certificate)."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    return _holds_socket(child.pid, inodes) or any(_holds_socket(p, inodes) for p in _group_members(child.pid))
+
+
 def wait_port(port: int, child: Child | None = None, timeout: float = 15.0) -> None:
+    """Until 127.0.0.1:`port` listens: by `child` itself when given (see `listens`). Raises when the child exits
+    first or the time is out, naming a port that another process holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if port_open(port):
+        if child is None:
+            if port_open(port):
+                return
+        elif listens(child, port):
             return
         if child is not None and not child.alive():
-            raise RuntimeError(f"{child.name} exited before listening on {port} (see {child.log_path})")
+            held = " (another process listens there)" if _listening_inodes(port) else ""
+            raise RuntimeError(f"{child.name} exited before listening on {port}{held} (see {child.log_path})")
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+    held = "; another process listens there" if child is not None and _listening_inodes(port) else ""
+    raise TimeoutError(f"{'nothing' if child is None else child.name} listens on 127.0.0.1:{port} "
+                       f"after {timeout}s{held}")
 
 
 def nats_server(port: int, data_dir: Path, log_path: Path | None = None, *, config: Path | None = None,
