@@ -440,7 +440,8 @@ GROUP_FAULT_WAYS = ("spare", "cold")
 async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
                         kv_cache_gib: float | None, work_dir: Path | None, step_tokens: int = 2048,
                         prefill_chunk: int = 256, client_procs: int = 0, deterministic: bool = True,
-                        ways: tuple[str, ...] | None = None, tp: int = 1) -> dict[str, Any]:
+                        ways: tuple[str, ...] | None = None, tp: int = 1,
+                        kill_successor: bool = False) -> dict[str, Any]:
     """`--gpu-fault`: the active engine's GPU fails under the load (its weights and cache lost with it) on a node of
     two GPUs, no standby, each way on a stack of its own, side by side in one run: `spare` (the engine keeps its KV
     in host memory and its spec a spare on the other GPU, its weights loaded: the spare continues every sequence from
@@ -451,14 +452,16 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
     once a backup round vouches for every stream (`gpu_fault`: what a sequence younger than the lag costs is a
     replay's). `tp` > 1: a group of `tp` ranks on a node of 2 x `tp` GPUs, its last rank's GPU failed, the ways
     `GROUP_FAULT_WAYS`: `spare` (a spare group on the other GPUs takes every rank's backup over) and `cold` (the same
-    backups, no spare: by the default policy a whole cold group on the other GPUs, every stream replayed)."""
+    backups, no spare: by the default policy a whole cold group on the other GPUs, every stream replayed).
+    `kill_successor`: a second failure in the `spare` way: the spare SIGKILLed as soon as it serves, the backup it
+    took over and the streams it continues in flight (the other ways have no standby to kill)."""
     ways = ways or (GPU_FAULT_WAYS if tp == 1 else GROUP_FAULT_WAYS)
     if backend != "host":
         raise ValueError("--gpu-fault marks a simulated GPU failed: the host backend (a node of two real GPUs would "
                          "lose a real one's memory; not built for the cuda backend)")
     report: dict[str, Any] = {"bench": "recovery-gpu-fault", "backend": backend, "size": size, "streams": streams,
                               "late": late, "trials": trials, "max_tokens": max_tokens, "deterministic": deterministic,
-                              "tp": tp, "ways": {}}
+                              "tp": tp, "kill_successor": kill_successor, "ways": {}}
     base = work_dir or Path(tempfile.mkdtemp(prefix="holdfast-gpu-fault-"))
     weights = base / f"weights-{size}.safetensors"  # one file for every way; each way's stack and state its own
     try:
@@ -470,7 +473,8 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
                               kv_backup=way in ("spare", "backup", "cold"), spares=int(way == "spare"), tp=tp)
             fault = functools.partial(gpu_fault, backed_rows=streams if sc.kv_backup else 0)
             report["ways"][way] = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
-                                                fault=fault, prepare=functools.partial(gpus_replaced, spares=sc.spares))
+                                                fault=fault, prepare=functools.partial(gpus_replaced, spares=sc.spares),
+                                                kill_successor=kill_successor and way == "spare")
         if work_dir is None:  # every way ran: nothing of this run is kept (its logs are, when one did not)
             shutil.rmtree(base, ignore_errors=True)
     finally:

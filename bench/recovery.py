@@ -216,7 +216,8 @@ def cli(
                                        "with the control's); --no-deterministic: the default fast mode, where only "
                                        "lost, missing and repeated tokens are checked"),
     kill_successor: bool = typer.Option(False, help="with --streams: a second failure during the recovery: each "
-                                        "kill's successor SIGKILLed too, as soon as it serves (its streams in flight)"),
+                                        "kill's successor SIGKILLed too, as soon as it serves (its streams in flight; "
+                                        "with --gpu-fault: the spare way's spare)"),
     drawn_weights: bool = typer.Option(False, help="with --streams: the weights drawn on the device at the cold load "
                                        "from a header-only file (make-weights --drawn): weights larger than the "
                                        "machine's disk and RAM"),
@@ -250,7 +251,8 @@ def cli(
                                            late=late, trials=trials, max_tokens=max_tokens,
                                            kv_cache_gib=kv_cache_gib or None, work_dir=weights_dir,
                                            step_tokens=step_tokens, prefill_chunk=prefill_chunk,
-                                           client_procs=client_procs, deterministic=deterministic, tp=tp))
+                                           client_procs=client_procs, deterministic=deterministic, tp=tp,
+                                           kill_successor=kill_successor))
         print(json.dumps(report))
         return
     if streams:
