@@ -46,9 +46,9 @@ def fits(tensors: dict[str, torch.Tensor], kv: torch.Tensor, layout: JournalLayo
 
 def open_backup(cfg: Any, memory: Any, loaded: Any, channel: Any = SOLO) -> tuple[BackupWriter, dict[str, Any]] | None:
     """With `cfg.kv_backup`: the backup this rank writes, and what start-up did with it. A handed-on backup whose
-    cache was lost (`loaded.kv_handed_on` false; in a group: any rank's, `group_restores`) is restored into the
-    cache first (the journal then adopted as a handed-on one); beside a handed-on cache it is started afresh (the
-    cache is the better copy). Every rank of a group calls it at the same point of its start-up (`channel`'s
+    cache was lost (`loaded.kv_handed_on` false, or its journal never written; in a group: any rank's,
+    `group_restores`) is restored into the cache first (the journal then adopted as a handed-on one); beside a
+    handed-on cache it is started afresh (the cache is the better copy). Every rank of a group calls it at the same point of its start-up (`channel`'s
     collectives), before the gang is registered (tp_group.py `commit`)."""
     if not cfg.kv_backup:
         return None
@@ -59,7 +59,14 @@ def open_backup(cfg: Any, memory: Any, loaded: Any, channel: Any = SOLO) -> tupl
     if tensors is not None and not fits(tensors, kv, layout):
         log.warning("the handed-on KV backup does not fit this configuration; starting a new one")
         tensors = None
-    if group_restores(channel.gather((loaded.kv_handed_on, tensors is not None))):
+    # A handed-on cache whose journal was never written (the group's: rank 0's) holds no sequence a successor could
+    # adopt: its holder died before it wrote one (a spare killed while it restored a backup into that cache). The
+    # backup beside it is then the only copy of the sequences: restored into the cache, as for a lost one.
+    handed = loaded.kv_handed_on and (cfg.tp_rank != 0 or Journal(layout, loaded.journal).matches())
+    if loaded.kv_handed_on and not handed and tensors is not None:
+        log.info("the handed-on KV cache holds no journal (its holder died before writing one): restoring the "
+                 "handed-on KV backup into it")
+    if group_restores(channel.gather((handed, tensors is not None))):
         assert tensors is not None
         info, book = restore(tensors, kv, Journal(layout, loaded.journal), layout, channel)
         info["source"] = "restored"

@@ -117,3 +117,89 @@ async def test_a_spare_assigned_with_no_backup_serves_afresh_on_its_own_weights_
         assert sorted((i.id, i.epoch) for i in after) == sorted((i.id, i.epoch) for i in before)  # nothing new
     finally:
         memory.close()
+
+
+# A spare in a process of its own: leases its weights and cache, says so, takes the backup named on stdin over and
+# SIGKILLs itself before restoring anything (what a kill in its restore's first instant leaves: a cache handed on
+# beside the backup, and no journal written in it).
+SPARE_DIES = """
+import os, signal, sys
+import torch
+from engines.batched.config import parse_config
+from engines.batched.memory import LeasedMemory, layout_fn, wait_fence
+from engines.reference.config import get_config
+cfg = parse_config(sys.argv[1:])
+mcfg = get_config(cfg.size)
+memory = LeasedMemory(cfg.id, socket_path=cfg.gpu_manager_socket, gpu=0)
+layout_of = layout_fn(cfg, mcfg, torch.device("cpu"))
+spare = memory.load_spare(mcfg, cfg.weights, layout_of)
+print("standing by", flush=True)
+token = sys.stdin.readline().strip()
+loaded = memory.spare_takeover(mcfg, spare, "bat-b", token, layout_of, 30.0)
+wait_fence(loaded, 30.0, isolate=False)
+print("taken", loaded.source, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(300)
+async def test_a_spare_killed_before_it_restored_the_backup_leaves_it_to_its_successor_to_restore(
+        tmp_path: Path, tiny_weights: Path, manager_factory, settings_env: dict[str, str],  # noqa: F811, ANN001
+        settings: CommonSettings, bus: Bus) -> None:
+    """A spare SIGKILLed once it took a dead engine's KV backup over but before it restored it: its successor takes
+    the spare's leases over (its weights, its cache, the backup), and since the cache holds no journal (the spare
+    never wrote one) the backup is restored into it, every stream's vouched-for blocks: not kept aside as though the
+    cache held the sequences (it holds none: every stream would be prefilled again)."""
+    import subprocess
+    import sys
+
+    manager = manager_factory(HF_GRACE_S="120").start()
+    env = {**settings_env, "HF_GPU_MANAGER_SOCKET": manager.socket}
+    first = BatchedEngine(tmp_path, tiny_weights, "bat-b", env, "--kv-backup", "--kv-backup-lag-ms", "100",
+                          "--device", "cpu", "--num-blocks", str(BLOCKS))
+    await asyncio.to_thread(first.wait_ready)
+    args = ["--weights", str(tiny_weights), *ARGS, "--kv-backup", "--device", "cpu", "--num-blocks", str(BLOCKS),
+            "--gpu-manager-socket", manager.socket]
+    spare = subprocess.Popen([sys.executable, "-c", SPARE_DIES, "--id", "spare-3", "--role", "standby", "--spare",
+                              *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    succ = LeasedMemory("succ-3", socket_path=manager.socket, gpu=0)
+    try:
+        assert spare.stdout is not None and spare.stdin is not None
+        assert (await asyncio.to_thread(spare.stdout.readline)).strip() == "standing by"
+        seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
+        await just_past_a_round(first.url, seen)
+        leases = (await bus.request(settings.node, ListLeases(owner="bat-b"), ListLeasesReply)).leases
+        for lease in [i for i in leases if not i.host]:  # the GPU's memory: weights and cache
+            await bus.request(settings.node, Reclaim(lease_id=lease.id, force=True), ReclaimReply)
+        first.kill()
+        for t in threads:
+            await asyncio.to_thread(t.join, 10)
+        frozen = await bus.request(settings.node, Freeze(owner="bat-b", incident_id="inc-spare-3", backups_only=True),
+                                   FreezeReply)
+        spare.stdin.write(frozen.transfer_token + "\n")
+        spare.stdin.flush()
+        assert (await asyncio.to_thread(spare.stdout.readline)).strip() == "taken backup"
+        assert await asyncio.to_thread(spare.wait, 30) == -9  # SIGKILLed, its leases orphaned with the manager
+        held = (await bus.request(settings.node, ListLeases(owner="spare-3"), ListLeasesReply)).leases
+        assert sorted(i.name for i in held if i.host) == ["kv_backup"] and len(held) == 3
+
+        frozen = await bus.request(settings.node, Freeze(owner="spare-3", incident_id="inc-spare-3b"), FreezeReply)
+        cfg = parse_config(["--id", "succ-3", *args])
+        mcfg = get_config(cfg.size)
+        layout_of = layout_fn(cfg, mcfg, torch.device("cpu"))
+        loaded = await asyncio.to_thread(succ.takeover, mcfg, "spare-3", frozen.transfer_token, layout_of, 30.0)
+        assert loaded.kv_handed_on and loaded.backup is not None  # the spare's cache, and the backup beside it
+        opened = open_backup(cfg, succ, loaded)
+        assert opened is not None
+        writer, info = opened
+        writer.stop()
+        assert info["source"] == "restored" and info["restored"] == STREAMS, info
+        _, entries, _, covered = vouched(loaded.backup, loaded.layout)
+        assert len(entries) == STREAMS and covered
+        got = loaded.kv.permute(2, 0, 1, 3, 4, 5)[covered]
+        assert torch.equal(got, loaded.backup[BACKUP_NAME][covered])  # every vouched-for block, in the spare's cache
+    finally:
+        succ.close()
+        if spare.poll() is None:
+            spare.kill()
+        first.child.stop()
