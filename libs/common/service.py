@@ -107,7 +107,9 @@ class Runtime:
     async def start(self, *, use_store: bool = True) -> None:
         self.bus = await Bus.connect(self.settings, f"{self.service}:{self.instance}")
         if use_store:
-            self.store = await Store.connect(self.settings, source=f"{self.service}:{self.instance}")
+            # however long etcd is stalled or restarting (NATS's connect waits so too): a service started meanwhile
+            # outlives it rather than exiting into its supervisor's restart backoff
+            self.store = await Store.connect(self.settings, source=f"{self.service}:{self.instance}", timeout=None)
 
     async def announce_health(self) -> None:
         """Answer health requests; called after setup, so "healthy" means every handler is registered."""

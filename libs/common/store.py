@@ -56,6 +56,7 @@ def _etcd_refused_for_now(error: BaseException) -> bool:
 
 count_as_temporary_if(_etcd_refused_for_now)
 WATCH_CANCEL_S = 5.0
+UNREACHABLE_LOG_S = 5.0  # how often a connect that waits for etcd says so
 READ_RETRY_S = 5.0  # longer than an election among the members left (etcd's default election timeout: 1 s)
 M = TypeVar("M", bound=BaseModel)
 
@@ -193,20 +194,31 @@ class Store:
         self.prefix = settings.etcd_prefix if settings.etcd_prefix.endswith("/") else settings.etcd_prefix + "/"
 
     @classmethod
-    async def connect(cls, settings: CommonSettings, *, source: str = "", timeout: float = 10.0) -> Store:
-        """`source`: who connects ('<service>:<instance>', as for `Bus.connect`); it picks the credentials."""
+    async def connect(cls, settings: CommonSettings, *, source: str = "", timeout: float | None = 10.0) -> Store:
+        """`source`: who connects ('<service>:<instance>', as for `Bus.connect`); it picks the credentials.
+        `timeout` None: until etcd answers, however long (a service's start: as its NATS connection waits for a
+        server, it waits out an etcd that is stalled or restarting rather than exiting; said every
+        UNREACHABLE_LOG_S in its log)."""
         target = grpc_target(settings.etcd_hosts())
         client = _EtcdClient(timeout=5, target=target, tls=etcd_tls(settings, source),
                              options=channel_options(settings.etcd_hosts()))
         store = cls(client, settings, source)
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        said = t0
         while True:
             try:
                 await client.status()  # needs no key permission: the router may read endpoints/ only
+                if said > t0:
+                    log.info("etcd at %s answers after %.1f s", target, loop.time() - t0)
                 return store
             except Exception as e:  # noqa: BLE001 - etcd may still be starting
-                if asyncio.get_running_loop().time() > deadline:
+                now = loop.time()
+                if timeout is not None and now - t0 > timeout:
                     raise Unavailable(f"etcd at {target} unreachable: {e}") from None
+                if timeout is None and now - said >= UNREACHABLE_LOG_S:
+                    said = now
+                    log.warning("etcd at %s unreachable for %.0f s (%s): still trying", target, now - t0, e)
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:

@@ -17,10 +17,11 @@ from libs.common.config import CommonSettings
 from libs.common.errors import Conflict, Unavailable, temporary
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
-from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
+from tests.controller.helpers import control_plane, healthy, service_env, serving_cluster, start, wait_for
 from tests.controller.test_etcd_stall import own_etcd, stall_settings, stall_store  # noqa: F401 - fixtures
 
 STALL_S = 30.0
+STARTED_IN_STALL_S = 13.0  # longer than a service's start waited for etcd before (10 s)
 
 
 async def _resolved(store: Store, inc_id: str) -> IncidentRecord | None:
@@ -46,6 +47,37 @@ async def test_a_fault_sent_during_a_long_etcd_stall_opens_its_incident_once_etc
         inc_id = incident_id_for(victim, sim.engines[victim].generation)
         await wait_for(lambda: _resolved(store, inc_id), timeout=40, what="the incident of the fault sent in the stall")
         assert children["c1"].alive() and children["dcm"].alive()
+
+
+async def test_services_started_while_etcd_is_stalled_wait_for_it_and_then_serve(
+        bus: Bus, stall_store: Store, stall_settings: CommonSettings, own_etcd: procs.Child,  # noqa: F811
+        tmp_path: Path) -> None:
+    # A controller (or any service) restarted while etcd is stopped: it waited 10 s for etcd, then exited 1 (a chaos
+    # run's controller did, restarted by the stack's supervisor; under Kubernetes it would be held in a restart
+    # backoff). It now waits as long as etcd does not answer, as its NATS connection waits for a server.
+    store = stall_store
+    sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=2)
+    env = service_env(stall_settings.to_env(), HF_LEADER_TTL_S="1")
+    children: dict[str, procs.Child] = {}
+    os.kill(own_etcd.pid, signal.SIGSTOP)
+    try:
+        children["c1"] = start("services.controller", env, tmp_path / "c1.log", HF_INSTANCE="c1")
+        children["dcm"] = start("services.dc_manager", env, tmp_path / "dcm.log")
+        await asyncio.sleep(STARTED_IN_STALL_S)
+        assert children["c1"].alive() and children["dcm"].alive(), "a service exited while etcd was stalled"
+        os.kill(own_etcd.pid, signal.SIGCONT)
+        await healthy(bus, "controller", "c1")
+        await healthy(bus, "dc_manager", env.get("HF_DATACENTER", "dc-1"))
+        victim = sim.engine_id("n0000", 1)
+        await sim.fail(victim)
+        inc_id = incident_id_for(victim, sim.engines[victim].generation)
+        await wait_for(lambda: _resolved(store, inc_id), timeout=40, what="an incident once etcd was back")
+        assert children["c1"].alive() and children["dcm"].alive()
+        assert "still trying" in (tmp_path / "c1.log").read_text()  # it said why it was not up
+    finally:
+        os.kill(own_etcd.pid, signal.SIGCONT)
+        for child in children.values():
+            child.stop()
 
 
 def test_a_temporary_failure_is_retried_later_each_time_and_never_given_up() -> None:

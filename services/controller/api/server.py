@@ -121,7 +121,7 @@ class ApiThread:
 
     async def _serve(self) -> None:
         s = self.settings
-        store = await Store.connect(s, source=f"controller-api:{s.instance}")
+        store = await Store.connect(s, source=f"controller-api:{s.instance}", timeout=None)  # as the service's own
         bus = await Bus.connect(s, f"controller-api:{s.instance}", stream=False)
         view = ClusterView()
         follow = asyncio.create_task(view.follow(store), name="api-view")
