@@ -225,6 +225,8 @@ def cli(
                                     "bench/chaos_lanes.py)"),
     max_minutes: float | None = typer.Option(None, help="no fault drawn after this, even short of --faults (the "
                                              "faults in flight settle and the end checks run after it)"),
+    keep_logs: bool = typer.Option(False, help="keep the stack's work dir (every service's and engine's log) after "
+                                   "a run that held every invariant too: to see why an incident failed"),
 ) -> None:
     """Inject faults of every kind at random under load, then check the invariants (all must be 0)."""
     backend = detect_backend()
@@ -247,7 +249,7 @@ def cli(
                                   concurrency=max(1, concurrency), max_minutes=max_minutes))
     finally:
         sc.stop()
-        kept = sc.finish(ok=report is not None and not any(report["invariants"].values()))
+        kept = sc.finish(ok=report is not None and not any(report["invariants"].values()) and not keep_logs)
         if kept is not None:
             print(f"the stack's logs are kept in {kept}", file=sys.stderr)  # noqa: T201
     report = {"chaos": "ok" if not any(report["invariants"].values()) else "violated", "engine": engine, "minutes": minutes,

@@ -140,7 +140,12 @@ def nvmlDeviceGetIndex(device: Any) -> int:
 
 def nvmlDeviceGetUUID(device: Any) -> str:
     if isinstance(device, _Device):
-        return f"GPU-00000000-0000-0000-0000-{int(device[1]):012d}"
+        # the host backend's UUID of that stand-in GPU (libs/common/gpu.py `simulated_uuid`): the agent matches the
+        # gpu_manager's GPU records to its own GPUs by UUID (a restarted agent reads which ones failed so); another
+        # UUID here made a restarted agent ignore a failed GPU and start engines on it
+        from libs.common.gpu import simulated_uuid
+
+        return simulated_uuid(os.environ.get("HF_NODE", "node-1"), int(device[1]))
     assert _REAL is not None
     return _REAL.nvmlDeviceGetUUID(device)
 

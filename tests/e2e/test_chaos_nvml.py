@@ -76,3 +76,34 @@ def test_the_stand_in_loads_a_real_nvml_that_makes_its_error_classes_at_import(t
     real_mod, lost_mod, count, path = out.stdout.split()
     assert (real_mod, lost_mod, count) == ("pynvml-real", "pynvml-real", "3")
     assert Path(path).parent == NVML_SHIM_DIR  # the stand-in is what was imported, the real one behind it
+
+
+ENTRIES = """
+import asyncio, json
+from services.agent.nvml import NvmlWatcher
+
+async def main():
+    w = NvmlWatcher(lambda gpu, detail: None)
+    assert w.start(asyncio.get_running_loop()), "NVML stand-in not picked up"
+    print(json.dumps([[e.index, e.uuid] for e in w.entries]), flush=True)
+    w.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_the_stand_ins_gpu_is_the_host_backends_gpu_of_that_node(tmp_path: Path) -> None:
+    """The agent matches the gpu_manager's GPU records to its own GPUs by UUID (a restarted agent reads which ones
+    failed so: services/agent/records.py `load_failed_gpus`). The stand-in's GPU once had another UUID than the host
+    backend's: a chaos run's restarted agent ignored the failed GPU's record and started engines on it, each
+    refused by the gpu_manager (an `exited` incident a second for ~40 s)."""
+    from libs.common.gpu import GpuEntry, resolve_gpu, simulated_gpus
+
+    env = {**os.environ, "PYTHONPATH": str(NVML_SHIM_DIR), "HF_CHAOS_NVML_SOCKET": str(tmp_path / "nvml.sock"),
+           "HF_NODE": "node-7"}
+    out = subprocess.run([sys.executable, "-c", ENTRIES], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [[index, uuid]] = json.loads(out.stdout)
+    [manager_gpu] = simulated_gpus([], "node-7")  # what the gpu_manager's host backend records for that node
+    assert (index, uuid) == (manager_gpu.index, manager_gpu.uuid)
+    assert resolve_gpu(manager_gpu.uuid, [GpuEntry(index, uuid)]).index == 0
