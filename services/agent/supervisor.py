@@ -75,6 +75,7 @@ class Agent:
         self._reconcile_now = asyncio.Event()
         self.starts_from = 0.0  # monotonic: the reconciler starts nothing before (`supervision.plan`)
         self._no_spare: dict[str, str] = {}  # spec key -> why its spare cannot start now (logged once a reason)
+        self._no_start: dict[tuple[str, EngineRole], str] = {}  # (spec key, role) -> why it cannot start now (so)
         self.backoffs = Backoffs(BackoffPolicy(base_s=settings.crash_backoff_base_s,
                                                max_s=settings.crash_backoff_max_s,
                                                reset_s=settings.crash_backoff_reset_s))
@@ -264,8 +265,12 @@ class Agent:
         for key, role in p.start:
             try:
                 self.start_engine(key, role)
+                self._no_start.pop((key, role), None)
             except (OSError, ValueError, HoldfastError) as e:
-                log.error("cannot start a %s engine of %s: %s", role.value, key, e)
+                # said once per reason (each reconcile, twice a second, tries again while every GPU is unhealthy)
+                if self._no_start.get((key, role)) != str(e):
+                    log.error("cannot start a %s engine of %s: %s", role.value, key, e)
+                self._no_start[(key, role)] = str(e)
         for key in p.spares:
             try:
                 self.start_engine(key, EngineRole.STANDBY, spare=True)
