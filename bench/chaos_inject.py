@@ -27,6 +27,7 @@ console = Console(stderr=True)
 # after an XID the agent starts a model's new active engine only once the failed one's takeover wait (60 s) is
 # over, even when its incident has already failed (nowhere to put it while the GPU was unhealthy).
 WAIT_FOR_TARGET_S = 150.0
+RESET_TRIES_S = 120.0  # how long a GPU reset is asked again while the agent does not answer
 SERVICE_KILLS = ("gpu_manager_sigkill", "agent_sigkill", "dc_manager_sigkill")  # the router: router_sigkill()
 
 
@@ -224,11 +225,21 @@ class Injectors:
                 break
             await asyncio.sleep(0.05)
         assert self.sc.bus is not None
-        try:
-            await self.sc.bus.request(self.stack.config.node, MarkGpu(gpu=gpu, healthy=True, detail="chaos: GPU reset"),
-                                      MarkGpuReply, timeout=15)
-        except Exception as e:  # noqa: BLE001 - the agent may be restarting: noted, and settle() says the rest
-            self.tally.notes.append(f"gpu reset not acknowledged: {type(e).__name__}: {e}")
+        # asked again until the agent answers, as an operator would: the agent may be down or restarting (a fault
+        # beside this one), and a reset asked once and lost left the one GPU failed, the models down, for the rest
+        # of the run
+        deadline = time.monotonic() + RESET_TRIES_S
+        while True:
+            try:
+                await self.sc.bus.request(self.stack.config.node, MarkGpu(gpu=gpu, healthy=True,
+                                                                          detail="chaos: GPU reset"),
+                                          MarkGpuReply, timeout=15)
+                return
+            except Exception as e:  # noqa: BLE001 - noted once the tries are spent; settle() says the rest
+                if time.monotonic() > deadline:
+                    self.tally.notes.append(f"gpu reset not acknowledged: {type(e).__name__}: {e}")
+                    return
+                await asyncio.sleep(1.0)
 
     async def engine_sigkill_allocating(self, model: str, via_xid: bool) -> None:
         """Make an engine of `model` start (its standby killed, or every engine of the GPU lost to an XID) and
