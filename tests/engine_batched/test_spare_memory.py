@@ -10,6 +10,8 @@ memory (the weights and cache in cuda-backend leases, the backup a host lease co
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,21 @@ from tests.engine_batched.test_kv_backup_failover import just_past_a_round
 from tests.gpu_manager.conftest import manager_factory  # noqa: F401 - fixture
 
 BLOCKS = 1024  # the engine's cache: 16 streams of up to 640 tokens fit (no preemption)
+
+
+async def gpu_lost_under_load(first: BatchedEngine, bus: Bus, settings: CommonSettings, incident: str) -> FreezeReply:
+    """What a GPU fault does to `first` once its clients saw past a backup round: its weights and cache reclaimed by
+    force, the process SIGKILLed; then its KV backup frozen alone (the reply carries the transfer token)."""
+    seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
+    await just_past_a_round(first.url, seen)
+    leases = (await bus.request(settings.node, ListLeases(owner=first.child.name), ListLeasesReply)).leases
+    for lease in [i for i in leases if not i.host]:  # the GPU's memory: weights and cache
+        await bus.request(settings.node, Reclaim(lease_id=lease.id, force=True), ReclaimReply)
+    first.kill()
+    for t in threads:
+        await asyncio.to_thread(t.join, 10)
+    return await bus.request(settings.node, Freeze(owner=first.child.name, incident_id=incident, backups_only=True),
+                             FreezeReply)
 
 
 @pytest.mark.timeout(300)
@@ -61,16 +78,7 @@ async def test_a_spare_restores_a_dead_engines_kv_backup_into_a_cache_of_its_own
         assert sorted(i.tag for i in held) == sorted([Tag.WEIGHTS, Tag.KV_CACHE]) and not any(i.host for i in held)
         (own_cache,) = [i.id for i in held if i.tag is Tag.KV_CACHE]
 
-        seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
-        await just_past_a_round(first.url, seen)
-        leases = (await bus.request(settings.node, ListLeases(owner="bat-a"), ListLeasesReply)).leases
-        for lease in [i for i in leases if not i.host]:  # the GPU's memory: weights and cache
-            await bus.request(settings.node, Reclaim(lease_id=lease.id, force=True), ReclaimReply)
-        first.kill()
-        for t in threads:
-            await asyncio.to_thread(t.join, 10)
-        frozen = await bus.request(settings.node, Freeze(owner="bat-a", incident_id="inc-spare", backups_only=True),
-                                   FreezeReply)
+        frozen = await gpu_lost_under_load(first, bus, settings, "inc-spare")
         loaded = await asyncio.to_thread(memory.spare_takeover, mcfg, spare, "bat-a", frozen.transfer_token,
                                          layout_of, 30.0)
         wait_fence(loaded, 30.0, isolate=False)  # gone already here (a fence only while it still exits)
@@ -151,9 +159,6 @@ async def test_a_spare_killed_before_it_restored_the_backup_leaves_it_to_its_suc
     the spare's leases over (its weights, its cache, the backup), and since the cache holds no journal (the spare
     never wrote one) the backup is restored into it, every stream's vouched-for blocks: not kept aside as though the
     cache held the sequences (it holds none: every stream would be prefilled again)."""
-    import subprocess
-    import sys
-
     monkeypatch.setattr(test_failover, "MAX_TOKENS", 2 * test_failover.MAX_TOKENS)  # past a round on a loaded CPU
     manager = manager_factory(HF_GRACE_S="120").start()
     env = {**settings_env, "HF_GPU_MANAGER_SOCKET": manager.socket}
@@ -168,16 +173,7 @@ async def test_a_spare_killed_before_it_restored_the_backup_leaves_it_to_its_suc
     try:
         assert spare.stdout is not None and spare.stdin is not None
         assert (await asyncio.to_thread(spare.stdout.readline)).strip() == "standing by"
-        seen, threads = await asyncio.to_thread(streams_started, first, STREAMS)
-        await just_past_a_round(first.url, seen)
-        leases = (await bus.request(settings.node, ListLeases(owner="bat-b"), ListLeasesReply)).leases
-        for lease in [i for i in leases if not i.host]:  # the GPU's memory: weights and cache
-            await bus.request(settings.node, Reclaim(lease_id=lease.id, force=True), ReclaimReply)
-        first.kill()
-        for t in threads:
-            await asyncio.to_thread(t.join, 10)
-        frozen = await bus.request(settings.node, Freeze(owner="bat-b", incident_id="inc-spare-3", backups_only=True),
-                                   FreezeReply)
+        frozen = await gpu_lost_under_load(first, bus, settings, "inc-spare-3")
         spare.stdin.write(frozen.transfer_token + "\n")
         spare.stdin.flush()
         assert (await asyncio.to_thread(spare.stdout.readline)).strip() == "taken backup"
