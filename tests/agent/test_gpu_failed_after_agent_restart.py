@@ -15,14 +15,20 @@ from tests.agent.conftest import TWO_GPUS, AgentProcess, Recorder, pattern_spec
 from tests.gpu_manager.harness import ManagerProc
 
 
-async def test_a_restarted_agent_places_no_engine_on_a_gpu_that_failed_before_its_restart(
-        two_gpu_manager: ManagerProc, agent: AgentProcess, recorder: Recorder, bus: Bus, store: Store,
-        settings: CommonSettings) -> None:
+async def gpu_1_failed_then_agent_killed(agent: AgentProcess, bus: Bus, store: Store, settings: CommonSettings) -> None:
+    """GPU 1 marked failed through a running agent, then the agent SIGKILLed: it forgets what it saw; the gpu_manager
+    does not (its durable mark, its `gpus/<node>/1` record)."""
     agent.start([], gpus=TWO_GPUS)
     await agent.wait_up(store)
     reply = await bus.request(settings.node, MarkGpu(gpu=1, detail="XID 79"), MarkGpuReply, timeout=20)
     assert reply.gpu_manager is not None and not reply.gpu_manager.gpu.healthy
-    agent.kill()  # forgets what it saw; the manager does not
+    agent.kill()
+
+
+async def test_a_restarted_agent_places_no_engine_on_a_gpu_that_failed_before_its_restart(
+        two_gpu_manager: ManagerProc, agent: AgentProcess, recorder: Recorder, bus: Bus, store: Store,
+        settings: CommonSettings) -> None:
+    await gpu_1_failed_then_agent_killed(agent, bus, store, settings)
 
     spec = pattern_spec(env={"HF_PATTERN_BYTES": str(1 << 20)}).model_copy(update={"gpus": [1, 0]})
     agent.start([spec], gpus=TWO_GPUS)
@@ -36,11 +42,7 @@ async def test_an_engine_that_cannot_start_is_said_once_not_at_every_reconcile(
         settings: CommonSettings) -> None:
     # A spec whose only GPU failed cannot start until the GPU is back: the agent reconciles twice a second and logged
     # each failed try (4 ERROR lines a second for a spec with a standby, for as long as the GPU stays failed).
-    agent.start([], gpus=TWO_GPUS)
-    await agent.wait_up(store)
-    reply = await bus.request(settings.node, MarkGpu(gpu=1, detail="XID 79"), MarkGpuReply, timeout=20)
-    assert reply.gpu_manager is not None and not reply.gpu_manager.gpu.healthy
-    agent.kill()
+    await gpu_1_failed_then_agent_killed(agent, bus, store, settings)
     spec = pattern_spec(env={"HF_PATTERN_BYTES": str(1 << 20)}).model_copy(update={"gpus": [1]})
     agent.start([spec], gpus=TWO_GPUS)
     await agent.wait_up(store)
