@@ -237,7 +237,10 @@ class MemoryClient:
         self._lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self.last_timings_ms: dict[str, float] = {}  # of the last attach or takeover
+        self.last_timings_ms: dict[str, Any] = {}  # of the last attach or takeover
+        # of the last grant mapped, per lease ("<tag>:<name>"): [how ("held": a mapping this process had already, a
+        # shadow taken over; else "mapped"), its chunks, ms]
+        self.last_map_ms: dict[str, list[Any]] = {}
         self.last_restore: dict[str, Any] = {}  # of the last restore: source, bytes, fill_s, fill_gib_s, ...
         self.last_gang: p.GangView | None = None  # of the last gang_takeover: the gang the group holds now
         # The control plane's asks (sleep, wake), from heartbeat replies: called on the heartbeat thread, which must
@@ -400,8 +403,10 @@ class MemoryClient:
     def _map(self, body: dict[str, Any], fds: list[int], *, into_reserved: bool = False) -> list[MappedLease]:
         grants = p.GrantReply.model_validate(body).leases
         out, i = [], 0
+        self.last_map_ms = {}
         try:
             for g in grants:
+                t0 = time.perf_counter()
                 chunk_fds = fds[i:i + g.nfds]
                 i += g.nfds
                 shadow = self.shared.pop(g.lease.id, None)
@@ -424,6 +429,8 @@ class MemoryClient:
                     old.unmap()
                 store[lease.id] = lease
                 out.append(lease)
+                how = "held" if held is not None and not g.read_only else "mapped"
+                self.last_map_ms[f"{g.lease.tag}:{g.lease.name or g.lease.id}"] = [how, g.nfds, _ms_since(t0)]
         finally:
             close_all(fds)  # the mappings hold the memory now; the fds are not needed
         return out
@@ -525,7 +532,9 @@ class MemoryClient:
         att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token, fenced=fenced,
                                         cold_weights=cold_weights), into_reserved=True)
         self.last_timings_ms["reserved"] = before - len(self.reservations)
+        t0 = time.perf_counter()
         self.free_reservations()
+        self.last_timings_ms["unused_freed_ms"] = _ms_since(t0)
         return att
 
     def share(self, owner: str, share_token: str, *, into_reserved: bool = False) -> Attachment:
@@ -582,7 +591,8 @@ class MemoryClient:
         t1 = time.perf_counter()
         att = Attachment(self._map(body, fds, into_reserved=into_reserved), p.GrantReply.model_validate(body).fence)
         t2 = time.perf_counter()
-        self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3)}
+        self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3),
+                                "leases": self.last_map_ms}
         adopted = [a for a in (lease.mapping.adopt_ms for lease in att.leases) if a is not None]
         for lease in att.leases:
             lease.mapping.adopt_ms = None
@@ -747,6 +757,10 @@ class MemoryClient:
 # Sent again after a break: asking twice does what asking once does. `share` only reads a grant, which outlives
 # a manager restart; without it a standby offered a shadow during a restart stayed unshadowed (CPU chaos, seed 11).
 _REPEATABLE = frozenset({"heartbeat", "pending", "register", "commit", "share", "answer"})
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 def _body(reply: dict[str, Any]) -> dict[str, Any]:
