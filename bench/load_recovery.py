@@ -133,7 +133,7 @@ class LoadScenario(Scenario):
         if self.router_hold_s is not None:
             env["HF_HOLD_TIMEOUT_S"] = str(self.router_hold_s)
         self.stack = Stack(StackConfig.ephemeral(base_dir=self.work_dir / "stack", backend=self.backend,
-                                                 engines_file=specs_file, extra_env=env))
+                                                 engines_file=specs_file, extra_env=env, secure=self.secure))
         self.stack.start(timeout=180)
         return self.stack
 
@@ -516,17 +516,17 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
               prefill_chunk: int = 256, client_procs: int = 0, fenced: bool = True,
               shadow: bool = True, isolated: bool = True, deterministic: bool = True,
               kill_successor: bool = False, router_hold_s: float | None = None,
-              drawn: bool = False) -> dict[str, Any]:
+              drawn: bool = False, secure: bool = True) -> dict[str, Any]:
     # `router_hold_s`: the router's own hold for a model with no endpoint (None: its default). A recovery's
     # successor is waited for beyond it (router table.py, invariant 2), a cold one after a second failure included.
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
-                      deterministic=deterministic, router_hold_s=router_hold_s, drawn=drawn)
+                      deterministic=deterministic, router_hold_s=router_hold_s, drawn=drawn, secure=secure)
     got = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
                         kill_successor=kill_successor, keep_weights=work_dir is not None)
     return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
             "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
             "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
-            "kill_successor": kill_successor, "weights_drawn": drawn,
+            "kill_successor": kill_successor, "weights_drawn": drawn, "secure": secure,
             "no_failure": got["no_failure"], "sigkill": got["failure"]}

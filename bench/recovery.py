@@ -229,14 +229,14 @@ def cli(
                            "a node of twice as many GPUs, its last rank's GPU failed; two ways: a spare group takes "
                            "every rank's backup over, or (none) a cold whole group and the router's replay"),
     secure: bool = typer.Option(True, help="auth and TLS on NATS and etcd, as the stack runs them (--no-secure: "
-                                "plain servers, to measure what they cost; not with --streams)"),
+                                "plain servers, to measure what they cost; not with --gpu-fault)"),
 ) -> None:
     """Cold restart vs fresh-process reattach vs warm standby takeover, after a SIGKILL.
 
     One weights file serves every way (in $TMPDIR: /dev/shm on a machine whose disk cannot hold it, and the
     output then says the cold restart read it from memory), removed at the end unless --weights-dir."""
-    if streams and not secure:
-        raise typer.BadParameter("--no-secure measures the recovery ways; the --streams run is always secured")
+    if gpu_fault and not secure:
+        raise typer.BadParameter("--no-secure measures a SIGKILL's recovery; the --gpu-fault run is always secured")
     if gpu_fault and not streams:
         raise typer.BadParameter("--gpu-fault needs --streams N")
     if tp > 1 and not gpu_fault:
@@ -265,7 +265,7 @@ def cli(
                                       step_tokens=step_tokens, prefill_chunk=prefill_chunk,
                                       client_procs=client_procs, fenced=fenced, shadow=shadow,
                                       isolated=isolated, deterministic=deterministic,
-                                      kill_successor=kill_successor, drawn=drawn_weights))
+                                      kill_successor=kill_successor, drawn=drawn_weights, secure=secure))
         print(json.dumps(report))
         return
     chosen = {w.strip() for w in ways.split(",") if w.strip()}
