@@ -485,7 +485,7 @@ async def run_gpu_fault(*, backend: str, size: str, streams: int, late: int, tri
 
 async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_tokens: int, client_procs: int,
                   deterministic: bool, *, fault: Fault | None = None, kill_successor: bool = False,
-                  keep_weights: bool = False, prepare: Prepare | None = None) -> dict[str, Any]:
+                  prepare: Prepare | None = None) -> dict[str, Any]:
     """The stack up, a no-failure control round, then `trials` rounds with a failure each; the stack down."""
     measured = False  # every round ran: the scenario's own files can go (its logs are kept otherwise)
     await asyncio.to_thread(sc.start)
@@ -507,8 +507,7 @@ async def _rounds(sc: LoadScenario, streams: int, late: int, trials: int, max_to
         pool.close()
         await sc.close()
         sc.stop()
-        if not keep_weights:
-            sc.finish(ok=measured)
+        sc.finish(ok=measured)
 
 
 async def run(*, backend: str, size: str, streams: int, late: int, trials: int, max_tokens: int,
@@ -519,12 +518,18 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
               drawn: bool = False, secure: bool = True) -> dict[str, Any]:
     # `router_hold_s`: the router's own hold for a model with no endpoint (None: its default). A recovery's
     # successor is waited for beyond it (router table.py, invariant 2), a cold one after a second failure included.
+    # `work_dir` keeps the weights file for the next run; each run's stack (its etcd, lease table, credentials) is
+    # a fresh one of its own, so that no run starts from another's state
+    weights = None
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        weights = work_dir / f"weights-{size}{'.drawn' if drawn else ''}.safetensors"
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
-                      kv_cache_gib=kv_cache_gib, work_dir=work_dir, step_tokens=step_tokens,
+                      kv_cache_gib=kv_cache_gib, weights=weights, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
                       deterministic=deterministic, router_hold_s=router_hold_s, drawn=drawn, secure=secure)
     got = await _rounds(sc, streams, late, trials, max_tokens, client_procs, deterministic,
-                        kill_successor=kill_successor, keep_weights=work_dir is not None)
+                        kill_successor=kill_successor)
     return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
             "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
             "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
