@@ -113,6 +113,7 @@ class LoadScenario(Scenario):
         self.isolated, self.deterministic = isolated, deterministic
 
     def start(self) -> Stack:
+        self.weights.parent.mkdir(parents=True, exist_ok=True)
         make_weights(self.size, self.weights, drawn=self.drawn)
         spec = EngineSpec(engine_class="batched", model=MODEL,
                           command=batched_command(self.weights, self.size, max_num_seqs=self.max_num_seqs,
@@ -520,10 +521,7 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
     # successor is waited for beyond it (router table.py, invariant 2), a cold one after a second failure included.
     # `work_dir` keeps the weights file for the next run; each run's stack (its etcd, lease table, credentials) is
     # a fresh one of its own, so that no run starts from another's state
-    weights = None
-    if work_dir is not None:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        weights = work_dir / f"weights-{size}{'.drawn' if drawn else ''}.safetensors"
+    weights = work_dir / f"weights-{size}{'.drawn' if drawn else ''}.safetensors" if work_dir is not None else None
     sc = LoadScenario(size=size, backend=backend, standbys=1, max_num_seqs=max(256, streams + late),
                       kv_cache_gib=kv_cache_gib, weights=weights, step_tokens=step_tokens,
                       prefill_chunk=prefill_chunk, fenced=fenced, shadow=None if shadow else False, isolated=isolated,
