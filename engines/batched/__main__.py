@@ -116,7 +116,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     if loaded.kv_handed_on and journal.matches():
         t0 = time.perf_counter()
         entries, dropped = journal.recover(pend.slots if pend is not None else frozenset())
-        timings = {"recover": _ms(t0)}
+        timings = {"recover": _ms(t0), "recover_read": journal.read_ms}
         hold: frozenset[int] = frozenset()
         if pend is None:
             entries, spent = journal.adopt(entries)  # journal.py invariant 8: adoptions counted

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 import zlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -183,6 +184,7 @@ class Journal:
         self._free = list(range(layout.slots - 1, -1, -1))
         self._epoch = 0  # admissions counted (a row's epoch below its generation)
         self.gen = 0  # the generation this journal's rows are written in (invariant 6)
+        self.read_ms: float | None = None  # the last `recover`'s copies from the device
         self._n_blocks: dict[int, int] = {}  # slot -> block-table entries written
         self.mark: Mark = NO_MARK  # invariant 7
         # invariant 8: slot -> (length when adopted, row fields, request id, prompt) of adopted rows not advanced yet
@@ -222,8 +224,10 @@ class Journal:
             raise JournalMismatch(f"journal header {self.header.cpu().tolist()} != {self.layout.header()}")
         self.gen = gen
         self._epochs = {}
+        t0 = time.perf_counter()
         rows = self.rows.cpu().tolist()  # rows first: a later read of the rest is at least as new (invariant 2)
         toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
+        self.read_ms = round((time.perf_counter() - t0) * 1000, 3)  # of `recover`: the copies from the device
         out: list[Entry] = []
         dropped = 0
         for slot, r in enumerate(rows):
