@@ -16,9 +16,6 @@ Invariants:
    dropped at once and refused to the agent (`shadowing None`): the takeover then maps the leases as before.
 3. The shadow's memory is the owner's: a shadow never extends a lease's life (the agent drops it when the owner
    leaves the node, shadows.py) and the takeover's grant, not the shadow, makes it this engine's.
-4. Assigned to take over the engine it shadows, the standby asks for its shadowed cache's write access at once
-   (`MemoryClient.write_soon`: cuMemSetAccess over the cache, 5-14 ms at 16 GiB on an H100, then runs beside the
-   takeover request instead of after its grant); it still writes nothing before the grant and the fence.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ def await_assignment(link: AgentLink, memory: Any, info: dict[str, Any]) -> Assi
                 log.info("dropping the shadow of %s: assigned to take over %s", link.shadows, ins.predecessor)
                 client.unshare()
                 info.pop("shadow", None)
-            elif client.shared:  # invariant 4
-                client.write_soon()
             return ins
         if isinstance(ins, Shadow):
             shadow(link, client, info, ins)

@@ -25,9 +25,6 @@ Invariants:
 `read_only=True` (a warm standby's shadow of another engine's weights): PROT_READ on the host, where a
 write faults; on cuda the driver is asked for read-only access and, where it refuses, the range is mapped
 read-write and `read_only` says False (the engine then only promises not to write).
-3. `writable_soon` grants write access on a thread of its own (cuMemSetAccess over a 16 GiB cache: 5-14 ms on an
-   H100, on a taking-over standby's path); every later call that changes the range's access or backing (`writable`,
-   `to_placeholder`, `unmap`) waits for that grant first, so no two of them ever run on one range at once.
 
 No torch import at module level: torch is optional and imported by the methods that need it.
 Unmapping makes every view of the mapping invalid: the SDK unmaps only on release/close.
@@ -42,7 +39,6 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from libs.common.errors import HoldfastError
@@ -58,7 +54,6 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _RESERVED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE  # PROT_NONE over it: kept, not accessible
-_GRANTS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf-grant-write")  # `writable_soon` (invariant 3)
 
 
 def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int) -> int:
@@ -81,8 +76,6 @@ class RangeMapping(ABC):
     placeheld: bool  # backed by a placeholder (`placeholder`), not by a lease's chunks
     placeholder_bytes: int  # a placeholder's: the size of its memory mapped again and again
     adopt_ms: tuple[float, float] | None = None  # the last `adopt`: (placeholder dropped, chunks mapped), until read
-    _granting: Future[None] | None = None  # `writable_soon`'s grant, until a later call waited for it
-    waited_ms: float | None = None  # how long the last `writable` waited for that grant (None: there was none)
 
     def __init__(self, fds: list[int], sizes: list[int], *, read_only: bool = False) -> None:
         self._open(sum(sizes), read_only, placeheld=False, fill=lambda: self.map_pages(fds, sizes))
@@ -120,43 +113,15 @@ class RangeMapping(ABC):
             offset += size
         self._chunks_mapped()
 
-    def writable_soon(self) -> None:
-        """Start `writable`'s grant on a thread of its own and return at once (invariant 3): a standby assigned to
-        take over asks for its shadowed cache's write access while its takeover request is answered."""
-        if self.read_only and not self.placeheld and self._granting is None:
-            self._granting = _GRANTS.submit(self._grant_write_elsewhere)
-
-    def _settled(self) -> bool:
-        """Wait for a grant `writable_soon` started; True if it ran (the range is read-write now). A failed one
-        raises here."""
-        pending, self._granting = self._granting, None
-        if pending is None:
-            return False
-        t0 = time.perf_counter()
-        try:
-            pending.result()
-        finally:
-            self.waited_ms = (time.perf_counter() - t0) * 1000
-        return True
-
     def writable(self) -> None:
         """A read-only mapping of chunks (a shadow taken over) becomes read-write, at the same addresses."""
-        self.waited_ms = None
-        if self._settled():
-            self.read_only = False
         if self.read_only and not self.placeheld:
             self._grant_write()
         self.read_only = False
 
-    def _grant_write_elsewhere(self) -> None:
-        """`_grant_write` on a worker thread (CUDA: with the range's context current there first)."""
-        self._grant_write()
-
     def to_placeholder(self) -> None:
         """The chunks leave this range and the placeholder memory backs it again (a shadow dropped: the addresses
         stay reserved for the next one, and views over them read garbage again)."""
-        with contextlib.suppress(Exception):  # invariant 3; a failed grant changes nothing that follows
-            self._settled()
         if self.placeheld:
             return
         self._refill_placeholder()
@@ -174,8 +139,6 @@ class RangeMapping(ABC):
         raise HoldfastError("numpy views need the host backend; on cuda use lease.torch(...)")
 
     def unmap(self) -> None:
-        with contextlib.suppress(Exception):  # invariant 3
-            self._settled()
         if self.base:
             self._free_range()
             self.base = 0
@@ -287,7 +250,6 @@ class HostMapping(RangeMapping):
 class CudaMapping(RangeMapping):
     kind = "cuda"
     ordinal: int
-    context: Any  # the primary context `_bind` retained (made current on a `writable_soon` worker)
     handles: list[Any]  # this process's handles of the mapped chunks (or the placeholder's allocations)
     mapped: int  # bytes mapped from `base` on (what cuMemUnmap must cover)
 
@@ -301,7 +263,7 @@ class CudaMapping(RangeMapping):
 
         cd.init()
         self.ordinal, self.device = ordinal, f"cuda:{ordinal}"
-        self.context = cd.primary_context(ordinal)
+        cd.primary_context(ordinal)
 
     @classmethod
     def placeholder(cls, size: int, placeholder_bytes: int, *, gpu: int = 0) -> CudaMapping:
@@ -368,12 +330,6 @@ class CudaMapping(RangeMapping):
         from libs.client import cuda_driver as cd
 
         cd.check(cd.cu.cuMemSetAccess(self.base, self.size, [cd.access_desc(self.ordinal)], 1))
-
-    def _grant_write_elsewhere(self) -> None:
-        from libs.client import cuda_driver as cd
-
-        cd.check(cd.cu.cuCtxSetCurrent(self.context))  # the primary context this process retained (`_bind`)
-        self._grant_write()
 
     def _refill_placeholder(self) -> None:
         from libs.client import cuda_driver as cd

@@ -239,7 +239,7 @@ class MemoryClient:
         self._hb_thread: threading.Thread | None = None
         self.last_timings_ms: dict[str, Any] = {}  # of the last attach or takeover
         # of the last grant mapped, per lease ("<tag>:<name>"): [how ("held": a mapping this process had already, a
-        # shadow taken over; else "mapped"), its chunks, ms(, of which waiting for the grant `write_soon` began)]
+        # shadow taken over; else "mapped"), its chunks, ms]
         self.last_map_ms: dict[str, list[Any]] = {}
         self.last_restore: dict[str, Any] = {}  # of the last restore: source, bytes, fill_s, fill_gib_s, ...
         self.last_gang: p.GangView | None = None  # of the last gang_takeover: the gang the group holds now
@@ -430,9 +430,7 @@ class MemoryClient:
                 store[lease.id] = lease
                 out.append(lease)
                 how = "held" if held is not None and not g.read_only else "mapped"
-                waited = lease.mapping.waited_ms  # a grant `write_soon` started, waited for here
-                self.last_map_ms[f"{g.lease.tag}:{g.lease.name or g.lease.id}"] = [
-                    how, g.nfds, _ms_since(t0), *([round(waited, 3)] if how == "held" and waited is not None else [])]
+                self.last_map_ms[f"{g.lease.tag}:{g.lease.name or g.lease.id}"] = [how, g.nfds, _ms_since(t0)]
         finally:
             close_all(fds)  # the mappings hold the memory now; the fds are not needed
         return out
@@ -572,15 +570,6 @@ class MemoryClient:
         att = Attachment(self._map(body, fds))
         self.last_timings_ms = {"request_ms": round((time.perf_counter() - t0) * 1000, 3)}
         return att
-
-    def write_soon(self) -> None:
-        """This process was assigned to take the shadowed owner over: the write access its shadowed caches will
-        need is asked for now, on a thread of its own, while the takeover request is answered (mapping.py
-        invariant 3; the weights stay read-only). Nothing writes through them before the takeover's grant and
-        fence, as before."""
-        for lease in self.shared.values():
-            if str(lease.info.tag) != "weights":
-                lease.mapping.writable_soon()
 
     def unshare(self) -> None:
         """Unmap every shadowed lease. Every view of them must be gone first (they become invalid), except views of

@@ -7,12 +7,11 @@ from __future__ import annotations
 import hashlib
 import os
 
-import pytest
 import torch
 
 from libs.client.memory import MemoryClient
 from libs.common.events import Freeze, FreezeReply, ShareWeights, ShareWeightsReply
-from tests.gpu_manager.conftest import engines, manager_factory  # noqa: F401 - fixtures
+from tests.gpu_manager.conftest import engines  # noqa: F401 - fixture
 
 N = 3 * 1024 * 1024 + 7  # 4 chunks of the fixture's 1 MiB
 NODE = "node-1"
@@ -108,70 +107,4 @@ async def test_a_shadow_into_a_reservation_is_given_back_and_taken_over_in_place
         assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"}
         assert hashlib.sha256(cache.numpy().tobytes()).hexdigest() == k["expected"]
         cache[0] = 1  # this process's cache now
-        assert int(cache[0]) == 1
-
-
-async def test_an_assigned_shadow_asks_for_its_caches_write_access_before_the_takeover(manager, engines, bus):  # noqa: F811
-    """A standby assigned to take over the engine it shadows (engines/batched/standby.py invariant 4): the cache's
-    write access is granted on a worker thread (mapping.py invariant 3) while the weights stay read-only; the
-    takeover then waits for that grant instead of making its own, and the cache is this process's to write. Given
-    back before a takeover instead (another assignment), the range gets its placeholder as before."""
-    with MemoryClient.connect("eng-sb4", socket_path=manager.socket) as client:
-        wres = client.reserve(N, tag="weights", name="weights", placeholder_bytes=PLACEHOLDER)
-        kres = client.reserve(N, tag="kv_cache", name="kv_cache", placeholder_bytes=PLACEHOLDER)
-        cache = kres.torch("uint8", (N,))
-        owner = engines(manager, "eng-owner")
-        w = owner.ask(f"write {N} 8 weights")
-        k = owner.ask(f"write {N} 9 kv_cache")
-        grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb4"), ShareWeightsReply)
-
-        client.share("eng-owner", grant.share_token, into_reserved=True)
-        client.write_soon()
-        client.unshare()  # assigned elsewhere after all: waits for the grant, then the placeholders come back
-        assert sorted(r.ptr for r in client.reservations) == sorted([wres.ptr, kres.ptr])
-        assert _perms(k["lease"]) == set() and owner.ask("hash")["kv_cache"] == k["expected"]
-
-        att = client.share("eng-owner", grant.share_token, into_reserved=True)
-        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"r--s"}
-        kv = next(lease for lease in att.leases if lease.id == k["lease"])
-        client.write_soon()
-        kv.mapping._granting.result()  # the worker's grant is done before any takeover  # noqa: SLF001
-        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"}
-
-        frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id="inc-soon"), FreezeReply)
-        owner.kill()
-        client.takeover("eng-owner", frozen.transfer_token)
-        held = client.last_timings_ms["leases"]
-        assert held["kv_cache:kv_cache"][0] == "held" and len(held["kv_cache:kv_cache"]) == 4  # waited for it
-        assert len(held["weights:weights"]) == 3  # no grant asked for the weights
-        assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"}
-        assert hashlib.sha256(cache.numpy().tobytes()).hexdigest() == k["expected"]
-        cache[0] = 1
-        assert int(cache[0]) == 1
-
-
-@pytest.mark.gpu
-async def test_on_cuda_the_assigned_shadows_cache_is_granted_write_access_on_a_worker(manager_factory, engines, bus):  # noqa: F811
-    """The same on the cuda backend: the grant (cuMemSetAccess) runs on a worker thread with this process's primary
-    context made current there; the takeover waits for it, the bytes are the owner's and the cache takes writes."""
-    manager = manager_factory(HF_BACKEND="cuda", HF_CHUNK_MIB="2", HF_GRACE_S="30").start()
-    n = 64 * 1024 * 1024
-    with MemoryClient.connect("eng-sb5", socket_path=manager.socket) as client:
-        client.reserve(n, tag="weights", name="weights", placeholder_bytes=4 << 20)
-        kres = client.reserve(n, tag="kv_cache", name="kv_cache", placeholder_bytes=4 << 20)
-        owner = engines(manager, "eng-owner", backend="cuda")
-        owner.ask(f"write {n} 10 weights")
-        k = owner.ask(f"write {n} 11 kv_cache")
-        grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb5"), ShareWeightsReply)
-        att = client.share("eng-owner", grant.share_token, into_reserved=True)
-        kv = next(lease for lease in att.leases if lease.id == k["lease"])
-        client.write_soon()
-        frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id="inc-cuda-soon"), FreezeReply)
-        owner.kill()
-        client.takeover("eng-owner", frozen.transfer_token)
-        assert not kv.mapping.read_only and kv.mapping._granting is None  # noqa: SLF001
-        cache = kres.torch("uint8", (n,))
-        assert hashlib.sha256(cache.cpu().numpy().tobytes()).hexdigest() == k["expected"]
-        cache[0] = 1
-        torch.cuda.synchronize()
         assert int(cache[0]) == 1
