@@ -5,8 +5,9 @@ where a takeover is expected to map its predecessor's weights and KV cache, back
 When the agent offers it an engine to shadow (`Shadow`, services/agent/shadows.py), it maps that engine's committed
 weight and KV cache leases into those reservations (`MemoryClient.share(..., into_reserved=True)`), so that the
 takeover of that engine maps nothing: the leases are where the runner was built, and the fenced takeover's grant
-only makes them this process's (on the host backend the shadow is read-only until then; on CUDA, where the driver
-grants device memory read-write only, the standby only promises not to write). `Unshadow`, or an assignment to take
+only makes them this process's (on the host backend the shadow is read-only until then; on CUDA the weights are
+read-only where the driver grants it, the KV cache read-write: invariant 1 is what keeps the standby from writing it,
+and no write access is granted on the takeover's path, libs/client/memory.py `_map_grant`). `Unshadow`, or an assignment to take
 over another engine, gives the reservations their placeholders back first.
 
 Invariants:

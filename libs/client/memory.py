@@ -442,15 +442,21 @@ class MemoryClient:
         sizes = p.chunk_sizes(g.lease.size, g.lease.chunk_size)
         res = self._take_reservation(g) if into_reserved else None
         if res is not None:
-            # A shadow is read-only (one writer per lease: its owner), the KV cache too, though the takeover must
-            # then grant write access to it (cuMemSetAccess over the cache: 13-18 ms for 29 GiB on an H200).
-            res.mapping.adopt(fds, sizes, read_only=g.read_only)
+            # A shadow is read-only (one writer per lease: its owner), but for a KV cache on CUDA: the takeover would
+            # have to grant write access to it on the recovery's path (cuMemSetAccess over the cache: 10-20 ms for
+            # 16 GiB on an H100, 13-18 ms for 29 GiB on an H200), and there the importing process sets its own
+            # access anyway (the manager cannot hold it to read-only): a shadowing standby runs no GPU work
+            # (engines/batched/standby.py invariant 1). On the host the mapping stays read-only (a write faults).
+            res.mapping.adopt(fds, sizes, read_only=g.read_only and not self._cache_on_cuda(g))
             if g.read_only:  # a shadow: `unshare` gives the range its placeholder back
                 self.shadow_reservations[g.lease.id] = res
             return res.mapping
         if self.backend == "cuda" and not g.lease.host:
             return CudaMapping(fds, sizes, g.gpu_uuid, g.lease.gpu, read_only=g.read_only)
         return HostMapping(fds, sizes, read_only=g.read_only)
+
+    def _cache_on_cuda(self, g: p.LeaseGrant) -> bool:
+        return self.backend == "cuda" and not g.lease.host and str(g.lease.tag) != "weights"
 
     def _take_reservation(self, g: p.LeaseGrant) -> Reservation | None:
         """The reservation of the grant's tag, name, size and GPU, no longer kept for anything else; or None."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pytest
 import torch
 
 from libs.client.memory import MemoryClient
 from libs.common.events import Freeze, FreezeReply, ShareWeights, ShareWeightsReply
-from tests.gpu_manager.conftest import engines  # noqa: F401 - fixture
+from tests.gpu_manager.conftest import engines, manager_factory  # noqa: F401 - fixtures
 
 N = 3 * 1024 * 1024 + 7  # 4 chunks of the fixture's 1 MiB
 NODE = "node-1"
@@ -107,4 +108,38 @@ async def test_a_shadow_into_a_reservation_is_given_back_and_taken_over_in_place
         assert _perms(w["lease"]) == {"r--s"} and _perms(k["lease"]) == {"rw-s"}
         assert hashlib.sha256(cache.numpy().tobytes()).hexdigest() == k["expected"]
         cache[0] = 1  # this process's cache now
+        assert int(cache[0]) == 1
+
+
+@pytest.mark.gpu
+async def test_on_cuda_the_shadowed_cache_is_mapped_writable_and_the_takeover_grants_nothing(
+        manager_factory, engines, bus):  # noqa: F811, ANN001
+    """On the cuda backend the shadow maps the owner's KV cache read-write (memory.py `_map_grant`: a shadowing
+    standby runs no GPU work, and making the cache writable at the takeover cost 10-20 ms of its map on an H100),
+    the weights read-only where the driver grants it; the takeover then maps and grants nothing, the bytes are the
+    owner's and the cache takes this process's writes."""
+    manager = manager_factory(HF_BACKEND="cuda", HF_CHUNK_MIB="2", HF_GRACE_S="30").start()
+    n = 64 * 1024 * 1024
+    with MemoryClient.connect("eng-sb5", socket_path=manager.socket) as client:
+        wres = client.reserve(n, tag="weights", name="weights", placeholder_bytes=4 << 20)
+        kres = client.reserve(n, tag="kv_cache", name="kv_cache", placeholder_bytes=4 << 20)
+        owner = engines(manager, "eng-owner", backend="cuda")
+        w = owner.ask(f"write {n} 10 weights")
+        k = owner.ask(f"write {n} 11 kv_cache")
+        grant = await bus.request(NODE, ShareWeights(owner="eng-owner", grantee="eng-sb5"), ShareWeightsReply)
+        att = client.share("eng-owner", grant.share_token, into_reserved=True)
+        by_id = {lease.id: lease for lease in att.leases}
+        assert {lease.ptr for lease in att.leases} == {wres.ptr, kres.ptr}
+        assert not by_id[k["lease"]].mapping.read_only  # the cache: read-write while shadowed
+        weights_read_only = by_id[w["lease"]].mapping.read_only  # where this driver grants read-only access
+        frozen = await bus.request(NODE, Freeze(owner="eng-owner", incident_id="inc-cuda-rw"), FreezeReply)
+        owner.kill()
+        client.takeover("eng-owner", frozen.transfer_token)
+        held = client.last_timings_ms["leases"]
+        assert held["kv_cache:kv_cache"][0] == "held" and held["weights:weights"][0] == "held"
+        assert by_id[w["lease"]].mapping.read_only == weights_read_only  # the weights stay as they were
+        cache = kres.torch("uint8", (n,))
+        assert hashlib.sha256(cache.cpu().numpy().tobytes()).hexdigest() == k["expected"]
+        cache[0] = 1
+        torch.cuda.synchronize()
         assert int(cache[0]) == 1
