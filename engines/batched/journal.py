@@ -226,14 +226,20 @@ class Journal:
         self._epochs = {}
         t0 = time.perf_counter()
         rows = self.rows.cpu().tolist()  # rows first: a later read of the rest is at least as new (invariant 2)
-        toks, blocks, ids = self.tokens.cpu(), self.blocks.cpu(), self.ids.cpu()
+        # Of the rest, only as far as the longest of the rows' lengths: at a few hundred tokens a sequence, some
+        # hundred KB come from the device instead of every slot's max_len (MBs, copied through pageable memory on
+        # the recovery's path). A length past max_len is cut there (`_entry` drops its row).
+        used = [slot for slot, r in enumerate(rows) if r[EPOCH] != 0]
+        span = max((min(rows[u][PROGRESS] >> 32, self.layout.max_len) for u in used), default=0)
+        toks = self.tokens[:, :span].cpu().numpy()
+        blocks = self.blocks[:, :-(-span // self.layout.block_size)].cpu().numpy()
+        ids = self.ids.cpu().numpy()
         self.read_ms = round((time.perf_counter() - t0) * 1000, 3)  # of `recover`: the copies from the device
         out: list[Entry] = []
         dropped = 0
-        for slot, r in enumerate(rows):
-            if r[EPOCH] == 0:
-                continue
-            e = self._entry(slot, r, toks[slot], blocks[slot], bytes(ids[slot].tolist()))
+        for slot in used:
+            r = rows[slot]
+            e = self._entry(slot, r, toks[slot].tolist(), blocks[slot].tolist(), ids[slot].tobytes())
             if e is None or r[EPOCH] >> GEN_SHIFT != gen:  # cut off, or a dead engine's late row (invariant 6)
                 dropped += e is None
                 if slot not in busy:
@@ -302,25 +308,27 @@ class Journal:
             if slot not in self._free and slot not in self._n_blocks:
                 self.release(slot)
 
-    def _entry(self, slot: int, r: list[int], toks: torch.Tensor, blocks: torch.Tensor, rid_raw: bytes) -> Entry | None:
+    def _entry(self, slot: int, r: list[int], toks: list[int], blocks: list[int], rid_raw: bytes) -> Entry | None:
+        """The row's sequence, or None when the row is cut off or inconsistent. `toks` and `blocks`: the slot's
+        tokens and block table as far as `recover` read them (at least this row's length when it is valid)."""
         prompt_len, n_blocks = r[PROMPT_LEN], r[N_BLOCKS]
         length, computed = r[PROGRESS] >> 32, r[PROGRESS] & 0xFFFFFFFF
         L = self.layout
         if not (0 < prompt_len <= length <= L.max_len and 0 <= n_blocks <= L.max_blocks):
             return None
-        prompt = toks[:prompt_len].tolist()
+        prompt = toks[:prompt_len]
         if _check(r[:N_BLOCKS], rid_raw, prompt) != r[CHECK]:
             return None
         # Async scheduling writes a block-table entry for the position of a token still in flight before that
         # token is committed: blocks past the committed tokens hold only KV past `computed` and are not adopted.
-        table = blocks[:min(n_blocks, -(-length // L.block_size))].tolist()
+        table = blocks[:min(n_blocks, -(-length // L.block_size))]
         # computed <= length - 1: the last known token's logits are what the next step needs; a torn window
         # could not leave it higher (progress is one store), but a successor never trusts past that.
         computed = min(computed, length - 1, n_blocks * L.block_size)
         if any(not 0 <= b < L.num_blocks for b in table):
             return None
         return Entry(slot=slot, seq_id=r[SEQ_ID], request_id=rid_raw.rstrip(b"\0").decode(errors="replace"),
-                     tokens=toks[:length].tolist(), prompt_len=prompt_len, computed=computed, block_table=table,
+                     tokens=toks[:length], prompt_len=prompt_len, computed=computed, block_table=table,
                      max_tokens=r[MAX_TOKENS], temperature=_bits_f64(r[TEMP]), seed=r[SEED],
                      ignore_eos=bool(r[FLAGS] & FLAG_IGNORE_EOS), adoptions=(r[FLAGS] >> ADOPT_SHIFT) & 0xFF)
 
