@@ -56,13 +56,11 @@ from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
 from libs.common import procs
 from libs.common.gc_tuning import long_lived_gc
+from libs.common.procs import ms_since
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 def open_agent_link(cfg: EngineConfig, *, can_shadow: bool, group: RankGroup | None = None) -> Any:
@@ -105,7 +103,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     if capture_now and runner.use_graphs:
         t0 = time.perf_counter()
         runner.warmup()  # a cold start captures its decode graphs before serving
-        graphs_ms: float | None = _ms(t0)
+        graphs_ms: float | None = ms_since(t0)
     else:
         graphs_ms = None
     engine = LLMEngine(runner, scheduler, journal, adopt_claim_s=cfg.adopt_claim_s,
@@ -116,7 +114,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
     if loaded.kv_handed_on and journal.matches():
         t0 = time.perf_counter()
         entries, dropped = journal.recover(pend.slots if pend is not None else frozenset())
-        timings = {"recover": _ms(t0), "recover_read": journal.read_ms}
+        timings = {"recover": ms_since(t0), "recover_read": journal.read_ms}
         hold: frozenset[int] = frozenset()
         if pend is None:
             entries, spent = journal.adopt(entries)  # journal.py invariant 8: adoptions counted
@@ -132,7 +130,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
                                block_size=layout.block_size)
             t1 = time.perf_counter()
             isolation.apply(p, loaded.kv, journal, journal.gen + 1, journal.mark)
-            timings["apply"] = _ms(t1)
+            timings["apply"] = ms_since(t1)
             entries, dropped, hold = p.entries, dropped + len(p.dropped), p.hold_blocks
             assert loaded.fence, "an isolated takeover has a predecessor to watch"
             engine.held = isolation.Held(loaded.fence[0].pid, loaded.fence[0].pid_start, p.hold_slots)
@@ -140,7 +138,7 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
                         "held_slots": len(p.hold_slots), "held_blocks": len(p.hold_blocks)}
         t2 = time.perf_counter()
         engine.adopt(entries, dropped, hold)
-        timings["adopt"] = _ms(t2)
+        timings["adopt"] = ms_since(t2)
         bucket = runner.bucket_for(len(entries)) if entries and runner.use_graphs else None
         if bucket is not None:  # the adopted sequences' decode graph (~60-90 ms at 8b) is the step thread's first
             engine.capture_first = [bucket]  # work, while the router's replays come in; the rest when idle
@@ -168,7 +166,7 @@ def prepare_runner(cfg: EngineConfig, mcfg: ModelConfig, memory: LeasedMemory,
     runner = new_runner(cfg, mcfg, reserved)
     t0 = time.perf_counter()
     runner.warmup()  # placeholder content: garbage logits, nothing written (padding rows), nothing kept
-    info = {**reserved.timings_ms, "graphs_ms": _ms(t0), "buckets": runner.buckets if runner.use_graphs else []}
+    info = {**reserved.timings_ms, "graphs_ms": ms_since(t0), "buckets": runner.buckets if runner.use_graphs else []}
     if reserved.kv.device.type == "cuda":
         torch.cuda.empty_cache()  # the eager passes' blocks; the graphs' pool stays
     return reserved, runner, info
@@ -273,7 +271,7 @@ def run(cfg: EngineConfig) -> int:
             if group is not None:  # every rank's kernels and the communicator (tp_group.py)
                 t_warm = time.perf_counter()
                 group.stand_by(warm_kernels, memory, layout_of)
-                state.info["warmup_ms"] = _ms(t_warm)
+                state.info["warmup_ms"] = ms_since(t_warm)
             else:
                 state.info["warmup_ms"] = warm_kernels(mcfg, cfg, device)
             if link is None:
@@ -342,7 +340,7 @@ def run(cfg: EngineConfig) -> int:
             gen = 0 if prior is None else prior + (pend is not None)
             t_mark = time.perf_counter()
             mark = open_drain(memory.client, loaded.drain, device, PageLayout(layout.slots, layout.num_blocks), gen)
-            mark_ms = _ms(t_mark)
+            mark_ms = ms_since(t_mark)
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
                                        backup=kv_backup[0] if kv_backup else None, mark=mark, pend=pend)
         if kv_backup:
@@ -358,14 +356,14 @@ def run(cfg: EngineConfig) -> int:
         if isinstance(memory, LeasedMemory) and group is None:  # the control plane's sleep and wake asks (sleep.py)
             install_sleep(state, engine, memory.client, link)
         state.info["memory"] = {"kind": memory.kind, "source": loaded.source, "timings_ms": loaded.timings_ms,
-                                "build_ms": _ms(t_build), "num_blocks": layout.num_blocks,
+                                "build_ms": ms_since(t_build), "num_blocks": layout.num_blocks,
                                 "block_size": layout.block_size, "kv_bytes": loaded.kv.numel() * loaded.kv.element_size()}
         if loaded.weights_load is not None:
             state.info["memory"]["weights"] = loaded.weights_load
         if loaded.source != "file":
             state.t_start = t_start
             shadowed = (state.info.get("assignment") or {}).get("shadowed")  # its leases mapped before the kill
-            state.info["recovery"] = {"source": loaded.source, "ready_ms": _ms(t_start), "shadowed": bool(shadowed),
+            state.info["recovery"] = {"source": loaded.source, "ready_ms": ms_since(t_start), "shadowed": bool(shadowed),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start),
                                       "memory_ms": loaded.timings_ms, **adopted}
             if cfg.loop_watch_s > 0:

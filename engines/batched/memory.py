@@ -39,6 +39,7 @@ from engines.reference.memory import retry_until
 from engines.reference.tp import shard_config
 from engines.reference.weights import check_file_matches, lease_filler, load_weights
 from libs.client.protocol import contiguous_stride
+from libs.common.procs import ms_since
 
 log = logging.getLogger("holdfast.engine.batched.memory")
 
@@ -84,9 +85,6 @@ class Spare:
     load_ms: float
 
 
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
-
 
 def _tensors(lease: Any) -> dict[str, torch.Tensor]:
     """Every tensor a lease registered, by name."""
@@ -104,7 +102,7 @@ def _degraded(leases: list[Any], t0: float, granted: dict[str, Any]) -> Any:
     from engines.batched.degrade import gathered
 
     d = gathered({lease.info.name: _tensors(lease) for lease in leases})
-    d.lease_ids, d.timings_ms = [lease.id for lease in leases], {"takeover_ms": _ms(t0), **granted}
+    d.lease_ids, d.timings_ms = [lease.id for lease in leases], {"takeover_ms": ms_since(t0), **granted}
     return d
 
 
@@ -168,7 +166,7 @@ class LocalMemory:
         layout: JournalLayout = layout_of(dtype, None)
         kv = torch.zeros(kv_shape(cfg, layout.num_blocks, layout.block_size), dtype=dtype, device=self.device)
         journal = {n: torch.zeros(shape, dtype=dt, device=self.device) for n, (dt, shape) in layout.tensors().items()}
-        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": _ms(t0)}, fused)
+        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": ms_since(t0)}, fused)
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         raise RuntimeError("local memory has nothing to reattach")
@@ -227,7 +225,7 @@ class LeasedMemory:
         layout: JournalLayout = layout_of(dtype, None)
         kv, journal, kv_lease = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Spare(got, layout, kv, journal, kv_lease.id, _ms(t0))
+        return Spare(got, layout, kv, journal, kv_lease.id, ms_since(t0))
 
     def spare_takeover(self, cfg: ModelConfig, spare: Spare, predecessor: str, token: str, layout_of: Any,
                        wait_s: float) -> Loaded:
@@ -249,7 +247,7 @@ class LeasedMemory:
             for extra in att.leases[1:]:
                 self.client.release(extra.id)
             backup, fence = _tensors(att.leases[0]), att.fence
-            timings["takeover_ms"] = _ms(t0)
+            timings["takeover_ms"] = ms_since(t0)
         got, layout, kv, journal = spare.got, spare.layout, spare.kv, spare.journal
         dtype = kv.dtype
         if backup is not None and int(backup[BACKUP_NAME].shape[0]) != layout.num_blocks:
@@ -259,10 +257,10 @@ class LeasedMemory:
             layout = layout_of(dtype, int(backup[BACKUP_NAME].shape[0]))
             kv, journal, _ = self._new_kv(cfg, dtype, layout)
             self.client.commit()
-            timings["new_cache_ms"] = _ms(t0) - timings.get("takeover_ms", 0.0)
+            timings["new_cache_ms"] = ms_since(t0) - timings.get("takeover_ms", 0.0)
         weights = {m.name: got.lease.view(m, "torch") for m in got.metas}
         loaded = Loaded(weights, kv, journal,
-                        "spare" if backup is None else "backup", False, layout, {**timings, "total_ms": _ms(t0)},
+                        "spare" if backup is None else "backup", False, layout, {**timings, "total_ms": ms_since(t0)},
                         _fused_views([(got.lease, m) for m in got.metas]), backup=backup)
         loaded.fence = fence
         return loaded
@@ -356,12 +354,12 @@ class LeasedMemory:
                      num_blocks: int | None = None) -> Loaded:
         """A cold start's tensors: the weights registered in `lease` and a new KV lease, committed."""
         weights = {m.name: lease.view(m, "torch") for m in metas}
-        t_load = _ms(t0)
+        t_load = ms_since(t0)
         dtype = weights["tok_embeddings.weight"].dtype
         layout = layout_of(dtype, num_blocks)
         kv, journal, _ = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": _ms(t0)},
+        return Loaded(weights, kv, journal, "file", False, layout, {"load_ms": t_load, "total_ms": ms_since(t0)},
                       _fused_views([(lease, m) for m in metas]))
 
     def register_gang(self, gang_id: str, owners: list[str]) -> dict[str, Any]:
@@ -394,7 +392,7 @@ class LeasedMemory:
         views = {name: kres.torch(dt, shape, off) for name, dt, shape, off in _packed(cfg, dtype, layout)}
         return Loaded({n: weights[n] for n in cfg.tensor_shapes()}, views[KV_NAME],
                       {n: views[n] for n in layout.tensors()}, "reserved", False, layout,
-                      {"reserve_ms": _ms(t0), "reserved_bytes": wres.size + kres.size}, fused)
+                      {"reserve_ms": ms_since(t0), "reserved_bytes": wres.size + kres.size}, fused)
 
     def attach(self, cfg: ModelConfig, layout_of: Any) -> Loaded:
         t0 = time.perf_counter()
@@ -416,10 +414,10 @@ class LeasedMemory:
             for extra in att.leases[1:]:
                 self.client.release(extra.id)
             backup = _tensors(att.leases[0])
-            taken = _ms(t0)
+            taken = ms_since(t0)
             loaded = self.load(cfg, weights, layout_of, num_blocks=int(backup[BACKUP_NAME].shape[0]))
             loaded.source, loaded.backup = "backup", backup
-            loaded.timings_ms = {"takeover_ms": taken, **granted, **loaded.timings_ms, "total_ms": _ms(t0)}
+            loaded.timings_ms = {"takeover_ms": taken, **granted, **loaded.timings_ms, "total_ms": ms_since(t0)}
             return loaded
         loaded = self._rebuild(cfg, att.leases, "takeover", layout_of, t0, known)
         loaded.timings_ms.update(granted)
@@ -428,7 +426,7 @@ class LeasedMemory:
 
     def _rebuild(self, cfg: ModelConfig, leases: list[Any], source: str, layout_of: Any, t0: float,
                  known: Loaded | None = None) -> Loaded:
-        t_attach = _ms(t0)
+        t_attach = ms_since(t0)
         have = {**known.weights, **known.fused} if known is not None else {}
         caches = sorted((lease for lease in leases if any(m.name == KV_NAME for m in lease.tensor_metas)),
                         key=lambda lease: lease.info.created_at, reverse=True)
@@ -451,7 +449,7 @@ class LeasedMemory:
         fused = _fused_views([(lease, m) for lease in leases if lease not in caches and lease not in backups
                               for m in lease.tensor_metas], have)
         # where a takeover's rebuild goes (views of every weight, then of the fused groups; the rest is the cache's)
-        split = {"views_ms": round((t_views - t0) * 1000 - t_attach, 3), "fused_ms": _ms(t_views)}
+        split = {"views_ms": round((t_views - t0) * 1000 - t_attach, 3), "fused_ms": ms_since(t_views)}
         dtype = weights["tok_embeddings.weight"].dtype
         for extra in caches[1:] + backups[1:]:
             self.client.release(extra.id)
@@ -465,14 +463,14 @@ class LeasedMemory:
             if all(n in own and tuple(own[n].shape) == s for n, s in want.items()):
                 journal = {n: own[n] for n in layout.tensors()}
                 return Loaded(weights, own[KV_NAME], journal, source, True, layout,
-                              {"attach_ms": t_attach, **split, "total_ms": _ms(t0)}, fused, backup=backup, drain=drain)
+                              {"attach_ms": t_attach, **split, "total_ms": ms_since(t0)}, fused, backup=backup, drain=drain)
             log.info("the handed-on KV lease does not fit this configuration; leasing a new one")
             self.client.release(caches[0].id)
         # A lost cache restored from its backup (backup.py) needs the backup's block count: its block ids are kept.
         layout = layout_of(dtype, backup[BACKUP_NAME].shape[0] if backup is not None else None)
         kv, journal, _ = self._new_kv(cfg, dtype, layout)
         self.client.commit()
-        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, **split, "total_ms": _ms(t0)},
+        return Loaded(weights, kv, journal, source, False, layout, {"attach_ms": t_attach, **split, "total_ms": ms_since(t0)},
                       fused, backup=backup, drain=drain)
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype,
@@ -545,7 +543,7 @@ def wait_fence(loaded: Loaded, wait_s: float, *, isolate: bool) -> tuple[dict[st
 
     hows = [await_fence(f.pid, f.pid_start, proven if cpu or page is not None else None,
                         timeout_s=wait_s - (time.perf_counter() - t0)) for f in loaded.fence]
-    return {"waited_ms": _ms(t0), "how": ",".join(sorted(set(hows)))}, found[-1] if hows == ["isolated"] else None
+    return {"waited_ms": ms_since(t0), "how": ",".join(sorted(set(hows)))}, found[-1] if hows == ["isolated"] else None
 
 
 def journal_generation(loaded: Loaded) -> int | None:

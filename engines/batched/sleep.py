@@ -28,6 +28,7 @@ from typing import Any
 from engines.batched.engine import LLMEngine
 from engines.batched.scheduler import Scheduler
 from libs.common.errors import Conflict
+from libs.common.procs import ms_since
 
 log = logging.getLogger("holdfast.engine.batched.sleep")
 
@@ -83,7 +84,7 @@ class EngineSleeper:
             raise
         self.level = level
         self._tell_agent(True)  # a shadowing standby's mapping would keep the memory alive
-        info = {"state": "sleeping", "level": level, "bytes": reply.bytes, "sleep_ms": _ms(t0)}
+        info = {"state": "sleeping", "level": level, "bytes": reply.bytes, "sleep_ms": ms_since(t0)}
         log.info("asleep (level %d): %d bytes released in %.1f ms", level, reply.bytes, info["sleep_ms"])
         return info
 
@@ -100,7 +101,7 @@ class EngineSleeper:
         self._resume, level, self.level = None, self.level, 0
         self.state.state = "ready"
         self._tell_agent(False)
-        info = {"state": "awake", "level": level, "weights_source": source, "wake_ms": _ms(t0)}
+        info = {"state": "awake", "level": level, "weights_source": source, "wake_ms": ms_since(t0)}
         log.info("awake (level %d) in %.1f ms%s", level, info["wake_ms"], f", weights from {source}" if source else "")
         return info
 
@@ -134,6 +135,3 @@ def _synchronize(engine: LLMEngine) -> None:
 
         torch.cuda.synchronize(kv.device)
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)

@@ -12,11 +12,8 @@ from engines.batched.cache_units import kv_shape
 from engines.batched.config import EngineConfig
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.reference.config import ModelConfig
+from libs.common.procs import ms_since
 from libs.common.tokenizer import BOS
-
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> float:
@@ -35,4 +32,4 @@ def warm_kernels(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> 
     runner.run([RunItem(token_ids=[3], start=3, block_table=[0], sample=True, temperature=0.0, seed=0)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return _ms(t0)
+    return ms_since(t0)

@@ -35,6 +35,7 @@ import torch
 from engines.reference.config import ModelConfig
 from engines.reference.kv_reuse import KvDonor, marks_shape
 from engines.reference.weights import check_file_matches, lease_filler, load_weights, torch_dtype
+from libs.common.procs import ms_since
 
 log = logging.getLogger("holdfast.engine.memory")
 
@@ -56,9 +57,6 @@ class Loaded:
     donor: KvDonor | None = None  # a shadowed predecessor's cache, for resumed requests' prefixes
     weights_load: dict[str, Any] | None = None  # a cold load's source (host, artifact, file) and time (WeightsLoad)
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 def retry_until(call: Callable[[], T], retry_on: tuple[type[BaseException], ...], within_s: float,
@@ -121,16 +119,16 @@ class LocalMemory:
         t0 = time.perf_counter()
         check_file_matches(path, cfg)
         weights = load_weights(path, self.device)
-        t_load = _ms(t0)
+        t_load = ms_since(t0)
         kv = torch.zeros(cfg.kv_shape(slots, max_seq), dtype=kv_dtype(weights), device=self.device)
-        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)})
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": ms_since(t0)})
 
     def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], slots: int, max_seq: int) -> Loaded:
         """A tensor-parallel rank's part of the weights (tp.read_shard), and its KV cache."""
         t0 = time.perf_counter()
         weights = {name: t.to(self.device) for name, t in tensors.items()}
         kv = torch.zeros(cfg.kv_shape(slots, max_seq), dtype=kv_dtype(weights), device=self.device)
-        return Loaded(weights, kv, "file", {"load_ms": _ms(t0), "total_ms": _ms(t0)})
+        return Loaded(weights, kv, "file", {"load_ms": ms_since(t0), "total_ms": ms_since(t0)})
 
     def attach(self, cfg: ModelConfig, slots: int, max_seq: int) -> Loaded:
         raise RuntimeError("local memory has nothing to reattach")
@@ -186,10 +184,10 @@ class LeasedMemory:
         got = restore_or_load(self.client, path, copy=copy_name(self.client.engine_class), gpu=self.gpu,
                               expected=cfg.tensor_shapes(), filler=lambda: lease_filler(path))
         weights = got.tensors
-        t_load = _ms(t0)
+        t_load = ms_since(t0)
         kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
         self.client.commit()
-        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks,
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": ms_since(t0)}, marks=marks,
                       weights_load=got.report())
 
     def load_shard(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], slots: int, max_seq: int) -> Loaded:
@@ -206,10 +204,10 @@ class LeasedMemory:
             weights[name] = lease.torch(t.dtype, tuple(t.shape), layout[name])
             weights[name].copy_(t)
         self.client.register([lease.meta(name, t.dtype, tuple(t.shape), layout[name]) for name, t in tensors.items()])
-        t_load = _ms(t0)
+        t_load = ms_since(t0)
         kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
         self.client.commit()
-        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": _ms(t0)}, marks=marks)
+        return Loaded(weights, kv, "file", {"load_ms": t_load, "total_ms": ms_since(t0)}, marks=marks)
 
     def register_gang(self, gang_id: str, owners: list[str]) -> dict[str, Any]:
         """This engine's ranks' leases become one gang (rank 0, once every rank committed)."""
@@ -248,7 +246,7 @@ class LeasedMemory:
         t0 = time.perf_counter()
         self.drop_shadow()
         att = self.client.share(owner, share_token)
-        t_attach = _ms(t0)
+        t_attach = ms_since(t0)
         weights, their_kv, their_marks, caches = split_tensors(cfg, att.leases)
         if self._own_kv is None or tuple(self._own_kv[0].shape) != cfg.kv_shape(slots, max_seq):
             self._own_kv = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
@@ -261,7 +259,7 @@ class LeasedMemory:
                 self._donor_retired = self._adopted = False
             donor = KvDonor(their_kv, their_marks, on_retire=self._retire_donor_lease)
         kv, marks = self._own_kv
-        return Loaded(weights, kv, "shadow", {"attach_ms": t_attach, "total_ms": _ms(t0)}, read_only,
+        return Loaded(weights, kv, "shadow", {"attach_ms": t_attach, "total_ms": ms_since(t0)}, read_only,
                       marks=marks, donor=donor)
 
     def drop_shadow(self) -> None:
@@ -282,7 +280,7 @@ class LeasedMemory:
             att = self.client.attach()
             if not shadowed <= {lease.id for lease in att.leases}:
                 raise Unavailable(f"the takeover of {predecessor}'s leases did not happen; to be tried again") from None
-        t_takeover = _ms(t0)
+        t_takeover = ms_since(t0)
         with self._donor_lock:
             self._adopted = True
             caches = {lease.id for lease in att.leases if is_cache(lease)}
@@ -294,7 +292,7 @@ class LeasedMemory:
             unused = [lease.id for lease in att.leases if lease.id not in keep]
             for lease_id in unused:
                 self.client.release(lease_id)
-        return {"takeover_ms": t_takeover, "released": float(len(unused)), "total_ms": _ms(t0)}
+        return {"takeover_ms": t_takeover, "released": float(len(unused)), "total_ms": ms_since(t0)}
 
     def _retire_donor_lease(self) -> None:
         """The donor (the predecessor's KV lease, kept mapped for resumed requests) is no longer read: release
@@ -311,11 +309,11 @@ class LeasedMemory:
                 log.warning("releasing the predecessor's KV lease %s failed: %s: %s", lease_id, type(e).__name__, e)
 
     def _rebuild(self, cfg: ModelConfig, source: str, slots: int, max_seq: int, t0: float) -> Loaded:
-        t_attach = _ms(t0)
+        t_attach = ms_since(t0)
         weights, kv, marks, caches = split_tensors(cfg, self._attachment.leases)
         for lease_id in caches[1:]:  # a predecessor's predecessor's cache, kept by it for reuse: not this engine's
             self.client.release(lease_id)
-        t_views = _ms(t0)
+        t_views = ms_since(t0)
         want = cfg.kv_shape(slots, max_seq)
         if kv is None or marks is None or tuple(kv.shape) != want:
             # The predecessor's cache does not fit this configuration (or has no marks): lease a new one. One that
@@ -325,7 +323,7 @@ class LeasedMemory:
                      None if kv is None else tuple(kv.shape))
             kv, marks = self._new_kv(cfg, kv_dtype(weights), slots, max_seq)
             self.client.commit()
-        return Loaded(weights, kv, source, {"attach_ms": t_attach, "views_ms": t_views, "total_ms": _ms(t0)},
+        return Loaded(weights, kv, source, {"attach_ms": t_attach, "views_ms": t_views, "total_ms": ms_since(t0)},
                       marks=marks)
 
     def _new_kv(self, cfg: ModelConfig, dtype: torch.dtype, slots: int,

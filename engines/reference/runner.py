@@ -35,14 +35,11 @@ from engines.reference.settings import EngineSettings
 from engines.reference.standby import Standby
 from engines.reference.startup import first_token, open_agent_link, open_memory, pick_device
 from libs.common.gc_tuning import long_lived_gc
-from libs.common.procs import reserve_fds, wall_time_of
+from libs.common.procs import ms_since, reserve_fds, wall_time_of
 
 log = logging.getLogger("holdfast.engine")
 T_PROCESS = time.perf_counter()
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 def warm_standby(s: EngineSettings, device: torch.device) -> float:
@@ -56,7 +53,7 @@ def warm_standby(s: EngineSettings, device: torch.device) -> float:
     core.warm()
     sample(core.forward(0, [3], 3), 0.7, 1, 4)
     del core, kv, w
-    return _ms(t0)
+    return ms_since(t0)
 
 
 def run(s: EngineSettings) -> int:
@@ -163,7 +160,7 @@ def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_st
     recovered = loaded.source != "file"  # the KV lease was handed on: its slots wait for their requests
     core = EngineCore(Transformer(cfg, loaded.weights), loaded.kv, prefill_chunk=s.prefill_chunk, graphs=s.graphs,
                       marks=loaded.marks, inherit=recovered and s.kv_reuse_s > 0)
-    build_ms = _ms(t0)
+    build_ms = ms_since(t0)
     state.info["memory"] = {"kind": state.info["memory"]["kind"], "source": loaded.source,
                             "timings_ms": loaded.timings_ms, "build_ms": build_ms}
     if loaded.weights_load is not None:
@@ -178,7 +175,7 @@ def _build(s: EngineSettings, cfg: Any, loaded: Loaded, state: EngineState, t_st
     first_token(core)
     if core.inherited is not None:
         retire_later(s.kv_reuse_s, core.retire_donor)  # the replayed requests come after ready
-    rec: dict[str, Any] = {"source": loaded.source, "first_token_ms": _ms(t_start), "t0_wall": wall_time_of(t_start),
+    rec: dict[str, Any] = {"source": loaded.source, "first_token_ms": ms_since(t_start), "t0_wall": wall_time_of(t_start),
                            "attach_ms": loaded.timings_ms.get("attach_ms"), "build_ms": build_ms}
     state.info["recovery"] = rec
 

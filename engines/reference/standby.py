@@ -32,15 +32,12 @@ from engines.reference.model import Transformer
 from engines.reference.server import EngineState
 from engines.reference.settings import EngineSettings
 from libs.common.gc_tuning import long_lived_gc
-from libs.common.procs import wall_time_of
+from libs.common.procs import ms_since, wall_time_of
 
 log = logging.getLogger("holdfast.engine.standby")
 
 EXIT_LEASE_LOST = 75
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 @dataclass
@@ -91,7 +88,7 @@ class Standby:
             self.link.shadowing(None)
             return
         long_lived_gc()  # the model and the process live on: no full collection on the takeover's path
-        timings = {**loaded.timings_ms, "warm_ms": round(warm_ms, 3), "total_ms": _ms(t0)}
+        timings = {**loaded.timings_ms, "warm_ms": round(warm_ms, 3), "total_ms": ms_since(t0)}
         self.shadow = ShadowCore(owner, core, loaded.read_only, timings)
         self.state.info["shadow"] = {"owner": owner, "read_only": loaded.read_only, "timings_ms": timings}
         log.info("shadowing %s (%s) in %.1f ms", owner, "read-only" if loaded.read_only else "read-write mapping",
@@ -118,7 +115,7 @@ class Standby:
         """Serve the shadowed predecessor's model now; own its leases once it is dead (background)."""
         assert self.shadow is not None
         shadow = self.shadow
-        rec: dict[str, Any] = {"source": "shadow", "first_token_ms": _ms(t_start), "read_only": shadow.read_only,
+        rec: dict[str, Any] = {"source": "shadow", "first_token_ms": ms_since(t_start), "read_only": shadow.read_only,
                "shadow_timings_ms": shadow.timings_ms, "t0_wall": wall_time_of(t_start)}
         self.state.info["recovery"] = rec
 
@@ -160,7 +157,7 @@ class Standby:
         except Exception as e:  # noqa: BLE001 - any other refusal means the memory is not ours to serve
             log.critical("taking over %s's leases failed: %s: %s", predecessor, type(e).__name__, e)
         else:
-            self.state.info["recovery"]["adopted"] = {**timings, "after_ms": _ms(t0), "tries": tries}
-            log.info("owns %s's leases now (%.1f ms after the promotion, %d tries)", predecessor, _ms(t0), tries)
+            self.state.info["recovery"]["adopted"] = {**timings, "after_ms": ms_since(t0), "tries": tries}
+            log.info("owns %s's leases now (%.1f ms after the promotion, %d tries)", predecessor, ms_since(t0), tries)
             return
         os._exit(EXIT_LEASE_LOST)

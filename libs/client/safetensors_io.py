@@ -36,6 +36,7 @@ from libs.client.file_fill import fill_from_file
 from libs.client.memory import MappedLease, MemoryClient
 from libs.client.protocol import ArtifactInvalid, TensorMeta
 from libs.common.errors import MalformedMessage, NotFound
+from libs.common.procs import ms_since
 
 log = logging.getLogger("holdfast.client.safetensors")
 
@@ -226,7 +227,7 @@ def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
             if why is None:
                 client.commit()
                 return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas,
-                                   str(client.last_restore["source"]), _ms(t0), dict(client.last_restore))
+                                   str(client.last_restore["source"]), ms_since(t0), dict(client.last_restore))
             refused = f"layout: {why}"
             log.warning("copy %s refused (%s): releasing it, loading %s", copy, why, path)
             client.release(lease.id)
@@ -235,7 +236,7 @@ def restore_or_load(client: MemoryClient, path: str | Path, *, copy: str | None,
     else:
         lease, metas = load_file_into_lease(client, path, tag=tag, name=name, gpu=gpu, plan=plan, expected=expected,
                                             fill=filler() if filler is not None else None)
-    return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas, "file", _ms(t0),
+    return WeightsLoad({m.name: lease.view(m, framework) for m in metas}, lease, metas, "file", ms_since(t0),
                        refused=refused)
 
 
@@ -245,6 +246,3 @@ def load_weights(client: MemoryClient, path: str | Path, *, artifact: str | None
     got = restore_or_load(client, path, copy=artifact, tag=tag, name=name, gpu=gpu, framework=framework)
     return got.tensors, got.source
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)

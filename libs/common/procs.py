@@ -293,6 +293,11 @@ def reserve_fds(count: int | None = None) -> int:
     return top
 
 
+def ms_since(t0: float) -> float:
+    """Milliseconds since `t0`, a `time.perf_counter()` reading, rounded to the microsecond (a timing's report)."""
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
 def wall_time_of(perf: float) -> float:
     """The wall-clock time (time.time) of a `time.perf_counter()` reading taken in this process: timings kept on
     the monotonic clock, placed on the clock that other processes of the host share."""

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.events import EngineReattached, EngineRole, EngineSpec, FaultKind, Takeover, TakeoverReply
+from libs.common.procs import ms_since
 from services.agent import supervision
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.pidfd import ExitStatus
@@ -55,9 +56,6 @@ log = logging.getLogger("holdfast.agent.takeover")
 ORDER_ENV = {"transfer_token": "HF_TRANSFER_TOKEN", "incident_id": "HF_INCIDENT_ID", "takeover_from": "HF_TAKEOVER_FROM",
              "gang": "HF_TAKEOVER_GANG", "gang_generation": "HF_GANG_GENERATION"}
 
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 class Host(EngineTable, FaultReporter, Protocol):
@@ -134,7 +132,7 @@ class Takeovers:
                 host.watcher.signal(pred.engine_id, signal.SIGKILL)  # confirmed later, off the serving path
             else:
                 await host.kill_confirmed(pred)
-        timings["kill_ms"] = _ms(t)
+        timings["kill_ms"] = ms_since(t)
 
         successor: EngineRecord | None = None
         used_standby = False
@@ -157,8 +155,8 @@ class Takeovers:
         if cmd.gang is not None:
             successor.gang = cmd.gang  # the gang keeps its id across groups
         if successor.ready_perf is not None and successor.ready_perf >= t0:
-            timings["ready_to_reply_ms"] = _ms(successor.ready_perf)  # the agent's own lag after "ready"
-        timings["total_ms"] = _ms(t0)
+            timings["ready_to_reply_ms"] = ms_since(successor.ready_perf)  # the agent's own lag after "ready"
+        timings["total_ms"] = ms_since(t0)
         timings["shadowed"] = float(shadowed and used_standby)
         timings["fenced"] = float(fenced and used_standby)
         info = host.info(successor)
@@ -233,7 +231,7 @@ class Takeovers:
                         sb.engine_id, e or "timed out")
             return None
         finally:
-            timings["standby_warm_wait_ms"] = _ms(t)
+            timings["standby_warm_wait_ms"] = ms_since(t)
         still = supervision.pick_standby(host.records(), pred.model, version=cmd.version, named=sb.engine_id,
                                          gpu=pred.gpu)
         if still is None:  # no longer a warm standby of that shape: assigned by another takeover meanwhile
@@ -254,16 +252,16 @@ class Takeovers:
         try:
             await host.assign(sb, {"op": "assign", "predecessor": owner, "model": pred.model, "shadowed": shadowed,
                                    **orders})
-            timings["assign_ms"] = _ms(t)
+            timings["assign_ms"] = ms_since(t)
             t = time.perf_counter()
             await host.wait_ready(sb.engine_id, host.settings.takeover_timeout_s)
-            timings["attach_ready_ms"] = _ms(t)
+            timings["attach_ready_ms"] = ms_since(t)
             sb.shadows = None  # it serves now; what it shadowed is its own
             return sb
         except (ConnectionError, OSError, RuntimeError, TimeoutError) as e:
             log.warning("standby %s failed during takeover %s (%s); cold-spawning instead",
                         sb.engine_id, cmd.incident_id, e)
-            timings["standby_failed_ms"] = _ms(t)
+            timings["standby_failed_ms"] = ms_since(t)
             if sb.live:
                 host.fault(sb, FaultKind.HUNG, detail=f"failed during takeover: {e}", died_at=time.time())
             await host.kill_confirmed(sb)
@@ -300,9 +298,9 @@ class Takeovers:
                                 generation=pred.generation + 1, extra_env=self._takeover_env(cmd, owner),
                                 gang=cmd.gang)
         rec.taking_over = owner
-        timings["spawn_ms"] = _ms(t)
+        timings["spawn_ms"] = ms_since(t)
         t = time.perf_counter()
         await host.wait_ready(rec.engine_id, 2 * spec.cold_start_s + host.settings.takeover_timeout_s)
-        timings["attach_ready_ms"] = _ms(t)
+        timings["attach_ready_ms"] = ms_since(t)
         return rec
 
