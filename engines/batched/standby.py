@@ -7,8 +7,8 @@ weight and KV cache leases into those reservations (`MemoryClient.share(..., int
 takeover of that engine maps nothing: the leases are where the runner was built, and the fenced takeover's grant
 only makes them this process's (on the host backend the shadow is read-only until then; on CUDA the weights are
 read-only where the driver grants it, the KV cache read-write: invariant 1 is what keeps the standby from writing it,
-and no write access is granted on the takeover's path, libs/client/memory.py `_map_grant`). `Unshadow`, or an assignment to take
-over another engine, gives the reservations their placeholders back first.
+and no write access is granted on the takeover's path, libs/client/memory.py `_map_grant`). `Unshadow`, or an
+assignment to take over another engine, gives the reservations their placeholders back first.
 
 Invariants:
 1. While it shadows, the standby runs no GPU work: its runner's addresses are the owner's live memory. It waits here,

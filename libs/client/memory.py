@@ -37,6 +37,7 @@ from libs.common import errors
 from libs.common.backoff import Backoff
 from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
 from libs.common.events import LeaseInfo, LeaseState
+from libs.common.procs import ms_since
 
 __all__ = ["Attachment", "MappedLease", "MemoryClient", "Reservation", "TensorMeta", "default_socket_path"]
 
@@ -238,9 +239,6 @@ class MemoryClient:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self.last_timings_ms: dict[str, Any] = {}  # of the last attach or takeover
-        # of the last grant mapped, per lease ("<tag>:<name>"): [how ("held": a mapping this process had already, a
-        # shadow taken over; else "mapped"), its chunks, ms]
-        self.last_map_ms: dict[str, list[Any]] = {}
         self.last_restore: dict[str, Any] = {}  # of the last restore: source, bytes, fill_s, fill_gib_s, ...
         self.last_gang: p.GangView | None = None  # of the last gang_takeover: the gang the group holds now
         # The control plane's asks (sleep, wake), from heartbeat replies: called on the heartbeat thread, which must
@@ -400,10 +398,12 @@ class MemoryClient:
                 self._reconnect_locked()
             return self.sock is not None
 
-    def _map(self, body: dict[str, Any], fds: list[int], *, into_reserved: bool = False) -> list[MappedLease]:
+    def _map(self, body: dict[str, Any], fds: list[int], *, into_reserved: bool = False,
+             per_lease: dict[str, list[Any]] | None = None) -> list[MappedLease]:
+        """The grant's leases mapped here. `per_lease`, when given, gets each lease's ("<tag>:<name>") [how ("held":
+        a mapping this process had already, a shadow taken over; else "mapped"), its chunks, ms]."""
         grants = p.GrantReply.model_validate(body).leases
         out, i = [], 0
-        self.last_map_ms = {}
         try:
             for g in grants:
                 t0 = time.perf_counter()
@@ -418,19 +418,19 @@ class MemoryClient:
                     if str(g.lease.tag) != "weights":  # weights a shadow mapped read-only stay so (never written)
                         held.mapping.writable()
                     self.shadow_reservations.pop(held.id, None)  # its range is the lease's now, not a reservation's
-                    lease = held
+                    lease, how = held, "held"
                 else:
                     if shadow is not None:
                         shadow.unmap()
-                    lease = MappedLease(g.lease, self._map_grant(g, chunk_fds, into_reserved), g.tensors)
+                    lease, how = MappedLease(g.lease, self._map_grant(g, chunk_fds, into_reserved), g.tensors), "mapped"
                 store = self.shared if g.read_only else self.leases
                 old = store.pop(lease.id, None)
                 if old is not None and old is not lease:
                     old.unmap()
                 store[lease.id] = lease
                 out.append(lease)
-                how = "held" if held is not None and not g.read_only else "mapped"
-                self.last_map_ms[f"{g.lease.tag}:{g.lease.name or g.lease.id}"] = [how, g.nfds, _ms_since(t0)]
+                if per_lease is not None:
+                    per_lease[f"{g.lease.tag}:{g.lease.name or g.lease.id}"] = [how, g.nfds, ms_since(t0)]
         finally:
             close_all(fds)  # the mappings hold the memory now; the fds are not needed
         return out
@@ -540,7 +540,7 @@ class MemoryClient:
         self.last_timings_ms["reserved"] = before - len(self.reservations)
         t0 = time.perf_counter()
         self.free_reservations()
-        self.last_timings_ms["unused_freed_ms"] = _ms_since(t0)
+        self.last_timings_ms["unused_freed_ms"] = ms_since(t0)
         return att
 
     def share(self, owner: str, share_token: str, *, into_reserved: bool = False) -> Attachment:
@@ -595,10 +595,12 @@ class MemoryClient:
         t0 = time.perf_counter()
         body, fds = self._call(req)
         t1 = time.perf_counter()
-        att = Attachment(self._map(body, fds, into_reserved=into_reserved), p.GrantReply.model_validate(body).fence)
+        per_lease: dict[str, list[Any]] = {}
+        att = Attachment(self._map(body, fds, into_reserved=into_reserved, per_lease=per_lease),
+                         p.GrantReply.model_validate(body).fence)
         t2 = time.perf_counter()
         self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3),
-                                "leases": self.last_map_ms}
+                                "leases": per_lease}
         adopted = [a for a in (lease.mapping.adopt_ms for lease in att.leases) if a is not None]
         for lease in att.leases:
             lease.mapping.adopt_ms = None
@@ -764,9 +766,6 @@ class MemoryClient:
 # a manager restart; without it a standby offered a shadow during a restart stayed unshadowed (CPU chaos, seed 11).
 _REPEATABLE = frozenset({"heartbeat", "pending", "register", "commit", "share", "answer"})
 
-
-def _ms_since(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 def _body(reply: dict[str, Any]) -> dict[str, Any]:

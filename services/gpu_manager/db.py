@@ -5,15 +5,16 @@ thread: a commit there is in the WAL with no fsync (`synchronous=NORMAL`), ~0.5 
 hop to a worker thread and back cost 2-10 ms more on a busy manager (the worker waits for the GIL, the loop for the
 worker's result: three such commits, the owner's exit, the freeze and the takeover, are on a recovery's path). The
 WAL's checkpoints, which fsync, are not left to a commit (`wal_autocheckpoint` off): `checkpoint` runs one on the
-worker thread every CHECKPOINT_EVERY writes. Another database (a Postgres URL: each call a network round trip)
-keeps every call on the one worker thread. Either way writes go in the order they were made. A row is written before the change it records is acted on (a new epoch
-is durable before read-write access is granted). A gang's row is written in the same transaction as the lease
-rows its change goes with (a takeover's new owners, epochs and generation; a reclaim's end of the gang), so a
-manager killed at any point restarts with a gang that matches its leases. A row that cannot be read back is set
-aside into `quarantine` (quarantine.py), each row on its own: the others load. A failed GPU's row in `gpu_health` is
-written before its leases are reclaimed and deleted only when it is marked healthy (gpu_board.py invariant 4).
-A write the database refuses (its disk full, an I/O error, the database locked or away) rolls back whole and raises
-`TableUnwritable`, a typed `unavailable` reply: nothing changed, and the same write works once the condition ends.
+worker thread every CHECKPOINT_EVERY writes. Another database (a Postgres URL: each call a network round trip) keeps
+every call on the one worker thread. Either way writes go in the order they were made. A row is written before the
+change it records is acted on (a new epoch is durable before read-write access is granted). A gang's row is written
+in the same transaction as the lease rows its change goes with (a takeover's new owners, epochs and generation; a
+reclaim's end of the gang), so a manager killed at any point restarts with a gang that matches its leases. A row
+that cannot be read back is set aside into `quarantine` (quarantine.py), each row on its own: the others load. A
+failed GPU's row in `gpu_health` is written before its leases are reclaimed and deleted only when it is marked
+healthy (gpu_board.py invariant 4). A write the database refuses (its disk full, an I/O error, the database locked
+or away) rolls back whole and raises `TableUnwritable`, a typed `unavailable` reply: nothing changed, and the same
+write works once the condition ends.
 """
 
 from __future__ import annotations
