@@ -10,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+from devstack.simcluster import SimulatedCluster
 from libs.common import procs
 from libs.common.bus import MAX_DELIVER, Bus
 from libs.common.bus.durable import RETRY_MAX_S, retry_after
@@ -29,6 +30,12 @@ async def _resolved(store: Store, inc_id: str) -> IncidentRecord | None:
     return rec if rec is not None and rec.state is IncidentState.RESOLVED else None
 
 
+async def _wait_resolved(store: Store, sim: SimulatedCluster, victim: str, what: str) -> None:
+    """Until the incident of `victim`'s current generation (failed by the caller) is resolved."""
+    inc_id = incident_id_for(victim, sim.engines[victim].generation)
+    await wait_for(lambda: _resolved(store, inc_id), timeout=40, what=what)
+
+
 async def test_a_fault_sent_during_a_long_etcd_stall_opens_its_incident_once_etcd_is_back(
         bus: Bus, stall_store: Store, stall_settings: CommonSettings, own_etcd: procs.Child,  # noqa: F811
         tmp_path: Path) -> None:
@@ -44,8 +51,7 @@ async def test_a_fault_sent_during_a_long_etcd_stall_opens_its_incident_once_etc
             await asyncio.sleep(STALL_S)
         finally:
             os.kill(own_etcd.pid, signal.SIGCONT)
-        inc_id = incident_id_for(victim, sim.engines[victim].generation)
-        await wait_for(lambda: _resolved(store, inc_id), timeout=40, what="the incident of the fault sent in the stall")
+        await _wait_resolved(store, sim, victim, "the incident of the fault sent in the stall")
         assert children["c1"].alive() and children["dcm"].alive()
 
 
@@ -70,8 +76,7 @@ async def test_services_started_while_etcd_is_stalled_wait_for_it_and_then_serve
         await healthy(bus, "dc_manager", env.get("HF_DATACENTER", "dc-1"))
         victim = sim.engine_id("n0000", 1)
         await sim.fail(victim)
-        inc_id = incident_id_for(victim, sim.engines[victim].generation)
-        await wait_for(lambda: _resolved(store, inc_id), timeout=40, what="an incident once etcd was back")
+        await _wait_resolved(store, sim, victim, "an incident once etcd was back")
         assert children["c1"].alive() and children["dcm"].alive()
         assert "still trying" in (tmp_path / "c1.log").read_text()  # it said why it was not up
     finally:
