@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engines.batched.block_manager import blocks_except
 from engines.batched.drain import Mark, Pending
 from engines.batched.journal import Entry, Journal
 from libs.common import procs
@@ -54,7 +55,7 @@ def plan(entries: Iterable[Entry], pend: Pending, *, free_slots: Iterable[int], 
         full = e.computed // block_size  # blocks wholly below `computed` (rule 1)
         (dropped if any(b in pend.blocks for b in e.block_table[:full]) else kept).append(e)
     used = {b for e in kept for b in e.block_table}
-    free_blocks = deque(b for b in range(num_blocks) if b not in used and b not in pend.blocks)
+    free_blocks = blocks_except(num_blocks, used | pend.blocks)
     slots = deque(free_slots)
     out: list[Entry] = []
     copies: list[tuple[int, int]] = []

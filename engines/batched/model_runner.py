@@ -521,6 +521,8 @@ class ModelRunner:
     def capture_graphs(self, buckets: Sequence[int] | None = None) -> None:
         """Capture the decode graphs of `buckets` (default: all) not captured yet. May be called again for more:
         every graph reads the same staging buffer and shares one memory pool."""
+        if self.use_graphs and buckets is not None and set(buckets) & set(self.buckets) <= set(self._graphs):
+            return  # captured already (a prepared standby's, before its takeover): nothing to stage or wait for
         sizes = self._graph_inputs()
         n = self.buckets[-1]
         if getattr(self, "_gstage", None) is None:

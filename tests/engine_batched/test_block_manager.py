@@ -7,12 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engines.batched.block_manager import (
     AdoptionError,
     BlockAccountingError,
     BlockManager,
     OutOfBlocks,
+    blocks_except,
     chain_hash,
 )
 from engines.batched.sequence import Sequence
@@ -240,3 +243,10 @@ def test_adoption_keeps_the_hash_on_the_shared_block_when_a_duplicate_comes_firs
     bm.adopt([c, a, b])
     assert bm.block_hash(0) is not None and bm.block_hash(3) is None
     assert bm.cached_prefix(seq(4, [1, 2, 3, 4, 5])) == [0]
+
+
+@given(st.integers(0, 300), st.lists(st.integers(-5, 320), max_size=40))
+def test_blocks_except_is_every_other_block_in_order(num_blocks: int, taken: list[int]) -> None:
+    """The pool `adopt` and isolation.py rebuild: every id below num_blocks that is not taken, ascending (ids out of
+    range ignored)."""
+    assert list(blocks_except(num_blocks, taken)) == [b for b in range(num_blocks) if b not in set(taken)]
