@@ -16,6 +16,7 @@ starts as a cold successor group does (`load_memory`).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from engines.batched.memory import (
     wait_fence,
 )
 from engines.batched.model_runner import ModelRunner
+from engines.batched.rehearsal import prompts, rehearse, scratch
 from engines.batched.scheduler import Scheduler, SchedulerConfig
 from engines.batched.sleep import install as install_sleep
 from engines.batched.standby import await_assignment
@@ -60,6 +62,7 @@ from libs.common.procs import ms_since
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2
+REHEARSAL_SEQS = 64  # a prepared standby's rehearsal (rehearsal.py): its requests, as many rows as a loaded step's
 
 
 
@@ -167,9 +170,34 @@ def prepare_runner(cfg: EngineConfig, mcfg: ModelConfig, memory: LeasedMemory,
     t0 = time.perf_counter()
     runner.warmup()  # placeholder content: garbage logits, nothing written (padding rows), nothing kept
     info = {**reserved.timings_ms, "graphs_ms": ms_since(t0), "buckets": runner.buckets if runner.use_graphs else []}
+    if cfg.rehearse == "on" or cfg.rehearse == "auto" and reserved.kv.device.type == "cuda":
+        info["rehearsal"] = rehearse_takeover(cfg, mcfg, reserved)
+        gc.collect()  # its engines' cycles, so that the cache below is given back with the rest
     if reserved.kv.device.type == "cuda":
         torch.cuda.empty_cache()  # the eager passes' blocks; the graphs' pool stays
     return reserved, runner, info
+
+
+def rehearse_takeover(cfg: EngineConfig, mcfg: ModelConfig, reserved: Loaded) -> dict[str, Any]:
+    """rehearsal.py: this configuration's engines over scratch memory beside the placeholder weights, with an eager
+    runner of their own; a failure is said and the standby stands by unrehearsed (rehearsal.py invariant 3)."""
+    try:
+        layout = reserved.layout
+        texts = prompts(max(1, min(cfg.max_num_seqs - 1, REHEARSAL_SEQS)), vocab=mcfg.vocab_size,
+                        budget=cfg.max_num_batched_tokens, chunk=cfg.prefill_chunk, max_len=layout.max_len, ahead=3)
+        mem = scratch(reserved, mcfg, texts, ahead=3)
+        runner = new_runner(cfg.model_copy(update={"cuda_graphs": False}), mcfg, mem)
+
+        def build(loaded: Loaded, *, mark: Any, pend: Pending | None) -> tuple[LLMEngine, dict[str, Any]]:
+            return build_engine(cfg, mcfg, loaded, loaded.layout, capture_now=False, runner=runner,
+                                mark=mark if isinstance(mark, DrainMark) else None, pend=pend)
+
+        played = rehearse(build, mem, texts, ahead=3)
+        log.info("the takeover rehearsed over scratch memory: %s", played)
+        return played
+    except Exception as e:  # noqa: BLE001 - only the rehearsal's warmth is lost
+        log.warning("the takeover's rehearsal failed (the standby stands by unrehearsed): %r", e)
+        return {"failed": repr(e)}
 
 
 def adopt_prepared(prepared: tuple[Loaded, ModelRunner, dict[str, Any]] | None,

@@ -7,6 +7,7 @@ A handed-on KV lease of another size lands elsewhere: the standby notices and bu
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import httpx
@@ -108,5 +109,45 @@ async def test_a_kv_lease_of_another_size_is_not_served_by_the_prepared_runner(
         reused, how = adopt_prepared(prepared, loaded)
         assert reused is None and how == "moved: 1 tensors"
         assert greedy(new_runner(cfg, mcfg, loaded), tokenizer.encode(PROMPT), TOKENS) == expected
+    finally:
+        memory.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_standby_that_rehearsed_its_takeover_serves_the_predecessors_tokens(
+        tmp_path: Path, tiny_weights: Path, gpu_manager: Path, settings_env: dict[str, str],  # noqa: F811
+        settings: CommonSettings, bus: Bus) -> None:
+    """rehearsal.py on the CPU (on by default on CUDA only): its three acts ran through over the placeholders (every
+    request recovered, adopted and claimed again), nothing of them runs on, and the takeover that follows serves the
+    predecessor's greedy tokens with the same runner."""
+    cfg, mcfg, memory, layout_of = _standby(gpu_manager, tiny_weights, "--rehearse", "on")
+    try:
+        prepared = prepare_runner(cfg, mcfg, memory, layout_of)
+        reserved, runner, info = prepared
+        played = info["rehearsal"]
+        assert "failed" not in played, played
+        # 7 of the journal's 8 slots (one left for the isolated row to move to), its pending block copied
+        assert played["recovered"] == played["adopted"] == played["claimed"] == 7 and played["copied"] == 1, played
+        assert not [t for t in threading.enumerate() if t.name == "engine-step"]
+        expected, token = await _served_then_frozen(tmp_path, tiny_weights, settings_env, bus, settings.node)
+        loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0, known=reserved)
+        assert adopt_prepared(prepared, loaded) == (runner, "reused")
+        assert greedy(runner, tokenizer.encode(PROMPT), TOKENS) == expected
+    finally:
+        memory.close()
+
+
+@pytest.mark.timeout(120)
+async def test_the_rehearsal_runs_beside_a_reservation_larger_than_its_placeholder(
+        tiny_weights: Path, gpu_manager: Path) -> None:  # noqa: F811
+    """A reservation's placeholder is one block mapped again and again (libs/client/mapping.py): a cache of 32k blocks
+    aliases its own journal there. The rehearsal runs over scratch memory of its own, so it plays through anyway (its
+    cache holds at least one sequence of the context, 2048 here: a scheduler refuses less)."""
+    cfg, mcfg, memory, layout_of = _standby(gpu_manager, tiny_weights, "--rehearse", "on", "--num-blocks", "32768",
+                                            "--max-model-len", "2048")
+    try:
+        _, _, info = prepare_runner(cfg, mcfg, memory, layout_of)
+        played = info["rehearsal"]
+        assert "failed" not in played and played["adopted"] == played["claimed"] == 7, played
     finally:
         memory.close()

@@ -31,6 +31,8 @@ async def test_graphs_captured_over_placeholders_replay_over_the_predecessors_me
         prepared = prepare_runner(cfg, mcfg, memory, layout_of)
         reserved, runner, info = prepared
         assert info["buckets"] == [1, 2, 4, 8] and runner._graph_for(1) == 1
+        played = info["rehearsal"]  # on CUDA by default (rehearsal.py): before the shadow, over the placeholders
+        assert "failed" not in played and played["claimed"] == 7 and played["copied"] == 1, played
         graph = runner._graphs[1]
         expected, token = await _served_then_frozen(tmp_path, tiny_weights, env, bus, settings.node, *CUDA)
         loaded = memory.takeover(mcfg, "bat-pred", token, layout_of, 30.0)
