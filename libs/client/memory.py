@@ -398,11 +398,11 @@ class MemoryClient:
                 self._reconnect_locked()
             return self.sock is not None
 
-    def _map(self, body: dict[str, Any], fds: list[int], *, into_reserved: bool = False,
+    def _map(self, reply: p.GrantReply, fds: list[int], *, into_reserved: bool = False,
              per_lease: dict[str, list[Any]] | None = None) -> list[MappedLease]:
         """The grant's leases mapped here. `per_lease`, when given, gets each lease's ("<tag>:<name>") [how ("held":
         a mapping this process had already, a shadow taken over; else "mapped"), its chunks, ms]."""
-        grants = p.GrantReply.model_validate(body).leases
+        grants = reply.leases
         out, i = [], 0
         try:
             for g in grants:
@@ -502,7 +502,7 @@ class MemoryClient:
         """`host`: host memory (a memfd) on any backend, mapped here as the host backend's leases are."""
         body, fds = self._call(p.Allocate(gpu=gpu, size=nbytes, tag=tag, name=name, chunk_size=chunk_size,  # type: ignore[arg-type]
                                           host=host))
-        return self._map(body, fds)[0]
+        return self._map(p.GrantReply.model_validate(body), fds)[0]
 
     def register(self, metas: Sequence[TensorMeta]) -> None:
         epochs = {}
@@ -573,7 +573,7 @@ class MemoryClient:
         t0 = time.perf_counter()
         body, fds = self._call(req)
         self.last_gang = p.GangView.model_validate(body["gang"]) if body.get("gang") is not None else None
-        att = Attachment(self._map(body, fds))
+        att = Attachment(self._map(p.GrantReply.model_validate(body), fds))
         self.last_timings_ms = {"request_ms": round((time.perf_counter() - t0) * 1000, 3)}
         return att
 
@@ -596,11 +596,13 @@ class MemoryClient:
         body, fds = self._call(req)
         t1 = time.perf_counter()
         per_lease: dict[str, list[Any]] = {}
-        att = Attachment(self._map(body, fds, into_reserved=into_reserved, per_lease=per_lease),
-                         p.GrantReply.model_validate(body).fence)
+        reply = p.GrantReply.model_validate(body)
+        att = Attachment(self._map(reply, fds, into_reserved=into_reserved, per_lease=per_lease), reply.fence)
         t2 = time.perf_counter()
         self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3),
                                 "leases": per_lease}
+        if reply.manager_ms:  # of request_ms: the manager's wait for its lease table and its grant; the rest is the
+            self.last_timings_ms["manager_ms"] = reply.manager_ms  # socket's, the frames' and this process's
         adopted = [a for a in (lease.mapping.adopt_ms for lease in att.leases) if a is not None]
         for lease in att.leases:
             lease.mapping.adopt_ms = None
@@ -622,7 +624,7 @@ class MemoryClient:
         t0 = time.perf_counter()
         body, fds = self._call(p.RestoreReq(artifact=artifact, gpu=gpu, sources=list(sources)))  # type: ignore[arg-type]
         reply = p.GrantReply.model_validate(body)
-        lease = self._map(body, fds)[0]
+        lease = self._map(reply, fds)[0]
         self.last_restore = {"source": reply.source, **(reply.restore or {}),
                              "request_s": round(time.perf_counter() - t0, 4)}
         if reply.peer is not None:

@@ -354,6 +354,8 @@ class GrantReply(Msg):
     peer: PeerServed | None = None  # restore from a peer: the lease it was copied from
     passed: list[str] = []  # restore: why a faster source was not used (a peer refused or lost mid-copy)
     fence: list[FencePid] = []  # a fenced takeover: the stopped predecessors not yet gone at the grant
+    # a takeover: the manager's own part of the request's time (its wait for the lease table, its checks and commit)
+    manager_ms: dict[str, float] = {}
 
 
 class Ask(Msg):

@@ -314,10 +314,11 @@ class EngineSession:
         if isinstance(req, TakeoverReq):
             t0 = time.perf_counter()
             recs, fence = await self.takeover(req, peer)
-            granted = self._grant(recs, fence=fence)
+            took = {"lock_wait_ms": round(self.lock_wait_ms, 3), "grant_ms": round((time.perf_counter() - t0) * 1000, 3)}
+            granted = self._grant(recs, fence=fence, manager_ms=took)
             log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit) after %.2f ms "
                      "waiting for the lease table%s", req.predecessor, len(recs), len(granted[1]), peer.engine_id,
-                     peer.pid, (time.perf_counter() - t0) * 1000, self.lock_wait_ms,
+                     peer.pid, took["grant_ms"], self.lock_wait_ms,
                      f", fenced on pids {[f.pid for f in fence]}" if fence else "")
             return granted
         if isinstance(req, ShareReq):
@@ -603,8 +604,8 @@ class EngineSession:
         reply.update(source=source)
         return reply, fds
 
-    def _grant(self, records: list[LeaseRecord], *, read_only: bool = False,
-               fence: list[FencePid] | None = None) -> tuple[dict[str, Any], list[int]]:
+    def _grant(self, records: list[LeaseRecord], *, read_only: bool = False, fence: list[FencePid] | None = None,
+               manager_ms: dict[str, float] | None = None) -> tuple[dict[str, Any], list[int]]:
         if records and not read_only:  # this process owns them now: its exit is seen at once (forget_pid)
             self.book.watch_pid(self.pid)
         grants, fds = [], []
@@ -613,7 +614,7 @@ class EngineSession:
             fds.extend(rec_fds)
             grants.append(LeaseGrant(lease=rec.info, nfds=len(rec_fds), gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),
                                      tensors=list(rec.tensors.values()), read_only=read_only))
-        return ok(GrantReply(leases=grants, fence=fence or [])), fds
+        return ok(GrantReply(leases=grants, fence=fence or [], manager_ms=manager_ms or {})), fds
 
 
 async def _within(recv: Any, seconds: float, why: str) -> Any:

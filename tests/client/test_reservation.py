@@ -45,6 +45,10 @@ async def test_a_view_made_over_a_reservation_before_the_takeover_reads_the_hand
         lease = att.leases[0]
         assert lease.id == wrote["lease"] and lease.ptr == res.ptr  # mapped into the reservation
         assert client.last_timings_ms["reserved"] == 1 and client.reservations == []
+        # the manager's own part of the request: its wait for the lease table and its grant, within the request
+        manager_ms = client.last_timings_ms["manager_ms"]
+        assert set(manager_ms) == {"lock_wait_ms", "grant_ms"} and min(manager_ms.values()) >= 0
+        assert sum(manager_ms.values()) <= client.last_timings_ms["request_ms"]
         assert hashlib.sha256(early.numpy().tobytes()).hexdigest() == wrote["expected"]
         assert _placeholder_mappings() == 0  # the placeholder gave way page for page
 

@@ -84,7 +84,7 @@ def test_a_chunk_size_past_64_bits_is_refused_and_the_engines_leases_stay_granta
         assert reply["ok"] is False and reply["error"]["code"] == "malformed", reply
         assert "chunk_size" in reply["error"]["message"]
         assert _ask(s, {"op": "attach"}) == {"ok": True, "leases": [], "gang": None, "source": None, "restore": None,
-                                             "peer": None, "passed": [], "fence": []}
+                                             "peer": None, "passed": [], "fence": [], "manager_ms": {}}
         reply = _ask(s, {"op": "allocate", "size": MAX_LEASE_BYTES + 1})
         assert reply["error"]["code"] == "malformed", reply
         good = _ask(s, {"op": "allocate", "size": 4096, "chunk_size": 8192})
