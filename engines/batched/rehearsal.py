@@ -13,8 +13,8 @@ the largest gap end to end, did not move beyond the spread.
 
 So the standby plays a takeover through once, with the very code a successor runs (`build`: __main__.py
 `build_engine`, the one path), over scratch memory of its own (`scratch`): a small KV cache and journal of the
-configuration's block size and context, beside the weights' placeholder (its content is garbage: nothing read from
-it matters). Not over the reservations: their placeholder is one block of memory mapped again and again
+configuration's block size (its context: the longest prompt's and what it makes), beside the weights' placeholder
+(its content is garbage: nothing read from it matters). Not over the reservations: their placeholder is one block of memory mapped again and again
 (libs/client/mapping.py), so the cache's writes would land in the journal. Its runner is eager (the prepared
 runner's graphs are bound to the reservations), so the eager kernels of a mixed step run at the step budget.
 1. serve: an engine over the scratch memory (its journal formatted, a drain mark over a page of its own) takes `n`
@@ -115,11 +115,13 @@ def prompts(n: int, *, vocab: int, budget: int, chunk: int, max_len: int, ahead:
 
 
 def scratch(like: Loaded, mcfg: ModelConfig, texts: list[list[int]], ahead: int) -> Loaded:
-    """A cache and journal of `like`'s block size and context, just large enough for `texts` and what they generate
-    (and a free slot and block for each to move to), beside `like`'s weights: the rehearsal's memory."""
-    bs, max_len = like.layout.block_size, like.layout.max_len
-    # and at least one whole context's (a scheduler refuses a cache that cannot hold one sequence of max_len)
-    blocks = max(sum(-(-(len(t) + 4 * ahead + 1) // bs) + 1 for t in texts), -(-max_len // bs) + 1)
+    """A cache and journal of `like`'s block size, just large enough for `texts` and what they generate (and a free
+    slot and block for each to move to), beside `like`'s weights: the rehearsal's memory. Its context is the longest
+    text's and what it generates, not the configuration's: a scheduler refuses a cache that cannot hold one sequence
+    of its context, and one of a 128k context would be gigabytes beside a serving engine."""
+    bs = like.layout.block_size
+    max_len = -(-(max(len(t) for t in texts) + 4 * ahead + 1) // bs) * bs
+    blocks = max(sum(-(-(len(t) + 4 * ahead + 1) // bs) + 1 for t in texts), max_len // bs + 1)
     layout = JournalLayout(block_size=bs, num_blocks=blocks, slots=len(texts) + 1, max_len=max_len)
     dev = like.kv.device
     kv = torch.zeros(kv_shape(mcfg, blocks, bs), dtype=like.kv.dtype, device=dev)
@@ -189,9 +191,9 @@ def rehearse(build: Callable[..., tuple[LLMEngine, dict[str, Any]]], mem: Loaded
             torch.cuda.synchronize(mem.kv.device)
             pinned = warm_pinned()
         return {"ms": ms_since(t0), "serve_ms": t_serve, "isolate_ms": t_isolate, "takeover_ms": ms_since(t2),
-                "recovered": len(entries), "copied": copied, "adopted": adopted.get("adopted", 0),
-                "claimed": successor.counters.claimed, "tokens": sum(len(s.tokens) for s in sinks + again),
-                "pinned_bytes": pinned}
+                "cache_blocks": layout.num_blocks, "context": layout.max_len, "recovered": len(entries),
+                "copied": copied, "adopted": adopted.get("adopted", 0), "claimed": successor.counters.claimed,
+                "tokens": sum(len(s.tokens) for s in sinks + again), "pinned_bytes": pinned}
     finally:
         for m in marks:
             m.stop()

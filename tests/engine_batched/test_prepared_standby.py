@@ -141,13 +141,15 @@ async def test_a_standby_that_rehearsed_its_takeover_serves_the_predecessors_tok
 async def test_the_rehearsal_runs_beside_a_reservation_larger_than_its_placeholder(
         tiny_weights: Path, gpu_manager: Path) -> None:  # noqa: F811
     """A reservation's placeholder is one block mapped again and again (libs/client/mapping.py): a cache of 32k blocks
-    aliases its own journal there. The rehearsal runs over scratch memory of its own, so it plays through anyway (its
-    cache holds at least one sequence of the context, 2048 here: a scheduler refuses less)."""
+    aliases its own journal there. The rehearsal runs over scratch memory of its own, so it plays through anyway; its
+    context is its prompts' (a scheduler refuses a cache that cannot hold one sequence of its context: the
+    configuration's 2048 would have made it larger than its prompts need)."""
     cfg, mcfg, memory, layout_of = _standby(gpu_manager, tiny_weights, "--rehearse", "on", "--num-blocks", "32768",
                                             "--max-model-len", "2048")
     try:
         _, _, info = prepare_runner(cfg, mcfg, memory, layout_of)
         played = info["rehearsal"]
         assert "failed" not in played and played["adopted"] == played["claimed"] == 7, played
+        assert played["context"] < 2048 and played["cache_blocks"] < 2048 // 16, played  # its prompts' size
     finally:
         memory.close()
