@@ -422,7 +422,9 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
             "held_released_after_ready_ms": [released_after_ready(h.get("recovery") or {}) for h in succ],
             # where its time went: the slowest steps with their make-up, and its first tokens' phases
             "step_times": [e.get("step_times") for e in eng],
-            "first_token_phases_ms": [h.get("first_token_phases_ms") for h in succ]}
+            "first_token_phases_ms": [h.get("first_token_phases_ms") for h in succ],
+            # what it prepared as a standby: reservations, graphs, its rehearsal of a takeover (or why it failed)
+            "prepared": [h.get("prepared") for h in succ]}
         out["router_loop_late"] = [r.get("router_loop_late") for r in rounds]
         out["timeline_ms"] = [dict(sorted(((k, round(v, 1)) for k, v in r["timeline_ms"].items() if v is not None),
                                           key=lambda kv: kv[1]))

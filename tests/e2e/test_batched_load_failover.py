@@ -34,6 +34,10 @@ async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_
     # at the takeover, and the runner built over the reservations served (engines/batched/standby.py)
     assert report["shadow"] and succ["recovery"][0]["shadowed"]
     assert succ["recovery"][0]["memory_ms"]["reserved"] == 0 and succ["recovery"][0]["prepared_runner"] == "reused"
+    # of its takeover request, the gpu_manager's own part (its wait for the lease table and its grant)
+    assert set(succ["recovery"][0]["memory_ms"]["manager_ms"]) == {"lock_wait_ms", "grant_ms"}
+    # what it prepared as a standby, in the report; no rehearsal on the CPU by default (engines/batched/rehearsal.py)
+    assert succ["prepared"][0]["buckets"] == [] and "rehearsal" not in succ["prepared"][0]
     # the route-out named the shadow the likely successor, and the router sent it requests before it was added
     # (services/router/sync.py `_promise`; the standby held them until it served: engines/batched/server.py)
     assert "router promised" in failed["timeline_ms"][0]
