@@ -184,15 +184,14 @@ def rehearse_takeover(cfg: EngineConfig, mcfg: ModelConfig, reserved: Loaded) ->
     try:
         layout = reserved.layout
         texts = prompts(max(1, min(cfg.max_num_seqs - 1, REHEARSAL_SEQS)), vocab=mcfg.vocab_size,
-                        budget=cfg.max_num_batched_tokens, chunk=cfg.prefill_chunk, max_len=layout.max_len, ahead=3)
-        mem = scratch(reserved, mcfg, texts, ahead=3)
+                        budget=cfg.max_num_batched_tokens, chunk=cfg.prefill_chunk, max_len=layout.max_len)
+        mem = scratch(reserved, mcfg, texts)
         runner = new_runner(cfg.model_copy(update={"cuda_graphs": False}), mcfg, mem)
 
-        def build(loaded: Loaded, *, mark: Any, pend: Pending | None) -> tuple[LLMEngine, dict[str, Any]]:
-            return build_engine(cfg, mcfg, loaded, loaded.layout, capture_now=False, runner=runner,
-                                mark=mark if isinstance(mark, DrainMark) else None, pend=pend)
+        def build(loaded: Loaded, *, mark: DrainMark | None, pend: Pending | None) -> tuple[LLMEngine, dict[str, Any]]:
+            return build_engine(cfg, mcfg, loaded, loaded.layout, capture_now=False, runner=runner, mark=mark, pend=pend)
 
-        played = rehearse(build, mem, texts, ahead=3)
+        played = rehearse(build, mem, texts)
         log.info("the takeover rehearsed over scratch memory: %s", played)
         return played
     except Exception as e:  # noqa: BLE001 - only the rehearsal's warmth is lost

@@ -105,7 +105,7 @@ class EngineConfig(TensorParallelSettings, BaseSettings):
     shadow: bool = Field(True, description="a prepared standby maps the engine the agent names (its weights and KV "
                          "cache) into its reservations before any failure (standby.py): the takeover maps nothing")
     rehearse: Literal["auto", "on", "off"] = Field(
-        "auto", description="a prepared standby plays a takeover through once over its own placeholder memory before "
+        "auto", description="a prepared standby plays a takeover through once over scratch memory of its own before "
         "it shadows anyone (rehearsal.py): the kernels and code of a successor's first steps run before a failure, "
         "not on its path; auto: on CUDA (lazy kernel loading), not on the CPU")
 

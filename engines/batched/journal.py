@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engines.batched.drain import NO_MARK, Mark
+from libs.common.procs import ms_since
 
 MAGIC = 0x484F4C444A524E4C  # "HOLDJRNL"
 VERSION = 1
@@ -234,7 +235,7 @@ class Journal:
         toks = self.tokens[:, :span].cpu().numpy()
         blocks = self.blocks[:, :-(-span // self.layout.block_size)].cpu().numpy()
         ids = self.ids.cpu().numpy()
-        self.read_ms = round((time.perf_counter() - t0) * 1000, 3)  # of `recover`: the copies from the device
+        self.read_ms = ms_since(t0)  # of `recover`: the copies from the device
         out: list[Entry] = []
         dropped = 0
         for slot in used:

@@ -521,7 +521,9 @@ class ModelRunner:
     def capture_graphs(self, buckets: Sequence[int] | None = None) -> None:
         """Capture the decode graphs of `buckets` (default: all) not captured yet. May be called again for more:
         every graph reads the same staging buffer and shares one memory pool."""
-        if self.use_graphs and buckets is not None and set(buckets) & set(self.buckets) <= set(self._graphs):
+        want = sorted(set(self.buckets if buckets is None else buckets) & set(self.buckets) - set(self._graphs),
+                      reverse=True)
+        if self.use_graphs and buckets is not None and not want:
             return  # captured already (a prepared standby's, before its takeover): nothing to stage or wait for
         sizes = self._graph_inputs()
         n = self.buckets[-1]
@@ -537,8 +539,6 @@ class ModelRunner:
             meta = AttnMeta([0, 1], [0], table[:1], ctx[:1], decode_only=True)
             self._forward(tok[:1], pos[:1], slot[:1], meta, None)
             return
-        want = sorted(set(self.buckets if buckets is None else buckets) & set(self.buckets) - set(self._graphs),
-                      reverse=True)
         for b in want:
             meta = AttnMeta([], [], table[:b], ctx[:b], decode_only=True)
             self._forward(tok[:b], pos[:b], slot[:b], meta, None)  # compiles, tunes, allocates outside the graph

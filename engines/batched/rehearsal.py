@@ -46,7 +46,7 @@ import torch
 
 from engines.batched import isolation
 from engines.batched.cache_units import kv_shape
-from engines.batched.drain import NO_MARK, DrainMark, Mark, PageLayout, Pending
+from engines.batched.drain import NO_MARK, DrainMark, PageLayout, Pending
 from engines.batched.engine import LLMEngine
 from engines.batched.journal import Journal, JournalLayout
 from engines.batched.live import Request
@@ -55,6 +55,7 @@ from engines.reference.config import ModelConfig
 from libs.common.procs import ms_since
 
 WAIT_S = 60.0  # an act that has not ended by then raises: a standby that cannot run its own steps is not ready
+AHEAD = 3  # tokens each request makes in each act (4 * AHEAD at most in all)
 
 
 class _Sink:
@@ -103,7 +104,7 @@ def _run(engine: LLMEngine, requests: list[Request], done: threading.Event, act:
         raise RuntimeError(f"the rehearsal's {act} failed: {engine.fatal!r}") from engine.fatal
 
 
-def prompts(n: int, *, vocab: int, budget: int, chunk: int, max_len: int, ahead: int,
+def prompts(n: int, *, vocab: int, budget: int, chunk: int, max_len: int, ahead: int = AHEAD,
             seed: int = 0) -> list[list[int]]:
     """`n` prompts of random tokens: together about the step budget, the first one over two prefill chunks (so that
     a prefill is cut into chunks); each leaves room in `max_len` for what it generates (4 * `ahead`)."""
@@ -114,7 +115,7 @@ def prompts(n: int, *, vocab: int, budget: int, chunk: int, max_len: int, ahead:
     return [[rng.randrange(1, vocab) for _ in range(k)] for k in lengths]
 
 
-def scratch(like: Loaded, mcfg: ModelConfig, texts: list[list[int]], ahead: int) -> Loaded:
+def scratch(like: Loaded, mcfg: ModelConfig, texts: list[list[int]], ahead: int = AHEAD) -> Loaded:
     """A cache and journal of `like`'s block size, just large enough for `texts` and what they generate (and a free
     slot and block for each to move to), beside `like`'s weights: the rehearsal's memory. Its context is the longest
     text's and what it generates, not the configuration's: a scheduler refuses a cache that cannot hold one sequence
@@ -139,7 +140,7 @@ def warm_pinned(largest: int = 8 << 20, each: int = 4) -> int:
 
 
 def rehearse(build: Callable[..., tuple[LLMEngine, dict[str, Any]]], mem: Loaded, texts: list[list[int]], *,
-             ahead: int = 3) -> dict[str, Any]:
+             ahead: int = AHEAD) -> dict[str, Any]:
     """The three acts (module doc) over `mem` (`scratch`), one request a prompt of `texts`; `build(loaded, mark=,
     pend=)` makes an engine over `loaded` (and its adoption's info). What each act took, recovered, adopted."""
     layout = mem.layout
@@ -148,9 +149,9 @@ def rehearse(build: Callable[..., tuple[LLMEngine, dict[str, Any]]], mem: Loaded
     t0 = time.perf_counter()
     marks: list[DrainMark] = []  # each engine's own, as each engine opens its own (drain.py: on CUDA only)
 
-    def new_mark(gen: int) -> Mark:
+    def new_mark(gen: int) -> DrainMark | None:
         if mem.kv.device.type != "cuda":
-            return NO_MARK
+            return None
         marks.append(DrainMark(torch.zeros(pages.numel, dtype=torch.int64), mem.kv.device, pages, gen))
         return marks[-1]
 

@@ -574,7 +574,7 @@ class MemoryClient:
         body, fds = self._call(req)
         self.last_gang = p.GangView.model_validate(body["gang"]) if body.get("gang") is not None else None
         att = Attachment(self._map(p.GrantReply.model_validate(body), fds))
-        self.last_timings_ms = {"request_ms": round((time.perf_counter() - t0) * 1000, 3)}
+        self.last_timings_ms = {"request_ms": ms_since(t0)}
         return att
 
     def unshare(self) -> None:

@@ -89,7 +89,7 @@ from libs.common.errors import (
     StaleEpoch,
 )
 from libs.common.events import LeaseState
-from libs.common.procs import stopped
+from libs.common.procs import ms_since, stopped
 from libs.common.wire import FrameStream, FrameTooLarge, PeerClosed, close_fds, encode_payload
 from services.gpu_manager.backends import exhausted_error
 from services.gpu_manager.fsm import HELD, LIVE, LeaseEvent
@@ -282,7 +282,7 @@ class EngineSession:
                 return await self.gang_takeover(req, self.peer)
             t_lock = time.perf_counter()
             async with self.book.lock:
-                self.lock_wait_ms = (time.perf_counter() - t_lock) * 1000  # for the takeover's log line
+                self.lock_wait_ms = ms_since(t_lock)  # for the takeover's log line and reply
                 return await self._dispatch(req, self.peer)
         except HoldfastError as e:
             if isinstance(e, MalformedMessage):
@@ -314,7 +314,7 @@ class EngineSession:
         if isinstance(req, TakeoverReq):
             t0 = time.perf_counter()
             recs, fence = await self.takeover(req, peer)
-            took = {"lock_wait_ms": round(self.lock_wait_ms, 3), "grant_ms": round((time.perf_counter() - t0) * 1000, 3)}
+            took = {"lock_wait_ms": self.lock_wait_ms, "grant_ms": ms_since(t0)}
             granted = self._grant(recs, fence=fence, manager_ms=took)
             log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit) after %.2f ms "
                      "waiting for the lease table%s", req.predecessor, len(recs), len(granted[1]), peer.engine_id,
