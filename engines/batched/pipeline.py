@@ -39,20 +39,33 @@ class StepTimes:
     /health (the stalls a stream sees are the step thread's slowest passes)."""
 
     KEEP = 8
+    FIRST = 4  # the first passes kept whole: a recovered engine's first steps are its streams' first tokens
     LOG_MS = 50.0  # a pass this long is logged with its make-up (a stall every stream in decode sees)
 
     def __init__(self) -> None:
         self.total: dict[str, float] = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "resolve": 0.0}
         self.steps = 0
         self.slowest: list[dict[str, Any]] = []
+        self.origin = time.perf_counter()  # the pipeline's making (an engine's start, a recovery's adoption)
+        self.origin_wall = time.time()  # the same moment on the wall clock: the first passes on a failover's timeline
+        self.first: list[dict[str, Any]] = []  # each of the first passes: its phases and when it ended
+        self._pass: dict[str, float] = {}  # the phases of the pass under way (an overlapped step's launch included)
 
     def add(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
-        self.total[phase] += (now - t0) * 1000
+        ms = (now - t0) * 1000
+        self.total[phase] += ms
+        if self.steps < self.FIRST:
+            self._pass[phase] = self._pass.get(phase, 0.0) + ms
         return now
 
     def step(self, ms: float, rows: int, prefill_tokens: int, graph: bool) -> None:
         self.steps += 1
+        if self.steps <= self.FIRST:
+            self.first.append({"at_step": self.steps, "ms": round(ms, 2), "rows": rows, "prefill_tokens": prefill_tokens,
+                               "decode_only": graph, "ended_ms": round((time.perf_counter() - self.origin) * 1000, 2),
+                               **{k: round(v, 2) for k, v in self._pass.items()}})
+            self._pass = {}
         if ms > self.LOG_MS:
             log.info("slow step %d: %.1f ms, %d rows, %d prefill tokens", self.steps, ms, rows, prefill_tokens)
         if len(self.slowest) < self.KEEP or ms > self.slowest[-1]["ms"]:
@@ -63,7 +76,7 @@ class StepTimes:
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.steps, "total_ms": {k: round(v, 1) for k, v in self.total.items()},
-                "slowest": self.slowest}
+                "slowest": self.slowest, "first": self.first, "origin_wall": self.origin_wall}
 
 
 @dataclass
