@@ -92,6 +92,20 @@ def exit_on_lease_lost(lease_id: str, why: str) -> None:
     os._exit(75)
 
 
+
+def manager_split(took: dict[str, float], sent_wall: float, request_ms: float) -> dict[str, float]:
+    """A grant's request time split by the manager's own marks (session.py): `to_manager_ms`, from this send until
+    the manager had read the frame (the socket, and its event loop's other work first); its `parsed_ms`,
+    `lock_wait_ms` and `grant_ms`; `back_ms`, the rest (the reply encoded, sent with its fds, read and decoded
+    here). Same host, one clock; without `read_wall` (an older manager) the marks are passed on as they came."""
+    read_wall = took.get("read_wall")
+    if read_wall is None:
+        return dict(took)
+    there = round(max(0.0, (read_wall - sent_wall) * 1000), 3)
+    inside = sum(took.get(k, 0.0) for k in ("parsed_ms", "lock_wait_ms", "grant_ms"))
+    return {"to_manager_ms": there, **{k: v for k, v in took.items() if k != "read_wall"},
+            "back_ms": round(max(0.0, request_ms - there - inside), 3)}
+
 class MappedRange:
     """Views over a mapping: what a lease mapped here (`MappedLease`) and addresses kept for one (`Reservation`)
     have alike. `owner_id` is the lease id the views' metadata names."""
@@ -411,10 +425,15 @@ class MemoryClient:
                 i += g.nfds
                 shadow = self.shared.pop(g.lease.id, None)
                 held = shadow if shadow is not None else self.leases.get(g.lease.id)
+                if g.held and (held is None or g.read_only):
+                    raise errors.MalformedMessage(f"lease {g.lease.id} was granted as mapped here already, and it is not")
                 if held is not None and not g.read_only:
                     # A lease this process already maps (a shadow it now takes over, or its own lease granted
-                    # again): the same memory, and every view of it (a model built over it) stays valid.
-                    held.info, held.tensor_metas = g.lease, list(g.tensors)
+                    # again): the same memory, and every view of it (a model built over it) stays valid. Granted
+                    # `held`, its tensors are those it was shared with (the same committed layout).
+                    held.info = g.lease
+                    if not g.held:
+                        held.tensor_metas = list(g.tensors)
                     if str(g.lease.tag) != "weights":  # weights a shadow mapped read-only stay so (never written)
                         held.mapping.writable()
                     self.shadow_reservations.pop(held.id, None)  # its range is the lease's now, not a reservation's
@@ -535,8 +554,9 @@ class MemoryClient:
         through these leases before every process of `Attachment.fence` has exited (`procs.wait_gone`).
         `cold_weights`: this engine loads the weights itself, so a set of KV backups alone is handed over too."""
         before = len(self.reservations)
+        held = {lease.id: lease.info.layout_hash for lease in self.shared.values() if lease.info.layout_hash}
         att = self._timed(p.TakeoverReq(predecessor=predecessor, transfer_token=transfer_token, fenced=fenced,
-                                        cold_weights=cold_weights), into_reserved=True)
+                                        cold_weights=cold_weights, held=held), into_reserved=True)
         self.last_timings_ms["reserved"] = before - len(self.reservations)
         t0 = time.perf_counter()
         self.free_reservations()
@@ -592,7 +612,7 @@ class MemoryClient:
     def _timed(self, req: p.Msg, *, into_reserved: bool = False) -> Attachment:
         """attach/takeover, with where the time went in `last_timings_ms` (request: the manager's checks,
         its one commit and the fds; map: mapping every chunk here)."""
-        t0 = time.perf_counter()
+        t0, sent_wall = time.perf_counter(), time.time()
         body, fds = self._call(req)
         t1 = time.perf_counter()
         per_lease: dict[str, list[Any]] = {}
@@ -601,8 +621,8 @@ class MemoryClient:
         t2 = time.perf_counter()
         self.last_timings_ms = {"request_ms": round((t1 - t0) * 1000, 3), "map_ms": round((t2 - t1) * 1000, 3),
                                 "leases": per_lease}
-        if reply.manager_ms:  # of request_ms: the manager's wait for its lease table and its grant; the rest is the
-            self.last_timings_ms["manager_ms"] = reply.manager_ms  # socket's, the frames' and this process's
+        if reply.manager_ms:  # of request_ms: the manager's part (manager_split)
+            self.last_timings_ms["manager_ms"] = manager_split(reply.manager_ms, sent_wall, (t1 - t0) * 1000)
         adopted = [a for a in (lease.mapping.adopt_ms for lease in att.leases) if a is not None]
         for lease in att.leases:
             lease.mapping.adopt_ms = None

@@ -176,6 +176,9 @@ class TakeoverReq(Msg):
     # the successor loads the weights itself: a frozen set of KV backups alone (Freeze `backups_only`) is handed
     # over too; without it such a set is refused (`IncompleteLeaseSet`), as one it could not run from
     cold_weights: bool = False
+    # leases the successor maps already (a standby's shadow), by the layout hash it mapped them with: each one
+    # whose committed layout is still that one is granted without its fds or tensors (`LeaseGrant.held`)
+    held: dict[str, str] = Field(default_factory=dict)
 
 
 class FencePid(Msg):
@@ -319,6 +322,9 @@ class LeaseGrant(Msg):
     gpu_uuid: str | None = None
     tensors: list[TensorMeta] = Field(default_factory=list)
     read_only: bool = False  # a shadow's view (share): map it read-only, it is not this engine's lease
+    # the requester maps this lease already, with this very layout (TakeoverReq `held`): no fds, no tensors sent;
+    # it keeps its mapping and the tensors it was shared with
+    held: bool = False
 
 
 class HelloReply(Msg):

@@ -161,6 +161,7 @@ class EngineSession:
         self.pid, self.uid = creds.pid, creds.uid
         self.peer: Peer | None = None
         self.lock_wait_ms = 0.0  # how long the last request under the lease table's lock waited for it
+        self.read_at = (0.0, 0.0)  # when the last frame was read whole: (perf_counter, wall clock)
         self.hello_by = asyncio.get_running_loop().time() + book.settings.hello_timeout_s
 
     async def serve(self) -> None:
@@ -194,6 +195,7 @@ class EngineSession:
                     self.book.rejected += 1
                     await self._send(error(MalformedMessage(f"unexpected {len(fds)} fds")))
                     continue
+                self.read_at = (time.perf_counter(), time.time())
                 reply, out_fds = await self._answer(req)
                 await self._send(reply, out_fds)
         except (ConnectionError, OSError) as e:
@@ -314,8 +316,11 @@ class EngineSession:
         if isinstance(req, TakeoverReq):
             t0 = time.perf_counter()
             recs, fence = await self.takeover(req, peer)
-            took = {"lock_wait_ms": self.lock_wait_ms, "grant_ms": ms_since(t0)}
-            granted = self._grant(recs, fence=fence, manager_ms=took)
+            # the takeover's path through this process: read, then parsed and waiting for the lease table, then
+            # granted; `read_wall` places the read on the client's clock (same host) to split its request time
+            took = {"read_wall": self.read_at[1], "parsed_ms": round((t0 - self.read_at[0]) * 1000 - self.lock_wait_ms, 3),
+                    "lock_wait_ms": self.lock_wait_ms, "grant_ms": ms_since(t0)}
+            granted = self._grant(recs, fence=fence, manager_ms=took, held=req.held)
             log.info("takeover of %s's %d leases (%d fds) by %s (pid %d): granted in %.2f ms (one commit) after %.2f ms "
                      "waiting for the lease table%s", req.predecessor, len(recs), len(granted[1]), peer.engine_id,
                      peer.pid, took["grant_ms"], self.lock_wait_ms,
@@ -605,11 +610,19 @@ class EngineSession:
         return reply, fds
 
     def _grant(self, records: list[LeaseRecord], *, read_only: bool = False, fence: list[FencePid] | None = None,
-               manager_ms: dict[str, float] | None = None) -> tuple[dict[str, Any], list[int]]:
+               manager_ms: dict[str, float] | None = None,
+               held: dict[str, str] | None = None) -> tuple[dict[str, Any], list[int]]:
+        """The reply granting `records`, and their chunks' fds. A lease in `held` (a takeover's: the requester maps it
+        already) whose committed layout is the one named goes without fds or tensors: its mapping and tensors are
+        the requester's already (a standby's shadow: ~300 tensors and every chunk's fd less on the recovery's path)."""
         if records and not read_only:  # this process owns them now: its exit is seen at once (forget_pid)
             self.book.watch_pid(self.pid)
         grants, fds = [], []
         for rec in records:
+            if held and rec.info.layout_hash is not None and held.get(rec.id) == rec.info.layout_hash:
+                grants.append(LeaseGrant(lease=rec.info, nfds=0, gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),
+                                         held=True))
+                continue
             rec_fds = self.book.fds_of(rec.id)
             fds.extend(rec_fds)
             grants.append(LeaseGrant(lease=rec.info, nfds=len(rec_fds), gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),

@@ -34,8 +34,9 @@ async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_
     # at the takeover, and the runner built over the reservations served (engines/batched/standby.py)
     assert report["shadow"] and succ["recovery"][0]["shadowed"]
     assert succ["recovery"][0]["memory_ms"]["reserved"] == 0 and succ["recovery"][0]["prepared_runner"] == "reused"
-    # of its takeover request, the gpu_manager's own part (its wait for the lease table and its grant)
-    assert set(succ["recovery"][0]["memory_ms"]["manager_ms"]) == {"lock_wait_ms", "grant_ms"}
+    # its takeover request split by the gpu_manager's marks (to it, its parse, its lease table, its grant, back)
+    assert set(succ["recovery"][0]["memory_ms"]["manager_ms"]) == {"to_manager_ms", "parsed_ms", "lock_wait_ms",
+                                                                   "grant_ms", "back_ms"}
     # what it prepared as a standby, in the report; no rehearsal on the CPU by default (engines/batched/rehearsal.py)
     assert succ["prepared"][0]["buckets"] == [] and "rehearsal" not in succ["prepared"][0]
     # the route-out named the shadow the likely successor, and the router sent it requests before it was added
