@@ -16,9 +16,10 @@ import torch
 
 from engines.batched.__main__ import adopt_prepared, can_reserve, new_runner, prepare_runner
 from engines.batched.config import parse_config
-from engines.batched.memory import LeasedMemory, Loaded, layout_fn
+from engines.batched.memory import LeasedMemory, Loaded, layout_fn, placement
 from engines.batched.model_runner import ModelRunner, RunItem
 from engines.reference.config import get_config
+from libs.client.protocol import TensorMeta
 from libs.common import tokenizer
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
@@ -84,6 +85,8 @@ async def test_the_runner_built_before_the_takeover_serves_the_predecessors_toke
         # the views the standby built over the reservations are the takeover's own: none built again
         assert all(loaded.weights[n] is t for n, t in reserved.weights.items())
         assert reserved.fused and all(loaded.fused[n] is t for n, t in reserved.fused.items())
+        # taken whole: the lease lies where and as the reservation's tensors were laid out (none checked one by one)
+        assert loaded.timings_ms["views_reused"] == len(reserved.weights) + len(reserved.fused)
         reused, how = adopt_prepared(prepared, loaded)
         assert reused is runner and how == "reused"
 
@@ -92,6 +95,20 @@ async def test_the_runner_built_before_the_takeover_serves_the_predecessors_toke
         assert greedy(new_runner(cfg, mcfg, loaded), prompt, TOKENS) == expected
     finally:
         memory.close()
+
+
+def test_a_placement_differs_in_any_tensor_or_address_and_not_in_how_contiguous_strides_are_said() -> None:
+    def meta(name: str, offset: int, shape: list[int], stride: list[int] | None = None) -> TensorMeta:
+        return TensorMeta(name=name, lease_id="any", offset=offset, shape=shape, dtype="bfloat16", stride=stride)
+
+    metas = [meta("a", 0, [4, 8]), meta("b", 64, [8])]
+    key = placement(4096, metas)
+    assert placement(4096, [meta("b", 64, [8], [1]), meta("a", 0, [4, 8], [8, 1])]) == key  # order, said strides
+    assert placement(8192, metas) != key  # another address
+    assert placement(4096, [meta("a", 0, [4, 8]), meta("b", 80, [8])]) != key  # a tensor moved
+    assert placement(4096, [meta("a", 0, [8, 4]), meta("b", 64, [8])]) != key  # another shape
+    assert placement(4096, [meta("a", 0, [4, 8], [1, 4]), meta("b", 64, [8])]) != key  # transposed
+    assert placement(4096, metas[:1]) != key  # one fewer
 
 
 @pytest.mark.timeout(180)
