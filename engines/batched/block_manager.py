@@ -17,6 +17,11 @@ Invariants (checked by tests/engine_batched/test_block_manager*.py):
    sequence writes only at positions >= num_computed, which lie in its own later blocks). So shared blocks
    are immutable and copy-on-write is not needed.
 5. A prefix match never covers a sequence's last token: that token must be fed to sample the next one.
+6. Adopted sequences' blocks are registered once `register_pending` runs (the engine calls it once their claims'
+   first tokens are out; any prefix lookup or hash read runs it first), not in `adopt`: hashing every block of 64
+   adopted sequences took ~3 ms of a successor's way to its first step. Until then a block two adopted tables
+   list is not registered yet (invariant 2's "through its hash" is checked in `adopt` itself), and an adopted
+   sequence freed before it gives its blocks to the empty pool.
 
 Block hash: blake2b-128 chained over the previous block's hash and this block's token ids, so equal hashes
 mean equal whole prefixes (not just equal blocks) and hashes agree across processes (a successor engine
@@ -89,6 +94,7 @@ class BlockManager:
         self._empty: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first: the eviction order
         self._held: set[int] = set()  # out of the pool until given back (adopt's `hold`)
+        self._pending: dict[int, Sequence] = {}  # adopted sequences whose blocks are not registered yet (invariant 6)
         self.evictions = 0
 
     # -- views -------------------------------------------------------------------------------------------
@@ -106,6 +112,7 @@ class BlockManager:
         return self._ref[block]
 
     def block_hash(self, block: int) -> bytes | None:
+        self.register_pending()
         return self._hash_of[block]
 
     # -- hashing -----------------------------------------------------------------------------------------
@@ -136,6 +143,7 @@ class BlockManager:
         the whole of seq's tokens: at least the last token is left to compute (invariant 5)."""
         if not self.prefix_caching or seq.block_table or seq.num_computed:
             return []
+        self.register_pending()
         n = (len(seq.tokens) - 1) // self.block_size
         found: list[int] = []
         for h in self.token_block_hashes(seq, n)[:n]:
@@ -152,6 +160,8 @@ class BlockManager:
         n_full = seq.num_computed // self.block_size
         if not self.prefix_caching or n_full == 0 or self._hash_of[seq.block_table[n_full - 1]] is not None:
             return  # the usual step: no block filled up since the last call
+        if self._pending and seq.seq_id in self._pending:
+            return  # registered with the other adopted ones (invariant 6)
         hashes = self.token_block_hashes(seq, n_full)
         # Registered blocks form a prefix of the table bar duplicates, so scan down from the top until one.
         for j in range(n_full - 1, -1, -1):
@@ -228,6 +238,7 @@ class BlockManager:
                     self._empty.append(b)
         seq.block_table.clear()
         seq.num_computed = 0
+        self._pending.pop(seq.seq_id, None)
 
     # -- adoption ----------------------------------------------------------------------------------------
     def adopt(self, seqs: Iterable[Sequence], hold: Iterable[int] = ()) -> None:
@@ -256,7 +267,16 @@ class BlockManager:
         self._empty = blocks_except(self.num_blocks, refs.keys() | held)
         self._held = held
         if self.prefix_caching:
-            self._register_adopted(seqs, refs)
+            self._pending = {s.seq_id: s for s in seqs}  # registered later (invariant 6)
+
+    def register_pending(self) -> None:
+        """Register the blocks of the adopted sequences still held (invariant 6): every full, computed block,
+        those they computed since included. Cheap once done."""
+        if not self._pending:
+            return
+        seqs = [s for s in self._pending.values() if s.block_table]
+        self._pending = {}
+        self._register_adopted(seqs, Counter({b: self._ref[b] for s in seqs for b in s.block_table}))
 
     def give_back(self) -> list[int]:
         """The blocks `adopt` held back, into the pool (their writer is gone); returns them."""

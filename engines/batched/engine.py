@@ -185,6 +185,8 @@ class LLMEngine:
         # what intake produced (a claim's tokens made ahead, a refusal) goes out now, not after this
         # pass's step: a successor's claims would otherwise wait a whole step for their first tokens
         self.flush()
+        if not self.table.orphans:  # an adoption's prefix hashes, once its claims' first tokens are out (~3 ms at
+            self.scheduler.bm.register_pending()  # 64 sequences: block_manager.py invariant 6); else nothing
         if self._overlap():
             ran = self.step_overlapped()
         else:

@@ -245,6 +245,44 @@ def test_adoption_keeps_the_hash_on_the_shared_block_when_a_duplicate_comes_firs
     assert bm.cached_prefix(seq(4, [1, 2, 3, 4, 5])) == [0]
 
 
+def test_adopted_blocks_are_registered_later_in_one_pass_and_a_step_does_not_register_them_alone() -> None:
+    """Invariant 6: `adopt` hashes nothing; a step's `register` leaves the adopted sequences to `register_pending`,
+    which registers what they computed since too; one freed before it gives its blocks to the empty pool."""
+    a, b, c = seq(1, list(range(11))), seq(2, list(range(8)) + [9, 9, 9]), seq(3, [5] * 9)
+    bm = BlockManager(16, BS)
+    compute(bm, a, 10)
+    compute(bm, b, 3, bm.cached_prefix(b))  # a's first two blocks, shared
+    compute(bm, c, 8)
+    eager = {x: bm.block_hash(x) for x in range(16)}
+    succ = BlockManager(16, BS)
+    copies = [journal_copy(s) for s in (a, b, c)]
+    succ.adopt(copies)
+    assert succ.num_cached_blocks == 0
+    ca = copies[0]
+    ca.tokens.append(11)  # a computes two more positions: its third block fills up
+    succ.allocate(ca, 2)
+    ca.num_computed += 2
+    succ.register(ca)
+    assert succ.num_cached_blocks == 0  # a step registers no adopted sequence's blocks alone
+    succ.free(copies[2])  # c finishes before the registration: its blocks are empty, not cached
+    assert succ.num_free_blocks == 16 - len({*a.block_table, *b.block_table})
+    succ.register_pending()
+    registered = {x: succ.block_hash(x) for x in range(16) if succ.block_hash(x) is not None}
+    assert b.block_table[:2] == a.block_table[:2] and eager[a.block_table[0]] is not None
+    assert registered == {x: eager[x] for x in a.block_table[:2]} | {ca.block_table[2]: succ.token_block_hashes(ca, 3)[2]}
+    assert succ.cached_prefix(seq(4, list(range(12)) + [0])) == ca.block_table[:3]
+
+
+def test_a_prefix_lookup_registers_the_adopted_blocks_first() -> None:
+    a = seq(1, list(range(11)))
+    bm = BlockManager(16, BS)
+    compute(bm, a, 10)
+    succ = BlockManager(16, BS)
+    succ.adopt([journal_copy(a)])
+    assert succ.num_cached_blocks == 0
+    assert succ.cached_prefix(seq(2, list(range(9)))) == a.block_table[:2] and succ.num_cached_blocks == 2
+
+
 @given(st.integers(0, 300), st.lists(st.integers(-5, 320), max_size=40))
 def test_blocks_except_is_every_other_block_in_order(num_blocks: int, taken: list[int]) -> None:
     """The pool `adopt` and isolation.py rebuild: every id below num_blocks that is not taken, ascending (ids out of
