@@ -86,7 +86,6 @@ class Spare:
     load_ms: float
 
 
-
 def placement(ptr: int, metas: Sequence[Any]) -> tuple[Any, ...]:
     """Where a weights lease's tensors lie, as one comparable value: its base address and every tensor's name,
     offset, shape, dtype and strides (the lease id left out: a reservation's metas name none)."""

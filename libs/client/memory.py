@@ -92,7 +92,6 @@ def exit_on_lease_lost(lease_id: str, why: str) -> None:
     os._exit(75)
 
 
-
 def manager_split(took: dict[str, float], sent_wall: float, request_ms: float) -> dict[str, float]:
     """A grant's request time split by the manager's own marks (session.py): `to_manager_ms`, from this send until
     the manager had read the frame (the socket, and its event loop's other work first); its `parsed_ms`,
@@ -105,6 +104,7 @@ def manager_split(took: dict[str, float], sent_wall: float, request_ms: float) -
     inside = sum(took.get(k, 0.0) for k in ("parsed_ms", "lock_wait_ms", "grant_ms"))
     return {"to_manager_ms": there, **{k: v for k, v in took.items() if k != "read_wall"},
             "back_ms": round(max(0.0, request_ms - there - inside), 3)}
+
 
 class MappedRange:
     """Views over a mapping: what a lease mapped here (`MappedLease`) and addresses kept for one (`Reservation`)

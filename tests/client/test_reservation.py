@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from libs.client.memory import MemoryClient
+from libs.client.memory import MemoryClient, manager_split
 from libs.common.events import Freeze, FreezeReply, ShareWeights, ShareWeightsReply
 from tests.gpu_manager.conftest import engines, manager_factory  # noqa: F401 - fixtures
 
@@ -172,3 +172,11 @@ async def test_on_cuda_the_shadowed_cache_is_mapped_writable_and_the_takeover_gr
         cache[0] = 1
         torch.cuda.synchronize()
         assert int(cache[0]) == 1
+
+
+def test_the_split_places_the_managers_marks_in_the_request_and_passes_an_older_managers_on() -> None:
+    took = {"read_wall": 100.002, "parsed_ms": 0.1, "lock_wait_ms": 0.4, "grant_ms": 1.5}
+    split = manager_split(took, sent_wall=100.0, request_ms=5.0)
+    assert split == pytest.approx({"to_manager_ms": 2.0, "parsed_ms": 0.1, "lock_wait_ms": 0.4, "grant_ms": 1.5,
+                                   "back_ms": 1.0})
+    assert manager_split({"lock_wait_ms": 0.4, "grant_ms": 1.5}, 100.0, 5.0) == {"lock_wait_ms": 0.4, "grant_ms": 1.5}
