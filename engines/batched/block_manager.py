@@ -18,7 +18,7 @@ Invariants (checked by tests/engine_batched/test_block_manager*.py):
    are immutable and copy-on-write is not needed.
 5. A prefix match never covers a sequence's last token: that token must be fed to sample the next one.
 6. Adopted sequences' blocks are registered once `register_pending` runs (the engine calls it once their claims'
-   first tokens are out; any prefix lookup or hash read runs it first), not in `adopt`: hashing every block of 64
+   first tokens are out; a prefix lookup runs it first), not in `adopt`: hashing every block of 64
    adopted sequences took ~3 ms of a successor's way to its first step. Until then a block two adopted tables
    list is not registered yet (invariant 2's "through its hash" is checked in `adopt` itself), and an adopted
    sequence freed before it gives its blocks to the empty pool.
@@ -112,8 +112,12 @@ class BlockManager:
         return self._ref[block]
 
     def block_hash(self, block: int) -> bytes | None:
-        self.register_pending()
         return self._hash_of[block]
+
+    @property
+    def pending(self) -> frozenset[int]:
+        """The adopted sequences (ids) whose blocks are not registered yet (invariant 6)."""
+        return frozenset(self._pending)
 
     # -- hashing -----------------------------------------------------------------------------------------
     def _block_marker(self, seq: Sequence, j: int) -> int:

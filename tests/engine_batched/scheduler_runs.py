@@ -216,8 +216,10 @@ def check_state(sched: Scheduler) -> None:
     assert [bm.ref_count(b) for b in range(cfg.num_blocks)] == [refs[b] for b in range(cfg.num_blocks)]
     assert bm.num_free_blocks == cfg.num_blocks - len(refs)
     for b, hs in holders.items():
-        if len(hs) > 1:  # only a shared prefix block: same index, hashed, computed by every holder
-            assert len({j for _, j in hs}) == 1 and bm.block_hash(b) is not None
+        if len(hs) > 1:  # only a shared prefix block: same index, hashed (or its holders adopted, their blocks not
+            # registered yet: block_manager.py invariant 6), computed by every holder
+            assert len({j for _, j in hs}) == 1
+            assert bm.block_hash(b) is not None or all(s.seq_id in bm.pending for s, _ in hs)
             assert all((j + 1) * cfg.block_size <= s.num_computed for s, j in hs)
 
 

@@ -241,7 +241,9 @@ def test_adoption_keeps_the_hash_on_the_shared_block_when_a_duplicate_comes_firs
         s.block_table, s.num_computed = table, 4
     bm = BlockManager(8, BS)
     bm.adopt([c, a, b])
-    assert bm.block_hash(0) is not None and bm.block_hash(3) is None
+    assert bm.pending == {1, 2, 3} and bm.block_hash(0) is None  # registered later (invariant 6)
+    bm.register_pending()
+    assert bm.block_hash(0) is not None and bm.block_hash(3) is None and bm.pending == set()
     assert bm.cached_prefix(seq(4, [1, 2, 3, 4, 5])) == [0]
 
 
