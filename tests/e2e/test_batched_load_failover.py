@@ -34,6 +34,11 @@ async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_
     # at the takeover, and the runner built over the reservations served (engines/batched/standby.py)
     assert report["shadow"] and succ["recovery"][0]["shadowed"]
     assert succ["recovery"][0]["memory_ms"]["reserved"] == 0 and succ["recovery"][0]["prepared_runner"] == "reused"
+    # the shadowed leases were granted held (no fd, no tensor sent), the prepared views taken whole
+    memory_ms = succ["recovery"][0]["memory_ms"]
+    assert {k: v[:2] for k, v in memory_ms["leases"].items() if k != "other:drain_mark"} == {
+        "weights:weights": ["held", 0], "kv_cache:kv_cache": ["held", 0]}
+    assert memory_ms["views_reused"] > 0
     # its takeover request split by the gpu_manager's marks (to it, its parse, its lease table, its grant, back)
     assert set(succ["recovery"][0]["memory_ms"]["manager_ms"]) == {"to_manager_ms", "parsed_ms", "lock_wait_ms",
                                                                    "grant_ms", "back_ms"}
