@@ -494,6 +494,19 @@ class EndpointNotRecovered(Event):
     reason: str = ""
 
 
+class EndpointStandby(Event):
+    """The warm standby that shadows a routed engine, its likely successor (the one `EndpointRemoved.successor_url`
+    will name): routers open spare connections to it before any failure (services/router/spare.py), so that a
+    failover's resumed and new requests find them open instead of connecting in the failover's busiest moment. Sent
+    when it changes and again now and then (a router started later learns it); routers forget one not sent again."""
+
+    type: Literal["router.endpoint.standby"] = "router.endpoint.standby"
+    model: str
+    engine_id: str
+    standby_id: str
+    standby_url: str
+
+
 class GpuHealth(Event):
     """A GPU's health changed (or its gpu_manager started): the same fields as its `gpus/<node>/<gpu>` record."""
 
@@ -526,6 +539,7 @@ AnyEvent = Annotated[
         EndpointAdded,
         EndpointRemoved,
         EndpointNotRecovered,
+        EndpointStandby,
         GpuHealth,
     ],
     Field(discriminator="type"),

@@ -21,6 +21,7 @@ from services.controller.pipeline import IncidentDriver
 from services.controller.regroup_driver import RegroupDriver
 from services.controller.rollout_driver import RolloutDriver
 from services.controller.settings import ControllerSettings
+from services.controller.standbys import StandbyAnnouncer
 from services.controller.view import ClusterView
 
 log = logging.getLogger("holdfast.controller")
@@ -53,8 +54,13 @@ class LeaderTerm:
         s = self.settings
         policy = Retention(s.incident_retention_s, s.incident_retention_max, s.incident_retention_min_s)
         delete = self.driver.writer.delete_nowait
-        regroups = {"regroups": self.regroups.run()} if s.regroup_after_s > 0 else {}
-        return {"deadlines": self.driver.run_deadlines(), "rollouts": self.rollouts.run(), **regroups,
+        optional: dict[str, Coroutine[Any, Any, Any]] = {}
+        if s.regroup_after_s > 0:
+            optional["regroups"] = self.regroups.run()
+        if s.standby_announce_s > 0:  # routers keep spare connections to each engine's likely successor
+            optional["standbys"] = StandbyAnnouncer(self.driver.bus, self.view, s.standby_announce_s,
+                                                    s.standby_refresh_s).run()
+        return {"deadlines": self.driver.run_deadlines(), "rollouts": self.rollouts.run(), **optional,
                 "retention": prune_forever(self.view.ended, lambda inc_id: delete(incident_key(inc_id)), policy,
                                            s.incident_retention_check_s, "ended incident records"),
                 # A ledger of announced ends goes once retention has deleted every record it names.

@@ -52,6 +52,10 @@ class ControllerSettings(CommonSettings):
                                     "queue behind new incidents in a burst (docs/controlplane.md)")
     ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
     tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")
+    standby_announce_s: float = Field(0.5, ge=0, description="how often routers are told of a routed engine's new "
+                                      "shadowing standby, to keep spare connections to it (standbys.py); 0: never")
+    standby_refresh_s: float = Field(30.0, gt=0, description="how often every standby is told again (a router that "
+                                     "started since learns it)")
     regroup_after_s: float = Field(0.0, ge=0, description="a degraded engine (fewer ranks than its spec after its "
                                    "group lost a GPU) is regrouped into a whole group this long after its node has the "
                                    "GPUs for one again (regroup_driver.py). 0 (the default): only when an operator asks "
