@@ -111,6 +111,7 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     relay = MeteredRelay(table, client, settings, ttft=metrics.ttft)
     metrics.watch(relay.stats)
     feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s, recovery_hold_s=settings.recovery_hold_s)
+    feed.on_standby = spares.top_up  # a failover's requests find connections open to the successor (spare.py)
 
     async def level() -> dict[str, bytes]:
         """The endpoints and the recoveries under way (sync.py), one request a prefix."""
@@ -122,11 +123,12 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     await rt.bus.subscribe("router.endpoint.added", feed.on_event)
     await rt.bus.subscribe("router.endpoint.removed", feed.on_event)
     await rt.bus.subscribe("router.endpoint.unrecovered", feed.on_event)
+    await rt.bus.subscribe("router.endpoint.standby", feed.on_event)
     n = feed.load_snapshot(await level())
     feed.go_live()
     log.info("router %s: %d endpoints from the snapshot", settings.instance, n)
     rt.spawn("endpoint-sync", keep_in_sync(feed, read_level, rt.bus.nc, period_s=settings.reconcile_s))
-    rt.spawn("spare-connections", spares.keep(table.urls, period_s=1.0))
+    rt.spawn("spare-connections", spares.keep(feed.spare_urls, period_s=1.0))
 
     listeners = await listen(settings)  # this worker's socket on the public port, and its own stats port
     pool: WorkerPool | None = None

@@ -18,6 +18,10 @@ Invariants:
 2. A spare connection handed out is open: one older than `max_age_s` (engines close idle connections after
    30 s) or readable (the engine closed it, or sent something unasked) is closed instead, never handed out.
 3. At most one top-up runs per engine address; `spare` 0 turns it all off (every connect is the inner backend's).
+4. A top-up a take or a miss starts connects only `refill_after_s` later: requests come in bursts (a failover's
+   resumed streams and the requests sent during the outage, all at once on the successor), and connecting in the
+   burst's own loop passes delayed the very requests the spares were for. `top_up` (the keeper's, a standby's
+   announcement) connects at once.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ def address(url: str) -> Address | None:
 
 class SpareBackend(httpcore.AsyncNetworkBackend):
     def __init__(self, spare: int, *, max_age_s: float = 20.0, connect_timeout_s: float = 2.0,
-                 inner: httpcore.AsyncNetworkBackend | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 inner: httpcore.AsyncNetworkBackend | None = None, clock: Callable[[], float] = time.monotonic,
+                 refill_after_s: float = 0.5) -> None:
         self.spare, self.max_age_s, self.connect_timeout_s = spare, max_age_s, connect_timeout_s
+        self.refill_after_s = refill_after_s  # invariant 4
+        self._urls: Callable[[], Iterable[str]] | None = None  # the engines `keep` keeps spares to
         self.inner = inner or httpcore.AnyIOBackend()
         self.clock = clock
         self._stash: dict[Address, collections.deque[tuple[float, httpcore.AsyncNetworkStream]]] = {}
@@ -63,7 +70,7 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
             if stream is not None:
                 return stream
             self.missed += 1
-            self._top_up((host, port))
+            self._top_up((host, port), later=True)
         return await self.inner.connect_tcp(host, port, timeout=timeout, local_address=local_address,
                                             socket_options=socket_options)
 
@@ -83,7 +90,7 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
             opened, stream = stash.popleft()
             if now - opened <= self.max_age_s and not stream.get_extra_info("is_readable"):  # invariant 2
                 self.taken += 1
-                self._top_up(addr)
+                self._top_up(addr, later=True)
                 return stream
             await self._drop(stream)
         return None
@@ -101,14 +108,19 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
         if addr is not None:
             self._top_up(addr)
 
-    def _top_up(self, addr: Address) -> None:
+    def _top_up(self, addr: Address, *, later: bool = False) -> None:
         if self.spare <= 0 or addr in self._filling or len(self._stash.get(addr, ())) >= self.spare:
             return
-        self._filling[addr] = asyncio.create_task(self._fill(addr), name=f"spare-connections {addr[0]}:{addr[1]}")
+        self._filling[addr] = asyncio.create_task(self._fill(addr, self.refill_after_s if later else 0.0),
+                                                  name=f"spare-connections {addr[0]}:{addr[1]}")
 
-    async def _fill(self, addr: Address) -> None:
+    async def _fill(self, addr: Address, after_s: float = 0.0) -> None:
         # rounds until `spare` are open: connections taken while a round connects are made up by the next
         try:
+            if after_s > 0:
+                await asyncio.sleep(after_s)  # invariant 4
+                if self._urls is not None and addr not in {address(u) for u in self._urls()}:
+                    return  # gone meanwhile (an engine that died as its last requests took or missed)
             while (need := self.spare - len(self._stash.setdefault(addr, collections.deque()))) > 0:
                 got = await asyncio.gather(*(self.inner.connect_tcp(*addr, timeout=self.connect_timeout_s)
                                              for _ in range(need)), return_exceptions=True)
@@ -147,6 +159,7 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
         router's loop and the successor's interpreter from the resumed streams)."""
         if self.spare <= 0:
             return
+        self._urls = urls
         seen: dict[str, float] = {}
         while True:
             now_urls = list(urls())

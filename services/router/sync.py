@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemoved, Envelope
+from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemoved, EndpointStandby, Envelope
 from services.router.relay import Relay
 from services.router.table import EndpointTable
 
@@ -152,6 +152,11 @@ class EndpointFeed:
         self.last_event: dict[Key, float] = {}
         self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
         self.lingering: dict[str, tuple[str, float]] = {}  # a sound engine removed (`live`) -> (model, clock)
+        # each engine's shadowing standby, as the controller last said (`EndpointStandby`): (url, clock). Spares are
+        # kept to it (spare.py); one not said again within `standby_ttl_s` is forgotten
+        self.standbys: dict[Key, tuple[str, float]] = {}
+        self.standby_ttl_s = 90.0
+        self.on_standby: Callable[[str], None] | None = None  # a standby new to this router (spare.py `top_up`)
         self._buffer: list[Envelope] = []
         self._lock = asyncio.Lock()  # one reconcile at a time (reconnect and period may coincide)
 
@@ -185,6 +190,7 @@ class EndpointFeed:
                     self._gone(*promise)
         elif isinstance(ev, EndpointRemoved):
             log.info("endpoint removed: %s %s (%s)", ev.model, ev.engine_id, ev.reason)
+            self._forget_standbys(ev.model, ev.engine_id, ev.url)
             self.last_event[(ev.model, ev.engine_id)] = now
             if ev.recovery and ev.incident_id:  # before the cut: its streams' replays wait for the successor
                 self.table.recovering(ev.model, ev.incident_id, self.recovery_hold_s)
@@ -195,6 +201,14 @@ class EndpointFeed:
                 self._gone(ev.model, ev.engine_id)
             if ev.successor_id and ev.successor_url and self.table.find(ev.successor_id) is None:
                 self._promise(ev, now, published)
+        elif isinstance(ev, EndpointStandby):
+            url = ev.standby_url.rstrip("/")
+            known = self.standbys.get((ev.model, ev.engine_id))
+            self.standbys[(ev.model, ev.engine_id)] = (url, now)
+            if known is None or known[0] != url:
+                log.info("standby of %s %s: %s %s", ev.model, ev.engine_id, ev.standby_id, url)
+                if self.on_standby is not None:
+                    self.on_standby(url)  # at once: a standby serves nothing, its spares cost it only their accepts
         elif isinstance(ev, EndpointNotRecovered):
             log.warning("endpoint %s %s: incident %s ended without a successor (%s); its model's requests are "
                         "no longer held for it", ev.model, ev.engine_id, ev.incident_id, ev.reason)
@@ -202,6 +216,21 @@ class EndpointFeed:
             self.ended[ev.incident_id] = now
             if ev.engine_id in self.lingering:
                 self._gone(ev.model, ev.engine_id)
+
+    def _forget_standbys(self, model: str, engine_id: str, url: str | None) -> None:
+        """An engine removed: its standby is not kept for it any more (the standby, promised, is an endpoint of its
+        own once added), nor is any entry that names the removed engine's own address (a standby that took over)."""
+        self.standbys.pop((model, engine_id), None)
+        if url:
+            gone = url.rstrip("/")
+            self.standbys = {k: v for k, v in self.standbys.items() if v[0] != gone}
+
+    def spare_urls(self) -> list[str]:
+        """The engines to keep spare connections to: those routed to, and the standbys said to shadow them (their
+        likely successors: a failover's requests find connections open to the one promised)."""
+        now = self.clock()
+        self.standbys = {k: v for k, v in self.standbys.items() if now - v[1] <= self.standby_ttl_s}
+        return list(dict.fromkeys([*self.table.urls(), *(url for url, _ in self.standbys.values())]))
 
     def _promise(self, ev: EndpointRemoved, now: float, published: float | None) -> None:
         """The standby that will most likely take over (EndpointRemoved.successor_id) is added now, marked

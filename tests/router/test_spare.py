@@ -205,3 +205,32 @@ async def test_a_prune_while_a_top_up_connects_keeps_its_connections(srv: Server
     finally:
         await spares.close()
     assert spares.stats()["open"] == 0 and spares.stats()["dropped"] == 3
+
+
+async def test_a_take_or_a_miss_refills_only_after_the_burst_and_not_an_engine_gone_meanwhile(srv: Server) -> None:
+    """Invariant 4: the connections a burst took are made up `refill_after_s` later, not in the burst's own loop
+    passes; an engine that left the keeper's list meanwhile gets none."""
+    url = srv.url
+    urls = [url]
+    spares = SpareBackend(3, refill_after_s=0.3)
+    keeper = asyncio.create_task(spares.keep(lambda: urls, period_s=60.0))
+    async with pooled(spares) as client:
+        await filled(spares, url, 3)
+        accepted = srv.accepted
+        answers = await asyncio.gather(*(client.get(url + "/x") for _ in range(5)))  # 3 taken, 2 missed
+        assert [a.text for a in answers] == ["ok"] * 5
+        assert srv.accepted == accepted + 2  # the misses' own connects; no refill yet
+        await asyncio.sleep(0.1)
+        assert srv.accepted == accepted + 2 and spares.stats()["open"] == 0
+        await filled(spares, url, 3, top_up=False)  # made up once the burst is past
+        urls.clear()  # the engine left the table: what its next take starts connects nothing
+        host, port = url.removeprefix("http://").split(":")
+        taken = spares.stats()["taken"]
+        stream = await spares.connect_tcp(host, int(port))  # as the pool connects: a spare taken
+        await stream.aclose()
+        assert spares.stats()["taken"] == taken + 1
+        before = srv.accepted
+        await asyncio.sleep(0.5)
+        assert srv.accepted == before and spares.stats()["open"] == 2 and spares.stats()["failed"] == 0
+    keeper.cancel()
+    await asyncio.gather(keeper, return_exceptions=True)
