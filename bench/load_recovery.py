@@ -284,9 +284,11 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
                 if isinstance(rec.get(key), (int, float)):
                     marks[label] = marks["successor assigned"] + rec[key]
         times = (out["successor"].get("engine") or {}).get("step_times") or {}
-        for first in times.get("first") or []:  # its first passes' ends: where its first tokens were made
-            if isinstance(times.get("origin_wall"), (int, float)) and first["at_step"] <= 2:
-                marks[f"successor step {first['at_step']} ended"] = (times["origin_wall"] - t_kill) * 1000 + first["ended_ms"]
+        origin = times.get("origin_wall")
+        if isinstance(origin, (int, float)):  # its first passes' ends: where its first tokens were made
+            for first in times.get("first") or []:
+                if first["at_step"] <= 2:
+                    marks[f"successor step {first['at_step']} ended"] = (origin - t_kill) * 1000 + first["ended_ms"]
         rstats = await sc.router_stats(client)
         marks.update(router_marks(rstats.get("route_ins") or [], successor.engine_id, t_kill))
         out["router_loop_late"] = {**loop_late_near(rstats.get("loop_late") or [], t_kill),

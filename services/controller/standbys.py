@@ -50,7 +50,7 @@ class StandbyAnnouncer:
         self.clock = clock
         self.sent: dict[Key, tuple[str, str]] = {}
         self._refreshed = float("-inf")
-        self.announced = 0  # events sent (tests, health)
+        self.announced = 0  # events sent
 
     async def once(self) -> None:
         now = self.clock()

@@ -619,13 +619,13 @@ class EngineSession:
             self.book.watch_pid(self.pid)
         grants, fds = [], []
         for rec in records:
+            uuid = self.book.backend.gpu_uuid(rec.info.gpu)
             if held and rec.info.layout_hash is not None and held.get(rec.id) == rec.info.layout_hash:
-                grants.append(LeaseGrant(lease=rec.info, nfds=0, gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),
-                                         held=True))
+                grants.append(LeaseGrant(lease=rec.info, nfds=0, gpu_uuid=uuid, held=True))
                 continue
             rec_fds = self.book.fds_of(rec.id)
             fds.extend(rec_fds)
-            grants.append(LeaseGrant(lease=rec.info, nfds=len(rec_fds), gpu_uuid=self.book.backend.gpu_uuid(rec.info.gpu),
+            grants.append(LeaseGrant(lease=rec.info, nfds=len(rec_fds), gpu_uuid=uuid,
                                      tensors=list(rec.tensors.values()), read_only=read_only))
         return ok(GrantReply(leases=grants, fence=fence or [], manager_ms=manager_ms or {})), fds
 

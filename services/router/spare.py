@@ -48,6 +48,11 @@ def address(url: str) -> Address | None:
     return parts.hostname, parts.port or 80
 
 
+def addresses(urls: Iterable[str]) -> set[Address]:
+    """The engine addresses of `urls` that can have spares (plain http)."""
+    return {a for u in urls if (a := address(u)) is not None}
+
+
 class SpareBackend(httpcore.AsyncNetworkBackend):
     def __init__(self, spare: int, *, max_age_s: float = 20.0, connect_timeout_s: float = 2.0,
                  inner: httpcore.AsyncNetworkBackend | None = None, clock: Callable[[], float] = time.monotonic,
@@ -119,7 +124,7 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
         try:
             if after_s > 0:
                 await asyncio.sleep(after_s)  # invariant 4
-                if self._urls is not None and addr not in {address(u) for u in self._urls()}:
+                if self._urls is not None and addr not in addresses(self._urls()):
                     return  # gone meanwhile (an engine that died as its last requests took or missed)
             while (need := self.spare - len(self._stash.setdefault(addr, collections.deque()))) > 0:
                 got = await asyncio.gather(*(self.inner.connect_tcp(*addr, timeout=self.connect_timeout_s)
@@ -139,7 +144,7 @@ class SpareBackend(httpcore.AsyncNetworkBackend):
         """Close spares that aged out or were closed, and every spare of an engine not in `keep` (urls). Each
         engine's deque is emptied and refilled in place, never replaced: a top-up connecting meanwhile appends to
         the same one (replacing it lost that top-up's connections, open and never closed, and opened as many again)."""
-        wanted = {a for u in keep if (a := address(u)) is not None}
+        wanted = addresses(keep)
         now = self.clock()
         for addr in list(self._stash):
             stash = self._stash[addr]
