@@ -35,6 +35,8 @@ MODEL = "demo"
 PROMPTS = ["Holdfast keeps the weights", "A crash should cost milliseconds,", "The standby takes over and"]
 TIMELINE_EVENTS = {
     "fault.detected": "detected",
+    "incident.opened": "incident opened",
+    "intent.recover": "intent sent",
     "memory.frozen": "frozen",
     "router.endpoint.removed": "endpoint removed",
     "engine.reattached": "taken over",

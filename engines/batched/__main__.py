@@ -344,13 +344,15 @@ def run(cfg: EngineConfig) -> int:
         memory.start_heartbeats()
         layout = loaded.layout
         t_build = time.perf_counter()
+        points = {"taken": t_build}  # a successor's way to ready, as points since its assignment (recovery `at_ms`)
         # A recovered engine serves first, eagerly: capturing its graphs (~60 ms a bucket at 8b) would hold every
         # adopted sequence; it captures them once it is idle (engine.py).
         runner, how = adopt_prepared(prepared, loaded)
-        t_fence = time.perf_counter()
+        t_fence = points["runner"] = time.perf_counter()
         # a fenced takeover: nothing read or written before (isolated: nothing its predecessor may still write)
         isolate = cfg.isolated_takeover and cfg.drain_mark and group is None and not cfg.kv_backup
         fence, pend = wait_fence(loaded, cfg.adopt_wait_s, isolate=isolate)
+        points["fenced"] = time.perf_counter()
         if loaded.source == "degraded":  # every old rank's backup into this engine's (group's) caches, given back
             state.info["degraded"] = degrade.restore_loaded(loaded, get_config(cfg.size), memory,
                                                             group.comm() if group is not None else degrade.ALONE)
@@ -368,17 +370,21 @@ def run(cfg: EngineConfig) -> int:
             t_mark = time.perf_counter()
             mark = open_drain(memory.client, loaded.drain, device, PageLayout(layout.slots, layout.num_blocks), gen)
             mark_ms = ms_since(t_mark)
+            points["marked"] = time.perf_counter()
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
                                        backup=kv_backup[0] if kv_backup else None, mark=mark, pend=pend)
+        points["built"] = time.perf_counter()
         if kv_backup:
             adopted["kv_backup"] = kv_backup[1]
             state.info["kv_backup"] = kv_backup[0].stats
         if how != "none":
             adopted["prepared_runner"] = how
-        if mark_ms is not None:
+        if mark is not None:
             adopted["drain_mark_ms"] = mark_ms
+            adopted["drain_mark_split_ms"] = mark.opened_ms
         state.serve(engine)  # its passes' output goes to the front
         engine.start()
+        points["started"] = time.perf_counter()
         long_lived_gc(collect=False)  # the model's objects live as long as the process; no full pass under heartbeats
         if isinstance(memory, LeasedMemory) and group is None:  # the control plane's sleep and wake asks (sleep.py)
             install_sleep(state, engine, memory.client, link)
@@ -390,7 +396,9 @@ def run(cfg: EngineConfig) -> int:
         if loaded.source != "file":
             state.t_start = t_start
             shadowed = (state.info.get("assignment") or {}).get("shadowed")  # its leases mapped before the kill
-            state.info["recovery"] = {"source": loaded.source, "ready_ms": ms_since(t_start), "shadowed": bool(shadowed),
+            at_ms = {k: round((t - t_start) * 1000, 3) for k, t in points.items()}
+            state.info["recovery"] = {"source": loaded.source, "ready_ms": ms_since(t_start), "at_ms": at_ms,
+                                      "shadowed": bool(shadowed),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start),
                                       "memory_ms": loaded.timings_ms, **adopted}
             if cfg.loop_watch_s > 0:

@@ -130,16 +130,23 @@ class DrainMark:
 
         if not layout.fits(page):
             raise ValueError(f"a drain page of {tuple(page.shape)} {page.dtype} is not {layout}'s")
+        t0 = time.perf_counter()
         self.page, self.device, self.layout = page, device, layout
         self.bank = layout.bank(page, gen)
         self.bank.zero_()  # invariant 4
         self.stamps = self.bank.numpy()
         self.n = 0
         self.depth = 0
+        t1 = time.perf_counter()
         self.registered = register_host(page)
+        t2 = time.perf_counter()
         self.dev = torch.zeros(1, dtype=torch.int64, device=device)
+        t3 = time.perf_counter()
         self.open()  # what start-up queues (the journal formatted or adopted): closed by the step thread's first act
         self.touch_header()
+        # where opening the mark went (a successor's recovery reports it: it is on the way to its first token)
+        self.opened_ms = {"zero": procs.ms_between(t0, t1), "register": procs.ms_between(t1, t2),
+                          "device": procs.ms_between(t2, t3), "stamp": procs.ms_since(t3)}
 
     def open(self) -> None:
         """Before queuing GPU work. Brackets nest: only the outermost counts."""

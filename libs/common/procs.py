@@ -298,6 +298,11 @@ def ms_since(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
+def ms_between(t0: float, t1: float) -> float:
+    """Milliseconds from `t0` to `t1`, two `time.perf_counter()` readings, rounded to the microsecond."""
+    return round((t1 - t0) * 1000, 3)
+
+
 def wall_time_of(perf: float) -> float:
     """The wall-clock time (time.time) of a `time.perf_counter()` reading taken in this process: timings kept on
     the monotonic clock, placed on the clock that other processes of the host share."""
