@@ -15,10 +15,14 @@ JetStream duplicate window drops a re-publication after a crash: a resumed incid
 Order of work inside a step: act first, then record that the step is done (a crash in between redoes an
 idempotent action instead of skipping one).
 
-Durability (DESIGN.md section 4, latency budget): the opening is written and confirmed before anything is
-done for the incident (it is what makes one incident per failed generation); every later record, and the
-endpoint keys, are written behind through one fenced `BatchWriter` (grouped into etcd transactions, guarded
-by the leader key). A queued record lost in a crash is redone by the next leader from the older record.
+Durability (DESIGN.md section 4, latency budget): the opening is written and confirmed before the fault is
+acked (it is what makes one incident per failed generation: a fault delivered again finds it); for the common
+case, a routed engine's first fault, the route-out and dispatch go while that create is in flight
+(`_dispatch_first`: its etcd commit, 2-8 ms, was on every failover's way to the successor), which is safe
+because they are idempotent by the incident's id and the fault stays unacked until the create is confirmed.
+Every later record, and the endpoint keys, are written behind through one fenced `BatchWriter` (grouped into
+etcd transactions, guarded by the leader key). A queued record lost in a crash is redone by the next leader
+from the older record, or, with none, from the fault delivered again.
 
 The parts, one concern each: what a message means (`intake.py`), where a move takes a record (`moves.py`, pure),
 the events built (`routes.py`), ends recorded then announced (`endings.py`), the open records and their indexes
@@ -36,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from libs.common.bus import Bus, engines_on_their_nodes
+from libs.common.bus import Bus, delivery_attempts, engines_on_their_nodes
 from libs.common.errors import Unavailable
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EngineReady, EngineStopped, Envelope
@@ -173,9 +177,10 @@ class IncidentDriver:
         opens, moves = self.intake.faults(envs)
         async with self.locks.holding([*opens, *(m.inc_id for m in moves)]):
             await self.leading()
-            moved = await self._open(list(opens.values()), out)
+            moved, unconfirmed = await self._open(list(opens.values()), out)
             moved.update(await self._apply(moves, out))
             await self._advance(moved, out)
+            await self._confirm(unconfirmed, out)
         return out
 
     async def on_results(self, envs: list[Envelope]) -> Outcomes:
@@ -229,11 +234,15 @@ class IncidentDriver:
             await self._advance(await self._apply(moves, out), out)
         return out
 
-    async def _open(self, faults: list[Opening], out: Outcomes) -> dict[str, int]:
+    async def _open(self, faults: list[Opening],
+                    out: Outcomes) -> tuple[dict[str, int], list[tuple[int, IncidentRecord, asyncio.Future[bool]]]]:
         """Each fault's incident, opened here (creates queued together, awaited together) or, found in etcd (a
-        redelivery), loaded. Returns the incidents to advance, by id: the message each one came from."""
+        redelivery), loaded. Returns the incidents to advance, by id: the message each one came from; and those
+        advanced before their create is confirmed (`_dispatch_first`), whose creates `_confirm` awaits."""
         found: dict[str, int] = {}
         created = []
+        unconfirmed = []
+        attempts = delivery_attempts.get()
         for i, f, env in faults:
             inc_id = incident_of(f)
             if inc_id in self.open:
@@ -247,6 +256,11 @@ class IncidentDriver:
                 continue
             created.append((i, rec, self.log.create_soon(rec)))  # create first: the common case is a new fault
         for i, rec, fut in created:
+            if self._dispatch_first(rec, attempts[i] if i < len(attempts) else 0):
+                self.open.put(rec)
+                found[rec.id] = i
+                unconfirmed.append((i, rec, fut))
+                continue
             try:
                 if await fut:
                     self.metrics.record_opened(rec)
@@ -263,7 +277,40 @@ class IncidentDriver:
                 continue
             self.open.put(rec)
             found[rec.id] = i
-        return found
+        return found, unconfirmed
+
+    def _dispatch_first(self, rec: IncidentRecord, attempt: int) -> bool:
+        """Whether `rec`'s route-out and dispatch may go before its create is confirmed: a first delivery of the
+        fault of an engine routed now (so no incident of that generation routed it out before, here or under an
+        earlier leader), a single engine (a group's faults join one incident: that path stays in order). Its
+        create is awaited right after (`_confirm`); the dispatch is idempotent by the incident's id (the event ids
+        derive from it; the dc_manager and the agent act once per incident), so a leader that dies before the
+        create lands leaves the fault unacked, and the next one opens and dispatches it again, as it resumes an
+        incident from `opened`. This takes the opening's etcd commit off the way to the successor."""
+        return (self.settings.dispatch_before_create and attempt == 1 and rec.gang is None
+                and self.view.endpoint_of(rec.engine_id) is not None)
+
+    async def _confirm(self, unconfirmed: list[tuple[int, IncidentRecord, asyncio.Future[bool]]],
+                       out: Outcomes) -> None:
+        """The creates of incidents dispatched before them, awaited. One found in etcd already (another leader
+        opened it: the dispatch was the same, by its ids) is taken from etcd if it ended there; one whose create
+        failed keeps its record here (written behind with its next step) and its fault is redelivered (its
+        incident found open here: nothing is done twice)."""
+        for i, rec, fut in unconfirmed:
+            try:
+                if await fut:
+                    self.metrics.record_opened(rec)
+                    if self.tracing.export_spans:
+                        self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
+                    log.info("incident %s opened: %s %s (dispatched first)", rec.id, rec.engine_id, rec.kind)
+                    continue
+                loaded = await self.log.in_etcd(rec.id)
+                log.warning("incident %s was opened already by another leader (%s); dispatched again (idempotent)",
+                            rec.id, loaded.state if loaded is not None else "record gone")
+                if loaded is not None and loaded.terminal:
+                    self.open.put(loaded)
+            except Exception as e:  # noqa: BLE001 - this fault alone is redelivered
+                out[i] = e
 
     async def _apply(self, moves: list[Move], out: Outcomes) -> dict[str, int]:
         """Each move, in order, on its incident's latest record; the waiting states' entry actions done (the

@@ -41,6 +41,9 @@ class ControllerSettings(CommonSettings):
     freeze_deadline_s: float = Field(5.0, gt=0, description="freeze must be confirmed within this after dispatch")
     reattach_deadline_s: float = Field(30.0, gt=0, description="takeover must be confirmed within this after freeze")
     fallback_deadline_s: float = Field(300.0, gt=0, description="a cold start must be ready within this")
+    dispatch_before_create: bool = Field(True, description="a routed engine's first fault is routed out and "
+                                         "dispatched while its incident's create is in flight (pipeline.py "
+                                         "`_dispatch_first`); false: the create is confirmed first")
     waiting_record_delay_s: float = Field(1.0, ge=0, description="an incident's waiting state (freezing, fallback) "
                                           "is recorded only if it still waits this long after dispatch (0: at once)")
     record_linger_s: float = Field(0.005, ge=0, description="written-behind etcd writes (later records, endpoint "
