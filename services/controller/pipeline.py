@@ -282,12 +282,13 @@ class IncidentDriver:
     def _dispatch_first(self, rec: IncidentRecord, attempt: int) -> bool:
         """Whether `rec`'s route-out and dispatch may go before its create is confirmed: a first delivery of the
         fault of an engine routed now (so no incident of that generation routed it out before, here or under an
-        earlier leader), a single engine (a group's faults join one incident: that path stays in order). Its
+        earlier leader), a single engine (a group's faults join one incident: that path stays in order) whose
+        memory is not lost (a cold start takes seconds: its few ms are not worth a second order of steps). Its
         create is awaited right after (`_confirm`); the dispatch is idempotent by the incident's id (the event ids
         derive from it; the dc_manager and the agent act once per incident), so a leader that dies before the
         create lands leaves the fault unacked, and the next one opens and dispatches it again, as it resumes an
         incident from `opened`. This takes the opening's etcd commit off the way to the successor."""
-        return (self.settings.dispatch_before_create and attempt == 1 and rec.gang is None
+        return (self.settings.dispatch_before_create and attempt == 1 and rec.gang is None and not rec.memory_lost
                 and self.view.endpoint_of(rec.engine_id) is not None)
 
     async def _confirm(self, unconfirmed: list[tuple[int, IncidentRecord, asyncio.Future[bool]]],
