@@ -25,11 +25,9 @@ from libs.common.service import Runtime
 from libs.common.store import Store
 from services.controller.app import setup
 from services.controller.settings import ControllerSettings
-from tests.controller import test_etcd_stall as stall
 from tests.controller.helpers import control_plane, service_env, serving_cluster, wait_for
 
 ADMIN = "admin-secret"
-own_etcd, stall_settings, stall_store = stall.own_etcd, stall.stall_settings, stall.stall_store  # its fixtures
 BLOCK_S = 3.0
 
 

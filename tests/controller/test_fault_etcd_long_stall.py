@@ -19,7 +19,6 @@ from libs.common.errors import Conflict, Unavailable, temporary
 from libs.common.store import Store
 from services.controller.incident import IncidentRecord, IncidentState, incident_id_for
 from tests.controller.helpers import control_plane, healthy, service_env, serving_cluster, start, wait_for
-from tests.controller.test_etcd_stall import own_etcd, stall_settings, stall_store  # noqa: F401 - fixtures
 
 STALL_S = 30.0
 STARTED_IN_STALL_S = 13.0  # longer than a service's start waited for etcd before (10 s)
@@ -37,7 +36,7 @@ async def _wait_resolved(store: Store, sim: SimulatedCluster, victim: str, what:
 
 
 async def test_a_fault_sent_during_a_long_etcd_stall_opens_its_incident_once_etcd_is_back(
-        bus: Bus, stall_store: Store, stall_settings: CommonSettings, own_etcd: procs.Child,  # noqa: F811
+        bus: Bus, stall_store: Store, stall_settings: CommonSettings, own_etcd: procs.Child,
         tmp_path: Path) -> None:
     store = stall_store
     sim = await serving_cluster(bus, store, nodes=1, gpus_per_node=2)
@@ -56,7 +55,7 @@ async def test_a_fault_sent_during_a_long_etcd_stall_opens_its_incident_once_etc
 
 
 async def test_services_started_while_etcd_is_stalled_wait_for_it_and_then_serve(
-        bus: Bus, stall_store: Store, stall_settings: CommonSettings, own_etcd: procs.Child,  # noqa: F811
+        bus: Bus, stall_store: Store, stall_settings: CommonSettings, own_etcd: procs.Child,
         tmp_path: Path) -> None:
     # A controller (or any service) restarted while etcd is stopped: it waited 10 s for etcd, then exited 1 (a chaos
     # run's controller did, restarted by the stack's supervisor; under Kubernetes it would be held in a restart
