@@ -263,10 +263,7 @@ class IncidentDriver:
                 continue
             try:
                 if await fut:
-                    self.metrics.record_opened(rec)
-                    if self.tracing.export_spans:  # the detect step's span (no copy made when none is exported)
-                        self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
-                    log.info("incident %s opened: %s %s", rec.id, rec.engine_id, rec.kind)
+                    self._opened(rec)
                 else:  # it exists (a redelivery): load it
                     loaded = await self.log.load(rec.id)
                     if loaded is None or loaded.terminal:
@@ -278,6 +275,13 @@ class IncidentDriver:
             self.open.put(rec)
             found[rec.id] = i
         return found, unconfirmed
+
+    def _opened(self, rec: IncidentRecord) -> None:
+        """`rec`'s create confirmed: counted, its detect step's span (no copy made when none is exported), logged."""
+        self.metrics.record_opened(rec)
+        if self.tracing.export_spans:
+            self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
+        log.info("incident %s opened: %s %s", rec.id, rec.engine_id, rec.kind)
 
     def _dispatch_first(self, rec: IncidentRecord, attempt: int) -> bool:
         """Whether `rec`'s route-out and dispatch may go before its create is confirmed: a first delivery of the
@@ -300,10 +304,7 @@ class IncidentDriver:
         for i, rec, fut in unconfirmed:
             try:
                 if await fut:
-                    self.metrics.record_opened(rec)
-                    if self.tracing.export_spans:
-                        self.tracing.steps(rec.model_copy(update={"steps": {}}), rec)
-                    log.info("incident %s opened: %s %s (dispatched first)", rec.id, rec.engine_id, rec.kind)
+                    self._opened(rec)
                     continue
                 loaded = await self.log.in_etcd(rec.id)
                 log.warning("incident %s was opened already by another leader (%s); dispatched again (idempotent)",
