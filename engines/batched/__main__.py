@@ -58,7 +58,7 @@ from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
 from libs.common import procs
 from libs.common.gc_tuning import long_lived_gc
-from libs.common.procs import ms_since
+from libs.common.procs import ms_between, ms_since
 
 log = logging.getLogger("holdfast.engine.batched")
 HEARTBEAT_S = 0.2
@@ -396,7 +396,7 @@ def run(cfg: EngineConfig) -> int:
         if loaded.source != "file":
             state.t_start = t_start
             shadowed = (state.info.get("assignment") or {}).get("shadowed")  # its leases mapped before the kill
-            at_ms = {k: round((t - t_start) * 1000, 3) for k, t in points.items()}
+            at_ms = {k: ms_between(t_start, t) for k, t in points.items()}
             state.info["recovery"] = {"source": loaded.source, "ready_ms": ms_since(t_start), "at_ms": at_ms,
                                       "shadowed": bool(shadowed),
                                       "t0_wall": time.time() - (time.perf_counter() - t_start),
@@ -406,7 +406,7 @@ def run(cfg: EngineConfig) -> int:
                 # the kernel's ids of its threads: what a sampler of /proc/<pid>/task reads them by
                 state.info["recovery"]["threads"] = {t.name: t.native_id for t in threading.enumerate()}
             if fence is not None:  # granted before the predecessor's exit: what waited for it, how, and when
-                state.info["recovery"]["fence"] = {**fence, "from_ms": round((t_fence - t_start) * 1000, 3)}
+                state.info["recovery"]["fence"] = {**fence, "from_ms": ms_between(t_start, t_fence)}
         state.become("ready")
         http.wait_hello()
         if link is not None:
