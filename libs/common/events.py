@@ -126,6 +126,10 @@ class LeaseInfo(Model):
     # Host memory (a memfd) whatever the node's backend: not on the GPU it names, whose fault does not take it (a
     # KV cache's host backup, engines/batched/backup.py).
     host: bool = False
+    # The incident it was last frozen for, and the owner a successor took it over from: a freeze of that owner for
+    # that incident, sent after the takeover, is answered with the handover (gpu_manager commands.py).
+    frozen_for: str | None = None
+    handed_from: str | None = None
 
 
 class EngineSpec(Model):
@@ -570,6 +574,10 @@ class Freeze(Command):
     # only the owner's committed KV backups (host memory), for a cold successor that loads the weights itself and
     # restores the cache from them (its weights and cache lost with their GPU); its other leases are left as they are
     backups_only: bool = False
+    # The node's agent promoting its own standby under this token (services/agent/takeover.py `promote`): the only
+    # taker of the incident's leases (the control plane's takeover joins its), so its token replaces the one of a
+    # freeze for the same incident that came first (the dc_manager's: nobody holds that one)
+    promotion: bool = False
 
 
 class FreezeReply(Model):
@@ -579,6 +587,10 @@ class FreezeReply(Model):
     leases: list[LeaseInfo] = Field(default_factory=list)
     # the node's GPUs the gpu_manager holds unhealthy as it froze (index -> why): newer than any view of etcd
     unhealthy_gpus: dict[int, str] = Field(default_factory=dict)
+    # The leases were frozen for this incident and taken over already, by this successor (the node's agent froze
+    # them and promoted its standby itself, services/agent/promotion.py): `leases` are the successor's now, and the
+    # token is spent (`transfer_token` is the one this freeze asked for, or a new one nobody holds).
+    handed_to: str | None = None
 
 
 class Transfer(Command):

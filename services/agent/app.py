@@ -69,6 +69,7 @@ async def setup(rt: Runtime) -> None:
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
                     gpus=[g.index for g in health.gpus], nvml=bool(has_nvml))
     commands, takeovers = Commands(agent, lambda: current_term(rt.store)), Takeovers(agent)
+    agent.promoter = takeovers.promote
     await rt.bus.serve(settings.node, Spawn, commands.spawn)
     await rt.bus.serve(settings.node, StopEngine, commands.stop)
     await rt.bus.serve(settings.node, ListEngines, commands.list_engines)
@@ -89,6 +90,7 @@ async def setup(rt: Runtime) -> None:
         "metrics_port": metrics_port,
         "engines": {r.engine_id: r.state.value for r in agent.records()},
         "faults_published": agent.detection.faults_published,
+        "promoted_here": takeovers.promoted,
         "refused_stale_term": commands.refused,
         "backoff": {b.spec_key: b.model_dump() for b in agent.backoff_report()},
         "nvml": bool(has_nvml),

@@ -42,6 +42,8 @@ class Host(EngineTable, Protocol):
 
     def gone(self, rec: EngineRecord) -> None: ...
 
+    def promote(self, rec: EngineRecord, kind: FaultKind) -> None: ...
+
 
 class Detection:
     def __init__(self, host: Host) -> None:
@@ -98,7 +100,8 @@ class Detection:
             kind, detail = FaultKind.EXITED, "exited after saying goodbye (adopted: exit code unknown)"
         else:
             kind, detail = FaultKind.KILLED, "died without a goodbye (adopted: signal unknown)"
-        self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=detail, died_at=st.at)
+        if self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=detail, died_at=st.at):
+            self.host.promote(rec, kind)  # its standby at once, where this agent may (takeover.py)
         self.host.gone(rec)
 
     def exiting(self, engine_id: str, st: ExitStatus) -> None:
@@ -110,7 +113,9 @@ class Detection:
         if self.follower_first(rec, st):
             return
         kind, detail = known_fault(st)
-        self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)", died_at=st.at)
+        if self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)",
+                      died_at=st.at):
+            self.host.promote(rec, kind)
 
     def follower_first(self, rec: EngineRecord, st: ExitStatus) -> bool:
         """A group's rank 0 exiting 70 because a follower died: the follower's death is the fault, published now

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from libs.common.bus import Bus
@@ -34,6 +34,8 @@ from libs.common.events import (
     EngineStopped,
     Event,
     FaultKind,
+    Freeze,
+    FreezeReply,
     RankProcess,
     RestartBackoff,
 )
@@ -52,6 +54,7 @@ from services.agent.settings import AgentSettings
 from services.agent.starts import Starts
 
 log = logging.getLogger("holdfast.agent")
+LOCAL_FREEZE_S = 2.0  # the agent's own freeze (takeover.py `promote`); a manager slower: the control plane's path
 
 
 class Agent:
@@ -70,6 +73,8 @@ class Agent:
         self.starts = Starts(self)
         self.probes = Probes(self)
         self.gpu_health = GpuHealth(self)
+        # takeover.py's `Takeovers.promote`, set by app.py: a death's standby promoted by this agent
+        self.promoter: Callable[[EngineRecord, FaultKind], bool] | None = None
         self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconcile_now = asyncio.Event()
@@ -135,6 +140,18 @@ class Agent:
 
     def watch_followers(self, rec: EngineRecord, followers: list[RankProcess]) -> None:
         self.detection.watch_followers(rec, followers)
+
+    def promote(self, rec: EngineRecord, kind: FaultKind) -> None:
+        """A death just reported: its standby promoted here, where takeover.py's `promote` may (app.py sets it)."""
+        if self.promoter is not None:
+            self.promoter(rec, kind)
+
+    def gpu_sound(self, gpu: int) -> bool:
+        return gpu not in self.gpu_health.unhealthy
+
+    async def freeze(self, cmd: Freeze) -> FreezeReply:
+        """This node's gpu_manager freezes an engine's leases (the agent's own promotion, takeover.py)."""
+        return await self.bus.request(self.node, cmd, FreezeReply, timeout=LOCAL_FREEZE_S)
 
     async def assign(self, rec: EngineRecord, msg: dict[str, Any]) -> None:
         """Send `msg` over the engine's link (links.py); ConnectionError without one."""

@@ -228,9 +228,12 @@ class IntentSteps:
                     early.cancel()  # only our wait: the promoted shadow, never owning the leases, exits (75)
                 raise
             prog.frozen_at = time.time()
-            if early is not None and prog.freeze.transfer_token != token:
-                log.warning("intent %s: %s was frozen already under another token; the early-promoted shadow "
-                            "cannot own its leases", prog.key, intent.engine_id)
+            if prog.freeze.handed_to is not None or early is not None and prog.freeze.transfer_token != token:
+                # The node's agent froze them under its own token and promoted its standby itself (agent
+                # takeover.py `promote`): the takeover sent here joins that one (an agent's takeovers are one per
+                # incident), whichever token it carries.
+                log.info("intent %s: %s was frozen already for this incident (%s)", prog.key, intent.engine_id,
+                         f"taken over by {prog.freeze.handed_to}" if prog.freeze.handed_to else "another token")
             await self.save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
         await self._take_over(intent, prog, node, self.takeover(intent, prog.freeze.transfer_token, prog.memory_of),
                               early)

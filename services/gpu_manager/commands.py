@@ -88,6 +88,8 @@ class Commands:
             if not recs and asleep:
                 raise NoCommittedWeights(f"{cmd.owner} slept with its weights released on {self.book.settings.node}: "
                                          "nothing to hand on, cold-start (from a node copy or the file)")
+            if not recs and (handed := self._handed(cmd)):
+                return handed
             if not recs:
                 raise NotFound(f"{cmd.owner} holds no live leases on {self.book.settings.node}")
             recs, half = split_for_freeze(recs, cmd.backups_only)
@@ -97,28 +99,49 @@ class Commands:
             if not recs:
                 raise NoCommittedWeights(f"{cmd.owner} committed no weights on {self.book.settings.node} "
                                          "(killed while loading): nothing to hand on, cold-start from the file")
-            tokens = {r.transfer_token for r in recs if r.info.state == LeaseState.FROZEN}
-            if len(tokens) == 1 and None not in tokens:
+            frozen = [r for r in recs if r.info.state == LeaseState.FROZEN]
+            tokens = {r.transfer_token for r in frozen}
+            if len(tokens) == 1 and None not in tokens and not (
+                    cmd.promotion and cmd.transfer_token and all(r.info.frozen_for == cmd.incident_id for r in frozen)):
                 token = tokens.pop()  # frozen already (a redelivered freeze): the same token
-            else:
+            else:  # else the caller's (a promotion's replaces a freeze of the same incident: Freeze.promotion)
                 token = cmd.transfer_token or secrets.token_urlsafe(24)
             cause = f"frozen ({cmd.incident_id or 'no incident'})"
-            await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {"transfer_token": token}) for r in recs])
+            await self.book.apply_all([Move(r, LeaseEvent.FREEZE, cause, {  # frozen already: for its first incident
+                "transfer_token": token,
+                "frozen_for": r.info.frozen_for if r.info.state == LeaseState.FROZEN else cmd.incident_id})
+                for r in recs])
             epoch = max(r.info.epoch for r in recs)
-            frozen = MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
-                                  incident_id=cmd.incident_id)
+            event = MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
+                                 incident_id=cmd.incident_id)
             assert self.bus is not None  # set by register(), before any command is served
             try:
                 # Published before the reply, so that no later step of the incident (a takeover that may now
                 # take 3 ms) reaches anyone before `memory.frozen` does.
-                await self.bus.emit(frozen, incident_id=frozen.incident_id)
+                await self.bus.emit(event, incident_id=event.incident_id)
             except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
                 log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
-                self.book.mirror.frozen(frozen)
+                self.book.mirror.frozen(event)
             board = self.book.board
             return FreezeReply(lease_ids=[r.id for r in recs], epoch=epoch, transfer_token=token,
                                leases=[r.info for r in recs],
                                unhealthy_gpus=dict(board.unhealthy) if board is not None else {})
+
+    def _handed(self, cmd: Freeze) -> FreezeReply | None:
+        """The owner's leases frozen for this very incident and taken over since (its node's agent froze them and
+        promoted a standby before the control plane's freeze came): the freeze's work is done, said as such. The
+        lease rows keep who they were taken from and for what (durable: a restarted manager answers the same)."""
+        if cmd.incident_id is None or cmd.backups_only:
+            return None
+        recs = [r for r in self.book.records.values() if r.info.state in LIVE and r.info.handed_from == cmd.owner
+                and r.info.frozen_for == cmd.incident_id]
+        if not recs:
+            return None
+        board = self.book.board
+        return FreezeReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs),
+                           transfer_token=cmd.transfer_token or secrets.token_urlsafe(24), leases=[r.info for r in recs],
+                           unhealthy_gpus=dict(board.unhealthy) if board is not None else {},
+                           handed_to=recs[0].info.owner)
 
     async def freeze_gang(self, cmd: FreezeGang) -> FreezeGangReply:
         async with self.book.lock:

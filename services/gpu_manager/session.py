@@ -539,7 +539,8 @@ class EngineSession:
         await self.book.apply_all([  # every lease's new epoch in one commit, before any fd goes out
             *(Move(rec, LeaseEvent.TAKEOVER, f"taken over from {req.predecessor}",
                    {"owner": peer.engine_id, "engine_class": peer.engine_class, "owner_pid": peer.pid,
-                    "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None})
+                    "owner_pid_start": peer.pid_start, "transfer_token": None, "successor": None,
+                    "handed_from": req.predecessor})
               for rec in frozen),
             *(Move(rec, LeaseEvent.FORCE_RECLAIM, f"not handed on: {peer.engine_id} took {req.predecessor}'s KV "
                    "backup alone") for rec in rest)])

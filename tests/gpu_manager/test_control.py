@@ -122,6 +122,43 @@ async def test_a_freeze_takes_the_token_its_caller_chose_unless_the_leases_are_f
         Freeze(owner="eng-chosen-standby", transfer_token="short")  # a guessable token is not a token
 
 
+async def test_the_agents_promotion_token_holds_and_a_later_freeze_of_that_incident_finds_it_handed_on(
+        manager, engines, bus, store):
+    """The node's agent freezes a dead engine's leases for its incident and promotes its standby itself
+    (services/agent/takeover.py `promote`): its token replaces that of a freeze of the same incident that came
+    first (`Freeze.promotion`), not that of another incident's; once its standby took them over, the control
+    plane's freeze of that engine for that incident is answered with the handover, and for another incident it is
+    not found."""
+    node = "node-1"
+    old = engines(manager, "eng-p")
+    wrote = old.ask(f"write {N} 21")
+    standby = engines(manager, "eng-p-standby")
+    first = await bus.request(node, Freeze(owner="eng-p", incident_id="inc-p", transfer_token="a" * 32), FreezeReply)
+    assert first.transfer_token == "a" * 32 and first.handed_to is None
+    # another incident's promotion does not take the leases from this incident's freeze
+    other = await bus.request(node, Freeze(owner="eng-p", incident_id="inc-q", transfer_token="q" * 32,
+                                           promotion=True), FreezeReply)
+    assert other.transfer_token == "a" * 32
+    mine = await bus.request(node, Freeze(owner="eng-p", incident_id="inc-p", transfer_token="b" * 32,
+                                          promotion=True), FreezeReply)
+    assert mine.transfer_token == "b" * 32
+    later = await bus.request(node, Freeze(owner="eng-p", incident_id="inc-p", transfer_token="c" * 32), FreezeReply)
+    assert later.transfer_token == "b" * 32  # the control plane's, after the promotion's: the promotion's holds
+    old.kill()
+    assert standby.ask(f"takeover eng-p {'a' * 32}")["code"] == "permission_denied"
+    assert standby.ask(f"takeover eng-p {'b' * 32}")["leases"] == {wrote["lease"]: 2}
+
+    handed = await bus.request(node, Freeze(owner="eng-p", incident_id="inc-p", transfer_token="d" * 32), FreezeReply)
+    assert handed.handed_to == "eng-p-standby" and handed.lease_ids == [wrote["lease"]]
+    assert [(i.owner, i.state, i.handed_from, i.frozen_for) for i in handed.leases] == [
+        ("eng-p-standby", LeaseState.ACTIVE, "eng-p", "inc-p")]
+    with pytest.raises(RemoteError) as elsewhere:
+        await bus.request(node, Freeze(owner="eng-p", incident_id="inc-other"), FreezeReply)
+    assert elsewhere.value.remote_code == "not_found"
+    listed = await bus.request(node, ListLeases(owner="eng-p-standby"), ListLeasesReply)
+    assert [i.state for i in listed.leases] == [LeaseState.ACTIVE]  # the handed-on answer changed nothing
+
+
 async def test_a_fenced_takeover_waits_until_the_predecessor_can_run_no_code(manager, engines, bus):
     """Fenced (protocol.TakeoverReq): refused while the predecessor runs or is merely SIGSTOPped (it may be
     continued); granted once it is killed, naming it in `fence` if it had not exited yet; the memory intact."""

@@ -29,6 +29,7 @@ from libs.common.events import (
     EngineStopped,
     Event,
     FaultDetected,
+    Freeze,
     GpuHealth,
     LeaseChanged,
     MemoryFrozen,
@@ -127,7 +128,10 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
     pub = _stream_admin(stream)
     if role == "agent":
         sub.append(f"{p}.node.{node}.agent.>")
-        pub += [f"{p}.node.{node}.{command_kind(ShareWeights)}", f"{p}.node.{node}.{command_kind(SetGpuHealth)}"]
+        # its own node's gpu_manager only: a weights share for a standby, a GPU's health, and a freeze (its own
+        # promotion of a standby, services/agent/takeover.py: it may kill those engines anyway)
+        pub += [f"{p}.node.{node}.{command_kind(ShareWeights)}", f"{p}.node.{node}.{command_kind(SetGpuHealth)}",
+                f"{p}.node.{node}.{command_kind(Freeze)}"]
     elif role == "gpu_manager":
         sub.append(f"{p}.node.{node}.gpu_manager.>")
     if node is not None:
