@@ -1,8 +1,10 @@
 """Control-plane commands over NATS request/reply: freeze, transfer, reclaim, list (models in libs.common.events).
 
 freeze(owner)   every committed live lease of the owner -> FROZEN, with a fresh random transfer token
-                (idempotent: a second freeze of the same frozen leases returns the same token); emits
-                MemoryFrozen. Uncommitted leases are reclaimed instead; an owner without a committed weights
+                (idempotent: a second freeze of the same frozen leases returns the same token, unless it is the
+                node's agent's promotion for the same incident, whose token replaces it); emits MemoryFrozen. Once
+                a successor took them over, a freeze of that owner for that incident answers with the handover
+                (`handed_to`). Uncommitted leases are reclaimed instead; an owner without a committed weights
                 lease gets `NoCommittedWeights` (not_found: the control plane cold-starts from the file).
                 `backups_only`: the committed KV backups alone (host memory), for a successor that loads the
                 weights itself (TakeoverReq `cold_weights`); the owner's other leases are left as they are.
