@@ -37,13 +37,13 @@ exiting or dead: no fault of its GPU, which this agent holds sound) with a ready
 and fences itself. The agent does not wait for the control plane (the fault's way to the controller, its intent to
 the dc_manager, the dc_manager's freeze and takeover: ~4-5 ms on an H100, 10-20 ms on a 2-core VM): under a token
 of its own it asks its node's gpu_manager to freeze the engine's leases for the incident's own id
-(`incident_id("inc", engine, generation)`, the one the controller opens for that fault) and, at the same time, runs
-the takeover above as if that command had come (the standby's fenced takeover is granted once the freeze is in, as
-for the dc_manager's early promotion). A freeze the manager does not answer is sent again (the same token). The
-control plane's freeze finds the leases frozen under this token, or handed on already (`FreezeReply.handed_to`), and
-its takeover joins this one by the incident's id (registered before the fault leaves this agent). Where the control
-plane's freeze came first, the promotion's freeze (`Freeze.promotion`) puts its token in place of that one, which
-nobody holds: the control plane's takeover joins this one.
+(`incident_id("inc", engine, generation)`, the one the controller opens for that fault; `Freeze.promotion`: its
+token replaces that of a freeze of the same incident that came first, which nobody holds), then runs the takeover
+above as if that command had come, with the token the freeze answered. The takeover is registered under the
+incident's id before the fault leaves this agent, so the control plane's takeover joins it; the control plane's
+freeze finds the leases frozen under this token, or handed on already (`FreezeReply.handed_to`). A freeze that
+fails (the manager unreachable after a few tries, nothing to hand on) promotes nobody: the promotion gives way
+(`PromotionDropped`) and the control plane's takeover, joined or still to come, runs as it would have.
 """
 
 from __future__ import annotations
@@ -112,7 +112,11 @@ class Host(EngineTable, FaultReporter, Protocol):
 
 
 PROMOTED_KINDS = frozenset({FaultKind.KILLED, FaultKind.EXITED})  # a process's own death: its GPU and memory intact
-LOCAL_FREEZE_TRIES = 4  # the agent's own freeze, sent again while unanswered (each try waits LOCAL_FREEZE_S)
+LOCAL_FREEZE_TRIES = 3  # the agent's own freeze, sent again while unanswered (each try waits LOCAL_FREEZE_S)
+
+
+class PromotionDropped(Exception):
+    """The agent's own promotion gave way before it assigned anyone (its freeze failed)."""
 
 
 def why_not_promoted(pred: EngineRecord, kind: FaultKind, standby: EngineRecord | None, *, gpu_sound: bool) -> str | None:
@@ -139,13 +143,17 @@ class Takeovers:
         self.promoted = 0  # promotions this agent began itself (`promote`)
 
     async def handle(self, cmd: Takeover) -> TakeoverReply:
-        task = self._by_incident.get(cmd.incident_id)
-        if task is None:
-            self.host.get(cmd.engine_id)  # NotFound before anything is remembered
-            task = asyncio.get_running_loop().create_task(self._run(cmd), name=f"takeover:{cmd.incident_id}")
-            self._by_incident[cmd.incident_id] = task
-        # shield: a caller that times out must not cancel the takeover other callers (and the memory) wait on
-        return await asyncio.shield(task)
+        while True:
+            task = self._by_incident.get(cmd.incident_id)
+            if task is None:
+                self.host.get(cmd.engine_id)  # NotFound before anything is remembered
+                task = asyncio.get_running_loop().create_task(self._run(cmd), name=f"takeover:{cmd.incident_id}")
+                self._by_incident[cmd.incident_id] = task
+            try:
+                # shield: a caller that times out must not cancel the takeover other callers (and the memory) wait on
+                return await asyncio.shield(task)
+            except PromotionDropped:
+                continue  # this agent's own promotion gave way before assigning anyone: this command runs it
 
     def promote(self, pred: EngineRecord, kind: FaultKind) -> bool:
         """Take `pred`, dead of `kind`, over now, without waiting for the control plane (the module's docstring);
@@ -168,36 +176,31 @@ class Takeovers:
         return True
 
     async def _promote(self, cmd: Takeover) -> TakeoverReply:
-        """The freeze and the takeover at once (the module's docstring)."""
-        self.host.background(self._freeze(cmd), f"freeze:{cmd.incident_id}")
-        return await self._run(cmd, {"promoted_here": 1.0})
-
-    async def _freeze(self, cmd: Takeover) -> None:
-        """The leases frozen under the promotion's token; sent again while the manager does not answer. A typed
-        refusal (nothing to hand on) leaves the standby's takeover to fail, as the control plane's freeze will."""
+        """The leases frozen (sent again while the manager does not answer), then the takeover with the token the
+        freeze answered; a freeze that fails gives way to the control plane (the module's docstring)."""
         t = time.perf_counter()
         freeze = Freeze(owner=cmd.engine_id, incident_id=cmd.incident_id, transfer_token=cmd.transfer_token,
                         promotion=True)
-        for attempt in range(LOCAL_FREEZE_TRIES):
-            try:
-                got = await self.host.freeze(freeze)
-                break
-            except (CommandTimeout, Unavailable) as e:
-                log.warning("takeover %s: freeze of %s not answered (%r), try %d", cmd.incident_id, cmd.engine_id, e,
-                            attempt + 1)
-                await asyncio.sleep(0.05 * 2**attempt)
-            except HoldfastError as e:
-                log.error("takeover %s: the gpu_manager refused to freeze %s (%s): the promoted standby cannot take "
-                          "its leases", cmd.incident_id, cmd.engine_id, e)
-                return
-        else:
-            log.error("takeover %s: no freeze of %s in %d tries", cmd.incident_id, cmd.engine_id, LOCAL_FREEZE_TRIES)
-            return
-        if got.transfer_token != cmd.transfer_token:
-            log.error("takeover %s: %s was frozen already under another token (handed to %s): the promoted standby "
-                      "cannot take its leases", cmd.incident_id, cmd.engine_id, got.handed_to)
-        else:
-            log.info("takeover %s: %s frozen here in %.2f ms", cmd.incident_id, cmd.engine_id, ms_since(t))
+        try:
+            for attempt in range(LOCAL_FREEZE_TRIES):
+                try:
+                    got = await self.host.freeze(freeze)
+                    break
+                except (CommandTimeout, Unavailable):
+                    if attempt == LOCAL_FREEZE_TRIES - 1:
+                        raise
+                    await asyncio.sleep(0.05 * 2**attempt)
+            if got.handed_to is not None:
+                raise Conflict(f"its leases were handed to {got.handed_to} already")
+        except HoldfastError as e:
+            log.warning("takeover %s: this agent's freeze of %s failed (%s): left to the control plane",
+                        cmd.incident_id, cmd.engine_id, e)
+            self._by_incident.pop(cmd.incident_id, None)
+            raise PromotionDropped(str(e)) from e
+        freeze_ms = ms_since(t)
+        log.info("takeover %s: %s frozen here in %.2f ms", cmd.incident_id, cmd.engine_id, freeze_ms)
+        return await self._run(cmd.model_copy(update={"transfer_token": got.transfer_token}),
+                               {"promoted_here": 1.0, "local_freeze_ms": freeze_ms})
 
     async def _run(self, cmd: Takeover, timings: dict[str, float] | None = None) -> TakeoverReply:
         host = self.host
@@ -407,6 +410,7 @@ class Takeovers:
 
 
 def _retrieved(task: asyncio.Task[TakeoverReply]) -> None:
-    """A promotion nobody joined: its failure said once, not as an exception never retrieved."""
-    if not task.cancelled() and task.exception() is not None:
+    """A promotion nobody joined: its failure said once, not as an exception never retrieved (a dropped one was
+    said by `_promote`)."""
+    if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), PromotionDropped):
         log.error("takeover %s failed: %r", task.get_name(), task.exception())

@@ -153,6 +153,9 @@ class LeaseBook:
         self.board: GpuBoard | None = None
         # Tensor-parallel engines' gangs by id (gangs.py moves them; durable with the leases: invariant 6).
         self.gangs: dict[str, Gang] = {}
+        # Set, and replaced, by each commit of `apply_all`: what a request waiting for a change (a takeover sent
+        # before its predecessor's freeze: session.py) awaits, taken while it holds the lock.
+        self.changed = asyncio.Event()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -360,6 +363,8 @@ class LeaseBook:
             log.info("gangs %s ended with their last leases", list(gone))
         for info, before, cause in notes:
             self.mirror.lease_changed(info, before, cause)
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     async def persist(self, records: list[LeaseRecord], put_gangs: tuple[Gang, ...] = (),
                       drop_gangs: tuple[str, ...] = ()) -> None:

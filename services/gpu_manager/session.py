@@ -58,6 +58,7 @@ from libs.client.protocol import (
     Hello,
     HelloReply,
     LeaseGrant,
+    NotFrozenYet,
     OutOfOrder,
     PartialGang,
     PeerServed,
@@ -102,6 +103,11 @@ from services.gpu_manager.scope import foreign_owner, hidden, lease_for
 from services.gpu_manager.sleep import Sleeper, resident_bytes
 
 log = logging.getLogger("holdfast.gpu_manager.session")
+
+# A takeover sent before its predecessor's freeze is held this long for it (`_takeover_once_frozen`); then told
+# `not_frozen_yet` (the client asks again until its own deadline). Its connection's other requests wait behind it:
+# an engine's client asks one thing at a time.
+FROZEN_WAIT_S = 0.25
 
 # Fds a frame from an engine may declare. Engines send none: one is still read (closed, refused, the connection
 # kept), more are refused from the frame's header, so the manager takes at most the first batch of them (the
@@ -282,6 +288,8 @@ class EngineSession:
                 return await self.sleep_wake(req, self.peer)
             if isinstance(req, GangTakeover):  # waits for the group's other ranks: the lock only around its checks
                 return await self.gang_takeover(req, self.peer)
+            if isinstance(req, TakeoverReq):
+                return await self._takeover_once_frozen(req, self.peer)
             t_lock = time.perf_counter()
             async with self.book.lock:
                 self.lock_wait_ms = ms_since(t_lock)  # for the takeover's log line and reply
@@ -296,6 +304,26 @@ class EngineSession:
                 raise
             log.warning("%s from pid %d failed: %s", obj.get("op"), self.pid, typed)
             return error(typed), []
+
+    async def _takeover_once_frozen(self, req: TakeoverReq, peer: Peer) -> tuple[dict[str, Any], list[int]]:
+        """A takeover; one that comes before its predecessor's leases are frozen (a standby promoted while the
+        freeze is under way: the agent's own promotion, the dc_manager's early one) is held here until a commit
+        freezes them, up to FROZEN_WAIT_S, rather than told `not_frozen_yet` and left to ask again a poll interval
+        later (5 ms). The lock is not held while it waits."""
+        deadline = time.monotonic() + FROZEN_WAIT_S
+        while True:
+            t_lock = time.perf_counter()
+            async with self.book.lock:
+                self.lock_wait_ms = ms_since(t_lock)
+                try:
+                    return await self._dispatch(req, peer)
+                except NotFrozenYet:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    changed = self.book.changed  # under the lock: no commit between the check and the wait
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
 
     async def _dispatch(self, req: Any, peer: Peer) -> tuple[dict[str, Any], list[int]]:
         if isinstance(req, Allocate):

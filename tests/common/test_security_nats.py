@@ -137,14 +137,16 @@ async def test_a_nodes_agent_cannot_command_or_overhear_another_node(settings: C
 async def test_no_other_role_can_forge_the_pipelines_commands_or_read_leases(settings: CommonSettings, credentials: Path,
                                                                             who: str) -> None:
     """ListLeases, freeze, reclaim, takeover, stop for node-1 from the router or a node's service (node-1's own
-    included): each refused by the server; only the dc_manager (the controller for reclaim/stop) sends them."""
+    included): each refused by the server; only the dc_manager (the controller for reclaim/stop) sends them, and
+    node-1's agent a freeze to its own node (its promotion of a standby: services/agent/takeover.py), which node-2's
+    agent may not."""
     node = "node-1"
     served: list[Any] = []
     listing = await _served(settings, node, ListLeases, served)
     intruder = await Intruder().connect(settings.nats_url, **_as(credentials, who))
     p = settings.subject_prefix
     try:
-        for command in (ListLeases, Freeze, Reclaim, Takeover, StopEngine):
+        for command in (ListLeases, Reclaim, Takeover, StopEngine, *([] if who == "agent.node-1" else [Freeze])):
             subject = command_subject(p, node, command)
             with pytest.raises(NatsTimeout):
                 await intruder.nc.request(subject, b"{}", timeout=0.3)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -157,6 +159,31 @@ async def test_the_agents_promotion_token_holds_and_a_later_freeze_of_that_incid
     assert elsewhere.value.remote_code == "not_found"
     listed = await bus.request(node, ListLeases(owner="eng-p-standby"), ListLeasesReply)
     assert [i.state for i in listed.leases] == [LeaseState.ACTIVE]  # the handed-on answer changed nothing
+
+
+async def test_a_takeover_sent_before_the_freeze_is_held_until_it_commits(manager, engines, bus):
+    """A standby promoted while its predecessor's freeze is under way (the agent's promotion, the dc_manager's early
+    one) asks before the leases are frozen: the manager holds its request until the freeze commits (no poll
+    interval lost), and one whose freeze never comes is told `not_frozen_yet` after a while."""
+    node = "node-1"
+    old = engines(manager, "eng-early")
+    wrote = old.ask(f"write {N} 31")
+    standby = engines(manager, "eng-early-standby")
+    old.kill()
+    token = "e" * 32
+    asking = asyncio.ensure_future(asyncio.to_thread(standby.ask, f"takeover_fenced eng-early {token}"))
+    await asyncio.sleep(0.1)
+    assert not asking.done()  # held: the leases are not frozen yet
+    await bus.request(node, Freeze(owner="eng-early", incident_id="inc-e", transfer_token=token), FreezeReply)
+    got = await asyncio.wait_for(asking, 10)
+    assert got["leases"] == {wrote["lease"]: 2}
+
+    other = engines(manager, "eng-never")
+    other.ask(f"write {N} 32")
+    other.kill()
+    t0 = time.monotonic()
+    never = await asyncio.to_thread(standby.ask, f"takeover_fenced eng-never {token}")
+    assert never["code"] == "not_frozen_yet" and time.monotonic() - t0 >= 0.2
 
 
 async def test_a_fenced_takeover_waits_until_the_predecessor_can_run_no_code(manager, engines, bus):
