@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from libs.common.errors import InvalidTransition
-from libs.common.events import EngineRole, EngineSpec
+from libs.common.events import EngineRole, EngineSpec, FaultKind
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.supervision import (
     admit_stranger,
@@ -17,6 +17,7 @@ from services.agent.supervision import (
     spec_key,
     stranger_key,
 )
+from services.agent.takeover import why_not_promoted
 
 SPEC = EngineSpec(model="m", command=["x"], replicas=2, standbys=1, cold_start_s=5)
 KEY = spec_key(SPEC)
@@ -208,3 +209,27 @@ def test_a_sleeping_engine_is_not_shadowed_and_its_shadows_are_dropped_until_it_
     assert sleeping.drop == [standby] and sleeping.offer == []  # dropped, and nobody offered the sleeper
     standby.shadows, active.asleep = None, False
     assert [sb.engine_id for sb, _ in shadow_plan([active, standby, idle]).offer] == ["s", "t"]  # awake: again
+
+
+def test_the_agent_promotes_only_a_dead_active_engines_shadowing_self_fencing_standby() -> None:
+    """takeover.py `why_not_promoted`: a process's own death (killed, exited) of an active single engine on a sound
+    GPU, with a ready standby that shadows it and fences itself; anything else is left to the control plane."""
+    dead = rec("a", state=State.FAILED)
+    sb = rec("s", EngineRole.STANDBY, State.STANDBY, shadows="a", fences=True)
+    assert why_not_promoted(dead, FaultKind.KILLED, sb, gpu_sound=True) is None
+    assert why_not_promoted(dead, FaultKind.EXITED, sb, gpu_sound=True) is None
+    for kind in (FaultKind.HUNG, FaultKind.CUDA_ERROR, FaultKind.GPU_FAULT):  # alive, or its memory in doubt
+        assert why_not_promoted(dead, kind, sb, gpu_sound=True) == f"a {kind.value} fault"
+    assert why_not_promoted(dead, FaultKind.KILLED, sb, gpu_sound=False) == "its GPU 0 is not sound"
+    assert why_not_promoted(rec("a", EngineRole.STANDBY, State.FAILED), FaultKind.KILLED, sb,
+                            gpu_sound=True) == "not an active single engine"
+    assert why_not_promoted(rec("a", state=State.FAILED, tp=2), FaultKind.KILLED, sb,
+                            gpu_sound=True) == "not an active single engine"
+    assert why_not_promoted(rec("a", state=State.FAILED, handing_over=True), FaultKind.KILLED, sb,
+                            gpu_sound=True) == "a takeover of it is under way"
+    no = "no ready standby shadows it and fences itself"
+    assert why_not_promoted(dead, FaultKind.KILLED, None, gpu_sound=True) == no
+    for other in (rec("s", EngineRole.STANDBY, State.STANDBY, shadows="b", fences=True),
+                  rec("s", EngineRole.STANDBY, State.STANDBY, shadows="a", fences=False),
+                  rec("s", EngineRole.STANDBY, State.STARTING, shadows="a", fences=True)):
+        assert why_not_promoted(dead, FaultKind.KILLED, other, gpu_sound=True) == no
