@@ -32,9 +32,7 @@ Invariants:
    reads the journal and writes only elsewhere (isolation.py) need not wait for the exit; where the header is
    pending (a start-up or a wake cut off) it waits, as before (`await_fence`).
 4. A successor zeroes its own bank before its first write (`DrainMark`), and opens a bracket at once with the header
-   stamped (its start-up's journal writes), closed by its step thread's first act. The page is page-locked beside
-   that start-up (its registration is the driver's fixed cost of milliseconds, on the way to the first token); the
-   first close waits for it before the first GPU write into the page is queued.
+   stamped (its start-up's journal writes), closed by its step thread's first act.
 On the CPU nothing runs after the threads: `exiting` alone ends the fence there (no page).
 """
 
@@ -44,7 +42,6 @@ import os
 import select
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,16 +54,6 @@ DRAIN_NAME = "drain_mark"  # the lease's one tensor: int64[2 * PageLayout.bank_l
 LAUNCHED, DONE, HEADER, SLOT0 = 0, 1, 2, 3  # a bank: launched, done, the header's stamp, the slots', the blocks'
 POLL_S = 0.0005
 HELD = np.iinfo(np.int64).max  # a stamp `done` never reaches: held back from a predecessor (`DrainMark.hold`)
-# One thread page-locks drain pages beside a successor's start-up (`DrainMark`; cudaHostRegister lets go of the GIL).
-_REGISTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-drain-register")
-
-
-def _register(page: torch.Tensor, device: torch.device) -> tuple[bool, float]:
-    from engines.batched.copier import register_host
-
-    t0 = time.perf_counter()
-    with torch.cuda.device(device):  # registered for the engine's device's context, as on the engine's threads
-        return register_host(page), procs.ms_since(t0)
 
 
 @dataclass(frozen=True)
@@ -139,6 +126,8 @@ class DrainMark:
     """This engine's bank of the page: generation `gen`'s (journal.py)."""
 
     def __init__(self, page: torch.Tensor, device: torch.device, layout: PageLayout, gen: int) -> None:
+        from engines.batched.copier import register_host
+
         if not layout.fits(page):
             raise ValueError(f"a drain page of {tuple(page.shape)} {page.dtype} is not {layout}'s")
         t0 = time.perf_counter()
@@ -149,30 +138,15 @@ class DrainMark:
         self.n = 0
         self.depth = 0
         t1 = time.perf_counter()
-        # Page-locking the page (cudaHostRegister: 1.3-3.7 ms on an H100 for a few pages, the driver's fixed cost)
-        # runs beside the rest of the successor's start-up; the first GPU write into the page waits for it.
-        self.registered = False
-        self._registering: Future[tuple[bool, float]] | None = _REGISTER.submit(_register, page, device)
-        self.dev = torch.zeros(1, dtype=torch.int64, device=device)
+        self.registered = register_host(page)
         t2 = time.perf_counter()
+        self.dev = torch.zeros(1, dtype=torch.int64, device=device)
+        t3 = time.perf_counter()
         self.open()  # what start-up queues (the journal formatted or adopted): closed by the step thread's first act
         self.touch_header()
-        # where opening the mark went (a successor's recovery reports it: it is on the way to its first token); the
-        # first close adds `register` (the page-locking's own time) and `register_wait` (what it waited for that)
-        self.opened_ms: dict[str, float] = {"zero": procs.ms_between(t0, t1), "device": procs.ms_between(t1, t2),
-                                            "stamp": procs.ms_since(t2)}
-
-    def _pinned(self) -> None:
-        """The page is page-locked (or was already) before a GPU write into it is queued: a copy into pageable
-        memory is not stream-ordered. A failed registration raises here (CudaRegisterError)."""
-        registering = self._registering
-        if registering is None:
-            return
-        t0 = time.perf_counter()
-        self.registered, took = registering.result()  # the same on any thread (a stop beside the step thread's close)
-        self.opened_ms["register"] = took
-        self.opened_ms["register_wait"] = procs.ms_since(t0)
-        self._registering = None
+        # where opening the mark went (a successor's recovery reports it: it is on the way to its first token)
+        self.opened_ms = {"zero": procs.ms_between(t0, t1), "register": procs.ms_between(t1, t2),
+                          "device": procs.ms_between(t2, t3), "stamp": procs.ms_since(t3)}
 
     def open(self) -> None:
         """Before queuing GPU work. Brackets nest: only the outermost counts."""
@@ -185,7 +159,6 @@ class DrainMark:
         """After queuing it: at the outermost, `done` follows in stream order."""
         self.depth -= 1
         if self.depth == 0:
-            self._pinned()
             self.dev.fill_(self.n)
             self.bank[DONE:DONE + 1].copy_(self.dev, non_blocking=True)
 
@@ -209,7 +182,6 @@ class DrainMark:
     def stop(self) -> None:
         """Unregister the page (a registration outliving the mapping would make a later mapping at that address look
         pinned while DMA still targets the old page)."""
-        self._pinned()
         if self.registered:
             torch.cuda.synchronize(self.device)
             torch.cuda.cudart().cudaHostUnregister(self.page.data_ptr())

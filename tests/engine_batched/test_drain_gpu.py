@@ -71,9 +71,7 @@ def test_done_follows_launched_only_after_the_queued_work_ran() -> None:
     bank = PAGES.bank(page, 0)
     try:
         assert int(bank[0]) == 1 and pending(page, PAGES, 0).header  # start-up's bracket, open
-        mark.close()  # waits for the page-locking begun beside start-up, then queues its copy into the page
-        assert mark.registered and page.is_pinned()
-        assert mark.opened_ms["register"] > 0 and mark.opened_ms["register_wait"] >= 0
+        mark.close()
         torch.cuda.synchronize()
         assert pending(page, PAGES, 0).drained
         mark.open()
