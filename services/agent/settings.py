@@ -38,10 +38,12 @@ class AgentSettings(CommonSettings):
     fallback_wait_s: float = Field(5.0, ge=0, description="a failed active engine whose memory was lost (a GPU fault) "
                                    "keeps its slot this long for the control plane's fallback successor (one that "
                                    "continues it from its KV backup, or a spare), before the agent replaces it itself")
-    promote_locally: bool = Field(True, description="an active engine that dies on a sound GPU, with a standby "
-                                  "beside it that shadows it and fences itself, is taken over at once by this agent "
-                                  "(its leases frozen on this node's gpu_manager, the standby assigned) under the "
-                                  "incident's own id; the control plane's freeze and takeover then find it done")
+    promote_locally: bool = Field(False, description="an active engine that dies on a sound GPU, with a standby "
+                                  "beside it that shadows it and fences itself, is taken over by this agent (its "
+                                  "leases frozen on this node's gpu_manager, then the standby assigned) under the "
+                                  "incident's own id, without waiting for the control plane, whose freeze and "
+                                  "takeover then find it done. Off by default: on an H100 it assigned the standby "
+                                  "~1 ms later than the dc_manager's early promotion (services/agent/README.md)")
     standby_refill_delay_s: float = Field(0.25, ge=0, description="a takeover's replacement standby is started "
                                           "this long after its reply (its spawn and start-up must not delay it)")
     exit_poll_ms: float = Field(2.0, gt=0, description="how often engines are checked for a death in progress "

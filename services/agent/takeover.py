@@ -32,18 +32,19 @@ before it owned its own predecessor's leases: they are still frozen, and the dc_
 
 Idempotent by incident id: a repeated command awaits (or returns) the first one's result.
 
-Promoted here (`promote`, setting `promote_locally`): an active single engine that died (killed or exited, seen
-exiting or dead: no fault of its GPU, which this agent holds sound) with a ready standby beside it that shadows it
-and fences itself. The agent does not wait for the control plane (the fault's way to the controller, its intent to
-the dc_manager, the dc_manager's freeze and takeover: ~4-5 ms on an H100, 10-20 ms on a 2-core VM): under a token
-of its own it asks its node's gpu_manager to freeze the engine's leases for the incident's own id
-(`incident_id("inc", engine, generation)`, the one the controller opens for that fault; `Freeze.promotion`: its
-token replaces that of a freeze of the same incident that came first, which nobody holds), then runs the takeover
-above as if that command had come, with the token the freeze answered. The takeover is registered under the
-incident's id before the fault leaves this agent, so the control plane's takeover joins it; the control plane's
-freeze finds the leases frozen under this token, or handed on already (`FreezeReply.handed_to`). A freeze that
-fails (the manager unreachable after a few tries, nothing to hand on) promotes nobody: the promotion gives way
-(`PromotionDropped`) and the control plane's takeover, joined or still to come, runs as it would have.
+Promoted here (`promote`, setting `promote_locally`, off by default: the agent's README says why): an active single
+engine that died (killed or exited, seen exiting or dead: no fault of its GPU, which this agent holds sound) with a
+ready standby beside it that shadows it and fences itself. The agent does not wait for the control plane (the
+fault's way to the controller, its intent to the dc_manager, the dc_manager's freeze and takeover: ~4-5 ms on an
+H100, 10-20 ms on a 2-core VM): under a token of its own it asks its node's gpu_manager to freeze the engine's
+leases for the incident's own id (`incident_id("inc", engine, generation)`, the one the controller opens for that
+fault; `Freeze.promotion`: its token replaces that of a freeze of the same incident that came first, which nobody
+holds), then runs the takeover above as if that command had come, with the token the freeze answered. The takeover
+is registered under the incident's id before the fault leaves this agent, so the control plane's takeover joins it;
+the control plane's freeze finds the leases frozen under this token, or handed on already
+(`FreezeReply.handed_to`). A freeze that fails (the manager unreachable after a few tries, nothing to hand on)
+promotes nobody: the promotion gives way (`PromotionDropped`) and the control plane's takeover, joined or still to
+come, runs as it would have.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class PromotionDropped(Exception):
     """The agent's own promotion gave way before it assigned anyone (its freeze failed)."""
 
 
-def why_not_promoted(pred: EngineRecord, kind: FaultKind, standby: EngineRecord | None, *, gpu_sound: bool) -> str | None:
+def why_not_promoted(pred: EngineRecord, kind: FaultKind, standby: EngineRecord | None, *,
+                     gpu_sound: bool) -> str | None:
     """Why the agent leaves this death to the control plane, or None: it takes the engine over itself (the module's
     docstring). Pure."""
     if kind not in PROMOTED_KINDS:

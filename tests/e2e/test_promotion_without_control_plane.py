@@ -1,7 +1,7 @@
 """An engine's standby takes over while the control plane cannot act: the whole stack (nats, etcd, gpu_manager,
 agent with a warm standby that shadows the active batched engine and fences itself, controller, dc_manager, router;
 host backend, the tiny model, real processes, auth and TLS on), the controller and the dc_manager SIGSTOPped, the
-active engine SIGKILLed. The node's agent freezes the dead engine's leases itself and promotes the standby
+active engine SIGKILLed. The node's agent (`promote_locally` on) freezes the dead engine's leases itself and promotes the standby
 (services/agent/takeover.py `promote`): it serves a request straight away, with the control plane still stopped.
 Let go, the controller opens the incident, the dc_manager's freeze finds the leases handed on and its takeover joins
 the agent's: the incident resolves with that standby as successor, one active engine serves through the router, and
@@ -40,7 +40,8 @@ async def _generate_at(client: httpx.AsyncClient, endpoint: str) -> list[int]:
 
 @pytest.mark.timeout(300)
 async def test_the_agent_promotes_a_shadowing_standby_while_controller_and_dc_manager_are_stopped(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_PROMOTE_LOCALLY", "true")  # the agent's setting (off by default), through the stack's env
     sc = LoadScenario(size="tiny", backend="host", standbys=1, max_num_seqs=16, kv_cache_gib=None, work_dir=tmp_path)
     await asyncio.to_thread(sc.start)
     stopped: list[int] = []
