@@ -588,7 +588,7 @@ class FreezeReply(Model):
     # the node's GPUs the gpu_manager holds unhealthy as it froze (index -> why): newer than any view of etcd
     unhealthy_gpus: dict[int, str] = Field(default_factory=dict)
     # The leases were frozen for this incident and taken over already, by this successor (the node's agent froze
-    # them and promoted its standby itself, services/agent/promotion.py): `leases` are the successor's now, and the
+    # them and promoted its standby itself, services/agent/takeover.py `promote`): `leases` are the successor's now, and the
     # token is spent (`transfer_token` is the one this freeze asked for, or a new one nobody holds).
     handed_to: str | None = None
 

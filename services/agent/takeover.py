@@ -56,7 +56,8 @@ import signal
 import time
 from typing import Any, Protocol
 
-from libs.common.errors import CommandTimeout, Conflict, HoldfastError, NotFound, Unavailable
+from libs.common.bus import retried_unanswered
+from libs.common.errors import Conflict, HoldfastError, NotFound
 from libs.common.events import (
     EngineReattached,
     EngineRole,
@@ -184,14 +185,7 @@ class Takeovers:
         freeze = Freeze(owner=cmd.engine_id, incident_id=cmd.incident_id, transfer_token=cmd.transfer_token,
                         promotion=True)
         try:
-            for attempt in range(LOCAL_FREEZE_TRIES):
-                try:
-                    got = await self.host.freeze(freeze)
-                    break
-                except (CommandTimeout, Unavailable):
-                    if attempt == LOCAL_FREEZE_TRIES - 1:
-                        raise
-                    await asyncio.sleep(0.05 * 2**attempt)
+            got = await retried_unanswered(lambda: self.host.freeze(freeze), LOCAL_FREEZE_TRIES, 0.05)
             if got.handed_to is not None:
                 raise Conflict(f"its leases were handed to {got.handed_to} already")
         except HoldfastError as e:

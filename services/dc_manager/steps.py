@@ -37,9 +37,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from libs.common import telemetry
-from libs.common.bus import Bus, Wired, delivery_attempt, spans_exported
+from libs.common.bus import Bus, Wired, delivery_attempt, retried_unanswered, spans_exported
 from libs.common.cluster_view import ClusterView, range_pages
-from libs.common.errors import CommandTimeout, HoldfastError, RemoteError, Unavailable
+from libs.common.errors import HoldfastError, RemoteError
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import (
     EngineInfo,
@@ -129,19 +129,16 @@ class StepFailed(Exception):
 
 async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float,
                        ended: Callable[[], Awaitable[str | None]] | None = None) -> R:
-    """Retry while the node does not answer; a typed error reply is final. Before each retry, `ended` says
-    whether the intent's incident has ended meanwhile (then the intent is abandoned: IntentAbandoned)."""
-    for i in range(attempts):
-        try:
-            return await call()
-        except (CommandTimeout, Unavailable):
-            if i == attempts - 1:
-                raise
-            await asyncio.sleep(backoff_s * (2**i))
-            state = await ended() if ended is not None else None
-            if state is not None:
-                raise IntentAbandoned(f"its incident is {state}") from None
-    raise AssertionError("unreachable")
+    """Retry while the node does not answer (libs/common/bus `retried_unanswered`); a typed error reply is final.
+    Before each retry, `ended` says whether the intent's incident has ended meanwhile (then the intent is
+    abandoned: IntentAbandoned)."""
+
+    async def still_open() -> None:
+        state = await ended() if ended is not None else None
+        if state is not None:
+            raise IntentAbandoned(f"its incident is {state}") from None
+
+    return await retried_unanswered(call, attempts, backoff_s, still_open)
 
 
 class IntentSteps:
@@ -228,12 +225,14 @@ class IntentSteps:
                     early.cancel()  # only our wait: the promoted shadow, never owning the leases, exits (75)
                 raise
             prog.frozen_at = time.time()
-            if prog.freeze.handed_to is not None or early is not None and prog.freeze.transfer_token != token:
-                # The node's agent froze them under its own token and promoted its standby itself (agent
-                # takeover.py `promote`): the takeover sent here joins that one (an agent's takeovers are one per
-                # incident), whichever token it carries.
-                log.info("intent %s: %s was frozen already for this incident (%s)", prog.key, intent.engine_id,
-                         f"taken over by {prog.freeze.handed_to}" if prog.freeze.handed_to else "another token")
+            if prog.freeze.handed_to is not None:  # the node's agent froze them and promoted its standby itself
+                # (agent takeover.py `promote`): the takeover sent here joins that one (one per incident)
+                log.info("intent %s: %s's leases were taken over already by %s", prog.key, intent.engine_id,
+                         prog.freeze.handed_to)
+            elif early is not None and prog.freeze.transfer_token != token:
+                log.warning("intent %s: %s was frozen already under another token: the early-promoted shadow cannot "
+                            "own its leases, unless the node's agent promoted it (its takeover joined)", prog.key,
+                            intent.engine_id)
             await self.save(prog)  # what makes the freeze resumable: a redelivered intent reuses its token
         await self._take_over(intent, prog, node, self.takeover(intent, prog.freeze.transfer_token, prog.memory_of),
                               early)

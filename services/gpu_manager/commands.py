@@ -55,6 +55,7 @@ from libs.common.events import (
 from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.gangs import GangBook
 from services.gpu_manager.manager import LeaseBook, Move, NoCommittedWeights, split_for_freeze
+from services.gpu_manager.records import LeaseRecord
 from services.gpu_manager.restore import WeightCopies
 from services.gpu_manager.sleep import Sleeper
 
@@ -124,10 +125,7 @@ class Commands:
             except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
                 log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
                 self.book.mirror.frozen(event)
-            board = self.book.board
-            return FreezeReply(lease_ids=[r.id for r in recs], epoch=epoch, transfer_token=token,
-                               leases=[r.info for r in recs],
-                               unhealthy_gpus=dict(board.unhealthy) if board is not None else {})
+            return self._reply(recs, token)
 
     def _handed(self, cmd: Freeze) -> FreezeReply | None:
         """The owner's leases frozen for this very incident and taken over since (its node's agent froze them and
@@ -139,11 +137,13 @@ class Commands:
                 and r.info.frozen_for == cmd.incident_id]
         if not recs:
             return None
+        return self._reply(recs, cmd.transfer_token or secrets.token_urlsafe(24), handed_to=recs[0].info.owner)
+
+    def _reply(self, recs: list[LeaseRecord], token: str | None, handed_to: str | None = None) -> FreezeReply:
         board = self.book.board
-        return FreezeReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs),
-                           transfer_token=cmd.transfer_token or secrets.token_urlsafe(24), leases=[r.info for r in recs],
-                           unhealthy_gpus=dict(board.unhealthy) if board is not None else {},
-                           handed_to=recs[0].info.owner)
+        return FreezeReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs), transfer_token=token,
+                           leases=[r.info for r in recs],
+                           unhealthy_gpus=dict(board.unhealthy) if board is not None else {}, handed_to=handed_to)
 
     async def freeze_gang(self, cmd: FreezeGang) -> FreezeGangReply:
         async with self.book.lock:

@@ -52,6 +52,24 @@ EXPIRY_SLACK_S = 5.0
 
 C = TypeVar("C", bound=Command)
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
+
+
+async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, backoff_s: float,
+                             before_retry: Callable[[], Awaitable[None]] | None = None) -> T:
+    """`call()` (a command's request), sent again while nobody answers it (`CommandTimeout`, `Unavailable`) up to
+    `attempts` times, waiting `backoff_s` doubled after each; a typed error reply is final, and the last unanswered
+    try's error is raised. `before_retry`, awaited after each wait, may raise to give up (the caller's reason)."""
+    for i in range(attempts):
+        try:
+            return await call()
+        except (CommandTimeout, Unavailable):
+            if i == attempts - 1:
+                raise
+            await asyncio.sleep(backoff_s * (2**i))
+            if before_retry is not None:
+                await before_retry()
+    raise AssertionError("unreachable")
 
 
 class Commands:
