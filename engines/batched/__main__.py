@@ -132,8 +132,9 @@ def build_engine(cfg: EngineConfig, mcfg: ModelConfig, loaded: Loaded, layout: J
             p = isolation.plan(entries, pend, free_slots=journal.free_slot_ids(), num_blocks=layout.num_blocks,
                                block_size=layout.block_size)
             t1 = time.perf_counter()
-            isolation.apply(p, loaded.kv, journal, journal.gen + 1, journal.mark)
+            split = isolation.apply(p, loaded.kv, journal, journal.gen + 1, journal.mark)
             timings["apply"] = ms_since(t1)
+            timings.update({f"apply_{k}": v for k, v in split.items()})
             entries, dropped, hold = p.entries, dropped + len(p.dropped), p.hold_blocks
             assert loaded.fence, "an isolated takeover has a predecessor to watch"
             engine.held = isolation.Held(loaded.fence[0].pid, loaded.fence[0].pid_start, p.hold_slots)

@@ -159,7 +159,7 @@ def _progress(length: int, computed: int) -> int:
     return (length << 32) | computed
 
 
-def _on(device: torch.device, values: Seq[int] | bytes, dtype: torch.dtype) -> torch.Tensor:
+def on_device(device: torch.device, values: Seq[int] | bytes, dtype: torch.dtype) -> torch.Tensor:
     """`values` as a tensor on `device`. On CUDA through pinned memory and a copy that does not wait: a pageable
     copy would wait for the whole stream (the step in flight), and the copy keeps its place in stream order,
     which is what the ordering below relies on. The pinned block is reused only once that copy is done (torch's
@@ -191,6 +191,7 @@ class Journal:
         # invariant 8: slot -> (length when adopted, row fields, request id, prompt) of adopted rows not advanced yet
         self._adopted: dict[int, tuple[int, list[int], bytes, list[int]]] = {}
         self._epochs: dict[int, int] = {}  # a recovered row's epoch, by slot (`adopt` writes its fields again)
+        self._read: dict[int, Entry] = {}  # what `recover` read in each slot, until `rehome` (what it need not write)
 
     def quiet(self) -> contextlib.AbstractContextManager[object]:
         """Held while CUDA graphs are captured: a journal with a thread of its own (backup.py) pauses it."""
@@ -253,6 +254,7 @@ class Journal:
         self._free = [s for s in range(self.layout.slots - 1, -1, -1) if s not in taken and s not in busy]
         for e in out:
             self._n_blocks[e.slot] = len(e.block_table)
+        self._read = {e.slot: e for e in out}
         return out, dropped
 
     def free_slot_ids(self) -> list[int]:
@@ -261,44 +263,66 @@ class Journal:
 
     def rehome(self, entries: Seq[Entry], gen: int) -> None:
         """Invariant 6: every entry written again in generation `gen` at its (possibly new) slot with its (possibly
-        new) block table, then the header: a few batched copies whatever the count (their order among themselves does
-        not matter, as no reader takes a row of `gen` before the header says `gen`). The slots the entries left stay
-        out of the free list (the dead engine may still write them): `give_back` returns them."""
+        new) block table, then the header: one host-to-device copy whatever the count (their order among themselves
+        does not matter, as no reader takes a row of `gen` before the header says `gen`). The slots the entries left
+        stay out of the free list (the dead engine may still write them): `give_back` returns them.
+
+        Of a row that stays in its slot only the fields and the block-table entries that changed are written: its
+        request id and tokens are those `recover` read there, and nothing writes that slot any more (the dead
+        engine's queue writes pending slots only, isolation.py rule 1). At 64 rows of a few hundred tokens, writing
+        every token again was ~2-3 ms of the takeover's way to ready (H100, 2026-12-06)."""
         taken = {e.slot for e in entries}
         self._free = [s for s in self._free if s not in taken]
         self._n_blocks = {}  # the rows left behind are no longer this journal's
         self.mark.touch_slots(taken)
-        rows: list[list[int]] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        b_slot: list[int] = []  # block-table entries written: slot, column, block
+        b_col: list[int] = []
+        b_val: list[int] = []
+        t_slot: list[int] = []  # tokens written (rows in new slots only): slot, position, token
+        t_pos: list[int] = []
+        t_val: list[int] = []
+        id_slots: list[int] = []
         ids = bytearray()
-        at: list[int] = []  # (slot, position) pairs of tokens, then of block-table entries, flattened
-        vals: list[int] = []
-        b_at: list[int] = []
-        b_vals: list[int] = []
         for e in entries:
             self._epoch += 1
             rid_raw = _rid_raw(e.request_id)
             fields = _fields(gen << GEN_SHIFT | self._epoch, e)
             self._adopted[e.slot] = (len(e.tokens), fields, rid_raw, list(e.tokens[:e.prompt_len]))
-            rows.append(fields + [len(e.block_table), _check(fields, rid_raw, e.tokens[:e.prompt_len]),
-                                  _progress(len(e.tokens), e.computed)])
-            ids += rid_raw
-            for k, tok in enumerate(e.tokens):
-                at += (e.slot, k)
-                vals.append(tok)
+            slots.append(e.slot)
+            rows += fields
+            rows += (len(e.block_table), _check(fields, rid_raw, e.tokens[:e.prompt_len]),
+                     _progress(len(e.tokens), e.computed))
+            was = self._read.get(e.slot)
+            old: Seq[int] = ()
+            if was is None or was.request_id != e.request_id or not (was.tokens is e.tokens or was.tokens == e.tokens):
+                id_slots.append(e.slot)
+                ids += rid_raw
+                t_slot += [e.slot] * len(e.tokens)
+                t_pos += range(len(e.tokens))
+                t_val += e.tokens
+            else:
+                old = was.block_table
             for j, b in enumerate(e.block_table):
-                b_at += (e.slot, j)
-                b_vals.append(b)
+                if j >= len(old) or old[j] != b:
+                    b_slot.append(e.slot)
+                    b_col.append(j)
+                    b_val.append(b)
             self._n_blocks[e.slot] = len(e.block_table)
+        self._read = {}
         if entries:
-            dev = self.device
-            slots = _on(dev, [e.slot for e in entries], torch.int64)
-            self.ids[slots] = _on(dev, bytes(ids), torch.uint8).view(len(entries), ID_BYTES)
-            pos = _on(dev, at, torch.int64).view(-1, 2)
-            self.tokens[pos[:, 0], pos[:, 1]] = _on(dev, vals, torch.int32)
-            if b_vals:
-                pos_b = _on(dev, b_at, torch.int64).view(-1, 2)
-                self.blocks[pos_b[:, 0], pos_b[:, 1]] = _on(dev, b_vals, torch.int32)
-            self.rows[slots] = _on(dev, [x for r in rows for x in r], torch.int64).view(len(entries), N_FIELDS)
+            n, nb, nt = len(slots), len(b_val), len(t_val)
+            host = on_device(self.device, slots + rows + b_slot + b_col + b_val + t_slot + t_pos + t_val + id_slots
+                       + list(ids), torch.int64)
+            at = host.split([n, n * N_FIELDS, nb, nb, nb, nt, nt, nt, len(id_slots), len(ids)])
+            if id_slots:
+                self.ids[at[8]] = at[9].to(torch.uint8).view(len(id_slots), ID_BYTES)
+            if nt:
+                self.tokens[at[5], at[6]] = at[7].to(torch.int32)
+            if nb:
+                self.blocks[at[2], at[3]] = at[4].to(torch.int32)
+            self.rows[at[0]] = at[1].view(n, N_FIELDS)
         self.mark.touch_header()
         self.header[7] = gen
         self.gen = gen
@@ -355,15 +379,15 @@ class Journal:
         fields.append(len(block_table))
         dev = self.device
         self.mark.touch_slots((slot,))
-        self.ids[slot].copy_(_on(dev, rid_raw, torch.uint8))
-        self.tokens[slot, : len(a.tokens)] = _on(dev, list(a.tokens), torch.int32)
+        self.ids[slot].copy_(on_device(dev, rid_raw, torch.uint8))
+        self.tokens[slot, : len(a.tokens)] = on_device(dev, list(a.tokens), torch.int32)
         if block_table:
-            self.blocks[slot, : len(block_table)] = _on(dev, list(block_table), torch.int32)
+            self.blocks[slot, : len(block_table)] = on_device(dev, list(block_table), torch.int32)
         self._n_blocks[slot] = len(block_table)
         # progress, then the fields, the check last (invariant 1)
         row = fields + [check, progress]
-        self.rows[slot, :CHECK] = _on(dev, row[:CHECK], torch.int64)
-        tail = _on(dev, [row[PROGRESS], check], torch.int64)  # stores of tensors: a scalar store is one copy each
+        self.rows[slot, :CHECK] = on_device(dev, row[:CHECK], torch.int64)
+        tail = on_device(dev, [row[PROGRESS], check], torch.int64)  # stores of tensors: a scalar store is one copy each
         self.rows[slot, PROGRESS] = tail[0]
         self.rows[slot, CHECK] = tail[1]
 
@@ -387,7 +411,7 @@ class Journal:
                 entries.append(bt[j])
             counts += (slot, len(bt))
         k = len(entries)
-        host = _on(self.device, at + entries + counts, torch.int64)  # one copy; scalar stores would be one each
+        host = on_device(self.device, at + entries + counts, torch.int64)  # one copy; scalar stores would be one each
         pos, rows = host[:2 * k].view(k, 2), host[3 * k:].view(-1, 2)
         self.blocks[pos[:, 0], pos[:, 1]] = host[2 * k:3 * k].to(torch.int32)
         self.rows[rows[:, 0], N_BLOCKS] = rows[:, 1]
@@ -399,7 +423,7 @@ class Journal:
         `start..`: written before any progress that covers them (invariant 2), like a step's sampled token."""
         if tokens:
             self.mark.touch_slots((slot,))
-            self.tokens[slot, start:start + len(tokens)] = _on(self.device, list(tokens), torch.int32)
+            self.tokens[slot, start:start + len(tokens)] = on_device(self.device, list(tokens), torch.int32)
 
     def commit(self, updates: Seq[tuple[int, int, int, int | None]]) -> None:
         """After a step's forward: (slot, length, computed, token sampled at position length - 1 or None) per
@@ -410,9 +434,9 @@ class Journal:
         self.mark.touch_slots(u[0] for u in updates)
         sampled = [(s, n - 1, t) for s, n, _, t in updates if t is not None]
         if sampled:
-            cols = _on(dev, [s for s, _, _ in sampled] + [p for _, p, _ in sampled], torch.int64).view(2, -1)
-            self.tokens[cols[0], cols[1]] = _on(dev, [t for _, _, t in sampled], torch.int32)
-        cols = _on(dev, [u[0] for u in updates] + [_progress(n, c) for _, n, c, _ in updates], torch.int64).view(2, -1)
+            cols = on_device(dev, [s for s, _, _ in sampled] + [p for _, p, _ in sampled], torch.int64).view(2, -1)
+            self.tokens[cols[0], cols[1]] = on_device(dev, [t for _, _, t in sampled], torch.int32)
+        cols = on_device(dev, [u[0] for u in updates] + [_progress(n, c) for _, n, c, _ in updates], torch.int64).view(2, -1)
         self.rows[cols[0], PROGRESS] = cols[1]
         if self._adopted:
             self._progressed([(s, n) for s, n, _, _ in updates if s in self._adopted and n > self._adopted[s][0]])
@@ -450,9 +474,9 @@ class Journal:
         """(slot, flags, check) per row: the flags, then the check (a reader between the two drops the row: its
         request replays, nothing wrong is adopted)."""
         dev = self.device
-        slots = _on(dev, [r[0] for r in rows], torch.int64)
-        self.rows[slots, FLAGS] = _on(dev, [r[1] for r in rows], torch.int64)
-        self.rows[slots, CHECK] = _on(dev, [r[2] for r in rows], torch.int64)
+        slots = on_device(dev, [r[0] for r in rows], torch.int64)
+        self.rows[slots, FLAGS] = on_device(dev, [r[1] for r in rows], torch.int64)
+        self.rows[slots, CHECK] = on_device(dev, [r[2] for r in rows], torch.int64)
 
     def release(self, slot: int) -> None:
         """The sequence left (finished, aborted, preempted): its row emptied before its blocks are reused."""
@@ -469,6 +493,7 @@ class Journal:
 
     def _clear(self, slot: int) -> None:
         self._adopted.pop(slot, None)
+        self._read.pop(slot, None)
         self.mark.touch_slots((slot,))
         zero = self.rows.new_zeros(())
         self.rows[slot, EPOCH] = zero
