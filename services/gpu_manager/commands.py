@@ -117,15 +117,19 @@ class Commands:
             epoch = max(r.info.epoch for r in recs)
             event = MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
                                  incident_id=cmd.incident_id)
-            assert self.bus is not None  # set by register(), before any command is served
-            try:
-                # Published before the reply, so that no later step of the incident (a takeover that may now
-                # take 3 ms) reaches anyone before `memory.frozen` does.
-                await self.bus.emit(event, incident_id=event.incident_id)
-            except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
-                log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
-                self.book.mirror.frozen(event)
-            return self._reply(recs, token)
+            reply = self._reply(recs, token)
+        assert self.bus is not None  # set by register(), before any command is served
+        try:
+            # Stored after the lease table's lock is let go (a standby's takeover held until this freeze, and every
+            # other client of the table, goes on meanwhile: the stream's ack is no wait of theirs), and before the
+            # reply, so that no later step of the caller's reaches anyone before `memory.frozen` does. A successor
+            # granted meanwhile reports itself reattached only once it has built its engine; the controller takes a
+            # reattachment before the freeze as an early successor (incident.py, REATTACHED from FREEZING).
+            await self.bus.emit(event, incident_id=event.incident_id)
+        except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
+            log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
+            self.book.mirror.frozen(event)
+        return reply
 
     def _handed(self, cmd: Freeze) -> FreezeReply | None:
         """The owner's leases frozen for this very incident and taken over since (its node's agent froze them and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -184,6 +185,47 @@ async def test_a_takeover_sent_before_the_freeze_is_held_until_it_commits(manage
     t0 = time.monotonic()
     never = await asyncio.to_thread(standby.ask, f"takeover_fenced eng-never {token}")
     assert never["code"] == "not_frozen_yet" and time.monotonic() - t0 >= 0.2
+
+
+async def test_a_freeze_whose_event_is_slow_to_store_does_not_hold_the_lease_table(manager, engines, bus):
+    """`memory.frozen` is stored before the freeze's reply, but outside the lease table's lock: while the stream is
+    slow to ack it (here a responder that answers for it after a second), the standby held until the freeze is
+    granted its takeover, and the manager's other clients are served."""
+    node = "node-1"
+    old = engines(manager, "eng-slow")
+    wrote = old.ask(f"write {N} 41")
+    standby = engines(manager, "eng-slow-standby")
+    other = engines(manager, "eng-slow-other")
+    old.kill()
+    prefix, name = bus.link.prefix, bus.link.settings.stream_name
+    info = await bus.link.js.stream_info(name)
+    config = info.config
+    config.subjects = [s for s in config.subjects if s != f"{prefix}.memory.>"]
+    await bus.link.js.update_stream(config)  # memory events no longer stored by the stream: the responder acks them
+    acked: list[float] = []
+
+    async def slow_ack(msg) -> None:  # noqa: ANN001 - a nats-py message
+        await asyncio.sleep(1.0)
+        acked.append(time.monotonic())
+        await msg.respond(json.dumps({"stream": name, "seq": 1}).encode())
+
+    sub = await bus.link.nc.subscribe(f"{prefix}.memory.frozen.>", cb=slow_ack)
+    try:
+        token = "s" * 32
+        asking = asyncio.ensure_future(asyncio.to_thread(standby.ask, f"takeover_fenced eng-slow {token}"))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        freezing = asyncio.ensure_future(
+            bus.request(node, Freeze(owner="eng-slow", incident_id="inc-s", transfer_token=token), FreezeReply))
+        got = await asyncio.wait_for(asking, 10)
+        granted = time.monotonic()
+        assert got["leases"] == {wrote["lease"]: 2} and not freezing.done()  # granted while the event waits
+        assert other.ask(f"write {N} 42")["lease"]  # another client of the table, served meanwhile
+        frozen = await asyncio.wait_for(freezing, 10)
+        assert frozen.transfer_token == token and acked  # stored (acked) before the freeze answered
+        assert granted - t0 < 0.9  # not after the stream's ack, which took a second
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_a_fenced_takeover_waits_until_the_predecessor_can_run_no_code(manager, engines, bus):

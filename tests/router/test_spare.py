@@ -63,7 +63,7 @@ async def pooled(spares: SpareBackend) -> AsyncIterator[httpx.AsyncClient]:
     """A client whose pool connects through `spares` (as the router's, app.py); both closed after."""
     transport = httpx.AsyncHTTPTransport()
     transport._pool = httpcore.AsyncConnectionPool(max_connections=None, network_backend=spares)
-    client = httpx.AsyncClient(transport=transport)
+    client = httpx.AsyncClient(transport=transport, timeout=30.0)  # a loaded CI machine can stall a loop for seconds
     try:
         yield client
     finally:
