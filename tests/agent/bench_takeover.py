@@ -5,7 +5,7 @@
 Real processes: a gpu_manager (host backend), an agent, pattern engines with one warm standby. Each round
 SIGKILLs the active engine, freezes its leases and sends the agent `takeover`, then prints the command's
 round trip (Takeover sent -> TakeoverReply), the agent's own timings, and Takeover sent -> engine.reattached
-seen here. Medians at the end. Figures are for docs/takeover_latency.md, never asserted.
+seen here. Medians at the end. Figures were for docs/history/takeover-latency-2026-11-29.md, never asserted.
 """
 
 from __future__ import annotations
