@@ -73,7 +73,9 @@ class TestEngine:
     def grant(self, att: Attachment, *, fenced: bool = False) -> dict:
         self.views = att.tensors(self.framework)
         out = {"leases": {lease.id: lease.epoch for lease in att.leases}, "layout": att.layout_hash, **self.hashes()}
-        return {**out, "fence": [f.pid for f in att.fence]} if fenced else out
+        if not fenced:
+            return out
+        return {**out, "fence": [f.pid for f in att.fence], "manager_ms": self.client.last_timings_ms.get("manager_ms")}
 
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
