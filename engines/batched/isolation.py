@@ -36,7 +36,6 @@ from engines.batched.block_manager import blocks_except
 from engines.batched.drain import Mark, Pending
 from engines.batched.journal import Entry, Journal, on_device
 from libs.common import procs
-from libs.common.procs import ms_between, ms_since
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def apply(p: Plan, kv: torch.Tensor, journal: Journal, gen: int, mark: Mark) -> 
         kv.index_copy_(2, dst, kv.index_select(2, src))  # kv: [units, 2, blocks, block_size, heads, dim]
     t1 = time.perf_counter()
     journal.rehome(p.entries, gen)
-    return {"copies": ms_between(t0, t1), "rows": ms_since(t1)}
+    return {"copies": procs.ms_between(t0, t1), "rows": procs.ms_since(t1)}
 
 
 @dataclass(frozen=True)

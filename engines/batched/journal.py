@@ -296,7 +296,7 @@ class Journal:
                      _progress(len(e.tokens), e.computed))
             was = self._read.get(e.slot)
             old: Seq[int] = ()
-            if was is None or was.request_id != e.request_id or not (was.tokens is e.tokens or was.tokens == e.tokens):
+            if was is None or was.request_id != e.request_id or was.tokens != e.tokens:
                 id_slots.append(e.slot)
                 ids += rid_raw
                 t_slot += [e.slot] * len(e.tokens)
@@ -315,14 +315,15 @@ class Journal:
             n, nb, nt = len(slots), len(b_val), len(t_val)
             host = on_device(self.device, slots + rows + b_slot + b_col + b_val + t_slot + t_pos + t_val + id_slots
                        + list(ids), torch.int64)
-            at = host.split([n, n * N_FIELDS, nb, nb, nb, nt, nt, nt, len(id_slots), len(ids)])
+            (d_slots, d_rows, d_b_slot, d_b_col, d_b_val, d_t_slot, d_t_pos, d_t_val, d_id_slots,
+             d_ids) = host.split([n, n * N_FIELDS, nb, nb, nb, nt, nt, nt, len(id_slots), len(ids)])
             if id_slots:
-                self.ids[at[8]] = at[9].to(torch.uint8).view(len(id_slots), ID_BYTES)
+                self.ids[d_id_slots] = d_ids.to(torch.uint8).view(len(id_slots), ID_BYTES)
             if nt:
-                self.tokens[at[5], at[6]] = at[7].to(torch.int32)
+                self.tokens[d_t_slot, d_t_pos] = d_t_val.to(torch.int32)
             if nb:
-                self.blocks[at[2], at[3]] = at[4].to(torch.int32)
-            self.rows[at[0]] = at[1].view(n, N_FIELDS)
+                self.blocks[d_b_slot, d_b_col] = d_b_val.to(torch.int32)
+            self.rows[d_slots] = d_rows.view(n, N_FIELDS)
         self.mark.touch_header()
         self.header[7] = gen
         self.gen = gen

@@ -114,22 +114,27 @@ class Commands:
                 "transfer_token": token,
                 "frozen_for": r.info.frozen_for if r.info.state == LeaseState.FROZEN else cmd.incident_id})
                 for r in recs])
-            epoch = max(r.info.epoch for r in recs)
-            event = MemoryFrozen(owner=cmd.owner, lease_ids=[r.id for r in recs], epoch=epoch,
-                                 incident_id=cmd.incident_id)
             reply = self._reply(recs, token)
+        await self._announce(MemoryFrozen(owner=cmd.owner, lease_ids=reply.lease_ids, epoch=reply.epoch,
+                                          incident_id=cmd.incident_id))
+        return reply
+
+    async def _announce(self, event: MemoryFrozen) -> None:
+        """`memory.frozen`, stored after the lease table's lock is let go (a standby's takeover held until the
+        freeze, and every other client of the table, goes on meanwhile: the stream's ack is no wait of theirs), and
+        before the freeze's reply, so that no later step of the caller's reaches anyone before it does. A successor
+        granted meanwhile reports itself reattached only once it has built its engine; the controller takes a
+        reattachment before the freeze as an early successor (incident.py, REATTACHED from FREEZING)."""
         assert self.bus is not None  # set by register(), before any command is served
         try:
-            # Stored after the lease table's lock is let go (a standby's takeover held until this freeze, and every
-            # other client of the table, goes on meanwhile: the stream's ack is no wait of theirs), and before the
-            # reply, so that no later step of the caller's reaches anyone before `memory.frozen` does. A successor
-            # granted meanwhile reports itself reattached only once it has built its engine; the controller takes a
-            # reattachment before the freeze as an early successor (incident.py, REATTACHED from FREEZING).
             await self.bus.emit(event, incident_id=event.incident_id)
         except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
-            log.warning("memory.frozen for %s not published now (%r); queued", cmd.owner, e)
+            log.warning("memory.frozen for %s not published now (%r); queued", event.owner, e)
             self.book.mirror.frozen(event)
-        return reply
+
+    def _unhealthy(self) -> dict[int, str]:
+        board = self.book.board
+        return dict(board.unhealthy) if board is not None else {}
 
     def _handed(self, cmd: Freeze) -> FreezeReply | None:
         """The owner's leases frozen for this very incident and taken over since (its node's agent froze them and
@@ -144,31 +149,21 @@ class Commands:
         return self._reply(recs, cmd.transfer_token or secrets.token_urlsafe(24), handed_to=recs[0].info.owner)
 
     def _reply(self, recs: list[LeaseRecord], token: str | None, handed_to: str | None = None) -> FreezeReply:
-        board = self.book.board
         return FreezeReply(lease_ids=[r.id for r in recs], epoch=max(r.info.epoch for r in recs), transfer_token=token,
-                           leases=[r.info for r in recs],
-                           unhealthy_gpus=dict(board.unhealthy) if board is not None else {}, handed_to=handed_to)
+                           leases=[r.info for r in recs], unhealthy_gpus=self._unhealthy(), handed_to=handed_to)
 
     async def freeze_gang(self, cmd: FreezeGang) -> FreezeGangReply:
         async with self.book.lock:
             cause = f"frozen with gang {cmd.gang_id} ({cmd.incident_id or 'no incident'})"
             gang, recs, token = await self.gangs.freeze(cmd.gang_id, cmd.transfer_token, cause, cmd.degraded)
-        assert self.bus is not None
         for owner in gang.owners.values():  # each rank's leases, as a plain freeze announces an engine's
             mine = [r for r in recs if r.info.owner == owner]
-            if not mine:
-                continue
-            frozen = MemoryFrozen(owner=owner, lease_ids=[r.id for r in mine], epoch=max(r.info.epoch for r in mine),
-                                  incident_id=cmd.incident_id)
-            try:
-                await self.bus.emit(frozen, incident_id=frozen.incident_id)
-            except Exception as e:  # noqa: BLE001 - the mirror's queue retries it; the freeze itself holds
-                log.warning("memory.frozen for %s not published now (%r); queued", owner, e)
-                self.book.mirror.frozen(frozen)
-        board = self.book.board
+            if mine:
+                await self._announce(MemoryFrozen(owner=owner, lease_ids=[r.id for r in mine],
+                                                  epoch=max(r.info.epoch for r in mine), incident_id=cmd.incident_id))
         return FreezeGangReply(gang_id=gang.gang_id, owners=[gang.owners[r] for r in range(gang.size)],
                                generation=gang.generation, transfer_token=token, leases=[r.info for r in recs],
-                               unhealthy_gpus=dict(board.unhealthy) if board is not None else {})
+                               unhealthy_gpus=self._unhealthy())
 
     async def reclaim_gang(self, cmd: ReclaimGang) -> ReclaimGangReply:
         async with self.book.lock:
