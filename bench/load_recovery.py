@@ -260,6 +260,7 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
         killed = await second
         # the streams still open at the second kill: what it tested (tokens of theirs came after it)
         killed["streams_after_kill"] = sum(any(t > killed["t_kill"] for t in s.arrivals) for s in streams + lates)
+        killed["after_first_ms"] = (killed["t_kill"] - t_kill) * 1000
         out["second_kill"] = killed
     router_after = await sc.router_stats(client)
     out["router_spares"] = router_after.get("spare_connections")
