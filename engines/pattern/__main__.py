@@ -61,6 +61,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warm-s", type=float, default=float(env.get("HF_PATTERN_WARM_S", "0")),
                    help="seconds a standby spends warming (registered, heartbeating) before it says ready: a CUDA "
                    "context and kernels")
+    p.add_argument("--ballast-mib", type=int, default=int(env.get("HF_PATTERN_BALLAST_MIB", "0")),
+                   help="host memory touched at start and held: a teardown as long as a big engine's (a killed "
+                   "CUDA engine's pidfd turns readable ~145 ms after the signal; 256 MiB takes ~20 ms here)")
     p.add_argument("--no-http", action="store_true", default=bool(env.get("HF_PATTERN_NO_HTTP")))
     p.add_argument("--agent", choices=("on", "off"), default=env.get("HF_PATTERN_AGENT", "on"),
                    help="off: serve alone (no agent, no leased memory), as the router tests use it")
@@ -147,6 +150,8 @@ def serve_with_agent(args: argparse.Namespace, stop: threading.Event) -> int:
     # Imported here: the link brings the event models (~0.15 CPU-s), which an engine with --agent off never uses.
     from libs.client.agent_link import AgentLink
 
+    ballast = bytearray(args.ballast_mib << 20)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # every page touched: resident until the exit
     link = AgentLink.connect()
     log.info("engine %s registered with the agent (%s)", link.engine_id, link.role)
     link.start_heartbeats(args.heartbeat_s)

@@ -15,9 +15,10 @@ The link survives an agent restart: its thread reconnects and registers again wi
 (role, ready, endpoint), so the new agent knows the engine without asking it anything.
 
 Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
-engine -> agent: register (first frame; answered by registered or error; `shadows`: it can shadow, and whom it
-shadows now; `followers`: a tensor-parallel group's rank 0 names its other ranks' processes, [{rank, pid, pid_start}],
-which the agent then watches itself), heartbeat, ready, fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
+engine -> agent: register (first frame; answered by registered or error; `death_mark`: the frame carries the
+engine's death mark, libs/common/death_mark.py; `shadows`: it can shadow, and whom it shadows now; `followers`: a
+tensor-parallel group's rank 0 names its other ranks' processes, [{rank, pid, pid_start}], which the agent then
+watches itself), heartbeat, ready, fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
 agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model, shadowed},
 shadow {owner, share_token}, unshadow, owner_down {owner} (the shadowed engine failed: an assignment may follow),
 error {code, message}.
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.common import wire
+from libs.common.death_mark import DeathMark, Unsupported
 from libs.common.errors import HoldfastError, RemoteError, Unavailable
 from libs.common.events import RankProcess
 from libs.common.gc_tuning import long_lived_gc
@@ -119,6 +121,7 @@ class AgentLink:
         self._thread: threading.Thread | None = None
         self.reconnects = 0
         self._heap_frozen = False
+        self.death_mark: DeathMark | None = None  # sent with every registration (libs/common/death_mark.py)
 
     # ------------------------------------------------------------ public API
 
@@ -146,6 +149,10 @@ class AgentLink:
             followers=followers,
             spare=env.get("HF_ENGINE_SPARE", "") in ("1", "true"),  # the agent's (services/agent/starts.py)
         )
+        try:  # on the caller's thread, which must be the main one (death_mark.py rule 3)
+            link.death_mark = DeathMark.create()
+        except (Unsupported, OSError) as e:
+            log.info("no death mark (the agent polls for this engine's exit): %s", e)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -258,6 +265,8 @@ class AgentLink:
             hello["followers"] = [f.model_dump() for f in self.followers]
         if self.spare:  # only a spare sends it
             hello["spare"] = True
+        if self.death_mark is not None:  # its fd travels with the frame
+            hello["death_mark"] = True
         return hello
 
     def _register(self) -> socket.socket:
@@ -266,7 +275,7 @@ class AgentLink:
             sock.settimeout(5.0)
             with wire.unix_address(self.socket_path) as address:
                 sock.connect(address)
-            wire.send_frame(sock, self._hello())
+            wire.send_frame(sock, self._hello(), [self.death_mark.fd] if self.death_mark is not None else ())
             reply, fds = wire.recv_frame(sock)
             wire.close_fds(fds)
             if reply.get("op") == "error":

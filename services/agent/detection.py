@@ -113,7 +113,7 @@ class Detection:
         if self.follower_first(rec, st):
             return
         kind, detail = known_fault(st)
-        if self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting)",
+        if self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=f"{detail} (seen exiting: {st.seen})",
                       died_at=st.at):
             self.host.promote(rec, kind)
 

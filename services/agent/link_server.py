@@ -54,11 +54,11 @@ def make_handler(links: Links, allowed_uids: frozenset[int]):  # noqa: ANN201 - 
             msg, fds = await stream.recv()
         except (ConnectionError, HoldfastError):
             return
-        wire.close_fds(fds)  # engines send no fds to the agent
         try:
             if msg.get("op") != "register":
+                wire.close_fds(fds)
                 raise MalformedMessage(f"the first frame must be register, not {msg.get('op')!r}")
-            rec = links.on_register(msg, stream)
+            rec = links.on_register(msg, stream, fds)  # takes the fds: its death mark's, if it sent one
         except (HoldfastError, ValueError, KeyError) as e:
             code = e.code if isinstance(e, HoldfastError) else "malformed"
             log.warning("refused a registration: %s", e)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from libs.common.errors import Conflict, MalformedMessage, PermissionDenied
 from libs.common.events import EngineReady, FaultKind, RankProcess
-from libs.common.wire import FrameStream
+from libs.common.wire import FrameStream, close_fds
 from services.agent import rank_watch, shadows
 from services.agent.adoption import Adoption
 from services.agent.engines import EngineRecord, Ev, State, weights_loaded
@@ -42,7 +43,30 @@ class Links:
         self.host = host
         self.streams: dict[str, FrameStream] = {}  # engine id -> its registered link
 
-    def on_register(self, msg: dict[str, Any], stream: FrameStream) -> EngineRecord:
+    def on_register(self, msg: dict[str, Any], stream: FrameStream, fds: Sequence[int] = ()) -> EngineRecord:
+        """Register (or register again) the engine on `stream`; `fds` are closed here, the first armed as the
+        engine's death mark where it says it sent one (`death_mark`) and the agent's `death_marks` are on."""
+        fds = list(fds)
+        try:
+            rec = self._register(msg, stream)
+            if fds and msg.get("death_mark") and self.host.settings.death_marks:
+                self._arm(rec, fds.pop(0))
+            return rec
+        finally:
+            close_fds(fds)
+
+    def _arm(self, rec: EngineRecord, fd: int) -> None:
+        """The engine's death mark armed (pidfd.py); one that is not its is refused with a warning and its exit
+        polled, as an engine's that sends none (libs/common/death_mark.py rule 2)."""
+        try:
+            self.host.watcher.arm(rec.engine_id, fd)
+        except MalformedMessage as e:
+            log.warning("engine %s: death mark refused (%s): its exit is polled", rec.engine_id, e)
+        except KeyError:
+            log.warning("engine %s: death mark sent before its process is watched: its exit is polled",
+                        rec.engine_id)
+
+    def _register(self, msg: dict[str, Any], stream: FrameStream) -> EngineRecord:
         host = self.host
         creds = stream.peer_credentials()
         pid = int(msg.get("pid") or 0)

@@ -11,6 +11,13 @@ holds its memory: what must wait for the death itself (kill-before-transfer) sti
 them and yields the exit code or signal; a process adopted from someone else cannot be waited on, so its
 status is unknown (the caller decides what that means). Signals go through `pidfd_send_signal`, which
 cannot hit a recycled pid.
+
+With the agent's `death_marks` on, an engine that sent a death mark (libs/common/death_mark.py: a robust futex the
+kernel releases right after it sets PF_EXITING) is *armed*: the agent's mark waiter (mark_waiter.py, a process of its
+own) waits on the mark and tells the loop the moment it wakes, which then looks at /proc, so the death is usually
+seen as it begins rather than up to a poll period later. The poll still looks at an armed engine every pass, and
+whichever sees the death first reports it (once). A mark that wakes without the death, or is refused, leaves the
+engine to the poll.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.common.death_mark import died
 from libs.common.events import FaultKind
 from libs.common.procs import PF_EXITING, stat_fields
+from services.agent.mark_waiter import MarkWaiter
 
 log = logging.getLogger("holdfast.agent.pidfd")
 
@@ -38,6 +47,7 @@ class ExitStatus:
     known: bool  # False: not our child, the exit code/signal is unknowable
     exit_code: int | None = None
     signal: int | None = None
+    seen: str = ""  # a death seen beginning: how ("poll": PF_EXITING polled; "death mark": its mark woke)
 
 
 def known_fault(st: ExitStatus) -> tuple[FaultKind, str]:
@@ -94,10 +104,16 @@ def decode_wait_status(code: int) -> tuple[int | None, int | None]:
 class PidWatcher:
     """Watch processes by key (engine id); `on_exit(key, status)` runs on the loop when one dies."""
 
-    def __init__(self, on_exit: Callable[[str, ExitStatus], None], *, zombie_status: bool = False) -> None:
+    def __init__(self, on_exit: Callable[[str, ExitStatus], None], *, zombie_status: bool = False,
+                 on_exiting: Callable[[str, ExitStatus], None] | None = None) -> None:
         """`zombie_status`: a process that is not our child gets the status its zombie still holds in /proc when the
-        pidfd says dead (its parent has not reaped it yet; otherwise unknown, as ever)."""
+        pidfd says dead (its parent has not reaped it yet; otherwise unknown, as ever). `on_exiting(key, status)`:
+        an armed process seen exiting when its mark woke (what `poll_exiting` returns for the others)."""
         self._on_exit = on_exit
+        self._on_exiting = on_exiting
+        self._marks: dict[str, int] = {}  # key -> the seq of its mark's arm, while armed
+        self._arms = 0
+        self._waiter: MarkWaiter | None = None  # started with the first mark
         self._zombie_status = zombie_status
         self._fds: dict[str, tuple[int, int, bool]] = {}  # key -> (pidfd, pid, child)
         self._waiters: dict[str, list[asyncio.Future[ExitStatus]]] = {}
@@ -124,23 +140,79 @@ class PidWatcher:
         asyncio.get_running_loop().add_reader(fd, self._readable, key)
 
     def poll_exiting(self) -> list[tuple[str, ExitStatus]]:
-        """Watched processes seen exiting since the last poll, each once, with the status the kernel holds.
-        A status of 0 is trusted only on a second look (the kernel sets the flag a moment before the code)."""
+        """Watched processes seen exiting since the last poll, each once, with the status the kernel holds (an armed
+        one too, unless its mark told first)."""
         out = []
-        for key, (_fd, pid, _child) in list(self._fds.items()):
-            seen = self._exiting.get(key, 0)
-            if seen < 0:
-                continue  # reported already
-            code = proc_exiting(pid, self._stat.get(key))
-            if code is None:
-                continue
-            if code == 0 and seen == 0:
-                self._exiting[key] = 1
-                continue
-            self._exiting[key] = -1
-            exit_code, sig = decode_wait_status(code)
-            out.append((key, ExitStatus(pid=pid, at=time.time(), known=True, exit_code=exit_code, signal=sig)))
+        for key in list(self._fds):
+            st = self._look(key, "poll")
+            if st is not None:
+                out.append((key, st))
         return out
+
+    def _look(self, key: str, seen: str) -> ExitStatus | None:
+        """`key` seen exiting now, once: the status the kernel holds. A status of 0 is trusted only on a second look
+        (the kernel sets the flag a moment before the code)."""
+        entry = self._fds.get(key)
+        looks = self._exiting.get(key, 0)
+        if entry is None or looks < 0:
+            return None  # not watched, or reported already
+        pid = entry[1]
+        code = proc_exiting(pid, self._stat.get(key))
+        if code is None:
+            return None
+        if code == 0 and looks == 0:
+            self._exiting[key] = 1
+            return None
+        self._exiting[key] = -1
+        exit_code, sig = decode_wait_status(code)
+        return ExitStatus(pid=pid, at=time.time(), known=True, exit_code=exit_code, signal=sig, seen=seen)
+
+    def start_marks(self) -> MarkWaiter:
+        """Start the mark waiter now rather than with the first mark (it takes ~0.1 s to start: a death in that
+        time is the poll's)."""
+        if self._waiter is None:
+            self._waiter = MarkWaiter(self._marked)
+        self._waiter.start()
+        return self._waiter
+
+    def arm(self, key: str, fd: int) -> None:
+        """Have the mark waiter wait on the death mark `fd` of the watched process `key` (closed here, whatever
+        happens). Raises `MalformedMessage` for a mark that is not its (libs/common/death_mark.py rule 2) and
+        KeyError when `key` is not watched; the poll goes on for it then, as it does anyway."""
+        try:
+            pid = self._fds[key][1]
+            self.disarm(key)
+            if self._waiter is None:
+                self._waiter = MarkWaiter(self._marked)
+            self._arms += 1
+            self._waiter.arm(key, self._arms, pid, fd)  # started there once the mark is found to be one
+        finally:
+            os.close(fd)
+        self._marks[key] = self._arms
+
+    def armed(self, key: str) -> bool:
+        return key in self._marks
+
+    def mark_waited(self, key: str) -> bool:
+        """Whether the mark waiter waits on `key`'s mark now (an armed mark until it says so: a moment)."""
+        return key in self._marks and self._waiter is not None and self._waiter.waiting(key)
+
+    def disarm(self, key: str) -> None:
+        if self._marks.pop(key, None) is not None and self._waiter is not None:
+            self._waiter.disarm(key)
+
+    def _marked(self, key: str, seq: int, word: int | None, error: str | None) -> None:
+        """On the loop: `key`'s mark woke with `word` (or was lost: `error`). A death begun is reported now."""
+        if self._marks.get(key) != seq:
+            return  # disarmed or armed again meanwhile
+        del self._marks[key]
+        if word is None or not died(word):
+            log.warning("engine %s's death mark woke without its death (%s): its exit is polled", key,
+                        error if word is None else f"{word:#x}")
+            return
+        st = self._look(key, "death mark")
+        if st is not None and self._on_exiting is not None:
+            self._on_exiting(key, st)
 
     def watching(self, key: str) -> bool:
         return key in self._fds
@@ -162,6 +234,7 @@ class PidWatcher:
         return ExitStatus(pid=pid, at=time.time(), known=False)
 
     def unwatch(self, key: str) -> None:
+        self.disarm(key)
         entry = self._fds.pop(key, None)
         self._exiting.pop(key, None)
         stat_fd = self._stat.pop(key, None)
@@ -174,6 +247,9 @@ class PidWatcher:
     def close(self) -> None:
         for key in list(self._fds):
             self.unwatch(key)
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
 
     def signal(self, key: str, sig: int = signal.SIGKILL) -> bool:
         """Send `sig` through the pidfd; False when the process is already gone or not watched."""
@@ -200,6 +276,7 @@ class PidWatcher:
         at = time.time()
         entry = self._fds.pop(key, None)
         self._exiting.pop(key, None)
+        self.disarm(key)
         if entry is None:
             return
         fd, pid, child = entry

@@ -48,6 +48,10 @@ class AgentSettings(CommonSettings):
                                           "this long after its reply (its spawn and start-up must not delay it)")
     exit_poll_ms: float = Field(2.0, gt=0, description="how often engines are checked for a death in progress "
                                 "(/proc PF_EXITING): a CUDA process's teardown takes ~100 ms before its pidfd says dead")
+    death_marks: bool = Field(False, description="wait on the death marks engines send (libs/common/death_mark.py, "
+                              "mark_waiter.py) beside the poll: on the 2-core test machine a death was seen ~1 ms "
+                              "sooner at the median but later at p99 (docs/benchmarks.md); off until measured on a "
+                              "GPU host")
     stranger_wait_s: float = Field(0.5, ge=0, description="after start-up, engines are started only this long after "
                                    "the agent's socket listens: engines a previous agent started and never recorded "
                                    "register again first (every 50 ms) and keep their slots, warm")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
+
+import pytest
 
 from libs.common import procs, wire
 from libs.common.bus import Bus
@@ -35,14 +39,15 @@ async def _recorded(store: Store, states: dict[str, str]) -> bool:
 
 async def test_a_restarted_agent_readopts_the_engines_still_running(agent: AgentProcess, recorder: Recorder, bus: Bus,
                                                                     store: Store) -> None:
-    specs = [pattern_spec(standbys=1)]
-    agent.start(specs)
+    specs = [pattern_spec(standbys=1, env={"HF_PATTERN_BALLAST_MIB": "256"})]  # a teardown longer than a mark's wake
+    slow_poll = {"death_marks": True, "exit_poll_ms": 5000}  # the deaths below are seen by the engines' marks
+    agent.start(specs, **slow_poll)
     active = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.ACTIVE)).engine
     standby = (await recorder.wait("engine.ready", lambda e: e.engine.role is EngineRole.STANDBY)).engine
     await wait_until(lambda: _recorded(store, {active.engine_id: "ready", standby.engine_id: "standby"}))
     agent.kill(signal.SIGKILL)
 
-    agent.start(specs)
+    agent.start(specs, **slow_poll)
     await agent.wait_up(store)
     listed = {e.engine_id: e for e in (await bus.request("node-1", ListEngines(), ListEnginesReply)).engines}
     assert set(listed) == {active.engine_id, standby.engine_id}
@@ -59,6 +64,7 @@ async def test_a_restarted_agent_readopts_the_engines_still_running(agent: Agent
     os.kill(standby.pid, signal.SIGKILL)
     dead = await recorder.wait("fault.detected", lambda f: f.engine_id == standby.engine_id)
     assert dead.kind is FaultKind.KILLED and dead.pid == standby.pid
+    assert dead.detail == "signal SIGKILL (seen exiting: death mark)"  # its mark came again with its registration
 
 
 async def test_an_engine_started_by_someone_else_is_adopted_when_it_registers(
@@ -103,3 +109,51 @@ async def test_a_registration_is_refused_for_a_pid_that_is_not_the_callers_or_an
     twice = _register(path, engine_id=active.engine_id)  # a live engine already holds that id
     assert twice["op"] == "error" and twice["code"] == "conflict"
     assert _register(path, engine_id="me-1")["op"] == "registered"
+
+
+# An outsider that registers with a death mark that is not one (`unsealed`: a memfd that could shrink under the
+# agent's mapping; `many`: three fds, none a mark), holding 256 MiB so that its teardown outlasts the poll.
+MARKED_OUTSIDER = """
+import os, socket, sys, time
+from libs.common import wire
+ballast = bytearray(256 << 20)
+ballast[::4096] = b"\\1" * len(range(0, len(ballast), 4096))
+def memfd():
+    fd = os.memfd_create("not-a-mark")
+    os.ftruncate(fd, 4096)
+    os.pwrite(fd, (os.getpid() | 0x80000000).to_bytes(4, "little"), 0)
+    return fd
+fds = [memfd()] if sys.argv[2] == "unsealed" else [memfd() for _ in range(3)]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+wire.send_frame(s, {"op": "register", "engine_id": "marked-" + sys.argv[2], "pid": os.getpid(), "role": "active",
+                    "model": "m", "death_mark": True}, fds)
+print(wire.recv_frame(s)[0]["op"], flush=True)
+time.sleep(60)
+"""
+
+
+def _memfds(pid: int) -> int:
+    """How many memfds process `pid` holds open."""
+    fd_dir = f"/proc/{pid}/fd"
+    return sum(os.readlink(f"{fd_dir}/{n}").startswith("/memfd:") for n in os.listdir(fd_dir))
+
+
+@pytest.mark.parametrize("mark", ["unsealed", "many"])
+async def test_a_death_mark_that_is_not_one_is_refused_closed_and_the_engines_death_still_seen(
+        mark: str, agent: AgentProcess, recorder: Recorder, store: Store, settings: CommonSettings) -> None:
+    agent.start([], death_marks=True)
+    await agent.wait_up(store)
+    assert agent.child is not None
+    outsider = subprocess.Popen([sys.executable, "-c", MARKED_OUTSIDER, str(settings.state_dir / "agent.sock"), mark],
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
+    try:
+        assert outsider.stdout is not None
+        assert (await asyncio.to_thread(outsider.stdout.readline)).strip() == b"registered"
+        assert _memfds(agent.child.pid) == 0  # none mapped, none kept
+        outsider.kill()
+        fault = await recorder.wait("fault.detected", lambda f: f.engine_id == f"marked-{mark}")
+        assert fault.kind is FaultKind.KILLED and fault.detail == "signal SIGKILL (seen exiting: poll)"
+    finally:
+        outsider.kill()
+        outsider.wait(10)

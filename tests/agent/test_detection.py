@@ -42,3 +42,18 @@ async def test_each_failure_yields_exactly_one_event_of_its_kind(case: str, agen
     await recorder.wait("engine.ready", lambda e: e.engine.engine_id != victim.engine_id)
     stored = [e.data for e in await bus.replay("fault.detected") if e.data.engine_id == victim.engine_id]
     assert len(stored) == 1, stored
+
+
+@pytest.mark.parametrize("marks", [True, False], ids=["death_mark", "poll"])
+async def test_a_sigkill_is_seen_as_it_begins_through_the_engines_death_mark_or_the_poll(
+        marks: bool, agent: AgentProcess, recorder: Recorder) -> None:
+    """The engine holds 256 MiB, so that its teardown outlasts both ways of seeing it begin (a CUDA engine's lasts
+    ~145 ms): the fault says which way saw it. With the agent's `death_marks` off, the mark it sent is ignored; on,
+    the poll is slowed to every 5 s here, so that the mark is what sees the death (they race otherwise)."""
+    agent.start([pattern_spec(env={"HF_PATTERN_BALLAST_MIB": "256"})], takeover_wait_s=0.5, death_marks=marks,
+                exit_poll_ms=5000 if marks else 2)
+    victim = (await recorder.wait("engine.ready")).engine
+    os.kill(victim.pid, signal.SIGKILL)
+    fault = await recorder.wait("fault.detected", lambda f: f.engine_id == victim.engine_id)
+    assert fault.kind is FaultKind.KILLED and fault.signal == signal.SIGKILL
+    assert fault.detail == f"signal SIGKILL (seen exiting: {'death mark' if marks else 'poll'})"

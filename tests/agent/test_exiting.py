@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from services.agent.pidfd import ExitStatus, PidWatcher, decode_wait_status, proc_state
+import pytest
+
+from libs.common.errors import MalformedMessage
+from services.agent.pidfd import (
+    ExitStatus,
+    PidWatcher,
+    decode_wait_status,
+    proc_exiting,
+    proc_state,
+)
+from tests.common.mark_owner import owner
 
 
 def _child(code: str) -> subprocess.Popen[bytes]:
@@ -103,3 +114,77 @@ async def test_a_recycled_pid_is_refused_by_its_start_time() -> None:
         w.close()
         c.kill()
         c.wait()
+
+
+async def test_an_armed_process_is_reported_by_its_death_mark_without_a_poll() -> None:
+    """Nothing polls here: the death is seen through the mark, as it begins (the owner's 256 MiB keep its pidfd
+    from saying dead for tens of ms more), with the signal the kernel recorded."""
+    loop = asyncio.get_running_loop()
+    seen: asyncio.Future[ExitStatus] = loop.create_future()
+    exits: list[str] = []
+    w = PidWatcher(lambda key, st: exits.append(key), on_exiting=lambda key, st: seen.set_result(st))
+    with owner() as (p, _sock, fd):
+        try:
+            w.watch("e", p.pid, child=True)
+            w.arm("e", fd)
+            assert w.armed("e")
+            deadline = time.monotonic() + 30
+            while not w.mark_waited("e"):  # the waiter process starts with the first mark
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            os.kill(p.pid, signal.SIGKILL)
+            st = await asyncio.wait_for(seen, 30)
+            assert st.seen == "death mark" and st.signal == signal.SIGKILL and st.known
+            assert not w.armed("e") and w.poll_exiting() == []  # reported once
+        finally:
+            w.close()
+
+
+async def test_an_armed_process_is_polled_too_and_its_death_reported_once_by_whichever_saw_it_first() -> None:
+    reported: list[ExitStatus] = []
+    w = PidWatcher(lambda key, st: None, on_exiting=lambda key, st: reported.append(st))
+    with owner() as (p, _sock, fd):
+        try:
+            w.watch("e", p.pid, child=True)
+            w.arm("e", fd)
+            os.kill(p.pid, signal.SIGKILL)
+            # Blocking from here: the loop does not run, so neither the mark's report nor the pidfd's comes first.
+            deadline = time.monotonic() + 30
+            while proc_exiting(p.pid) is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            (key, st), = w.poll_exiting()
+            assert key == "e" and st.seen == "poll" and st.signal == signal.SIGKILL
+            while w.armed("e"):  # the loop runs the mark's report now (or the pidfd's): reported already, once
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert reported == []
+        finally:
+            w.close()
+    w = PidWatcher(lambda key, st: None)
+    with owner() as (p, _sock, fd):
+        try:
+            w.watch("e", p.pid, child=True)
+            w.arm("e", fd)
+            w.disarm("e")
+            os.kill(p.pid, signal.SIGKILL)
+            (_, st), = _poll_until_reported(w)
+            assert st.seen == "poll" and st.signal == signal.SIGKILL
+        finally:
+            w.close()
+
+
+async def test_a_mark_that_is_not_the_processes_is_refused_and_closed() -> None:
+    w = PidWatcher(lambda key, st: None)
+    c = _child("import time; time.sleep(60)")
+    with owner() as (p, _sock, fd):
+        try:
+            w.watch("e", c.pid, child=True)  # the mark names p, not c
+            before = len(os.listdir("/proc/self/fd"))
+            with pytest.raises(MalformedMessage):
+                w.arm("e", fd)
+            assert not w.armed("e") and len(os.listdir("/proc/self/fd")) == before - 1  # its fd closed
+        finally:
+            w.close()
+            c.kill()
+            c.wait()
