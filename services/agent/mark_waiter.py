@@ -139,6 +139,11 @@ class MarkWaiter:
             raise MalformedMessage(f"the death-mark waiter is unreachable: {e}") from None
         self._armed[key] = seq
 
+    @property
+    def pid(self) -> int | None:
+        """The waiter process's pid while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
     def waiting(self, key: str) -> bool:
         """Whether the waiter said it waits on `key`'s mark (a death before that is the poll's)."""
         return key in self._waiting

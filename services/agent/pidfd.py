@@ -193,6 +193,10 @@ class PidWatcher:
     def armed(self, key: str) -> bool:
         return key in self._marks
 
+    @property
+    def mark_waiter(self) -> MarkWaiter | None:
+        return self._waiter
+
     def mark_waited(self, key: str) -> bool:
         """Whether the mark waiter waits on `key`'s mark now (an armed mark until it says so: a moment)."""
         return key in self._marks and self._waiter is not None and self._waiter.waiting(key)

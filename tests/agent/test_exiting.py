@@ -188,3 +188,36 @@ async def test_a_mark_that_is_not_the_processes_is_refused_and_closed() -> None:
             w.close()
             c.kill()
             c.wait()
+
+
+async def test_a_lost_mark_waiter_leaves_its_engines_to_the_poll_and_the_next_mark_starts_another() -> None:
+    w = PidWatcher(lambda key, st: None, on_exiting=lambda key, st: None)
+
+    async def until(cond) -> None:  # noqa: ANN001 - a predicate
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+    with owner() as (p, _sock, fd), owner() as (q, _sock2, fd2):
+        try:
+            w.watch("p", p.pid, child=True)
+            w.watch("q", q.pid, child=True)
+            w.arm("p", fd)
+            await until(lambda: w.mark_waited("p"))
+            waiter = w.mark_waiter
+            assert waiter is not None and waiter.pid is not None
+            first = waiter.pid
+            os.kill(first, signal.SIGKILL)
+            await until(lambda: not w.armed("p"))  # lost: p's exit is the poll's now
+            assert w.poll_exiting() == []  # and p lives on, unharmed
+            w.arm("q", fd2)  # another waiter for the next mark
+            await until(lambda: w.mark_waited("q"))
+            assert waiter.pid is not None and waiter.pid != first
+            os.kill(q.pid, signal.SIGKILL)
+            await until(lambda: not w.armed("q"))
+            os.kill(p.pid, signal.SIGKILL)
+            (key, st), = _poll_until_reported(w)
+            assert key == "p" and st.seen == "poll"
+        finally:
+            w.close()
