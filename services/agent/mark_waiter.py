@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -179,8 +180,10 @@ class MarkWaiter:
             return self._sock
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # only what an interpreter needs to find our modules: none of the agent's credentials or settings
+            env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
             self._proc = subprocess.Popen([sys.executable, "-m", "services.agent.mark_waiter", str(theirs.fileno())],
-                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         except OSError:
             ours.close()
             raise

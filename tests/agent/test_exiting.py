@@ -208,6 +208,8 @@ async def test_a_lost_mark_waiter_leaves_its_engines_to_the_poll_and_the_next_ma
             waiter = w.mark_waiter
             assert waiter is not None and waiter.pid is not None
             first = waiter.pid
+            with open(f"/proc/{first}/environ", "rb") as f:  # none of the agent's settings or credentials
+                assert not [v for v in f.read().split(b"\0") if v.startswith(b"HF_")]
             os.kill(first, signal.SIGKILL)
             await until(lambda: not w.armed("p"))  # lost: p's exit is the poll's now
             assert w.poll_exiting() == []  # and p lives on, unharmed
