@@ -9,8 +9,9 @@ receives the FaultDetected for that engine. The agent then replaces the engine a
 
 Reported per way (milliseconds): `publish` = death -> event received by a subscriber (the figure that matters);
 `notice` = death -> the agent's notice (`died_at` in the event), the part the kernel and the event loop take before
-the JetStream publish; `agent_cpu_ms_per_s`: the agent's CPU over the measurement, per second of it (the poll's
-cost: it looks at every unarmed engine every 2 ms). `ratio`: the poll's p50 and p99 over the marks'.
+the JetStream publish; `agent_cpu_ms_per_s`: the agent's CPU over the measurement, per second of it (the poll
+looks at every engine every 2 ms either way; the marks' waiter is a process of its own). `ratio`: the poll's p50
+and p99 over the marks'.
 """
 
 from __future__ import annotations

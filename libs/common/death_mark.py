@@ -5,8 +5,8 @@ process-shared robust pthread mutex at its start, locks it and never unlocks it,
 (libs/client/agent_link.py). When the main thread dies, however it dies (SIGKILL included), the kernel walks its
 robust list early in its teardown (do_exit -> exit_mm -> futex_exit_release, right after it set PF_EXITING and the
 exit code in /proc/<pid>/stat, and long before a CUDA process's pidfd turns readable): it sets FUTEX_OWNER_DIED in
-the mutex's word and wakes a waiter. The agent (`MarkView`, a thread of its own per engine) waits on that word with
-the futex syscall and so hears of the death within microseconds instead of a poll period later.
+the mutex's word and wakes a waiter. The agent's mark waiter (services/agent/mark_waiter.py: `MarkView`, a thread
+per engine) waits on that word with the futex syscall and so can hear of the death without a poll period's wait.
 
 Rules:
 1. The mark is a hint, never a verdict: the agent still reads the death (PF_EXITING and the exit code) from /proc,
@@ -15,7 +15,8 @@ Rules:
 2. The agent trusts nothing in the memfd: it maps it read-only, only once it is sealed against shrinking (a shrunk
    mapping would fault the agent with SIGBUS), and only if its word names the registered pid as its owner with the
    waiters bit set (the engine sets it, so that the kernel wakes a waiter; nobody else writes the word while the
-   owner lives), or its owner's death. It never calls pthread functions on it (those would follow list pointers the engine controls).
+   owner lives), or its owner's death. It never calls pthread functions on it (those would follow list pointers
+   the engine controls).
 3. The owner is the main thread, whose id is the pid: the kernel releases a thread's robust mutexes at that thread's
    death, and /proc/<pid>/stat is the main thread's. A mark locked on another thread is refused by its creator.
 4. Linux with glibc only (the mutex's word is the first int of glibc's `pthread_mutex_t`); elsewhere `create`
@@ -81,8 +82,8 @@ def _libc() -> ctypes.CDLL:
 class DeathMark:
     """The engine's side: the locked mutex and its memfd (`fd`, sent to the agent on every registration)."""
 
-    def __init__(self, fd: int, mm: mmap.mmap, word: int) -> None:
-        self.fd, self._mm, self.word = fd, mm, word
+    def __init__(self, fd: int, mm: mmap.mmap) -> None:
+        self.fd, self._mm = fd, mm  # the mapping is kept: the mutex lives in it as long as the process
 
     @classmethod
     def create(cls) -> DeathMark:
@@ -121,7 +122,7 @@ class DeathMark:
             mm.close()
             os.close(fd)
             raise Unsupported(f"the mark's owner is {value & FUTEX_TID_MASK}, not this process's main thread")
-        return cls(fd, mm, value)
+        return cls(fd, mm)
 
 
 class MarkView:

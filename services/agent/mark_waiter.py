@@ -14,8 +14,8 @@ report then pulls the agent's loop onto that CPU too (the poll, woken by its own
 cores (a GPU host's 16) that wait should not arise: to be measured there (`holdfast bench detect`).
 
 Frames (libs/common/wire.py), agent -> waiter: `arm {key, seq, pid}` with the mark's fd; `disarm {key, seq}`.
-Waiter -> agent: `armed {key, seq}` (waiting on it now), `woke {key, seq, word}` (the mark's word changed: its owner died, or it was released or
-overwritten), or `woke {key, seq, error}` (refused, or the wait failed: the agent polls that engine). The waiter
+Waiter -> agent: `armed {key, seq}` (waiting on it now), `woke {key, seq, word}` (the mark's word changed: its
+owner died, or it was released or overwritten), or `woke {key, seq, error}` (refused, or the wait failed: the agent polls that engine). The waiter
 exits when the agent's end closes (the agent's exit closes it, however it dies).
 
 `python -m services.agent.mark_waiter FD`: FD is the waiter's end of the pair.
@@ -119,26 +119,35 @@ def main(argv: list[str]) -> int:
 
 class MarkWaiter:
     """The agent's end: the waiter started at the first `arm` (and again after it died), its reports read on the loop
-    and handed to `on_woke(key, seq, word, error)` (`word` None with an `error`). Runs on the event loop's thread."""
+    and handed to `on_woke(key, word, error)` (`word` None with an `error`), each for a mark armed then (a report
+    of an arm since replaced or disarmed is dropped). Runs on the event loop's thread."""
 
-    def __init__(self, on_woke: Callable[[str, int, int | None, str | None], None]) -> None:
+    def __init__(self, on_woke: Callable[[str, int | None, str | None], None]) -> None:
         self._on_woke = on_woke
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._armed: dict[str, int] = {}  # key -> seq of its arm, while the waiter has it
         self._waiting: set[str] = set()  # the keys the waiter said it waits on
+        self._arms = 0  # the last arm's seq
 
-    def arm(self, key: str, seq: int, pid: int, fd: int) -> None:
-        """Hand the mark `fd` of process `pid` to the waiter (`fd` stays the caller's). Checked here first, so that a
-        mark that is not one is refused at once (`MalformedMessage`), as the waiter would."""
+    def arm(self, key: str, pid: int, fd: int) -> None:
+        """Hand the mark `fd` of process `pid` to the waiter in place of `key`'s mark, if it had one (`fd` stays the
+        caller's). Checked here first, so that a mark that is not one is refused at once (`MalformedMessage`), as
+        the waiter would."""
+        self.disarm(key)
         MarkView(fd, pid).close()
         sock = self.start()
+        self._arms += 1
         try:
-            wire.send_frame(sock, {"op": "arm", "key": key, "seq": seq, "pid": pid}, [fd])
+            wire.send_frame(sock, {"op": "arm", "key": key, "seq": self._arms, "pid": pid}, [fd])
         except OSError as e:
             self._lost(f"the waiter could not be told: {e}")
             raise MalformedMessage(f"the death-mark waiter is unreachable: {e}") from None
-        self._armed[key] = seq
+        self._armed[key] = self._arms
+
+    def armed(self, key: str) -> bool:
+        """Whether `key`'s mark is armed (handed to the waiter, and neither reported nor disarmed since)."""
+        return key in self._armed
 
     @property
     def pid(self) -> int | None:
@@ -214,7 +223,7 @@ class MarkWaiter:
         del self._armed[key]
         self._waiting.discard(key)
         word = msg.get("word")
-        self._on_woke(key, seq, int(word) if isinstance(word, int) else None,
+        self._on_woke(key, int(word) if isinstance(word, int) else None,
                       None if isinstance(word, int) else str(msg.get("error") or "no word"))
 
     def _lost(self, why: str) -> None:
@@ -225,8 +234,8 @@ class MarkWaiter:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
         self.close()
-        for key, seq in armed.items():
-            self._on_woke(key, seq, None, f"the waiter was lost: {why}")
+        for key in armed:
+            self._on_woke(key, None, f"the waiter was lost: {why}")
 
 
 if __name__ == "__main__":

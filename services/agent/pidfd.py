@@ -111,9 +111,7 @@ class PidWatcher:
         an armed process seen exiting when its mark woke (what `poll_exiting` returns for the others)."""
         self._on_exit = on_exit
         self._on_exiting = on_exiting
-        self._marks: dict[str, int] = {}  # key -> the seq of its mark's arm, while armed
-        self._arms = 0
-        self._waiter: MarkWaiter | None = None  # started with the first mark
+        self._marks = MarkWaiter(self._marked)  # its process starts with the first mark (or `start_marks`)
         self._zombie_status = zombie_status
         self._fds: dict[str, tuple[int, int, bool]] = {}  # key -> (pidfd, pid, child)
         self._waiters: dict[str, list[asyncio.Future[ExitStatus]]] = {}
@@ -167,49 +165,36 @@ class PidWatcher:
         exit_code, sig = decode_wait_status(code)
         return ExitStatus(pid=pid, at=time.time(), known=True, exit_code=exit_code, signal=sig, seen=seen)
 
-    def start_marks(self) -> MarkWaiter:
+    def start_marks(self) -> None:
         """Start the mark waiter now rather than with the first mark (it takes ~0.1 s to start: a death in that
         time is the poll's)."""
-        if self._waiter is None:
-            self._waiter = MarkWaiter(self._marked)
-        self._waiter.start()
-        return self._waiter
+        self._marks.start()
 
     def arm(self, key: str, fd: int) -> None:
         """Have the mark waiter wait on the death mark `fd` of the watched process `key` (closed here, whatever
         happens). Raises `MalformedMessage` for a mark that is not its (libs/common/death_mark.py rule 2) and
         KeyError when `key` is not watched; the poll goes on for it then, as it does anyway."""
         try:
-            pid = self._fds[key][1]
-            self.disarm(key)
-            if self._waiter is None:
-                self._waiter = MarkWaiter(self._marked)
-            self._arms += 1
-            self._waiter.arm(key, self._arms, pid, fd)  # started there once the mark is found to be one
+            self._marks.arm(key, self._fds[key][1], fd)
         finally:
             os.close(fd)
-        self._marks[key] = self._arms
 
     def armed(self, key: str) -> bool:
-        return key in self._marks
+        return self._marks.armed(key)
 
     @property
-    def mark_waiter(self) -> MarkWaiter | None:
-        return self._waiter
+    def mark_waiter(self) -> MarkWaiter:
+        return self._marks
 
     def mark_waited(self, key: str) -> bool:
         """Whether the mark waiter waits on `key`'s mark now (an armed mark until it says so: a moment)."""
-        return key in self._marks and self._waiter is not None and self._waiter.waiting(key)
+        return self._marks.waiting(key)
 
     def disarm(self, key: str) -> None:
-        if self._marks.pop(key, None) is not None and self._waiter is not None:
-            self._waiter.disarm(key)
+        self._marks.disarm(key)
 
-    def _marked(self, key: str, seq: int, word: int | None, error: str | None) -> None:
-        """On the loop: `key`'s mark woke with `word` (or was lost: `error`). A death begun is reported now."""
-        if self._marks.get(key) != seq:
-            return  # disarmed or armed again meanwhile
-        del self._marks[key]
+    def _marked(self, key: str, word: int | None, error: str | None) -> None:
+        """On the loop: `key`'s armed mark woke with `word` (or was lost: `error`). A death begun is reported now."""
         if word is None or not died(word):
             log.warning("engine %s's death mark woke without its death (%s): its exit is polled", key,
                         error if word is None else f"{word:#x}")
@@ -251,9 +236,7 @@ class PidWatcher:
     def close(self) -> None:
         for key in list(self._fds):
             self.unwatch(key)
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = None
+        self._marks.close()
 
     def signal(self, key: str, sig: int = signal.SIGKILL) -> bool:
         """Send `sig` through the pidfd; False when the process is already gone or not watched."""

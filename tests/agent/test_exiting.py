@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -20,6 +21,7 @@ from services.agent.pidfd import (
     proc_state,
 )
 from tests.common.mark_owner import owner
+from tests.support import wait_until
 
 
 def _child(code: str) -> subprocess.Popen[bytes]:
@@ -128,10 +130,8 @@ async def test_an_armed_process_is_reported_by_its_death_mark_without_a_poll() -
             w.watch("e", p.pid, child=True)
             w.arm("e", fd)
             assert w.armed("e")
-            deadline = time.monotonic() + 30
-            while not w.mark_waited("e"):  # the waiter process starts with the first mark
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            # the waiter process starts with the first mark
+            await wait_until(lambda: w.mark_waited("e"), within_s=30, every=0.01, what="the mark waited on")
             os.kill(p.pid, signal.SIGKILL)
             st = await asyncio.wait_for(seen, 30)
             assert st.seen == "death mark" and st.signal == signal.SIGKILL and st.known
@@ -155,9 +155,8 @@ async def test_an_armed_process_is_polled_too_and_its_death_reported_once_by_whi
                 time.sleep(0.001)
             (key, st), = w.poll_exiting()
             assert key == "e" and st.seen == "poll" and st.signal == signal.SIGKILL
-            while w.armed("e"):  # the loop runs the mark's report now (or the pidfd's): reported already, once
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            # the loop runs the mark's report now (or the pidfd's): reported already, once
+            await wait_until(lambda: not w.armed("e"), within_s=30, every=0.01, what="the mark's report")
             assert reported == []
         finally:
             w.close()
@@ -193,11 +192,8 @@ async def test_a_mark_that_is_not_the_processes_is_refused_and_closed() -> None:
 async def test_a_lost_mark_waiter_leaves_its_engines_to_the_poll_and_the_next_mark_starts_another() -> None:
     w = PidWatcher(lambda key, st: None, on_exiting=lambda key, st: None)
 
-    async def until(cond) -> None:  # noqa: ANN001 - a predicate
-        deadline = time.monotonic() + 30
-        while not cond():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+    async def until(cond: Callable[[], bool]) -> None:
+        await wait_until(cond, within_s=30, every=0.01)
 
     with owner() as (p, _sock, fd), owner() as (q, _sock2, fd2):
         try:
@@ -206,7 +202,7 @@ async def test_a_lost_mark_waiter_leaves_its_engines_to_the_poll_and_the_next_ma
             w.arm("p", fd)
             await until(lambda: w.mark_waited("p"))
             waiter = w.mark_waiter
-            assert waiter is not None and waiter.pid is not None
+            assert waiter.pid is not None
             first = waiter.pid
             with open(f"/proc/{first}/environ", "rb") as f:  # none of the agent's settings or credentials
                 assert not [v for v in f.read().split(b"\0") if v.startswith(b"HF_")]
