@@ -124,7 +124,9 @@ def run_one(kills: int, marks: str, ballast_mib: int) -> dict[str, Any]:
                "HF_DEATH_MARKS": marks, "HF_TAKEOVER_WAIT_S": "0", "HF_RECONCILE_INTERVAL_S": "0.05", "HF_NVML": "false",
                # every round kills on purpose: the crash-loop backoff would make each restart wait up to 30 s
                "HF_CRASH_BACKOFF_BASE_S": "0.001", "HF_CRASH_BACKOFF_MAX_S": "0.001",
-               "HF_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+               "HF_LOG_LEVEL": "WARNING",
+               # ahead of, not instead of, the caller's path (the device's packages live on it)
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         agent = procs.Child("agent", [sys.executable, "-m", "services.agent"], env=env,
                             log_path=base / "agent.log").start()
         children.append(agent)

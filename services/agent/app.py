@@ -47,7 +47,7 @@ async def setup(rt: Runtime) -> None:
     for info in await records.load_engines(rt.store, settings.node):
         agent.adoption.readopt(info)
 
-    if settings.death_marks:  # the mark waiter up before the first engine registers (mark_waiter.py)
+    if settings.marks_on():  # the mark waiter up before the first engine registers (mark_waiter.py)
         agent.watcher.start_marks()
     server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent.links, settings.peer_uids()),
                                      mode=settings.socket_mode)

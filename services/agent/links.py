@@ -49,7 +49,7 @@ class Links:
         fds = list(fds)
         try:
             rec = self._register(msg, stream)
-            if fds and msg.get("death_mark") and self.host.settings.death_marks:
+            if fds and msg.get("death_mark") and self.host.settings.marks_on():
                 self._arm(rec, fds.pop(0))
             return rec
         finally:

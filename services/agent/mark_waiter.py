@@ -6,12 +6,13 @@ for a CPU, and the agent's loop, its PF_EXITING poll included, then stalls behin
 with the agent, which reads the waiter's socket on its loop like any other fd; the poll goes on beside it, and
 whichever sees a death first reports it.
 
-What it gains, and why it is off by default (the agent's `death_marks`): on the 2-core test machine a death was
-published ~1 ms sooner at the median (2.6-2.9 against 3.6-3.9 ms) but later at p99 (docs/benchmarks.md). A tight
-poll of /proc saw PF_EXITING 0.1-0.2 ms after each SIGKILL while the waiter woke up to 4 ms later in ~1 kill in 10:
-it is woken on the CPU where the dying process tears its memory down and waits there for the next tick, and its
-report then pulls the agent's loop onto that CPU too (the poll, woken by its own timer, is not). On a host with idle
-cores (a GPU host's 16) that wait should not arise: to be measured there (`holdfast bench detect`).
+What it gains, and why it is off on 2 CPUs (the agent's `death_marks`, unset): on a 16-CPU H100 host a death was
+published sooner at the median and at p99 (1.83 / 2.55 against 2.80 / 3.83 ms for the poll alone; docs/benchmarks.md
+"Failure detection"). On the 2-core test machine it was sooner at the median (2.6-2.9 against 3.6-3.9 ms) but later
+at p99: a tight poll of /proc saw PF_EXITING 0.1-0.2 ms after each SIGKILL while the waiter woke up to 4 ms later in
+~1 kill in 10: it is woken on the CPU where the dying process tears its memory down and waits there for the next
+tick, and its report then pulls the agent's loop onto that CPU too (the poll, woken by its own timer, is not). With
+idle cores that wait did not arise.
 
 Frames (libs/common/wire.py), agent -> waiter: `arm {key, seq, pid}` with the mark's fd; `disarm {key, seq}`.
 Waiter -> agent: `armed {key, seq}` (waiting on it now), `woke {key, seq, word}` (the mark's word changed: its

@@ -12,7 +12,7 @@ them and yields the exit code or signal; a process adopted from someone else can
 status is unknown (the caller decides what that means). Signals go through `pidfd_send_signal`, which
 cannot hit a recycled pid.
 
-With the agent's `death_marks` on, an engine that sent a death mark (libs/common/death_mark.py: a robust futex the
+With the agent's death marks on (`death_marks`; unset, above 2 CPUs), an engine that sent a death mark (libs/common/death_mark.py: a robust futex the
 kernel releases right after it sets PF_EXITING) is *armed*: the agent's mark waiter (mark_waiter.py, a process of its
 own) waits on the mark and tells the loop the moment it wakes, which then looks at /proc, so the death is usually
 seen as it begins rather than up to a poll period later. The poll still looks at an armed engine every pass, and

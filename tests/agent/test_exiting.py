@@ -219,3 +219,16 @@ async def test_a_lost_mark_waiter_leaves_its_engines_to_the_poll_and_the_next_ma
             assert key == "p" and st.seen == "poll"
         finally:
             w.close()
+
+
+@pytest.mark.parametrize(("setting", "cpus", "on"), [(None, {0, 1}, False), (None, {0}, False),
+                                                     (None, {0, 1, 2}, True), (True, {0}, True), (False, set(range(16)), False)])
+def test_death_marks_unset_follow_the_cpus_the_agent_may_run_on(monkeypatch: pytest.MonkeyPatch, setting: bool | None,
+                                                                  cpus: set[int], on: bool) -> None:
+    """Unset, the marks are waited on where the agent may run on more than 2 CPUs (measured: sooner at p50 and p99 on
+    16, later at p99 on 2); set, the setting holds."""
+    from services.agent.settings import AgentSettings
+
+    monkeypatch.delenv("HF_DEATH_MARKS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    assert AgentSettings(death_marks=setting).marks_on() is on
