@@ -17,7 +17,7 @@ idle cores that wait did not arise.
 Frames (libs/common/wire.py), agent -> waiter: `arm {key, seq, pid}` with the mark's fd; `disarm {key, seq}`.
 Waiter -> agent: `armed {key, seq}` (waiting on it now), `woke {key, seq, word}` (the mark's word changed: its
 owner died, or it was released or overwritten), or `woke {key, seq, error}` (refused, or the wait failed: the agent polls that engine). The waiter
-exits when the agent's end closes (the agent's exit closes it, however it dies).
+exits when the agent's end closes (the agent's exit closes it, however it dies); it ignores SIGINT and SIGTERM.
 
 `python -m services.agent.mark_waiter FD`: FD is the waiter's end of the pair.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -111,6 +112,10 @@ def serve(sock: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # Its life is the agent's socket, not the signals its process group gets: a terminal's Ctrl-C or a supervisor's
+    # SIGTERM to the group would end it before the agent, which then warned of a lost waiter while it stopped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(socket.socket(fileno=int(argv[0])))
     return 0
 

@@ -232,3 +232,27 @@ def test_death_marks_unset_follow_the_cpus_the_agent_may_run_on(monkeypatch: pyt
     monkeypatch.delenv("HF_DEATH_MARKS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     assert AgentSettings(death_marks=setting).marks_on() is on
+
+
+async def test_the_mark_waiter_outlives_its_groups_sigterm_and_sigint_and_ends_with_the_agents_end() -> None:
+    """A terminal's Ctrl-C or a supervisor's SIGTERM reaches the agent's whole process group: the waiter keeps
+    waiting (the agent may still be stopping) and ends when the agent's end of its socket closes."""
+    seen: list[ExitStatus] = []
+    w = PidWatcher(lambda key, st: None, on_exiting=lambda key, st: seen.append(st))
+    with owner() as (p, _sock, fd):
+        try:
+            w.watch("e", p.pid, child=True)
+            w.arm("e", fd)
+            await wait_until(lambda: w.mark_waited("e"), within_s=30, every=0.01, what="the mark waited on")
+            waiter = w.mark_waiter.pid
+            assert waiter is not None
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(waiter, sig)
+            await asyncio.sleep(0.2)
+            assert proc_state(waiter) not in (None, "Z") and w.mark_waited("e")
+            os.kill(p.pid, signal.SIGKILL)
+            await wait_until(lambda: seen, within_s=30, every=0.01, what="the death seen")
+            assert seen[0].seen == "death mark"
+        finally:
+            w.close()
+    await wait_until(lambda: proc_state(waiter) in (None, "Z"), within_s=10, every=0.01, what="the waiter's end")
