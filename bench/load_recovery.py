@@ -294,6 +294,7 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
         marks.update(router_marks(rstats.get("route_ins") or [], successor.engine_id, t_kill))
         out["router_loop_late"] = {**loop_late_near(rstats.get("loop_late") or [], t_kill),
                                    "gc_paused_ms_since_start": rstats.get("gc_paused_ms")}
+        out["detected_as"] = sc.detected_as(t_kill, after=seen)
         out["timeline_ms"] = {**sc.timeline(t_kill, min(after) if after else None, after=seen), **marks,
                               "last stream resumed": (max(r for r in resumed if r) - t_kill) * 1000 if any(resumed) else None}
     return out
@@ -433,6 +434,7 @@ def summarize(rounds: list[dict[str, Any]], control: dict[str, Any] | None, *,
             # what it prepared as a standby: reservations, graphs, its rehearsal of a takeover (or why it failed)
             "prepared": [h.get("prepared") for h in succ]}
         out["router_loop_late"] = [r.get("router_loop_late") for r in rounds]
+        out["detected_as"] = [r.get("detected_as") for r in rounds if "timeline_ms" in r]  # the fault's detail
         out["timeline_ms"] = [dict(sorted(((k, round(v, 1)) for k, v in r["timeline_ms"].items() if v is not None),
                                           key=lambda kv: kv[1]))
                               for r in rounds if "timeline_ms" in r]

@@ -447,6 +447,14 @@ class Scenario:
                 raise TimeoutError("no tokens streamed within 60 s")
             await asyncio.sleep(0.002)
 
+    def detected_as(self, t_kill: float, *, after: int = 0) -> str | None:
+        """The detail of the first fault detected after the kill: which way the agent saw it (its poll, a death
+        mark, the pidfd...)."""
+        for at, env in self.events[after:]:
+            if env.type == "fault.detected" and at >= t_kill:
+                return getattr(env.data, "detail", None)
+        return None
+
     def timeline(self, t_kill: float, first_token: float | None, *, after: int = 0) -> dict[str, float]:
         out: dict[str, float] = {"death": 0.0}
         for at, env in self.events[after:]:

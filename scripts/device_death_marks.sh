@@ -27,7 +27,8 @@ except (OSError, ValueError, KeyError) as e:
     print(sys.argv[2], "no report:", e)
     sys.exit()
 marks = [(t.get("detected"), t.get("successor assigned"), t.get("first token after recovery")) for t in s["timeline_ms"]]
-print(sys.argv[2], "gap", s.get("largest_gap_ms"), "lost", s.get("lost"), "detected/assigned/first token", marks)
+print(sys.argv[2], "gap", s.get("largest_gap_ms"), "lost", s.get("lost"), "detected/assigned/first token", marks,
+      "seen", s.get("detected_as"))
 EOF
   rm -rf /tmp/holdfast-demo-*
 }

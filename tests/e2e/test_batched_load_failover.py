@@ -47,3 +47,6 @@ async def test_sixteen_streams_and_four_late_requests_survive_a_sigkill_through_
     # the route-out named the shadow the likely successor, and the router sent it requests before it was added
     # (services/router/sync.py `_promise`; the standby held them until it served: engines/batched/server.py)
     assert "router promised" in failed["timeline_ms"][0]
+    # the fault the agent published names our signal and the way it saw the death (pidfd.py: poll, death mark, pidfd)
+    detected, = failed["detected_as"]
+    assert detected.startswith("signal SIGKILL (") and detected.endswith(")"), detected
