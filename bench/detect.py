@@ -29,6 +29,7 @@ from typing import Any
 import typer
 
 from bench.controlplane import _cpu_s
+from bench.machine import describe
 from bench.stats import pct
 from libs.common import procs
 from libs.common.bus import Bus
@@ -94,7 +95,7 @@ def run(kills: int, ballast_mib: int = 256) -> dict[str, Any]:
     out["ratio"] = {f"{k}_{p}": round(out["poll"][f"{k}_ms"][p] / out["marks"][f"{k}_ms"][p], 2)
                     for k in ("publish", "notice") for p in ("p50", "p99")
                     if out["marks"][f"{k}_ms"][p] and out["poll"][f"{k}_ms"][p] is not None}
-    out["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    out["machine"] = describe()
     out["ballast_mib"] = ballast_mib
     return out
 

@@ -37,6 +37,7 @@ import httpx
 
 from bench import stats
 from bench.load_client import ClientPool, Job, default_client_procs
+from bench.machine import describe
 from devstack.scenario import MODEL, Scenario, StreamResult, make_weights, router_marks
 from devstack.stack import Stack, StackConfig
 from libs.common.events import EngineInfo, EngineSpec, MarkGpu, MarkGpuReply
@@ -542,5 +543,5 @@ async def run(*, backend: str, size: str, streams: int, late: int, trials: int, 
     return {"bench": "recovery-load", "backend": backend, "size": size, "streams": streams, "late": late,
             "trials": trials, "max_tokens": max_tokens, "step_tokens": step_tokens, "prefill_chunk": prefill_chunk,
             "fenced": fenced, "shadow": sc.shadow, "isolated": isolated, "deterministic": deterministic,
-            "kill_successor": kill_successor, "weights_drawn": drawn, "secure": secure,
+            "kill_successor": kill_successor, "weights_drawn": drawn, "secure": secure, "machine": describe(),
             "no_failure": got["no_failure"], "sigkill": got["failure"]}
