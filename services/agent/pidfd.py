@@ -9,7 +9,8 @@ very start of the teardown (do_exit); both are in /proc/<pid>/stat (fields 9 and
 sees the death coming within one poll period. The process can no longer run user code then, but it still
 holds its memory: what must wait for the death itself (kill-before-transfer) still waits for the pidfd. For our own children `os.waitid(P_PIDFD, ...)` reaps
 them and yields the exit code or signal; a process adopted from someone else cannot be waited on, so its
-status is unknown (the caller decides what that means). Signals go through `pidfd_send_signal`, which
+status is the one its zombie still shows in /proc (`zombie_status`), else unknown (the caller decides what that
+means). Signals go through `pidfd_send_signal`, which
 cannot hit a recycled pid.
 
 With the agent's death marks on (`death_marks`; unset, above 2 CPUs), an engine that sent a death mark (libs/common/death_mark.py: a robust futex the

@@ -66,7 +66,7 @@ class Agent:
         self.engines: dict[str, EngineRecord] = {}
         self.specs: dict[str, EngineSpec] = {}
         self.detection = Detection(self)
-        self.watcher = PidWatcher(self.detection.on_exit, on_exiting=self.detection.exiting)
+        self.watcher = PidWatcher(self.detection.on_exit, on_exiting=self.detection.exiting, zombie_status=True)
         self.ranks = RankWatch(self.detection.rank_died)  # TP groups' followers (rank 0 is in `watcher`)
         self.links = Links(self)
         self.adoption = Adoption(self)

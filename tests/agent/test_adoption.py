@@ -153,7 +153,9 @@ async def test_a_death_mark_that_is_not_one_is_refused_closed_and_the_engines_de
         assert _memfds(agent.child.pid) == 0  # none mapped, none kept
         outsider.kill()
         fault = await recorder.wait("fault.detected", lambda f: f.engine_id == f"marked-{mark}")
-        assert fault.kind is FaultKind.KILLED and fault.detail == "signal SIGKILL (seen exiting: poll)"
+        # seen exiting by the poll, or, where a loaded machine's loop came to the pidfd first, from the zombie this
+        # test has not reaped yet (an adopted process: not the agent's to wait on); the signal is known either way
+        assert fault.kind is FaultKind.KILLED and fault.detail in ("signal SIGKILL (seen exiting: poll)", "signal SIGKILL")
     finally:
         outsider.kill()
         outsider.wait(10)
