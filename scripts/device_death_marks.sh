@@ -4,16 +4,17 @@
 # Runs ON the device, one 10-minute call:
 #   bash scripts/device_bundle.sh && rm -rf .devpack && mkdir -p .devpack && tar -C .device -cJf .devpack/bin.tar.xz bin
 #   run: DEVICE_CMD="bash scripts/device_death_marks.sh" bash scripts/device_run.sh   carry: [".whl", ".devpack"]
-# Writes to $OUT: host.txt, detect.json (100 kills a way, engines holding 256 MiB of host memory), summary.txt
+# Writes to $OUT: host.txt, detect.json (60 kills a way, engines holding 256 MiB of host memory), summary.txt
 # (each recovery run: gap p99, the timeline's `detected` and first token after the kill), reports.tar.xz.
 mkdir -p .device && tar -C .device -xJf .devpack/bin.tar.xz && chmod +x .device/bin/*
 start=$(date +%s); w=/tmp/hfw; mkdir -p "$w"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/host.txt"; nproc >> "$OUT/host.txt"
-timeout 240 python3 -m holdfast.main bench detect --kills 100 --json > "$OUT/detect.json" 2> /tmp/detect.err
+# ~1 s a kill on an H100 host, both ways (2026-12-06): 60 kills a way in ~2 minutes
+timeout 200 python3 -m holdfast.main bench detect --kills 60 --json > "$OUT/detect.json" 2> /tmp/detect.err
 tail -c 400 /tmp/detect.err
 one() {  # label, then true or false: the agent's death marks
   local label=$1 marks=$2
-  local left=$(( ${BUDGET:-560} - ($(date +%s) - start) )); (( left < 45 )) && { echo "skip $label: ${left}s left"; return; }
+  local left=$(( ${BUDGET:-580} - ($(date +%s) - start) )); (( left < 45 )) && { echo "skip $label: ${left}s left"; return; }
   local t0=$(date +%s)
   HF_DEATH_MARKS=$marks timeout "$left" python3 -m holdfast.main bench recovery --backend cuda --weights-gib 13 \
     --streams 64 --late 16 --trials 3 --max-tokens 96 --kv-cache-gib 16 --step-tokens 512 --prefill-chunk 128 \
