@@ -295,8 +295,8 @@ async def one_round(sc: LoadScenario, client: httpx.AsyncClient, pool: ClientPoo
         marks.update(router_marks(rstats.get("route_ins") or [], successor.engine_id, t_kill))
         out["router_loop_late"] = {**loop_late_near(rstats.get("loop_late") or [], t_kill),
                                    "gc_paused_ms_since_start": rstats.get("gc_paused_ms")}
-        out["detected_as"] = sc.detected_as(t_kill, after=seen)
-        out["timeline_ms"] = {**sc.timeline(t_kill, min(after) if after else None, after=seen), **marks,
+        timeline, out["detected_as"] = sc.timeline(t_kill, min(after) if after else None, after=seen)
+        out["timeline_ms"] = {**timeline, **marks,
                               "last stream resumed": (max(r for r in resumed if r) - t_kill) * 1000 if any(resumed) else None}
     return out
 

@@ -431,7 +431,7 @@ class Scenario:
             if health.get(key):
                 recovery[key] = health[key]
         route_ins = (await self.router_stats(client)).get("route_ins") or []
-        timeline = {**self.timeline(t_kill, first_token, after=seen), **successor_marks(recovery, t_kill),
+        timeline = {**self.timeline(t_kill, first_token, after=seen)[0], **successor_marks(recovery, t_kill),
                     **router_marks(route_ins, successor.engine_id, t_kill)}
         return Trial(t_kill, first_token, results, dict(sorted(timeline.items(), key=lambda kv: kv[1])), lost,
                      mismatched, resolved.incident_id, before, after_sum, recovery)
@@ -447,23 +447,21 @@ class Scenario:
                 raise TimeoutError("no tokens streamed within 60 s")
             await asyncio.sleep(0.002)
 
-    def detected_as(self, t_kill: float, *, after: int = 0) -> str | None:
-        """The detail of the first fault detected after the kill: which way the agent saw it (its poll, a death
-        mark, the pidfd...)."""
-        for at, env in self.events[after:]:
-            if env.type == "fault.detected" and at >= t_kill:
-                return getattr(env.data, "detail", None)
-        return None
-
-    def timeline(self, t_kill: float, first_token: float | None, *, after: int = 0) -> dict[str, float]:
+    def timeline(self, t_kill: float, first_token: float | None, *,
+                 after: int = 0) -> tuple[dict[str, float], str | None]:
+        """Each control-plane step's first event after the kill (ms after it), in order; and the detail of the first
+        fault detected: which way the agent saw the death (its poll, a death mark, the pidfd...)."""
         out: dict[str, float] = {"death": 0.0}
+        detected_as: str | None = None
         for at, env in self.events[after:]:
             label = TIMELINE_EVENTS.get(env.type)
             if label and at >= t_kill and label not in out:
                 out[label] = (at - t_kill) * 1000.0
+                if env.type == "fault.detected":
+                    detected_as = getattr(env.data, "detail", None)
         if first_token:
             out["first token after recovery"] = (first_token - t_kill) * 1000.0
-        return dict(sorted(out.items(), key=lambda kv: kv[1]))
+        return dict(sorted(out.items(), key=lambda kv: kv[1])), detected_as
 
     # ------------------------------------------------------------ cold restart, for comparison
 

@@ -38,6 +38,15 @@ def _poll_until_reported(w: PidWatcher) -> list[tuple[str, ExitStatus]]:
     raise AssertionError("never seen exiting")
 
 
+async def _armed(w: PidWatcher, key: str, pid: int, fd: int) -> None:
+    """`pid` watched under `key` and armed with its mark `fd`, once the waiter process (started with the first
+    mark) waits on it."""
+    w.watch(key, pid, child=True)
+    w.arm(key, fd)
+    assert w.armed(key)
+    await wait_until(lambda: w.mark_waited(key), within_s=30, every=0.01, what="the mark waited on")
+
+
 async def test_a_killed_process_is_seen_exiting_with_its_signal_exactly_once() -> None:
     exits: list[str] = []
     w = PidWatcher(lambda key, st: exits.append(key))
@@ -127,11 +136,7 @@ async def test_an_armed_process_is_reported_by_its_death_mark_without_a_poll() -
     w = PidWatcher(lambda key, st: exits.append(key), on_exiting=lambda key, st: seen.set_result(st))
     with owner() as (p, _sock, fd):
         try:
-            w.watch("e", p.pid, child=True)
-            w.arm("e", fd)
-            assert w.armed("e")
-            # the waiter process starts with the first mark
-            await wait_until(lambda: w.mark_waited("e"), within_s=30, every=0.01, what="the mark waited on")
+            await _armed(w, "e", p.pid, fd)
             os.kill(p.pid, signal.SIGKILL)
             st = await asyncio.wait_for(seen, 30)
             assert st.seen == "death mark" and st.signal == signal.SIGKILL and st.known
@@ -241,9 +246,7 @@ async def test_the_mark_waiter_outlives_its_groups_sigterm_and_sigint_and_ends_w
     w = PidWatcher(lambda key, st: None, on_exiting=lambda key, st: seen.append(st))
     with owner() as (p, _sock, fd):
         try:
-            w.watch("e", p.pid, child=True)
-            w.arm("e", fd)
-            await wait_until(lambda: w.mark_waited("e"), within_s=30, every=0.01, what="the mark waited on")
+            await _armed(w, "e", p.pid, fd)
             waiter = w.mark_waiter.pid
             assert waiter is not None
             for sig in (signal.SIGTERM, signal.SIGINT):
