@@ -14,13 +14,46 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from holdfast.certs import certs_app
 from libs.common.config import DEFAULT_API_PORT, DEFAULT_ETCD_PORT, DEFAULT_NATS_PORT, DEFAULT_ROUTER_PORT
 
-app = typer.Typer(help="Holdfast: keep LLM inference engines' memory alive through failures.",
+
+class _Lazy(TyperGroup):
+    """A group whose commands named in `lazy` (name -> module: its `cli`) are imported only when one runs or the
+    group's help lists them: importing them all (the gpu_manager, devstack, the security tooling...) cost every
+    `holdfast` command ~1.5 s of start-up."""
+
+    lazy: dict[str, str] = {}
+
+    def list_commands(self, ctx: Any) -> list[str]:  # typer's own click's Context
+        return [*super().list_commands(ctx), *self.lazy]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:  # its Command, or None
+        if cmd_name not in self.lazy:
+            return super().get_command(ctx, cmd_name)
+        try:
+            fn = importlib.import_module(self.lazy[cmd_name]).cli
+        except ImportError:  # a command whose optional dependency this install lacks
+            return None
+        one = typer.Typer(add_completion=False)
+        one.command(cmd_name)(fn)
+        return typer.main.get_command(one)
+
+
+class _LazyTop(_Lazy):
+    lazy = {"chaos": "bench.chaos"}
+
+
+class _LazyBenches(_Lazy):
+    lazy = {name: f"bench.{name}" for name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload",
+                                                "serve", "restore", "sleep")}
+
+
+app = typer.Typer(cls=_LazyTop, help="Holdfast: keep LLM inference engines' memory alive through failures.",
                   no_args_is_help=True, add_completion=False)
-bench_app = typer.Typer(help="Benchmarks (figures go to docs/benchmarks.md).", no_args_is_help=True)
+bench_app = typer.Typer(cls=_LazyBenches, help="Benchmarks (figures go to docs/benchmarks.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 engine_app = typer.Typer(help="One engine: sleep and wake (docs/restore.md), regroup (docs/multi_gpu.md).",
                          no_args_is_help=True)
@@ -247,29 +280,6 @@ def api_token(scope: str = typer.Argument(..., help="read, operate or admin (the
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from None
     print(f"token: {token}\nentry: {entry}")
-
-
-def _bench(name: str, module: str) -> None:
-    def load() -> Any:
-        return importlib.import_module(module).cli
-
-    try:
-        fn = load()
-    except ImportError:
-        return
-    bench_app.command(name)(fn)
-
-
-for _bench_name in ("attach", "detect", "controlplane", "recovery", "resume", "apiload", "serve", "restore", "sleep"):
-    _bench(_bench_name, f"bench.{_bench_name}")
-
-
-try:
-    from bench.chaos import cli as _chaos_cli
-
-    app.command("chaos", help="Inject faults at random under load and check the invariants.")(_chaos_cli)
-except ImportError:
-    pass
 
 
 def main() -> None:
