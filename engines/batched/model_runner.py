@@ -546,11 +546,27 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._gpool):
                 logits = self._forward(tok[:b], pos[:b], slot[:b], meta, None)
+            graph.replay()  # `_warm_launch`
             self._gpool = graph.pool()
             self._graphs[b] = (graph, logits)
         if buckets is None:
             self._capture_mixed()
+        self._warm_launch()
         torch.cuda.synchronize()
+
+    def _warm_launch(self) -> None:
+        """What a step's launch would otherwise do for the first time on the serving path, done once here: a
+        captured graph's first launch uploads it to the device (each is replayed once right after its capture, over
+        the padding it was captured with: nothing is written), and `Launched`'s pinned host buffer of a new size
+        class is a cudaHostAlloc (one of each class a step's sampled rows can need is allocated and given back to
+        torch's pinned cache). A recovered engine's first step replays a graph the standby captured before the
+        failure (__main__.py `prepare_runner`): these would have been on its way to its first token."""
+        rows = 1
+        while True:
+            torch.empty(rows, dtype=torch.int64, pin_memory=True)
+            if rows >= self.max_num_seqs + MIXED_CHUNKS:
+                break
+            rows *= 2
 
     def _graph_for(self, n: int) -> int | None:
         """The smallest captured bucket that holds `n` rows (None: run eagerly)."""
@@ -624,6 +640,7 @@ class ModelRunner:
                 with torch.cuda.graph(graph, pool=self._gpool):
                     logits = self._forward(tok, pos, slot, meta, head)
                     self._mixed_out[:logits.shape[0]].copy_(logits)
+                graph.replay()  # uploaded now, not at its first step (`_warm_launch`): over padding, nothing written
             finally:
                 self._split = None
             self._gpool = graph.pool()

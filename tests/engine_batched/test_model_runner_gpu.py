@@ -78,6 +78,19 @@ def test_graph_steps_equal_eager_steps(gpu_weights, deterministic: bool) -> None
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_capturing_the_graphs_and_their_warm_replays_write_nothing_into_the_kv_cache(gpu_weights) -> None:
+    """Each graph is replayed once right after its capture (its upload to the device, off a recovered engine's first
+    step): over padding rows, so a cache full of live sequences' KV (a standby capturing over its reservations,
+    a successor capturing when idle) is left exactly as it was."""
+    kv = torch.randn(CFG.n_layers, 2, BLOCKS, BS, CFG.n_kv_heads, CFG.head_dim, device="cuda")
+    before = kv.clone()
+    r = ModelRunner(CFG, gpu_weights, kv, BS, max_num_seqs=32, max_step_tokens=512)
+    r.warmup()
+    torch.cuda.synchronize()
+    assert r._graphs and r._mixed, "no graphs captured"
+    assert torch.equal(kv, before)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_mixed_graph_steps_equal_eager_steps(gpu_weights, deterministic: bool) -> None:
     """Steps of prefill chunks beside decode rows replayed from the mixed graphs give the eager steps' logits
