@@ -103,6 +103,41 @@ def test_bytes_that_are_not_http_get_the_apis_json_error_not_uvicorns_text(proto
                          timeout=10).status_code == 200  # serving on
 
 
+@pytest.mark.parametrize("protocol", [lingering_h11, lingering_httptools])
+def test_a_stopping_server_neither_lingers_nor_waits_for_idle_kept_alive_connections(protocol: Any) -> None:
+    """At a server's stop every idle connection closes and every lingering one ends at once: the graceful
+    shutdown waited for each linger (up to `max_s`, 60 s here), and a kept-alive idle connection began one; the
+    controller then outlived a supervisor's 5 s after its SIGTERM and was SIGKILLed (full test runs, 2026-12-06)."""
+    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
+                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    stats = LingerStats()
+    port = procs.free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(ctx), host="127.0.0.1", port=port, log_level="warning",
+                                           http=protocol(1 << 30, 60.0, stats), lifespan="off",
+                                           timeout_graceful_shutdown=60))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as idle, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as refused:
+        idle.sendall(b"GET /v1/audit HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ADMIN.encode() + b"\r\n\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")  # answered; the connection kept alive, idle
+        refused.sendall(b"POST /v1/engines/e/failover HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100000000\r\n\r\n" + b" " * 4096)
+        assert refused.recv(4096).startswith(b"HTTP/1.1 401")  # refused unread: lingering, its client still there
+        while stats.lingered < 1:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the server still waits for its connections"
+        assert time.monotonic() - t0 < 30
+        assert idle.recv(4096) == b"" and refused.recv(1 << 16) is not None  # closed by the server
+
+
 # ---- Intake: a burst taken a slice per pass of the loop
 
 

@@ -17,7 +17,9 @@ client insists on sending, bounded, on the API's own loop (the controller's API 
 the incident pipeline's).
 
 Invariants: a connection lingers at most once and at most `max_s`; what it drops is never buffered (no memory
-grows with the body); a transport that cannot half-close is closed at once, as before.
+grows with the body); a transport that cannot half-close is closed at once, as before; once the server stops, no
+connection lingers (its graceful shutdown waited for every linger: up to `max_s`, 10 s for the admin API, past
+the 5 s a supervisor gives a service to stop).
 
 The same protocol also bounds how long a request's headers may take (`header_timeout_s`, what nginx's
 `client_header_timeout` does): from a connection's start, or from the first byte of the next request on a kept-alive
@@ -110,6 +112,13 @@ class _LingeringTransport:
         if self._dropped > self._max_bytes:
             self._cut()
 
+    def stop_lingering(self) -> None:
+        """The server stops: a linger under way ends now and `close` closes at once from here on (the answer was
+        sent; a linger would hold the server's graceful shutdown for up to `max_s`)."""
+        self._max_s = 0
+        if self.lingering:
+            self.finish()
+
     def finish(self) -> None:
         """The client closed its side (or the connection is gone): close now."""
         if self._timer is not None:
@@ -162,6 +171,13 @@ class _Bounded:
         wrapped = _LingeringTransport(transport, self.max_bytes, self.max_s, self.stats)  # type: ignore[arg-type]
         super().connection_made(wrapped)  # type: ignore[misc]
         self._arm_header_timer()
+
+    def shutdown(self) -> None:
+        """The server stops (uvicorn calls this on every connection): an idle connection closes, and a lingering
+        one ends, at once; a request under way still finishes, its connection closed after it (uvicorn's)."""
+        if isinstance(self.transport, _LingeringTransport):
+            self.transport.stop_lingering()
+        super().shutdown()  # type: ignore[misc]
 
     def eof_received(self) -> None:
         if self._lingering():
