@@ -31,16 +31,7 @@ from engines.batched import degrade, isolation
 from engines.batched.backup import SOLO, BackupWriter, backed_journal
 from engines.batched.backup_start import describe_restore, open_backup
 from engines.batched.config import EngineConfig, parse_config
-from engines.batched.drain import (
-    NO_MARK,
-    DrainMark,
-    PageLayout,
-    Pending,
-    ReadyPage,
-    open_drain,
-    ready_page,
-    unregister,
-)
+from engines.batched.drain import NO_MARK, DrainMark, PageLayout, Pending, open_drain
 from engines.batched.engine import LLMEngine
 from engines.batched.front_link import EngineSide, FrontLink
 from engines.batched.journal import Journal, JournalLayout, counted
@@ -66,7 +57,6 @@ from engines.reference import stall_watch
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device
 from libs.common import procs
-from libs.common.errors import HoldfastError
 from libs.common.gc_tuning import long_lived_gc
 from libs.common.procs import ms_between, ms_since
 
@@ -189,19 +179,6 @@ def prepare_runner(cfg: EngineConfig, mcfg: ModelConfig, memory: LeasedMemory,
     return reserved, runner, info
 
 
-def prepare_page(cfg: EngineConfig, memory: LeasedMemory, layout: JournalLayout, device: torch.device) -> ReadyPage | None:
-    """A prepared standby's drain page, registered before any failure (drain.py `ready_page`), where its takeover
-    would open a mark (drain.py invariant 1: a single engine, on CUDA, without the KV backup); None where it would
-    not, or where the page could not be had (said: its takeover then registers the handed-on page, as before)."""
-    if not (cfg.drain_mark and device.type == "cuda" and not cfg.kv_backup):
-        return None
-    try:
-        return ready_page(memory.client, PageLayout(layout.slots, layout.num_blocks))
-    except (HoldfastError, OSError, RuntimeError) as e:
-        log.warning("no drain page ready before the takeover (it registers the handed-on one): %r", e)
-        return None
-
-
 def rehearse_takeover(cfg: EngineConfig, mcfg: ModelConfig, reserved: Loaded) -> dict[str, Any]:
     """rehearsal.py: this configuration's engines over scratch memory beside the placeholder weights, with an eager
     runner of their own; a failure is said and the standby stands by unrehearsed (rehearsal.py invariant 3)."""
@@ -315,7 +292,6 @@ def run(cfg: EngineConfig) -> int:
     loaded: Loaded | None = None
     spare: Spare | None = None  # a spare's weights and cache, before its assignment (memory.py `load_spare`)
     kv_backup: tuple[BackupWriter, dict[str, Any]] | None = None
-    ready: ReadyPage | None = None  # a prepared standby's own drain page, for its mark once it takes over
     try:
         t_start = t_process
         if cfg.role == "standby":
@@ -332,7 +308,6 @@ def run(cfg: EngineConfig) -> int:
                 assert isinstance(memory, LeasedMemory)
                 prepared = prepare_runner(cfg, mcfg, memory, layout_of)
                 state.info["prepared"] = prepared[2]
-                ready = prepare_page(cfg, memory, prepared[0].layout, device)
             if cfg.spare and group is None:  # its own weights and cache on its own GPU, before it stands by (a
                 # spare group's ranks loaded theirs in `stand_by`)
                 assert isinstance(memory, LeasedMemory)  # config.py
@@ -394,9 +369,7 @@ def run(cfg: EngineConfig) -> int:
             prior = journal_generation(loaded)
             gen = 0 if prior is None else prior + (pend is not None)
             t_mark = time.perf_counter()
-            mark = open_drain(memory.client, loaded.drain, device, PageLayout(layout.slots, layout.num_blocks), gen,
-                              ready)
-            ready = None  # the mark's now, or released
+            mark = open_drain(memory.client, loaded.drain, device, PageLayout(layout.slots, layout.num_blocks), gen)
             mark_ms = ms_since(t_mark)
             points["marked"] = time.perf_counter()
         engine, adopted = build_engine(cfg, mcfg, loaded, layout, capture_now=loaded.source == "file", runner=runner,
@@ -459,8 +432,6 @@ def run(cfg: EngineConfig) -> int:
         stopped = engine.stop() if engine is not None else True
         if engine is not None and engine.drain is not None and stopped:
             engine.drain.stop()
-        if ready is not None:  # a standby that never took over: no GPU work ever used its page
-            unregister(ready.page)
         if kv_backup is not None:
             kv_backup[0].stop()  # and the other ranks' writers (a group), before the forwards' followers
         if group is not None:

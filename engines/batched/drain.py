@@ -125,10 +125,7 @@ NO_MARK = NoMark()
 class DrainMark:
     """This engine's bank of the page: generation `gen`'s (journal.py)."""
 
-    def __init__(self, page: torch.Tensor, device: torch.device, layout: PageLayout, gen: int, *,
-                 registered: bool = False) -> None:
-        """`registered`: the caller registered `page` already (a standby's `ReadyPage`) and hands its registration
-        over (`stop` ends it)."""
+    def __init__(self, page: torch.Tensor, device: torch.device, layout: PageLayout, gen: int) -> None:
         from engines.batched.copier import register_host
 
         if not layout.fits(page):
@@ -141,7 +138,7 @@ class DrainMark:
         self.n = 0
         self.depth = 0
         t1 = time.perf_counter()
-        self.registered = registered or register_host(page)
+        self.registered = register_host(page)
         t2 = time.perf_counter()
         self.dev = torch.zeros(1, dtype=torch.int64, device=device)
         t3 = time.perf_counter()
@@ -187,12 +184,8 @@ class DrainMark:
         pinned while DMA still targets the old page)."""
         if self.registered:
             torch.cuda.synchronize(self.device)
-            unregister(self.page)
+            torch.cuda.cudart().cudaHostUnregister(self.page.data_ptr())
             self.registered = False
-
-
-def unregister(page: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(page.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -244,53 +237,17 @@ def await_fence(pid: int, start: int | None, proven: Callable[[], str | None] | 
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class ReadyPage:
-    """A prepared standby's own page (`ready_page`): leased, committed and registered before any failure."""
-
-    lease_id: str
-    page: torch.Tensor
-    layout: PageLayout
-
-
-def _new_page(client: Any, layout: PageLayout) -> tuple[str, torch.Tensor]:
-    """A new host lease for a page of `layout`, registered and committed with the others: (its id, the page)."""
-    lease = client.allocate(layout.nbytes, tag="other", name=DRAIN_NAME, host=True)
-    meta = lease.meta(DRAIN_NAME, torch.int64, (layout.numel,))
-    client.register([meta])
-    client.commit()
-    return lease.id, lease.view(meta, "torch")
-
-
-def ready_page(client: Any, layout: PageLayout) -> ReadyPage:
-    """A prepared standby's page for its mark once it takes over, made while it stands by: the page's registration
-    with CUDA (cudaHostRegister, 2.1-3.3 ms on an H100 host: docs/results/h100-s42-2026-12-06) would otherwise be
-    on the takeover's way to its first step. Its successor reads it as any handed-on page (journal.py's generation
-    names the bank)."""
-    from engines.batched.copier import register_host
-
-    lease_id, page = _new_page(client, layout)
-    register_host(page)
-    return ReadyPage(lease_id, page, layout)
-
-
 def open_drain(client: Any, handed_on: torch.Tensor | None, device: torch.device, layout: PageLayout,
-               gen: int, ready: ReadyPage | None = None) -> DrainMark:
-    """This engine's mark: over its `ready` page where it has one of this layout (the predecessor's page, read by
-    the fence already, is released: what its dead queue may still write lands in pages the dead process pins until
-    its teardown), else over the page handed on by its predecessor, else (none, or one of another layout: it is
+               gen: int) -> DrainMark:
+    """This engine's mark: over the page handed on by its predecessor, else (none, or one of another layout: it is
     released) over a new host lease (registered and committed with the others)."""
-    if ready is not None and ready.layout == layout:
-        for lease in [lz for lz in client.leases.values()
-                      if lz.id != ready.lease_id and any(m.name == DRAIN_NAME for m in lz.tensor_metas)]:
-            client.release(lease.id)
-        return DrainMark(ready.page, device, layout, gen, registered=True)
-    if ready is not None:  # the predecessor's cache is not the size this standby foresaw
-        unregister(ready.page)
-        client.release(ready.lease_id)
     if not layout.fits(handed_on):
         for lease in [lz for lz in client.leases.values() if any(m.name == DRAIN_NAME for m in lz.tensor_metas)]:
             client.release(lease.id)
-        handed_on = _new_page(client, layout)[1]
+        lease = client.allocate(layout.nbytes, tag="other", name=DRAIN_NAME, host=True)
+        meta = lease.meta(DRAIN_NAME, torch.int64, (layout.numel,))
+        client.register([meta])
+        client.commit()
+        handed_on = lease.view(meta, "torch")
     assert handed_on is not None
     return DrainMark(handed_on, device, layout, gen)

@@ -560,7 +560,9 @@ class ModelRunner:
         the padding it was captured with: nothing is written), and `Launched`'s pinned host buffer of a new size
         class is a cudaHostAlloc (one of each class a step's sampled rows can need is allocated and given back to
         torch's pinned cache). A recovered engine's first step replays a graph the standby captured before the
-        failure (__main__.py `prepare_runner`): these would have been on its way to its first token."""
+        failure (__main__.py `prepare_runner`): these would have been on its way to its first token (H100, 8b, 64
+        rows: that step's launch 7.3 ms at the median of 15 takeovers, against 7.9 before; the rest of it is the
+        first launch's own CPU work, not found yet: docs/results/h100-s43-2026-12-06)."""
         rows = 1
         while True:
             torch.empty(rows, dtype=torch.int64, pin_memory=True)

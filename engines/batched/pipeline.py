@@ -50,6 +50,7 @@ class StepTimes:
         self.origin_wall = time.time()  # the same moment on the wall clock: the first passes on a failover's timeline
         self.first: list[dict[str, Any]] = []  # each of the first passes: its phases and when it ended
         self._pass: dict[str, float] = {}  # the phases of the pass under way (an overlapped step's launch included)
+        self._cpu_at = time.thread_time()
 
     def add(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
@@ -57,6 +58,12 @@ class StepTimes:
         self.total[phase] += ms
         if self.steps < self.FIRST:
             self._pass[phase] = self._pass.get(phase, 0.0) + ms
+            # a first pass's launch also as the step thread's own CPU time: the rest of it, the thread waited (for
+            # the interpreter, while the HTTP front's link takes a takeover's burst of resumed requests, or the CPU)
+            cpu = time.thread_time()
+            if phase == "launch":
+                self._pass["launch_cpu"] = self._pass.get("launch_cpu", 0.0) + (cpu - self._cpu_at) * 1000
+            self._cpu_at = cpu  # a launch begins where its schedule ended
         return now
 
     def step(self, ms: float, rows: int, prefill_tokens: int, graph: bool) -> None:

@@ -10,9 +10,8 @@ Reads the cluster view and the leader's open table; no I/O, no state of its own.
   engine's host backup of it (`is_kv_backup`; a TP rank's own) and its weights live (the successor restores the
   cache from the backup: engines/batched/backup.py), nor the backup's while the cache and the weights live
   (`recoverable_without`).
-Standbys' faults open nothing (a standby holds no leased memory anyone needs: at most a prepared standby's drain
-page, reclaimed with its other orphans by the gpu_manager; the agent replaces it on its own), and a fault naming
-another node's group is refused (the bus vets `engine_id`, this vets `group`).
+Standbys' faults open nothing (a standby holds no leased memory; the agent replaces it on its own), and a fault
+naming another node's group is refused (the bus vets `engine_id`, this vets `group`).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class Intake:
         for i, env in enumerate(envs):
             f = env.data
             if not isinstance(f, FaultDetected) or f.role is EngineRole.STANDBY:
-                continue  # nothing of a standby's is needed (module doc); the agent replaces it on its own
+                continue  # a standby holds no leased memory; the agent replaces it on its own
             if f.group is not None and not self._group_on_node(f, env):
                 continue
             parent = self._cold_parent(f.engine_id)
