@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A successor's first step with its graphs uploaded and its drain page registered before the failure (model_runner.py
-# `_warm_launch`, drain.py `ready_page`), against the state before them, on a GPU host; and the GPU tests of both.
+# `_warm_launch`; drain.py `ready_page`, at 14a90f3, taken out again in e5b0a4c), against the state before them, on a
+# GPU host; and the GPU tests of both. Ran once (docs/results/h100-s43-2026-12-06); at HEAD the drain half is gone.
 # Runs ON the device, one 10-minute call:
 #   bash scripts/device_bundle.sh && rm -rf .devpack && mkdir -p .devpack && tar -C .device -cJf .devpack/bin.tar.xz bin
 #   run: DEVICE_CMD="bash scripts/device_warm_takeover.sh" bash scripts/device_run.sh
