@@ -14,7 +14,9 @@ def test_both_ways_see_every_kill_with_its_signal_and_the_report_names_its_machi
     for way, seen in (("marks", {"death mark", "poll"}), ("poll", {"poll"})):
         r = report[way]
         assert r["kills"] == 3 and r["kinds"] == ["killed"], r
-        # each fault names the signal and one of the ways this agent was set to see it
-        assert {d.removeprefix("signal SIGKILL (seen exiting: ").removesuffix(")") for d in r["details"]} <= seen, r
+        # each fault names the signal and one of the ways this agent was set to see it, or its pidfd's (the end of
+        # the teardown, the status read from the zombie): on a loaded machine that can come before the next poll
+        ways = {d.removeprefix("signal SIGKILL (seen exiting: ").removesuffix(")") for d in r["details"]}
+        assert ways <= seen | {"signal SIGKILL"}, r
         assert r["publish_ms"]["n"] == 3 and r["publish_ms"]["p50"] > 0
     assert report["machine"]["cpus"] >= 1 and report["ballast_mib"] == 16
