@@ -29,18 +29,25 @@ from tests.router.test_api_keys import trickle_until_answered
 ADMIN = "adm"
 
 
-@contextlib.contextmanager
-def serving(app: Any, http: Any) -> Iterator[int]:
-    """`app` served by uvicorn with the protocol `http` on a free port, on a thread of its own; the port."""
+def started(app: Any, http: Any, **config: Any) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """`app` served by uvicorn with the protocol `http` (and `config`) on a free port, on a thread of its own, once
+    it serves: the server, its thread, the port."""
     port = procs.free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=http,
-                                           lifespan="off"))
+                                           lifespan="off", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
+    return server, thread, port
+
+
+@contextlib.contextmanager
+def serving(app: Any, http: Any) -> Iterator[int]:
+    """`started`, stopped on leaving; the port."""
+    server, thread, port = started(app, http)
     try:
         yield port
     finally:
@@ -111,16 +118,7 @@ def test_a_stopping_server_neither_lingers_nor_waits_for_idle_kept_alive_connect
     ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
                      metrics=None, is_leader=lambda: False, admin_token=ADMIN)
     stats = LingerStats()
-    port = procs.free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ctx), host="127.0.0.1", port=port, log_level="warning",
-                                           http=protocol(1 << 30, 60.0, stats), lifespan="off",
-                                           timeout_graceful_shutdown=60))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
+    server, thread, port = started(create_app(ctx), protocol(1 << 30, 60.0, stats), timeout_graceful_shutdown=60)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as idle, \
             socket.create_connection(("127.0.0.1", port), timeout=10) as refused:
         idle.sendall(b"GET /v1/audit HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ADMIN.encode() + b"\r\n\r\n")
