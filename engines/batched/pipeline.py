@@ -50,7 +50,7 @@ class StepTimes:
         self.origin_wall = time.time()  # the same moment on the wall clock: the first passes on a failover's timeline
         self.first: list[dict[str, Any]] = []  # each of the first passes: its phases and when it ended
         self._pass: dict[str, float] = {}  # the phases of the pass under way (an overlapped step's launch included)
-        self._cpu_at = time.thread_time()
+        self._cpu_at = 0.0  # the step thread's CPU time where a first pass's schedule ended (`add`)
 
     def add(self, phase: str, t0: float) -> float:
         now = time.perf_counter()
