@@ -557,18 +557,27 @@ class ModelRunner:
     def _warm_launch(self) -> None:
         """What a step's launch would otherwise do for the first time on the serving path, done once here: a
         captured graph's first launch uploads it to the device (each is replayed once right after its capture, over
-        the padding it was captured with: nothing is written), and `Launched`'s pinned host buffer of a new size
-        class is a cudaHostAlloc (one of each class a step's sampled rows can need is allocated and given back to
-        torch's pinned cache). A recovered engine's first step replays a graph the standby captured before the
-        failure (__main__.py `prepare_runner`): these would have been on its way to its first token (H100, 8b, 64
-        rows: that step's launch 7.3 ms at the median of 15 takeovers, against 7.9 before; the rest of it is the
-        first launch's own CPU work, not found yet: docs/results/h100-s43-2026-12-06)."""
+        the padding it was captured with: nothing is written); the kernels a step runs beside its graph (the
+        argmax, the sampled rows' gather, the fed tokens' select and copy) are loaded by CUDA at their first launch
+        (lazy module loading: a process's first argmax took 6 ms of the launching thread's CPU on an H100); and
+        `Launched`'s pinned host buffer of a new size class is a cudaHostAlloc (one of each class a step's sampled
+        rows can need is allocated and given back to torch's pinned cache). A recovered engine's first step
+        replays a graph the standby captured before the failure (__main__.py `prepare_runner`): all of these
+        would have been on its way to its first token (H100, tiny model, 8 rows: the first launch 9.05 -> 0.55 ms;
+        docs/results/h100-s44-2026-12-06)."""
         rows = 1
         while True:
             torch.empty(rows, dtype=torch.int64, pin_memory=True)
             if rows >= self.max_num_seqs + MIXED_CHUNKS:
                 break
             rows *= 2
+        outs = [logits for _, logits in self._graphs.values()] + ([self._mixed_out] if self._mixed else [])
+        for logits in outs:  # each shape a step's argmax can take from a graph; scratch results only
+            Launched(torch.argmax(logits, dim=-1), []).tokens()
+            logits[[0]].cpu()
+        at = torch.zeros(1, dtype=torch.int64, device=self.device)
+        scratch = torch.zeros(2, dtype=torch.int64, device=self.device)
+        scratch.index_copy_(0, at, scratch.index_select(0, at))
 
     def _graph_for(self, n: int) -> int | None:
         """The smallest captured bucket that holds `n` rows (None: run eagerly)."""
