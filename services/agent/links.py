@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from libs.common.errors import Conflict, MalformedMessage, PermissionDenied
 from libs.common.events import EngineReady, FaultKind, RankProcess
 from libs.common.wire import FrameStream, close_fds
-from services.agent import rank_watch, shadows
+from services.agent import rank_watch, shadows, supervision
 from services.agent.adoption import Adoption
 from services.agent.engines import EngineRecord, Ev, State, weights_loaded
 from services.agent.table import EngineTable, FaultReporter
@@ -88,9 +88,7 @@ class Links:
         if old is not None and old is not stream:
             old.close()  # the same engine registering again: its newer connection wins
         self.streams[engine_id] = stream
-        rec.linked = True
-        if msg.get("heartbeats") and rec.last_heartbeat is None:
-            rec.last_heartbeat = time.monotonic()  # re-registration of a heartbeating engine: keep watching
+        supervision.registered(rec, bool(msg.get("heartbeats")), time.monotonic())
         rec.can_shadow = bool(msg.get("can_shadow"))
         rec.fences = bool(msg.get("fences"))
         if msg.get("followers") and rec.tp > 1:  # a TP group's rank 0 names its other ranks: watched from now on

@@ -273,6 +273,17 @@ def overdue(records: list[EngineRecord], now: float, timeout_s: float,
             and now - r.last_heartbeat > limit(r)]
 
 
+def registered(rec: EngineRecord, heartbeats: bool, now: float) -> None:
+    """An engine's link registered (its first connection, or again after this agent's restart): linked, and for a
+    heartbeating engine the registration is a heartbeat (both come from its link's thread): its deadline runs from
+    now. A re-adopted engine's deadline is armed at its re-adoption; kept, its link registering a second later on a
+    loaded node found it overdue at once, the short timeout holding from the registration on (CI, 2026-12-06: a
+    re-adopted standby declared hung, "no heartbeat for 1.038s" after its re-adoption, its heartbeats not read yet)."""
+    rec.linked = True
+    if heartbeats:
+        rec.last_heartbeat = now
+
+
 def probe_targets(records: list[EngineRecord]) -> list[EngineRecord]:
     """The engines whose HTTP server is probed: active, serving, reachable at an endpoint, not failed."""
     return [r for r in records if r.role is EngineRole.ACTIVE and r.state is State.READY and r.endpoint

@@ -13,6 +13,7 @@ from services.agent.supervision import (
     overdue,
     pick_standby,
     plan,
+    registered,
     shadow_plan,
     spec_key,
     stranger_key,
@@ -106,6 +107,19 @@ def test_an_engine_whose_link_is_not_up_again_gets_the_start_timeout() -> None:
     linked = rec("linked", last_heartbeat=10.0, linked=True)
     assert [r.engine_id for r in overdue([readopted, linked], 12.0, 1.0, 10.0)] == ["linked"]
     assert [r.engine_id for r in overdue([readopted, linked], 20.5, 1.0, 10.0)] == ["readopted", "linked"]
+
+
+def test_a_registration_restarts_the_heartbeat_deadline_of_a_readopted_engine() -> None:
+    """Re-adopted at 10.0 (its deadline armed then), its link registering at 10.9: silent for the timeout from the
+    registration, not from the re-adoption (the agent reads its heartbeats only from then on)."""
+    readopted = rec("readopted", last_heartbeat=10.0)
+    registered(readopted, True, 10.9)
+    assert readopted.linked
+    assert overdue([readopted], 11.5, 1.0, 10.0) == []
+    assert overdue([readopted], 12.0, 1.0, 10.0) == [readopted]
+    quiet = rec("quiet")  # an engine that sends no heartbeats: registering arms nothing
+    registered(quiet, False, 10.9)
+    assert quiet.linked and quiet.last_heartbeat is None
 
 
 def test_an_engine_that_never_connects_within_twice_its_cold_start_is_flagged() -> None:
