@@ -1,7 +1,8 @@
 # Shared by the device scripts that compare recovery runs (sourced ON the device, from the repo root, $OUT set):
 #   device_prelude               unpack the bundle's binaries, note the host in $OUT/host.txt, start the clock
-#   recovery_one LABEL [VAR=v]   one recovery run (8b-shaped 13 GiB model, 64 streams + 16 late, 3 SIGKILLs, fast
-#                                mode, secure) with those variables set; one line of it appended to the summary
+#   recovery_one LABEL [VAR=v]   one recovery run with those variables set, one line of it appended to the summary:
+#                                64 streams + 16 late, 3 SIGKILLs, secure, and $RECOVERY_ARGS (default: the 8b-shaped
+#                                13 GiB model, fast mode)
 #   device_finish                summary.txt and reports.tar.xz into $OUT
 # A run is skipped when less than 45 s of ${BUDGET:-570} is left (one call may run 10 minutes).
 device_prelude() {
@@ -14,9 +15,9 @@ recovery_one() {
   local label=$1; shift
   local left=$(( ${BUDGET:-570} - ($(date +%s) - start) )); (( left < 45 )) && { echo "skip $label: ${left}s left"; return; }
   local t0=$(date +%s)
-  env "$@" timeout "$left" python3 -m holdfast.main bench recovery --backend cuda --weights-gib 13 \
-    --streams 64 --late 16 --trials 3 --max-tokens 96 --kv-cache-gib 16 --step-tokens 512 --prefill-chunk 128 \
-    --no-deterministic --secure --json --weights-dir "$w" > "/tmp/r-$label.json" 2> "/tmp/r-$label.err"
+  env "$@" timeout "$left" python3 -m holdfast.main bench recovery --backend cuda \
+    --streams 64 --late 16 --trials 3 --max-tokens 96 --step-tokens 512 --prefill-chunk 128 --secure --json \
+    ${RECOVERY_ARGS:---weights-gib 13 --kv-cache-gib 16 --no-deterministic} --weights-dir "$w" > "/tmp/r-$label.json" 2> "/tmp/r-$label.err"
   echo "$label rc=$? in $(( $(date +%s) - t0 )) s"
   python3 - "/tmp/r-$label.json" "$label" >> /tmp/summary.txt <<'PY'
 import json, sys
