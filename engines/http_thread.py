@@ -1,13 +1,11 @@
-"""What both engines' start-up shares: uvicorn on a thread of its own, and the ready file."""
+"""uvicorn on a thread of its own (the reference and pattern engines' HTTP servers)."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -40,10 +38,3 @@ class HttpThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5)
-
-
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
-    """The ready file, replaced whole (a reader never sees half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)

@@ -52,7 +52,7 @@ from engines.batched.sleep import install as install_sleep
 from engines.batched.standby import await_assignment
 from engines.batched.tp_group import RankGroup
 from engines.batched.warmup import warm_kernels
-from engines.http_thread import write_ready_file
+from engines.ready_file import write_ready_file
 from engines.reference import stall_watch
 from engines.reference.config import ModelConfig, get_config
 from engines.reference.startup import pick_device

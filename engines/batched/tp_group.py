@@ -61,11 +61,11 @@ from engines.batched.journal import Journal
 from engines.batched.memory import Loaded, layout_fn, open_memory
 from engines.batched.tp import PlanChannel, ShardedRunner, follow
 from engines.batched.warmup import warm_kernels
-from engines.reference import tp_runner as reference_tp
+from engines.reference import ranks as reference_ranks
 from engines.reference.config import get_config
+from engines.reference.ranks import IDLE_FOREVER, free_port, rank_place
 from engines.reference.startup import pick_device
 from engines.reference.tp import read_shard, shard_config
-from engines.reference.tp_runner import IDLE_FOREVER, free_port, rank_place
 from engines.reference.weights import check_file_matches
 from libs.common.events import rank_engine_id
 
@@ -73,7 +73,7 @@ log = logging.getLogger("holdfast.engine.batched.tp")
 SETTINGS_ENV = "HF_ENGINE_BATCHED_TP_SETTINGS"
 
 
-class Followers(reference_tp.Followers):
+class Followers(reference_ranks.Followers):
     """Ranks 1..N-1, started by rank 0 on its main thread and watched as the reference engine's are (one's exit
     ends rank 0, GROUP_DIED, within ~50 ms, unless rank 0 is stopping them: `wait`); they run this engine."""
 

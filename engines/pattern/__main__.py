@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.http_thread import write_ready_file
 from engines.pattern import pattern
+from engines.ready_file import write_ready_file
 from libs.common.ids import new_id
 
 if TYPE_CHECKING:  # the HTTP stack is imported only where HTTP is served (--no-http starts without it)

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from engines.http_thread import HttpThread, write_ready_file
+from engines.http_thread import HttpThread
+from engines.ready_file import write_ready_file
 from engines.reference.config import get_config
 from engines.reference.engine import EngineCore, sample
 from engines.reference.kv_reuse import retire_later

@@ -46,7 +46,7 @@ def engine_class(default: str) -> str:
 
 
 def open_agent_link(s: EngineSettings, *, can_shadow: bool = False, followers: Sequence[RankProcess] = ()) -> Any:
-    """`followers`: a tensor-parallel group's rank 0 names its other ranks' processes (tp_runner.py `Followers`)."""
+    """`followers`: a tensor-parallel group's rank 0 names its other ranks' processes (ranks.py `Followers`)."""
     if s.agent == "off" or (s.agent == "auto" and not os.environ.get("HF_AGENT_SOCKET")):
         return None
     from libs.client.agent_link import AgentLink

@@ -25,7 +25,7 @@ from services.agent.rank_watch import RankWatch
 from services.agent.table import EngineTable
 
 log = logging.getLogger("holdfast.agent")
-GROUP_DIED = 70  # a TP group's rank 0 exits so when another rank died (engines/reference/tp_runner.py)
+GROUP_DIED = 70  # a TP group's rank 0 exits so when another rank died (engines/reference/ranks.py)
 
 
 class Host(EngineTable, Protocol):
@@ -59,7 +59,7 @@ class Detection:
         host = self.host
         if rec.tp > 1:
             # A TP group is one engine to the outside: a follower's death is seen through its own pidfd where rank 0
-            # named it (rank_watch.py) and ends rank 0 anyway (GROUP_DIED, tp_runner.py); the others die with rank 0.
+            # named it (rank_watch.py) and ends rank 0 anyway (GROUP_DIED, engines/reference/ranks.py); the others die with rank 0.
             # So this is the group's one fault, whichever death came first; its incident is the group's.
             detail = f"{detail}; a rank of the group died" if exit_code == GROUP_DIED else detail
         host.publish(FaultDetected(

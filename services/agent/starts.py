@@ -82,7 +82,7 @@ class Starts:
         if spare:  # engines/batched/config.py `spare`
             extra_env = {**(extra_env or {}), "HF_ENGINE_SPARE": "1"}
         rank_gpus = gpus.rank_gpus_of(spec, health.gpus)
-        if rank_gpus:  # engines/reference/tp_runner.py `rank_place`
+        if rank_gpus:  # engines/reference/ranks.py `rank_place`
             extra_env = {**(extra_env or {}), "HF_ENGINE_RANK_GPUS": json.dumps(rank_gpus)}
         env = launcher.engine_env(host.settings, spec, engine_id=engine_id, role=role, gpu=gpu, extra=extra_env)
         log_path = host.settings.state_dir / "engines" / f"{engine_id}.log"

@@ -153,8 +153,8 @@ def test_where_each_rank_runs() -> None:
     `tp_one_gpu`: every rank on GPU gpu over gloo."""
     import torch
 
+    from engines.reference.ranks import rank_place
     from engines.reference.settings import TensorParallelSettings
-    from engines.reference.tp_runner import rank_place
 
     plain, one = TensorParallelSettings(tp=4), TensorParallelSettings(tp=4, tp_one_gpu=True)
     assert rank_place(plain, 2, 3, torch.device("cuda")) == (torch.device("cuda", 5), 5, "nccl")
