@@ -51,9 +51,11 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class Sampling(BaseModel):
-    """What to generate and how: the fields a client and an engine attempt have in common."""
+    """What to generate and how: the fields a client and an engine attempt have in common. Types are JSON's,
+    strictly (as the router's OpenAI routes'): `true` or `"3"` is no max_tokens and `"yes"` no stream (they were
+    served as 1, 3 and a stream); an integer is a number of any kind."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: Text | None = Field(None, description="text; encoded with a leading BOS")
     tokens: list[int] | None = Field(None, description="token ids, appended after the encoded prompt if both are given")

@@ -4,24 +4,25 @@ OpenAI-compatible routes (openai_api.py). Every route but `PUBLIC` needs an API 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.gc_tuning import paused_ms
 from libs.common.generate import http_code, invalid_body
 from libs.common.loop_watch import LoopWatch
-from libs.common.web.disconnect import disconnected
+from libs.common.web.disconnect import ClosingStreamingResponse, Gone, unless_gone, until_disconnect
 from services.router.openai_api import openai_routes
 from services.router.openai_protocol import OpenAIError
 from services.router.relay import ClientRequest, Relay, RelayError
@@ -79,7 +80,10 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(status_code=422, content=invalid_body(exc.errors()))
+        """422 `invalid_body` in OpenAI's error shape, as every other refusal of the router (it was the engines'
+        `{code, message}` beside OpenAI's for a body that is not UTF-8)."""
+        err = invalid_body(exc.errors())["error"]
+        return JSONResponse(status_code=422, content=OpenAIError(422, err["message"], code=err["code"]).body())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -98,16 +102,19 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
 
     @app.post("/v1/generate", response_model=None)
     async def generate(req: ClientRequest, request: Request) -> Any:
-        items = relay.run(req, gone=lambda: disconnected(request))
+        """Its client gone (held, queued in an engine, streaming or not), the engine request is closed at once."""
+        items = relay.run(req)
         try:
-            first = await items.__anext__()  # held / refused requests get a status, not a broken stream
+            first = await unless_gone(request, _first(items))  # held / refused: a status, not a broken stream
         except RelayError as e:
-            return JSONResponse(status_code=e.status, content=e.body())
-        except StopAsyncIteration:
-            return JSONResponse(status_code=502, content={"error": {"code": "empty", "message": "no output"}})
+            return JSONResponse(status_code=e.status, content=OpenAIError(e.status, e.message, code=e.code).body())
+        except Gone:
+            return Response(status_code=499)
+        if first is None:
+            return JSONResponse(status_code=502, content=OpenAIError(502, "no output", code="empty").body())
         if req.stream:
-            return StreamingResponse(_ndjson(first, items), media_type="application/x-ndjson")
-        return await _collect(first, items)
+            return ClosingStreamingResponse(_ndjson(first, items), media_type="application/x-ndjson")
+        return await until_disconnect(request, _collect(first, items))
 
     def own_stats() -> dict[str, Any]:
         return {**relay.stats.as_dict(), "cpu_s": round(time.process_time(), 4), "held": table.held(),
@@ -141,22 +148,28 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     return app
 
 
-async def _ndjson(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    yield (json.dumps(first) + "\n").encode()
-    async for item in rest:
-        yield (json.dumps(item) + "\n").encode()
+async def _first(items: AsyncIterator[dict[str, Any]]) -> dict[str, Any] | None:
+    return await anext(items, None)
 
 
-async def _collect(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> Any:
+async def _ndjson(first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(rest):  # the response closes this generator, this one the relay's
+        yield (json.dumps(first) + "\n").encode()
+        async for item in rest:
+            yield (json.dumps(item) + "\n").encode()
+
+
+async def _collect(first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], None]) -> Any:
     tokens: list[int] = []
     text: list[str] = []
     item: dict[str, Any] | None = first
-    while item is not None:
-        if item.get("done"):
-            if "error" in item:
-                return JSONResponse(status_code=502, content={**item, "tokens": tokens, "text": "".join(text)})
-            return {**item, "tokens": tokens, "text": "".join(text)}
-        tokens.append(item["token"])
-        text.append(item.get("text", ""))
-        item = await anext(rest, None)
-    return JSONResponse(status_code=502, content={"error": {"code": "truncated", "message": "no final line"}})
+    async with contextlib.aclosing(rest):
+        while item is not None:
+            if item.get("done"):
+                if "error" in item:
+                    return JSONResponse(status_code=502, content={**item, "tokens": tokens, "text": "".join(text)})
+                return {**item, "tokens": tokens, "text": "".join(text)}
+            tokens.append(item["token"])
+            text.append(item.get("text", ""))
+            item = await anext(rest, None)
+    return JSONResponse(status_code=502, content=OpenAIError(502, "no final line", code="truncated").body())

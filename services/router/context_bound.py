@@ -12,8 +12,9 @@ Each bound is a lower bound of the prompt's tokens under the engines' byte token
 then a token a UTF-8 byte), so a prompt that fits is never refused here:
 1. a string of r raw JSON bytes, its quotes included, decodes to at least (r - 2) / 6 UTF-8 bytes (`\\u0041`, six
    bytes, is the longest spelling of one);
-2. an array of c commas holds c + 1 token ids, if it holds ids; if it holds strings, each comma is a separator
-   or a byte of one of them, so the one string of a valid one-prompt list holds at least c bytes: c + 1 tokens;
+2. an array of c commas holds c + 1 token ids, if it holds ids (or one array of them: a one-prompt batch); if it
+   holds strings, each comma is a separator or a byte of one of them, so the one string of a valid one-prompt
+   list holds at least c bytes: c + 1 tokens;
 3. `messages`: each renders to at least 10 tokens (`<|user|>\\n`, its content, `\\n`), and the whole to 14 more
    (`<|assistant|>\\n`): openai_protocol.py `render_chat`.
 A body this cannot read (not JSON, not an object, a field of another type) passes: its parser refuses it as before.

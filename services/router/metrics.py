@@ -9,7 +9,7 @@ first line is the final one, observes nothing).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -54,11 +54,10 @@ class MeteredRelay(Relay):
         super().__init__(*args, **kw)
         self.ttft = ttft
 
-    async def run(self, req: ClientRequest, request_id: str | None = None, *,
-                  gone: Callable[[], Awaitable[object]] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    async def run(self, req: ClientRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         t0 = time.perf_counter()
         first = True
-        async with aclosing(super().run(req, request_id, gone=gone)) as lines:
+        async with aclosing(super().run(req, request_id)) as lines:
             async for item in lines:
                 if first and not item.get("done"):
                     self.ttft.observe(time.perf_counter() - t0)

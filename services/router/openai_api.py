@@ -7,27 +7,33 @@ shapes (openai_format.py). Invariants:
    engine or queue full 503, engines failed 502, an engine's refusal with its 4xx) is a status and OpenAI's
    error body; after it, one `data: {"error": ...}` event ends the stream (no `[DONE]`).
 2. A stop string ends the request: the text stops before it, finish_reason "stop", and the engine request is
-   closed at once (`Relay.enough`, then the relay's generator closed). A client that goes away (stream or not)
-   closes it too.
+   closed at once (`Relay.enough`, then the relay's generator closed). A client that goes away closes it too,
+   whenever it goes: held in the router, queued in an engine before its first token, streaming or not.
 3. `id` is the relay's `request_id`, the one every engine attempt of this request was sent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from libs.common.web.disconnect import disconnected, until_disconnect
+from libs.common.web.disconnect import ClosingStreamingResponse, Gone, unless_gone, until_disconnect
 from services.router import context_bound
 from services.router import openai_format as fmt
-from services.router.openai_protocol import FINISH_REASONS, Job, OpenAIError, chat_job, completion_job
+from services.router.openai_protocol import (
+    FINISH_REASONS,
+    Job,
+    OpenAIError,
+    chat_job,
+    completion_job,
+    refusal,
+)
 from services.router.relay import Relay, RelayError
 from services.router.stop_scan import StopScanner
 from services.router.table import EndpointTable
@@ -38,17 +44,6 @@ class End:
     finish_reason: str
     completion_tokens: int  # tokens the engines generated for it (with a stop string: up to the match)
     error: OpenAIError | None = None
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """Closes its body iterator however the response ends. Starlette leaves it suspended when the client goes
-    away while a chunk is being sent, and the engine request under it would stay open until GC (invariant 2)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def openai_routes(relay: Relay, table: EndpointTable, max_context: int | None = None) -> APIRouter:
@@ -82,6 +77,7 @@ def openai_routes(relay: Relay, table: EndpointTable, max_context: int | None = 
 
     async def serve(request: Request, parse: Callable[[Any, int | None], Job]) -> Response | dict[str, Any]:
         try:
+            _json_content(request.headers.get("content-type"))
             body = await request.body()
             if max_context is not None:
                 context_bound.refuse_early(body, max_context)  # before a token id of it is parsed
@@ -89,10 +85,12 @@ def openai_routes(relay: Relay, table: EndpointTable, max_context: int | None = 
             if not table.is_known(job.model):
                 raise OpenAIError(404, f"The model `{job.model}` does not exist.", param="model",
                                   code="model_not_found")
-            events = _events(relay, job, gone=lambda: disconnected(request))
-            first = await anext(events)  # a refusal or an early failure raises here (invariant 1)
+            events = _events(relay, job)
+            first = await unless_gone(request, _first(events))  # a refusal or an early failure raises here (inv. 1)
         except OpenAIError as e:
             return JSONResponse(status_code=e.status, content=e.body())
+        except Gone:  # held in the router or queued in an engine: closed at once (invariant 2)
+            return Response(status_code=499)
         if job.stream:
             return ClosingStreamingResponse(_sse(job, first, events), media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
@@ -101,26 +99,39 @@ def openai_routes(relay: Relay, table: EndpointTable, max_context: int | None = 
     return api
 
 
+def _json_content(content_type: str | None) -> None:
+    """A body declared as anything but JSON is refused (415); none declared is read as JSON (as FastAPI's routes
+    do, /v1/generate's). A `text/plain` or form body is what a web page may send without a CORS preflight: it was
+    served (an anonymous router on the node spending its engines for any page open in a browser there)."""
+    if content_type is None:
+        return
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise OpenAIError(415, f"Unsupported Content-Type {kind!r}: send the body as application/json",
+                          code="unsupported_media_type")
+
+
 def _json(body: bytes) -> Any:
+    """JSON in UTF-8 only (RFC 8259 8.1): `json.loads` of bytes also took UTF-16 and UTF-32, which the early
+    context bound (context_bound.py, UTF-8) cannot read, so their prompts were parsed whole before the refusal."""
     try:
-        return json.loads(body)
+        return json.loads(body.decode("utf-8"))
     except ValueError as e:  # broken JSON, not UTF-8, or an integer past Python's 4300 digits (it was a 500)
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {e}") from None
     except RecursionError:
         raise OpenAIError(400, "We could not parse the JSON body of your request: nested too deeply") from None
 
 
-def _from_relay(e: RelayError) -> OpenAIError:
-    message = e.message
-    if e.code == "engine_refused":  # the engine's own error body: its message is the useful part
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            message = json.loads(message)["error"]["message"]
-    return OpenAIError(e.status, message, code=e.code)
 
 
-async def _events(relay: Relay, job: Job, gone: Callable[[], Awaitable[object]]) -> AsyncIterator[str | End]:
+
+async def _first(events: AsyncIterator[str | End]) -> str | End:
+    return await anext(events)
+
+
+async def _events(relay: Relay, job: Job) -> AsyncIterator[str | End]:
     """Non-empty text pieces, then one End. Raises OpenAIError before the first piece."""
-    items = relay.run(job.generate, job.request_id, gone=gone)
+    items = relay.run(job.generate, job.request_id)
     scan = StopScanner(job.stops)
     count = 0
     try:
@@ -144,7 +155,7 @@ async def _events(relay: Relay, job: Job, gone: Callable[[], Awaitable[object]])
                 return
         yield End("error", count, OpenAIError(502, "the relay ended without a final line", code="truncated"))
     except RelayError as e:  # only before any token: the relay reports later errors in-band
-        raise _from_relay(e) from None
+        raise refusal(e.status, e.code, e.message, job.kind) from None
     finally:
         await items.aclose()
 

@@ -17,6 +17,7 @@ does with the text (stop strings, streaming, usage). Invariants:
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -65,6 +66,7 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    include_obfuscation: bool = True  # current SDKs send it; the router's chunks carry no obfuscation field either way
 
 
 class _Common(BaseModel):
@@ -117,13 +119,16 @@ def _prompt_kind(v: Any) -> str:
     """Which of `Prompt`'s forms a value is meant as, from its first element."""
     if isinstance(v, str):
         return "str"
-    return "list[str]" if isinstance(v, list) and v and isinstance(v[0], str) else "list[int]"
+    if isinstance(v, list) and v and isinstance(v[0], str):
+        return "list[str]"
+    return "list[list[int]]" if isinstance(v, list) and v and isinstance(v[0], list) else "list[int]"
 
 
 # Validated as the one form its value is meant as: a plain union tried every form in turn, and 8 M token ids (a
 # 16 MiB body) failed as `list[str]` item by item first, 2.8 s of the router's loop (each worker's only one).
 Prompt = Annotated[Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]")] |
-                   Annotated[list[int], Tag("list[int]")], Discriminator(_prompt_kind)]
+                   Annotated[list[int], Tag("list[int]")] | Annotated[list[list[int]], Tag("list[list[int]]")],
+                   Discriminator(_prompt_kind)]
 
 
 class CompletionBody(_Common):
@@ -137,7 +142,7 @@ class CompletionBody(_Common):
     @field_validator("prompt")
     @classmethod
     def _text_prompt(cls, v: Any) -> Any:
-        return v if _prompt_kind(v) == "list[int]" else encodable(v)
+        return encodable(v) if _prompt_kind(v) in ("str", "list[str]") else v
 
 
 class TextPart(BaseModel):
@@ -152,10 +157,20 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
+    """A chat message. An assistant message the client sends back as it received it (multi-turn: the official
+    client's `message` object or its dump) carries the response message's other fields, null or empty from this
+    router: accepted so; a refusal, tool call, function call, audio or annotation in one is refused (none is
+    rendered by the chat template)."""
+
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    refusal: None = None
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
 
     @field_validator("content", "name")
     @classmethod
@@ -204,6 +219,23 @@ def too_long(max_context: int, tokens: int, param: str, *, exact: bool = True) -
                        code="context_length_exceeded")
 
 
+def refusal(status: int, code: str, message: str, kind: Literal["completion", "chat"]) -> OpenAIError:
+    """The relay's refusal (`RelayError`'s status, code, message) in OpenAI's shape. An engine's own refusal
+    (`engine_refused`, its error body as the message) by its message; a context too long for the engine's model
+    (the router's own bound, `max_context_tokens`, is the longest of all its models') as OpenAI's
+    `context_length_exceeded` on the prompt or messages, which clients look for to shorten and retry."""
+    if code == "engine_refused":
+        try:
+            err = json.loads(message)["error"]
+            message = str(err["message"])
+        except (ValueError, KeyError, TypeError):
+            return OpenAIError(status, message, code=code)
+        if err.get("code") == "context_too_long":
+            return OpenAIError(status, message, param="prompt" if kind == "completion" else "messages",
+                               code="context_length_exceeded")
+    return OpenAIError(status, message, code=code)
+
+
 def prompt_tokens(prompt: str | None, tokens: list[int] | None, max_context: int | None, param: str) -> int:
     """Invariant 4: the prompt's tokens (the engines' byte tokenizer), refused past `max_context`. A text longer in
     characters than the context is refused before it is tokenized (a character is at least one byte, one token):
@@ -244,15 +276,18 @@ def _job(kind: Literal["completion", "chat"], request_id: str, body: _Common, pr
     return Job(kind, request_id, gen, stops, body.stream, include_usage, prompt_tokens)
 
 
-def _prompt_of(prompt: str | list[str] | list[int]) -> tuple[str | None, list[int] | None]:
-    """A string, a list of one string, or token ids (validated as one form: `Prompt`): one prompt (n = 1)."""
+def _prompt_of(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | None, list[int] | None]:
+    """A string, a list of one string, token ids or a list of one list of them (validated as one form: `Prompt`):
+    one prompt (n = 1)."""
     kind = _prompt_kind(prompt)
     if kind == "str":
         return str(prompt), None
-    if kind == "list[str]":
+    if kind in ("list[str]", "list[list[int]]"):
         if len(prompt) != 1:
             raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
-        return str(prompt[0]), None
+        if kind == "list[str]":
+            return str(prompt[0]), None
+        prompt = prompt[0]  # type: ignore[assignment]
     if not prompt:
         raise OpenAIError(400, "the prompt must not be empty", param="prompt")
     return None, list(prompt)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from libs.common.generate import GenerateRequest, Sampling, Seed
 from services.router.resume_batch import BatchUnsupported, ResumeBatcher
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
-from services.router.table import ClientGone, Endpoint, EndpointTable, HoldRejected
+from services.router.table import Endpoint, EndpointTable, HoldRejected
 
 MODEL_MAX = 256  # a model name's characters at most
 
@@ -182,11 +182,10 @@ class Relay:
         """An event removed this engine: cut its streams (they resume elsewhere)."""
         return self.inflight.abort(engine_id)
 
-    async def run(self, req: ClientRequest, request_id: str | None = None, *,
-                  gone: Callable[[], Awaitable[object]] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    async def run(self, req: ClientRequest, request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Token lines, then one final line. Raises RelayError before the first line; after it, an error
-        is a final `{"done": true, "error": ...}` line. `gone` returns once the client has gone away: a request
-        held for an endpoint then ends (RelayError 499 `client_gone`, counted cancelled) instead of waiting on."""
+        is a final `{"done": true, "error": ...}` line. Closed or cancelled (its client gone, an early stop), it
+        closes the engine request at once and counts as cancelled (or completed after `enough`)."""
         s = self.settings
         rid = request_id or f"gen-{uuid.uuid4().hex}"  # the same in every attempt (invariant 4)
         received_at = time.time()
@@ -201,10 +200,7 @@ class Relay:
         try:
             while True:
                 try:
-                    ep = await self.table.acquire(req.model, s.hold_timeout_s, admitted=attempts > 0,
-                                                  gone=gone if attempts == 0 else None)
-                except ClientGone as e:
-                    raise RelayError(499, e.code, e.message) from None
+                    ep = await self.table.acquire(req.model, s.hold_timeout_s, admitted=attempts > 0)
                 except HoldRejected as e:
                     raise RelayError(503, e.code, e.message) from None
                 engines.append(ep.engine_id)
@@ -238,7 +234,7 @@ class Relay:
                 finally:
                     self.table.release(ep)
         except RelayError as e:
-            outcome = "cancelled" if e.code == ClientGone.code else "client_error" if 400 <= e.status < 500 else "failed"
+            outcome = "client_error" if 400 <= e.status < 500 else "failed"
             if generated:  # the client already has tokens: the error goes in-band, as the final line
                 yield {"done": True, **e.body(), "model": req.model, "completion_tokens": len(generated)}
                 return

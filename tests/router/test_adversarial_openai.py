@@ -99,7 +99,7 @@ async def test_a_route_or_method_the_router_lacks_answers_in_openais_error_shape
 def test_a_token_id_prompt_is_validated_as_token_ids_and_a_bad_item_is_named() -> None:
     """The prompt's form is chosen by its first item, then only that form is checked (`Prompt`)."""
     assert completion_job({"model": "m", "prompt": [1] * 100_000}).generate.tokens == [1] * 100_000
-    for prompt, param in (([65, "a"], "prompt.1"), (["a", 65], "prompt.1"), ([[65]], "prompt.0"), (None, "prompt")):
+    for prompt, param in (([65, "a"], "prompt.1"), (["a", 65], "prompt.1"), ([[65], 66], "prompt.1"), ([[65, "a"]], "prompt.0.1"), (None, "prompt")):
         with pytest.raises(OpenAIError) as e:
             completion_job({"model": "m", "prompt": prompt})
         assert e.value.status == 400 and e.value.param == param, (prompt, e.value.message)
@@ -165,7 +165,7 @@ def test_a_prompt_past_the_context_is_refused_and_a_text_past_it_in_characters_i
 
 
 @pytest.mark.parametrize("prompt", ["plain", "a, b, c, d", "\u00e9\u00e9", "\U0001f600", "x" * 30,
-                                    [65, 66, 67], [257] * 30, ["one, two, three"]])
+                                    [65, 66, 67], [257] * 30, ["one, two, three"], [[65, 66, 67]], [[7]]])
 def test_the_bound_before_parsing_never_refuses_a_prompt_that_fits(prompt: object) -> None:
     """Its lower bound of the prompt's tokens, however the JSON spells it (escapes, whitespace, commas in text)."""
     job = completion_job({"model": "m", "prompt": prompt})
@@ -262,3 +262,24 @@ def test_bytes_that_are_not_http_get_openais_error_shape(openai_stack: OpenAISta
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), got[:300]
     err = json.loads(body)["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", "bad_request"), err
+
+
+async def test_a_body_not_declared_json_or_not_utf8_is_refused_and_none_declared_is_read_as_json(
+        openai_stack: OpenAIStack) -> None:
+    """A text/plain or form body (what a web page sends without a CORS preflight) was served; UTF-16 and UTF-32
+    were read too, past the early context bound (UTF-8 only)."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    raw = json.dumps(body)
+    async with httpx.AsyncClient(base_url=openai_stack.router.url, timeout=30) as h:
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            r = await h.post("/v1/completions", content=raw, headers={"content-type": kind})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (kind, r.text)
+        for encoding in ("utf-16", "utf-32"):
+            r = await h.post("/v1/completions", content=raw.encode(encoding),
+                             headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (encoding, r.text)
+        r = await h.post("/v1/completions", content=raw.encode(), headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, r.text
+        r = await h.post("/v1/completions", content=raw.encode())  # httpx sends no content-type for raw bytes
+        assert r.status_code == 200, r.text
+    assert openai_stack.router.stats()["in_flight"] == 0

@@ -97,6 +97,13 @@ async def test_a_chat_is_the_engines_greedy_continuation_of_the_documented_templ
     assert payloads[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert {p["object"] for p in payloads} == {"chat.completion.chunk"}
 
+    # the next turn as the official client's users write it: the answer's message sent back as it came
+    turn = [*messages, r.choices[0].message, {"role": "user", "content": "Another."}]
+    template2 = f"{template}{direct['text']}\n<|user|>\nAnother.\n<|assistant|>\n"
+    again = await c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0, extra_body=LONG)
+    assert again.choices[0].message.content == generate(openai_stack.engine.url, prompt=template2, max_tokens=8,
+                                                        **LONG)["text"]
+
 
 async def test_the_text_stops_before_a_stop_string_and_the_engine_request_ends_there(
         openai_stack: OpenAIStack) -> None:
@@ -188,6 +195,10 @@ POISON = [
     ("/v1/generate", b'{"model": "demo", "prompt": "x", "max_tokens": 2, "seed": 9223372036854775808}', 422,
      "invalid_body"),
     ("/v1/generate", b'{"model": "", "prompt": "x", "max_tokens": 2}', 422, "invalid_body"),  # not a 10 s hold
+    # JSON's types, strictly: each was coerced (served as 1 token, as 3, as a stream)
+    ("/v1/generate", b'{"model": "demo", "prompt": "x", "max_tokens": true}', 422, "invalid_body"),
+    ("/v1/generate", b'{"model": "demo", "prompt": "x", "max_tokens": "3"}', 422, "invalid_body"),
+    ("/v1/generate", b'{"model": "demo", "prompt": "x", "stream": "yes"}', 422, "invalid_body"),
     ("/v1/generate", b'{"model": "demo", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "bad_json"),
 ]
 
@@ -200,6 +211,7 @@ async def test_bodies_that_reached_engines_before_are_refused_at_the_router(open
             r = await h.post(openai_stack.router.url + path, content=raw, headers={"content-type": "application/json"})
             assert r.status_code == status, (path, raw[:80], r.text)
             err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, r.text  # one shape on every route
             if path == "/v1/generate":
                 assert err["code"] == param, r.text
             else:
@@ -240,11 +252,53 @@ async def test_a_client_that_goes_away_frees_the_engine_slot_at_once_streamed_or
     assert health(openai_stack)["tokens_generated"] - before == generated < 1900
     print(f"whole request dropped: slot freed {freed_s * 1000:.0f} ms later; {generated} tokens generated in all")
 
+    before = health(openai_stack)["tokens_generated"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=1.0)) as h:
+        with pytest.raises(httpx.ReadTimeout):  # the router's own API, whole: the same
+            await h.post(openai_stack.router.url + "/v1/generate",
+                         json={"model": MODEL, "prompt": "long", "max_tokens": 1900, **LONG})
+        async with h.stream("POST", openai_stack.router.url + "/v1/generate",
+                            json={"model": MODEL, "prompt": "long", "max_tokens": 1900, "stream": True, **LONG}) as r:
+            async for _ in r.aiter_lines():
+                break  # streamed: one line read, then the connection closed
+    await asyncio.to_thread(wait_engine_idle, openai_stack, 10)
+    generated = health(openai_stack)["tokens_generated"] - before
+    await asyncio.sleep(1.0)
+    assert health(openai_stack)["tokens_generated"] - before == generated < 1900
+
     deadline = time.monotonic() + 10
     while openai_stack.router.stats()["in_flight"]:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
-    assert openai_stack.router.stats()["cancelled"] == 2
+    assert openai_stack.router.stats()["cancelled"] == 4
+
+
+async def test_a_client_that_goes_before_its_first_token_is_closed_while_its_request_waits_in_the_engine(
+        openai_stack: OpenAIStack) -> None:
+    """The engine's every slot busy, a request waits there for one; its client gives up before the first token:
+    the router closes it at once (it was watched only while held in the router's own queue), on both APIs."""
+    url = openai_stack.router.url
+    slots = health(openai_stack)["slots"]
+    c = client(url)
+    busy = [await c.completions.create(model=MODEL, prompt=f"busy {i}", max_tokens=1200, temperature=0, stream=True,
+                                       extra_body=LONG) for i in range(slots)]
+    for s in busy:
+        await anext(aiter(s))  # each holds a slot now
+    assert health(openai_stack)["free_slots"] == 0
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=0.5)) as h:
+        for path, body in (("/v1/completions", {"prompt": "late", "stream": True}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "late"}]}),
+                           ("/v1/generate", {"prompt": "late", "stream": True})):
+            with pytest.raises(httpx.ReadTimeout):
+                r = await h.post(url + path, json={"model": MODEL, "max_tokens": 4, **body})
+                raise AssertionError(f"{path} answered {r.status_code} with every slot busy")
+    deadline = time.monotonic() + 5
+    while (stats := openai_stack.router.stats())["in_flight"] > slots:
+        assert time.monotonic() < deadline, stats  # closed long before the busy streams end (~6 s at 200/s)
+        await asyncio.sleep(0.02)
+    assert stats["cancelled"] == 3 and stats["completed"] == 0, stats
+    for s in busy:
+        await s.close()
 
 
 async def test_a_known_model_without_an_engine_gets_a_503_and_failing_engines_a_502(

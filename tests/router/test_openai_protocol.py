@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from libs.common import tokenizer
 from services.router import openai_format as fmt
-from services.router.openai_protocol import UNBOUNDED, OpenAIError, chat_job, completion_job
+from services.router.openai_protocol import UNBOUNDED, OpenAIError, chat_job, completion_job, refusal
 from services.router.stop_scan import StopScanner
 
 
@@ -58,6 +58,28 @@ def test_a_completion_body_we_cannot_honour_is_refused_with_a_400_naming_the_fie
     assert e.value.status == 400 and e.value.param == param, e.value.message
     err = e.value.body()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+
+
+def test_an_assistant_message_sent_back_as_received_and_a_list_of_one_token_list_are_accepted() -> None:
+    """Multi-turn: the official client's `message.model_dump()` carries `refusal`, `tool_calls`, `function_call`,
+    `audio` and `annotations`, null (each was a 400 `Unrecognized request argument`); one set is refused."""
+    sent_back = {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None, "function_call": None,
+                 "audio": None, "annotations": []}
+    job = chat_job({"model": "m", "messages": [{"role": "user", "content": "hi"}, sent_back,
+                                               {"role": "user", "content": "and?"}]})
+    assert job.generate.prompt == "<|user|>\nhi\n<|assistant|>\nhello\n<|user|>\nand?\n<|assistant|>\n"
+    for field, value in (("refusal", "no"), ("tool_calls", [{"id": "1"}]), ("audio", {"id": "a"})):
+        with pytest.raises(OpenAIError) as e:
+            chat_job({"model": "m", "messages": [{**sent_back, field: value}]})
+        assert e.value.param is not None and e.value.param.startswith(f"messages.0.{field}"), e.value.message
+    job = completion_job({"model": "m", "prompt": [[65, 66]]})  # OpenAI's batch form, of one prompt
+    assert job.generate.tokens == [65, 66] and job.prompt_tokens == 2
+    for prompt in ([[65], [66]], [[]]):
+        with pytest.raises(OpenAIError) as e:
+            completion_job({"model": "m", "prompt": prompt})
+        assert e.value.param == "prompt", e.value.message
+    options = {"include_usage": True, "include_obfuscation": False}  # current SDKs' option: nothing to leave out
+    assert completion_job({"model": "m", "prompt": "x", "stream": True, "stream_options": options}).include_usage
 
 
 def test_a_non_object_body_and_an_unknown_role_are_400s() -> None:
@@ -120,3 +142,17 @@ def test_what_sdks_send_at_neutral_values_is_accepted_and_what_asks_for_more_is_
         with pytest.raises(OpenAIError) as e:
             chat_job({"model": "m", "messages": msgs, **body})
         assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
+
+
+def test_an_engines_refusal_of_a_context_too_long_is_openais_context_length_exceeded() -> None:
+    """The router's own bound is the longest context of all its models; an engine's shorter one is refused there,
+    and a client that shortens and retries on `context_length_exceeded` must see that code."""
+    body = '{"error": {"code": "context_too_long", "message": "the context (3000 tokens) leaves no room"}}'
+    e = refusal(400, "engine_refused", body, "chat")
+    assert (e.status, e.code, e.param, e.message) == (400, "context_length_exceeded", "messages",
+                                                      "the context (3000 tokens) leaves no room")
+    assert refusal(400, "engine_refused", body, "completion").param == "prompt"
+    other = refusal(400, "engine_refused", '{"error": {"code": "bad_token", "message": "token 999"}}', "completion")
+    assert (other.code, other.param, other.message) == ("engine_refused", None, "token 999")
+    assert refusal(400, "engine_refused", "not json", "chat").message == "not json"
+    assert refusal(503, "queue_full", "held", "chat").code == "queue_full"

@@ -13,7 +13,7 @@ from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemo
 from services.router.relay import Relay
 from services.router.settings import RouterSettings
 from services.router.sync import EndpointFeed
-from services.router.table import ClientGone, EndpointTable, NoEndpoint
+from services.router.table import EndpointTable, NoEndpoint
 from tests.support import Clock
 
 OWN_WAIT_S = 0.05  # the request's own hold: far below how long each recovery below takes
@@ -88,13 +88,13 @@ async def test_of_two_recoveries_of_one_model_the_later_bound_holds_until_both_e
 
 
 async def test_a_held_request_whose_client_goes_leaves_the_queue_at_once() -> None:
+    """Its client gone, the HTTP layer cancels the request (libs/common/web/disconnect.py `unless_gone`)."""
     t = EndpointTable(1)
     t.recovering("m", "inc-1", 30.0)
-    left = asyncio.Event()
-    held = asyncio.create_task(t.acquire("m", OWN_WAIT_S, gone=left.wait))
+    held = asyncio.create_task(t.acquire("m", OWN_WAIT_S))
     await started(held, t)
-    left.set()
-    with pytest.raises(ClientGone):
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(held, 5)
     assert t.held() == 0
     again = asyncio.create_task(t.acquire("m", 30.0))  # its place in the queue (queue_max 1) is free again

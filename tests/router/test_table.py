@@ -90,3 +90,28 @@ def test_a_new_request_goes_to_a_serving_endpoint_before_a_promised_one_and_a_re
     assert table.pick("m").engine_id == "sb"  # type: ignore[union-attr]  # a replay: the successor holds its KV
     table.remove("m", "live")
     assert table.pick("m", fresh=True).engine_id == "sb"  # type: ignore[union-attr]  # none else: it waits there
+
+
+async def test_names_no_engine_serves_leave_nothing_behind_and_are_held_within_one_bound_together() -> None:
+    """Invariants 2 and 6: a client's unknown model names are held within `queue_max` all together (not each), and
+    no entry stays once their requests leave; a replay still waiting keeps its model's entry, so an endpoint added
+    then wakes it."""
+    t = EndpointTable(2)
+    for i in range(50):
+        with pytest.raises(NoEndpoint):
+            await t.acquire(f"nobody-{i}", 0.001)
+    assert t.models == {} and t.held() == 0
+    held = [asyncio.create_task(t.acquire(f"x{i}", 5.0)) for i in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await t.acquire("x9", 5.0)
+    for h in held:
+        h.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert t.models == {}
+    replay = asyncio.create_task(t.acquire("m", 5.0, admitted=True))
+    fresh = asyncio.create_task(t.acquire("m", 0.05))
+    with pytest.raises(NoEndpoint):
+        await fresh  # the new request gives up; the replay waits on
+    t.add("m", "a", "http://a")
+    assert (await asyncio.wait_for(replay, 2)).engine_id == "a"
