@@ -92,6 +92,19 @@ def test_head_on_the_admin_apis_get_routes_answers_as_get_without_a_body(admin_a
     assert httpx.head(f"http://127.0.0.1:{port}/v1/audit", timeout=10).status_code == 401  # the same guard as GET
 
 
+
+def test_a_request_with_two_authorization_headers_is_refused_whichever_comes_first(
+        admin_api: tuple[int, ApiContext]) -> None:
+    """The guard read the last header, the route's `HTTPBearer` the first: one token let the request in, another
+    scoped and audited it."""
+    port, _ = admin_api
+    for first, last in ((ADMIN, "unknown"), ("unknown", ADMIN), (ADMIN, ADMIN)):
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/audit", timeout=10,
+                      headers=[("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {last}")])
+        assert r.status_code == 400 and r.json()["error"] == "bad_request", (first, last, r.text)
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/audit", headers={"Authorization": f"Bearer {ADMIN}"},
+                     timeout=10).status_code == 200
+
 @pytest.mark.parametrize("protocol", [lingering_h11, lingering_httptools])
 def test_bytes_that_are_not_http_get_the_apis_json_error_not_uvicorns_text(protocol: Any) -> None:
     ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
@@ -134,6 +147,40 @@ def test_a_stopping_server_neither_lingers_nor_waits_for_idle_kept_alive_connect
         assert not thread.is_alive(), "the server still waits for its connections"
         assert time.monotonic() - t0 < 30
         assert idle.recv(4096) == b"" and refused.recv(1 << 16) is not None  # closed by the server
+
+
+@pytest.mark.parametrize("protocol", [lingering_h11, lingering_httptools])
+def test_a_client_that_never_reads_its_answers_is_aborted_after_the_send_bound_and_others_are_served(
+        protocol: Any) -> None:
+    """Connections without a token that pipelined the public `/openapi.json` and never read held their fds and the
+    answers' memory past every other bound (the admin API, 300 of them: every other client timed out meanwhile)."""
+    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
+                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    stats = LingerStats()
+    with serving(create_app(ctx), protocol(1 << 20, 1.0, stats, send_timeout_s=1.0)) as port:
+        stalled = []
+        for _ in range(8):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 200)  # then never read
+            stalled.append(s)
+        try:
+            deadline = time.monotonic() + 30
+            while stats.slow_readers < len(stalled):
+                assert time.monotonic() < deadline, f"{stats.slow_readers} of {len(stalled)} aborted"
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/audit", headers={"Authorization": f"Bearer {ADMIN}"},
+                              timeout=10)
+                assert r.status_code == 200  # served meanwhile
+                time.sleep(0.2)
+            for s in stalled:  # each was aborted: what it reads now ends in a reset or EOF, never waits
+                s.settimeout(10)
+                with contextlib.suppress(ConnectionResetError):
+                    while s.recv(1 << 20):
+                        pass
+        finally:
+            for s in stalled:
+                s.close()
 
 
 # ---- Intake: a burst taken a slice per pass of the loop

@@ -8,7 +8,8 @@
 - A failure no handler typed (a node command on a bus gone) was answered in text/plain ("Internal Server Error"),
   not in the API's JSON error shape.
 - An unknown field in a failover's or an upgrade's body was ignored: `{"sucessor": ...}` (a typo) started a
-  failover to whichever standby the agent picks.
+  failover to whichever standby the agent picks; a successor that does not exist (or the engine itself) was
+  accepted, and the incident took the engine out of service before its agent refused the name.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from pathlib import Path
 import httpx
 
 from devstack.simcluster import SimulatedCluster
-from libs.common.events import LeaseInfo, LeaseState, Tag
+from libs.common.events import IncidentReason, LeaseInfo, LeaseState, Tag
 from services.controller.api.app import create_app
 from services.controller.api.audit import MAX_AUDIT_WHAT
 from services.controller.api.context import ApiContext
+from services.controller.incident import Trigger, apply, incident_id_for, opened_record
+from services.controller.incident_log import incident_key
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
 from tests.controller.test_api_tokens import _client, api  # noqa: F401 - `api` is the fixture used here
+from tests.controller.test_open_incidents import D
 
 JSON = {"content-type": "application/json"}
 
@@ -59,6 +63,14 @@ async def test_an_unknown_field_in_a_write_body_is_refused_and_starts_nothing(
         assert "sucessor" in r.json()["message"]
         r = await ad.post("/v1/engine-classes/reference/upgrade", json={"version": "v2", "forse": True})
         assert r.status_code == 422 and "forse" in r.json()["message"], r.text
+        r = await op.post(f"/v1/engines/{engine}/failover", json={f"k{i}": i for i in range(5000)})
+        assert r.status_code == 422 and len(r.json()["detail"]) == 20 and len(r.content) < 10_000, len(r.content)
+        assert "4980 more errors" in r.json()["message"]  # each listed was 8.9 MB for 100,000 fields
+        # a misspelt *value* too: no such successor (404), or the engine itself (409); no incident opens
+        r = await op.post(f"/v1/engines/{engine}/failover", json={"successor": "standby-typo"})
+        assert r.status_code == 404 and "standby-typo" in r.json()["message"], r.text
+        r = await op.post(f"/v1/engines/{engine}/failover", json={"successor": engine})
+        assert r.status_code == 409 and "itself" in r.json()["message"], r.text
         assert (await op.get("/v1/incidents", params={"engine": engine})).json()["total"] == 0
         assert (await ad.get("/v1/engine-classes/reference/upgrade")).status_code == 404
         r = await op.post(f"/v1/engines/{engine}/failover", json={})  # the same call, well formed, still works
@@ -121,3 +133,25 @@ async def test_a_write_call_the_guard_refuses_as_too_large_is_audited(
 async def _aiter(it):  # noqa: ANN001, ANN202
     for x in it:
         yield x
+
+
+async def test_a_failover_or_drain_whose_earlier_attempt_ended_without_moving_the_engine_may_be_asked_again(
+        api: tuple[str, SimulatedCluster, Path]) -> None:  # noqa: F811
+    """An on-purpose incident that failed (no room elsewhere, no spec, a failed spawn) answered every later failover
+    of that generation 409 for the record's 7 days, and a later drain started nothing and said nothing."""
+    url, sim, _ = api
+    engine = sim.engine_id("n0000", 0)
+    base = incident_id_for(engine, 0, IncidentReason.MANUAL_FAILOVER)
+    failed = apply(opened_record(id=base, engine_id=engine, reason=IncidentReason.MANUAL_FAILOVER, opened_at=0.0),
+                   Trigger.DISPATCHED_FALLBACK, 0.0, D)
+    await sim.store.put(incident_key(base), apply(failed, Trigger.DEADLINE_MISSED, 1.0, D))
+    async with _client(url, "operate") as op:
+        r = await op.post(f"/v1/engines/{engine}/failover", json={})
+        assert r.status_code == 202 and r.json()["id"] == f"{base}-a2", r.text
+        r = await op.post(f"/v1/engines/{engine}/failover", json={})  # the new attempt is open: one at a time
+        assert r.status_code == 409, r.text
+        r = await op.post("/v1/nodes/n0000/drain")
+        assert r.status_code == 202, r.text
+        out = r.json()
+        assert f"{base}-a2" in out["not_moved"][engine], out  # said why, not silently skipped
+        assert len(out["incidents"]) == 1 and set(out["engines"]) == {engine, sim.engine_id("n0000", 1)}, out

@@ -191,12 +191,18 @@ def test_the_openapi_schema_holds_under_generated_requests(bus: Bus, settings_en
         child.stop()
 
 
-async def test_status_prints_the_cluster_as_tables(api: tuple[str, SimulatedCluster], capsys: pytest.CaptureFixture[str]) -> None:
+async def test_status_prints_the_cluster_as_tables(api: tuple[str, SimulatedCluster], capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every item, page after page (pages of 2 here: one page of 1,000 was all it showed, silently)."""
     import asyncio
 
-    from services.controller.status_cli import status
+    from services.controller import status_cli
 
-    url, _ = api
-    await asyncio.to_thread(status, url, READER)
+    monkeypatch.setattr(status_cli, "PAGE", 2)
+    url, sim = api
+    await asyncio.to_thread(status_cli.status, url, READER)
     out = capsys.readouterr().out
-    assert "n0001-g1-e0" in out and "L-n0002-g0-e0" in out and "incidents" in out
+    assert "incidents" in out
+    for node in sim.node_names:
+        for gpu in range(sim.gpus_per_node):
+            assert sim.engine_id(node, gpu) in out and f"L-{sim.engine_id(node, gpu)}" in out, (node, gpu)

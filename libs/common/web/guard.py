@@ -87,6 +87,14 @@ def decide(path: str, headers: dict[bytes, bytes], tokens: TokenTable | None, ma
     return None
 
 
+def once(raw: list[tuple[bytes, bytes]]) -> tuple[int, str, str] | None:
+    """400 for a request with more than one Authorization header: this guard reads the last, a route's
+    `HTTPBearer` the first, so one request could be let in by one token and audited or scoped by another. Pure."""
+    if sum(1 for name, _ in raw if name == b"authorization") > 1:
+        return 400, "bad_request", "more than one Authorization header"
+    return None
+
+
 def framed_by_length(headers: dict[bytes, bytes]) -> bool:
     """The body is framed by its Content-Length, so at most that many bytes arrive. Not where a Transfer-Encoding
     stands beside it: the chunks frame the body then and the length is ignored (RFC 9112 6.3; h11 does so), so a
@@ -142,7 +150,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        bad = decide(scope["path"], headers, self.tokens, self.max_body_bytes, self.public)
+        bad = once(scope["headers"]) or decide(scope["path"], headers, self.tokens, self.max_body_bytes, self.public)
         if bad is not None:
             self._refused(scope, bad[0])
             await answer(send, *bad, refusal=self.refusal)

@@ -40,6 +40,14 @@ rate (`max_body_bytes / body_timeout_s`: 16 MiB in 30 s is 0.56 MB/s for the rou
 deployment with slow clients and large bodies raises with the bound. The 408 is told to the guard in front of the app
 (guard.py `tell_refused`): it counts it and hands it to its `on_refused` (the admin API's audit record), as its own.
 
+And how long an answer may wait for its client to read (`send_timeout_s`, nginx's `send_timeout`): once the
+connection's write buffer is full (the transport paused writing: the client is not reading), it must drain within
+that time, or the connection is aborted (the app's `send` then sees a disconnect). A client that pipelined requests
+and never read their answers held each its connection, an fd and the answer's memory forever, past every other bound
+(the admin API: 300 such connections without a token, the public `/openapi.json` asked 200 times each, and every
+other client's request timed out for as long as they stayed). Only a stall counts: a slow reader resumes the clock
+each time its buffer drains.
+
 Bytes that are not HTTP (the parser's error) get a 400 in the API's error shape too (`send_400_response`), not
 uvicorn's plain text, which an OpenAI client, say, cannot read.
 """
@@ -59,6 +67,10 @@ from libs.common.web.guard import Refusal, admin_refusal, refusal_response, tell
 
 log = logging.getLogger("holdfast.web")
 
+# nginx's `send_timeout` is 60 s; an answer nobody reads for 30 s is nobody's (a streaming client reading at all
+# resumes the clock whenever its buffer drains)
+SEND_TIMEOUT_S = 30.0
+
 
 class LingerStats:
     """Counters over all connections (the API's health detail, tests)."""
@@ -69,6 +81,7 @@ class LingerStats:
         self.cut = 0  # lingers ended by a bound (bytes or time) with the client still sending: a reset may follow
         self.slow_headers = 0  # connections closed because a request's headers took over `header_timeout_s`
         self.slow_bodies = 0  # requests refused (408) or cut because a body took over `body_timeout_s`
+        self.slow_readers = 0  # connections aborted because their answers went unread for `send_timeout_s`
 
 
 class _LingeringTransport:
@@ -145,11 +158,13 @@ class _Bounded:
     stats: LingerStats
     header_timeout_s: float
     body_timeout_s: float
+    send_timeout_s: float
     refusal: Refusal
     transport: Any
     cycle: Any
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
 
     def _awaiting_headers(self) -> bool:
         """No request of the connection has all its headers yet (between requests, or amid one's headers)."""
@@ -188,9 +203,32 @@ class _Bounded:
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         self._disarm_body_timer()
+        self._disarm_send_timer()
         if isinstance(self.transport, _LingeringTransport):
             self.transport.finish()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def pause_writing(self) -> None:
+        """The write buffer is full (the client does not read): it must drain within `send_timeout_s`."""
+        super().pause_writing()  # type: ignore[misc]
+        if self.send_timeout_s > 0 and self._send_timer is None:
+            self._send_timer = asyncio.get_running_loop().call_later(self.send_timeout_s, self._send_late)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_timer()
+        super().resume_writing()  # type: ignore[misc]
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_late(self) -> None:
+        self._send_timer = None
+        self.stats.slow_readers += 1
+        log.info("a client read nothing of its answers for %g s: its connection aborted", self.send_timeout_s)
+        t = self.transport
+        (t._t if isinstance(t, _LingeringTransport) else t).abort()  # a close would wait for the buffer to drain
 
     def _after_data(self) -> None:
         """Bytes were parsed: a request whose headers are in stops its header clock; one whose body is still to come
@@ -253,16 +291,18 @@ class _Bounded:
 
 
 def _settings(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float, body_timeout_s: float,
-              refusal: Refusal) -> dict[str, Any]:
+              refusal: Refusal, send_timeout_s: float) -> dict[str, Any]:
     return {"max_bytes": max_bytes, "max_s": max_s, "stats": stats, "header_timeout_s": header_timeout_s,
-            "body_timeout_s": body_timeout_s, "refusal": staticmethod(refusal)}
+            "body_timeout_s": body_timeout_s, "refusal": staticmethod(refusal), "send_timeout_s": send_timeout_s}
 
 
 def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float = 10.0,
-                  body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal) -> type[H11Protocol]:
+                  body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal,
+                  send_timeout_s: float = SEND_TIMEOUT_S) -> type[H11Protocol]:
     """uvicorn's h11 protocol (Config `http=`) whose connections close by lingering, whose requests' headers must be
-    complete within `header_timeout_s` and bodies within `body_timeout_s` of their headers (0: no bound); a late
-    body's 408 and a malformed request's 400 carry `refusal`'s error body."""
+    complete within `header_timeout_s`, bodies within `body_timeout_s` of their headers, and whose unread answers
+    drain within `send_timeout_s` (0: no bound); a late body's 408 and a malformed request's 400 carry `refusal`'s
+    error body."""
 
     class LingeringH11(_Bounded, H11Protocol):
         def data_received(self, data: bytes) -> None:
@@ -293,13 +333,15 @@ def lingering_h11(max_bytes: int, max_s: float, stats: LingerStats, header_timeo
             except h11.LocalProtocolError:  # a response of this connection was under way: nothing can be added
                 pass
 
-    for name, value in _settings(max_bytes, max_s, stats, header_timeout_s, body_timeout_s, refusal).items():
+    for name, value in _settings(max_bytes, max_s, stats, header_timeout_s, body_timeout_s, refusal,
+                                 send_timeout_s).items():
         setattr(LingeringH11, name, value)
     return LingeringH11
 
 
 def lingering_httptools(max_bytes: int, max_s: float, stats: LingerStats, header_timeout_s: float = 10.0,
-                        body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal) -> type[HttpToolsProtocol]:
+                        body_timeout_s: float = 30.0, refusal: Refusal = admin_refusal,
+                        send_timeout_s: float = SEND_TIMEOUT_S) -> type[HttpToolsProtocol]:
     """The same over uvicorn's httptools protocol, whose per-write cost is a fraction of h11's (the batched engine's
     front, which writes every stream's lines: h11 frames each chunk in Python)."""
 
@@ -342,6 +384,7 @@ def lingering_httptools(max_bytes: int, max_s: float, stats: LingerStats, header
             lines += [name + b": " + value + b"\r\n" for name, value in headers]
             self.transport.write(b"".join(lines) + b"\r\n" + body)
 
-    for name, value in _settings(max_bytes, max_s, stats, header_timeout_s, body_timeout_s, refusal).items():
+    for name, value in _settings(max_bytes, max_s, stats, header_timeout_s, body_timeout_s, refusal,
+                                 send_timeout_s).items():
         setattr(LingeringHttpTools, name, value)
     return LingeringHttpTools

@@ -34,6 +34,11 @@ STATUS_OF: dict[type[HoldfastError], int] = {NotFound: 404, Conflict: 409, Inval
 REMOTE_STATUS = {t.code: s for t, s in STATUS_OF.items()}
 
 
+# A refused body's errors listed in its 422 at most: each was (a 1 MB body of 100,000 unknown fields got an 8.9 MB
+# answer, seconds of the controller process's CPU beside the incident pipeline)
+MAX_DETAIL = 20
+
+
 def _error(status: int, code: str, message: str, detail: list | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": code, "message": message, "detail": detail}
@@ -65,8 +70,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         if (refused := await audit_unparsed(request, 422)) is not None:  # a body FastAPI could not parse
             return await http_error(request, refused)
-        errs = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
+        found = exc.errors()
+        errs = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                for e in found[:MAX_DETAIL]]
         summary = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errs[:5])
+        if len(found) > MAX_DETAIL:
+            summary += f" (and {len(found) - MAX_DETAIL} more errors not listed)"
         return _error(422, "validation_error", summary or "invalid request", errs)
 
     @app.exception_handler(StarletteHTTPException)

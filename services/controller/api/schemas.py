@@ -124,6 +124,7 @@ class DrainOut(BaseModel):
     drained: bool
     engines: list[str]
     incidents: list[str] = []  # the manual failovers started to move its serving engines off
+    not_moved: dict[str, str] = {}  # each engine of the node this call did not move, and why
 
 
 class HealthOut(BaseModel):

@@ -18,7 +18,7 @@ from services.controller.api.schemas import (
     UpgradeOut,
     UpgradeStepOut,
 )
-from services.controller.operations import regroup_refusal, start_on_purpose
+from services.controller.operations import OPERATOR_ATTEMPTS, regroup_refusal, start_on_purpose
 from services.controller.rollout import RolloutRecord, RolloutState, pending_engines, rollout_key
 
 router = APIRouter(tags=["engines"])
@@ -53,7 +53,7 @@ def get_engine(engine_id: str = Path(..., max_length=200), c: ApiContext = Depen
 async def failover(engine_id: str = Path(..., max_length=200), body: FailoverIn | None = Body(None),
                    c: ApiContext = Depends(ctx)) -> IncidentSummary:
     rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.MANUAL_FAILOVER,
-                                 successor=body.successor if body else None)
+                                 successor=body.successor if body else None, attempts=OPERATOR_ATTEMPTS)
     return IncidentSummary.of(rec)
 
 
@@ -66,7 +66,7 @@ async def regroup(engine_id: str = Path(..., max_length=200), c: ApiContext = De
     why = regroup_refusal(c.view, engine_id)
     if why is not None:
         raise Conflict(why)
-    rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.REGROUP)
+    rec = await start_on_purpose(c.store, c.view, engine_id, IncidentReason.REGROUP, attempts=OPERATOR_ATTEMPTS)
     return IncidentSummary.of(rec)
 
 

@@ -27,5 +27,5 @@ def list_nodes(p: PageParams = Depends(page_params), c: ApiContext = Depends(ctx
 @router.post("/{node_id}/drain", status_code=202, response_model=DrainOut, dependencies=[Depends(require_operate)],
              responses=WRITE_ERRORS)
 async def drain(node_id: str = Path(..., max_length=200), c: ApiContext = Depends(ctx)) -> DrainOut:
-    engines, incidents = await drain_node(c.store, c.view, node_id)
-    return DrainOut(node=node_id, drained=True, engines=engines, incidents=incidents)
+    engines, incidents, left = await drain_node(c.store, c.view, node_id)
+    return DrainOut(node=node_id, drained=True, engines=engines, incidents=incidents, not_moved=left)
