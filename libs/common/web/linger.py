@@ -201,9 +201,9 @@ class _Bounded:
         super().eof_received()  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
-        self._disarm_body_timer()
-        self._disarm_send_timer()
+        self._disarm("_header_timer")
+        self._disarm("_body_timer")
+        self._disarm("_send_timer")
         if isinstance(self.transport, _LingeringTransport):
             self.transport.finish()
         super().connection_lost(exc)  # type: ignore[misc]
@@ -215,13 +215,8 @@ class _Bounded:
             self._send_timer = asyncio.get_running_loop().call_later(self.send_timeout_s, self._send_late)
 
     def resume_writing(self) -> None:
-        self._disarm_send_timer()
+        self._disarm("_send_timer")
         super().resume_writing()  # type: ignore[misc]
-
-    def _disarm_send_timer(self) -> None:
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
 
     def _send_late(self) -> None:
         self._send_timer = None
@@ -234,26 +229,23 @@ class _Bounded:
         """Bytes were parsed: a request whose headers are in stops its header clock; one whose body is still to come
         starts its body clock (once)."""
         if not self._awaiting_headers():
-            self._disarm_header_timer()
+            self._disarm("_header_timer")
         if self._awaiting_body() and not self.transport.is_closing():
             if self.body_timeout_s > 0 and self._body_timer is None:
                 self._body_timer = asyncio.get_running_loop().call_later(self.body_timeout_s, self._body_late)
         else:
-            self._disarm_body_timer()
+            self._disarm("_body_timer")
+
+    def _disarm(self, timer: str) -> None:
+        """Cancel the timer held in attribute `timer` (`_header_timer`, `_body_timer`, `_send_timer`), if armed."""
+        handle = getattr(self, timer)
+        if handle is not None:
+            handle.cancel()
+            setattr(self, timer, None)
 
     def _arm_header_timer(self) -> None:
         if self.header_timeout_s > 0 and self._header_timer is None and self._awaiting_headers():
             self._header_timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._headers_late)
-
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _disarm_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
 
     def _headers_late(self) -> None:
         self._header_timer = None
