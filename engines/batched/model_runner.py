@@ -561,10 +561,10 @@ class ModelRunner:
         argmax, the sampled rows' gather, the fed tokens' select and copy) are loaded by CUDA at their first launch
         (lazy module loading: a process's first argmax took 6 ms of the launching thread's CPU on an H100); and
         `Launched`'s pinned host buffer of a new size class is a cudaHostAlloc (one of each class a step's sampled
-        rows can need is allocated and given back to torch's pinned cache). A recovered engine's first step
-        replays a graph the standby captured before the failure (__main__.py `prepare_runner`): all of these
-        would have been on its way to its first token (H100, tiny model, 8 rows: the first launch 9.05 -> 0.55 ms;
-        docs/results/h100-s44-2026-12-06)."""
+        rows can need is allocated and given back to torch's pinned cache). An engine's first step after its
+        start (H100, tiny model, 8 rows: its launch 9.05 -> 0.44 ms) or after a takeover with graphs captured then;
+        a prepared standby (__main__.py `prepare_runner`) has run these in its own warm-up (a successor's step 1
+        is its ~7 ms of GPU time, docs/results/h100-s44-2026-12-06)."""
         rows = 1
         while True:
             torch.empty(rows, dtype=torch.int64, pin_memory=True)

@@ -59,7 +59,9 @@ class StepTimes:
         if self.steps < self.FIRST:
             self._pass[phase] = self._pass.get(phase, 0.0) + ms
             # a first pass's launch also as the step thread's own CPU time: the rest of it, the thread waited (for
-            # the interpreter, while the HTTP front's link takes a takeover's burst of resumed requests, or the CPU)
+            # the interpreter, while the HTTP front's link takes a takeover's burst of resumed requests, or the CPU).
+            # A whole step's launch (`step`: nothing in flight, a recovery's first) holds `runner.run`, which waits
+            # for the device, and CUDA's wait spins: its GPU time counts as CPU here too.
             cpu = time.thread_time()
             if phase == "launch":
                 self._pass["launch_cpu"] = self._pass.get("launch_cpu", 0.0) + (cpu - self._cpu_at) * 1000
