@@ -81,10 +81,13 @@ class Refused(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest) -> tuple[Submit, Sink]:
+def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest, admitted: int = 0) -> tuple[Submit, Sink]:
     """One body checked and made a `Submit` (not sent yet); a refusal raises `Refused`. The length is checked first,
     from sizes alone, and ids with the builtins' `min`/`max`: a generator over every id of a context too long for the
-    model was 0.6 ms a refusal of 2k tokens, most of what a flood of them cost the streams' loop."""
+    model was 0.6 ms a refusal of 2k tokens, most of what a flood of them cost the streams' loop. `admitted`: the
+    requests of the same `/generate_many` prepared before this one, not in flight yet (the queue's bound counts
+    them: a 300-entry batch was let past it whole). A `resume` may end with the model's end of text (a stream cut
+    after its EOS line: `_ended`), never go past one unless `ignore_eos` (it was generated past)."""
     given = (body.tokens or []) + (body.resume or [])
     ctx = (tokenizer.encode(body.prompt) if body.prompt is not None else []) + given
     if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
@@ -92,7 +95,11 @@ def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest) -> tup
                       f"{state.max_model_len}")
     if given and (min(given) < 0 or max(given) > tokenizer.EOS):  # the prompt's are the tokenizer's own
         raise Refused(400, "bad_request", "token ids must be in [0, 257]")
-    if state.in_flight >= state.max_waiting + link.max_num_seqs:
+    resume = body.resume or []
+    if not body.ignore_eos and tokenizer.EOS in resume[:-1]:
+        raise Refused(400, "bad_request", "resume goes past an end of text (EOS): a generation without ignore_eos "
+                      "ends there")
+    if state.in_flight + admitted >= state.max_waiting + link.max_num_seqs:
         raise Refused(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
     max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
     sub = Submit(key=link.next_key(), request_id=body.request_id or f"req-{uuid.uuid4().hex}", context=ctx,
@@ -188,8 +195,8 @@ def build_app(state: EngineState) -> FastAPI:
             sub.t_arrival = getattr(http.state, "t_arrival", 0.0)
         except Refused as e:
             return _error(e.status, e.code, e.message)
-        if body.max_tokens == 0:
-            return _final_only(state, len(sub.context), body.stream)
+        if body.max_tokens == 0 or _ended(body):
+            return _final_only(state, len(sub.context), body.stream, "eos" if _ended(body) else "length")
         resumed = list(body.resume or [])
         if body.stream:
             return StreamingResponse(_stream(state, link, sub, sink, resumed), media_type="application/x-ndjson")
@@ -214,9 +221,20 @@ def build_app(state: EngineState) -> FastAPI:
     return app
 
 
-def _final_only(state: EngineState, prompt_tokens: int, stream: bool) -> Any:
-    final = {"done": True, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "finish_reason": "length",
-             "first_token_ms": None, "total_ms": 0.0, "engine_id": state.engine_id}
+def _ended(body: GenerateRequest) -> bool:
+    """Its `resume` ends with the model's end of text (and not `ignore_eos`): the generation ended there, nothing is
+    to be generated (the uninterrupted run stopped at that EOS; a continuation after it was answered)."""
+    return bool(body.resume) and not body.ignore_eos and body.resume[-1] == tokenizer.EOS  # type: ignore[index]
+
+
+def _final_line(state: EngineState, prompt_tokens: int, reason: str) -> dict[str, Any]:
+    """The final line of a request that generates nothing (`max_tokens` 0, or `_ended`)."""
+    return {"done": True, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "finish_reason": reason,
+            "first_token_ms": None, "total_ms": 0.0, "engine_id": state.engine_id}
+
+
+def _final_only(state: EngineState, prompt_tokens: int, stream: bool, reason: str) -> Any:
+    final = _final_line(state, prompt_tokens, reason)
     if stream:
         return StreamingResponse(iter([json.dumps(final) + "\n"]), media_type="application/x-ndjson")
     return {"tokens": [], "text": "", **final}
@@ -256,8 +274,8 @@ async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
                     return
                 done = True
                 code = _error_code(reason)
-                if code is not None:
-                    batch.append({"done": True, "engine_id": state.engine_id,
+                if code is not None:  # its status as the front's own refusals give it (a stream's line has no other)
+                    batch.append({"done": True, "engine_id": state.engine_id, "status": STATUS.get(code, 503),
                                   "error": {"code": code, "message": REFUSALS.get(code, "the engine failed")}})
                 else:
                     batch.append({"done": True, "prompt_tokens": len(sub.context), "completion_tokens": index,
@@ -309,15 +327,14 @@ async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateReque
 
     for i, body in enumerate(bodies):
         try:
-            sub, sink = _prepare(state, link, body)
+            sub, sink = _prepare(state, link, body, admitted=len(tasks))
         except Refused as e:
             yield (json.dumps({"i": i, "done": True, "status": e.status,
                                "error": {"code": e.code, "message": e.message}}) + "\n").encode()
             continue
-        if body.max_tokens == 0:
-            yield (json.dumps({"i": i, "done": True, "prompt_tokens": len(sub.context), "completion_tokens": 0,
-                               "finish_reason": "length", "first_token_ms": None, "total_ms": 0.0,
-                               "engine_id": state.engine_id}) + "\n").encode()
+        if body.max_tokens == 0 or _ended(body):
+            final = _final_line(state, len(sub.context), "eos" if _ended(body) else "length")
+            yield (json.dumps({"i": i, **final}) + "\n").encode()
             continue
         tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or []),
                                                           batched=True))))

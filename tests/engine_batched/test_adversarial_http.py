@@ -5,6 +5,7 @@ ends another client's."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -114,3 +115,34 @@ def test_a_client_that_gives_up_on_a_whole_request_frees_its_blocks_at_once(engi
     assert sched["free_blocks"] == total and engine.health()["in_flight"] == 0
     assert httpx.post(engine.url + "/generate", json={"prompt": "next", "max_tokens": 3},
                       timeout=READ_S).json()["completion_tokens"] == 3
+
+
+def test_a_resume_ending_at_eos_ends_there_one_past_it_is_refused_and_a_batch_keeps_the_queue_bound(
+        tmp_path: Path) -> None:
+    """A stream cut after its EOS line, resumed with that EOS, was generated past it (53 tokens more, `length`); an EOS
+    inside a resume too. A `/generate_many` was let past the front's queue bound whole (none of its entries counted
+    the ones before it), and the engine's own refusals came without the `status` the front's carry."""
+    engine = Engine(tmp_path, "--max-waiting", "4", "--max-num-seqs", "4")
+    try:
+        base = {"prompt": "resumed", "max_tokens": 40, "temperature": 0.0}
+        for stream in (False, True):
+            r = httpx.post(engine.url + "/generate", json={**base, "resume": [65, 257], "stream": stream},
+                           timeout=READ_S)
+            final = r.json() if not stream else [json.loads(x) for x in r.text.splitlines() if x.strip()][-1]
+            assert r.status_code == 200 and final["finish_reason"] == "eos", r.text
+            assert final["completion_tokens"] == 0, final
+        r = httpx.post(engine.url + "/generate", json={**base, "resume": [65, 257, 66]}, timeout=READ_S)
+        assert r.status_code == 400 and "EOS" in r.json()["error"]["message"], r.text
+        r = httpx.post(engine.url + "/generate", json={**base, "max_tokens": 3, "resume": [65, 257, 66],
+                                                       "ignore_eos": True}, timeout=READ_S)
+        assert r.status_code == 200 and r.json()["completion_tokens"] == 3, r.text  # past EOS, as asked
+        bodies = [{"prompt": f"many {i}", "max_tokens": 30, "ignore_eos": True, "stream": True} for i in range(40)]
+        lines = _many_lines(engine.url, bodies)
+        served = [i for i, ls in lines.items() if ls[-1].get("completion_tokens") == 30]
+        refused = [ls[-1] for ls in lines.values() if "error" in ls[-1]]
+        by_front = [f for f in refused if "engine_id" not in f]  # the engine's own refusals name it
+        assert len(by_front) == 32 and len(served) + len(refused) == 40, (len(served), len(by_front), len(refused))
+        assert served, "none served"  # of the 8 let in (4 running + 4 waiting), the engine may refuse some
+        assert all(f["status"] == 503 and f["error"]["code"] == "queue_full" for f in refused), refused[:3]
+    finally:
+        engine.child.stop()
