@@ -24,11 +24,12 @@ router cannot close one request of a shared connection); the connection closed e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -51,7 +52,7 @@ from engines.batched.http_state import (
 )
 from libs.common import tokenizer
 from libs.common.generate import GenerateRequest, http_code, invalid_body
-from libs.common.web.disconnect import until_disconnect
+from libs.common.web.disconnect import ClosingStreamingResponse, until_disconnect
 from libs.common.web.guard import RequestGuard
 from libs.common.web.intake import Intake
 from libs.common.web.linger import LingerStats
@@ -199,7 +200,7 @@ def build_app(state: EngineState) -> FastAPI:
             return _final_only(state, len(sub.context), body.stream, "eos" if _ended(body) else "length")
         resumed = list(body.resume or [])
         if body.stream:
-            return StreamingResponse(_stream(state, link, sub, sink, resumed), media_type="application/x-ndjson")
+            return ClosingStreamingResponse(_stream(state, link, sub, sink, resumed), media_type="application/x-ndjson")
         return await until_disconnect(http, _collect(state, link, sub, sink, resumed))
 
     @app.post("/generate_many", response_model=None)
@@ -207,7 +208,7 @@ def build_app(state: EngineState) -> FastAPI:
         link = await _serving(state)
         if isinstance(link, JSONResponse):
             return link
-        return StreamingResponse(_many(state, link, body.requests), media_type="application/x-ndjson")
+        return ClosingStreamingResponse(_many(state, link, body.requests), media_type="application/x-ndjson")
 
     @app.post("/abort")
     async def abort(body: AbortRequest) -> dict[str, Any]:
@@ -241,7 +242,7 @@ def _final_only(state: EngineState, prompt_tokens: int, stream: bool, reason: st
 
 
 async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink, resumed: list[int],
-                  batched: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+                  batched: bool = False) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Token lines then the final line, in batches: every line the engine handed over since the last batch (one
     wake-up of this coroutine each); aborts the request if the consumer goes away first. `batched`: one of a
     `/generate_many`'s, which `/abort` may end."""
@@ -307,8 +308,10 @@ def _lines(batch: list[dict[str, Any]], tag: dict[str, int] | None = None) -> by
 
 
 async def _stream(state: EngineState, link: EngineLink, sub: Submit, sink: Sink, resumed: list[int]) -> AsyncIterator[bytes]:
-    async for batch in _events(state, link, sub, sink, resumed):
-        yield _lines(batch)
+    # closed with the response (ClosingStreamingResponse), this closes `_events` at once, which aborts the request
+    async with contextlib.aclosing(_events(state, link, sub, sink, resumed)) as events:
+        async for batch in events:
+            yield _lines(batch)
 
 
 async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateRequest]) -> AsyncIterator[bytes]:
@@ -325,20 +328,20 @@ async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateReque
         finally:
             merged.put_nowait(None)
 
-    for i, body in enumerate(bodies):
-        try:
-            sub, sink = _prepare(state, link, body, admitted=len(tasks))
-        except Refused as e:
-            yield (json.dumps({"i": i, "done": True, "status": e.status,
-                               "error": {"code": e.code, "message": e.message}}) + "\n").encode()
-            continue
-        if body.max_tokens == 0 or _ended(body):
-            final = _final_line(state, len(sub.context), "eos" if _ended(body) else "length")
-            yield (json.dumps({"i": i, **final}) + "\n").encode()
-            continue
-        tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or []),
-                                                          batched=True))))
-    try:
+    try:  # from the first request on: a client gone while refusals are written leaves nothing running either
+        for i, body in enumerate(bodies):
+            try:
+                sub, sink = _prepare(state, link, body, admitted=len(tasks))
+            except Refused as e:
+                yield (json.dumps({"i": i, "done": True, "status": e.status,
+                                   "error": {"code": e.code, "message": e.message}}) + "\n").encode()
+                continue
+            if body.max_tokens == 0 or _ended(body):
+                final = _final_line(state, len(sub.context), "eos" if _ended(body) else "length")
+                yield (json.dumps({"i": i, **final}) + "\n").encode()
+                continue
+            tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or []),
+                                                              batched=True))))
         open_ = len(tasks)
         while open_:
             out = []
