@@ -51,6 +51,13 @@ class GenerationRequest:
     seed: int = 0
     ignore_eos: bool = False
 
+    @property
+    def ended(self) -> bool:
+        """Its resumed tokens end with the model's end of text (a stream cut after its EOS line): unless
+        `ignore_eos`, the generation ended there and nothing more is generated (it was generated past)."""
+        resumed = len(self.context) - (self.prefix_len if self.prefix_len is not None else len(self.context))
+        return resumed > 0 and not self.ignore_eos and self.context[-1] == EOS
+
 
 @dataclass(frozen=True)
 class TokenOut:
@@ -318,6 +325,9 @@ class EngineCore:
             raise BadRequest(f"context of {len(req.context)} tokens does not fit max_seq {self.max_seq}")
         if req.max_tokens < 0:
             raise BadRequest("max_tokens must be >= 0")
+        start = req.prefix_len if req.prefix_len is not None else len(req.context)
+        if not req.ignore_eos and EOS in req.context[start:-1]:
+            raise BadRequest("resume goes past an end of text (EOS): a generation without ignore_eos ends there")
 
     def generate(self, req: GenerationRequest, *,
                  slot_timeout: float | None = None) -> Generator[TokenOut | Finished, None, None]:
@@ -347,15 +357,15 @@ class EngineCore:
             if continued is not None:
                 _, logits, reused = continued
                 self._mark(phases, "continued")
-            elif req.max_tokens > 0:
+            elif req.max_tokens > 0 and not req.ended:
                 logits, reused = self.prefill(slot, ctx, req.prefix_len, claimed[1] if claimed is not None else None)
                 self._mark(phases, "prefill_launched")
             if phases is not None and logits is not None:
                 phases["kv_reused"] = reused
             first_ms = 0.0
             produced = 0
-            reason = "length"
-            while produced < req.max_tokens:
+            reason = "eos" if req.ended else "length"
+            while produced < req.max_tokens and not req.ended:
                 if len(ctx) >= self.max_seq:
                     reason = "max_seq"
                     break

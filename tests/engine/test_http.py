@@ -28,6 +28,13 @@ def test_a_standalone_engine_streams_ndjson_that_matches_its_json_reply(tmp_path
         bad = httpx.post(e.url + "/generate", json={"tokens": [999], "max_tokens": 2}, timeout=10)
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request"
         assert httpx.post(e.url + "/generate", json={"max_tokens": 2}, timeout=10).status_code == 422
+        # a resume that ends with EOS (a stream cut after its EOS line) has ended; one going past an EOS is refused
+        done = generate(e.url, prompt="resumed", max_tokens=9, resume=[65, 257])
+        assert (done["finish_reason"], done["completion_tokens"]) == ("eos", 0), done
+        past = httpx.post(e.url + "/generate", json={"prompt": "x", "max_tokens": 3, "resume": [65, 257, 66]},
+                          timeout=10)
+        assert past.status_code == 400 and "EOS" in past.json()["error"]["message"], past.text
+        assert generate(e.url, prompt="x", max_tokens=3, resume=[65, 257, 66], ignore_eos=True)["completion_tokens"] == 3
     finally:
         e.stop()
 
