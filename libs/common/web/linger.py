@@ -48,6 +48,10 @@ and never read their answers held each its connection, an fd and the answer's me
 other client's request timed out for as long as they stayed). Only a stall counts: a slow reader resumes the clock
 each time its buffer drains.
 
+And, on the httptools protocol, how long a request's head may be (`MAX_HEAD_BYTES`, 64 KiB; h11 bounds its own at
+16 KiB): past it, 431 before the parser sees more (httptools parsed a head of any size: a 64 MB header held the
+batched engine's front 5-6 s, every stream beside it paused).
+
 Bytes that are not HTTP (the parser's error) get a 400 in the API's error shape too (`send_400_response`), not
 uvicorn's plain text, which an OpenAI client, say, cannot read.
 """
