@@ -87,8 +87,8 @@ def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest, admitt
     from sizes alone, and ids with the builtins' `min`/`max`: a generator over every id of a context too long for the
     model was 0.6 ms a refusal of 2k tokens, most of what a flood of them cost the streams' loop. `admitted`: the
     requests of the same `/generate_many` prepared before this one, not in flight yet (the queue's bound counts
-    them: a 300-entry batch was let past it whole). A `resume` may end with the model's end of text (a stream cut
-    after its EOS line: `_ended`), never go past one unless `ignore_eos` (it was generated past)."""
+    them: a 300-entry batch was let past it whole). A `resume` may end with the model's end of text (`ended`),
+    never go past one (`past_eos`)."""
     given = (body.tokens or []) + (body.resume or [])
     ctx = (tokenizer.encode(body.prompt) if body.prompt is not None else []) + given
     if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
@@ -96,10 +96,8 @@ def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest, admitt
                       f"{state.max_model_len}")
     if given and (min(given) < 0 or max(given) > tokenizer.EOS):  # the prompt's are the tokenizer's own
         raise Refused(400, "bad_request", "token ids must be in [0, 257]")
-    resume = body.resume or []
-    if not body.ignore_eos and tokenizer.EOS in resume[:-1]:
-        raise Refused(400, "bad_request", "resume goes past an end of text (EOS): a generation without ignore_eos "
-                      "ends there")
+    if (why := body.past_eos()) is not None:
+        raise Refused(400, "bad_request", why)
     if state.in_flight + admitted >= state.max_waiting + link.max_num_seqs:
         raise Refused(503, "queue_full", f"{state.in_flight} requests in flight; try again later")
     max_tokens = min(body.max_tokens, state.max_model_len - len(ctx))
@@ -196,8 +194,8 @@ def build_app(state: EngineState) -> FastAPI:
             sub.t_arrival = getattr(http.state, "t_arrival", 0.0)
         except Refused as e:
             return _error(e.status, e.code, e.message)
-        if body.max_tokens == 0 or _ended(body):
-            return _final_only(state, len(sub.context), body.stream, "eos" if _ended(body) else "length")
+        if body.max_tokens == 0 or body.ended:
+            return _final_only(state, len(sub.context), body.stream, "eos" if body.ended else "length")
         resumed = list(body.resume or [])
         if body.stream:
             return ClosingStreamingResponse(_stream(state, link, sub, sink, resumed), media_type="application/x-ndjson")
@@ -222,14 +220,8 @@ def build_app(state: EngineState) -> FastAPI:
     return app
 
 
-def _ended(body: GenerateRequest) -> bool:
-    """Its `resume` ends with the model's end of text (and not `ignore_eos`): the generation ended there, nothing is
-    to be generated (the uninterrupted run stopped at that EOS; a continuation after it was answered)."""
-    return bool(body.resume) and not body.ignore_eos and body.resume[-1] == tokenizer.EOS  # type: ignore[index]
-
-
 def _final_line(state: EngineState, prompt_tokens: int, reason: str) -> dict[str, Any]:
-    """The final line of a request that generates nothing (`max_tokens` 0, or `_ended`)."""
+    """The final line of a request that generates nothing (`max_tokens` 0, or `ended`)."""
     return {"done": True, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "finish_reason": reason,
             "first_token_ms": None, "total_ms": 0.0, "engine_id": state.engine_id}
 
@@ -336,8 +328,8 @@ async def _many(state: EngineState, link: EngineLink, bodies: list[GenerateReque
                 yield (json.dumps({"i": i, "done": True, "status": e.status,
                                    "error": {"code": e.code, "message": e.message}}) + "\n").encode()
                 continue
-            if body.max_tokens == 0 or _ended(body):
-                final = _final_line(state, len(sub.context), "eos" if _ended(body) else "length")
+            if body.max_tokens == 0 or body.ended:
+                final = _final_line(state, len(sub.context), "eos" if body.ended else "length")
                 yield (json.dumps({"i": i, **final}) + "\n").encode()
                 continue
             tasks.append(asyncio.create_task(pump(i, _events(state, link, sub, sink, list(body.resume or []),

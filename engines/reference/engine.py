@@ -50,13 +50,7 @@ class GenerationRequest:
     temperature: float = 0.0
     seed: int = 0
     ignore_eos: bool = False
-
-    @property
-    def ended(self) -> bool:
-        """Its resumed tokens end with the model's end of text (a stream cut after its EOS line): unless
-        `ignore_eos`, the generation ended there and nothing more is generated (it was generated past)."""
-        resumed = len(self.context) - (self.prefix_len if self.prefix_len is not None else len(self.context))
-        return resumed > 0 and not self.ignore_eos and self.context[-1] == EOS
+    ended: bool = False  # the generation ended already: its resume ends at EOS (libs/common/generate.py `ended`)
 
 
 @dataclass(frozen=True)
@@ -325,9 +319,6 @@ class EngineCore:
             raise BadRequest(f"context of {len(req.context)} tokens does not fit max_seq {self.max_seq}")
         if req.max_tokens < 0:
             raise BadRequest("max_tokens must be >= 0")
-        start = req.prefix_len if req.prefix_len is not None else len(req.context)
-        if not req.ignore_eos and EOS in req.context[start:-1]:
-            raise BadRequest("resume goes past an end of text (EOS): a generation without ignore_eos ends there")
 
     def generate(self, req: GenerationRequest, *,
                  slot_timeout: float | None = None) -> Generator[TokenOut | Finished, None, None]:

@@ -33,7 +33,7 @@ def _generation(body: GenerateRequest) -> GenerationRequest:
     prefix = body.prefix()
     return GenerationRequest(context=prefix + list(body.resume or []), max_tokens=body.max_tokens,
                              temperature=body.sampling_temperature(), seed=body.seed, ignore_eos=body.ignore_eos,
-                             prefix_len=len(prefix))
+                             prefix_len=len(prefix), ended=body.ended)
 
 
 class EngineState:
@@ -176,6 +176,8 @@ def build_app(state: EngineState) -> FastAPI:
         if cb is not None:
             cb(time.perf_counter())
         try:
+            if (why := body.past_eos()) is not None:
+                raise BadRequest(why)
             core.validate(req)
         except BadRequest as e:
             return _error(400, "bad_request", str(e))

@@ -89,6 +89,20 @@ class GenerateRequest(Sampling):
         ctx = tokenizer.encode(self.prompt) if self.prompt is not None else []
         return ctx + list(self.tokens or [])
 
+    @property
+    def ended(self) -> bool:
+        """Its `resume` ends with the model's end of text (and not `ignore_eos`): the generation ended there (a stream
+        cut right after its EOS line) and an engine generates nothing more (both engines generated past it, so a
+        replay's output differed from the uninterrupted run's)."""
+        return bool(self.resume) and not self.ignore_eos and self.resume[-1] == tokenizer.EOS  # type: ignore[index]
+
+    def past_eos(self) -> str | None:
+        """Why an engine refuses (400) this `resume`: it goes on past an end of text without `ignore_eos`. None: it
+        does not."""
+        if not self.ignore_eos and tokenizer.EOS in (self.resume or [])[:-1]:
+            return "resume goes past an end of text (EOS): a generation without ignore_eos ends there"
+        return None
+
 
 def invalid_body(errors: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The typed refusal (422 `invalid_body`) of a body that fails this contract, from pydantic's or FastAPI's
