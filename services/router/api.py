@@ -105,7 +105,7 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
         """Its client gone (held, queued in an engine, streaming or not), the engine request is closed at once."""
         items = relay.run(req)
         try:
-            first = await unless_gone(request, _first(items))  # held / refused: a status, not a broken stream
+            first = await unless_gone(request, anext(items, None))  # held / refused: a status, not a broken stream
         except RelayError as e:
             return JSONResponse(status_code=e.status, content=OpenAIError(e.status, e.message, code=e.code).body())
         except Gone:
@@ -146,10 +146,6 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
         return body if ok else JSONResponse(status_code=503, content=body)
 
     return app
-
-
-async def _first(items: AsyncIterator[dict[str, Any]]) -> dict[str, Any] | None:
-    return await anext(items, None)
 
 
 async def _ndjson(first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:

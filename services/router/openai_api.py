@@ -86,7 +86,7 @@ def openai_routes(relay: Relay, table: EndpointTable, max_context: int | None = 
                 raise OpenAIError(404, f"The model `{job.model}` does not exist.", param="model",
                                   code="model_not_found")
             events = _events(relay, job)
-            first = await unless_gone(request, _first(events))  # a refusal or an early failure raises here (inv. 1)
+            first = await unless_gone(request, anext(events))  # a refusal or an early failure raises here (inv. 1)
         except OpenAIError as e:
             return JSONResponse(status_code=e.status, content=e.body())
         except Gone:  # held in the router or queued in an engine: closed at once (invariant 2)
@@ -123,10 +123,6 @@ def _json(body: bytes) -> Any:
 
 
 
-
-
-async def _first(events: AsyncIterator[str | End]) -> str | End:
-    return await anext(events)
 
 
 async def _events(relay: Relay, job: Job) -> AsyncIterator[str | End]:
