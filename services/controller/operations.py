@@ -139,13 +139,10 @@ async def drain_node(store: Store, view: ClusterView, node: str) -> tuple[list[s
             # a standby is the agent's to replace; a starting or failed one is not serving
             left[engine_id] = f"{engine.role}/{engine.state}: not a serving engine"
             continue
-        if (current := view.open_incident_for(engine_id)) is not None:
-            left[engine_id] = f"in incident {current.id} ({current.state})"
-            continue
         try:
             rec = await start_on_purpose(store, view, engine_id, IncidentReason.MANUAL_FAILOVER, move_off=True,
                                          attempts=OPERATOR_ATTEMPTS)
-        except Conflict as e:  # raced with another incident (or a repeated drain): that one moves it
+        except Conflict as e:  # in an incident already (a repeated drain's, another's): that one moves it
             left[engine_id] = str(e)
             continue
         started.append(rec.id)
