@@ -55,12 +55,17 @@ def serving(app: Any, http: Any) -> Iterator[int]:
         thread.join(10)
 
 
+def bare_context() -> ApiContext:
+    """The admin API's context with no store or bus behind it (the calls here end before a route needs one)."""
+    return ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
+                      metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+
+
 @pytest.fixture
 def admin_api() -> Iterator[tuple[int, ApiContext]]:
     """The admin API's app as the controller serves it (server.py: its guard inside, the lingering h11 protocol
     with a 1 s body bound); no store or bus behind it (the calls here end before a route runs)."""
-    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
-                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    ctx = bare_context()
     with serving(create_app(ctx), lingering_h11(1 << 20, 1.0, LingerStats(), 10.0, 1.0)) as port:
         yield port, ctx
 
@@ -107,8 +112,7 @@ def test_a_request_with_two_authorization_headers_is_refused_whichever_comes_fir
 
 @pytest.mark.parametrize("protocol", [lingering_h11, lingering_httptools])
 def test_bytes_that_are_not_http_get_the_apis_json_error_not_uvicorns_text(protocol: Any) -> None:
-    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
-                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    ctx = bare_context()
     with serving(create_app(ctx), protocol(1 << 20, 1.0, LingerStats())) as port:
         for junk in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -128,8 +132,7 @@ def test_a_stopping_server_neither_lingers_nor_waits_for_idle_kept_alive_connect
     """At a server's stop every idle connection closes and every lingering one ends at once: the graceful
     shutdown waited for each linger (up to `max_s`, 60 s here), and a kept-alive idle connection began one; the
     controller then outlived a supervisor's 5 s after its SIGTERM and was SIGKILLed (full test runs, 2026-12-06)."""
-    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
-                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    ctx = bare_context()
     stats = LingerStats()
     server, thread, port = started(create_app(ctx), protocol(1 << 30, 60.0, stats), timeout_graceful_shutdown=60)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as idle, \
@@ -154,8 +157,7 @@ def test_a_client_that_never_reads_its_answers_is_aborted_after_the_send_bound_a
         protocol: Any) -> None:
     """Connections without a token that pipelined the public `/openapi.json` and never read held their fds and the
     answers' memory past every other bound (the admin API, 300 of them: every other client timed out meanwhile)."""
-    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
-                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    ctx = bare_context()
     stats = LingerStats()
     with serving(create_app(ctx), protocol(1 << 20, 1.0, stats, send_timeout_s=1.0)) as port:
         stalled = []
@@ -187,8 +189,7 @@ def test_a_client_that_never_reads_its_answers_is_aborted_after_the_send_bound_a
 def test_a_head_past_the_bound_is_431_on_httptools_and_a_large_body_after_a_small_head_is_not() -> None:
     """httptools parsed a head of any size: a 64 MB header held the batched engine's front 5-6 s (its streams
     paused 2.1 s) and 110 MB of its memory. h11 bounds its own (16 KiB)."""
-    ctx = ApiContext(settings=ControllerSettings(), view=ClusterView(), store=None, bus=None,  # type: ignore[arg-type]
-                     metrics=None, is_leader=lambda: False, admin_token=ADMIN)
+    ctx = bare_context()
     with serving(create_app(ctx), lingering_httptools(1 << 20, 1.0, LingerStats())) as port:
         for head in (b"X-Big: " + b"a" * (MAX_HEAD_BYTES + 1) + b"\r\n",
                      b"".join(b"X-%d: v\r\n" % i for i in range(MAX_HEAD_BYTES // 8))):
