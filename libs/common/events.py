@@ -618,6 +618,20 @@ class ReclaimReply(Model):
     lease: LeaseInfo
 
 
+class Thaw(Command):
+    """The leases frozen for `incident_id` back to their owners, who serve on: an incident begun on purpose (a manual
+    failover, an upgrade) failed before anyone took them over or stopped their engine (the controller's
+    `serves_on`). All of them or none: refused while any owner's process is gone (those wait for their deadline)."""
+
+    service: ClassVar[str] = "gpu_manager"
+    op: Literal["thaw"] = "thaw"
+    incident_id: str = Field(min_length=1, max_length=256)
+
+
+class ThawReply(Model):
+    lease_ids: list[str]  # thawed by this command (none: thawed already, taken over, or never frozen for it)
+
+
 class FreezeGang(Command):
     """Freeze every lease of every rank of a tensor-parallel engine's gang under one transfer token, or none
     (services/gpu_manager/gangs.py): refused `partial_gang` / `stale_gang` when a rank's leases are missing or moved."""

@@ -27,6 +27,7 @@ import asyncio
 import logging
 
 from libs.common.bus import Bus
+from services.controller.engine_stops import EngineStops
 from services.controller.incident import IncidentRecord
 from services.controller.incident_log import IncidentLog
 from services.controller.routes import IncidentEvents
@@ -35,10 +36,11 @@ log = logging.getLogger("holdfast.controller.endings")
 
 
 class IncidentEnds:
-    def __init__(self, bus: Bus, log_: IncidentLog, events: IncidentEvents) -> None:
+    def __init__(self, bus: Bus, log_: IncidentLog, events: IncidentEvents, stops: EngineStops) -> None:
         self.bus = bus
         self.log = log_
         self.events = events
+        self.stops = stops  # a failed incident's engine that serves on gets its memory thawed
         # Ended here, not known announced: its record's write failed at the client (it may have landed), or its
         # publication failed. By id: the ended record.
         self.doubts: dict[str, IncidentRecord] = {}
@@ -82,6 +84,7 @@ class IncidentEnds:
         """The end events of ended records that are in etcd, then their ledger (written behind)."""
         if not recs:
             return
+        self.events.route_back(recs)
         try:
             await self.bus.publish_all([e for rec in recs for e in self.events.ended(rec)])
         except Exception as e:  # noqa: BLE001 - recorded: announced by a later pass (or the next leader)
@@ -91,5 +94,7 @@ class IncidentEnds:
             return
         for rec in recs:
             self.doubts.pop(rec.id, None)
+            if rec.serves_on:
+                self.stops.thaw(rec.id, rec.node)
         self.events.unmark(recs)
         self.log.announced(recs)

@@ -5,6 +5,10 @@ nothing reloads), and a drained node's engine once its successor serves. The nod
 engine stays visible in the view. Each stop is a named task kept referenced until it ends; `cancel` ends
 those still running when the leader steps down.
 
+And the converse: an engine that serves on after its incident (begun on purpose) failed gets its memory back,
+frozen for that incident (gpu_manager `thaw`), the same way. Best effort too: a lease left frozen is visible in
+the view and is reclaimed at its deadline (the engine keeps its mapping, but the table counts that memory free).
+
 Each stop carries the term of the driver that sends it (`StopEngine.term`): a driver that outlived its term (a pause
 between its leader check and the request) sends its own, ended one, and the agent refuses it (`stale_term`,
 libs/common/terms.py) rather than stop an engine the new leader may still want.
@@ -14,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 from libs.common.bus import Bus
-from libs.common.events import StopEngine, StopReply
+from libs.common.events import StopEngine, StopReply, Thaw, ThawReply
 from services.controller.view import ClusterView
 
 log = logging.getLogger("holdfast.controller.pipeline")
@@ -38,7 +44,15 @@ class EngineStops:
         if not node:
             log.warning("incident %s: cannot stop engine %s: node unknown", inc_id, engine_id)
             return
-        task = asyncio.create_task(self._stop(inc_id, engine_id, node), name=f"stop:{engine_id}")
+        self._background(self._stop(inc_id, engine_id, node), f"stop:{engine_id}")
+
+    def thaw(self, inc_id: str, node: str | None) -> None:
+        """The leases frozen for `inc_id` on `node` back to their owners, in the background."""
+        if node:
+            self._background(self._thaw(inc_id, node), f"thaw:{inc_id}")
+
+    def _background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -48,6 +62,15 @@ class EngineStops:
             log.info("incident %s: stopped engine %s on %s", inc_id, engine_id, node)
         except Exception as e:  # noqa: BLE001 - best effort: a leftover engine is visible in the view
             log.warning("incident %s: could not stop engine %s: %s", inc_id, engine_id, e)
+
+    async def _thaw(self, inc_id: str, node: str) -> None:
+        try:
+            reply = await self.bus.request(node, Thaw(incident_id=inc_id), ThawReply, timeout=10.0)
+            if reply.lease_ids:
+                log.info("incident %s: %d lease(s) on %s thawed, their engine serves on", inc_id,
+                         len(reply.lease_ids), node)
+        except Exception as e:  # noqa: BLE001 - best effort: visible in the view, reclaimed at its deadline
+            log.warning("incident %s: the leases frozen for it on %s were not thawed: %s", inc_id, node, e)
 
     def cancel(self) -> None:
         for task in list(self.tasks):

@@ -181,6 +181,10 @@ class IncidentRecord(BaseModel):
     cold_stopped: bool = False  # a late reattach superseded the cold start and its engine was stopped
     kv_source: str | None = None  # the reattach's successor's KV, when not the handed-on cache ("KV from host backup")
     failure: str | None = None
+    # Failed, begun on purpose (a manual failover, an upgrade: not a failure), with its engine still serving as it
+    # ended (nothing took its memory over or stopped it): routed back in and its memory thawed (routes.py `ended`),
+    # where a failure's engine is gone. Decided once, as the incident fails; a next leader's end says the same.
+    serves_on: bool = False
     # Ended, and its end (incident.resolved / incident.failed) announced only if a ledger names it (invariant 2,
     # announced_ends.py): the record is written first, the end announced after, then the ledger. A leader finding it
     # set and named by no ledger announces it. (Records of earlier versions had it taken off instead.)

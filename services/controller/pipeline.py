@@ -57,7 +57,7 @@ from services.controller.intake import Intake, Opening, cold_ready, incident_of
 from services.controller.metrics import ControllerMetrics
 from services.controller.moves import Move, Outcomes, next_record, result_moves
 from services.controller.open_incidents import OpenIncidents
-from services.controller.routes import IncidentEvents
+from services.controller.routes import IncidentEvents, serves_on
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
 
@@ -103,8 +103,8 @@ class IncidentDriver:
         # term sends its own, which the dc_manager refuses (services/dc_manager/terms.py).
         self.events = IncidentEvents(bus, view, self.writer, self.tracing, self.deadlines,
                                      term=tenure.term if tenure is not None else 0)
-        self.ends = IncidentEnds(bus, self.log, self.events)
         self.stops = EngineStops(bus, view, term=self.events.term)  # stamped as the intents are (StopEngine.term)
+        self.ends = IncidentEnds(bus, self.log, self.events, self.stops)
         self.engine_routes = EngineRoutes(bus, view, self.writer, self.events, self.open)
         self.locks = IncidentLocks()  # not incident state: who is working on an incident right now
         self.deadline_pass = DeadlinePass(self, self.open, self.locks, view, self.ends, settings.tick_s,
@@ -336,6 +336,7 @@ class IncidentDriver:
                     await self.bus.publish(self.events.intent(new, fallback=True))
                     self.events.mark(new, new.model, time.time())  # its successor starts cold: routers hold
                 if new.state is S.FAILED:  # recorded first, then announced (endings.py)
+                    new.serves_on = serves_on(self.view, new)
                     await self.ends.announce([(m.at, new, self._end(rec, new))], out)
                     continue
                 # Entering route-in, the record is not written: route-in follows at once and writes the next

@@ -6,7 +6,8 @@ the events of many incidents with one `publish_all` (pipeline.py); every event's
 incident, so a re-publication after a crash is dropped by JetStream's duplicate window.
 
 A drained node's engine (`move_off`) is routed make-before-break: its route stays until its successor's
-route is added, in the same publication.
+route is added, in the same publication. An incident begun on purpose that fails while its engine still serves
+(`serves_on`) routes that engine back in at its end, in place of telling routers that no successor comes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from libs.common.events import (
     EndpointNotRecovered,
     EndpointRemoved,
     EngineInfo,
+    EngineRole,
     Event,
     IncidentFailed,
     IncidentOpened,
@@ -99,6 +101,19 @@ def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | Non
     if cand is None or not cand.endpoint or cand.model != rec.model or cand.gpu != rec.gpu:
         return None
     return cand if rec.version is None or cand.version == rec.version else None
+
+
+def serves_on(view: ClusterView, rec: IncidentRecord) -> bool:
+    """Whether a failing incident's engine serves on (the record's `serves_on`): begun on purpose (a failure's engine
+    is gone), it routed that engine out (a drain's stays routed until a successor is), and the view still has that
+    generation active and ready, which it is not once its agent stopped it for a takeover. A stop the view hears of
+    only later is mended then: the engine is in no incident any more, so its stop removes its route
+    (engine_routes.py `stopped`)."""
+    if rec.reason is IncidentReason.FAILURE or rec.move_off or Step.ROUTE_OUT not in rec.steps or not rec.endpoint:
+        return False
+    engine = view.engines.get(rec.engine_id)
+    return (engine is not None and engine.role is EngineRole.ACTIVE and engine.state == "ready"
+            and engine.generation == rec.generation)
 
 
 class IncidentEvents:
@@ -189,14 +204,25 @@ class IncidentEvents:
             if rec.state is IncidentState.FAILED and rec.fallback and not rec.move_off:
                 self.writer.delete_nowait(recovery_key(rec.id))
 
+    def route_back(self, recs: list[IncidentRecord]) -> None:
+        """The endpoint keys of failed incidents' engines that serve on, put again (before their ends are published:
+        a router's reconcile then finds the route its event adds)."""
+        for rec in recs:
+            if rec.state is IncidentState.FAILED and rec.serves_on and rec.endpoint:
+                self.writer.put_nowait(endpoint_key(rec.model, rec.engine_id), rec.endpoint)
+
     def ended(self, rec: IncidentRecord) -> list[Wired]:
         """The end events of an ended record, from the record alone (a next leader rebuilds them the same: one id
         each). A failed incident that routed its engine out also tells routers no successor comes (they held the
-        model's requests for one)."""
+        model's requests for one), or, its engine serving on, routes that engine back in (which ends the hold)."""
         if rec.state is IncidentState.FAILED:
             failed = [self.envelope(IncidentFailed(incident_id=rec.id, engine_id=rec.engine_id, step=failed_step(rec),
                                                    reason=rec.failure or ""), f"{rec.id}-failed", rec)]
-            if Step.ROUTE_OUT in rec.steps and not rec.move_off:
+            if rec.serves_on and rec.endpoint:
+                failed.append(self.envelope(EndpointAdded(model=rec.model, engine_id=rec.engine_id, url=rec.endpoint,
+                                                          incident_id=rec.id, predecessor_id=rec.engine_id),
+                                            f"{rec.id}-serves-on", rec))
+            elif Step.ROUTE_OUT in rec.steps and not rec.move_off:
                 failed.append(self.envelope(EndpointNotRecovered(model=rec.model, engine_id=rec.engine_id,
                                                                  incident_id=rec.id, reason=rec.failure or ""),
                                             f"{rec.id}-unrecovered", rec))

@@ -13,6 +13,11 @@ transfer(owner, successor, token)   names the successor allowed to take the froz
 share(owner, grantee)   a token with which `grantee` may map the owner's weight leases read-only (a warm
                 standby's shadow); nothing changes state, the owner keeps its leases.
 reclaim(lease, force)   ORPHANED/FROZEN -> RECLAIMED now; an ACTIVE lease only with force.
+thaw(incident)  the leases frozen for that incident -> ACTIVE, back to their owners (same epoch), all of them or
+                none: refused (conflict) while any owner's process is gone. The controller's, when an incident
+                begun on purpose failed with its engine still serving (nobody took the leases over, nothing stopped
+                it): a lease left frozen would be reclaimed at its deadline under a live engine's mapping, and the
+                table would count that memory free. Idempotent: nothing frozen for it, nothing thawed.
 list(owner?, state?)    live leases of this node.
 snapshot(lease, artifact?, host_tier)   write a committed lease to a weight artifact (restore.py), and keep a
                 host tier copy if asked; answered once the artifact is whole on disk.
@@ -29,7 +34,7 @@ import logging
 import secrets
 
 from libs.common.bus import Bus
-from libs.common.errors import NotFound
+from libs.common.errors import Conflict, NotFound
 from libs.common.events import (
     Freeze,
     FreezeGang,
@@ -49,6 +54,8 @@ from libs.common.events import (
     SleepEngineReply,
     SnapshotLease,
     SnapshotReply,
+    Thaw,
+    ThawReply,
     Transfer,
     TransferReply,
 )
@@ -75,6 +82,7 @@ class Commands:
         await bus.serve(node, Freeze, self.freeze)
         await bus.serve(node, Transfer, self.transfer)
         await bus.serve(node, Reclaim, self.reclaim)
+        await bus.serve(node, Thaw, self.thaw)
         await bus.serve(node, ShareWeights, self.share)
         await bus.serve(node, ListLeases, self.list)
         await bus.serve(node, SnapshotLease, self.snapshot)
@@ -118,6 +126,22 @@ class Commands:
         await self._announce(MemoryFrozen(owner=cmd.owner, lease_ids=reply.lease_ids, epoch=reply.epoch,
                                           incident_id=cmd.incident_id))
         return reply
+
+    async def thaw(self, cmd: Thaw) -> ThawReply:
+        async with self.book.lock:
+            recs = [r for r in self.book.records.values()
+                    if r.info.state == LeaseState.FROZEN and r.info.frozen_for == cmd.incident_id]
+            gone = sorted({r.info.owner for r in recs if not self.book.owner_alive(r)})
+            if gone:
+                raise Conflict(f"leases frozen for {cmd.incident_id} stay frozen: the process of {', '.join(gone)} "
+                               "is gone (they wait for a successor until their deadline)")
+            await self.book.apply_all([Move(r, LeaseEvent.THAW, f"thawed ({cmd.incident_id} failed, its owner serves "
+                                            "on)", {"transfer_token": None, "frozen_for": None,
+                                                                      "successor": None}) for r in recs])
+        if recs:
+            log.info("thawed %d lease(s) frozen for %s: %s", len(recs), cmd.incident_id,
+                     sorted({r.info.owner for r in recs}))
+        return ThawReply(lease_ids=[r.id for r in recs])
 
     async def _announce(self, event: MemoryFrozen) -> None:
         """`memory.frozen`, stored after the lease table's lock is let go (a standby's takeover held until the

@@ -6,6 +6,7 @@
     ORPHANED/FROZEN --deadline--> RECLAIMED        ACTIVE --release--> RECLAIMED
     ORPHANED/FROZEN --reclaim-->  RECLAIMED        any live state --force_reclaim--> RECLAIMED
     FROZEN   --freeze / owner_lost--> FROZEN (idempotent: a frozen lease waits for its successor)
+    FROZEN   --thaw-->        ACTIVE   (same owner and epoch: its incident failed, the owner serves on)
     ACTIVE   --sleep-->       SLEEPING --wake--> ACTIVE (same holder, same epoch: its addresses were kept)
     SLEEPING --owner_lost / release / reclaim / force_reclaim--> RECLAIMED (nothing to hand on: no memory)
 
@@ -41,6 +42,7 @@ class LeaseEvent(StrEnum):
     FORCE_RECLAIM = "force_reclaim"  # control plane: reclaim even an active lease
     SLEEP = "sleep"  # the owner quiesced and unmapped it: its physical memory is released, its addresses kept
     WAKE = "wake"  # the owner maps new memory at the same addresses
+    THAW = "thaw"  # control plane: the frozen lease's incident failed and its owner, alive, serves on
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ TRANSITIONS: MappingProxyType[tuple[LeaseState, LeaseEvent], Outcome] = MappingP
     (FROZEN, LeaseEvent.FREEZE): Outcome(FROZEN),
     (FROZEN, LeaseEvent.OWNER_LOST): Outcome(FROZEN),
     (FROZEN, LeaseEvent.TAKEOVER): Outcome(ACTIVE, bump_epoch=True),
+    (FROZEN, LeaseEvent.THAW): Outcome(ACTIVE),  # nobody else held it: the owner's mapping never stopped being valid
     (FROZEN, LeaseEvent.DEADLINE): Outcome(RECLAIMED),
     (FROZEN, LeaseEvent.RECLAIM): Outcome(RECLAIMED),
     (FROZEN, LeaseEvent.FORCE_RECLAIM): Outcome(RECLAIMED),

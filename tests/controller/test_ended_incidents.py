@@ -22,13 +22,19 @@ from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.errors import InvalidTransition
 from libs.common.events import (
+    EndpointAdded,
     EndpointNotRecovered,
+    EngineInfo,
+    EngineRole,
     Envelope,
     FaultDetected,
     FaultKind,
     IncidentFailed,
+    IncidentReason,
     IncidentResolved,
     Step,
+    Thaw,
+    ThawReply,
 )
 from libs.common.ids import cold_engine_id
 from libs.common.store import Store
@@ -178,3 +184,56 @@ async def test_a_failed_incident_that_routed_its_engine_out_tells_routers_no_suc
             if isinstance(e.data, EndpointNotRecovered) and e.data.incident_id in (rec.id, quiet.id)]
     assert [(t.model, t.engine_id, t.incident_id) for t in told] == [("m", "routed-out-e4", rec.id)]
     assert cold_engine_id(rec.id) in told[0].reason
+
+
+async def test_a_failed_manual_failover_routes_its_still_serving_engine_back_in_and_thaws_its_memory(
+        driver: IncidentDriver, bus: Bus, store: Store, settings: CommonSettings) -> None:
+    """A failover asked for on purpose routes its healthy engine out and freezes its leases; when it fails before
+    anyone took them over or stopped the engine (no standby, no room for a cold start), the engine still serves:
+    at the end it is routed back in (its endpoint key put again, `router.endpoint.added` naming it as its own
+    successor: routers stop holding and keep its streams) and its memory thawed (gpu_manager `thaw`), instead of
+    a live engine left out of every router with its leases waiting to be reclaimed. An engine its agent stopped
+    meanwhile (the view says so) is not routed back in: routers hear no successor comes, as for a failure."""
+    thaws: list[Thaw] = []
+    node = await Bus.connect(settings.model_copy(update={"node": "node-1"}), "gpu_manager:node-1", stream=False)
+
+    async def thaw(cmd: Thaw) -> ThawReply:  # the node's gpu_manager, as far as this test needs one
+        thaws.append(cmd)
+        return ThawReply(lease_ids=["l1"])
+
+    await node.serve("node-1", Thaw, thaw)
+    recs = {}
+    for eid, state in (("serving-e6", "ready"), ("stopped-e7", "stopped")):
+        rec = in_fallback(eid, None).model_copy(update={
+            "reason": IncidentReason.MANUAL_FAILOVER, "kind": None, "memory_lost": False,
+            "endpoint": f"http://127.0.0.1:9/{eid}", "generation": 0, "node": "node-1"})
+        start_step(rec, Step.ROUTE_OUT, time.time())
+        end_step(rec, Step.ROUTE_OUT, "done", time.time())
+        driver.view.engines[eid] = EngineInfo(engine_id=eid, node="node-1", model="m", engine_class="default",
+                                              role=EngineRole.ACTIVE, endpoint=rec.endpoint, state=state)
+        await store.put(f"incidents/{rec.id}", rec)
+        driver.open.put(rec)
+        recs[eid] = rec
+        fault = FaultDetected(engine_id=cold_engine_id(rec.id), model="m", generation=0, kind=FaultKind.EXITED,
+                              node="node-1")
+        await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="node-1")])
+    try:
+        async def both_ended() -> list[IncidentRecord] | None:
+            got = [await store.get_model(f"incidents/{r.id}", IncidentRecord) for r in recs.values()]
+            ended = [g for g in got if g is not None and g.state is IncidentState.FAILED]
+            heard = {e.data.incident_id for e in await ends_heard(bus)}
+            return ended if len(ended) == 2 and heard >= {r.id for r in recs.values()} and thaws else None
+
+        serving, stopped = await wait_for(both_ended, timeout=5.0, what="both failed, announced, one thawed")
+        assert serving.serves_on and not stopped.serves_on
+        told = [e.data for e in await bus.replay("router.>")
+                if isinstance(e.data, (EndpointAdded, EndpointNotRecovered))
+                and e.data.incident_id in (serving.id, stopped.id)]
+        assert [(type(t), t.engine_id) for t in told] == [(EndpointAdded, "serving-e6"),
+                                                          (EndpointNotRecovered, "stopped-e7")]
+        assert told[0].url == serving.endpoint and told[0].predecessor_id == "serving-e6"
+        await wait_for(lambda: store.get("endpoints/m/serving-e6"), timeout=5.0, what="its endpoint key back")
+        assert await store.get("endpoints/m/stopped-e7") is None
+        assert [t.incident_id for t in thaws] == [serving.id]  # a stopped engine's leases wait for their deadline
+    finally:
+        await node.close()

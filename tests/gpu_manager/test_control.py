@@ -22,6 +22,8 @@ from libs.common.events import (
     ListLeasesReply,
     Reclaim,
     ReclaimReply,
+    Thaw,
+    ThawReply,
     Transfer,
     TransferReply,
 )
@@ -79,6 +81,43 @@ async def test_freeze_then_takeover_waits_for_the_predecessor_to_die_and_bumps_t
     frozen_events = [e for e in envs if e.type == "memory.frozen"]
     assert frozen_events and frozen_events[0].data.lease_ids == [wrote["lease"]]
     assert frozen_events[0].incident_id == "inc-1"
+
+
+async def test_a_thaw_gives_a_live_owner_its_frozen_leases_back_and_refuses_while_one_is_gone(manager, engines,
+                                                                                                bus):
+    """An incident begun on purpose that failed before anyone took the engine's leases over (the controller's
+    `serves_on`): the leases frozen for it go back to their live owner, same epoch, token void; all or none."""
+    node = "node-1"
+    live = engines(manager, "eng-live")
+    wrote = live.ask(f"write {N} 13")
+    standby = engines(manager, "eng-next")
+    frozen = await bus.request(node, Freeze(owner="eng-live", incident_id="inc-t1"), FreezeReply)
+    assert (await bus.request(node, Thaw(incident_id="inc-other"), ThawReply)).lease_ids == []  # not its incident
+    thawed = await bus.request(node, Thaw(incident_id="inc-t1"), ThawReply)
+    assert thawed.lease_ids == [wrote["lease"]]
+    listed = await bus.request(node, ListLeases(owner="eng-live"), ListLeasesReply)
+    assert [(i.id, i.state, i.epoch, i.deadline, i.frozen_for) for i in listed.leases] == [
+        (wrote["lease"], LeaseState.ACTIVE, 1, None, None)]
+    assert (await bus.request(node, Thaw(incident_id="inc-t1"), ThawReply)).lease_ids == []  # idempotent
+    assert standby.ask(f"takeover eng-live {frozen.transfer_token}")["code"] != "ok"  # the token is void
+    assert live.ask("hash")["data"] == wrote["expected"]  # its memory, untouched
+    live.kill()  # and a thawed lease is an owner's like any other: its death orphans it (a grace window)
+
+    async def orphaned():
+        out = await bus.request(node, ListLeases(owner="eng-live", state=LeaseState.ORPHANED), ListLeasesReply)
+        return out.leases
+
+    assert [i.id for i in await until(orphaned)] == [wrote["lease"]]
+
+    gone = engines(manager, "eng-gone")
+    kept = gone.ask(f"write {N} 14")
+    await bus.request(node, Freeze(owner="eng-gone", incident_id="inc-t2"), FreezeReply)
+    gone.kill()  # reaped: its process is gone
+    with pytest.raises(RemoteError) as refused:
+        await bus.request(node, Thaw(incident_id="inc-t2"), ThawReply)
+    assert refused.value.remote_code == "conflict" and "eng-gone" in str(refused.value)
+    still = await bus.request(node, ListLeases(owner="eng-gone"), ListLeasesReply)
+    assert [(i.id, i.state) for i in still.leases] == [(kept["lease"], LeaseState.FROZEN)]
 
 
 async def test_reclaim_command_frees_an_orphan_now_and_refuses_an_active_lease_without_force(manager, engines, bus,

@@ -51,7 +51,8 @@ def test_epochs_only_grow_and_grow_exactly_when_a_new_holder_becomes_active(seq)
         before_state, before_epoch = lease.state, lease.epoch
         took = lease.take(ev)
         assert lease.epoch >= before_epoch
-        new_holder = before_state in (LeaseState.ORPHANED, LeaseState.FROZEN)  # a wake keeps its holder
+        # a wake keeps its holder, and so does a thaw (the incident failed: the same owner serves on)
+        new_holder = before_state in (LeaseState.ORPHANED, LeaseState.FROZEN) and ev is not LeaseEvent.THAW
         if lease.epoch > before_epoch:
             assert took and lease.state == LeaseState.ACTIVE and new_holder
         if took and lease.state == LeaseState.ACTIVE and new_holder:
@@ -77,6 +78,10 @@ def test_the_table_has_the_design_transitions():
     assert transition(LeaseState.ACTIVE, LeaseEvent.RELEASE).state == LeaseState.RECLAIMED
     assert not allowed(LeaseState.ACTIVE, LeaseEvent.DEADLINE)  # a held lease never times out
     assert not allowed(LeaseState.ACTIVE, LeaseEvent.TAKEOVER)  # kill/freeze before transfer
+    thawed = transition(LeaseState.FROZEN, LeaseEvent.THAW)
+    assert thawed.state == LeaseState.ACTIVE and not thawed.bump_epoch  # back to the holder it never left
+    for state in (LeaseState.ACTIVE, LeaseState.ORPHANED, LeaseState.SLEEPING, LeaseState.RECLAIMED):
+        assert not allowed(state, LeaseEvent.THAW), state  # only a frozen lease thaws (an orphan's owner is gone)
 
 
 def _rec(state: LeaseState, deadline: float | None, i: int) -> LeaseRecord:

@@ -9,8 +9,9 @@ permissions of `nats_permissions`; its etcd user (the client certificate's CN) g
    node's event subjects (`<prefix>.fault.detected.<node>`: no node can fault another node's engine; the
    controller also refuses an event whose envelope names another node, or an engine of another node);
 2. only the dc_manager publishes every node command (a TP group's `freeze_gang` among them: its recover intents);
-   the controller publishes `reclaim`, `reclaim_gang` and `agent.stop` (forced reclaim of a lease or of a TP
-   group's whole gang, cold-start clean-up: its admin operations) and nothing else on `node.`; the gpu_manager
+   the controller publishes `reclaim`, `reclaim_gang`, `thaw` and `agent.stop` (forced reclaim of a lease or of a TP
+   group's whole gang, cold-start clean-up: its admin operations; the memory of a failed on-purpose incident's
+   engine that serves on), snapshots and sleeps, and nothing else on `node.`; the gpu_manager
    serves `freeze_gang` and `reclaim_gang` on its own node's subjects;
 3. the router subscribes to router events only and publishes nothing but replies;
 4. each identity reads replies on its own inbox prefix only (`inbox_prefix`), so no one reads another's
@@ -40,6 +41,7 @@ from libs.common.events import (
     SleepEngine,
     SnapshotLease,
     StopEngine,
+    Thaw,
     command_kind,
     event_subject,
 )
@@ -139,7 +141,7 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
     elif role == "controller":
         pub += [f"{p}.incident.>", f"{p}.intent.recover", f"{p}.router.endpoint.>",
                 f"{p}.node.*.{command_kind(Reclaim)}", f"{p}.node.*.{command_kind(ReclaimGang)}",
-                f"{p}.node.*.{command_kind(StopEngine)}",
+                f"{p}.node.*.{command_kind(StopEngine)}", f"{p}.node.*.{command_kind(Thaw)}",
                 f"{p}.node.*.{command_kind(SnapshotLease)}", f"{p}.node.*.{command_kind(SleepEngine)}",
                 *_consumers(stream)]
     elif role == "dc_manager":
