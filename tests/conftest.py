@@ -180,8 +180,12 @@ def settings(nats_server: str, etcd_server: str, credentials: Path, tmp_path: Pa
 
 
 @pytest.fixture
-def settings_env(settings: CommonSettings) -> dict[str, str]:
-    """The same settings as environment variables, for child processes."""
+async def settings_env(settings: CommonSettings) -> dict[str, str]:
+    """The same settings as environment variables, for child processes; the test's event stream made first, as a
+    deployment's control plane or `holdfast up` makes it (a node's services and routers only look for it:
+    security/policy.py `manages_stream`)."""
+    bus = await Bus.connect(settings, "test")
+    await bus.close()
     return settings.to_env()
 
 

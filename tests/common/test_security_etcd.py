@@ -120,6 +120,9 @@ async def test_the_controller_owns_incidents_and_endpoints_and_the_dc_manager_it
     await dcm.put("dcm/intents/i2", {"step": "freeze"})
     await _refused(dcm.put("incidents/i2", {"evil": True}))
     await _refused(dcm.put("endpoints/m/e9", {"url": "http://evil"}))
-    lease = await dcm.grant(2)  # leases need no key permission; the key bound to it does
-    await dcm.put("leader/dc_manager", {"who": "d1"}, lease=lease)
+    assert await dcm.get("leader/controller") is None  # it reads the controller's term (libs/common/terms.py)
+    lease = await dcm.grant(2)  # leases need no key permission; the key bound to one does
+    for key in ("leader/controller", "leader/dc_manager"):  # it runs no election: it could only depose the leader
+        await _refused(dcm.put(key, {"who": "d1"}, lease=lease))
+        await _refused(dcm.put(key, "not-a-controller"))
     await asyncio.sleep(0)

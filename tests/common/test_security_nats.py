@@ -222,3 +222,47 @@ async def test_a_command_whose_envelope_names_another_node_is_refused_and_not_ac
         assert len(calls) == 1
     finally:
         await gm.close()
+
+
+async def test_only_the_control_plane_creates_or_rewrites_the_event_stream(settings: CommonSettings, credentials: Path,
+                                                                          bus: Bus) -> None:
+    """A stream's config names its subjects, republish targets and seal: one rewritten by the router (or any node)
+    could copy everyone's replies to it, answer a node's commands with stream acks, store no node's events, or seal
+    the stream for good (every publish refused). Only the controller, the dc_manager and operators may create or
+    update it; the others only read its info (probe of 2026-12-06)."""
+    update = f"$JS.API.STREAM.UPDATE.{settings.stream_name}"
+    create = f"$JS.API.STREAM.CREATE.{settings.stream_name}"
+    sealed = b'{"name":"%s","subjects":["x.>"],"sealed":true}' % settings.stream_name.encode()
+    for who in ("router", "agent.node-1", "gpu_manager.node-1"):
+        intruder = await Intruder().connect(settings.nats_url, **_as(credentials, who))
+        try:
+            info = await intruder.nc.request(f"$JS.API.STREAM.INFO.{settings.stream_name}", b"", timeout=2)
+            assert b'"config"' in info.data  # it may look
+            for subject in (update, create):
+                await intruder.nc.publish(subject, sealed, reply=f"{inbox_prefix(who)}.x")
+                assert await intruder.violated(subject), (who, subject, intruder.errors)
+        finally:
+            await intruder.close()
+    info = await bus.link.js.stream_info(settings.stream_name)
+    assert not info.config.sealed and info.config.subjects != ["x.>"]
+    for source in ("agent:node-1", "controller:c1"):  # a service's own start: the one looks, the other ensures
+        started = await Bus.connect(settings.model_copy(update={"node": "node-1"}), source)
+        await started.close()
+    await bus.emit(FaultDetected(engine_id="e1", kind="exited", node="node-1"), node="node-1")  # still stored
+
+
+async def test_a_nodes_service_answers_health_requests_for_its_own_node_only(settings: CommonSettings,
+                                                                             credentials: Path) -> None:
+    """One node answering another's health subject could say a dead agent healthy (or a healthy one broken)."""
+    p = settings.subject_prefix
+    for role in ("agent", "gpu_manager"):
+        node1 = await Intruder().connect(settings.nats_url, **_as(credentials, f"{role}.node-1"))
+        try:
+            for subject in (f"{p}.health.{role}.node-1", f"{p}.health.{role}"):  # its own, and any instance's
+                await node1.nc.subscribe(subject)
+            for subject in (f"{p}.health.{role}.node-2", f"{p}.health.{role}.>"):
+                await node1.nc.subscribe(subject)
+                assert await node1.violated(subject), (role, subject, node1.errors)
+            assert sum("permissions violation" in e for e in node1.errors) == 2, node1.errors  # not its own two
+        finally:
+            await node1.close()

@@ -236,7 +236,17 @@ class Link:
 
     async def ensure_stream(self) -> None:
         """Create (or keep) the stream that holds every durable event subject, with `stream_replicas` copies
-        (on a NATS cluster: the stream outlives a server, its consumers' state too, as they inherit them)."""
+        (on a NATS cluster: the stream outlives a server, its consumers' state too, as they inherit them). Only the
+        control plane and operators may (security/policy.py `manages_stream`): any other service only looks, and
+        one that starts before the stream exists says so and goes on; its events are retried until it does
+        (emit_until_stored, the gpu_manager's mirror queue)."""
+        if not security.manages_stream(security.identity_for(self.source, self.settings.node)):
+            try:
+                await self.js.stream_info(self.settings.stream_name)
+            except NotFoundError:
+                log.warning("stream %s does not exist yet: the control plane creates it (events are retried until "
+                            "then)", self.settings.stream_name)
+            return
         config = StreamConfig(
             name=self.settings.stream_name,
             subjects=[f"{self.prefix}.{kind}.>" for kind in STREAM_KINDS],

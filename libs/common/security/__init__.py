@@ -17,7 +17,7 @@ from pathlib import Path
 
 from libs.common.security.certs import CredentialsError, CredentialsExpired
 from libs.common.security.pki import Credentials, CredentialsMissing, mint
-from libs.common.security.policy import ADMIN, identities, identity_for
+from libs.common.security.policy import ADMIN, identities, identity_for, manages_stream
 from libs.common.security.renewal import GrpcTls, RenewingNATS
 
 
@@ -32,7 +32,7 @@ class _TlsEofNoise(logging.Filter):
 logging.getLogger("asyncio").addFilter(_TlsEofNoise())
 
 __all__ = ["ADMIN", "Credentials", "CredentialsError", "CredentialsExpired", "CredentialsMissing", "GrpcTls",
-           "RenewingNATS", "credentials_for", "identities", "identity_for", "mint"]
+           "RenewingNATS", "credentials_for", "identities", "identity_for", "manages_stream", "mint"]
 
 
 def credentials_for(credentials_dir: Path, source: str, node: str, *, nats: bool = True) -> Credentials:

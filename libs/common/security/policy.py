@@ -16,7 +16,10 @@ permissions of `nats_permissions`; its etcd user (the client certificate's CN) g
 3. the router subscribes to router events only and publishes nothing but replies;
 4. each identity reads replies on its own inbox prefix only (`inbox_prefix`), so no one reads another's
    replies (a `ListLeases` answer, a stream ack);
-5. JetStream consumers (`$JS.API.CONSUMER.*`, acks) belong to the controller and the dc_manager alone.
+5. JetStream consumers (`$JS.API.CONSUMER.*`, acks) belong to the controller and the dc_manager alone, and so do
+   the stream's creation and config (`STREAM_MANAGERS`; every other identity reads its info only);
+6. a node's service answers health requests for its own node only; only the controller (and operators) write
+   `leader/` in etcd.
 """
 
 from __future__ import annotations
@@ -107,9 +110,21 @@ NODE_EVENTS_OF: dict[str, tuple[type[Event], ...]] = {
 }
 
 
-def _stream_admin(stream: str) -> list[str]:
-    # Every service makes sure the stream exists at start (Bus.connect(stream=True)): the first one up creates it.
-    return [f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")] + ["$JS.API.INFO"]
+# Who creates and updates the event stream (`Bus.connect`: the first one up creates it, each start sets its
+# config): the control plane, which consumes it, and operators (`holdfast up`'s deploy step). Every other identity
+# only reads its info: a stream's config names its subjects, its republish targets and its seal, so one that could
+# rewrite it could read everyone's replies, answer a node's commands with stream acks, store no node's events, or
+# seal the stream for good (every publish then refused). Probed on 2026-12-06 with the router's credentials.
+STREAM_MANAGERS = ("controller", "dc_manager")
+
+
+def manages_stream(identity: str) -> bool:
+    return split_identity(identity)[0] in (ADMIN, *STREAM_MANAGERS)
+
+
+def _stream_access(stream: str, *, manage: bool) -> list[str]:
+    ops = ("INFO", "CREATE", "UPDATE") if manage else ("INFO",)
+    return [f"$JS.API.STREAM.{op}.{stream}" for op in ops] + ["$JS.API.INFO"]
 
 
 def _consumers(stream: str) -> list[str]:
@@ -126,8 +141,10 @@ def nats_permissions(identity: str, prefix: str, stream: str) -> Permissions:
     if role == ADMIN:
         return Permissions(None, None)
     p = prefix
-    sub = [f"{inbox_prefix(identity)}.>", f"{p}.health.{role}", f"{p}.health.{role}.>"]
-    pub = _stream_admin(stream)
+    # its health subjects: a node's service its own node's only (instance = node: libs/common/service.py), so no
+    # node answers for another's (a dead agent said healthy); the bare one is any instance's by design
+    sub = [f"{inbox_prefix(identity)}.>", f"{p}.health.{role}", f"{p}.health.{role}." + (node or ">")]
+    pub = _stream_access(stream, manage=role in STREAM_MANAGERS)
     if role == "agent":
         sub.append(f"{p}.node.{node}.agent.>")
         # its own node's gpu_manager only: a weights share for a standby, a GPU's health, and a freeze (its own
@@ -175,7 +192,7 @@ def etcd_ranges(identity: str, prefix: str) -> list[KeyRange]:
 
     What each service writes (and why it may): agent: `nodes/<node>`, `agents/<node>/`, `engines/<node>/` (its
     own engines' records); gpu_manager: `allocations/<node>/`, `gpus/<node>/`;
-    dc_manager: its progress records `dcm/` and `leader/`; controller: everything (incidents, endpoints, drain,
+    dc_manager: its progress records `dcm/`; controller: everything (incidents, endpoints, drain,
     rollouts, leader, and the clean-up of what a dead node left); router: reads `endpoints/` and `recoveries/`
     (incidents bringing a routed-out model's successor in) only."""
     role, node = split_identity(identity)
@@ -185,7 +202,9 @@ def etcd_ranges(identity: str, prefix: str) -> list[KeyRange]:
         return [KeyRange(prefix + "endpoints/", write=False), KeyRange(prefix + "recoveries/", write=False)]
     read_all = KeyRange(prefix, write=False)
     if role == "dc_manager":
-        return [read_all, KeyRange(prefix + "dcm/", write=True), KeyRange(prefix + "leader/", write=True)]
+        # no `leader/`: it runs no election (it reads the controller's key to refuse a past term's intents,
+        # libs/common/terms.py); a write there could depose every controller with a key bound to no lease
+        return [read_all, KeyRange(prefix + "dcm/", write=True)]
     if role == "agent":
         return [read_all, KeyRange(f"{prefix}nodes/{node}", write=True, prefix=False),
                 KeyRange(f"{prefix}agents/{node}/", write=True), KeyRange(f"{prefix}engines/{node}/", write=True)]
