@@ -55,7 +55,7 @@ class _Op:
 
 class BatchWriter:
     def __init__(self, store: Store, *, guard: Callable[[Any], list[Any]] | None = None, max_ops: int = 127,
-                 parallel: int = 4, behind_linger_s: float = 0.0) -> None:
+                 max_bytes: int = 1 << 20, parallel: int = 4, behind_linger_s: float = 0.0) -> None:
         self.store = store
         # Written-behind writes with nothing awaited beside them wait up to this long for company: an awaited
         # write (or `max_ops` writes) sends them at once. 0: sent as soon as a slot is free.
@@ -67,6 +67,10 @@ class BatchWriter:
         # comparisons are the guard's one and one per create. In a burst most transactions are full: 100 made
         # ~15% more of them (docs/controlplane.md), each a gRPC request, a raft entry and a watch response.
         self.max_ops = max_ops
+        # And at most this many bytes of keys and values (but one write, whatever its size): etcd refuses a request
+        # over --max-request-bytes (1.5 MiB by default), so a few large records in one transaction failed the others
+        # beside them (a failed written-behind batch ends the owner's term: `lost`).
+        self.max_bytes = max_bytes
         self.parallel = parallel
         self.lost = asyncio.Event()
         self.transactions = 0  # committed transactions (health and benchmarks)
@@ -245,9 +249,14 @@ class BatchWriter:
 
     def _take(self) -> list[_Op]:
         batch: list[_Op] = []
+        size = 0
         for key in list(self._pending):
             if key in self._inflight:
                 continue
+            op = self._pending[key]
+            size += len(key) + len(op.value or b"")
+            if batch and size > self.max_bytes:
+                break  # the next transaction's first
             batch.append(self._pending.pop(key))
             if len(batch) >= self.max_ops:
                 break

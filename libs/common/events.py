@@ -28,7 +28,15 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every string bounded (an identifier tighter: `Name`): a node's events and the records made of them are stored
+    # in etcd, whose requests and replies are bounded, and one oversized field once failed the controller's batched
+    # writes and every later term's reads (probe of 2026-12-06: a schema-valid fault with a 600 KB model name).
+    # Every number finite: a command whose `expires` was NaN never expired (every comparison with NaN is false).
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=4096, allow_inf_nan=False)
+
+
+# An identifier (an engine, model, class, node, gang): part of etcd keys and of every record that names it.
+Name = Annotated[str, Field(max_length=256)]
 
 
 # ---------------------------------------------------------------- shared vocabulary
@@ -224,10 +232,10 @@ class WeightsLoaded(Model):
 
 
 class EngineInfo(Model):
-    engine_id: str
-    node: str
-    model: str
-    engine_class: str
+    engine_id: Name
+    node: Name
+    model: Name
+    engine_class: Name
     role: EngineRole
     pid: int | None = None
     gpu: int = 0  # the node-local index (what leases and placement key on)
@@ -312,24 +320,24 @@ class Event(Model):
 
 class FaultDetected(Event):
     type: Literal["fault.detected"] = "fault.detected"
-    engine_id: str
-    model: str = ""
-    engine_class: str = "default"
+    engine_id: Name
+    model: Name = ""
+    engine_class: Name = "default"
     generation: int = 0
     pid: int | None = None
     kind: FaultKind
     exit_code: int | None = None
     signal: int | None = None
     gpu: int = 0
-    gpu_uuid: str | None = None
+    gpu_uuid: Name | None = None
     died_at: float | None = Field(None, description="when the agent observed the death (epoch seconds)")
     detail: str = ""
     role: EngineRole | None = None  # a standby's fault costs no memory: the agent replaces it by itself
-    node: str = ""
+    node: Name = ""
     # A rank of a tensor-parallel group: the group's rank 0 engine id (the incident is the group's: one per group
     # and generation, whichever rank faults) and its gang. None: a single engine.
-    group: str | None = None
-    gang: str | None = None
+    group: Name | None = None
+    gang: Name | None = None
     # Which rank of the group died first, when the agent saw a follower (1..N-1) die before rank 0 (its watch of the
     # follower's own process); None: rank 0, a single engine, or a fault not of one rank (a hang, a CUDA error).
     rank: int | None = None

@@ -63,7 +63,10 @@ M = TypeVar("M", bound=BaseModel)
 # A member gone takes its connection with it; the channel then tries the members again at once, and at most
 # this long apart while none answers (gRPC's default backs off to 120 s, longer than any lease here).
 _RECONNECT = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1000,
-              "grpc.min_reconnect_backoff_ms": 100}
+              "grpc.min_reconnect_backoff_ms": 100,
+              # a page of a snapshot read (cluster_view.py, 2000 keys) may pass gRPC's 4 MiB default: etcd sends any
+              # size, and a reply refused here failed every later term's start-up read
+              "grpc.max_receive_message_length": 256 << 20}
 
 
 def encode_value(value: Any) -> bytes:

@@ -53,7 +53,8 @@ async def _until_over(election: LeaderElection, term: Term, tasks: dict[str, asy
     if lease in done:
         return "election lease expired"
     if fence in done:
-        return "a fenced write found another term's leader key"
+        return "a written-behind record could not be kept (a fenced write found another term's leader key, or etcd " \
+               "refused or did not answer the write)"
     task = next(iter(done))
     exc = task.exception()
     if isinstance(exc, InvariantBroken):

@@ -264,7 +264,7 @@ async def test_a_stored_backlog_larger_than_one_socket_read_reaches_a_batch_hand
 
     monkeypatch.setattr(durable, "HOLD_S", 5.0)
     n = 240
-    await bus.publish_all([bus.wired(FaultDetected(engine_id=f"e{i}", kind=FaultKind.KILLED, model="m" * 2000),
+    await bus.publish_all([bus.wired(FaultDetected(engine_id=f"e{i}", kind=FaultKind.KILLED, detail="m" * 2000),
                                      id=f"f-{i}") for i in range(n)])
     batches: list[int] = []
     every, late = asyncio.Event(), asyncio.Event()

@@ -74,3 +74,34 @@ def test_commands_and_replies_reject_what_is_not_theirs(value: object) -> None:
             decode_model(model, raw)
         except MalformedMessage:
             pass
+
+
+def test_an_event_with_an_oversized_string_is_malformed() -> None:
+    """A schema-valid fault whose model name was 600 KB became an incident record etcd could not take (the batched
+    write failed, and every later term's read of the records): every string is bounded (4 KiB), an identifier
+    tighter (256)."""
+    base = FaultDetected(engine_id="e1", kind=FaultKind.EXITED, node="node-1").model_dump(mode="json")
+    for field, size in (("model", 257), ("engine_id", 257), ("node", 257), ("detail", 4097), ("model", 600_000)):
+        raw = json.dumps({"id": "x", "type": "fault.detected", "source": "agent", "time": 1.0,
+                          "data": {**base, field: "m" * size}}).encode()
+        try:
+            decode_event(raw)
+        except MalformedMessage as e:
+            assert field in e.message
+        else:
+            raise AssertionError(f"a {size}-character {field} was accepted")
+    ok = json.dumps({"id": "x", "type": "fault.detected", "source": "agent", "time": 1.0,
+                     "data": {**base, "model": "m" * 256, "detail": "d" * 4096}}).encode()
+    assert decode_event(ok).data.model == "m" * 256
+
+
+def test_a_command_that_never_expires_is_malformed() -> None:
+    """`expires: NaN` compared false with every clock, so the command never expired; no number is NaN or infinite."""
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        raw = '{"source": "dc_manager", "to": "node-1", "expires": ' + bad + ', "data": {"owner": "e1"}}'
+        try:
+            decode_model(CommandEnvelope, json.loads(raw))
+        except MalformedMessage as e:
+            assert "expires" in e.message
+        else:
+            raise AssertionError(f"expires {bad} was accepted")
