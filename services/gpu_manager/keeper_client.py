@@ -1,10 +1,16 @@
-"""The manager's side of the fd keeper: connect (starting a detached keeper if none runs), put, drop, list."""
+"""The manager's side of the fd keeper: connect (starting a detached keeper if none runs), put, drop, list.
+
+Before it connects, the manager takes the flock the keeper serves (`<socket>.manager`, keeper.py) and holds it
+until it closes or exits: one gpu_manager per keeper, and the keeper serves that process alone.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +19,7 @@ from typing import Any
 
 from libs.common.errors import RemoteError, Unavailable
 from libs.common.wire import FrameStream
+from services.gpu_manager.keeper import MANAGER_LOCK
 
 log = logging.getLogger("holdfast.gpu_manager.keeper")
 
@@ -36,9 +43,23 @@ class KeeperClient:
         self.path = path
         self.stream: FrameStream | None = None
         self._lock = asyncio.Lock()
+        self._held: int | None = None  # the manager's flock (keeper.py `MANAGER_LOCK`), once taken
+
+    def _hold(self) -> None:
+        if self._held is not None:
+            return
+        fd = os.open(str(self.path) + MANAGER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Unavailable(f"another gpu_manager uses the fd keeper on {self.path} (it holds "
+                              f"{self.path}{MANAGER_LOCK})") from None
+        self._held = fd
 
     async def connect(self) -> None:
         """Connect to the running keeper, or start one and wait for it."""
+        self._hold()
         try:
             self.stream = await FrameStream.connect(str(self.path))
             return
@@ -95,6 +116,9 @@ class KeeperClient:
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+        if self._held is not None:
+            os.close(self._held)  # the flock goes with its last fd
+            self._held = None
 
 
 def keeper_pid(path: Path) -> int | None:
