@@ -17,6 +17,10 @@ identical to the uninterrupted generation, so the client sees one stream. Invari
 6. A request that engines failed while running (`engine_error` in-band) `max_engine_errors` times is not replayed
    again (502 `engine_error_repeated`): a request that ends the engine's step loop would otherwise end every
    engine of its model in turn. Deaths from outside (a SIGKILL: a cut connection) do not count.
+7. An engine that refuses a request for now (`queue_full`: its queue is at its bound) is sound, never suspect: a
+   new request is answered 503 `queue_full` at once (the client retries, as OpenAI's clients do), a resumed one
+   waits for room on it up to `hold_timeout_s`. Taken for a failure, a burst had the router avoid an idle engine
+   for `suspect_s` and answer `no_endpoint` (probe of 2026-12-06).
 """
 
 from __future__ import annotations
@@ -65,6 +69,22 @@ class RelayError(Exception):
 
 class UpstreamFailed(Exception):
     pass
+
+
+class EngineBusy(Exception):
+    """The engine refused the request for now (`queue_full`): a sound engine at its bound (invariant 7)."""
+
+
+def _busy(status: int, body: bytes) -> None:
+    """Raise `EngineBusy` when an engine's non-200 answer is its `queue_full` refusal (503 or 429)."""
+    if status not in (429, 503):
+        return
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return
+    if isinstance(err, dict) and err.get("code") == "queue_full":
+        raise EngineBusy(str(err.get("message", "its queue is full")))
 
 
 class EngineErrored(UpstreamFailed):
@@ -196,6 +216,8 @@ class Relay:
         generated: list[int] = []
         engines: list[str] = []
         attempts = errored = 0
+        busy_until: float | None = None  # a resumed request waits for room on a busy engine until then
+        busy = 0
         outcome = "cancelled"
         try:
             while True:
@@ -205,6 +227,7 @@ class Relay:
                     raise RelayError(503, e.code, e.message) from None
                 engines.append(ep.engine_id)
                 offset = len(generated)
+                wait_s = 0.0
                 try:
                     # aclosing: an early stop (enough, the client gone) closes the engine stream now, not at GC
                     attempt_lines = self._attempt(ep, req, seed, generated, rid, marks, replay=attempts > 0)
@@ -221,6 +244,14 @@ class Relay:
                     if outcome == "completed":
                         return
                     raise UpstreamFailed("stream ended without a final line")
+                except EngineBusy as e:  # invariant 7
+                    engines.pop()  # it ran nothing of it
+                    now = time.monotonic()
+                    busy_until = busy_until or now + s.hold_timeout_s
+                    if not generated or now >= busy_until:
+                        raise RelayError(503, "queue_full", f"engine {ep.engine_id}: {e}") from None
+                    busy += 1
+                    wait_s = min(0.05 * 2 ** min(busy, 5), 1.0, busy_until - now)
                 except UpstreamFailed as e:
                     self.table.suspect(ep, s.suspect_s)
                     attempts += 1
@@ -233,6 +264,8 @@ class Relay:
                     self.stats.replayed += 1
                 finally:
                     self.table.release(ep)
+                if wait_s > 0:  # a busy engine, for a resumed request: room again soon, or its bound
+                    await asyncio.sleep(wait_s)
         except RelayError as e:
             outcome = "client_error" if 400 <= e.status < 500 else "failed"
             if generated:  # the client already has tokens: the error goes in-band, as the final line
@@ -292,6 +325,7 @@ class Relay:
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise RelayError(resp.status_code, "engine_refused", (await resp.aread()).decode(errors="replace")[:2000])
                 if resp.status_code != 200:
+                    _busy(resp.status_code, await resp.aread())
                     raise UpstreamFailed(f"engine answered {resp.status_code}")
                 async for item in self._lines(resp.aiter_lines(), cut, generated, marks):
                     yield item
@@ -314,6 +348,8 @@ class Relay:
             if obj.get("done"):
                 if "error" in obj:
                     status = obj.get("status")
+                    if isinstance(obj["error"], dict) and obj["error"].get("code") == "queue_full":
+                        raise EngineBusy(str(obj["error"].get("message", "its queue is full")))
                     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
                         raise RelayError(status, "engine_refused", json.dumps(obj["error"])[:2000])
                     if isinstance(obj["error"], dict) and obj["error"].get("code") == "engine_error":
