@@ -14,7 +14,9 @@ that cannot be read back is set aside into `quarantine` (quarantine.py), each ro
 failed GPU's row in `gpu_health` is written before its leases are reclaimed and deleted only when it is marked
 healthy (gpu_board.py invariant 4). A write the database refuses (its disk full, an I/O error, the database locked
 or away) rolls back whole and raises `TableUnwritable`, a typed `unavailable` reply: nothing changed, and the same
-write works once the condition ends.
+write works once the condition ends. On SQLite the database and its -wal, -shm and -journal files are 0600 whatever
+the process umask (`_private_sqlite`): they hold every owner's engine id and the frozen leases' transfer tokens, which
+no other uid may read (session.py rule 9), even where the state directory is traversable.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -37,6 +40,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    make_url,
     select,
 )
 from sqlalchemy.exc import OperationalError
@@ -49,6 +53,8 @@ from services.gpu_manager.records import LeaseRecord, RowDefect, gang_from_row, 
 T = TypeVar("T")
 log = logging.getLogger("holdfast.gpu_manager.db")
 
+PRIVATE = 0o600  # the SQLite files: the manager's uid's alone
+SIDECARS = ("-wal", "-shm", "-journal")
 CHECKPOINT_EVERY = 200  # SQLite writes between two WAL checkpoints (each a few pages: the WAL stays ~1-4 MB)
 BUSY_WAIT_S = 1.0
 
@@ -123,6 +129,7 @@ class LeaseDb:
         # BUSY_WAIT_S, then it is refused (TableUnwritable, tried again) rather than stalling every engine's session
         self.engine = create_engine(url, future=True, connect_args={"timeout": BUSY_WAIT_S} if self.inline else {})
         if self.inline:
+            _private_sqlite(url)
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-db")
         self._writes = 0
@@ -233,6 +240,22 @@ class LeaseDb:
             self.checkpoint()
         self._pool.shutdown(wait=True)
         self.engine.dispose()
+
+
+def _private_sqlite(url: str) -> None:
+    """The database file made 0600 before SQLite first opens it (created so, under any umask), and any sidecar an
+    older manager left made so: SQLite creates each sidecar with the database file's mode."""
+    path = make_url(url).database
+    if not path or path == ":memory:" or path.startswith("file:"):  # in memory, or a URI SQLite resolves itself
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE)
+    try:
+        os.fchmod(fd, PRIVATE)  # the umask narrows a new file's mode only; an existing one keeps its own
+    finally:
+        os.close(fd)
+    for suffix in SIDECARS:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path + suffix, PRIVATE)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -37,6 +37,11 @@ Invariants (tests/gpu_manager/test_gang.py):
    the successor names ranks 0..M-1, asks at the current generation, and every backup is frozen under one token at
    its committed epoch. The gang the successor holds is its own (size M; none for M = 1: a single engine is no
    gang), registered anew once its ranks commit.
+11. A gang's ranks are one group's processes: rank r > 0 is `rank_engine_id(owners[0], r)` (`check_ranks`), the id its
+   rank 0 starts it under (engines/batched/tp_group.py, engines/reference/tp_runner.py) and that no other engine is
+   given (the agent's ids are `new_id`'s, which never end `-r<n>`). So rank 0 names only its own group's ranks: no
+   other engine's leases are bound into its gang (that engine's own failover would be refused `partial_gang`, and a
+   freeze of this gang would freeze its live leases).
 """
 
 from __future__ import annotations
@@ -45,11 +50,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from libs.client.protocol import GangView, PartialGang, StaleGang
-from libs.common.events import LeaseInfo, LeaseState, Tag, is_kv_backup
+from libs.common.errors import PermissionDenied
+from libs.common.events import LeaseInfo, LeaseState, Tag, is_kv_backup, rank_engine_id
 from services.gpu_manager.fsm import LIVE, LeaseEvent, transition
 
 __all__ = ["Gang", "GangMove", "PartialGang", "StaleGang", "after_degraded", "after_takeover", "belongs", "broken",
-           "degradable", "ended", "form", "plan", "plan_degraded", "plan_reclaim", "restorable"]
+           "check_ranks", "degradable", "ended", "form", "plan", "plan_degraded", "plan_reclaim", "restorable"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,14 @@ def members(gang: Gang, leases: Sequence[LeaseInfo]) -> dict[int, list[LeaseInfo
         if rank is not None and info.state in LIVE:
             out[rank].append(info)
     return out
+
+
+def check_ranks(gang_id: str, owners: Sequence[str]) -> None:
+    """Refuse ranks that are not one group's (invariant 11): another engine's id among them would bind its leases."""
+    group = [rank_engine_id(owners[0], r) for r in range(len(owners))]
+    if list(owners) != group:
+        raise PermissionDenied(f"gang {gang_id}: ranks {list(owners)} are not {owners[0]}'s group {group}: a gang "
+                               "holds only its own group's leases")
 
 
 def form(gang_id: str, owners: Sequence[str], leases: Sequence[LeaseInfo]) -> Gang:

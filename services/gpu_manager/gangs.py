@@ -23,6 +23,10 @@ Invariants (tests/gpu_manager/test_gang_socket.py, tests/engine/test_tp.py):
    throttled). A rank engine id whose leases are of both uids (the caller uses another user's engine id) is still
    refused `permission_denied`, as scope.py's rule 2 leaves it. A registration under a gang id a live group holds is
    `conflict` whoever holds it, naming no holder (the ids are the node's, not a uid's: that one is known to exist).
+8. A process registers only leases it speaks for (tests/gpu_manager/test_gang_bind.py): its own, every live one of
+   its engine id held by it (ACTIVE, its pid: not another process that said hello under its id), and its group's
+   ranks' (gang.py invariant 11: rank r is `rank_engine_id(owners[0], r)`, checked before anything is looked up).
+   Anything else is `permission_denied` and changes nothing, so no engine binds another's leases into its gang.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from typing import Any
 from libs.client.protocol import GangRegister, GangTakeover, PredecessorAlive
 from libs.common.errors import Conflict, NotFound, PermissionDenied
 from libs.common.events import LeaseState, is_kv_backup
-from services.gpu_manager.fsm import LeaseEvent
+from services.gpu_manager.fsm import LIVE, LeaseEvent
 from services.gpu_manager.gang import (
     Gang,
     GangMove,
     PartialGang,
     after_degraded,
     after_takeover,
+    check_ranks,
     form,
     plan,
     plan_degraded,
@@ -109,12 +114,14 @@ class GangBook:
 
     async def register(self, req: GangRegister, peer: Any) -> Gang:
         """Rank 0's registration once every rank committed (gang.py invariant 6), of its uid's leases only
-        (invariant 7). Caller holds the lock."""
+        (invariant 7) and of those it speaks for (invariant 8). Caller holds the lock."""
+        check_ranks(req.gang_id, req.owners)  # the request alone: before anything is looked up
         uid = peer.uid
         hide = {o for o in req.owners
                 if foreign_owner(self.book.records, o, asker=peer.engine_id, uid=uid, pid=peer.pid)}
         if any(r.owner_uid != uid for r in self.book.records.values() if r.info.owner in set(req.owners) - hide):
             raise PermissionDenied(f"gang {req.gang_id}: a rank's engine id holds leases of another user")
+        self._check_held_by(req.gang_id, peer)
         old = self.gangs.get(req.gang_id)
         if old is not None and set(old.owners.values()) != set(req.owners) and \
                 any(r.info.state != LeaseState.RECLAIMED for r in self._records(old)):
@@ -129,6 +136,16 @@ class GangBook:
         log.info("gang %s registered: %d ranks %s, %d leases, generation %d", gang.gang_id, gang.size,
                  req.owners, len(gang.epochs), gang.generation)
         return gang
+
+    def _check_held_by(self, gang_id: str, peer: Any) -> None:
+        """Rank 0's leases are the calling process's (invariant 8): a process that said hello under a live engine's id
+        (or a dead one's, its leases orphaned or frozen) does not speak for them."""
+        if any(r.info.state != LeaseState.ACTIVE or r.owner_pid != peer.pid for r in self.book.records.values()
+               if r.info.owner == peer.engine_id and r.owner_uid == peer.uid and r.info.state in LIVE):
+            log.warning("gang %s: registration by %s (pid %d) refused: its engine id's leases are held by another "
+                        "process, or by none", gang_id, peer.engine_id, peer.pid)
+            raise PermissionDenied(f"gang {gang_id}: {peer.engine_id}'s leases are not held by this process (pid "
+                                   f"{peer.pid}): only the process holding them registers their gang")
 
     async def freeze(self, gang_id: str, token: str | None, cause: str,
                      degraded: bool = False) -> tuple[Gang, list[LeaseRecord], str]:

@@ -24,7 +24,8 @@ Identity is the kernel's word (pid, uid from SO_PEERCRED) plus the engine id giv
 7. Listings answer for the caller only: `pending` shows leases of the caller's engine id *and* uid.
 8. A gang's leases (a tensor-parallel engine's ranks') move only with the gang (gangs.py): `gang_takeover` by
    every rank of the successor group; a plain `takeover` of one rank's leases is refused (`partial_gang`). A
-   gang is registered only by its rank 0 (`owners[0]`), so no engine binds another's leases into a gang.
+   gang is registered only by its rank 0 (`owners[0]`), the process holding rank 0's leases, naming its own group's
+   ranks only (`rank_engine_id`: gangs.py invariant 8), so no engine binds another's leases into a gang.
 9. A request naming another uid's lease, or an engine id whose leases are all another uid's, gets the answer an
    unknown one gets (scope.py): no uid learns which lease ids or engine ids exist beyond its own. So does one naming
    another uid's gang (`gang_takeover`) or a rank whose leases are another uid's (`gang_register`): gangs.py

@@ -26,7 +26,7 @@ from libs.common.events import (
 from tests.gpu_manager.harness import ManagerProc, until
 from tests.gpu_manager.test_gang_restart import no_gang
 
-RANKS = ["g-r0", "g-r1"]
+RANKS = ["g", "g-r1"]  # rank r of group "g" (libs.common.events.rank_engine_id)
 
 
 def gang_on_two_gpus(engines, manager: ManagerProc, backed: bool = False) -> list:  # noqa: ANN001

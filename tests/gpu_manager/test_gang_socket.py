@@ -23,7 +23,7 @@ from libs.common.events import (
 )
 from tests.gpu_manager.harness import ManagerProc
 
-RANKS = ["g-r0", "g-r1"]
+RANKS = ["g", "g-r1"]  # rank r of group "g" (libs.common.events.rank_engine_id)
 
 
 def ranks_with_leases(engines, manager: ManagerProc) -> list:  # noqa: ANN001
@@ -93,9 +93,10 @@ async def test_the_whole_group_takes_the_gang_over_in_one_step_and_a_gang_is_rec
     answers = group_asks([engines(manager, "s-r0"), engines(manager, "s-r1")], frozen.transfer_token)
     assert answers == {0: {"code": "ok"}, 1: {"code": "ok"}}
     moved = {i.id: i for i in (await bus.request(settings.node, ListLeases(), ListLeasesReply)).leases}
+    successor_of = dict(zip(RANKS, ["s-r0", "s-r1"], strict=True))
     for old in frozen.leases:
         new = moved[old.id]
-        assert (new.owner, new.epoch, new.state) == (old.owner.replace("g-", "s-"), old.epoch + 1, LeaseState.ACTIVE)
+        assert (new.owner, new.epoch, new.state) == (successor_of[old.owner], old.epoch + 1, LeaseState.ACTIVE)
     # the gang's generation moved on: the predecessor's freeze reply is stale now
     again = await bus.request(settings.node, FreezeGang(gang_id="g"), FreezeGangReply)
     assert again.generation == 2 and again.owners == ["s-r0", "s-r1"]
