@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from libs.common.cli_support import parse_settings
@@ -12,6 +13,9 @@ from services.gpu_manager.settings import GpuManagerSettings
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(GpuManagerSettings, argv, "holdfast gpu-manager")
+    # What it writes (the lease database, weight artifacts of lease bytes, the keeper's files) is its uid's alone,
+    # whatever the umask it was started with; its sockets set their own mode (libs/common/wire.py `listen_unix`).
+    os.umask(0o077)
     run_service("gpu_manager", settings.node, settings, setup)
 
 

@@ -139,6 +139,7 @@ async def serve(path: str) -> None:
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper %(levelname)s %(message)s")
     path = argv[0]
+    os.umask(0o077)  # its pid and lock files, as its gpu_manager's (services/gpu_manager/__main__.py)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lock = open(path + ".lock", "w")  # noqa: SIM115 - held for the life of the process
     try:

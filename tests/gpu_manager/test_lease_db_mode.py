@@ -36,6 +36,9 @@ def test_the_lease_database_and_its_sidecars_are_owner_only_whatever_the_umask(m
     modes = db_modes(manager)
     assert {"gpu_manager.db", "gpu_manager.db-wal", "gpu_manager.db-shm"} <= set(modes), modes
     assert set(modes.values()) == {0o600}, modes
+    opened = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in Path(manager.state_dir).rglob("*")
+              if stat.S_IMODE(p.stat().st_mode) & 0o077}
+    assert opened == {}, opened  # nothing the manager or its keeper wrote (pid, lock and log files too)
 
     manager.stop()
     for name in db_modes(manager):  # as an older manager left them
