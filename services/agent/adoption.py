@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from libs.common.errors import Conflict
 from libs.common.events import EngineInfo, EngineRole, EngineStarted, FaultKind, RankProcess
 from services.agent import supervision
 from services.agent.engines import EngineRecord, State
 from services.agent.pidfd import end_process, proc_start_time
+from services.agent.protocol import Register
 from services.agent.records import RecordWriter
 from services.agent.table import EngineTable, FaultReporter
 
@@ -70,26 +71,24 @@ class Adoption:
         host.watch_followers(rec, rec.followers)
         log.info("re-adopted engine %s (pid %d, %s)", rec.engine_id, rec.pid, rec.state.value)
 
-    def adopt(self, msg: dict[str, Any], pid: int) -> EngineRecord:
+    def adopt(self, reg: Register, pid: int) -> EngineRecord:
         """An engine this agent does not know (a previous agent's child whose record it never wrote, or one started
         by someone else): adopted into its spec, if that spec has room for it (supervision.admit_stranger), else
         refused with a `conflict` and ended, so that it never runs beside the replacement that took its slot."""
         host = self.host
-        role = EngineRole(msg.get("role") or "active")
-        model, engine_class = str(msg.get("model") or "unknown"), str(msg.get("engine_class") or "default")
-        version = str(msg.get("version") or "1")
-        key = supervision.stranger_key(host.specs, model, engine_class, version)
-        spare = role is EngineRole.STANDBY and bool(msg.get("spare"))  # a spare says so as it registers
+        role = reg.role or EngineRole.ACTIVE
+        key = supervision.stranger_key(host.specs, reg.model, reg.engine_class, reg.version)
+        spare = role is EngineRole.STANDBY and reg.spare  # a spare says so as it registers
         why = supervision.admit_stranger(host.specs, host.records(), key, role, spare=spare)
         if why is not None:
             self._end_refused(pid)
-            raise Conflict(f"engine {msg['engine_id']} (pid {pid}) is one too many: {why}")
+            raise Conflict(f"engine {reg.engine_id} (pid {pid}) is one too many: {why}")
         start = proc_start_time(pid)
         # a TP group's rank 0 names its followers (watched as it registers, links.py)
-        tp = supervision.stranger_tp(host.specs.get(key) if key is not None else None, msg.get("followers"))
-        rec = EngineRecord(engine_id=str(msg["engine_id"]), model=model, engine_class=engine_class, role=role,
-                           gpu=int(msg.get("gpu") or 0), version=version, spec_key=key, pid=pid,
-                           pid_start=start, child=False, tp=tp, spare=spare)
+        tp = supervision.stranger_tp(host.specs.get(key) if key is not None else None, reg.followers)
+        rec = EngineRecord(engine_id=reg.engine_id, model=reg.model, engine_class=reg.engine_class, role=role,
+                           gpu=reg.gpu, version=reg.version, spec_key=key, pid=pid, pid_start=start, child=False,
+                           tp=tp, spare=spare)
         host.watcher.watch(rec.engine_id, pid, child=False, start_time=start)
         host.engines[rec.engine_id] = rec
         log.info("adopted engine %s (pid %d) started by someone else%s", rec.engine_id, pid,

@@ -14,7 +14,7 @@ from libs.common.gc_tuning import long_lived_gc
 from libs.common.metrics_http import serve_metrics
 from libs.common.service import Runtime
 from libs.common.terms import current_term
-from services.agent import records
+from services.agent import protocol, records
 from services.agent.commands import Commands
 from services.agent.incident_ends import follow_incident_ends
 from services.agent.link_server import make_handler
@@ -49,8 +49,10 @@ async def setup(rt: Runtime) -> None:
 
     if settings.marks_on():  # the mark waiter up before the first engine registers (mark_waiter.py)
         agent.watcher.start_marks()
-    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent.links, settings.peer_uids()),
-                                     mode=settings.socket_mode)
+    # small limits until a frame's op is known (link_server.py rule 4): a register, with its death mark's one fd
+    server = await wire.serve_frames(str(settings.socket_path()), make_handler(agent.links, settings),
+                                     mode=settings.socket_mode, max_size=protocol.MAX_REGISTER_BYTES,
+                                     max_fds=protocol.MAX_REGISTER_FDS)
     rt.on_close(server.close)
     # Engines a previous agent started and never recorded register again now: they fill their slots first.
     agent.starts_from = time.monotonic() + settings.stranger_wait_s

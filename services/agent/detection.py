@@ -100,9 +100,11 @@ class Detection:
             kind, detail = FaultKind.EXITED, "exited after saying goodbye (adopted: exit code unknown)"
         else:
             kind, detail = FaultKind.KILLED, "died without a goodbye (adopted: signal unknown)"
-        if self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=detail, died_at=st.at):
-            self.host.promote(rec, kind)  # its standby at once, where this agent may (takeover.py)
-        self.host.gone(rec)
+        try:
+            if self.fault(rec, kind, exit_code=st.exit_code, sig=st.signal, detail=detail, died_at=st.at):
+                self.host.promote(rec, kind)  # its standby at once, where this agent may (takeover.py)
+        finally:
+            self.host.gone(rec)  # the process is gone whatever became of its fault: its link and waiters end
 
     def exiting(self, engine_id: str, st: ExitStatus) -> None:
         """Seen exiting (PF_EXITING) before the pidfd says dead: the fault is published now. The process can

@@ -2,24 +2,28 @@
 what an engine's registration and frames do to its record, and what the agent sends it (a standby's assignment,
 a shadow's offer, a shadow's `owner_down`).
 
-A registration's pid is the kernel's (SO_PEERCRED); an engine id held by a live process cannot be claimed by
-another (invariant 5), and an engine declared failed is refused, never adopted again: its slot is its
-successor's. An engine this agent does not know is adoption.py's.
+Every registration and frame reaches here validated (protocol.py, at link_server.py's edge): a record holds only
+what its `EngineInfo` can be built from. A registration's pid is the kernel's (SO_PEERCRED); an engine id held by a
+live process cannot be claimed by another (invariant 5), and an engine declared failed is refused, never adopted
+again: its slot is its successor's. An engine this agent does not know is adoption.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from libs.common.errors import Conflict, MalformedMessage, PermissionDenied
-from libs.common.events import EngineReady, FaultKind, RankProcess
+from libs.common.events import EngineReady, RankProcess
 from libs.common.wire import FrameStream, close_fds
 from services.agent import rank_watch, shadows, supervision
 from services.agent.adoption import Adoption
 from services.agent.engines import EngineRecord, Ev, State, weights_loaded
+from services.agent.protocol import Asleep, Fatal, Heartbeat, LinkMessage, Ready, Register, Shadowing
 from services.agent.table import EngineTable, FaultReporter
 
 log = logging.getLogger("holdfast.agent")
@@ -43,13 +47,13 @@ class Links:
         self.host = host
         self.streams: dict[str, FrameStream] = {}  # engine id -> its registered link
 
-    def on_register(self, msg: dict[str, Any], stream: FrameStream, fds: Sequence[int] = ()) -> EngineRecord:
+    def on_register(self, reg: Register, stream: FrameStream, fds: Sequence[int] = ()) -> EngineRecord:
         """Register (or register again) the engine on `stream`; `fds` are closed here, the first armed as the
         engine's death mark where it says it sent one (`death_mark`) and the agent's `death_marks` are on."""
         fds = list(fds)
         try:
-            rec = self._register(msg, stream)
-            if fds and msg.get("death_mark") and self.host.settings.marks_on():
+            rec = self._register(reg, stream)
+            if fds and reg.death_mark and self.host.settings.marks_on():
                 self._arm(rec, fds.pop(0))
             return rec
         finally:
@@ -66,15 +70,12 @@ class Links:
             log.warning("engine %s: death mark sent before its process is watched: its exit is polled",
                         rec.engine_id)
 
-    def _register(self, msg: dict[str, Any], stream: FrameStream) -> EngineRecord:
+    def _register(self, reg: Register, stream: FrameStream) -> EngineRecord:
         host = self.host
         creds = stream.peer_credentials()
-        pid = int(msg.get("pid") or 0)
+        pid, engine_id = reg.pid, reg.engine_id
         if pid != creds.pid:
             raise PermissionDenied(f"claimed pid {pid} but the socket says {creds.pid}")
-        engine_id = str(msg.get("engine_id") or "")
-        if not engine_id:
-            raise PermissionDenied("register needs an engine_id")
         rec = host.engines.get(engine_id)
         if rec is not None and rec.pid not in (None, pid) and host.watcher.watching(engine_id):
             raise Conflict(f"engine {engine_id} is already registered by pid {rec.pid}")
@@ -83,64 +84,57 @@ class Links:
             # adopting it again would run one engine more than the spec wants. It is killed when retired.
             raise Conflict(f"engine {engine_id} (pid {pid}) was declared failed: it is replaced, not registered")
         if rec is None or not rec.live:
-            rec = host.adoption.adopt(msg, pid)
+            rec = host.adoption.adopt(reg, pid)
         old = self.streams.pop(engine_id, None)
         if old is not None and old is not stream:
-            old.close()  # the same engine registering again: its newer connection wins
+            hang_up(old)  # the same engine registering again: its newer connection wins
         self.streams[engine_id] = stream
-        supervision.registered(rec, bool(msg.get("heartbeats")), time.monotonic())
-        rec.can_shadow = bool(msg.get("can_shadow"))
-        rec.fences = bool(msg.get("fences"))
-        if msg.get("followers") and rec.tp > 1:  # a TP group's rank 0 names its other ranks: watched from now on
+        supervision.registered(rec, reg.heartbeats, time.monotonic())
+        rec.can_shadow = reg.can_shadow
+        rec.fences = reg.fences
+        if reg.followers and rec.tp > 1:  # a TP group's rank 0 names its other ranks: watched from now on
             try:
-                host.watch_followers(rec, rank_watch.parse_followers(msg["followers"], rec.tp))
+                host.watch_followers(rec, rank_watch.parse_followers(reg.followers, rec.tp))
             except MalformedMessage as e:
                 log.warning("engine %s: %s; its followers' deaths are seen through its exit", rec.engine_id, e)
-        if msg.get("shadows"):
-            rec.shadows = str(msg["shadows"])  # re-registration: it still shadows that engine
-        state = msg.get("state")
-        if state in ("ready", "standby") and rec.state is State.STARTING:
-            rec.endpoint = msg.get("endpoint")
+        if reg.shadows:
+            rec.shadows = reg.shadows  # re-registration: it still shadows that engine
+        if reg.state in ("ready", "standby") and rec.state is State.STARTING:
+            rec.endpoint = reg.endpoint
             rec.transition(Ev.READY)
             host.save(rec)
         return rec
 
-    def on_message(self, rec: EngineRecord, msg: dict[str, Any]) -> dict[str, Any] | None:
-        """Handle one frame from an engine; returns the reply (an ack) if the frame wants one."""
+    def on_message(self, rec: EngineRecord, msg: LinkMessage) -> dict[str, Any] | None:
+        """Handle one frame from an engine, validated (protocol.py); returns the reply (an ack) if it wants one."""
         host = self.host
-        op = msg.get("op")
-        if op == "heartbeat":
+        if isinstance(msg, Heartbeat):
             armed = rec.last_heartbeat is not None
             rec.last_heartbeat = time.monotonic()
             if not armed:
                 host.save(rec)  # recorded, so that a restarted agent keeps watching it for hangs
             return None
-        ack = {"op": "ack", "seq": msg.get("seq")} if "seq" in msg else None
-        if op == "ready":
+        if isinstance(msg, Ready):
             self._ready(rec, msg)
-        elif op == "fatal":
-            kind = FaultKind.CUDA_ERROR if msg.get("kind", "cuda_error") == "cuda_error" else FaultKind(msg["kind"])
-            host.fault(rec, kind, detail=str(msg.get("detail", "")), died_at=time.time())
-        elif op == "shadowing":
-            shadows.shadowing(host, rec, msg.get("owner") or None)
-        elif op == "asleep":  # its memory goes (or came back): its shadows are dropped (or offered again)
-            rec.asleep = bool(msg.get("sleeping"))
+        elif isinstance(msg, Fatal):
+            host.fault(rec, msg.kind, detail=msg.detail, died_at=time.time())
+        elif isinstance(msg, Shadowing):
+            shadows.shadowing(host, rec, msg.owner or None)
+        elif isinstance(msg, Asleep):  # its memory goes (or came back): its shadows are dropped (or offered again)
+            rec.asleep = msg.sleeping
             host.background(shadows.reconcile(host), f"shadows:{rec.engine_id}")
-        elif op == "bye":
+        else:  # bye: a following exit is its own
             rec.said_bye = True
-        else:
-            return {"op": "error", "code": "malformed", "message": f"unknown op {op!r}"}
-        return ack
+        return None if msg.seq is None else {"op": "ack", "seq": msg.seq}
 
-    def _ready(self, rec: EngineRecord, msg: dict[str, Any]) -> None:
+    def _ready(self, rec: EngineRecord, msg: Ready) -> None:
         host = self.host
-        if msg.get("heartbeats") and rec.last_heartbeat is None:
+        if msg.heartbeats and rec.last_heartbeat is None:
             rec.last_heartbeat = time.monotonic()  # heartbeats are on: a hang from now on is detected
-        rec.endpoint = msg.get("endpoint")
-        kv = msg.get("kv")
-        rec.kv = kv[:500] if isinstance(kv, str) else None
+        rec.endpoint = msg.endpoint
+        rec.kv = msg.kv
         try:
-            rec.weights = weights_loaded(msg.get("weights"))
+            rec.weights = weights_loaded(msg.weights)
         except MalformedMessage as e:  # the engine serves all the same; its timeline lacks the source
             log.warning("engine %s: %s", rec.engine_id, e)
         if rec.state in (State.STARTING, State.ASSIGNED, State.READY, State.STANDBY):
@@ -173,11 +167,20 @@ class Links:
                                      f"owner-down:{sb.engine_id}")
 
     def drop(self, engine_id: str) -> None:
-        """The engine's process is gone: its link is closed."""
+        """The engine's process is gone: its link is hung up."""
         link = self.streams.pop(engine_id, None)
         if link is not None:
-            link.close()
+            hang_up(link)
 
     def close(self) -> None:
         for link in list(self.streams.values()):
             link.close()
+
+
+def hang_up(stream: FrameStream) -> None:
+    """End a link that its handler (link_server.py) may be waiting on: shut down, not closed, so that the handler
+    wakes to the end of the stream and ends, giving back its connection slot; the server closes the socket then.
+    (Closed under it, the handler's wait on the fd never woke: its task and slot were held for good.)"""
+    with contextlib.suppress(OSError):
+        stream.sock.shutdown(socket.SHUT_RDWR)
+

@@ -20,6 +20,14 @@ class AgentSettings(CommonSettings):
     socket_mode: int = Field(0o600, description="permissions of the engines' socket (the uid check holds whatever they are)")
     allowed_uids: list[int] = Field(default_factory=list, description="uids whose processes may register on the "
                                     "socket (SO_PEERCRED); empty: the agent's own uid only")
+    register_timeout_s: float = Field(5.0, gt=0, description="a connection to the engines' socket must have sent "
+                                      "its whole `register` within this of the connect (link_server.py rule 4)")
+    frame_timeout_s: float = Field(5.0, gt=0, description="a frame from an engine, once begun, must be whole within "
+                                   "this; a reply to it must be taken within this too")
+    max_links: int = Field(256, gt=0, description="most open connections to the engines' socket (each engine holds "
+                           "one; beyond it `too_many_connections`)")
+    max_links_per_pid: int = Field(4, gt=0, description="most open connections to the engines' socket of one process "
+                                   "(an engine holds one, two for a moment as its link reconnects)")
     gpu_manager_socket: Path | None = Field(None, description="passed to engines; default <state_dir>/gpu_manager.sock")
     heartbeat_timeout_s: float = Field(1.0, description="heartbeats missing this long: the engine is hung")
     start_heartbeat_timeout_s: float = Field(10.0, description="the same while an engine starts (not yet ready or "

@@ -114,7 +114,8 @@ async def test_a_registration_is_refused_for_a_pid_that_is_not_the_callers_or_an
 
 
 # An outsider that registers with a death mark that is not one (`unsealed`: a memfd that could shrink under the
-# agent's mapping; `many`: three fds, none a mark), holding 256 MiB so that its teardown outlasts the poll.
+# agent's mapping; `many`: three fds, none a mark, more than a register may carry), holding 256 MiB so that its
+# teardown outlasts the poll.
 MARKED_OUTSIDER = """
 import os, socket, sys, time
 from libs.common import wire
@@ -130,7 +131,8 @@ s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 wire.send_frame(s, {"op": "register", "engine_id": "marked-" + sys.argv[2], "pid": os.getpid(), "role": "active",
                     "model": "m", "death_mark": True}, fds)
-print(wire.recv_frame(s)[0]["op"], flush=True)
+reply = wire.recv_frame(s)[0]
+print(reply["op"], reply.get("code", ""), flush=True)
 time.sleep(60)
 """
 
@@ -151,8 +153,13 @@ async def test_a_death_mark_that_is_not_one_is_refused_closed_and_the_engines_de
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
     try:
         assert outsider.stdout is not None
-        assert (await asyncio.to_thread(outsider.stdout.readline)).strip() == b"registered"
+        said = (await asyncio.to_thread(outsider.stdout.readline)).split()
         assert _memfds(agent.child.pid) == 0  # none mapped, none kept
+        if mark == "many":  # refused from the frame's header, its fds closed: no engine registered
+            assert said == [b"error", b"wrong_fd_count"]
+            assert f"marked-{mark}" not in await engine_records(store)
+            return
+        assert said == [b"registered"]
         outsider.kill()
         fault = await recorder.wait("fault.detected", lambda f: f.engine_id == f"marked-{mark}")
         # seen exiting by the poll, or, where a loaded machine's loop came to the pidfd first, from the zombie this
