@@ -158,6 +158,10 @@ class AgentLink:
             try:
                 link._sock = link._register()
                 break
+            except RemoteError as e:  # the agent answered: only a full socket is worth a retry (its slots free up)
+                if e.remote_code != "too_many_connections" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
             except (OSError, wire.PeerClosed) as e:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"agent at {link.socket_path} unreachable: {e}") from None

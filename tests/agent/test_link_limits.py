@@ -179,3 +179,28 @@ async def test_an_engine_registering_again_gives_its_old_connections_slot_back(
     finally:
         for s in held:
             s.close()
+
+
+async def test_an_engine_refused_by_a_full_socket_registers_once_a_slot_is_free(
+        agent: AgentProcess, store: Store, settings: CommonSettings) -> None:
+    """The engine's client (libs/client/agent_link.py) tries again while the socket is full, within its connect
+    timeout, instead of exiting at the first `too_many_connections` (a replacement engine would have died so)."""
+    from libs.client.agent_link import AgentLink
+
+    agent.start([], max_links=2, register_timeout_s=60)
+    await agent.wait_up(store)
+    path = str(settings.state_dir / "agent.sock")
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for s in socks:
+            s.connect(path)
+        connecting = asyncio.ensure_future(asyncio.to_thread(
+            AgentLink.connect, "full-1", socket_path=path, role="active", model="m", timeout=20))
+        await asyncio.sleep(1.0)
+        assert not connecting.done()  # refused, and trying again
+        socks[0].close()
+        link = await asyncio.wait_for(connecting, 30)
+        link.close()
+    finally:
+        for s in socks:
+            s.close()
