@@ -1,5 +1,7 @@
 """`EngineRoutes`: the routes of engines that are in no incident: a ready active engine's endpoint is put and
-announced (`router.endpoint.added`), a stopped engine's is deleted and withdrawn (`router.endpoint.removed`).
+announced (`router.endpoint.added`), unless that generation left service since (an ended incident replaced it or
+found it gone, or its record says failed or stopped: a ready redelivered late), and a stopped engine's is deleted
+and withdrawn (`router.endpoint.removed`).
 
 An incident's own engines are routed by its steps (routes.py): a failing engine is never announced, and a
 successor is announced by its incident's route-in, with its predecessor, whether its ready event comes before or
@@ -8,12 +10,16 @@ after. Event ids are derived from the engine and its generation, so a redelivere
 
 from __future__ import annotations
 
+import logging
+
 from libs.common.bus import Bus
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EndpointAdded, EndpointRemoved, EngineReady, EngineRole
 from services.controller.open_incidents import OpenIncidents
 from services.controller.routes import IncidentEvents, endpoint_key
 from services.controller.view import ClusterView
+
+log = logging.getLogger("holdfast.controller.routes")
 
 
 class EngineRoutes:
@@ -33,6 +39,12 @@ class EngineRoutes:
             return  # it is failing: do not announce it
         if self.open.is_successor(info.engine_id) or e.takeover_of is not None:
             return  # a successor: route-in announces it with its predecessor (before or after this event)
+        if self.view.out_of_service(info.engine_id, info.generation):
+            # a late delivery (redelivered after a failed handling: an etcd stall) of an engine that died and was
+            # replaced since: its route would stay, pointing at nothing (a chaos run, 2026-12-06)
+            log.info("engine %s generation %d is out of service: its late ready routes nothing", info.engine_id,
+                     info.generation)
+            return
         self.writer.put_nowait(endpoint_key(info.model, info.engine_id), info.endpoint)
         await self.bus.publish(self.events.envelope(
             EndpointAdded(model=info.model, engine_id=info.engine_id, url=info.endpoint),

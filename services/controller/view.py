@@ -24,6 +24,9 @@ class ClusterView(BaseClusterView):
         super().__init__()
         self.incidents: dict[str, IncidentRecord] = {}
         self.open_by_engine: dict[str, str] = {}
+        # engine id -> the latest generation of it that an ended incident took out of service (replaced or gone; not
+        # one that serves on, `serves_on` or a regroup's own engine): a late event of it routes nothing
+        self.gone_generation: dict[str, int] = {}
         self.rollouts: dict[str, RolloutRecord] = {}  # engine class -> its latest roll-out
         # Incident records this process is writing, by id: (the bytes sent, the record). When the watch brings
         # back exactly those bytes, the record is taken as is instead of parsed again (~4 per incident).
@@ -67,6 +70,8 @@ class ClusterView(BaseClusterView):
         if rec.terminal:
             if self.open_by_engine.get(rec.engine_id) == rest:
                 del self.open_by_engine[rec.engine_id]
+            if not rec.serves_on and rec.successor_id != rec.engine_id:
+                self.gone_generation[rec.engine_id] = max(rec.generation, self.gone_generation.get(rec.engine_id, -1))
             if rest not in self.ended and (not rec.end_unannounced or rest in self.announced):
                 self.ended[rest] = rec.updated_at  # retention waits for its end's announcement
         else:
@@ -98,6 +103,14 @@ class ClusterView(BaseClusterView):
         rec = RolloutRecord.model_validate_json(value or b"{}")
         self.rollouts[rest] = rec
         return rec
+
+    def out_of_service(self, engine_id: str, generation: int) -> bool:
+        """That engine generation left service: an ended incident replaced it or found it gone, or its record says
+        it failed or stopped."""
+        engine = self.engines.get(engine_id)
+        if engine is not None and engine.generation == generation and engine.state in ("failed", "stopped"):
+            return True
+        return self.gone_generation.get(engine_id, -1) >= generation
 
     def open_incident_for(self, engine_id: str) -> IncidentRecord | None:
         inc = self.open_by_engine.get(engine_id)

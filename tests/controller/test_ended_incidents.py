@@ -25,6 +25,7 @@ from libs.common.events import (
     EndpointAdded,
     EndpointNotRecovered,
     EngineInfo,
+    EngineReady,
     EngineRole,
     Envelope,
     FaultDetected,
@@ -237,3 +238,31 @@ async def test_a_failed_manual_failover_routes_its_still_serving_engine_back_in_
         assert [t.incident_id for t in thaws] == [serving.id]  # a stopped engine's leases wait for their deadline
     finally:
         await node.close()
+
+
+async def test_a_late_ready_of_an_engine_replaced_since_routes_nothing(driver: IncidentDriver, bus: Bus,
+                                                                       store: Store) -> None:
+    """An engine's `engine.ready`, refused while etcd stalled and redelivered after the engine died and its incident
+    resolved, wrote the dead engine's route back, and nothing removed it (a chaos run): routers sent a request there
+    every few seconds, each costing it a replay. A ready of a generation an ended incident took out of service (or
+    whose record says failed or stopped) routes nothing; a fresh engine's, and one that serves on, are routed."""
+    gone = in_fallback("late-e8", None).model_copy(update={"state": IncidentState.RESOLVED, "successor_id": "sb-9",
+                                                           "generation": 2})
+    driver.view._on_incidents("put", gone.id, gone.model_dump_json().encode())  # as the watch brings it
+    served_on = in_fallback("kept-e9", None).model_copy(update={"state": IncidentState.FAILED, "serves_on": True})
+    driver.view._on_incidents("put", served_on.id, served_on.model_dump_json().encode())
+    driver.view.engines["stopped-e10"] = EngineInfo(engine_id="stopped-e10", node="node-1", model="m",
+                                                    engine_class="default", role=EngineRole.ACTIVE, state="stopped")
+    for eid, generation in (("late-e8", 2), ("late-e8", 1), ("stopped-e10", 0), ("fresh-e11", 0), ("kept-e9", 0),
+                            ("late-e8", 3)):
+        info = EngineInfo(engine_id=eid, node="node-1", model="m", engine_class="default", role=EngineRole.ACTIVE,
+                          endpoint=f"http://127.0.0.1:9/{eid}-{generation}", state="ready", generation=generation)
+        ready = EngineReady(engine=info)
+        await driver.on_event(Envelope(type=ready.type, source="agent", data=ready, node="node-1"))
+    await driver.writer.flush()
+    routes = await store.get_prefix("endpoints/m/")
+    assert {k.rsplit("/", 1)[1]: v.decode() for k, v in routes.items()} == {
+        "fresh-e11": "http://127.0.0.1:9/fresh-e11-0", "kept-e9": "http://127.0.0.1:9/kept-e9-0",
+        "late-e8": "http://127.0.0.1:9/late-e8-3"}  # its next generation is another process: routed
+    added = [e.data.engine_id for e in await bus.replay("router.>") if isinstance(e.data, EndpointAdded)]
+    assert sorted(added) == ["fresh-e11", "kept-e9", "late-e8"]
