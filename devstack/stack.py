@@ -242,6 +242,9 @@ class Stack:
         procs.wait_port(c.nats_port, nats)
         procs.wait_port(c.etcd_port, etcd)
         infra.etcd_ready(c.etcd_port, settings)  # users, roles, key ranges (a restarted stack finds them in place)
+        # the event stream, as a deployment's control plane makes it (a node's services only look for it:
+        # libs/common/security/policy.py), so that a stack run without a controller (a bench's) has it too
+        asyncio.run(self._wait_stream())
 
     def _start_clusters(self, nats_conf: Path | None) -> None:
         c, infra = self.config, self.infra
@@ -255,8 +258,9 @@ class Stack:
         asyncio.run(self._wait_stream())
 
     async def _wait_stream(self, timeout: float = 30.0) -> None:
-        """A fresh NATS cluster elects its JetStream meta leader seconds after it listens: create the stream
-        (in its 3 copies) once it can be, so that no service starts against a cluster that refuses it."""
+        """The stream created before any service starts (as an operator: only the control plane and operators may).
+        A fresh NATS cluster elects its JetStream meta leader seconds after it listens: created (in its 3 copies)
+        once it can be, so that no service starts against a cluster that refuses it."""
         deadline = time.monotonic() + timeout
         while True:
             try:

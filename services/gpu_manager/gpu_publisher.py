@@ -57,15 +57,25 @@ class GpuPublisher:
                 self.written[index] = rec
 
     async def run(self) -> None:
-        recs = self.current()
-        for rec in recs.values():  # the inventory, once: a subscriber learns each GPU's UUID and capacity
-            await self.bus.emit(self._event(rec))
-        while True:
+        inventory = asyncio.ensure_future(self._inventory(self.current()))  # beside the records, not before them
+        try:
+            while True:
+                try:
+                    await self.publish_changed()
+                except Exception as e:  # noqa: BLE001 - etcd briefly away: the next pass writes what changed
+                    log.warning("GPU records not written (%r); retrying", e)
+                await asyncio.sleep(self.interval_s)
+        finally:
+            inventory.cancel()
+
+    async def _inventory(self, recs: dict[int, GpuRecord]) -> None:
+        """Each GPU's event, once: a subscriber learns its UUID and capacity. Retried until stored: a manager that
+        starts before the control plane made the event stream (or while NATS restarts) stopped on its first one."""
+        for rec in recs.values():
             try:
-                await self.publish_changed()
-            except Exception as e:  # noqa: BLE001 - etcd briefly away: the next pass writes what changed
-                log.warning("GPU records not written (%r); retrying", e)
-            await asyncio.sleep(self.interval_s)
+                await self.bus.emit_until_stored(self._event(rec))
+            except Exception as e:  # noqa: BLE001 - the record in etcd says the same; the event is for subscribers
+                log.warning("GPU %d's inventory event not stored (%r); its record is in etcd", rec.gpu, e)
 
     async def restore(self) -> None:
         """At start, before any engine or command is served: the failed GPUs read back, and any lease still live on
