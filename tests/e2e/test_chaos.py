@@ -13,7 +13,7 @@ import pytest
 from bench.chaos_run import FAULTS
 
 ZERO = {"corrupted": 0, "leaked": 0, "two_writers": 0, "replicas_exceeded": 0, "lost": 0, "wrong": 0,
-        "unresolved": 0, "ended_twice": 0, "manager_unserved": 0}
+        "unresolved": 0, "ended_twice": 0, "manager_unserved": 0, "stale_routes": 0}
 
 
 @pytest.mark.slow
