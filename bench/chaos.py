@@ -148,9 +148,13 @@ async def _run(sc: Scenario, minutes: float, seed: int, workers: int, min_faults
         await sc.close()
 
 
+async def _live_engines(sc: Scenario) -> set[str]:
+    return {e.engine_id for e in await sc.engines() if e.pid and procs.pid_alive(e.pid)}
+
+
 async def _stale_routes(sc: Scenario) -> list[str]:
     assert sc.store is not None
-    alive = {e.engine_id for e in await sc.engines() if e.pid and procs.pid_alive(e.pid)}
+    alive = await _live_engines(sc)
     return sorted(k for k in await sc.store.get_prefix("endpoints/") if k.rsplit("/", 1)[-1] not in alive)
 
 
@@ -167,7 +171,7 @@ async def _check(sc: Scenario, chaos: Chaos, tally: Tally) -> dict[str, Any]:
     grace_end = max((lease.deadline or 0) for lease in leases) if leases else 0
     await asyncio.sleep(max(0.0, min(grace_end - time.time(), 120.0)) + 2.0)
     leases = await _leases(sc)
-    engines = {e.engine_id for e in await sc.engines() if e.pid and procs.pid_alive(e.pid)}
+    engines = await _live_engines(sc)
     leaked = [lease.id for lease in leases if lease.state != LeaseState.RECLAIMED and lease.owner not in engines
               and lease.deadline is not None and lease.deadline < time.time()]
     # incidents still open get the longest step's time to end (a cold start may be running)

@@ -80,9 +80,13 @@ def _busy(status: int, body: bytes) -> None:
     if status not in (429, 503):
         return
     try:
-        err = json.loads(body).get("error")
+        _raise_if_busy(json.loads(body).get("error"))
     except (ValueError, AttributeError):
         return
+
+
+def _raise_if_busy(err: Any) -> None:
+    """Raise `EngineBusy` when an engine's error (an answer's body, or a stream's in-band end) is `queue_full`."""
     if isinstance(err, dict) and err.get("code") == "queue_full":
         raise EngineBusy(str(err.get("message", "its queue is full")))
 
@@ -348,8 +352,7 @@ class Relay:
             if obj.get("done"):
                 if "error" in obj:
                     status = obj.get("status")
-                    if isinstance(obj["error"], dict) and obj["error"].get("code") == "queue_full":
-                        raise EngineBusy(str(obj["error"].get("message", "its queue is full")))
+                    _raise_if_busy(obj["error"])
                     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
                         raise RelayError(status, "engine_refused", json.dumps(obj["error"])[:2000])
                     if isinstance(obj["error"], dict) and obj["error"].get("code") == "engine_error":
