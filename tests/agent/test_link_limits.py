@@ -133,15 +133,22 @@ def _refusal(path: str, data: bytes, fds: list[int]) -> str:
         return str(reply["code"])
 
 
-async def test_connections_past_the_sockets_cap_are_refused_typed(
-        agent: AgentProcess, store: Store, settings: CommonSettings) -> None:
+async def capped_at_two(agent: AgentProcess, store: Store, settings: CommonSettings,
+                        n: int) -> tuple[str, list[socket.socket]]:
+    """An agent whose engines' socket takes 2 connections, and `n` connections made to it (the caller closes them)."""
     agent.start([], max_links=2, register_timeout_s=60)
     await agent.wait_up(store)
     path = str(settings.state_dir / "agent.sock")
-    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+    for s in socks:
+        s.connect(path)
+    return path, socks
+
+
+async def test_connections_past_the_sockets_cap_are_refused_typed(
+        agent: AgentProcess, store: Store, settings: CommonSettings) -> None:
+    path, socks = await capped_at_two(agent, store, settings, 3)
     try:
-        for s in socks:
-            s.connect(path)
         readable, _, _ = await asyncio.to_thread(select.select, socks, [], [], 5)
         assert readable == [socks[2]]
         reply, _ = wire.recv_frame(socks[2])
@@ -187,13 +194,8 @@ async def test_an_engine_refused_by_a_full_socket_registers_once_a_slot_is_free(
     timeout, instead of exiting at the first `too_many_connections` (a replacement engine would have died so)."""
     from libs.client.agent_link import AgentLink
 
-    agent.start([], max_links=2, register_timeout_s=60)
-    await agent.wait_up(store)
-    path = str(settings.state_dir / "agent.sock")
-    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    path, socks = await capped_at_two(agent, store, settings, 2)
     try:
-        for s in socks:
-            s.connect(path)
         connecting = asyncio.ensure_future(asyncio.to_thread(
             AgentLink.connect, "full-1", socket_path=path, role="active", model="m", timeout=20))
         await asyncio.sleep(1.0)
