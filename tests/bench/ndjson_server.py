@@ -51,17 +51,21 @@ class NdjsonServer:
             conn.sendall(b"HTTP/1.1 %d Not Found\r\ncontent-length: %d\r\n\r\n%s" % (self.status, len(msg), msg))
             conn.close()
             return
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
         sent: list[float] = []
         self.sent.append(sent)
-        for i, delay in enumerate(self.delays_s):
-            time.sleep(delay)
-            line = json.dumps({"token": len(prompt) + i, "text": f"t{i}"}).encode() + b"\n"
-            sent.append(time.time())
-            conn.sendall(b"%x\r\n%s\r\n" % (len(line), line))
-        line = b'{"done": true}\n'
-        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
-        conn.close()
+        try:
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i, delay in enumerate(self.delays_s):
+                time.sleep(delay)
+                line = json.dumps({"token": len(prompt) + i, "text": f"t{i}"}).encode() + b"\n"
+                sent.append(time.time())
+                conn.sendall(b"%x\r\n%s\r\n" % (len(line), line))
+            line = b'{"done": true}\n'
+            conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went (a worker stopped mid-round): nothing more to write
+        finally:
+            conn.close()
 
     def close(self) -> None:
         self.sock.close()

@@ -88,7 +88,7 @@ async def test_a_token_is_stamped_when_it_came_even_while_the_readers_loop_is_bl
 
 
 async def test_worker_processes_run_each_round_and_report_their_loop():
-    server = NdjsonServer([0.0, 0.02, 0.02, 0.02])
+    server = NdjsonServer([0.0, 1.0, 0.02, 0.02])  # each stream's first token long before its end, on a busy host too
     pool = ClientPool(server.url, "m", procs=2)
     try:
         await pool.start([Job(k, "x" * k, 4) for k in range(1, 6)], warm_tokens=1)
