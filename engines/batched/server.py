@@ -94,6 +94,8 @@ def _prepare(state: EngineState, link: EngineLink, body: GenerateRequest, admitt
     if len(ctx) + (1 if body.max_tokens else 0) > state.max_model_len:
         raise Refused(400, "context_too_long", f"the context ({len(ctx)} tokens) leaves no room in the model's "
                       f"{state.max_model_len}")
+    if (why := body.past_context(len(ctx), state.max_model_len)) is not None:
+        raise Refused(400, "max_tokens_past_context", why)
     if given and (min(given) < 0 or max(given) > tokenizer.EOS):  # the prompt's are the tokenizer's own
         raise Refused(400, "bad_request", "token ids must be in [0, 257]")
     if (why := body.past_eos()) is not None:

@@ -10,7 +10,8 @@
 
 Errors are typed `{"error": {"code", "message"}}`: 400 `bad_json` (not JSON), 422 `invalid_body` (the body is not
 a `GenerateRequest`), 400 `bad_request` (token ids outside the vocabulary, a context that does not fit
-`max_seq`), 503 `not_ready`. A bad body costs only its own request: the engine keeps serving the others.
+`max_seq`), 400 `max_tokens_past_context` (a `strict_length` body whose max_tokens the context cannot hold),
+503 `not_ready`. A bad body costs only its own request: the engine keeps serving the others.
 
 Invariants: at most `slots` generations at once (the rest wait for a slot); a slot is given back when its
 generation ends, fails, or its client goes away (a streamed one when the write fails or the disconnect is
@@ -85,6 +86,8 @@ def check(state: PatternState, body: GenerateRequest) -> list[int]:
         raise Refused(400, "bad_request", f"token ids must be in [0, {VOCAB})")
     if len(context) >= state.max_seq:
         raise Refused(400, "bad_request", f"context of {len(context)} tokens does not fit max_seq {state.max_seq}")
+    if (why := body.past_context(len(context), state.max_seq)) is not None:
+        raise Refused(400, "max_tokens_past_context", why)
     return context
 
 

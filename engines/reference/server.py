@@ -181,6 +181,8 @@ def build_app(state: EngineState) -> FastAPI:
             core.validate(req)
         except BadRequest as e:
             return _error(400, "bad_request", str(e))
+        if (why := body.past_context(len(req.context), core.max_seq)) is not None:
+            return _error(400, "max_tokens_past_context", why)
         sem = state._semaphore()
         if body.stream:
             return StreamingResponse(_stream(core, req, sem), media_type="application/x-ndjson")

@@ -64,6 +64,9 @@ class Sampling(BaseModel):
     greedy: bool | None = Field(None, description="true forces temperature 0")
     stream: bool = False
     ignore_eos: bool = False
+    strict_length: bool = Field(False, description="refuse (400 `max_tokens_past_context`) a max_tokens the "
+                                "context cannot hold, as OpenAI does, instead of ending the generation at the "
+                                "context's end (finish reason `length`)")
 
     @model_validator(mode="after")
     def _has_input(self) -> Sampling:
@@ -95,6 +98,17 @@ class GenerateRequest(Sampling):
         cut right after its EOS line) and an engine generates nothing more (both engines generated past it, so a
         replay's output differed from the uninterrupted run's)."""
         return bool(self.resume) and not self.ignore_eos and self.resume[-1] == tokenizer.EOS  # type: ignore[index]
+
+    def past_context(self, context_tokens: int, max_context: int) -> str | None:
+        """Why an engine refuses (400 `max_tokens_past_context`) this body: `strict_length`, and its context of
+        `context_tokens` (prompt, tokens and resume) with max_tokens more does not fit `max_context`. None: it fits
+        or the engine may end it at the context's end. A resume keeps the sum (the router asks max_tokens less the
+        tokens resumed), so the answer is the first attempt's."""
+        if not self.strict_length or context_tokens + self.max_tokens <= max_context:
+            return None
+        resumed = len(self.resume or ())
+        return (f"This model's maximum context length is {max_context} tokens; the prompt is "
+                f"{context_tokens - resumed} tokens and max_tokens asks {self.max_tokens + resumed} more")
 
     def past_eos(self) -> str | None:
         """Why an engine refuses (400) this `resume`: it goes on past an end of text without `ignore_eos`. None: it

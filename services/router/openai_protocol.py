@@ -37,8 +37,9 @@ from libs.common import tokenizer
 from libs.common.generate import INT64_MAX, Seed, encodable
 from services.router.relay import MODEL_MAX, ClientRequest
 
-# No max_tokens on a chat request means "until the context ends": the engine stops at its max_seq first
-# (finish_reason "length"); the router does not know each engine's context length.
+# No max_tokens (null on a completion, none on a chat) means "until the context ends": the engine stops at its
+# max_seq first (finish_reason "length"); the router does not know each engine's context length. A max_tokens
+# given that the context cannot hold is refused by the engine (`strict_length`), as OpenAI refuses it.
 UNBOUNDED = 1 << 30
 MAX_STOPS = 4  # as OpenAI
 
@@ -233,6 +234,8 @@ def refusal(status: int, code: str, message: str, kind: Literal["completion", "c
         if err.get("code") == "context_too_long":
             return OpenAIError(status, message, param="prompt" if kind == "completion" else "messages",
                                code="context_length_exceeded")
+        if err.get("code") == "max_tokens_past_context":
+            return OpenAIError(status, message, param="max_tokens", code="context_length_exceeded")
     return OpenAIError(status, message, code=code)
 
 
@@ -262,15 +265,15 @@ def chat_job(raw: Any, max_context: int | None = None) -> Job:
         raise OpenAIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prompt = render_chat(body.messages)
-    return _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, prompt, None,
-                UNBOUNDED if limit is None else limit, prompt_tokens(prompt, None, max_context, "messages"))
+    return _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, prompt, None, limit,
+                prompt_tokens(prompt, None, max_context, "messages"))
 
 
 def _job(kind: Literal["completion", "chat"], request_id: str, body: _Common, prompt: str | None,
          tokens: list[int] | None, max_tokens: int | None, prompt_tokens: int) -> Job:
     gen = ClientRequest(model=body.model, prompt=prompt, tokens=tokens, max_tokens=UNBOUNDED if max_tokens is None
                         else max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                        seed=body.seed, stream=True, ignore_eos=body.ignore_eos)
+                        seed=body.seed, stream=True, ignore_eos=body.ignore_eos, strict_length=max_tokens is not None)
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(kind, request_id, gen, stops, body.stream, include_usage, prompt_tokens)

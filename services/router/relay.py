@@ -297,7 +297,8 @@ class Relay:
         s = self.settings
         body = GenerateRequest(request_id=request_id, prompt=req.prompt, tokens=req.tokens, resume=generated,
                                max_tokens=req.max_tokens - len(generated), temperature=req.temperature,
-                               greedy=req.greedy, seed=seed, stream=True, ignore_eos=req.ignore_eos)
+                               greedy=req.greedy, seed=seed, stream=True, ignore_eos=req.ignore_eos,
+                               strict_length=req.strict_length)
         payload = body.model_dump(exclude_none=True)
         cut = self.inflight.add(ep.engine_id)
         timeout = httpx.Timeout(s.token_timeout_s, connect=s.connect_timeout_s)

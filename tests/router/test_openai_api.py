@@ -180,6 +180,27 @@ async def test_errors_have_openais_shape_and_status_unknown_model_404_bad_body_4
 
 
 
+async def test_a_max_tokens_the_context_cannot_hold_is_refused_as_openai_and_none_given_runs_to_its_end(
+        openai_stack: OpenAIStack) -> None:
+    """It was cut to the context's end silently (finish reason `length`, fewer tokens than asked): OpenAI refuses it
+    with `context_length_exceeded`. The engine's context here is 2,048 tokens; the prompt is 2,001 (BOS + 2,000)."""
+    c = client(openai_stack.router.url)
+    prompt, room = "x" * 2000, 2048 - 2001
+    for create in (lambda: c.completions.create(model=MODEL, prompt=prompt, max_tokens=room + 1),
+                   lambda: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                     max_completion_tokens=2048)):
+        with pytest.raises(openai.BadRequestError) as e:
+            await create()
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "max_tokens"), e.value.message
+        assert "maximum context length is 2048 tokens" in e.value.message, e.value.message
+    fits = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=room, temperature=0)
+    assert (fits.usage.completion_tokens, fits.choices[0].finish_reason) == (room, "length")
+    unbounded = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=None, temperature=0)
+    assert unbounded.usage.completion_tokens == room  # null: until the context ends, as before
+    stats = openai_stack.router.stats()
+    assert (stats["replayed"], stats["failed"], stats["in_flight"]) == (0, 0, 0)
+    assert not any(e["suspect"] for eps in stats["endpoints"].values() for e in eps), stats
+
 # Bodies the router once sent on to engines, where each ended the batched engine or failed in the router's own
 # encoding (a lone surrogate: retried on every engine as if each had failed, and each marked suspect).
 POISON = [

@@ -156,3 +156,17 @@ def test_an_engines_refusal_of_a_context_too_long_is_openais_context_length_exce
     assert (other.code, other.param, other.message) == ("engine_refused", None, "token 999")
     assert refusal(400, "engine_refused", "not json", "chat").message == "not json"
     assert refusal(503, "queue_full", "held", "chat").code == "queue_full"
+    past = '{"error": {"code": "max_tokens_past_context", "message": "maximum context length is 64 tokens"}}'
+    e = refusal(400, "engine_refused", past, "chat")
+    assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "max_tokens")
+
+
+def test_a_given_max_tokens_is_strict_and_none_given_runs_to_the_contexts_end() -> None:
+    """The engines cut a max_tokens past the context unless asked not to (`strict_length`): the OpenAI routes ask
+    whenever the client gave one (OpenAI refuses it), never when it gave none (until the context ends)."""
+    assert completion_job({"model": "m", "prompt": "x"}).generate.strict_length  # OpenAI's default 16: given
+    assert not completion_job({"model": "m", "prompt": "x", "max_tokens": None}).generate.strict_length
+    assert not chat_job({"model": "m", "messages": [{"role": "user", "content": "x"}]}).generate.strict_length
+    for limit in ("max_tokens", "max_completion_tokens"):
+        job = chat_job({"model": "m", "messages": [{"role": "user", "content": "x"}], limit: 5})
+        assert job.generate.strict_length and job.generate.max_tokens == 5
