@@ -6,11 +6,14 @@ Environment variables use the prefix `HF_` (`HF_NATS_URL`, `HF_NODE`...). Defaul
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger("holdfast.config")
 
 DEFAULT_NATS_PORT = 14222
 DEFAULT_ETCD_PORT = 12379
@@ -65,7 +68,22 @@ class CommonSettings(BaseSettings):
         return self.credentials_dir if self.credentials_dir is not None else self.state_dir / "credentials"
 
     def ensure_state_dir(self) -> Path:
+        """The state directory, this uid's and closed to others (0700): it holds the sockets, the lease database,
+        tokens and credentials. One made before with a looser mode (by hand, by an older release, under another
+        umask) is closed now and said so; one of another uid, or one others may write in (a shared /tmp), is refused:
+        they could have swapped what lies in it."""
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = self.state_dir.stat()
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"the state directory {self.state_dir} belongs to uid {st.st_uid}, not to this "
+                                  f"process's ({os.geteuid()}): give it to this uid or choose another (HF_STATE_DIR)")
+        if st.st_mode & 0o022:  # others may have planted sockets or files in it already: closing it is too late
+            raise PermissionError(f"the state directory {self.state_dir} is writable by others (mode "
+                                  f"{st.st_mode & 0o7777:o}): choose a directory of this uid's alone (HF_STATE_DIR)")
+        if st.st_mode & 0o077:
+            self.state_dir.chmod(0o700)
+            log.warning("the state directory %s was open to others (mode %o): now 0700", self.state_dir,
+                        st.st_mode & 0o777)
         return self.state_dir
 
     def etcd_hosts(self) -> list[tuple[str, int]]:
