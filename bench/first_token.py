@@ -170,12 +170,12 @@ class FirstTokenBench:
                 time.sleep(POLL_S)
             t_ready = time.perf_counter()
             info = json.loads(ready.read_text())
-            t_first = first_token(client, info["endpoint"])
+            t_first, tokens = first_token(client, info["endpoint"])
         weights = (info.get("memory") or {}).get("weights") or {}
         return {"source": source, "engine_id": engine_id, "engine_source": weights.get("source"),
                 "spawn_to_ready_s": round(t_ready - t0, 4), "ready_to_first_token_s": round(t_first - t_ready, 4),
                 "total_s": round(t_first - t0, 4), "load_ms": weights.get("load_ms"),
-                "restore": weights.get("restore"), "refused": weights.get("refused")}
+                "restore": weights.get("restore"), "refused": weights.get("refused"), "tokens": tokens}
 
     def stop(self, engine_id: str) -> None:
         child = self.running.pop(engine_id, None)
@@ -188,9 +188,10 @@ class FirstTokenBench:
         self.stack.stop()
 
 
-def first_token(client: httpx.Client, endpoint: str) -> float:
-    """The moment the first token line of a streamed greedy request came back; the stream is read to its end."""
-    t_first = None
+def first_token(client: httpx.Client, endpoint: str) -> tuple[float, list[int]]:
+    """The moment the first token line of a streamed greedy request came back, and its tokens (read to its end):
+    every source's engine must answer the file engine's tokens, or its figure is a wrong model's."""
+    t_first, tokens = None, []
     body = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True, "temperature": 0.0}
     with client.stream("POST", endpoint + "/generate", json=body) as r:
         r.raise_for_status()
@@ -198,13 +199,14 @@ def first_token(client: httpx.Client, endpoint: str) -> float:
             if not line:
                 continue
             got = json.loads(line)
-            if "token" in got and t_first is None:
-                t_first = time.perf_counter()
+            if "token" in got:
+                t_first = time.perf_counter() if t_first is None else t_first
+                tokens.append(int(got["token"]))
             if got.get("error"):
                 raise RuntimeError(f"the first request failed: {got}")
     if t_first is None:
         raise RuntimeError("the first request's stream ended without a token")
-    return t_first
+    return t_first, tokens
 
 
 class Node:
@@ -245,6 +247,10 @@ async def measure(b: FirstTokenBench, ft: dict[str, Any], sources: list[str], tr
                 if row["engine_source"] != source:
                     ft["errors"][source] = f"asked for {source}, the engine loaded from {row['engine_source']} " \
                                            f"(refused: {row['refused'] or 'no copy'})"
+                expect = next((t["tokens"] for t in ft["trials"] if t["source"] == "file" and "tokens" in t), None)
+                if expect is not None and row["tokens"] != expect:
+                    row["error"] = f"its greedy tokens {row['tokens']} are not the file engine's {expect}"
+                    ft["errors"].setdefault(source, row["error"])
             except Exception as e:  # noqa: BLE001 - in the report; the other sources go on
                 row = {"source": source, "engine_id": engine_id, "error": f"{type(e).__name__}: {e}"}
                 ft["errors"].setdefault(source, row["error"])

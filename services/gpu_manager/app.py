@@ -99,6 +99,7 @@ async def setup(rt: Runtime) -> None:
     tier = HostTier(settings.host_tier_bytes, keeper)
     tier.adopt(book.kept_tier)
     copies = WeightCopies(book, tier)
+    await asyncio.to_thread(copies.sweep_scratch)
 
     def owner_exit(pid: int) -> None:
         task = asyncio.get_running_loop().create_task(book.owner_exited(pid), name=f"owner-exit:{pid}")

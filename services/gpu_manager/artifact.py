@@ -9,8 +9,13 @@ Invariants (checked by tests/gpu_manager/test_artifact.py):
    backend's granularity, >= 4 KiB), so every read and write can be O_DIRECT.
 2. The manifest is written (fsynced, renamed) only after every data file is fsynced: a directory without it is
    an unfinished artifact and is refused (`ArtifactInvalid`), never half-restored.
-3. A block's bytes hash to the manifest's digest of that block, and the root hash is the hash of the block
-   digests in order: a flipped byte anywhere, a short file or a reordered block is refused.
+3. A block's bytes hash to the manifest's digest of that block, and the root hash covers the block digests in
+   order, the sizes and the tensors the bytes hold (offsets, shapes, dtypes, strides: `root_digest`): a flipped
+   byte anywhere, a short file, a reordered block or an edited tensor table is refused, and so is a tensor past
+   the lease's end.
+4. An artifact is read only from files and directories of the manager's own uid that no one else may write
+   (`check_private`), never through a symbolic link: the digests are unkeyed (anyone can recompute them), so the
+   trust in a copy is who could have written it. A careless `--artifact-dir` (0777, shared) is refused, named.
 """
 
 from __future__ import annotations
@@ -19,16 +24,17 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from libs.client.protocol import ArtifactInvalid, TensorMeta
+from libs.client.protocol import ArtifactInvalid, TensorMeta, tensor_extent
 from libs.client.safetensors_io import copy_name
 from libs.common.errors import MalformedMessage, NotFound
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the root hash covers the tensor table (1 covered the block digests alone)
 ALIGN = 4096  # the largest logical block size of common devices: O_DIRECT offsets, lengths, buffers
 BLOCK_BYTES = 64 * 1024 * 1024  # unit of I/O and of hashing: big enough to stream, small enough to spread
 FILE_BYTES = 4 * 1024 * 1024 * 1024  # several files: a striped filesystem serves them from several servers
@@ -107,8 +113,41 @@ def block_digest(data: memoryview | bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def root_digest(blocks: list[str]) -> str:
-    return hashlib.blake2b("".join(blocks).encode(), digest_size=16).hexdigest()
+def root_digest(blocks: list[str], size: int, block_bytes: int, file_bytes: int, tensors: list[TensorMeta]) -> str:
+    """The copy's identity (invariant 3): its bytes and the tensors they hold, whichever lease held them (the lease
+    id left out: two leases of one model's bytes and layout have one root, which is what a peer is matched on)."""
+    table = sorted(({**t.model_dump(mode="json"), "lease_id": "-"} for t in tensors), key=lambda d: d["name"])
+    canon = json.dumps({"blocks": blocks, "size": size, "block_bytes": block_bytes, "file_bytes": file_bytes,
+                        "tensors": table}, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canon.encode(), digest_size=16).hexdigest()
+
+
+def check_private(path: Path, what: str) -> os.stat_result:
+    """`path`'s lstat if it is the manager's uid's, no one else may write it and it is no symbolic link (invariant
+    4); else ArtifactInvalid naming what is wrong (a file that is not there: FileNotFoundError)."""
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise ArtifactInvalid(f"{what} {path} is a symbolic link: an artifact is read only from its own files")
+    if st.st_uid != os.geteuid():
+        raise ArtifactInvalid(f"{what} {path} belongs to uid {st.st_uid}, not to the manager's ({os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise ArtifactInvalid(f"{what} {path} may be written by others (mode {st.st_mode & 0o7777:o}): anyone could "
+                              "have planted its bytes; make it the manager's alone (chmod go-w)")
+    return st
+
+
+def _check_tensors(path: Path, man: Manifest) -> None:
+    """Invariant 3's tensor table, as the manager's registration checks one: each tensor well formed, the source
+    lease's, and within the copy (a table with its root hash made again would be placed past the new lease). The
+    layout hash is not the table's to match: an engine's commit hashes the tensors of all its leases at once."""
+    for t in man.tensors:
+        try:
+            end = t.offset + tensor_extent(t)
+        except MalformedMessage as e:
+            raise ArtifactInvalid(f"{path}: {e}") from None
+        if t.lease_id != man.source_lease or end > man.size:
+            raise ArtifactInvalid(f"{path}: tensor {t.name} lies outside the copy ({end} > {man.size} bytes, or "
+                                  f"another lease's: {t.lease_id})")
 
 
 def artifact_path(root: Path, name: str) -> Path:
@@ -120,11 +159,16 @@ def read_manifest(directory: Path) -> Manifest:
     `NotFound` (no such artifact) / `ArtifactInvalid` (unfinished, truncated, another version, inconsistent)."""
     if not directory.is_dir():
         raise NotFound(f"no artifact at {directory}")
+    check_private(directory.parent, "the artifact directory")
+    check_private(directory, "artifact")
     path = directory / MANIFEST
     try:
-        raw = path.read_bytes()
+        check_private(path, "manifest")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise ArtifactInvalid(f"{directory}: no manifest (the artifact was never finished)") from None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read()
     try:
         man = Manifest.model_validate_json(raw)
     except ValidationError as e:
@@ -132,13 +176,15 @@ def read_manifest(directory: Path) -> Manifest:
     if man.version != FORMAT_VERSION or man.hash != HASH:
         raise ArtifactInvalid(f"{path}: format {man.version}/{man.hash}, this manager reads {FORMAT_VERSION}/{HASH}")
     blocks = plan_blocks(man.size, man.block_bytes, man.file_bytes)
-    if len(blocks) != len(man.blocks) or root_digest(man.blocks) != man.root:
-        raise ArtifactInvalid(f"{path}: block list does not match its size or root hash")
+    if len(blocks) != len(man.blocks) or root_digest(man.blocks, man.size, man.block_bytes, man.file_bytes,
+                                                     man.tensors) != man.root:
+        raise ArtifactInvalid(f"{path}: its blocks or tensor table do not match its size or root hash")
+    _check_tensors(path, man)
     if man.files != file_names(man.size, man.file_bytes):
         raise ArtifactInvalid(f"{path}: file list does not match the lease size")
     for entry in man.files:
         try:
-            have = (directory / entry.name).stat().st_size
+            have = check_private(directory / entry.name, "artifact file").st_size
         except FileNotFoundError:
             raise ArtifactInvalid(f"{directory}: {entry.name} is missing") from None
         if have != entry.bytes:

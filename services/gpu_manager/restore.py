@@ -28,11 +28,13 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from libs.client.direct_io import OpenFiles, default_workers, open_files
@@ -102,6 +104,7 @@ class WeightCopies:
         self.workers = self.settings.io_workers or default_workers()
         self.block_bytes = self.settings.artifact_block_bytes
         self.file_bytes = self.settings.artifact_file_bytes
+        self._node_tag = re.sub(r"[^A-Za-z0-9_-]", "_", self.settings.node)
         if self.file_bytes % self.block_bytes:
             raise ValueError(f"artifact_file_bytes {self.file_bytes} is not a multiple of the block "
                              f"{self.block_bytes}")
@@ -192,7 +195,8 @@ class WeightCopies:
                         lease_name=rec.info.name, engine_class=rec.info.engine_class, source_lease=rec.id,
                         layout_hash=rec.info.layout_hash, tensors=list(rec.tensors.values()), block_bytes=self.block_bytes,
                         file_bytes=self.file_bytes, files=file_names(size, self.file_bytes), hash=HASH, blocks=digests,
-                        root=root_digest(digests), node=self.settings.node, created_at=time.time(), write_s=seconds)
+                        root=root_digest(digests, size, self.block_bytes, self.file_bytes, list(rec.tensors.values())),
+                        node=self.settings.node, created_at=time.time(), write_s=seconds)
 
     async def _artifact(self, window: Any, rec: LeaseRecord, name: str) -> tuple[Manifest, str, bool]:
         """The artifact written whole; a full disk is `unavailable` (the partial files removed, an older copy kept)."""
@@ -204,10 +208,28 @@ class WeightCopies:
             raise Unavailable(f"no room for artifact {name} in {self.root} ({e.strerror}): nothing written, "
                               "ask again once its disk has room") from e
 
+    def _scratch(self, kind: str, name: str, token: str) -> Path:
+        """A write's scratch directory (`partial`: the files being written; `old`: the copy being replaced), named
+        for this node: what a SIGKILL mid-write leaves is this node's to sweep (`sweep_scratch`), and only this
+        node's (an artifact directory may be shared by several nodes' managers)."""
+        return self.root / f".{name}.{kind}-{self._node_tag}-{token}"
+
+    def sweep_scratch(self) -> list[str]:
+        """Remove what this node's writes killed mid-way left (a whole lease's bytes each, for good): at start,
+        before any write of this manager's (blocking). The names removed."""
+        if not self.root.is_dir():
+            return []
+        mine = re.compile(r"\..+\.(partial|old)-" + re.escape(self._node_tag) + r"-[0-9a-f]{8}")
+        gone = [d.name for d in self.root.iterdir() if mine.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
+        for dirname in gone:
+            shutil.rmtree(self.root / dirname, ignore_errors=True)
+            log.warning("removed %s: an artifact write of this node cut off mid-way (killed)", self.root / dirname)
+        return gone
+
     def _write_artifact(self, window: Any, rec: LeaseRecord, name: str) -> tuple[Manifest, str, bool]:
         self.root.mkdir(parents=True, exist_ok=True)
         token = secrets.token_hex(4)
-        tmp = self.root / f".{name}.partial-{token}"
+        tmp = self._scratch("partial", name, token)
         tmp.mkdir()
         try:
             t0 = time.perf_counter()
@@ -223,7 +245,7 @@ class WeightCopies:
             man = self._manifest(rec, name, digests, time.perf_counter() - t0)
             write_manifest(tmp, man)  # the last write (artifact.py, invariant 2)
             final = artifact_path(self.root, name)
-            old = self.root / f".{name}.old-{token}"
+            old = self._scratch("old", name, token)
             if final.exists():
                 os.rename(final, old)
             os.rename(tmp, final)
