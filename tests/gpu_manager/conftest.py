@@ -109,3 +109,14 @@ async def admin_api(bus: Bus, store: Store, settings_env: dict[str, str], tmp_pa
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
             yield AdminApi(url, http)
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    return tmp_path / "artifacts"
+
+
+@pytest.fixture
+def copies_manager(manager_factory, artifacts: Path):  # noqa: ANN001
+    return manager_factory(HF_ARTIFACT_DIR=str(artifacts), HF_ARTIFACT_BLOCK_BYTES=str(1 << 20),
+                           HF_ARTIFACT_FILE_BYTES=str(2 << 20), HF_SNAPSHOT_CLASSES='["auto-snap"]').start()

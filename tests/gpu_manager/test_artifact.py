@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,17 +23,6 @@ from tests.gpu_manager.harness import until
 MIB = 1024 * 1024
 SIZE = 5 * MIB  # 5 blocks of 1 MiB in 3 files of 2 MiB (the manager's settings below)
 NODE = "node-1"
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    return tmp_path / "artifacts"
-
-
-@pytest.fixture
-def copies_manager(manager_factory, artifacts: Path):  # noqa: ANN001
-    return manager_factory(HF_ARTIFACT_DIR=str(artifacts), HF_ARTIFACT_BLOCK_BYTES=str(MIB),
-                           HF_ARTIFACT_FILE_BYTES=str(2 * MIB), HF_SNAPSHOT_CLASSES='["auto-snap"]').start()
 
 
 def load_lease(manager, engine_id: str, seed: int, engine_class: str = "default") -> tuple[MemoryClient, str, bytes]:  # noqa: ANN001

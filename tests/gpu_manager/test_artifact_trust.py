@@ -23,17 +23,6 @@ from tests.gpu_manager.test_artifact import MIB, NODE, SIZE, lease_bytes, load_l
 NOBODY = 65534
 
 
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    return tmp_path / "artifacts"
-
-
-@pytest.fixture
-def copies_manager(manager_factory, artifacts: Path):  # noqa: ANN001
-    return manager_factory(HF_ARTIFACT_DIR=str(artifacts), HF_ARTIFACT_BLOCK_BYTES=str(MIB),
-                           HF_ARTIFACT_FILE_BYTES=str(2 * MIB)).start()
-
-
 def _edit(manifest: Path, change) -> None:  # noqa: ANN001
     man = json.loads(manifest.read_text())
     change(man)
