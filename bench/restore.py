@@ -41,6 +41,7 @@ rewritten after every step, so a run cut off by a time limit still leaves what i
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -644,11 +645,11 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
 
 
 def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
-        weights_gib: float = typer.Option(1.0, help="size of the weights (0: the largest that fits, in a "
+        weights_gib: float = typer.Option(1.0, min=0.0, help="size of the weights (0: the largest that fits, in a "
                                                     "host-tier-only run: --from host[,host-bounce] --no-first-token)"),
         dir: Path | None = typer.Option(None, help="where the weights file and the artifact go (the disk measured)"),
         trials: int = typer.Option(3, min=1, help="timed trials of each source (p50 reported)"),
-        workers: int = typer.Option(0, help="blocks in flight (0: the cores, 2..16)"),
+        workers: int = typer.Option(0, min=0, max=256, help="blocks in flight (0: the cores, 2..16)"),
         sources: str = typer.Option("all", "--sources", "--from",
                                     help=f"sources timed, comma-separated: all or some of {', '.join(SOURCES)} "
                                          "(artifact: artifact-direct)"),
@@ -667,6 +668,8 @@ def cli(backend: str = typer.Option("auto", help="host, cuda or auto"),
         picked = parse_sources(sources)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sources") from None
+    if not math.isfinite(weights_gib):
+        raise typer.BadParameter(f"{weights_gib} is not a size", param_hint="--weights-gib")
 
     result = run(backend, weights_gib, dir, trials, workers or direct_io.default_workers(), picked,
                  reporter("bench restore", out_path), first_token, manager)

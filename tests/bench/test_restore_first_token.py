@@ -92,3 +92,17 @@ def test_the_summary_and_the_side_by_side_rows_are_read_from_the_trials():
                  "to_ready_s": 2.0, "to_first_token_s": 2.1},
         "file": {"fill_source": "file", "fill_s": None, "fill_gib_s": None, "engine_load_ms": 5000.0,
                  "to_ready_s": 9.0, "to_first_token_s": 9.2}}
+
+
+@pytest.mark.parametrize(("args", "named"), [(["--weights-gib", "-1"], "--weights-gib"),
+                                             (["--weights-gib", "nan"], "--weights-gib"),
+                                             (["--weights-gib", "inf"], "--weights-gib"),
+                                             (["--workers", "-3"], "--workers")])
+def test_a_size_or_worker_count_that_is_none_is_refused_before_anything_runs(tmp_path: Path, args: list[str],
+                                                                            named: str) -> None:
+    """`--workers -3` ran and reported `workers: -3` beside its GiB/s; `nan` was a raw ValueError."""
+    app = typer.Typer()
+    app.command()(cli)
+    result = CliRunner().invoke(app, ["--backend", "host", "--dir", str(tmp_path / "none"), *args])
+    assert result.exit_code == 2 and named in result.output, result.output
+    assert not (tmp_path / "none").exists()
