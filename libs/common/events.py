@@ -138,6 +138,9 @@ class LeaseInfo(Model):
     # that incident, sent after the takeover, is answered with the handover (gpu_manager commands.py).
     frozen_for: str | None = None
     handed_from: str | None = None
+    # A sleeping weights lease: the root hash of the copy it wakes from (its bytes and tensors: any copy of that
+    # root serves, whichever lease it was written from; one of another root never replaces it meanwhile).
+    wake_copy: str | None = None
 
 
 class EngineSpec(Model):

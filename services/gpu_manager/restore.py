@@ -246,6 +246,7 @@ class WeightCopies:
             write_manifest(tmp, man)  # the last write (artifact.py, invariant 2)
             final = artifact_path(self.root, name)
             old = self._scratch("old", name, token)
+            self._spare_sleepers(name, man.root, lambda: read_manifest(final).root)
             if final.exists():
                 os.rename(final, old)
             os.rename(tmp, final)
@@ -267,6 +268,9 @@ class WeightCopies:
                 return self._manifest(rec, name, digests, time.perf_counter() - t0)
 
             man = await asyncio.to_thread(copy)
+            held = self.tier.get(name)
+            if held is not None:
+                self._spare_sleepers(name, man.root, lambda: held.manifest.root)
             await self.tier.put(name, man, fds)
             await self._prune_pinned()  # a replaced copy's registration goes (host_tier_cuda.py, invariant 2)
             return man
@@ -460,39 +464,62 @@ class WeightCopies:
 
     # ------------------------------------------------------------ sleep/wake of a weights lease (sleep.py)
 
-    def _copy_of(self, rec: LeaseRecord) -> tuple[str, str | None]:
-        """(name, where a copy written from this very lease at its committed layout is: host, artifact or None)."""
+    def _copy_of(self, rec: LeaseRecord) -> tuple[str, str | None, Manifest | None]:
+        """(name, where a copy restoring this lease's bytes is: host, artifact or None, its manifest). Asleep, any
+        copy of the root it slept with (`wake_copy`: another lease of the same bytes and tensors may have written it
+        since); awake, one written from this very lease at its committed layout."""
         name = default_name(rec.info.engine_class, rec.info.name)
 
         def same(man: Manifest) -> bool:
+            if rec.info.wake_copy is not None:
+                return man.root == rec.info.wake_copy and man.size == rec.info.size
             return man.source_lease == rec.id and man.layout_hash == rec.info.layout_hash and man.size == rec.info.size
 
         copy = self.tier.get(name)
         if copy is not None and same(copy.manifest):
-            return name, "host"
+            return name, "host", copy.manifest
         try:
-            if same(read_manifest(artifact_path(self.root, name))):
-                return name, "artifact"
+            man = read_manifest(artifact_path(self.root, name))
+            if same(man):
+                return name, "artifact", man
         except (NotFound, HoldfastError, OSError):
             pass
-        return name, None
+        return name, None, None
+
+    def _spare_sleepers(self, name: str, new_root: str, old_root: Callable[[], str]) -> None:
+        """Conflict where the copy `name` holds (`old_root()`) is what a sleeping lease wakes from and the bytes
+        replacing it are other ones: its memory is gone, it could never wake (a second engine of its class slept,
+        or a bystander's snapshot, and the first engine was stranded for good). Blocking; read-only of the book."""
+        sleepers = [r for r in list(self.book.records.values()) if r.info.state == LeaseState.SLEEPING
+                    and r.info.wake_copy not in (None, new_root)
+                    and default_name(r.info.engine_class, r.info.name) == name]
+        if not sleepers:
+            return
+        try:
+            old = old_root()
+        except (HoldfastError, OSError):
+            return  # no readable copy there: none a sleeper could wake from
+        stranded = [r.id for r in sleepers if r.info.wake_copy == old]
+        if stranded:
+            raise Conflict(f"copy {name} is what sleeping lease(s) {', '.join(stranded)} wake from, and these bytes "
+                           "are others: not replaced (wake them first, or write this copy under another name)")
 
     async def keep_for_wake(self, rec: LeaseRecord) -> str:
-        """Make sure a copy restores this lease's bytes (the host tier if it has room, else the artifact)."""
-        name, where = await asyncio.to_thread(self._copy_of, rec)
-        if where is not None:
-            return where
+        """Make sure a copy restores this lease's bytes (the host tier if it has room, else the artifact): its root
+        hash, which the sleeping lease keeps (`wake_copy`)."""
+        name, _, man = await asyncio.to_thread(self._copy_of, rec)
+        if man is not None:
+            return man.root
         try:
             self.tier.room_for(name, rec.info.size)
             host = True
         except HoldfastError:
             host = False
-        await self.snapshot(rec.id, name, host_tier=host, artifact=not host)
-        return "host" if host else "artifact"
+        return (await self.snapshot(rec.id, name, host_tier=host, artifact=not host)).root_hash
 
     async def fill_for_wake(self, rec: LeaseRecord, chunks: list[Any]) -> str:
         """Fill a waking weights lease's new chunks from its copy (hash checked from disk); its source."""
-        name, where = await asyncio.to_thread(self._copy_of, rec)
+        name, where, _ = await asyncio.to_thread(self._copy_of, rec)
         if where is None:
             raise NotFound(f"no copy of lease {rec.id}'s weights ({name}) to wake it from")
         await self._prune_pinned()

@@ -17,8 +17,10 @@ Invariants:
 1. A SLEEPING lease has no chunks in the manager and no keeper entry; its row is durable before anything is freed,
    and a woken lease's memory is in the keeper before its row says ACTIVE (a crash in between leaves a SLEEPING
    row whose keeper entry `load` drops).
-2. A weights lease sleeps only once a copy that restores its exact bytes exists; a wake hands its fds out only
-   after the whole copy was read into them (and, from disk, matched its hashes).
+2. A weights lease sleeps only once a copy that restores its exact bytes exists; its root hash is kept in the
+   sleeping row (`wake_copy`): a copy of that root serves its wake, whichever lease wrote it, and none of other
+   bytes replaces it meanwhile (`Conflict`). A wake hands its fds out only after the whole copy was read into them
+   (and, from disk, matched its hashes).
 3. At most one ask per engine is outstanding; an ask is handed out once, and ends by the engine's answer or the
    command's timeout.
 """
@@ -97,11 +99,14 @@ class Sleeper:
     async def sleep(self, req: SleepReq, engine_id: str, uid: int, pid: int) -> SleepReply:
         async with self.book.lock:
             recs = self._mine(req.epochs, engine_id, uid, pid, LeaseState.ACTIVE)
+        roots = {}
         for rec in recs:  # invariant 2; off the lock (seconds for large weights), checked again below
             if rec.info.tag == Tag.WEIGHTS:
-                await self.copies.keep_for_wake(rec)
+                roots[rec.id] = await self.copies.keep_for_wake(rec)
         async with self.book.lock:
             recs = self._mine(req.epochs, engine_id, uid, pid, LeaseState.ACTIVE)
+            for rec in recs:
+                rec.update(wake_copy=roots.get(rec.id))  # durable with the SLEEP below (invariant 2)
             await self.book.apply_all([Move(r, LeaseEvent.SLEEP, "asleep") for r in recs])
             freed = 0
             for rec in recs:  # invariant 1: the row first, then the memory
@@ -132,6 +137,8 @@ class Sleeper:
                 recs = self._mine(req.epochs, engine_id, uid, pid, LeaseState.SLEEPING)
                 for rec in recs:  # invariant 1: in the keeper before the row says ACTIVE
                     await self.book.keeper.put(rec.id, [c.fd for c in new[rec.id]], {"gpu": rec.info.gpu})
+                for rec in recs:
+                    rec.update(wake_copy=None)
                 await self.book.apply_all([Move(r, LeaseEvent.WAKE, "woken") for r in recs])
                 for rec in recs:
                     self.book.chunks[rec.id] = new.pop(rec.id)

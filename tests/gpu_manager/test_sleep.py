@@ -29,8 +29,9 @@ from tests.gpu_manager.harness import holds_lease_memory, until
 MIB = 1024 * 1024
 
 
-def engine(manager, engine_id: str, *, weights: bool = False):  # noqa: ANN001
-    """A client with a committed KV lease (and a weights lease), each filled with a known pattern."""
+def engine(manager, engine_id: str, *, weights: bool = False, shift: int = 0):  # noqa: ANN001
+    """A client with a committed KV lease (and a weights lease), each filled with a known pattern (the weights'
+    shifted by `shift`: another model's bytes of the same class and shape)."""
     c = MemoryClient.connect(engine_id, socket_path=manager.socket, engine_class="sleepy")
     kv = c.allocate(3 * MIB, tag="kv_cache", name="kv")
     kv.numpy("uint8", (3 * MIB,))[:] = 9
@@ -38,7 +39,7 @@ def engine(manager, engine_id: str, *, weights: bool = False):  # noqa: ANN001
     w = None
     if weights:
         w = c.allocate(2 * MIB, tag="weights", name="w")
-        w.numpy("uint8", (2 * MIB,))[:] = np.arange(2 * MIB, dtype=np.uint64).astype(np.uint8)
+        w.numpy("uint8", (2 * MIB,))[:] = (np.arange(2 * MIB, dtype=np.uint64) + shift).astype(np.uint8)
         metas.append(w.meta("w", "uint8", (2 * MIB,)))
     c.register(metas)
     c.commit()
@@ -115,6 +116,34 @@ async def test_level_2_without_host_tier_room_sleeps_to_the_artifact(manager_fac
     assert await asyncio.to_thread(c.wake, [w.id]) == "artifact"
     assert np.array_equal(w.numpy("uint8", (2 * MIB,)), before)
     c.close()
+
+
+@pytest.mark.parametrize("tier", [8 * MIB, 0], ids=["host-tier", "artifact"])
+async def test_a_sleeping_engine_of_a_class_wakes_after_another_of_its_class_slept_and_is_never_stranded(
+        manager_factory, bus, tmp_path, tier):
+    """The second engine's sleep wrote its copy under the class's one name over the first's, whose wake then found
+    none for good (its memory gone): `not_found`, a restart the only way back. The same bytes now serve either wake;
+    other bytes never replace a copy a sleeper wakes from (that sleep is refused, its engine keeps its memory)."""
+    m = manager_factory(HF_ARTIFACT_DIR=str(tmp_path / "a"), HF_HOST_TIER_BYTES=str(tier),
+                        HF_ARTIFACT_BLOCK_BYTES=str(MIB), HF_ARTIFACT_FILE_BYTES=str(2 * MIB)).start()
+    a, _, wa = await asyncio.to_thread(engine, m, "eng-a", weights=True)
+    b, _, wb = await asyncio.to_thread(engine, m, "eng-b", weights=True)
+    other, _, wo = await asyncio.to_thread(engine, m, "eng-other", weights=True, shift=7)
+    before = wa.numpy("uint8", (2 * MIB,)).copy()
+    await asyncio.to_thread(a.sleep, [wa.id])
+    await asyncio.to_thread(b.sleep, [wb.id])  # the same bytes: its copy is the first's root
+    with pytest.raises(Conflict, match=f"what sleeping lease.*{wa.id}.*wake from"):
+        await asyncio.to_thread(other.sleep, [wo.id])
+    assert (await states(bus, "eng-other"))[wo.id] == LeaseState.ACTIVE
+    assert np.array_equal(wo.numpy("uint8", (2 * MIB,)), (before.astype(np.uint16) + 7).astype(np.uint8))
+    for c, w in ((a, wa), (b, wb)):
+        assert await asyncio.to_thread(c.wake, [w.id]) == ("host" if tier else "artifact")
+        assert np.array_equal(w.numpy("uint8", (2 * MIB,)), before)
+    await asyncio.to_thread(other.sleep, [wo.id])  # no sleeper left on that copy: replaced, and woken from
+    await asyncio.to_thread(other.wake, [wo.id])
+    assert np.array_equal(wo.numpy("uint8", (2 * MIB,)), (before.astype(np.uint16) + 7).astype(np.uint8))
+    for c in (a, b, other):
+        c.close()
 
 
 async def test_the_control_planes_ask_reaches_the_engine_through_its_heartbeat(manager, bus):
