@@ -10,11 +10,13 @@ grep -qxF '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/
 mkdir -p .whl .device/bin
 PY=${PY:-.venv/bin/python}
 
-# Same versions as the local virtualenv. The device image already has numpy, torch, msgpack, safetensors,
+# Same versions as the local virtualenv (openai and its HTTP stack: the front-door tests use the official client).
+# The device image already has numpy, torch, msgpack, safetensors,
 # hypothesis, pytest, pytest-timeout, typer, rich, grpcio, protobuf, zipp, cuda-bindings.
 PKGS="pydantic pydantic-core pydantic-settings annotated-types typing-inspection python-dotenv nats-py aetcd
       sqlalchemy typing-extensions opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions pytest-asyncio
-      fastapi starlette uvicorn uvloop httptools annotated-doc cryptography cffi pycparser pynacl msgspec"
+      fastapi starlette uvicorn uvloop httptools annotated-doc cryptography cffi pycparser pynacl msgspec
+      openai jiter httpx2 httpcore2 truststore idna h11 anyio sniffio"
 SPECS=""
 for p in $PKGS; do
   v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")
