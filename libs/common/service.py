@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from libs.common import procs, telemetry
+from libs.common.accept_trouble import AcceptTrouble
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
 from libs.common.events import HealthReply
@@ -83,6 +84,7 @@ class Runtime:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._closers: list[Callable[[], Awaitable[Any]]] = []
         self.failed: BaseException | None = None
+        self.accept = AcceptTrouble(service)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A named task; if it raises, the service stops (and exits non-zero)."""
@@ -105,6 +107,7 @@ class Runtime:
             self.stopping.set()
 
     async def start(self, *, use_store: bool = True) -> None:
+        self.accept.install(asyncio.get_running_loop())  # the HTTP servers' failed accepts: one line an episode
         self.bus = await Bus.connect(self.settings, f"{self.service}:{self.instance}")
         if use_store:
             # however long etcd is stalled or restarting (NATS's connect waits so too): a service started meanwhile
@@ -115,9 +118,12 @@ class Runtime:
         """Answer health requests; called after setup, so "healthy" means every handler is registered."""
 
         async def health(_: bytes) -> bytes:
-            reply = HealthReply(service=self.service, instance=self.instance, ok=not self.stopping.is_set(),
+            trouble = self.accept.trouble  # it serves no new client meanwhile: not ok
+            reply = HealthReply(service=self.service, instance=self.instance,
+                                ok=not self.stopping.is_set() and trouble is None,
                                 detail={"uptime_s": round(time.time() - self.started_at, 3), "pid": os.getpid(),
-                                        "rejected": self.bus.rejected, **self.health_detail()})
+                                        "rejected": self.bus.rejected, "accept_trouble": trouble,
+                                        "failed_accepts": self.accept.total, **self.health_detail()})
             return reply.model_dump_json().encode()
 
         prefix = self.settings.subject_prefix

@@ -374,10 +374,10 @@ class FrameServer:
             # a new episode (a previous one ended quietly, with no accept since: its clients gave up)
             self._failed_since, self._failures = now, 0
             log.warning("%s: cannot accept (%s); retrying with backoff, connections wait in the backlog",
-                        self.path, _errno_text(e))
+                        self.path, errno_text(e))
         self._failures += 1
         self._last_failure = now
-        self._last_error = _errno_text(e)
+        self._last_error = errno_text(e)
 
     @property
     def accept_trouble(self) -> str | None:
@@ -412,7 +412,7 @@ class FrameServer:
         await self.close()
 
 
-def _errno_text(e: OSError) -> str:
+def errno_text(e: OSError) -> str:
     name = errno.errorcode.get(e.errno or 0, "")
     return f"{name} ({e.strerror})" if name else repr(e)
 

@@ -20,13 +20,17 @@ identical to the uninterrupted generation, so the client sees one stream. Invari
 7. An engine that refuses a request for now (`queue_full`: its queue is at its bound) is sound, never suspect: a
    new request is answered 503 `queue_full` at once (the client retries, as OpenAI's clients do), a resumed one
    waits for room on it up to `hold_timeout_s`. Taken for a failure, a burst had the router avoid an idle engine
-   for `suspect_s` and answer `no_endpoint` (probe of 2026-12-06).
+   for `suspect_s` and answer `no_endpoint` (probe of 2026-12-06). So is one the router cannot reach for want of its
+   own descriptors or memory (a connect failing with EMFILE: `RouterStarved`), answered 503
+   `router_out_of_resources` (a router out of fds had a healthy engine suspect and answered 502, probe of
+   2026-12-07).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import random
 import time
@@ -73,6 +77,28 @@ class UpstreamFailed(Exception):
 
 class EngineBusy(Exception):
     """The engine refused the request for now (`queue_full`): a sound engine at its bound (invariant 7)."""
+
+
+class RouterStarved(EngineBusy):
+    """The router itself could not reach the engine for want of a descriptor or kernel memory (its connect failed
+    with EMFILE, ENFILE, ENOBUFS, ENOMEM): the engine ran nothing of it and is not to blame (it was marked suspect,
+    and a healthy engine shunned, while the router was out of fds). Held and retried as a busy engine's refusal."""
+
+
+STARVED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def _starved(e: BaseException) -> str | None:
+    """The router's own exhaustion behind `e` (httpx wraps the OSError in its own errors), or None."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in STARVED:
+            return f"the router has no {'memory' if seen.errno in (errno.ENOBUFS, errno.ENOMEM) else 'descriptor'} " \
+                   f"left to reach an engine ({errno.errorcode[seen.errno]}); try again soon"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _busy(status: int, body: bytes) -> None:
@@ -248,11 +274,13 @@ class Relay:
                     if outcome == "completed":
                         return
                     raise UpstreamFailed("stream ended without a final line")
-                except EngineBusy as e:  # invariant 7
+                except EngineBusy as e:  # invariant 7 (the router's own exhaustion alike: no engine to blame)
                     engines.pop()  # it ran nothing of it
                     now = time.monotonic()
                     busy_until = busy_until or now + s.hold_timeout_s
                     if not generated or now >= busy_until:
+                        if isinstance(e, RouterStarved):
+                            raise RelayError(503, "router_out_of_resources", str(e)) from None
                         raise RelayError(503, "queue_full", f"engine {ep.engine_id}: {e}") from None
                     busy += 1
                     wait_s = min(0.05 * 2 ** min(busy, 5), 1.0, busy_until - now)
@@ -335,6 +363,8 @@ class Relay:
                 async for item in self._lines(resp.aiter_lines(), cut, generated, marks):
                     yield item
         except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, ConnectionError) as e:
+            if (why := _starved(e)) is not None:
+                raise RouterStarved(why) from None
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from None
         finally:
             self.inflight.discard(ep.engine_id, cut)
