@@ -185,6 +185,11 @@ class IncidentRecord(BaseModel):
     # ended (nothing took its memory over or stopped it): routed back in and its memory thawed (routes.py `ended`),
     # where a failure's engine is gone. Decided once, as the incident fails; a next leader's end says the same.
     serves_on: bool = False
+    # Failed with its early successor (a shadow promoted while the freeze ran: `successor_id`) active and ready in
+    # the view: its freeze failed (the node's gpu_manager stalled or restarted) and its cold start was refused, the
+    # successor filling the model's slot. Routed in at the end (routes.py `ended`), where it served on with no
+    # route for good (probe of 2026-12-07). Decided once, as the incident fails.
+    successor_serves: bool = False
     # Ended, and its end (incident.resolved / incident.failed) announced only if a ledger names it (invariant 2,
     # announced_ends.py): the record is written first, the end announced after, then the ledger. A leader finding it
     # set and named by no ledger announces it. (Records of earlier versions had it taken off instead.)

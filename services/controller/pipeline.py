@@ -57,7 +57,7 @@ from services.controller.intake import Intake, Opening, cold_ready, incident_of
 from services.controller.metrics import ControllerMetrics
 from services.controller.moves import Move, Outcomes, next_record, result_moves
 from services.controller.open_incidents import OpenIncidents
-from services.controller.routes import IncidentEvents, serves_on
+from services.controller.routes import IncidentEvents, serves_on, successor_serves
 from services.controller.settings import ControllerSettings
 from services.controller.view import ClusterView
 
@@ -337,6 +337,7 @@ class IncidentDriver:
                     self.events.mark(new, new.model, time.time())  # its successor starts cold: routers hold
                 if new.state is S.FAILED:  # recorded first, then announced (endings.py)
                     new.serves_on = serves_on(self.view, new)
+                    new.successor_serves = not new.serves_on and successor_serves(self.view, new)
                     await self.ends.announce([(m.at, new, self._end(rec, new))], out)
                     continue
                 # Entering route-in, the record is not written: route-in follows at once and writes the next

@@ -116,6 +116,18 @@ def serves_on(view: ClusterView, rec: IncidentRecord) -> bool:
             and engine.generation == rec.generation)
 
 
+def successor_serves(view: ClusterView, rec: IncidentRecord) -> bool:
+    """Whether a failing incident's early successor serves on (the record's `successor_serves`): recorded while the
+    freeze ran (a promoted shadow, which serves without owning the leases), and in the view active, ready, of the
+    model, in no incident of its own. A stop the view hears of later removes its route (engine_routes.py)."""
+    sid = rec.successor_id
+    if not sid or sid == rec.engine_id or not rec.successor_endpoint:
+        return False
+    engine = view.engines.get(sid)
+    return (engine is not None and engine.role is EngineRole.ACTIVE and engine.state == "ready"
+            and engine.model == rec.model and view.open_incident_for(sid) is None)
+
+
 class IncidentEvents:
     def __init__(self, bus: Bus, view: ClusterView, writer: BatchWriter, tracing: IncidentTracer,
                  deadlines: Deadlines, *, term: int = 0) -> None:
@@ -210,11 +222,15 @@ class IncidentEvents:
         for rec in recs:
             if rec.state is IncidentState.FAILED and rec.serves_on and rec.endpoint:
                 self.writer.put_nowait(endpoint_key(rec.model, rec.engine_id), rec.endpoint)
+            if rec.state is IncidentState.FAILED and rec.successor_serves and rec.successor_id and \
+                    rec.successor_endpoint:
+                self.writer.put_nowait(endpoint_key(rec.model, rec.successor_id), rec.successor_endpoint)
 
     def ended(self, rec: IncidentRecord) -> list[Wired]:
         """The end events of an ended record, from the record alone (a next leader rebuilds them the same: one id
         each). A failed incident that routed its engine out also tells routers no successor comes (they held the
-        model's requests for one), or, its engine serving on, routes that engine back in (which ends the hold)."""
+        model's requests for one), or, its engine serving on, routes that engine back in, or its early successor
+        serving, routes that one in (either ends the hold)."""
         if rec.state is IncidentState.FAILED:
             failed = [self.envelope(IncidentFailed(incident_id=rec.id, engine_id=rec.engine_id, step=failed_step(rec),
                                                    reason=rec.failure or ""), f"{rec.id}-failed", rec)]
@@ -222,6 +238,11 @@ class IncidentEvents:
                 failed.append(self.envelope(EndpointAdded(model=rec.model, engine_id=rec.engine_id, url=rec.endpoint,
                                                           incident_id=rec.id, predecessor_id=rec.engine_id),
                                             f"{rec.id}-serves-on", rec))
+            elif rec.successor_serves and rec.successor_id and rec.successor_endpoint:
+                failed.append(self.envelope(EndpointAdded(model=rec.model, engine_id=rec.successor_id,
+                                                          url=rec.successor_endpoint, incident_id=rec.id,
+                                                          predecessor_id=rec.engine_id),
+                                            f"{rec.id}-successor-serves", rec))
             elif Step.ROUTE_OUT in rec.steps and not rec.move_off:
                 failed.append(self.envelope(EndpointNotRecovered(model=rec.model, engine_id=rec.engine_id,
                                                                  incident_id=rec.id, reason=rec.failure or ""),

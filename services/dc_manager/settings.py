@@ -19,7 +19,11 @@ class DcManagerSettings(CommonSettings):
     promote_shadows_early: bool = Field(True, description="a standby that shadows the failed engine is promoted "
                                         "while the freeze runs (it owns the leases later, with the token chosen here)")
     retries: int = Field(3, ge=1, description="attempts per command when the node does not answer")
-    retry_backoff_s: float = Field(0.1, ge=0, description="first pause between attempts (doubles each time)")
+    retry_backoff_s: float = Field(0.1, ge=0, description="first pause between attempts (doubles each time, at "
+                                   "most a second)")
+    retry_window_s: float = Field(3.0, ge=0, description="a node service that does not answer is asked again for "
+                                  "at least this long (a gpu_manager or agent restarting answers nobody for a "
+                                  "second or two); within the controller's freeze deadline (5 s)")
     concurrency: int = Field(256, ge=1, description="intents handled at once")
     progress_retention_s: float = Field(600.0, gt=0, description="an intent's progress record (dcm/intents/) is "
                                         "deleted this long after it was written")

@@ -240,6 +240,46 @@ async def test_a_failed_manual_failover_routes_its_still_serving_engine_back_in_
         await node.close()
 
 
+async def test_a_failed_incident_whose_early_successor_serves_routes_it_in(driver: IncidentDriver, bus: Bus,
+                                                                          store: Store) -> None:
+    """A shadow promoted while the freeze ran serves at once (recorded as the incident's successor). When the freeze
+    then fails (the node's gpu_manager stalled or restarted: probe of 2026-12-07) and the cold start is refused (the
+    successor fills the model's slot), the incident fails: the serving successor was never routed in, and the model
+    had no route for good. It is routed in at the end now (its key put, `router.endpoint.added` naming it, its
+    predecessor the failed engine); a successor the view has stopped is not."""
+    recs = {}
+    for eid, state in (("dead-e12", "ready"), ("dead-e13", "stopped")):
+        sid = f"sb-{eid}"
+        rec = in_fallback(eid, None).model_copy(update={"successor_id": sid, "node": "node-1",
+                                                        "successor_endpoint": f"http://127.0.0.1:9/{sid}"})
+        start_step(rec, Step.ROUTE_OUT, time.time())
+        end_step(rec, Step.ROUTE_OUT, "done", time.time())
+        driver.view.engines[sid] = EngineInfo(engine_id=sid, node="node-1", model="m", engine_class="default",
+                                              role=EngineRole.ACTIVE, endpoint=rec.successor_endpoint, state=state)
+        await store.put(f"incidents/{rec.id}", rec)
+        driver.open.put(rec)
+        recs[eid] = rec
+        fault = FaultDetected(engine_id=cold_engine_id(rec.id), model="m", generation=0, kind=FaultKind.EXITED,
+                              node="node-1")
+        await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="node-1")])
+
+    async def both_ended() -> list[IncidentRecord] | None:
+        got = [await store.get_model(f"incidents/{r.id}", IncidentRecord) for r in recs.values()]
+        ended = [g for g in got if g is not None and g.state is IncidentState.FAILED]
+        heard = {e.data.incident_id for e in await ends_heard(bus)}
+        return ended if len(ended) == 2 and heard >= {r.id for r in recs.values()} else None
+
+    serving, stopped = await wait_for(both_ended, timeout=5.0, what="both failed and announced")
+    assert serving.successor_serves and not serving.serves_on and not stopped.successor_serves
+    told = [e.data for e in await bus.replay("router.>") if isinstance(e.data, (EndpointAdded, EndpointNotRecovered))
+            and e.data.incident_id in (serving.id, stopped.id)]
+    assert [(type(t), t.engine_id) for t in told] == [(EndpointAdded, "sb-dead-e12"),
+                                                      (EndpointNotRecovered, "dead-e13")]
+    assert told[0].url == serving.successor_endpoint and told[0].predecessor_id == "dead-e12"
+    await wait_for(lambda: store.get("endpoints/m/sb-dead-e12"), timeout=5.0, what="its successor's endpoint key")
+    assert await store.get("endpoints/m/sb-dead-e13") is None
+
+
 async def test_a_late_ready_of_an_engine_replaced_since_routes_nothing(driver: IncidentDriver, bus: Bus,
                                                                        store: Store) -> None:
     """An engine's `engine.ready`, refused while etcd stalled and redelivered after the engine died and its incident

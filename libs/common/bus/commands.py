@@ -56,20 +56,28 @@ T = TypeVar("T")
 
 
 async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, backoff_s: float,
-                             before_retry: Callable[[], Awaitable[None]] | None = None) -> T:
-    """`call()` (a command's request), sent again while nobody answers it (`CommandTimeout`, `Unavailable`) up to
-    `attempts` times, waiting `backoff_s` doubled after each; a typed error reply is final, and the last unanswered
-    try's error is raised. `before_retry`, awaited after each wait, may raise to give up (the caller's reason)."""
-    for i in range(attempts):
+                             before_retry: Callable[[], Awaitable[None]] | None = None, *,
+                             window_s: float = 0.0) -> T:
+    """`call()` (a command's request), sent again while nobody answers it (`CommandTimeout`, `Unavailable`): at least
+    `attempts` times, and on while less than `window_s` has passed since the first (a service restarting answers
+    nobody for a second or two: three tries 0.1 and 0.2 s apart all missed it, probe of 2026-12-07), waiting
+    `backoff_s` doubled after each (at most a second, never past the window); a typed error reply is final, and
+    the last unanswered try's error is raised. `before_retry`, awaited after each wait, may raise to give up (the
+    caller's reason)."""
+    t0 = time.monotonic()
+    i = 0
+    while True:
         try:
             return await call()
         except (CommandTimeout, Unavailable):
-            if i == attempts - 1:
+            pause = min(backoff_s * (2**i), 1.0)
+            left = window_s - (time.monotonic() - t0)
+            if i >= attempts - 1 and left <= pause:
                 raise
-            await asyncio.sleep(backoff_s * (2**i))
+            await asyncio.sleep(pause)
+            i += 1
             if before_retry is not None:
                 await before_retry()
-    raise AssertionError("unreachable")
 
 
 class Commands:
