@@ -158,6 +158,27 @@ def test_no_trigger_moves_an_ended_incident() -> None:
     assert not any(state in TERMINAL for state, _ in TRANSITIONS)
 
 
+async def fail_routed_out(driver: IncidentDriver, store: Store, rec: IncidentRecord, engine: EngineInfo) -> None:
+    """`rec` (in fallback, its engine routed out) held by `driver` and in etcd, `engine` in the view; then its cold
+    engine's fault, which fails the fallback at once."""
+    start_step(rec, Step.ROUTE_OUT, time.time())
+    end_step(rec, Step.ROUTE_OUT, "done", time.time())
+    driver.view.engines[engine.engine_id] = engine
+    await store.put(f"incidents/{rec.id}", rec)
+    driver.open.put(rec)
+    fault = FaultDetected(engine_id=cold_engine_id(rec.id), model="m", generation=0, kind=FaultKind.EXITED,
+                          node="node-1")
+    await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="node-1")])
+
+
+async def failed_and_heard(store: Store, bus: Bus, recs: list[IncidentRecord]) -> list[IncidentRecord] | None:
+    """Each of `recs` failed in etcd and its end announced, in order; else None."""
+    got = [await store.get_model(f"incidents/{r.id}", IncidentRecord) for r in recs]
+    ended = [g for g in got if g is not None and g.state is IncidentState.FAILED]
+    heard = {e.data.incident_id for e in await ends_heard(bus)}
+    return ended if len(ended) == len(recs) and heard >= {r.id for r in recs} else None
+
+
 async def test_a_failed_incident_that_routed_its_engine_out_tells_routers_no_successor_comes(
         driver: IncidentDriver, bus: Bus, store: Store) -> None:
     """Routers hold a model's requests while an incident brings a successor in (its route-out's `recovery`); one that
@@ -208,22 +229,14 @@ async def test_a_failed_manual_failover_routes_its_still_serving_engine_back_in_
         rec = in_fallback(eid, None).model_copy(update={
             "reason": IncidentReason.MANUAL_FAILOVER, "kind": None, "memory_lost": False,
             "endpoint": f"http://127.0.0.1:9/{eid}", "generation": 0, "node": "node-1"})
-        start_step(rec, Step.ROUTE_OUT, time.time())
-        end_step(rec, Step.ROUTE_OUT, "done", time.time())
-        driver.view.engines[eid] = EngineInfo(engine_id=eid, node="node-1", model="m", engine_class="default",
-                                              role=EngineRole.ACTIVE, endpoint=rec.endpoint, state=state)
-        await store.put(f"incidents/{rec.id}", rec)
-        driver.open.put(rec)
+        await fail_routed_out(driver, store, rec, EngineInfo(
+            engine_id=eid, node="node-1", model="m", engine_class="default", role=EngineRole.ACTIVE,
+            endpoint=rec.endpoint, state=state))
         recs[eid] = rec
-        fault = FaultDetected(engine_id=cold_engine_id(rec.id), model="m", generation=0, kind=FaultKind.EXITED,
-                              node="node-1")
-        await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="node-1")])
     try:
         async def both_ended() -> list[IncidentRecord] | None:
-            got = [await store.get_model(f"incidents/{r.id}", IncidentRecord) for r in recs.values()]
-            ended = [g for g in got if g is not None and g.state is IncidentState.FAILED]
-            heard = {e.data.incident_id for e in await ends_heard(bus)}
-            return ended if len(ended) == 2 and heard >= {r.id for r in recs.values()} and thaws else None
+            ended = await failed_and_heard(store, bus, list(recs.values()))
+            return ended if ended and thaws else None
 
         serving, stopped = await wait_for(both_ended, timeout=5.0, what="both failed, announced, one thawed")
         assert serving.serves_on and not stopped.serves_on
@@ -252,22 +265,13 @@ async def test_a_failed_incident_whose_early_successor_serves_routes_it_in(drive
         sid = f"sb-{eid}"
         rec = in_fallback(eid, None).model_copy(update={"successor_id": sid, "node": "node-1",
                                                         "successor_endpoint": f"http://127.0.0.1:9/{sid}"})
-        start_step(rec, Step.ROUTE_OUT, time.time())
-        end_step(rec, Step.ROUTE_OUT, "done", time.time())
-        driver.view.engines[sid] = EngineInfo(engine_id=sid, node="node-1", model="m", engine_class="default",
-                                              role=EngineRole.ACTIVE, endpoint=rec.successor_endpoint, state=state)
-        await store.put(f"incidents/{rec.id}", rec)
-        driver.open.put(rec)
+        await fail_routed_out(driver, store, rec, EngineInfo(
+            engine_id=sid, node="node-1", model="m", engine_class="default", role=EngineRole.ACTIVE,
+            endpoint=rec.successor_endpoint, state=state))
         recs[eid] = rec
-        fault = FaultDetected(engine_id=cold_engine_id(rec.id), model="m", generation=0, kind=FaultKind.EXITED,
-                              node="node-1")
-        await driver.on_faults([Envelope(type=fault.type, source="agent", data=fault, node="node-1")])
 
     async def both_ended() -> list[IncidentRecord] | None:
-        got = [await store.get_model(f"incidents/{r.id}", IncidentRecord) for r in recs.values()]
-        ended = [g for g in got if g is not None and g.state is IncidentState.FAILED]
-        heard = {e.data.incident_id for e in await ends_heard(bus)}
-        return ended if len(ended) == 2 and heard >= {r.id for r in recs.values()} else None
+        return await failed_and_heard(store, bus, list(recs.values()))
 
     serving, stopped = await wait_for(both_ended, timeout=5.0, what="both failed and announced")
     assert serving.successor_serves and not serving.serves_on and not stopped.successor_serves
