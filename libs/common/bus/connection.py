@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import logging
 import re
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -114,13 +115,25 @@ class Connection(security.RenewingNATS):
         return out
 
 
+NATS_ERROR_EVERY_S = 30.0
+
+
 async def open_connection(settings: CommonSettings, source: str) -> NATS:
     # TLS built from the credentials' files at each (re)connect that finds them rotated (security/renewal.py).
     nc = Connection(None if settings.insecure else
                     security.credentials_for(settings.credentials(), source, settings.node))
 
+    said: dict[str, float] = {}  # each error's text -> when it was last logged
+
     async def error_cb(e: Exception) -> None:
-        log.warning("nats error: %s", e)
+        # while the server is down nats-py reports each failed reconnect, five a second per connection: one line
+        # per distinct error every NATS_ERROR_EVERY_S is what an operator can read (an outage of minutes was
+        # thousands of identical lines in every service's log, probe of 2026-12-07)
+        text, now = str(e) or type(e).__name__, time.monotonic()
+        if now - said.get(text, -NATS_ERROR_EVERY_S) >= NATS_ERROR_EVERY_S:
+            said[text] = now
+            log.warning("nats error: %s (the same one is logged again at most every %.0f s)", text,
+                        NATS_ERROR_EVERY_S)
 
     async def disconnected_cb() -> None:
         if not (nc.is_closed or nc.is_draining):  # a close we asked for is not news
