@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from libs.common.backoff import Backoff
 from libs.common.errors import NotFound
 from libs.common.events import EngineInfo, EngineSpec, GpuRecord, NodeInfo, engine_record_key
 from libs.common.gpu import GpuEntry, resolve_gpu
@@ -45,18 +46,24 @@ class RecordWriter:
         while True:
             key, value = await self._queue.get()
             try:
+                backoff = Backoff(first_s=0.2, max_s=5.0, jitter=0.2)
                 while True:
                     try:
                         if value is None:
                             await self.store.delete(key)
                         else:
                             await self.store.put(key, value)
+                        if backoff.failures:
+                            log.info("etcd write of %s done after %d failed tries", key, backoff.failures)
                         break
                     except asyncio.CancelledError:
                         raise
-                    except Exception as e:  # noqa: BLE001 - etcd briefly away: keep the order, retry
-                        log.warning("etcd write of %s failed (%s); retrying", key, e)
-                        await asyncio.sleep(0.2)
+                    except Exception as e:  # noqa: BLE001 - etcd away or full: keep the order, retry
+                        # backed off to 5 s, said once a key: a full etcd (its NOSPACE alarm, minutes until an
+                        # operator cures it) was a warning and a write every 200 ms (probe of 2026-12-07)
+                        if not backoff.failures:
+                            log.warning("etcd write of %s failed (%s); retrying, backed off to 5 s", key, e)
+                        await asyncio.sleep(backoff.next_delay())
             finally:
                 self._queue.task_done()
 
