@@ -166,3 +166,20 @@ def test_the_schema_check_catches_a_misspelt_field_and_a_wrong_type() -> None:
     pod["hostPID"] = pod.pop("hostPid")
     ds["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": "metrics"}]
     assert schema_errors(ds) is not None
+
+
+def test_no_state_dir_is_the_root_of_an_empty_dir() -> None:
+    """An emptyDir's root is 0777, and a state directory others may write in is refused at start
+    (CommonSettings.ensure_state_dir): each service's state dir is a directory of its own inside it."""
+    checked = 0
+    for (kind, _), obj in base().items():
+        if kind not in ("Deployment", "DaemonSet"):
+            continue
+        empty = {v["name"] for v in obj["spec"]["template"]["spec"].get("volumes", []) if "emptyDir" in v}
+        for c in containers(obj):
+            state = next((e["value"] for e in c.get("env", []) if e["name"] == "HF_STATE_DIR"), None)
+            mounts = {m["mountPath"].rstrip("/") for m in c.get("volumeMounts", []) if m["name"] in empty}
+            if state is not None:
+                checked += 1
+                assert state.rstrip("/") not in mounts, f"{obj['metadata']['name']}: HF_STATE_DIR {state} is an emptyDir"
+    assert checked >= 3

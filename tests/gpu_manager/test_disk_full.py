@@ -69,7 +69,8 @@ def state_disk(settings_env: dict[str, str]) -> Iterator[StateDisk]:
         pytest.skip("mounting a tmpfs needs root")
     path = Path(settings_env["HF_STATE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_KIB}k", "tmpfs", str(path)],
+    # mode 0700: a tmpfs is mounted 1777 by default, and a state directory others may write in is refused
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_KIB}k,mode=0700", "tmpfs", str(path)],
                          capture_output=True, text=True)
     if got.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (EPERM in a container?): {got.stderr.strip()}")
