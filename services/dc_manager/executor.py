@@ -235,7 +235,8 @@ class IntentExecutor:
         t0 = time.perf_counter()
         timer = loop.call_later(self.settings.freeze_result_after_s, announce)
         try:
-            async for got in self.bus.request_all(calls, TakeoverReply, timeout=self.settings.takeover_timeout_s):
+            wait = min(self.settings.takeover_attempt_s, self.settings.takeover_timeout_s)  # then alone, sent again
+            async for got in self.bus.request_all(calls, TakeoverReply, timeout=wait):
                 ms = round((time.perf_counter() - t0) * 1000.0, 3)
                 done: list[_Item] = []
                 for i, reply in got:

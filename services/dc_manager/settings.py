@@ -11,7 +11,12 @@ from libs.common.events import EngineSpec
 class DcManagerSettings(CommonSettings):
     nodes: str = Field("", description="comma-separated nodes this manager serves; empty: every node")
     freeze_timeout_s: float = Field(2.0, gt=0, description="one freeze request's timeout")
-    takeover_timeout_s: float = Field(30.0, gt=0, description="one takeover request's timeout")
+    takeover_timeout_s: float = Field(30.0, gt=0, description="how long a takeover is asked for (the controller's "
+                                      "reattach deadline is 30 s)")
+    takeover_attempt_s: float = Field(5.0, gt=0, description="one takeover request's wait: unanswered, it is sent "
+                                      "again (idempotent by incident) until takeover_timeout_s has passed; a node "
+                                      "agent restarted while a takeover it had received ran lost it, and the one "
+                                      "request waited its whole 30 s")
     spawn_timeout_s: float = Field(60.0, gt=0, description="one cold-start spawn request's timeout")
     freeze_result_after_s: float = Field(0.5, ge=0, description="a takeover not answered this long after its freeze: "
                                          "publish the freeze's own result first (else one result per intent)")

@@ -215,8 +215,7 @@ class IntentSteps:
                 # The shadow needs no memory to serve (it maps the weights read-only already): promote it now,
                 # with a token chosen here, which it needs only to own the leases once they are frozen.
                 token = secrets.token_urlsafe(24)
-                early = asyncio.ensure_future(self._command(Step.REATTACH, node, self.takeover(intent, token),
-                                                            TakeoverReply, self.settings.takeover_timeout_s))
+                early = asyncio.ensure_future(self._takeover(node, self.takeover(intent, token)))
             cmd = Freeze(owner=intent.engine_id, incident_id=intent.incident_id, transfer_token=token)
             try:
                 prog.freeze, prog.freeze_ms = await self._freeze(intent, node, cmd, prog)
@@ -250,8 +249,7 @@ class IntentSteps:
                 self.settings.freeze_result_after_s, lambda: announced.append(asyncio.ensure_future(
                     self.publish([self.freeze_result(intent, prog, trace)]))))
             try:
-                prog.takeover, prog.takeover_ms = await (early or self._command(
-                    Step.REATTACH, node, cmd, TakeoverReply, self.settings.takeover_timeout_s))
+                prog.takeover, prog.takeover_ms = await (early or self._takeover(node, cmd))
             finally:
                 timer.cancel()
                 for task in announced:
@@ -579,7 +577,16 @@ class IntentSteps:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _command(self, step: Step, node: str, cmd: object, reply: type[R], wait_s: float) -> tuple[R, float]:
+    async def _takeover(self, node: str, cmd: Takeover) -> tuple[TakeoverReply, float]:
+        """A takeover, each request waiting `takeover_attempt_s` and sent again until `takeover_timeout_s` has passed
+        (idempotent by incident: a live agent joins the first; a restarted one, which lost it, runs it)."""
+        s = self.settings
+        return await self._command(Step.REATTACH, node, cmd, TakeoverReply, min(s.takeover_attempt_s,
+                                                                                s.takeover_timeout_s),
+                                   window_s=s.takeover_timeout_s)
+
+    async def _command(self, step: Step, node: str, cmd: object, reply: type[R], wait_s: float, *,
+                       window_s: float | None = None) -> tuple[R, float]:
         with self.span(f"dc_manager.{step}", {"holdfast.node": node}):
             t0 = time.perf_counter()
             try:
@@ -587,7 +594,7 @@ class IntentSteps:
                 out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s,  # type: ignore[arg-type]
                                                                   traceparent=trace),
                                          self.settings.retries, self.settings.retry_backoff_s, self.incident_ended,
-                                         self.settings.retry_window_s)
+                                         self.settings.retry_window_s if window_s is None else window_s)
             except RemoteError as e:
                 raise StepFailed(step, f"{e.remote_code}: {e.message}", e.remote_code) from None
             except HoldfastError as e:
