@@ -322,6 +322,43 @@ class FrameStream:
             self.sock.close()
 
 
+class AcceptEpisodes:
+    """Failed accepts counted in episodes, for an accept loop that retries them (FrameServer's own, or asyncio's:
+    accept_trouble.py): one warning when an episode starts, one line at the first accept after a quiet
+    `ACCEPT_QUIET_S` where the loop says it accepted (near the limit, accepts fail and succeed in turn: that is one
+    episode; one that ended with no accept since, its clients gone, is over too), and `trouble` meanwhile."""
+
+    def __init__(self, name: str, retrying: str) -> None:
+        self.name, self.retrying = name, retrying  # what fails, and how its loop tries again (said once an episode)
+        self.failures = 0  # in the episode under way
+        self.total = 0
+        self._since: float | None = None  # start of the episode under way
+        self._last = 0.0
+        self._error = ""
+
+    def failed(self, e: OSError) -> None:
+        now = time.monotonic()
+        if self._since is None or now - self._last >= ACCEPT_QUIET_S:
+            self._since, self.failures = now, 0
+            log.warning("%s: cannot accept connections (%s); %s", self.name, _errno_text(e), self.retrying)
+        self.failures += 1
+        self.total += 1
+        self._last, self._error = now, _errno_text(e)
+
+    def accepted(self) -> None:
+        if self._since is not None and time.monotonic() - self._last >= ACCEPT_QUIET_S:
+            log.warning("%s: accepting again after %d failed accepts over %.1f s", self.name, self.failures,
+                        self._last - self._since)
+            self._since, self.failures = None, 0
+
+    @property
+    def trouble(self) -> str | None:
+        """Why accepting fails now, or None once no accept has failed for `ACCEPT_QUIET_S`."""
+        if self._since is None or time.monotonic() - self._last >= ACCEPT_QUIET_S:
+            return None
+        return f"{self._error}: {self.failures} failed accepts in {time.monotonic() - self._since:.1f} s"
+
+
 class FrameServer:
     """A listening unix socket that runs `handler(stream)` per connection, each in its own task."""
 
@@ -333,10 +370,7 @@ class FrameServer:
         self._stream_kwargs = stream_kwargs
         self._tasks: set[asyncio.Task[None]] = set()
         self._accept_task: asyncio.Task[None] | None = None
-        self._failed_since: float | None = None  # start of the current episode of failed accepts
-        self._last_failure = 0.0
-        self._failures = 0
-        self._last_error = ""
+        self.episodes = AcceptEpisodes(path, "retrying with backoff, connections wait in the backlog")
 
     def start(self) -> None:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name=f"accept:{self.path}")
@@ -354,37 +388,20 @@ class FrameServer:
             except OSError as e:
                 if e.errno == errno.EBADF:  # our own socket closed under us: close() is under way
                     return
-                self._accept_failed(e)
+                self.episodes.failed(e)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, ACCEPT_PAUSE_S[1])
                 continue
             pause = ACCEPT_PAUSE_S[0]
-            if self._failed_since is not None and time.monotonic() - self._last_failure >= ACCEPT_QUIET_S:
-                log.warning("%s: accepting again after %d failed accepts over %.1f s", self.path, self._failures,
-                            self._last_failure - self._failed_since)
-                self._failed_since, self._failures = None, 0
+            self.episodes.accepted()
             stream = FrameStream(conn, **self._stream_kwargs)
             task = loop.create_task(self._run(stream), name=f"conn:{self.path}:{conn.fileno()}")
             self._tasks.add(task)  # keep a reference so the task is not collected mid-flight
             task.add_done_callback(self._tasks.discard)
 
-    def _accept_failed(self, e: OSError) -> None:
-        now = time.monotonic()
-        if self._failed_since is None or now - self._last_failure >= ACCEPT_QUIET_S:
-            # a new episode (a previous one ended quietly, with no accept since: its clients gave up)
-            self._failed_since, self._failures = now, 0
-            log.warning("%s: cannot accept (%s); retrying with backoff, connections wait in the backlog",
-                        self.path, errno_text(e))
-        self._failures += 1
-        self._last_failure = now
-        self._last_error = errno_text(e)
-
     @property
     def accept_trouble(self) -> str | None:
-        """Why accepting fails now, or None once no accept has failed for `ACCEPT_QUIET_S`."""
-        if self._failed_since is None or time.monotonic() - self._last_failure >= ACCEPT_QUIET_S:
-            return None
-        return f"{self._last_error}: {self._failures} failed accepts in {time.monotonic() - self._failed_since:.1f} s"
+        return self.episodes.trouble
 
     async def _run(self, stream: FrameStream) -> None:
         try:
@@ -412,7 +429,7 @@ class FrameServer:
         await self.close()
 
 
-def errno_text(e: OSError) -> str:
+def _errno_text(e: OSError) -> str:
     name = errno.errorcode.get(e.errno or 0, "")
     return f"{name} ({e.strerror})" if name else repr(e)
 
