@@ -128,6 +128,18 @@ def successor_serves(view: ClusterView, rec: IncidentRecord) -> bool:
             and engine.model == rec.model and view.open_incident_for(sid) is None)
 
 
+def serving_at_end(rec: IncidentRecord) -> tuple[str, str] | None:
+    """The engine a failed incident routes in at its end, and its url: its own engine that serves on, or its early
+    successor that serves (the record's `serves_on`, `successor_serves`); None for any other record."""
+    if rec.state is not IncidentState.FAILED:
+        return None
+    if rec.serves_on and rec.endpoint:
+        return rec.engine_id, rec.endpoint
+    if rec.successor_serves and rec.successor_id and rec.successor_endpoint:
+        return rec.successor_id, rec.successor_endpoint
+    return None
+
+
 class IncidentEvents:
     def __init__(self, bus: Bus, view: ClusterView, writer: BatchWriter, tracing: IncidentTracer,
                  deadlines: Deadlines, *, term: int = 0) -> None:
@@ -220,11 +232,8 @@ class IncidentEvents:
         """The endpoint keys of failed incidents' engines that serve on, put again (before their ends are published:
         a router's reconcile then finds the route its event adds)."""
         for rec in recs:
-            if rec.state is IncidentState.FAILED and rec.serves_on and rec.endpoint:
-                self.writer.put_nowait(endpoint_key(rec.model, rec.engine_id), rec.endpoint)
-            if rec.state is IncidentState.FAILED and rec.successor_serves and rec.successor_id and \
-                    rec.successor_endpoint:
-                self.writer.put_nowait(endpoint_key(rec.model, rec.successor_id), rec.successor_endpoint)
+            if (serving := serving_at_end(rec)) is not None:
+                self.writer.put_nowait(endpoint_key(rec.model, serving[0]), serving[1])
 
     def ended(self, rec: IncidentRecord) -> list[Wired]:
         """The end events of an ended record, from the record alone (a next leader rebuilds them the same: one id
@@ -234,15 +243,12 @@ class IncidentEvents:
         if rec.state is IncidentState.FAILED:
             failed = [self.envelope(IncidentFailed(incident_id=rec.id, engine_id=rec.engine_id, step=failed_step(rec),
                                                    reason=rec.failure or ""), f"{rec.id}-failed", rec)]
-            if rec.serves_on and rec.endpoint:
-                failed.append(self.envelope(EndpointAdded(model=rec.model, engine_id=rec.engine_id, url=rec.endpoint,
+            if (serving := serving_at_end(rec)) is not None:
+                engine_id, url = serving
+                failed.append(self.envelope(EndpointAdded(model=rec.model, engine_id=engine_id, url=url,
                                                           incident_id=rec.id, predecessor_id=rec.engine_id),
-                                            f"{rec.id}-serves-on", rec))
-            elif rec.successor_serves and rec.successor_id and rec.successor_endpoint:
-                failed.append(self.envelope(EndpointAdded(model=rec.model, engine_id=rec.successor_id,
-                                                          url=rec.successor_endpoint, incident_id=rec.id,
-                                                          predecessor_id=rec.engine_id),
-                                            f"{rec.id}-successor-serves", rec))
+                                            f"{rec.id}-{'serves-on' if engine_id == rec.engine_id else 'successor-serves'}",
+                                            rec))
             elif Step.ROUTE_OUT in rec.steps and not rec.move_off:
                 failed.append(self.envelope(EndpointNotRecovered(model=rec.model, engine_id=rec.engine_id,
                                                                  incident_id=rec.id, reason=rec.failure or ""),
