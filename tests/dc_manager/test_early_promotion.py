@@ -50,6 +50,12 @@ class Node:
         return TakeoverReply(engine=succ, used_standby=True)
 
 
+async def serve(bus: Bus, node: Node) -> None:
+    """`node` answers the node's freezes and takeovers."""
+    await bus.serve(NODE, Freeze, node.freeze)
+    await bus.serve(NODE, Takeover, node.takeover)
+
+
 async def _cluster(store: Store, engine: str, *, shadowed: bool) -> None:
     await put_node(store, NODE)
     await store.put(engine_record_key(NODE, engine), EngineInfo(engine_id=engine, node=NODE, model="m", engine_class="c",
@@ -66,8 +72,7 @@ async def _cluster(store: Store, engine: str, *, shadowed: bool) -> None:
 async def test_a_shadowing_standby_is_promoted_during_the_freeze_and_a_plain_one_after_it(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
     node = Node()
-    await bus.serve(NODE, Freeze, node.freeze)
-    await bus.serve(NODE, Takeover, node.takeover)
+    await serve(bus, node)
     await _cluster(store, "e-shadowed", shadowed=True)
     await _cluster(store, "e-plain", shadowed=False)
     dcm = start("services.dc_manager", service_env(settings_env, HF_PROMOTE_SHADOWS_EARLY="true"), tmp_path / "dcm.log")

@@ -12,44 +12,37 @@ from pathlib import Path
 
 from libs.common.bus import Bus
 from libs.common.events import (
-    EngineInfo,
-    EngineRole,
-    Freeze,
-    FreezeReply,
     RecoverIntent,
     Takeover,
     TakeoverReply,
 )
 from libs.common.store import Store
 from tests.controller.helpers import healthy, service_env, start, wait_for
-from tests.dc_manager.test_early_promotion import NODE, _cluster
+from tests.dc_manager.test_early_promotion import NODE, Node, _cluster, serve
 from tests.support import intent_results
 
 
-class ForgetfulNode:
-    """Answers freezes; the first takeover is received and never answered (its agent died), the next ones are."""
+class ForgetfulNode(Node):
+    """Answers freezes at once; the first takeover is received and never answered (its agent died), the next ones
+    are, as `Node` answers them."""
 
     def __init__(self) -> None:
-        self.takeovers: list[tuple[Takeover, float]] = []
+        super().__init__()
+        self.release.set()
+        self.sent: list[tuple[Takeover, float]] = []  # every takeover, answered or not, and when it came
         self.gone = asyncio.Event()  # never set: the first takeover's agent is dead
 
-    async def freeze(self, cmd: Freeze) -> FreezeReply:
-        return FreezeReply(lease_ids=[f"L-{cmd.owner}"], epoch=2, transfer_token=cmd.transfer_token or "t" * 32)
-
     async def takeover(self, cmd: Takeover) -> TakeoverReply:
-        self.takeovers.append((cmd, time.monotonic()))
-        if len(self.takeovers) == 1:
+        self.sent.append((cmd, time.monotonic()))
+        if len(self.sent) == 1:
             await self.gone.wait()
-        succ = EngineInfo(engine_id=f"{cmd.engine_id}-succ", node=NODE, model="m", engine_class="c",
-                          role=EngineRole.ACTIVE, state="ready", endpoint="http://127.0.0.1:9/s")
-        return TakeoverReply(engine=succ, used_standby=True)
+        return await super().takeover(cmd)
 
 
 async def test_a_lost_takeover_is_sent_again_within_its_attempt_not_after_the_whole_timeout(
         bus: Bus, store: Store, settings_env: dict[str, str], tmp_path: Path) -> None:
     node = ForgetfulNode()
-    await bus.serve(NODE, Freeze, node.freeze)
-    await bus.serve(NODE, Takeover, node.takeover)
+    await serve(bus, node)
     await _cluster(store, "e-lost", shadowed=False)
     dcm = start("services.dc_manager", service_env(settings_env, HF_TAKEOVER_ATTEMPT_S="1",
                                                    HF_TAKEOVER_TIMEOUT_S="30"), tmp_path / "dcm.log")
@@ -62,7 +55,7 @@ async def test_a_lost_takeover_is_sent_again_within_its_attempt_not_after_the_wh
 
         got = await wait_for(reattached, timeout=15.0, what="the reattach's result")
         assert [(r.step, r.ok) for r in got] == [("freeze", True), ("reattach", True)], got  # the freeze's first
-        (first, t1), (again, t2) = node.takeovers[:2]
+        (first, t1), (again, t2) = node.sent[:2]
         assert again == first and 0.9 <= t2 - t1 < 5.0  # the same command, after one attempt's wait
     finally:
         dcm.stop()
