@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from libs.common.private_path import not_private
+
 log = logging.getLogger("holdfast.config")
 
 DEFAULT_NATS_PORT = 14222
@@ -74,12 +76,9 @@ class CommonSettings(BaseSettings):
         they could have swapped what lies in it."""
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = self.state_dir.stat()
-        if st.st_uid != os.geteuid():
-            raise PermissionError(f"the state directory {self.state_dir} belongs to uid {st.st_uid}, not to this "
-                                  f"process's ({os.geteuid()}): give it to this uid or choose another (HF_STATE_DIR)")
-        if st.st_mode & 0o022:  # others may have planted sockets or files in it already: closing it is too late
-            raise PermissionError(f"the state directory {self.state_dir} is writable by others (mode "
-                                  f"{st.st_mode & 0o7777:o}): choose a directory of this uid's alone (HF_STATE_DIR)")
+        if (why := not_private(st)) is not None:  # others could have planted sockets or files: too late to close
+            raise PermissionError(f"the state directory {self.state_dir} {why}: choose a directory of this uid's "
+                                  "alone, or give it to this uid (HF_STATE_DIR)")
         if st.st_mode & 0o077:
             self.state_dir.chmod(0o700)
             log.warning("the state directory %s was open to others (mode %o): now 0700", self.state_dir,

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from libs.client.protocol import ArtifactInvalid, TensorMeta, tensor_extent
 from libs.client.safetensors_io import copy_name
 from libs.common.errors import MalformedMessage, NotFound
+from libs.common.private_path import not_private
 
 FORMAT_VERSION = 2  # 2: the root hash covers the tensor table (1 covered the block digests alone)
 ALIGN = 4096  # the largest logical block size of common devices: O_DIRECT offsets, lengths, buffers
@@ -128,11 +129,9 @@ def check_private(path: Path, what: str) -> os.stat_result:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
         raise ArtifactInvalid(f"{what} {path} is a symbolic link: an artifact is read only from its own files")
-    if st.st_uid != os.geteuid():
-        raise ArtifactInvalid(f"{what} {path} belongs to uid {st.st_uid}, not to the manager's ({os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise ArtifactInvalid(f"{what} {path} may be written by others (mode {st.st_mode & 0o7777:o}): anyone could "
-                              "have planted its bytes; make it the manager's alone (chmod go-w)")
+    if (why := not_private(st)) is not None:
+        raise ArtifactInvalid(f"{what} {path} {why}: anyone with that access could have planted its bytes; make it "
+                              "the manager's alone (chown, chmod go-w)")
     return st
 
 

@@ -39,7 +39,7 @@ def test_a_state_dir_others_may_write_in_is_refused_and_left_as_it_was(tmp_path:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(mode)
-    with pytest.raises(PermissionError, match="writable by others"):
+    with pytest.raises(PermissionError, match="may be written by others"):
         CommonSettings(state_dir=shared).ensure_state_dir()
     assert _mode(shared) == mode
 
