@@ -12,13 +12,16 @@ Synchronous and thread-based (an engine has no event loop); no PyTorch dependenc
     link.report_fatal("cuda_error", "illegal address")   # then exit
 
 The link survives an agent restart: its thread reconnects and registers again with what it last said
-(role, ready, endpoint), so the new agent knows the engine without asking it anything.
+(role, ready, endpoint) and the assignment it was sent (`assigned`: its incident and predecessor), so the new agent
+knows the engine without asking it anything, and a takeover its previous life began on this standby is resumed, not
+begun again on it as if it still stood by.
 
 Wire protocol (frames of `libs.common.wire`, msgpack maps with an "op"):
 engine -> agent: register (first frame; answered by registered or error; `death_mark`: the frame carries the
 engine's death mark, libs/common/death_mark.py; `shadows`: it can shadow, and whom it shadows now; `followers`: a
 tensor-parallel group's rank 0 names its other ranks' processes, [{rank, pid, pid_start}], which the agent then
-watches itself), heartbeat, ready, fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
+watches itself; `assigned`: {incident_id, predecessor} of the assignment that made it a successor), heartbeat, ready,
+fatal, shadowing {owner, read_only}, asleep {sleeping}, bye;
 agent -> engine: ack {seq}, assign {predecessor, transfer_token, incident_id, model, shadowed},
 shadow {owner, share_token}, unshadow, owner_down {owner} (the shadowed engine failed: an assignment may follow),
 error {code, message}.
@@ -111,6 +114,9 @@ class AgentLink:
         self.version = version
         self.state = "starting"  # starting, ready, standby, assigned
         self.endpoint: str | None = None
+        # The assignment that made this standby a successor ({incident_id, predecessor}), from the moment it arrives
+        # (before the engine takes it from the queue): every registration repeats it
+        self.assigned: dict[str, str] | None = None
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._assignments: queue.Queue[Instruction] = queue.Queue()
@@ -269,6 +275,8 @@ class AgentLink:
             hello["followers"] = [f.model_dump() for f in self.followers]
         if self.spare:  # only a spare sends it
             hello["spare"] = True
+        if self.assigned is not None:  # only a successor sends it (an agent that predates it ignores the key)
+            hello["assigned"] = dict(self.assigned)
         if self.death_mark is not None:  # its fd travels with the frame
             hello["death_mark"] = True
         return hello
@@ -360,6 +368,8 @@ class AgentLink:
             if ev is not None:
                 ev.set()
         elif op == "assign":
+            if msg.get("incident_id"):  # said from now on, even before the engine takes the assignment from the queue
+                self.assigned = {"incident_id": str(msg["incident_id"]), "predecessor": str(msg["predecessor"])}
             self._assignments.put(Assignment(
                 predecessor=str(msg["predecessor"]), transfer_token=str(msg["transfer_token"]),
                 incident_id=msg.get("incident_id"), model=str(msg.get("model") or self.model),

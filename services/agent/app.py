@@ -47,6 +47,9 @@ async def setup(rt: Runtime) -> None:
     for info in await records.load_engines(rt.store, settings.node):
         agent.adoption.readopt(info)
 
+    # Before the first engine registers: a standby the previous agent assigned resumes its takeover as it registers.
+    takeovers = Takeovers(agent)
+    agent.resumer = takeovers.resume
     if settings.marks_on():  # the mark waiter up before the first engine registers (mark_waiter.py)
         agent.watcher.start_marks()
     # small limits until a frame's op is known (link_server.py rule 4): a register, with its death mark's one fd
@@ -72,7 +75,7 @@ async def setup(rt: Runtime) -> None:
                     agent_socket=str(settings.socket_path()), started_at=time.time(),
                     # no GPU seen (the host backend): its one memory pool is "gpu 0", where engines run
                     gpus=[g.index for g in health.gpus], nvml=bool(has_nvml))
-    commands, takeovers = Commands(agent, lambda: current_term(rt.store)), Takeovers(agent)
+    commands = Commands(agent, lambda: current_term(rt.store))
     agent.promoter = takeovers.promote
     await rt.bus.serve(settings.node, Spawn, commands.spawn)
     await rt.bus.serve(settings.node, StopEngine, commands.stop)

@@ -88,6 +88,9 @@ class EngineRecord:
     handing_over: bool = False  # a takeover's predecessor: its slot is the successor's until it is retired
     ready_perf: float | None = None  # perf_counter when it last said ready (takeover timings)
     taking_over: str | None = None  # the predecessor whose memory this successor takes over (until ready)
+    # The incident whose takeover assigned this standby (takeover.py); after an agent's restart, as its registration
+    # says (supervision.inherit_assignment): that takeover is resumed on it, never begun again
+    assigned_for: str | None = None
     successor_of: str | None = None  # the engine whose leases it took over (EngineInfo.successor_of)
     exit_code: int | None = None
     signal: int | None = None

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from libs.common.errors import Conflict, MalformedMessage, PermissionDenied
-from libs.common.events import EngineReady, RankProcess
+from libs.common.events import EngineReady, EngineRole, RankProcess
 from libs.common.wire import FrameStream, close_fds
 from services.agent import rank_watch, shadows, supervision
 from services.agent.adoption import Adoption
@@ -40,6 +40,8 @@ class Host(EngineTable, FaultReporter, shadows.Agent, Protocol):
     def resolve_ready(self, rec: EngineRecord, exc: BaseException | None = None) -> None: ...
 
     def reconcile_soon(self) -> None: ...
+
+    def inherited(self, rec: EngineRecord) -> None: ...
 
 
 class Links:
@@ -97,12 +99,24 @@ class Links:
                 host.watch_followers(rec, rank_watch.parse_followers(reg.followers, rec.tp))
             except MalformedMessage as e:
                 log.warning("engine %s: %s; its followers' deaths are seen through its exit", rec.engine_id, e)
-        if reg.shadows:
+        # A standby this agent's previous life assigned (it died before answering the takeover): what the engine says
+        # wins over the record, which still says standby; its takeover is resumed (takeover.py `resume`), not begun
+        # again on it as if it stood by (probe D2-frozen, 2026-12-07: it was, and was declared hung 15 s later).
+        inherited = reg.assigned is not None and supervision.inherit_assignment(
+            rec, reg.assigned.incident_id, reg.assigned.predecessor, reg.state)
+        if reg.shadows and rec.role is EngineRole.STANDBY:
             rec.shadows = reg.shadows  # re-registration: it still shadows that engine
         if reg.state in ("ready", "standby") and rec.state is State.STARTING:
             rec.endpoint = reg.endpoint
             rec.transition(Ev.READY)
             host.save(rec)
+        if inherited:
+            if rec.state is State.READY:
+                rec.endpoint = reg.endpoint
+            log.info("engine %s registers assigned %s for %s (%s) by this agent's previous life: its takeover resumes",
+                     rec.engine_id, rec.taking_over, rec.assigned_for, rec.state.value)
+            host.save(rec)
+            host.inherited(rec)
         return rec
 
     def on_message(self, rec: EngineRecord, msg: LinkMessage) -> dict[str, Any] | None:

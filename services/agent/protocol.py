@@ -55,6 +55,14 @@ class LinkMsg(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, str_max_length=4096, allow_inf_nan=False)
 
 
+class Assigned(LinkMsg):
+    """The assignment a standby was sent (its registration repeats it): after an agent's restart, the takeover its
+    previous life began on it, resumed rather than begun again (takeover.py `resume`)."""
+
+    incident_id: Id
+    predecessor: Id
+
+
 class Register(LinkMsg):
     """The first frame of a connection: who the engine is and what it last said (a re-registration repeats it)."""
 
@@ -76,6 +84,7 @@ class Register(LinkMsg):
     followers: list[RankProcess] = Field(default_factory=list, max_length=63)  # a TP group's rank 0 (tp <= 64)
     spare: bool = False
     death_mark: bool = False  # the frame's fd is the engine's death mark
+    assigned: Assigned | None = None  # a standby assigned a predecessor: its assignment's incident and predecessor
 
 
 class Acked(LinkMsg):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from libs.common.events import EngineRole, EngineSpec
 from libs.common.ids import subject_token
 from services.agent.backoff import Backoffs
-from services.agent.engines import LIVE, EngineRecord, State
+from services.agent.engines import LIVE, EngineRecord, Ev, State
 
 
 def spec_key(spec: EngineSpec) -> str:
@@ -282,6 +282,25 @@ def registered(rec: EngineRecord, heartbeats: bool, now: float) -> None:
     rec.linked = True
     if heartbeats:
         rec.last_heartbeat = now
+
+
+def inherit_assignment(rec: EngineRecord, incident_id: str, predecessor: str, state: str | None) -> bool:
+    """A standby registering again after this agent's restart says it was assigned `predecessor` for `incident_id`
+    (libs/client/agent_link.py repeats the assignment in every registration): the agent's previous life sent it and
+    died before answering its takeover, so its record (re-adopted from etcd, written before the assignment) still
+    says standby. The record follows the engine: active, assigned, and ready once it says so (`state`), through the
+    transition table. Left as it was: a spare (the spawn command's, not a takeover's), and anything but a standby
+    (one this agent assigned in this life already, or one failing or stopping). True when the record changed: the
+    takeover is then resumed on it (takeover.py `resume`), never begun again as if it still stood by. Pure."""
+    if rec.state is not State.STANDBY or rec.spare or rec.assigned_for == incident_id:
+        return False
+    rec.transition(Ev.ASSIGN)
+    rec.role = EngineRole.ACTIVE
+    rec.assigned_for, rec.taking_over = incident_id, predecessor
+    if state == "ready":
+        rec.transition(Ev.READY)
+        rec.shadows = None  # it serves: what it shadowed is its own
+    return True
 
 
 def probe_targets(records: list[EngineRecord]) -> list[EngineRecord]:

@@ -75,6 +75,8 @@ class Agent:
         self.gpu_health = GpuHealth(self)
         # takeover.py's `Takeovers.promote`, set by app.py: a death's standby promoted by this agent
         self.promoter: Callable[[EngineRecord, FaultKind], bool] | None = None
+        # takeover.py's `Takeovers.resume`, set by app.py: a standby assigned by this agent's previous life
+        self.resumer: Callable[[EngineRecord], None] | None = None
         self._ready_waiters: dict[str, list[asyncio.Future[EngineRecord]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconcile_now = asyncio.Event()
@@ -145,6 +147,12 @@ class Agent:
         """A death just reported: its standby promoted here, where takeover.py's `promote` may (app.py sets it)."""
         if self.promoter is not None:
             self.promoter(rec, kind)
+
+    def inherited(self, rec: EngineRecord) -> None:
+        """A standby registered assigned by this agent's previous life (links.py): its takeover resumed (app.py sets
+        takeover.py's `resume`)."""
+        if self.resumer is not None:
+            self.resumer(rec)
 
     def gpu_sound(self, gpu: int) -> bool:
         return gpu not in self.gpu_health.unhealthy

@@ -30,7 +30,17 @@ all or none (engines/batched/tp_group.py `RankGroup.load`).
 `memory_of`: the leases taken over are that engine's, not the predecessor's (a shadow promoted early that died
 before it owned its own predecessor's leases: they are still frozen, and the dc_manager hands them on).
 
-Idempotent by incident id: a repeated command awaits (or returns) the first one's result.
+Idempotent by incident id: a repeated command awaits (or returns) the first one's result. Across a restart of this
+agent too: a standby its previous life assigned says so as it registers again (its link repeats the assignment), and
+its record, re-adopted from etcd and written before the assignment, follows it (`supervision.inherit_assignment`:
+active, assigned or ready); the takeover is resumed under the incident's id (`resume`): it waits for that standby's
+"ready" and answers as the first one would have (the event, the records, the predecessor retired), and the control
+plane's re-sent takeover joins it. Before this, the standby was taken for a standby still, assigned again, said
+nothing, was declared hung after `takeover_timeout_s` and killed, the memory it held frozen for a second incident that
+failed (probe D2-frozen, 2026-12-07: 24-28 s without service). A command that comes in this agent's first moments
+waits until the engines of its previous life have registered again (`starts_from`), so that it finds such a standby
+resumed rather than choosing it. A resumed successor that dies or is not ready in time gives way (`GaveWay`): the
+command runs the takeover from the start.
 
 Promoted here (`promote`, setting `promote_locally`, off by default: the agent's README says why): an active single
 engine that died (killed or exited, seen exiting or dead: no fault of its GPU, which this agent holds sound) with a
@@ -91,6 +101,7 @@ class Host(EngineTable, FaultReporter, Protocol):
 
     starts: Starts
     writer: RecordWriter
+    starts_from: float  # monotonic: until then engines of this agent's previous life register again
 
     def get(self, engine_id: str) -> EngineRecord: ...
 
@@ -117,7 +128,12 @@ PROMOTED_KINDS = frozenset({FaultKind.KILLED, FaultKind.EXITED})  # a process's 
 LOCAL_FREEZE_TRIES = 3  # the agent's own freeze, sent again while unanswered (each try waits LOCAL_FREEZE_S)
 
 
-class PromotionDropped(Exception):
+class GaveWay(Exception):
+    """A takeover this agent began by itself (its own promotion, or one resumed after its restart) gave way: a command
+    for its incident runs the takeover from the start."""
+
+
+class PromotionDropped(GaveWay):
     """The agent's own promotion gave way before it assigned anyone (its freeze failed)."""
 
 
@@ -146,6 +162,7 @@ class Takeovers:
         self.promoted = 0  # promotions this agent began itself (`promote`)
 
     async def handle(self, cmd: Takeover) -> TakeoverReply:
+        await self._settled()
         while True:
             task = self._by_incident.get(cmd.incident_id)
             if task is None:
@@ -155,8 +172,60 @@ class Takeovers:
             try:
                 # shield: a caller that times out must not cancel the takeover other callers (and the memory) wait on
                 return await asyncio.shield(task)
-            except PromotionDropped:
-                continue  # this agent's own promotion gave way before assigning anyone: this command runs it
+            except GaveWay:
+                continue  # this agent's own promotion, or a resumed takeover, gave way: this command runs it
+
+    async def _settled(self) -> None:
+        """In this agent's first moments (`starts_from`), engines of its previous life register again (every 50 ms):
+        a standby it had assigned resumes its takeover as it does (`resume`), and a command waits for that rather
+        than choosing it again as if it stood by."""
+        wait = self.host.starts_from - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    def resume(self, successor: EngineRecord) -> None:
+        """`successor` registered assigned by this agent's previous life (`supervision.inherit_assignment`): its
+        takeover resumed under its incident's id, which the control plane's re-sent takeover joins (the module's
+        docstring)."""
+        inc = successor.assigned_for
+        if inc is None or inc in self._by_incident:
+            return
+        task = asyncio.get_running_loop().create_task(self._resumed(inc, successor), name=f"resume:{inc}")
+        task.add_done_callback(_retrieved)  # nobody may join it: its failure is logged
+        self._by_incident[inc] = task
+
+    async def _resumed(self, inc: str, successor: EngineRecord) -> TakeoverReply:
+        """The rest of a takeover this agent's previous life began: its predecessor killed (again) and retired once
+        dead, the successor's "ready" waited for, the answer as `_run` gives it."""
+        host = self.host
+        t0 = time.perf_counter()
+        pred = host.engines.get(successor.taking_over or "")
+        if pred is not None:
+            pred.handing_over = True
+            successor.generation = pred.generation + 1
+            if host.watcher.watching(pred.engine_id):  # it was being killed as the previous life died
+                if pred.state is not State.FAILED:
+                    pred.transition(Ev.STOP)  # a planned replacement, not a fault
+                host.watcher.signal(pred.engine_id, signal.SIGKILL)  # confirmed, and retired, by `_finish`
+        try:
+            await host.wait_ready(successor.engine_id, host.settings.takeover_timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            log.warning("takeover %s: %s, assigned before this agent's restart, failed (%s); a command runs it again",
+                        inc, successor.engine_id, e or "timed out")
+            if successor.live:
+                host.fault(successor, FaultKind.HUNG, detail=f"failed during takeover: {e}", died_at=time.time())
+            await host.kill_confirmed(successor)
+            host.retire(successor)
+            if pred is not None:
+                pred.handing_over = False  # nobody took its slot (yet): the reconciler may replace it
+                if pred.state is State.STOPPED:
+                    host.retire(pred)
+            self._by_incident.pop(inc, None)
+            raise GaveWay(str(e)) from e
+        successor.shadows = None  # it serves now; what it shadowed is its own
+        timings = {"resumed": 1.0, "attach_ready_ms": ms_since(t0)}
+        return self._finish(inc, pred, successor.taking_over or "", successor, used_standby=True, timings=timings,
+                            t0=t0, version=successor.version)
 
     def promote(self, pred: EngineRecord, kind: FaultKind) -> bool:
         """Take `pred`, dead of `kind`, over now, without waiting for the control plane (the module's docstring);
@@ -251,28 +320,36 @@ class Takeovers:
                 host.retire(pred)
             raise
 
-        successor.successor_of = owner
         if cmd.gang is not None:
             successor.gang = cmd.gang  # the gang keeps its id across groups
+        timings["shadowed"] = float(shadowed and used_standby)
+        timings["fenced"] = float(fenced and used_standby)
+        return self._finish(cmd.incident_id, pred, owner, successor, used_standby=used_standby, timings=timings,
+                            t0=t0, version=cmd.version)
+
+    def _finish(self, inc: str, pred: EngineRecord | None, owner: str, successor: EngineRecord, *,
+                used_standby: bool, timings: dict[str, float], t0: float, version: str | None) -> TakeoverReply:
+        """A successor ready: the event, its record, the predecessor retired (once dead), a hot upgrade's desired
+        counts moved, the replacement standby soon; the reply."""
+        host = self.host
+        successor.successor_of = owner
         if successor.ready_perf is not None and successor.ready_perf >= t0:
             timings["ready_to_reply_ms"] = ms_since(successor.ready_perf)  # the agent's own lag after "ready"
         timings["total_ms"] = ms_since(t0)
-        timings["shadowed"] = float(shadowed and used_standby)
-        timings["fenced"] = float(fenced and used_standby)
         info = host.info(successor)
         # The event first, the bookkeeping after: the etcd writes queued below then run behind the publish.
-        host.publish(EngineReattached(incident_id=cmd.incident_id, predecessor_id=pred.engine_id, engine=info,
-                                      used_standby=used_standby, timings_ms=timings))
+        host.publish(EngineReattached(incident_id=inc, predecessor_id=pred.engine_id if pred is not None else owner,
+                                      engine=info, used_standby=used_standby, timings_ms=timings))
         host.save(successor)  # its record names whose memory it holds (`successor_of`), cold or warm
-        if pred.engine_id in host.engines:
+        if pred is not None and pred.engine_id in host.engines:
             if host.watcher.watching(pred.engine_id):
                 host.background(self._retire_when_dead(pred), f"retire:{pred.engine_id}")
             else:
                 host.retire(pred)
-        if cmd.version is not None and successor.spec_key not in (None, pred.spec_key):
+        if pred is not None and version is not None and successor.spec_key not in (None, pred.spec_key):
             self._move_replica(pred, successor)
-        log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", cmd.incident_id, pred.engine_id, successor.engine_id,
-                 "standby" if used_standby else "cold spawn", timings["total_ms"], timings)
+        log.info("takeover %s: %s -> %s (%s) in %.1f ms %s", inc, pred.engine_id if pred is not None else owner,
+                 successor.engine_id, "standby" if used_standby else "cold spawn", timings["total_ms"], timings)
         # A replacement standby, in the background, once the reply is out: spawning it takes the agent's loop
         # for a while and the new process competes for CPU with the successor's first requests.
         asyncio.get_running_loop().call_later(host.settings.standby_refill_delay_s, host.reconcile_soon)
@@ -346,7 +423,7 @@ class Takeovers:
         t = time.perf_counter()
         host.starts.admit_active(sb.spec_key or "", replacing=pred, candidate=sb.engine_id)
         sb.transition(Ev.ASSIGN)
-        sb.taking_over = owner
+        sb.taking_over, sb.assigned_for = owner, cmd.incident_id
         sb.role = EngineRole.ACTIVE
         sb.generation = pred.generation + 1
         try:
@@ -406,7 +483,7 @@ class Takeovers:
 
 
 def _retrieved(task: asyncio.Task[TakeoverReply]) -> None:
-    """A promotion nobody joined: its failure said once, not as an exception never retrieved (a dropped one was
-    said by `_promote`)."""
-    if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), PromotionDropped):
+    """A promotion or a resumed takeover nobody joined: its failure said once, not as an exception never retrieved
+    (one that gave way was said where it did)."""
+    if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), GaveWay):
         log.error("takeover %s failed: %r", task.get_name(), task.exception())

@@ -9,6 +9,7 @@ from libs.common.events import EngineRole, EngineSpec, FaultKind
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.supervision import (
     admit_stranger,
+    inherit_assignment,
     never_linked,
     overdue,
     pick_standby,
@@ -247,3 +248,20 @@ def test_the_agent_promotes_only_a_dead_active_engines_shadowing_self_fencing_st
                   rec("s", EngineRole.STANDBY, State.STANDBY, shadows="a", fences=False),
                   rec("s", EngineRole.STANDBY, State.STARTING, shadows="a", fences=True)):
         assert why_not_promoted(dead, FaultKind.KILLED, other, gpu_sound=True) == no
+
+
+def test_a_standby_that_registers_assigned_after_a_restart_is_recorded_as_the_successor_it_is() -> None:
+    """Its record (re-adopted from etcd) still says standby; what its registration says wins (probe D2-frozen)."""
+    ready = rec("s", EngineRole.STANDBY, State.STANDBY, shadows="a")
+    assert inherit_assignment(ready, "inc-a-g0", "a", "ready")
+    assert (ready.role, ready.state, ready.assigned_for, ready.taking_over, ready.shadows) == (
+        EngineRole.ACTIVE, State.READY, "inc-a-g0", "a", None)
+    assert not inherit_assignment(ready, "inc-a-g0", "a", "ready")  # said again: nothing more to learn
+    loading = rec("t", EngineRole.STANDBY, State.STANDBY, shadows="a")
+    assert inherit_assignment(loading, "inc-a-g0", "a", "assigned")
+    assert (loading.role, loading.state, loading.shadows) == (EngineRole.ACTIVE, State.ASSIGNED, "a")  # ready later
+    # a spare (the spawn command's assignment, not a takeover's) and a failed standby are left as they are
+    spare = rec("p", EngineRole.STANDBY, State.STANDBY, spare=True)
+    failed = rec("f", EngineRole.STANDBY, State.FAILED)
+    assert not inherit_assignment(spare, "inc-a-g0", "a", "ready") and spare.state is State.STANDBY
+    assert not inherit_assignment(failed, "inc-a-g0", "a", "ready") and failed.role is EngineRole.STANDBY
