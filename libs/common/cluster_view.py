@@ -317,10 +317,13 @@ class ClusterView:
     # ------------------------------------------------------------ queries
 
     def node_gpus(self, node: str) -> list[int]:
-        listed = set(self.gpus_of.get(node, ()))
+        """The node's GPUs, as placement and the API offer them. Its own list (`NodeInfo.gpus`, written by its agent,
+        which starts engines only there) is trusted over `gpus/` records: a record of a GPU not in it is one a node
+        that came back with fewer GPUs left behind, and a spawn there fails (`no GPU '1' on this node`). A node
+        without a list (not known yet, or written with none) has the GPUs its records name."""
         info = self.nodes.get(node) or {}
-        listed.update(int(g) for g in info.get("gpus", []) if isinstance(g, int))
-        return sorted(listed)
+        own = {int(g) for g in info.get("gpus") or () if isinstance(g, int)}
+        return sorted(own or self.gpus_of.get(node, set()))
 
     def gpu_healthy(self, node: str, gpu: int) -> bool:
         return bool((self.gpus.get((node, gpu)) or {}).get("healthy", True))

@@ -5,6 +5,11 @@ marks back at start (gpu_board.py invariant 4).
 
 Off the critical path: records are recomputed every `interval_s` from the lease table and written only when they
 changed (a lease's allocate or reclaim shows within one interval); a health change is written at once.
+
+The first pass that writes also deletes this node's records of GPUs it does not have (`gone_gpu_keys`): a node that
+comes back under the same name with fewer GPUs would otherwise keep the vanished ones' records for ever, and
+placement would send engines there. Only keys under `gpus/<this node>/` are read or deleted; a pass whose read or
+delete fails (etcd briefly away) is retried by the next, like the writes.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from libs.common.bus import Bus
 from libs.common.events import GpuHealth, GpuRecord, SetGpuHealth, SetGpuHealthReply
@@ -21,6 +26,18 @@ from services.gpu_manager.gpu_board import same_record
 from services.gpu_manager.manager import LeaseBook
 
 log = logging.getLogger("holdfast.gpu_manager.gpus")
+
+
+def gone_gpu_keys(node: str, keys: Iterable[str], have: Iterable[int]) -> list[str]:
+    """The keys of `node`'s GPU records (`gpus/<node>/<index>`) of GPUs not in `have`: what a manager that no longer
+    has those GPUs deletes. Keys of another node, or not of a GPU index, are never named."""
+    prefix, kept = f"gpus/{node}/", set(have)
+    gone = []
+    for key in keys:
+        index = key.removeprefix(prefix)
+        if key.startswith(prefix) and index.isdecimal() and int(index) not in kept:
+            gone.append(key)
+    return sorted(gone)
 
 
 class GpuPublisher:
@@ -36,6 +53,7 @@ class GpuPublisher:
         self.copies = copies  # the node's weight copies (restore.py `listing`), in every record for placement
         self._writing = asyncio.Lock()  # one writer at a time: an older record never lands after a newer one
         self._marking = asyncio.Lock()  # one mark at a time: the table and the board agree on the last one
+        self.swept = False  # the records of GPUs this node no longer has deleted (once per start: none come back)
 
     def current(self) -> dict[int, GpuRecord]:
         recs = self.board.records((r.info for r in self.book.records.values()), time.time())
@@ -50,11 +68,24 @@ class GpuPublisher:
 
     async def publish_changed(self) -> None:
         async with self._writing:
-            for index, rec in self.current().items():
+            recs = self.current()
+            for index, rec in recs.items():
                 if same_record(self.written.get(index), rec):
                     continue
                 await self.store.put(f"gpus/{rec.node}/{index}", rec.model_dump(mode="json"))
                 self.written[index] = rec
+            if not self.swept:
+                await self._forget_gone(recs)
+                self.swept = True
+
+    async def _forget_gone(self, recs: dict[int, GpuRecord]) -> None:
+        """Delete this node's records of GPUs it does not have (after its own are written). Idempotent: a key already
+        gone deletes nothing."""
+        node = self.board.node
+        for key in gone_gpu_keys(node, await self.store.get_prefix(f"gpus/{node}/"), recs):
+            await self.store.delete(key)
+            log.warning("%s deleted: this node has no GPU %s now (its GPUs: %s)", key, key.rsplit("/", 1)[1],
+                        sorted(recs))
 
     async def run(self) -> None:
         inventory = asyncio.ensure_future(self._inventory(self.current()))  # beside the records, not before them
