@@ -48,15 +48,17 @@ class FaultKind(StrEnum):
     HUNG = "hung"  # heartbeats missing past the timeout
     CUDA_ERROR = "cuda_error"  # the engine reported a fatal CUDA error
     GPU_FAULT = "gpu_fault"  # NVML: XID or uncorrectable ECC on its GPU
+    NODE_LOST = "node_lost"  # its node gone (no agent left to tell) and it does not answer: the leader's finding
 
     @property
     def loses_memory(self) -> bool:
         """Whether a fault of this kind takes the engine's leased memory with it (its successor starts cold):
-        a GPU fault does; an engine that died on a sound GPU leaves its memory for the gpu_manager to freeze."""
+        a GPU fault or its node's loss does; an engine that died on a sound GPU leaves its memory for the
+        gpu_manager to freeze."""
         return self in _LOSES_MEMORY
 
 
-_LOSES_MEMORY = frozenset({FaultKind.GPU_FAULT})
+_LOSES_MEMORY = frozenset({FaultKind.GPU_FAULT, FaultKind.NODE_LOST})
 
 
 # The lease an engine keeps its KV cache's host backup in (engines/batched/backup.py: tag `other`, host memory): its

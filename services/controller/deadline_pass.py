@@ -7,7 +7,9 @@ Each tick, for the incidents nobody is working on (their lock free, no backgroun
   answered): routed in;
 - an incident opened in etcd by any instance's API that this leader does not hold: resumed (it dispatches it);
 - the ends whose write or publication failed (endings.py, doubts): read back once etcd answers, each under its
-  incident's lock; one read refused ends that tick's read-back (etcd still failing).
+  incident's lock; one read refused ends that tick's read-back (etcd still failing);
+- the active engines of a node gone from the view (lost_nodes.py): probed at their endpoints, and those that do
+  not answer faulted (`node_lost`), as their agent, gone with its node, cannot.
 Each of these runs as a named background task, kept referenced until it ends, and is not handed out again while it
 runs; `cancel` ends them when the term does.
 """
@@ -20,11 +22,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+import httpx
+
+from libs.common.events import EngineInfo, Envelope
 from services.controller.endings import IncidentEnds
-from services.controller.incident import WAITING, IncidentState, Trigger
+from services.controller.incident import WAITING, IncidentState, Trigger, incident_id_for
 from services.controller.incident_locks import IncidentLocks
 from services.controller.intake import cold_ready
-from services.controller.moves import Move
+from services.controller.lost_nodes import LostNodes, lost_fault
+from services.controller.moves import Move, Outcomes
 from services.controller.open_incidents import OpenIncidents
 from services.controller.view import ClusterView
 
@@ -40,11 +46,17 @@ class Steps(Protocol):
 
     async def resume(self, inc_id: str) -> None: ...
 
+    async def on_faults(self, envs: list[Envelope]) -> Outcomes: ...
+
 
 class DeadlinePass:
     def __init__(self, steps: Steps, open_: OpenIncidents, locks: IncidentLocks, view: ClusterView,
-                 ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None) -> None:
+                 ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None, *,
+                 lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller") -> None:
         self.steps = steps
+        self.lost = lost if lost is not None else LostNodes(0.0)
+        self.probe_timeout_s = probe_timeout_s
+        self.source = source  # the lost-node faults' envelopes name this controller
         self.holds = holds  # the term's lease confirmed right now (pipeline.Tenure); None: always
         self.open = open_
         self.locks = locks
@@ -85,6 +97,47 @@ class DeadlinePass:
             if inc_id not in self.open and inc_id not in self._busy and not self.open.closed_here(inc_id) \
                     and seen is not None and seen.state is S.OPENED:
                 self._background(inc_id, self.steps.resume(inc_id))
+        suspects = self.lost.suspects(now, self.view.nodes, self.view.engines.values(), self._handled)
+        if suspects:
+            self._spawn(self._declare_lost(suspects), "lost-nodes:probe")
+
+    def _handled(self, e: EngineInfo) -> bool:
+        """Whether an incident took `e`'s generation up already: opened or ended, or the generation replaced since."""
+        inc_id = incident_id_for(e.engine_id, e.generation)
+        return (inc_id in self.open or self.open.closed_here(inc_id) or inc_id in self.view.incidents
+                or self.view.gone_generation.get(e.engine_id, -1) >= e.generation)
+
+    async def _declare_lost(self, suspects: list[EngineInfo]) -> None:
+        """Probe each suspect's endpoint (lost_nodes.py, invariant 2); fault those that do not answer, together."""
+        async with httpx.AsyncClient(timeout=self.probe_timeout_s) as client:
+            alive = await asyncio.gather(*(self._answers(client, e) for e in suspects))
+        now = time.time()
+        lost = [e for e, up in zip(suspects, alive, strict=True) if self.lost.answered(e, up)]
+        for e, up in zip(suspects, alive, strict=True):
+            if up:
+                log.info("node %s is gone from the view, but its engine %s answers: left to its agent", e.node,
+                         e.engine_id)
+        if not lost:
+            return
+        envs = [lost_fault(e, now - self.lost.gone_since.get(e.node, now), self.source) for e in lost]
+        for e in lost:
+            log.warning("engine %s: node %s gone and the engine does not answer: faulted as lost with it",
+                        e.engine_id, e.node)
+        out = await self.steps.on_faults(envs)
+        for e, err in zip(lost, out, strict=True):
+            if err is not None:  # its incident not opened: declared again on a later tick
+                self.lost.declared.discard((e.engine_id, e.generation))
+                log.warning("engine %s of lost node %s: its incident did not open (%r)", e.engine_id, e.node, err)
+
+    @staticmethod
+    async def _answers(client: httpx.AsyncClient, e: EngineInfo) -> bool:
+        if not e.endpoint:
+            return False  # a starting engine with no endpoint yet: nothing to ask, its node is gone
+        try:
+            await client.get(e.endpoint.rstrip("/") + "/health")
+        except httpx.HTTPError:
+            return False
+        return True  # any answer: it runs (a 5xx is its own business, not its node's)
 
     def cancel(self) -> None:
         for task in list(self._tasks):

@@ -42,6 +42,9 @@ async def start_on_purpose(store: Store, view: ClusterView, engine_id: str, reas
     current = view.open_incident_for(engine_id)
     if current is not None:
         raise Conflict(f"engine {engine_id} is already in incident {current.id} ({current.state})")
+    if view.replaced_generation.get(engine_id, -1) >= engine.generation:  # its record outlived it: a lost node's
+        raise Conflict(f"engine {engine_id} generation {engine.generation} was replaced already (an incident resolved "
+                       f"with another engine); see GET /v1/incidents?engine={engine_id}")
     if successor is not None:
         check_successor(view, engine_id, successor, version)
     hit = view.endpoint_of(engine_id)
@@ -127,9 +130,10 @@ async def drain_node(store: Store, view: ClusterView, node: str) -> tuple[list[s
     and stops the engine once the successor is routed in. Returns (the engines on the node, the incidents
     started, each engine not moved by this call and why); an engine already in an incident is left to it. A
     repeated drain starts nothing twice while an engine's incident is open, and moves again an engine whose
-    earlier one ended without moving it (`OPERATOR_ATTEMPTS`)."""
-    if node not in view.nodes:
-        raise NotFound(f"no node {node}")
+    earlier one ended without moving it (`OPERATOR_ATTEMPTS`). A node whose agent's key is gone (the node lost) is
+    drained too while its engines are recorded: they are cold-started elsewhere."""
+    if node not in view.nodes and not any(e.node == node for e in view.engines.values()):
+        raise NotFound(f"no node {node}")  # one gone from etcd whose engines are still recorded can be drained
     await store.put(f"drain/{node}", {"node": node})
     engines = sorted(e.engine_id for e in view.engines.values() if e.node == node)
     started, left = [], {}

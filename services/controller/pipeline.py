@@ -54,6 +54,7 @@ from services.controller.incident_locks import IncidentLocks
 from services.controller.incident_log import IncidentLog, ledger_key
 from services.controller.incident_trace import IncidentTracer
 from services.controller.intake import Intake, Opening, cold_ready, incident_of
+from services.controller.lost_nodes import LostNodes
 from services.controller.metrics import ControllerMetrics
 from services.controller.moves import Move, Outcomes, next_record, result_moves
 from services.controller.open_incidents import OpenIncidents
@@ -108,7 +109,9 @@ class IncidentDriver:
         self.engine_routes = EngineRoutes(bus, view, self.writer, self.events, self.open)
         self.locks = IncidentLocks()  # not incident state: who is working on an incident right now
         self.deadline_pass = DeadlinePass(self, self.open, self.locks, view, self.ends, settings.tick_s,
-                                          holds=tenure.holds if tenure is not None else None)
+                                          holds=tenure.holds if tenure is not None else None,
+                                          lost=LostNodes(settings.node_lost_s),
+                                          probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 

@@ -106,14 +106,15 @@ def likely_successor(view: ClusterView, rec: IncidentRecord) -> EngineInfo | Non
 def serves_on(view: ClusterView, rec: IncidentRecord) -> bool:
     """Whether a failing incident's engine serves on (the record's `serves_on`): begun on purpose (a failure's engine
     is gone), it routed that engine out (a drain's stays routed until a successor is), and the view still has that
-    generation active and ready, which it is not once its agent stopped it for a takeover. A stop the view hears of
+    generation active and ready, which it is not once its agent stopped it for a takeover, nor once another incident
+    replaced that generation (a lost node's engine: its record stays until the node comes back). A stop the view hears of
     only later is mended then: the engine is in no incident any more, so its stop removes its route
     (engine_routes.py `stopped`)."""
     if rec.reason is IncidentReason.FAILURE or rec.move_off or Step.ROUTE_OUT not in rec.steps or not rec.endpoint:
         return False
     engine = view.engines.get(rec.engine_id)
     return (engine is not None and engine.role is EngineRole.ACTIVE and engine.state == "ready"
-            and engine.generation == rec.generation)
+            and engine.generation == rec.generation and view.replaced_generation.get(rec.engine_id, -1) < rec.generation)
 
 
 def successor_serves(view: ClusterView, rec: IncidentRecord) -> bool:

@@ -55,6 +55,10 @@ class ControllerSettings(CommonSettings):
                                     "queue behind new incidents in a burst (docs/controlplane.md)")
     ack_wait_s: float = Field(3.0, gt=0, description="JetStream redelivers an unacked event after this")
     tick_s: float = Field(0.1, gt=0, description="how often deadlines are checked")
+    node_lost_s: float = Field(10.0, ge=0, description="a node gone from etcd this long (its agent's key, a few "
+                               "seconds' lease): its active engines that do not answer at their endpoints are "
+                               "faulted as lost with it (services/controller/lost_nodes.py); 0: never")
+    node_probe_timeout_s: float = Field(2.0, gt=0, description="how long a lost node's engine has to answer")
     standby_announce_s: float = Field(0.5, ge=0, description="how often routers are told of a routed engine's new "
                                       "shadowing standby, to keep spare connections to it (standbys.py); 0: never")
     standby_refresh_s: float = Field(30.0, gt=0, description="how often every standby is told again (a router that "

@@ -13,7 +13,7 @@ from libs.common.cluster_view import ClusterView as BaseClusterView
 from libs.common.cluster_view import GpuSlot
 from libs.common.store import Store
 from services.controller.announced_ends import AnnouncedEnds, Ledger
-from services.controller.incident import IncidentRecord
+from services.controller.incident import IncidentRecord, IncidentState
 from services.controller.rollout import RolloutRecord
 
 __all__ = ["ClusterView", "GpuSlot"]
@@ -27,6 +27,9 @@ class ClusterView(BaseClusterView):
         # engine id -> the latest generation of it that an ended incident took out of service (replaced or gone; not
         # one that serves on, `serves_on` or a regroup's own engine): a late event of it routes nothing
         self.gone_generation: dict[str, int] = {}
+        # engine id -> the latest generation of it an incident resolved by another engine (replaced for sure; its
+        # record may outlive it, a lost node's: operations.py, routes.py `serves_on`)
+        self.replaced_generation: dict[str, int] = {}
         self.rollouts: dict[str, RolloutRecord] = {}  # engine class -> its latest roll-out
         # Incident records this process is writing, by id: (the bytes sent, the record). When the watch brings
         # back exactly those bytes, the record is taken as is instead of parsed again (~4 per incident).
@@ -72,6 +75,9 @@ class ClusterView(BaseClusterView):
                 del self.open_by_engine[rec.engine_id]
             if not rec.serves_on and rec.successor_id != rec.engine_id:
                 self.gone_generation[rec.engine_id] = max(rec.generation, self.gone_generation.get(rec.engine_id, -1))
+            if rec.state is IncidentState.RESOLVED and rec.successor_id and rec.successor_id != rec.engine_id:
+                self.replaced_generation[rec.engine_id] = max(rec.generation,
+                                                              self.replaced_generation.get(rec.engine_id, -1))
             if rest not in self.ended and (not rec.end_unannounced or rest in self.announced):
                 self.ended[rest] = rec.updated_at  # retention waits for its end's announcement
         else:

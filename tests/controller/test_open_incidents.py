@@ -45,4 +45,4 @@ def test_the_memory_of_closed_incidents_is_bounded_and_keeps_the_newest() -> Non
 
 
 def test_only_a_fault_that_takes_the_memory_with_it_loses_memory() -> None:
-    assert [k for k in FaultKind if k.loses_memory] == [FaultKind.GPU_FAULT]
+    assert [k for k in FaultKind if k.loses_memory] == [FaultKind.GPU_FAULT, FaultKind.NODE_LOST]

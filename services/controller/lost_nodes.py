@@ -1,0 +1,80 @@
+"""`LostNodes`: the engines of a node that is gone, whose deaths no message will report.
+
+Every other fault is published by the failed engine's own agent. A whole node lost (its power, kernel or network)
+takes its agent with it: its engines' records, endpoints and leases stayed in etcd as if they served, no incident
+opened, a model whose only replica was there answered 502 until the node came back, and a warm standby elsewhere
+waited unused (probe of 2026-12-07). The agent keeps `nodes/<node>` alive in etcd (a lease of a few seconds), so
+the leader sees the node go; this says which of its engines to declare lost, and when. Pure: no I/O; the deadline
+pass (deadline_pass.py) asks it each tick, probes the suspects' endpoints and opens their incidents.
+
+Invariants:
+1. A suspect is an active engine (starting or ready) recorded on a node the view has not listed for `after_s`
+   (counted from when this leader first saw it missing), whose generation no incident took up yet (open, ended,
+   or replaced since: `handled`).
+2. A suspect is declared lost only when nothing answers at its endpoint (`answered`: any HTTP answer counts): a
+   node whose agent alone died, or one cut from etcd, still serves, and is left to its agent when it returns.
+   One that answered is a suspect again only `after_s` later.
+3. Each engine generation is declared lost once per leader's term; the fault made for it is the one its agent
+   would have sent (`node_lost`: its memory went with the node), so its incident has the id that the agent's
+   late report of the same death finds when the node comes back (one incident per failed generation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from libs.common.events import EngineInfo, EngineRole, Envelope, FaultDetected, FaultKind
+
+LIVE_STATES = frozenset({"starting", "ready"})
+
+
+@dataclass
+class LostNodes:
+    after_s: float  # a node absent this long: its engines are suspects (0: never)
+    gone_since: dict[str, float] = field(default_factory=dict)  # node -> when first seen missing (with engines)
+    asked_at: dict[tuple[str, int], float] = field(default_factory=dict)  # (engine, generation) -> last probed
+    declared: set[tuple[str, int]] = field(default_factory=set)  # invariant 3
+
+    def suspects(self, now: float, present: Iterable[str], engines: Iterable[EngineInfo],
+                 handled: Callable[[EngineInfo], bool]) -> list[EngineInfo]:
+        """The engines to probe now (invariant 1); marks them asked."""
+        if self.after_s <= 0:
+            return []
+        listed = set(present)
+        active = [e for e in engines if e.role is EngineRole.ACTIVE and e.state in LIVE_STATES
+                  and e.node not in listed]
+        missing = {e.node for e in active}
+        for node in list(self.gone_since):
+            if node not in missing:
+                del self.gone_since[node]  # back, or nothing of it left to declare
+        out = []
+        for e in active:
+            since = self.gone_since.setdefault(e.node, now)
+            key = (e.engine_id, e.generation)
+            if now - since < self.after_s or key in self.declared or handled(e):
+                continue
+            if now - self.asked_at.get(key, -float("inf")) < self.after_s:
+                continue  # being probed, or answered lately (invariant 2)
+            self.asked_at[key] = now
+            out.append(e)
+        return out
+
+    def answered(self, e: EngineInfo, alive: bool) -> bool:
+        """The probe's outcome; True when `e` is declared lost now (invariant 3)."""
+        key = (e.engine_id, e.generation)
+        if alive or key in self.declared:
+            return False
+        self.declared.add(key)
+        self.asked_at.pop(key, None)
+        return True
+
+
+def lost_fault(e: EngineInfo, gone_for_s: float, source: str) -> Envelope:
+    """The fault an engine of a lost node gets (invariant 3), as its agent's would come: from its node."""
+    fault = FaultDetected(engine_id=e.engine_id, model=e.model, engine_class=e.engine_class, generation=e.generation,
+                          pid=e.pid, kind=FaultKind.NODE_LOST, gpu=e.gpu, gpu_uuid=e.gpu_uuid, died_at=time.time(),
+                          role=e.role, node=e.node, gang=e.gang,
+                          detail=f"node {e.node} gone for {gone_for_s:.1f} s and its engine does not answer")
+    return Envelope(type=fault.type, source=source, node=e.node, data=fault)
