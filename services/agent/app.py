@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from libs.common import wire
 from libs.common.backoff import Backoff
@@ -43,6 +44,9 @@ async def setup(rt: Runtime) -> None:
         # recorded too: the dc_manager's cold-start fallback finds an engine class's spec there
         writer.put_spec(settings.node, spec_key(spec), spec)
 
+    # Faults wait for the node key (detection.py): one seen while nodes/<node> is absent reads "node gone" to the
+    # control plane, which then forgoes the reattach in place (the live memory, the waiting standby).
+    agent.detection.hold_faults()
     # Engines still running from a previous agent on this node, before anyone can register.
     for info in await records.load_engines(rt.store, settings.node):
         agent.adoption.readopt(info)
@@ -84,7 +88,8 @@ async def setup(rt: Runtime) -> None:
     await rt.bus.serve(settings.node, MarkGpu, health.mark_gpu)
     # The node key says "up": whoever sees it may send commands at once, so it is written after every command
     # is served (serve returns once the server routes to it), never beside them.
-    rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s))
+    # The faults held since the start (re-adopted engines that died meanwhile) go out once it is written.
+    rt.spawn("node-key", _keep_node_key(rt, node, settings.node_ttl_s, agent.detection.release_faults))
 
     rt.spawn("monitor", agent.detection.monitor_loop())
     rt.spawn("probes", agent.probes.loop())
@@ -116,11 +121,11 @@ def _async(fn):  # noqa: ANN001, ANN202 - adapts a plain closer to Runtime.on_cl
     return run
 
 
-async def _keep_node_key(rt: Runtime, node: NodeInfo, ttl: int) -> None:
+async def _keep_node_key(rt: Runtime, node: NodeInfo, ttl: int, written: Callable[[], None]) -> None:
     """nodes/<node> bound to our etcd lease; a lost lease (etcd partition) is re-granted and re-written, and while
     etcd does not answer that is tried again with backoff: an etcd outage never ends the agent (a chaos run's etcd
     kill once did, at the grant, and the engines it had just started, not yet registered, came back as strangers
-    beside their replacements)."""
+    beside their replacements). `written` is called each time the key is in etcd."""
     backoff = Backoff(first_s=0.2, max_s=5.0, jitter=0.2)
     while True:
         try:
@@ -134,6 +139,7 @@ async def _keep_node_key(rt: Runtime, node: NodeInfo, ttl: int) -> None:
             await asyncio.sleep(delay)
             continue
         backoff.reset()
+        written()
         task = asyncio.create_task(keepalive.run(), name="node-lease-keepalive")
         try:
             await keepalive.lost.wait()

@@ -1,5 +1,10 @@
-"""The node's plain commands: `spawn` (a spec upserted, an active engine started, or the dc_manager's reattaching
-fallback), `stop` (one fewer of its kind) and `list`. A takeover is takeover.py's, `mark_gpu` gpu_health.py's.
+"""The node's plain commands: `spawn` (a spec deployed; or, on an incident's behalf, a cold start, a reattaching or
+backup-taking successor, a spare assigned), `stop` (one fewer of its kind) and `list`. A takeover is takeover.py's,
+`mark_gpu` gpu_health.py's.
+
+A spawn naming neither an engine nor an incident deploys its spec: it becomes the node's desired state for its key.
+One on an incident's behalf (the dc_manager's cold start, maybe for another node's engine) changes the node's spec
+only once its engine is admitted and started here, and then keeps the node's own counts (`spec_after_cold_start`).
 
 A fallback's spawn that names a spare (`Spawn.spare`: a standby on another GPU with its own weights loaded,
 EngineSpec.spares) assigns it rather than starting a process: it takes the predecessor's KV backup over
@@ -39,7 +44,7 @@ from services.agent.gpu_health import GpuHealth
 from services.agent.pidfd import ExitStatus
 from services.agent.records import RecordWriter
 from services.agent.starts import Starts
-from services.agent.supervision import pick_spare, spec_key
+from services.agent.supervision import pick_spare, spec_after_cold_start, spec_key
 from services.agent.table import EngineTable
 
 log = logging.getLogger("holdfast.agent")
@@ -112,27 +117,52 @@ class Commands:
             return await self._successor(cmd, key, cmd.predecessor or "", {
                 "HF_DEGRADE_GANG": cmd.degrade_gang, "HF_TRANSFER_TOKEN": cmd.transfer_token,
                 "HF_GANG_GENERATION": str(cmd.gang_generation)}, gang=cmd.degrade_gang)
-        if cmd.spare is not None and (cmd.engine_id is None or cmd.engine_id not in host.engines):
+        if cmd.engine_id is not None and cmd.engine_id in host.engines:
+            return SpawnReply(engine=host.info(host.engines[cmd.engine_id]))  # a repeated spawn: the one started
+        if cmd.spare is not None:
             spare = await self._on_spare(cmd, key, None)  # a fallback's successor afresh (no backup to continue)
             if spare is not None:
                 return SpawnReply(engine=host.info(spare))
-        if cmd.engine_id is None or cmd.engine_id not in host.engines:
-            host.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
+        host.starts.admit_fresh_start(key)  # a crash-looping spec's cold start waits out its backoff too
+        if cmd.engine_id is None and cmd.incident_id is None:
+            return self._deploy(cmd, key)
+        return self._cold_start(cmd, key)
+
+    def _deploy(self, cmd: Spawn, key: str) -> SpawnReply:
+        """A spec deployed (a Spawn on nobody's behalf): this node's desired state for its key becomes the sent
+        spec (the GPUs it named before kept after the sent ones); an active engine is started now if fewer than its
+        `replicas` run, and the reconciler adds the standbys and further replicas."""
+        host = self.host
         spec, old = cmd.spec, host.specs.get(key)
-        if old is not None:  # a cold start names the one GPU placement chose: the spec keeps its others for later
+        if old is not None:
             spec = spec.model_copy(update={"gpus": list(dict.fromkeys([*spec.gpus, *old.gpus]))})
         host.specs[key] = spec
         host.writer.put_spec(host.node, key, spec)
         actives = [r for r in host.records()
                    if r.spec_key == key and r.role is EngineRole.ACTIVE and r.state in LIVE]
-        if cmd.engine_id is not None and cmd.engine_id in host.engines:
-            rec = host.engines[cmd.engine_id]
-        elif cmd.engine_id is not None or len(actives) < cmd.spec.replicas or not actives:
-            # on the spec's GPUs as sent (a cold start's: the one placement chose)
-            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
+        if len(actives) < spec.replicas or not actives:
+            rec = host.start_engine(key, EngineRole.ACTIVE, spec=cmd.spec)
         else:
             rec = actives[0]
-        host.reconcile_soon()  # standbys and further replicas
+        host.reconcile_soon()
+        return SpawnReply(engine=host.info(rec))
+
+    def _cold_start(self, cmd: Spawn, key: str) -> SpawnReply:
+        """A cold start on an incident's behalf (the dc_manager's fallback: `engine_id` names it), maybe for another
+        node's engine: one active engine on the GPU the sent spec names, admitted against this node's own spec
+        (`start_engine`: supervision.admit_active). The node's spec changes only once the engine is started, and
+        then only as far as `supervision.spec_after_cold_start` says (the GPU it runs on; no spec before: the sent one
+        for this one replica): a refused or failed start leaves it as it was (probe of 2026-12-07, multi-node finding
+        3: another node's spec stored by a refused cold start stopped this node's warm standby; one naming a GPU this
+        node lacks stayed, reloaded at every restart)."""
+        host = self.host
+        own = host.specs.get(key)
+        rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
+        spec = spec_after_cold_start(own, cmd.spec)
+        if spec != own:
+            host.specs[key] = spec
+            host.writer.put_spec(host.node, key, spec)
+        host.reconcile_soon()  # its standbys
         return SpawnReply(engine=host.info(rec))
 
     async def _successor(self, cmd: Spawn, key: str, predecessor: str, orders: dict[str, str],

@@ -6,6 +6,12 @@ overdue (`supervision.overdue`, the agent's own absence credited) and an engine 
 through `fault()` too: a fatal report (links.py), a stuck HTTP server (probes.py), a GPU's failure (gpu_health.py),
 a standby that fails its takeover (takeover.py). `fault()` publishes at most one `FaultDetected` per engine
 generation (`latch_fault`), before any etcd write: the detection path is one JetStream publish.
+
+A starting agent holds its faults (`hold_faults`, app.py) until its node key is written (`release_faults`): the
+deaths it finds as it re-adopts its engines (adoption.py) and any in its first moments. A control plane that saw such
+a fault while `nodes/<node>` was absent (an agent back after its node's etcd lease ran out) took the node for gone:
+it skipped the reattach in place onto the live memory and the waiting standby for a cold start elsewhere (probe of
+2026-12-07, multi-node finding 4). A held fault's record is written after its publication, as any fault's is.
 """
 
 from __future__ import annotations
@@ -50,6 +56,28 @@ class Detection:
         self.host = host
         self.faults_published = 0
         self._listened_at: float | None = None  # the heartbeat monitor's last pass (monotonic)
+        # faults found while held (None: not held), each with its record, published in order once released
+        self._held: list[tuple[FaultDetected, EngineRecord]] | None = None
+
+    def hold_faults(self) -> None:
+        """From now until `release_faults`, faults are recorded in memory but neither published nor written."""
+        if self._held is None:
+            self._held = []
+
+    def release_faults(self) -> None:
+        """Publish the held faults in the order found, then write their records (those still in the table: a
+        retired one's record is gone for good); faults are published at once from now on. Idempotent."""
+        held, self._held = self._held, None
+        if held:
+            log.info("node key written: publishing %d fault(s) found before it", len(held))
+        for ev, rec in held or []:
+            self._publish(ev)
+            if self.host.engines.get(rec.engine_id) is rec:
+                self.host.save(rec)
+
+    def _publish(self, ev: FaultDetected) -> None:
+        self.host.publish(ev)
+        self.faults_published += 1
 
     def fault(self, rec: EngineRecord, kind: FaultKind, *, exit_code: int | None = None, sig: int | None = None,
               detail: str = "", died_at: float | None = None, rank: int | None = None) -> bool:
@@ -62,12 +90,16 @@ class Detection:
             # named it (rank_watch.py) and ends rank 0 anyway (GROUP_DIED, engines/reference/ranks.py); the others die with rank 0.
             # So this is the group's one fault, whichever death came first; its incident is the group's.
             detail = f"{detail}; a rank of the group died" if exit_code == GROUP_DIED else detail
-        host.publish(FaultDetected(
+        ev = FaultDetected(
             engine_id=rec.engine_id, model=rec.model, engine_class=rec.engine_class, generation=rec.generation,
             pid=rec.pid, kind=kind, exit_code=exit_code, signal=sig, gpu=rec.gpu, gpu_uuid=host.uuid_of(rec.gpu),
             died_at=died_at, detail=detail, role=rec.role, node=host.node,
-            group=rec.engine_id if rec.tp > 1 else None, gang=rec.gang, rank=rank))
-        self.faults_published += 1
+            group=rec.engine_id if rec.tp > 1 else None, gang=rec.gang, rank=rank)
+        held = self._held
+        if held is not None:
+            held.append((ev, rec))  # its record too: written once the fault is out (release_faults)
+        else:
+            self._publish(ev)
         host.links.owner_down(rec)
         rec.transition(Ev.FAULT)
         rec.failed_mono = time.monotonic()
@@ -83,7 +115,8 @@ class Detection:
                             rec.spec_key, host.backoffs.by_key[rec.spec_key].failures, delay)
         log.warning("engine %s: %s %s", rec.engine_id, kind.value, detail)
         host.resolve_ready(rec, RuntimeError(f"engine {rec.engine_id} failed: {kind.value}"))
-        host.save(rec)
+        if held is None:
+            host.save(rec)
         return True
 
     # ------------------------------------------------------------ deaths: the pidfd, and PF_EXITING before it

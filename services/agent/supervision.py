@@ -191,6 +191,22 @@ def move_replica(old: EngineSpec, new: EngineSpec) -> tuple[EngineSpec, EngineSp
     return old2, new2
 
 
+def spec_after_cold_start(own: EngineSpec | None, sent: EngineSpec) -> EngineSpec:
+    """This node's spec once a cold start (a Spawn on an incident's behalf: one active engine on the GPU placement
+    chose, in a spec the control plane found, maybe another node's) was admitted and started here.
+
+    - The node has a spec of that key: its own desired state is kept (replicas, standbys, spares, env, its GPUs'
+      order). The engine was admitted against it (`admit_active`: fewer running actives than its `replicas`), so it
+      fills a slot the spec already wants and the count stays (one more replica would start another active once the
+      engine whose slot it took is retired: the model multiplied). Only the GPU it runs on is added, so that its
+      standbys (on its GPU: they take its memory over) and its replacement have that GPU to go to.
+    - It has none (an empty node taking a lost node's replica): the sent spec, held to the one replica now here: the
+      sender's count is another node's, and as many more would be started here."""
+    if own is None:
+        return sent.model_copy(update={"replicas": 1})
+    return own.model_copy(update={"gpus": list(dict.fromkeys([*own.gpus, *sent.gpus]))})
+
+
 def pick_standby(records: list[EngineRecord], model: str, *, version: str | None = None,
                  named: str | None = None, predecessor: str | None = None, tp: int = 1,
                  gpu: int | None = None) -> EngineRecord | None:
