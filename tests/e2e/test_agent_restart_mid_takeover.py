@@ -63,7 +63,9 @@ async def test_a_takeover_in_flight_when_the_agent_dies_is_resumed_on_the_standb
         assert resolved.incident_id == frozen.data.incident_id
         assert resolved.successor_id == standby.engine_id and not resolved.fallback, _said(sc, seen)
         faults = [env.data.engine_id for _, env in sc.events[seen:] if env.type == "fault.detected"]
-        assert faults == [active.engine_id], _said(sc, seen)  # the serving standby was never declared hung
+        # the serving standby was never declared hung (the predecessor's death may be said twice: by the agent
+        # that died, and by the restarted one that found its record not yet saying failed; one incident either way)
+        assert set(faults) == {active.engine_id}, _said(sc, seen)
         # the restarted agent resumed the takeover its previous life began (services/agent/takeover.py `resume`)
         assert [env.data.timings_ms.get("resumed") for _, env in sc.events[seen:] if env.type == "engine.reattached"] \
             == [1.0], _said(sc, seen)
