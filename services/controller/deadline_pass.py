@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-import httpx
-
-from libs.common.events import EngineInfo, Envelope
+from libs.common.etcd_batch import BatchWriter
+from libs.common.events import EngineInfo, EngineRole, Envelope, engine_record_key
+from services.controller import engine_probe
 from services.controller.endings import IncidentEnds
 from services.controller.incident import WAITING, IncidentState, Trigger, incident_id_for
 from services.controller.incident_locks import IncidentLocks
 from services.controller.intake import cold_ready
-from services.controller.lost_nodes import LostNodes, lost_fault
+from services.controller.lost_nodes import LIVE_STATES, LostNodes, lost_fault
 from services.controller.moves import Move, Outcomes
 from services.controller.open_incidents import OpenIncidents
 from services.controller.view import ClusterView
@@ -52,8 +52,10 @@ class Steps(Protocol):
 class DeadlinePass:
     def __init__(self, steps: Steps, open_: OpenIncidents, locks: IncidentLocks, view: ClusterView,
                  ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None, *,
-                 lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller") -> None:
+                 lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller",
+                 writer: BatchWriter | None = None) -> None:
         self.steps = steps
+        self.writer = writer  # the term's fenced writer: a lost engine replaced is recorded failed through it
         self.lost = lost if lost is not None else LostNodes(0.0)
         self.probe_timeout_s = probe_timeout_s
         self.source = source  # the lost-node faults' envelopes name this controller
@@ -100,6 +102,12 @@ class DeadlinePass:
         suspects = self.lost.suspects(now, self.view.nodes, self.view.engines.values(), self._handled)
         if suspects:
             self._spawn(self._declare_lost(suspects), "lost-nodes:probe")
+        if self.writer is not None:
+            for e in self.lost.ghosts(self.view.nodes, self.view.engines.values(),
+                                      lambda e: self.view.replaced_generation.get(e.engine_id, -1) >= e.generation):
+                raw = {**(self.view.engine_raw.get(e.engine_id) or e.model_dump(mode="json")), "state": "failed"}
+                self.writer.put_nowait(engine_record_key(e.node, e.engine_id), raw)
+                log.info("engine %s of lost node %s: replaced; its record now says failed", e.engine_id, e.node)
 
     def _handled(self, e: EngineInfo) -> bool:
         """Whether an incident took `e`'s generation up already: opened or ended, or the generation replaced since."""
@@ -108,36 +116,41 @@ class DeadlinePass:
                 or self.view.gone_generation.get(e.engine_id, -1) >= e.generation)
 
     async def _declare_lost(self, suspects: list[EngineInfo]) -> None:
-        """Probe each suspect's endpoint (lost_nodes.py, invariant 2); fault those that do not answer, together."""
-        async with httpx.AsyncClient(timeout=self.probe_timeout_s) as client:
-            alive = await asyncio.gather(*(self._answers(client, e) for e in suspects))
+        """Probe each suspect's endpoint (lost_nodes.py, invariant 2); fault those that cannot be reached and whose
+        node is still gone, their record unchanged, together."""
+        try:
+            reached = await engine_probe.reachable([e.endpoint or "" for e in suspects], self.probe_timeout_s)
+        except Exception:  # noqa: BLE001 - asked again after `after_s`
+            log.exception("probing a lost node's engines failed")
+            reached = [True] * len(suspects)
         now = time.time()
-        lost = [e for e, up in zip(suspects, alive, strict=True) if self.lost.answered(e, up)]
-        for e, up in zip(suspects, alive, strict=True):
-            if up:
+        lost = []
+        for e, up in zip(suspects, reached, strict=True):
+            if self.lost.answered(e, up or not self._still_lost(e)):
+                lost.append(e)
+            elif up:
                 log.info("node %s is gone from the view, but its engine %s answers: left to its agent", e.node,
                          e.engine_id)
         if not lost:
             return
         envs = [lost_fault(e, now - self.lost.gone_since.get(e.node, now), self.source) for e in lost]
         for e in lost:
-            log.warning("engine %s: node %s gone and the engine does not answer: faulted as lost with it",
+            log.warning("engine %s: node %s gone and the engine cannot be reached: faulted as lost with it",
                         e.engine_id, e.node)
-        out = await self.steps.on_faults(envs)
+        try:
+            out: Outcomes = await self.steps.on_faults(envs)
+        except Exception as failed:  # noqa: BLE001 - every one declared again on a later tick
+            out = [failed] * len(envs)
         for e, err in zip(lost, out, strict=True):
             if err is not None:  # its incident not opened: declared again on a later tick
                 self.lost.declared.discard((e.engine_id, e.generation))
                 log.warning("engine %s of lost node %s: its incident did not open (%r)", e.engine_id, e.node, err)
 
-    @staticmethod
-    async def _answers(client: httpx.AsyncClient, e: EngineInfo) -> bool:
-        if not e.endpoint:
-            return False  # a starting engine with no endpoint yet: nothing to ask, its node is gone
-        try:
-            await client.get(e.endpoint.rstrip("/") + "/health")
-        except httpx.HTTPError:
-            return False
-        return True  # any answer: it runs (a 5xx is its own business, not its node's)
+    def _still_lost(self, e: EngineInfo) -> bool:
+        """After the probe: its node still gone, its record still that active generation (invariant 2)."""
+        now = self.view.engines.get(e.engine_id)
+        return (e.node not in self.view.nodes and now is not None and now.generation == e.generation
+                and now.role is EngineRole.ACTIVE and now.state in LIVE_STATES)
 
     def cancel(self) -> None:
         for task in list(self._tasks):

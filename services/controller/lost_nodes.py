@@ -8,12 +8,13 @@ the leader sees the node go; this says which of its engines to declare lost, and
 pass (deadline_pass.py) asks it each tick, probes the suspects' endpoints and opens their incidents.
 
 Invariants:
-1. A suspect is an active engine (starting or ready) recorded on a node the view has not listed for `after_s`
-   (counted from when this leader first saw it missing), whose generation no incident took up yet (open, ended,
-   or replaced since: `handled`).
-2. A suspect is declared lost only when nothing answers at its endpoint (`answered`: any HTTP answer counts): a
-   node whose agent alone died, or one cut from etcd, still serves, and is left to its agent when it returns.
-   One that answered is a suspect again only `after_s` later.
+1. A suspect is an active engine (starting or ready) with an endpoint, recorded on a node the view has not listed
+   for `after_s` (counted from when this leader first saw it missing), whose generation no incident took up yet
+   (open, ended, or replaced since: `handled`). One still starting with no endpoint is left to its node's spec.
+2. A suspect is declared lost only when no connection to its endpoint can be made (engine_probe.py), and its node
+   is still gone and its record unchanged once the probe is back (`answered`'s `alive` says otherwise): a node
+   whose agent alone died, or one cut from etcd, still serves, and is left to its agent when it returns. One that
+   answered is a suspect again only `after_s` later; one being probed is not asked again meanwhile.
 3. Each engine generation is declared lost once per leader's term; the fault made for it is the one its agent
    would have sent (`node_lost`: its memory went with the node), so its incident has the id that the agent's
    late report of the same death finds when the node comes back (one incident per failed generation).
@@ -36,6 +37,8 @@ class LostNodes:
     gone_since: dict[str, float] = field(default_factory=dict)  # node -> when first seen missing (with engines)
     asked_at: dict[tuple[str, int], float] = field(default_factory=dict)  # (engine, generation) -> last probed
     declared: set[tuple[str, int]] = field(default_factory=set)  # invariant 3
+    probing: set[tuple[str, int]] = field(default_factory=set)  # asked, no answer yet (invariant 2)
+    marked: set[tuple[str, int]] = field(default_factory=set)  # recorded failed (invariant 4)
 
     def suspects(self, now: float, present: Iterable[str], engines: Iterable[EngineInfo],
                  handled: Callable[[EngineInfo], bool]) -> list[EngineInfo]:
@@ -43,9 +46,11 @@ class LostNodes:
         if self.after_s <= 0:
             return []
         listed = set(present)
-        active = [e for e in engines if e.role is EngineRole.ACTIVE and e.state in LIVE_STATES
-                  and e.node not in listed]
+        active = _gone_actives(listed, engines)
         missing = {e.node for e in active}
+        keys = {(e.engine_id, e.generation) for e in active}
+        for key in [k for k in self.asked_at if k not in keys]:
+            del self.asked_at[key]  # back, replaced, or its record gone: nothing to remember
         for node in list(self.gone_since):
             if node not in missing:
                 del self.gone_since[node]  # back, or nothing of it left to declare
@@ -53,22 +58,41 @@ class LostNodes:
         for e in active:
             since = self.gone_since.setdefault(e.node, now)
             key = (e.engine_id, e.generation)
-            if now - since < self.after_s or key in self.declared or handled(e):
+            if now - since < self.after_s or not e.endpoint or key in self.declared or key in self.probing \
+                    or handled(e):
                 continue
             if now - self.asked_at.get(key, -float("inf")) < self.after_s:
                 continue  # being probed, or answered lately (invariant 2)
             self.asked_at[key] = now
+            self.probing.add(key)
             out.append(e)
+        return out
+
+    def ghosts(self, present: Iterable[str], engines: Iterable[EngineInfo],
+               replaced: Callable[[EngineInfo], bool]) -> list[EngineInfo]:
+        """Active engines of gone nodes whose generation another engine replaced, not marked yet (invariant 4);
+        marks them."""
+        out = []
+        for e in _gone_actives(set(present), engines):
+            key = (e.engine_id, e.generation)
+            if key not in self.marked and replaced(e):
+                self.marked.add(key)
+                out.append(e)
         return out
 
     def answered(self, e: EngineInfo, alive: bool) -> bool:
         """The probe's outcome; True when `e` is declared lost now (invariant 3)."""
         key = (e.engine_id, e.generation)
+        self.probing.discard(key)
         if alive or key in self.declared:
             return False
         self.declared.add(key)
         self.asked_at.pop(key, None)
         return True
+
+
+def _gone_actives(present: set[str], engines: Iterable[EngineInfo]) -> list[EngineInfo]:
+    return [e for e in engines if e.role is EngineRole.ACTIVE and e.state in LIVE_STATES and e.node not in present]
 
 
 def lost_fault(e: EngineInfo, gone_for_s: float, source: str) -> Envelope:

@@ -111,7 +111,8 @@ class IncidentDriver:
         self.deadline_pass = DeadlinePass(self, self.open, self.locks, view, self.ends, settings.tick_s,
                                           holds=tenure.holds if tenure is not None else None,
                                           lost=LostNodes(settings.node_lost_s),
-                                          probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance)
+                                          probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance,
+                                          writer=self.writer)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 

@@ -47,3 +47,15 @@ def test_the_fault_is_the_one_its_agent_would_send_and_loses_memory() -> None:
     assert env.node == "n2" and env.source == "ctl-1" and env.type == "fault.detected"
     assert f.kind is FaultKind.NODE_LOST and f.kind.loses_memory and f.generation == 3 and f.node == "n2"
     assert "gone for 12.5 s" in f.detail
+
+
+def test_an_engine_with_no_endpoint_is_left_to_its_node_and_a_replaced_one_is_marked_once() -> None:
+    lost = LostNodes(after_s=1.0)
+    starting = engine("s", state="starting").model_copy(update={"endpoint": None})
+    a = engine("a")
+    assert lost.suspects(0.0, [], [starting, a], lambda e: False) == []
+    assert [e.engine_id for e in lost.suspects(1.0, [], [starting, a], lambda e: False)] == ["a"]
+    replaced = lambda e: e.engine_id == "a"  # noqa: E731
+    assert [e.engine_id for e in lost.ghosts(["n1"], [starting, a], replaced)] == ["a"]
+    assert lost.ghosts(["n1"], [starting, a], replaced) == []  # once
+    assert lost.ghosts(["n2"], [engine("b")], lambda e: True) == []  # its node is there: its agent's
