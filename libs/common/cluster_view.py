@@ -35,7 +35,7 @@ from aetcd.utils import prefix_range_end
 from pydantic import ValidationError
 
 from libs.common.errors import WatchCompacted
-from libs.common.events import EngineInfo, LeaseInfo, LeaseState
+from libs.common.events import EngineInfo, EngineRole, LeaseInfo, LeaseState
 from libs.common.store import Store
 
 log = logging.getLogger("holdfast.view")
@@ -243,7 +243,10 @@ class ClusterView:
                  unhealthy: frozenset[int] | set[int] = frozenset(), tp: int = 1) -> EngineInfo | None:
         """A spare on `node` (EngineSpec.spares: a standby, or a standby group of `tp` ranks, with its own weights
         and cache, on GPUs of its own) waiting for an assignment of `model` (of that class and version), on GPUs none
-        of which is in `unhealthy` or unhealthy in the view; the oldest first."""
+        of which is in `unhealthy` or unhealthy in the view; the oldest first. None on a node gone from the view (its
+        agent could not assign it: a lost node's engines are cold-started elsewhere)."""
+        if node not in self.nodes:
+            return None
         fit = [e for sid in self.standbys_on.get(node, ()) if (e := self.engines.get(sid)) is not None and e.spare
                and e.model == model and e.engine_class == engine_class and e.version == version and e.tp == tp
                and all(g not in unhealthy and self.gpu_healthy(node, g) for g in e.gpus)]
@@ -307,6 +310,24 @@ class ClusterView:
             return operator
         return next((s for s in self.agent_specs.values()
                      if s.get("engine_class") == engine_class and s.get("model") == model), None)
+
+    def nodes_at_count(self, key: str) -> set[str]:
+        """The nodes whose agent runs spec `key` with as many active engines (starting or ready) as its `replicas`
+        already: an agent admits no further active of that spec (services/agent/supervision.py `admit_active`), so
+        a cold start sent there is refused (multi-node probe of 2026-12-07: a lost node's replica was placed on the
+        one node that already served the model, refused, and its incident failed). A node with no such spec takes
+        one (it stores the spec for that one replica)."""
+        replicas: dict[str, int] = {}
+        for rest, spec in self.agent_specs.items():
+            node, _, tail = rest.partition("/specs/")
+            if tail == key and isinstance(spec.get("replicas", 1), int):
+                replicas[node] = spec.get("replicas", 1)
+        running: dict[str, int] = {}
+        for e in self.engines.values():
+            if e.spec_key == key and e.node in replicas and e.role is EngineRole.ACTIVE \
+                    and e.state in ("starting", "ready"):
+                running[e.node] = running.get(e.node, 0) + 1
+        return {node for node, want in replicas.items() if running.get(node, 0) >= want}
 
     def _on_specs(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":

@@ -22,6 +22,12 @@ def subject_token(value: str) -> str:
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")  # what subject_token keeps as it is
 
 
+def spec_key(model: str, engine_class: str, version: str) -> str:
+    """An agent's desired set of engines (`agents/<node>/specs/<key>`, `EngineInfo.spec_key`): one per model, engine
+    class and version (a hot upgrade's new version is a new set)."""
+    return "_".join(subject_token(p) for p in (model, engine_class, version))
+
+
 def incident_id(short: str, engine_id: str, generation: int) -> str:
     """The incident of one failed engine generation (`short`: inc, mf, up: the reason), the same every time it is
     derived (the controller opens it, an agent looks its end up): subject- and URL-safe."""

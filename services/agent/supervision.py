@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from libs.common import ids
 from libs.common.events import EngineRole, EngineSpec
-from libs.common.ids import subject_token
 from services.agent.backoff import Backoffs
 from services.agent.engines import LIVE, EngineRecord, Ev, State
 
 
 def spec_key(spec: EngineSpec) -> str:
     """One desired set per (model, engine class, version): a hot upgrade's new version is a new set."""
-    return "_".join(subject_token(p) for p in (spec.model, spec.engine_class, spec.version))
+    return ids.spec_key(spec.model, spec.engine_class, spec.version)
 
 
 @dataclass
@@ -145,7 +145,7 @@ def stranger_key(specs: dict[str, EngineSpec], model: str, engine_class: str, ve
     """The spec an engine this agent does not know belongs to, from what it registers with (the HF_MODEL,
     HF_ENGINE_CLASS and HF_ENGINE_VERSION an agent put in its environment: the parts of `spec_key`); None when no
     spec of this agent is that one (an engine nobody configured here)."""
-    key = "_".join(subject_token(p) for p in (model, engine_class, version))
+    key = ids.spec_key(model, engine_class, version)
     return key if key in specs else None
 
 
@@ -317,6 +317,29 @@ def inherit_assignment(rec: EngineRecord, incident_id: str, predecessor: str, st
         rec.transition(Ev.READY)
         rec.shadows = None  # it serves: what it shadowed is its own
     return True
+
+
+def assignment_refused(rec: EngineRecord, pred: EngineRecord | None, incident_id: str, first_here: bool) -> str | None:
+    """Why a registration's claimed assignment (`incident_id`, `pred`) is not taken up (None: it is). The engine's
+    word is all there is (the agent that sent it is gone), so only what the claim cannot change by itself makes it
+    credible: the first registration in this agent's life of a standby re-adopted from its record (`first_here`: a
+    link that reconnects within one life has nothing to inherit), a predecessor this agent knows, of the standby's
+    model and class, that is not running (dead or failed: the resumed takeover kills and retires it, and a live
+    engine named by a lying standby would be ended with no fault), the one it shadowed if it shadowed one, and an
+    incident of that predecessor (`<kind>-<predecessor>-g<n>`). Pure."""
+    if not first_here:
+        return "not its first registration with this agent"
+    if pred is None:
+        return "its predecessor is not an engine of this node"
+    if pred.model != rec.model or pred.engine_class != rec.engine_class:
+        return f"its predecessor {pred.engine_id} serves {pred.model} ({pred.engine_class}), not {rec.model}"
+    if pred.live and pred.state is not State.FAILED:
+        return f"its predecessor {pred.engine_id} is running"
+    if rec.shadows and rec.shadows != pred.engine_id:
+        return f"it shadowed {rec.shadows}, not {pred.engine_id}"
+    if f"-{pred.engine_id}-g" not in incident_id:
+        return f"incident {incident_id} is not one of {pred.engine_id}"
+    return None
 
 
 def probe_targets(records: list[EngineRecord]) -> list[EngineRecord]:

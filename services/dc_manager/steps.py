@@ -64,7 +64,7 @@ from libs.common.events import (
     holds_kv_backup,
     rank_engine_id,
 )
-from libs.common.ids import cold_engine_id
+from libs.common.ids import cold_engine_id, spec_key
 from libs.common.store import Store
 from services.dc_manager.placement import (
     Action,
@@ -352,11 +352,17 @@ class IntentSteps:
         freed = await self._reclaim_lost_gang(intent)
         # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
         # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
+        # A node whose agent runs this spec's count of actives already refuses one more: not offered
+        full = self.view.nodes_at_count(spec_key(spec.model, spec.engine_class, intent.version or spec.version))
+        allowed = self.allowed
+        if full:
+            allowed = frozenset((set(self.view.nodes) if allowed is None else set(allowed)) - full)
         where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
                       slots=released(self.view.gpu_slots(), freed), alive=set(self.view.nodes),
-                      allowed=self.allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
+                      allowed=allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
         if where.action is Action.NONE:
-            raise StepFailed(Step.FALLBACK, where.reason)
+            at_count = f"; running their count of this spec already: {', '.join(sorted(full))}" if full else ""
+            raise StepFailed(Step.FALLBACK, where.reason + at_count)
         spec = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": where.rank_gpus,
                                        "version": intent.version or spec.version})
         cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
@@ -372,8 +378,8 @@ class IntentSteps:
         degraded (every rank's backup held: gpu_manager gang.py invariant 10). Anything short of that leaves
         `prog.spawn` unset: the plain cold start follows (and fails with placement's reason when no group fits).
         `by_rank`: each rank's leases as the view holds them; `needed`: a whole group's room a rank."""
-        if intent.gang is None or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
-            return
+        if intent.gang is None or intent.node not in self.view.nodes or spec.engine_class not in DEGRADABLE_CLASSES:
+            return  # (a node gone from the view is asked nothing: its backups went with it)
         version = intent.version or spec.version
         if spec.degrade == "never" and self.view.spare_on(intent.node, spec.model, spec.engine_class, version,
                                                           tp=spec.tp) is None:
@@ -431,8 +437,8 @@ class IntentSteps:
         no room on that node) leaves `prog.spawn` unset: the plain cold start follows. `leases`: the engine's as the
         view holds them."""
         backups = [lease for lease in leases if holds_kv_backup(lease)]
-        if not backups or not intent.node or spec.engine_class not in DEGRADABLE_CLASSES:
-            return
+        if not backups or intent.node not in self.view.nodes or spec.engine_class not in DEGRADABLE_CLASSES:
+            return  # (a node gone from the view is asked nothing: its backup went with it)
         try:
             frozen, _ = await self._command(Step.FALLBACK, intent.node, Freeze(
                 owner=intent.engine_id, incident_id=intent.incident_id, backups_only=True), FreezeReply,
@@ -547,8 +553,8 @@ class IntentSteps:
         (`group`): a successor group's is never touched. The gpu_manager reclaims a broken gang by itself once its
         ranks are dead (reconciler rule 6), but only if it heard of the fault; this does not depend on that. Best
         effort: a failure is logged and the cold start goes on. Returns the leases reclaimed, as the view knew them."""
-        if intent.gang is None or not intent.node:
-            return []
+        if intent.gang is None or intent.node not in self.view.nodes:
+            return []  # (a node gone from the view is asked nothing: its gang went with it)
         cmd = ReclaimGang(gang_id=intent.gang, force=True, group=intent.engine_id, incident_id=intent.incident_id)
         try:
             reply, ms = await self._command(Step.FALLBACK, intent.node, cmd, ReclaimGangReply,

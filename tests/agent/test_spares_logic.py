@@ -119,6 +119,7 @@ def _engine(eid: str, gpu: int, *, spare: bool, state: str = "standby", version:
 
 def test_the_view_finds_a_spare_on_a_healthy_gpu_of_the_node() -> None:
     view = ClusterView()
+    view.apply("put", "nodes/n1", json.dumps({"node": "n1", "gpus": [0, 1, 2]}).encode())
     view.apply("put", "engines/n1/sb", _engine("sb", 0, spare=False))  # an ordinary standby: not a spare
     assert view.spare_on("n1", "m", "batched", "1") is None
     view.apply("put", "engines/n1/s2", _engine("s2", 2, spare=True))
@@ -129,6 +130,9 @@ def test_the_view_finds_a_spare_on_a_healthy_gpu_of_the_node() -> None:
     assert view.spare_on("n1", "m", "reference", "1") is None
     view.apply("put", "gpus/n1/2", json.dumps({"node": "n1", "gpu": 2, "healthy": False}).encode())
     assert view.spare_on("n1", "m", "batched", "1", {1}) is None  # the view's health counts too
+    view.apply("delete", "nodes/n1", None)  # its node gone: its agent could assign nothing
+    assert view.spare_on("n1", "m", "batched", "1") is None
+    view.apply("put", "nodes/n1", json.dumps({"node": "n1", "gpus": [0, 1, 2]}).encode())
     view.apply("put", "engines/n1/s1", _engine("s1", 1, spare=False, state="ready"))  # assigned: serves
     assert view.sole_standby("m", "n1", None) is not None and view.spare_on("n1", "m", "batched", "1") is None
 
