@@ -48,6 +48,7 @@ class Links:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.streams: dict[str, FrameStream] = {}  # engine id -> its registered link
+        self.registered: set[str] = set()  # engines that registered in this agent's life (links.py `assigned`)
 
     def on_register(self, reg: Register, stream: FrameStream, fds: Sequence[int] = ()) -> EngineRecord:
         """Register (or register again) the engine on `stream`; `fds` are closed here, the first armed as the
@@ -85,8 +86,10 @@ class Links:
             # Declared failed (hung, say, slow to connect): its fault is published and its slot is a successor's;
             # adopting it again would run one engine more than the spec wants. It is killed when retired.
             raise Conflict(f"engine {engine_id} (pid {pid}) was declared failed: it is replaced, not registered")
+        readopted = rec is not None and rec.live and engine_id not in self.registered  # first time this life
         if rec is None or not rec.live:
             rec = host.adoption.adopt(reg, pid)
+        self.registered.add(engine_id)
         old = self.streams.pop(engine_id, None)
         if old is not None and old is not stream:
             hang_up(old)  # the same engine registering again: its newer connection wins
@@ -102,8 +105,16 @@ class Links:
         # A standby this agent's previous life assigned (it died before answering the takeover): what the engine says
         # wins over the record, which still says standby; its takeover is resumed (takeover.py `resume`), not begun
         # again on it as if it stood by (probe D2-frozen, 2026-12-07: it was, and was declared hung 15 s later).
-        inherited = reg.assigned is not None and supervision.inherit_assignment(
-            rec, reg.assigned.incident_id, reg.assigned.predecessor, reg.state)
+        inherited = False
+        if reg.assigned is not None and rec.state is State.STANDBY and rec.assigned_for != reg.assigned.incident_id:
+            why = supervision.assignment_refused(rec, host.engines.get(reg.assigned.predecessor),
+                                                 reg.assigned.incident_id, readopted)
+            if why is None:
+                inherited = supervision.inherit_assignment(rec, reg.assigned.incident_id, reg.assigned.predecessor,
+                                                           reg.state)
+            else:
+                log.warning("engine %s says it was assigned %s for %s: not taken up (%s)", rec.engine_id,
+                            reg.assigned.predecessor, reg.assigned.incident_id, why)
         if reg.shadows and rec.role is EngineRole.STANDBY:
             rec.shadows = reg.shadows  # re-registration: it still shadows that engine
         if reg.state in ("ready", "standby") and rec.state is State.STARTING:

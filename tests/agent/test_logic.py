@@ -9,6 +9,7 @@ from libs.common.events import EngineRole, EngineSpec, FaultKind
 from services.agent.engines import EngineRecord, Ev, State
 from services.agent.supervision import (
     admit_stranger,
+    assignment_refused,
     inherit_assignment,
     never_linked,
     overdue,
@@ -265,3 +266,21 @@ def test_a_standby_that_registers_assigned_after_a_restart_is_recorded_as_the_su
     failed = rec("f", EngineRole.STANDBY, State.FAILED)
     assert not inherit_assignment(spare, "inc-a-g0", "a", "ready") and spare.state is State.STANDBY
     assert not inherit_assignment(failed, "inc-a-g0", "a", "ready") and failed.role is EngineRole.STANDBY
+
+
+def test_a_claimed_assignment_is_taken_up_only_where_the_claim_cannot_be_a_lie() -> None:
+    """A standby's word is all a restarted agent has of an assignment its previous life sent; a claim naming a running
+    engine would have it killed with no fault, one naming another model's engine would serve it under that model."""
+    standby = rec("s", EngineRole.STANDBY, State.STANDBY, shadows="a")
+    dead = rec("a", state=State.FAILED)
+    assert assignment_refused(standby, dead, "inc-a-g0", first_here=True) is None
+    assert assignment_refused(standby, dead, "mf-a-g0", first_here=True) is None
+    assert "first registration" in (assignment_refused(standby, dead, "inc-a-g0", first_here=False) or "")
+    assert "not an engine" in (assignment_refused(standby, None, "inc-a-g0", first_here=True) or "")
+    assert "is running" in (assignment_refused(standby, rec("a"), "inc-a-g0", first_here=True) or "")
+    other = EngineRecord(engine_id="a", model="other", engine_class="reference", role=EngineRole.ACTIVE,
+                         state=State.FAILED, spec_key="x")
+    assert "serves other" in (assignment_refused(standby, other, "inc-a-g0", first_here=True) or "")
+    assert "shadowed a" in (assignment_refused(standby, rec("b", state=State.FAILED), "inc-b-g0", first_here=True)
+                            or "")
+    assert "not one of a" in (assignment_refused(standby, dead, "inc-zz-g0", first_here=True) or "")
