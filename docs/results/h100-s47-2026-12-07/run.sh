@@ -3,7 +3,7 @@
 # session changed (artifact format 2 and its trust checks, the host tier, peer copies, level-2 sleep's wake copy)
 # with the agent's and the batched engine's, then one recovery run under load (64 streams + 16 late, 3 SIGKILLs,
 # fast mode, the 8b-shaped 13 GiB model) on the same stack.
-# Run ON the device: DEVICE_CMD="bash docs/results/h200-s47-2026-12-07/run.sh" bash scripts/device_run.sh
+# Run ON the device: DEVICE_CMD="bash docs/results/h100-s47-2026-12-07/run.sh" bash scripts/device_run.sh
 # (carry [".whl", ".devpack"]).
 . scripts/device_lib.sh
 device_prelude
