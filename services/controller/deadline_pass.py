@@ -26,6 +26,7 @@ from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EngineInfo, EngineRole, Envelope, engine_record_key
 from services.controller import engine_probe
 from services.controller.endings import IncidentEnds
+from services.controller.engine_stops import EngineStops
 from services.controller.incident import WAITING, IncidentState, Trigger, incident_id_for
 from services.controller.incident_locks import IncidentLocks
 from services.controller.intake import cold_ready
@@ -53,9 +54,10 @@ class DeadlinePass:
     def __init__(self, steps: Steps, open_: OpenIncidents, locks: IncidentLocks, view: ClusterView,
                  ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None, *,
                  lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller",
-                 writer: BatchWriter | None = None) -> None:
+                 writer: BatchWriter | None = None, stops: EngineStops | None = None) -> None:
         self.steps = steps
         self.writer = writer  # the term's fenced writer: a lost engine replaced is recorded failed through it
+        self.stops = stops  # and stopped through these once its node is back (lost_nodes.py invariant 5)
         self.lost = lost if lost is not None else LostNodes(0.0)
         self.probe_timeout_s = probe_timeout_s
         self.source = source  # the lost-node faults' envelopes name this controller
@@ -103,11 +105,17 @@ class DeadlinePass:
         if suspects:
             self._spawn(self._declare_lost(suspects), "lost-nodes:probe")
         if self.writer is not None:
-            for e in self.lost.ghosts(self.view.nodes, self.view.engines.values(),
-                                      lambda e: self.view.replaced_generation.get(e.engine_id, -1) >= e.generation):
+            for e in self.lost.ghosts(self.view.nodes, self.view.engines.values(), self._replaced):
                 raw = {**(self.view.engine_raw.get(e.engine_id) or e.model_dump(mode="json")), "state": "failed"}
                 self.writer.put_nowait(engine_record_key(e.node, e.engine_id), raw)
                 log.info("engine %s of lost node %s: replaced; its record now says failed", e.engine_id, e.node)
+        if self.stops is not None:
+            for e in self.lost.returned(self.view.nodes, self.view.engines.values(), self._replaced):
+                log.info("node %s is back: its engine %s, replaced while it was lost, is stopped", e.node, e.engine_id)
+                self.stops.stop(incident_id_for(e.engine_id, e.generation), e.engine_id, e.node)
+
+    def _replaced(self, e: EngineInfo) -> bool:
+        return self.view.replaced_generation.get(e.engine_id, -1) >= e.generation
 
     def _handled(self, e: EngineInfo) -> bool:
         """Whether an incident took `e`'s generation up already: opened or ended, or the generation replaced since."""
@@ -119,7 +127,8 @@ class DeadlinePass:
         """Probe each suspect's endpoint (lost_nodes.py, invariant 2); fault those that cannot be reached and whose
         node is still gone, their record unchanged, together."""
         try:
-            reached = await engine_probe.reachable([e.endpoint or "" for e in suspects], self.probe_timeout_s)
+            reached = await engine_probe.answering([(e.endpoint or "", e.engine_id) for e in suspects],
+                                                   self.probe_timeout_s)
         except Exception:  # noqa: BLE001 - asked again after `after_s`
             log.exception("probing a lost node's engines failed")
             reached = [True] * len(suspects)
@@ -135,7 +144,7 @@ class DeadlinePass:
             return
         envs = [lost_fault(e, now - self.lost.gone_since.get(e.node, now), self.source) for e in lost]
         for e in lost:
-            log.warning("engine %s: node %s gone and the engine cannot be reached: faulted as lost with it",
+            log.warning("engine %s: node %s gone and the engine does not answer: faulted as lost with it",
                         e.engine_id, e.node)
         try:
             out: Outcomes = await self.steps.on_faults(envs)

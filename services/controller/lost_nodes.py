@@ -11,13 +11,21 @@ Invariants:
 1. A suspect is an active engine (starting or ready) with an endpoint, recorded on a node the view has not listed
    for `after_s` (counted from when this leader first saw it missing), whose generation no incident took up yet
    (open, ended, or replaced since: `handled`). One still starting with no endpoint is left to its node's spec.
-2. A suspect is declared lost only when no connection to its endpoint can be made (engine_probe.py), and its node
-   is still gone and its record unchanged once the probe is back (`answered`'s `alive` says otherwise): a node
-   whose agent alone died, or one cut from etcd, still serves, and is left to its agent when it returns. One that
-   answered is a suspect again only `after_s` later; one being probed is not asked again meanwhile.
+2. A suspect is declared lost only when it does not answer as itself at its endpoint (engine_probe.py: no
+   connection, no answer in time, or another process there), and its node is still gone and its record unchanged
+   once the probe is back (`answered`'s `alive` says otherwise): a node whose agent alone died, or one cut from etcd,
+   still serves, and is left to its agent when it returns. One that answered is a suspect again only `after_s`
+   later; one being probed is not asked again meanwhile.
 3. Each engine generation is declared lost once per leader's term; the fault made for it is the one its agent
    would have sent (`node_lost`: its memory went with the node), so its incident has the id that the agent's
    late report of the same death finds when the node comes back (one incident per failed generation).
+4. A lost engine whose generation another engine replaced (`ghosts`) is recorded failed, once: its record outlives
+   it until its node comes back, and long after the incident's own record (retention), a later leader would
+   otherwise declare it lost again and start one more replica.
+5. When the node of an engine declared lost comes back and another engine replaced it (`returned`), it is stopped
+   there, once (before its record was marked, or after): it may have lived through it (a
+   frozen or cut-off node), unrouted, holding its memory and its node's count of that spec, which then refused the
+   next recovery (probe of 2026-12-07). A stop is one fewer of its spec on that node: its replica runs elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class LostNodes:
     declared: set[tuple[str, int]] = field(default_factory=set)  # invariant 3
     probing: set[tuple[str, int]] = field(default_factory=set)  # asked, no answer yet (invariant 2)
     marked: set[tuple[str, int]] = field(default_factory=set)  # recorded failed (invariant 4)
+    stopped: set[tuple[str, int]] = field(default_factory=set)  # stopped once its node was back (invariant 5)
 
     def suspects(self, now: float, present: Iterable[str], engines: Iterable[EngineInfo],
                  handled: Callable[[EngineInfo], bool]) -> list[EngineInfo]:
@@ -77,6 +86,20 @@ class LostNodes:
             key = (e.engine_id, e.generation)
             if key not in self.marked and replaced(e):
                 self.marked.add(key)
+                out.append(e)
+        return out
+
+    def returned(self, present: Iterable[str], engines: Iterable[EngineInfo],
+                 replaced: Callable[[EngineInfo], bool]) -> list[EngineInfo]:
+        """The engines declared lost in this term, replaced since, still recorded, whose node is back: each to be
+        stopped there, once (invariant 5)."""
+        listed = set(present)
+        out = []
+        for e in engines:
+            key = (e.engine_id, e.generation)
+            if e.node in listed and (key in self.declared or key in self.marked) and key not in self.stopped \
+                    and replaced(e):
+                self.stopped.add(key)
                 out.append(e)
         return out
 

@@ -112,7 +112,7 @@ class IncidentDriver:
                                           holds=tenure.holds if tenure is not None else None,
                                           lost=LostNodes(settings.node_lost_s),
                                           probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance,
-                                          writer=self.writer)
+                                          writer=self.writer, stops=self.stops)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 

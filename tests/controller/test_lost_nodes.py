@@ -59,3 +59,17 @@ def test_an_engine_with_no_endpoint_is_left_to_its_node_and_a_replaced_one_is_ma
     assert [e.engine_id for e in lost.ghosts(["n1"], [starting, a], replaced)] == ["a"]
     assert lost.ghosts(["n1"], [starting, a], replaced) == []  # once
     assert lost.ghosts(["n2"], [engine("b")], lambda e: True) == []  # its node is there: its agent's
+
+
+def test_an_engine_declared_lost_and_replaced_is_stopped_once_when_its_node_is_back() -> None:
+    lost = LostNodes(after_s=1.0)
+    a = engine("a")
+    lost.suspects(0.0, [], [a], lambda e: False)
+    [suspect] = lost.suspects(1.0, [], [a], lambda e: False)
+    assert lost.answered(suspect, alive=False)
+    replaced = lambda e: True  # noqa: E731
+    assert lost.returned([], [a], replaced) == []  # its node still gone
+    assert lost.returned(["n2"], [a], lambda e: False) == []  # back, not replaced (its incident failed): it serves
+    assert [e.engine_id for e in lost.returned(["n2"], [a], replaced)] == ["a"]
+    assert lost.returned(["n2"], [a], replaced) == []  # once
+    assert lost.returned(["n2"], [engine("b")], replaced) == []  # never declared lost here: its agent's
