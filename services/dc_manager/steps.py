@@ -350,6 +350,29 @@ class IntentSteps:
             await self._on_spare(intent, spec, spare, prog)
             return
         freed = await self._reclaim_lost_gang(intent)
+        cold_id = cold_engine_id(intent.incident_id)
+        started = self.view.engines.get(cold_id)
+        if started is not None and started.node in self.view.nodes:
+            # this intent's cold start began already (an intent sent again by a new leader, whose progress record
+            # was not written yet): asked again where it runs, which answers the engine started (idempotent by its
+            # id), never placed anew (a probe of 2026-12-07 saw a second engine of that id on another node)
+            where = Placement(Action.COLD_START, started.node, started.gpu, "its cold start began there")
+            full: set[str] = set()
+        else:
+            where, full = self._place_cold(intent, spec, needed, freed)
+        if where.action is Action.NONE:
+            at_count = f"; running their count of this spec already: {', '.join(sorted(full))}" if full else ""
+            raise StepFailed(Step.FALLBACK, where.reason + at_count)
+        spec = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": where.rank_gpus,
+                                       "version": intent.version or spec.version})
+        cmd = Spawn(spec=spec, engine_id=cold_id, incident_id=intent.incident_id)
+        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
+                                                        self.settings.spawn_timeout_s)
+        await self.save(prog)
+
+    def _place_cold(self, intent: RecoverIntent, spec: EngineSpec, needed: int,
+                    freed: list[LeaseInfo]) -> tuple[Placement, set[str]]:
+        """Where a cold start goes, and the nodes left out for running the spec's count of actives already."""
         # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
         # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
         # A node whose agent runs this spec's count of actives already refuses one more: not offered
@@ -360,15 +383,7 @@ class IntentSteps:
         where = place(intent.node, intent.gpu, memory_lost=True, needed_bytes=needed,
                       slots=released(self.view.gpu_slots(), freed), alive=set(self.view.nodes),
                       allowed=allowed, copies=node_copies(self.view.gpus, intent.engine_class), tp=spec.tp)
-        if where.action is Action.NONE:
-            at_count = f"; running their count of this spec already: {', '.join(sorted(full))}" if full else ""
-            raise StepFailed(Step.FALLBACK, where.reason + at_count)
-        spec = spec.model_copy(update={"gpus": [where.gpu or 0], "rank_gpus": where.rank_gpus,
-                                       "version": intent.version or spec.version})
-        cmd = Spawn(spec=spec, engine_id=cold_engine_id(intent.incident_id), incident_id=intent.incident_id)
-        prog.spawn, prog.spawn_ms = await self._command(Step.FALLBACK, where.node or "", cmd, SpawnReply,
-                                                        self.settings.spawn_timeout_s)
-        await self.save(prog)
+        return where, full
 
     async def _degrade(self, intent: RecoverIntent, spec: EngineSpec, by_rank: list[list[LeaseInfo]], needed: int,
                        prog: IntentProgress) -> None:

@@ -12,7 +12,7 @@ from libs.common.bus import Bus
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonSettings
 from libs.common.events import EngineInfo, EngineSpec, IntentResult, RecoverIntent, engine_record_key
-from libs.common.ids import spec_key
+from libs.common.ids import cold_engine_id, spec_key
 from libs.common.store import Store
 from services.dc_manager.executor import IntentExecutor
 from services.dc_manager.settings import DcManagerSettings
@@ -74,3 +74,41 @@ async def test_with_every_node_at_its_count_the_fallback_fails_saying_so(
     result = await _fallback(bus, store, settings, ["n0000", "n0001", "n0002"], "inc-all-at-count")
     assert not result.ok and "running their count of this spec already: n0000, n0001, n0002" in (result.detail or ""), \
         result
+
+
+async def test_an_intent_sent_again_asks_the_node_its_cold_start_began_on_not_a_new_one(
+        bus: Bus, store: Store, settings: CommonSettings) -> None:
+    """A new leader sends an intent again before its progress record was written: its cold start, begun on n0002,
+    is asked for there (the agent answers the engine started), never placed anew (the host copy on n0001 would win
+    and a second engine of that id start there)."""
+    incident = "inc-sent-again"
+    sim = SimulatedCluster(bus, store, nodes=3, gpus_per_node=1, emit_events=False, lease_bytes=GIB)
+    await sim.populate()
+    await sim.serve()
+    await store.put("gpus/n0001/0", {"healthy": True, "total_bytes": sim.gpu_bytes, "copies": {"sim.weights": "host"}})
+    await store.put("specs/sim", EngineSpec(engine_class="sim", model="m", command=["true"]))
+    began = sim.engines[sim.engine_id("n0002", 0)].model_copy(update={"engine_id": cold_engine_id(incident)})
+    await store.put(engine_record_key("n0002", began.engine_id), began)
+    view = ClusterView()
+    follow = asyncio.create_task(view.follow(store))
+    try:
+        await asyncio.wait_for(view.synced.wait(), 10)
+
+        async def seen() -> bool:
+            return began.engine_id in view.engines and "sim" in view.specs \
+                and (view.gpus.get(("n0001", 0)) or {}).get("copies") is not None
+        await wait_for(seen, what="the begun cold start in the view")
+        sent: list[str] = []
+        executor = IntentExecutor(bus, store, view, DcManagerSettings(**settings.model_dump()))
+        real = executor.steps._command
+
+        async def command(step, node, cmd, reply, wait_s, **kw):  # noqa: ANN001, ANN003, ANN202
+            sent.append(node)
+            return await real(step, node, cmd, reply, wait_s, **kw)
+        executor.steps._command = command  # type: ignore[method-assign]
+        intent = RecoverIntent(incident_id=incident, engine_id=sim.engine_id("n0000", 0), model="m",
+                               engine_class="sim", node="n0000", gpu=0, memory_lost=True)
+        assert await executor.on_intents([bus.envelope(intent)]) == [None]
+        assert sent and set(sent) == {"n0002"}, sent
+    finally:
+        follow.cancel()
