@@ -316,7 +316,8 @@ class ClusterView:
         already: an agent admits no further active of that spec (services/agent/supervision.py `admit_active`), so
         a cold start sent there is refused (multi-node probe of 2026-12-07: a lost node's replica was placed on the
         one node that already served the model, refused, and its incident failed). A node with no such spec takes
-        one (it stores the spec for that one replica)."""
+        one (it stores the spec for that one replica), and so does one whose spec wants none (its replica moved away:
+        it takes one back)."""
         replicas: dict[str, int] = {}
         for rest, spec in self.agent_specs.items():
             node, _, tail = rest.partition("/specs/")
@@ -327,7 +328,7 @@ class ClusterView:
             if e.spec_key == key and e.node in replicas and e.role is EngineRole.ACTIVE \
                     and e.state in ("starting", "ready"):
                 running[e.node] = running.get(e.node, 0) + 1
-        return {node for node, want in replicas.items() if running.get(node, 0) >= want}
+        return {node for node, want in replicas.items() if running.get(node, 0) >= max(want, 1)}
 
     def _on_specs(self, kind: str, rest: str, value: bytes | None) -> Any:
         if kind == "delete":

@@ -157,7 +157,20 @@ class Commands:
         node lacks stayed, reloaded at every restart)."""
         host = self.host
         own = host.specs.get(key)
-        rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
+        if own is not None and own.replicas == 0:
+            # a spec that wants none here (its replica moved away: a stop is one fewer) takes one back as an empty
+            # node would (the lost-node pass stops a replaced engine when its node returns: then its replacement's
+            # node died, and this one refused the next cold start, the model unserved; probe of 2026-12-07)
+            own = own.model_copy(update={"replicas": 1})
+            host.specs[key] = own
+            try:
+                rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
+            except Exception:
+                host.specs[key] = own.model_copy(update={"replicas": 0})  # refused or failed: as it was
+                raise
+            host.writer.put_spec(host.node, key, own)
+        else:
+            rec = host.start_engine(key, EngineRole.ACTIVE, engine_id=cmd.engine_id, spec=cmd.spec)
         spec = spec_after_cold_start(own, cmd.spec)
         if spec != own:
             host.specs[key] = spec

@@ -88,6 +88,23 @@ async def test_a_cold_start_on_a_node_without_the_spec_stores_it_for_the_one_rep
     assert actives == [cold.engine_id]  # not a second active for the other node's count
 
 
+async def test_a_node_whose_spec_wants_none_takes_a_lost_replica_back(
+        agent: AgentProcess, recorder: Recorder, bus: Bus, store: Store) -> None:
+    """Its replica moved away (the lost-node pass stopped it when its node came back: a stop is one fewer), then the
+    node it moved to died: this node must take the cold start, as an empty node would, not refuse it for a count of
+    0 (the model went unserved, probe of 2026-12-07)."""
+    none = pattern_spec(replicas=0, standbys=0)
+    agent.start([none])
+    await agent.wait_up(store)
+    assert await wait_until(lambda: stored(store)) == none
+    cold = (await spawn(bus, none.model_copy(update={"replicas": 1}), "inc-e")).engine
+    await recorder.wait("engine.ready", lambda e: e.engine.engine_id == cold.engine_id)
+    await asyncio.sleep(1.0)
+    assert await stored(store) == none.model_copy(update={"replicas": 1})  # it runs that replica now
+    actives = [e for e, (role, _) in (await listed(bus)).items() if role is EngineRole.ACTIVE]
+    assert actives == [cold.engine_id]
+
+
 def test_the_spec_after_a_cold_start_is_this_nodes_own_with_the_gpu_it_runs_on():
     own = pattern_spec(replicas=2, standbys=1).model_copy(update={"gpus": [0, 2], "spares": 1})
     sent = pattern_spec(replicas=1, standbys=0).model_copy(update={"gpus": [1]})

@@ -44,3 +44,21 @@ def test_a_node_without_its_own_list_has_the_gpus_its_records_name() -> None:
     view.apply("delete", "nodes/node-2", None)
     assert view.node_gpus("node-2") == [0, 1]  # its records still name them; gpu_slots lists present nodes only
     assert view.gpu_slots() == []
+
+
+def test_a_node_is_at_its_count_of_a_spec_only_with_as_many_actives_and_at_least_one() -> None:
+    """ClusterView.nodes_at_count: what an agent refuses a cold start for (admit_active); a spec that wants none
+    there takes one back (services/agent/commands.py)."""
+    import json as _json
+
+    from libs.common.cluster_view import ClusterView as View
+
+    view = View()
+    for node, replicas in (("a", 1), ("b", 2), ("c", 0)):
+        view.apply("put", f"agents/{node}/specs/k", _json.dumps({"model": "m", "replicas": replicas}).encode())
+    for eid, node, state in (("e1", "a", "ready"), ("e2", "b", "ready"), ("e3", "c", "failed")):
+        view.apply("put", f"engines/{node}/{eid}", _json.dumps({
+            "engine_id": eid, "node": node, "model": "m", "engine_class": "x", "role": "active", "state": state,
+            "spec_key": "k"}).encode())
+    assert view.nodes_at_count("k") == {"a"}  # b runs 1 of 2; c wants none and runs none: it takes one
+    assert view.nodes_at_count("other") == set()
