@@ -35,9 +35,9 @@ import json
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import Field
@@ -48,6 +48,7 @@ from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
+T = TypeVar("T")
 MODEL_MAX = 256  # a model name's characters at most
 
 
@@ -157,6 +158,25 @@ class Cut:
         self._fired = True
         if self._cm is not None:
             self._cm.reschedule(asyncio.get_running_loop().time())
+
+    async def answer(self, opening: Awaitable[T]) -> T:
+        """The engine's answer (its response headers), unless the endpoint is removed meanwhile: an engine of a lost
+        or frozen node accepted the connection and never answered, and its request waited out the client's whole
+        read timeout (`token_timeout_s`, 30 s) after its endpoint was removed and a successor served (probe of
+        2026-12-07); the other bounds are the client's own."""
+        if self._fired:
+            raise UpstreamFailed("endpoint removed")
+        try:
+            async with asyncio.timeout(None) as cm:
+                self._cm = cm
+                try:
+                    return await opening
+                finally:
+                    self._cm = None
+        except TimeoutError:
+            if self._fired:
+                raise UpstreamFailed("endpoint removed") from None
+            raise
 
     async def next_line(self, lines: AsyncIterator[str], silence_s: float) -> str:
         """The next line of the upstream stream, unless the endpoint is removed or stays silent too long."""
@@ -351,8 +371,9 @@ class Relay:
                 if name in CONNECT_EVENTS:
                     marks[CONNECT_EVENTS[name]] = time.perf_counter()
 
-            async with self.client.stream("POST", ep.url + "/generate", json=payload, timeout=timeout,
-                                          extensions={"trace": trace}) as resp:
+            async with contextlib.AsyncExitStack() as opened:
+                resp = await cut.answer(opened.enter_async_context(self.client.stream(
+                    "POST", ep.url + "/generate", json=payload, timeout=timeout, extensions={"trace": trace})))
                 self.route_ins.answered(ep.engine_id)
                 marks["answered"] = time.perf_counter()
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
