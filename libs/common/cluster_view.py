@@ -321,7 +321,7 @@ class ClusterView:
         replicas: dict[str, int] = {}
         for rest, spec in self.agent_specs.items():
             node, _, tail = rest.partition("/specs/")
-            if tail == key and isinstance(spec.get("replicas", 1), int):
+            if tail == key and node in self.nodes and isinstance(spec.get("replicas", 1), int):  # a gone node: none
                 replicas[node] = spec.get("replicas", 1)
         running: dict[str, int] = {}
         for e in self.engines.values():

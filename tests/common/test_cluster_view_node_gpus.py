@@ -54,6 +54,8 @@ def test_a_node_is_at_its_count_of_a_spec_only_with_as_many_actives_and_at_least
     from libs.common.cluster_view import ClusterView as View
 
     view = View()
+    for node in ("a", "b", "c"):
+        view.apply("put", f"nodes/{node}", _json.dumps({"node": node}).encode())
     for node, replicas in (("a", 1), ("b", 2), ("c", 0)):
         view.apply("put", f"agents/{node}/specs/k", _json.dumps({"model": "m", "replicas": replicas}).encode())
     for eid, node, state in (("e1", "a", "ready"), ("e2", "b", "ready"), ("e3", "c", "failed")):
@@ -62,3 +64,5 @@ def test_a_node_is_at_its_count_of_a_spec_only_with_as_many_actives_and_at_least
             "spec_key": "k"}).encode())
     assert view.nodes_at_count("k") == {"a"}  # b runs 1 of 2; c wants none and runs none: it takes one
     assert view.nodes_at_count("other") == set()
+    view.apply("delete", "nodes/a", None)  # gone: its records name no count anyone would refuse for
+    assert view.nodes_at_count("k") == set()
