@@ -35,7 +35,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -159,38 +159,34 @@ class Cut:
         if self._cm is not None:
             self._cm.reschedule(asyncio.get_running_loop().time())
 
-    async def answer(self, opening: Awaitable[T]) -> T:
+    async def answer(self, opening: Coroutine[Any, Any, T]) -> T:
         """The engine's answer (its response headers), unless the endpoint is removed meanwhile: an engine of a lost
         or frozen node accepted the connection and never answered, and its request waited out the client's whole
         read timeout (`token_timeout_s`, 30 s) after its endpoint was removed and a successor served (probe of
         2026-12-07); the other bounds are the client's own."""
         if self._fired:
+            opening.close()
             raise UpstreamFailed("endpoint removed")
-        try:
-            async with asyncio.timeout(None) as cm:
-                self._cm = cm
-                try:
-                    return await opening
-                finally:
-                    self._cm = None
-        except TimeoutError:
-            if self._fired:
-                raise UpstreamFailed("endpoint removed") from None
-            raise
+        return await self._until_cut(opening, None)
 
     async def next_line(self, lines: AsyncIterator[str], silence_s: float) -> str:
         """The next line of the upstream stream, unless the endpoint is removed or stays silent too long."""
         if self._fired:
             raise UpstreamFailed("endpoint removed")
+        return await self._until_cut(lines.__anext__(), silence_s)  # StopAsyncIteration when the stream ends
+
+    async def _until_cut(self, waiting: Awaitable[T], limit_s: float | None) -> T:
+        """`waiting` under the one timer `fire` moves to now, bounded by `limit_s` (None: by `fire` alone)."""
         try:
-            async with asyncio.timeout(silence_s) as cm:
+            async with asyncio.timeout(limit_s) as cm:
                 self._cm = cm
                 try:
-                    return await lines.__anext__()  # StopAsyncIteration when the stream ends
+                    return await waiting
                 finally:
                     self._cm = None
         except TimeoutError:
-            raise UpstreamFailed("endpoint removed" if self._fired else f"no token for {silence_s:g}s") from None
+            raise UpstreamFailed("endpoint removed" if self._fired or limit_s is None
+                                 else f"no token for {limit_s:g}s") from None
 
 
 @dataclass
