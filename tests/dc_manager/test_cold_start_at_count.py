@@ -17,6 +17,7 @@ from libs.common.store import Store
 from services.dc_manager.executor import IntentExecutor
 from services.dc_manager.settings import DcManagerSettings
 from tests.controller.helpers import wait_for
+from tests.dc_manager.test_cold_start_copies import fallback_result
 
 KEY = spec_key("m", "sim", "1")
 
@@ -49,12 +50,7 @@ async def _fallback(bus: Bus, store: Store, settings: CommonSettings, at_count: 
         intent = RecoverIntent(incident_id=incident, engine_id=sim.engine_id("n0000", 0), model="m",
                                engine_class="sim", node="n0000", gpu=0, memory_lost=True)
         assert await executor.on_intents([bus.envelope(intent)]) == [None]
-
-        async def fallback() -> IntentResult | None:
-            got = [e.data for e in await bus.replay("intent.result")
-                   if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
-            return next((r for r in got if r.step == "fallback"), None)
-        result = await wait_for(fallback, what="the fallback result")
+        result = await fallback_result(bus, incident)
         if result.ok:
             assert isinstance(sim.engines[result.successor_id or ""], EngineInfo)
         return result

@@ -17,6 +17,15 @@ from services.dc_manager.settings import DcManagerSettings
 from tests.controller.helpers import wait_for
 
 
+async def fallback_result(bus: Bus, incident: str) -> IntentResult:
+    """The fallback step's result of `incident`, once the dc_manager has published it."""
+    async def fallback() -> IntentResult | None:
+        got = [e.data for e in await bus.replay("intent.result")
+               if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
+        return next((r for r in got if r.step == "fallback"), None)
+    return await wait_for(fallback, what="the fallback result")
+
+
 async def _cold_start_node(bus: Bus, store: Store, settings: CommonSettings, copies: dict[str, dict[str, str]],
                            incident: str) -> str:
     sim = SimulatedCluster(bus, store, nodes=3, gpus_per_node=1, emit_events=False, lease_bytes=GIB)
@@ -39,12 +48,7 @@ async def _cold_start_node(bus: Bus, store: Store, settings: CommonSettings, cop
         intent = RecoverIntent(incident_id=incident, engine_id=victim, model="m", engine_class="sim", node="n0000",
                                gpu=0, memory_lost=True)
         assert await executor.on_intents([bus.envelope(intent)]) == [None]
-
-        async def fallback() -> IntentResult | None:
-            got = [e.data for e in await bus.replay("intent.result")
-                   if isinstance(e.data, IntentResult) and e.data.incident_id == incident]
-            return next((r for r in got if r.step == "fallback"), None)
-        result = await wait_for(fallback, what="the fallback result")
+        result = await fallback_result(bus, incident)
         assert result.ok, result.detail
         return sim.engines[result.successor_id or ""].node
     finally:
