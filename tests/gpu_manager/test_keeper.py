@@ -33,7 +33,10 @@ def fd_count(pid: int) -> int:
 def ask(path: str, req: dict, fds: list[int] | None = None) -> tuple[dict, list[int]]:
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
-        send_frame(s, req, fds or [])
+        try:
+            send_frame(s, req, fds or [])
+        except BrokenPipeError:  # a refused peer is answered at once and hung up on, maybe before it has sent
+            pass  # all its frame: the answer is still there to read
         return recv_frame(s)
 
 
