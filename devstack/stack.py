@@ -296,8 +296,8 @@ class Stack:
 
     async def wait_healthy(self, services: tuple[str, ...] | list[str], timeout: float = 60.0) -> dict[str, dict]:
         """Ask each service's health subject until all answer ok; raise naming the ones that do not."""
-        bus = await Bus.connect(self.settings(), "holdfast-up", stream=False)
         deadline = time.monotonic() + timeout
+        bus = await asyncio.wait_for(Bus.connect(self.settings(), "holdfast-up", stream=False), timeout)
         health: dict[str, dict] = {}
         by_name = {i.name: i for i in self.instances()}
         try:
