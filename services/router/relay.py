@@ -163,7 +163,7 @@ class Cut:
         """The engine's answer (its response headers), unless the endpoint is removed meanwhile: an engine of a lost
         or frozen node accepted the connection and never answered, and its request waited out the client's whole
         read timeout (`token_timeout_s`, 30 s) after its endpoint was removed and a successor served (probe of
-        2026-12-07); the other bounds are the client's own."""
+        2026-12-07); the other bounds are the client's own. A replay's wait for its batched resume is one too."""
         if self._fired:
             opening.close()
             raise UpstreamFailed("endpoint removed")
@@ -353,7 +353,9 @@ class Relay:
         try:
             if replay and s.resume_batch_s > 0 and self.resumes.supports(ep.url):
                 try:
-                    async with self.resumes.stream(ep.url, payload) as (status, lines):
+                    async with contextlib.AsyncExitStack() as joined:
+                        status, lines = await cut.answer(joined.enter_async_context(
+                            self.resumes.stream(ep.url, payload)))
                         self.route_ins.answered(ep.engine_id)
                         marks["answered"] = time.perf_counter()
                         if status != 200:
