@@ -103,6 +103,15 @@ def _json(value: bytes | None) -> Any:
         return None
 
 
+def _discard(index: dict[str, set[str]], key: str, member: str) -> None:
+    """`member` out of `index[key]`, and the key out of `index` once its set is empty."""
+    members = index.get(key)
+    if members is not None:
+        members.discard(member)
+        if not members:
+            del index[key]
+
+
 class ClusterView:
     def __init__(self) -> None:
         self.nodes: dict[str, dict[str, Any]] = {}
@@ -115,6 +124,7 @@ class ClusterView:
         self.leases_by_owner: dict[str, set[str]] = {}
         self.leased_bytes: dict[tuple[str, int], int] = {}
         self.engines_on: dict[tuple[str, int], int] = {}
+        self.recorded_on: dict[str, set[str]] = {}  # node -> the engines recorded under it (every state)
         self.shadowed_by: dict[str, set[str]] = {}  # engine -> the standbys that shadow it (EngineInfo.shadows)
         self.standbys_on: dict[str, set[str]] = {}  # node -> its standbys waiting for an assignment (state standby)
         self.endpoint_by_engine: dict[str, tuple[str, str]] = {}
@@ -186,6 +196,8 @@ class ClusterView:
             raise ValueError(f"engine {eid} is recorded under node {old.node}, not {node}")
         if kind == "delete":
             self._unindex_engine(eid, old)
+            if old is not None:
+                _discard(self.recorded_on, node, eid)
             self.engine_raw.pop(eid, None)
             return self.engines.pop(eid, None)
         raw = _json(value) or {}
@@ -196,6 +208,7 @@ class ClusterView:
         self._unindex_engine(eid, old)
         self.engine_raw[eid] = raw
         self.engines[eid] = new
+        self.recorded_on.setdefault(node, set()).add(eid)
         if new.state not in ("failed", "stopped"):
             self.engines_on[(new.node, new.gpu)] = self.engines_on.get((new.node, new.gpu), 0) + 1
         if new.shadows is not None:
@@ -204,24 +217,19 @@ class ClusterView:
             self.standbys_on.setdefault(new.node, set()).add(eid)
         return new
 
+    def engines_off_nodes(self) -> list[EngineInfo]:
+        """The engines recorded under nodes the view does not list (gone, or never seen): what the controller's
+        lost-node pass looks at each tick, found through `recorded_on` in the time of those nodes' engines."""
+        return [self.engines[eid] for node, ids in self.recorded_on.items() if node not in self.nodes
+                for eid in ids]
+
     def _unindex_engine(self, eid: str, old: EngineInfo | None) -> None:
         if old is not None and old.state not in ("failed", "stopped"):
             self.engines_on[(old.node, old.gpu)] -= 1
         if old is not None and old.shadows is not None:
-            self._unshadow(old.shadows, eid)
+            _discard(self.shadowed_by, old.shadows, eid)
         if old is not None and old.state == "standby":
-            waiting = self.standbys_on.get(old.node)
-            if waiting is not None:
-                waiting.discard(eid)
-                if not waiting:
-                    del self.standbys_on[old.node]
-
-    def _unshadow(self, target: str, standby: str) -> None:
-        ids = self.shadowed_by.get(target)
-        if ids is not None:
-            ids.discard(standby)
-            if not ids:
-                del self.shadowed_by[target]
+            _discard(self.standbys_on, old.node, eid)
 
     def shadow_of(self, engine_id: str, node: str | None) -> EngineInfo | None:
         """A standby on `node` that shadows the engine (serves its weights read-only already), if any."""

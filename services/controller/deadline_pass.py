@@ -101,16 +101,17 @@ class DeadlinePass:
             if inc_id not in self.open and inc_id not in self._busy and not self.open.closed_here(inc_id) \
                     and seen is not None and seen.state is S.OPENED:
                 self._background(inc_id, self.steps.resume(inc_id))
-        suspects = self.lost.suspects(now, self.view.nodes, self.view.engines.values(), self._handled)
+        off = self.view.engines_off_nodes()
+        suspects = self.lost.suspects(now, self.view.nodes, off, self._handled)
         if suspects:
             self._spawn(self._declare_lost(suspects), "lost-nodes:probe")
         if self.writer is not None:
-            for e in self.lost.ghosts(self.view.nodes, self.view.engines.values(), self._replaced):
+            for e in self.lost.ghosts(self.view.nodes, off, self._replaced):
                 raw = {**(self.view.engine_raw.get(e.engine_id) or e.model_dump(mode="json")), "state": "failed"}
                 self.writer.put_nowait(engine_record_key(e.node, e.engine_id), raw)
                 log.info("engine %s of lost node %s: replaced; its record now says failed", e.engine_id, e.node)
         if self.stops is not None:
-            for e in self.lost.returned(self.view.nodes, self.view.engines.values(), self._replaced):
+            for e in self.lost.returned(self.view.nodes, self.view.engines.get, self._replaced):
                 log.info("node %s is back: its engine %s, replaced while it was lost, is stopped", e.node, e.engine_id)
                 self.stops.stop(incident_id_for(e.engine_id, e.generation), e.engine_id, e.node)
 
@@ -124,8 +125,8 @@ class DeadlinePass:
                 or self.view.gone_generation.get(e.engine_id, -1) >= e.generation)
 
     async def _declare_lost(self, suspects: list[EngineInfo]) -> None:
-        """Probe each suspect's endpoint (lost_nodes.py, invariant 2); fault those that cannot be reached and whose
-        node is still gone, their record unchanged, together."""
+        """Probe each suspect's endpoint (lost_nodes.py, invariant 2); fault those that do not answer as
+        themselves and whose node is still gone, their record unchanged, together."""
         try:
             reached = await engine_probe.answering([(e.endpoint or "", e.engine_id) for e in suspects],
                                                    self.probe_timeout_s)
@@ -157,9 +158,9 @@ class DeadlinePass:
 
     def _still_lost(self, e: EngineInfo) -> bool:
         """After the probe: its node still gone, its record still that active generation (invariant 2)."""
-        now = self.view.engines.get(e.engine_id)
-        return (e.node not in self.view.nodes and now is not None and now.generation == e.generation
-                and now.role is EngineRole.ACTIVE and now.state in LIVE_STATES)
+        current = self.view.engines.get(e.engine_id)
+        return (e.node not in self.view.nodes and current is not None and current.generation == e.generation
+                and current.role is EngineRole.ACTIVE and current.state in LIVE_STATES)
 
     def cancel(self) -> None:
         for task in list(self._tasks):

@@ -89,16 +89,16 @@ class LostNodes:
                 out.append(e)
         return out
 
-    def returned(self, present: Iterable[str], engines: Iterable[EngineInfo],
+    def returned(self, present: Iterable[str], recorded: Callable[[str], EngineInfo | None],
                  replaced: Callable[[EngineInfo], bool]) -> list[EngineInfo]:
-        """The engines declared lost in this term, replaced since, still recorded, whose node is back: each to be
-        stopped there, once (invariant 5)."""
+        """The engines declared lost in this term, replaced since, still recorded (`recorded(engine_id)`: its
+        record), whose node is back: each to be stopped there, once (invariant 5). Only the engines this term
+        declared or marked are looked at, not every record."""
         listed = set(present)
         out = []
-        for e in engines:
-            key = (e.engine_id, e.generation)
-            if e.node in listed and (key in self.declared or key in self.marked) and key not in self.stopped \
-                    and replaced(e):
+        for key in (self.declared | self.marked) - self.stopped:
+            e = recorded(key[0])
+            if e is not None and e.generation == key[1] and e.node in listed and replaced(e):
                 self.stopped.add(key)
                 out.append(e)
         return out

@@ -81,3 +81,20 @@ def test_an_engine_record_counts_only_under_its_own_nodes_key() -> None:
     assert view.engines == {} and view.engines_on == {("n1", 0): 0}
     view.apply("put", "engines/n2/e1", _engine("e1", node="n2"))  # once gone from n1, the id is free again
     assert view.engines["e1"].node == "n2"
+
+
+def test_the_engines_of_nodes_not_listed_are_found_by_their_node() -> None:
+    view = ClusterView()
+    view.apply("put", "nodes/n1", b"{}")
+    view.apply("put", "engines/n1/a", _engine("a"))
+    view.apply("put", "engines/n2/b", _engine("b", node="n2"))
+    view.apply("put", "engines/n2/c", _engine("c", node="n2", state="failed"))
+    assert sorted(e.engine_id for e in view.engines_off_nodes()) == ["b", "c"]
+    view.apply("put", "engines/n2/b", _engine("b", node="n2", state="failed"))  # rewritten: still one record
+    view.apply("put", "nodes/n2", b"{}")
+    assert view.engines_off_nodes() == []
+    view.apply("delete", "nodes/n1", None)
+    view.apply("delete", "engines/n2/b", None)
+    view.apply("delete", "engines/n2/c", None)
+    view.apply("delete", "nodes/n2", None)
+    assert [e.engine_id for e in view.engines_off_nodes()] == ["a"] and view.recorded_on == {"n1": {"a"}}

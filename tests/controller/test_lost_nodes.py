@@ -68,8 +68,9 @@ def test_an_engine_declared_lost_and_replaced_is_stopped_once_when_its_node_is_b
     [suspect] = lost.suspects(1.0, [], [a], lambda e: False)
     assert lost.answered(suspect, alive=False)
     replaced = lambda e: True  # noqa: E731
-    assert lost.returned([], [a], replaced) == []  # its node still gone
-    assert lost.returned(["n2"], [a], lambda e: False) == []  # back, not replaced (its incident failed): it serves
-    assert [e.engine_id for e in lost.returned(["n2"], [a], replaced)] == ["a"]
-    assert lost.returned(["n2"], [a], replaced) == []  # once
-    assert lost.returned(["n2"], [engine("b")], replaced) == []  # never declared lost here: its agent's
+    records = {"a": a, "b": engine("b")}
+    assert lost.returned([], records.get, replaced) == []  # its node still gone
+    assert lost.returned(["n2"], records.get, lambda e: False) == []  # back, not replaced (its incident failed): it serves
+    assert lost.returned(["n2"], {"a": engine("a", generation=1)}.get, replaced) == []  # a later generation's record
+    assert [e.engine_id for e in lost.returned(["n2"], records.get, replaced)] == ["a"]
+    assert lost.returned(["n2"], records.get, replaced) == []  # once; b never declared lost here: its agent's
