@@ -319,13 +319,15 @@ class ClusterView:
         return next((s for s in self.agent_specs.values()
                      if s.get("engine_class") == engine_class and s.get("model") == model), None)
 
-    def nodes_at_count(self, key: str) -> set[str]:
+    def nodes_at_count(self, key: str, replacing: str | None = None) -> set[str]:
         """The nodes whose agent runs spec `key` with as many active engines (starting or ready) as its `replicas`
         already: an agent admits no further active of that spec (services/agent/supervision.py `admit_active`), so
         a cold start sent there is refused (multi-node probe of 2026-12-07: a lost node's replica was placed on the
         one node that already served the model, refused, and its incident failed). A node with no such spec takes
         one (it stores the spec for that one replica), and so does one whose spec wants none (its replica moved away:
-        it takes one back)."""
+        it takes one back). `replacing`: the failed engine the cold start replaces, not counted (its record may say
+        ready until its agent's write lands; its agent knows it dead and admits the one replacing it: a clean-clone
+        run's second GPU fault on a one-node stack failed its fallback for want of a node)."""
         replicas: dict[str, int] = {}
         for rest, spec in self.agent_specs.items():
             node, _, tail = rest.partition("/specs/")
@@ -334,7 +336,7 @@ class ClusterView:
         running: dict[str, int] = {}
         for e in self.engines.values():
             if e.spec_key == key and e.node in replicas and e.role is EngineRole.ACTIVE \
-                    and e.state in ("starting", "ready"):
+                    and e.state in ("starting", "ready") and e.engine_id != replacing:
                 running[e.node] = running.get(e.node, 0) + 1
         return {node for node, want in replicas.items() if running.get(node, 0) >= max(want, 1)}
 

@@ -376,7 +376,8 @@ class IntentSteps:
         # A node holding a copy of the weights (host tier, artifact) restores them at PCIe or disk speed:
         # preferred over a read of the original file (a scan of the GPU records: cold starts are rare).
         # A node whose agent runs this spec's count of actives already refuses one more: not offered
-        full = self.view.nodes_at_count(spec_key(spec.model, spec.engine_class, intent.version or spec.version))
+        full = self.view.nodes_at_count(spec_key(spec.model, spec.engine_class, intent.version or spec.version),
+                                        replacing=intent.engine_id)
         allowed = self.allowed
         if full:
             allowed = frozenset((set(self.view.nodes) if allowed is None else set(allowed)) - full)

@@ -64,5 +64,6 @@ def test_a_node_is_at_its_count_of_a_spec_only_with_as_many_actives_and_at_least
             "spec_key": "k"}).encode())
     assert view.nodes_at_count("k") == {"a"}  # b runs 1 of 2; c wants none and runs none: it takes one
     assert view.nodes_at_count("other") == set()
+    assert view.nodes_at_count("k", replacing="e1") == set()  # a's one active is the failed one being replaced
     view.apply("delete", "nodes/a", None)  # gone: its records name no count anyone would refuse for
     assert view.nodes_at_count("k") == set()

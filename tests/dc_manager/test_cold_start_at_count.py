@@ -23,12 +23,14 @@ KEY = spec_key("m", "sim", "1")
 
 
 async def _fallback(bus: Bus, store: Store, settings: CommonSettings, at_count: list[str],
-                    incident: str) -> IntentResult:
-    """n0000's engine lost with its memory; n0001 holds a host copy of the weights (placement's first choice); the
-    nodes `at_count` run this spec's one replica already."""
+                    incident: str, *, node_lost: bool = False) -> IntentResult:
+    """n0000's engine lost with its memory (`node_lost`: with its node, gone from etcd); n0001 holds a host copy of
+    the weights (placement's first choice); the nodes `at_count` run this spec's one replica already."""
     sim = SimulatedCluster(bus, store, nodes=3, gpus_per_node=1, emit_events=False, lease_bytes=GIB)
     await sim.populate()
     await sim.serve()
+    if node_lost:
+        await store.delete("nodes/n0000")
     await store.put("gpus/n0001/0", {"healthy": True, "total_bytes": sim.gpu_bytes, "copies": {"sim.weights": "host"}})
     await store.put("specs/sim", EngineSpec(engine_class="sim", model="m", command=["true"]))
     for node in at_count:
@@ -44,7 +46,7 @@ async def _fallback(bus: Bus, store: Store, settings: CommonSettings, at_count: 
         async def seen() -> bool:
             counted = all(view.engines[sim.engine_id(n, 0)].spec_key == KEY for n in at_count)
             return counted and "sim" in view.specs and (view.gpus.get(("n0001", 0)) or {}).get("copies") is not None \
-                and len(view.agent_specs) == len(at_count)
+                and len(view.agent_specs) == len(at_count) and (not node_lost or "n0000" not in view.nodes)
         await wait_for(seen, what="the specs and records in the view")
         executor = IntentExecutor(bus, store, view, DcManagerSettings(**settings.model_dump()))
         intent = RecoverIntent(incident_id=incident, engine_id=sim.engine_id("n0000", 0), model="m",
@@ -65,11 +67,19 @@ async def test_a_cold_start_skips_a_node_at_its_count_even_one_holding_a_copy(
     assert result.node == "n0000", result  # not n0001 (its copy would have won): its agent refuses a second
 
 
-async def test_with_every_node_at_its_count_the_fallback_fails_saying_so(
+async def test_with_every_node_left_at_its_count_the_fallback_fails_saying_so(
         bus: Bus, store: Store, settings: CommonSettings) -> None:
-    result = await _fallback(bus, store, settings, ["n0000", "n0001", "n0002"], "inc-all-at-count")
-    assert not result.ok and "running their count of this spec already: n0000, n0001, n0002" in (result.detail or ""), \
+    result = await _fallback(bus, store, settings, ["n0001", "n0002"], "inc-all-at-count", node_lost=True)
+    assert not result.ok and "running their count of this spec already: n0001, n0002" in (result.detail or ""), \
         result
+
+
+async def test_the_failed_engine_is_not_counted_its_node_takes_its_cold_start(
+        bus: Bus, store: Store, settings: CommonSettings) -> None:
+    """Its record still says ready until its agent's write lands (a clean-clone run's second GPU fault on a one-node
+    stack failed its fallback so: its node counted at its count by the very engine being replaced)."""
+    result = await _fallback(bus, store, settings, ["n0000", "n0001", "n0002"], "inc-replaced-counted")
+    assert result.ok and result.node == "n0000", result
 
 
 async def test_an_intent_sent_again_asks_the_node_its_cold_start_began_on_not_a_new_one(
