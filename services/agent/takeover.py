@@ -430,6 +430,8 @@ class Takeovers:
             await host.assign(sb, {"op": "assign", "predecessor": owner, "model": pred.model, "shadowed": shadowed,
                                    **orders})
             timings["assign_ms"] = ms_since(t)
+            # sent (the kernel has it): what a restarted agent finds the standby saying as it registers again
+            log.info("takeover %s: standby %s assigned", cmd.incident_id, sb.engine_id)
             t = time.perf_counter()
             await host.wait_ready(sb.engine_id, host.settings.takeover_timeout_s)
             timings["attach_ready_ms"] = ms_since(t)

@@ -29,6 +29,7 @@ from devstack.scenario import Scenario
 from libs.common.events import LeaseInfo, LeaseState, Tag
 from tests.gpu_manager.harness import until
 
+HOLD_S = 0.5  # the standby held at most this long after `memory.frozen` (its heartbeat timeout: 1 s)
 RESOLVED_WITHIN_S = 15.0  # the fix resolves in ~1 s (the agent's restart); the bug's first sign came at ~20 s
 
 
@@ -45,10 +46,17 @@ async def test_a_takeover_in_flight_when_the_agent_dies_is_resumed_on_the_standb
         assert standby.pid is not None
         seen = len(sc.events)
         os.kill(standby.pid, signal.SIGSTOP)
+        assigned = f"standby {standby.engine_id} assigned"
         try:
             t_kill = sc.kill_engine(active)
             frozen = await sc.wait_event("memory.frozen", 30, after=seen)
+            # the agent assigns the held standby as it takes the dc_manager's command: waited for a while (well
+            # inside the standby's 1 s heartbeat timeout), so the agent dies with the assignment sent
+            deadline = time.monotonic() + HOLD_S
+            while assigned not in sc.stack.tail("agent", 50) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             sc.stack.kill("agent")
+            sent = assigned in sc.stack.tail("agent", 50)
         finally:
             os.kill(standby.pid, signal.SIGCONT)
         await asyncio.to_thread(sc.stack.restart, "agent")
@@ -66,9 +74,12 @@ async def test_a_takeover_in_flight_when_the_agent_dies_is_resumed_on_the_standb
         # the serving standby was never declared hung (the predecessor's death may be said twice: by the agent
         # that died, and by the restarted one that found its record not yet saying failed; one incident either way)
         assert set(faults) == {active.engine_id}, _said(sc, seen)
-        # the restarted agent resumed the takeover its previous life began (services/agent/takeover.py `resume`)
+        # the restarted agent resumed the takeover its previous life began (services/agent/takeover.py `resume`); on
+        # a loaded host the agent may die before it took the command at all: the standby then registers unassigned
+        # and the re-sent takeover assigns it, as any
         assert [env.data.timings_ms.get("resumed") for _, env in sc.events[seen:] if env.type == "engine.reattached"] \
-            == [1.0], _said(sc, seen)
+            == [1.0 if sent else None], (sent, _said(sc, seen))
+        print(f"the agent died with the assignment {'sent' if sent else 'not sent yet'}")  # noqa: T201
 
         async with httpx.AsyncClient() as client:
             served = await sc.generate(client, "the agent came back mid-takeover", max_tokens=4)
