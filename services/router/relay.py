@@ -23,7 +23,10 @@ identical to the uninterrupted generation, so the client sees one stream. Invari
    for `suspect_s` and answer `no_endpoint` (probe of 2026-12-06). So is one the router cannot reach for want of its
    own descriptors or memory (a connect failing with EMFILE: `RouterStarved`), answered 503
    `router_out_of_resources` (a router out of fds had a healthy engine suspect and answered 502, probe of
-   2026-12-07).
+   2026-12-07). So is one whose connect timed out on the router's clock while it accepts connections, asked
+   again off the loop (`RouterLate`, reach.py): the router's loop was late, not the engine; the request, new or
+   resumed, tries again up to `hold_timeout_s`, then 503 `router_overloaded`. An engine made suspect is logged,
+   once a spell.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import random
 import time
 import uuid
@@ -43,12 +47,14 @@ import httpx
 from pydantic import Field
 
 from libs.common.generate import GenerateRequest, Sampling, Seed
+from services.router.reach import Reach
 from services.router.resume_batch import BatchUnsupported, ResumeBatcher
 from services.router.route_ins import RouteIns
 from services.router.settings import RouterSettings
 from services.router.table import Endpoint, EndpointTable, HoldRejected
 
 T = TypeVar("T")
+log = logging.getLogger("holdfast.router")
 MODEL_MAX = 256  # a model name's characters at most
 
 
@@ -77,13 +83,28 @@ class UpstreamFailed(Exception):
 
 
 class EngineBusy(Exception):
-    """The engine refused the request for now (`queue_full`): a sound engine at its bound (invariant 7)."""
+    """The engine refused the request for now (`queue_full`): a sound engine at its bound (invariant 7). A new
+    request is answered `code` at once unless `retry_new`; a resumed one waits for room up to `hold_timeout_s`."""
+
+    code = "queue_full"
+    retry_new = False
 
 
 class RouterStarved(EngineBusy):
     """The router itself could not reach the engine for want of a descriptor or kernel memory (its connect failed
     with EMFILE, ENFILE, ENOBUFS, ENOMEM): the engine ran nothing of it and is not to blame (it was marked suspect,
     and a healthy engine shunned, while the router was out of fds). Held and retried as a busy engine's refusal."""
+
+    code = "router_out_of_resources"
+
+
+class RouterLate(EngineBusy):
+    """The connect timed out on the router's clock while the engine accepts connections (reach.py): the router's
+    own loop was too late to see it finish. The engine is not to blame; the request, new or resumed, tries again
+    after a pause, up to `hold_timeout_s`, then 503 `router_overloaded`."""
+
+    code = "router_overloaded"
+    retry_new = True
 
 
 STARVED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -237,6 +258,7 @@ class Relay:
         self.resumes = ResumeBatcher(client, window_s=settings.resume_batch_s,
                                      timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
         self._enough: set[str] = set()  # request ids whose caller has all it wants (see `enough`)
+        self.reach = Reach(settings.connect_timeout_s)  # a timed-out connect asked again off the loop (reach.py)
 
     def enough(self, request_id: str) -> None:
         """The caller has all it wants of this request (a stop string matched) and closes its `run` next:
@@ -290,17 +312,19 @@ class Relay:
                     if outcome == "completed":
                         return
                     raise UpstreamFailed("stream ended without a final line")
-                except EngineBusy as e:  # invariant 7 (the router's own exhaustion alike: no engine to blame)
+                except EngineBusy as e:  # invariant 7 (the router's own exhaustion or lateness alike: no engine to blame)
                     engines.pop()  # it ran nothing of it
                     now = time.monotonic()
                     busy_until = busy_until or now + s.hold_timeout_s
-                    if not generated or now >= busy_until:
-                        if isinstance(e, RouterStarved):
-                            raise RelayError(503, "router_out_of_resources", str(e)) from None
-                        raise RelayError(503, "queue_full", f"engine {ep.engine_id}: {e}") from None
+                    if (not generated and not e.retry_new) or now >= busy_until:
+                        message = f"engine {ep.engine_id}: {e}" if e.code == EngineBusy.code else str(e)
+                        raise RelayError(503, e.code, message) from None
                     busy += 1
                     wait_s = min(0.05 * 2 ** min(busy, 5), 1.0, busy_until - now)
                 except UpstreamFailed as e:
+                    if ep.suspect_until <= self.table.clock():  # said once a spell
+                        log.warning("engine %s (%s) of %s failed a request: suspect for %g s (%s)", ep.engine_id,
+                                    ep.url, req.model, s.suspect_s, e)
                     self.table.suspect(ep, s.suspect_s)
                     attempts += 1
                     errored += isinstance(e, EngineErrored)
@@ -384,6 +408,9 @@ class Relay:
         except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, ConnectionError) as e:
             if (why := _starved(e)) is not None:
                 raise RouterStarved(why) from None
+            if isinstance(e, httpx.ConnectTimeout) and await self.reach.accepts(ep.url):
+                raise RouterLate(f"the router was too busy to connect to engine {ep.engine_id} in "
+                                 f"{s.connect_timeout_s:g}s, although it accepts connections; try again soon") from None
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from None
         finally:
             self.inflight.discard(ep.engine_id, cut)
