@@ -138,7 +138,7 @@ def front_door(app: FastAPI, state: EngineState, max_body_bytes: int, linger: Li
     from its headers, or counted if chunked; HEAD served as GET), then each request's arrival marked (`FirstArrival`),
     then new requests taken a slice of the loop a pass (`Intake`: a burst of them, refusals included, runs between
     the streams' lines, not before all of them), then the API. `linger`: the protocol's counters (linger.py)."""
-    intake = Intake(app)
+    intake = Intake(app, exempt=frozenset({"/health"}))  # asked by probes (the leader's of a lost node): never waits
     guard = RequestGuard(FirstArrival(intake, state), tokens=None, max_body_bytes=max_body_bytes, refusal=refusal)
     state.http_stats = lambda: {"refused": dict(guard.refused), "lingered": vars(linger), "intake": intake.stats()}
     return guard

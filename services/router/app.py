@@ -147,7 +147,7 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
                     max_context=settings.max_context_tokens)
     # new requests a slice of the loop a pass (libs/common/web/intake.py): a burst of them, refusals included, runs
     # between the streams' lines rather than before all of them
-    intake = Intake(app)
+    intake = Intake(app, exempt=PUBLIC)  # the liveness probe never waits behind a burst
     guard = RequestGuard(intake, tokens=keys, max_body_bytes=settings.max_body_bytes, public=PUBLIC, refusal=refusal)
     linger = LingerStats()
     # lifespan off: the app has no startup or shutdown of its own, and a lifespan task cancelled at shutdown logged

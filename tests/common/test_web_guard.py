@@ -271,3 +271,20 @@ async def test_a_quiet_loop_lets_each_request_in_at_once() -> None:
         await intake(_request(str(i)), None, None)
         await asyncio.sleep(0.003)  # one at a time, the loop quiet between
     assert intake.deferred == 0
+
+
+async def test_a_health_probe_goes_in_ahead_of_a_burst_that_waits() -> None:
+    # a liveness probe queued behind a router's burst answered 20 s late (probe of 2026-12-07)
+    ran: list[str] = []
+
+    async def app(scope: dict[str, Any], _receive: Any, _send: Any) -> None:
+        ran.append(scope["path"])
+        time.sleep(0.003)  # past the budget: every later request waits
+
+    intake = Intake(app, budget_s=0.002, exempt=frozenset({"/healthz"}))
+    burst = [asyncio.create_task(intake(_request(str(i)), None, None)) for i in range(20)]
+    await asyncio.sleep(0)  # the first ran; the rest wait
+    await intake(_request("/healthz"), None, None)
+    assert ran[:2] == ["0", "/healthz"] and intake.stats()["waiting"] == 19
+    await asyncio.wait_for(asyncio.gather(*burst), 10)
+    assert ran[2:] == [str(i) for i in range(1, 20)]

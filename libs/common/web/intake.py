@@ -11,6 +11,10 @@ new requests; past it, it waits, in arrival order, for a later pass. Each pass w
 passes fitted in the budget (doubled while they stay within it, halved when one does not), and the woken go in
 without looking again.
 
+Health probes (`exempt` paths) go straight in: each is one cheap answer, not a burst's work, and one that waited
+behind a burst of a thousand requests answered a router's liveness probe 20 s late (probe of 2026-12-07), long
+enough for an orchestrator to restart a router that was busy but working.
+
 Invariants: requests go in in the order they arrived (a new one waits while any waits); a waiter is woken by a
 later pass, never lost (each admission schedules the next pass's look while any waits; a woken waiter cancelled
 before it ran hands its turn on). Nothing is added to a request once it is in: its body, its response and its
@@ -30,8 +34,10 @@ App = Callable[[Scope, Any, Any], Awaitable[None]]
 
 
 class Intake:
-    def __init__(self, app: App, *, budget_s: float = 0.002, max_wake: int = 64) -> None:
+    def __init__(self, app: App, *, budget_s: float = 0.002, max_wake: int = 64,
+                 exempt: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.exempt = exempt  # paths that never wait (health probes)
         self.budget_s = budget_s
         self.max_wake = max_wake
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -41,7 +47,7 @@ class Intake:
         self.deferred = 0  # requests that waited for a later pass (health, tests)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope.get("path") not in self.exempt:
             if self._waiting or not self._room():
                 await self._wait()
             self._admit()
