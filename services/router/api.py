@@ -9,22 +9,24 @@ import gc
 import json
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.gc_tuning import paused_ms
 from libs.common.generate import http_code, invalid_body
 from libs.common.loop_watch import LoopWatch
 from libs.common.web.disconnect import ClosingStreamingResponse, Gone, unless_gone, until_disconnect
+from services.router import context_bound
 from services.router.openai_api import openai_routes
-from services.router.openai_protocol import OpenAIError
+from services.router.openai_protocol import OpenAIError, engine_error
 from services.router.relay import ClientRequest, Relay, RelayError
 from services.router.spare import SpareBackend
 from services.router.table import EndpointTable
@@ -70,6 +72,29 @@ class Workers:
 STATS_TIMEOUT_S = 2.0
 
 
+def early_bound(max_context: int | None) -> type[APIRoute]:
+    """Routes whose body's prompt is measured against `max_context` from its raw bytes before FastAPI parses it
+    (context_bound.py): a /v1/generate body of 7 M token ids (14 MiB) was parsed, validated, dumped again and sent
+    to the engine before the engine refused it, each of its worker's streams waiting 1.3-4.6 s (probe of
+    2026-12-07); the OpenAI routes measured theirs so already. What passes is parsed as before."""
+
+    class EarlyBound(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            parsed = super().get_route_handler()
+
+            async def handler(request: Request) -> Response:
+                if max_context is not None:
+                    try:  # the body is read once: the parse below reads the same bytes
+                        context_bound.refuse_early(await request.body(), max_context)
+                    except OpenAIError as e:
+                        return JSONResponse(status_code=e.status, content=e.body())
+                return await parsed(request)
+
+            return handler
+
+    return EarlyBound
+
+
 def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
               sync: Callable[[], dict[str, Any]] = dict, watch: LoopWatch | None = None, *,
               spares: SpareBackend | None = None, workers: Workers | None = None,
@@ -100,14 +125,18 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
         return JSONResponse(status_code=500, content=OpenAIError(
             500, f"internal error ({type(exc).__name__}); the router's log has the detail", code="internal").body())
 
-    @app.post("/v1/generate", response_model=None)
+    generate_routes = APIRouter(route_class=early_bound(max_context))
+
+    @generate_routes.post("/v1/generate", response_model=None)
     async def generate(req: ClientRequest, request: Request) -> Any:
         """Its client gone (held, queued in an engine, streaming or not), the engine request is closed at once."""
         items = relay.run(req)
         try:
             first = await unless_gone(request, anext(items, None))  # held / refused: a status, not a broken stream
         except RelayError as e:
-            return JSONResponse(status_code=e.status, content=OpenAIError(e.status, e.message, code=e.code).body())
+            err = engine_error(e.message) if e.code == "engine_refused" else None  # the engine's words, not its JSON
+            message = e.message if err is None else str(err["message"])
+            return JSONResponse(status_code=e.status, content=OpenAIError(e.status, message, code=e.code).body())
         except Gone:
             return Response(status_code=499)
         if first is None:
@@ -116,10 +145,12 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
             return ClosingStreamingResponse(_ndjson(first, items), media_type="application/x-ndjson")
         return await until_disconnect(request, _collect(first, items))
 
+    app.include_router(generate_routes)
+
     def own_stats() -> dict[str, Any]:
         return {**relay.stats.as_dict(), "cpu_s": round(time.process_time(), 4), "held": table.held(),
                 "endpoints": table.describe(), "recoveries": table.recoveries(), "sync": sync(), "route_ins": relay.route_ins.recent(),
-                "resume_batches": relay.resumes.stats(), "loop_late": watch.recent() if watch is not None else None,
+                "resume_batches": relay.resumes.stats(), "reach_checks": relay.reach.checks, "loop_late": watch.recent() if watch is not None else None,
                 "gc_paused_ms": round(paused_ms(), 1), "gc_frozen": gc.get_freeze_count(),
                 "spare_connections": spares.stats() if spares is not None else None, "worker": workers.index,
                 "pid": os.getpid()}

@@ -1,4 +1,4 @@
-"""An OpenAI request's prompt measured against `max_context_tokens` (the longest context of the models behind the
+"""A request's prompt (OpenAI's routes, and /v1/generate's prompt and token ids) measured against `max_context_tokens` (the longest context of the models behind the
 router) from the body's raw bytes, before it is parsed: a prompt that certainly cannot fit is refused (400
 `context_length_exceeded`, OpenAI's code) for the cost of a scan, not of parsing and validating each of its token
 ids. Pure logic.
@@ -34,6 +34,7 @@ _NULL = msgspec.Raw(b"null")
 
 class _Peek(msgspec.Struct):
     prompt: msgspec.Raw = _NULL
+    tokens: msgspec.Raw = _NULL  # /v1/generate's token ids, appended after its prompt's
     messages: list[msgspec.Raw] | None = None
 
 
@@ -45,7 +46,7 @@ def prompt_lower_bound(raw: bytes) -> int:
     if raw.startswith(b'"'):
         return (len(raw) - 2 + 5) // 6 + 1
     if raw.startswith(b"["):
-        return raw.count(b",") + 1
+        return raw.count(b",") + (0 if raw[1:].lstrip().startswith(b"]") else 1)
     return 0
 
 
@@ -56,9 +57,9 @@ def refuse_early(body: bytes, max_context: int) -> None:
         peek = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # nested too deeply: json.loads says so
         return
-    least = prompt_lower_bound(bytes(peek.prompt))
+    least = prompt_lower_bound(bytes(peek.prompt)) + prompt_lower_bound(bytes(peek.tokens))
     if least > max_context:
-        raise too_long(max_context, least, "prompt", exact=False)
+        raise too_long(max_context, least, "prompt" if peek.tokens == _NULL else "tokens", exact=False)
     if peek.messages is not None:
         least = MESSAGE_MIN_TOKENS * len(peek.messages) + CHAT_TAIL_TOKENS
         if least > max_context:

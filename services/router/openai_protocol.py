@@ -220,17 +220,26 @@ def too_long(max_context: int, tokens: int, param: str, *, exact: bool = True) -
                        code="context_length_exceeded")
 
 
+def engine_error(body: str) -> dict[str, Any] | None:
+    """An engine's refusal body (`{"error": {"code", "message"}}`) as its error, or None if it is not one."""
+    try:
+        err = json.loads(body)["error"]
+        str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return err if isinstance(err, dict) else None
+
+
 def refusal(status: int, code: str, message: str, kind: Literal["completion", "chat"]) -> OpenAIError:
     """The relay's refusal (`RelayError`'s status, code, message) in OpenAI's shape. An engine's own refusal
     (`engine_refused`, its error body as the message) by its message; a context too long for the engine's model
     (the router's own bound, `max_context_tokens`, is the longest of all its models') as OpenAI's
     `context_length_exceeded` on the prompt or messages, which clients look for to shorten and retry."""
     if code == "engine_refused":
-        try:
-            err = json.loads(message)["error"]
-            message = str(err["message"])
-        except (ValueError, KeyError, TypeError):
+        err = engine_error(message)
+        if err is None:
             return OpenAIError(status, message, code=code)
+        message = str(err["message"])
         if err.get("code") == "context_too_long":
             return OpenAIError(status, message, param="prompt" if kind == "completion" else "messages",
                                code="context_length_exceeded")

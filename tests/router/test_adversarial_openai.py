@@ -283,3 +283,32 @@ async def test_a_body_not_declared_json_or_not_utf8_is_refused_and_none_declared
         r = await h.post("/v1/completions", content=raw.encode())  # httpx sends no content-type for raw bytes
         assert r.status_code == 200, r.text
     assert openai_stack.router.stats()["in_flight"] == 0
+
+
+def test_generates_prompt_and_token_ids_are_bounded_together_before_parsing() -> None:
+    fits = {"model": "m", "prompt": "ab", "tokens": [1, 2, 3]}  # BOS + 2 bytes + 3 ids
+    context_bound.refuse_early(json.dumps(fits).encode(), 6)
+    context_bound.refuse_early(json.dumps({"model": "m", "prompt": "ab", "tokens": []}).encode(), 3)
+    with pytest.raises(OpenAIError) as e:  # at least BOS + 1 byte (a string's bound) + 3 ids
+        context_bound.refuse_early(json.dumps(fits).encode(), 4)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "tokens")
+
+
+async def test_a_generate_body_of_token_ids_past_the_context_is_refused_before_it_reaches_an_engine(
+        openai_stack: OpenAIStack) -> None:
+    """/v1/generate parsed, validated and sent such a body whole (7 M ids: its worker's streams waited 1.3-4.6 s,
+    probe of 2026-12-07); the OpenAI routes measured theirs from the raw bytes already. An engine's own refusal on
+    this route reads as its message, not as its JSON in a string."""
+    url = openai_stack.router.url
+    before = openai_stack.router.stats()["requests"]
+    async with httpx.AsyncClient(timeout=60) as h:
+        r = await h.post(url + "/v1/generate", json={"model": MODEL, "tokens": [65] * 200_000, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "tokens"), err
+        assert openai_stack.router.stats()["requests"] == before  # never reached the relay
+        r = await h.post(url + "/v1/generate", json={"model": MODEL, "prompt": "x" * 5000, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "engine_refused", r.text
+        assert "does not fit max_seq" in r.json()["error"]["message"] and "{" not in r.json()["error"]["message"]
+        r = await h.post(url + "/v1/generate", json={"model": MODEL, "prompt": "still", "max_tokens": 2})
+        assert r.status_code == 200, r.text
