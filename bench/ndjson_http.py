@@ -124,6 +124,7 @@ class NdjsonResponse:
     def _line(self, obj: dict, arrival: float, parsed: float) -> None:
         if obj.get("done"):
             self.final = obj
+            self.text += obj.get("text", "")  # an unfinished last character's text
             self.done = not obj.get("error")
             if obj.get("error"):
                 self.error = json.dumps(obj["error"])

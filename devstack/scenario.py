@@ -195,6 +195,7 @@ async def read_generation(client: httpx.AsyncClient, router_url: str, result: R,
                     continue
                 obj = json.loads(line)
                 if obj.get("done"):
+                    result.text += obj.get("text", "")  # an unfinished last character's text
                     result.done = not obj.get("error")
                     if obj.get("error"):
                         result.error = json.dumps(obj["error"])

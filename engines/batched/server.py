@@ -4,7 +4,7 @@ front_link.py): POST /generate, POST /generate_many, POST /abort, GET /health, G
 `/generate` speaks the reference engine's protocol, which the router relays: `{prompt | tokens, resume,
 max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streamed NDJSON lines
 `{"index", "token", "text"}`, then `{"done": true, "prompt_tokens", "completion_tokens", "finish_reason",
-"first_token_ms", "total_ms", "engine_id"}`. Errors: 400 (a context longer than the model's), 503 (not ready,
+"first_token_ms", "total_ms", "engine_id"}` (and `text`: an unfinished last character's). Errors: 400 (a context longer than the model's), 503 (not ready,
 or the queue is full), in-band `{"done": true, "error": ...}` after the stream started; every one typed
 `{"error": {"code", "message"}}`, Starlette's own too (a body that is not JSON: `bad_json`). A client that goes
 away aborts its sequence at once: its blocks are free for the next step. One request a `request_id` at a time: a
@@ -276,7 +276,8 @@ async def _events(state: EngineState, link: EngineLink, sub: Submit, sink: Sink,
                     batch.append({"done": True, "prompt_tokens": len(sub.context), "completion_tokens": index,
                                   "finish_reason": reason, "first_token_ms": first_ms,
                                   "total_ms": round((time.perf_counter() - t0) * 1000, 3),
-                                  "first_token_phases_ms": phases, "engine_id": state.engine_id})
+                                  "first_token_phases_ms": phases, "engine_id": state.engine_id,
+                                  **tokenizer.tail_text(text)})
                 yield batch
                 return
             yield batch
@@ -367,7 +368,7 @@ async def _collect(state: EngineState, link: EngineLink, sub: Submit, sink: Sink
                 code = ev["error"]["code"]
                 return _error(STATUS.get(code, 503), code, ev["error"]["message"])
             else:
-                return {"tokens": tokens, "text": "".join(text), **ev}
+                return {**ev, "tokens": tokens, "text": "".join(text) + ev.get("text", "")}
     return _error(500, "engine_error", "generation ended without a result")
 
 

@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from engines.pattern import pattern, tokens
 from libs.common.generate import GenerateRequest, invalid_body
-from libs.common.tokenizer import EOS, TextStream
+from libs.common.tokenizer import EOS, TextStream, tail_text
 
 VOCAB = EOS + 1  # the byte tokenizer's ids: 256 bytes, BOS, EOS
 DISCONNECT_EVERY = 8
@@ -136,7 +136,7 @@ async def generation(state: PatternState, body: GenerateRequest,
             state.busy -= 1
     yield {"done": True, "prompt_tokens": len(context), "completion_tokens": count, "finish_reason": reason,
            "first_token_ms": round(first_ms, 3), "total_ms": round((time.perf_counter() - t0) * 1000, 3),
-           "engine_id": state.engine_id, "request_id": body.request_id}
+           "engine_id": state.engine_id, "request_id": body.request_id, **tail_text(text)}
 
 
 async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -149,7 +149,7 @@ async def _whole(request: Request, lines: AsyncGenerator[dict[str, Any], None]) 
     text: list[str] = []
     async for line in lines:
         if line.get("done"):
-            return JSONResponse({"tokens": toks, "text": "".join(text), **line})
+            return JSONResponse({**line, "tokens": toks, "text": "".join(text) + line.get("text", "")})
         toks.append(line["token"])
         text.append(line["text"])
         if len(toks) % DISCONNECT_EVERY == 0 and await request.is_disconnected():

@@ -67,6 +67,7 @@ class Finished:
     finish_reason: str  # "length", "eos" or "max_seq"
     first_token_ms: float
     total_ms: float
+    text: str = ""  # the text of bytes its last tokens left unfinished (TextStream.flush)
 
 
 class BadRequest(ValueError):
@@ -384,7 +385,8 @@ class EngineCore:
                     unfed = None
             self.requests_done += 1
             yield Finished(prompt_tokens=len(req.context), completion_tokens=produced, finish_reason=reason,
-                           first_token_ms=round(first_ms, 3), total_ms=round((time.perf_counter() - t0) * 1000, 3))
+                           first_token_ms=round(first_ms, 3), total_ms=round((time.perf_counter() - t0) * 1000, 3),
+                           text=text.flush())
         finally:
             if unfed is not None and self.marks is not None:  # ended (or was abandoned): nothing in flight here
                 self.marks.unsampled(slot, unfed)

@@ -1,7 +1,8 @@
 """The engine's HTTP API (FastAPI): POST /generate (JSON or streamed NDJSON), GET /health.
 
 Streaming lines: one object per token `{"index", "token", "text"}`, then a final
-`{"done": true, "prompt_tokens", "completion_tokens", "finish_reason", "first_token_ms", "total_ms", "engine_id"}`.
+`{"done": true, "prompt_tokens", "completion_tokens", "finish_reason", "first_token_ms", "total_ms", "engine_id"}`
+(and `text`: an unfinished last character's, libs/common/tokenizer.py `flush`).
 An error after the stream started is a final `{"done": true, "error": {code, message}}` line.
 
 Each request runs its generation on a thread of its own that hands tokens to the event loop, so a client
@@ -191,7 +192,7 @@ def build_app(state: EngineState) -> FastAPI:
     def _final(ev: Finished) -> dict[str, Any]:
         return {"done": True, "prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                 "finish_reason": ev.finish_reason, "first_token_ms": ev.first_token_ms, "total_ms": ev.total_ms,
-                "engine_id": state.engine_id}
+                "engine_id": state.engine_id, **({"text": ev.text} if ev.text else {})}
 
     def _note_first_token() -> None:
         cb, state.on_first_token = state.on_first_token, None
@@ -224,7 +225,7 @@ def build_app(state: EngineState) -> FastAPI:
                         tokens.append(ev.token)
                         text.append(ev.text)
                     else:
-                        return {"tokens": tokens, "text": "".join(text), **_final(ev)}
+                        return {**_final(ev), "tokens": tokens, "text": "".join(text) + ev.text}
             except Exception as e:  # noqa: BLE001
                 return _error(500, "engine_error", f"{type(e).__name__}: {e}")
         return _error(500, "engine_error", "generation ended without a result")

@@ -195,7 +195,7 @@ async def _collect(first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], N
             if item.get("done"):
                 if "error" in item:
                     return JSONResponse(status_code=502, content={**item, "tokens": tokens, "text": "".join(text)})
-                return {**item, "tokens": tokens, "text": "".join(text)}
+                return {**item, "tokens": tokens, "text": "".join(text) + item.get("text", "")}
             tokens.append(item["token"])
             text.append(item.get("text", ""))
             item = await anext(rest, None)

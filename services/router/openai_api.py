@@ -137,9 +137,11 @@ async def _events(relay: Relay, job: Job) -> AsyncIterator[str | End]:
                     err = item["error"]
                     yield End("error", count, OpenAIError(502, err.get("message", ""), code=err.get("code")))
                     return
-                if tail := scan.flush():
+                rest = scan.push(item.get("text", ""))  # the engine's text of an unfinished last character
+                stopped = scan.stopped
+                if tail := rest + ("" if stopped else scan.flush()):
                     yield tail
-                yield End(FINISH_REASONS.get(item.get("finish_reason", ""), "stop"), count)
+                yield End("stop" if stopped else FINISH_REASONS.get(item.get("finish_reason", ""), "stop"), count)
                 return
             count += 1
             if text := scan.push(item.get("text", "")):
