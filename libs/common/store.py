@@ -267,6 +267,11 @@ class Store:
         r = await self._read(self.client.get_prefix, self.full(prefix))
         return {self.rel(kv.key): kv.value for kv in r}
 
+    async def get_prefix_with_revisions(self, prefix: str) -> dict[str, tuple[bytes, int]]:
+        """Each key under `prefix` with its value and mod revision (when it was last written)."""
+        r = await self._read(self.client.get_prefix, self.full(prefix))
+        return {self.rel(kv.key): (kv.value, kv.mod_revision) for kv in r}
+
     async def put(self, key: str, value: Any, *, lease: Lease | None = None) -> None:
         await self.client.put(self.full(key), encode_value(value), lease=lease.id if lease else None)
 

@@ -36,7 +36,7 @@ from services.router.api import PUBLIC, Workers, build_app, refusal
 from services.router.metrics import MeteredRelay, RouterMetrics
 from services.router.settings import RouterSettings
 from services.router.spare import SpareBackend
-from services.router.sync import EndpointFeed, keep_in_sync
+from services.router.sync import EndpointFeed, Level, keep_in_sync
 from services.router.table import EndpointTable
 from services.router.workers import WorkerPool, listen
 
@@ -113,11 +113,13 @@ async def setup(rt: Runtime, settings: RouterSettings, argv: list[str] | None = 
     feed = EndpointFeed(table, relay, grace_s=settings.reconcile_grace_s, recovery_hold_s=settings.recovery_hold_s)
     feed.on_standby = spares.top_up  # a failover's requests find connections open to the successor (spare.py)
 
-    async def level() -> dict[str, bytes]:
-        """The endpoints and the recoveries under way (sync.py), one request a prefix."""
-        return {**await rt.store.get_prefix("endpoints/"), **await rt.store.get_prefix("recoveries/")}
+    async def level() -> Level:
+        """The endpoints (with their mod revisions) and the recoveries under way (sync.py), one request a prefix."""
+        endpoints = await rt.store.get_prefix_with_revisions("endpoints/")
+        return Level({**{k: v for k, (v, _) in endpoints.items()}, **await rt.store.get_prefix("recoveries/")},
+                     {k: rev for k, (_, rev) in endpoints.items()})
 
-    async def read_level() -> dict[str, bytes]:
+    async def read_level() -> Level:
         return await asyncio.wait_for(level(), timeout=settings.reconcile_read_timeout_s)
 
     await rt.bus.subscribe("router.endpoint.added", feed.on_event)

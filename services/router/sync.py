@@ -10,7 +10,14 @@ re-sent, a controller write that landed after our read).
 
 Conflict rule (`plan`, pure): an endpoint about which an event arrived after `read_started - grace_s` is
 left as the event put it. The controller's etcd write is write-behind (it may land just after the event),
-so a read can lag an event; the event is the newer word until `grace_s` has passed. After that, etcd wins.
+so a read can lag an event; the event is the newer word until `grace_s` has passed. After that, etcd wins,
+with two exceptions for what etcd cannot have caught up with when it was away (an etcd outage just after an
+engine's death kept the controller's delete from landing for ~10 s past the grace: the reconcile routed to the dead
+engine again and dropped the standby its requests were promised to, and every stream failed; probe of 2026-12-07):
+1. An endpoint removed by an event (a death, not a `live` removal) is not added back by a record that is the one the
+   router last read before the removal (its mod revision no newer: `Level.revisions`); a newer write of it is.
+2. A promised successor stays while its predecessor's record is still in etcd (its incident has not ended there:
+   the route-in deletes that record, a failed end too), up to `recovery_hold_s` from the promise.
 
 Reconcile changes only what differs: an endpoint in both keeps its in-flight count and suspect mark (no
 in-flight stream is touched); one gone from etcd is removed exactly as `endpoint.removed` would remove it
@@ -104,6 +111,19 @@ def parse_recoveries(kvs: dict[str, bytes]) -> dict[str, tuple[str, float]]:
 
 
 @dataclass
+class Level:
+    """What a read of etcd gives: `endpoints/` and `recoveries/` records, and each one's mod revision where the
+    reader knows it (conflict rule 1)."""
+
+    kvs: dict[str, bytes]
+    revisions: dict[str, int] = field(default_factory=dict)
+
+
+def as_level(read: dict[str, bytes] | Level) -> Level:
+    return read if isinstance(read, Level) else Level(read)
+
+
+@dataclass
 class Plan:
     add: list[tuple[str, str, str]] = field(default_factory=list)  # (model, engine_id, url)
     remove: list[Key] = field(default_factory=list)
@@ -151,6 +171,9 @@ class EndpointFeed:
         self.stats = SyncStats()
         self.last_event: dict[Key, float] = {}
         self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
+        self.promised_at: dict[str, float] = {}  # a removed engine -> when its successor was promised (clock)
+        self.seen_revision: dict[Key, int] = {}  # each endpoint's record as the last read saw it (rule 1)
+        self.removed_at_revision: dict[Key, int] = {}  # removed by an event: the record it superseded (rule 1)
         self.lingering: dict[str, tuple[str, float]] = {}  # a sound engine removed (`live`) -> (model, clock)
         # each engine's shadowing standby, as the controller last said (`EndpointStandby`): (url, clock). Spares are
         # kept to it (spare.py); one not said again within `standby_ttl_s` is forgotten
@@ -179,9 +202,12 @@ class EndpointFeed:
                 self.ended[ev.incident_id] = now
             self.relay.route_ins.added(ev.engine_id, published)
             log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
+            self.removed_at_revision.pop((ev.model, ev.engine_id), None)  # routed to again: its record is news
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
                 self.last_event[(ev.model, ev.predecessor_id)] = now
+                self._superseded((ev.model, ev.predecessor_id))
                 self._gone(ev.model, ev.predecessor_id)
+                self.promised_at.pop(ev.predecessor_id, None)
                 promise = self.promised.pop(ev.predecessor_id, None)
                 if promise is not None and promise[1] != ev.engine_id:  # another successor: the promise is void
                     log.info("endpoint %s was promised for %s, %s took over: its requests resume there",
@@ -198,6 +224,7 @@ class EndpointFeed:
                 self.table.remove(ev.model, ev.engine_id)
                 self.lingering[ev.engine_id] = (ev.model, now)
             else:
+                self._superseded((ev.model, ev.engine_id))
                 self._gone(ev.model, ev.engine_id)
             if ev.successor_id and ev.successor_url and self.table.find(ev.successor_id) is None:
                 self._promise(ev, now, published)
@@ -242,8 +269,33 @@ class EndpointFeed:
         self.last_event[key] = now
         self.table.add(ev.model, ev.successor_id, ev.successor_url, promised=True)
         self.promised[ev.engine_id] = key
+        self.promised_at[ev.engine_id] = now
         self.relay.route_ins.promised(ev.successor_id, published)
         log.info("endpoint promised: %s %s %s (for %s)", ev.model, ev.successor_id, ev.successor_url, ev.engine_id)
+
+    def _superseded(self, key: Key) -> None:
+        """An event removed `key`'s engine: the record the router last read of it is older than that (rule 1)."""
+        if key in self.seen_revision:
+            self.removed_at_revision[key] = self.seen_revision[key]
+
+    def _stale(self, desired: dict[Key, str], level: Level) -> dict[Key, str]:
+        """`desired` without the records an event removed since the router read them (rule 1); a record gone from
+        etcd, or written anew, ends its entry."""
+        out = dict(desired)
+        for key, removed in list(self.removed_at_revision.items()):
+            rev = level.revisions.get(f"endpoints/{key[0]}/{key[1]}")
+            if key not in desired or rev is None or rev > removed:
+                del self.removed_at_revision[key]  # gone, unknowable, or written after the removal: etcd's word
+            else:
+                del out[key]
+        return out
+
+    def _seen(self, level: Level) -> None:
+        self.seen_revision = {}
+        for key, rev in level.revisions.items():
+            if key.startswith("endpoints/"):
+                model, _, engine_id = key.removeprefix("endpoints/").rpartition("/")
+                self.seen_revision[(model, engine_id)] = rev
 
     def _gone(self, model: str, engine_id: str) -> None:
         self.table.remove(model, engine_id)
@@ -254,13 +306,15 @@ class EndpointFeed:
 
     # ------------------------------------------------------------ the etcd level
 
-    def load_snapshot(self, kvs: dict[str, bytes]) -> int:
+    def load_snapshot(self, read: dict[str, bytes] | Level) -> int:
         """Start-up: everything in etcd goes in, the recoveries under way too (events that raced the read are applied
         after, in go_live)."""
-        endpoints = parse_endpoints(kvs)
+        level = as_level(read)
+        endpoints = parse_endpoints(level.kvs)
         for (model, engine_id), url in endpoints.items():
             self.table.add(model, engine_id, url)
-        self._recoveries(kvs, "start")
+        self._seen(level)
+        self._recoveries(level.kvs, "start")
         return len(endpoints)
 
     def _recoveries(self, kvs: dict[str, bytes], reason: str) -> None:
@@ -284,17 +338,26 @@ class EndpointFeed:
     def current(self) -> dict[Key, str]:
         return {(m, eid): ep.url for m, routes in self.table.models.items() for eid, ep in routes.endpoints.items()}
 
-    async def reconcile(self, read: Callable[[], Awaitable[dict[str, bytes]]], reason: str) -> bool:
+    async def reconcile(self, read: Callable[[], Awaitable[dict[str, bytes] | Level]], reason: str) -> bool:
         """Read the etcd level and make the table equal to it. False when the read failed (table kept)."""
         async with self._lock:
             started = self.clock()
             try:
-                kvs = await read()
+                level = as_level(await read())
             except Exception as e:  # noqa: BLE001 - etcd away: keep serving from the table we have
                 self.stats.errors += 1
                 log.warning("endpoint reconcile (%s) could not read etcd: %r", reason, e)
                 return False
-            p = plan(self.current(), parse_endpoints(kvs), self.last_event, started - self.grace_s)
+            kvs = level.kvs
+            recorded = parse_endpoints(kvs)
+            p = plan(self.current(), self._stale(recorded, level), self.last_event, started - self.grace_s)
+            # rule 2: a promise stands while its predecessor's record does (its incident not ended in etcd)
+            self.promised_at = {pred: t for pred, t in self.promised_at.items()
+                                if t >= started - self.recovery_hold_s and pred in self.promised}
+            standing = {key for pred, key in self.promised.items()
+                        if pred in self.promised_at and (key[0], pred) in recorded}
+            p.remove = [key for key in p.remove if key not in standing]
+            self._seen(level)
             for model, engine_id, url in p.add:
                 log.info("reconcile (%s): endpoint %s %s %s is in etcd: added", reason, model, engine_id, url)
                 self.table.add(model, engine_id, url)
@@ -313,13 +376,14 @@ class EndpointFeed:
             # Forget events older than any future read's horizon: the map stays as small as the churn.
             horizon = started - self.grace_s
             self.last_event = {k: t for k, t in self.last_event.items() if t >= horizon}
-            self.promised = {pred: key for pred, key in self.promised.items() if key in self.last_event}
+            self.promised = {pred: key for pred, key in self.promised.items()
+                             if key in self.last_event or key in standing}
             # a marker outlives its recovery's end by at most the hold (then `_recoveries` skips it by its age)
             self.ended = {inc: t for inc, t in self.ended.items() if t >= started - self.recovery_hold_s}
             return True
 
 
-async def keep_in_sync(feed: EndpointFeed, read: Callable[[], Awaitable[dict[str, bytes]]], nc: Any, *,
+async def keep_in_sync(feed: EndpointFeed, read: Callable[[], Awaitable[dict[str, bytes] | Level]], nc: Any, *,
                        period_s: float, tick_s: float = 0.1) -> None:
     """Reconcile after every NATS reconnect and every `period_s`. A reconnect is seen through the client's
     `stats["reconnects"]` counter (nats-py bumps it once the server accepted the new connection, just

@@ -9,7 +9,7 @@ import httpx
 from libs.common.events import EndpointAdded, EndpointNotRecovered, EndpointRemoved
 from services.router.relay import Relay
 from services.router.settings import RouterSettings
-from services.router.sync import EndpointFeed, parse_endpoints, parse_recoveries, plan
+from services.router.sync import EndpointFeed, Level, parse_endpoints, parse_recoveries, plan
 from services.router.table import EndpointTable
 from tests.support import Clock
 
@@ -31,6 +31,17 @@ def make_feed(grace_s: float = 5.0) -> tuple[EndpointFeed, EndpointTable, Relay,
 def reader(kvs: dict[str, bytes]):  # noqa: ANN201 - an async callable returning kvs
     async def read() -> dict[str, bytes]:
         return dict(kvs)
+    return read
+
+
+def level(revisions: dict[str, int], **urls: str) -> Level:
+    """etcd's level with each endpoint record's mod revision (`revisions` by engine id)."""
+    return Level(records(**urls), {f"endpoints/m/{engine}": revisions[engine] for engine in urls})
+
+
+def level_reader(lvl: Level):  # noqa: ANN201 - an async callable returning a level
+    async def read() -> Level:
+        return lvl
     return read
 
 
@@ -247,3 +258,49 @@ async def test_a_failed_engines_removal_cuts_its_streams_at_once() -> None:
     stream = relay.inflight.add("a")
     feed.apply(EndpointRemoved(model="m", engine_id="a", reason="hung", incident_id="i", recovery=True))
     assert stream.is_set() and feed.lingering == {}
+
+
+async def test_an_etcd_that_missed_the_controllers_writes_neither_revives_a_dead_engine_nor_drops_its_promised_standby() -> None:
+    """etcd died just after an engine's SIGKILL: the route-out reached the router, the controller's delete of the dead
+    engine's record never landed, and etcd came back past the grace with the old level. The reconcile routed to the
+    dead engine again and removed the standby the held requests were promised to: every stream failed (probe of
+    2026-12-07)."""
+    feed, table, relay, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(level({"dead": 7}, dead="http://d"))
+    feed.apply(removed_with_successor("dead", "sb", "http://sb"))
+    stream = relay.inflight.add("sb")
+    clock.now += 20  # etcd away meanwhile; back with the level of before the death
+    assert await feed.reconcile(level_reader(level({"dead": 7}, dead="http://d")), "periodic")
+    assert set(table.models["m"].endpoints) == {"sb"} and not stream.is_set()
+    clock.now += 20
+    assert await feed.reconcile(level_reader(level({"dead": 7}, dead="http://d")), "periodic")  # still stale
+    assert set(table.models["m"].endpoints) == {"sb"} and table.models["m"].endpoints["sb"].promised
+    feed.apply(EndpointAdded(model="m", engine_id="sb", url="http://sb", predecessor_id="dead"))  # the new leader
+    clock.now += 20
+    assert await feed.reconcile(level_reader(level({"sb": 9}, sb="http://sb")), "periodic")
+    assert set(table.models["m"].endpoints) == {"sb"} and not stream.is_set() and feed.promised == {}
+
+
+async def test_a_removed_engines_record_written_again_after_its_removal_routes_to_it_again() -> None:
+    feed, table, _, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(level({"a": 3}, a="http://a"))
+    feed.apply(EndpointRemoved(model="m", engine_id="a", reason="sigkill"))
+    clock.now += 10
+    assert await feed.reconcile(level_reader(level({"a": 3}, a="http://a")), "periodic")
+    assert table.models.get("m") is None or "a" not in table.models["m"].endpoints
+    clock.now += 10  # the controller routed it in again; its event was missed
+    assert await feed.reconcile(level_reader(level({"a": 12}, a="http://a")), "periodic")
+    assert set(table.models["m"].endpoints) == {"a"}
+
+
+async def test_a_promise_outlives_the_grace_while_its_predecessor_is_recorded_up_to_the_recovery_hold() -> None:
+    feed, table, _, clock = make_feed(grace_s=5.0)
+    feed.recovery_hold_s = 60.0
+    feed.load_snapshot(level({"dead": 4}, dead="http://d"))
+    feed.apply(removed_with_successor("dead", "sb", "http://sb"))
+    clock.now += 30
+    assert await feed.reconcile(level_reader(level({"dead": 4}, dead="http://d")), "periodic")
+    assert set(table.models["m"].endpoints) == {"sb"}
+    clock.now += 40  # past the hold: no word of the incident's end, etcd's level wins
+    assert await feed.reconcile(level_reader(level({"dead": 4}, dead="http://d")), "periodic")
+    assert table.models.get("m") is None or "sb" not in table.models["m"].endpoints
