@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EngineInfo, EngineRole, Envelope, engine_record_key
 from services.controller import engine_probe
+from services.controller.bus_outages import BusOutages
 from services.controller.endings import IncidentEnds
 from services.controller.engine_stops import EngineStops
 from services.controller.incident import WAITING, IncidentState, Trigger, incident_id_for
@@ -54,8 +55,11 @@ class DeadlinePass:
     def __init__(self, steps: Steps, open_: OpenIncidents, locks: IncidentLocks, view: ClusterView,
                  ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None, *,
                  lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller",
-                 writer: BatchWriter | None = None, stops: EngineStops | None = None) -> None:
+                 writer: BatchWriter | None = None, stops: EngineStops | None = None,
+                 connected: Callable[[], bool] | None = None) -> None:
         self.steps = steps
+        self.connected = connected  # this controller's bus connection is up (None: always)
+        self.outages = BusOutages()  # a step's deadline counts only the time the bus was up (bus_outages.py)
         self.writer = writer  # the term's fenced writer: a lost engine replaced is recorded failed through it
         self.stops = stops  # and stopped through these once its node is back (lost_nodes.py invariant 5)
         self.lost = lost if lost is not None else LostNodes(0.0)
@@ -77,6 +81,7 @@ class DeadlinePass:
             self.tick(time.time())
 
     def tick(self, now: float) -> None:
+        self.outages.observe(now, self.connected is None or self.connected())
         if self.holds is not None and not self.holds():
             # Not known to lead at this moment (resumed from a stop past the lease, etcd unreachable): a deadline
             # found missed in this table may be one a successor has long dealt with. Acted on once confirmed.
@@ -87,7 +92,8 @@ class DeadlinePass:
         for rec in self.open.records():
             if rec.id in self._busy or self.locks.held(rec.id):
                 continue  # being worked on right now: nothing stalled
-            if rec.state in WAITING and rec.deadline is not None and now > rec.deadline:
+            if rec.state in WAITING and rec.deadline is not None and now > rec.deadline and not self.outages.down \
+                    and now - self.outages.down_within(rec.updated_at, now) > rec.deadline:
                 self._background(rec.id, self.steps.move_one(Move(0, rec.id, Trigger.DEADLINE_MISSED,
                                                                   detail=f"{rec.state.value} missed its deadline")))
             elif rec.state in (S.OPENED, S.ROUTING_IN) and now - rec.updated_at > STALLED_S:

@@ -112,7 +112,8 @@ class IncidentDriver:
                                           holds=tenure.holds if tenure is not None else None,
                                           lost=LostNodes(settings.node_lost_s),
                                           probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance,
-                                          writer=self.writer, stops=self.stops)
+                                          writer=self.writer, stops=self.stops,
+                                          connected=lambda: bool(bus.nc.is_connected))
 
     # ------------------------------------------------------------ lifecycle (leader only)
 
