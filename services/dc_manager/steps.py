@@ -128,7 +128,8 @@ class StepFailed(Exception):
 
 
 async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_s: float,
-                       ended: Callable[[], Awaitable[str | None]] | None = None, window_s: float = 0.0) -> R:
+                       ended: Callable[[], Awaitable[str | None]] | None = None, window_s: float = 0.0,
+                       link: Any = None) -> R:
     """Retry while the node does not answer (libs/common/bus `retried_unanswered`); a typed error reply is final.
     Before each retry, `ended` says whether the intent's incident has ended meanwhile (then the intent is
     abandoned: IntentAbandoned)."""
@@ -138,7 +139,7 @@ async def with_retries(call: Callable[[], Awaitable[R]], attempts: int, backoff_
         if state is not None:
             raise IntentAbandoned(f"its incident is {state}") from None
 
-    return await retried_unanswered(call, attempts, backoff_s, still_open, window_s=window_s)
+    return await retried_unanswered(call, attempts, backoff_s, still_open, window_s=window_s, link=link)
 
 
 class IntentSteps:
@@ -616,7 +617,8 @@ class IntentSteps:
                 out = await with_retries(lambda: self.bus.request(node, cmd, reply, timeout=wait_s,  # type: ignore[arg-type]
                                                                   traceparent=trace),
                                          self.settings.retries, self.settings.retry_backoff_s, self.incident_ended,
-                                         self.settings.retry_window_s if window_s is None else window_s)
+                                         self.settings.retry_window_s if window_s is None else window_s,
+                                         link=self.bus.nc)
             except RemoteError as e:
                 raise StepFailed(step, f"{e.remote_code}: {e.message}", e.remote_code) from None
             except HoldfastError as e:

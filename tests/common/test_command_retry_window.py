@@ -41,3 +41,45 @@ async def test_a_service_that_comes_back_within_the_window_is_answered(bus: Bus,
         assert reply.lease_ids == ["inc-1"] and 1.2 <= time.monotonic() - t0 < 3.5
     finally:
         await (await later).close()
+
+
+async def test_tries_made_while_the_callers_own_bus_was_down_are_not_counted(
+        settings: CommonSettings, nats_conf, tmp_path) -> None:  # noqa: ANN001
+    """A 7 s NATS restart failed the dc_manager's freeze (three unanswered tries, the node blamed) and its incident
+    went to a cold start beside a warm standby (probe of 2026-12-07). A nats-server of the test's own is stopped as
+    the command is sent and started again 3 s later: the command is answered once the caller's connection is back."""
+    from libs.common import procs
+
+    port = procs.free_port()
+
+    def server() -> procs.Child:
+        child = procs.nats_server(port, tmp_path / "nats", tmp_path / "nats.log", config=nats_conf).start()
+        procs.wait_port(port, child)
+        return child
+
+    child = server()
+    own = settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{port}"})
+    node = "node-1"
+    caller = await Bus.connect(own, "test", stream=False)
+    service = await Bus.connect(own.model_copy(update={"node": node}), f"gpu_manager:{node}", stream=False)
+
+    async def thaw(cmd: Thaw) -> ThawReply:
+        return ThawReply(lease_ids=[cmd.incident_id])
+
+    await service.serve(node, Thaw, thaw)
+    try:
+        child.stop()
+
+        async def back_later() -> procs.Child:
+            await asyncio.sleep(3.0)
+            return await asyncio.to_thread(server)
+
+        later = asyncio.create_task(back_later())
+        reply = await retried_unanswered(lambda: caller.request(node, Thaw(incident_id="inc-2"), ThawReply, timeout=0.5),
+                                         3, 0.1, window_s=1.0, link=caller.nc)
+        assert reply.lease_ids == ["inc-2"]
+        child = await later
+    finally:
+        await caller.close()
+        await service.close()
+        child.stop()

@@ -57,19 +57,32 @@ T = TypeVar("T")
 
 async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, backoff_s: float,
                              before_retry: Callable[[], Awaitable[None]] | None = None, *,
-                             window_s: float = 0.0) -> T:
+                             window_s: float = 0.0, link: Any = None, link_wait_s: float = 120.0) -> T:
     """`call()` (a command's request), sent again while nobody answers it (`CommandTimeout`, `Unavailable`): at least
     `attempts` times, and on while less than `window_s` has passed since the first (a service restarting answers
     nobody for a second or two: three tries 0.1 and 0.2 s apart all missed it, probe of 2026-12-07), waiting
     `backoff_s` doubled after each (at most a second, never past the window); a typed error reply is final, and
     the last unanswered try's error is raised. `before_retry`, awaited after each wait, may raise to give up (the
-    caller's reason)."""
+    caller's reason).
+
+    `link` (the caller's nats-py connection): a try during which the caller's own connection was down (or came back)
+    is not the node's silence: its request or the answer waited in no one's hands. It is not counted: the call waits
+    for the connection (up to `link_wait_s`) and starts its tries again (a 7 s NATS restart failed the dc_manager's
+    freeze, and an incident that would have been taken over by its warm standby went to a cold start; probe of
+    2026-12-07)."""
     t0 = time.monotonic()
     i = 0
     while True:
+        seen = None if link is None else link.stats["reconnects"]
         try:
             return await call()
         except (CommandTimeout, Unavailable):
+            if link is not None and (not link.is_connected or link.stats["reconnects"] != seen):
+                await _connected(link, link_wait_s)
+                t0, i = time.monotonic(), 0
+                if before_retry is not None:
+                    await before_retry()
+                continue
             pause = min(backoff_s * (2**i), 1.0)
             left = window_s - (time.monotonic() - t0)
             if i >= attempts - 1 and left <= pause:
@@ -78,6 +91,15 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
             i += 1
             if before_retry is not None:
                 await before_retry()
+
+
+async def _connected(nc: Any, within_s: float) -> None:
+    """Until `nc` is connected again; raises CommandTimeout past `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not nc.is_connected:
+        if time.monotonic() > deadline:
+            raise CommandTimeout(f"the bus connection did not come back in {within_s:g}s")
+        await asyncio.sleep(0.05)
 
 
 class Commands:
