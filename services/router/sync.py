@@ -16,8 +16,10 @@ engine's death kept the controller's delete from landing for ~10 s past the grac
 engine again and dropped the standby its requests were promised to, and every stream failed; probe of 2026-12-07):
 1. An endpoint removed by an event (a death, not a `live` removal) is not added back by a record that is the one the
    router last read before the removal (its mod revision no newer: `Level.revisions`); a newer write of it is.
-2. A promised successor stays while its predecessor's record is still in etcd (its incident has not ended there:
-   the route-in deletes that record, a failed end too), up to `recovery_hold_s` from the promise.
+2. A successor, promised or routed in by an event, stays while its predecessor's record is still in etcd (the
+   route-in, which writes the successor's record, deletes that one, and so does a failed end: etcd has not caught
+   up with either), up to `recovery_hold_s` from the event (a successor routed in while etcd was stopped was removed
+   as "gone from etcd" and its streams failed: the controller's put had not landed, its next term came 15 s later).
 
 Reconcile changes only what differs: an endpoint in both keeps its in-flight count and suspect mark (no
 in-flight stream is touched); one gone from etcd is removed exactly as `endpoint.removed` would remove it
@@ -172,6 +174,7 @@ class EndpointFeed:
         self.last_event: dict[Key, float] = {}
         self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
         self.promised_at: dict[str, float] = {}  # a removed engine -> when its successor was promised (clock)
+        self.routed_in: dict[Key, tuple[str, float]] = {}  # a successor added by an event -> (predecessor, clock)
         self.seen_revision: dict[Key, int] = {}  # each endpoint's record as the last read saw it (rule 1)
         self.removed_at_revision: dict[Key, int] = {}  # removed by an event: the record it superseded (rule 1)
         self.lingering: dict[str, tuple[str, float]] = {}  # a sound engine removed (`live`) -> (model, clock)
@@ -204,6 +207,7 @@ class EndpointFeed:
             log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
             self.removed_at_revision.pop((ev.model, ev.engine_id), None)  # routed to again: its record is news
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
+                self.routed_in[(ev.model, ev.engine_id)] = (ev.predecessor_id, now)
                 self.last_event[(ev.model, ev.predecessor_id)] = now
                 self._superseded((ev.model, ev.predecessor_id))
                 self._gone(ev.model, ev.predecessor_id)
@@ -356,6 +360,10 @@ class EndpointFeed:
                                 if t >= started - self.recovery_hold_s and pred in self.promised}
             standing = {key for pred, key in self.promised.items()
                         if pred in self.promised_at and (key[0], pred) in recorded}
+            self.routed_in = {key: (pred, t) for key, (pred, t) in self.routed_in.items()
+                              if t >= started - self.recovery_hold_s and key not in recorded
+                              and (key[0], pred) in recorded}  # the route-in not in etcd yet
+            standing |= set(self.routed_in)
             p.remove = [key for key in p.remove if key not in standing]
             self._seen(level)
             for model, engine_id, url in p.add:

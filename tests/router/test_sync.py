@@ -304,3 +304,29 @@ async def test_a_promise_outlives_the_grace_while_its_predecessor_is_recorded_up
     clock.now += 40  # past the hold: no word of the incident's end, etcd's level wins
     assert await feed.reconcile(level_reader(level({"dead": 4}, dead="http://d")), "periodic")
     assert table.models.get("m") is None or "sb" not in table.models["m"].endpoints
+
+
+async def test_a_successor_routed_in_while_etcd_was_away_stays_until_etcd_catches_up() -> None:
+    """etcd stopped just after the kill: the takeover ended and its route-in event came, but the controller's put of
+    the successor (and delete of the dead engine) never landed; its next term came 15 s after etcd was back. The
+    reconcile took the successor for "gone from etcd" and its streams failed (probe of 2026-12-07)."""
+    feed, table, relay, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(level({"dead": 5}, dead="http://d"))
+    feed.apply(EndpointRemoved(model="m", engine_id="dead", reason="sigkill"))
+    feed.apply(EndpointAdded(model="m", engine_id="sb", url="http://sb", predecessor_id="dead"))
+    stream = relay.inflight.add("sb")
+    clock.now += 20
+    assert await feed.reconcile(level_reader(level({"dead": 5}, dead="http://d")), "periodic")  # stale
+    assert set(table.models["m"].endpoints) == {"sb"} and not stream.is_set()
+    clock.now += 20
+    assert await feed.reconcile(level_reader(level({"sb": 8}, sb="http://sb")), "periodic")  # caught up
+    assert set(table.models["m"].endpoints) == {"sb"} and feed.routed_in == {}
+
+
+async def test_a_successor_etcd_lacks_with_its_predecessor_gone_too_is_removed_after_the_grace() -> None:
+    feed, table, relay, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(level({"dead": 5}, dead="http://d"))
+    feed.apply(EndpointAdded(model="m", engine_id="sb", url="http://sb", predecessor_id="dead"))
+    clock.now += 20  # the route-in landed and the successor was removed since, its event missed
+    assert await feed.reconcile(level_reader(level({})), "periodic")
+    assert table.models.get("m") is None or "sb" not in table.models["m"].endpoints
