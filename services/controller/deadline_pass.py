@@ -28,7 +28,14 @@ from services.controller import engine_probe
 from services.controller.bus_outages import BusOutages
 from services.controller.endings import IncidentEnds
 from services.controller.engine_stops import EngineStops
-from services.controller.incident import WAITING, IncidentState, Trigger, incident_id_for
+from services.controller.incident import (
+    WAITING,
+    Deadlines,
+    IncidentRecord,
+    IncidentState,
+    Trigger,
+    incident_id_for,
+)
 from services.controller.incident_locks import IncidentLocks
 from services.controller.intake import cold_ready
 from services.controller.lost_nodes import LIVE_STATES, LostNodes, lost_fault
@@ -56,8 +63,9 @@ class DeadlinePass:
                  ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None, *,
                  lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller",
                  writer: BatchWriter | None = None, stops: EngineStops | None = None,
-                 connected: Callable[[], bool] | None = None) -> None:
+                 connected: Callable[[], bool] | None = None, deadlines: Deadlines | None = None) -> None:
         self.steps = steps
+        self.deadlines = deadlines or Deadlines()  # each state's budget: when its step began (its deadline less it)
         self.connected = connected  # this controller's bus connection is up (None: always)
         self.outages = BusOutages()  # a step's deadline counts only the time the bus was up (bus_outages.py)
         self.writer = writer  # the term's fenced writer: a lost engine replaced is recorded failed through it
@@ -93,7 +101,7 @@ class DeadlinePass:
             if rec.id in self._busy or self.locks.held(rec.id):
                 continue  # being worked on right now: nothing stalled
             if rec.state in WAITING and rec.deadline is not None and now > rec.deadline and not self.outages.down \
-                    and now - self.outages.down_within(rec.updated_at, now) > rec.deadline:
+                    and now - self.outages.down_within(self._step_began(rec), now) > rec.deadline:
                 self._background(rec.id, self.steps.move_one(Move(0, rec.id, Trigger.DEADLINE_MISSED,
                                                                   detail=f"{rec.state.value} missed its deadline")))
             elif rec.state in (S.OPENED, S.ROUTING_IN) and now - rec.updated_at > STALLED_S:
@@ -120,6 +128,12 @@ class DeadlinePass:
             for e in self.lost.returned(self.view.nodes, self.view.engines.get, self._replaced):
                 log.info("node %s is back: its engine %s, replaced while it was lost, is stopped", e.node, e.engine_id)
                 self.stops.stop(incident_id_for(e.engine_id, e.generation), e.engine_id, e.node)
+
+    def _step_began(self, rec: IncidentRecord) -> float:
+        """When the incident entered its state: its deadline less the state's budget (an update since, such as a
+        step's record landing after the bus came back, moves `updated_at` and not the step's start)."""
+        limit = self.deadlines.for_state(rec.state)
+        return rec.updated_at if limit is None or rec.deadline is None else rec.deadline - limit
 
     def _replaced(self, e: EngineInfo) -> bool:
         return self.view.replaced_generation.get(e.engine_id, -1) >= e.generation

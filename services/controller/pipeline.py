@@ -113,7 +113,7 @@ class IncidentDriver:
                                           lost=LostNodes(settings.node_lost_s),
                                           probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance,
                                           writer=self.writer, stops=self.stops,
-                                          connected=lambda: bool(bus.nc.is_connected))
+                                          connected=lambda: bool(bus.nc.is_connected), deadlines=self.deadlines)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 

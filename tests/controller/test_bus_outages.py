@@ -58,6 +58,7 @@ async def test_a_freezes_deadline_is_pushed_by_the_time_the_bus_was_down() -> No
         dp.tick(t)
     up[0] = True
     dp.tick(108.0)
+    open_.put(open_.get("inc-1").model_copy(update={"updated_at": 108.1}))  # a step's record landed after it
     dp.tick(111.0)  # 11 s since its step began, 7 of them without a bus: 4 s of its 5 s budget
     await asyncio.sleep(0)
     assert steps.missed == []
