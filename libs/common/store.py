@@ -251,6 +251,14 @@ class Store:
                 log.info("etcd read failed (%s): trying again", e)
                 await asyncio.sleep(0.1)
 
+    async def answers(self, within_s: float) -> bool:
+        """Whether etcd answers one read within `within_s` (once: no retries, no log line)."""
+        try:
+            await asyncio.wait_for(self.client.get(self.full("leader/")), within_s)
+            return True
+        except Exception:  # noqa: BLE001 - unreachable, stalled or refusing: not answering
+            return False
+
     async def get(self, key: str) -> bytes | None:
         r = await self._read(self.client.get, self.full(key))
         return None if r is None else r.value
