@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from libs.common.etcd_batch import BatchWriter
@@ -46,6 +46,8 @@ from services.controller.view import ClusterView
 log = logging.getLogger("holdfast.controller.deadlines")
 S = IncidentState
 STALLED_S = 1.0  # opened or routing_in for this long with nobody working on it: resumed
+PING_EVERY_S = 0.2  # the bus asked this often whether it answers (a PING: the server's PONG)
+PING_TIMEOUT_S = 0.5  # a PONG later than this is no answer
 
 
 class Steps(Protocol):
@@ -63,10 +65,12 @@ class DeadlinePass:
                  ends: IncidentEnds, tick_s: float, holds: Callable[[], bool] | None = None, *,
                  lost: LostNodes | None = None, probe_timeout_s: float = 2.0, source: str = "controller",
                  writer: BatchWriter | None = None, stops: EngineStops | None = None,
-                 connected: Callable[[], bool] | None = None, deadlines: Deadlines | None = None) -> None:
+                 bus_ping: Callable[[], Awaitable[None]] | None = None,
+                 deadlines: Deadlines | None = None) -> None:
         self.steps = steps
         self.deadlines = deadlines or Deadlines()  # each state's budget: when its step began (its deadline less it)
-        self.connected = connected  # this controller's bus connection is up (None: always)
+        self.bus_ping = bus_ping  # a PING answered by this controller's NATS server (None: the bus always answers)
+        self.answered_at = time.time()  # its last PONG
         self.outages = BusOutages()  # a step's deadline counts only the time the bus was up (bus_outages.py)
         self.writer = writer  # the term's fenced writer: a lost engine replaced is recorded failed through it
         self.stops = stops  # and stopped through these once its node is back (lost_nodes.py invariant 5)
@@ -84,12 +88,23 @@ class DeadlinePass:
         self._settling: asyncio.Task[None] | None = None  # the read-back of doubtful ends
 
     async def run(self) -> None:
+        if self.bus_ping is not None:
+            self._spawn(self._ping_bus(self.bus_ping), "deadlines:bus-ping")
         while True:
             await asyncio.sleep(self.tick_s)
             self.tick(time.time())
 
+    async def _ping_bus(self, ping: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await ping()
+                self.answered_at = time.time()
+            except Exception:  # noqa: BLE001 - no PONG (disconnected, the server stalled): the outage counts
+                pass
+            await asyncio.sleep(PING_EVERY_S)
+
     def tick(self, now: float) -> None:
-        self.outages.observe(now, self.connected is None or self.connected())
+        self.outages.observe(now, now if self.bus_ping is None else self.answered_at)
         if self.holds is not None and not self.holds():
             # Not known to lead at this moment (resumed from a stop past the lease, etcd unreachable): a deadline
             # found missed in this table may be one a successor has long dealt with. Acted on once confirmed.

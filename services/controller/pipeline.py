@@ -45,7 +45,7 @@ from libs.common.errors import Unavailable
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EngineReady, EngineStopped, Envelope
 from libs.common.store import Store
-from services.controller.deadline_pass import DeadlinePass
+from services.controller.deadline_pass import PING_TIMEOUT_S, DeadlinePass
 from services.controller.endings import IncidentEnds
 from services.controller.engine_routes import EngineRoutes
 from services.controller.engine_stops import EngineStops
@@ -65,6 +65,16 @@ from services.controller.view import ClusterView
 log = logging.getLogger("holdfast.controller.pipeline")
 S = IncidentState
 
+
+
+async def bus_answers(nc: Any, within_s: float = 1.0) -> None:
+    """A PING answered by the server over a connection that is up (nats-py's flush returns at once, PONG or not,
+    while its read loop is down for a reconnect); raises otherwise."""
+    if not nc.is_connected:
+        raise ConnectionError("the bus is not connected")
+    await nc.flush(timeout=within_s)
+    if not nc.is_connected:
+        raise ConnectionError("the bus is not connected")
 
 class Tenure(Protocol):
     """The term's lease as the driver asks about it (`LeaderElection`): does this process still lead right now."""
@@ -113,7 +123,8 @@ class IncidentDriver:
                                           lost=LostNodes(settings.node_lost_s),
                                           probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance,
                                           writer=self.writer, stops=self.stops,
-                                          connected=lambda: bool(bus.nc.is_connected), deadlines=self.deadlines)
+                                          bus_ping=lambda: bus_answers(bus.nc, PING_TIMEOUT_S),
+                                          deadlines=self.deadlines)
 
     # ------------------------------------------------------------ lifecycle (leader only)
 

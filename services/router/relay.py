@@ -108,6 +108,7 @@ class RouterLate(EngineBusy):
 
 
 STARVED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+REACH_CHECK_S = 0.5  # the off-loop connect's bound (reach.py)
 
 
 def _starved(e: BaseException) -> str | None:
@@ -258,7 +259,9 @@ class Relay:
         self.resumes = ResumeBatcher(client, window_s=settings.resume_batch_s,
                                      timeout=httpx.Timeout(settings.token_timeout_s, connect=settings.connect_timeout_s))
         self._enough: set[str] = set()  # request ids whose caller has all it wants (see `enough`)
-        self.reach = Reach(settings.connect_timeout_s)  # a timed-out connect asked again off the loop (reach.py)
+        # a timed-out connect asked again off the loop (reach.py), briefly: an engine that accepts does so in
+        # milliseconds, and a dead one is not to wait twice the connect timeout before it is suspect
+        self.reach = Reach(min(settings.connect_timeout_s, REACH_CHECK_S))
 
     def enough(self, request_id: str) -> None:
         """The caller has all it wants of this request (a stop string matched) and closes its `run` next:

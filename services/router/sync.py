@@ -16,10 +16,12 @@ engine's death kept the controller's delete from landing for ~10 s past the grac
 engine again and dropped the standby its requests were promised to, and every stream failed; probe of 2026-12-07):
 1. An endpoint removed by an event (a death, not a `live` removal) is not added back by a record that is the one the
    router last read before the removal (its mod revision no newer: `Level.revisions`); a newer write of it is.
-2. A successor, promised or routed in by an event, stays while its predecessor's record is still in etcd (the
-   route-in, which writes the successor's record, deletes that one, and so does a failed end: etcd has not caught
-   up with either), up to `recovery_hold_s` from the event (a successor routed in while etcd was stopped was removed
-   as "gone from etcd" and its streams failed: the controller's put had not landed, its next term came 15 s later).
+2. A successor routed in by an event (`endpoint.added` naming its predecessor) stays until a read has shown its
+   record, an event removes it, or `recovery_hold_s` has passed: one routed in while etcd was stopped was removed as
+   "gone from etcd" and its streams failed (the controller's put had not landed; its next term came 15 s later).
+   A promised one stays while its predecessor's record is still in etcd (the route-out's delete has not landed:
+   etcd has not caught up with the failure at all), up to `recovery_hold_s`; an incident's end without a successor
+   (`endpoint.unrecovered`) withdraws the promise.
 
 Reconcile changes only what differs: an endpoint in both keeps its in-flight count and suspect mark (no
 in-flight stream is touched); one gone from etcd is removed exactly as `endpoint.removed` would remove it
@@ -174,7 +176,7 @@ class EndpointFeed:
         self.last_event: dict[Key, float] = {}
         self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
         self.promised_at: dict[str, float] = {}  # a removed engine -> when its successor was promised (clock)
-        self.routed_in: dict[Key, tuple[str, float]] = {}  # a successor added by an event -> (predecessor, clock)
+        self.routed_in: dict[Key, float] = {}  # a successor added by an event, no read has shown yet -> clock
         self.seen_revision: dict[Key, int] = {}  # each endpoint's record as the last read saw it (rule 1)
         self.removed_at_revision: dict[Key, int] = {}  # removed by an event: the record it superseded (rule 1)
         self.lingering: dict[str, tuple[str, float]] = {}  # a sound engine removed (`live`) -> (model, clock)
@@ -207,7 +209,7 @@ class EndpointFeed:
             log.info("endpoint added: %s %s %s (predecessor %s)", ev.model, ev.engine_id, ev.url, ev.predecessor_id)
             self.removed_at_revision.pop((ev.model, ev.engine_id), None)  # routed to again: its record is news
             if ev.predecessor_id and ev.predecessor_id != ev.engine_id:
-                self.routed_in[(ev.model, ev.engine_id)] = (ev.predecessor_id, now)
+                self.routed_in[(ev.model, ev.engine_id)] = now
                 self.last_event[(ev.model, ev.predecessor_id)] = now
                 self._superseded((ev.model, ev.predecessor_id))
                 self._gone(ev.model, ev.predecessor_id)
@@ -220,6 +222,7 @@ class EndpointFeed:
                     self._gone(*promise)
         elif isinstance(ev, EndpointRemoved):
             log.info("endpoint removed: %s %s (%s)", ev.model, ev.engine_id, ev.reason)
+            self.routed_in.pop((ev.model, ev.engine_id), None)
             self._forget_standbys(ev.model, ev.engine_id, ev.url)
             self.last_event[(ev.model, ev.engine_id)] = now
             if ev.recovery and ev.incident_id:  # before the cut: its streams' replays wait for the successor
@@ -247,6 +250,12 @@ class EndpointFeed:
             self.ended[ev.incident_id] = now
             if ev.engine_id in self.lingering:
                 self._gone(ev.model, ev.engine_id)
+            promise = self.promised.pop(ev.engine_id, None)  # no successor came: the standby promised serves nothing
+            self.promised_at.pop(ev.engine_id, None)
+            ep = None if promise is None else self.table.find(promise[1])
+            if promise is not None and ep is not None and ep.promised:
+                self.last_event[promise] = now
+                self._gone(*promise)
 
     def _forget_standbys(self, model: str, engine_id: str, url: str | None) -> None:
         """An engine removed: its standby is not kept for it any more (the standby, promised, is an endpoint of its
@@ -360,9 +369,8 @@ class EndpointFeed:
                                 if t >= started - self.recovery_hold_s and pred in self.promised}
             standing = {key for pred, key in self.promised.items()
                         if pred in self.promised_at and (key[0], pred) in recorded}
-            self.routed_in = {key: (pred, t) for key, (pred, t) in self.routed_in.items()
-                              if t >= started - self.recovery_hold_s and key not in recorded
-                              and (key[0], pred) in recorded}  # the route-in not in etcd yet
+            self.routed_in = {key: t for key, t in self.routed_in.items()
+                              if t >= started - self.recovery_hold_s and key not in recorded}
             standing |= set(self.routed_in)
             p.remove = [key for key in p.remove if key not in standing]
             self._seen(level)

@@ -323,10 +323,28 @@ async def test_a_successor_routed_in_while_etcd_was_away_stays_until_etcd_catche
     assert set(table.models["m"].endpoints) == {"sb"} and feed.routed_in == {}
 
 
-async def test_a_successor_etcd_lacks_with_its_predecessor_gone_too_is_removed_after_the_grace() -> None:
+async def test_a_routed_in_successor_is_kept_though_the_route_outs_delete_landed_and_left_once_etcd_showed_it() -> None:
     feed, table, relay, clock = make_feed(grace_s=5.0)
     feed.load_snapshot(level({"dead": 5}, dead="http://d"))
+    feed.apply(EndpointRemoved(model="m", engine_id="dead", reason="sigkill"))
     feed.apply(EndpointAdded(model="m", engine_id="sb", url="http://sb", predecessor_id="dead"))
-    clock.now += 20  # the route-in landed and the successor was removed since, its event missed
+    clock.now += 20  # the route-out's delete landed, then etcd stopped before the successor's put
     assert await feed.reconcile(level_reader(level({})), "periodic")
+    assert set(table.models["m"].endpoints) == {"sb"}
+    clock.now += 20
+    assert await feed.reconcile(level_reader(level({"sb": 9}, sb="http://sb")), "periodic")  # shown: plain now
+    clock.now += 20  # removed since, its event missed: etcd's word
+    assert await feed.reconcile(level_reader(level({})), "periodic")
+    assert table.models.get("m") is None or "sb" not in table.models["m"].endpoints
+
+
+async def test_an_incidents_end_without_a_successor_withdraws_its_promise() -> None:
+    """The standby promised would never serve; with etcd stale it kept the model's requests, each answered 503 by it
+    after its hold, for up to `recovery_hold_s` (review of 2026-12-07)."""
+    feed, table, relay, clock = make_feed(grace_s=5.0)
+    feed.load_snapshot(level({"dead": 5}, dead="http://d"))
+    feed.apply(removed_with_successor("dead", "sb", "http://sb"))
+    stream = relay.inflight.add("sb")
+    feed.apply(EndpointNotRecovered(model="m", engine_id="dead", incident_id="inc-1", reason="no room"))
+    assert stream.is_set() and feed.promised == {}
     assert table.models.get("m") is None or "sb" not in table.models["m"].endpoints

@@ -71,15 +71,16 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
     freeze, and an incident that would have been taken over by its warm standby went to a cold start; probe of
     2026-12-07)."""
     t0 = time.monotonic()
-    i = 0
+    i = restarts = 0
     while True:
         seen = None if link is None else link.stats["reconnects"]
         try:
             return await call()
         except (CommandTimeout, Unavailable):
-            if link is not None and (not link.is_connected or link.stats["reconnects"] != seen):
+            if link is not None and not link.is_closed and restarts < LINK_RESTARTS \
+                    and (not link.is_connected or link.stats["reconnects"] != seen):
                 await _connected(link, link_wait_s)
-                t0, i = time.monotonic(), 0
+                t0, i, restarts = time.monotonic(), 0, restarts + 1
                 if before_retry is not None:
                     await before_retry()
                 continue
@@ -93,11 +94,14 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
                 await before_retry()
 
 
+LINK_RESTARTS = 5  # a connection that keeps flapping restarts a call's tries at most this often
+
+
 async def _connected(nc: Any, within_s: float) -> None:
     """Until `nc` is connected again; raises CommandTimeout past `within_s`."""
     deadline = time.monotonic() + within_s
     while not nc.is_connected:
-        if time.monotonic() > deadline:
+        if nc.is_closed or time.monotonic() > deadline:
             raise CommandTimeout(f"the bus connection did not come back in {within_s:g}s")
         await asyncio.sleep(0.05)
 
