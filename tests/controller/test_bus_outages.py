@@ -126,6 +126,12 @@ async def test_a_stopped_nats_server_does_not_answer_the_controllers_ping(
         finally:
             os.kill(child.pid, signal.SIGCONT)
         await answers_again(bus)
+        # the late PONG of the PING that timed out did not end the connection's read loop (nats-py's flush leaves
+        # its cancelled future queued: InvalidStateError there, and every later request timed out)
+        reconnects = bus.nc.stats["reconnects"]
+        sub = await bus.nc.subscribe(f"{bus.prefix}.after-stall")
+        await bus.nc.publish(f"{bus.prefix}.after-stall", b"read")
+        assert (await sub.next_msg(timeout=5)).data == b"read" and bus.nc.stats["reconnects"] == reconnects
     finally:
         await bus.close()
         child.stop()

@@ -95,6 +95,18 @@ class Connection(security.RenewingNATS):
         self.inline: dict[int, Callable[[Msg], None]] = {}  # by subscription id
         self.on_reconnect: list[Callable[[], None]] = []  # called once connected again (durable.py: ask again)
 
+    async def _process_pong(self) -> None:
+        # nats-py's flush cancels its PING's future when the PONG is late and leaves it queued: the late PONG's
+        # set_result raised InvalidStateError inside the read loop, which ended it for good (no reconnect: every
+        # later publish and request timed out; a controller's bus PING during a 7 s server stall, probe of
+        # 2026-12-07). A PONG answers the oldest PING; one nobody waits for any more is dropped.
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
     async def _connect_to_server(self, s: Any) -> None:
         # TCP connected, before the TLS handshake and the CONNECT: ours from here on (JoinedWrites.take_over)
         await super()._connect_to_server(s)
