@@ -83,3 +83,42 @@ async def test_tries_made_while_the_callers_own_bus_was_down_are_not_counted(
         await caller.close()
         await service.close()
         child.stop()
+
+
+async def test_tries_made_while_the_callers_server_was_stalled_are_not_counted(
+        settings: CommonSettings, nats_conf, tmp_path) -> None:  # noqa: ANN001
+    """A stalled server (SIGSTOP, a frozen host) keeps the connection open and nats-py "connected": the dc_manager's
+    freeze went unanswered three times, its incident went to a fallback and failed while the standby served (probe
+    of 2026-12-07). The caller's own server is stopped as the command is sent and resumed 3 s later."""
+    import os
+    import signal
+
+    from libs.common import procs
+
+    port = procs.free_port()
+    child = procs.nats_server(port, tmp_path / "nats", tmp_path / "nats.log", config=nats_conf).start()
+    procs.wait_port(port, child)
+    own = settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{port}"})
+    node = "node-1"
+    caller = await Bus.connect(own, "test", stream=False)
+    service = await Bus.connect(own.model_copy(update={"node": node}), f"gpu_manager:{node}", stream=False)
+
+    async def thaw(cmd: Thaw) -> ThawReply:
+        return ThawReply(lease_ids=[cmd.incident_id])
+
+    await service.serve(node, Thaw, thaw)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        resumed = asyncio.get_running_loop().call_later(3.0, os.kill, child.pid, signal.SIGCONT)
+        try:
+            reply = await retried_unanswered(
+                lambda: caller.request(node, Thaw(incident_id="inc-3"), ThawReply, timeout=0.5), 3, 0.1,
+                window_s=1.0, link=caller.nc)
+        finally:
+            resumed.cancel()
+            os.kill(child.pid, signal.SIGCONT)
+        assert reply.lease_ids == ["inc-3"]
+    finally:
+        await caller.close()
+        await service.close()
+        child.stop()

@@ -65,11 +65,12 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
     the last unanswered try's error is raised. `before_retry`, awaited after each wait, may raise to give up (the
     caller's reason).
 
-    `link` (the caller's nats-py connection): a try during which the caller's own connection was down (or came back)
-    is not the node's silence: its request or the answer waited in no one's hands. It is not counted: the call waits
-    for the connection (up to `link_wait_s`) and starts its tries again (a 7 s NATS restart failed the dc_manager's
-    freeze, and an incident that would have been taken over by its warm standby went to a cold start; probe of
-    2026-12-07)."""
+    `link` (the caller's nats-py connection): a try during which the caller's own connection was down (or came back),
+    or after which its server does not answer a PING (a stalled server keeps the connection open and nats-py
+    "connected"), is not the node's silence: its request or the answer waited in no one's hands. It is not counted:
+    the call waits for the connection to answer again (up to `link_wait_s`) and starts its tries again (a 7 s NATS
+    restart or stall failed the dc_manager's freeze, and an incident that its warm standby was taking over went to a
+    cold start, or failed while the standby served; probe of 2026-12-07)."""
     t0 = time.monotonic()
     i = restarts = 0
     while True:
@@ -78,7 +79,7 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
             return await call()
         except (CommandTimeout, Unavailable):
             if link is not None and not link.is_closed and restarts < LINK_RESTARTS \
-                    and (not link.is_connected or link.stats["reconnects"] != seen):
+                    and (link.stats["reconnects"] != seen or not await _answers(link)):
                 await _connected(link, link_wait_s)
                 t0, i, restarts = time.monotonic(), 0, restarts + 1
                 if before_retry is not None:
@@ -95,12 +96,25 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
 
 
 LINK_RESTARTS = 5  # a connection that keeps flapping restarts a call's tries at most this often
+LINK_PING_S = 0.5  # a PONG later than this: the caller's own server does not answer
+
+
+async def _answers(nc: Any, within_s: float = LINK_PING_S) -> bool:
+    """Whether `nc`'s server answers a PING over a connection that is up (nats-py's flush returns at once, PONG or
+    not, while its read loop is down for a reconnect)."""
+    if not nc.is_connected:
+        return False
+    try:
+        await nc.flush(timeout=within_s)
+    except Exception:  # noqa: BLE001 - no PONG in time, or the connection went meanwhile
+        return False
+    return bool(nc.is_connected)
 
 
 async def _connected(nc: Any, within_s: float) -> None:
-    """Until `nc` is connected again; raises CommandTimeout past `within_s`."""
+    """Until `nc`'s server answers again; raises CommandTimeout past `within_s`."""
     deadline = time.monotonic() + within_s
-    while not nc.is_connected:
+    while not await _answers(nc):
         if nc.is_closed or time.monotonic() > deadline:
             raise CommandTimeout(f"the bus connection did not come back in {within_s:g}s")
         await asyncio.sleep(0.05)
