@@ -99,3 +99,27 @@ def flood(port: int | str, n: int, path: str, body: dict[str, Any], key: str = "
     out = subprocess.run([sys.executable, "-c", FLOOD, str(port), str(n), path, json.dumps(body), key],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return list(json.loads(out))
+
+
+class OwnNats:
+    """A nats-server of a test's own (the session's config: TLS, nkeys), on one port for its whole life, so that the
+    test may stop, stall (SIGSTOP) or restart it under connections that reconnect to the same address."""
+
+    def __init__(self, tmp_path: Any, nats_conf: Any) -> None:
+        from libs.common import procs
+
+        self.port = procs.free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._args = (tmp_path / "nats", tmp_path / "nats.log")
+        self._conf = nats_conf
+        self.child = self.start()
+
+    def start(self) -> Any:
+        from libs.common import procs
+
+        self.child = procs.nats_server(self.port, *self._args, config=self._conf).start()
+        procs.wait_port(self.port, self.child)
+        return self.child
+
+    def stop(self) -> None:
+        self.child.stop()

@@ -13,9 +13,9 @@ from urllib.parse import urlsplit
 import pytest
 from nats.aio.msg import Msg
 
-from libs.common import procs
 from libs.common.bus import Bus
 from libs.common.config import CommonSettings
+from tests.support import OwnNats
 
 
 async def tls_writes_for(bus: Bus, count: int, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -59,18 +59,11 @@ async def test_a_flush_of_many_publishes_goes_out_in_a_few_tls_records(bus: Bus,
 
 async def test_a_reconnected_bus_still_joins_its_writes(settings: CommonSettings, nats_conf: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    port = procs.free_port()
-
-    def server() -> procs.Child:
-        child = procs.nats_server(port, tmp_path / "nats", tmp_path / "nats.log", config=nats_conf).start()
-        procs.wait_port(port, child)
-        return child
-
-    child = server()
-    bus = await Bus.connect(settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{port}"}), "test")
+    server = OwnNats(tmp_path, nats_conf)
+    bus = await Bus.connect(settings.model_copy(update={"nats_url": server.url}), "test")
     try:
-        child.stop()
-        child = server()
+        server.stop()
+        server.start()
         deadline = asyncio.get_running_loop().time() + 15
         while not bus.nc.is_connected or bus.nc.stats["reconnects"] == 0:
             assert asyncio.get_running_loop().time() < deadline, "no reconnect"
@@ -78,7 +71,7 @@ async def test_a_reconnected_bus_still_joins_its_writes(settings: CommonSettings
         assert await tls_writes_for(bus, 500, monkeypatch) <= 20
     finally:
         await bus.close()
-        child.stop()
+        server.stop()
 
 
 async def test_a_tls_handshake_reset_by_the_server_is_tried_again_not_waited_on_forever(settings: CommonSettings) -> None:

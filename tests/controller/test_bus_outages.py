@@ -103,19 +103,13 @@ async def test_a_stopped_nats_server_does_not_answer_the_controllers_ping(
 
     import pytest
 
-    from libs.common import procs
     from libs.common.bus import Bus
     from services.controller.pipeline import bus_answers
+    from tests.support import OwnNats
 
-    port = procs.free_port()
-
-    def server() -> procs.Child:
-        child = procs.nats_server(port, tmp_path / "nats", tmp_path / "nats.log", config=nats_conf).start()
-        procs.wait_port(port, child)
-        return child
-
-    child = server()
-    bus = await Bus.connect(settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{port}"}), "test", stream=False)
+    server = OwnNats(tmp_path, nats_conf)
+    child = server.child
+    bus = await Bus.connect(settings.model_copy(update={"nats_url": server.url}), "test", stream=False)
     try:
         await bus_answers(bus.nc)
         os.kill(child.pid, signal.SIGSTOP)
