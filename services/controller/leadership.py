@@ -29,6 +29,9 @@ log = logging.getLogger("holdfast.controller.leadership")
 
 STEP_DOWN_DEADLINE_S = 10.0  # the old term's tasks and queued writes get this long to end
 STABLE_TERM_S = 60.0  # a term that lasted this long resets the backoff
+LEASE_LOST = "election lease expired"
+FENCED = ("a written-behind record could not be kept (a fenced write found another term's leader key, or etcd "
+          "refused or did not answer the write)")
 
 
 class Term(Protocol):
@@ -51,10 +54,9 @@ async def _until_over(election: LeaderElection, term: Term, tasks: dict[str, asy
         lease.cancel()
         fence.cancel()
     if lease in done:
-        return "election lease expired"
+        return LEASE_LOST
     if fence in done:
-        return "a written-behind record could not be kept (a fenced write found another term's leader key, or etcd " \
-               "refused or did not answer the write)"
+        return FENCED
     task = next(iter(done))
     exc = task.exception()
     if isinstance(exc, InvariantBroken):
@@ -99,7 +101,10 @@ async def lead_forever(election: LeaderElection, begin: Callable[[], Awaitable[T
             on_change(False)
             await _stop(term, tasks)
             await _resign(election)
-        if time.monotonic() - started >= STABLE_TERM_S:
+        if time.monotonic() - started >= STABLE_TERM_S or why in (LEASE_LOST, FENCED):
+            # a term lost to etcd (its lease, a fenced write) is no fault of this process's to back off from: the
+            # campaign waits on etcd itself (repeated etcd stalls 25 s apart had grown the pause to 15 s, the
+            # next term starting 15 s after etcd answered; probe of 2026-12-07)
             backoff.reset()
         delay = backoff.next_delay()
         log.error("controller leadership lost (%s): stepping down; campaigning again in %.1f s", why, delay)
