@@ -122,6 +122,10 @@ class Level:
     kvs: dict[str, bytes]
     revisions: dict[str, int] = field(default_factory=dict)
 
+    def revision(self, key: Key) -> int | None:
+        """The mod revision of endpoint `key`'s record, where the reader gave it."""
+        return self.revisions.get(f"endpoints/{key[0]}/{key[1]}")
+
 
 def as_level(read: dict[str, bytes] | Level) -> Level:
     return read if isinstance(read, Level) else Level(read)
@@ -174,8 +178,8 @@ class EndpointFeed:
         self.ready = False
         self.stats = SyncStats()
         self.last_event: dict[Key, float] = {}
-        self.promised: dict[str, Key] = {}  # a removed engine -> its likely successor, added early (`_promise`)
-        self.promised_at: dict[str, float] = {}  # a removed engine -> when its successor was promised (clock)
+        # a removed engine -> its likely successor, added early (`_promise`), and when (clock)
+        self.promised: dict[str, tuple[Key, float]] = {}
         self.routed_in: dict[Key, float] = {}  # a successor added by an event, no read has shown yet -> clock
         self.seen_revision: dict[Key, int] = {}  # each endpoint's record as the last read saw it (rule 1)
         self.removed_at_revision: dict[Key, int] = {}  # removed by an event: the record it superseded (rule 1)
@@ -213,8 +217,7 @@ class EndpointFeed:
                 self.last_event[(ev.model, ev.predecessor_id)] = now
                 self._superseded((ev.model, ev.predecessor_id))
                 self._gone(ev.model, ev.predecessor_id)
-                self.promised_at.pop(ev.predecessor_id, None)
-                promise = self.promised.pop(ev.predecessor_id, None)
+                promise = self._unpromise(ev.predecessor_id)
                 if promise is not None and promise[1] != ev.engine_id:  # another successor: the promise is void
                     log.info("endpoint %s was promised for %s, %s took over: its requests resume there",
                              promise[1], ev.predecessor_id, ev.engine_id)
@@ -250,8 +253,7 @@ class EndpointFeed:
             self.ended[ev.incident_id] = now
             if ev.engine_id in self.lingering:
                 self._gone(ev.model, ev.engine_id)
-            promise = self.promised.pop(ev.engine_id, None)  # no successor came: the standby promised serves nothing
-            self.promised_at.pop(ev.engine_id, None)
+            promise = self._unpromise(ev.engine_id)  # no successor came: the standby promised serves nothing
             ep = None if promise is None else self.table.find(promise[1])
             if promise is not None and ep is not None and ep.promised:
                 self.last_event[promise] = now
@@ -281,10 +283,14 @@ class EndpointFeed:
         key = (ev.model, ev.successor_id)
         self.last_event[key] = now
         self.table.add(ev.model, ev.successor_id, ev.successor_url, promised=True)
-        self.promised[ev.engine_id] = key
-        self.promised_at[ev.engine_id] = now
+        self.promised[ev.engine_id] = (key, now)
         self.relay.route_ins.promised(ev.successor_id, published)
         log.info("endpoint promised: %s %s %s (for %s)", ev.model, ev.successor_id, ev.successor_url, ev.engine_id)
+
+    def _unpromise(self, predecessor: str) -> Key | None:
+        """The successor promised for `predecessor`, no longer promised for it."""
+        entry = self.promised.pop(predecessor, None)
+        return None if entry is None else entry[0]
 
     def _superseded(self, key: Key) -> None:
         """An event removed `key`'s engine: the record the router last read of it is older than that (rule 1)."""
@@ -296,19 +302,15 @@ class EndpointFeed:
         etcd, or written anew, ends its entry."""
         out = dict(desired)
         for key, removed in list(self.removed_at_revision.items()):
-            rev = level.revisions.get(f"endpoints/{key[0]}/{key[1]}")
+            rev = level.revision(key)
             if key not in desired or rev is None or rev > removed:
                 del self.removed_at_revision[key]  # gone, unknowable, or written after the removal: etcd's word
             else:
                 del out[key]
         return out
 
-    def _seen(self, level: Level) -> None:
-        self.seen_revision = {}
-        for key, rev in level.revisions.items():
-            if key.startswith("endpoints/"):
-                model, _, engine_id = key.removeprefix("endpoints/").rpartition("/")
-                self.seen_revision[(model, engine_id)] = rev
+    def _seen(self, recorded: dict[Key, str], level: Level) -> None:
+        self.seen_revision = {key: rev for key in recorded if (rev := level.revision(key)) is not None}
 
     def _gone(self, model: str, engine_id: str) -> None:
         self.table.remove(model, engine_id)
@@ -326,7 +328,7 @@ class EndpointFeed:
         endpoints = parse_endpoints(level.kvs)
         for (model, engine_id), url in endpoints.items():
             self.table.add(model, engine_id, url)
-        self._seen(level)
+        self._seen(endpoints, level)
         self._recoveries(level.kvs, "start")
         return len(endpoints)
 
@@ -365,15 +367,13 @@ class EndpointFeed:
             recorded = parse_endpoints(kvs)
             p = plan(self.current(), self._stale(recorded, level), self.last_event, started - self.grace_s)
             # rule 2: a promise stands while its predecessor's record does (its incident not ended in etcd)
-            self.promised_at = {pred: t for pred, t in self.promised_at.items()
-                                if t >= started - self.recovery_hold_s and pred in self.promised}
-            standing = {key for pred, key in self.promised.items()
-                        if pred in self.promised_at and (key[0], pred) in recorded}
+            standing = {key for pred, (key, at) in self.promised.items()
+                        if at >= started - self.recovery_hold_s and (key[0], pred) in recorded}
             self.routed_in = {key: t for key, t in self.routed_in.items()
                               if t >= started - self.recovery_hold_s and key not in recorded}
             standing |= set(self.routed_in)
             p.remove = [key for key in p.remove if key not in standing]
-            self._seen(level)
+            self._seen(recorded, level)
             for model, engine_id, url in p.add:
                 log.info("reconcile (%s): endpoint %s %s %s is in etcd: added", reason, model, engine_id, url)
                 self.table.add(model, engine_id, url)
@@ -392,7 +392,7 @@ class EndpointFeed:
             # Forget events older than any future read's horizon: the map stays as small as the churn.
             horizon = started - self.grace_s
             self.last_event = {k: t for k, t in self.last_event.items() if t >= horizon}
-            self.promised = {pred: key for pred, key in self.promised.items()
+            self.promised = {pred: (key, at) for pred, (key, at) in self.promised.items()
                              if key in self.last_event or key in standing}
             # a marker outlives its recovery's end by at most the hold (then `_recoveries` skips it by its age)
             self.ended = {inc: t for inc, t in self.ended.items() if t >= started - self.recovery_hold_s}
