@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from libs.common.bus import Bus, delivery_attempts, engines_on_their_nodes
+from libs.common.bus import Bus, delivery_attempts, engines_on_their_nodes, server_answers
 from libs.common.errors import Unavailable
 from libs.common.etcd_batch import BatchWriter
 from libs.common.events import EngineReady, EngineStopped, Envelope
@@ -66,15 +66,6 @@ log = logging.getLogger("holdfast.controller.pipeline")
 S = IncidentState
 
 
-
-async def bus_answers(nc: Any, within_s: float = 1.0) -> None:
-    """A PING answered by the server over a connection that is up (nats-py's flush returns at once, PONG or not,
-    while its read loop is down for a reconnect); raises otherwise."""
-    if not nc.is_connected:
-        raise ConnectionError("the bus is not connected")
-    await nc.flush(timeout=within_s)
-    if not nc.is_connected:
-        raise ConnectionError("the bus is not connected")
 
 class Tenure(Protocol):
     """The term's lease as the driver asks about it (`LeaderElection`): does this process still lead right now."""
@@ -123,7 +114,7 @@ class IncidentDriver:
                                           lost=LostNodes(settings.node_lost_s),
                                           probe_timeout_s=settings.node_probe_timeout_s, source=settings.instance,
                                           writer=self.writer, stops=self.stops,
-                                          bus_ping=lambda: bus_answers(bus.nc, PING_TIMEOUT_S),
+                                          bus_ping=lambda: server_answers(bus.nc, PING_TIMEOUT_S),
                                           deadlines=self.deadlines)
 
     # ------------------------------------------------------------ lifecycle (leader only)

@@ -10,7 +10,7 @@ from libs.common.bus.client import Bus
 from libs.common.bus.codec import ok_reply
 from libs.common.bus.codec import typed as _typed
 from libs.common.bus.commands import retried_unanswered
-from libs.common.bus.connection import nats_auth
+from libs.common.bus.connection import nats_auth, server_answers
 from libs.common.bus.durable import (
     MAX_DELIVER,
     BatchHandler,
@@ -25,4 +25,4 @@ from libs.common.bus.spans import spans_exported
 
 __all__ = ["MAX_DELIVER", "BatchHandler", "Bus", "EventHandler", "Vet", "Wired", "_typed", "beside",
            "delivery_attempt", "delivery_attempts", "engines_on_their_nodes", "holding", "nats_auth", "ok_reply",
-           "retried_unanswered", "spans_exported"]
+           "retried_unanswered", "server_answers", "spans_exported"]

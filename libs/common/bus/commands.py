@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from libs.common import telemetry
 from libs.common.bus import codec, frames
-from libs.common.bus.connection import Link
+from libs.common.bus.connection import Link, server_answers
 from libs.common.errors import (
     CommandTimeout,
     Expired,
@@ -79,7 +79,7 @@ async def retried_unanswered(call: Callable[[], Awaitable[T]], attempts: int, ba
             return await call()
         except (CommandTimeout, Unavailable):
             if link is not None and not link.is_closed and restarts < LINK_RESTARTS \
-                    and (link.stats["reconnects"] != seen or not await _answers(link)):
+                    and (link.stats["reconnects"] != seen or not await server_answers(link, LINK_PING_S)):
                 await _connected(link, link_wait_s)
                 t0, i, restarts = time.monotonic(), 0, restarts + 1
                 if before_retry is not None:
@@ -99,22 +99,10 @@ LINK_RESTARTS = 5  # a connection that keeps flapping restarts a call's tries at
 LINK_PING_S = 0.5  # a PONG later than this: the caller's own server does not answer
 
 
-async def _answers(nc: Any, within_s: float = LINK_PING_S) -> bool:
-    """Whether `nc`'s server answers a PING over a connection that is up (nats-py's flush returns at once, PONG or
-    not, while its read loop is down for a reconnect)."""
-    if not nc.is_connected:
-        return False
-    try:
-        await nc.flush(timeout=within_s)
-    except Exception:  # noqa: BLE001 - no PONG in time, or the connection went meanwhile
-        return False
-    return bool(nc.is_connected)
-
-
 async def _connected(nc: Any, within_s: float) -> None:
     """Until `nc`'s server answers again; raises CommandTimeout past `within_s`."""
     deadline = time.monotonic() + within_s
-    while not await _answers(nc):
+    while not await server_answers(nc, LINK_PING_S):
         if nc.is_closed or time.monotonic() > deadline:
             raise CommandTimeout(f"the bus connection did not come back in {within_s:g}s")
         await asyncio.sleep(0.05)

@@ -150,6 +150,19 @@ class Connection(security.RenewingNATS):
 NATS_ERROR_EVERY_S = 30.0
 
 
+async def server_answers(nc: NATS, within_s: float) -> bool:
+    """Whether `nc`'s server answers a PING within `within_s` over a connection that is up: nats-py says "connected"
+    through a stalled server (SIGSTOP, a frozen host), and its flush returns at once, PONG or not, while its read
+    loop is down for a reconnect."""
+    if not nc.is_connected:
+        return False
+    try:
+        await nc.flush(timeout=within_s)  # type: ignore[arg-type]  # a float works: nats-py's wait_for takes it
+    except Exception:  # noqa: BLE001 - no PONG in time, or the connection went meanwhile
+        return False
+    return bool(nc.is_connected)
+
+
 async def open_connection(settings: CommonSettings, source: str) -> NATS:
     # TLS built from the credentials' files at each (re)connect that finds them rotated (security/renewal.py).
     nc = Connection(None if settings.insecure else
