@@ -4,10 +4,10 @@ front_link.py): POST /generate, POST /generate_many, POST /abort, GET /health, G
 `/generate` speaks the reference engine's protocol, which the router relays: `{prompt | tokens, resume,
 max_tokens, temperature, greedy, seed, stream, ignore_eos, request_id}`; streamed NDJSON lines
 `{"index", "token", "text"}`, then `{"done": true, "prompt_tokens", "completion_tokens", "finish_reason",
-"first_token_ms", "total_ms", "engine_id"}` (and `text`: an unfinished last character's). Errors: 400 (a context longer than the model's), 503 (not ready,
-or the queue is full), in-band `{"done": true, "error": ...}` after the stream started; every one typed
-`{"error": {"code", "message"}}`, Starlette's own too (a body that is not JSON: `bad_json`). A client that goes
-away aborts its sequence at once: its blocks are free for the next step. One request a `request_id` at a time: a
+"first_token_ms", "total_ms", "engine_id"}` (and `text`: an unfinished last character's). Errors: 400 (a context
+longer than the model's), 503 (not ready, or the queue is full), in-band `{"done": true, "error": ...}` after the
+stream started; every one typed `{"error": {"code", "message"}}`, Starlette's own too (a body that is not JSON:
+`bad_json`). A client that goes away aborts its sequence at once: its blocks are free for the next step. One request a `request_id` at a time: a
 newer request under an id ends the older one first (its final line's error `superseded`, 409 unstreamed;
 http_state.py `EngineState.run`).
 

@@ -1,8 +1,9 @@
 """Byte-level tokenizer: token i < 256 is the byte i; 256 is BOS, 257 is EOS. Nothing to download.
 
 Text is produced incrementally (`TextStream`): a UTF-8 character split over several byte tokens comes out
-whole with its last byte, and one left unfinished at the end as U+FFFD (`flush`, on the final line). Invariant: the text of a stream does not depend on how its tokens were chunked,
-so a generation resumed from (context + tokens already generated) yields the same text as an uninterrupted one.
+whole with its last byte, and one left unfinished at the end as U+FFFD (`flush`, on the final line). Invariant:
+the text of a stream does not depend on how its tokens were chunked, so a generation resumed from (context +
+tokens already generated) yields the same text as an uninterrupted one.
 """
 
 from __future__ import annotations

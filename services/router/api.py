@@ -150,7 +150,8 @@ def build_app(relay: Relay, table: EndpointTable, ready: Callable[[], bool],
     def own_stats() -> dict[str, Any]:
         return {**relay.stats.as_dict(), "cpu_s": round(time.process_time(), 4), "held": table.held(),
                 "endpoints": table.describe(), "recoveries": table.recoveries(), "sync": sync(), "route_ins": relay.route_ins.recent(),
-                "resume_batches": relay.resumes.stats(), "reach_checks": relay.reach.checks, "loop_late": watch.recent() if watch is not None else None,
+                "resume_batches": relay.resumes.stats(), "reach_checks": relay.reach.checks,
+                "loop_late": watch.recent() if watch is not None else None,
                 "gc_paused_ms": round(paused_ms(), 1), "gc_frozen": gc.get_freeze_count(),
                 "spare_connections": spares.stats() if spares is not None else None, "worker": workers.index,
                 "pid": os.getpid()}

@@ -1,5 +1,5 @@
-"""A request's prompt (OpenAI's routes, and /v1/generate's prompt and token ids) measured against `max_context_tokens` (the longest context of the models behind the
-router) from the body's raw bytes, before it is parsed: a prompt that certainly cannot fit is refused (400
+"""A request's prompt (OpenAI's routes, and /v1/generate's prompt and token ids) measured against
+`max_context_tokens` (the longest context of the models behind the router) from the body's raw bytes, before it is parsed: a prompt that certainly cannot fit is refused (400
 `context_length_exceeded`, OpenAI's code) for the cost of a scan, not of parsing and validating each of its token
 ids. Pure logic.
 

@@ -315,7 +315,7 @@ class Relay:
                     if outcome == "completed":
                         return
                     raise UpstreamFailed("stream ended without a final line")
-                except EngineBusy as e:  # invariant 7 (the router's own exhaustion or lateness alike: no engine to blame)
+                except EngineBusy as e:  # invariant 7 (the router's own exhaustion or lateness alike: none to blame)
                     engines.pop()  # it ran nothing of it
                     now = time.monotonic()
                     busy_until = busy_until or now + s.hold_timeout_s

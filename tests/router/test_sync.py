@@ -260,7 +260,7 @@ async def test_a_failed_engines_removal_cuts_its_streams_at_once() -> None:
     assert stream.is_set() and feed.lingering == {}
 
 
-async def test_an_etcd_that_missed_the_controllers_writes_neither_revives_a_dead_engine_nor_drops_its_promised_standby() -> None:
+async def test_a_stale_etcd_neither_revives_a_dead_engine_nor_drops_its_promised_standby() -> None:
     """etcd died just after an engine's SIGKILL: the route-out reached the router, the controller's delete of the dead
     engine's record never landed, and etcd came back past the grace with the old level. The reconcile routed to the
     dead engine again and removed the standby the held requests were promised to: every stream failed (probe of
