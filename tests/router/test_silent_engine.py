@@ -45,6 +45,17 @@ async def wait_held(held: list[asyncio.StreamWriter], pending: asyncio.Task) -> 
     await asyncio.sleep(0.5)
 
 
+async def successor_then_removal(bus: Bus, store: Store, silent_id: str, successor: tuple[str, str],
+                                 pending: asyncio.Task) -> tuple[httpx.Response, float]:
+    """`successor` (id, url) announced, then the silent engine's endpoint removed: the request's answer, and how long
+    after the removal it came."""
+    await announce(bus, store, *successor)
+    t0 = time.monotonic()
+    await retire(bus, store, silent_id, "node_lost")
+    r = await asyncio.wait_for(pending, TOKEN_TIMEOUT_S)
+    return r, time.monotonic() - t0
+
+
 async def test_a_request_to_a_silent_engine_resumes_on_its_successor_when_its_endpoint_is_removed(
         engines, start_router, bus: Bus, store: Store) -> None:  # noqa: ANN001
     b = engines("succ-b")
@@ -56,11 +67,7 @@ async def test_a_request_to_a_silent_engine_resumes_on_its_successor_when_its_en
             pending = asyncio.create_task(c.post(router.url + "/v1/generate",
                                                  json={"model": MODEL, "prompt": "silent", "max_tokens": 4}))
             await wait_held(held, pending)
-            await announce(bus, store, "succ-b", b.url)
-            t0 = time.monotonic()
-            await retire(bus, store, "silent-a", "node_lost")
-            r = await asyncio.wait_for(pending, TOKEN_TIMEOUT_S)
-            took = time.monotonic() - t0
+            r, took = await successor_then_removal(bus, store, "silent-a", ("succ-b", b.url), pending)
         assert r.status_code == 200, r.text
         assert r.json()["engines"] == ["silent-a", "succ-b"], r.json()
     assert took < TOKEN_TIMEOUT_S / 2, took  # resumed on the removal, not at the read timeout
@@ -84,11 +91,7 @@ async def test_a_replay_waiting_on_a_silent_successor_resumes_on_the_next_when_i
             await announce(bus, store, "silent-s", url)
             await retire(bus, store, "first-a", "sigkill")
             await wait_held(held, pending)  # the replay is on the silent engine
-            await announce(bus, store, "succ-c", c.url)
-            t0 = time.monotonic()
-            await retire(bus, store, "silent-s", "node_lost")
-            r = await asyncio.wait_for(pending, TOKEN_TIMEOUT_S)
-            took = time.monotonic() - t0
+            r, took = await successor_then_removal(bus, store, "silent-s", ("succ-c", c.url), pending)
         assert r.status_code == 200, r.text
         assert r.json()["engines"] == ["first-a", "silent-s", "succ-c"], r.json()
         assert router.stats()["resume_batches"]["batches"] >= 1
